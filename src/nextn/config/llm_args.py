@@ -1,0 +1,110 @@
+"""Typed LLM arguments with TensorRT-LLM's field names (`extra_llm_api_options` YAML; REFERENCE.md §6).
+
+Unknown keys and wrong types are errors naming the key and listing the valid ones. `speculative_config` is a
+union on `decoding_type`; `null` means plain decoding.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class LlmArgsError(ValueError):
+    """Invalid LLM arguments (YAML or keyword overrides); the message names the key and the valid ones."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class MTPDecodingConfig(_Strict):
+    """DeepSeek MTP speculative decoding (TensorRT-LLM `MTPDecodingConfig`)."""
+
+    decoding_type: Literal["MTP"] = "MTP"
+    num_nextn_predict_layers: int = Field(default=1, ge=1, le=16)  # K: draft tokens per step
+    use_mtp_vanilla: bool = False  # K distinct modules with their own KV; forced on for K-module checkpoints
+    mtp_eagle_one_model: bool = True  # accepted for compatibility; nextn always runs one fused step
+    use_relaxed_acceptance_for_thinking: bool = False  # relaxed acceptance inside <think>…</think> (issue 5)
+    relaxed_topk: int = Field(default=1, ge=1)
+    relaxed_delta: float = Field(default=0.0, ge=0.0)
+    begin_thinking_phase_token: int = 128798  # <think> in the DeepSeek-V3/R1 vocabulary
+    end_thinking_phase_token: int = 128799  # </think>
+
+
+SpeculativeConfig = Annotated[Union[MTPDecodingConfig], Field(discriminator="decoding_type")]
+
+
+class KvCacheConfig(_Strict):
+    """Paged KV cache sizing (TensorRT-LLM `KvCacheConfig`)."""
+
+    tokens_per_block: int = Field(default=32, gt=0)  # tokens per KV block
+    max_tokens: int | None = Field(default=None, gt=0)  # cache capacity in tokens; null: max_batch_size·max_seq_len
+    free_gpu_memory_fraction: float = Field(default=0.9, gt=0, le=1)  # used on CUDA when max_tokens is null
+    enable_block_reuse: bool = True  # accepted; prefix reuse is not implemented yet and is reported
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+
+
+class LlmArgs(_Strict):
+    """The arguments of `LLM(...)`, `build-engine --extra_llm_api_options`, and `nextn generate`."""
+
+    speculative_config: SpeculativeConfig | None = None
+    kv_cache_config: KvCacheConfig = KvCacheConfig()
+    max_batch_size: int | None = Field(default=None, gt=0)  # null: the engine's build option
+    max_seq_len: int | None = Field(default=None, gt=0)  # null: the engine's build option
+    max_num_tokens: int = Field(default=8192, gt=0)  # token budget of one scheduler step
+    print_iter_log: bool = False
+
+
+def _format_error(e: ValidationError, model: type[BaseModel]) -> str:
+    lines = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"] if not str(x).startswith("function-"))
+        if err["type"] == "extra_forbidden":
+            owner: type[BaseModel] = model
+            for part in err["loc"][:-1]:
+                field = owner.model_fields.get(str(part))
+                ann = getattr(field, "annotation", None) if field else None
+                sub = [a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)]
+                owner = sub[0] if sub else owner
+            valid = ", ".join(owner.model_fields)
+            lines.append(f"unknown key {loc!r}; valid keys here: {valid}")
+        else:
+            lines.append(f"{loc}: {err['msg']}")
+    return "; ".join(lines)
+
+
+def parse_llm_args(data: dict[str, Any] | None, **overrides: Any) -> LlmArgs:
+    """Validate a dict (YAML content) merged with keyword overrides into `LlmArgs`.
+
+    Raises:
+        LlmArgsError: unknown key or wrong type; the message names the key and lists the valid ones.
+    """
+    merged = dict(data or {})
+    merged.update({k: v for k, v in overrides.items() if v is not None or k == "speculative_config"})
+    try:
+        return LlmArgs.model_validate(merged)
+    except ValidationError as e:
+        raise LlmArgsError(f"invalid LLM arguments: {_format_error(e, LlmArgs)}") from e
+
+
+def load_llm_args_yaml(path: str | Path) -> dict[str, Any]:
+    """Read an `extra_llm_api_options` YAML file into a dict (validated later by `parse_llm_args`).
+
+    Raises:
+        LlmArgsError: the file is missing, not YAML, or not a mapping at the top level.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise LlmArgsError(f"extra_llm_api_options file {p} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise LlmArgsError(f"{p} is not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise LlmArgsError(f"{p} must hold a mapping of LLM arguments at the top level, got {type(data).__name__}")
+    parse_llm_args(data)  # fail early, naming the file's bad key
+    return data

@@ -1,0 +1,155 @@
+"""DeepSeek-V3 weight layouts: the HF checkpoint's tensors and the engine's (runtime) tensors.
+
+The engine keeps HF names, with three changes made once at build time:
+- routed experts are stacked: `mlp.experts.gate_up_proj` [E, 2·I_moe, H] (gate rows, then up rows) and
+  `mlp.experts.down_proj` [E, H, I_moe], so MoE dispatch indexes one tensor on the device;
+- the MTP layers' copies of `embed_tokens` / `shared_head.head` are dropped (every engine uses the main
+  model's embedding and lm_head: REFERENCE.md §2);
+- a tied checkpoint gets an explicit `lm_head.weight`.
+Both expert spellings load: per-expert (`mlp.experts.{e}.gate_proj.weight`, DeepSeek's release and what
+`transformers` `save_pretrained` writes) and fused (`mlp.experts.gate_up_proj`, transformers' in-memory layout).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+
+from nextn.models.config import DeepseekV3ModelConfig
+
+Shape = tuple[int, ...]
+#: Reads one tensor of the source checkpoint by HF name (dequantized); raises KeyError when absent.
+TensorGetter = Callable[[str], torch.Tensor]
+
+#: Tensors kept in fp32 whatever the engine dtype (the router's selection bias decides top-k ties).
+FP32_TENSORS = ("e_score_correction_bias",)
+
+
+class WeightError(ValueError):
+    """A checkpoint tensor is missing or has the wrong shape; the message names the tensor."""
+
+
+def layer_prefix(layer_idx: int) -> str:
+    return f"model.layers.{layer_idx}."
+
+
+def _attention_specs(cfg: DeepseekV3ModelConfig) -> dict[str, Shape]:
+    h, nh = cfg.hidden_size, cfg.num_attention_heads
+    specs: dict[str, Shape] = {}
+    if cfg.q_lora_rank is None:
+        specs["self_attn.q_proj.weight"] = (nh * cfg.qk_head_dim, h)
+    else:
+        specs["self_attn.q_a_proj.weight"] = (cfg.q_lora_rank, h)
+        specs["self_attn.q_a_layernorm.weight"] = (cfg.q_lora_rank,)
+        specs["self_attn.q_b_proj.weight"] = (nh * cfg.qk_head_dim, cfg.q_lora_rank)
+        if cfg.attention_bias:
+            specs["self_attn.q_a_proj.bias"] = (cfg.q_lora_rank,)
+    specs["self_attn.kv_a_proj_with_mqa.weight"] = (cfg.kv_cache_dim, h)
+    specs["self_attn.kv_a_layernorm.weight"] = (cfg.kv_lora_rank,)
+    specs["self_attn.kv_b_proj.weight"] = (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+    specs["self_attn.o_proj.weight"] = (h, nh * cfg.v_head_dim)
+    if cfg.attention_bias:
+        specs["self_attn.kv_a_proj_with_mqa.bias"] = (cfg.kv_cache_dim,)
+        specs["self_attn.o_proj.bias"] = (h,)
+    specs["input_layernorm.weight"] = (h,)
+    specs["post_attention_layernorm.weight"] = (h,)
+    return specs
+
+
+def _mlp_specs(prefix: str, width: int, h: int) -> dict[str, Shape]:
+    return {f"{prefix}gate_proj.weight": (width, h), f"{prefix}up_proj.weight": (width, h), f"{prefix}down_proj.weight": (h, width)}
+
+
+def _dense_or_shared_specs(cfg: DeepseekV3ModelConfig, layer_idx: int) -> dict[str, Shape]:
+    h = cfg.hidden_size
+    if not cfg.is_moe_layer(layer_idx):
+        return _mlp_specs("mlp.", cfg.intermediate_size, h)
+    specs: dict[str, Shape] = {"mlp.gate.weight": (cfg.n_routed_experts, h), "mlp.gate.e_score_correction_bias": (cfg.n_routed_experts,)}
+    if cfg.n_shared_experts:
+        specs.update(_mlp_specs("mlp.shared_experts.", cfg.moe_intermediate_size * cfg.n_shared_experts, h))
+    return specs
+
+
+def _mtp_specs(cfg: DeepseekV3ModelConfig) -> dict[str, Shape]:
+    h = cfg.hidden_size
+    return {"enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h), "shared_head.norm.weight": (h,)}
+
+
+def runtime_weight_specs(cfg: DeepseekV3ModelConfig) -> dict[str, Shape]:
+    """Every tensor an engine holds, name → shape, in build order (MTP layers last)."""
+    h, v = cfg.hidden_size, cfg.vocab_size
+    specs: dict[str, Shape] = {"model.embed_tokens.weight": (v, h)}
+    for i in range(cfg.num_hidden_layers + cfg.num_nextn_predict_layers):
+        p = layer_prefix(i)
+        layer = {**_attention_specs(cfg), **_dense_or_shared_specs(cfg, i)}
+        if cfg.is_moe_layer(i):
+            e, w = cfg.n_routed_experts, cfg.moe_intermediate_size
+            layer["mlp.experts.gate_up_proj"] = (e, 2 * w, h)
+            layer["mlp.experts.down_proj"] = (e, h, w)
+        if i >= cfg.num_hidden_layers:
+            layer.update(_mtp_specs(cfg))
+        specs.update({p + k: s for k, s in layer.items()})
+    specs["model.norm.weight"] = (h,)
+    specs["lm_head.weight"] = (v, h)
+    return specs
+
+
+def _checked(get: TensorGetter, name: str, shape: Shape) -> torch.Tensor:
+    try:
+        t = get(name)
+    except KeyError as e:
+        raise WeightError(f"checkpoint is missing tensor {name!r} (expected shape {list(shape)})") from e
+    if tuple(t.shape) != tuple(shape):
+        raise WeightError(f"tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}")
+    return t
+
+
+def _stacked_experts(get: TensorGetter, has: Callable[[str], bool], cfg: DeepseekV3ModelConfig, p: str) -> tuple[torch.Tensor, torch.Tensor]:
+    e, w, h = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    if has(p + "mlp.experts.gate_up_proj"):
+        return _checked(get, p + "mlp.experts.gate_up_proj", (e, 2 * w, h)), _checked(get, p + "mlp.experts.down_proj", (e, h, w))
+    gate_up, down = [], []
+    for x in range(e):
+        q = f"{p}mlp.experts.{x}."
+        gate_up.append(torch.cat([_checked(get, q + "gate_proj.weight", (w, h)), _checked(get, q + "up_proj.weight", (w, h))]))
+        down.append(_checked(get, q + "down_proj.weight", (h, w)))
+    return torch.stack(gate_up), torch.stack(down)
+
+
+def to_runtime(
+    get: TensorGetter, has: Callable[[str], bool], cfg: DeepseekV3ModelConfig, dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the engine's tensors (name, tensor in `dtype`, fp32 for FP32_TENSORS) from an HF checkpoint.
+
+    Args:
+        get: returns a source tensor by HF name, FP8 already dequantized; raises KeyError when absent.
+        has: whether the source holds a tensor name.
+        cfg: the normalised config; `num_nextn_predict_layers` says how many MTP layers to read.
+        dtype: the engine's weight dtype.
+    Raises:
+        WeightError: a tensor is missing or misshapen (the message names it and the expected shape).
+    """
+    specs = runtime_weight_specs(cfg)
+
+    def cast(name: str, t: torch.Tensor) -> torch.Tensor:
+        target = torch.float32 if name.endswith(FP32_TENSORS) else dtype
+        return t.to(target).contiguous()
+
+    done: set[str] = set()
+    for name, shape in specs.items():
+        if name in done:
+            continue
+        if name.endswith("mlp.experts.gate_up_proj"):
+            p = name.removesuffix("mlp.experts.gate_up_proj")
+            gate_up, down = _stacked_experts(get, has, cfg, p)
+            yield name, cast(name, gate_up)
+            yield p + "mlp.experts.down_proj", cast(name, down)
+            done.add(p + "mlp.experts.down_proj")
+        elif name == "lm_head.weight" and not has(name):
+            if not cfg.tie_word_embeddings:
+                raise WeightError(f"checkpoint is missing tensor 'lm_head.weight' (expected shape {list(shape)}; "
+                                  "tie_word_embeddings is false)")
+            yield name, cast(name, _checked(get, "model.embed_tokens.weight", shape))
+        else:
+            yield name, cast(name, _checked(get, name, shape))
