@@ -153,3 +153,17 @@ def to_runtime(
             yield name, cast(name, _checked(get, "model.embed_tokens.weight", shape))
         else:
             yield name, cast(name, _checked(get, name, shape))
+
+
+def present_mtp_layers(has: Callable[[str], bool], cfg: DeepseekV3ModelConfig) -> int:
+    """How many MTP layers the checkpoint really holds (leading layers N, N+1, ... with an `eh_proj`).
+
+    `transformers` writes `num_nextn_predict_layers: 1` by default but never saves MTP tensors, so the config
+    alone overstates it; a layer that is only partly present is still reported missing by `to_runtime`.
+    """
+    n = 0
+    while n < cfg.num_nextn_predict_layers and any(
+        has(layer_prefix(cfg.num_hidden_layers + n) + k) for k in ("eh_proj.weight", "enorm.weight", "input_layernorm.weight")
+    ):
+        n += 1
+    return n

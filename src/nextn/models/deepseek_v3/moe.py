@@ -1,0 +1,110 @@
+"""DeepSeek-V3 MoE: sigmoid group-limited (noaux_tc) routing, stacked routed experts, shared experts.
+
+Sources: DeepSeek-V3 report §2.1.2 (auxiliary-loss-free balancing: the correction bias is used for selection
+only); REFERENCE.md §1 gives the router step by step. Dispatch has fixed shapes and no host synchronisation
+(no `.item()`, no boolean-mask indexing), so the step that contains it can be captured in one CUDA graph:
+- few assignments (decode): gather each assignment's expert weights, as gpt-fast's Mixtral does;
+- many assignments (prefill): scatter tokens into per-expert buffers of fixed capacity (one row per token: no
+  token is ever dropped, so routing stays lossless), one batched matmul per projection, gather back.
+The choice depends on shapes only, never on values.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nextn.models.config import DeepseekV3ModelConfig
+from nextn.models.layers import GatedMLP
+
+
+class NoAuxRouter(nn.Module):
+    """noaux_tc top-k routing; parameters `weight` [E, hidden] and `e_score_correction_bias` [E] (fp32)."""
+
+    def __init__(self, cfg: DeepseekV3ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        e = cfg.n_routed_experts
+        self.weight = nn.Parameter(torch.zeros(e, cfg.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(e, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Route tokens. x: [N, hidden] → (weights [N, top_k] fp32, expert ids [N, top_k] int64)."""
+        cfg = self.cfg
+        e, g = cfg.n_routed_experts, cfg.n_group
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [N, E]
+        choice = scores + self.e_score_correction_bias
+        group_scores = choice.view(-1, g, e // g).topk(2, dim=-1).values.sum(-1)  # [N, n_group]
+        top_groups = group_scores.topk(cfg.topk_group, dim=-1, sorted=False).indices
+        group_keep = torch.zeros_like(group_scores).scatter_(1, top_groups, 1.0)  # [N, n_group]
+        expert_keep = group_keep.repeat_interleave(e // g, dim=1)  # [N, E]
+        choice = choice.masked_fill(expert_keep == 0, float("-inf"))
+        ids = choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False).indices  # [N, top_k]
+        weights = scores.gather(1, ids)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * cfg.routed_scaling_factor, ids
+
+
+class RoutedExperts(nn.Module):
+    """E SwiGLU experts stacked: `gate_up_proj` [E, 2·I, hidden] (gate rows, then up rows), `down_proj` [E, hidden, I]."""
+
+    def __init__(self, cfg: DeepseekV3ModelConfig) -> None:
+        super().__init__()
+        e, w, h = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.num_experts, self.width = e, w
+        self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * w, h))
+        self.down_proj = nn.Parameter(torch.zeros(e, h, w))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Σ_k weights[:, k] · Expert_{ids[:, k]}(x). x: [N, hidden]; weights, ids: [N, top_k] → [N, hidden]."""
+        n, top_k = ids.shape
+        if n * top_k <= self.num_experts:
+            out = self._gathered(x, ids)
+        else:
+            out = self._capacity_buffers(x, ids)
+        return (out * weights.to(out.dtype)[..., None]).sum(1)
+
+    def _gathered(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Per-assignment weight gather: [N, top_k, hidden]; cost ∝ N·top_k experts."""
+        gate_up = torch.einsum("nh,nkih->nki", x, self.gate_up_proj[ids])
+        gate, up = gate_up.split(self.width, dim=-1)
+        return torch.einsum("nki,nkhi->nkh", F.silu(gate) * up, self.down_proj[ids])
+
+    def _capacity_buffers(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Scatter into [E, capacity = N, hidden] buffers (a token meets an expert at most once), bmm, gather."""
+        n, top_k = ids.shape
+        e = self.num_experts
+        flat = ids.reshape(-1)  # [N·top_k] assignments, token-major
+        one_hot = F.one_hot(flat, e)  # [A, E]
+        rank = (one_hot.cumsum(0) - 1).gather(1, flat[:, None]).squeeze(1)  # row of each assignment in its expert
+        dest = flat * n + rank  # [A] into the [E·N] buffer
+        tokens = torch.arange(n, device=x.device).repeat_interleave(top_k)
+        buf = x.new_zeros(e * n, x.shape[-1]).index_copy_(0, dest, x[tokens]).view(e, n, -1)
+        gate_up = torch.bmm(buf, self.gate_up_proj.transpose(1, 2))  # [E, N, 2I]
+        gate, up = gate_up.split(self.width, dim=-1)
+        out = torch.bmm(F.silu(gate) * up, self.down_proj.transpose(1, 2))  # [E, N, hidden]
+        return out.reshape(e * n, -1)[dest].view(n, top_k, -1)
+
+
+class DeepseekMoE(nn.Module):
+    """Routed experts plus shared experts: Σ w_k E_k(x) + Shared(x)."""
+
+    def __init__(self, cfg: DeepseekV3ModelConfig) -> None:
+        super().__init__()
+        self.gate = NoAuxRouter(cfg)
+        self.experts = RoutedExperts(cfg)
+        self.shared_experts = (
+            GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., hidden] → [..., hidden]."""
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        weights, ids = self.gate(flat)
+        out = self.experts(flat, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        return out.view(shape)

@@ -1,0 +1,59 @@
+"""The one object the model runner hands every attention layer: where each query token sits and where its KV goes.
+
+Fixed shapes, all on the device, so a step built from it can be captured in one CUDA graph:
+query tokens are a padded [batch, num_tokens] grid; pads write their KV into the reserved null block (block 0,
+never given to a request) and are ignored by the caller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Paged-attention inputs for one forward.
+
+    Attributes:
+        positions: [batch, num_tokens] int64, the absolute position of each query token (pads: any ≥ 0).
+        slot_mapping: [batch, num_tokens] int64, the KV-cache slot (block · block_size + offset) each token's
+            KV is written to; pads point into the null block.
+        block_tables: [batch, max_blocks] int64, the blocks of each sequence in order (unused entries: 0).
+        block_size: tokens per KV block.
+    A query at position p attends to every cached key at positions 0..p of its own sequence (causal over the
+    paged cache): the keys this forward writes are stored before attention reads them.
+    """
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    block_size: int
+
+    @property
+    def max_context(self) -> int:
+        """Keys gathered per sequence: max_blocks · block_size."""
+        return self.block_tables.shape[1] * self.block_size
+
+    def with_tokens(self, positions: torch.Tensor, slot_mapping: torch.Tensor) -> "AttentionMetadata":
+        """The same sequences with other query tokens (the drafter's steps)."""
+        return AttentionMetadata(positions, slot_mapping, self.block_tables, self.block_size)
+
+
+def slots_for_positions(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int,
+                        valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Slot of each position through the block table, on the device (no host sync).
+
+    Args:
+        block_tables: [batch, max_blocks] int64.
+        positions: [batch, n] int64; must be < max_blocks · block_size where valid.
+        valid: optional [batch, n] bool; invalid entries (and negative positions) map to slot 0 (null block).
+    Returns:
+        [batch, n] int64 slots.
+    """
+    pos = positions.clamp(min=0)
+    block_idx = (pos // block_size).clamp(max=block_tables.shape[1] - 1)
+    slots = block_tables.gather(1, block_idx) * block_size + pos % block_size
+    keep = positions >= 0 if valid is None else valid & (positions >= 0)
+    return torch.where(keep, slots, torch.zeros_like(slots))
