@@ -1,0 +1,154 @@
+"""Drafters: the strategies that propose the next step's K draft tokens from the target's hidden states.
+
+Each implements `Drafter`: `after_prefill` and `after_verify` take fixed-shape device tensors and return drafts
+[B, K] plus the drafter's per-request state (Vanilla's token/hidden pools; nothing for Eagle). Chosen once, at
+load time, from the speculative config (STYLE.md §4). Sources: REFERENCE.md §2; DeepSeek-V3 report §2.2; TensorRT-LLM
+`_torch/speculative/mtp.py` (Eagle and Vanilla modes) for the semantics, not the code.
+
+Row convention: the drafter is handed "rows", one per target input position, with
+- `hidden` [B, T, H]: the target's final hidden state at each row's position p;
+- `next_tokens` [B, T]: the token at p + 1 (for the last accepted row: the token just emitted);
+- `last_idx` [B]: the row of the last accepted position; rows after it hold rejected or padded inputs.
+MTP module 1 at position p pairs embed(x_{p+1}) with h_p and predicts x_{p+2}.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from nextn.models.deepseek_v3.model import DeepseekV3ForCausalLM
+from nextn.runtime.attention_metadata import AttentionMetadata, slots_for_positions
+
+DrafterState = tuple[torch.Tensor, ...]
+
+
+def _at(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x[b, idx[b]] for x [B, T, ...] and idx [B] → [B, 1, ...]."""
+    index = idx.view(-1, 1, *([1] * (x.dim() - 2))).expand(-1, 1, *x.shape[2:])
+    return x.gather(1, index)
+
+
+class Drafter(Protocol):
+    num_draft_tokens: int
+
+    def initial_state(self, batch: int, hidden_size: int, device: torch.device, dtype: torch.dtype) -> DrafterState:
+        """Per-request state for `batch` fresh requests (empty tuple when stateless)."""
+
+    def after_prefill(self, model: DeepseekV3ForCausalLM, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                      hidden: torch.Tensor, next_tokens: torch.Tensor, last_idx: torch.Tensor
+                      ) -> tuple[torch.Tensor, DrafterState]:
+        """Drafts [B, K] after a prefill over the prompt rows, and the state for the first decode step."""
+
+    def after_verify(self, model: DeepseekV3ForCausalLM, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                     hidden: torch.Tensor, target_tokens: torch.Tensor, num_emitted: torch.Tensor,
+                     state: DrafterState) -> tuple[torch.Tensor, DrafterState]:
+        """Drafts [B, K] after verifying [last, d1..dK]: rows are the K+1 verified positions, last_idx = num_emitted − 1."""
+
+
+class MtpEagleDrafter:
+    """MTP Eagle: module 1 applied K times with a shared KV (TensorRT-LLM's default for one-module checkpoints).
+
+    Step 1 runs over all rows (filling the module's KV for every accepted position; rows past the last accepted
+    one write KV that later steps overwrite) and drafts from the last accepted row. Steps 2..K each take one token:
+    the previous draft with the module's own previous output, at the next position.
+    """
+
+    def __init__(self, num_draft_tokens: int) -> None:
+        self.num_draft_tokens = num_draft_tokens
+
+    def initial_state(self, batch: int, hidden_size: int, device: torch.device, dtype: torch.dtype) -> DrafterState:
+        return ()
+
+    def _draft(self, model: DeepseekV3ForCausalLM, kv_cache: torch.Tensor, meta: AttentionMetadata,
+               hidden: torch.Tensor, next_tokens: torch.Tensor, last_idx: torch.Tensor) -> torch.Tensor:
+        h = _at(model.forward_mtp(0, next_tokens, hidden, kv_cache, meta), last_idx)  # [B, 1, H]
+        token = model.mtp_logits(0, h).argmax(-1)  # [B, 1]
+        drafts = [token]
+        position = _at(meta.positions, last_idx)  # [B, 1]
+        for _ in range(1, self.num_draft_tokens):
+            position = position + 1
+            step_meta = meta.with_tokens(position, slots_for_positions(meta.block_tables, position, meta.block_size))
+            h = model.forward_mtp(0, token, h, kv_cache, step_meta)
+            token = model.mtp_logits(0, h).argmax(-1)
+            drafts.append(token)
+        return torch.cat(drafts, dim=1)
+
+    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx):
+        return self._draft(model, kv_cache, meta, hidden, next_tokens, last_idx), ()
+
+    def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state):
+        return self._draft(model, kv_cache, meta, hidden, target_tokens, num_emitted - 1), ()
+
+
+class MtpVanillaDrafter:
+    """MTP Vanilla: K distinct modules, module k drafts token k, each with its own KV (DeepSeek-V3 report §2.2).
+
+    Module k at position p pairs embed(x_{p+k}) with module k−1's output at p (the target's for k = 1). After a
+    verification every module re-runs over a window of the K+1 positions ending at the last accepted one: this
+    covers every position whose module-k KV was computed from a draft that has since been rejected, and every new
+    position. The window's target hidden states and tokens come from the per-request pools
+    (`pool_tokens` [B, K+1], `pool_hidden` [B, K+1, H]), slid after each verification.
+    """
+
+    def __init__(self, num_draft_tokens: int) -> None:
+        self.num_draft_tokens = num_draft_tokens
+
+    def initial_state(self, batch: int, hidden_size: int, device: torch.device, dtype: torch.dtype) -> DrafterState:
+        w = self.num_draft_tokens + 1
+        return (torch.zeros(batch, w, dtype=torch.int64, device=device),
+                torch.zeros(batch, w, hidden_size, dtype=dtype, device=device))
+
+    def _run_modules(self, model: DeepseekV3ForCausalLM, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                     hidden: torch.Tensor, tokens: torch.Tensor, last_idx: torch.Tensor) -> torch.Tensor:
+        drafts = []
+        h = hidden
+        for k in range(self.num_draft_tokens):
+            h = model.forward_mtp(k, tokens, h, kv_cache, meta)
+            token = model.mtp_logits(k, _at(h, last_idx)).argmax(-1)  # [B, 1]
+            drafts.append(token)
+            # Module k+1 at row i needs the token one further on: shift left, put the new draft at last_idx.
+            tokens = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1).scatter(1, last_idx[:, None], token)
+        return torch.cat(drafts, dim=1)
+
+    def _window(self, x: torch.Tensor, last_idx: torch.Tensor) -> torch.Tensor:
+        """Rows last_idx−K..last_idx of x [B, T, ...] (zeros before row 0) → [B, K+1, ...]."""
+        w = self.num_draft_tokens + 1
+        idx = last_idx[:, None] - w + 1 + torch.arange(w, device=x.device)  # [B, K+1]
+        valid = idx >= 0
+        idx = idx.clamp(min=0).view(*idx.shape, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:])
+        out = x.gather(1, idx)
+        return out * valid.view(*valid.shape, *([1] * (x.dim() - 2))).to(out.dtype)
+
+    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx):
+        drafts = self._run_modules(model, kv_cache, meta, hidden, next_tokens, last_idx)
+        return drafts, (self._window(next_tokens, last_idx), self._window(hidden, last_idx))
+
+    def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state):
+        pool_tokens, pool_hidden = state  # positions L−K..L (tokens one ahead) and L−K−1..L−1, L = first verified
+        w = self.num_draft_tokens + 1
+        # Rows of [pool; verified] ending at the last accepted position L + num_emitted − 1.
+        idx = num_emitted[:, None] + torch.arange(w, device=hidden.device)  # [B, K+1]
+        win_hidden = torch.cat([pool_hidden, hidden], dim=1).gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1]))
+        win_tokens = torch.cat([pool_tokens, target_tokens], dim=1).gather(1, idx)
+        positions = meta.positions[:, :1] + num_emitted[:, None] - w + torch.arange(w, device=hidden.device)
+        win_meta = meta.with_tokens(positions, slots_for_positions(meta.block_tables, positions, meta.block_size))
+        last = torch.full_like(num_emitted, w - 1)
+        drafts = self._run_modules(model, kv_cache, win_meta, win_hidden, win_tokens, last)
+        return drafts, (win_tokens, win_hidden)
+
+
+class NoDrafter:
+    """Plain decoding: no drafts (K = 0)."""
+
+    num_draft_tokens = 0
+
+    def initial_state(self, batch, hidden_size, device, dtype):
+        return ()
+
+    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx):
+        return next_tokens.new_zeros(next_tokens.shape[0], 0), ()
+
+    def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state):
+        return target_tokens.new_zeros(target_tokens.shape[0], 0), ()

@@ -1,0 +1,179 @@
+"""The engine: an engine directory loaded for decoding, and its step loop (schedule → run → postprocess)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from nextn.build.manifest import EngineError, EngineManifest
+from nextn.config.llm_args import LlmArgs, LlmArgsError, MTPDecodingConfig
+from nextn.models.deepseek_v3.model import DeepseekV3ForCausalLM
+from nextn.models.deepseek_v3.rope import rope_cache
+from nextn.runtime.drafters import Drafter, MtpEagleDrafter, MtpVanillaDrafter, NoDrafter
+from nextn.runtime.kv_cache import BlockPool, allocate_kv_cache
+from nextn.runtime.model_runner import ModelRunner
+from nextn.runtime.request import Request
+from nextn.runtime.sampling_params import SamplingParams
+from nextn.runtime.scheduler import Scheduler
+from nextn.runtime.tokenizer import EngineTokenizer
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class RequestError(ValueError):
+    """A request that cannot run (empty, too long, ids out of vocabulary, ...); the message names the fix."""
+
+
+def choose_drafter(manifest: EngineManifest, spec: MTPDecodingConfig | None) -> Drafter:
+    """The drafter strategy for this engine and speculative config (chosen once, at load time).
+
+    Raises:
+        LlmArgsError: MTP requested from an engine without MTP layers, or Vanilla with more drafts than modules.
+    """
+    if spec is None:
+        return NoDrafter()
+    modules = manifest.speculative.num_mtp_modules
+    k = spec.num_nextn_predict_layers
+    if modules == 0:
+        raise LlmArgsError("speculative_config asks for MTP but this engine has no MTP layers; "
+                           "use speculative_config: null or build from a checkpoint with MTP weights")
+    if spec.use_mtp_vanilla or modules > 1:
+        if k > modules:
+            raise LlmArgsError(f"MTP Vanilla drafts one token per module: num_nextn_predict_layers={k} exceeds the "
+                               f"engine's {modules} MTP modules")
+        return MtpVanillaDrafter(k)
+    return MtpEagleDrafter(k)
+
+
+def default_speculative_config(manifest: EngineManifest) -> MTPDecodingConfig | None:
+    """What the engine was built for: MTP with its max draft length, or none."""
+    s = manifest.speculative
+    if s.method != "mtp":
+        return None
+    return MTPDecodingConfig(num_nextn_predict_layers=s.max_draft_len or s.num_mtp_modules, use_mtp_vanilla=s.use_mtp_vanilla)
+
+
+class Engine:
+    """Loads an engine directory and runs requests to completion with in-flight batching."""
+
+    def __init__(self, engine_dir: str | Path, args: LlmArgs, spec: MTPDecodingConfig | None,
+                 device: str | torch.device = "cpu") -> None:
+        t0 = time.perf_counter()
+        self.engine_dir = Path(engine_dir)
+        self.manifest = manifest = EngineManifest.load(engine_dir)
+        self.cfg = cfg = manifest.model
+        self.device = torch.device(device)
+        self.spec = spec
+        self.drafter = choose_drafter(manifest, spec)
+        k = self.drafter.num_draft_tokens
+        self.max_batch_size = args.max_batch_size or manifest.build_options.max_batch_size
+        self.max_seq_len = args.max_seq_len or manifest.build_options.max_seq_len
+        self.block_size = args.kv_cache_config.tokens_per_block
+        lookahead = 2 * k + 1
+        self.model = self._load_model(self.max_seq_len + lookahead + self.block_size)
+        per_seq = -(-(self.max_seq_len + lookahead) // self.block_size)
+        max_tokens = args.kv_cache_config.max_tokens or self.max_batch_size * per_seq * self.block_size
+        num_blocks = -(-max_tokens // self.block_size) + 1  # + the null block
+        kv_dtype = DTYPES.get(args.kv_cache_config.dtype, DTYPES[manifest.dtype])
+        kv = allocate_kv_cache(self.model.num_cache_layers, num_blocks, self.block_size, cfg.kv_cache_dim,
+                               kv_dtype, self.device)
+        self.pool = BlockPool(num_blocks, self.block_size)
+        self.scheduler = Scheduler(self.pool, self.max_batch_size, args.max_num_tokens, k)
+        self.runner = ModelRunner(self.model, self.drafter, kv, self.block_size, self.max_batch_size)
+        self.tokenizer = EngineTokenizer.load(self.engine_dir, manifest.tokenizer_files)
+        eos = cfg.eos_token_id
+        self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self._ids = itertools.count()
+        self.print_iter_log = args.print_iter_log
+        if args.kv_cache_config.enable_block_reuse:
+            logger.info("kv_cache_config.enable_block_reuse: prefix reuse is not implemented; blocks are not shared")
+        logger.info("loaded %s in %.2fs: %s, drafter %s (K=%d), %d KV blocks of %d tokens", engine_dir,
+                    time.perf_counter() - t0, manifest.dtype, type(self.drafter).__name__, k, num_blocks, self.block_size)
+
+    def _load_model(self, max_positions: int) -> DeepseekV3ForCausalLM:
+        cfg = self.cfg
+        files = [self.engine_dir / f for f in self.manifest.weight_files]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise EngineError(f"engine weights missing: {missing}; rebuild the engine")
+        weights: dict[str, torch.Tensor] = {}
+        for f in files:
+            weights.update(load_file(str(f), device=str(self.device)))
+        with torch.device("meta"):
+            model = DeepseekV3ForCausalLM(cfg, max_positions=1)
+        try:
+            model.load_state_dict(weights, strict=True, assign=True)
+        except RuntimeError as e:
+            raise EngineError(f"engine weights do not match its manifest: {e}") from e
+        model.rope_table = rope_cache(cfg.rope, cfg.qk_rope_head_dim, cfg.max_position_embeddings,
+                                      max_positions).to(self.device)
+        return model.eval().requires_grad_(False)
+
+    # Requests ----------------------------------------------------------------------------------------
+    def make_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
+        """Validate and tokenize one prompt.
+
+        Raises:
+            RequestError: empty prompt, a text prompt without a tokenizer, ids outside the vocabulary, or a prompt
+                that leaves no room in max_seq_len or the KV cache.
+        """
+        text = prompt if isinstance(prompt, str) else None
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("empty prompt: give at least one character or token id")
+            if self.tokenizer is None:
+                raise RequestError("this engine has no tokenizer (its checkpoint had none): pass token-id lists")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+            if not ids:
+                raise RequestError("empty prompt: give at least one token id")
+            bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
+            if bad:
+                raise RequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.cfg.vocab_size})")
+        if len(ids) >= self.max_seq_len:
+            raise RequestError(f"prompt has {len(ids)} tokens but max_seq_len is {self.max_seq_len} (prompt plus at "
+                               "least one generated token): shorten the prompt or raise max_seq_len")
+        need = len(ids) + self.scheduler.lookahead
+        if need > self.pool.capacity_tokens:
+            raise RequestError(f"prompt needs {need} KV slots but the cache holds {self.pool.capacity_tokens}: "
+                               "raise kv_cache_config.max_tokens")
+        eos = self.eos_ids if params.end_id is None else frozenset([params.end_id])
+        return Request(next(self._ids), text, ids, params, eos)
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add(request)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[Request]:
+        """One engine iteration: schedule → run → postprocess. Returns the requests that finished."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        result = self.runner.run(batch)
+        k = self.drafter.num_draft_tokens
+        for req, emitted, drafts, accepted in zip(batch.requests, result.emitted, result.drafts, result.num_accepted):
+            if batch.kind == "decode":
+                req.num_decode_steps += 1
+                req.num_draft_tokens += k
+                req.num_accepted_draft_tokens += accepted
+            req.append(emitted, self.max_seq_len)
+            req.draft_tokens = drafts
+        done = self.scheduler.finish_done()
+        for req in done:
+            if self.tokenizer is not None and req.params.detokenize:
+                req.text = self.tokenizer.decode(req.output_token_ids)
+        if self.print_iter_log:
+            logger.info("iter %s: %d requests, %d done, %d free blocks", batch.kind, len(batch.requests), len(done),
+                        self.pool.num_free)
+        return done

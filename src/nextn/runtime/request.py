@@ -1,0 +1,78 @@
+"""A request's state while it runs: its tokens, KV blocks, pending drafts and statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from nextn.runtime.outputs import CompletionOutput, RequestOutput
+from nextn.runtime.sampling_params import SamplingParams
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"  # not prefilled (or preempted: to be prefilled again over prompt + output)
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """Invariant while running: the KV of all tokens but the last is cached (kv_len = num_tokens − 1)."""
+
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_ids: frozenset[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    draft_tokens: list[int] = field(default_factory=list)
+    batch_slot: int = -1  # row in the drafter-state buffers while running
+    finish_reason: str | None = None
+    error: str | None = None
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    num_decode_steps: int = 0
+    text: str = ""
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def kv_len(self) -> int:
+        return self.num_tokens - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append(self, tokens: list[int], max_seq_len: int) -> None:
+        """Append emitted tokens, cutting at EOS / stop tokens / max_tokens / max_seq_len and finishing if so."""
+        stops = set(self.params.stop_token_ids) | (set() if self.params.ignore_eos else set(self.eos_ids))
+        for tok in tokens:
+            self.output_token_ids.append(tok)
+            if tok in stops:
+                self.finish("stop")
+                return
+            if len(self.output_token_ids) >= self.params.max_tokens or self.num_tokens >= max_seq_len:
+                self.finish("length")
+                return
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.error = error
+
+    def to_output(self) -> RequestOutput:
+        completion = CompletionOutput(
+            index=0, token_ids=list(self.output_token_ids), text=self.text, finish_reason=self.finish_reason,
+            num_draft_tokens=self.num_draft_tokens, num_accepted_draft_tokens=self.num_accepted_draft_tokens,
+            num_decode_steps=self.num_decode_steps, error=self.error,
+        )
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [completion], self.finished)
