@@ -1,0 +1,198 @@
+"""Lazy, validated reader of an HF safetensors checkpoint directory (single file or sharded; BF16/FP32 or block FP8).
+
+Layout read (REFERENCE.md §1):
+
+    model_dir/
+      config.json                      HF config (either spelling; see nextn.models.config)
+      model.safetensors                one file, or
+      model.safetensors.index.json     {"weight_map": {tensor name: shard file}} plus the shard files
+
+Tensors are read on demand through `safetensors.safe_open` (memory-mapped), so a checkpoint far larger than RAM
+can be converted one tensor at a time. FP8 checkpoints (`quantization_config.quant_method == "fp8"`) store each
+quantized weight `W` in float8_e4m3fn with a sibling `W_scale_inv`; `get` returns it dequantized to fp32 and the
+`_scale_inv` tensors are hidden from `names()`.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from nextn.build.fp8 import DEFAULT_BLOCK, dequantize_block_fp8
+from nextn.models.config import DeepseekV3ModelConfig
+
+CONFIG_NAME = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+SCALE_SUFFIX = "_scale_inv"
+FP8_DTYPES = (torch.float8_e4m3fn,)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory or one of its files is missing, unreadable or inconsistent; the message names it."""
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    if not path.is_file():
+        raise CheckpointError(f"{path} not found: a checkpoint directory needs {what}")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+class CheckpointReader:
+    """Reads tensors by HF name from a checkpoint directory.
+
+    Args:
+        model_dir: the checkpoint directory.
+    Raises:
+        CheckpointError: the directory, `config.json` or the weights are missing; a JSON file is invalid; a
+            shard listed in the index is missing, truncated or unreadable, or lacks a tensor the index maps to it;
+            the quantization method is not block FP8.
+    """
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = Path(model_dir)
+        if not self.model_dir.is_dir():
+            raise CheckpointError(f"checkpoint directory {self.model_dir} does not exist")
+        self.hf_config: dict[str, Any] = _read_json(self.model_dir / CONFIG_NAME, "an HF config.json")
+        self.index_file: Path | None = None
+        self._handles: dict[Path, Any] = {}  # open safe_open handles, reopened on demand after close()
+        self._files: list[Path] = []
+        self._where: dict[str, Path] = {}  # every stored tensor (scales included) → its file
+        self._block = self._quantization_block()
+        if (self.model_dir / INDEX_FILE).is_file():
+            self.index_file = self.model_dir / INDEX_FILE
+            self._open_sharded(self.index_file)
+        elif (self.model_dir / SINGLE_FILE).is_file():
+            self._open(self.model_dir / SINGLE_FILE, expected=None)
+        else:
+            hint = " (PyTorch .bin checkpoints are not supported; convert them to safetensors)" if any(
+                self.model_dir.glob("pytorch_model*.bin")) else ""
+            raise CheckpointError(f"{self.model_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}{hint}")
+        self._names = [n for n in self._where if not self._is_hidden_scale(n)]
+
+    # Opening -----------------------------------------------------------------------------------------
+    def _quantization_block(self) -> tuple[int, int] | None:
+        q = self.hf_config.get("quantization_config")
+        if not q:
+            return None
+        method = q.get("quant_method")
+        if method != "fp8":
+            raise CheckpointError(f"{self.model_dir / CONFIG_NAME}: unsupported quantization_config.quant_method "
+                                  f"{method!r}; nextn reads unquantized and block-FP8 ('fp8') checkpoints")
+        if q.get("fmt", "e4m3") != "e4m3":
+            raise CheckpointError(f"{self.model_dir / CONFIG_NAME}: unsupported FP8 format {q.get('fmt')!r} "
+                                  "(only e4m3)")
+        block = q.get("weight_block_size") or list(DEFAULT_BLOCK)
+        if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+            raise CheckpointError(f"{self.model_dir / CONFIG_NAME}: quantization_config.weight_block_size must be two "
+                                  f"positive integers, got {block!r}")
+        return block[0], block[1]
+
+    def _open_sharded(self, index: Path) -> None:
+        weight_map = _read_json(index, "a valid index").get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index} has no 'weight_map' (tensor name → shard file)")
+        by_shard: dict[str, set[str]] = {}
+        for name, shard in weight_map.items():
+            by_shard.setdefault(str(shard), set()).add(name)
+        for shard, names in sorted(by_shard.items()):
+            path = self.model_dir / shard
+            if not path.is_file():
+                raise CheckpointError(f"shard {path} listed in {index.name} is missing")
+            self._open(path, expected=names)
+
+    def _open(self, path: Path, expected: set[str] | None) -> None:
+        try:
+            handle = safe_open(str(path), framework="pt")
+            keys = list(handle.keys())
+        except Exception as e:  # safetensors raises its own SafetensorError for truncated/corrupt files
+            raise CheckpointError(f"cannot read {path}: {e} (truncated or corrupt? re-download it)") from e
+        if expected is not None:
+            absent = sorted(expected - set(keys))
+            if absent:
+                raise CheckpointError(f"shard {path} lacks {len(absent)} tensor(s) that {INDEX_FILE} maps to it, "
+                                      f"e.g. {absent[0]!r}")
+            keys = [k for k in keys if k in expected]
+        self._handles[path] = handle
+        self._files.append(path)
+        for k in keys:
+            self._where.setdefault(k, path)
+
+    def _is_hidden_scale(self, name: str) -> bool:
+        return name.endswith(SCALE_SUFFIX) and name.removesuffix(SCALE_SUFFIX) in self._where
+
+    # Public API --------------------------------------------------------------------------------------
+    @cached_property
+    def model_config(self) -> DeepseekV3ModelConfig:
+        """The normalised DeepSeek-V3 config (raises `ConfigError` for another architecture or a bad field)."""
+        return DeepseekV3ModelConfig.from_hf(self.hf_config)
+
+    @property
+    def is_fp8(self) -> bool:
+        """Whether `config.json` declares block-FP8 quantization (`quant_method: fp8`)."""
+        return self._block is not None
+
+    @property
+    def files(self) -> list[Path]:
+        """The weight files (one, or every shard), sorted by name."""
+        return sorted(self._files)
+
+    def names(self) -> list[str]:
+        """Every tensor name, in file order, without the FP8 `_scale_inv` companions."""
+        return list(self._names)
+
+    def has(self, name: str) -> bool:
+        return name in self._where and not self._is_hidden_scale(name)
+
+    def get(self, name: str) -> torch.Tensor:
+        """One tensor by HF name; FP8 weights come back dequantized as float32 [M, N], others in their stored dtype.
+
+        Raises:
+            KeyError: the checkpoint has no tensor `name`.
+            CheckpointError: the tensor cannot be read, or an FP8 tensor lacks or mismatches its `_scale_inv`.
+        """
+        if not self.has(name):
+            raise KeyError(name)
+        t = self._read(name)
+        if t.dtype not in FP8_DTYPES:
+            return t
+        scale_name = name + SCALE_SUFFIX
+        if scale_name not in self._where:
+            raise CheckpointError(f"FP8 tensor {name!r} in {self._where[name]} has no {scale_name!r}")
+        try:
+            return dequantize_block_fp8(t, self._read(scale_name), self._block or DEFAULT_BLOCK)
+        except ValueError as e:
+            raise CheckpointError(f"cannot dequantize FP8 tensor {name!r} in {self._where[name]}: {e}") from e
+
+    def _read(self, name: str) -> torch.Tensor:
+        path = self._where[name]
+        try:
+            if path not in self._handles:
+                self._handles[path] = safe_open(str(path), framework="pt")
+            return self._handles[path].get_tensor(name)
+        except Exception as e:
+            raise CheckpointError(f"cannot read tensor {name!r} from {path}: {e}") from e
+
+    def close(self) -> None:
+        """Drop the memory-mapped file handles."""
+        self._handles.clear()
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"CheckpointReader({str(self.model_dir)!r}, files={len(self._files)}, fp8={self.is_fp8})"

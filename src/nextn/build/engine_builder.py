@@ -1,0 +1,302 @@
+"""Compile an HF DeepSeek-V3 checkpoint (with MTP layers) into an nextn engine directory.
+
+    checkpoint ──CheckpointReader──▶ HF tensors (FP8 dequantized) ──to_runtime──▶ engine tensors
+               ──streamed──▶ engine_dir/model.safetensors + tokenizer files + manifest.json
+
+The weights are written one tensor at a time into a pre-sized safetensors file (header first, computed from
+`runtime_weight_specs`), so peak memory is one converted tensor (one layer's stacked experts), not the model.
+The engine is assembled in a staging directory beside `output_dir` and swapped in only when complete: a failed
+build leaves an existing engine untouched, and a directory that is not an engine is never overwritten.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import struct
+import tempfile
+import uuid
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+import nextn
+from nextn.build.checkpoint import CONFIG_NAME, CheckpointReader
+from nextn.build.fingerprint import fingerprint
+from nextn.build.manifest import (
+    MANIFEST_NAME, BuildOptions, EngineError, EngineManifest, SourceInfo, SpeculativeInfo,
+)  # fmt: skip
+from nextn.config.llm_args import LlmArgs, load_llm_args_yaml, parse_llm_args
+from nextn.models.config import DeepseekV3ModelConfig
+from nextn.models.deepseek_v3.weights import FP32_TENSORS, layer_prefix, runtime_weight_specs, to_runtime
+
+WEIGHTS_NAME = "model.safetensors"
+#: Copied into the engine and listed in `manifest.tokenizer_files` when the checkpoint has them.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+)  # fmt: skip
+#: Copied when present but not tokenizer files (sampling defaults, EOS ids).
+AUX_FILES = ("generation_config.json",)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def build_engine(
+    model_dir: str | Path,
+    output_dir: str | Path,
+    dtype: str = "auto",
+    max_batch_size: int = 8,
+    max_seq_len: int = 2048,
+    extra_llm_api_options: str | Path | None = None,
+    progress: bool = True,
+) -> EngineManifest:
+    """Build an engine directory from a DeepSeek-V3 checkpoint.
+
+    Args:
+        model_dir: HF checkpoint directory (config.json + safetensors, single or sharded, BF16/FP32 or block FP8).
+        output_dir: engine directory to create, or an existing engine (it is replaced atomically).
+        dtype: engine weight dtype: "auto" (the checkpoint's `torch_dtype`; FP8 checkpoints → bfloat16),
+            "float32", "bfloat16" or "float16". `e_score_correction_bias` always stays float32.
+        max_batch_size: default max concurrent requests recorded in the manifest (> 0).
+        max_seq_len: default max tokens per request (> 0, ≤ the model's max_position_embeddings).
+        extra_llm_api_options: optional LLM-args YAML (REFERENCE.md §6); its `speculative_config` sets the
+            engine's draft method: MTP with K = `num_nextn_predict_layers`, or `null` for none. Without it an
+            MTP checkpoint gets method "mtp" with K = its module count.
+        progress: show a tqdm bar over the tensors (stderr).
+    Returns:
+        The manifest written to `output_dir/manifest.json`.
+    Raises:
+        EngineError: bad options; `output_dir` exists, is non-empty and is not an engine; `output_dir` holds the
+            checkpoint; max_seq_len too large; MTP requested but absent.
+        CheckpointError, ConfigError, WeightError: unreadable checkpoint file, bad config.json, missing or
+            misshapen tensor (each message names the file or tensor).
+        LlmArgsError: the YAML is missing or invalid.
+    """
+    model_dir, output_dir = Path(model_dir), Path(output_dir)
+    if dtype != "auto" and dtype not in DTYPES:
+        raise EngineError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
+    if max_batch_size <= 0 or max_seq_len <= 0:
+        raise EngineError(f"max_batch_size ({max_batch_size}) and max_seq_len ({max_seq_len}) must be positive")
+    _check_output_dir(output_dir, model_dir)
+    yaml_data = load_llm_args_yaml(extra_llm_api_options) if extra_llm_api_options is not None else None
+    llm_args = parse_llm_args(yaml_data) if yaml_data is not None else None
+
+    with CheckpointReader(model_dir) as reader:
+        cfg = reader.model_config
+        _check_seq_len(max_seq_len, "--max_seq_len", cfg)
+        if llm_args is not None and llm_args.max_seq_len is not None:
+            _check_seq_len(llm_args.max_seq_len, f"max_seq_len in {extra_llm_api_options}", cfg)
+        # `speculative_config: null` in the YAML turns drafting off (an absent key keeps the checkpoint's default).
+        spec_disabled = (llm_args is not None and "speculative_config" in yaml_data
+                         and llm_args.speculative_config is None)
+        cfg = _check_mtp_layers(reader, cfg, drop_if_absent=spec_disabled)
+        speculative = resolve_speculative(cfg, yaml_data, llm_args, model_dir)
+        engine_dtype = resolve_dtype(dtype, cfg, reader.is_fp8)
+        torch_dtype = DTYPES[engine_dtype]
+        extra_files = [p for p in (reader.index_file,) if p is not None]
+        source = SourceInfo(
+            path=str(model_dir.resolve()),
+            format="safetensors-fp8" if reader.is_fp8 else "safetensors",
+            fingerprint=fingerprint([model_dir / CONFIG_NAME, *extra_files, *reader.files], root=model_dir),
+        )
+        with _staging_dir(output_dir) as staging:
+            specs = {n: (s, torch.float32 if n.endswith(FP32_TENSORS) else torch_dtype)
+                     for n, s in runtime_weight_specs(cfg).items()}
+            tensors = to_runtime(reader.get, reader.has, cfg, torch_dtype)
+            write_safetensors_streaming(staging / WEIGHTS_NAME, specs, tensors, progress=progress)
+            tokenizer_files = _copy_side_files(model_dir, staging)
+            manifest = EngineManifest(
+                nextn_version=nextn.__version__,
+                architecture=cfg.architecture,
+                dtype=engine_dtype,
+                model=cfg,
+                speculative=speculative,
+                build_options=BuildOptions(max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                                           extra_llm_api_options=yaml_data),
+                source=source,
+                weight_files=[WEIGHTS_NAME],
+                tokenizer_files=tokenizer_files,
+            )
+            manifest.save(staging)
+    return manifest
+
+
+# Decisions ---------------------------------------------------------------------------------------------
+def resolve_dtype(dtype: str, cfg: DeepseekV3ModelConfig, is_fp8: bool) -> str:
+    """The engine dtype: `dtype` unless "auto"; auto = checkpoint `torch_dtype`, FP8 checkpoints → bfloat16."""
+    if dtype != "auto":
+        return dtype
+    if is_fp8:
+        return "bfloat16"
+    if cfg.torch_dtype not in DTYPES:
+        raise EngineError(f"cannot derive the engine dtype from the checkpoint's torch_dtype {cfg.torch_dtype!r}; "
+                          f"pass --dtype ({', '.join(DTYPES)})")
+    return cfg.torch_dtype
+
+
+def resolve_speculative(
+    cfg: DeepseekV3ModelConfig, yaml_data: dict[str, Any] | None, llm_args: LlmArgs | None, model_dir: Path
+) -> SpeculativeInfo:
+    """The manifest's speculative section from the checkpoint's MTP module count and the YAML's speculative_config.
+
+    Raises:
+        EngineError: the YAML asks for MTP but the checkpoint has no MTP layers, or asks for MTP Vanilla with more
+            draft tokens than the checkpoint has modules.
+    """
+    modules = cfg.num_nextn_predict_layers
+    if yaml_data is None or "speculative_config" not in yaml_data:
+        if modules == 0:
+            return SpeculativeInfo()
+        return SpeculativeInfo(method="mtp", num_mtp_modules=modules, max_draft_len=modules,
+                               use_mtp_vanilla=modules > 1)
+    spec = llm_args.speculative_config if llm_args is not None else None
+    if spec is None:
+        return SpeculativeInfo(method="none", num_mtp_modules=modules)
+    if modules == 0:
+        raise EngineError(f"speculative_config asks for decoding_type {spec.decoding_type} but checkpoint {model_dir} "
+                          "has no MTP layers (num_nextn_predict_layers is 0 in its config.json); set "
+                          "speculative_config: null or use a checkpoint with MTP weights")
+    k = spec.num_nextn_predict_layers
+    vanilla = spec.use_mtp_vanilla or modules > 1
+    if vanilla and k > modules:
+        raise EngineError(f"MTP Vanilla drafts token k with module k, so num_nextn_predict_layers={k} needs {k} MTP "
+                          f"modules but checkpoint {model_dir} has {modules}; lower it or use MTP Eagle "
+                          "(use_mtp_vanilla: false with a one-module checkpoint)")
+    return SpeculativeInfo(method="mtp", num_mtp_modules=modules, max_draft_len=k, use_mtp_vanilla=vanilla)
+
+
+def _check_seq_len(value: int, what: str, cfg: DeepseekV3ModelConfig) -> None:
+    if value > cfg.max_position_embeddings:
+        raise EngineError(f"{what} {value} exceeds the model's max_position_embeddings "
+                          f"{cfg.max_position_embeddings} (config.json)")
+
+
+def _check_mtp_layers(
+    reader: CheckpointReader, cfg: DeepseekV3ModelConfig, drop_if_absent: bool
+) -> DeepseekV3ModelConfig:
+    """Detect a config that declares MTP layers whose tensors are entirely absent (as `save_pretrained` writes).
+
+    Returns `cfg`, or a copy with no MTP layers when they are absent and drafting is disabled (`drop_if_absent`).
+    Raises EngineError when they are absent and drafting is wanted; partial layers fail later naming the tensor.
+    """
+    n, k = cfg.num_hidden_layers, cfg.num_nextn_predict_layers
+    if k == 0:
+        return cfg
+    prefixes = tuple(layer_prefix(n + i) for i in range(k))
+    if any(name.startswith(prefixes) for name in reader.names()):
+        return cfg
+    if drop_if_absent:
+        return cfg.model_copy(update={"num_nextn_predict_layers": 0})
+    raise EngineError(
+        f"{reader.model_dir / CONFIG_NAME} declares num_nextn_predict_layers={k} but the checkpoint holds no tensors "
+        f"for MTP layer(s) {prefixes[0]}… (transformers' save_pretrained drops them); add the MTP weights, set "
+        "num_nextn_predict_layers to 0, or pass an --extra_llm_api_options YAML with speculative_config: null"
+    )
+
+
+# Output directory --------------------------------------------------------------------------------------
+def _check_output_dir(output_dir: Path, model_dir: Path) -> None:
+    out, src = output_dir.resolve(), model_dir.resolve()
+    if out == src or out in src.parents:
+        raise EngineError(f"--output_dir {output_dir} contains the checkpoint {model_dir}; choose another --output_dir")
+    if output_dir.is_symlink():
+        raise EngineError(f"--output_dir {output_dir} is a symbolic link; pass the directory it points to")
+    if not output_dir.exists():
+        return
+    if not output_dir.is_dir():
+        raise EngineError(f"{output_dir} exists and is not an nextn engine; choose another --output_dir or remove it")
+    if any(output_dir.iterdir()) and not (output_dir / MANIFEST_NAME).is_file():
+        raise EngineError(f"{output_dir} exists and is not an nextn engine; choose another --output_dir or remove it")
+
+
+@contextmanager
+def _staging_dir(output_dir: Path) -> Iterator[Path]:
+    """Yield an empty directory beside `output_dir`; on success swap it into place, on failure delete it."""
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.building-", dir=output_dir.parent))
+    try:
+        yield staging
+        if output_dir.exists():
+            old = output_dir.parent / f".{output_dir.name}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(output_dir, old)
+            try:
+                os.replace(staging, output_dir)
+            except BaseException:
+                os.replace(old, output_dir)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(staging, output_dir)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _copy_side_files(model_dir: Path, engine_dir: Path) -> list[str]:
+    """Copy tokenizer and auxiliary files that exist; return the tokenizer files copied."""
+    copied = []
+    for name in (*TOKENIZER_FILES, *AUX_FILES):
+        if (model_dir / name).is_file():
+            shutil.copy2(model_dir / name, engine_dir / name)
+            if name in TOKENIZER_FILES:
+                copied.append(name)
+    return copied
+
+
+# Weights -----------------------------------------------------------------------------------------------
+def write_safetensors_streaming(
+    path: Path,
+    specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    progress: bool = True,
+) -> int:
+    """Write a safetensors file whose tensors arrive one at a time, holding at most one in memory.
+
+    The header (name → dtype, shape, byte range) is computed from `specs` and written first; each tensor is then
+    written at its offset as it arrives, in any order.
+
+    Args:
+        path: file to create.
+        specs: name → (shape, dtype) of every tensor the file will hold (float32, bfloat16 or float16).
+        tensors: (name, CPU tensor) pairs; every spec'd name exactly once, with the spec'd shape and dtype.
+    Returns:
+        The number of tensors written.
+    Raises:
+        EngineError: a tensor is unexpected, repeated, missing, or has another shape/dtype than its spec.
+    """
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, (shape, dt) in specs.items():
+        nbytes = math.prod(shape) * dt.itemsize
+        header[name] = {"dtype": _ST_DTYPES[dt], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # 8-byte alignment of the data section, as safetensors pads
+    data_start = 8 + len(blob)
+    written: set[str] = set()
+    with path.open("wb") as f, tqdm(total=len(specs), desc="build-engine", unit="tensor", disable=not progress) as bar:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        f.truncate(data_start + offset)
+        for name, t in tensors:
+            if name not in specs or name in written:
+                raise EngineError(f"internal error: unexpected or repeated engine tensor {name!r}")
+            shape, dt = specs[name]
+            if tuple(t.shape) != tuple(shape) or t.dtype != dt:
+                raise EngineError(f"internal error: engine tensor {name!r} is {t.dtype} {list(t.shape)}, "
+                                  f"expected {dt} {list(shape)}")
+            f.seek(data_start + header[name]["data_offsets"][0])
+            f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            written.add(name)
+            bar.set_postfix_str(name, refresh=False)
+            bar.update(1)
+    missing = [n for n in specs if n not in written]
+    if missing:
+        raise EngineError(f"internal error: {len(missing)} engine tensor(s) were never produced, e.g. {missing[0]!r}")
+    return len(written)

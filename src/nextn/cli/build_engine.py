@@ -1,0 +1,111 @@
+"""`build-engine`: compile a DeepSeek-V3 HF checkpoint (with MTP layers) into an nextn engine directory.
+
+Usage:
+    build-engine --model_dir CHECKPOINT --output_dir ENGINE [--dtype auto|bfloat16|float32]
+                 [--max_batch_size N] [--max_seq_len N] [--extra_llm_api_options YAML] [--no-progress]
+
+Exit status: 0 on success; 2 for invalid arguments, an unreadable/unsupported checkpoint, bad YAML or an output
+directory that is not an engine (message on stderr, no traceback); 1 for an I/O failure (disk full, permissions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from nextn.build.checkpoint import CheckpointError
+from nextn.build.engine_builder import build_engine
+from nextn.build.manifest import EngineError
+from nextn.config.llm_args import LlmArgsError
+from nextn.models.config import ConfigError
+from nextn.models.deepseek_v3.weights import WeightError, runtime_weight_specs
+
+PROG = "build-engine"
+USER_ERRORS = (CheckpointError, ConfigError, WeightError, EngineError, LlmArgsError)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "Compile a DeepSeek-V3 Hugging Face checkpoint (BF16/FP32 or block-FP8 safetensors, single file or\n"
+            "sharded, with its MTP layers) into an nextn engine directory: model.safetensors in the runtime\n"
+            "layout, the tokenizer files, and manifest.json (model, dtype, speculative MTP setup, build options)."
+        ),
+        epilog=(
+            "example:\n"
+            "  build-engine --model_dir ./DeepSeek-V3 --output_dir ./engine --extra_llm_api_options mtp.yaml\n"
+            "  with mtp.yaml:\n"
+            "    speculative_config:\n"
+            "      decoding_type: MTP\n"
+            "      num_nextn_predict_layers: 3\n"
+            "\n"
+            "exit status: 0 built; 2 bad arguments, checkpoint, YAML or output directory; 1 I/O failure"
+        ),
+    )
+    p.add_argument("--model_dir", required=True, type=Path, metavar="DIR",
+                   help="HF checkpoint directory: config.json plus model.safetensors or model.safetensors.index.json")
+    p.add_argument("--output_dir", required=True, type=Path, metavar="DIR",
+                   help="engine directory to create; an existing engine there is replaced, any other non-empty "
+                   "directory is refused")
+    p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                   help="engine weight dtype; auto = the checkpoint's torch_dtype, bfloat16 for FP8 checkpoints "
+                   "(default: %(default)s)")
+    p.add_argument("--max_batch_size", type=int, default=8, metavar="N",
+                   help="default max concurrent requests recorded in the engine (default: %(default)s)")
+    p.add_argument("--max_seq_len", type=int, default=2048, metavar="N",
+                   help="default max tokens per request, at most the model's max_position_embeddings "
+                   "(default: %(default)s)")
+    p.add_argument("--extra_llm_api_options", "--config", dest="extra_llm_api_options", type=Path, metavar="YAML",
+                   help="LLM-args YAML (TensorRT-LLM keys); its speculative_config sets the default drafting: "
+                   "decoding_type MTP with num_nextn_predict_layers K, or null for none. Without it an MTP "
+                   "checkpoint drafts as many tokens as it has MTP modules")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
+    return p
+
+
+def _size(engine_dir: Path) -> str:
+    n = float(sum(f.stat().st_size for f in engine_dir.iterdir() if f.is_file()))
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit status (0) or exits with 1/2 after printing `build-engine: error: ...`."""
+    args = _parser().parse_args(argv)
+    start = time.perf_counter()
+    try:
+        manifest = build_engine(
+            args.model_dir, args.output_dir, dtype=args.dtype, max_batch_size=args.max_batch_size,
+            max_seq_len=args.max_seq_len, extra_llm_api_options=args.extra_llm_api_options, progress=args.progress,
+        )  # fmt: skip
+    except USER_ERRORS as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        sys.exit(1)
+    seconds = time.perf_counter() - start
+    spec = manifest.speculative
+    drafting = (f"MTP, {spec.num_mtp_modules} module(s), K={spec.max_draft_len}, "
+                f"{'vanilla' if spec.use_mtp_vanilla else 'eagle'}" if spec.method == "mtp" else
+                f"none ({spec.num_mtp_modules} MTP module(s) stored)")
+    print(f"engine:     {args.output_dir}\n"
+          f"dtype:      {manifest.dtype}\n"
+          f"drafting:   {drafting}\n"
+          f"tensors:    {len(runtime_weight_specs(manifest.model))}\n"
+          f"size:       {_size(args.output_dir)}\n"
+          f"tokenizer:  {', '.join(manifest.tokenizer_files) or 'none (token-id prompts only)'}\n"
+          f"time:       {seconds:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""The `build-engine` CLI: success summary, the --config alias, --help, and exit status 2 with a one-line error."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nextn.build.manifest import EngineManifest
+from nextn.cli.build_engine import main
+
+
+def _fails(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+def test_success_prints_a_summary(make_ckpt, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ck = make_ckpt(num_mtp=1, tokenizer=True)
+    capsys.readouterr()  # drop transformers' save_pretrained progress output
+    out = tmp_path / "engine"
+    assert main(["--model_dir", str(ck.path), "--output_dir", str(out), "--dtype", "bfloat16",
+                 "--max_batch_size", "2", "--max_seq_len", "512", "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""  # --no-progress: no bar
+    text = captured.out
+    assert f"engine:     {out}" in text
+    assert "dtype:      bfloat16" in text
+    assert "MTP, 1 module(s), K=1, eagle" in text
+    assert "tensors:    67" in text
+    assert "KiB" in text and "tokenizer.json" in text and " s\n" in text + "\n"
+    m = EngineManifest.load(out)
+    assert (m.dtype, m.build_options.max_batch_size, m.build_options.max_seq_len) == ("bfloat16", 2, 512)
+
+
+def test_config_alias_reads_the_yaml(make_ckpt, tmp_path: Path, write_yaml, capsys: pytest.CaptureFixture[str]) -> None:
+    ck = make_ckpt(num_mtp=1)
+    yaml = write_yaml("speculative_config:\n  decoding_type: MTP\n  num_nextn_predict_layers: 3\n")
+    assert main(["--model_dir", str(ck.path), "--output_dir", str(tmp_path / "e"), "--config", str(yaml),
+                 "--no-progress"]) == 0
+    assert "K=3" in capsys.readouterr().out
+    assert EngineManifest.load(tmp_path / "e").speculative.max_draft_len == 3
+
+
+def test_help_lists_the_options(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for option in ("--model_dir", "--output_dir", "--dtype", "--max_batch_size", "--max_seq_len",
+                   "--extra_llm_api_options", "--config", "--no-progress"):
+        assert option in text
+
+
+def test_refused_output_dir_exits_2(make_ckpt, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ck = make_ckpt()
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    err = _fails(["--model_dir", str(ck.path), "--output_dir", str(out), "--no-progress"], capsys)
+    assert err.startswith("build-engine: error: ") and "is not an nextn engine" in err
+    assert (out / "keep.txt").read_text() == "x"
+
+
+@pytest.mark.parametrize("case", ["missing_dir", "llama", "missing_tensor", "bad_yaml", "seq_len"])
+def test_user_errors_exit_2(
+    case: str, make_ckpt, write_yaml, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    extra: list[str] = []
+    if case == "missing_dir":
+        model_dir, expected = tmp_path / "absent", "absent does not exist"
+    elif case == "llama":
+        model_dir = make_ckpt(config_update={"architectures": ["LlamaForCausalLM"], "model_type": "llama"}).path
+        expected = "unsupported architecture 'LlamaForCausalLM'"
+    elif case == "missing_tensor":
+        model_dir, expected = make_ckpt(drop=("lm_head.weight",)).path, "missing tensor 'lm_head.weight'"
+    elif case == "bad_yaml":
+        model_dir, expected = make_ckpt().path, "unknown key 'max_batch'"
+        extra = ["--extra_llm_api_options", str(write_yaml("max_batch: 3\n"))]
+    else:
+        model_dir, expected = make_ckpt().path, "max_seq_len 100000 exceeds"
+        extra = ["--max_seq_len", "100000"]
+    err = _fails(["--model_dir", str(model_dir), "--output_dir", str(tmp_path / "e"), "--no-progress", *extra], capsys)
+    assert err.startswith("build-engine: error: ") and expected in err and err.count("\n") == 1
+    assert not (tmp_path / "e").exists()
+
+
+def test_argparse_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    err = _fails(["--model_dir", "x", "--output_dir", "y", "--dtype", "int4"], capsys)
+    assert "build-engine: error: argument --dtype: invalid choice" in err
+
+
+def test_module_entry_point_exit_status(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "nextn.cli.build_engine", "--model_dir", str(tmp_path / "absent"),
+                           "--output_dir", str(tmp_path / "e")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("build-engine: error: ") and "Traceback" not in proc.stderr
