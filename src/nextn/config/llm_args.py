@@ -48,29 +48,55 @@ class KvCacheConfig(_Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
 
+class CudaGraphConfig(_Strict):
+    """CUDA graph capture (TensorRT-LLM `CudaGraphConfig`); `null` disables graphs."""
+
+    batch_sizes: list[int] | None = None  # explicit capture sizes; null: derived from max_batch_size
+    max_batch_size: int = Field(default=0, ge=0)  # 0 → 128
+    enable_padding: bool = False  # pad a batch up to the next captured size
+
+
+class MoeConfig(_Strict):
+    backend: Literal["AUTO", "CUTLASS", "TRTLLM", "WIDEEP", "TORCH"] = "AUTO"
+
+
 class LlmArgs(_Strict):
     """The arguments of `LLM(...)`, `build-engine --extra_llm_api_options`, and `nextn generate`."""
 
     speculative_config: SpeculativeConfig | None = None
     kv_cache_config: KvCacheConfig = KvCacheConfig()
+    cuda_graph_config: CudaGraphConfig | None = None  # accepted; graph capture needs CUDA and is reported when off
+    disable_overlap_scheduler: bool = False  # accepted; this release runs steps synchronously (reported)
+    moe_config: MoeConfig = MoeConfig()
     max_batch_size: int | None = Field(default=None, gt=0)  # null: the engine's build option
     max_seq_len: int | None = Field(default=None, gt=0)  # null: the engine's build option
     max_num_tokens: int = Field(default=8192, gt=0)  # token budget of one scheduler step
     print_iter_log: bool = False
 
 
+_UNION_TAGS = {"MTP": MTPDecodingConfig}
+
+
+def _owner_of(loc: tuple, model: type[BaseModel]) -> type[BaseModel]:
+    """The pydantic model that holds the last key of `loc` (union tags such as 'MTP' select the member)."""
+    owner = model
+    for part in loc[:-1]:
+        if str(part) in _UNION_TAGS:
+            owner = _UNION_TAGS[str(part)]
+            continue
+        field = owner.model_fields.get(str(part))
+        ann = getattr(field, "annotation", None) if field else None
+        sub = [a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)]
+        owner = sub[0] if sub else owner
+    return owner
+
+
 def _format_error(e: ValidationError, model: type[BaseModel]) -> str:
     lines = []
     for err in e.errors():
-        loc = ".".join(str(x) for x in err["loc"] if not str(x).startswith("function-"))
+        loc = ".".join(str(x) for x in err["loc"] if str(x) not in _UNION_TAGS and not str(x).startswith("function-"))
         if err["type"] == "extra_forbidden":
-            owner: type[BaseModel] = model
-            for part in err["loc"][:-1]:
-                field = owner.model_fields.get(str(part))
-                ann = getattr(field, "annotation", None) if field else None
-                sub = [a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)]
-                owner = sub[0] if sub else owner
-            valid = ", ".join(owner.model_fields)
+            valid = ", ".join(_owner_of(err["loc"], model).model_fields)
             lines.append(f"unknown key {loc!r}; valid keys here: {valid}")
         else:
             lines.append(f"{loc}: {err['msg']}")

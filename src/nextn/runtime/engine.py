@@ -60,6 +60,22 @@ def default_speculative_config(manifest: EngineManifest) -> MTPDecodingConfig | 
     return MTPDecodingConfig(num_nextn_predict_layers=s.max_draft_len or s.num_mtp_modules, use_mtp_vanilla=s.use_mtp_vanilla)
 
 
+def unsupported_options(args: LlmArgs, device: torch.device) -> list[str]:
+    """LLM arguments that cannot take effect in this release or on this device, one sentence each."""
+    notes = []
+    if args.cuda_graph_config is not None:
+        notes.append("cuda_graph_config: CUDA graph capture is not implemented yet; steps run eagerly"
+                     + ("" if device.type == "cuda" else " (and needs a CUDA device)"))
+    if not args.disable_overlap_scheduler:
+        notes.append("disable_overlap_scheduler: false: the overlap scheduler is not implemented yet; steps run synchronously")
+    spec = args.speculative_config
+    if spec is not None and spec.use_relaxed_acceptance_for_thinking:
+        notes.append("use_relaxed_acceptance_for_thinking: relaxed acceptance is not implemented yet; strict acceptance is used")
+    if args.kv_cache_config.enable_block_reuse:
+        notes.append("kv_cache_config.enable_block_reuse: prefix reuse is not implemented yet; blocks are not shared")
+    return notes
+
+
 class Engine:
     """Loads an engine directory and runs requests to completion with in-flight batching."""
 
@@ -92,8 +108,9 @@ class Engine:
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self._ids = itertools.count()
         self.print_iter_log = args.print_iter_log
-        if args.kv_cache_config.enable_block_reuse:
-            logger.info("kv_cache_config.enable_block_reuse: prefix reuse is not implemented; blocks are not shared")
+        for note in unsupported_options(args, self.device):
+            # Defaults that are on (overlap, block reuse) are noted quietly; options a user set are warned about.
+            (logger.info if note.startswith(("disable_overlap", "kv_cache_config.enable")) else logger.warning)("%s", note)
         logger.info("loaded %s in %.2fs: %s, drafter %s (K=%d), %d KV blocks of %d tokens", engine_dir,
                     time.perf_counter() - t0, manifest.dtype, type(self.drafter).__name__, k, num_blocks, self.block_size)
 

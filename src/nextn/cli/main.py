@@ -1,0 +1,113 @@
+"""`nextn`: the runtime's command line (generate, demo, bench, make-checkpoint)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from nextn.build.checkpoint import CheckpointError
+from nextn.build.manifest import EngineError
+from nextn.config.llm_args import LlmArgsError
+from nextn.models.config import ConfigError
+from nextn.models.deepseek_v3.weights import WeightError
+from nextn.runtime.sampling_params import SamplingParamsError
+
+USER_ERRORS = (EngineError, LlmArgsError, SamplingParamsError, CheckpointError, ConfigError, WeightError)
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="decode prompts with an engine and print completions and acceptance length",
+                       description="Decode prompts greedily with an engine; print each completion and its acceptance "
+                                   "length (emitted tokens per verify-and-draft step, prefill counted as one).")
+    p.add_argument("--engine_dir", required=True, help="engine directory written by build-engine")
+    p.add_argument("--prompt", action="append", required=True,
+                   help="a prompt (repeatable); with --token_ids, comma-separated token ids")
+    p.add_argument("--token_ids", action="store_true", help="read each --prompt as comma-separated token ids")
+    p.add_argument("--max_tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
+    p.add_argument("--extra_llm_api_options", "--config", dest="extra_llm_api_options",
+                   help="YAML of LLM arguments (TensorRT-LLM names), e.g. speculative_config")
+    p.add_argument("--ignore_eos", action="store_true", help="do not stop at EOS")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    p.set_defaults(func=_generate)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from nextn import LLM, SamplingParams
+
+    prompts = [[int(t) for t in p.split(",") if t.strip()] for p in args.prompt] if args.token_ids else args.prompt
+    llm = LLM(args.engine_dir, extra_llm_api_options=args.extra_llm_api_options)
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    outputs = llm.generate(prompts, params)
+    failed = 0
+    for i, out in enumerate(outputs):
+        c = out.outputs[0]
+        if c.finish_reason == "error":
+            failed += 1
+            print(f"nextn generate: error: prompt {i}: {c.error}", file=sys.stderr)
+            continue
+        if args.json:
+            print(json.dumps({"prompt": out.prompt, "token_ids": c.token_ids, "text": c.text,
+                              "finish_reason": c.finish_reason, "acceptance_length": round(c.acceptance_length, 4),
+                              "num_draft_tokens": c.num_draft_tokens,
+                              "num_accepted_draft_tokens": c.num_accepted_draft_tokens}))
+        else:
+            shown = c.text if c.text else " ".join(map(str, c.token_ids))
+            print(f"[{i}] {shown}\n    ({len(c.token_ids)} tokens, finish_reason={c.finish_reason}, "
+                  f"acceptance length {c.acceptance_length:.2f})")
+    return 1 if failed else 0
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    from nextn.cli import demo
+
+    p = sub.add_parser("demo", help="the main job: make a tiny DeepSeek-V3 checkpoint with MTP, build it, and decode "
+                                    "with and without MTP", description=demo.__doc__)
+    demo.add_arguments(p)
+    p.set_defaults(func=demo.run)
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from nextn.cli import bench
+
+    p = sub.add_parser("bench", help="tokens/s of nextn (no MTP, MTP K) against transformers generate",
+                       description=bench.__doc__)
+    bench.add_arguments(p)
+    p.set_defaults(func=bench.run)
+
+
+def _add_make_checkpoint(sub: argparse._SubParsersAction) -> None:
+    from nextn.cli import demo
+
+    p = sub.add_parser("make-checkpoint", help="write a tiny DeepSeek-V3 checkpoint with MTP layers (HF save_pretrained "
+                                               "+ DeepSeek's MTP layout), optionally distilling its MTP modules")
+    demo.add_checkpoint_arguments(p)
+    p.add_argument("--output_dir", required=True)
+    p.set_defaults(func=demo.make_checkpoint_cmd)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nextn", description="nextn: engines with a fused verify-and-draft step "
+                                     "for self-drafting checkpoints (DeepSeek MTP).")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log engine loading and iterations")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_demo(sub)
+    _add_bench(sub)
+    _add_make_checkpoint(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    try:
+        return args.func(args)
+    except USER_ERRORS as e:
+        print(f"nextn {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""LLM arguments: TensorRT-LLM names, unknown keys named with the valid ones, YAML loading."""
+
+from __future__ import annotations
+
+import pytest
+
+from nextn.config.llm_args import LlmArgsError, load_llm_args_yaml, parse_llm_args
+
+
+def test_reference_example_yaml_loads(tmp_path):
+    p = tmp_path / "x.yaml"
+    p.write_text("cuda_graph_config: {enable_padding: true, max_batch_size: 128}\n"
+                 "speculative_config:\n  decoding_type: MTP\n  num_nextn_predict_layers: 3\n"
+                 "  use_relaxed_acceptance_for_thinking: true\n  relaxed_topk: 10\n  relaxed_delta: 0.6\n")
+    args = parse_llm_args(load_llm_args_yaml(p))
+    assert args.speculative_config.num_nextn_predict_layers == 3
+    assert args.cuda_graph_config.max_batch_size == 128
+
+
+def test_unknown_nested_key_names_key_and_valid_ones():
+    with pytest.raises(LlmArgsError) as e:
+        parse_llm_args({"speculative_config": {"decoding_type": "MTP", "num_draft": 3}})
+    assert "speculative_config.num_draft" in str(e.value) and "num_nextn_predict_layers" in str(e.value)
+
+
+def test_unknown_top_level_key_and_wrong_type():
+    with pytest.raises(LlmArgsError, match="unknown key 'max_batch'.*max_batch_size"):
+        parse_llm_args({"max_batch": 3})
+    with pytest.raises(LlmArgsError, match="max_seq_len"):
+        parse_llm_args({"max_seq_len": "long"})
+
+
+def test_yaml_file_errors(tmp_path):
+    with pytest.raises(LlmArgsError, match="does not exist"):
+        load_llm_args_yaml(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- a list\n")
+    with pytest.raises(LlmArgsError, match="mapping"):
+        load_llm_args_yaml(bad)

@@ -1,0 +1,62 @@
+"""Shared fixtures: tiny DeepSeek-V3 checkpoints (HF `save_pretrained` + DeepSeek's MTP layout) and their engines.
+
+Checkpoints are made by `nextn.testing` (seeded, nothing committed) and cached per session, keyed by their spec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    if not (SHARED_DATA / "prompts" / "mt_bench.jsonl").is_file():
+        pytest.skip(f"../shared/data is absent ({SHARED_DATA}): real prompt sets are not available")
+    return SHARED_DATA
+
+
+class Checkpoints:
+    """Session cache of checkpoints and engines by spec."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._made: dict[tuple, Path] = {}
+
+    def checkpoint(self, distill_steps: int = 0, **spec_fields) -> Path:
+        from nextn.testing import TinyDeepseekSpec, distill_mtp, make_tiny_checkpoint
+
+        key = (distill_steps, tuple(sorted(spec_fields.items())))
+        if key not in self._made:
+            spec = TinyDeepseekSpec(**spec_fields)
+            out = self.root / f"ckpt{len(self._made)}"
+            make_tiny_checkpoint(out, spec)
+            if distill_steps:
+                distill_mtp(out, steps=distill_steps, seed=spec.seed, progress=False)
+            self._made[key] = out
+        return self._made[key]
+
+    def engine(self, distill_steps: int = 0, build: dict | None = None, **spec_fields) -> Path:
+        from nextn.build.engine_builder import build_engine
+
+        ckpt = self.checkpoint(distill_steps, **spec_fields)
+        out = ckpt.with_name(ckpt.name + "_engine" + "_".join(f"{k}{v}" for k, v in sorted((build or {}).items())))
+        if not out.exists():
+            build_engine(ckpt, out, progress=False, **(build or {}))
+        return out
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> Checkpoints:
+    return Checkpoints(tmp_path_factory.mktemp("checkpoints"))
+
+
+#: Small-vocabulary spec for numerics tests (fast HF comparisons); the real tokenizer needs 129280.
+SMALL = dict(vocab_size=512, with_tokenizer=False)

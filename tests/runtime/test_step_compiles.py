@@ -1,0 +1,34 @@
+"""The verify-and-draft step is one graph: it runs under `torch.compile(fullgraph=True)` (no host sync, no
+data-dependent Python branching, no boolean-mask indexing, MoE dispatch included) and matches eager exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import SMALL
+from nextn import LLM
+from nextn.runtime.spec_step import verify_and_draft_step
+
+
+@pytest.mark.parametrize("modules,k,backend", [(1, 2, "inductor"), (3, 3, "aot_eager"), (1, 0, "aot_eager")])
+def test_decode_step_compiles_fullgraph(checkpoints, modules, k, backend):
+    engine = checkpoints.engine(num_mtp_modules=modules, **SMALL)
+    spec = {"decoding_type": "MTP", "num_nextn_predict_layers": k} if k else None
+    eng = LLM(engine, speculative_config=spec).engine
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(0)
+    b = 3
+    ids = torch.randint(0, 512, (b, k + 1), generator=gen)
+    kv_lens = torch.tensor([5, 9, 17])
+    tables = torch.tensor([[1, 2], [3, 4], [5, 6]])
+    state = eng.drafter.initial_state(b, eng.cfg.hidden_size, torch.device("cpu"), torch.float32)
+    kv = eng.runner.kv_cache
+    kv.normal_(generator=gen)
+    with torch.inference_mode():
+        ref = verify_and_draft_step(eng.model, eng.drafter, kv.clone(), ids, kv_lens, tables, state, eng.block_size)
+        step = torch.compile(verify_and_draft_step, fullgraph=True, dynamic=False, backend=backend)
+        out = step(eng.model, eng.drafter, kv.clone(), ids, kv_lens, tables, state, eng.block_size)
+    assert torch.equal(out.tokens, ref.tokens)
+    assert torch.equal(out.num_emitted, ref.num_emitted)
+    assert torch.equal(out.draft_tokens, ref.draft_tokens)
