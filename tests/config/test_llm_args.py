@@ -37,3 +37,12 @@ def test_yaml_file_errors(tmp_path):
     bad.write_text("- a list\n")
     with pytest.raises(LlmArgsError, match="mapping"):
         load_llm_args_yaml(bad)
+
+
+def test_every_example_config_loads():
+    from pathlib import Path
+
+    configs = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+    assert configs
+    for path in configs:
+        parse_llm_args(load_llm_args_yaml(path))

@@ -34,7 +34,7 @@ from nextn.build.manifest import (
 )  # fmt: skip
 from nextn.config.llm_args import LlmArgs, load_llm_args_yaml, parse_llm_args
 from nextn.models.config import DeepseekV3ModelConfig
-from nextn.models.deepseek_v3.weights import FP32_TENSORS, layer_prefix, runtime_weight_specs, to_runtime
+from nextn.models.deepseek_v3.weights import layer_prefix, runtime_weight_dtype, runtime_weight_specs, to_runtime
 
 WEIGHTS_NAME = "model.safetensors"
 #: Copied into the engine and listed in `manifest.tokenizer_files` when the checkpoint has them.
@@ -107,7 +107,7 @@ def build_engine(
             fingerprint=fingerprint([model_dir / CONFIG_NAME, *extra_files, *reader.files], root=model_dir),
         )
         with _staging_dir(output_dir) as staging:
-            specs = {n: (s, torch.float32 if n.endswith(FP32_TENSORS) else torch_dtype)
+            specs = {n: (s, runtime_weight_dtype(n, torch_dtype))
                      for n, s in runtime_weight_specs(cfg).items()}
             tensors = to_runtime(reader.get, reader.has, cfg, torch_dtype)
             write_safetensors_streaming(staging / WEIGHTS_NAME, specs, tensors, progress=progress)

@@ -30,6 +30,11 @@ class WeightError(ValueError):
     """A checkpoint tensor is missing or has the wrong shape; the message names the tensor."""
 
 
+def runtime_weight_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype an engine stores tensor `name` in: `dtype`, or fp32 for FP32_TENSORS."""
+    return torch.float32 if name.endswith(FP32_TENSORS) else dtype
+
+
 def layer_prefix(layer_idx: int) -> str:
     return f"model.layers.{layer_idx}."
 
@@ -133,8 +138,7 @@ def to_runtime(
     specs = runtime_weight_specs(cfg)
 
     def cast(name: str, t: torch.Tensor) -> torch.Tensor:
-        target = torch.float32 if name.endswith(FP32_TENSORS) else dtype
-        return t.to(target).contiguous()
+        return t.to(runtime_weight_dtype(name, dtype)).contiguous()
 
     done: set[str] = set()
     for name, shape in specs.items():
