@@ -56,7 +56,3 @@ class Checkpoints:
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> Checkpoints:
     return Checkpoints(tmp_path_factory.mktemp("checkpoints"))
-
-
-#: Small-vocabulary spec for numerics tests (fast HF comparisons); the real tokenizer needs 129280.
-SMALL = dict(vocab_size=512, with_tokenizer=False)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import DeepseekV3ForCausalLM as HFDeepseekV3
 
-from conftest import SMALL
+from nextn.testing import SMALL_VOCAB as SMALL
 from nextn.build.engine_builder import build_engine
 from nextn.runtime.spec_step import prefill_step
 from nextn.runtime.drafters import NoDrafter

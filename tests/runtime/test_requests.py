@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import SMALL
+from nextn.testing import SMALL_VOCAB as SMALL
 from nextn import LLM, SamplingParams
 from nextn.config.llm_args import LlmArgsError
 from nextn.runtime.sampling_params import SamplingParamsError

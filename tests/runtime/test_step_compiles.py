@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import SMALL
+from nextn.testing import SMALL_VOCAB as SMALL
 from nextn import LLM
 from nextn.runtime.spec_step import verify_and_draft_step
 

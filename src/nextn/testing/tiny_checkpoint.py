@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import importlib.resources
 import json
-import math
 import re
 import shutil
 import struct
@@ -28,13 +27,14 @@ from typing import Literal
 import torch
 from safetensors.torch import load_file, save_file
 
+from nextn.build.fp8 import dequantize_block_fp8, quantize_block_fp8
+
 BOS_TOKEN = "<｜begin▁of▁sentence｜>"
 EOS_TOKEN = "<｜end▁of▁sentence｜>"
 MTP_SHARD = "model-mtp.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_SIZE = 128815  # ids the DeepSeek-V3 tokenizer defines; the checkpoint pads the vocabulary to 129280
 FP8_BLOCK = 128
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 #: Linear weights that DeepSeek's FP8 release stores in e4m3 (norms, router, embeddings, heads, eh_proj stay high precision).
 FP8_WEIGHT = re.compile(
     r"\.(self_attn\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)"
@@ -237,21 +237,12 @@ def fuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def quantize_fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """W [M, N] → (e4m3 W [M, N], `weight_scale_inv` fp32 [ceil(M/128), ceil(N/128)]); scale = block amax / 448."""
-    m, n = w.shape
-    mb, nb = math.ceil(m / FP8_BLOCK), math.ceil(n / FP8_BLOCK)
-    padded = torch.nn.functional.pad(w.float(), (0, nb * FP8_BLOCK - n, 0, mb * FP8_BLOCK - m))
-    blocks = padded.view(mb, FP8_BLOCK, nb, FP8_BLOCK)  # [mb, 128, nb, 128]
-    amax = blocks.abs().amax(dim=(1, 3))  # [mb, nb]
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(mb * FP8_BLOCK, nb * FP8_BLOCK)
-    return q[:m, :n].to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
+    return quantize_block_fp8(w, (FP8_BLOCK, FP8_BLOCK))
 
 
 def dequantize_fp8_block(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     """e4m3 W [M, N] × its block scale [ceil(M/128), ceil(N/128)] → fp32 [M, N]."""
-    m, n = q.shape
-    full = scale_inv.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)[:m, :n]
-    return q.float() * full
+    return dequantize_block_fp8(q, scale_inv, (FP8_BLOCK, FP8_BLOCK))
 
 
 def quantize_fp8_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -364,3 +355,7 @@ def quiet_transformers() -> Iterator[None]:
         logging.set_verbosity(level)
         if bars:
             logging.enable_progress_bar()
+
+
+#: Spec fields of a small-vocabulary checkpoint without tokenizer files: fast HF comparisons, token-id prompts.
+SMALL_VOCAB = {"vocab_size": 512, "with_tokenizer": False}

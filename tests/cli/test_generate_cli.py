@@ -1,0 +1,39 @@
+"""`nextn generate`: completions with acceptance length, JSON output, and clear errors."""
+
+from __future__ import annotations
+
+import json
+
+from nextn.testing import SMALL_VOCAB as SMALL
+from nextn.cli.main import main
+
+
+def test_generate_json_token_ids(checkpoints, capsys, tmp_path):
+    engine = checkpoints.engine(num_mtp_modules=1, **SMALL)
+    cfg = tmp_path / "mtp.yaml"
+    cfg.write_text("speculative_config: {decoding_type: MTP, num_nextn_predict_layers: 2}\n")
+    rc = main(["generate", "--engine_dir", str(engine), "--token_ids", "--prompt", "5,6,7", "--prompt", "9",
+               "--max_tokens", "7", "--ignore_eos", "--json", "--extra_llm_api_options", str(cfg)])
+    assert rc == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [len(r["token_ids"]) for r in rows] == [7, 7]
+    assert all(r["acceptance_length"] >= 1.0 and r["num_draft_tokens"] % 2 == 0 for r in rows)
+
+
+def test_generate_text_with_real_tokenizer(checkpoints, capsys):
+    engine = checkpoints.engine(distill_steps=150, num_mtp_modules=1)
+    assert main(["generate", "--engine_dir", str(engine), "--prompt", "Hello there", "--max_tokens", "6",
+                 "--ignore_eos"]) == 0
+    out = capsys.readouterr().out
+    assert "acceptance length" in out and "6 tokens" in out
+
+
+def test_generate_bad_prompt_and_bad_engine(checkpoints, capsys, tmp_path):
+    engine = checkpoints.engine(num_mtp_modules=1, **SMALL)
+    rc = main(["generate", "--engine_dir", str(engine), "--token_ids", "--prompt", "5,6", "--prompt", "999999",
+               "--max_tokens", "3"])
+    captured = capsys.readouterr()
+    assert rc == 1 and "prompt 1" in captured.err and "outside the vocabulary" in captured.err
+    assert "[0]" in captured.out  # the good prompt still ran
+    assert main(["generate", "--engine_dir", str(tmp_path), "--prompt", "x"]) == 2
+    assert "not an nextn engine directory" in capsys.readouterr().err
