@@ -46,7 +46,7 @@ def test_logits_match_transformers(checkpoints, tmp_path, name):
 
         pos = torch.arange(ids.shape[1]).expand(3, -1)
         valid = pos < torch.tensor(lens)[:, None]
-        meta = AttentionMetadata(pos, slots_for_positions(tables, pos, 8, valid), tables, 8)
+        meta = AttentionMetadata.create(pos, slots_for_positions(tables, pos, 8, valid), tables, 8)
         logits = engine.model.logits(engine.model(ids, kv, meta))
         for b, n in enumerate(lens):
             ref = hf(ids[b : b + 1, :n]).logits[0]

@@ -30,15 +30,34 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
     block_size: int
+    context_slots: torch.Tensor  # [batch, max_blocks · block_size] int64: the slot of every key position
+    visible: torch.Tensor  # [batch, 1, num_tokens, max_blocks · block_size] bool: key position ≤ query position
+
+    @classmethod
+    def create(cls, positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+               block_size: int) -> "AttentionMetadata":
+        """Metadata for one forward; the per-key tensors are derived once here, not in every layer."""
+        b, max_blocks = block_tables.shape
+        offsets = torch.arange(block_size, device=block_tables.device)
+        context_slots = (block_tables[:, :, None] * block_size + offsets).reshape(b, max_blocks * block_size)
+        return cls(positions, slot_mapping, block_tables, block_size, context_slots,
+                   _visible(positions, max_blocks * block_size))
 
     @property
     def max_context(self) -> int:
         """Keys gathered per sequence: max_blocks · block_size."""
-        return self.block_tables.shape[1] * self.block_size
+        return self.context_slots.shape[1]
 
     def with_tokens(self, positions: torch.Tensor, slot_mapping: torch.Tensor) -> "AttentionMetadata":
         """The same sequences with other query tokens (the drafter's steps)."""
-        return AttentionMetadata(positions, slot_mapping, self.block_tables, self.block_size)
+        return AttentionMetadata(positions, slot_mapping, self.block_tables, self.block_size, self.context_slots,
+                                 _visible(positions, self.max_context))
+
+
+def _visible(positions: torch.Tensor, max_context: int) -> torch.Tensor:
+    """Causal mask over the gathered context: [B, 1, T, S], key position ≤ the query's (pads: position 0)."""
+    keys = torch.arange(max_context, device=positions.device)
+    return (keys[None, None, :] <= positions.clamp(min=0)[:, :, None])[:, None]
 
 
 def slots_for_positions(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int,

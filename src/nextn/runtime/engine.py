@@ -60,6 +60,13 @@ def default_speculative_config(manifest: EngineManifest) -> MTPDecodingConfig | 
     return MTPDecodingConfig(num_nextn_predict_layers=s.max_draft_len or s.num_mtp_modules, use_mtp_vanilla=s.use_mtp_vanilla)
 
 
+def _fast_bf16(device: torch.device) -> bool:
+    """Whether bf16 matmuls are fast here: CUDA, or a CPU with bf16 instructions (oneDNN's check)."""
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def unsupported_options(args: LlmArgs, device: torch.device) -> list[str]:
     """LLM arguments that cannot take effect in this release or on this device, one sentence each."""
     notes = []
@@ -94,6 +101,8 @@ class Engine:
         self.block_size = args.kv_cache_config.tokens_per_block
         lookahead = 2 * k + 1
         self.model = self._load_model(self.max_seq_len + lookahead + self.block_size)
+        if k and _fast_bf16(self.device):
+            self.model.use_bf16_draft_head()  # drafts only propose: a cheaper head cannot change the output
         per_seq = -(-(self.max_seq_len + lookahead) // self.block_size)
         max_tokens = args.kv_cache_config.max_tokens or self.max_batch_size * per_seq * self.block_size
         num_blocks = -(-max_tokens // self.block_size) + 1  # + the null block

@@ -53,7 +53,7 @@ def prefill_step(model: DeepseekV3ForCausalLM, drafter: Drafter, kv_cache: torch
     b, t = input_ids.shape
     positions = torch.arange(t, device=input_ids.device).expand(b, t)
     valid = positions < prompt_lens[:, None]
-    meta = AttentionMetadata(positions, slots_for_positions(block_tables, positions, block_size, valid),
+    meta = AttentionMetadata.create(positions, slots_for_positions(block_tables, positions, block_size, valid),
                              block_tables, block_size)
     hidden = model(input_ids, kv_cache, meta)  # [B, T, H]
     last_idx = prompt_lens - 1
@@ -79,7 +79,7 @@ def verify_and_draft_step(model: DeepseekV3ForCausalLM, drafter: Drafter, kv_cac
     """
     b, w = input_ids.shape
     positions = kv_lens[:, None] + torch.arange(w, device=input_ids.device)
-    meta = AttentionMetadata(positions, slots_for_positions(block_tables, positions, block_size), block_tables, block_size)
+    meta = AttentionMetadata.create(positions, slots_for_positions(block_tables, positions, block_size), block_tables, block_size)
     hidden = model(input_ids, kv_cache, meta)  # [B, K+1, H]
     tokens, num_emitted = strict_acceptance(model.logits(hidden), input_ids[:, 1:])
     drafts, state = drafter.after_verify(model, kv_cache, meta, hidden, tokens, num_emitted, drafter_state)

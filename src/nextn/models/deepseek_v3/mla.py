@@ -69,10 +69,7 @@ class MLAttention(nn.Module):
         kv_cache.index_copy_(0, meta.slot_mapping.reshape(-1), new_kv.reshape(b * t, -1))
 
         # Gather each sequence's context through its block table: [B, S, lora + rope], S = max_blocks · block_size.
-        s = meta.max_context
-        slots = (meta.block_tables[:, :, None] * meta.block_size
-                 + torch.arange(meta.block_size, device=x.device)).reshape(b, s)
-        ctx = kv_cache[slots].to(x.dtype)
+        ctx = kv_cache[meta.context_slots].to(x.dtype)
         ctx_kv, ctx_pe = ctx.split([lora, rope_d], dim=-1)
 
         w_kv = self.kv_b_proj.weight.view(nh, nope + cfg.v_head_dim, lora)
@@ -80,9 +77,7 @@ class MLAttention(nn.Module):
         q_lat = torch.einsum("btnd,ndc->btnc", q_nope, w_uk)  # absorbed query [B, T, nh, lora]
         scores = (torch.einsum("btnc,bsc->bnts", q_lat, ctx_kv)
                   + torch.einsum("btnr,bsr->bnts", q_pe, ctx_pe)).float() * self.scale  # [B, nh, T, S]
-        key_pos = torch.arange(s, device=x.device)
-        visible = key_pos[None, None, :] <= meta.positions.clamp(min=0)[:, :, None]  # [B, T, S]
-        scores = scores.masked_fill(~visible[:, None], float("-inf"))
+        scores = scores.masked_fill(~meta.visible, float("-inf"))
         probs = F.softmax(scores, dim=-1).to(x.dtype)
         o_lat = torch.einsum("bnts,bsc->btnc", probs, ctx_kv)  # [B, T, nh, lora]
         o = torch.einsum("btnc,nvc->btnv", o_lat, w_uv).reshape(b, t, nh * cfg.v_head_dim)
