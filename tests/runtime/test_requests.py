@@ -87,3 +87,14 @@ def test_speculative_config_errors(small_engine, checkpoints):
     with pytest.raises(LlmArgsError, match="exceeds the engine's 1 MTP modules"):
         LLM(small_engine, speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 2,
                                               "use_mtp_vanilla": True})
+
+
+def test_sequence_outgrowing_the_whole_cache_ends_with_an_error_and_others_finish(small_engine):
+    llm = LLM(small_engine, speculative_config=MTP3, kv_cache_config={"max_tokens": 40, "tokens_per_block": 8})
+    outs = llm.generate([[5, 6, 7], [8, 9]], [SamplingParams(max_tokens=50, ignore_eos=True),
+                                              SamplingParams(max_tokens=5, ignore_eos=True)])
+    long, short = outs[0].outputs[0], outs[1].outputs[0]
+    assert long.finish_reason == "error" and "kv_cache_config.max_tokens" in long.error
+    assert 0 < len(long.token_ids) < 50  # what it generated before the cache ran out is kept
+    assert short.finish_reason == "length" and len(short.token_ids) == 5
+    assert llm.engine.pool.num_free == llm.engine.pool.num_blocks - 1

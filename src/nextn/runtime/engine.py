@@ -184,8 +184,9 @@ class Engine:
     def step(self) -> list[Request]:
         """One engine iteration: schedule → run → postprocess. Returns the requests that finished."""
         batch = self.scheduler.schedule()
+        aborted, self.scheduler.aborted = self.scheduler.aborted, []
         if batch is None:
-            return []
+            return aborted
         result = self.runner.run(batch)
         k = self.drafter.num_draft_tokens
         for req, emitted, drafts, accepted in zip(batch.requests, result.emitted, result.drafts, result.num_accepted):
@@ -195,7 +196,7 @@ class Engine:
                 req.num_accepted_draft_tokens += accepted
             req.append(emitted, self.max_seq_len)
             req.draft_tokens = drafts
-        done = self.scheduler.finish_done()
+        done = aborted + self.scheduler.finish_done()
         for req in done:
             if self.tokenizer is not None and req.params.detokenize:
                 req.text = self.tokenizer.decode(req.output_token_ids)

@@ -34,6 +34,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._free_slots = list(range(max_batch_size - 1, -1, -1))
         self.num_preemptions = 0
+        self.aborted: list[Request] = []  # finished with an error by the scheduler, for the engine to report
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -50,6 +51,9 @@ class Scheduler:
             if admitted and req.num_tokens > budget:
                 break
             if not self.pool.grow(req.block_table, req.num_tokens + self.lookahead):
+                if not self.running and not admitted:  # alone and still too big: it can never run
+                    self._abort(self.waiting.popleft())
+                    continue
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -63,8 +67,19 @@ class Scheduler:
             return None
         for req in list(self.running):
             while req in self.running and not self.pool.grow(req.block_table, req.kv_len + self.lookahead):
-                self._preempt(self.running[-1])
+                if len(self.running) == 1:  # nothing left to preempt: the cache cannot hold this sequence
+                    self._release(req)
+                    self._abort(req)
+                else:
+                    self._preempt(self.running[-1])
         return ScheduledBatch("decode", tuple(self.running)) if self.running else None
+
+    def _abort(self, req: Request) -> None:
+        self.pool.free(req.block_table)
+        req.finish("error", f"the KV cache ({self.pool.capacity_tokens} tokens) cannot hold this sequence at "
+                            f"{req.num_tokens} tokens plus {self.lookahead} of look-ahead; raise "
+                            "kv_cache_config.max_tokens or lower max_tokens / max_seq_len")
+        self.aborted.append(req)
 
     def _preempt(self, req: Request) -> None:
         self._release(req)
