@@ -8,6 +8,7 @@ from transformers import DeepseekV3ForCausalLM as HFDeepseekV3
 
 from nextn.testing import SMALL_VOCAB as SMALL
 from nextn.build.engine_builder import build_engine
+from nextn.runtime.acceptance_rules import StandardAcceptance, greedy_sampling
 from nextn.runtime.spec_step import prefill_step
 from nextn.runtime.drafters import NoDrafter
 from nextn.runtime.kv_cache import allocate_kv_cache
@@ -52,6 +53,7 @@ def test_logits_match_transformers(checkpoints, tmp_path, name):
             ref = hf(ids[b : b + 1, :n]).logits[0]
             torch.testing.assert_close(logits[b, :n], ref, atol=1e-4, rtol=1e-4)
         # Incremental decode over the paged cache matches the full forward too.
-        out = prefill_step(engine.model, NoDrafter(), kv, ids, torch.tensor(lens), tables, 8)
+        out = prefill_step(engine.model, NoDrafter(), StandardAcceptance(), kv, ids, torch.tensor(lens), tables,
+                           greedy_sampling(3), (), 8)
         ref_next = torch.stack([hf(ids[b : b + 1, :n]).logits[0, -1].argmax() for b, n in enumerate(lens)])
         assert out.tokens[:, 0].tolist() == ref_next.tolist()

@@ -10,6 +10,7 @@ from transformers import DeepseekV3ForCausalLM as HFDeepseekV3
 
 from nextn import LLM, SamplingParams
 from nextn.cli.prompts import load_prompts
+from nextn.runtime.acceptance_rules import StandardAcceptance, greedy_sampling
 from nextn.runtime.kv_cache import allocate_kv_cache
 from nextn.runtime.spec_step import prefill_step
 
@@ -111,7 +112,8 @@ def test_incremental_drafts_equal_drafts_from_scratch(eagle_engine, vanilla_engi
                                    eng.cfg.kv_cache_dim, torch.float32)
             table = torch.arange(1, kv.shape[1] // 16)[None]
             with torch.inference_mode():
-                ref = prefill_step(eng.model, eng.drafter, kv, torch.tensor([seq]), torch.tensor([len(seq)]), table, 16)
+                ref = prefill_step(eng.model, eng.drafter, StandardAcceptance(), kv, torch.tensor([seq]),
+                                   torch.tensor([len(seq)]), table, greedy_sampling(1), (), 16)
             assert ref.tokens[0].tolist() == [req.all_token_ids[-1]]
             assert ref.draft_tokens[0].tolist() == drafts, f"step {req.num_tokens}: stale drafter state"
             checked += 1

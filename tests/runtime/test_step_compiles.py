@@ -8,13 +8,20 @@ import torch
 
 from nextn.testing import SMALL_VOCAB as SMALL
 from nextn import LLM
+from nextn.runtime.acceptance_rules import SamplingTensors
 from nextn.runtime.spec_step import verify_and_draft_step
 
 
-@pytest.mark.parametrize("modules,k,backend", [(1, 2, "inductor"), (3, 3, "aot_eager"), (1, 0, "aot_eager")])
-def test_decode_step_compiles_fullgraph(checkpoints, modules, k, backend):
+@pytest.mark.parametrize("modules,k,backend,sampled,relaxed", [
+    (1, 2, "inductor", False, False),
+    (3, 3, "aot_eager", True, False),
+    (1, 0, "aot_eager", True, False),
+    (1, 3, "aot_eager", True, True),
+])
+def test_decode_step_compiles_fullgraph(checkpoints, modules, k, backend, sampled, relaxed):
     engine = checkpoints.engine(num_mtp_modules=modules, **SMALL)
-    spec = {"decoding_type": "MTP", "num_nextn_predict_layers": k} if k else None
+    spec = {"decoding_type": "MTP", "num_nextn_predict_layers": k, "use_relaxed_acceptance_for_thinking": relaxed,
+            "relaxed_topk": 3, "relaxed_delta": 0.5} if k else None
     eng = LLM(engine, speculative_config=spec).engine
     torch._dynamo.reset()
     gen = torch.Generator().manual_seed(0)
@@ -23,12 +30,17 @@ def test_decode_step_compiles_fullgraph(checkpoints, modules, k, backend):
     kv_lens = torch.tensor([5, 9, 17])
     tables = torch.tensor([[1, 2], [3, 4], [5, 6]])
     state = eng.drafter.initial_state(b, eng.cfg.hidden_size, torch.device("cpu"), torch.float32)
+    accept_state = eng.acceptance.initial_state(b, torch.device("cpu"))
+    # Mixed batch: a greedy request beside sampling ones with top-k / top-p filters.
+    sampling = SamplingTensors(torch.tensor([0.0, 0.7, 1.0]) * sampled, torch.tensor([0, 5, 0]), torch.tensor([1.0, 1.0, 0.9]),
+                               torch.tensor([1, 2, 3]), any_sampled=sampled, use_filters=sampled)
     kv = eng.runner.kv_cache
     kv.normal_(generator=gen)
+    args = (eng.model, eng.drafter, eng.acceptance)
     with torch.inference_mode():
-        ref = verify_and_draft_step(eng.model, eng.drafter, kv.clone(), ids, kv_lens, tables, state, eng.block_size)
+        ref = verify_and_draft_step(*args, kv.clone(), ids, kv_lens, tables, sampling, state, accept_state, eng.block_size)
         step = torch.compile(verify_and_draft_step, fullgraph=True, dynamic=False, backend=backend)
-        out = step(eng.model, eng.drafter, kv.clone(), ids, kv_lens, tables, state, eng.block_size)
+        out = step(*args, kv.clone(), ids, kv_lens, tables, sampling, state, accept_state, eng.block_size)
     assert torch.equal(out.tokens, ref.tokens)
     assert torch.equal(out.num_emitted, ref.num_emitted)
     assert torch.equal(out.draft_tokens, ref.draft_tokens)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import random
 import time
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from nextn.build.manifest import EngineError, EngineManifest
 from nextn.config.llm_args import LlmArgs, LlmArgsError, MTPDecodingConfig
 from nextn.models.deepseek_v3.model import DeepseekV3ForCausalLM
 from nextn.models.deepseek_v3.rope import rope_cache
+from nextn.runtime.acceptance_rules import AcceptanceRule, RelaxedAcceptance, StandardAcceptance
 from nextn.runtime.drafters import Drafter, MtpEagleDrafter, MtpVanillaDrafter, NoDrafter
 from nextn.runtime.kv_cache import BlockPool, allocate_kv_cache
 from nextn.runtime.model_runner import ModelRunner
@@ -52,6 +54,14 @@ def choose_drafter(manifest: EngineManifest, spec: MTPDecodingConfig | None) -> 
     return MtpEagleDrafter(k)
 
 
+def choose_acceptance(spec: MTPDecodingConfig | None) -> AcceptanceRule:
+    """The acceptance rule for this speculative config (chosen once, at load time)."""
+    if spec is not None and spec.use_relaxed_acceptance_for_thinking:
+        return RelaxedAcceptance(spec.relaxed_topk, spec.relaxed_delta, spec.begin_thinking_phase_token,
+                                 spec.end_thinking_phase_token)
+    return StandardAcceptance()
+
+
 def default_speculative_config(manifest: EngineManifest) -> MTPDecodingConfig | None:
     """What the engine was built for: MTP with its max draft length, or none."""
     s = manifest.speculative
@@ -75,9 +85,6 @@ def unsupported_options(args: LlmArgs, device: torch.device) -> list[str]:
                      + ("" if device.type == "cuda" else " (and needs a CUDA device)"))
     if not args.disable_overlap_scheduler:
         notes.append("disable_overlap_scheduler: false: the overlap scheduler is not implemented yet; steps run synchronously")
-    spec = args.speculative_config
-    if spec is not None and spec.use_relaxed_acceptance_for_thinking:
-        notes.append("use_relaxed_acceptance_for_thinking: relaxed acceptance is not implemented yet; strict acceptance is used")
     if args.kv_cache_config.enable_block_reuse:
         notes.append("kv_cache_config.enable_block_reuse: prefix reuse is not implemented yet; blocks are not shared")
     return notes
@@ -111,11 +118,13 @@ class Engine:
                                kv_dtype, self.device)
         self.pool = BlockPool(num_blocks, self.block_size)
         self.scheduler = Scheduler(self.pool, self.max_batch_size, args.max_num_tokens, k)
-        self.runner = ModelRunner(self.model, self.drafter, kv, self.block_size, self.max_batch_size)
+        self.acceptance = choose_acceptance(spec)
+        self.runner = ModelRunner(self.model, self.drafter, self.acceptance, kv, self.block_size, self.max_batch_size)
         self.tokenizer = EngineTokenizer.load(self.engine_dir, manifest.tokenizer_files)
         eos = cfg.eos_token_id
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self._ids = itertools.count()
+        self._seed_rng = random.Random()  # seeds for requests that give none
         self.print_iter_log = args.print_iter_log
         for note in unsupported_options(args, self.device):
             # Defaults that are on (overlap, block reuse) are noted quietly; options a user set are warned about.
@@ -172,7 +181,8 @@ class Engine:
             raise RequestError(f"prompt needs {need} KV slots but the cache holds {self.pool.capacity_tokens}: "
                                "raise kv_cache_config.max_tokens")
         eos = self.eos_ids if params.end_id is None else frozenset([params.end_id])
-        return Request(next(self._ids), text, ids, params, eos)
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        return Request(next(self._ids), text, ids, params, eos, seed=seed)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add(request)
@@ -191,9 +201,7 @@ class Engine:
         k = self.drafter.num_draft_tokens
         for req, emitted, drafts, accepted in zip(batch.requests, result.emitted, result.drafts, result.num_accepted):
             if batch.kind == "decode":
-                req.num_decode_steps += 1
-                req.num_draft_tokens += k
-                req.num_accepted_draft_tokens += accepted
+                req.record_step(k, accepted)
             req.append(emitted, self.max_seq_len)
             req.draft_tokens = drafts
         done = aborted + self.scheduler.finish_done()

@@ -19,6 +19,7 @@ class CompletionOutput:
         num_draft_tokens: draft tokens proposed to verification (K per decode step).
         num_accepted_draft_tokens: drafts the target accepted.
         num_decode_steps: verify-and-draft steps run (prefill excluded).
+        accepted_per_position: for each draft position j (0-based), the steps whose draft j was accepted.
         error: why the request failed (finish_reason "error").
     """
 
@@ -29,12 +30,18 @@ class CompletionOutput:
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
     num_decode_steps: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
     error: str | None = None
 
     @property
     def acceptance_length(self) -> float:
         """Emitted tokens per iteration, prefill counted as one (trtllm-bench's AL = output / (decode steps + 1))."""
         return len(self.token_ids) / (self.num_decode_steps + 1) if self.token_ids else 0.0
+
+    @property
+    def acceptance_rate_per_position(self) -> list[float]:
+        """Per draft position j: accepted / decode steps (j's acceptance requires all earlier ones)."""
+        return [a / self.num_decode_steps for a in self.accepted_per_position] if self.num_decode_steps else []
 
     @property
     def draft_acceptance_rate(self) -> float:

@@ -24,6 +24,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     eos_ids: frozenset[int]
+    seed: int = 0  # the request's sampling seed (SamplingParams.seed, or drawn at submission)
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     block_table: list[int] = field(default_factory=list)
@@ -34,6 +35,7 @@ class Request:
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
     num_decode_steps: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # steps whose draft j was accepted
     text: str = ""
 
     @property
@@ -64,6 +66,16 @@ class Request:
                 self.finish("length")
                 return
 
+    def record_step(self, num_draft: int, num_accepted: int) -> None:
+        """Count one verify-and-draft step that accepted `num_accepted` of `num_draft` drafts."""
+        self.num_decode_steps += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_draft_tokens += num_accepted
+        if len(self.accepted_per_position) < num_draft:
+            self.accepted_per_position.extend([0] * (num_draft - len(self.accepted_per_position)))
+        for j in range(num_accepted):
+            self.accepted_per_position[j] += 1
+
     def finish(self, reason: str, error: str | None = None) -> None:
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
@@ -74,5 +86,6 @@ class Request:
             index=0, token_ids=list(self.output_token_ids), text=self.text, finish_reason=self.finish_reason,
             num_draft_tokens=self.num_draft_tokens, num_accepted_draft_tokens=self.num_accepted_draft_tokens,
             num_decode_steps=self.num_decode_steps, error=self.error,
+            accepted_per_position=list(self.accepted_per_position),
         )
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [completion], self.finished)

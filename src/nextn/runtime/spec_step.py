@@ -5,7 +5,7 @@ boolean-mask indexing (the MoE dispatch included), so the decode step can run un
 `torch.compile(fullgraph=True)` and be captured in one CUDA graph. The data flow (DESIGN.md, REFERENCE.md §2):
 
     hidden  = target([last, d1..dK], positions L..L+K)        # [B, K+1, H], KV written at L..L+K
-    tokens, num_emitted = acceptance(lm_head(hidden), drafts)  # strict: longest matching prefix + 1
+    tokens, num_emitted = acceptance(lm_head(hidden), drafts)  # strict | rejection sampling | relaxed
     (rewind)  the sequence's KV length becomes L + num_emitted: rejected entries are overwritten later
     drafts  = drafter(hidden, tokens, num_emitted)             # MTP Eagle | MTP Vanilla | none
 """
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from nextn.models.deepseek_v3.model import DeepseekV3ForCausalLM
-from nextn.plugins.acceptance import strict_acceptance
+from nextn.runtime.acceptance_rules import AcceptanceRule, AcceptState, SamplingTensors, sample_tokens
 from nextn.runtime.attention_metadata import AttentionMetadata, slots_for_positions
 from nextn.runtime.drafters import Drafter, DrafterState, _at
 
@@ -31,22 +31,26 @@ class StepOutput:
         num_emitted: [B] int64 in [1, K+1] (prefill: 1).
         draft_tokens: [B, K] int64 drafts for the next step.
         drafter_state: the drafter's per-request state for the next step.
+        accept_state: the acceptance rule's per-request state (the thinking delta) for the next step.
     """
 
     tokens: torch.Tensor
     num_emitted: torch.Tensor
     draft_tokens: torch.Tensor
     drafter_state: DrafterState
+    accept_state: AcceptState = ()
 
 
-def prefill_step(model: DeepseekV3ForCausalLM, drafter: Drafter, kv_cache: torch.Tensor, input_ids: torch.Tensor,
-                 prompt_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> StepOutput:
-    """Prefill right-padded prompts, emit each one's first token (greedy) and its first drafts.
+def prefill_step(model: DeepseekV3ForCausalLM, drafter: Drafter, acceptance: AcceptanceRule, kv_cache: torch.Tensor,
+                 input_ids: torch.Tensor, prompt_lens: torch.Tensor, block_tables: torch.Tensor,
+                 sampling: SamplingTensors, accept_state: AcceptState, block_size: int) -> StepOutput:
+    """Prefill right-padded prompts, emit each one's first token (argmax, or sampled) and its first drafts.
 
     Args:
         input_ids: [B, T] int64 prompts, right-padded to the longest (T).
         prompt_lens: [B] int64 true lengths (≥ 1).
         block_tables: [B, max_blocks] int64 covering every prompt position plus the drafter's look-ahead.
+        sampling: the requests' sampling parameters; accept_state: the acceptance rule's state from the prompts.
     Returns:
         StepOutput with tokens [B, 1] and num_emitted = 1.
     """
@@ -57,23 +61,26 @@ def prefill_step(model: DeepseekV3ForCausalLM, drafter: Drafter, kv_cache: torch
                              block_tables, block_size)
     hidden = model(input_ids, kv_cache, meta)  # [B, T, H]
     last_idx = prompt_lens - 1
-    first = model.logits(_at(hidden, last_idx)).argmax(-1)  # [B, 1]
+    first = sample_tokens(model.logits(_at(hidden, last_idx)), prompt_lens[:, None], sampling)  # [B, 1]
     # The token one position ahead of each row: the prompt shifted left, the new token after the last row.
     next_tokens = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1).scatter(1, last_idx[:, None], first)
     drafts, state = drafter.after_prefill(model, kv_cache, meta, hidden, next_tokens, last_idx)
-    return StepOutput(first, torch.ones_like(prompt_lens), drafts, state)
+    ones = torch.ones_like(prompt_lens)
+    return StepOutput(first, ones, drafts, state, acceptance.observe(first, ones, accept_state))
 
 
-def verify_and_draft_step(model: DeepseekV3ForCausalLM, drafter: Drafter, kv_cache: torch.Tensor,
-                          input_ids: torch.Tensor, kv_lens: torch.Tensor, block_tables: torch.Tensor,
-                          drafter_state: DrafterState, block_size: int) -> StepOutput:
+def verify_and_draft_step(model: DeepseekV3ForCausalLM, drafter: Drafter, acceptance: AcceptanceRule,
+                          kv_cache: torch.Tensor, input_ids: torch.Tensor, kv_lens: torch.Tensor,
+                          block_tables: torch.Tensor, sampling: SamplingTensors, drafter_state: DrafterState,
+                          accept_state: AcceptState, block_size: int) -> StepOutput:
     """One decode step for a batch: verify the drafts, accept, rewind, draft again.
 
     Args:
         input_ids: [B, K+1] int64 = [last emitted token, d1..dK] per request.
         kv_lens: [B] int64 L, the number of tokens whose KV is cached (the last emitted token sits at position L).
         block_tables: [B, max_blocks] int64 covering positions up to L + 2K (the drafter's look-ahead).
-        drafter_state: per-request drafter state from the previous step.
+        sampling: the requests' sampling parameters (greedy rows: temperature 0).
+        drafter_state, accept_state: per-request states from the previous step.
     Returns:
         StepOutput; the new KV length is kv_lens + num_emitted (the rewind: rejected entries are dead).
     """
@@ -81,6 +88,7 @@ def verify_and_draft_step(model: DeepseekV3ForCausalLM, drafter: Drafter, kv_cac
     positions = kv_lens[:, None] + torch.arange(w, device=input_ids.device)
     meta = AttentionMetadata.create(positions, slots_for_positions(block_tables, positions, block_size), block_tables, block_size)
     hidden = model(input_ids, kv_cache, meta)  # [B, K+1, H]
-    tokens, num_emitted = strict_acceptance(model.logits(hidden), input_ids[:, 1:])
+    tokens, num_emitted, accept_state = acceptance.accept(model.logits(hidden), input_ids[:, 1:], kv_lens + 1,
+                                                          sampling, accept_state)
     drafts, state = drafter.after_verify(model, kv_cache, meta, hidden, tokens, num_emitted, drafter_state)
-    return StepOutput(tokens, num_emitted, drafts, state)
+    return StepOutput(tokens, num_emitted, drafts, state, accept_state)
