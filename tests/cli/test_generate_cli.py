@@ -12,11 +12,17 @@ def test_generate_json_token_ids(checkpoints, capsys, tmp_path):
     engine = checkpoints.engine(num_mtp_modules=1, **SMALL)
     cfg = tmp_path / "mtp.yaml"
     cfg.write_text("speculative_config: {decoding_type: MTP, num_nextn_predict_layers: 2}\n")
-    rc = main(["generate", "--engine_dir", str(engine), "--token_ids", "--prompt", "5,6,7", "--prompt", "9",
-               "--max_tokens", "7", "--ignore_eos", "--json", "--extra_llm_api_options", str(cfg)])
+    argv = ["generate", "--engine_dir", str(engine), "--token_ids", "--prompt", "5,6,7", "--prompt", "9",
+            "--max_tokens", "7", "--ignore_eos", "--json", "--extra_llm_api_options", str(cfg)]
+    assert main(argv + ["--temperature", "0.1", "--top_p", "0.9", "--seed", "3"]) == 0
+    sampled = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert main(argv + ["--temperature", "0.1", "--top_p", "0.9", "--seed", "3"]) == 0
+    assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == sampled  # seeded: reproducible
+    rc = main(argv)
     assert rc == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [len(r["token_ids"]) for r in rows] == [7, 7]
+    assert all(len(r["accepted_per_position"]) == 2 for r in rows)
     assert all(r["acceptance_length"] >= 1.0 and r["num_draft_tokens"] % 2 == 0 for r in rows)
 
 

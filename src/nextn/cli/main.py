@@ -28,6 +28,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max_tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
     p.add_argument("--extra_llm_api_options", "--config", dest="extra_llm_api_options",
                    help="YAML of LLM arguments (TensorRT-LLM names), e.g. speculative_config")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top_k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    p.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
+    p.add_argument("--seed", type=int, help="sampling seed (same seed, same output)")
     p.add_argument("--ignore_eos", action="store_true", help="do not stop at EOS")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.set_defaults(func=_generate)
@@ -38,7 +42,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     prompts = [[int(t) for t in p.split(",") if t.strip()] for p in args.prompt] if args.token_ids else args.prompt
     llm = LLM(args.engine_dir, extra_llm_api_options=args.extra_llm_api_options)
-    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     outputs = llm.generate(prompts, params)
     failed = 0
     for i, out in enumerate(outputs):
@@ -51,7 +56,8 @@ def _generate(args: argparse.Namespace) -> int:
             print(json.dumps({"prompt": out.prompt, "token_ids": c.token_ids, "text": c.text,
                               "finish_reason": c.finish_reason, "acceptance_length": round(c.acceptance_length, 4),
                               "num_draft_tokens": c.num_draft_tokens,
-                              "num_accepted_draft_tokens": c.num_accepted_draft_tokens}))
+                              "num_accepted_draft_tokens": c.num_accepted_draft_tokens,
+                              "accepted_per_position": c.accepted_per_position}))
         else:
             shown = c.text if c.text else " ".join(map(str, c.token_ids))
             print(f"[{i}] {shown}\n    ({len(c.token_ids)} tokens, finish_reason={c.finish_reason}, "

@@ -98,7 +98,7 @@ def rejection_sampling(target_probs: torch.Tensor, draft_tokens: torch.Tensor, a
 def _emit(draft_tokens: torch.Tensor, fallback: torch.Tensor, num_accepted: torch.Tensor
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """tokens[:, j] = draft j for j < num_accepted, else fallback[:, j]; returns (tokens [B, K+1], num_accepted + 1)."""
-    padded = torch.cat([draft_tokens, draft_tokens[:, :1]], dim=1)
+    padded = torch.cat([draft_tokens, fallback[:, -1:]], dim=1)  # [B, K+1] even when K = 0
     j = torch.arange(padded.shape[1], device=padded.device)
     tokens = torch.where(j[None, :] < num_accepted[:, None], padded, fallback)
     return tokens, num_accepted + 1

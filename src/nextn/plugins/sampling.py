@@ -68,7 +68,7 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
         sorted_x = sorted_x.masked_fill(~keep, float("-inf"))
         p_sorted = torch.softmax(sorted_x, dim=-1)
         mass_before = p_sorted.cumsum(dim=-1) - p_sorted  # mass of the strictly more likely tokens
-        keep = keep & (mass_before < top_p[:, None])
+        keep = keep & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))  # top_p 1 keeps every token
         sorted_x = sorted_x.masked_fill(~keep, float("-inf"))
         x = torch.full_like(x, float("-inf")).scatter(-1, order, sorted_x)
     probs = torch.softmax(x, dim=-1)

@@ -1,0 +1,119 @@
+"""Sampling end to end: MTP with rejection sampling keeps the target's token distribution; seeds are per request;
+relaxed acceptance is strict outside the thinking phase."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+
+from nextn import LLM, SamplingParams
+from nextn.testing import SMALL_VOCAB
+
+MTP3 = {"decoding_type": "MTP", "num_nextn_predict_layers": 3}
+PROMPT = [11, 12, 13, 14, 15]
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoints):
+    return checkpoints.engine(distill_steps=150, num_mtp_modules=1, **SMALL_VOCAB)
+
+
+def chi_square_two_sample_pvalue(a: Counter, b: Counter) -> float:
+    """p-value that two samples come from one categorical distribution (pooled expected counts; categories with
+    an expected count below 5 merged; Wilson–Hilferty approximation of the chi-square tail)."""
+    na, nb = sum(a.values()), sum(b.values())
+    cats = set(a) | set(b)
+    big = [c for c in cats if (a[c] + b[c]) * min(na, nb) / (na + nb) >= 5]
+    rest_a, rest_b = na - sum(a[c] for c in big), nb - sum(b[c] for c in big)
+    rows = [(a[c], b[c]) for c in big] + ([(rest_a, rest_b)] if rest_a + rest_b else [])
+    stat = 0.0
+    for x, y in rows:
+        tot = x + y
+        ea, eb = tot * na / (na + nb), tot * nb / (na + nb)
+        stat += (x - ea) ** 2 / ea + (y - eb) ** 2 / eb
+    df = max(len(rows) - 1, 1)
+    z = ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def _positions(llm: LLM, n: int, params: dict) -> list[Counter]:
+    sps = [SamplingParams(max_tokens=3, ignore_eos=True, seed=s, **params) for s in range(n)]
+    outs = llm.generate([PROMPT] * n, sps)
+    return [Counter(o.outputs[0].token_ids[j] for o in outs) for j in range(3)]
+
+
+# The random-init tiny model's logits have a standard deviation of ~0.16, so temperature 1 is nearly uniform over
+# the vocabulary and drafts would (correctly) almost never be accepted; these temperatures give the target a spread
+# but peaked distribution (top-1 probability ~0.1–0.8), like a trained model at temperature ~1.
+@pytest.mark.parametrize("params", [dict(temperature=0.07), dict(temperature=0.1, top_k=20, top_p=0.9)])
+def test_mtp_keeps_the_token_distribution(engine, params):
+    n = 2000
+    plain = _positions(LLM(engine, speculative_config=None, max_batch_size=64), n, params)
+    llm = LLM(engine, speculative_config=MTP3, max_batch_size=64)
+    mtp = _positions(llm, n, params)
+    for j in (1, 2):  # the second and third generated tokens come out of the verify-and-draft step
+        assert chi_square_two_sample_pvalue(plain[j], mtp[j]) > 1e-3, (j, plain[j].most_common(5), mtp[j].most_common(5))
+    assert len(plain[1]) > 5, "the test needs a spread distribution to mean anything"
+    # Drafts were really accepted (otherwise this would only test plain sampling twice).
+    stats = llm.generate([PROMPT] * 64, [SamplingParams(max_tokens=8, seed=s, ignore_eos=True, **params) for s in range(64)])
+    assert sum(o.outputs[0].num_accepted_draft_tokens for o in stats) > 20
+
+
+def test_always_accepting_drafts_would_fail_the_distribution_check(engine, monkeypatch):
+    """The check above has power: emitting the drafts unverified changes the distribution detectably."""
+    import nextn.runtime.acceptance_rules as rules
+
+    def accept_all(target_probs, draft_tokens, accept_u, sample_u, draft_probs=None):
+        from nextn.plugins.acceptance import _emit
+        from nextn.plugins.sampling import sample_from_probs
+
+        k = draft_tokens.shape[1]
+        return _emit(draft_tokens, sample_from_probs(target_probs, sample_u), draft_tokens.new_full(draft_tokens.shape[:1], k))
+
+    n = 2000
+    plain = _positions(LLM(engine, speculative_config=None, max_batch_size=64), n, dict(temperature=0.07))
+    monkeypatch.setattr(rules, "rejection_sampling", accept_all)
+    broken = _positions(LLM(engine, speculative_config=MTP3, max_batch_size=64), n, dict(temperature=0.07))
+    assert chi_square_two_sample_pvalue(plain[1], broken[1]) < 1e-6
+
+
+@pytest.mark.parametrize("spec", [None, MTP3])
+def test_same_seed_same_output_whatever_the_batch(engine, spec):
+    llm = LLM(engine, speculative_config=spec)
+    sp = SamplingParams(max_tokens=24, temperature=0.1, top_p=0.95, seed=1234, ignore_eos=True)
+    alone = llm.generate(PROMPT, sp).outputs[0].token_ids
+    others = [[3, 4], list(range(20, 45)), [7] * 9]
+    batch = llm.generate(others[:2] + [PROMPT] + others[2:],
+                         [SamplingParams(max_tokens=30, temperature=1.0, seed=9), SamplingParams(max_tokens=5),
+                          sp, SamplingParams(max_tokens=12, temperature=0.5, top_k=3, seed=5)])
+    assert batch[2].outputs[0].token_ids == alone
+    different = llm.generate(PROMPT, sp.model_copy(update={"seed": 4321})).outputs[0].token_ids
+    assert different != alone
+
+
+def test_relaxed_acceptance_is_strict_outside_thinking_and_with_zero_delta(engine):
+    sp = SamplingParams(max_tokens=30, ignore_eos=True)
+    prompts = [PROMPT, [30, 31, 32]]
+    plain = [o.outputs[0].token_ids for o in LLM(engine, speculative_config=None).generate(prompts, sp)]
+    relaxed = {**MTP3, "use_relaxed_acceptance_for_thinking": True, "relaxed_topk": 5, "relaxed_delta": 0.5,
+               "begin_thinking_phase_token": 500, "end_thinking_phase_token": 501}
+    outside = LLM(engine, speculative_config=relaxed).generate(prompts, sp)  # no <think> anywhere: strict
+    assert [o.outputs[0].token_ids for o in outside] == plain
+    zero = LLM(engine, speculative_config={**relaxed, "relaxed_delta": 0.0})
+    inside = zero.generate([[500, *PROMPT], [500, 30, 31, 32]], sp)  # thinking, but delta 0: strict
+    ref = LLM(engine, speculative_config=None).generate([[500, *PROMPT], [500, 30, 31, 32]], sp)
+    assert [o.outputs[0].token_ids for o in inside] == [o.outputs[0].token_ids for o in ref]
+
+
+def test_relaxed_acceptance_in_thinking_accepts_at_least_as_much(engine):
+    sp = SamplingParams(max_tokens=40, ignore_eos=True)
+    relaxed = {**MTP3, "use_relaxed_acceptance_for_thinking": True, "relaxed_topk": 10, "relaxed_delta": 0.9,
+               "begin_thinking_phase_token": 500, "end_thinking_phase_token": 501}
+    prompts = [[500, *PROMPT], [500, 30, 31, 32], [500, 40]]
+    strict = LLM(engine, speculative_config=MTP3).generate(prompts, sp)
+    loose = LLM(engine, speculative_config=relaxed).generate(prompts, sp)
+    al = lambda outs: sum(len(o.outputs[0].token_ids) for o in outs) / sum(o.outputs[0].num_decode_steps + 1 for o in outs)  # noqa: E731
+    assert al(loose) >= al(strict)
+    assert all(o.outputs[0].acceptance_rate_per_position for o in loose)
