@@ -126,6 +126,7 @@ class Engine:
         self._ids = itertools.count()
         self._seed_rng = random.Random()  # seeds for requests that give none
         self.print_iter_log = args.print_iter_log
+        self.iteration_log: list[dict] | None = None  # set to [] to record one dict per iteration
         for note in unsupported_options(args, self.device):
             # Defaults that are on (overlap, block reuse) are noted quietly; options a user set are warned about.
             (logger.info if note.startswith(("disable_overlap", "kv_cache_config.enable")) else logger.warning)("%s", note)
@@ -193,6 +194,7 @@ class Engine:
 
     def step(self) -> list[Request]:
         """One engine iteration: schedule → run → postprocess. Returns the requests that finished."""
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         aborted, self.scheduler.aborted = self.scheduler.aborted, []
         if batch is None:
@@ -208,7 +210,12 @@ class Engine:
         for req in done:
             if self.tokenizer is not None and req.params.detokenize:
                 req.text = self.tokenizer.decode(req.output_token_ids)
-        if self.print_iter_log:
-            logger.info("iter %s: %d requests, %d done, %d free blocks", batch.kind, len(batch.requests), len(done),
-                        self.pool.num_free)
+        if self.print_iter_log or self.iteration_log is not None:
+            entry = {"kind": batch.kind, "num_requests": len(batch.requests), "num_finished": len(done),
+                     "num_emitted": sum(len(e) for e in result.emitted), "free_blocks": self.pool.num_free,
+                     "num_waiting": len(self.scheduler.waiting), "latency_ms": (time.perf_counter() - t0) * 1e3}
+            if self.iteration_log is not None:
+                self.iteration_log.append(entry)
+            if self.print_iter_log:
+                logger.info("iter %s", entry)
         return done

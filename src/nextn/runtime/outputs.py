@@ -20,6 +20,8 @@ class CompletionOutput:
         num_accepted_draft_tokens: drafts the target accepted.
         num_decode_steps: verify-and-draft steps run (prefill excluded).
         accepted_per_position: for each draft position j (0-based), the steps whose draft j was accepted.
+        arrival_time, first_token_time, finished_time: `time.perf_counter()` seconds at submission, at the first
+            emitted token and at completion (for TTFT = first − arrival, TPOT = (finished − first) / (n − 1)).
         error: why the request failed (finish_reason "error").
     """
 
@@ -31,7 +33,24 @@ class CompletionOutput:
     num_accepted_draft_tokens: int = 0
     num_decode_steps: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    arrival_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
     error: str | None = None
+
+    @property
+    def ttft_ms(self) -> float | None:
+        """Time to first token, ms."""
+        if self.first_token_time is None or self.arrival_time is None:
+            return None
+        return (self.first_token_time - self.arrival_time) * 1e3
+
+    @property
+    def tpot_ms(self) -> float | None:
+        """Time per output token after the first, ms (None with fewer than two tokens)."""
+        if self.finished_time is None or self.first_token_time is None or len(self.token_ids) < 2:
+            return None
+        return (self.finished_time - self.first_token_time) * 1e3 / (len(self.token_ids) - 1)
 
     @property
     def acceptance_length(self) -> float:

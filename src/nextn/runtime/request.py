@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -37,6 +38,9 @@ class Request:
     num_decode_steps: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # steps whose draft j was accepted
     text: str = ""
+    arrival_time: float = field(default_factory=time.perf_counter)  # perf_counter seconds at submission
+    first_token_time: float | None = None
+    finished_time: float | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -56,6 +60,8 @@ class Request:
 
     def append(self, tokens: list[int], max_seq_len: int) -> None:
         """Append emitted tokens, cutting at EOS / stop tokens / max_tokens / max_seq_len and finishing if so."""
+        if self.first_token_time is None and tokens:
+            self.first_token_time = time.perf_counter()
         stops = set(self.params.stop_token_ids) | (set() if self.params.ignore_eos else set(self.eos_ids))
         for tok in tokens:
             self.output_token_ids.append(tok)
@@ -78,6 +84,7 @@ class Request:
 
     def finish(self, reason: str, error: str | None = None) -> None:
         self.status = RequestStatus.FINISHED
+        self.finished_time = time.perf_counter()
         self.finish_reason = reason
         self.error = error
 
@@ -87,5 +94,6 @@ class Request:
             num_draft_tokens=self.num_draft_tokens, num_accepted_draft_tokens=self.num_accepted_draft_tokens,
             num_decode_steps=self.num_decode_steps, error=self.error,
             accepted_per_position=list(self.accepted_per_position),
+            arrival_time=self.arrival_time, first_token_time=self.first_token_time, finished_time=self.finished_time,
         )
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [completion], self.finished)
