@@ -1,0 +1,104 @@
+"""Medusa tree buffers: from a list of top-k rank paths to the fixed tensors of tree verification.
+
+Source: Cai et al. 2024, "Medusa" §2.1.2 (tree attention); buffer semantics as in FasterDecoding/Medusa
+`medusa/model/utils.py::generate_medusa_buffers` (REFERENCE.md §5), written here from that description.
+
+A tree is a list of nodes, each the path of top-k ranks from the root: `[0, 1]` = head 0's top-1 then head 1's
+top-2. Nodes are sorted by (depth, path); token 0 is the root (the last emitted token), tokens 1..n the nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+Path = tuple[int, ...]
+
+
+class TreeError(ValueError):
+    """A malformed tree (empty, a node whose parent is missing, a negative rank)."""
+
+
+@dataclass(frozen=True)
+class TreeBuffers:
+    """Everything a batched tree step needs, for a tree of L = num_nodes + 1 tokens and depth D.
+
+    Attributes:
+        mask: [L, L] bool; mask[i, j]: token i sees token j (the root, its ancestors and itself).
+        depth: [L] int64 position offset of each token from the root (root 0).
+        candidate_index: [L] int64 index of each token in the flattened candidates
+            [root, head 0 top-k (topk entries), head 1 top-k, ...]: 1 + (depth − 1)·topk + last rank (root: 0).
+        paths: [P, D + 1] int64 token indices of each root-to-leaf path, padded with 0 past its end.
+        path_valid: [P, D + 1] bool, False on padding.
+        depth_counts: nodes per depth 1..D.
+        topk: candidates kept per head (max rank + 1).
+    """
+
+    mask: torch.Tensor
+    depth: torch.Tensor
+    candidate_index: torch.Tensor
+    paths: torch.Tensor
+    path_valid: torch.Tensor
+    depth_counts: tuple[int, ...]
+    topk: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.mask.shape[0]
+
+    @property
+    def max_depth(self) -> int:
+        return len(self.depth_counts)
+
+    def to(self, device: torch.device | str) -> "TreeBuffers":
+        return TreeBuffers(self.mask.to(device), self.depth.to(device), self.candidate_index.to(device),
+                           self.paths.to(device), self.path_valid.to(device), self.depth_counts, self.topk)
+
+
+def build_tree(choices: list[list[int]] | list[Path]) -> TreeBuffers:
+    """Tree buffers for `choices` (Medusa's `medusa_choices`).
+
+    Raises:
+        TreeError: empty tree, negative rank, duplicate node, or a node whose parent path is not in the tree.
+    """
+    nodes = sorted({tuple(int(r) for r in c) for c in choices}, key=lambda p: (len(p), p))
+    if not nodes:
+        raise TreeError("medusa_choices is empty: give at least one path such as [[0]]")
+    if len(nodes) != len(choices):
+        raise TreeError("medusa_choices holds duplicate paths")
+    present = set(nodes)
+    for p in nodes:
+        if not p or min(p) < 0:
+            raise TreeError(f"invalid tree node {list(p)}: paths are non-empty lists of ranks ≥ 0")
+        if len(p) > 1 and p[:-1] not in present:
+            raise TreeError(f"tree node {list(p)} has no parent {list(p[:-1])} in medusa_choices")
+    index = {p: i + 1 for i, p in enumerate(nodes)}  # token index; the root is 0
+    n = len(nodes) + 1
+    topk = max(max(p) for p in nodes) + 1
+    mask = torch.eye(n, dtype=torch.bool)
+    mask[:, 0] = True
+    depth = torch.zeros(n, dtype=torch.int64)
+    candidate_index = torch.zeros(n, dtype=torch.int64)
+    for p, i in index.items():
+        depth[i] = len(p)
+        candidate_index[i] = 1 + (len(p) - 1) * topk + p[-1]
+        for d in range(1, len(p)):
+            mask[i, index[p[:d]]] = True
+    # Root-to-leaf paths, deepest-last node first (Medusa's order); a node already on a listed path is skipped.
+    paths, covered = [], set()
+    for p in reversed(nodes):
+        if p in covered:
+            continue
+        paths.append([0] + [index[p[:d]] for d in range(1, len(p) + 1)])
+        covered.update(p[:d] for d in range(1, len(p) + 1))
+    width = max(len(x) for x in paths)
+    padded = torch.tensor([x + [0] * (width - len(x)) for x in paths], dtype=torch.int64)
+    valid = torch.tensor([[True] * len(x) + [False] * (width - len(x)) for x in paths])
+    counts = tuple(sum(1 for p in nodes if len(p) == d) for d in range(1, width))
+    return TreeBuffers(mask, depth, candidate_index, padded, valid, counts, topk)
+
+
+def chain(depth: int) -> list[list[int]]:
+    """The degenerate tree: top-1 of each head, one path of `depth` nodes."""
+    return [[0] * d for d in range(1, depth + 1)]
