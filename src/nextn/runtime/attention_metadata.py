@@ -43,6 +43,22 @@ class AttentionMetadata:
         return cls(positions, slot_mapping, block_tables, block_size, context_slots,
                    _visible(positions, max_blocks * block_size))
 
+    @classmethod
+    def create_tree(cls, positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                    block_size: int, kv_lens: torch.Tensor, tree_mask: torch.Tensor) -> "AttentionMetadata":
+        """Metadata for tree verification: the L tree tokens sit at cache positions kv_len..kv_len+L−1 (by token
+        index) with rope positions kv_len + depth; token i sees the cached prefix and its tree ancestors
+        (tree_mask [L, L] bool), nothing else."""
+        b, max_blocks = block_tables.shape
+        s = max_blocks * block_size
+        offsets = torch.arange(block_size, device=block_tables.device)
+        context_slots = (block_tables[:, :, None] * block_size + offsets).reshape(b, s)
+        rel = torch.arange(s, device=block_tables.device)[None, :] - kv_lens[:, None]  # [B, S] key index in the tree
+        in_tree = (rel >= 0) & (rel < tree_mask.shape[0])
+        tree_vis = tree_mask[:, rel.clamp(0, tree_mask.shape[0] - 1)].permute(1, 0, 2)  # [B, L, S]
+        visible = (rel < 0)[:, None, :] | (in_tree[:, None, :] & tree_vis)
+        return cls(positions, slot_mapping, block_tables, block_size, context_slots, visible[:, None])
+
     @property
     def max_context(self) -> int:
         """Keys gathered per sequence: max_blocks · block_size."""

@@ -1,0 +1,183 @@
+"""Benchmark runs on an `LLM`: throughput (every request submitted, at most `concurrency` in flight) and latency
+(batch 1, one request at a time), as trtllm-bench runs them (REFERENCE.md §7).
+
+The loop is `LLM.generate`'s (make_request → add_request → step until no work) with one addition: a request is only
+submitted while fewer than `concurrency` are in flight, and the next one is submitted as soon as one finishes, so
+concurrency caps the in-flight requests the way trtllm-bench's `--concurrency` does (not in waves).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from tqdm.auto import tqdm
+
+from nextn.bench.dataset import DatasetEntry, DatasetError
+from nextn.runtime.engine import RequestError
+from nextn.runtime.outputs import CompletionOutput
+from nextn.runtime.sampling_params import SamplingParams
+
+
+@dataclass
+class BenchRun:
+    """What one benchmark run measured, plus what the report says about the engine and the run.
+
+    Attributes:
+        mode: "throughput" or "latency".
+        decoding_mode: speculative_config's decoding_type ("MTP") or "none".
+        max_draft_len: K, draft tokens per verify-and-draft step (0 without speculation).
+        input_lens: prompt tokens of each completed request, aligned with `outputs`.
+        outputs: the completed requests (failed ones are in `errors`).
+        start_time, end_time: perf_counter seconds at the first submission and at the last completion.
+        engine: name → value for `= PYTORCH BACKEND` / JSON `engine`.
+        world: name → value for `= WORLD + RUNTIME INFORMATION` / JSON `world_info`.
+        iteration_log: one dict per engine iteration of the timed run (empty unless asked for).
+    """
+
+    mode: str
+    decoding_mode: str
+    max_draft_len: int
+    input_lens: list[int]
+    outputs: list[CompletionOutput]
+    start_time: float
+    end_time: float
+    concurrency: int
+    streaming: bool
+    dataset_path: str | None = None
+    engine: dict = field(default_factory=dict)
+    world: dict = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+    iteration_log: list[dict] = field(default_factory=list)
+
+    @property
+    def total_latency_s(self) -> float:
+        return max(self.end_time - self.start_time, 1e-9)
+
+    @property
+    def output_throughput(self) -> float:
+        """Total output tokens/s."""
+        return sum(len(o.token_ids) for o in self.outputs) / self.total_latency_s
+
+
+def _prompt_ids(llm, entries: list[DatasetEntry]) -> list[list[int]]:
+    """Token ids of every entry; text prompts are tokenized with the engine's tokenizer.
+
+    Raises:
+        DatasetError: text prompts for an engine without a tokenizer.
+    """
+    ids = []
+    for e in entries:
+        if e.input_ids is not None:
+            ids.append(list(e.input_ids))
+        elif llm.tokenizer is None:
+            raise DatasetError(f"request {e.task_id} has a text prompt but this engine has no tokenizer: prepare the "
+                               "dataset with token ids (prepare-dataset with a tokenizer, or token-norm-dist)")
+        else:
+            ids.append(llm.tokenizer.encode(e.prompt))
+    return ids
+
+
+def _drive(engine, prompts: list[list[int]], params: list[SamplingParams], concurrency: int,
+           bar: tqdm | None) -> list[CompletionOutput]:
+    """Run every prompt to completion with at most `concurrency` in flight (≤ 0: all at once); outputs in order."""
+    queue = deque(range(len(prompts)))
+    limit = len(prompts) if concurrency <= 0 else concurrency
+    results: list[CompletionOutput | None] = [None] * len(prompts)
+    in_flight: dict[int, int] = {}
+
+    def submit() -> None:
+        while queue and len(in_flight) < limit:
+            i = queue.popleft()
+            try:
+                req = engine.make_request(prompts[i], params[i])
+            except RequestError as e:
+                results[i] = CompletionOutput(finish_reason="error", error=str(e))
+                if bar is not None:
+                    bar.update(1)
+                continue
+            engine.add_request(req)
+            in_flight[req.request_id] = i
+
+    submit()
+    while engine.has_work:
+        for req in engine.step():
+            out = req.to_output().outputs[0]
+            results[in_flight.pop(req.request_id)] = out
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix_str(f"{len(out.token_ids)} tok", refresh=False)
+        submit()
+    return results  # type: ignore[return-value]
+
+
+def describe_engine(llm) -> tuple[dict, dict, str, int]:
+    """(engine info, world info, decoding mode, K) of a loaded `LLM`, for the report."""
+    import nextn
+
+    eng = llm.engine
+    m = eng.manifest
+    k = eng.drafter.num_draft_tokens
+    spec = eng.spec
+    mode = spec.decoding_type if spec is not None else "none"
+    drafter = type(eng.drafter).__name__.removesuffix("Drafter")
+    kv_dtype = llm.args.kv_cache_config.dtype
+    engine = {"model": m.architecture, "model_path": m.source.path, "engine_dir": str(eng.engine_dir),
+              "version": nextn.__version__, "dtype": m.dtype, "kv_cache_dtype": m.dtype if kv_dtype == "auto" else kv_dtype,
+              "quantization": "FP8 (block, dequantised)" if m.source.format == "safetensors-fp8" else None,
+              "backend": "pytorch", "device": str(eng.device),
+              "speculative_decoding": f"{mode} ({drafter}, K={k})" if spec is not None else None}
+    world = {"tp_size": 1, "pp_size": 1, "ep_size": None, "max_batch_size": eng.max_batch_size,
+             "max_num_tokens": llm.args.max_num_tokens, "max_seq_len": eng.max_seq_len,
+             "scheduling_policy": "fcfs, prefill first, preempt by recompute",
+             "kv_cache_tokens": eng.pool.capacity_tokens, "tokens_per_block": eng.block_size}
+    return engine, world, mode, k
+
+
+def run_benchmark(llm, entries: list[DatasetEntry], *, mode: str = "throughput", concurrency: int = -1,
+                  warmup: int = 2, eos_id: int = -1, streaming: bool = False, num_requests: int = 0,
+                  record_iterations: bool = False, progress: bool = True, dataset_path: str | None = None,
+                  desc: str | None = None) -> BenchRun:
+    """Run a benchmark over `entries` (greedy decoding).
+
+    Args:
+        mode: "throughput" (all submitted, `concurrency` in flight, −1 = unlimited) or "latency" (one at a time,
+            streaming statistics).
+        warmup: requests run first and not measured (the first entries, cycled).
+        eos_id: −1 = ignore EOS, so each request emits exactly `output_tokens`; else stop at this token.
+        num_requests: measure the first N entries (0 = all).
+        record_iterations: keep the engine's per-iteration log of the measured run.
+    Raises:
+        DatasetError: text prompts without a tokenizer. A request the engine rejects (e.g. too long) is counted in
+            `errors`, not raised.
+    """
+    if mode not in ("throughput", "latency"):
+        raise ValueError(f"mode must be 'throughput' or 'latency', got {mode!r}")
+    entries = entries[:num_requests] if num_requests > 0 else entries
+    prompts = _prompt_ids(llm, entries)
+
+    def params(e: DatasetEntry) -> SamplingParams:
+        if eos_id < 0:
+            return SamplingParams(max_tokens=e.output_tokens, ignore_eos=True, detokenize=False)
+        return SamplingParams(max_tokens=e.output_tokens, end_id=eos_id, detokenize=False)
+
+    concurrency = 1 if mode == "latency" else concurrency
+    engine = llm.engine
+    if warmup > 0:
+        idx = [i % len(entries) for i in range(warmup)]
+        _drive(engine, [prompts[i] for i in idx], [params(entries[i]) for i in idx], concurrency, None)
+    engine.iteration_log = [] if record_iterations else None
+    bar = tqdm(total=len(entries), desc=desc or mode, unit="req", disable=not progress)
+    start = time.perf_counter()
+    results = _drive(engine, prompts, [params(e) for e in entries], concurrency, bar)
+    end = time.perf_counter()
+    bar.close()
+    log, engine.iteration_log = engine.iteration_log or [], None
+    ok = [(len(p), r) for p, r in zip(prompts, results) if r.finish_reason != "error"]
+    errors = [f"request {e.task_id}: {r.error}" for e, r in zip(entries, results) if r.finish_reason == "error"]
+    info, world, decoding_mode, k = describe_engine(llm)
+    return BenchRun(mode=mode, decoding_mode=decoding_mode, max_draft_len=k, input_lens=[n for n, _ in ok],
+                    outputs=[r for _, r in ok], start_time=start, end_time=end, concurrency=concurrency,
+                    streaming=streaming or mode == "latency", dataset_path=dataset_path, engine=info, world=world,
+                    errors=errors, iteration_log=log)

@@ -1,0 +1,142 @@
+"""The normalised Llama-family configuration, read from an HF `config.json` (either rope spelling) or a GGUF.
+
+Two spellings of the rotary settings occur and both load:
+- older `transformers` / Meta releases: `rope_theta` + `rope_scaling: {rope_type: llama3, factor, ...}` (or null);
+- `transformers` 5: `rope_parameters: {rope_type: default | llama3, rope_theta, ...}`.
+`LlamaModelConfig.from_hf` maps both onto one frozen pydantic model with HF field names, which the engine manifest
+stores and the runtime builds `LlamaForCausalLM` from.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from nextn.models.config import ConfigError
+
+LLAMA_ARCHITECTURES = ("LlamaForCausalLM",)
+
+
+class Llama3RopeScaling(BaseModel):
+    """Llama-3.1 frequency-dependent RoPE scaling (HF `modeling_rope_utils._compute_llama3_parameters`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    rope_type: Literal["llama3"] = "llama3"
+    factor: float = Field(gt=0)  # long wavelengths are divided by this (Llama 3.1: 8)
+    low_freq_factor: float = Field(default=1.0, gt=0)  # wavelengths above orig_ctx / low_freq_factor are scaled
+    high_freq_factor: float = Field(default=4.0, gt=0)  # wavelengths below orig_ctx / high_freq_factor are kept
+    original_max_position_embeddings: int = Field(default=8192, gt=0)  # pre-training context (Llama 3: 8192)
+
+    @model_validator(mode="after")
+    def _check(self) -> "Llama3RopeScaling":
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError("llama3 rope scaling needs high_freq_factor > low_freq_factor")
+        return self
+
+
+class LlamaModelConfig(BaseModel):
+    """Llama hyper-parameters (HF `LlamaConfig` field names)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    architecture: Literal["LlamaForCausalLM"] = "LlamaForCausalLM"
+    vocab_size: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    intermediate_size: int = Field(gt=0)  # SwiGLU width
+    num_hidden_layers: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_key_value_heads: int = Field(gt=0)  # GQA: heads of K and V (= num_attention_heads for MHA)
+    head_dim: int = Field(gt=0)  # per-head width; HF's default is hidden_size // num_attention_heads
+    rms_norm_eps: float = Field(default=1e-6, gt=0)
+    rope_theta: float = Field(default=10000.0, gt=0)  # RoPE base
+    rope_scaling: Llama3RopeScaling | None = None  # null: plain RoPE
+    max_position_embeddings: int = Field(default=2048, gt=0)
+    tie_word_embeddings: bool = False  # lm_head shares embed_tokens (the engine stores an explicit copy)
+    attention_bias: bool = False  # q/k/v/o projections carry biases
+    mlp_bias: Literal[False] = False  # biased MLPs are not supported (no released Llama uses them)
+    hidden_act: Literal["silu"] = "silu"
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    torch_dtype: str = "float32"  # dtype the checkpoint was saved in
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            data = dict(data)
+            if data.get("num_key_value_heads") is None and "num_attention_heads" in data:
+                data["num_key_value_heads"] = data["num_attention_heads"]
+            if data.get("head_dim") is None and "hidden_size" in data and data.get("num_attention_heads"):
+                data["head_dim"] = data["hidden_size"] // data["num_attention_heads"]
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> "LlamaModelConfig":
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
+        return self
+
+    # Derived sizes -------------------------------------------------------------------------------
+    @property
+    def kv_cache_dim(self) -> int:
+        """Values cached per token per layer: K then V of every KV head, 2 · num_key_value_heads · head_dim."""
+        return 2 * self.num_key_value_heads * self.head_dim
+
+    @property
+    def num_nextn_predict_layers(self) -> int:
+        """Llama checkpoints carry no MTP modules (kept so engine code can ask any model family)."""
+        return 0
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.head_dim**-0.5
+
+    # Loading -------------------------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "LlamaModelConfig":
+        """Normalise an HF `config.json` dict (either rope spelling).
+
+        Raises:
+            ConfigError: unsupported architecture/model_type or rope type, a missing required field, or an invalid
+                value; the message names the field.
+        """
+        archs = hf.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch not in LLAMA_ARCHITECTURES and not (arch is None and hf.get("model_type") == "llama"):
+            raise ConfigError(f"unsupported architecture {arch or hf.get('model_type')!r}: the Llama family reads "
+                              f"{', '.join(LLAMA_ARCHITECTURES)} (model_type 'llama')")
+        skip = ("architecture", "rope_theta", "rope_scaling", "torch_dtype")
+        fields: dict[str, Any] = {k: hf[k] for k in cls.model_fields if k not in skip and hf.get(k) is not None}
+        required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
+        missing = [k for k in required if k not in fields]
+        if missing:
+            raise ConfigError(f"config lacks required field(s) {missing} for a Llama checkpoint")
+        fields["rope_theta"], fields["rope_scaling"] = _rope_from_hf(hf)
+        fields["torch_dtype"] = str(hf.get("dtype") or hf.get("torch_dtype") or "float32").removeprefix("torch.")
+        try:
+            return cls(**fields)
+        except ValueError as e:  # pydantic.ValidationError is a ValueError
+            raise ConfigError(f"invalid Llama config: {e}") from e
+
+
+def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
+    """(rope_theta, scaling) from `rope_parameters` (transformers 5) or `rope_scaling` + `rope_theta`."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0)
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise ConfigError(f"unsupported rope type {rope_type!r} for Llama: nextn supports 'default' and 'llama3'")
+    keep = {k: v for k, v in params.items() if k in Llama3RopeScaling.model_fields and v is not None}
+    if "factor" not in keep:
+        raise ConfigError("llama3 rope scaling needs 'factor' in rope_scaling/rope_parameters")
+    try:
+        return theta, Llama3RopeScaling(**keep)
+    except ValueError as e:
+        raise ConfigError(f"invalid llama3 rope scaling {params}: {e}") from e

@@ -1,0 +1,142 @@
+"""Llama for inference over a paged KV cache: RMSNorm, RoPE (Llama-3 scaling), GQA attention, SwiGLU MLP.
+
+Sources: Touvron et al. 2023 ("Llama 2", §2.2: pre-norm RMSNorm, SwiGLU, RoPE, GQA); parameter names and numerics
+follow HF `transformers` `LlamaForCausalLM`, the oracle (fp32 logits matched to ~1e-5). The interface mirrors
+`nextn.models.deepseek_v3.model.DeepseekV3ForCausalLM` (forward over fixed-shape tensors and an
+`AttentionMetadata`, `logits`, `draft_logits`, `num_cache_layers`, the `rope_table` buffer), so the runtime's steps
+run either family. Per token per layer the cache holds K then V of every KV head: [2 · num_key_value_heads · head_dim].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nextn.models.deepseek_v3.model import vocab_projection
+from nextn.models.layers import GatedMLP, RMSNorm
+from nextn.models.llama.config import LlamaModelConfig
+from nextn.models.llama.rope import apply_rope, rope_cache
+from nextn.runtime.attention_metadata import AttentionMetadata
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query attention with HF parameter names (`q_proj`, `k_proj`, `v_proj`, `o_proj`)."""
+
+    def __init__(self, cfg: LlamaModelConfig) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=cfg.attention_bias)
+        self.scale = cfg.softmax_scale
+
+    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Attend the query tokens to their sequences' cached K/V, after writing their own.
+
+        Args:
+            x: [B, T, hidden] normalised hidden states.
+            cos_sin: [B, T, 2, head_dim // 2] rope table rows at the tokens' positions.
+            kv_cache: [num_slots, 2 · num_kv_heads · head_dim] this layer's paged cache (written in place).
+            meta: positions, slot_mapping [B, T]; context_slots [B, S]; visible [B, 1, T, S].
+        Returns:
+            [B, T, hidden].
+        """
+        b, t, _ = x.shape
+        nkv, d = self.num_kv_heads, self.head_dim
+        group = self.num_heads // nkv
+        q = apply_rope(self.q_proj(x).view(b, t, self.num_heads, d), cos_sin)  # [B, T, nh, d]
+        k = apply_rope(self.k_proj(x).view(b, t, nkv, d), cos_sin)  # [B, T, nkv, d]
+        v = self.v_proj(x)  # [B, T, nkv · d]
+        new_kv = torch.cat([k.reshape(b, t, nkv * d), v], dim=-1).to(kv_cache.dtype)  # [B, T, 2 · nkv · d]
+        kv_cache.index_copy_(0, meta.slot_mapping.reshape(-1), new_kv.reshape(b * t, -1))
+
+        # Each sequence's context through its block table: [B, S, 2, nkv, d], S = max_blocks · block_size.
+        ctx = kv_cache[meta.context_slots].to(x.dtype)
+        s = ctx.shape[1]
+        k_ctx, v_ctx = ctx.view(b, s, 2, nkv, d).unbind(2)  # [B, S, nkv, d] each
+        q = q.view(b, t, nkv, group, d)  # query head h = kv head h // group (HF `repeat_kv`)
+        scores = torch.einsum("btkgd,bskd->bkgts", q, k_ctx).float() * self.scale  # [B, nkv, group, T, S]
+        scores = scores.reshape(b, self.num_heads, t, s).masked_fill(~meta.visible, float("-inf"))
+        probs = F.softmax(scores, dim=-1).to(x.dtype).view(b, nkv, group, t, s)
+        o = torch.einsum("bkgts,bskd->btkgd", probs, v_ctx).reshape(b, t, self.num_heads * d)
+        return self.o_proj(o)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then h + SwiGLU(norm(h))."""
+
+    def __init__(self, cfg: LlamaModelConfig) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """x: [B, T, hidden] → [B, T, hidden]; writes this layer's KV (kv_cache: [num_slots, kv dim])."""
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaBody(nn.Module):
+    """`model.*`: embeddings, decoder layers, final norm."""
+
+    def __init__(self, cfg: LlamaModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The Llama target model; parameter names are HF's (a tied checkpoint gets an explicit `lm_head.weight`).
+
+    The KV cache is one tensor [num_hidden_layers, num_slots, 2 · num_key_value_heads · head_dim].
+    """
+
+    def __init__(self, cfg: LlamaModelConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = LlamaBody(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.draft_head_weight: torch.Tensor | None = None
+        self.register_buffer("rope_table", rope_cache(cfg, max_positions or cfg.max_position_embeddings),
+                             persistent=False)
+
+    def rope_table_for(self, num_positions: int) -> torch.Tensor:
+        """A fresh `rope_table` [num_positions, 2, head_dim // 2] fp32 on the CPU (after loading on the meta device)."""
+        return rope_cache(self.cfg, num_positions)
+
+    @property
+    def num_cache_layers(self) -> int:
+        return self.cfg.num_hidden_layers
+
+    def _cos_sin(self, positions: torch.Tensor) -> torch.Tensor:
+        return self.rope_table[positions.clamp(min=0)]  # [B, T, 2, head_dim // 2]
+
+    def forward(self, input_ids: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids: [B, T] int64 → hidden states after the final norm [B, T, hidden]; writes KV at the tokens' slots."""
+        x = self.model.embed_tokens(input_ids)
+        cos_sin = self._cos_sin(meta.positions)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos_sin, kv_cache[i], meta)
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """lm_head: [..., hidden] → [..., vocab] fp32."""
+        return vocab_projection(self.lm_head.weight, hidden).float()
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The drafters' lm_head: [..., hidden] → [..., vocab] fp32, through `draft_head_weight` when set."""
+        weight = self.draft_head_weight if self.draft_head_weight is not None else self.lm_head.weight
+        return vocab_projection(weight, hidden.to(weight.dtype)).float()
+
+    def use_bf16_draft_head(self) -> None:
+        """Give drafters a bf16 copy of lm_head (drafts only propose, so this is lossless)."""
+        if self.lm_head.weight.dtype != torch.bfloat16:
+            self.draft_head_weight = self.lm_head.weight.detach().to(torch.bfloat16)

@@ -1,0 +1,84 @@
+"""Llama weight layouts: the HF checkpoint's tensors and the engine's (runtime) tensors.
+
+The engine keeps HF names unchanged; the one change made at build time is that a tied checkpoint
+(`tie_word_embeddings`, no `lm_head.weight`) gets an explicit `lm_head.weight` copied from `model.embed_tokens.weight`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+
+from nextn.models.deepseek_v3.weights import TensorGetter, WeightError
+from nextn.models.llama.config import LlamaModelConfig
+
+Shape = tuple[int, ...]
+
+__all__ = ["WeightError", "runtime_weight_dtype", "runtime_weight_specs", "to_runtime"]
+
+
+def runtime_weight_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype an engine stores tensor `name` in: always `dtype` (Llama has no fp32-only tensors)."""
+    return dtype
+
+
+def _layer_specs(cfg: LlamaModelConfig) -> dict[str, Shape]:
+    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    specs: dict[str, Shape] = {
+        "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
+    }  # fmt: skip
+    if cfg.attention_bias:
+        specs.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+                      "self_attn.v_proj.bias": (kv,), "self_attn.o_proj.bias": (h,)})
+    specs.update({"mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i),
+                  "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)})
+    return specs
+
+
+def runtime_weight_specs(cfg: LlamaModelConfig) -> dict[str, Shape]:
+    """Every tensor an engine holds, name → shape, in build order."""
+    h, v = cfg.hidden_size, cfg.vocab_size
+    specs: dict[str, Shape] = {"model.embed_tokens.weight": (v, h)}
+    layer = _layer_specs(cfg)
+    for n in range(cfg.num_hidden_layers):
+        specs.update({f"model.layers.{n}.{k}": s for k, s in layer.items()})
+    specs["model.norm.weight"] = (h,)
+    specs["lm_head.weight"] = (v, h)
+    return specs
+
+
+def _checked(get: TensorGetter, name: str, shape: Shape) -> torch.Tensor:
+    try:
+        t = get(name)
+    except KeyError as e:
+        raise WeightError(f"checkpoint is missing tensor {name!r} (expected shape {list(shape)})") from e
+    if tuple(t.shape) != tuple(shape):
+        raise WeightError(f"tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}")
+    return t
+
+
+def to_runtime(
+    get: TensorGetter, has: Callable[[str], bool], cfg: LlamaModelConfig, dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the engine's tensors (name, contiguous tensor in `dtype`) from an HF-named checkpoint.
+
+    Args:
+        get: returns a source tensor by HF name (GGUF readers: already renamed and un-permuted); KeyError when absent.
+        has: whether the source holds a tensor name.
+        cfg: the normalised config.
+        dtype: the engine's weight dtype.
+    Raises:
+        WeightError: a tensor is missing or misshapen (the message names it and the expected shape).
+    """
+    for name, shape in runtime_weight_specs(cfg).items():
+        if name == "lm_head.weight" and not has(name):
+            if not cfg.tie_word_embeddings:
+                raise WeightError(f"checkpoint is missing tensor 'lm_head.weight' (expected shape {list(shape)}; "
+                                  "tie_word_embeddings is false)")
+            name_src = "model.embed_tokens.weight"
+        else:
+            name_src = name
+        yield name, _checked(get, name_src, shape).to(dtype).contiguous()
