@@ -76,8 +76,8 @@ def test_user_errors_exit_2(
     if case == "missing_dir":
         model_dir, expected = tmp_path / "absent", "absent does not exist"
     elif case == "llama":
-        model_dir = make_ckpt(config_update={"architectures": ["LlamaForCausalLM"], "model_type": "llama"}).path
-        expected = "unsupported architecture 'LlamaForCausalLM'"
+        model_dir = make_ckpt(config_update={"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}).path
+        expected = "unsupported architecture 'MixtralForCausalLM'"
     elif case == "missing_tensor":
         model_dir, expected = make_ckpt(drop=("lm_head.weight",)).path, "missing tensor 'lm_head.weight'"
     elif case == "bad_yaml":

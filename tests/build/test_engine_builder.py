@@ -83,7 +83,7 @@ def test_manifest_contents_and_round_trip(make_ckpt, tmp_path: Path) -> None:
     assert m.dtype == "float32"  # auto: the checkpoint's dtype
     assert m.model.num_nextn_predict_layers == 1 and m.model.hidden_size == 64
     assert m.speculative.model_dump() == {"method": "mtp", "num_mtp_modules": 1, "max_draft_len": 1,
-                                          "use_mtp_vanilla": False}
+                                          "use_mtp_vanilla": False, "num_medusa_heads": 0, "medusa_num_layers": 0}
     assert m.build_options.model_dump() == {"max_batch_size": 4, "max_seq_len": 1024, "extra_llm_api_options": None}
     assert m.source.path == str(ck.path.resolve()) and m.source.format == "safetensors"
     assert len(m.source.fingerprint) == 64
@@ -179,7 +179,7 @@ def test_yaml_mtp_k3_on_a_one_module_checkpoint(make_ckpt, write_yaml, tmp_path:
     ck = make_ckpt(num_mtp=1)
     m = build_engine(ck.path, tmp_path / "engine", extra_llm_api_options=write_yaml(MTP_YAML_K3), progress=False)
     assert m.speculative.model_dump() == {"method": "mtp", "num_mtp_modules": 1, "max_draft_len": 3,
-                                          "use_mtp_vanilla": False}
+                                          "use_mtp_vanilla": False, "num_medusa_heads": 0, "medusa_num_layers": 0}
     assert m.build_options.extra_llm_api_options == {
         "max_num_tokens": 4096,
         "speculative_config": {"decoding_type": "MTP", "num_nextn_predict_layers": 3},
@@ -190,7 +190,7 @@ def test_two_module_checkpoint_defaults_to_vanilla(make_ckpt, tmp_path: Path) ->
     ck = make_ckpt(num_mtp=2, sharded=True)
     m = build_engine(ck.path, tmp_path / "engine", progress=False)
     assert m.speculative.model_dump() == {"method": "mtp", "num_mtp_modules": 2, "max_draft_len": 2,
-                                          "use_mtp_vanilla": True}
+                                          "use_mtp_vanilla": True, "num_medusa_heads": 0, "medusa_num_layers": 0}
     assert "model.layers.4.eh_proj.weight" in _engine(tmp_path / "engine")
 
 
@@ -207,7 +207,7 @@ def test_speculative_config_null_means_none(make_ckpt, write_yaml, tmp_path: Pat
     m = build_engine(ck.path, tmp_path / "engine", extra_llm_api_options=write_yaml("speculative_config: null\n"),
                      progress=False)
     assert m.speculative.model_dump() == {"method": "none", "num_mtp_modules": 1, "max_draft_len": 0,
-                                          "use_mtp_vanilla": False}
+                                          "use_mtp_vanilla": False, "num_medusa_heads": 0, "medusa_num_layers": 0}
 
 
 def test_checkpoint_without_mtp(make_ckpt, write_yaml, tmp_path: Path) -> None:
@@ -265,8 +265,8 @@ def test_truncated_shard_is_named(make_ckpt, tmp_path: Path) -> None:
 
 
 def test_unsupported_architecture(make_ckpt, tmp_path: Path) -> None:
-    ck = make_ckpt(config_update={"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
-    with pytest.raises(ConfigError, match="unsupported architecture 'LlamaForCausalLM'"):
+    ck = make_ckpt(config_update={"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"})
+    with pytest.raises(ConfigError, match="unsupported architecture 'MixtralForCausalLM'"):
         build_engine(ck.path, tmp_path / "engine", progress=False)
 
 

@@ -136,7 +136,9 @@ class CheckpointReader:
     @cached_property
     def model_config(self) -> DeepseekV3ModelConfig:
         """The normalised DeepSeek-V3 config (raises `ConfigError` for another architecture or a bad field)."""
-        return DeepseekV3ModelConfig.from_hf(self.hf_config)
+        from nextn.models.registry import model_config_from_hf
+
+        return model_config_from_hf(self.hf_config)
 
     @property
     def is_fp8(self) -> bool:

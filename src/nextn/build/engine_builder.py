@@ -11,6 +11,7 @@ build leaves an existing engine untouched, and a directory that is not an engine
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -29,12 +30,14 @@ from tqdm import tqdm
 import nextn
 from nextn.build.checkpoint import CONFIG_NAME, CheckpointReader
 from nextn.build.fingerprint import fingerprint
+from nextn.build.gguf_reader import GGUFCheckpoint
 from nextn.build.manifest import (
     MANIFEST_NAME, BuildOptions, EngineError, EngineManifest, SourceInfo, SpeculativeInfo,
 )  # fmt: skip
 from nextn.config.llm_args import LlmArgs, load_llm_args_yaml, parse_llm_args
-from nextn.models.config import DeepseekV3ModelConfig
-from nextn.models.deepseek_v3.weights import layer_prefix, runtime_weight_dtype, runtime_weight_specs, to_runtime
+from nextn.build.medusa_heads import MedusaHeadsCheckpoint, check_fits, read_medusa_heads
+from nextn.models.deepseek_v3.weights import layer_prefix
+from nextn.models.registry import WEIGHT_LAYOUTS, ModelConfig
 
 WEIGHTS_NAME = "model.safetensors"
 #: Copied into the engine and listed in `manifest.tokenizer_files` when the checkpoint has them.
@@ -56,11 +59,14 @@ def build_engine(
     max_seq_len: int = 2048,
     extra_llm_api_options: str | Path | None = None,
     progress: bool = True,
+    medusa_model_dir: str | Path | None = None,
 ) -> EngineManifest:
-    """Build an engine directory from a DeepSeek-V3 checkpoint.
+    """Build an engine directory from a DeepSeek-V3 or Llama-family checkpoint, optionally with Medusa heads.
 
     Args:
-        model_dir: HF checkpoint directory (config.json + safetensors, single or sharded, BF16/FP32 or block FP8).
+        model_dir: HF checkpoint directory (config.json + safetensors, single or sharded, BF16/FP32 or block FP8),
+            or a `.gguf` file / a directory holding one (Llama family).
+        medusa_model_dir: Medusa heads (`medusa_lm_head.safetensors` or `.pt`, REFERENCE.md §5) to pack in.
         output_dir: engine directory to create, or an existing engine (it is replaced atomically).
         dtype: engine weight dtype: "auto" (the checkpoint's `torch_dtype`; FP8 checkpoints → bfloat16),
             "float32", "bfloat16" or "float16". `e_score_correction_bias` always stays float32.
@@ -88,8 +94,12 @@ def build_engine(
     yaml_data = load_llm_args_yaml(extra_llm_api_options) if extra_llm_api_options is not None else None
     llm_args = parse_llm_args(yaml_data) if yaml_data is not None else None
 
-    with CheckpointReader(model_dir) as reader:
+    heads = read_medusa_heads(medusa_model_dir) if medusa_model_dir is not None else None
+    with open_checkpoint(model_dir) as reader:
         cfg = reader.model_config
+        layout = WEIGHT_LAYOUTS[cfg.architecture]
+        if heads is not None:
+            check_fits(heads, cfg.hidden_size, cfg.vocab_size)
         _check_seq_len(max_seq_len, "--max_seq_len", cfg)
         if llm_args is not None and llm_args.max_seq_len is not None:
             _check_seq_len(llm_args.max_seq_len, f"max_seq_len in {extra_llm_api_options}", cfg)
@@ -97,21 +107,33 @@ def build_engine(
         spec_disabled = (llm_args is not None and "speculative_config" in yaml_data
                          and llm_args.speculative_config is None)
         cfg = _check_mtp_layers(reader, cfg, drop_if_absent=spec_disabled)
-        speculative = resolve_speculative(cfg, yaml_data, llm_args, model_dir)
+        speculative = (resolve_speculative(cfg, yaml_data, llm_args, model_dir) if heads is None
+                       else medusa_speculative(heads, llm_args))
         engine_dtype = resolve_dtype(dtype, cfg, reader.is_fp8)
         torch_dtype = DTYPES[engine_dtype]
-        extra_files = [p for p in (reader.index_file,) if p is not None]
-        source = SourceInfo(
-            path=str(model_dir.resolve()),
-            format="safetensors-fp8" if reader.is_fp8 else "safetensors",
-            fingerprint=fingerprint([model_dir / CONFIG_NAME, *extra_files, *reader.files], root=model_dir),
-        )
+        if isinstance(reader, GGUFCheckpoint):
+            source = SourceInfo(path=str(reader.path.resolve()), format="gguf",
+                                fingerprint=fingerprint([reader.path], root=reader.path.parent))
+        else:
+            extra_files = [p for p in (reader.index_file,) if p is not None]
+            source = SourceInfo(
+                path=str(model_dir.resolve()),
+                format="safetensors-fp8" if reader.is_fp8 else "safetensors",
+                fingerprint=fingerprint([model_dir / CONFIG_NAME, *extra_files, *reader.files], root=model_dir),
+            )
         with _staging_dir(output_dir) as staging:
-            specs = {n: (s, runtime_weight_dtype(n, torch_dtype))
-                     for n, s in runtime_weight_specs(cfg).items()}
-            tensors = to_runtime(reader.get, reader.has, cfg, torch_dtype)
+            specs = {n: (s, layout.runtime_weight_dtype(n, torch_dtype))
+                     for n, s in layout.runtime_weight_specs(cfg).items()}
+            tensors = layout.to_runtime(reader.get, reader.has, cfg, torch_dtype)
+            if heads is not None:
+                specs.update({MEDUSA_PREFIX + n: (tuple(t.shape), torch_dtype) for n, t in heads.tensors.items()})
+                tensors = itertools.chain(tensors, ((MEDUSA_PREFIX + n, t.to(torch_dtype).contiguous())
+                                                    for n, t in heads.tensors.items()))
             write_safetensors_streaming(staging / WEIGHTS_NAME, specs, tensors, progress=progress)
-            tokenizer_files = _copy_side_files(model_dir, staging)
+            if isinstance(reader, GGUFCheckpoint):
+                tokenizer_files = reader.write_tokenizer_files(staging)
+            else:
+                tokenizer_files = _copy_side_files(model_dir, staging)
             manifest = EngineManifest(
                 nextn_version=nextn.__version__,
                 architecture=cfg.architecture,
@@ -129,7 +151,30 @@ def build_engine(
 
 
 # Decisions ---------------------------------------------------------------------------------------------
-def resolve_dtype(dtype: str, cfg: DeepseekV3ModelConfig, is_fp8: bool) -> str:
+MEDUSA_PREFIX = "medusa_heads."
+
+
+def open_checkpoint(model_dir: Path) -> CheckpointReader | GGUFCheckpoint:
+    """A GGUF reader for a `.gguf` file or a directory holding one and no config.json; else the HF reader."""
+    if model_dir.suffix == ".gguf" or (model_dir.is_dir() and not (model_dir / CONFIG_NAME).exists()
+                                       and any(model_dir.glob("*.gguf"))):
+        return GGUFCheckpoint(model_dir)
+    return CheckpointReader(model_dir)
+
+
+def medusa_speculative(heads: MedusaHeadsCheckpoint, llm_args: LlmArgs | None) -> SpeculativeInfo:
+    """The manifest's speculative section for an engine with Medusa heads (the tree is chosen at load time)."""
+    spec = llm_args.speculative_config if llm_args is not None else None
+    if spec is not None and spec.decoding_type != "Medusa":
+        raise EngineError(f"--medusa_model_dir was given but speculative_config asks for {spec.decoding_type}")
+    n = spec.num_medusa_heads if spec is not None and spec.num_medusa_heads else heads.num_heads
+    if n > heads.num_heads:
+        raise EngineError(f"num_medusa_heads={n} but {heads.source} holds {heads.num_heads} heads")
+    return SpeculativeInfo(method="medusa", num_medusa_heads=heads.num_heads, medusa_num_layers=heads.num_layers,
+                           max_draft_len=n)
+
+
+def resolve_dtype(dtype: str, cfg: ModelConfig, is_fp8: bool) -> str:
     """The engine dtype: `dtype` unless "auto"; auto = checkpoint `torch_dtype`, FP8 checkpoints → bfloat16."""
     if dtype != "auto":
         return dtype
@@ -142,7 +187,7 @@ def resolve_dtype(dtype: str, cfg: DeepseekV3ModelConfig, is_fp8: bool) -> str:
 
 
 def resolve_speculative(
-    cfg: DeepseekV3ModelConfig, yaml_data: dict[str, Any] | None, llm_args: LlmArgs | None, model_dir: Path
+    cfg: ModelConfig, yaml_data: dict[str, Any] | None, llm_args: LlmArgs | None, model_dir: Path
 ) -> SpeculativeInfo:
     """The manifest's speculative section from the checkpoint's MTP module count and the YAML's speculative_config.
 
@@ -172,15 +217,15 @@ def resolve_speculative(
     return SpeculativeInfo(method="mtp", num_mtp_modules=modules, max_draft_len=k, use_mtp_vanilla=vanilla)
 
 
-def _check_seq_len(value: int, what: str, cfg: DeepseekV3ModelConfig) -> None:
+def _check_seq_len(value: int, what: str, cfg: ModelConfig) -> None:
     if value > cfg.max_position_embeddings:
         raise EngineError(f"{what} {value} exceeds the model's max_position_embeddings "
                           f"{cfg.max_position_embeddings} (config.json)")
 
 
 def _check_mtp_layers(
-    reader: CheckpointReader, cfg: DeepseekV3ModelConfig, drop_if_absent: bool
-) -> DeepseekV3ModelConfig:
+    reader: CheckpointReader, cfg: ModelConfig, drop_if_absent: bool
+) -> ModelConfig:
     """Detect a config that declares MTP layers whose tensors are entirely absent (as `save_pretrained` writes).
 
     Returns `cfg`, or a copy with no MTP layers when they are absent and drafting is disabled (`drop_if_absent`).

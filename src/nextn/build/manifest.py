@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from nextn.models.config import DeepseekV3ModelConfig
+from nextn.models.registry import ModelConfig
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -27,14 +27,16 @@ class EngineError(ValueError):
 
 
 class SpeculativeInfo(BaseModel):
-    """What drafting the engine can do: `method` none or mtp, the module count, and the default draft length."""
+    """What drafting the engine can do: `method` none, mtp or medusa, module/head counts, the default draft length."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    method: Literal["none", "mtp"] = "none"
+    method: Literal["none", "mtp", "medusa"] = "none"
     num_mtp_modules: int = Field(default=0, ge=0)  # MTP layers stored in the engine
     max_draft_len: int = Field(default=0, ge=0)  # K the engine was built for (speculative_config's num_nextn_predict_layers)
     use_mtp_vanilla: bool = False  # default drafter: Vanilla (K distinct modules) or Eagle (one module K times)
+    num_medusa_heads: int = Field(default=0, ge=0)  # Medusa heads stored under `medusa_heads.` in the weights
+    medusa_num_layers: int = Field(default=0, ge=0)  # ResBlocks per head
 
 
 class BuildOptions(BaseModel):
@@ -53,7 +55,7 @@ class SourceInfo(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     path: str
-    format: Literal["safetensors", "safetensors-fp8"] = "safetensors"
+    format: Literal["safetensors", "safetensors-fp8", "gguf"] = "safetensors"
     fingerprint: str  # sha256 over config.json and the weight files (names, sizes, contents)
 
 
@@ -66,7 +68,7 @@ class EngineManifest(BaseModel):
     nextn_version: str
     architecture: str
     dtype: Literal["float32", "bfloat16", "float16"]
-    model: DeepseekV3ModelConfig
+    model: ModelConfig
     speculative: SpeculativeInfo
     build_options: BuildOptions
     source: SourceInfo

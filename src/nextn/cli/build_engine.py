@@ -19,12 +19,13 @@ from pathlib import Path
 from nextn.build.checkpoint import CheckpointError
 from nextn.build.engine_builder import build_engine
 from nextn.build.manifest import EngineError
+from nextn.build.medusa_heads import MedusaHeadsError
 from nextn.config.llm_args import LlmArgsError
 from nextn.models.config import ConfigError
 from nextn.models.deepseek_v3.weights import WeightError, runtime_weight_specs
 
 PROG = "build-engine"
-USER_ERRORS = (CheckpointError, ConfigError, WeightError, EngineError, LlmArgsError)
+USER_ERRORS = (CheckpointError, ConfigError, WeightError, EngineError, LlmArgsError, MedusaHeadsError)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -48,7 +49,11 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     p.add_argument("--model_dir", required=True, type=Path, metavar="DIR",
-                   help="HF checkpoint directory: config.json plus model.safetensors or model.safetensors.index.json")
+                   help="HF checkpoint directory (config.json plus model.safetensors or model.safetensors.index.json), "
+                   "or a .gguf file / a directory holding one (Llama family)")
+    p.add_argument("--medusa_model_dir", type=Path, metavar="DIR",
+                   help="Medusa heads to pack into the engine: a directory with medusa_lm_head.safetensors or "
+                   "medusa_lm_head.pt (loaded with weights_only=True), or the file itself")
     p.add_argument("--output_dir", required=True, type=Path, metavar="DIR",
                    help="engine directory to create; an existing engine there is replaced, any other non-empty "
                    "directory is refused")
@@ -85,6 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         manifest = build_engine(
             args.model_dir, args.output_dir, dtype=args.dtype, max_batch_size=args.max_batch_size,
             max_seq_len=args.max_seq_len, extra_llm_api_options=args.extra_llm_api_options, progress=args.progress,
+            medusa_model_dir=args.medusa_model_dir,
         )  # fmt: skip
     except USER_ERRORS as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
@@ -96,7 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     spec = manifest.speculative
     drafting = (f"MTP, {spec.num_mtp_modules} module(s), K={spec.max_draft_len}, "
                 f"{'vanilla' if spec.use_mtp_vanilla else 'eagle'}" if spec.method == "mtp" else
-                f"none ({spec.num_mtp_modules} MTP module(s) stored)")
+                f"Medusa, {spec.num_medusa_heads} head(s) of {spec.medusa_num_layers} ResBlock(s)"
+                if spec.method == "medusa" else f"none ({spec.num_mtp_modules} MTP module(s) stored)")
     print(f"engine:     {args.output_dir}\n"
           f"dtype:      {manifest.dtype}\n"
           f"drafting:   {drafting}\n"

@@ -14,7 +14,7 @@ from nextn.models.config import ConfigError
 from nextn.models.deepseek_v3.weights import WeightError
 from nextn.runtime.sampling_params import SamplingParamsError
 
-USER_ERRORS = (EngineError, LlmArgsError, SamplingParamsError, CheckpointError, ConfigError, WeightError)
+USER_ERRORS = (EngineError, LlmArgsError, SamplingParamsError, CheckpointError, ConfigError, WeightError)  # noqa: E501
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:

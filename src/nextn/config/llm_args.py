@@ -35,7 +35,19 @@ class MTPDecodingConfig(_Strict):
     end_thinking_phase_token: int = 128799  # </think>
 
 
-SpeculativeConfig = Annotated[Union[MTPDecodingConfig], Field(discriminator="decoding_type")]
+class MedusaDecodingConfig(_Strict):
+    """Medusa heads with tree verification (TensorRT-LLM `MedusaDecodingConfig`)."""
+
+    decoding_type: Literal["Medusa"] = "Medusa"
+    num_medusa_heads: int | None = Field(default=None, ge=1)  # null: every head the engine holds
+    # The tree: a list of top-k rank paths, or the name of a published tree (read from medusa_choices.json,
+    # located by $NEXTN_MEDUSA_CHOICES or ../shared/data/); default: Medusa's mc_sim_7b_63.
+    medusa_choices: list[list[int]] | str = "mc_sim_7b_63"
+    posterior_threshold: float = Field(default=0.09, gt=0)  # typical acceptance ε (sampling requests)
+    posterior_alpha: float = Field(default=0.3, gt=0)  # typical acceptance δ
+
+
+SpeculativeConfig = Annotated[Union[MTPDecodingConfig, MedusaDecodingConfig], Field(discriminator="decoding_type")]
 
 
 class KvCacheConfig(_Strict):
@@ -74,7 +86,7 @@ class LlmArgs(_Strict):
     print_iter_log: bool = False
 
 
-_UNION_TAGS = {"MTP": MTPDecodingConfig}
+_UNION_TAGS = {"MTP": MTPDecodingConfig, "Medusa": MedusaDecodingConfig}
 
 
 def _owner_of(loc: tuple, model: type[BaseModel]) -> type[BaseModel]:

@@ -43,7 +43,7 @@ class DeepseekV3ModelConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    architecture: str = "DeepseekV3ForCausalLM"
+    architecture: Literal["DeepseekV3ForCausalLM"] = "DeepseekV3ForCausalLM"
     vocab_size: int = Field(gt=0)
     hidden_size: int = Field(gt=0)
     intermediate_size: int = Field(gt=0)  # dense-MLP width (first_k_dense_replace layers)

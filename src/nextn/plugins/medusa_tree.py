@@ -102,3 +102,28 @@ def build_tree(choices: list[list[int]] | list[Path]) -> TreeBuffers:
 def chain(depth: int) -> list[list[int]]:
     """The degenerate tree: top-1 of each head, one path of `depth` nodes."""
     return [[0] * d for d in range(1, depth + 1)]
+
+
+def published_tree(name: str) -> list[list[int]]:
+    """A published Medusa tree by name (`mc_sim_7b_63`, `vicuna_7b_stage2`, ...).
+
+    The trees are third-party data, not shipped in this package: they are read from the JSON file named by
+    `$NEXTN_MEDUSA_CHOICES`, else from `../shared/data/medusa_choices.json` beside the working directory or the
+    checkout. Raises TreeError naming what to do when the file or the name is missing.
+    """
+    import json
+    import os
+    from pathlib import Path
+
+    candidates = [Path(os.environ["NEXTN_MEDUSA_CHOICES"])] if os.environ.get("NEXTN_MEDUSA_CHOICES") else []
+    here = Path(__file__).resolve()
+    candidates += [root.parent / "shared" / "data" / "medusa_choices.json" for root in (Path.cwd(), *here.parents)]
+    found = next((c for c in candidates if c.is_file()), None)
+    if found is None:
+        raise TreeError(f"medusa_choices {name!r} names a published tree, but no medusa_choices.json was found: set "
+                        "NEXTN_MEDUSA_CHOICES to that file (FasterDecoding/Medusa's trees) or pass medusa_choices "
+                        "as a list of paths, e.g. [[0], [0, 0], [1]]")
+    trees = json.loads(found.read_text())
+    if name not in trees:
+        raise TreeError(f"unknown Medusa tree {name!r}; {found} has {', '.join(trees)}")
+    return trees[name]

@@ -12,9 +12,10 @@ import torch
 from safetensors.torch import load_file
 
 from nextn.build.manifest import EngineError, EngineManifest
-from nextn.config.llm_args import LlmArgs, LlmArgsError, MTPDecodingConfig
-from nextn.models.deepseek_v3.model import DeepseekV3ForCausalLM
-from nextn.models.deepseek_v3.rope import rope_cache
+from nextn.config.llm_args import LlmArgs, LlmArgsError, MedusaDecodingConfig, MTPDecodingConfig
+from nextn.models.medusa import MedusaHeads
+from nextn.models.registry import MODEL_CLASSES
+from nextn.plugins.medusa_tree import TreeError, build_tree, published_tree
 from nextn.runtime.acceptance_rules import AcceptanceRule, RelaxedAcceptance, StandardAcceptance
 from nextn.runtime.drafters import Drafter, MtpEagleDrafter, MtpVanillaDrafter, NoDrafter
 from nextn.runtime.kv_cache import BlockPool, allocate_kv_cache
@@ -22,7 +23,9 @@ from nextn.runtime.model_runner import ModelRunner
 from nextn.runtime.request import Request
 from nextn.runtime.sampling_params import SamplingParams
 from nextn.runtime.scheduler import Scheduler
+from nextn.runtime.spec_step import verify_and_draft_step
 from nextn.runtime.tokenizer import EngineTokenizer
+from nextn.runtime.tree_step import MedusaDrafter, tree_verify_and_draft_step
 
 logger = logging.getLogger(__name__)
 
@@ -33,14 +36,32 @@ class RequestError(ValueError):
     """A request that cannot run (empty, too long, ids out of vocabulary, ...); the message names the fix."""
 
 
-def choose_drafter(manifest: EngineManifest, spec: MTPDecodingConfig | None) -> Drafter:
+MEDUSA_PREFIX = "medusa_heads."
+
+
+def choose_drafter(manifest: EngineManifest, spec: MTPDecodingConfig | MedusaDecodingConfig | None,
+                   heads: MedusaHeads | None = None) -> Drafter:
     """The drafter strategy for this engine and speculative config (chosen once, at load time).
 
     Raises:
-        LlmArgsError: MTP requested from an engine without MTP layers, or Vanilla with more drafts than modules.
+        LlmArgsError: MTP requested from an engine without MTP layers, Vanilla with more drafts than modules,
+            Medusa without heads, more heads than stored, or a malformed / unknown tree.
     """
     if spec is None:
         return NoDrafter()
+    if isinstance(spec, MedusaDecodingConfig):
+        if heads is None:
+            raise LlmArgsError("speculative_config asks for Medusa but this engine has no Medusa heads; rebuild "
+                               "with build-engine --medusa_model_dir HEADS")
+        n = spec.num_medusa_heads or len(heads)
+        if n > len(heads):
+            raise LlmArgsError(f"num_medusa_heads={n} but the engine holds {len(heads)} Medusa heads")
+        choices = spec.medusa_choices
+        try:
+            tree = build_tree(published_tree(choices) if isinstance(choices, str) else choices)
+            return MedusaDrafter(heads[:n] if n < len(heads) else heads, tree)
+        except (TreeError, ValueError) as e:
+            raise LlmArgsError(f"medusa_choices: {e}") from e
     modules = manifest.speculative.num_mtp_modules
     k = spec.num_nextn_predict_layers
     if modules == 0:
@@ -54,9 +75,9 @@ def choose_drafter(manifest: EngineManifest, spec: MTPDecodingConfig | None) -> 
     return MtpEagleDrafter(k)
 
 
-def choose_acceptance(spec: MTPDecodingConfig | None) -> AcceptanceRule:
+def choose_acceptance(spec: MTPDecodingConfig | MedusaDecodingConfig | None) -> AcceptanceRule:
     """The acceptance rule for this speculative config (chosen once, at load time)."""
-    if spec is not None and spec.use_relaxed_acceptance_for_thinking:
+    if isinstance(spec, MTPDecodingConfig) and spec.use_relaxed_acceptance_for_thinking:
         return RelaxedAcceptance(spec.relaxed_topk, spec.relaxed_delta, spec.begin_thinking_phase_token,
                                  spec.end_thinking_phase_token)
     return StandardAcceptance()
@@ -65,6 +86,8 @@ def choose_acceptance(spec: MTPDecodingConfig | None) -> AcceptanceRule:
 def default_speculative_config(manifest: EngineManifest) -> MTPDecodingConfig | None:
     """What the engine was built for: MTP with its max draft length, or none."""
     s = manifest.speculative
+    if s.method == "medusa":
+        return MedusaDecodingConfig(num_medusa_heads=s.max_draft_len or None)
     if s.method != "mtp":
         return None
     return MTPDecodingConfig(num_nextn_predict_layers=s.max_draft_len or s.num_mtp_modules, use_mtp_vanilla=s.use_mtp_vanilla)
@@ -101,13 +124,15 @@ class Engine:
         self.cfg = cfg = manifest.model
         self.device = torch.device(device)
         self.spec = spec
-        self.drafter = choose_drafter(manifest, spec)
-        k = self.drafter.num_draft_tokens
         self.max_batch_size = args.max_batch_size or manifest.build_options.max_batch_size
         self.max_seq_len = args.max_seq_len or manifest.build_options.max_seq_len
         self.block_size = args.kv_cache_config.tokens_per_block
+        weights = self._read_weights()
+        heads = self._medusa_heads(weights)
+        self.drafter = choose_drafter(manifest, spec, heads)
+        k = self.drafter.num_draft_tokens
         lookahead = 2 * k + 1
-        self.model = self._load_model(self.max_seq_len + lookahead + self.block_size)
+        self.model = self._load_model(weights, self.max_seq_len + lookahead + self.block_size)
         if k and _fast_bf16(self.device):
             self.model.use_bf16_draft_head()  # drafts only propose: a cheaper head cannot change the output
         per_seq = -(-(self.max_seq_len + lookahead) // self.block_size)
@@ -119,7 +144,9 @@ class Engine:
         self.pool = BlockPool(num_blocks, self.block_size)
         self.scheduler = Scheduler(self.pool, self.max_batch_size, args.max_num_tokens, k)
         self.acceptance = choose_acceptance(spec)
-        self.runner = ModelRunner(self.model, self.drafter, self.acceptance, kv, self.block_size, self.max_batch_size)
+        decode_fn = tree_verify_and_draft_step if isinstance(self.drafter, MedusaDrafter) else verify_and_draft_step
+        self.runner = ModelRunner(self.model, self.drafter, self.acceptance, kv, self.block_size, self.max_batch_size,
+                                  decode_fn=decode_fn)
         self.tokenizer = EngineTokenizer.load(self.engine_dir, manifest.tokenizer_files)
         eos = cfg.eos_token_id
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
@@ -133,8 +160,7 @@ class Engine:
         logger.info("loaded %s in %.2fs: %s, drafter %s (K=%d), %d KV blocks of %d tokens", engine_dir,
                     time.perf_counter() - t0, manifest.dtype, type(self.drafter).__name__, k, num_blocks, self.block_size)
 
-    def _load_model(self, max_positions: int) -> DeepseekV3ForCausalLM:
-        cfg = self.cfg
+    def _read_weights(self) -> dict[str, torch.Tensor]:
         files = [self.engine_dir / f for f in self.manifest.weight_files]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
@@ -142,14 +168,31 @@ class Engine:
         weights: dict[str, torch.Tensor] = {}
         for f in files:
             weights.update(load_file(str(f), device=str(self.device)))
+        return weights
+
+    def _medusa_heads(self, weights: dict[str, torch.Tensor]) -> MedusaHeads | None:
+        """Pop the Medusa heads out of the engine weights (None when the engine has none)."""
+        s = self.manifest.speculative
+        if s.num_medusa_heads == 0:
+            return None
+        state = {k.removeprefix(MEDUSA_PREFIX): weights.pop(k) for k in list(weights) if k.startswith(MEDUSA_PREFIX)}
         with torch.device("meta"):
-            model = DeepseekV3ForCausalLM(cfg, max_positions=1)
+            heads = MedusaHeads(s.num_medusa_heads, s.medusa_num_layers, self.cfg.hidden_size, self.cfg.vocab_size)
+        try:
+            heads.load_state_dict(state, strict=True, assign=True)
+        except RuntimeError as e:
+            raise EngineError(f"engine Medusa heads do not match its manifest: {e}") from e
+        return heads.eval().requires_grad_(False)
+
+    def _load_model(self, weights: dict[str, torch.Tensor], max_positions: int):
+        """The target model (its family from the manifest) with the engine weights, rope table for max_positions."""
+        with torch.device("meta"):
+            model = MODEL_CLASSES[self.manifest.architecture](self.cfg, max_positions=1)
         try:
             model.load_state_dict(weights, strict=True, assign=True)
         except RuntimeError as e:
             raise EngineError(f"engine weights do not match its manifest: {e}") from e
-        model.rope_table = rope_cache(cfg.rope, cfg.qk_rope_head_dim, cfg.max_position_embeddings,
-                                      max_positions).to(self.device)
+        model.rope_table = model.rope_table_for(max_positions).to(self.device)
         return model.eval().requires_grad_(False)
 
     # Requests ----------------------------------------------------------------------------------------
@@ -181,6 +224,9 @@ class Engine:
         if need > self.pool.capacity_tokens:
             raise RequestError(f"prompt needs {need} KV slots but the cache holds {self.pool.capacity_tokens}: "
                                "raise kv_cache_config.max_tokens")
+        if isinstance(self.drafter, MedusaDrafter) and params.temperature > 0:
+            raise RequestError("sampling with Medusa (typical acceptance) is not implemented yet: use temperature=0, "
+                               "or speculative_config: null for sampling")
         eos = self.eos_ids if params.end_id is None else frozenset([params.end_id])
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         return Request(next(self._ids), text, ids, params, eos, seed=seed)

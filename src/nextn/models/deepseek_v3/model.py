@@ -111,6 +111,11 @@ class DeepseekV3ForCausalLM(nn.Module):
     def num_cache_layers(self) -> int:
         return self.cfg.num_hidden_layers + self.cfg.num_nextn_predict_layers
 
+    def rope_table_for(self, num_positions: int) -> torch.Tensor:
+        """The rope cos/sin table for `num_positions` positions (rebuilt after loading on the meta device)."""
+        cfg = self.cfg
+        return rope_cache(cfg.rope, cfg.qk_rope_head_dim, cfg.max_position_embeddings, num_positions)
+
     def _cos_sin(self, positions: torch.Tensor) -> torch.Tensor:
         return self.rope_table[positions.clamp(min=0)]  # [B, T, 2, rope // 2]
 

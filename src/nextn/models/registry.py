@@ -1,0 +1,37 @@
+"""The model families nextn builds, by HF architecture name: config, weight layout and runtime module."""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Annotated, Any, Union
+
+from pydantic import Field
+
+from nextn.models.config import ConfigError, DeepseekV3ModelConfig
+from nextn.models.deepseek_v3 import weights as deepseek_weights
+from nextn.models.deepseek_v3.model import DeepseekV3ForCausalLM
+from nextn.models.llama import weights as llama_weights
+from nextn.models.llama.config import LlamaModelConfig
+from nextn.models.llama.model import LlamaForCausalLM
+
+#: A normalised model config; `architecture` tells which family.
+ModelConfig = Annotated[Union[DeepseekV3ModelConfig, LlamaModelConfig], Field(discriminator="architecture")]
+
+MODEL_CLASSES = {"DeepseekV3ForCausalLM": DeepseekV3ForCausalLM, "LlamaForCausalLM": LlamaForCausalLM}
+WEIGHT_LAYOUTS: dict[str, ModuleType] = {"DeepseekV3ForCausalLM": deepseek_weights,
+                                         "LlamaForCausalLM": llama_weights}
+
+
+def model_config_from_hf(hf: dict[str, Any]) -> DeepseekV3ModelConfig | LlamaModelConfig:
+    """The normalised config of an HF `config.json` dict, for any supported family.
+
+    Raises:
+        ConfigError: an unsupported architecture (the message lists the supported ones) or an invalid field.
+    """
+    archs = hf.get("architectures") or []
+    if (archs and archs[0] == "LlamaForCausalLM") or hf.get("model_type") == "llama":
+        return LlamaModelConfig.from_hf(hf)
+    if (archs and archs[0] == "DeepseekV3ForCausalLM") or hf.get("model_type") == "deepseek_v3":
+        return DeepseekV3ModelConfig.from_hf(hf)
+    raise ConfigError(f"unsupported architecture {(archs or [hf.get('model_type')])[0]!r}: nextn builds "
+                      f"{', '.join(MODEL_CLASSES)}")
