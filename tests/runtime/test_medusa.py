@@ -138,3 +138,16 @@ def test_tree_step_compiles_fullgraph(checkpoints, tmp_path):
         ref = tree_verify_and_draft_step(*args, kv.clone(), *rest)
         out = torch.compile(tree_verify_and_draft_step, fullgraph=True, backend="aot_eager")(*args, kv.clone(), *rest)
     assert torch.equal(out.tokens, ref.tokens) and torch.equal(out.draft_tokens, ref.draft_tokens)
+
+
+def test_medusa_sampling_uses_typical_acceptance_and_is_seeded(stories_engine):
+    spec = {"decoding_type": "Medusa", "medusa_choices": chain(3) + [[1], [1, 0], [2]]}
+    llm = LLM(stories_engine, speculative_config=spec)
+    sp = SamplingParams(max_tokens=40, temperature=0.8, top_p=0.95, seed=11, ignore_eos=True)
+    a = llm.generate(["Once upon a time", "The dog"], [sp, sp.model_copy(update={"seed": 12})])
+    b = llm.generate(["Once upon a time"], sp)
+    assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids  # same seed, different batch
+    assert all(len(o.outputs[0].token_ids) == 40 for o in a)
+    greedy = llm.generate(["Once upon a time"], SamplingParams(max_tokens=30, ignore_eos=True))
+    plain = LLM(stories_engine, speculative_config=None).generate(["Once upon a time"], SamplingParams(max_tokens=30, ignore_eos=True))
+    assert greedy[0].outputs[0].token_ids == plain[0].outputs[0].token_ids

@@ -102,3 +102,46 @@ def _emit(draft_tokens: torch.Tensor, fallback: torch.Tensor, num_accepted: torc
     j = torch.arange(padded.shape[1], device=padded.device)
     tokens = torch.where(j[None, :] < num_accepted[:, None], padded, fallback)
     return tokens, num_accepted + 1
+
+
+def tree_greedy_acceptance(target_tokens: torch.Tensor, tree_tokens: torch.Tensor, paths: torch.Tensor,
+                           path_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy tree verification (Medusa, lossless): per path, the longest prefix where each candidate equals the
+    target's argmax at its parent; the best path is the first with the most accepted tokens.
+
+    Args:
+        target_tokens: [B, L] argmax of the target at every tree token; tree_tokens: [B, L] the candidates.
+        paths: [P, D+1] token indices of the root-to-leaf paths; path_valid: [P, D+1] bool.
+    Returns:
+        best path [B] int64, num_accepted [B] int64 (candidates accepted on it, 0..D).
+    """
+    cand, tgt = tree_tokens[:, paths], target_tokens[:, paths]  # [B, P, D+1]
+    match = (cand[:, :, 1:] == tgt[:, :, :-1]) & path_valid[None, :, 1:]
+    accepted = match.to(torch.int64).cumprod(dim=-1).sum(dim=-1)  # [B, P]
+    best = accepted.argmax(dim=-1)
+    return best, accepted.gather(1, best[:, None]).squeeze(1)
+
+
+def tree_typical_acceptance(target_probs: torch.Tensor, tree_tokens: torch.Tensor, paths: torch.Tensor,
+                            path_valid: torch.Tensor, posterior_threshold: float, posterior_alpha: float
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Typical acceptance (Medusa-2, Cai et al. 2024 §2.3.1; lossy): a candidate x is accepted when
+    p(x) > min(ε, δ·exp(−H(p))) under its parent's distribution p, ε = posterior_threshold, δ = posterior_alpha.
+    The best path has the most accepted candidates, ties broken by the highest summed log-likelihood.
+
+    Args:
+        target_probs: [B, L, V] the target's sampling distributions at every tree token.
+    Returns:
+        best path [B] int64, num_accepted [B] int64.
+    """
+    entropy = -(target_probs * torch.log(target_probs.clamp_min(1e-20))).sum(-1)  # [B, L]
+    bar = torch.minimum(torch.full_like(entropy, posterior_threshold), posterior_alpha * torch.exp(-entropy))
+    parent, child = paths[:, :-1], paths[:, 1:]  # [P, D]
+    p_child = target_probs[:, parent].gather(-1, tree_tokens[:, child][..., None]).squeeze(-1)  # [B, P, D]
+    ok = (p_child > bar[:, parent]) & path_valid[None, :, 1:]
+    accepted = ok.to(torch.int64).cumprod(dim=-1)  # [B, P, D]
+    count = accepted.sum(dim=-1)
+    loglik = (torch.log(p_child.clamp_min(1e-20)) * accepted).sum(dim=-1)
+    # Most accepted first, then likelihood: loglik ≤ 0 and bounded, so a scaled count dominates it.
+    best = (count * 1e4 + loglik.clamp(min=-1e3)).argmax(dim=-1)
+    return best, count.gather(1, best[:, None]).squeeze(1)

@@ -25,7 +25,7 @@ from nextn.runtime.sampling_params import SamplingParams
 from nextn.runtime.scheduler import Scheduler
 from nextn.runtime.spec_step import verify_and_draft_step
 from nextn.runtime.tokenizer import EngineTokenizer
-from nextn.runtime.tree_step import MedusaDrafter, tree_verify_and_draft_step
+from nextn.runtime.tree_step import MedusaDrafter, TreeAcceptance, tree_verify_and_draft_step
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,8 @@ def choose_drafter(manifest: EngineManifest, spec: MTPDecodingConfig | MedusaDec
 
 def choose_acceptance(spec: MTPDecodingConfig | MedusaDecodingConfig | None) -> AcceptanceRule:
     """The acceptance rule for this speculative config (chosen once, at load time)."""
+    if isinstance(spec, MedusaDecodingConfig):
+        return TreeAcceptance(spec.posterior_threshold, spec.posterior_alpha)
     if isinstance(spec, MTPDecodingConfig) and spec.use_relaxed_acceptance_for_thinking:
         return RelaxedAcceptance(spec.relaxed_topk, spec.relaxed_delta, spec.begin_thinking_phase_token,
                                  spec.end_thinking_phase_token)
@@ -224,9 +226,6 @@ class Engine:
         if need > self.pool.capacity_tokens:
             raise RequestError(f"prompt needs {need} KV slots but the cache holds {self.pool.capacity_tokens}: "
                                "raise kv_cache_config.max_tokens")
-        if isinstance(self.drafter, MedusaDrafter) and params.temperature > 0:
-            raise RequestError("sampling with Medusa (typical acceptance) is not implemented yet: use temperature=0, "
-                               "or speculative_config: null for sampling")
         eos = self.eos_ids if params.end_id is None else frozenset([params.end_id])
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         return Request(next(self._ids), text, ids, params, eos, seed=seed)

@@ -17,11 +17,52 @@ from __future__ import annotations
 import torch
 
 from nextn.models.medusa import MedusaHeads
+from nextn.plugins.acceptance import tree_greedy_acceptance, tree_typical_acceptance
 from nextn.plugins.medusa_tree import TreeBuffers
+from nextn.plugins.sampling import STREAM_SAMPLE, counter_uniform, sample_from_probs
 from nextn.runtime.acceptance_rules import AcceptanceRule, AcceptState, SamplingTensors
 from nextn.runtime.attention_metadata import AttentionMetadata, slots_for_positions
 from nextn.runtime.drafters import DrafterState, _at
 from nextn.runtime.spec_step import StepOutput
+
+
+class TreeAcceptance:
+    """Medusa's acceptance rule: greedy path matching (lossless) for greedy requests, typical acceptance
+    (`posterior_threshold`, `posterior_alpha`; lossy, Medusa-2) for sampling requests, whose token at the last
+    accepted node is then drawn from the target. Chosen from the Medusa speculative config."""
+
+    def __init__(self, posterior_threshold: float = 0.09, posterior_alpha: float = 0.3) -> None:
+        self.posterior_threshold, self.posterior_alpha = posterior_threshold, posterior_alpha
+
+    def initial_state(self, batch, device) -> AcceptState:
+        return ()
+
+    def prompt_state(self, token_ids) -> tuple[float, ...]:
+        return ()
+
+    def observe(self, tokens, num_emitted, state):
+        return state
+
+    def accept_tree(self, logits: torch.Tensor, tree_tokens: torch.Tensor, tree: TreeBuffers, kv_lens: torch.Tensor,
+                    sampling: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(best path [B], num_accepted [B], emitted tokens along it [B, D+1]) for logits [B, L, V]."""
+        target = logits.argmax(dim=-1)  # [B, L]
+        best, n = tree_greedy_acceptance(target, tree_tokens, tree.paths, tree.path_valid)
+        tokens = target[:, tree.paths].gather(1, best[:, None, None].expand(-1, 1, tree.paths.shape[1])).squeeze(1)
+        if not sampling.any_sampled:
+            return best, n, tokens
+        probs = sampling.probs(logits)  # [B, L, V]
+        t_best, t_n = tree_typical_acceptance(probs, tree_tokens, tree.paths, tree.path_valid,
+                                              self.posterior_threshold, self.posterior_alpha)
+        t_path = tree.paths[t_best]  # [B, D+1]
+        accepted = tree_tokens.gather(1, t_path)  # candidates along the path; entry 0 is the root
+        steps = torch.arange(t_path.shape[1], device=logits.device)
+        u = counter_uniform(sampling.seed, kv_lens[:, None] + 1 + steps, STREAM_SAMPLE)
+        drawn = sample_from_probs(probs.gather(1, t_path[..., None].expand(-1, -1, probs.shape[-1])), u)  # [B, D+1]
+        t_tokens = torch.where(steps[None, :] < t_n[:, None], torch.roll(accepted, -1, dims=1), drawn)
+        greedy = sampling.temperature <= 0
+        return (torch.where(greedy, best, t_best), torch.where(greedy, n, t_n),
+                torch.where(greedy[:, None], tokens, t_tokens))
 
 
 class MedusaDrafter:
@@ -52,7 +93,7 @@ def tree_verify_and_draft_step(model, drafter: MedusaDrafter, acceptance: Accept
                                input_ids: torch.Tensor, kv_lens: torch.Tensor, block_tables: torch.Tensor,
                                sampling: SamplingTensors, drafter_state: DrafterState, accept_state: AcceptState,
                                block_size: int) -> StepOutput:
-    """One Medusa step for a batch (greedy acceptance: lossless).
+    """One Medusa step for a batch (greedy requests: lossless; sampling requests: typical acceptance).
 
     Args:
         input_ids: [B, L] tree tokens (the last emitted token, then the L − 1 candidates from the previous step).
@@ -67,15 +108,8 @@ def tree_verify_and_draft_step(model, drafter: MedusaDrafter, acceptance: Accept
     meta = AttentionMetadata.create_tree(kv_lens[:, None] + tree.depth, slots, block_tables, block_size, kv_lens,
                                          tree.mask)
     hidden = model(input_ids, kv_cache, meta)  # [B, L, H]
-    target = model.logits(hidden).argmax(dim=-1)  # [B, L]
-    cand = input_ids[:, tree.paths]  # [B, P, D+1] tokens along each path
-    tgt = target[:, tree.paths]  # [B, P, D+1] the target's next token after each path node
-    match = (cand[:, :, 1:] == tgt[:, :, :-1]) & tree.path_valid[None, :, 1:]
-    accepted = match.to(torch.int64).cumprod(dim=-1).sum(dim=-1)  # [B, P]
-    best = accepted.argmax(dim=-1)  # first path with the most accepted tokens
-    num_accepted = accepted.gather(1, best[:, None]).squeeze(1)  # [B]
+    best, num_accepted, tokens = acceptance.accept_tree(model.logits(hidden), input_ids, tree, kv_lens, sampling)
     path = tree.paths[best]  # [B, D+1] token indices of the best path
-    tokens = tgt.gather(1, best[:, None, None].expand(-1, 1, tgt.shape[2])).squeeze(1)  # [B, D+1]
     # Compact: the best path's node t (cache position kv_len + path[t]) moves to kv_len + t, for t ≤ num_accepted.
     steps = torch.arange(path.shape[1], device=path.device)
     src = slots_for_positions(block_tables, kv_lens[:, None] + path, block_size)
