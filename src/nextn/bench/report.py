@@ -88,7 +88,7 @@ class BenchStatistics:
     draft_acceptance_rate: PercentileStats
     acceptance_length: PercentileStats
     global_acceptance_length: float  # Σ output / Σ it
-    acceptance_rate_per_position: list[float]  # draft j: Σ steps accepting j / Σ decode steps
+    acceptance_rate_per_position: list[float]  # draft position j: Σ steps accepting j / Σ decode steps
     input_len: PercentileStats
     output_len: PercentileStats
     seq_len: PercentileStats
@@ -110,7 +110,7 @@ def compute_statistics(run: BenchRun) -> BenchStatistics:
     tpot = [o.tpot_ms for o in outs if o.tpot_ms is not None]
     counts = [decoding_counts(o, run.max_draft_len) for o in outs]
     steps = sum(o.num_decode_steps for o in outs)
-    k = run.max_draft_len
+    k = run.max_draft_len if run.num_draft_positions < 0 else run.num_draft_positions
     per_pos = [sum(o.accepted_per_position[j] for o in outs if j < len(o.accepted_per_position)) / steps if steps else 0.0
                for j in range(k)]
     return BenchStatistics(
@@ -167,8 +167,12 @@ def _fmt(value: object) -> str:
     return f"{value:.4f}" if isinstance(value, float) else str(value)
 
 
+def _rule_title(title: str) -> str:
+    return f"-- {title} " + "-" * max(3, len(RULE) - len(title) - 4)
+
+
 def _percentiles(tag: str, title: str, stats: PercentileStats) -> list[str]:
-    return ["", f"-- {title} ".ljust(RULE.__len__(), "-"), ""] + [
+    return ["", _rule_title(title), ""] + [
         f"[{tag}] {name:<7}: {getattr(stats, attr):.4f}" for name, attr in PERCENTILE_ROWS]
 
 
@@ -216,15 +220,16 @@ def format_report(run: BenchRun, stats: BenchStatistics | None = None) -> str:
     lines += _percentiles("DAR", "Draft Acceptance Rate Details", s.draft_acceptance_rate)
     lines += _percentiles("AL", "Acceptance Length Details", s.acceptance_length)
     if s.acceptance_rate_per_position:
-        lines += ["", "-- Acceptance Rate per Draft Position ".ljust(len(RULE), "-"), ""]
+        lines += ["", _rule_title("Acceptance Rate per Draft Position"), ""]
         lines += [f"[Draft {j + 1}] {r:.4f}" for j, r in enumerate(s.acceptance_rate_per_position)]
     lines += [""] + _section("DATASET DETAILS") + _fields([
         ("Dataset Path", run.dataset_path), ("Number of Sequences", s.num_requests)])
-    lines += ["", "-- Percentiles statistics ".ljust(len(RULE), "-"), "",
+    lines += ["", _rule_title("Percentiles statistics"), "",
               f"{'':8}{'Input':>14}{'Output':>14}{'Seq. Length':>14}", "-" * len(RULE)]
     for name, attr in PERCENTILE_ROWS:
         vals = (getattr(x, attr) for x in (s.input_len, s.output_len, s.seq_len))
-        lines.append(f"{name[:3] + ':':8}" + "".join(f"{v:>14.4f}" for v in vals))
+        short = {"MINIMUM": "MIN", "MAXIMUM": "MAX", "AVERAGE": "AVG"}.get(name, name)
+        lines.append(f"{short + ':':8}" + "".join(f"{v:>14.4f}" for v in vals))
     return "\n".join(lines + [RULE])
 
 

@@ -27,7 +27,8 @@ class BenchRun:
     Attributes:
         mode: "throughput" or "latency".
         decoding_mode: speculative_config's decoding_type ("MTP") or "none".
-        max_draft_len: K, draft tokens per verify-and-draft step (0 without speculation).
+        max_draft_len: K, draft tokens per verify-and-draft step (0 without speculation; a Medusa tree's size − 1).
+        num_draft_positions: draft positions a step can accept in sequence (K; a Medusa tree's depth).
         input_lens: prompt tokens of each completed request, aligned with `outputs`.
         outputs: the completed requests (failed ones are in `errors`).
         start_time, end_time: perf_counter seconds at the first submission and at the last completion.
@@ -45,6 +46,7 @@ class BenchRun:
     end_time: float
     concurrency: int
     streaming: bool
+    num_draft_positions: int = -1  # -1: max_draft_len
     dataset_path: str | None = None
     engine: dict = field(default_factory=dict)
     world: dict = field(default_factory=dict)
@@ -112,8 +114,8 @@ def _drive(engine, prompts: list[list[int]], params: list[SamplingParams], concu
     return results  # type: ignore[return-value]
 
 
-def describe_engine(llm) -> tuple[dict, dict, str, int]:
-    """(engine info, world info, decoding mode, K) of a loaded `LLM`, for the report."""
+def describe_engine(llm) -> tuple[dict, dict, str, int, int]:
+    """(engine info, world info, decoding mode, K, draft positions) of a loaded `LLM`, for the report."""
     import nextn
 
     eng = llm.engine
@@ -132,7 +134,8 @@ def describe_engine(llm) -> tuple[dict, dict, str, int]:
              "max_num_tokens": llm.args.max_num_tokens, "max_seq_len": eng.max_seq_len,
              "scheduling_policy": "fcfs, prefill first, preempt by recompute",
              "kv_cache_tokens": eng.pool.capacity_tokens, "tokens_per_block": eng.block_size}
-    return engine, world, mode, k
+    depth = getattr(getattr(eng.drafter, "tree", None), "max_depth", k)  # a tree drafter accepts one path
+    return engine, world, mode, k, depth
 
 
 def run_benchmark(llm, entries: list[DatasetEntry], *, mode: str = "throughput", concurrency: int = -1,
@@ -176,8 +179,8 @@ def run_benchmark(llm, entries: list[DatasetEntry], *, mode: str = "throughput",
     log, engine.iteration_log = engine.iteration_log or [], None
     ok = [(len(p), r) for p, r in zip(prompts, results) if r.finish_reason != "error"]
     errors = [f"request {e.task_id}: {r.error}" for e, r in zip(entries, results) if r.finish_reason == "error"]
-    info, world, decoding_mode, k = describe_engine(llm)
+    info, world, decoding_mode, k, depth = describe_engine(llm)
     return BenchRun(mode=mode, decoding_mode=decoding_mode, max_draft_len=k, input_lens=[n for n, _ in ok],
                     outputs=[r for _, r in ok], start_time=start, end_time=end, concurrency=concurrency,
-                    streaming=streaming or mode == "latency", dataset_path=dataset_path, engine=info, world=world,
-                    errors=errors, iteration_log=log)
+                    streaming=streaming or mode == "latency", num_draft_positions=depth, dataset_path=dataset_path,
+                    engine=info, world=world, errors=errors, iteration_log=log)

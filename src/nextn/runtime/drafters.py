@@ -31,7 +31,8 @@ def _at(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 
 class Drafter(Protocol):
-    num_draft_tokens: int
+    num_draft_tokens: int  # draft tokens verified per step (K; a Medusa tree's node count)
+    max_draft_depth: int  # the most drafts one step can accept (K; a Medusa tree's depth)
 
     def initial_state(self, batch: int, hidden_size: int, device: torch.device, dtype: torch.dtype) -> DrafterState:
         """Per-request state for `batch` fresh requests (empty tuple when stateless)."""
@@ -56,7 +57,7 @@ class MtpEagleDrafter:
     """
 
     def __init__(self, num_draft_tokens: int) -> None:
-        self.num_draft_tokens = num_draft_tokens
+        self.num_draft_tokens = self.max_draft_depth = num_draft_tokens
 
     def initial_state(self, batch: int, hidden_size: int, device: torch.device, dtype: torch.dtype) -> DrafterState:
         return ()
@@ -93,7 +94,7 @@ class MtpVanillaDrafter:
     """
 
     def __init__(self, num_draft_tokens: int) -> None:
-        self.num_draft_tokens = num_draft_tokens
+        self.num_draft_tokens = self.max_draft_depth = num_draft_tokens
 
     def initial_state(self, batch: int, hidden_size: int, device: torch.device, dtype: torch.dtype) -> DrafterState:
         w = self.num_draft_tokens + 1
@@ -142,7 +143,7 @@ class MtpVanillaDrafter:
 class NoDrafter:
     """Plain decoding: no drafts (K = 0)."""
 
-    num_draft_tokens = 0
+    num_draft_tokens = max_draft_depth = 0
 
     def initial_state(self, batch, hidden_size, device, dtype):
         return ()

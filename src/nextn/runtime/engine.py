@@ -245,7 +245,7 @@ class Engine:
         if batch is None:
             return aborted
         result = self.runner.run(batch)
-        k = self.drafter.num_draft_tokens
+        k = self.drafter.max_draft_depth  # per-step draft count in the statistics (a tree counts its depth)
         for req, emitted, drafts, accepted in zip(batch.requests, result.emitted, result.drafts, result.num_accepted):
             if batch.kind == "decode":
                 req.record_step(k, accepted)

@@ -16,7 +16,8 @@ class CompletionOutput:
         token_ids: generated token ids (prompt excluded).
         text: detokenized `token_ids` ("" without a tokenizer).
         finish_reason: "stop" (EOS or a stop token), "length" (max_tokens or max_seq_len), "error", or None.
-        num_draft_tokens: draft tokens proposed to verification (K per decode step).
+        num_draft_tokens: draft tokens proposed to verification (K per decode step; for a Medusa tree, its depth:
+            the most one step can accept).
         num_accepted_draft_tokens: drafts the target accepted.
         num_decode_steps: verify-and-draft steps run (prefill excluded).
         accepted_per_position: for each draft position j (0-based), the steps whose draft j was accepted.

@@ -74,6 +74,7 @@ class MedusaDrafter:
         self.heads = heads
         self.tree = tree
         self.num_draft_tokens = tree.num_tokens - 1
+        self.max_draft_depth = tree.max_depth
 
     def initial_state(self, batch, hidden_size, device, dtype) -> DrafterState:
         return ()

@@ -1,0 +1,304 @@
+"""`nextn-bench`: trtllm-bench's commands for nextn engines (REFERENCE.md §7).
+
+    nextn-bench --engine_dir DIR prepare-dataset [--output FILE] token-norm-dist --num-requests N --input-mean M ...
+    nextn-bench --engine_dir DIR prepare-dataset dataset --dataset-local-path ../shared/data/prompts/mt_bench.jsonl
+    nextn-bench --engine_dir DIR throughput --dataset FILE [--concurrency N] [--streaming] [--baseline] [--plot DIR]
+    nextn-bench --engine_dir DIR latency --dataset FILE
+
+`--model_dir CKPT` instead of `--engine_dir` builds a temporary engine from a checkpoint first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+from nextn.bench.dataset import (DatasetError, load_dataset, normal_lengths, prompt_dataset, read_prompt_file,
+                                 synthetic_dataset, uniform_lengths, write_dataset)
+from nextn.cli.main import USER_ERRORS
+
+PROG = "nextn-bench"
+
+
+class BenchError(ValueError):
+    """A command-line mistake found after parsing (e.g. neither --engine_dir nor --model_dir)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with every usage error as `nextn-bench: error: ...` (subcommands included), exit status 2."""
+
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{PROG}: error: {message} (see `{self.prog} --help`)\n")
+
+
+# Arguments -------------------------------------------------------------------------------------------------------
+def _add_model_args(p: argparse.ArgumentParser, top: bool) -> None:
+    kw = {} if top else {"default": argparse.SUPPRESS}  # accepted before or after the subcommand
+    p.add_argument("--engine_dir", help="engine directory written by build-engine", **kw)
+    p.add_argument("--model_dir", help="HF checkpoint: build a temporary engine from it", **kw)
+
+
+def _add_prepare(sub) -> None:
+    p = sub.add_parser("prepare-dataset", help="write a dataset in trtllm-bench's format (JSON lines)",
+                       description="Write a benchmark dataset: synthetic token ids (token-norm-dist, token-unif-dist) "
+                                   "or a real prompt file (dataset) tokenized with the engine's tokenizer.")
+    _add_model_args(p, top=False)
+    p.add_argument("--output", help="output file (default: stdout)")
+    p.add_argument("--stdout", action="store_true", help="write to stdout (the default; trtllm-bench's flag)")
+    p.add_argument("--random-seed", type=int, default=0, help="seed of lengths and synthetic token ids (default 0)")
+    kinds = p.add_subparsers(dest="kind", required=True, metavar="{token-norm-dist,token-unif-dist,dataset}")
+    norm = kinds.add_parser("token-norm-dist", help="lengths ~ round(N(mean, stdev)), at least 1")
+    norm.add_argument("--num-requests", type=int, required=True)
+    for side in ("input", "output"):
+        norm.add_argument(f"--{side}-mean", type=float, required=True, help=f"mean {side} tokens")
+        norm.add_argument(f"--{side}-stdev", type=float, default=0.0, help=f"stdev of {side} tokens (default 0)")
+    unif = kinds.add_parser("token-unif-dist", help="lengths uniform in [min, max]")
+    unif.add_argument("--num-requests", type=int, required=True)
+    for side in ("input", "output"):
+        unif.add_argument(f"--{side}-min", type=int, required=True)
+        unif.add_argument(f"--{side}-max", type=int, required=True)
+    real = kinds.add_parser("dataset", help="a prompt file: MT-bench, Spec-Bench, HumanEval or GSM8K JSONL(.gz)")
+    real.add_argument("--dataset-local-path", "--path", dest="path", required=True, help="the JSONL file")
+    real.add_argument("--num-requests", type=int, default=0, help="first N prompts (0 = all)")
+    real.add_argument("--output-len-dist", default="128,0", help="output tokens 'MEAN,STDEV' (default 128,0)")
+    real.add_argument("--max-input-len", type=int, help="drop prompts longer than this many tokens")
+    real.add_argument("--text", action="store_true", help="write prompts as text instead of token ids")
+    p.set_defaults(func=_prepare)
+
+
+def _add_run(sub, name: str) -> None:
+    what = ("every request submitted at once, --concurrency of them in flight" if name == "throughput"
+            else "batch 1: one request at a time, with TTFT/TPOT")
+    p = sub.add_parser(name, help=f"{name} benchmark ({what})", description=f"The {name} benchmark: {what}.")
+    _add_model_args(p, top=False)
+    p.add_argument("--dataset", required=True, help="trtllm-bench dataset (JSON lines) from prepare-dataset")
+    p.add_argument("--num_requests", type=int, default=0, help="measure the first N requests (0 = all)")
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured requests run first (default 2)")
+    if name == "throughput":
+        p.add_argument("--concurrency", type=int, default=-1, help="most requests in flight (-1 = unlimited)")
+        p.add_argument("--streaming", action="store_true", help="report TTFT, TPOT and their percentiles")
+    p.add_argument("--eos_id", type=int, default=-1, help="-1: ignore EOS, emit exactly output_tokens (default)")
+    p.add_argument("--max_batch_size", type=int, help="runtime max batch size (default: the engine's)")
+    p.add_argument("--max_num_tokens", type=int, help="token budget of one scheduler step")
+    p.add_argument("--max_seq_len", type=int, help="runtime max sequence length (default: the engine's)")
+    p.add_argument("--extra_llm_api_options", "--config", dest="extra_llm_api_options",
+                   help="YAML of LLM arguments (TensorRT-LLM names), e.g. speculative_config")
+    p.add_argument("--report_json", help="write the report as JSON (trtllm-bench keys)")
+    p.add_argument("--iteration_log", help="write one JSON line per engine iteration")
+    p.add_argument("--plot", metavar="DIR", help="write PNG charts (acceptance per draft position; tokens/s, AL vs K)")
+    p.add_argument("--baseline", action="store_true",
+                   help="also run the dataset with speculation off and print the speed-up")
+    p.add_argument("--draft_lens", help="comma-separated K values: one run per K (MTP), compared side by side")
+    p.add_argument("--num_threads", type=int, help="torch CPU threads (default: torch's; 1 is steadier on a busy "
+                                                    "machine, where spinning OpenMP threads can slow tiny steps 10-100x)")
+    p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_model_args(parser, top=True)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log engine loading")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_prepare(sub)
+    _add_run(sub, "throughput")
+    _add_run(sub, "latency")
+    return parser
+
+
+# prepare-dataset -------------------------------------------------------------------------------------------------
+def _tokenizer_and_vocab(args):
+    """(tokenizer or None, vocab size) of --engine_dir or --model_dir, without loading weights."""
+    if args.engine_dir:
+        from nextn.build.manifest import EngineManifest
+        from nextn.runtime.tokenizer import EngineTokenizer
+
+        m = EngineManifest.load(args.engine_dir)
+        return EngineTokenizer.load(Path(args.engine_dir), m.tokenizer_files), m.model.vocab_size
+    cfg_path = Path(args.model_dir) / "config.json"
+    if not cfg_path.is_file():
+        raise BenchError(f"{args.model_dir} is not a checkpoint (no config.json)")
+    vocab = json.loads(cfg_path.read_text())["vocab_size"]
+    if not any((Path(args.model_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None, vocab
+    from transformers import AutoTokenizer
+
+    from nextn.runtime.tokenizer import EngineTokenizer
+
+    return EngineTokenizer(AutoTokenizer.from_pretrained(args.model_dir)), vocab
+
+
+def _prepare(args) -> int:
+    rng = random.Random(args.random_seed)
+    tokenizer, vocab = _tokenizer_and_vocab(args)
+    if args.kind == "dataset":
+        try:
+            mean, stdev = (float(x) for x in args.output_len_dist.split(","))
+        except ValueError:
+            raise BenchError(f"--output-len-dist takes 'MEAN,STDEV', got {args.output_len_dist!r}") from None
+        fmt, prompts = read_prompt_file(args.path)
+        prompts = prompts[:args.num_requests] if args.num_requests > 0 else prompts
+        if tokenizer is None and not args.text:
+            raise BenchError("this engine has no tokenizer: pass --text to write text prompts, or use an engine "
+                             "built from a checkpoint with tokenizer files")
+        entries, dropped = prompt_dataset(prompts, normal_lengths(len(prompts), mean, stdev, rng),
+                                          None if args.text else tokenizer, args.max_input_len)
+        print(f"{PROG}: {len(entries)} prompts from {args.path} ({fmt})"
+              + (f", {dropped} longer than {args.max_input_len} tokens dropped" if dropped else ""), file=sys.stderr)
+    else:
+        n = args.num_requests
+        if n < 1:
+            raise BenchError(f"--num-requests must be ≥ 1, got {n}")
+        if args.kind == "token-norm-dist":
+            ins = normal_lengths(n, args.input_mean, args.input_stdev, rng)
+            outs = normal_lengths(n, args.output_mean, args.output_stdev, rng)
+        else:
+            ins = uniform_lengths(n, args.input_min, args.input_max, rng)
+            outs = uniform_lengths(n, args.output_min, args.output_max, rng)
+        entries = synthetic_dataset(ins, outs, vocab, rng)
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.output, "w", encoding="utf-8") as f:
+            write_dataset(entries, f)
+    else:
+        write_dataset(entries, sys.stdout)
+    return 0
+
+
+# throughput / latency --------------------------------------------------------------------------------------------
+CONFIGURED = "configured"  # the speculative config of the YAML, or the engine's default
+
+
+def _plan(args, configured_spec) -> list:
+    """The speculative configs to run, in order: None (the baseline) first, then the configured one or one per K."""
+    plan = [None] if args.baseline else []
+    if not args.draft_lens:
+        return plan + [CONFIGURED]
+    try:
+        ks = [int(k) for k in args.draft_lens.split(",") if k.strip()]
+    except ValueError:
+        raise BenchError(f"--draft_lens takes comma-separated integers, got {args.draft_lens!r}") from None
+    base = configured_spec.model_dump() if configured_spec is not None else {"decoding_type": "MTP"}
+    return plan + [dict(base, num_nextn_predict_layers=k) if k > 0 else None for k in ks]
+
+
+def _run(args) -> int:
+    from nextn.bench.plot import write_plots
+    from nextn.bench.report import compute_statistics, format_report, report_dict
+    from nextn.bench.runner import run_benchmark
+    from nextn.runtime.llm import LLM
+
+    entries = load_dataset(args.dataset)  # fail fast, before loading the engine
+    if args.num_threads:
+        import torch
+
+        torch.set_num_threads(args.num_threads)
+    overrides = {k: getattr(args, k) for k in ("max_batch_size", "max_num_tokens", "max_seq_len")
+                 if getattr(args, k) is not None}
+    if args.command == "latency":
+        overrides["max_batch_size"] = 1
+
+    def load(spec):
+        kw = {} if spec == CONFIGURED else {"speculative_config": spec}
+        return LLM(args.engine_dir, extra_llm_api_options=args.extra_llm_api_options, **kw, **overrides)
+
+    llm, current = (load(CONFIGURED), CONFIGURED) if args.draft_lens else (None, None)
+    plan = _plan(args, llm.engine.spec if llm is not None else None)
+    results, failed = [], 0
+    for i, spec in enumerate(plan):
+        if llm is None or spec != current:
+            llm = None  # free the previous engine first
+            llm, current = load(spec), spec
+        run = run_benchmark(llm, entries, mode=args.command, concurrency=getattr(args, "concurrency", 1),
+                            warmup=args.warmup, eos_id=args.eos_id, streaming=getattr(args, "streaming", True),
+                            num_requests=args.num_requests, record_iterations=bool(args.iteration_log),
+                            progress=not args.no_progress, dataset_path=args.dataset,
+                            desc=f"{args.command} K={llm.engine.drafter.num_draft_tokens}")
+        for err in run.errors:
+            print(f"{PROG}: error: {err}", file=sys.stderr)
+        failed += len(run.errors)
+        if not run.outputs:
+            raise BenchError(f"no request of {args.dataset} completed")
+        stats = compute_statistics(run)
+        print(format_report(run, stats), flush=True)
+        tag = "baseline" if args.baseline and i == 0 else (f"k{run.max_draft_len}" if args.draft_lens else None)
+        results.append((tag, run, stats))
+    _write_outputs(args, results, report_dict, write_plots)
+    _print_comparison(results, args.baseline)
+    return 1 if failed else 0
+
+
+def _write_outputs(args, results, report_dict, write_plots) -> None:
+    """--report_json (FILE for the configured run; FILE.baseline.json, FILE.k{K}.json beside it), --iteration_log,
+    --plot."""
+    if args.report_json:
+        Path(args.report_json).parent.mkdir(parents=True, exist_ok=True)
+        for tag, run, stats in results:
+            p = Path(args.report_json)
+            path = p.with_name(f"{p.stem}.{tag}{p.suffix}") if tag else p
+            path.write_text(json.dumps(report_dict(run, stats), indent=2) + "\n")
+    if args.iteration_log:
+        with open(args.iteration_log, "w", encoding="utf-8") as f:
+            for _, run, _ in results:
+                for i, entry in enumerate(run.iteration_log):
+                    f.write(json.dumps({"iteration": i, "max_draft_len": run.max_draft_len, **entry}) + "\n")
+    if args.plot:
+        for path in write_plots([(run, stats) for _, run, stats in results], args.plot):
+            print(f"{PROG}: wrote {path}", file=sys.stderr)
+
+
+def _print_comparison(results, baseline: bool) -> None:
+    """A table of the runs (K, tokens/s, TPOT, AL, and with a baseline the speed-up and speed-up / AL)."""
+    if len(results) < 2:
+        return
+    base = results[0][2] if baseline else None
+    print(f"\n{'K':>3}{'tokens/s':>12}{'TPOT (ms)':>11}{'AL':>8}"
+          + (f"{'speed-up':>10}{'speed-up/AL':>13}" if base else ""))
+    for _, run, s in results:
+        row = (f"{run.max_draft_len:>3}{s.output_throughput_tok_s:>12.2f}{s.tpot_ms.average:>11.2f}"
+               f"{s.global_acceptance_length:>8.3f}")
+        if base:
+            up = s.output_throughput_tok_s / base.output_throughput_tok_s
+            row += f"{up:>9.3f}x{up / s.global_acceptance_length:>13.3f}"
+        print(row)
+    for _, run, s in results[1:] if base else []:
+        print(f"Speed-up over no speculation ({run.decoding_mode} K={run.max_draft_len}): "
+              f"{s.output_throughput_tok_s / base.output_throughput_tok_s:.3f}x "
+              f"({s.output_throughput_tok_s:.2f} vs {base.output_throughput_tok_s:.2f} output tokens/s, "
+              f"AL {s.global_acceptance_length:.3f})")
+
+
+# main ------------------------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    """Run `nextn-bench`; returns the exit status (2: usage or input error, 1: some requests failed)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse already printed "nextn-bench: error: ..." (or the help)
+        return int(e.code or 0)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    try:
+        if bool(args.engine_dir) == bool(args.model_dir):
+            raise BenchError("give exactly one of --engine_dir (an engine) and --model_dir (a checkpoint)")
+        with contextlib.ExitStack() as stack:
+            if args.model_dir and args.command != "prepare-dataset":
+                from nextn.build.engine_builder import build_engine
+
+                tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="nextn-bench-"))
+                build_engine(args.model_dir, Path(tmp) / "engine", progress=False)
+                args.engine_dir = str(Path(tmp) / "engine")
+            return args.func(args)
+    except (BenchError, DatasetError, *USER_ERRORS) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
