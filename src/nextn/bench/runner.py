@@ -1,7 +1,7 @@
 """Benchmark runs on an `LLM`: throughput (every request submitted, at most `concurrency` in flight) and latency
 (batch 1, one request at a time), as trtllm-bench runs them (REFERENCE.md §7).
 
-The loop is `LLM.generate`'s (make_request → add_request → step until no work) with one addition: a request is only
+The loop uses the public request-level API (`LLM.add_request` → `LLM.step` until no work) with one addition: a request is only
 submitted while fewer than `concurrency` are in flight, and the next one is submitted as soon as one finishes, so
 concurrency caps the in-flight requests the way trtllm-bench's `--concurrency` does (not in waves).
 """
@@ -81,7 +81,7 @@ def _prompt_ids(llm, entries: list[DatasetEntry]) -> list[list[int]]:
     return ids
 
 
-def _drive(engine, prompts: list[list[int]], params: list[SamplingParams], concurrency: int,
+def _drive(llm, prompts: list[list[int]], params: list[SamplingParams], concurrency: int,
            bar: tqdm | None) -> list[CompletionOutput]:
     """Run every prompt to completion with at most `concurrency` in flight (≤ 0: all at once); outputs in order."""
     queue = deque(range(len(prompts)))
@@ -93,20 +93,17 @@ def _drive(engine, prompts: list[list[int]], params: list[SamplingParams], concu
         while queue and len(in_flight) < limit:
             i = queue.popleft()
             try:
-                req = engine.make_request(prompts[i], params[i])
+                in_flight[llm.add_request(prompts[i], params[i])] = i
             except RequestError as e:
                 results[i] = CompletionOutput(finish_reason="error", error=str(e))
                 if bar is not None:
                     bar.update(1)
-                continue
-            engine.add_request(req)
-            in_flight[req.request_id] = i
 
     submit()
-    while engine.has_work:
-        for req in engine.step():
-            out = req.to_output().outputs[0]
-            results[in_flight.pop(req.request_id)] = out
+    while llm.has_unfinished_requests:
+        for request_output in llm.step():
+            out = request_output.outputs[0]
+            results[in_flight.pop(request_output.request_id)] = out
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix_str(f"{len(out.token_ids)} tok", refresh=False)
@@ -169,11 +166,11 @@ def run_benchmark(llm, entries: list[DatasetEntry], *, mode: str = "throughput",
     engine = llm.engine
     if warmup > 0:
         idx = [i % len(entries) for i in range(warmup)]
-        _drive(engine, [prompts[i] for i in idx], [params(entries[i]) for i in idx], concurrency, None)
+        _drive(llm, [prompts[i] for i in idx], [params(entries[i]) for i in idx], concurrency, None)
     engine.iteration_log = [] if record_iterations else None
     bar = tqdm(total=len(entries), desc=desc or mode, unit="req", disable=not progress)
     start = time.perf_counter()
-    results = _drive(engine, prompts, [params(e) for e in entries], concurrency, bar)
+    results = _drive(llm, prompts, [params(e) for e in entries], concurrency, bar)
     end = time.perf_counter()
     bar.close()
     log, engine.iteration_log = engine.iteration_log or [], None

@@ -56,6 +56,27 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    # Request-level API (in-flight batching driven by the caller: benchmarks, servers) ---------------------
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> int:
+        """Validate and queue one request; it joins the running batch at the next `step()`.
+
+        Returns:
+            The request id (the `request_id` of its `RequestOutput`).
+        Raises:
+            RequestError: empty prompt, too long for max_seq_len or the KV cache, ids outside the vocabulary.
+        """
+        req = self.engine.make_request(prompt, sampling_params or SamplingParams())
+        self.engine.add_request(req)
+        return req.request_id
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine iteration (schedule → verify-and-draft → postprocess); the requests it finished."""
+        return [req.to_output() for req in self.engine.step()]
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_work
+
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> RequestOutput | list[RequestOutput]:
         """Decode every prompt to completion with in-flight batching.
@@ -78,19 +99,16 @@ class LLM:
         pending = {}
         for i, (prompt, sp) in enumerate(zip(plist, plist_params)):
             try:
-                req = self.engine.make_request(prompt, sp)
+                pending[self.add_request(prompt, sp)] = i
             except RequestError as e:
                 logger.warning("prompt %d rejected: %s", i, e)
                 outputs[i] = RequestOutput(-1, prompt if isinstance(prompt, str) else None,
                                            [] if isinstance(prompt, str) else list(prompt),
                                            [CompletionOutput(finish_reason="error", error=str(e))], finished=True)
-                continue
-            self.engine.add_request(req)
-            pending[req.request_id] = i
         bar = tqdm(total=len(pending), desc="generate", disable=not use_tqdm)
-        while self.engine.has_work:
-            for req in self.engine.step():
-                outputs[pending[req.request_id]] = req.to_output()
+        while self.has_unfinished_requests:
+            for out in self.step():
+                outputs[pending[out.request_id]] = out
                 bar.update(1)
         bar.close()
         return outputs[0] if single else outputs  # type: ignore[return-value]
