@@ -101,3 +101,24 @@ def test_module_entry_point_exit_status(tmp_path: Path) -> None:
                            "--output_dir", str(tmp_path / "e")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.startswith("build-engine: error: ") and "Traceback" not in proc.stderr
+
+
+def test_gguf_with_medusa_heads_builds_from_the_cli(tmp_path, capsys):
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import save_file
+
+    from nextn.models.medusa import MedusaHeads
+
+    gguf = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "models" / "stories260K" / "stories260K.gguf"
+    if not gguf.is_file():
+        pytest.skip(f"{gguf} is absent: ../shared/data is not checked out")
+    (tmp_path / "heads").mkdir()
+    torch.manual_seed(0)
+    save_file({k: v.contiguous() for k, v in MedusaHeads(2, 1, 64, 512).state_dict().items()},
+              str(tmp_path / "heads" / "medusa_lm_head.safetensors"))
+    assert main(["--model_dir", str(gguf), "--output_dir", str(tmp_path / "engine"), "--medusa_model_dir",
+                 str(tmp_path / "heads"), "--no-progress", "--max_seq_len", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "Medusa, 2 head(s)" in out and "tokenizer.json" in out

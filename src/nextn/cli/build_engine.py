@@ -22,7 +22,8 @@ from nextn.build.manifest import EngineError
 from nextn.build.medusa_heads import MedusaHeadsError
 from nextn.config.llm_args import LlmArgsError
 from nextn.models.config import ConfigError
-from nextn.models.deepseek_v3.weights import WeightError, runtime_weight_specs
+from nextn.models.deepseek_v3.weights import WeightError
+from nextn.models.registry import WEIGHT_LAYOUTS
 
 PROG = "build-engine"
 USER_ERRORS = (CheckpointError, ConfigError, WeightError, EngineError, LlmArgsError, MedusaHeadsError)
@@ -107,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"engine:     {args.output_dir}\n"
           f"dtype:      {manifest.dtype}\n"
           f"drafting:   {drafting}\n"
-          f"tensors:    {len(runtime_weight_specs(manifest.model))}\n"
+          f"tensors:    {len(WEIGHT_LAYOUTS[manifest.architecture].runtime_weight_specs(manifest.model))}\n"
           f"size:       {_size(args.output_dir)}\n"
           f"tokenizer:  {', '.join(manifest.tokenizer_files) or 'none (token-id prompts only)'}\n"
           f"time:       {seconds:.1f} s")
