@@ -31,7 +31,8 @@ def read_bandwidth_gbs(size_mib: int = 512, repeats: int = 5) -> float:
 
 def decode_step_bytes(engine_dir: str | Path) -> tuple[int, int]:
     """(bytes one plain decode step reads at batch 1, total weight bytes): every weight but the embedding table
-    (a step gathers one row of it) and, for MoE layers, only the routed experts a token selects."""
+    (a step gathers one row of it), the MTP layers and Medusa heads (drafting only) and, for MoE layers, only the
+    routed experts a token selects."""
     manifest = EngineManifest.load(engine_dir)
     cfg = manifest.model
     total = step = 0
@@ -44,7 +45,9 @@ def decode_step_bytes(engine_dir: str | Path) -> tuple[int, int]:
             for d in shape:
                 size *= d
             total += size
-            if name == "model.embed_tokens.weight" or name.startswith("medusa_heads."):
+            if name.startswith("medusa_heads."):
+                continue  # heads run only when drafting
+            if name == "model.embed_tokens.weight":
                 step += itemsize * shape[-1]
             elif ".mlp.experts." in name:
                 step += size * getattr(cfg, "num_experts_per_tok", 1) // shape[0]
