@@ -46,3 +46,16 @@ def test_every_example_config_loads():
     assert configs
     for path in configs:
         parse_llm_args(load_llm_args_yaml(path))
+
+
+def test_legacy_spellings_are_accepted_with_a_deprecation_warning():
+    legacy = {"pytorch_backend_config": {"use_cuda_graph": True, "cuda_graph_batch_sizes": [1, 2, 4],
+                                         "cuda_graph_padding_enabled": True}, "max_batch_size": 4}
+    with pytest.warns(FutureWarning) as caught:
+        args = parse_llm_args(legacy)
+    messages = " ".join(str(w.message) for w in caught)
+    assert "cuda_graph_config.batch_sizes" in messages and "top level" in messages
+    assert args.cuda_graph_config.batch_sizes == [1, 2, 4] and args.cuda_graph_config.enable_padding
+    assert args.max_batch_size == 4
+    with pytest.warns(FutureWarning, match="use_cuda_graph"):
+        assert parse_llm_args({"use_cuda_graph": False}).cuda_graph_config is None

@@ -6,6 +6,7 @@ union on `decoding_type`; `null` means plain decoding.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -115,13 +116,45 @@ def _format_error(e: ValidationError, model: type[BaseModel]) -> str:
     return "; ".join(lines)
 
 
+_LEGACY_CUDA_GRAPH = {"cuda_graph_batch_sizes": "batch_sizes", "cuda_graph_padding_enabled": "enable_padding",
+                      "cuda_graph_max_batch_size": "max_batch_size"}
+
+
+def upgrade_legacy_keys(data: dict[str, Any]) -> dict[str, Any]:
+    """Accept older TensorRT-LLM spellings, warning with the new one for each.
+
+    `pytorch_backend_config: {...}` → its keys at the top level; `use_cuda_graph` → `cuda_graph_config` ({} or
+    null); `cuda_graph_batch_sizes` / `cuda_graph_padding_enabled` / `cuda_graph_max_batch_size` →
+    `cuda_graph_config.{batch_sizes, enable_padding, max_batch_size}`.
+    """
+    out = dict(data)
+    if isinstance(out.get("pytorch_backend_config"), dict):
+        nested = out.pop("pytorch_backend_config")
+        warnings.warn("pytorch_backend_config is deprecated: put its keys at the top level", FutureWarning, stacklevel=3)
+        out = {**nested, **out}
+    graph = dict(out["cuda_graph_config"]) if isinstance(out.get("cuda_graph_config"), dict) else None
+    if "use_cuda_graph" in out:
+        use = out.pop("use_cuda_graph")
+        warnings.warn("use_cuda_graph is deprecated: use cuda_graph_config: {} (or null to disable)", FutureWarning,
+                      stacklevel=3)
+        graph = (graph or {}) if use else None
+        out["cuda_graph_config"] = graph
+    for old, new in _LEGACY_CUDA_GRAPH.items():
+        if old in out:
+            warnings.warn(f"{old} is deprecated: use cuda_graph_config.{new}", FutureWarning, stacklevel=3)
+            graph = graph or {}
+            graph[new] = out.pop(old)
+            out["cuda_graph_config"] = graph
+    return out
+
+
 def parse_llm_args(data: dict[str, Any] | None, **overrides: Any) -> LlmArgs:
-    """Validate a dict (YAML content) merged with keyword overrides into `LlmArgs`.
+    """Validate a dict (YAML content) merged with keyword overrides into `LlmArgs` (legacy spellings upgraded).
 
     Raises:
         LlmArgsError: unknown key or wrong type; the message names the key and lists the valid ones.
     """
-    merged = dict(data or {})
+    merged = upgrade_legacy_keys(dict(data or {}))
     merged.update({k: v for k, v in overrides.items() if v is not None or k == "speculative_config"})
     try:
         return LlmArgs.model_validate(merged)
