@@ -100,7 +100,8 @@ def runtime_weight_specs(cfg: DeepseekV3ModelConfig) -> dict[str, Shape]:
     return specs
 
 
-def _checked(get: TensorGetter, name: str, shape: Shape) -> torch.Tensor:
+def checked_tensor(get: TensorGetter, name: str, shape: Shape) -> torch.Tensor:
+    """`get(name)`, checked against `shape`; raises WeightError naming the tensor when missing or misshapen."""
     try:
         t = get(name)
     except KeyError as e:
@@ -113,12 +114,14 @@ def _checked(get: TensorGetter, name: str, shape: Shape) -> torch.Tensor:
 def _stacked_experts(get: TensorGetter, has: Callable[[str], bool], cfg: DeepseekV3ModelConfig, p: str) -> tuple[torch.Tensor, torch.Tensor]:
     e, w, h = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
     if has(p + "mlp.experts.gate_up_proj"):
-        return _checked(get, p + "mlp.experts.gate_up_proj", (e, 2 * w, h)), _checked(get, p + "mlp.experts.down_proj", (e, h, w))
+        return (checked_tensor(get, p + "mlp.experts.gate_up_proj", (e, 2 * w, h)),
+                checked_tensor(get, p + "mlp.experts.down_proj", (e, h, w)))
     gate_up, down = [], []
     for x in range(e):
         q = f"{p}mlp.experts.{x}."
-        gate_up.append(torch.cat([_checked(get, q + "gate_proj.weight", (w, h)), _checked(get, q + "up_proj.weight", (w, h))]))
-        down.append(_checked(get, q + "down_proj.weight", (h, w)))
+        gate_up.append(torch.cat([checked_tensor(get, q + "gate_proj.weight", (w, h)),
+                                  checked_tensor(get, q + "up_proj.weight", (w, h))]))
+        down.append(checked_tensor(get, q + "down_proj.weight", (h, w)))
     return torch.stack(gate_up), torch.stack(down)
 
 
@@ -154,9 +157,9 @@ def to_runtime(
             if not cfg.tie_word_embeddings:
                 raise WeightError(f"checkpoint is missing tensor 'lm_head.weight' (expected shape {list(shape)}; "
                                   "tie_word_embeddings is false)")
-            yield name, cast(name, _checked(get, "model.embed_tokens.weight", shape))
+            yield name, cast(name, checked_tensor(get, "model.embed_tokens.weight", shape))
         else:
-            yield name, cast(name, _checked(get, name, shape))
+            yield name, cast(name, checked_tensor(get, name, shape))
 
 
 def present_mtp_layers(has: Callable[[str], bool], cfg: DeepseekV3ModelConfig) -> int:

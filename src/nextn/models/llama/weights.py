@@ -10,10 +10,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from nextn.models.deepseek_v3.weights import TensorGetter, WeightError
+from nextn.models.deepseek_v3.weights import Shape, TensorGetter, WeightError, checked_tensor
 from nextn.models.llama.config import LlamaModelConfig
 
-Shape = tuple[int, ...]
 
 __all__ = ["WeightError", "runtime_weight_dtype", "runtime_weight_specs", "to_runtime"]
 
@@ -50,16 +49,6 @@ def runtime_weight_specs(cfg: LlamaModelConfig) -> dict[str, Shape]:
     return specs
 
 
-def _checked(get: TensorGetter, name: str, shape: Shape) -> torch.Tensor:
-    try:
-        t = get(name)
-    except KeyError as e:
-        raise WeightError(f"checkpoint is missing tensor {name!r} (expected shape {list(shape)})") from e
-    if tuple(t.shape) != tuple(shape):
-        raise WeightError(f"tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}")
-    return t
-
-
 def to_runtime(
     get: TensorGetter, has: Callable[[str], bool], cfg: LlamaModelConfig, dtype: torch.dtype
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -81,4 +70,4 @@ def to_runtime(
             name_src = "model.embed_tokens.weight"
         else:
             name_src = name
-        yield name, _checked(get, name_src, shape).to(dtype).contiguous()
+        yield name, checked_tensor(get, name_src, shape).to(dtype).contiguous()
