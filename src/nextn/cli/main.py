@@ -93,6 +93,15 @@ def _add_make_checkpoint(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=demo.make_checkpoint_cmd)
 
 
+def _add_train_draft(sub: argparse._SubParsersAction) -> None:
+    from nextn.cli import train_draft
+
+    p = sub.add_parser("train-draft", help="train draft heads (Medusa) on a frozen base by self-distillation",
+                       description=train_draft.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    train_draft.add_arguments(p)
+    p.set_defaults(func=train_draft.run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nextn", description="nextn: engines with a fused verify-and-draft step "
                                      "for self-drafting checkpoints (DeepSeek MTP).")
@@ -102,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_bench(sub)
     _add_make_checkpoint(sub)
+    _add_train_draft(sub)
     return parser
 
 
