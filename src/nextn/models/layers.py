@@ -32,3 +32,23 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class PreNormDecoderLayer(nn.Module):
+    """The pre-norm transformer block both families use: x + attn(norm(x)), then h + mlp(norm(h)).
+
+    `self_attn` takes (x, cos_sin, kv_cache, meta) and writes its KV into the paged cache; parameter names are HF's
+    (`self_attn`, `mlp`, `input_layernorm`, `post_attention_layernorm`).
+    """
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden_size, eps=eps)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps=eps)
+
+    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor, meta) -> torch.Tensor:
+        """x: [B, T, hidden] → [B, T, hidden]; writes this layer's KV (kv_cache: [num_slots, kv dim])."""
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))

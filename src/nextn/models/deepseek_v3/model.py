@@ -15,7 +15,7 @@ from nextn.models.config import DeepseekV3ModelConfig
 from nextn.models.deepseek_v3.mla import MLAttention
 from nextn.models.deepseek_v3.moe import DeepseekMoE
 from nextn.models.deepseek_v3.rope import rope_cache
-from nextn.models.layers import GatedMLP, RMSNorm
+from nextn.models.layers import GatedMLP, PreNormDecoderLayer, RMSNorm
 from nextn.runtime.attention_metadata import AttentionMetadata
 
 
@@ -34,22 +34,13 @@ def vocab_projection(weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor
     return out.reshape(*hidden.shape[:-1], weight.shape[0])
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormDecoderLayer):
     """Pre-norm block: x + MLA(norm(x)), then h + MLP/MoE(norm(h))."""
 
     def __init__(self, cfg: DeepseekV3ModelConfig, layer_idx: int) -> None:
-        super().__init__()
+        mlp = DeepseekMoE(cfg) if cfg.is_moe_layer(layer_idx) else GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        super().__init__(MLAttention(cfg), mlp, cfg.hidden_size, cfg.rms_norm_eps)
         self.layer_idx = layer_idx
-        self.self_attn = MLAttention(cfg)
-        self.mlp = DeepseekMoE(cfg) if cfg.is_moe_layer(layer_idx) else GatedMLP(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """x: [B, T, hidden] → [B, T, hidden]; writes this layer's KV (kv_cache: [num_slots, kv dim])."""
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class SharedHead(nn.Module):

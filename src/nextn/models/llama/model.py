@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nextn.models.deepseek_v3.model import vocab_projection
-from nextn.models.layers import GatedMLP, RMSNorm
+from nextn.models.layers import GatedMLP, PreNormDecoderLayer, RMSNorm
 from nextn.models.llama.config import LlamaModelConfig
 from nextn.models.llama.rope import apply_rope, rope_cache
 from nextn.runtime.attention_metadata import AttentionMetadata
@@ -66,21 +66,12 @@ class LlamaAttention(nn.Module):
         return self.o_proj(o)
 
 
-class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then h + SwiGLU(norm(h))."""
+class LlamaDecoderLayer(PreNormDecoderLayer):
+    """Pre-norm block with GQA attention and a SwiGLU MLP."""
 
     def __init__(self, cfg: LlamaModelConfig) -> None:
-        super().__init__()
-        self.self_attn = LlamaAttention(cfg)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """x: [B, T, hidden] → [B, T, hidden]; writes this layer's KV (kv_cache: [num_slots, kv dim])."""
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        super().__init__(LlamaAttention(cfg), GatedMLP(cfg.hidden_size, cfg.intermediate_size), cfg.hidden_size,
+                         cfg.rms_norm_eps)
 
 
 class LlamaBody(nn.Module):
