@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from nextn.cli.nextn_bench import main
 from nextn.testing import SMALL_VOCAB
@@ -16,15 +15,6 @@ from nextn.testing import SMALL_VOCAB
 SECTIONS = ["= PYTORCH BACKEND", "= MACHINE DETAILS", "= REQUEST DETAILS", "= WORLD + RUNTIME INFORMATION",
             "= PERFORMANCE OVERVIEW", "= DECODING STATISTICS", "= DATASET DETAILS"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One torch thread: on a busy 2-core machine, two spinning OpenMP threads make these tiny steps 10-100x slower."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture()

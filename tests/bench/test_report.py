@@ -4,7 +4,6 @@ with the runtime's own `RequestOutput` statistics."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from nextn import LLM, SamplingParams
 from nextn.bench.dataset import DatasetEntry
@@ -27,15 +26,6 @@ JSON_KEYS = {
                        "draft_acceptance_rate_percentiles", "acceptance_length_percentiles"},
 }
 PERCENTILE_KEYS = {"p50", "p90", "p95", "p99", "minimum", "maximum", "average"}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One torch thread: on a busy 2-core machine, two spinning OpenMP threads make these tiny steps 10-100x slower."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def _output(n_tokens: int, steps: int, accepted_per_position: list[int], t0: float = 0.0) -> CompletionOutput:
