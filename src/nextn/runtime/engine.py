@@ -233,12 +233,29 @@ class Engine:
     def add_request(self, request: Request) -> None:
         self.scheduler.add(request)
 
+    def abort_request(self, request_id: int) -> Request | None:
+        """Cancel a waiting or running request between steps: its KV blocks and batch slot are freed at once.
+
+        Returns:
+            The request, finished with reason "cancelled" (its tokens so far kept), or None when no unfinished
+            request has this id.
+        """
+        req = self.scheduler.cancel(request_id)
+        if req is not None and self.tokenizer is not None and req.params.detokenize:
+            req.text = self.tokenizer.decode(req.output_token_ids)
+        return req
+
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
     def step(self) -> list[Request]:
-        """One engine iteration: schedule → run → postprocess. Returns the requests that finished."""
+        """One engine iteration: schedule → run → postprocess.
+
+        Returns:
+            The requests this step updated: those that emitted tokens (finished or not) and those the scheduler
+            finished with an error; `Request.finished` tells which are done (their blocks are already freed).
+        """
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         aborted, self.scheduler.aborted = self.scheduler.aborted, []
@@ -263,4 +280,4 @@ class Engine:
                 self.iteration_log.append(entry)
             if self.print_iter_log:
                 logger.info("iter %s", entry)
-        return done
+        return aborted + list(batch.requests)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,9 @@ from tqdm.auto import tqdm
 
 from nextn.config.llm_args import LlmArgs, load_llm_args_yaml, parse_llm_args
 from nextn.runtime.engine import Engine, RequestError, default_speculative_config
+from nextn.runtime.engine_loop import EngineLoop
 from nextn.runtime.outputs import CompletionOutput, RequestOutput
+from nextn.runtime.request_handle import RequestHandle
 from nextn.runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -51,6 +54,8 @@ class LLM:
         spec = self.args.speculative_config if spec_given else default_speculative_config(manifest)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.engine = Engine(engine_dir, self.args, spec, device)
+        self._loop: EngineLoop | None = None
+        self._loop_lock = threading.Lock()
 
     @property
     def tokenizer(self):
@@ -65,13 +70,54 @@ class LLM:
         Raises:
             RequestError: empty prompt, too long for max_seq_len or the KV cache, ids outside the vocabulary.
         """
+        self._no_loop("add_request")
         req = self.engine.make_request(prompt, sampling_params or SamplingParams())
         self.engine.add_request(req)
         return req.request_id
 
     def step(self) -> list[RequestOutput]:
         """Run one engine iteration (schedule → verify-and-draft → postprocess); the requests it finished."""
-        return [req.to_output() for req in self.engine.step()]
+        self._no_loop("step")
+        return [req.to_output() for req in self.engine.step() if req.finished]
+
+    def abort_request(self, request_id: int) -> RequestOutput | None:
+        """Cancel a queued or running request (added with `add_request`); its KV blocks are freed at once.
+
+        Returns:
+            Its final output (finish_reason "cancelled", the tokens generated so far), or None when no unfinished
+            request has this id.
+        """
+        self._no_loop("abort_request")
+        req = self.engine.abort_request(request_id)
+        return None if req is None else req.to_output()
+
+    def _no_loop(self, what: str) -> None:
+        if self._loop is not None:
+            raise RuntimeError(f"LLM.{what}: the background engine loop started by generate_async owns the engine; "
+                               "use generate_async / RequestHandle.abort, or call shutdown() first")
+
+    # Asynchronous API (a background engine loop; servers share one engine this way) ----------------------
+    def generate_async(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+                       streaming: bool = False) -> RequestHandle:
+        """Submit one request to the background engine loop (started on first use) and return at once.
+
+        The returned handle is a future (`result()`, `await aresult()`) and, with `streaming=True`, an iterator of
+        per-step outputs (`for out in handle`, `async for out in handle`) whose `outputs[0].token_ids_diff` holds
+        the tokens that step accepted; `handle.abort()` cancels the request and frees its KV blocks.
+
+        Raises:
+            RequestError: empty prompt, too long for max_seq_len or the KV cache, ids outside the vocabulary.
+        """
+        with self._loop_lock:  # concurrent first calls must start one loop, not several
+            if self._loop is None:
+                self._loop = EngineLoop(self.engine)
+        return self._loop.submit(prompt, sampling_params or SamplingParams(), streaming)
+
+    def shutdown(self) -> None:
+        """Stop the background engine loop (unfinished requests are cancelled); the synchronous API works again."""
+        if self._loop is not None:
+            self._loop.shutdown()
+            self._loop = None
 
     @property
     def has_unfinished_requests(self) -> bool:
@@ -96,15 +142,23 @@ class LLM:
         if len(plist_params) != len(plist):
             raise ValueError(f"got {len(plist_params)} SamplingParams for {len(plist)} prompts")
         outputs: list[RequestOutput | None] = [None] * len(plist)
+        if self._loop is not None:  # the loop owns the engine: go through it
+            handles = {}
+            for i, (prompt, sp) in enumerate(zip(plist, plist_params)):
+                try:
+                    handles[i] = self.generate_async(prompt, sp)
+                except RequestError as e:
+                    outputs[i] = _rejected(prompt, e)
+            for i, handle in handles.items():
+                outputs[i] = handle.result()
+            return outputs[0] if single else outputs  # type: ignore[return-value]
         pending = {}
         for i, (prompt, sp) in enumerate(zip(plist, plist_params)):
             try:
                 pending[self.add_request(prompt, sp)] = i
             except RequestError as e:
                 logger.warning("prompt %d rejected: %s", i, e)
-                outputs[i] = RequestOutput(-1, prompt if isinstance(prompt, str) else None,
-                                           [] if isinstance(prompt, str) else list(prompt),
-                                           [CompletionOutput(finish_reason="error", error=str(e))], finished=True)
+                outputs[i] = _rejected(prompt, e)
         bar = tqdm(total=len(pending), desc="generate", disable=not use_tqdm)
         while self.has_unfinished_requests:
             for out in self.step():
@@ -112,3 +166,9 @@ class LLM:
                 bar.update(1)
         bar.close()
         return outputs[0] if single else outputs  # type: ignore[return-value]
+
+
+def _rejected(prompt: Prompt, error: Exception) -> RequestOutput:
+    """The output of a prompt the engine would not take: finish_reason "error" and the reason."""
+    return RequestOutput(-1, prompt if isinstance(prompt, str) else None, [] if isinstance(prompt, str) else list(prompt),
+                         [CompletionOutput(finish_reason="error", error=str(error))], finished=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-FinishReason = Literal["stop", "length", "error"] | None
+FinishReason = Literal["stop", "length", "error", "cancelled"] | None
 
 
 @dataclass
@@ -15,7 +15,10 @@ class CompletionOutput:
     Attributes:
         token_ids: generated token ids (prompt excluded).
         text: detokenized `token_ids` ("" without a tokenizer).
-        finish_reason: "stop" (EOS or a stop token), "length" (max_tokens or max_seq_len), "error", or None.
+        finish_reason: "stop" (EOS or a stop token), "length" (max_tokens or max_seq_len), "error", "cancelled"
+            (aborted by the caller), or None while running.
+        token_ids_diff, text_diff: in streaming outputs, what this output adds to the previous one (TensorRT-LLM's
+            names); in a non-streaming output they equal token_ids and text.
         num_draft_tokens: draft tokens proposed to verification (K per decode step; for a Medusa tree, its depth:
             the most one step can accept).
         num_accepted_draft_tokens: drafts the target accepted.
@@ -38,6 +41,14 @@ class CompletionOutput:
     first_token_time: float | None = None
     finished_time: float | None = None
     error: str | None = None
+    token_ids_diff: list[int] | None = None
+    text_diff: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.token_ids_diff is None:
+            self.token_ids_diff = list(self.token_ids)
+        if self.text_diff is None:
+            self.text_diff = self.text
 
     @property
     def ttft_ms(self) -> float | None:

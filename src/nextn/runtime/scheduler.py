@@ -74,6 +74,25 @@ class Scheduler:
                     self._preempt(self.running[-1])
         return ScheduledBatch("decode", tuple(self.running)) if self.running else None
 
+    def cancel(self, request_id: int) -> Request | None:
+        """Remove a waiting or running request, free its KV blocks and batch slot, finish it "cancelled".
+
+        Returns:
+            The request, or None when no unfinished request has this id (already finished or unknown).
+        """
+        for req in self.waiting:
+            if req.request_id == request_id:
+                self.waiting.remove(req)
+                self.pool.free(req.block_table)
+                break
+        else:
+            req = next((r for r in self.running if r.request_id == request_id), None)
+            if req is None:
+                return None
+            self._release(req)
+        req.finish("cancelled")
+        return req
+
     def _abort(self, req: Request) -> None:
         self.pool.free(req.block_table)
         req.finish("error", f"the KV cache ({self.pool.capacity_tokens} tokens) cannot hold this sequence at "

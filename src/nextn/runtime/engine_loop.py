@@ -1,0 +1,152 @@
+"""`EngineLoop`: a background thread that owns the engine and runs its steps while requests come and go.
+
+Servers (the OpenAI server, the Triton backend) share one engine across concurrent requests through it: callers
+on any thread submit and cancel; the loop applies those commands between steps (the engine itself is touched by
+the loop thread only), runs `Engine.step()` while there is work (in-flight batching) and hands each request's
+outputs to its `RequestHandle`. A streaming handle gets one output per step that emitted tokens, carrying the
+step's tokens in `token_ids_diff` and the newly complete text in `text_diff`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from nextn.runtime.request import Request
+from nextn.runtime.request_handle import RequestHandle
+from nextn.runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nextn.runtime.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+
+class _Stream:
+    """What a handle has been sent so far (for the diffs)."""
+
+    def __init__(self, handle: RequestHandle) -> None:
+        self.handle = handle
+        self.num_tokens = 0
+        self.text = ""
+
+
+class EngineLoop:
+    """Runs `engine.step()` on a daemon thread; thread-safe `submit` / `abort` / `shutdown`.
+
+    Args:
+        engine: the loaded engine; from now on only the loop thread may call its methods.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[int, _Stream] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="nextn-engine-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def num_active(self) -> int:
+        """Requests submitted and not yet finished."""
+        return len(self._streams)
+
+    def submit(self, prompt: str | list[int], params: SamplingParams, streaming: bool = False) -> RequestHandle:
+        """Validate and queue a request (on the caller's thread); it joins the running batch at the next step.
+
+        Raises:
+            RequestError: empty prompt, too long for max_seq_len or the KV cache, ids outside the vocabulary
+                (nothing is queued; other requests keep running).
+            RuntimeError: the loop was shut down.
+        """
+        if self._stopped:
+            raise RuntimeError("the engine loop is shut down")
+        req = self.engine.make_request(prompt, params)  # reads only immutable engine state: safe off-loop
+        handle = RequestHandle(streaming, self.abort)
+        handle.request_id = req.request_id
+        self._commands.put(("submit", (req, handle)))
+        return handle
+
+    def abort(self, request_id: int) -> None:
+        """Cancel a request (thread-safe); its handle gets a final output with finish_reason "cancelled"."""
+        self._commands.put(("abort", request_id))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop after cancelling every unfinished request."""
+        if not self._stopped:
+            self._stopped = True
+            self._commands.put(("stop", None))
+            self._thread.join(timeout)
+
+    # The loop thread ----------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            block = not self.engine.has_work
+            try:
+                while True:
+                    kind, arg = self._commands.get(block=block)
+                    block = False
+                    if kind == "stop":
+                        for rid in list(self._streams):
+                            self._cancel(rid)
+                        return
+                    self._apply(kind, arg)
+            except queue.Empty:
+                pass
+            if self.engine.has_work:
+                self._step()
+
+    def _apply(self, kind: str, arg) -> None:
+        if kind == "abort":
+            self._cancel(arg)
+            return
+        req, handle = arg
+        self._streams[req.request_id] = _Stream(handle)
+        self.engine.add_request(req)
+
+    def _cancel(self, request_id: int) -> None:
+        req = self.engine.abort_request(request_id)
+        if req is not None:
+            self._publish(req)
+
+    def _step(self) -> None:
+        try:
+            updated = self.engine.step()
+        except Exception as e:  # a failed step fails the requests in it, not the server
+            logger.exception("engine step failed; failing its requests")
+            for rid in list(self._streams):
+                req = self.engine.abort_request(rid)
+                if req is not None:
+                    req.finish("error", f"engine step failed: {type(e).__name__}: {e}")
+                    self._publish(req)
+            return
+        for req in updated:
+            self._publish(req)
+
+    def _publish(self, req: Request) -> None:
+        stream = self._streams.get(req.request_id)
+        if stream is None:
+            return
+        out = req.to_output()
+        c = out.outputs[0]
+        if stream.handle.streaming:
+            text = c.text if req.finished else self._partial_text(req)
+            diff_ids = c.token_ids[stream.num_tokens:]
+            text_diff = text[len(stream.text):] if text.startswith(stream.text) else text
+            if not diff_ids and not req.finished:
+                return
+            out.outputs[0] = replace(c, text=text, token_ids_diff=diff_ids, text_diff=text_diff)
+            stream.num_tokens, stream.text = len(c.token_ids), text
+        if req.finished:
+            del self._streams[req.request_id]
+        stream.handle._deliver(out)
+
+    def _partial_text(self, req: Request) -> str:
+        """The text of the tokens so far, holding back a trailing incomplete character (U+FFFD)."""
+        tok = self.engine.tokenizer
+        if tok is None or not req.params.detokenize:
+            return ""
+        return tok.decode(req.output_token_ids).rstrip("\ufffd")
