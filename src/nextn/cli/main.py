@@ -1,4 +1,4 @@
-"""`nextn`: the runtime's command line (generate, demo, bench, make-checkpoint)."""
+"""`nextn`: the runtime's command line (generate, demo, bench, make-checkpoint, train-draft, triton-repo, serve)."""
 
 from __future__ import annotations
 
@@ -102,6 +102,24 @@ def _add_train_draft(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=train_draft.run)
 
 
+def _add_triton_repo(sub: argparse._SubParsersAction) -> None:
+    from nextn.cli import triton_repo
+
+    p = sub.add_parser("triton-repo", help="write a Triton Inference Server model repository serving an engine "
+                                           "(Python backend, TensorRT-LLM tensor names)", description=triton_repo.__doc__)
+    triton_repo.add_arguments(p)
+    p.set_defaults(func=triton_repo.run)
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    from nextn.cli import serve
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server over an engine (completions, chat, SSE "
+                                     "streaming, /metrics)", description=serve.__doc__)
+    serve.add_arguments(p)
+    p.set_defaults(func=serve.run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nextn", description="nextn: engines with a fused verify-and-draft step "
                                      "for self-drafting checkpoints (DeepSeek MTP).")
@@ -112,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_make_checkpoint(sub)
     _add_train_draft(sub)
+    _add_triton_repo(sub)
+    _add_serve(sub)
     return parser
 
 

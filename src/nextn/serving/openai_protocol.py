@@ -1,0 +1,268 @@
+"""The OpenAI API's request and response bodies (the subset `nextn serve` implements), as pydantic models.
+
+Shapes follow the OpenAI API reference (completions, chat completions, models, streaming chunks) and
+TensorRT-LLM's `trtllm-serve` protocol module. Requests are strict: an unknown field is an error that names it,
+scalars are not coerced from other JSON types ("5" is not a number), and features nextn does not implement
+(n > 1, logprobs, penalties, tools, ...) are refused with a message instead of being silently ignored.
+Extras beyond OpenAI's fields, as in vLLM and TensorRT-LLM: `top_k`, `ignore_eos`, `stop_token_ids`.
+Refusals are `APIError`s, rendered as OpenAI's error body {"error": {"message", "type", "param", "code"}};
+`validation_error` turns pydantic's errors into one such message naming every bad field.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from typing import Any, Literal
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator,
+                      model_serializer)
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Request):
+    include_usage: StrictBool = False  # one more chunk before [DONE]: empty choices, the request's usage
+
+
+class _SamplingRequest(_Request):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: StrictStr | None = None  # the served model name (GET /v1/models); omitted = the one model served
+    max_tokens: StrictInt | None = Field(default=None, ge=1)  # omitted: 16 (completions) / to max_seq_len (chat)
+    temperature: StrictFloat | None = Field(default=None, ge=0, le=2)  # omitted or 0 = greedy (trtllm-serve)
+    top_p: StrictFloat | None = Field(default=None, gt=0, le=1)  # nucleus mass; omitted = 1 (off)
+    top_k: StrictInt | None = Field(default=None, ge=0)  # extra: keep the k most likely tokens (0 = off)
+    seed: StrictInt | None = Field(default=None, ge=0, lt=2**63)  # same seed, same output
+    stop: list[StrictStr] = Field(default_factory=list)  # ≤ 4; a string, a list, or null in the request
+    stop_token_ids: list[StrictInt] | None = None  # extra: tokens that end the request (kept in the output)
+    ignore_eos: StrictBool = False  # extra: keep going past EOS (benchmarks)
+    n: StrictInt = 1  # choices per prompt: only 1
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    user: StrictStr | None = None  # accepted and ignored
+    presence_penalty: StrictFloat = 0.0  # only 0: penalties are not implemented
+    frequency_penalty: StrictFloat = 0.0
+    logit_bias: dict[str, float] | None = None  # only empty
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError(f"n={v} is not supported: nextn serve returns one choice per prompt; send n separate "
+                             "requests (with different seeds) instead")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, v: float) -> float:
+        if v != 0:
+            raise ValueError("penalties are not supported by nextn serve: omit the field or set it to 0")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, v: dict | None) -> dict | None:
+        if v:
+            raise ValueError("logit_bias is not supported by nextn serve: omit it")
+        return v
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, v: object) -> object:
+        return [] if v is None else [v] if isinstance(v, str) else v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: list[str]) -> list[str]:
+        if len(v) > 4 or not all(v):
+            raise ValueError("stop takes at most 4 non-empty strings")
+        return v
+
+
+class CompletionRequest(_SamplingRequest):
+    """POST /v1/completions: a prompt as text, token ids, or a list of either (one choice each)."""
+
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    echo: Literal[False] = False  # echoing the prompt is not supported
+    logprobs: None = None  # log probabilities are not supported
+    best_of: Literal[1] | None = None
+    suffix: None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("prompt is an empty list: give a string, token ids, or a list of those")
+        return v
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextPart] | None = None  # text parts are joined; images are not supported
+    name: StrictStr | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """POST /v1/chat/completions: the messages are rendered with the tokenizer's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)  # OpenAI's newer name for max_tokens
+    logprobs: Literal[False] = False
+    top_logprobs: None = None
+
+
+# Responses ------------------------------------------------------------------------------------------------------
+def _id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: _id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: _id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    """A chat stream delta: only the fields that are set ({"role": "assistant", "content": ""} first, then text)."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer
+    def _set_fields(self) -> dict[str, Any]:
+        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "nextn"
+    max_model_len: int  # max_seq_len: prompt plus completion tokens
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
+
+    error: ErrorInfo
+
+
+# Errors ---------------------------------------------------------------------------------------------------------
+UNSUPPORTED_FIELDS = {"echo", "logprobs", "best_of", "suffix", "top_logprobs"}
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|function-.*)$")  # pydantic union members
+
+
+class APIError(Exception):
+    """A request the server refuses: HTTP status, a message naming the problem and the fix, the field."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.info = status, ErrorInfo(message=message, type=type_, param=param, code=code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(ErrorResponse(error=self.info).model_dump(), status_code=self.status)
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    """FastAPI's request validation errors as one OpenAI error: each field, what is wrong, how to fix it."""
+    by_field: dict[str, tuple[list[str], str]] = {}  # field → (what is wrong, the value sent)
+    for err in exc.errors():
+        if err["type"] == "json_invalid":
+            detail = err.get("ctx", {}).get("error", err["msg"])
+            return APIError(400, f"malformed JSON body ({detail}): send one JSON object", code="invalid_json")
+        loc = [str(x) for x in err["loc"][1:] if not _UNION_TAG.match(str(x))]  # drop "body" and union members
+        if err["type"] == "extra_forbidden":
+            msg = "unknown or unsupported field: remove it (nextn serve implements the OpenAI fields in its docs)"
+        elif loc and loc[0] in UNSUPPORTED_FIELDS:
+            msg = "not supported by nextn serve: omit it"
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+        got = "" if err["type"] in ("missing", "value_error", "extra_forbidden") else f" (got {err['input']!r:.60})"
+        msgs, _ = by_field.setdefault(".".join(loc) or "body", ([], got))
+        if msg not in msgs:
+            msgs.append(msg)
+    message = "; ".join(f"{f}: {' or '.join(m)}{got}" for f, (m, got) in by_field.items())
+    first = next(iter(by_field), "body")
+    return APIError(400, f"invalid request: {message}", first.split(".")[0])

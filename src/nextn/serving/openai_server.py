@@ -1,0 +1,306 @@
+"""An OpenAI-compatible HTTP server over one `LLM` (`nextn serve`, in the shape of `trtllm-serve`).
+
+Routes: POST /v1/completions, POST /v1/chat/completions (non-streaming, or server-sent events with `stream: true`
+ending in `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus, `serving/metrics.py`).
+Every request becomes one `LLM.generate_async(..., streaming=True)` handle, so concurrent requests share the
+engine through in-flight batching; a client that disconnects has its request aborted (its KV blocks are freed at
+once). Bad requests get HTTP 4xx with OpenAI's error body naming the field and the fix.
+
+Stop strings (`stop`) are matched on the detokenized text after each engine step: the text is cut before the
+first match, the request is aborted there (finish_reason "stop"), and `usage.completion_tokens` counts the tokens
+generated up to that step (they may run a few tokens past the match). While streaming, the last
+len(longest stop) − 1 characters are held back until they cannot begin a match.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
+
+from nextn import LLM, SamplingParams
+from nextn.runtime.engine import RequestError
+from nextn.runtime.outputs import CompletionOutput
+from nextn.runtime.request_handle import RequestHandle
+from nextn.runtime.sampling_params import SamplingParamsError
+from nextn.serving import openai_protocol as p
+from nextn.serving.metrics import CountRequests, ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+# Used when the tokenizer has no chat template: one "role: content" line per message, then "assistant:".
+FALLBACK_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}assistant:{% endif %}")
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to max_seq_len
+ROUTES = ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health", "GET /metrics")
+
+
+@dataclass
+class _Job:
+    """One prompt submitted to the engine."""
+
+    handle: RequestHandle
+    num_prompt_tokens: int
+    stops: list[str]
+
+
+def _cut(text: str, stops: list[str]) -> tuple[str, bool]:
+    """`text` cut before the earliest stop string, and whether one matched."""
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return (text[:min(hits)], True) if hits else (text, False)
+
+
+class OpenAIServer:
+    """The routes' logic over one `LLM` (its background engine loop starts with the first request).
+
+    Args:
+        llm: a loaded `LLM`; the server shares it across requests (the caller shuts it down).
+        model_name: the name clients send as `model` (GET /v1/models lists it).
+    """
+
+    def __init__(self, llm: LLM, model_name: str) -> None:
+        self.llm, self.model_name = llm, model_name
+        self.tokenizer = llm.tokenizer
+        self.max_seq_len = llm.engine.max_seq_len
+        pool = llm.engine.pool
+        self.metrics = ServerMetrics(lambda: pool.num_free, pool.num_blocks - 1)
+        self.chat_template: str | None = None
+        if self.tokenizer is not None and not getattr(self.tokenizer.tok, "chat_template", None):
+            self.chat_template = FALLBACK_CHAT_TEMPLATE
+            logger.warning("the tokenizer has no chat template: /v1/chat/completions renders messages as "
+                           "'ROLE: CONTENT' lines followed by 'assistant:' (nextn's fallback template)")
+
+    # Prompts and sampling parameters ----------------------------------------------------------------------------
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise p.APIError(404, f"the model '{model}' does not exist: this server serves '{self.model_name}' "
+                             "(GET /v1/models)", "model", "model_not_found")
+
+    def _encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise p.APIError(400, "this engine has no tokenizer (its checkpoint had none): send the prompt as a list "
+                             "of token ids", param)
+        if not text:
+            raise p.APIError(400, "empty prompt: give at least one character or token id", param)
+        return list(self.tokenizer.tok.encode(text, add_special_tokens=add_special_tokens))
+
+    def _chat_ids(self, messages: list[p.ChatMessage]) -> list[int]:
+        if self.tokenizer is None:
+            raise p.APIError(400, "this engine has no tokenizer, so it cannot render chat messages: use "
+                             "/v1/completions with token-id prompts", "messages")
+        msgs = [{"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {}) for m in messages]
+        try:
+            text = self.tokenizer.tok.apply_chat_template(msgs, chat_template=self.chat_template, tokenize=False,
+                                                          add_generation_prompt=True)
+        except Exception as e:  # the template's own checks (e.g. role order) raise jinja errors
+            raise p.APIError(400, f"the chat template rejected the messages: {e}", "messages") from None
+        # A model's template writes its own BOS; the fallback does not, so the tokenizer adds it.
+        return self._encode(text, "messages", add_special_tokens=self.chat_template is not None)
+
+    def _params(self, req: p._SamplingRequest, num_prompt_tokens: int, max_tokens: int | None, param: str,
+                max_tokens_param: str = "max_tokens") -> SamplingParams:
+        room = self.max_seq_len - num_prompt_tokens
+        if room < 1:
+            raise p.APIError(400, f"the prompt has {num_prompt_tokens} tokens but max_seq_len is {self.max_seq_len} "
+                             "(prompt plus at least one generated token): shorten the prompt or restart the server "
+                             "with a larger --max_seq_len", param, "context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = min(room, COMPLETIONS_DEFAULT_MAX_TOKENS) if param == "prompt" else room
+        elif max_tokens > room:
+            raise p.APIError(400, f"{max_tokens_param}={max_tokens} plus the prompt's {num_prompt_tokens} tokens "
+                             f"exceed max_seq_len {self.max_seq_len}: lower {max_tokens_param} to at most {room}",
+                             max_tokens_param, "context_length_exceeded")
+        if req.stop and self.tokenizer is None:
+            raise p.APIError(400, "stop strings need a tokenizer and this engine has none: use stop_token_ids", "stop")
+        try:
+            return SamplingParams(max_tokens=max_tokens, temperature=req.temperature or 0.0, top_k=req.top_k or 0,
+                                  top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
+                                  stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos)
+        except SamplingParamsError as e:
+            raise p.APIError(400, str(e)) from None
+
+    def _submit(self, prompts: list[list[int]], params: list[SamplingParams], stops: list[str]) -> list[_Job]:
+        jobs: list[_Job] = []
+        try:
+            for ids, sp in zip(prompts, params):
+                jobs.append(_Job(self.llm.generate_async(ids, sp, streaming=True), len(ids), stops))
+        except RequestError as e:
+            for job in jobs:
+                job.handle.abort()
+            raise p.APIError(400, str(e), "prompt") from None
+        except RuntimeError as e:  # the engine loop is shut down
+            raise p.APIError(503, f"the server is shutting down: {e}", type_="server_error") from None
+        return jobs
+
+    # Running requests -----------------------------------------------------------------------------------------
+    async def _pieces(self, job: _Job) -> AsyncIterator[tuple[str, str | None, CompletionOutput | None]]:
+        """Per engine step: (new text, finish_reason on the last, final output on the last).
+
+        Leaving early (client gone: the consumer is cancelled) aborts the request, freeing its KV blocks.
+        Raises:
+            p.APIError: 500 when the engine failed the request.
+        """
+        sent, finish, final = "", None, None
+        hold = max(map(len, job.stops), default=1) - 1
+        self.metrics.running.inc()
+        try:
+            async for out in job.handle:
+                c = out.outputs[0]
+                delta = ""
+                if finish is None:  # not yet cut by a stop string
+                    text, hit = _cut(c.text, job.stops)
+                    if hit:
+                        finish = "stop"
+                        job.handle.abort()  # the final output follows, finish_reason "cancelled"
+                    elif out.finished:
+                        finish = c.finish_reason
+                    elif hold:
+                        text = text[:max(len(sent), len(text) - hold)]  # the tail may begin a stop string
+                    if len(text) > len(sent):
+                        delta, sent = text[len(sent):], text
+                if out.finished:
+                    final = c
+                    if finish not in ("stop", "length"):
+                        raise p.APIError(500, f"the engine failed the request: {c.error or finish}",
+                                         type_="server_error", code=finish)
+                    yield delta, finish, c
+                elif delta:
+                    yield delta, None, None
+        finally:
+            self.metrics.running.dec()
+            if final is None:
+                job.handle.abort()
+                self.metrics.finished.labels(finish_reason="cancelled").inc()
+            else:
+                self.metrics.record(final, job.num_prompt_tokens, finish or "error")
+
+    async def _collect(self, jobs: list[_Job], raw: Request) -> list[tuple[str, str, CompletionOutput]]:
+        """Run every job to completion; aborts them all if the client disconnects first."""
+        async def one(job: _Job) -> tuple[str, str, CompletionOutput]:
+            text = ""
+            async for delta, finish, final in self._pieces(job):
+                text += delta
+                if final is not None:
+                    return text, finish, final
+            raise AssertionError("the request stream ended without a final output")
+
+        task = asyncio.ensure_future(asyncio.gather(*(one(j) for j in jobs)))
+        while not (await asyncio.wait({task}, timeout=0.5))[0]:
+            if await raw.is_disconnected():
+                task.cancel()  # cancels each `one`, whose _pieces aborts its request
+                raise p.APIError(499, "client disconnected")
+        return task.result()
+
+    @staticmethod
+    def _sse(chunks: AsyncIterator[str], jobs: list[_Job]) -> StreamingResponse:
+        """Server-sent events: the chunks, an error event if the engine fails, then [DONE]. The jobs are aborted
+        when the response ends, also when the client left before the stream began (a no-op for finished ones)."""
+        async def events() -> AsyncIterator[str]:
+            try:
+                async for chunk in chunks:
+                    yield f"data: {chunk}\n\n"
+            except p.APIError as e:
+                yield f"data: {p.ErrorResponse(error=e.info).model_dump_json()}\n\n"
+            yield "data: [DONE]\n\n"
+
+        def abort() -> None:
+            for job in jobs:
+                job.handle.abort()
+        return StreamingResponse(events(), media_type="text/event-stream", background=BackgroundTask(abort))
+
+    @staticmethod
+    def _usage(num_prompt_tokens: int, final: CompletionOutput) -> p.UsageInfo:
+        n = len(final.token_ids)
+        return p.UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=n, total_tokens=num_prompt_tokens + n)
+
+    # Routes ---------------------------------------------------------------------------------------------------
+    async def completions(self, req: p.CompletionRequest, raw: Request) -> Response:
+        self._check_model(req.model)
+        items = [req.prompt] if isinstance(req.prompt, str) or isinstance(req.prompt[0], int) else req.prompt
+        prompts = [self._encode(x, "prompt") if isinstance(x, str) else list(x) for x in items]
+        if req.stream and len(prompts) > 1:
+            raise p.APIError(400, "streaming takes one prompt per request: send the prompts as separate requests",
+                             "prompt")
+        params = [self._params(req, len(ids), req.max_tokens, "prompt") for ids in prompts]
+        jobs = self._submit(prompts, params, req.stop)
+        base = p.CompletionResponse(model=self.model_name, choices=[])
+        if not req.stream:
+            results = await self._collect(jobs, raw)
+            base.choices = [p.CompletionChoice(index=i, text=t, finish_reason=f) for i, (t, f, _) in enumerate(results)]
+            usages = [self._usage(j.num_prompt_tokens, r[2]) for j, r in zip(jobs, results)]
+            base.usage = p.UsageInfo(**{k: sum(getattr(u, k) for u in usages) for k in p.UsageInfo.model_fields})
+            return JSONResponse(base.model_dump())
+
+        async def chunks() -> AsyncIterator[str]:
+            async for delta, finish, final in self._pieces(jobs[0]):
+                yield base.model_copy(update={"choices": [p.CompletionChoice(index=0, text=delta,
+                                                                             finish_reason=finish)]}).model_dump_json()
+                if final is not None and req.stream_options and req.stream_options.include_usage:
+                    usage = self._usage(jobs[0].num_prompt_tokens, final)
+                    yield base.model_copy(update={"usage": usage}).model_dump_json()
+        return self._sse(chunks(), jobs)
+
+    async def chat(self, req: p.ChatCompletionRequest, raw: Request) -> Response:
+        self._check_model(req.model)
+        ids = self._chat_ids(req.messages)
+        limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = self._params(req, len(ids), limit, "messages", limit_param)
+        jobs = self._submit([ids], [params], req.stop)
+        if not req.stream:
+            [(text, finish, final)] = await self._collect(jobs, raw)
+            return JSONResponse(p.ChatCompletionResponse(
+                model=self.model_name, usage=self._usage(len(ids), final),
+                choices=[p.ChatChoice(index=0, message=p.AssistantMessage(content=text), finish_reason=finish)],
+            ).model_dump())
+        base = p.ChatCompletionChunk(id=p._id("chatcmpl"), created=int(time.time()), model=self.model_name, choices=[])
+
+        def chunk(delta: p.DeltaMessage, finish: str | None = None) -> str:
+            choice = p.ChatStreamChoice(index=0, delta=delta, finish_reason=finish)
+            return base.model_copy(update={"choices": [choice]}).model_dump_json()
+
+        async def chunks() -> AsyncIterator[str]:
+            yield chunk(p.DeltaMessage(role="assistant", content=""))
+            async for delta, finish, final in self._pieces(jobs[0]):
+                if delta:
+                    yield chunk(p.DeltaMessage(content=delta))
+                if final is not None:
+                    yield chunk(p.DeltaMessage(), finish)
+                    if req.stream_options and req.stream_options.include_usage:
+                        yield base.model_copy(update={"usage": self._usage(len(ids), final)}).model_dump_json()
+        return self._sse(chunks(), jobs)
+
+    def models(self) -> p.ModelList:
+        return p.ModelList(data=[p.ModelCard(id=self.model_name, max_model_len=self.max_seq_len)])
+
+
+def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    """Unknown routes and methods, in OpenAI's error shape."""
+    return p.APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path} is not an endpoint of "
+                      f"nextn serve ({', '.join(ROUTES)})", code=str(exc.status_code)).response()
+
+
+def create_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
+    """The FastAPI app serving `llm`; `served_model_name` defaults to the engine directory's name."""
+    server = OpenAIServer(llm, served_model_name or Path(llm.engine.engine_dir).resolve().name)
+    app = FastAPI(title="nextn", summary="OpenAI-compatible server of an nextn engine")
+    app.state.server = server
+    app.add_exception_handler(RequestValidationError, lambda _, e: p.validation_error(e).response())
+    app.add_exception_handler(p.APIError, lambda _, e: e.response())
+    app.add_exception_handler(HTTPException, _http_error)
+    app.post("/v1/completions", response_model=None)(server.completions)
+    app.post("/v1/chat/completions", response_model=None)(server.chat)
+    app.get("/v1/models")(server.models)
+    app.get("/health")(lambda: Response(status_code=200))
+    app.get("/metrics")(lambda: Response(server.metrics.exposition(), media_type=server.metrics.content_type))
+    app.add_middleware(CountRequests, metrics=server.metrics, paths={r.split()[1] for r in ROUTES})
+    return app

@@ -1,0 +1,213 @@
+"""Triton request parsing and response tensors for nextn's Python-backend model, in TensorRT-LLM's names.
+
+Plain numpy in and out, no `triton_python_backend_utils`: `model.py` (`triton_model.py`) stays a thin adapter and this
+module is unit-tested without a server. Names, dtypes and dims follow TensorRT-LLM's Triton models
+(`triton_backend/all_models/inflight_batcher_llm/`, REFERENCE.md §8): the `ensemble`'s text interface (`text_input`,
+`max_tokens`, `stream`, `temperature`, `top_k`, `top_p`, `seed`, `end_id` → `text_output`) and the `tensorrt_llm`
+model's token-id interface (`input_ids`, `input_lengths`, `request_output_len`, `streaming`, `runtime_top_k`,
+`runtime_top_p` → `output_ids`, `sequence_length`), with its speculative-decoding statistics. Dims exclude the batch
+dimension (the config has `max_batch_size` > 0, so every tensor arrives as [1, *dims]: one prompt per request).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from nextn.runtime.outputs import RequestOutput
+from nextn.runtime.sampling_params import SamplingParams, SamplingParamsError
+
+
+class TritonRequestError(ValueError):
+    """A request the model cannot run (missing/duplicated/ill-typed input, bad value); the message says which."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One input or output of the model's config.pbtxt.
+
+    Attributes:
+        name: the tensor name (TensorRT-LLM's).
+        data_type: the Triton config type, e.g. "TYPE_INT32".
+        dims: the shape without the batch dimension (-1 = variable).
+        optional: an input the client may leave out.
+    """
+
+    name: str
+    data_type: str
+    dims: tuple[int, ...]
+    optional: bool = False
+
+
+# Every input is optional to Triton because the text and token-id interfaces share one model; `parse_request`
+# enforces exactly one prompt and one output length.
+INPUTS = (
+    TensorSpec("text_input", "TYPE_STRING", (1,), True),
+    TensorSpec("input_ids", "TYPE_INT32", (-1,), True),
+    TensorSpec("input_lengths", "TYPE_INT32", (1,), True),
+    TensorSpec("max_tokens", "TYPE_INT32", (1,), True),
+    TensorSpec("request_output_len", "TYPE_INT32", (1,), True),
+    TensorSpec("stream", "TYPE_BOOL", (1,), True),
+    TensorSpec("streaming", "TYPE_BOOL", (1,), True),
+    TensorSpec("temperature", "TYPE_FP32", (1,), True),
+    TensorSpec("top_k", "TYPE_INT32", (1,), True),
+    TensorSpec("runtime_top_k", "TYPE_INT32", (1,), True),
+    TensorSpec("top_p", "TYPE_FP32", (1,), True),
+    TensorSpec("runtime_top_p", "TYPE_FP32", (1,), True),
+    TensorSpec("seed", "TYPE_UINT64", (1,), True),
+    TensorSpec("end_id", "TYPE_INT32", (1,), True),
+)
+KV_FREE_BLOCKS = "kv_cache_free_blocks"  # nextn's extension, filled only when the client requests it
+OUTPUTS = (
+    TensorSpec("text_output", "TYPE_STRING", (-1,)),
+    TensorSpec("output_ids", "TYPE_INT32", (-1, -1)),  # [beams = 1, tokens]
+    TensorSpec("sequence_length", "TYPE_INT32", (-1,)),  # [beams = 1]
+    TensorSpec("acceptance_rate", "TYPE_FP32", (1,)),
+    TensorSpec("total_accepted_draft_tokens", "TYPE_INT32", (1,)),
+    TensorSpec("total_draft_tokens", "TYPE_INT32", (1,)),
+    TensorSpec(KV_FREE_BLOCKS, "TYPE_INT32", (1,)),
+)
+INPUT_NAMES = tuple(s.name for s in INPUTS)
+
+# Two spellings of one parameter: the ensemble's (text) name first, then the tensorrt_llm model's.
+_ALIASES = {"max_tokens": "request_output_len", "stream": "streaming", "top_k": "runtime_top_k",
+            "top_p": "runtime_top_p"}
+_KINDS = {"TYPE_STRING": ("OSU", "bytes"), "TYPE_INT32": ("iu", "an integer"), "TYPE_UINT64": ("iu", "an integer"),
+          "TYPE_FP32": ("fc", "a float"), "TYPE_BOOL": ("b", "a bool")}
+_SPECS = {s.name: s for s in INPUTS}
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """What one Triton request asks for.
+
+    Attributes:
+        prompt: the text (`text_input`) or the token ids (`input_ids`).
+        sampling_params: validated `SamplingParams`.
+        streaming: one response per engine step (decoupled models only).
+    """
+
+    prompt: str | list[int]
+    sampling_params: SamplingParams
+    streaming: bool
+
+
+def parse_request(inputs: Mapping[str, np.ndarray], decoupled: bool) -> ParsedRequest:
+    """Turn a request's input tensors into a prompt and `SamplingParams`.
+
+    Args:
+        inputs: input name → array as the Python backend gives it ([1, *dims], or [*dims] without a batch dimension).
+        decoupled: whether the model may send several responses (streaming allowed).
+    Raises:
+        TritonRequestError: unknown input, no prompt or two, no output length, both spellings of a parameter, batch
+            size ≠ 1, wrong dtype, `input_lengths` ≠ len(input_ids), undecodable text, streaming on a non-decoupled
+            model, or an invalid sampling value (the message names the input and the valid range).
+    """
+    unknown = sorted(set(inputs) - set(INPUT_NAMES))
+    if unknown:
+        raise TritonRequestError(f"unknown inputs {unknown}; this model takes {list(INPUT_NAMES)}")
+    for name, value in inputs.items():
+        _check_dtype(name, np.asarray(value))
+    args = {name: _pick(inputs, name) for name in _ALIASES}
+    prompt = _prompt(inputs)
+    if args["max_tokens"] is None:
+        raise TritonRequestError("missing input: give max_tokens (or request_output_len), the tokens to generate")
+    streaming = bool(args["stream"]) if args["stream"] is not None else False
+    if streaming and not decoupled:
+        raise TritonRequestError("streaming needs a decoupled model (nextn triton-repo --decoupled); this one answers "
+                                 "each request with one response")
+    params = {"max_tokens": int(args["max_tokens"])}
+    for key in ("temperature", "seed", "end_id"):
+        if key in inputs:
+            params[key] = _scalar(inputs, key)
+    for key in ("top_k", "top_p"):
+        if args[key] is not None:
+            params[key] = args[key]
+    params = {k: (float(v) if k in ("temperature", "top_p") else int(v)) for k, v in params.items()}
+    try:
+        sampling_params = SamplingParams(**params)
+    except SamplingParamsError as e:
+        raise TritonRequestError(str(e)) from None
+    return ParsedRequest(prompt, sampling_params, streaming)
+
+
+def response_tensors(output: RequestOutput, delta: bool, kv_free_blocks: int | None = None) -> dict[str, np.ndarray]:
+    """The output tensors of one response, each with a leading batch dimension of 1.
+
+    Args:
+        output: a per-step (streaming) or final output of `LLM.generate_async`.
+        delta: send what this step added (`token_ids_diff` / `text_diff`) instead of everything so far.
+        kv_free_blocks: free KV-cache blocks to report as `kv_cache_free_blocks` (None: left out).
+    Returns:
+        text_output [1, 1] (bytes), output_ids [1, 1, T] int32, sequence_length [1, 1] int32 (= T),
+        acceptance_rate [1, 1] fp32 (accepted / proposed drafts so far), total_accepted_draft_tokens and
+        total_draft_tokens [1, 1] int32.
+    """
+    c = output.outputs[0]
+    ids = c.token_ids_diff if delta else c.token_ids
+    text = c.text_diff if delta else c.text
+    tensors = {
+        "text_output": np.array([[(text or "").encode("utf-8")]], dtype=np.object_),
+        "output_ids": np.array(list(ids), dtype=np.int32).reshape(1, 1, -1),
+        "sequence_length": np.array([[len(ids)]], dtype=np.int32),
+        "acceptance_rate": np.array([[c.draft_acceptance_rate]], dtype=np.float32),
+        "total_accepted_draft_tokens": np.array([[c.num_accepted_draft_tokens]], dtype=np.int32),
+        "total_draft_tokens": np.array([[c.num_draft_tokens]], dtype=np.int32),
+    }
+    if kv_free_blocks is not None:
+        tensors[KV_FREE_BLOCKS] = np.array([[kv_free_blocks]], dtype=np.int32)
+    return tensors
+
+
+# Helpers ---------------------------------------------------------------------------------------------------------
+def _check_dtype(name: str, value: np.ndarray) -> None:
+    kinds, what = _KINDS[_SPECS[name].data_type]
+    if value.dtype.kind not in kinds:
+        raise TritonRequestError(f"input {name} must be {what} ({_SPECS[name].data_type}), got numpy {value.dtype}")
+
+
+def _unbatch(name: str, value: np.ndarray, ndim: int) -> np.ndarray:
+    """Drop the batch dimension of a [1, *dims] tensor (one prompt per request)."""
+    if value.ndim == ndim + 1:
+        if value.shape[0] != 1:
+            raise TritonRequestError(f"input {name} has batch size {value.shape[0]}: nextn takes one prompt per "
+                                     "request (send concurrent requests instead; they share engine steps)")
+        value = value[0]
+    if value.ndim != ndim:
+        raise TritonRequestError(f"input {name} has shape {list(value.shape)}; expected [1, {'-1' if ndim else ''}]")
+    return value
+
+
+def _scalar(inputs: Mapping[str, np.ndarray], name: str):
+    value = np.asarray(inputs[name])
+    if value.size != 1:
+        raise TritonRequestError(f"input {name} must hold one value per request, got shape {list(value.shape)}")
+    item = value.reshape(-1)[0]
+    return item.item() if isinstance(item, np.generic) else item
+
+
+def _pick(inputs: Mapping[str, np.ndarray], name: str):
+    """The value of a parameter given under either spelling (`name` or its tensorrt_llm alias), or None."""
+    alias = _ALIASES[name]
+    if name in inputs and alias in inputs:
+        raise TritonRequestError(f"give either {name} or {alias} (the same parameter), not both")
+    key = name if name in inputs else alias if alias in inputs else None
+    return None if key is None else _scalar(inputs, key)
+
+
+def _prompt(inputs: Mapping[str, np.ndarray]) -> str | list[int]:
+    if ("text_input" in inputs) == ("input_ids" in inputs):
+        raise TritonRequestError("give exactly one prompt: text_input (text) or input_ids (token ids)")
+    if "text_input" in inputs:
+        raw = _scalar(inputs, "text_input")
+        try:
+            return raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
+        except UnicodeDecodeError as e:
+            raise TritonRequestError(f"input text_input is not valid UTF-8: {e}") from None
+    ids = _unbatch("input_ids", np.asarray(inputs["input_ids"]), 1).tolist()
+    if "input_lengths" in inputs and int(_scalar(inputs, "input_lengths")) != len(ids):
+        raise TritonRequestError(f"input_lengths says {_scalar(inputs, 'input_lengths')} but input_ids holds "
+                                 f"{len(ids)} tokens")
+    return ids
