@@ -1,1 +1,2 @@
-"""The verify-and-draft step's own operations ("plugins"): each a pure-PyTorch reference first, kernels later."""
+"""The verify-and-draft step's own operations ("plugins"): pure-PyTorch references here, their Triton kernels with
+launchers and dispatchers in `nextn.plugins.kernels`."""

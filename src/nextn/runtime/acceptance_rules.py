@@ -4,7 +4,8 @@ Chosen once from the speculative config (STYLE.md §4): `StandardAcceptance` (st
 rejection sampling as soon as one request samples — which is exactly strict on its greedy rows) or
 `RelaxedAcceptance` (TensorRT-LLM's relaxed acceptance for greedy requests inside `<think>…</think>`, rejection
 sampling for sampling requests). Each holds per-request state as device tensors (the thinking delta), so the step
-stays a pure function of fixed-shape tensors. The math lives in `nextn.plugins` (PyTorch references).
+stays a pure function of fixed-shape tensors. The math lives in `nextn.plugins` (PyTorch references), dispatched
+through `nextn.plugins.kernels.acceptance` (Triton kernels on CUDA, the references elsewhere).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from nextn.plugins.acceptance import rejection_sampling, relaxed_acceptance, strict_acceptance
+from nextn.plugins.kernels.acceptance import rejection_sampling, relaxed_acceptance, strict_acceptance
 from nextn.plugins.sampling import STREAM_ACCEPT, STREAM_SAMPLE, counter_uniform, filtered_probs
 
 AcceptState = tuple[torch.Tensor, ...]

@@ -11,6 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+from nextn.plugins.kernels.medusa_tree import tree_visibility
+from nextn.plugins.kernels.slot_mapping import slot_mapping
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -22,8 +25,12 @@ class AttentionMetadata:
             KV is written to; pads point into the null block.
         block_tables: [batch, max_blocks] int64, the blocks of each sequence in order (unused entries: 0).
         block_size: tokens per KV block.
+        tree_start: [batch] int64 kv_len for a tree forward (`create_tree`), else None.
+        tree_mask: [L, L] bool the tree's own mask for a tree forward, else None.
     A query at position p attends to every cached key at positions 0..p of its own sequence (causal over the
-    paged cache): the keys this forward writes are stored before attention reads them.
+    paged cache): the keys this forward writes are stored before attention reads them. `context_slots` and
+    `visible` spell the same out densely for the PyTorch attention; kernels read block tables, positions and the
+    tree fields instead.
     """
 
     positions: torch.Tensor
@@ -32,6 +39,8 @@ class AttentionMetadata:
     block_size: int
     context_slots: torch.Tensor  # [batch, max_blocks · block_size] int64: the slot of every key position
     visible: torch.Tensor  # [batch, 1, num_tokens, max_blocks · block_size] bool: key position ≤ query position
+    tree_start: torch.Tensor | None = None
+    tree_mask: torch.Tensor | None = None
 
     @classmethod
     def create(cls, positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
@@ -53,11 +62,9 @@ class AttentionMetadata:
         s = max_blocks * block_size
         offsets = torch.arange(block_size, device=block_tables.device)
         context_slots = (block_tables[:, :, None] * block_size + offsets).reshape(b, s)
-        rel = torch.arange(s, device=block_tables.device)[None, :] - kv_lens[:, None]  # [B, S] key index in the tree
-        in_tree = (rel >= 0) & (rel < tree_mask.shape[0])
-        tree_vis = tree_mask[:, rel.clamp(0, tree_mask.shape[0] - 1)].permute(1, 0, 2)  # [B, L, S]
-        visible = (rel < 0)[:, None, :] | (in_tree[:, None, :] & tree_vis)
-        return cls(positions, slot_mapping, block_tables, block_size, context_slots, visible[:, None])
+        visible = tree_visibility(kv_lens, tree_mask, s)  # [B, L, S]
+        return cls(positions, slot_mapping, block_tables, block_size, context_slots, visible[:, None], kv_lens,
+                   tree_mask)
 
     @property
     def max_context(self) -> int:
@@ -85,10 +92,6 @@ def slots_for_positions(block_tables: torch.Tensor, positions: torch.Tensor, blo
         positions: [batch, n] int64; must be < max_blocks · block_size where valid.
         valid: optional [batch, n] bool; invalid entries (and negative positions) map to slot 0 (null block).
     Returns:
-        [batch, n] int64 slots.
+        [batch, n] int64 slots (`nextn.plugins.kernels.slot_mapping`: the kernel on CUDA, else the reference).
     """
-    pos = positions.clamp(min=0)
-    block_idx = (pos // block_size).clamp(max=block_tables.shape[1] - 1)
-    slots = block_tables.gather(1, block_idx) * block_size + pos % block_size
-    keep = positions >= 0 if valid is None else valid & (positions >= 0)
-    return torch.where(keep, slots, torch.zeros_like(slots))
+    return slot_mapping(block_tables, positions, block_size, valid)

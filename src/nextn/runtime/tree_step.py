@@ -18,6 +18,7 @@ import torch
 
 from nextn.models.medusa import MedusaHeads
 from nextn.plugins.acceptance import tree_greedy_acceptance, tree_typical_acceptance
+from nextn.plugins.kernels.medusa_tree import tree_candidates
 from nextn.plugins.medusa_tree import TreeBuffers
 from nextn.plugins.sampling import STREAM_SAMPLE, counter_uniform, sample_from_probs
 from nextn.runtime.acceptance_rules import AcceptanceRule, AcceptState, SamplingTensors
@@ -82,8 +83,7 @@ class MedusaDrafter:
     def tree_from(self, hidden_last: torch.Tensor, root: torch.Tensor) -> torch.Tensor:
         """Next tree tokens [B, L] from the hidden state at the last accepted position [B, 1, H] and its token [B, 1]."""
         topk = self.heads(hidden_last)[: self.tree.max_depth, :, 0].topk(self.tree.topk, dim=-1).indices  # [D, B, k]
-        candidates = torch.cat([root, topk.permute(1, 0, 2).reshape(root.shape[0], -1)], dim=1)
-        return candidates[:, self.tree.candidate_index]
+        return tree_candidates(root, topk, self.tree.candidate_index)
 
     def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx):
         tree = self.tree_from(_at(hidden, last_idx), next_tokens.gather(1, last_idx[:, None]))

@@ -3,18 +3,20 @@
 Sources: DeepSeek-V2 report §2.1 (MLA) and DeepSeek-V3 report §2.1.1; absorption as in vLLM `mla/common.py`
 and SGLang `deepseek_v2.py`. Per token the cache holds only the normalised latent c_kv [kv_lora_rank] and the
 roped shared key k_pe [qk_rope_head_dim] (576 values for V3). `kv_b_proj` is folded into the query (W_UK) and
-the output (W_UV), so keys and values are never expanded per head. Softmax runs in fp32.
+the output (W_UV), so keys and values are never expanded per head. Softmax runs in fp32. The attention itself
+(absorbed queries over the paged latents) is `nextn.plugins.kernels.mla_attention`: a Triton kernel on CUDA, its
+PyTorch reference elsewhere.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nextn.models.config import DeepseekV3ModelConfig
 from nextn.models.deepseek_v3.rope import apply_rope
 from nextn.models.layers import RMSNorm
+from nextn.plugins.kernels.mla_attention import mla_attention
 from nextn.runtime.attention_metadata import AttentionMetadata
 
 
@@ -68,17 +70,9 @@ class MLAttention(nn.Module):
         new_kv = torch.cat([c_kv, k_pe], dim=-1).to(kv_cache.dtype)
         kv_cache.index_copy_(0, meta.slot_mapping.reshape(-1), new_kv.reshape(b * t, -1))
 
-        # Gather each sequence's context through its block table: [B, S, lora + rope], S = max_blocks · block_size.
-        ctx = kv_cache[meta.context_slots].to(x.dtype)
-        ctx_kv, ctx_pe = ctx.split([lora, rope_d], dim=-1)
-
         w_kv = self.kv_b_proj.weight.view(nh, nope + cfg.v_head_dim, lora)
         w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]  # [nh, nope, lora], [nh, v, lora]
         q_lat = torch.einsum("btnd,ndc->btnc", q_nope, w_uk)  # absorbed query [B, T, nh, lora]
-        scores = (torch.einsum("btnc,bsc->bnts", q_lat, ctx_kv)
-                  + torch.einsum("btnr,bsr->bnts", q_pe, ctx_pe)).float() * self.scale  # [B, nh, T, S]
-        scores = scores.masked_fill(~meta.visible, float("-inf"))
-        probs = F.softmax(scores, dim=-1).to(x.dtype)
-        o_lat = torch.einsum("bnts,bsc->btnc", probs, ctx_kv)  # [B, T, nh, lora]
+        o_lat = mla_attention(q_lat, q_pe, kv_cache, meta, self.scale)  # [B, T, nh, lora]
         o = torch.einsum("btnc,nvc->btnv", o_lat, w_uv).reshape(b, t, nh * cfg.v_head_dim)
         return self.o_proj(o)
