@@ -64,8 +64,9 @@ def test_trained_heads_stay_lossless_on_held_out_prompts(trained):
     assert m["acceptance_length"] > 1.2  # random heads accept almost nothing (≈ 1.0)
 
 
-def test_mtp_method_is_refused_clearly(tmp_path, capsys):
+def test_missing_data_file_is_a_clear_error(tmp_path, capsys):
     argv = ["--model_dir", str(tmp_path), "--method", "mtp", "--data", str(tmp_path / "x.txt"),
             "--output_dir", str(tmp_path / "out")]
     assert main(argv) == 2
-    assert "not supported yet" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "x.txt" in err and "not found" in err

@@ -60,6 +60,7 @@ class LlamaModelConfig(BaseModel):
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     torch_dtype: str = "float32"  # dtype the checkpoint was saved in
+    num_nextn_predict_layers: int = Field(default=0, ge=0)  # MTP modules at model.layers.{num_hidden_layers + i}
 
     @model_validator(mode="before")
     @classmethod
@@ -86,11 +87,6 @@ class LlamaModelConfig(BaseModel):
     def kv_cache_dim(self) -> int:
         """Values cached per token per layer: K then V of every KV head, 2 · num_key_value_heads · head_dim."""
         return 2 * self.num_key_value_heads * self.head_dim
-
-    @property
-    def num_nextn_predict_layers(self) -> int:
-        """Llama checkpoints carry no MTP modules (kept so engine code can ask any model family)."""
-        return 0
 
     @property
     def softmax_scale(self) -> float:

@@ -3,8 +3,14 @@
 Sources: Touvron et al. 2023 ("Llama 2", §2.2: pre-norm RMSNorm, SwiGLU, RoPE, GQA); parameter names and numerics
 follow HF `transformers` `LlamaForCausalLM`, the oracle (fp32 logits matched to ~1e-5). The interface mirrors
 `nextn.models.deepseek_v3.model.DeepseekV3ForCausalLM` (forward over fixed-shape tensors and an
-`AttentionMetadata`, `logits`, `draft_logits`, `num_cache_layers`, the `rope_table` buffer), so the runtime's steps
-run either family. Per token per layer the cache holds K then V of every KV head: [2 · num_key_value_heads · head_dim].
+`AttentionMetadata`, `logits`, `draft_logits`, `num_cache_layers`, the `rope_table` buffer, and the MTP surface
+`forward_mtp` / `mtp_logits`), so the runtime's steps and drafters run either family. Per token per layer the cache
+holds K then V of every KV head: [2 · num_key_value_heads · head_dim].
+
+MTP for Llama (issue 4): a checkpoint with `num_nextn_predict_layers` = K > 0 holds K DeepSeek-style MTP modules
+(DeepSeek-V3 report §2.2) at `model.layers.{num_hidden_layers + i}`: `enorm`, `hnorm`, `eh_proj`, one Llama decoder
+block and `shared_head.norm`, with the main model's embedding and lm_head shared; their KV pages through the same
+block tables as extra cache layers. `nextn train-draft --method mtp` trains them by self-distillation.
 """
 
 from __future__ import annotations
@@ -74,20 +80,47 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
                          cfg.rms_norm_eps)
 
 
+class SharedHead(nn.Module):
+    """The MTP module's output norm (`shared_head.norm`); its head is the main model's lm_head."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.norm = RMSNorm(hidden_size, eps=eps)
+
+
+class LlamaMTPLayer(LlamaDecoderLayer):
+    """One MTP module: h' = Block(eh_proj([enorm(embed(t)); hnorm(h)])), embedding first (DeepSeek's design)."""
+
+    def __init__(self, cfg: LlamaModelConfig) -> None:
+        super().__init__(cfg)
+        self.enorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.shared_head = SharedHead(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward_mtp(self, token_embeds: torch.Tensor, hidden_prev: torch.Tensor, cos_sin: torch.Tensor,
+                    kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """token_embeds, hidden_prev: [B, T, hidden] → the block output [B, T, hidden] (before shared_head.norm)."""
+        x = self.eh_proj(torch.cat([self.enorm(token_embeds), self.hnorm(hidden_prev)], dim=-1))
+        return super().forward(x, cos_sin, kv_cache, meta)
+
+
 class LlamaBody(nn.Module):
-    """`model.*`: embeddings, decoder layers, final norm."""
+    """`model.*`: embeddings, decoder layers then the MTP layers, final norm."""
 
     def __init__(self, cfg: LlamaModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)])
+        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)]
+                                    + [LlamaMTPLayer(cfg) for _ in range(cfg.num_nextn_predict_layers)])
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
     """The Llama target model; parameter names are HF's (a tied checkpoint gets an explicit `lm_head.weight`).
 
-    The KV cache is one tensor [num_hidden_layers, num_slots, 2 · num_key_value_heads · head_dim].
+    The KV cache is one tensor [num_hidden_layers + num_nextn_predict_layers, num_slots, 2 · num_key_value_heads ·
+    head_dim]: MTP layers page through the same block tables as the target.
     """
 
     def __init__(self, cfg: LlamaModelConfig, max_positions: int | None = None) -> None:
@@ -105,7 +138,7 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def num_cache_layers(self) -> int:
-        return self.cfg.num_hidden_layers
+        return self.cfg.num_hidden_layers + self.cfg.num_nextn_predict_layers
 
     def _cos_sin(self, positions: torch.Tensor) -> torch.Tensor:
         return self.rope_table[positions.clamp(min=0)]  # [B, T, 2, head_dim // 2]
@@ -114,8 +147,8 @@ class LlamaForCausalLM(nn.Module):
         """input_ids: [B, T] int64 → hidden states after the final norm [B, T, hidden]; writes KV at the tokens' slots."""
         x = self.model.embed_tokens(input_ids)
         cos_sin = self._cos_sin(meta.positions)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos_sin, kv_cache[i], meta)
+        for i in range(self.cfg.num_hidden_layers):
+            x = self.model.layers[i](x, cos_sin, kv_cache[i], meta)
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -131,3 +164,18 @@ class LlamaForCausalLM(nn.Module):
         """Give drafters a bf16 copy of lm_head (drafts only propose, so this is lossless)."""
         if self.lm_head.weight.dtype != torch.bfloat16:
             self.draft_head_weight = self.lm_head.weight.detach().to(torch.bfloat16)
+
+    def mtp_layer(self, k: int) -> LlamaMTPLayer:
+        return self.model.layers[self.cfg.num_hidden_layers + k]
+
+    def forward_mtp(self, k: int, input_ids: torch.Tensor, hidden_prev: torch.Tensor, kv_cache: torch.Tensor,
+                    meta: AttentionMetadata) -> torch.Tensor:
+        """MTP module k. input_ids: [B, T] (the token one position ahead of hidden_prev's); hidden_prev: [B, T, hidden]
+        (the target's final hidden for k's first use, else the previous module's output) → [B, T, hidden]."""
+        embeds = self.model.embed_tokens(input_ids)
+        return self.mtp_layer(k).forward_mtp(embeds, hidden_prev, self._cos_sin(meta.positions),
+                                             kv_cache[self.cfg.num_hidden_layers + k], meta)
+
+    def mtp_logits(self, k: int, hidden: torch.Tensor) -> torch.Tensor:
+        """lm_head(shared_head.norm(h)) of MTP module k: [..., hidden] → [..., vocab] fp32."""
+        return self.draft_logits(self.mtp_layer(k).shared_head.norm(hidden))

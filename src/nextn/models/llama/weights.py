@@ -1,7 +1,10 @@
 """Llama weight layouts: the HF checkpoint's tensors and the engine's (runtime) tensors.
 
-The engine keeps HF names unchanged; the one change made at build time is that a tied checkpoint
-(`tie_word_embeddings`, no `lm_head.weight`) gets an explicit `lm_head.weight` copied from `model.embed_tokens.weight`.
+The engine keeps HF names unchanged; the changes made at build time are that a tied checkpoint
+(`tie_word_embeddings`, no `lm_head.weight`) gets an explicit `lm_head.weight` copied from `model.embed_tokens.weight`,
+and that MTP layers (`model.layers.{num_hidden_layers + i}`: a decoder block plus `enorm`, `hnorm`, `eh_proj`,
+`shared_head.norm`) lose their copies of `embed_tokens` / `shared_head.head` when a checkpoint carries them, as for
+DeepSeek-V3 (every engine uses the main model's embedding and lm_head).
 """
 
 from __future__ import annotations
@@ -38,12 +41,16 @@ def _layer_specs(cfg: LlamaModelConfig) -> dict[str, Shape]:
 
 
 def runtime_weight_specs(cfg: LlamaModelConfig) -> dict[str, Shape]:
-    """Every tensor an engine holds, name → shape, in build order."""
+    """Every tensor an engine holds, name → shape, in build order (MTP layers after the main ones)."""
     h, v = cfg.hidden_size, cfg.vocab_size
     specs: dict[str, Shape] = {"model.embed_tokens.weight": (v, h)}
     layer = _layer_specs(cfg)
     for n in range(cfg.num_hidden_layers):
         specs.update({f"model.layers.{n}.{k}": s for k, s in layer.items()})
+    mtp = {**layer, "enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h),
+           "shared_head.norm.weight": (h,)}
+    for n in range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers):
+        specs.update({f"model.layers.{n}.{k}": s for k, s in mtp.items()})
     specs["model.norm.weight"] = (h,)
     specs["lm_head.weight"] = (v, h)
     return specs

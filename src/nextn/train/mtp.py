@@ -1,0 +1,398 @@
+"""Training MTP modules on a frozen Llama-family base by self-distillation (DeepSeek-V3 report §2.2; EAGLE).
+
+The module is DeepSeek's: x = eh_proj([enorm(embed(t)); hnorm(h)]), one decoder block of the base's architecture,
+logits = lm_head(shared_head.norm(x)), with the base's embedding and lm_head shared and frozen. Targets are the
+base's own greedy continuations (`train/data.py`), so the module learns the base's distribution. Two shapes, as
+the runtime drafters use them (`runtime/drafters.py`):
+
+- Vanilla (K modules): module k at position i reads embed(t_{i+k}) and module k−1's output at i (the base's
+  final-normed hidden state for k = 1) and predicts t_{i+k+1}; causal attention over its own outputs.
+- Eagle (1 module applied K times): step s of a chain started at position p runs at position j = p + s − 1, reads
+  embed(t_{j+1}) and step s−1's output at j − 1, and predicts t_{j+2}. Its attention context is what the runtime
+  cache holds there: step-1 entries (computed from the base's hidden states) at positions ≤ p, then the chain's
+  own step-2..s entries at p + 1..j. Training runs the K steps as K streams of the same sequence (EAGLE-3's
+  "training-time test"), feeding back the module's own hidden states, so K = 3 drafts are trained as they are
+  used: stream s runs alone through the block, its attention reading the earlier streams' cached K/V
+  (`_eagle_attention`, a `transformers` attention function, so any block — Llama's, DeepSeek's MLA — works); this
+  equals running all streams under `eagle_mask` (tested) at about K plain passes' cost. Tokens are
+  teacher-forced: a step only matters when the drafts before it were accepted, i.e. equal to the base's tokens.
+
+Only chains that start at a generated position count (p ≥ P − 1 for a prompt of P tokens), as at decode time.
+Loss: Σ_k cross-entropy against the base's greedy tokens (full vocabulary); Adam, linearly decayed learning rate.
+The output is an HF checkpoint (config.json with `num_nextn_predict_layers`, model.safetensors with the base's
+tensors and the modules at `model.layers.{num_hidden_layers + k}`, tokenizer files) that `build-engine` reads.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+from tqdm import tqdm
+
+from nextn.train.data import SelfDistillData, load_base, make_self_distill_data
+
+#: (block output after shared_head.norm [B, T, H], labels [B, T], keep [B, T]) per draft step / module.
+StepOutputs = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+class MtpModule(nn.Module):
+    """One MTP module over whole sequences; parameter names follow the checkpoint's (`block.` = the layer's own)."""
+
+    def __init__(self, block: nn.Module, hidden_size: int, make_norm: Callable[[int], nn.Module]) -> None:
+        super().__init__()
+        self.enorm, self.hnorm = make_norm(hidden_size), make_norm(hidden_size)
+        self.eh_proj = nn.Linear(2 * hidden_size, hidden_size, bias=False)
+        self.block = block
+        self.shared_head_norm = make_norm(hidden_size)
+
+    def forward(self, tok_embeds: torch.Tensor, h_prev: torch.Tensor, position_embeddings, mask: torch.Tensor
+                ) -> torch.Tensor:
+        """tok_embeds, h_prev [B, T, H] → block output [B, T, H] (before shared_head.norm); mask [1, 1, T, T] additive."""
+        x = self.eh_proj(torch.cat([self.enorm(tok_embeds), self.hnorm(h_prev)], dim=-1))
+        return self.block(x, attention_mask=mask, position_embeddings=position_embeddings)
+
+    def warm_start(self, final_norm: torch.Tensor) -> None:
+        """shared_head.norm = the base's final norm; the rest keeps its default init.
+
+        (The bigram start of `testing/mtp_distill.py`, eh_proj = [I, 0], was measured worse on stories260K: after
+        150 steps top-1 0.53 against 0.73, as it starts from confidently wrong predictions, CE ≈ 22.)
+        """
+        with torch.no_grad():
+            self.shared_head_norm.weight.copy_(final_norm)
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Checkpoint names (without the `model.layers.{i}.` prefix) → detached tensors."""
+        out = {}
+        for name, t in self.state_dict().items():
+            name = "shared_head.norm.weight" if name == "shared_head_norm.weight" else name.removeprefix("block.")
+            out[name] = t.detach().clone().contiguous()
+        return out
+
+
+def llama_mtp_module(hf_config, layer_idx: int) -> MtpModule:
+    """A module whose block is `transformers`' `LlamaDecoderLayer` (HF parameter names, as the engine's)."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
+
+    return MtpModule(LlamaDecoderLayer(hf_config, layer_idx), hf_config.hidden_size,
+                     lambda h: LlamaRMSNorm(h, eps=hf_config.rms_norm_eps))
+
+
+def _causal(t: int) -> torch.Tensor:
+    return torch.full((t, t), float("-inf")).triu(1)[None, None]  # [1, 1, T, T]
+
+
+def eagle_mask(t: int, steps: int) -> torch.Tensor:
+    """Additive mask [1, 1, steps·T, steps·T] over `steps` streams of T positions (stream s = draft step s + 1).
+
+    Query (stream s, row j) sees stream 0 rows ≤ j − s and, for 1 ≤ m ≤ s, stream m row j − s + m: the runtime's
+    cache after a chain started at p = j − s (module-1 entries up to p, then the chain's own entries).
+    """
+    j = torch.arange(t)
+    allowed = torch.zeros(steps, t, steps, t, dtype=torch.bool)  # [s, j, m, i]
+    for s in range(steps):
+        allowed[s, :, 0, :] = j[None, :] <= (j[:, None] - s)
+        for m in range(1, s + 1):
+            allowed[s, :, m, :] = j[None, :] == (j[:, None] - s + m)
+    mask = torch.zeros(steps * t, steps * t).masked_fill(~allowed.view(steps * t, steps * t), float("-inf"))
+    return mask[None, None]
+
+
+def _shift_down(x: torch.Tensor) -> torch.Tensor:
+    """Row j ← row j − 1 (zeros at row 0): x [B, T, ...]."""
+    return torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)
+
+
+def _eagle_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask, scaling: float, dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
+    """A `transformers` attention function for one Eagle stream s, given the earlier streams' cached K/V.
+
+    query [B, nh, T, d], key [B, nkv, T, d], value [B, nkv, T, dv] of stream s = len(cache) (cache:
+    `module.eagle_cache`, appended here). Stream s's query at row j attends stream 0's keys at rows ≤ j − s (one
+    [T, T] product) and stream m's key at row j − s + m for 1 ≤ m ≤ s (a dot product per row): the same result as
+    all streams under `eagle_mask`, without re-running the earlier streams. Returns ([B, T, nh, dv], None).
+    """
+    cache = module.eagle_cache
+    s, t = len(cache), query.shape[2]
+    group = query.shape[1] // key.shape[1]
+    cache.append((key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)))
+    rows = torch.arange(t, device=query.device)
+    k0, v0 = cache[0]
+    scores = (query @ k0.transpose(-1, -2)).float() * scaling  # [B, nh, T, T]
+    scores = scores.masked_fill(rows[None, :] > rows[:, None] - s, float("-inf"))
+    shifted = [(_shift(k, s - m), _shift(v, s - m)) for m, (k, v) in enumerate(cache[1:], start=1)]
+    if shifted:
+        dk = torch.stack([k for k, _ in shifted], dim=-2)  # [B, nh, T, s, d]: stream m's row j − (s − m)
+        diag = (query.unsqueeze(-2) * dk).sum(-1).float() * scaling  # [B, nh, T, s]
+        valid = rows[:, None] - s + torch.arange(1, s + 1, device=query.device)[None, :] >= 0  # [T, s]
+        scores = torch.cat([scores, diag.masked_fill(~valid, float("-inf"))], dim=-1)
+    probs = torch.softmax(scores, dim=-1).to(query.dtype)
+    out = probs[..., :t] @ v0  # [B, nh, T, dv]
+    if shifted:
+        out = out + (probs[..., t:].unsqueeze(-1) * torch.stack([v for _, v in shifted], dim=-2)).sum(-2)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _shift(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x [B, heads, T, d] moved n rows down along T (zeros on top)."""
+    return torch.cat([torch.zeros_like(x[:, :, :n]), x[:, :, : x.shape[2] - n]], dim=2) if n else x
+
+
+def _register_eagle_attention() -> str:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(EAGLE_ATTENTION, _eagle_attention)
+    return EAGLE_ATTENTION
+
+
+EAGLE_ATTENTION = "nextn_eagle_streams"
+
+
+@dataclass
+class MtpContext:
+    """The pieces of the model that the modules share: embedding, lm_head and rotary embedding (frozen or not)."""
+
+    embed: torch.Tensor  # [V, H]
+    lm_head: torch.Tensor  # [V, H]
+    rotary: nn.Module  # transformers' rotary embedding: (x, position_ids [1, T]) → (cos, sin)
+    prompt_len: int
+
+    def vanilla(self, modules: nn.ModuleList, tokens: torch.Tensor, hidden: torch.Tensor) -> StepOutputs:
+        """Module k (1-based) at row i reads t_{i+k} and module k−1's output at i, predicts t_{i+k+1}; tokens [B, L]."""
+        length = tokens.shape[1]
+        h_prev, out = hidden, []
+        for k, module in enumerate(modules, start=1):
+            t = length - k - 1
+            positions = torch.arange(t)[None]
+            x = module(self.embed[tokens[:, k : k + t]], h_prev[:, :t], self.rotary(h_prev, positions), _causal(t))
+            keep = (torch.arange(t) >= self.prompt_len - 1).expand(tokens.shape[0], t)
+            out.append((module.shared_head_norm(x), tokens[:, k + 1 : k + 1 + t], keep))
+            h_prev = x
+        return out
+
+    def eagle(self, module: MtpModule, tokens: torch.Tensor, hidden: torch.Tensor, steps: int,
+              reference: bool = False) -> StepOutputs:
+        """Draft steps 1..`steps` of one module (see the module docstring); each row j predicts t_{j+2}.
+
+        Stream s runs alone through the block with `_eagle_attention` (cost ≈ `steps` plain passes). With
+        `reference`, every stream runs again at each step under `eagle_mask` (cost ∝ steps²; for tests).
+        """
+        b, length = tokens.shape
+        t = length - 2
+        embeds = self.embed[tokens[:, 1 : 1 + t]]  # [B, T, H] embed(t_{j+1})
+        labels = tokens[:, 2 : 2 + t]
+        xs, h_in = [], [hidden[:, :t]]  # stream inputs: the base's h_j, then the previous stream's output at j − 1
+        attn = module.block.self_attn
+        if reference:
+            for s in range(steps):
+                n = s + 1
+                positions = torch.arange(t).repeat(n)[None]  # [1, n·T]
+                x = module(embeds.repeat(1, n, 1), torch.cat(h_in, dim=1), self.rotary(hidden, positions),
+                           eagle_mask(t, n))[:, s * t :]  # stream s's rows [B, T, H]
+                xs.append(x)
+                h_in.append(_shift_down(x))
+        else:
+            config, attn.config = attn.config, copy.copy(attn.config)  # the block's own, with the stream attention
+            attn.config._attn_implementation, attn.eagle_cache = _register_eagle_attention(), []
+            try:
+                cos_sin = self.rotary(hidden, torch.arange(t)[None])
+                for s in range(steps):
+                    xs.append(module(embeds, h_in[-1], cos_sin, None))
+                    h_in.append(_shift_down(xs[-1]))
+            finally:
+                attn.config, attn.eagle_cache = config, None
+        return [(module.shared_head_norm(x), labels, (torch.arange(t) >= self.prompt_len - 1 + s).expand(b, t))
+                for s, x in enumerate(xs)]
+
+    def loss(self, outputs: StepOutputs) -> torch.Tensor:
+        """Σ over steps of the mean cross-entropy (full vocabulary) on kept rows."""
+        return sum(F.cross_entropy((x[keep] @ self.lm_head.T), labels[keep]) for x, labels, keep in outputs)
+
+    @torch.no_grad()
+    def top1(self, outputs: StepOutputs) -> list[float]:
+        """Per step top-1 accuracy against the base's greedy tokens (teacher-forced chains)."""
+        return [((x[keep] @ self.lm_head.T).argmax(-1) == labels[keep]).float().mean().item()
+                for x, labels, keep in outputs]
+
+
+@dataclass
+class MtpTrainResult:
+    """What `train_mtp` did; `top1_*` are per draft step (Eagle) or per module (Vanilla), on held-out sequences."""
+
+    mode: str  # "eagle" or "vanilla"
+    num_modules: int
+    num_draft_steps: int  # K the modules were trained for
+    steps: int
+    final_loss: float
+    top1_before: list[float]
+    top1_after: list[float]
+    num_train: int
+    num_held_out: int
+    data_seconds: float  # wall-clock
+    train_seconds: float
+    data_cpu_seconds: float  # CPU time of this process (= wall-clock on an idle machine with one thread)
+    train_cpu_seconds: float
+    held_out_prompts: list[list[int]] = field(repr=False, default_factory=list)
+
+
+def fit_mtp(run: Callable[[torch.Tensor, torch.Tensor], StepOutputs], ctx: MtpContext, params, data: SelfDistillData,
+            steps: int, *, batch: int = 64, lr: float = 3e-3, seed: int = 0, progress: bool = True,
+            eval_every: int = 100, desc: str = "train MTP") -> tuple[float, list[float]]:
+    """Adam on `params` for `steps` steps of `ctx.loss(run(tokens, hidden))`; returns (last loss, held-out top-1)."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens, hidden = data.train
+    optimizer = torch.optim.Adam(params, lr=lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / max(steps, 1))
+    top1 = ctx.top1(run(*data.held_out))
+    loss_value = float("nan")
+    bar = tqdm(range(steps), desc=desc, disable=not progress)
+    for step in bar:
+        pick = torch.randint(0, tokens.shape[0], (min(batch, tokens.shape[0]),), generator=gen)
+        loss = ctx.loss(run(tokens[pick], hidden[pick]))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        loss_value = loss.item()
+        if progress and ((step + 1) % eval_every == 0 or step + 1 == steps):
+            top1 = ctx.top1(run(*data.held_out))
+        bar.set_postfix(loss=f"{loss_value:.3f}", top1="/".join(f"{a:.2f}" for a in top1))
+    return loss_value, ctx.top1(run(*data.held_out))
+
+
+def train_mtp(model_dir: str | Path, data_files: list[str | Path], output_dir: str | Path, *, num_modules: int = 1,
+              num_draft_steps: int = 3, steps: int = 2000, seed: int = 0, batch: int = 64, lr: float = 3e-3,
+              prompt_len: int = 16, num_tokens: int = 96, max_prompts: int | None = None,
+              held_out_fraction: float = 0.1, progress: bool = True) -> MtpTrainResult:
+    """Self-distil MTP modules onto the frozen Llama-family base `model_dir`; write the checkpoint to `output_dir`.
+
+    `num_modules` = 1 trains one module for Eagle use, unrolled `num_draft_steps` times; K > 1 trains K Vanilla
+    modules. Also writes `train_draft.json` (metrics, held-out prompt ids). Deterministic under `seed` (same
+    thread count).
+    Raises:
+        ValueError: no usable prompt, a base that is not Llama-family, or arguments out of range.
+    """
+    if num_modules < 1 or num_draft_steps < 1 or steps < 0:
+        raise ValueError(f"need num_modules ≥ 1, num_draft_steps ≥ 1, steps ≥ 0 "
+                         f"(got {num_modules}, {num_draft_steps}, {steps})")
+    start, cpu_start = time.perf_counter(), time.process_time()
+    torch.manual_seed(seed)
+    model, tokenizer = load_base(model_dir)
+    if model.config.model_type != "llama":
+        raise ValueError(f"--method mtp trains MTP modules for Llama-family bases; {model_dir} is "
+                         f"{model.config.model_type!r} (a DeepSeek-V3 checkpoint brings its own MTP modules)")
+    data = make_self_distill_data(model, tokenizer, data_files, prompt_len=prompt_len, num_tokens=num_tokens,
+                                  held_out_fraction=held_out_fraction, max_prompts=max_prompts, seed=seed)
+    data_seconds, data_cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    n = model.config.num_hidden_layers
+    modules = nn.ModuleList(llama_mtp_module(model.config, n + k) for k in range(num_modules))
+    for module in modules:
+        module.warm_start(model.model.norm.weight.detach())
+    ctx = MtpContext(model.model.embed_tokens.weight.detach(), model.lm_head.weight.detach(), model.model.rotary_emb,
+                     data.prompt_len)
+    eagle = num_modules == 1
+    if eagle:
+        run = lambda tokens, hidden: ctx.eagle(modules[0], tokens, hidden, num_draft_steps)  # noqa: E731
+    else:
+        run = lambda tokens, hidden: ctx.vanilla(modules, tokens, hidden)  # noqa: E731
+    top1_before = ctx.top1(run(*data.held_out))
+    loss, top1_after = fit_mtp(run, ctx, modules.parameters(), data, steps, batch=batch, lr=lr, seed=seed,
+                               progress=progress, desc=f"train MTP ({'Eagle' if eagle else 'Vanilla'})")
+    result = MtpTrainResult("eagle" if eagle else "vanilla", num_modules, num_draft_steps if eagle else num_modules,
+                            steps, loss, top1_before, top1_after, data.num_train, data.tokens.shape[0] - data.num_train,
+                            data_seconds, time.perf_counter() - start - data_seconds, data_cpu,
+                            time.process_time() - cpu_start - data_cpu, data.held_out_prompts)
+    write_mtp_checkpoint(model_dir, [m.checkpoint_tensors() for m in modules], output_dir)
+    (Path(output_dir) / "train_draft.json").write_text(json.dumps({"method": "mtp", **asdict(result)}) + "\n")
+    return result
+
+
+# Checkpoint ---------------------------------------------------------------------------------------------------
+def _base_tensors(model_dir: Path) -> tuple[dict, dict[str, torch.Tensor], Callable[[Path], None]]:
+    """(config.json dict, HF-named tensors, a function writing the tokenizer files) of a GGUF or HF Llama base."""
+    from nextn.build.engine_builder import AUX_FILES, TOKENIZER_FILES, open_checkpoint
+    from nextn.build.gguf_reader import GGUFCheckpoint
+
+    with open_checkpoint(model_dir) as reader:
+        tensors = {name: reader.get(name).contiguous() for name in reader.names()}
+        if isinstance(reader, GGUFCheckpoint):
+            config = dict(reader.hf_config)
+            gguf = reader.path
+            return config, tensors, lambda out: GGUFCheckpoint(gguf).write_tokenizer_files(out)
+    config = json.loads((model_dir / "config.json").read_text())
+
+    def copy_side_files(out: Path) -> None:
+        for name in (*TOKENIZER_FILES, *AUX_FILES):
+            if (model_dir / name).is_file():
+                shutil.copy2(model_dir / name, out / name)
+
+    return config, tensors, copy_side_files
+
+
+def write_mtp_checkpoint(model_dir: str | Path, modules: list[dict[str, torch.Tensor]], output_dir: str | Path) -> Path:
+    """An HF checkpoint of the base with `modules` as MTP layers `model.layers.{num_hidden_layers + k}`.
+
+    Writes config.json (`num_nextn_predict_layers` = len(modules)), model.safetensors (the base's tensors as
+    `build-engine` reads them — a GGUF's un-permuted — plus the modules) and the base's tokenizer files.
+    Existing MTP layers of the base are replaced.
+    """
+    config, tensors, write_tokenizer = _base_tensors(Path(model_dir))
+    n = int(config["num_hidden_layers"])
+    layer = re.compile(r"model\.layers\.(\d+)\.")
+    state = {k: v for k, v in tensors.items() if not ((m := layer.match(k)) and int(m[1]) >= n)}
+    for k, module in enumerate(modules):
+        state.update({f"model.layers.{n + k}.{name}": t for name, t in module.items()})
+    config["num_nextn_predict_layers"] = len(modules)
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(dict(sorted(state.items())), str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    write_tokenizer(out)
+    return out
+
+
+# Evaluation ---------------------------------------------------------------------------------------------------
+def measure_mtp_acceptance(checkpoint_dir: str | Path, prompts: list[list[int]], num_draft_tokens: int = 3,
+                           use_mtp_vanilla: bool = False, max_tokens: int = 96,
+                           engine_dir: str | Path | None = None) -> dict:
+    """Greedy acceptance length of the MTP modules through the public `LLM` API, and losslessness vs plain decoding.
+
+    Builds an engine of `checkpoint_dir` (into `engine_dir`, else a temporary directory) and decodes `prompts`
+    (token ids) with `ignore_eos`, with MTP (Eagle, or Vanilla) drafting K = `num_draft_tokens` and without.
+    Returns {"acceptance_length": Σ tokens / Σ (decode steps + 1), "lossless": bool, "num_prompts", "tokens",
+    "seconds" (MTP decoding), "plain_seconds", "mode", "num_draft_tokens"}.
+    """
+    import tempfile
+
+    from nextn import LLM, SamplingParams
+    from nextn.build.engine_builder import build_engine
+
+    with tempfile.TemporaryDirectory() as tmp:
+        engine = Path(engine_dir) if engine_dir is not None else Path(tmp) / "engine"
+        build_engine(checkpoint_dir, engine, max_seq_len=max(len(p) for p in prompts) + max_tokens + 64,
+                     progress=False)
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        spec = {"decoding_type": "MTP", "num_nextn_predict_layers": num_draft_tokens,
+                "use_mtp_vanilla": use_mtp_vanilla}
+        start = time.perf_counter()
+        outs = LLM(engine, speculative_config=spec).generate(prompts, sp)
+        seconds = time.perf_counter() - start
+        plain = LLM(engine, speculative_config=None).generate(prompts, sp)
+        plain_seconds = time.perf_counter() - start - seconds
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    steps = sum(o.outputs[0].num_decode_steps + 1 for o in outs)
+    return {"acceptance_length": tokens / steps, "num_prompts": len(prompts), "tokens": tokens, "seconds": seconds,
+            "plain_seconds": plain_seconds, "mode": "vanilla" if use_mtp_vanilla else "eagle",
+            "num_draft_tokens": num_draft_tokens,
+            "lossless": [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]}
+

@@ -1,0 +1,128 @@
+"""`nextn train-draft --method mtp` (issue 4): MTP modules for a Llama base by self-distillation. The Eagle stream
+attention equals the full masked computation; a few steps reduce the loss and are deterministic under a seed; the
+written checkpoint builds into an engine whose plain decoding equals the base's and whose MTP decoding is lossless;
+the CLI runs end to end on stories260K. The distilled DeepSeek-V3 student's checkpoint builds and stays lossless."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from nextn import LLM, SamplingParams
+from nextn.build.engine_builder import build_engine
+from nextn.cli.train_draft import main
+from nextn.train.data import load_base, make_self_distill_data
+from nextn.train.mtp import MtpContext, eagle_mask, fit_mtp, llama_mtp_module
+
+DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+STORIES = DATA / "models" / "stories260K" / "stories260K.gguf"
+CORPUS = DATA / "corpora" / "tinystories_train_head.txt"
+SMALL = ["--max_prompts", "40", "--num_tokens", "20", "--prompt_len", "10", "--batch_size", "8", "--lr", "3e-3",
+         "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def stories():
+    if not (STORIES.is_file() and CORPUS.is_file()):
+        pytest.skip(f"../shared/data is absent ({DATA}): stories260K or its corpus is not available")
+    torch.manual_seed(0)
+    model, tokenizer = load_base(STORIES)
+    data = make_self_distill_data(model, tokenizer, [CORPUS], prompt_len=10, num_tokens=20, max_prompts=40, seed=1)
+    return model, data
+
+
+def test_eagle_mask_is_the_runtime_cache_after_a_chain():
+    m = eagle_mask(4, 3)[0, 0] == 0  # [12, 12] allowed
+    # step 3 (stream 2) at position 3: chain from p = 1 sees module-1 rows 0..1, step 2 at 2, itself at 3
+    assert m[8 + 3].nonzero().flatten().tolist() == [0, 1, 4 + 2, 8 + 3]
+    assert m[:4, :4].equal(torch.ones(4, 4, dtype=torch.bool).tril()) and not m[:4, 4:].any()
+
+
+def test_stream_attention_equals_the_masked_streams(stories):
+    model, data = stories
+    ctx = MtpContext(model.model.embed_tokens.weight, model.lm_head.weight, model.model.rotary_emb, data.prompt_len)
+    module = llama_mtp_module(model.config, model.config.num_hidden_layers)
+    tokens, hidden = data.train[0][:4], data.train[1][:4]
+    with torch.no_grad():
+        fast, ref = ctx.eagle(module, tokens, hidden, 3), ctx.eagle(module, tokens, hidden, 3, reference=True)
+    for (x, labels, keep), (y, labels_ref, keep_ref) in zip(fast, ref):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+        assert labels.equal(labels_ref) and keep.equal(keep_ref)
+    assert [k.sum().item() for _, _, k in fast] == [4 * (19 - s) for s in range(3)]  # chains from generated rows
+
+
+@pytest.mark.parametrize("num_modules", [1, 3])
+def test_a_few_steps_reduce_the_loss_deterministically(stories, num_modules):
+    model, data = stories
+    ctx = MtpContext(model.model.embed_tokens.weight, model.lm_head.weight, model.model.rotary_emb, data.prompt_len)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(5)
+        modules = nn.ModuleList(llama_mtp_module(model.config, 5 + k) for k in range(num_modules))
+        run = ((lambda t, h: ctx.eagle(modules[0], t, h, 3)) if num_modules == 1
+               else (lambda t, h: ctx.vanilla(modules, t, h)))
+        before = ctx.loss(run(*data.held_out)).item()
+        fit_mtp(run, ctx, modules.parameters(), data, 8, batch=8, lr=3e-3, seed=2, progress=False)
+        runs.append((before, ctx.loss(run(*data.held_out)).item(), modules.state_dict()))
+    (before, after, state), (_, _, again) = runs
+    assert after < before
+    assert all(torch.equal(state[k], again[k]) for k in state)
+
+
+@pytest.fixture(scope="module")
+def trained(stories, tmp_path_factory):
+    out = tmp_path_factory.mktemp("mtp") / "ckpt"
+    argv = ["--model_dir", str(STORIES), "--method", "mtp", "--num_heads", "1", "--num_draft_steps", "2",
+            "--data", str(CORPUS), "--output_dir", str(out), "--steps", "6", "--seed", "1", *SMALL]
+    assert main(argv) == 0
+    return out
+
+
+def test_cli_writes_a_checkpoint_build_engine_reads(trained):
+    meta = json.loads((trained / "train_draft.json").read_text())
+    assert meta["method"] == "mtp" and meta["mode"] == "eagle" and len(meta["top1_after"]) == 2
+    config = json.loads((trained / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1 and config["num_hidden_layers"] == 5
+    names = load_file(str(trained / "model.safetensors")).keys()
+    assert "model.layers.5.eh_proj.weight" in names and "model.layers.5.self_attn.q_proj.weight" in names
+    assert (trained / "tokenizer.json").is_file()
+
+
+def test_checkpoint_engine_decodes_like_the_base_and_mtp_is_lossless(trained, tmp_path):
+    """Plain decoding of the written checkpoint = the GGUF base's; MTP Eagle (K = 3) = plain decoding."""
+    prompts = json.loads((trained / "train_draft.json").read_text())["held_out_prompts"][:3]
+    build_engine(STORIES, tmp_path / "base", progress=False, max_seq_len=128)
+    build_engine(trained, tmp_path / "mtp", progress=False, max_seq_len=128)
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    base = LLM(tmp_path / "base").generate(prompts, sp)
+    plain = LLM(tmp_path / "mtp", speculative_config=None).generate(prompts, sp)
+    mtp = LLM(tmp_path / "mtp", speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": 3}
+              ).generate(prompts, sp)
+    ids = [o.outputs[0].token_ids for o in base]
+    assert [o.outputs[0].token_ids for o in plain] == ids and [o.outputs[0].token_ids for o in mtp] == ids
+
+
+def test_student_checkpoint_builds_and_stays_lossless(stories, tmp_path):
+    """A couple of student steps: a DeepSeek-V3 checkpoint (MLA + MoE + 1 MTP layer, stories260K tokenizer)."""
+    out = tmp_path / "student"
+    argv = ["--model_dir", str(STORIES), "--method", "student", "--data", str(CORPUS), "--output_dir", str(out),
+            "--steps", "2", "--seed", "1", "--eval_mtp", "2", "--eval_prompts", "2", *SMALL]
+    assert main(argv) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DeepseekV3ForCausalLM"] and config["num_nextn_predict_layers"] == 1
+    assert config["vocab_size"] == 512 and (out / "tokenizer.json").is_file()
+    meta = json.loads((out / "train_draft.json").read_text())
+    assert meta["acceptance"]["lossless"] and len(meta["top1_after"]) == 4  # next token, MTP steps 1..3
+
+
+def test_eval_only_measures_the_cached_checkpoint(trained):
+    argv = ["--model_dir", str(STORIES), "--method", "mtp", "--data", str(CORPUS), "--output_dir", str(trained),
+            "--eval_only", "--eval_mtp", "3", "--eval_prompts", "2", *SMALL]
+    assert main(argv) == 0
+    m = json.loads((trained / "train_draft.json").read_text())["acceptance"]
+    assert m["lossless"] and m["num_prompts"] == 2 and m["mode"] == "eagle" and m["acceptance_length"] >= 1.0
