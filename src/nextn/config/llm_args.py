@@ -34,6 +34,12 @@ class MTPDecodingConfig(_Strict):
     relaxed_delta: float = Field(default=0.0, ge=0.0)
     begin_thinking_phase_token: int = 128798  # <think> in the DeepSeek-V3/R1 vocabulary
     end_thinking_phase_token: int = 128799  # </think>
+    # Draft-length policy (TensorRT-LLM `DecodingBaseConfig`; runtime/draft_len_policy.py). A batch of B requests
+    # verifies the draft length of the smallest threshold ≥ B; above the largest threshold speculation is off.
+    draft_len_schedule: dict[int, int] | None = None
+    max_concurrency: int | None = Field(default=None, gt=0)  # more requests in a batch: speculation off
+    acceptance_rate_window_size: int | None = Field(default=None, ge=0)  # N speculation-enabled iterations ...
+    acceptance_rate_threshold: float | None = Field(default=None, ge=0.0, le=1.0)  # ... below this DAR: off for good
 
 
 class MedusaDecodingConfig(_Strict):
@@ -69,6 +75,18 @@ class CudaGraphConfig(_Strict):
     enable_padding: bool = False  # pad a batch up to the next captured size
 
 
+class TorchCompileConfig(_Strict):
+    """`torch.compile` of the decode step (TensorRT-LLM `TorchCompileConfig`, the fields that apply here).
+
+    nextn has no fusion backend of its own, so `enable_inductor` defaults to true (TensorRT-LLM: false, its own
+    backend); false selects dynamo's `aot_eager` (graph capture only, for debugging). Stored artifacts of an
+    engine built with `build-engine --compile_step` are loaded when the torch version and device type match.
+    """
+
+    enable_fullgraph: bool = True  # the step is one graph (a graph break is an error)
+    enable_inductor: bool = True  # inductor code generation; false: aot_eager
+
+
 class MoeConfig(_Strict):
     backend: Literal["AUTO", "CUTLASS", "TRTLLM", "WIDEEP", "TORCH"] = "AUTO"
 
@@ -79,11 +97,13 @@ class LlmArgs(_Strict):
     speculative_config: SpeculativeConfig | None = None
     kv_cache_config: KvCacheConfig = KvCacheConfig()
     cuda_graph_config: CudaGraphConfig | None = None  # accepted; graph capture needs CUDA and is reported when off
-    disable_overlap_scheduler: bool = False  # accepted; this release runs steps synchronously (reported)
+    torch_compile_config: TorchCompileConfig | None = None  # null: the decode step runs eagerly
+    disable_overlap_scheduler: bool = False  # false: launch step n before reading back step n−1's results
     moe_config: MoeConfig = MoeConfig()
     max_batch_size: int | None = Field(default=None, gt=0)  # null: the engine's build option
     max_seq_len: int | None = Field(default=None, gt=0)  # null: the engine's build option
     max_num_tokens: int = Field(default=8192, gt=0)  # token budget of one scheduler step
+    enable_chunked_prefill: bool = False  # split prompts longer than the step's token budget into chunks
     print_iter_log: bool = False
 
 

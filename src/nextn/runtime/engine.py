@@ -17,12 +17,14 @@ from nextn.models.medusa import MedusaHeads
 from nextn.models.registry import MODEL_CLASSES
 from nextn.plugins.medusa_tree import TreeError, build_tree, published_tree
 from nextn.runtime.acceptance_rules import AcceptanceRule, RelaxedAcceptance, StandardAcceptance
+from nextn.runtime.draft_len_policy import choose_draft_len_policy
 from nextn.runtime.drafters import Drafter, MtpEagleDrafter, MtpVanillaDrafter, NoDrafter
 from nextn.runtime.kv_cache import BlockPool, allocate_kv_cache
 from nextn.runtime.model_runner import ModelRunner
+from nextn.runtime.overlap import InflightStep
 from nextn.runtime.request import Request
 from nextn.runtime.sampling_params import SamplingParams
-from nextn.runtime.scheduler import Scheduler
+from nextn.runtime.scheduler import NeedsSync, Scheduler
 from nextn.runtime.spec_step import verify_and_draft_step
 from nextn.runtime.tokenizer import EngineTokenizer
 from nextn.runtime.tree_step import MedusaDrafter, TreeAcceptance, tree_verify_and_draft_step
@@ -108,8 +110,6 @@ def unsupported_options(args: LlmArgs, device: torch.device) -> list[str]:
     if args.cuda_graph_config is not None:
         notes.append("cuda_graph_config: CUDA graph capture is not implemented yet; steps run eagerly"
                      + ("" if device.type == "cuda" else " (and needs a CUDA device)"))
-    if not args.disable_overlap_scheduler:
-        notes.append("disable_overlap_scheduler: false: the overlap scheduler is not implemented yet; steps run synchronously")
     if args.kv_cache_config.enable_block_reuse:
         notes.append("kv_cache_config.enable_block_reuse: prefix reuse is not implemented yet; blocks are not shared")
     return notes
@@ -144,7 +144,16 @@ class Engine:
         kv = allocate_kv_cache(self.model.num_cache_layers, num_blocks, self.block_size, cfg.kv_cache_dim,
                                kv_dtype, self.device)
         self.pool = BlockPool(num_blocks, self.block_size)
-        self.scheduler = Scheduler(self.pool, self.max_batch_size, args.max_num_tokens, k)
+        self.draft_len_policy = choose_draft_len_policy(spec, k)
+        try:
+            self.scheduler = Scheduler(self.pool, self.max_batch_size, args.max_num_tokens, k,
+                                       enable_chunked_prefill=args.enable_chunked_prefill,
+                                       prefill_overlap=k if isinstance(self.drafter, MtpVanillaDrafter) else 0,
+                                       draft_len_policy=self.draft_len_policy)
+        except ValueError as e:
+            raise LlmArgsError(str(e)) from e
+        self.overlap = not args.disable_overlap_scheduler
+        self._inflight: InflightStep | None = None  # launched, not yet processed (overlap scheduler)
         self.acceptance = choose_acceptance(spec)
         decode_fn = tree_verify_and_draft_step if isinstance(self.drafter, MedusaDrafter) else verify_and_draft_step
         self.runner = ModelRunner(self.model, self.drafter, self.acceptance, kv, self.block_size, self.max_batch_size,
@@ -157,8 +166,8 @@ class Engine:
         self.print_iter_log = args.print_iter_log
         self.iteration_log: list[dict] | None = None  # set to [] to record one dict per iteration
         for note in unsupported_options(args, self.device):
-            # Defaults that are on (overlap, block reuse) are noted quietly; options a user set are warned about.
-            (logger.info if note.startswith(("disable_overlap", "kv_cache_config.enable")) else logger.warning)("%s", note)
+            # Defaults that are on (block reuse) are noted quietly; options a user set are warned about.
+            (logger.info if note.startswith("kv_cache_config.enable") else logger.warning)("%s", note)
         logger.info("loaded %s in %.2fs: %s, drafter %s (K=%d), %d KV blocks of %d tokens", engine_dir,
                     time.perf_counter() - t0, manifest.dtype, type(self.drafter).__name__, k, num_blocks, self.block_size)
 
@@ -247,37 +256,80 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._inflight is not None
 
     def step(self) -> list[Request]:
-        """One engine iteration: schedule → run → postprocess.
+        """One engine iteration: schedule → launch → postprocess.
+
+        Synchronous (`disable_overlap_scheduler: true`): the step launched here is read back and processed here.
+        Overlap scheduler: this call launches step n from step n−1's device outputs, then processes step n−1
+        (read-back, stop checks, detokenization, freeing blocks) and leaves step n in flight (overlap.py).
 
         Returns:
-            The requests this step updated: those that emitted tokens (finished or not) and those the scheduler
+            The requests this call updated: those that emitted tokens (finished or not) and those the scheduler
             finished with an error; `Request.finished` tells which are done (their blocks are already freed).
         """
-        t0 = time.perf_counter()
-        batch = self.scheduler.schedule()
+        prev, self._inflight = self._inflight, None
+        updated: list[Request] = []
+        try:
+            batch = self.scheduler.schedule(in_flight=prev is not None)
+        except NeedsSync:  # preemption needs exact host state: process the step in flight first
+            updated += self._process(prev)
+            prev = None
+            batch = self.scheduler.schedule()
         aborted, self.scheduler.aborted = self.scheduler.aborted, []
-        if batch is None:
-            return aborted
-        result = self.runner.run(batch)
-        k = self.drafter.max_draft_depth  # per-step draft count in the statistics (a tree counts its depth)
-        for req, emitted, drafts, accepted in zip(batch.requests, result.emitted, result.drafts, result.num_accepted):
+        launched = self.runner.launch(batch, prev) if batch is not None else None
+        if prev is not None:
+            updated += self._process(prev)
+        if launched is not None:
+            if self.overlap:
+                width = launched.out.tokens.shape[1]  # host-known shape: the most tokens a row can emit
+                for i, req in enumerate(batch.requests):
+                    last = batch.kind == "decode" or batch.is_last_chunk(i)
+                    req.num_inflight_tokens = width if last else 0
+                self._inflight = launched
+            else:
+                updated += self._process(launched)
+        return aborted + updated
+
+    def _process(self, step: InflightStep) -> list[Request]:
+        """Read a launched step back and apply it: append tokens, stop checks, free finished requests' blocks.
+
+        Rows of requests that finished or were cancelled since the step was launched are discarded.
+        """
+        batch = step.batch
+        result = self.runner.read_back(step)
+        stat_k = self.drafter.max_draft_depth if isinstance(self.drafter, MedusaDrafter) else batch.draft_len
+        updated = []
+        num_draft = num_accepted = 0
+        for i, (req, emitted, drafts, accepted) in enumerate(zip(batch.requests, result.emitted, result.drafts,
+                                                                 result.num_accepted)):
+            req.num_inflight_tokens = 0
+            if req.finished or not emitted:  # finished before this step ran, or an earlier prefill chunk
+                continue
             if batch.kind == "decode":
-                req.record_step(k, accepted)
+                req.record_step(stat_k, accepted)
+                num_draft, num_accepted = num_draft + stat_k, num_accepted + accepted
             req.append(emitted, self.max_seq_len)
             req.draft_tokens = drafts
-        done = aborted + self.scheduler.finish_done()
+            updated.append(req)
+        if batch.kind == "decode":
+            self.draft_len_policy.observe(num_draft, num_accepted)
+        done = self.scheduler.finish_done()
         for req in done:
             if self.tokenizer is not None and req.params.detokenize:
                 req.text = self.tokenizer.decode(req.output_token_ids)
         if self.print_iter_log or self.iteration_log is not None:
             entry = {"kind": batch.kind, "num_requests": len(batch.requests), "num_finished": len(done),
                      "num_emitted": sum(len(e) for e in result.emitted), "free_blocks": self.pool.num_free,
-                     "num_waiting": len(self.scheduler.waiting), "latency_ms": (time.perf_counter() - t0) * 1e3}
+                     "num_waiting": len(self.scheduler.waiting),
+                     "latency_ms": (time.perf_counter() - step.launch_time) * 1e3}
+            if batch.kind == "decode":
+                entry["draft_len"] = stat_k
+            else:
+                entry["num_prefill_tokens"] = sum(e - s for s, e in zip(batch.chunk_starts, batch.chunk_ends))
             if self.iteration_log is not None:
                 self.iteration_log.append(entry)
             if self.print_iter_log:
                 logger.info("iter %s", entry)
-        return aborted + list(batch.requests)
+        return updated

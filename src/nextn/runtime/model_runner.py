@@ -1,11 +1,14 @@
-"""The model runner: turns a `ScheduledBatch` into fixed-shape device tensors, runs a step, reads back the results.
+"""The model runner: turns a `ScheduledBatch` into fixed-shape device tensors, launches a step, reads back the results.
 
 It owns the device side: the model, the KV cache tensor, the drafter and its per-request state buffers
-(indexed by each request's batch slot). The one host synchronisation per step is the read-back at the end.
+(indexed by each request's batch slot). `launch` builds inputs (from the host, or from the previous step's
+device outputs: overlap.py) and runs the step without reading anything back; `read_back` is the one host
+synchronisation of a step, done by the engine after launching the next one when the overlap scheduler is on.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -14,6 +17,7 @@ import torch
 from nextn.models.deepseek_v3.model import DeepseekV3ForCausalLM
 from nextn.runtime.acceptance_rules import AcceptanceRule, SamplingTensors
 from nextn.runtime.drafters import Drafter
+from nextn.runtime.overlap import InflightStep, decode_inputs
 from nextn.runtime.request import Request
 from nextn.runtime.scheduler import ScheduledBatch
 from nextn.runtime.spec_step import StepOutput, prefill_step, verify_and_draft_step
@@ -62,24 +66,40 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepResult:
+        """Launch one step from host state and read its results back (the synchronous path)."""
+        return self.read_back(self.launch(batch))
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, prev: InflightStep | None = None) -> InflightStep:
+        """Build the step's device inputs and launch it; nothing is read back.
+
+        Args:
+            prev: the previous step when it has not been read back (overlap scheduler): the rows of requests that
+                ran in it take their inputs from its device outputs.
+        """
+        t0 = time.perf_counter()
         reqs = batch.requests
         slots = torch.tensor([r.batch_slot for r in reqs], dtype=torch.int64, device=self.device)
         block_tables = self._block_tables(batch)
         sampling = self._sampling(reqs)
         if batch.kind == "prefill":
-            seqs = [r.all_token_ids for r in reqs]
+            seqs = [r.all_token_ids[s:e] for r, s, e in zip(reqs, batch.chunk_starts, batch.chunk_ends)]
             width = max(len(s) for s in seqs)
             ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs], dtype=torch.int64, device=self.device)
             lens = torch.tensor([len(s) for s in seqs], dtype=torch.int64, device=self.device)
-            initial = [self.acceptance.prompt_state(s) for s in seqs]  # e.g. inside <think> after the prompt
+            starts = torch.tensor(batch.chunk_starts, dtype=torch.int64, device=self.device)
+            nexts = [-1 if batch.is_last_chunk(i) else r.all_token_ids[e]
+                     for i, (r, e) in enumerate(zip(reqs, batch.chunk_ends))]
+            # e.g. inside <think> after the prompt (only the last chunk's state is kept)
+            initial = [self.acceptance.prompt_state(r.all_token_ids[:e]) for r, e in zip(reqs, batch.chunk_ends)]
             accept_state = tuple(torch.tensor(col, dtype=buf.dtype, device=self.device)
                                  for col, buf in zip(zip(*initial), self.accept_state))
             out = prefill_step(self.model, self.drafter, self.acceptance, self.kv_cache, ids, lens, block_tables,
-                               sampling, accept_state, self.block_size)
+                               sampling, accept_state, self.block_size, starts,
+                               torch.tensor(nexts, dtype=torch.int64, device=self.device))
+            kv_lens = starts + lens - 1  # so that kv_lens + num_emitted is the chunk's end
         else:
-            ids = torch.tensor([[r.all_token_ids[-1], *r.draft_tokens] for r in reqs], dtype=torch.int64,
-                               device=self.device)
-            kv_lens = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64, device=self.device)
+            ids, kv_lens = decode_inputs(reqs, batch.draft_len, prev, self.device)
             state = tuple(s[slots] for s in self.state)
             accept_state = tuple(s[slots] for s in self.accept_state)
             out = self.decode_fn(self.model, self.drafter, self.acceptance, self.kv_cache, ids, kv_lens, block_tables,
@@ -88,9 +108,18 @@ class ModelRunner:
             buf[slots] = new
         for buf, new in zip(self.accept_state, out.accept_state):
             buf[slots] = new
+        return InflightStep.create(batch, out, kv_lens, t0)
+
+    def read_back(self, step: InflightStep) -> StepResult:
+        """The one host synchronisation of a step: its tokens, counts and drafts as lists."""
+        out, batch = step.out, step.batch
         tokens, counts, drafts = out.tokens.tolist(), out.num_emitted.tolist(), out.draft_tokens.tolist()
+        if batch.kind == "prefill":
+            emitted = [row[:1] if batch.is_last_chunk(i) else [] for i, row in enumerate(tokens)]
+        else:
+            emitted = [row[:n] for row, n in zip(tokens, counts)]
         return StepResult(
-            emitted=[row[:n] for row, n in zip(tokens, counts)],
+            emitted=emitted,
             drafts=drafts,
-            num_accepted=[n - 1 for n in counts] if batch.kind == "decode" else [0] * len(reqs),
+            num_accepted=[n - 1 for n in counts] if batch.kind == "decode" else [0] * len(tokens),
         )

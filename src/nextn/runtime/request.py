@@ -12,13 +12,19 @@ from nextn.runtime.sampling_params import SamplingParams
 
 class RequestStatus(Enum):
     WAITING = "waiting"  # not prefilled (or preempted: to be prefilled again over prompt + output)
-    RUNNING = "running"
+    RUNNING = "running"  # holds a batch slot and KV blocks: in (chunked) prefill, then in decode
     FINISHED = "finished"
 
 
 @dataclass(eq=False)
 class Request:
-    """Invariant while running: the KV of all tokens but the last is cached (kv_len = num_tokens − 1)."""
+    """Invariant while decoding: the KV of all tokens but the last is cached (kv_len = num_tokens − 1), as far as
+    the host knows; a step still in flight (overlap scheduler) may add up to `num_inflight_tokens` more.
+
+    Prefill progress (set by the scheduler when it schedules a chunk, not when the chunk has run):
+    `prefill_len` tokens are prefilled at admission (the prompt, plus the output after a preemption);
+    `num_prefilled_tokens` of them have been scheduled so far.
+    """
 
     request_id: int
     prompt: str | None
@@ -31,12 +37,16 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     draft_tokens: list[int] = field(default_factory=list)
     batch_slot: int = -1  # row in the drafter-state buffers while running
+    prefill_len: int = 0  # tokens this admission prefills (0 while waiting)
+    num_prefilled_tokens: int = 0  # of them, scheduled so far (chunked prefill)
+    num_inflight_tokens: int = 0  # most tokens a launched, not yet processed step may emit (overlap scheduler)
     finish_reason: str | None = None
     error: str | None = None
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
     num_decode_steps: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # steps whose draft j was accepted
+    steps_per_draft_len: dict[int, int] = field(default_factory=dict)  # decode steps run with each draft length
     text: str = ""
     arrival_time: float = field(default_factory=time.perf_counter)  # perf_counter seconds at submission
     first_token_time: float | None = None
@@ -58,6 +68,22 @@ class Request:
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    @property
+    def is_decoding(self) -> bool:
+        """Running with its whole prefill scheduled: it can join a decode step."""
+        return self.status is RequestStatus.RUNNING and 0 < self.prefill_len <= self.num_prefilled_tokens
+
+    @property
+    def finishes_in_flight(self) -> bool:
+        """The step in flight surely ends it (it emits ≥ 1 token and one more reaches max_tokens): no need to
+        launch it again before that step is processed."""
+        return self.num_inflight_tokens > 0 and len(self.output_token_ids) + 1 >= self.params.max_tokens
+
+    def reset_prefill(self) -> None:
+        """Back to waiting (preemption): the next admission prefills prompt + output again."""
+        self.prefill_len = self.num_prefilled_tokens = self.num_inflight_tokens = 0
+        self.draft_tokens = []
+
     def append(self, tokens: list[int], max_seq_len: int) -> None:
         """Append emitted tokens, cutting at EOS / stop tokens / max_tokens / max_seq_len and finishing if so."""
         if self.first_token_time is None and tokens:
@@ -75,6 +101,7 @@ class Request:
     def record_step(self, num_draft: int, num_accepted: int) -> None:
         """Count one verify-and-draft step that accepted `num_accepted` of `num_draft` drafts."""
         self.num_decode_steps += 1
+        self.steps_per_draft_len[num_draft] = self.steps_per_draft_len.get(num_draft, 0) + 1
         self.num_draft_tokens += num_draft
         self.num_accepted_draft_tokens += num_accepted
         if len(self.accepted_per_position) < num_draft:

@@ -1,9 +1,21 @@
 """The scheduler: which requests run in the next step, and their KV blocks.
 
-Policy (nano-vllm's, extended for drafts): prefill first — admit waiting requests while batch slots, KV blocks
-and the token budget allow; otherwise decode every running request. Each decode step needs KV room for the
-K+1 verified tokens and the drafter's K−1 look-ahead tokens; when blocks run out the most recently admitted
-request is preempted (blocks freed, re-prefilled later over prompt + output: nothing is lost).
+Policy (nano-vllm's, extended for drafts, chunked prefill and the overlap scheduler): requests join and leave
+between steps (in-flight batching). A step is either a prefill step — prompt chunks under the token budget
+`max_num_tokens`: first the next chunks of requests already being prefilled, then newly admitted requests while
+batch slots and KV blocks allow — or a decode step over every request whose prefill is scheduled. The two
+alternate while both have work, so a long (chunked) prompt delays the running requests by one chunk at a time.
+
+Why alternate instead of mixing prefill chunks into the decode step (TensorRT-LLM's mixed batches): the decode
+step is one fixed-shape function of [B, K+1] tokens, captured in a CUDA graph and compiled whole; ragged prefill
+rows would give every step a new shape. Alternating keeps both steps pure, and the token budget still bounds
+each prefill step, so a decode step never waits behind more than one chunk.
+
+KV blocks: admission reserves the whole prompt plus the look-ahead (a request that does not fit waits). A decode
+step needs room for the K+1 verified tokens and the drafter's K−1 look-ahead past kv_len, plus — with the overlap
+scheduler — the tokens the step still in flight may emit (`Request.num_inflight_tokens`). When blocks run out the
+most recently admitted request is preempted (blocks freed, re-prefilled later over prompt + output: nothing is
+lost); with a step in flight the scheduler first asks for a sync (`NeedsSync`) so that it decides on exact state.
 """
 
 from __future__ import annotations
@@ -12,27 +24,74 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
+from nextn.runtime.draft_len_policy import DraftLenPolicy, StaticDraftLen
 from nextn.runtime.kv_cache import BlockPool
 from nextn.runtime.request import Request, RequestStatus
 
 
+class NeedsSync(Exception):
+    """The next decision (preemption, or an abort for lack of KV) needs the in-flight step's results first."""
+
+
 @dataclass(frozen=True)
 class ScheduledBatch:
-    """The scheduler → runner contract for one step."""
+    """The scheduler → runner contract for one step.
+
+    Attributes:
+        kind: "prefill" (prompt chunks) or "decode" (one verify-and-draft step per request).
+        requests: the batch, in row order.
+        chunk_starts, chunk_ends: prefill only: each request runs its tokens [start, end); the chunk with
+            end == `Request.prefill_len` is its last and emits the first token.
+        draft_len: decode only: drafts each request verifies this step (the draft-length policy's choice, ≤ K).
+    """
 
     kind: Literal["prefill", "decode"]
     requests: tuple[Request, ...]
+    chunk_starts: tuple[int, ...] = ()
+    chunk_ends: tuple[int, ...] = ()
+    draft_len: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind == "prefill" and not self.chunk_ends:  # whole prompts (tests build batches by hand)
+            object.__setattr__(self, "chunk_starts", (0,) * len(self.requests))
+            object.__setattr__(self, "chunk_ends", tuple(r.num_tokens for r in self.requests))
+
+    def is_last_chunk(self, row: int) -> bool:
+        return self.chunk_ends[row] >= self.requests[row].prefill_len
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_batch_size: int, max_num_tokens: int, num_draft_tokens: int) -> None:
+    """
+    Args:
+        pool: the KV block pool.
+        max_batch_size: most running requests (batch slots).
+        max_num_tokens: token budget of a prefill step.
+        num_draft_tokens: K, the drafter's drafts per step.
+        enable_chunked_prefill: split prompts over several prefill steps under the budget.
+        prefill_overlap: rows a chunk re-runs from the previous chunk's end (MTP Vanilla: K, so that every
+            module's KV near the boundary is computed from the true next tokens).
+        draft_len_policy: the per-batch draft length (default: always K).
+    Raises:
+        ValueError: chunked prefill with a budget that cannot make progress past the overlap.
+    """
+
+    def __init__(self, pool: BlockPool, max_batch_size: int, max_num_tokens: int, num_draft_tokens: int,
+                 enable_chunked_prefill: bool = False, prefill_overlap: int = 0,
+                 draft_len_policy: DraftLenPolicy | None = None) -> None:
+        if enable_chunked_prefill and max_num_tokens <= prefill_overlap:
+            raise ValueError(f"max_num_tokens={max_num_tokens} must exceed the {prefill_overlap} rows a prefill "
+                             "chunk re-runs for MTP Vanilla")
         self.pool = pool
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
         self.lookahead = 2 * num_draft_tokens + 1  # KV positions past kv_len a decode step may touch
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.prefill_overlap = prefill_overlap
+        self.draft_len_policy = draft_len_policy or StaticDraftLen(num_draft_tokens)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._free_slots = list(range(max_batch_size - 1, -1, -1))
+        self._last_kind: str | None = None
         self.num_preemptions = 0
         self.aborted: list[Request] = []  # finished with an error by the scheduler, for the engine to report
 
@@ -43,36 +102,75 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledBatch | None:
-        admitted: list[Request] = []
+    def schedule(self, in_flight: bool = False) -> ScheduledBatch | None:
+        """The next step's batch, or None when nothing can run.
+
+        Args:
+            in_flight: a launched step has not been processed yet (overlap scheduler): host state lags.
+        Raises:
+            NeedsSync: only with `in_flight`, when the decode step would have to preempt or abort.
+        """
+        prefill, decode = self._schedule_prefill, lambda: self._schedule_decode(in_flight)
+        for attempt in ((decode, prefill) if self._last_kind == "prefill" else (prefill, decode)):
+            batch = attempt()
+            if batch is not None:
+                self._last_kind = batch.kind
+                return batch
+        self._last_kind = None
+        return None
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
         budget = self.max_num_tokens
-        while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
-            req = self.waiting[0]
-            if admitted and req.num_tokens > budget:
+        chunks: list[tuple[Request, int, int]] = []
+        for req in self.running:  # the next chunks of prompts being prefilled, oldest first
+            if req.is_decoding or budget <= 0:
+                continue
+            start = max(0, req.num_prefilled_tokens - self.prefill_overlap)
+            end = min(req.prefill_len, start + budget)
+            if end <= req.num_prefilled_tokens:
                 break
-            if not self.pool.grow(req.block_table, req.num_tokens + self.lookahead):
-                if not self.running and not admitted:  # alone and still too big: it can never run
+            chunks.append((req, start, end))
+            budget -= end - start
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+            req = self.waiting[0]
+            n = req.num_tokens
+            if chunks and not self.enable_chunked_prefill and n > budget:
+                break
+            if not self.pool.grow(req.block_table, n + self.lookahead):
+                if not self.running:  # alone and still too big: it can never run
                     self._abort(self.waiting.popleft())
                     continue
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             req.batch_slot = self._free_slots.pop()
-            budget -= req.num_tokens
-            admitted.append(req)
-        if admitted:
-            self.running.extend(admitted)
-            return ScheduledBatch("prefill", tuple(admitted))
-        if not self.running:
+            req.prefill_len, req.num_prefilled_tokens = n, 0
+            self.running.append(req)
+            end = min(n, budget) if self.enable_chunked_prefill else n
+            chunks.append((req, 0, end))
+            budget -= end
+        if not chunks:
             return None
-        for req in list(self.running):
-            while req in self.running and not self.pool.grow(req.block_table, req.kv_len + self.lookahead):
+        for req, _, end in chunks:
+            req.num_prefilled_tokens = end
+        reqs, starts, ends = zip(*chunks)
+        return ScheduledBatch("prefill", reqs, starts, ends)
+
+    def _schedule_decode(self, in_flight: bool) -> ScheduledBatch | None:
+        for req in [r for r in self.running if r.is_decoding and not r.finishes_in_flight]:
+            need = req.kv_len + req.num_inflight_tokens + self.lookahead
+            while req in self.running and not self.pool.grow(req.block_table, need):
+                if in_flight:
+                    raise NeedsSync
                 if len(self.running) == 1:  # nothing left to preempt: the cache cannot hold this sequence
                     self._release(req)
                     self._abort(req)
                 else:
                     self._preempt(self.running[-1])
-        return ScheduledBatch("decode", tuple(self.running)) if self.running else None
+        reqs = tuple(r for r in self.running if r.is_decoding and not r.finishes_in_flight)
+        if not reqs:
+            return None
+        return ScheduledBatch("decode", reqs, draft_len=self.draft_len_policy.draft_len(len(reqs)))
 
     def cancel(self, request_id: int) -> Request | None:
         """Remove a waiting or running request, free its KV blocks and batch slot, finish it "cancelled".
@@ -103,7 +201,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self._release(req)
         req.status = RequestStatus.WAITING
-        req.draft_tokens = []
+        req.reset_prefill()
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 

@@ -43,28 +43,42 @@ class StepOutput:
 
 def prefill_step(model: DeepseekV3ForCausalLM, drafter: Drafter, acceptance: AcceptanceRule, kv_cache: torch.Tensor,
                  input_ids: torch.Tensor, prompt_lens: torch.Tensor, block_tables: torch.Tensor,
-                 sampling: SamplingTensors, accept_state: AcceptState, block_size: int) -> StepOutput:
-    """Prefill right-padded prompts, emit each one's first token (argmax, or sampled) and its first drafts.
+                 sampling: SamplingTensors, accept_state: AcceptState, block_size: int,
+                 start_positions: torch.Tensor | None = None, next_tokens: torch.Tensor | None = None) -> StepOutput:
+    """Prefill right-padded prompts (or prompt chunks), emit each one's first token (argmax, or sampled) and its
+    first drafts.
+
+    A chunk starts at kv position `start_positions[b]` and attends to the earlier chunks through the paged cache.
+    Only a chunk that ends its prompt emits a token; for an earlier chunk the token after its last row is known
+    (`next_tokens[b]`, the next chunk's first token) and is handed to the drafter in place of a sampled one, so
+    the MTP KV of every prompt position is filled from the true tokens.
 
     Args:
-        input_ids: [B, T] int64 prompts, right-padded to the longest (T).
-        prompt_lens: [B] int64 true lengths (≥ 1).
+        input_ids: [B, T] int64 prompts (chunks), right-padded to the longest (T).
+        prompt_lens: [B] int64 true lengths of the chunks (≥ 1).
         block_tables: [B, max_blocks] int64 covering every prompt position plus the drafter's look-ahead.
         sampling: the requests' sampling parameters; accept_state: the acceptance rule's state from the prompts.
+        start_positions: [B] int64 position of each chunk's first token; None: 0 (whole prompts).
+        next_tokens: [B] int64 the token after each chunk, −1 where the chunk ends its prompt (the step samples
+            it); None: every chunk ends its prompt.
     Returns:
-        StepOutput with tokens [B, 1] and num_emitted = 1.
+        StepOutput with tokens [B, 1] (for an earlier chunk: its next_token) and num_emitted = 1.
     """
     b, t = input_ids.shape
-    positions = torch.arange(t, device=input_ids.device).expand(b, t)
-    valid = positions < prompt_lens[:, None]
+    steps = torch.arange(t, device=input_ids.device)
+    start = torch.zeros_like(prompt_lens) if start_positions is None else start_positions
+    positions = start[:, None] + steps  # [B, T]
+    valid = steps[None, :] < prompt_lens[:, None]
     meta = AttentionMetadata.create(positions, slots_for_positions(block_tables, positions, block_size, valid),
                              block_tables, block_size)
     hidden = model(input_ids, kv_cache, meta)  # [B, T, H]
     last_idx = prompt_lens - 1
-    first = sample_tokens(model.logits(_at(hidden, last_idx)), prompt_lens[:, None], sampling)  # [B, 1]
+    first = sample_tokens(model.logits(_at(hidden, last_idx)), (start + prompt_lens)[:, None], sampling)  # [B, 1]
+    if next_tokens is not None:
+        first = torch.where(next_tokens[:, None] >= 0, next_tokens[:, None], first)
     # The token one position ahead of each row: the prompt shifted left, the new token after the last row.
-    next_tokens = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1).scatter(1, last_idx[:, None], first)
-    drafts, state = drafter.after_prefill(model, kv_cache, meta, hidden, next_tokens, last_idx)
+    shifted = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1).scatter(1, last_idx[:, None], first)
+    drafts, state = drafter.after_prefill(model, kv_cache, meta, hidden, shifted, last_idx)
     ones = torch.ones_like(prompt_lens)
     return StepOutput(first, ones, drafts, state, acceptance.observe(first, ones, accept_state))
 

@@ -1,0 +1,147 @@
+"""Draft-length policies (TensorRT-LLM `draft_len_schedule`, `max_concurrency`, acceptance-rate gate): the
+schedule's semantics, greedy outputs identical to plain decoding while K changes with the batch size, the switches
+recorded in the iteration log and the request statistics, speculation off above `max_concurrency`."""
+
+from __future__ import annotations
+
+import pytest
+
+from nextn import LLM, SamplingParams
+from nextn.config.llm_args import LlmArgsError, MTPDecodingConfig
+from nextn.runtime.draft_len_policy import AcceptanceGate, BatchSizeDraftLen, StaticDraftLen, choose_draft_len_policy
+from nextn.testing import SMALL_VOCAB
+
+PROMPTS = [[11, 12, 13, 14, 15], [30, 31, 32], [7, 8, 9, 10], [40, 41], [50, 51, 52, 53]]
+SP = SamplingParams(max_tokens=16, ignore_eos=True)
+
+
+def test_schedule_and_max_concurrency_semantics():
+    p = BatchSizeDraftLen(4, {4: 4, 8: 2, 32: 1}, None)  # TensorRT-LLM's documented example
+    assert [p.draft_len(b) for b in (1, 4, 5, 8, 9, 32, 33)] == [4, 4, 2, 2, 1, 1, 0]
+    q = BatchSizeDraftLen(3, None, 2)
+    assert [q.draft_len(b) for b in (1, 2, 3)] == [3, 3, 0]
+    gate = AcceptanceGate(StaticDraftLen(3), window=2, threshold=0.5)
+    gate.observe(6, 4)
+    assert gate.draft_len(1) == 3
+    gate.observe(6, 1)  # rolling rate 5/12 < 0.5: off for good
+    gate.observe(6, 6)
+    assert gate.draft_len(1) == 0 and gate.disabled
+    assert isinstance(choose_draft_len_policy(MTPDecodingConfig(num_nextn_predict_layers=3), 3), StaticDraftLen)
+    with pytest.raises(LlmArgsError, match="draft_len_schedule"):
+        choose_draft_len_policy(MTPDecodingConfig(num_nextn_predict_layers=2, draft_len_schedule={2: 3}), 2)
+
+
+@pytest.fixture(scope="module")
+def eagle(checkpoints):
+    return checkpoints.engine(distill_steps=150, num_mtp_modules=1, **SMALL_VOCAB)
+
+
+@pytest.fixture(scope="module")
+def plain(eagle):
+    return [o.outputs[0].token_ids for o in LLM(eagle, speculative_config=None).generate(PROMPTS, SP)]
+
+
+def staggered(llm: LLM, every: int = 1) -> list[list[int]]:
+    """Requests arrive one every `every` steps, so the decode batch grows from 1 to 5 and shrinks again."""
+    pending, ids, outs, n = list(PROMPTS), [], {}, 0
+    while pending or llm.has_unfinished_requests:
+        if pending and n % every == 0:
+            ids.append(llm.add_request(pending.pop(0), SP))
+        for out in llm.step():
+            outs[out.request_id] = out
+        n += 1
+    return [outs[i] for i in ids]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_draft_len_schedule_is_lossless_and_recorded(eagle, plain, overlap):
+    spec = {"decoding_type": "MTP", "num_nextn_predict_layers": 3, "draft_len_schedule": {1: 3, 2: 2, 3: 1}}
+    llm = LLM(eagle, speculative_config=spec, disable_overlap_scheduler=not overlap)
+    llm.engine.iteration_log = []
+    outs = staggered(llm)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    used = {e["draft_len"] for e in llm.engine.iteration_log if e["kind"] == "decode"}
+    assert {0, 3}.issubset(used) and len(used) >= 3  # batch 1 → 3, ..., batch 4-5 → off
+    for entry in llm.engine.iteration_log:
+        if entry["kind"] == "decode":
+            assert entry["draft_len"] == {1: 3, 2: 2, 3: 1}.get(entry["num_requests"], 0)
+    eng_reqs = [o.outputs[0] for o in outs]
+    assert sum(o.num_accepted_draft_tokens for o in eng_reqs) > 0
+    if overlap:  # rows of requests that finished one step earlier ran too, and were discarded
+        return
+    # The per-request statistics count drafts at the draft length each step ran with.
+    steps = llm.engine.iteration_log
+    assert sum(o.num_decode_steps for o in eng_reqs) == sum(e["num_requests"] for e in steps if e["kind"] == "decode")
+    assert sum(o.num_draft_tokens for o in eng_reqs) == sum(e["num_requests"] * e["draft_len"] for e in steps
+                                                            if e["kind"] == "decode")
+
+
+def test_request_stats_count_steps_per_draft_len(eagle, plain):
+    spec = {"decoding_type": "MTP", "num_nextn_predict_layers": 3, "draft_len_schedule": {1: 3, 2: 1}}
+    eng = LLM(eagle, speculative_config=spec, disable_overlap_scheduler=True).engine
+    reqs = [eng.make_request(p, SP) for p in PROMPTS[:2]]
+    eng.add_request(reqs[0])
+    for _ in range(3):
+        eng.step()
+    eng.add_request(reqs[1])
+    while eng.has_work:
+        eng.step()
+    assert [r.output_token_ids for r in reqs] == plain[:2]
+    assert set(reqs[0].steps_per_draft_len) == {1, 3} and sum(reqs[0].steps_per_draft_len.values()) == reqs[0].num_decode_steps
+
+
+def test_max_concurrency_turns_speculation_off_above_it(eagle, plain):
+    spec = {"decoding_type": "MTP", "num_nextn_predict_layers": 2, "max_concurrency": 2}
+    llm = LLM(eagle, speculative_config=spec)
+    llm.engine.iteration_log = []
+    outs = staggered(llm)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    decode = [e for e in llm.engine.iteration_log if e["kind"] == "decode"]
+    assert all(e["draft_len"] == (2 if e["num_requests"] <= 2 else 0) for e in decode)
+    assert {e["draft_len"] for e in decode} == {0, 2}
+
+
+def test_acceptance_gate_turns_speculation_off_and_stays_lossless(eagle, plain):
+    spec = {"decoding_type": "MTP", "num_nextn_predict_layers": 3, "acceptance_rate_window_size": 2,
+            "acceptance_rate_threshold": 1.0}  # unreachable: off after two speculative iterations
+    llm = LLM(eagle, speculative_config=spec)
+    llm.engine.iteration_log = []
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SP)] == plain
+    lens = [e["draft_len"] for e in llm.engine.iteration_log if e["kind"] == "decode"]
+    assert lens[0] == 3 and lens[-1] == 0 and llm.engine.draft_len_policy.disabled
+
+
+@pytest.mark.parametrize("modules", [1, 2])
+def test_drafts_stay_equal_to_drafts_from_scratch_while_k_changes(checkpoints, modules):
+    """Eagle and Vanilla: after every step — whatever draft length it verified, 0 included — the drafts equal those
+    of a fresh prefill over the accepted sequence, so raising the draft length again stays lossless."""
+    import torch
+
+    from nextn.runtime.acceptance_rules import StandardAcceptance, greedy_sampling
+    from nextn.runtime.kv_cache import allocate_kv_cache
+    from nextn.runtime.spec_step import prefill_step
+
+    engine = checkpoints.engine(num_mtp_modules=modules, **SMALL_VOCAB)
+    k = modules
+    spec = {"decoding_type": "MTP", "num_nextn_predict_layers": k, "draft_len_schedule": {1: k, 2: 1}}
+    eng = LLM(engine, speculative_config=spec, disable_overlap_scheduler=True).engine
+    eng.iteration_log = []
+    reqs = [eng.make_request(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in PROMPTS[:3]]
+    checked, n = 0, 0
+    while n < len(reqs) or eng.has_work:
+        if n < len(reqs) and len(eng.iteration_log) >= 3 * n:
+            eng.add_request(reqs[n])
+            n += 1
+        for req in eng.step():
+            if req.finished:
+                continue
+            seq = req.all_token_ids[:-1]
+            kv = allocate_kv_cache(eng.model.num_cache_layers, 1 + -(-(len(seq) + 2 * k + 1) // 16), 16,
+                                   eng.cfg.kv_cache_dim, torch.float32)
+            with torch.inference_mode():
+                ref = prefill_step(eng.model, eng.drafter, StandardAcceptance(), kv, torch.tensor([seq]),
+                                   torch.tensor([len(seq)]), torch.arange(1, kv.shape[1] // 16)[None],
+                                   greedy_sampling(1), (), 16)
+            assert ref.draft_tokens[0].tolist() == req.draft_tokens
+            checked += 1
+    assert {e["draft_len"] for e in eng.iteration_log if e["kind"] == "decode"} == {0, 1, k} and checked > 10
