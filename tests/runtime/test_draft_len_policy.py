@@ -88,6 +88,8 @@ def test_request_stats_count_steps_per_draft_len(eagle, plain):
         eng.step()
     assert [r.output_token_ids for r in reqs] == plain[:2]
     assert set(reqs[0].steps_per_draft_len) == {1, 3} and sum(reqs[0].steps_per_draft_len.values()) == reqs[0].num_decode_steps
+    out = reqs[0].to_output().outputs[0]  # the public statistics carry the same counts
+    assert out.steps_per_draft_len == reqs[0].steps_per_draft_len
 
 
 def test_max_concurrency_turns_speculation_off_above_it(eagle, plain):

@@ -129,7 +129,8 @@ def describe_engine(llm) -> tuple[dict, dict, str, int, int]:
               "speculative_decoding": f"{mode} ({drafter}, K={k})" if spec is not None else None}
     world = {"tp_size": 1, "pp_size": 1, "ep_size": None, "max_batch_size": eng.max_batch_size,
              "max_num_tokens": llm.args.max_num_tokens, "max_seq_len": eng.max_seq_len,
-             "scheduling_policy": "fcfs, prefill first, preempt by recompute",
+             "scheduling_policy": ("fcfs, prefill steps (chunked) alternating with decode, preempt by recompute"
+                                   + ("" if llm.args.disable_overlap_scheduler else ", overlap scheduler")),
              "kv_cache_tokens": eng.pool.capacity_tokens, "tokens_per_block": eng.block_size}
     depth = getattr(getattr(eng.drafter, "tree", None), "max_depth", k)  # a tree drafter accepts one path
     return engine, world, mode, k, depth

@@ -18,6 +18,7 @@ from nextn.models.registry import MODEL_CLASSES
 from nextn.plugins.medusa_tree import TreeError, build_tree, published_tree
 from nextn.runtime.acceptance_rules import AcceptanceRule, RelaxedAcceptance, StandardAcceptance
 from nextn.runtime.draft_len_policy import choose_draft_len_policy
+from nextn.runtime.cuda_graph_runner import graph_decode_fn
 from nextn.runtime.drafters import Drafter, MtpEagleDrafter, MtpVanillaDrafter, NoDrafter
 from nextn.runtime.kv_cache import BlockPool, allocate_kv_cache
 from nextn.runtime.model_runner import ModelRunner
@@ -42,7 +43,7 @@ MEDUSA_PREFIX = "medusa_heads."
 
 
 def choose_drafter(manifest: EngineManifest, spec: MTPDecodingConfig | MedusaDecodingConfig | None,
-                   heads: MedusaHeads | None = None) -> Drafter:
+                   heads: MedusaHeads | None = None, device: torch.device | str = "cpu") -> Drafter:
     """The drafter strategy for this engine and speculative config (chosen once, at load time).
 
     Raises:
@@ -61,7 +62,7 @@ def choose_drafter(manifest: EngineManifest, spec: MTPDecodingConfig | MedusaDec
         choices = spec.medusa_choices
         try:
             tree = build_tree(published_tree(choices) if isinstance(choices, str) else choices)
-            return MedusaDrafter(heads[:n] if n < len(heads) else heads, tree)
+            return MedusaDrafter(heads[:n] if n < len(heads) else heads, tree.to(device))
         except (TreeError, ValueError) as e:
             raise LlmArgsError(f"medusa_choices: {e}") from e
     modules = manifest.speculative.num_mtp_modules
@@ -107,9 +108,6 @@ def _fast_bf16(device: torch.device) -> bool:
 def unsupported_options(args: LlmArgs, device: torch.device) -> list[str]:
     """LLM arguments that cannot take effect in this release or on this device, one sentence each."""
     notes = []
-    if args.cuda_graph_config is not None:
-        notes.append("cuda_graph_config: CUDA graph capture is not implemented yet; steps run eagerly"
-                     + ("" if device.type == "cuda" else " (and needs a CUDA device)"))
     if args.kv_cache_config.enable_block_reuse:
         notes.append("kv_cache_config.enable_block_reuse: prefix reuse is not implemented yet; blocks are not shared")
     return notes
@@ -131,9 +129,10 @@ class Engine:
         self.block_size = args.kv_cache_config.tokens_per_block
         weights = self._read_weights()
         heads = self._medusa_heads(weights)
-        self.drafter = choose_drafter(manifest, spec, heads)
+        self.drafter = choose_drafter(manifest, spec, heads, self.device)
         k = self.drafter.num_draft_tokens
-        lookahead = 2 * k + 1
+        # KV positions past max_seq_len a step may touch: K+1 in flight (overlap) + the decode look-ahead 2K+1.
+        lookahead = (k + 1) + (2 * k + 1)
         self.model = self._load_model(weights, self.max_seq_len + lookahead + self.block_size)
         if k and _fast_bf16(self.device):
             self.model.use_bf16_draft_head()  # drafts only propose: a cheaper head cannot change the output
@@ -156,6 +155,7 @@ class Engine:
         self._inflight: InflightStep | None = None  # launched, not yet processed (overlap scheduler)
         self.acceptance = choose_acceptance(spec)
         decode_fn = tree_verify_and_draft_step if isinstance(self.drafter, MedusaDrafter) else verify_and_draft_step
+        decode_fn = graph_decode_fn(decode_fn, args.cuda_graph_config, self.device, self.max_batch_size, per_seq)
         self.runner = ModelRunner(self.model, self.drafter, self.acceptance, kv, self.block_size, self.max_batch_size,
                                   decode_fn=decode_fn)
         self.tokenizer = EngineTokenizer.load(self.engine_dir, manifest.tokenizer_files)

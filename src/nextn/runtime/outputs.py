@@ -24,6 +24,8 @@ class CompletionOutput:
         num_accepted_draft_tokens: drafts the target accepted.
         num_decode_steps: verify-and-draft steps run (prefill excluded).
         accepted_per_position: for each draft position j (0-based), the steps whose draft j was accepted.
+        steps_per_draft_len: decode steps run with each draft length (the draft-length policy may lower K or turn
+            speculation off, 0, per batch).
         arrival_time, first_token_time, finished_time: `time.perf_counter()` seconds at submission, at the first
             emitted token and at completion (for TTFT = first − arrival, TPOT = (finished − first) / (n − 1)).
         error: why the request failed (finish_reason "error").
@@ -37,6 +39,7 @@ class CompletionOutput:
     num_accepted_draft_tokens: int = 0
     num_decode_steps: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    steps_per_draft_len: dict[int, int] = field(default_factory=dict)
     arrival_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None

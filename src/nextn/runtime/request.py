@@ -121,6 +121,7 @@ class Request:
             num_draft_tokens=self.num_draft_tokens, num_accepted_draft_tokens=self.num_accepted_draft_tokens,
             num_decode_steps=self.num_decode_steps, error=self.error,
             accepted_per_position=list(self.accepted_per_position),
+            steps_per_draft_len=dict(self.steps_per_draft_len),
             arrival_time=self.arrival_time, first_token_time=self.first_token_time, finished_time=self.finished_time,
         )
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [completion], self.finished)
