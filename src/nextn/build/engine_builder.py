@@ -60,6 +60,9 @@ def build_engine(
     extra_llm_api_options: str | Path | None = None,
     progress: bool = True,
     medusa_model_dir: str | Path | None = None,
+    compile_step: bool = False,
+    compile_batch_sizes: list[int] | None = None,
+    compile_device: str | None = None,
 ) -> EngineManifest:
     """Build an engine directory from a DeepSeek-V3 or Llama-family checkpoint, optionally with Medusa heads.
 
@@ -75,7 +78,14 @@ def build_engine(
         extra_llm_api_options: optional LLM-args YAML (REFERENCE.md §6); its `speculative_config` sets the
             engine's draft method: MTP with K = `num_nextn_predict_layers`, or `null` for none. Without it an
             MTP checkpoint gets method "mtp" with K = its module count.
-        progress: show a tqdm bar over the tensors (stderr).
+        progress: show a tqdm bar over the tensors (and the compile warm-up) on stderr.
+        compile_step: after writing the weights, load the engine, compile its decode step with torch.compile
+            (warm-up requests at each batch size) and store the artifacts under `compiled/`, recorded in
+            `manifest.compiled_step` with the torch version and device type (runtime/compiled_step.py).
+        compile_batch_sizes: warm-up batch sizes; None: the YAML's cuda_graph_config.batch_sizes, else
+            1, 2, 4, … up to max_batch_size.
+        compile_device: device to compile for ("cpu", "cuda"); None: CUDA when available. Artifacts only serve
+            loaders on the same device type and torch version.
     Returns:
         The manifest written to `output_dir/manifest.json`.
     Raises:
@@ -147,6 +157,29 @@ def build_engine(
                 tokenizer_files=tokenizer_files,
             )
             manifest.save(staging)
+            if compile_step:
+                manifest = _compile_step(staging, manifest, llm_args, compile_batch_sizes, compile_device, progress)
+    return manifest
+
+
+def _compile_step(engine_dir: Path, manifest: EngineManifest, llm_args: LlmArgs | None,
+                  batch_sizes: list[int] | None, device: str | None, progress: bool) -> EngineManifest:
+    """Compile the decode step of the engine being built and record its artifacts in the manifest (saved)."""
+    from nextn.runtime.compiled_step import compile_engine_step, default_warmup_batch_sizes
+
+    if batch_sizes is not None and any(b <= 0 or b > manifest.build_options.max_batch_size for b in batch_sizes):
+        raise EngineError(f"--compile_batch_sizes {batch_sizes} must lie in [1, max_batch_size "
+                          f"{manifest.build_options.max_batch_size}]")
+    graph = llm_args.cuda_graph_config if llm_args is not None else None
+    sizes = batch_sizes or default_warmup_batch_sizes(manifest.build_options.max_batch_size,
+                                                      graph.batch_sizes if graph is not None else None)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    compile_cfg = llm_args.torch_compile_config if llm_args is not None else None
+    info = compile_engine_step(engine_dir, sizes, device, compile_cfg, progress)
+    if info is None:
+        return manifest
+    manifest = manifest.model_copy(update={"compiled_step": info})
+    manifest.save(engine_dir)
     return manifest
 
 

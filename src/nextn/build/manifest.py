@@ -6,6 +6,8 @@ The runtime reads this file and never guesses from file names (STYLE.md §9). La
       manifest.json        this model, serialised
       model.safetensors    weights in the runtime layout (nextn.models.deepseek_v3.weights)
       tokenizer files      tokenizer.json, tokenizer_config.json, ... when the checkpoint has them
+      compiled/            torch.compile artifacts of the decode step (`build-engine --compile_step`), described
+                           by `compiled_step`; optional, and ignored by a loader with another torch or device
 """
 
 from __future__ import annotations
@@ -59,6 +61,31 @@ class SourceInfo(BaseModel):
     fingerprint: str  # sha256 over config.json and the weight files (names, sizes, contents)
 
 
+class CompiledStepInfo(BaseModel):
+    """Stored `torch.compile` artifacts of the decode step (runtime/compiled_step.py), and what they fit.
+
+    A loader uses them only with the same torch version and device type; otherwise it logs why and compiles
+    from scratch (or runs eagerly).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    file: str  # path relative to the engine directory
+    sha256: str  # of the file, checked before loading
+    num_bytes: int = Field(ge=0)
+    artifacts: dict[str, int] = {}  # cache kind (inductor, aot_autograd, ...) → entries
+    kernels_file: str | None = None  # tar of the built CPU kernel libraries (inductor's cache layout), if any
+    kernels_sha256: str = ""
+    num_kernels: int = Field(default=0, ge=0)
+    torch_version: str  # torch.__version__ of the build; must equal the loader's
+    device_type: str  # "cpu" or "cuda"; must equal the loader's
+    cpu_threads: int = Field(default=0, ge=0)  # torch threads of the build (CPU kernels depend on it); 0: any
+    draft_len: int = Field(default=0, ge=0)  # K the warm-up steps ran with (another K compiles at load time)
+    batch_sizes: list[int] = []  # batch sizes the warm-up steps ran
+    enable_fullgraph: bool = True  # torch_compile_config the artifacts were compiled with
+    enable_inductor: bool = True
+
+
 class EngineManifest(BaseModel):
     """Everything the runtime needs to know about an engine directory."""
 
@@ -74,6 +101,7 @@ class EngineManifest(BaseModel):
     source: SourceInfo
     weight_files: list[str] = ["model.safetensors"]
     tokenizer_files: list[str] = []  # empty: the engine takes token-id prompts only
+    compiled_step: CompiledStepInfo | None = None  # absent in engines built without --compile_step
 
     def save(self, engine_dir: str | Path) -> Path:
         path = Path(engine_dir) / MANIFEST_NAME

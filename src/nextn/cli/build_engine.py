@@ -3,6 +3,7 @@
 Usage:
     build-engine --model_dir CHECKPOINT --output_dir ENGINE [--dtype auto|bfloat16|float32]
                  [--max_batch_size N] [--max_seq_len N] [--extra_llm_api_options YAML] [--no-progress]
+                 [--compile_step [--compile_batch_sizes N ...] [--compile_device cpu|cuda]]
 
 Exit status: 0 on success; 2 for invalid arguments, an unreadable/unsupported checkpoint, bad YAML or an output
 directory that is not an engine (message on stderr, no traceback); 1 for an I/O failure (disk full, permissions).
@@ -70,17 +71,37 @@ def _parser() -> argparse.ArgumentParser:
                    help="LLM-args YAML (TensorRT-LLM keys); its speculative_config sets the default drafting: "
                    "decoding_type MTP with num_nextn_predict_layers K, or null for none. Without it an MTP "
                    "checkpoint drafts as many tokens as it has MTP modules")
+    p.add_argument("--compile_step", action="store_true",
+                   help="compile the decode step with torch.compile after writing the weights (warm-up requests at "
+                   "each batch size) and store the artifacts in ENGINE/compiled/, so that loading with "
+                   "torch_compile_config does not recompile; they serve loaders with the same torch version and "
+                   "device type only")
+    p.add_argument("--compile_batch_sizes", type=int, nargs="+", metavar="N",
+                   help="warm-up batch sizes for --compile_step (default: cuda_graph_config.batch_sizes from the "
+                   "YAML, else 1, 2, 4, ... up to --max_batch_size)")
+    p.add_argument("--compile_device", choices=("cpu", "cuda"),
+                   help="device to compile for with --compile_step (default: cuda when available)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
     return p
 
 
 def _size(engine_dir: Path) -> str:
-    n = float(sum(f.stat().st_size for f in engine_dir.iterdir() if f.is_file()))
+    n = float(sum(f.stat().st_size for f in engine_dir.rglob("*") if f.is_file()))
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+def _compiled(manifest, requested: bool) -> str:
+    c = manifest.compiled_step
+    if c is None:
+        if requested:
+            return "no artifacts stored (torch could not save them; see the log)"
+        return "no (--compile_step stores torch.compile artifacts)"
+    return (f"{c.file}, {c.num_bytes / 2**20:.1f} MiB, torch {c.torch_version} {c.device_type}, K={c.draft_len}, "
+            f"batch sizes {c.batch_sizes}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -91,7 +112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         manifest = build_engine(
             args.model_dir, args.output_dir, dtype=args.dtype, max_batch_size=args.max_batch_size,
             max_seq_len=args.max_seq_len, extra_llm_api_options=args.extra_llm_api_options, progress=args.progress,
-            medusa_model_dir=args.medusa_model_dir,
+            medusa_model_dir=args.medusa_model_dir, compile_step=args.compile_step,
+            compile_batch_sizes=args.compile_batch_sizes, compile_device=args.compile_device,
         )  # fmt: skip
     except USER_ERRORS as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
@@ -111,6 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"tensors:    {len(WEIGHT_LAYOUTS[manifest.architecture].runtime_weight_specs(manifest.model))}\n"
           f"size:       {_size(args.output_dir)}\n"
           f"tokenizer:  {', '.join(manifest.tokenizer_files) or 'none (token-id prompts only)'}\n"
+          f"compiled:   {_compiled(manifest, args.compile_step)}\n"
           f"time:       {seconds:.1f} s")
     return 0
 

@@ -18,6 +18,7 @@ from nextn.models.registry import MODEL_CLASSES
 from nextn.plugins.medusa_tree import TreeError, build_tree, published_tree
 from nextn.runtime.acceptance_rules import AcceptanceRule, RelaxedAcceptance, StandardAcceptance
 from nextn.runtime.draft_len_policy import choose_draft_len_policy
+from nextn.runtime.compiled_step import compile_decode_fn
 from nextn.runtime.cuda_graph_runner import graph_decode_fn
 from nextn.runtime.drafters import Drafter, MtpEagleDrafter, MtpVanillaDrafter, NoDrafter
 from nextn.runtime.kv_cache import BlockPool, allocate_kv_cache
@@ -155,6 +156,10 @@ class Engine:
         self._inflight: InflightStep | None = None  # launched, not yet processed (overlap scheduler)
         self.acceptance = choose_acceptance(spec)
         decode_fn = tree_verify_and_draft_step if isinstance(self.drafter, MedusaDrafter) else verify_and_draft_step
+        if args.torch_compile_config is not None:
+            decode_fn = compile_decode_fn(decode_fn, self.engine_dir, self.device, args.torch_compile_config, manifest)
+        elif manifest.compiled_step is not None:
+            logger.info("%s stores torch.compile artifacts; torch_compile_config: {} uses them", engine_dir)
         decode_fn = graph_decode_fn(decode_fn, args.cuda_graph_config, self.device, self.max_batch_size, per_seq)
         self.runner = ModelRunner(self.model, self.drafter, self.acceptance, kv, self.block_size, self.max_batch_size,
                                   decode_fn=decode_fn)
