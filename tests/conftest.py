@@ -12,6 +12,11 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton's interpreter must be on before anything imports triton (torch.compile does): triton.language's own
+# @jit helpers (tl.max, tl.cumsum, ...) are built at import. Only without CUDA: on a GPU the kernels compile for real
+# (tests/plugins/kernels/conftest.py sets it too, for that folder run on its own).
+if not os.environ.get("CUDA_VISIBLE_DEVICES") and not Path("/dev/nvidia0").exists():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
