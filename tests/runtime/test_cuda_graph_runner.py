@@ -9,12 +9,9 @@ import logging
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from nextn import LLM, SamplingParams
-from nextn.build.engine_builder import build_engine
 from nextn.config.llm_args import CudaGraphConfig
-from nextn.models.medusa import MedusaHeads
 from nextn.runtime.acceptance_rules import greedy_sampling
 from nextn.runtime.cuda_graph_runner import (
     CudaGraphStep,
@@ -93,17 +90,6 @@ def vanilla_engine(checkpoints):
     return checkpoints.engine(num_mtp_modules=3, **SMALL_VOCAB)
 
 
-@pytest.fixture(scope="module")
-def medusa_engine(checkpoints, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("medusa")
-    torch.manual_seed(0)
-    heads = MedusaHeads(3, 1, 64, SMALL_VOCAB["vocab_size"])
-    (tmp / "heads").mkdir()
-    save_file({k: v.contiguous() for k, v in heads.state_dict().items()}, str(tmp / "heads" / "medusa_lm_head.safetensors"))
-    (tmp / "heads" / "config.json").write_text(json.dumps({"medusa_num_heads": 3, "medusa_num_layers": 1}))
-    build_engine(checkpoints.checkpoint(num_mtp_modules=1, **SMALL_VOCAB), tmp / "engine", progress=False,
-                 medusa_model_dir=tmp / "heads")
-    return tmp / "engine"
 
 
 def _bigram_mtp(model) -> None:

@@ -4,15 +4,11 @@ arriving between steps, a KV cache small enough to preempt, and cancellation."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from nextn import LLM, SamplingParams
-from nextn.build.engine_builder import build_engine
-from nextn.models.medusa import MedusaHeads
 from nextn.testing import SMALL_VOCAB
 
 PROMPTS = [[11, 12, 13, 14, 15], [30, 31, 32], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [40], [50, 51, 52, 53]]
@@ -52,17 +48,8 @@ def vanilla(checkpoints):
 
 
 @pytest.fixture(scope="module")
-def medusa(checkpoints, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("medusa")
-    torch.manual_seed(0)
-    heads = MedusaHeads(3, 1, 64, 512)
-    (tmp / "heads").mkdir()
-    state = {k: v.contiguous() for k, v in heads.state_dict().items()}
-    save_file(state, str(tmp / "heads" / "medusa_lm_head.safetensors"))
-    (tmp / "heads" / "config.json").write_text(json.dumps({"medusa_num_heads": 3, "medusa_num_layers": 1}))
-    build_engine(checkpoints.checkpoint(num_mtp_modules=1, **SMALL_VOCAB), tmp / "engine", progress=False,
-                 medusa_model_dir=tmp / "heads")
-    return tmp / "engine"
+def medusa(medusa_engine):
+    return medusa_engine
 
 
 @pytest.mark.parametrize("which,spec", [("eagle", None), ("eagle", MTP(1)), ("eagle", MTP(3)),
