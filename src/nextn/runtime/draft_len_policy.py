@@ -11,9 +11,12 @@ TensorRT-LLM's speculative-config fields (`DecodingBaseConfig`):
   (accepted drafts / drafts) over the last N speculation-enabled iterations drops below t, speculation is off for
   good.
 
-A step with draft length k < K runs the same verify-and-draft step with k draft columns ([last, d1..dk]); the
-drafter still drafts K tokens (its KV and pools stay exactly as after a K-draft step, so raising k again later is
-lossless), and the unused drafts are dropped. k = 0 is plain decoding through the same step.
+A step with draft length 0 < k < K runs the same verify-and-draft step with k draft columns ([last, d1..dk]); the
+drafter still drafts K tokens (its KV and pools stay exactly as after a K-draft step, so raising k again later
+keeps the drafts equal to drafts from scratch), and the unused drafts are dropped. With speculation off (k = 0)
+the step is plain decoding with no drafter at all, so it costs what plain decoding costs; when speculation comes
+back on, one step with k = 0 and the drafter on re-primes the drafts (the drafter's KV / pools for the positions
+decoded while off are missing, which can only lower acceptance: verification keeps the output lossless).
 """
 
 from __future__ import annotations

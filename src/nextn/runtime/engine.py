@@ -330,7 +330,7 @@ class Engine:
                      "num_waiting": len(self.scheduler.waiting),
                      "latency_ms": (time.perf_counter() - step.launch_time) * 1e3}
             if batch.kind == "decode":
-                entry["draft_len"] = stat_k
+                entry["draft_len"], entry["drafting"] = stat_k, batch.drafting
             else:
                 entry["num_prefill_tokens"] = sum(e - s for s, e in zip(batch.chunk_starts, batch.chunk_ends))
             if self.iteration_log is not None:

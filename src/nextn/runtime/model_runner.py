@@ -16,7 +16,7 @@ import torch
 
 from nextn.models.deepseek_v3.model import DeepseekV3ForCausalLM
 from nextn.runtime.acceptance_rules import AcceptanceRule, SamplingTensors
-from nextn.runtime.drafters import Drafter
+from nextn.runtime.drafters import Drafter, NoDrafter
 from nextn.runtime.overlap import InflightStep, decode_inputs
 from nextn.runtime.request import Request
 from nextn.runtime.scheduler import ScheduledBatch
@@ -43,6 +43,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = kv_cache.device
         self.decode_fn = decode_fn
+        self.no_drafter = NoDrafter()
         dtype = next(model.parameters()).dtype
         self.state = drafter.initial_state(max_batch_size, model.cfg.hidden_size, self.device, dtype)
         self.accept_state = acceptance.initial_state(max_batch_size, self.device)
@@ -102,8 +103,9 @@ class ModelRunner:
             ids, kv_lens = decode_inputs(reqs, batch.draft_len, prev, self.device)
             state = tuple(s[slots] for s in self.state)
             accept_state = tuple(s[slots] for s in self.accept_state)
-            out = self.decode_fn(self.model, self.drafter, self.acceptance, self.kv_cache, ids, kv_lens, block_tables,
-                                 sampling, state, accept_state, self.block_size)
+            drafter = self.drafter if batch.drafting else self.no_drafter  # speculation off: plain decoding
+            out = self.decode_fn(self.model, drafter, self.acceptance, self.kv_cache, ids, kv_lens, block_tables,
+                                 sampling, state if batch.drafting else (), accept_state, self.block_size)
         for buf, new in zip(self.state, out.drafter_state):
             buf[slots] = new
         for buf, new in zip(self.accept_state, out.accept_state):

@@ -40,6 +40,7 @@ class Request:
     prefill_len: int = 0  # tokens this admission prefills (0 while waiting)
     num_prefilled_tokens: int = 0  # of them, scheduled so far (chunked prefill)
     num_inflight_tokens: int = 0  # most tokens a launched, not yet processed step may emit (overlap scheduler)
+    has_drafts: bool = True  # its last launched step drafted (False after a step with speculation off)
     finish_reason: str | None = None
     error: str | None = None
     num_draft_tokens: int = 0
@@ -83,6 +84,7 @@ class Request:
         """Back to waiting (preemption): the next admission prefills prompt + output again."""
         self.prefill_len = self.num_prefilled_tokens = self.num_inflight_tokens = 0
         self.draft_tokens = []
+        self.has_drafts = True  # the prefill drafts
 
     def append(self, tokens: list[int], max_seq_len: int) -> None:
         """Append emitted tokens, cutting at EOS / stop tokens / max_tokens / max_seq_len and finishing if so."""

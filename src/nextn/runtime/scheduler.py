@@ -43,6 +43,9 @@ class ScheduledBatch:
         chunk_starts, chunk_ends: prefill only: each request runs its tokens [start, end); the chunk with
             end == `Request.prefill_len` is its last and emits the first token.
         draft_len: decode only: drafts each request verifies this step (the draft-length policy's choice, ≤ K).
+        drafting: decode only: whether the step drafts for the next one. False when speculation is off (draft_len
+            0): the step is plain decoding and costs no more. When speculation comes back on, a request whose last
+            step did not draft first runs one step with draft_len 0 and drafting on (it has no drafts to verify).
     """
 
     kind: Literal["prefill", "decode"]
@@ -50,6 +53,7 @@ class ScheduledBatch:
     chunk_starts: tuple[int, ...] = ()
     chunk_ends: tuple[int, ...] = ()
     draft_len: int = 0
+    drafting: bool = True
 
     def __post_init__(self) -> None:
         if self.kind == "prefill" and not self.chunk_ends:  # whole prompts (tests build batches by hand)
@@ -170,7 +174,13 @@ class Scheduler:
         reqs = tuple(r for r in self.running if r.is_decoding and not r.finishes_in_flight)
         if not reqs:
             return None
-        return ScheduledBatch("decode", reqs, draft_len=self.draft_len_policy.draft_len(len(reqs)))
+        k = self.draft_len_policy.draft_len(len(reqs))
+        drafting = k > 0 or self.draft_len_policy.max_draft_len == 0
+        if k > 0 and not all(r.has_drafts for r in reqs):
+            k = 0  # speculation back on: draft first (drafts are not kept while it is off)
+        for req in reqs:
+            req.has_drafts = drafting
+        return ScheduledBatch("decode", reqs, draft_len=k, drafting=drafting)
 
     def cancel(self, request_id: int) -> Request | None:
         """Remove a waiting or running request, free its KV blocks and batch slot, finish it "cancelled".
