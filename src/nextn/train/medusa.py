@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
-from tqdm import tqdm
 
 from nextn.models.medusa import MedusaHeads
 from nextn.train.data import SelfDistillData, load_base, make_self_distill_data
+from nextn.train.loop import fit
 
 #: Medusa paper, Vicuna-7B, per-head top-1 accuracy of heads 1..5 (REFERENCE.md §5).
 VICUNA_7B_TOP1 = (0.56, 0.32, 0.20, 0.15, 0.12)
@@ -94,25 +94,9 @@ def head_top1(heads: MedusaHeads, tokens: torch.Tensor, hidden: torch.Tensor, pr
 def fit_heads(heads: MedusaHeads, data: SelfDistillData, steps: int, *, batch: int = 64, lr: float = 1e-3,
               seed: int = 0, progress: bool = True, eval_every: int = 100) -> tuple[float, list[float]]:
     """Train `heads` in place on `data.train` for `steps` Adam steps; returns (last loss, held-out top-1)."""
-    gen = torch.Generator().manual_seed(seed)
-    tokens, hidden = data.train
-    optimizer = torch.optim.Adam(heads.parameters(), lr=lr)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / max(steps, 1))
-    top1 = head_top1(heads, *data.held_out, data.prompt_len)
-    loss_value = float("nan")
-    bar = tqdm(range(steps), desc="train Medusa heads", disable=not progress)
-    for step in bar:
-        pick = torch.randint(0, tokens.shape[0], (min(batch, tokens.shape[0]),), generator=gen)
-        loss = head_loss(heads, tokens[pick], hidden[pick], data.prompt_len)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        loss_value = loss.item()
-        if progress and ((step + 1) % eval_every == 0 or step + 1 == steps):
-            top1 = head_top1(heads, *data.held_out, data.prompt_len)
-        bar.set_postfix(loss=f"{loss_value:.3f}", top1="/".join(f"{a:.2f}" for a in top1))
-    return loss_value, head_top1(heads, *data.held_out, data.prompt_len)
+    return fit(heads.parameters(), lambda tokens, hidden: head_loss(heads, tokens, hidden, data.prompt_len),
+               lambda: head_top1(heads, *data.held_out, data.prompt_len), data.train, steps, batch=batch, lr=lr,
+               seed=seed, progress=progress, eval_every=eval_every, desc="train Medusa heads")
 
 
 def save_heads(heads: MedusaHeads, output_dir: str | Path, base_model: str) -> Path:

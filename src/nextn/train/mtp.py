@@ -38,9 +38,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
-from tqdm import tqdm
 
 from nextn.train.data import SelfDistillData, load_base, make_self_distill_data
+from nextn.train.loop import fit
 
 #: (block output after shared_head.norm [B, T, H], labels [B, T], keep [B, T]) per draft step / module.
 StepOutputs = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -249,25 +249,8 @@ def fit_mtp(run: Callable[[torch.Tensor, torch.Tensor], StepOutputs], ctx: MtpCo
             steps: int, *, batch: int = 64, lr: float = 3e-3, seed: int = 0, progress: bool = True,
             eval_every: int = 100, desc: str = "train MTP") -> tuple[float, list[float]]:
     """Adam on `params` for `steps` steps of `ctx.loss(run(tokens, hidden))`; returns (last loss, held-out top-1)."""
-    gen = torch.Generator().manual_seed(seed)
-    tokens, hidden = data.train
-    optimizer = torch.optim.Adam(params, lr=lr)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / max(steps, 1))
-    top1 = ctx.top1(run(*data.held_out))
-    loss_value = float("nan")
-    bar = tqdm(range(steps), desc=desc, disable=not progress)
-    for step in bar:
-        pick = torch.randint(0, tokens.shape[0], (min(batch, tokens.shape[0]),), generator=gen)
-        loss = ctx.loss(run(tokens[pick], hidden[pick]))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        loss_value = loss.item()
-        if progress and ((step + 1) % eval_every == 0 or step + 1 == steps):
-            top1 = ctx.top1(run(*data.held_out))
-        bar.set_postfix(loss=f"{loss_value:.3f}", top1="/".join(f"{a:.2f}" for a in top1))
-    return loss_value, ctx.top1(run(*data.held_out))
+    return fit(params, lambda tokens, hidden: ctx.loss(run(tokens, hidden)), lambda: ctx.top1(run(*data.held_out)),
+               data.train, steps, batch=batch, lr=lr, seed=seed, progress=progress, eval_every=eval_every, desc=desc)
 
 
 def train_mtp(model_dir: str | Path, data_files: list[str | Path], output_dir: str | Path, *, num_modules: int = 1,
