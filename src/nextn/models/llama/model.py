@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nextn.models.deepseek_v3.model import vocab_projection
+from nextn.models.causal_lm import SelfDraftingCausalLM
 from nextn.models.layers import GatedMLP, PreNormDecoderLayer, RMSNorm
 from nextn.models.llama.config import LlamaModelConfig
 from nextn.models.llama.rope import apply_rope, rope_cache
@@ -116,7 +116,7 @@ class LlamaBody(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(SelfDraftingCausalLM):
     """The Llama target model; parameter names are HF's (a tied checkpoint gets an explicit `lm_head.weight`).
 
     The KV cache is one tensor [num_hidden_layers + num_nextn_predict_layers, num_slots, 2 · num_key_value_heads ·
@@ -136,46 +136,3 @@ class LlamaForCausalLM(nn.Module):
         """A fresh `rope_table` [num_positions, 2, head_dim // 2] fp32 on the CPU (after loading on the meta device)."""
         return rope_cache(self.cfg, num_positions)
 
-    @property
-    def num_cache_layers(self) -> int:
-        return self.cfg.num_hidden_layers + self.cfg.num_nextn_predict_layers
-
-    def _cos_sin(self, positions: torch.Tensor) -> torch.Tensor:
-        return self.rope_table[positions.clamp(min=0)]  # [B, T, 2, head_dim // 2]
-
-    def forward(self, input_ids: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids: [B, T] int64 → hidden states after the final norm [B, T, hidden]; writes KV at the tokens' slots."""
-        x = self.model.embed_tokens(input_ids)
-        cos_sin = self._cos_sin(meta.positions)
-        for i in range(self.cfg.num_hidden_layers):
-            x = self.model.layers[i](x, cos_sin, kv_cache[i], meta)
-        return self.model.norm(x)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """lm_head: [..., hidden] → [..., vocab] fp32."""
-        return vocab_projection(self.lm_head.weight, hidden).float()
-
-    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The drafters' lm_head: [..., hidden] → [..., vocab] fp32, through `draft_head_weight` when set."""
-        weight = self.draft_head_weight if self.draft_head_weight is not None else self.lm_head.weight
-        return vocab_projection(weight, hidden.to(weight.dtype)).float()
-
-    def use_bf16_draft_head(self) -> None:
-        """Give drafters a bf16 copy of lm_head (drafts only propose, so this is lossless)."""
-        if self.lm_head.weight.dtype != torch.bfloat16:
-            self.draft_head_weight = self.lm_head.weight.detach().to(torch.bfloat16)
-
-    def mtp_layer(self, k: int) -> LlamaMTPLayer:
-        return self.model.layers[self.cfg.num_hidden_layers + k]
-
-    def forward_mtp(self, k: int, input_ids: torch.Tensor, hidden_prev: torch.Tensor, kv_cache: torch.Tensor,
-                    meta: AttentionMetadata) -> torch.Tensor:
-        """MTP module k. input_ids: [B, T] (the token one position ahead of hidden_prev's); hidden_prev: [B, T, hidden]
-        (the target's final hidden for k's first use, else the previous module's output) → [B, T, hidden]."""
-        embeds = self.model.embed_tokens(input_ids)
-        return self.mtp_layer(k).forward_mtp(embeds, hidden_prev, self._cos_sin(meta.positions),
-                                             kv_cache[self.cfg.num_hidden_layers + k], meta)
-
-    def mtp_logits(self, k: int, hidden: torch.Tensor) -> torch.Tensor:
-        """lm_head(shared_head.norm(h)) of MTP module k: [..., hidden] → [..., vocab] fp32."""
-        return self.draft_logits(self.mtp_layer(k).shared_head.norm(hidden))
