@@ -14,6 +14,18 @@ from nextn.testing.tiny_checkpoint import SMALL_VOCAB
 
 
 @pytest.fixture(scope="session")
+def eagle(checkpoints):
+    """A tiny DeepSeek-V3 engine (small vocabulary) with one MTP module distilled for 150 steps: drafts get accepted."""
+    return checkpoints.engine(distill_steps=150, num_mtp_modules=1, **SMALL_VOCAB)
+
+
+@pytest.fixture(scope="session")
+def vanilla(checkpoints):
+    """The same with two undistilled MTP modules (MTP Vanilla)."""
+    return checkpoints.engine(num_mtp_modules=2, **SMALL_VOCAB)
+
+
+@pytest.fixture(scope="session")
 def medusa_engine(checkpoints, tmp_path_factory):
     """A tiny DeepSeek-V3 engine (small vocabulary, one MTP module) with 3 seeded random Medusa heads of 1 layer."""
     tmp = tmp_path_factory.mktemp("medusa")

@@ -32,11 +32,6 @@ def test_schedule_and_max_concurrency_semantics():
 
 
 @pytest.fixture(scope="module")
-def eagle(checkpoints):
-    return checkpoints.engine(distill_steps=150, num_mtp_modules=1, **SMALL_VOCAB)
-
-
-@pytest.fixture(scope="module")
 def plain(eagle):
     return [o.outputs[0].token_ids for o in LLM(eagle, speculative_config=None).generate(PROMPTS, SP)]
 

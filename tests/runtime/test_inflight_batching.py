@@ -8,20 +8,9 @@ import pytest
 
 from nextn import LLM, SamplingParams
 from nextn.config.llm_args import LlmArgsError
-from nextn.testing import SMALL_VOCAB
 
 MTP = lambda k, vanilla=False: {"decoding_type": "MTP", "num_nextn_predict_layers": k, "use_mtp_vanilla": vanilla}  # noqa: E731
 LONG = [[(7 * i + j) % 500 + 3 for j in range(n)] for i, n in enumerate([37, 23, 5, 41])]
-
-
-@pytest.fixture(scope="module")
-def eagle(checkpoints):
-    return checkpoints.engine(distill_steps=150, num_mtp_modules=1, **SMALL_VOCAB)
-
-
-@pytest.fixture(scope="module")
-def vanilla(checkpoints):
-    return checkpoints.engine(num_mtp_modules=2, **SMALL_VOCAB)
 
 
 def staggered(llm: LLM, prompts, params, every: int = 1) -> list[list[int]]:

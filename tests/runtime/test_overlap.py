@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from nextn import LLM, SamplingParams
-from nextn.testing import SMALL_VOCAB
 
 PROMPTS = [[11, 12, 13, 14, 15], [30, 31, 32], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [40], [50, 51, 52, 53]]
 MTP = lambda k, vanilla=False: {"decoding_type": "MTP", "num_nextn_predict_layers": k, "use_mtp_vanilla": vanilla}  # noqa: E731
@@ -35,16 +34,6 @@ def staggered(llm: LLM, prompts, params, every: int = 2, abort: int | None = Non
             outs[out.request_id] = out
         n += 1
     return [outs[i].outputs[0].token_ids for i in ids]
-
-
-@pytest.fixture(scope="module")
-def eagle(checkpoints):
-    return checkpoints.engine(distill_steps=150, num_mtp_modules=1, **SMALL_VOCAB)
-
-
-@pytest.fixture(scope="module")
-def vanilla(checkpoints):
-    return checkpoints.engine(num_mtp_modules=2, **SMALL_VOCAB)
 
 
 @pytest.fixture(scope="module")
