@@ -22,12 +22,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
-from tqdm import tqdm
 
 from nextn.testing.tiny_checkpoint import (
     INDEX_FILE, MTP_SHARD, TinyDeepseekSpec, _tensor_bytes, hf_config, quiet_transformers, split_experts,
 )  # fmt: skip
 from nextn.train.data import load_base, make_self_distill_data
+from nextn.train.loop import fit
 from nextn.train.mtp import MtpContext, MtpModule, MtpTrainResult
 
 #: The student's shape: 3 layers (1 dense, 2 MoE: 8 routed experts, top-2 in 1 of 2 groups, 1 shared), MLA with a
@@ -101,28 +101,10 @@ def train_student(teacher_dir: str | Path, data_files: list[str | Path], output_
         main = (logits.argmax(-1) == labels)[:, keep].float().mean().item()
         return [main, *ctx.top1(mtp_out)]
 
-    gen = torch.Generator().manual_seed(seed)
-    tokens = data.train[0]
-    optimizer = torch.optim.Adam(params, lr=lr)
-    warmup = max(1, steps // 20)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min((s + 1) / warmup, 1 - s / max(steps, 1)))
     top1_before = top1()
-    scores, loss_value = top1_before, float("nan")
-    bar = tqdm(range(steps), desc="train DeepSeek-V3 student", disable=not progress)
-    for step in bar:
-        pick = torch.randint(0, tokens.shape[0], (min(batch, tokens.shape[0]),), generator=gen)
-        loss = loss_of(tokens[pick])
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        schedule.step()
-        loss_value = loss.item()
-        if progress and ((step + 1) % eval_every == 0 or step + 1 == steps):
-            scores = top1()
-        bar.set_postfix(loss=f"{loss_value:.3f}", top1="/".join(f"{a:.2f}" for a in scores))
-    top1_after = top1()
+    loss_value, top1_after = fit(params, loss_of, top1, (data.train[0],), steps, batch=batch, lr=lr, seed=seed,
+                                 progress=progress, eval_every=eval_every, desc="train DeepSeek-V3 student",
+                                 warmup=max(1, steps // 20), max_grad_norm=1.0, top1_start=top1_before)
     result = MtpTrainResult("eagle", 1, num_draft_steps, steps, loss_value, top1_before, top1_after, data.num_train,
                             data.tokens.shape[0] - data.num_train, data_seconds,
                             time.perf_counter() - start - data_seconds, data_cpu,
