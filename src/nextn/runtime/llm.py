@@ -28,7 +28,10 @@ class LLM:
     """An engine ready to generate.
 
     Args:
-        engine_dir: a directory written by `build-engine`.
+        engine_dir: a directory written by `build-engine`, or a checkpoint (HF directory, `.gguf` file): built on
+            first use into `engine_cache_dir` (default `~/.cache/nextn/engines`), keyed by its content fingerprint
+            and the build options, and reused after (`build/engine_cache.py`).
+        dtype: engine dtype when building from a checkpoint ("auto", "float32", "bfloat16", "float16").
         speculative_config: a dict or `MTPDecodingConfig` (TensorRT-LLM names, e.g.
             `{"decoding_type": "MTP", "num_nextn_predict_layers": 3}`); None = plain decoding; omitted = what the
             engine was built for.
@@ -40,8 +43,12 @@ class LLM:
     """
 
     def __init__(self, engine_dir: str | Path, speculative_config: Any = _UNSET,
-                 extra_llm_api_options: str | Path | None = None, device: str | None = None, **overrides: Any) -> None:
+                 extra_llm_api_options: str | Path | None = None, device: str | None = None,
+                 dtype: str = "auto", engine_cache_dir: str | Path | None = None, **overrides: Any) -> None:
+        from nextn.build.engine_cache import resolve_engine_dir
         from nextn.build.manifest import EngineManifest
+
+        engine_dir = resolve_engine_dir(engine_dir, cache_dir=engine_cache_dir, dtype=dtype)
 
         data = load_llm_args_yaml(extra_llm_api_options) if extra_llm_api_options else {}
         if speculative_config is not _UNSET:

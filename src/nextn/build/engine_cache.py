@@ -1,0 +1,110 @@
+"""Engines built on first use: `LLM(path)` accepts a checkpoint as well as an engine directory.
+
+As TensorRT-LLM's LLM API takes an HF model directory and builds its engine behind the scenes, `resolve_engine_dir`
+turns a checkpoint (an HF directory with config.json, or a `.gguf` file / a directory holding one) into an engine
+directory under a cache, keyed by the checkpoint's content fingerprint (`build/fingerprint.py`), the build options
+and the nextn version:
+
+    <cache_dir>/<architecture-free key: sha256(fingerprint, options, version)[:20]>/   an ordinary engine directory
+
+A second `LLM(path)` with the same checkpoint and options reuses the engine; an edited checkpoint (any byte) or other
+options get a new one. Builds are serialised by an exclusive lock file per key, so two processes starting at once
+build once; `build_engine` writes through a staging directory, so an interrupted build leaves no engine behind.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import nextn
+from nextn.build.checkpoint import CONFIG_NAME
+from nextn.build.fingerprint import fingerprint
+from nextn.build.manifest import MANIFEST_NAME, EngineError, EngineManifest
+
+logger = logging.getLogger(__name__)
+
+#: Default cache root (the CLI may pass another, e.g. from $NEXTN_CACHE_DIR).
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "nextn" / "engines"
+
+
+def is_engine_dir(path: Path) -> bool:
+    """True when `path` is a directory with an nextn manifest (validity is checked when the engine loads)."""
+    return path.is_dir() and (path / MANIFEST_NAME).is_file()
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The files that define a checkpoint's content: the `.gguf` file, or config.json and the weight files.
+
+    Raises:
+        EngineError: `path` is neither an engine, a `.gguf` file, nor a directory with config.json or a `.gguf`.
+    """
+    if path.is_file() and path.suffix == ".gguf":
+        return [path]
+    if path.is_dir():
+        if (path / CONFIG_NAME).is_file():
+            files = [path / CONFIG_NAME, *sorted(path.glob("*.safetensors")), *sorted(path.glob("*.json"))]
+            return sorted(set(files))
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs
+        if len(ggufs) > 1:
+            raise EngineError(f"{path} holds {len(ggufs)} .gguf files ({', '.join(g.name for g in ggufs)}); "
+                              "pass the one to use")
+    raise EngineError(f"{path} is neither an nextn engine directory (no {MANIFEST_NAME}), a .gguf file, nor a "
+                      f"checkpoint directory with {CONFIG_NAME}; pass an engine built by `build-engine` or a "
+                      "checkpoint")
+
+
+def cache_key(files: list[Path], build_options: dict[str, Any]) -> str:
+    """20 hex characters: sha256 over the checkpoint fingerprint, the build options (JSON, sorted) and the version."""
+    root = files[0].parent if len(files) == 1 else None
+    payload = json.dumps({"fingerprint": fingerprint(files, root=root), "options": build_options,
+                          "nextn_version": nextn.__version__}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:20]
+
+
+def resolve_engine_dir(path: str | Path, cache_dir: str | Path | None = None, progress: bool = True,
+                       **build_options: Any) -> Path:
+    """The engine directory for `path`: `path` itself when it is an engine, else the cached build of the checkpoint.
+
+    Args:
+        path: an engine directory, an HF checkpoint directory, or a `.gguf` file (or a directory holding one).
+        cache_dir: where built engines live; default `~/.cache/nextn/engines`.
+        progress: show build-engine's progress bar on a first build.
+        **build_options: `build_engine` keyword arguments (dtype, max_seq_len, ...); None values are dropped.
+            They are part of the cache key.
+    Returns:
+        An engine directory (built now if it was not cached).
+    Raises:
+        EngineError: `path` is not an engine nor a checkpoint; the build's own errors (CheckpointError,
+            ConfigError, WeightError, EngineError) propagate unchanged.
+    """
+    path = Path(path)
+    if is_engine_dir(path):
+        return path
+    if not path.exists():
+        raise EngineError(f"{path} does not exist; pass an engine directory, a checkpoint directory or a .gguf file")
+    files = checkpoint_files(path)
+    options = {k: v for k, v in build_options.items() if v is not None}
+    root = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE_DIR
+    engine = root / cache_key(files, options)
+    root.mkdir(parents=True, exist_ok=True)
+    with (root / f"{engine.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_engine_dir(engine):
+            try:
+                EngineManifest.load(engine)
+                logger.info("using the cached engine %s for %s", engine, path)
+                return engine
+            except EngineError as e:
+                logger.warning("cached engine %s is unusable (%s); rebuilding it", engine, e)
+        from nextn.build.engine_builder import build_engine
+
+        logger.warning("building an engine for %s into %s (once; later loads reuse it)", path, engine)
+        build_engine(path, engine, progress=progress, **options)
+    return engine
