@@ -1,7 +1,15 @@
-"""The main job on an embedded default: make a tiny DeepSeek-V3 checkpoint with MTP weights (HF `save_pretrained`
-plus DeepSeek's MTP layout, MTP modules self-distilled on the model's own greedy outputs), build it into an engine,
-decode MT-bench prompts with MTP (K draft tokens per step) and without, and report acceptance length, tokens/s and
-whether the outputs are identical."""
+"""The main job on an embedded default: decode real chat prompts with a real model, plainly and with speculative
+decoding, and report the text, acceptance length (AL), tokens/s and whether the outputs are identical.
+
+The model, in order of preference (the first that is present; `--model` picks one):
+1. SmolLM2-135M-Instruct (`../shared/data/models/smollm2-135m-instruct/*.gguf`), MT-bench first turns through its
+   chat template, drafted by n-gram prompt lookup (nothing to download or train);
+2. stories260K (`../shared/data/models/stories260K/stories260K.gguf`), story openings, n-gram drafts;
+3. a synthetic tiny DeepSeek-V3 checkpoint with one MTP module self-distilled here, drafted by MTP (random weights:
+   its text is gibberish; it only shows the mechanics).
+A GGUF is built into an engine once (`LLM(path)`'s engine cache) and reused by later runs. Timing is batch 1, after
+a warm-up, best of `--runs` runs of each mode, alternating plain and speculative runs so both see the same machine.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +17,15 @@ import argparse
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from nextn.cli.prompts import load_prompts
+from nextn.cli.prompts import find_shared, load_prompts
+
+SMOLLM2 = "models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
+STORIES = "models/stories260K/stories260K.gguf"
+STORY_OPENINGS = ["Once upon a time, there was a little girl named Lily.", "Tom and his dog went to the park.",
+                  "One day, a big red ball rolled into the garden.", "The sun was shining and the birds sang."]
 
 
 def add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,57 +60,138 @@ def make_checkpoint_cmd(args: argparse.Namespace) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_checkpoint_arguments(p)
-    p.add_argument("--work_dir", help="where the checkpoint and engine go (default: a temporary directory)")
-    p.add_argument("--num_prompts", type=int, default=4, help="MT-bench prompts to decode (default 4)")
-    p.add_argument("--max_tokens", type=int, default=64, help="tokens per prompt (default 64)")
-    p.add_argument("-k", "--num_draft_tokens", type=int, default=3, help="MTP draft tokens per step, K (default 3)")
+    p.add_argument("--model", default="auto",
+                   help="auto (SmolLM2 from ../shared, else stories260K, else the synthetic DeepSeek-V3), smollm2, "
+                        "stories260K, deepseek-tiny, or a path to a .gguf / checkpoint / engine")
+    p.add_argument("--work_dir", help="where built engines go (default: nextn's engine cache; the synthetic "
+                                      "checkpoint goes to a temporary directory)")
+    p.add_argument("--num_prompts", type=int, default=4, help="prompts to decode (default 4)")
+    p.add_argument("--max_tokens", type=int, default=64, help="tokens per prompt at most (default 64)")
+    p.add_argument("-k", "--num_draft_tokens", type=int, default=3, help="draft tokens per step, K (default 3)")
+    p.add_argument("--runs", type=int, default=3, help="timed runs per mode after the warm-up; best is shown (default 3)")
 
 
-def _decode(engine: Path, prompts: list[str], max_tokens: int, spec: dict | None) -> tuple[list, float]:
-    from nextn import LLM, SamplingParams
+@dataclass
+class Model:
+    label: str
+    path: Path | None  # None: the synthetic DeepSeek-V3 checkpoint, made here
+    prompts: list[str]
+    prompt_source: str
+    spec: dict
+    spec_label: str
 
-    llm = LLM(engine, speculative_config=spec)
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(max_tokens=4))  # warm-up
+
+def choose_model(args: argparse.Namespace) -> Model:
+    """The model to demo (see the module docstring), its prompts and its drafter."""
+    ngram = {"decoding_type": "NGram", "max_draft_len": args.num_draft_tokens, "max_matching_ngram_size": 3}
+    mtp = {"decoding_type": "MTP", "num_nextn_predict_layers": args.num_draft_tokens}
+    chat, chat_source = load_prompts(args.num_prompts)
+    choice = args.model.lower()
+    wanted = {"auto": (SMOLLM2, STORIES), "smollm2": (SMOLLM2,), "stories260k": (STORIES,), "deepseek-tiny": ()}
+    if choice not in wanted:
+        path = Path(args.model)
+        return Model(path.name, path, chat, chat_source, ngram, f"n-gram K={args.num_draft_tokens}")
+    for rel in wanted[choice]:
+        found = find_shared(rel)
+        if found is not None and rel == SMOLLM2:
+            return Model("SmolLM2-135M-Instruct (Q4_1 GGUF)", found, chat, chat_source + ", chat template", ngram,
+                         f"n-gram K={args.num_draft_tokens}")
+        if found is not None:
+            return Model("stories260K (GGUF)", found, (STORY_OPENINGS * args.num_prompts)[:args.num_prompts],
+                         "story openings", ngram, f"n-gram K={args.num_draft_tokens}")
+    if choice not in ("auto", "deepseek-tiny"):
+        raise SystemExit(f"nextn demo: error: {args.model} was asked for but ../shared/data/{wanted[choice][0]} is "
+                         "absent; use --model auto or a path")
+    return Model("synthetic tiny DeepSeek-V3 with 1 MTP module (random weights)", None, chat, chat_source, mtp,
+                 f"MTP K={args.num_draft_tokens}")
+
+
+def chat_prompts(llm, prompts: list[str]) -> list[str | list[int]]:
+    """Each prompt as one user turn through the engine's chat template (token ids), or as text without one."""
+    tok = llm.tokenizer
+    if tok is None or not getattr(tok.tok, "chat_template", None):
+        return list(prompts)
+    out = []
+    for p in prompts:
+        text = tok.tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+        out.append(list(tok.tok.encode(text, add_special_tokens=False)))
+    return out
+
+
+def _run_once(llm, prompts: list, max_tokens: int) -> tuple[list, float]:
+    """Batch 1: each prompt alone, one after another; (outputs, seconds)."""
+    from nextn import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    outs = [llm.generate(p, params, use_tqdm=False) for p in prompts]
     return outs, time.perf_counter() - t0
 
 
-def run(args: argparse.Namespace) -> int:
-    from nextn.build.engine_builder import build_engine
+def compare(plain_llm, spec_llm, prompts: list, max_tokens: int, runs: int) -> dict:
+    """Warm-up, then `runs` alternating timed runs of each; best time of each mode, AL and identity."""
+    _run_once(plain_llm, prompts[:1], 4)
+    _run_once(spec_llm, prompts[:1], 4)
+    best = {"plain": float("inf"), "spec": float("inf")}
+    for _ in range(max(1, runs)):
+        plain, t = _run_once(plain_llm, prompts, max_tokens)
+        best["plain"] = min(best["plain"], t)
+        spec, t = _run_once(spec_llm, prompts, max_tokens)
+        best["spec"] = min(best["spec"], t)
+    n_plain = sum(len(o.outputs[0].token_ids) for o in plain)
+    n_spec = sum(len(o.outputs[0].token_ids) for o in spec)
+    steps = sum(o.outputs[0].num_decode_steps + 1 for o in spec)
+    return {"plain": plain, "spec": spec, "n_plain": n_plain, "n_spec": n_spec, "t_plain": best["plain"],
+            "t_spec": best["spec"], "al": n_spec / steps,
+            "same": all(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(plain, spec))}
 
-    tmp = None if args.work_dir else tempfile.mkdtemp(prefix="nextn-demo-")
-    work = Path(args.work_dir or tmp)
+
+def report(r: dict, spec_label: str) -> None:
+    print(f"    first completion: {r['spec'][0].outputs[0].text[:160]!r}")
+    tps_plain, tps_spec = r["n_plain"] / r["t_plain"], r["n_spec"] / r["t_spec"]
+    print(f"{'batch 1':24}{'tokens':>8}{'seconds':>9}{'tokens/s':>10}{'AL':>7}{'speed-up':>10}")
+    print(f"{'plain decoding':24}{r['n_plain']:>8}{r['t_plain']:>9.2f}{tps_plain:>10.1f}{1.0:>7.2f}{1.0:>9.2f}x")
+    speedup = tps_spec / tps_plain
+    shown = f"{speedup:>9.2f}x" if speedup <= r["al"] else f"{'n/a':>10}"
+    print(f"{spec_label:24}{r['n_spec']:>8}{r['t_spec']:>9.2f}{tps_spec:>10.1f}{r['al']:>7.2f}{shown}")
+    if speedup > r["al"]:
+        print(f"note: the measured speed-up {speedup:.2f}x exceeds the AL {r['al']:.2f}, which is impossible: the "
+              "machine was noisier for the plain runs; rerun with more --runs")
+    print(f"outputs identical to plain decoding: {'yes' if r['same'] else 'NO'}")
+
+
+def run(args: argparse.Namespace) -> int:
+    from nextn import LLM
+
+    model = choose_model(args)
+    tmp = tempfile.mkdtemp(prefix="nextn-demo-") if model.path is None else None
+    cache = Path(args.work_dir) / "engines" if args.work_dir else None
     try:
-        ckpt, engine = work / "checkpoint", work / "engine"
-        prompts, source = load_prompts(args.num_prompts)
-        if ckpt.exists():
-            shutil.rmtree(ckpt)
-        print(f"1/3 checkpoint: tiny DeepSeek-V3 (MLA + MoE, {args.num_mtp_modules} MTP module(s)) -> {ckpt}")
-        metrics = make_checkpoint(ckpt, args.num_mtp_modules, args.distill_steps, args.seed, args.fp8, prompts)
-        if metrics:
-            print(f"    MTP self-distillation: top-1 on held-out target outputs {metrics['top1_before']} -> "
-                  f"{[round(a, 3) for a in metrics['top1_after']]} in {metrics['seconds']:.0f}s")
-        print(f"2/3 build-engine -> {engine}")
-        build_engine(ckpt, engine, max_seq_len=1024, progress=False)
-        print(f"3/3 decode {len(prompts)} prompts ({source}), {args.max_tokens} tokens each, greedy")
-        plain, t_plain = _decode(engine, prompts, args.max_tokens, None)
-        spec = {"decoding_type": "MTP", "num_nextn_predict_layers": args.num_draft_tokens}
-        mtp, t_mtp = _decode(engine, prompts, args.max_tokens, spec)
-        n_plain = sum(len(o.outputs[0].token_ids) for o in plain)
-        n_mtp = sum(len(o.outputs[0].token_ids) for o in mtp)
-        same = all(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(plain, mtp))
-        steps = sum(o.outputs[0].num_decode_steps + 1 for o in mtp)
-        print(f"    first completion: {mtp[0].outputs[0].text[:100]!r}")
-        print(f"{'':24}{'tokens':>8}{'seconds':>9}{'tokens/s':>10}{'AL':>7}")
-        print(f"{'no MTP':24}{n_plain:>8}{t_plain:>9.2f}{n_plain / t_plain:>10.1f}{1.0:>7.2f}")
-        print(f"{f'MTP K={args.num_draft_tokens}':24}{n_mtp:>8}{t_mtp:>9.2f}{n_mtp / t_mtp:>10.1f}{n_mtp / steps:>7.2f}")
-        print(f"outputs identical to plain decoding: {'yes' if same else 'NO'}")
-        if n_mtp / t_mtp < n_plain / t_plain:
-            print("note: on this tiny model the 129k-vocabulary lm_head is most of the work, so verifying K+1 rows per "
-                  "request costs nearly K+1 plain steps at batch > 1; see docs/PERFORMANCE.md for batch-1 figures")
-        return 0 if same else 1
+        if model.path is None:
+            from nextn.build.engine_builder import build_engine
+
+            ckpt, engine = Path(tmp) / "checkpoint", Path(tmp) / "engine"
+            print(f"1/3 model: {model.label} -> {ckpt}")
+            metrics = make_checkpoint(ckpt, args.num_mtp_modules, args.distill_steps, args.seed, args.fp8,
+                                      model.prompts)
+            if metrics:
+                print(f"    MTP self-distillation: top-1 on held-out target outputs {metrics['top1_before']} -> "
+                      f"{[round(a, 3) for a in metrics['top1_after']]} in {metrics['seconds']:.0f}s")
+            build_engine(ckpt, engine, max_seq_len=1024, progress=False)
+            source = engine
+        else:
+            print(f"1/3 model: {model.label}: {model.path}")
+            source = model.path
+        t0 = time.perf_counter()
+        plain_llm = LLM(source, speculative_config=None, engine_cache_dir=cache)
+        spec_llm = LLM(plain_llm.engine.engine_dir, speculative_config=model.spec)
+        print(f"2/3 engine ready in {time.perf_counter() - t0:.1f}s (built once, then reused from the cache)")
+        prompts = chat_prompts(plain_llm, model.prompts)
+        print(f"3/3 decode {len(prompts)} prompts ({model.prompt_source}), up to {args.max_tokens} tokens each, "
+              f"greedy, batch 1, best of {args.runs} after a warm-up")
+        r = compare(plain_llm, spec_llm, prompts, args.max_tokens, args.runs)
+        report(r, model.spec_label)
+        return 0 if r["same"] else 1
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -16,14 +16,19 @@ EMBEDDED_PROMPTS = [
 ]
 
 
-def find_mt_bench() -> Path | None:
-    """../shared/data/prompts/mt_bench.jsonl relative to the working directory or this checkout, if present."""
+def find_shared(relative: str) -> Path | None:
+    """`../shared/data/<relative>` beside the working directory or this checkout, if that file is present."""
     here = Path(__file__).resolve()
     for root in (Path.cwd(), *here.parents):
-        candidate = root.parent / "shared" / "data" / "prompts" / "mt_bench.jsonl"
+        candidate = root.parent / "shared" / "data" / relative
         if candidate.is_file():
             return candidate
     return None
+
+
+def find_mt_bench() -> Path | None:
+    """../shared/data/prompts/mt_bench.jsonl relative to the working directory or this checkout, if present."""
+    return find_shared("prompts/mt_bench.jsonl")
 
 
 def load_prompts(n: int, path: str | Path | None = None) -> tuple[list[str], str]:
