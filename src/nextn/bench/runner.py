@@ -12,9 +12,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from nextn.bench.dataset import DatasetEntry, DatasetError
+from nextn.progress import progress_bar
 from nextn.runtime.engine import RequestError
 from nextn.runtime.outputs import CompletionOutput
 from nextn.runtime.sampling_params import SamplingParams
@@ -169,7 +170,7 @@ def run_benchmark(llm, entries: list[DatasetEntry], *, mode: str = "throughput",
         idx = [i % len(entries) for i in range(warmup)]
         _drive(llm, [prompts[i] for i in idx], [params(entries[i]) for i in idx], concurrency, None)
     engine.iteration_log = [] if record_iterations else None
-    bar = tqdm(total=len(entries), desc=desc or mode, unit="req", disable=not progress)
+    bar = progress_bar(enabled=progress, total=len(entries), desc=desc or mode, unit="req")
     start = time.perf_counter()
     results = _drive(llm, prompts, [params(e) for e in entries], concurrency, bar)
     end = time.perf_counter()

@@ -280,7 +280,7 @@ def compile_engine_step(engine_dir: str | Path, batch_sizes: list[int] | None = 
     Returns:
         The manifest entry to record, or None when torch could not store artifacts (logged).
     """
-    from tqdm import tqdm
+    from nextn.progress import progress_bar
 
     from nextn.runtime.llm import LLM
     from nextn.runtime.sampling_params import SamplingParams
@@ -299,7 +299,7 @@ def compile_engine_step(engine_dir: str | Path, batch_sizes: list[int] | None = 
     # cache) and can be packed; the step is compiled inside it.
     with fresh_cache() if fresh_cache is not None else contextlib.nullcontext():
         runner.decode_fn = compile_decode_fn(runner.decode_fn, None, device, config)
-        for b in tqdm(sizes, desc="compile step", unit="batch size", disable=not progress):
+        for b in progress_bar(sizes, enabled=progress, desc="compile step", unit="batch size"):
             prompts = [[(7 * i + j) % vocab for j in range(4 + i)] for i in range(b)]
             llm.generate(prompts, params)
         kernels_dir = Path(cache_dir()) if fresh_cache is not None else None

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from tqdm import tqdm
+from nextn.progress import progress_bar
 
 from nextn.testing.tiny_checkpoint import (
     checkpoint_files,
@@ -115,7 +115,7 @@ def distill_mtp(checkpoint_dir: str | Path, steps: int = 300, seq_len: int = 40,
         modules.load_state_dict(loaded)
     optimizer = torch.optim.Adam(modules.parameters(), lr=lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / max(steps, 1))
-    bar = tqdm(range(steps), desc="distill MTP", disable=not progress)
+    bar = progress_bar(range(steps), enabled=progress, desc="distill MTP")
     loss_value, top1 = float("nan"), top1_before
     for step in bar:
         pick = torch.randint(0, train[0].shape[0], (batch,), generator=gen)

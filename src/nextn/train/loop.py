@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import torch
-from tqdm.auto import tqdm
+from nextn.progress import progress_bar
 
 
 def fit(params: Iterable[torch.nn.Parameter], loss_fn: Callable[..., torch.Tensor],
@@ -34,7 +34,7 @@ def fit(params: Iterable[torch.nn.Parameter], loss_fn: Callable[..., torch.Tenso
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, decay)
     top1 = top1_start if top1_start is not None else top1_fn()
     loss_value = float("nan")
-    bar = tqdm(range(steps), desc=desc, disable=not progress)
+    bar = progress_bar(range(steps), enabled=progress, desc=desc)
     for step in bar:
         pick = torch.randint(0, num_rows, (min(batch, num_rows),), generator=gen)
         loss = loss_fn(*(t[pick] for t in train))
