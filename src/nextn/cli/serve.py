@@ -3,14 +3,38 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (SSE streaming with "stream": true), GET /v1/models,
 GET /health, GET /metrics (Prometheus: requests, TTFT/TPOT, speculative-decoding counters, free KV blocks).
 Concurrent requests share the engine through in-flight batching. Omitted temperature means greedy decoding.
+With --api_key (or the NEXTN_API_KEY environment variable) every endpoint but /health needs
+`Authorization: Bearer <key>`; binding beyond loopback without a key prints a warning.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import sys
 
 logger = logging.getLogger(__name__)
+
+
+DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # = nextn.serving.http_edge's (not imported: keeps `--help` fast)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive byte count, got {value}")
+    return value
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """The warning to print when `host` is reachable from other machines and no API key is set, else None."""
+    from nextn.serving.http_edge import is_loopback
+
+    if api_key or is_loopback(host):
+        return None
+    return (f"serving on {host} without an API key: anyone who can reach this address can use the model; pass "
+            "--api_key KEY (or set NEXTN_API_KEY), or bind --host 127.0.0.1")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,6 +47,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max_batch_size", type=int, help="max concurrent requests in a step (default: the engine's)")
     p.add_argument("--max_seq_len", type=int, help="max prompt + completion tokens (default: the engine's)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: CUDA when available")
+    p.add_argument("--api_key", default=os.environ.get("NEXTN_API_KEY") or None,
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: the "
+                        "NEXTN_API_KEY environment variable; unset = no key)")
+    p.add_argument("--max_request_bytes", type=_positive, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help=f"largest request body accepted, in bytes; larger ones get HTTP 413 before being read "
+                        f"(default {DEFAULT_MAX_REQUEST_BYTES} = 16 MiB)")
     p.add_argument("--log_level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default info)")
 
@@ -33,9 +63,12 @@ def run(args: argparse.Namespace) -> int:
     from nextn import LLM
     from nextn.serving.openai_server import create_app
 
+    warning = exposure_warning(args.host, args.api_key)
+    if warning:
+        print(f"nextn serve: warning: {warning}", file=sys.stderr)
     overrides = {k: getattr(args, k) for k in ("max_batch_size", "max_seq_len") if getattr(args, k) is not None}
     llm = LLM(args.engine_dir, extra_llm_api_options=args.extra_llm_api_options, device=args.device, **overrides)
-    app = create_app(llm, args.served_model_name)
+    app = create_app(llm, args.served_model_name, api_key=args.api_key, max_request_bytes=args.max_request_bytes)
     logging.getLogger("nextn").setLevel(min(logging.getLogger("nextn").getEffectiveLevel(), logging.INFO))
     logger.info("serving '%s' from %s on http://%s:%d", app.state.server.model_name, args.engine_dir, args.host,
                 args.port)

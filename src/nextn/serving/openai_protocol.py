@@ -5,6 +5,10 @@ TensorRT-LLM's `trtllm-serve` protocol module. Requests are strict: an unknown f
 scalars are not coerced from other JSON types ("5" is not a number), and features nextn does not implement
 (n > 1, logprobs, penalties, tools, ...) are refused with a message instead of being silently ignored.
 Extras beyond OpenAI's fields, as in vLLM and TensorRT-LLM: `top_k`, `ignore_eos`, `stop_token_ids`.
+Every field is bounded before it reaches the engine: integers to their range (token ids and counts to int32,
+`seed` to [0, 2**63)), floats finite, token-id prompts lists of real integers (not floats or bools), text valid
+Unicode (no lone surrogates such as "\\ud800", which no tokenizer can encode), names and stop strings short.
+Limits that depend on the engine (vocabulary, max_seq_len, prompt characters) are checked by the server.
 Refusals are `APIError`s, rendered as OpenAI's error body {"error": {"message", "type", "param", "code"}};
 `validation_error` turns pydantic's errors into one such message naming every bad field.
 """
@@ -14,12 +18,40 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator,
-                      model_serializer)
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
+                      ValidationError, field_validator, model_serializer)
+
+INT32_MAX = 2**31 - 1  # bound of token ids and token counts (the engine's tensors are int32/int64)
+MAX_NAME_CHARS = 256  # model, user, message name
+MAX_STOP_CHARS = 256  # one stop string
+MAX_STOP_TOKEN_IDS = 256
+MAX_PROMPTS = 128  # prompts in one /v1/completions request (each becomes one engine request)
+
+
+def check_unicode(text: str) -> str:
+    """`text` if it is valid Unicode, i.e. encodable as UTF-8.
+
+    Raises:
+        ValueError: a lone UTF-16 surrogate (JSON "\\ud800" without its pair), naming where it is.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"contains a lone UTF-16 surrogate {text[e.start]!r} at character {e.start}, which is not "
+                         "valid Unicode: send real characters (in JSON, \\ud800-\\udfff escapes only as "
+                         "high+low pairs)") from None
+    return text
+
+
+Text = Annotated[StrictStr, AfterValidator(check_unicode)]
+Name = Annotated[StrictStr, Field(max_length=MAX_NAME_CHARS), AfterValidator(check_unicode)]
+TokenId = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
+TokenCount = Annotated[StrictInt, Field(ge=1, le=INT32_MAX)]
+Finite = Annotated[StrictFloat, Field(allow_inf_nan=False)]
 
 
 class _Request(BaseModel):
@@ -33,28 +65,28 @@ class StreamOptions(_Request):
 class _SamplingRequest(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model: StrictStr | None = None  # the served model name (GET /v1/models); omitted = the one model served
-    max_tokens: StrictInt | None = Field(default=None, ge=1)  # omitted: 16 (completions) / to max_seq_len (chat)
-    temperature: StrictFloat | None = Field(default=None, ge=0, le=2)  # omitted or 0 = greedy (trtllm-serve)
-    top_p: StrictFloat | None = Field(default=None, gt=0, le=1)  # nucleus mass; omitted = 1 (off)
-    top_k: StrictInt | None = Field(default=None, ge=0)  # extra: keep the k most likely tokens (0 = off)
-    seed: StrictInt | None = Field(default=None, ge=0, lt=2**63)  # same seed, same output
-    stop: list[StrictStr] = Field(default_factory=list)  # ≤ 4; a string, a list, or null in the request
-    stop_token_ids: list[StrictInt] | None = None  # extra: tokens that end the request (kept in the output)
+    model: Name | None = None  # the served model name (GET /v1/models); omitted = the one model served
+    max_tokens: TokenCount | None = None  # omitted: 16 (completions) / to max_seq_len (chat)
+    temperature: Annotated[Finite, Field(ge=0, le=2)] | None = None  # omitted or 0 = greedy (trtllm-serve)
+    top_p: Annotated[Finite, Field(gt=0, le=1)] | None = None  # nucleus mass; omitted = 1 (off)
+    top_k: Annotated[StrictInt, Field(ge=0, le=INT32_MAX)] | None = None  # extra: k most likely (0 = off; ≤ vocab)
+    seed: Annotated[StrictInt, Field(ge=0, lt=2**63)] | None = None  # same seed, same output
+    stop: list[Annotated[Text, Field(max_length=MAX_STOP_CHARS)]] = Field(default_factory=list)  # ≤ 4; str/list/null
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)  # extra: end tokens
     ignore_eos: StrictBool = False  # extra: keep going past EOS (benchmarks)
     n: StrictInt = 1  # choices per prompt: only 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    user: StrictStr | None = None  # accepted and ignored
-    presence_penalty: StrictFloat = 0.0  # only 0: penalties are not implemented
-    frequency_penalty: StrictFloat = 0.0
-    logit_bias: dict[str, float] | None = None  # only empty
+    user: Name | None = None  # accepted and ignored
+    presence_penalty: Finite = 0.0  # only 0: penalties are not implemented
+    frequency_penalty: Finite = 0.0
+    logit_bias: dict[str, Any] | None = None  # only empty
 
     @field_validator("n")
     @classmethod
     def _one_choice(cls, v: int) -> int:
         if v != 1:
-            raise ValueError(f"n={v} is not supported: nextn serve returns one choice per prompt; send n separate "
+            raise ValueError(f"n={short(v)} is not supported: nextn serve returns one choice per prompt; send n separate "
                              "requests (with different seeds) instead")
         return v
 
@@ -88,29 +120,87 @@ class _SamplingRequest(_Request):
 class CompletionRequest(_SamplingRequest):
     """POST /v1/completions: a prompt as text, token ids, or a list of either (one choice each)."""
 
-    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    prompt: str | list[int] | list[str] | list[list[int]]  # checked by `_prompt` (one clear message)
     echo: Literal[False] = False  # echoing the prompt is not supported
     logprobs: None = None  # log probabilities are not supported
     best_of: Literal[1] | None = None
     suffix: None = None
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="plain")
     @classmethod
-    def _non_empty(cls, v):
-        if isinstance(v, list) and not v:
-            raise ValueError("prompt is an empty list: give a string, token ids, or a list of those")
-        return v
+    def _prompt(cls, v: object) -> str | list[int] | list[str] | list[list[int]]:
+        return check_prompt(v)
+
+
+_PROMPT_FORMS = ("prompt must be a string, a list of token ids (integers in [0, vocabulary size)), a list of strings, "
+                 "or a list of token-id lists")
+
+
+def short(x: object, chars: int = 40) -> str:
+    """`x` as text for an error message: at most `chars` characters, lone surrogates escaped."""
+    text = x if isinstance(x, str) else repr(x)
+    if len(text) > chars:
+        text = f"{text[:chars]}… ({len(text)} characters)"
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _kind(x: object) -> str:
+    return {bool: "a bool", float: "a float", int: "an integer", str: "a string", list: "a list", dict: "an object",
+            type(None): "null"}.get(type(x), type(x).__name__)
+
+
+def check_prompt(v: object) -> str | list[int] | list[str] | list[list[int]]:
+    """A completions prompt in one of OpenAI's four forms, with real integers (not floats or bools) as token ids.
+
+    Raises:
+        ValueError: another type, an empty list, a bad element (its index and type named), more than MAX_PROMPTS
+            prompts, a token id outside [0, 2**31), or text that is not valid Unicode.
+    """
+    if isinstance(v, str):
+        return check_unicode(v)
+    if not isinstance(v, list) or not v:
+        raise ValueError(f"{_PROMPT_FORMS}; got {'an empty list' if v == [] else _kind(v)}")
+
+    def ids(xs: list, where: str) -> list[int]:
+        for i, x in enumerate(xs):
+            if type(x) is not int or not 0 <= x <= INT32_MAX:
+                what = short(x) if type(x) is int else _kind(x)
+                raise ValueError(f"{where}[{i}] is {what}, not a token id: token ids are integers in [0, vocabulary "
+                                 "size), written without a decimal point")
+        return xs
+
+    first = type(v[0])
+    if first is int or first is bool or first is float:
+        return ids(v, "prompt")
+    if len(v) > MAX_PROMPTS:
+        raise ValueError(f"{len(v)} prompts in one request; at most {MAX_PROMPTS}: send them as several requests")
+    for i, x in enumerate(v):
+        if type(x) is not first:
+            raise ValueError(f"prompt[{i}] is {_kind(x)} but prompt[0] is {_kind(v[0])}: a list of prompts holds "
+                             "either strings or token-id lists")
+        if first is str:
+            try:
+                check_unicode(x)
+            except ValueError as e:
+                raise ValueError(f"prompt[{i}] {e}") from None
+        elif first is list:
+            if not x:
+                raise ValueError(f"prompt[{i}] is an empty list: give at least one token id")
+            ids(x, f"prompt[{i}]")
+        else:
+            raise ValueError(f"{_PROMPT_FORMS}; prompt[0] is {_kind(x)}")
+    return v
 
 
 class TextPart(_Request):
     type: Literal["text"]
-    text: StrictStr
+    text: Text
 
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextPart] | None = None  # text parts are joined; images are not supported
-    name: StrictStr | None = None
+    content: Text | list[TextPart] | None = None  # text parts are joined; images are not supported
+    name: Name | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -122,7 +212,7 @@ class ChatCompletionRequest(_SamplingRequest):
     """POST /v1/chat/completions: the messages are rendered with the tokenizer's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)  # OpenAI's newer name for max_tokens
+    max_completion_tokens: TokenCount | None = None  # OpenAI's newer name for max_tokens
     logprobs: Literal[False] = False
     top_logprobs: None = None
 
@@ -234,35 +324,49 @@ _UNION_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|functi
 
 
 class APIError(Exception):
-    """A request the server refuses: HTTP status, a message naming the problem and the fix, the field."""
+    """A request the server refuses: HTTP status, a message naming the problem and the fix, the field.
+
+    The message is made valid Unicode (lone surrogates from the request escaped), so the body always encodes.
+    """
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  type_: str = "invalid_request_error") -> None:
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status, self.info = status, ErrorInfo(message=message, type=type_, param=param, code=code)
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(ErrorResponse(error=self.info).model_dump(), status_code=self.status)
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(ErrorResponse(error=self.info).model_dump(), status_code=self.status, headers=headers)
 
 
-def validation_error(exc: RequestValidationError) -> APIError:
-    """FastAPI's request validation errors as one OpenAI error: each field, what is wrong, how to fix it."""
+MAX_FIELDS_NAMED = 5  # fields one validation message lists; the rest are counted
+
+
+def validation_error(exc: RequestValidationError | ValidationError) -> APIError:
+    """Pydantic's request validation errors as one OpenAI error: each field, what is wrong, how to fix it."""
     by_field: dict[str, tuple[list[str], str]] = {}  # field → (what is wrong, the value sent)
     for err in exc.errors():
         if err["type"] == "json_invalid":
             detail = err.get("ctx", {}).get("error", err["msg"])
             return APIError(400, f"malformed JSON body ({detail}): send one JSON object", code="invalid_json")
-        loc = [str(x) for x in err["loc"][1:] if not _UNION_TAG.match(str(x))]  # drop "body" and union members
+        if err["type"] == "model_type" and len(err["loc"]) <= 1:
+            return APIError(400, f"the body is {short(err['input'])}, not a JSON object: send one JSON object with "
+                            "the request's fields", code="invalid_json")
+        loc = [short(x) for x in err["loc"][1 if isinstance(exc, RequestValidationError) else 0:]
+               if not _UNION_TAG.match(str(x))]  # drop "body" and union members
         if err["type"] == "extra_forbidden":
             msg = "unknown or unsupported field: remove it (nextn serve implements the OpenAI fields in its docs)"
         elif loc and loc[0] in UNSUPPORTED_FIELDS:
             msg = "not supported by nextn serve: omit it"
         else:
             msg = err["msg"].removeprefix("Value error, ")
-        got = "" if err["type"] in ("missing", "value_error", "extra_forbidden") else f" (got {err['input']!r:.60})"
+        got = "" if err["type"] in ("missing", "value_error", "extra_forbidden") else f" (got {short(err['input'])})"
         msgs, _ = by_field.setdefault(".".join(loc) or "body", ([], got))
         if msg not in msgs:
             msgs.append(msg)
-    message = "; ".join(f"{f}: {' or '.join(m)}{got}" for f, (m, got) in by_field.items())
+    named = list(by_field.items())[:MAX_FIELDS_NAMED]
+    message = "; ".join(f"{f}: {' or '.join(m)}{got}" for f, (m, got) in named)
+    if len(by_field) > len(named):
+        message += f"; and {len(by_field) - len(named)} more fields"
     first = next(iter(by_field), "body")
     return APIError(400, f"invalid request: {message}", first.split(".")[0])

@@ -4,7 +4,10 @@ Routes: POST /v1/completions, POST /v1/chat/completions (non-streaming, or serve
 ending in `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus, `serving/metrics.py`).
 Every request becomes one `LLM.generate_async(..., streaming=True)` handle, so concurrent requests share the
 engine through in-flight batching; a client that disconnects has its request aborted (its KV blocks are freed at
-once). Bad requests get HTTP 4xx with OpenAI's error body naming the field and the fix.
+once). Bad requests get HTTP 4xx with OpenAI's error body naming the field and the fix: the HTTP edge
+(`serving/http_edge.py`: API key, body size, UTF-8, JSON) then the request models (`openai_protocol.py`: types and
+ranges) then the engine-dependent limits here (vocabulary, max_seq_len, prompt characters before tokenizing).
+Tokenization and chat-template rendering run in worker threads, so a long prompt never blocks the event loop.
 
 Stop strings (`stop`) are matched on the detokenized text after each engine step: the text is cut before the
 first match, the request is aborted there (finish_reason "stop"), and `usage.completion_tokens` counts the tokens
@@ -16,15 +19,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from nextn import LLM, SamplingParams
@@ -33,6 +40,7 @@ from nextn.runtime.outputs import CompletionOutput
 from nextn.runtime.request_handle import RequestHandle
 from nextn.runtime.sampling_params import SamplingParamsError
 from nextn.serving import openai_protocol as p
+from nextn.serving.http_edge import DEFAULT_MAX_REQUEST_BYTES, ApiKeyMiddleware, read_json
 from nextn.serving.metrics import CountRequests, ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -41,7 +49,11 @@ logger = logging.getLogger(__name__)
 FALLBACK_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                           "{% if add_generation_prompt %}assistant:{% endif %}")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to max_seq_len
+PROMPT_CHARS_PER_TOKEN = 32  # a prompt longer than this × max_seq_len characters cannot fit: refused untokenized
 ROUTES = ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health", "GET /metrics")
+
+
+_Model = TypeVar("_Model", bound=BaseModel)
 
 
 @dataclass
@@ -65,12 +77,15 @@ class OpenAIServer:
     Args:
         llm: a loaded `LLM`; the server shares it across requests (the caller shuts it down).
         model_name: the name clients send as `model` (GET /v1/models lists it).
+        max_request_bytes: the largest request body read (413 beyond).
     """
 
-    def __init__(self, llm: LLM, model_name: str) -> None:
-        self.llm, self.model_name = llm, model_name
+    def __init__(self, llm: LLM, model_name: str, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+        self.llm, self.model_name, self.max_request_bytes = llm, model_name, max_request_bytes
         self.tokenizer = llm.tokenizer
         self.max_seq_len = llm.engine.max_seq_len
+        self.vocab_size = llm.engine.cfg.vocab_size
+        self.max_prompt_chars = PROMPT_CHARS_PER_TOKEN * self.max_seq_len
         pool = llm.engine.pool
         self.metrics = ServerMetrics(lambda: pool.num_free, pool.num_blocks - 1)
         self.chat_template: str | None = None
@@ -79,7 +94,25 @@ class OpenAIServer:
             logger.warning("the tokenizer has no chat template: /v1/chat/completions renders messages as "
                            "'ROLE: CONTENT' lines followed by 'assistant:' (nextn's fallback template)")
 
-    # Prompts and sampling parameters ----------------------------------------------------------------------------
+    # Requests, prompts and sampling parameters --------------------------------------------------------------
+    async def parse(self, raw: Request, model: type[_Model]) -> _Model:
+        """The request body as `model`, through the HTTP edge's limits (size, UTF-8, JSON) and the model's checks.
+
+        Raises:
+            p.APIError: 413 for a body over max_request_bytes, 400 naming every bad field.
+        """
+        body = await read_json(raw, self.max_request_bytes)
+        try:
+            return model.model_validate(body)
+        except ValidationError as e:
+            raise p.validation_error(e) from None
+
+    def _check_chars(self, num_chars: int, param: str) -> None:
+        if num_chars > self.max_prompt_chars:
+            raise p.APIError(400, f"the prompt has {num_chars} characters; at most {self.max_prompt_chars} "
+                             f"({PROMPT_CHARS_PER_TOKEN} per token of max_seq_len {self.max_seq_len}) can fit: shorten "
+                             "the prompt", param, "context_length_exceeded")
+
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise p.APIError(404, f"the model '{model}' does not exist: this server serves '{self.model_name}' "
@@ -91,6 +124,7 @@ class OpenAIServer:
                              "of token ids", param)
         if not text:
             raise p.APIError(400, "empty prompt: give at least one character or token id", param)
+        self._check_chars(len(text), param)
         return list(self.tokenizer.tok.encode(text, add_special_tokens=add_special_tokens))
 
     def _chat_ids(self, messages: list[p.ChatMessage]) -> list[int]:
@@ -98,6 +132,7 @@ class OpenAIServer:
             raise p.APIError(400, "this engine has no tokenizer, so it cannot render chat messages: use "
                              "/v1/completions with token-id prompts", "messages")
         msgs = [{"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {}) for m in messages]
+        self._check_chars(sum(len(m["content"]) for m in msgs), "messages")
         try:
             text = self.tokenizer.tok.apply_chat_template(msgs, chat_template=self.chat_template, tokenize=False,
                                                           add_generation_prompt=True)
@@ -119,6 +154,13 @@ class OpenAIServer:
             raise p.APIError(400, f"{max_tokens_param}={max_tokens} plus the prompt's {num_prompt_tokens} tokens "
                              f"exceed max_seq_len {self.max_seq_len}: lower {max_tokens_param} to at most {room}",
                              max_tokens_param, "context_length_exceeded")
+        if req.top_k is not None and req.top_k > self.vocab_size:
+            raise p.APIError(400, f"top_k={p.short(req.top_k)} exceeds the vocabulary size {self.vocab_size}: give "
+                             f"0 (off) to {self.vocab_size}", "top_k")
+        bad = [t for t in req.stop_token_ids or [] if t >= self.vocab_size]
+        if bad:
+            raise p.APIError(400, f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size}): "
+                             "give token ids of this model", "stop_token_ids")
         if req.stop and self.tokenizer is None:
             raise p.APIError(400, "stop strings need a tokenizer and this engine has none: use stop_token_ids", "stop")
         try:
@@ -140,6 +182,11 @@ class OpenAIServer:
         except RuntimeError as e:  # the engine loop is shut down
             raise p.APIError(503, f"the server is shutting down: {e}", type_="server_error") from None
         return jobs
+
+    @staticmethod
+    async def _off_loop(fn: Callable, *args):
+        """`fn(*args)` in a worker thread: tokenizing a long prompt must not stall the event loop (/health, streams)."""
+        return await anyio.to_thread.run_sync(fn, *args)
 
     # Running requests -----------------------------------------------------------------------------------------
     async def _pieces(self, job: _Job) -> AsyncIterator[tuple[str, str | None, CompletionOutput | None]]:
@@ -226,7 +273,8 @@ class OpenAIServer:
     async def completions(self, req: p.CompletionRequest, raw: Request) -> Response:
         self._check_model(req.model)
         items = [req.prompt] if isinstance(req.prompt, str) or isinstance(req.prompt[0], int) else req.prompt
-        prompts = [self._encode(x, "prompt") if isinstance(x, str) else list(x) for x in items]
+        prompts = await self._off_loop(lambda: [self._encode(x, "prompt") if isinstance(x, str) else list(x)
+                                                for x in items])
         if req.stream and len(prompts) > 1:
             raise p.APIError(400, "streaming takes one prompt per request: send the prompts as separate requests",
                              "prompt")
@@ -251,7 +299,7 @@ class OpenAIServer:
 
     async def chat(self, req: p.ChatCompletionRequest, raw: Request) -> Response:
         self._check_model(req.model)
-        ids = self._chat_ids(req.messages)
+        ids = await self._off_loop(self._chat_ids, req.messages)
         limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self._params(req, len(ids), limit, "messages", limit_param)
@@ -284,23 +332,58 @@ class OpenAIServer:
 
 
 def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
-    """Unknown routes and methods, in OpenAI's error shape."""
-    return p.APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path} is not an endpoint of "
-                      f"nextn serve ({', '.join(ROUTES)})", code=str(exc.status_code)).response()
+    """Starlette's HTTP errors (unknown routes and methods) in OpenAI's error shape."""
+    if exc.status_code in (404, 405):
+        message = (f"{request.method} {request.url.path} is not an endpoint of nextn serve ({', '.join(ROUTES)})"
+                   f"{'' if exc.status_code == 404 else ' (the path exists with another method)'}")
+    else:
+        message = str(exc.detail)
+    return p.APIError(exc.status_code, message, code=str(exc.status_code)).response()
 
 
-def create_app(llm: LLM, served_model_name: str | None = None) -> FastAPI:
-    """The FastAPI app serving `llm`; `served_model_name` defaults to the engine directory's name."""
-    server = OpenAIServer(llm, served_model_name or Path(llm.engine.engine_dir).resolve().name)
+def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    """Any other exception: a 500 in OpenAI's error shape (the traceback goes to the server's log)."""
+    logger.error("%s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
+    return p.APIError(500, f"internal error ({type(exc).__name__}): this is a bug in nextn serve; please report it "
+                      "with the request", type_="server_error", code="internal_error").response()
+
+
+def create_app(llm: LLM, served_model_name: str | None = None, api_key: str | None = None,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """The FastAPI app serving `llm`.
+
+    Args:
+        llm: a loaded `LLM`, shared by every request (the caller shuts it down).
+        served_model_name: the name clients send as `model`; default: the engine directory's name.
+        api_key: when set, every endpoint but /health needs `Authorization: Bearer <api_key>` (401 otherwise).
+        max_request_bytes: the largest request body accepted (413 beyond, before it is read).
+    Raises:
+        ValueError: an empty `api_key` or a `max_request_bytes` < 1.
+    """
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be ≥ 1, got {max_request_bytes}")
+    if api_key is not None and not api_key:
+        raise ValueError("the API key is empty: give a non-empty key, or None to serve without one")
+    server = OpenAIServer(llm, served_model_name or Path(llm.engine.engine_dir).resolve().name, max_request_bytes)
     app = FastAPI(title="nextn", summary="OpenAI-compatible server of an nextn engine")
     app.state.server = server
     app.add_exception_handler(RequestValidationError, lambda _, e: p.validation_error(e).response())
     app.add_exception_handler(p.APIError, lambda _, e: e.response())
     app.add_exception_handler(HTTPException, _http_error)
-    app.post("/v1/completions", response_model=None)(server.completions)
-    app.post("/v1/chat/completions", response_model=None)(server.chat)
+    app.add_exception_handler(Exception, _internal_error)
+
+    async def completions(raw: Request) -> Response:
+        return await server.completions(await server.parse(raw, p.CompletionRequest), raw)
+
+    async def chat(raw: Request) -> Response:
+        return await server.chat(await server.parse(raw, p.ChatCompletionRequest), raw)
+
+    app.post("/v1/completions", response_model=None)(completions)
+    app.post("/v1/chat/completions", response_model=None)(chat)
     app.get("/v1/models")(server.models)
     app.get("/health")(lambda: Response(status_code=200))
     app.get("/metrics")(lambda: Response(server.metrics.exposition(), media_type=server.metrics.content_type))
+    if api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(CountRequests, metrics=server.metrics, paths={r.split()[1] for r in ROUTES})
     return app
