@@ -41,8 +41,6 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 }  # fmt: skip
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-#: llama.cpp token types (`gguf.TokenType`): 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
-_CONTROL, _USER_DEFINED = 3, 4
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -211,42 +209,16 @@ class GGUFCheckpoint:
     def __repr__(self) -> str:
         return f"GGUFCheckpoint({str(self.path)!r}, tensors={len(self._tensors)})"
 
-    # Tokenizer ---------------------------------------------------------------------------------------
+    # Tokenizer (nextn.build.gguf_tokenizer) -------------------------------------------------------------------
     def tokenizer(self):
-        """A `transformers` fast Llama tokenizer (SentencePiece-style BPE with byte fallback) from the metadata.
+        """The GGUF's tokenizer as a `transformers` fast tokenizer (`gguf_tokenizer.build_tokenizer`)."""
+        from nextn.build.gguf_tokenizer import build_tokenizer
 
-        The merges are recovered from the vocabulary and scores (llama.cpp's SPM tokenizer merges the pair with the
-        best score), as `transformers` does for GGUFs; `▁` stands for a space and `<0xNN>` tokens for raw bytes.
-        Raises:
-            CheckpointError: the file has no tokenizer, or one of another model than llama's SentencePiece.
-        """
-        from transformers import LlamaTokenizer
-        from transformers.tokenization_utils_base import generate_merges
-
-        model = self._field("tokenizer.ggml.model", None)
-        if model != "llama":
-            raise CheckpointError(f"{self.path}: tokenizer.ggml.model is {model!r}; nextn builds tokenizers of "
-                                  "llama (SentencePiece) GGUFs only")
-        tokens = [str(t) for t in self._field("tokenizer.ggml.tokens", array=True)]
-        scores = [float(s) for s in self._field("tokenizer.ggml.scores", [0.0] * len(tokens), array=True)]
-        types = [int(t) for t in self._field("tokenizer.ggml.token_type", [1] * len(tokens), array=True)]
-        vocab = {tok: i for i, tok in enumerate(tokens)}
-        merges = generate_merges(vocab, dict(zip(tokens, scores)))
-        special = {name: tokens[i] for name, i in (("bos_token", self._token_id("bos_token_id")),
-                                                    ("eos_token", self._token_id("eos_token_id")),
-                                                    ("unk_token", self._token_id("unknown_token_id"))) if i is not None}
-        tok = LlamaTokenizer(vocab=vocab, merges=merges, add_prefix_space=bool(
-            self._field("tokenizer.ggml.add_space_prefix", True)), **special)
-        tok.add_bos_token = bool(self._field("tokenizer.ggml.add_bos_token", True))
-        tok.add_eos_token = bool(self._field("tokenizer.ggml.add_eos_token", False))
-        extra = [t for t, ty in zip(tokens, types) if ty in (_CONTROL, _USER_DEFINED) and t not in special.values()]
-        if extra:
-            tok.add_tokens(extra, special_tokens=True)
-        return tok
+        return build_tokenizer(self._reader, self.path)
 
     def write_tokenizer_files(self, out_dir: str | Path) -> list[str]:
-        """Save the tokenizer with `save_pretrained` into `out_dir`; returns the file names written (sorted)."""
-        out = Path(out_dir)
-        before = {p.name for p in out.iterdir()} if out.is_dir() else set()
-        self.tokenizer().save_pretrained(str(out))
-        return sorted(p.name for p in out.iterdir() if p.name not in before)
+        """Save tokenizer files and generation_config.json into `out_dir` (`gguf_tokenizer.write_tokenizer_files`);
+        returns the tokenizer file names written (sorted)."""
+        from nextn.build.gguf_tokenizer import write_tokenizer_files
+
+        return write_tokenizer_files(self._reader, self.path, out_dir)
