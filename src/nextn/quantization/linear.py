@@ -1,0 +1,87 @@
+"""`WeightOnlyLinear`: a linear layer over W8A16 / W4A16 weights, on PyTorch's own CPU kernels.
+
+Kernels (measured in docs/PERFORMANCE.md; chosen because a one-row decode matmul is bound by weight bytes):
+- W8A16: `torch.ops.aten._weight_int8pack_mm(x [M, K] bf16, w [N, K] int8, scales [N] bf16)`.
+- W4A16: `torch.ops.aten._weight_int4pack_mm_for_cpu(x [M, K] bf16, packed, group_size, scales_and_zeros
+  [K/g, N, 2] bf16)`, with the weight packed at load by `_convert_weight_to_int4pack_for_cpu` from [N, K] int32 values;
+  the kernel computes w = (q − 8) · scale + zero', so zero' = zero + 8 · scale.
+Activations are cast to bfloat16 for the kernel and the result back to the input dtype. Where a kernel is not
+available (another device), the layer dequantizes on the fly with the reference (`weight_only.dequantize`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nextn.quantization.weight_only import QuantConfig, dequantize, unpack_int4
+
+
+class WeightOnlyLinear(nn.Module):
+    """y = x Wᵀ + b with W stored quantized (buffers are not part of the state dict: built from the engine tensors).
+
+    Args:
+        tensors: `quantize`'s output for this layer, plus "bias" [N] when the layer has one.
+        cfg: the engine's quant config.
+    """
+
+    def __init__(self, tensors: dict[str, torch.Tensor], cfg: QuantConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        w = tensors["weight"]
+        self.out_features = w.shape[0]
+        self.in_features = w.shape[1] * (2 if cfg.quant_algo == "W4A16" else 1)
+        self.register_buffer("bias", tensors.get("bias"), persistent=False)
+        self._tensors = {k: v for k, v in tensors.items() if k != "bias"}
+        self.use_kernel = w.device.type == "cpu"
+        if cfg.quant_algo == "W8A16":
+            self.register_buffer("qweight", w.contiguous(), persistent=False)
+            self.register_buffer("scales", tensors["weight_scale"].to(torch.bfloat16), persistent=False)
+        else:
+            scale, zero = tensors["weight_scale"].float(), tensors["weight_zero"].float()
+            self.group_size = self.in_features // scale.shape[1]
+            q = unpack_int4(w)  # [N, K] int32
+            self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+                                 if self.use_kernel else w, persistent=False)
+            sz = torch.stack([scale, zero + 8 * scale], dim=-1)  # [N, K/g, 2]
+            self.register_buffer("scales", sz.transpose(0, 1).contiguous().to(torch.bfloat16), persistent=False)
+        if not self.use_kernel:
+            self.register_buffer("dense", dequantize(self._tensors, cfg), persistent=False)
+        del self._tensors
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., in_features] → [..., out_features] in x's dtype."""
+        if not self.use_kernel:
+            return F.linear(x, self.dense.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        if self.cfg.quant_algo == "W8A16":
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size, self.scales)
+        y = y.to(x.dtype).view(*shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.cfg.quant_algo}"
+
+
+def install_weight_only_linears(model: nn.Module, weights: dict[str, torch.Tensor], cfg: QuantConfig) -> list[str]:
+    """Replace every `nn.Linear` of `model` whose weights are stored quantized by a `WeightOnlyLinear`.
+
+    The layer's tensors (`weight`, `weight_scale`, [`weight_zero`], [`bias`]) are popped from `weights`, so the
+    rest loads with `load_state_dict(strict=True)`.
+    Returns:
+        The names of the replaced layers.
+    """
+    replaced = []
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear) or f"{name}.weight_scale" not in weights:
+            continue
+        keys = [s for s in ("weight", "weight_scale", "weight_zero", "bias") if f"{name}.{s}" in weights]
+        layer = WeightOnlyLinear({s: weights.pop(f"{name}.{s}") for s in keys}, cfg)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, layer)
+        replaced.append(name)
+    return replaced

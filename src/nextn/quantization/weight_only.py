@@ -1,0 +1,160 @@
+"""Weight-only quantization of linear layers at build time, with the reference dequantization.
+
+TensorRT-LLM's names (`QuantConfig.quant_algo`, `group_size`, `exclude_modules`):
+- **W8A16**: int8 weights, one symmetric scale per output channel (`absmax / 127`); activations stay 16-bit.
+  Stored as `<linear>.weight` int8 [N, K] and `<linear>.weight_scale` fp32 [N].
+- **W4A16**: 4-bit weights, asymmetric per group of `group_size` input channels (q ∈ [0, 15],
+  w ≈ q · scale + zero with zero = the group minimum: the "float zero point" form of GPTQ/AWQ and of PyTorch's
+  `_weight_int4pack_mm_for_cpu`). Stored portably as `<linear>.weight` uint8 [N, K / 2] (two values a byte, the
+  even input channel in the low nibble), `<linear>.weight_scale` and `<linear>.weight_zero` fp32 [N, K / group_size];
+  the runtime packs them into the kernel's own layout at load (`quantization/linear.py`).
+
+The engine file stays independent of the CPU kernel's tiling; the kernels are PyTorch's own
+(`torch.ops.aten._weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+QUANT_ALGOS = ("W8A16", "W4A16")
+#: Group sizes tried, largest first, when `group_size` is not given (TensorRT-LLM's default is 128).
+GROUP_SIZES = (128, 64, 32)
+
+
+class QuantError(ValueError):
+    """A weight that cannot be quantized as asked (shape not divisible by the group size, ...); names the fix."""
+
+
+class QuantConfig(BaseModel):
+    """The engine's weight-only quantization (recorded in the manifest as `quant_config`).
+
+    Attributes:
+        quant_algo: "W8A16" (int8 per-channel) or "W4A16" (4-bit per-group).
+        group_size: input channels per scale for W4A16 (must divide every quantized layer's input size); None for
+            W8A16.
+        exclude_modules: linear layers kept in the engine dtype, by name or name prefix (e.g. "lm_head").
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    quant_algo: Literal["W8A16", "W4A16"]
+    group_size: int | None = Field(default=None, gt=0)
+    exclude_modules: list[str] = Field(default_factory=list)
+
+    def applies_to(self, linear_name: str) -> bool:
+        """Whether the linear layer `linear_name` (without `.weight`) is quantized."""
+        return not any(linear_name == m or linear_name.startswith(m + ".") for m in self.exclude_modules)
+
+
+def default_group_size(in_features: list[int]) -> int:
+    """The largest of 128, 64, 32 that divides every input size (W4A16).
+
+    Raises:
+        QuantError: none divides them all.
+    """
+    for g in GROUP_SIZES:
+        if all(k % g == 0 for k in in_features):
+            return g
+    raise QuantError(f"no W4A16 group size in {GROUP_SIZES} divides every layer's input size {sorted(set(in_features))}"
+                     "; use W8A16, or exclude those layers with exclude_modules")
+
+
+def quantize(w: torch.Tensor, cfg: QuantConfig) -> dict[str, torch.Tensor]:
+    """Quantize one linear weight.
+
+    Args:
+        w: [N, K] floating weight (out_features × in_features).
+    Returns:
+        {"weight", "weight_scale"} (W8A16) or {"weight", "weight_scale", "weight_zero"} (W4A16), shapes and dtypes
+        as in the module docstring.
+    Raises:
+        QuantError: not 2-D, non-finite values, or K not divisible by the group size.
+    """
+    if w.dim() != 2:
+        raise QuantError(f"weight-only quantization takes 2-D linear weights, got shape {tuple(w.shape)}")
+    w = w.float()
+    if not torch.isfinite(w).all():
+        raise QuantError("the weight has NaN or Inf values; it cannot be quantized")
+    n, k = w.shape
+    if cfg.quant_algo == "W8A16":
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [N]
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        return {"weight": q, "weight_scale": scale}
+    g = cfg.group_size or default_group_size([k])
+    if k % g or k % 2:
+        raise QuantError(f"W4A16 group_size {g} does not divide the input size {k}; choose a group size that does")
+    wg = w.view(n, k // g, g)
+    lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)  # [N, K/g]
+    scale = ((hi - lo) / 15).clamp(min=1e-12)
+    q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).view(n, k)
+    packed = q[:, 0::2] | (q[:, 1::2] << 4)  # [N, K/2]
+    return {"weight": packed.contiguous(), "weight_scale": scale, "weight_zero": lo}
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """[N, K/2] uint8 (low nibble = even channel) → [N, K] int32 values in [0, 15]."""
+    low, high = (packed & 0x0F).to(torch.int32), (packed >> 4).to(torch.int32)
+    return torch.stack([low, high], dim=-1).view(packed.shape[0], -1)
+
+
+def dequantize(t: dict[str, torch.Tensor], cfg: QuantConfig) -> torch.Tensor:
+    """The reference dequantization of `quantize`'s output: [N, K] fp32."""
+    if cfg.quant_algo == "W8A16":
+        return t["weight"].float() * t["weight_scale"].float()[:, None]
+    q = unpack_int4(t["weight"]).float()
+    n, k = q.shape
+    groups = t["weight_scale"].shape[1]
+    w = q.view(n, groups, k // groups) * t["weight_scale"].float()[..., None] + t["weight_zero"].float()[..., None]
+    return w.view(n, k)
+
+
+def quantized_specs(name: str, shape: tuple[int, int], cfg: QuantConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The stored tensors' (shape, dtype) for linear weight `name` (ending in `.weight`) of `shape` [N, K]."""
+    prefix, (n, k) = name.removesuffix(".weight"), shape
+    if cfg.quant_algo == "W8A16":
+        return {f"{prefix}.weight": ((n, k), torch.int8), f"{prefix}.weight_scale": ((n,), torch.float32)}
+    g = cfg.group_size or default_group_size([k])
+    return {f"{prefix}.weight": ((n, k // 2), torch.uint8), f"{prefix}.weight_scale": ((n, k // g), torch.float32),
+            f"{prefix}.weight_zero": ((n, k // g), torch.float32)}
+
+
+def linear_weight_names(model: torch.nn.Module, cfg: QuantConfig) -> set[str]:
+    """`<name>.weight` of every `nn.Linear` in `model` (built on the meta device) that `cfg` quantizes."""
+    return {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and cfg.applies_to(n)}
+
+
+def quantize_stream(specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                    tensors: Iterable[tuple[str, torch.Tensor]], names: set[str], cfg: QuantConfig):
+    """Rewrite a build's tensor specs and tensor stream so that the weights in `names` are stored quantized.
+
+    Args:
+        specs: name → (shape, dtype) of every engine tensor (the safetensors header is written from these).
+        tensors: the (name, tensor) stream in the engine dtype.
+        names: linear weights to quantize (`linear_weight_names`); others pass through unchanged.
+    Returns:
+        (new specs, new stream); the stream yields `quantize`'s tensors in place of each quantized weight.
+    Raises:
+        QuantError: (from the stream) a weight cannot be quantized; the message names it.
+    """
+    out_specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for name, (shape, dtype) in specs.items():
+        out_specs.update(quantized_specs(name, shape, cfg) if name in names else {name: (shape, dtype)})
+
+    def stream():
+        for name, t in tensors:
+            if name not in names:
+                yield name, t
+                continue
+            try:
+                q = quantize(t, cfg)
+            except QuantError as e:
+                raise QuantError(f"{name}: {e}") from e
+            prefix = name.removesuffix(".weight")
+            yield from ((f"{prefix}.{k}", v) for k, v in q.items())
+
+    return out_specs, stream()

@@ -1,0 +1,97 @@
+"""W8A16 / W4A16: quantization error bounds, storage layout, and the kernels against the reference dequantization."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from nextn.quantization import QuantConfig, QuantError, dequantize, quantize
+from nextn.quantization.linear import WeightOnlyLinear, install_weight_only_linears
+from nextn.quantization.weight_only import default_group_size, quantized_specs
+
+W8 = QuantConfig(quant_algo="W8A16")
+W4 = QuantConfig(quant_algo="W4A16", group_size=32)
+
+
+@pytest.fixture()
+def w() -> torch.Tensor:
+    return torch.randn(96, 128, generator=torch.Generator().manual_seed(0))
+
+
+def test_w8_error_is_within_half_a_step(w):
+    t = quantize(w, W8)
+    assert t["weight"].dtype == torch.int8 and t["weight_scale"].shape == (96,)
+    err = (dequantize(t, W8) - w).abs()
+    assert (err <= t["weight_scale"][:, None] / 2 + 1e-6).all()
+
+
+def test_w4_error_is_within_half_a_step_and_layout(w):
+    t = quantize(w, W4)
+    assert t["weight"].dtype == torch.uint8 and t["weight"].shape == (96, 64)
+    assert t["weight_scale"].shape == (96, 4) and t["weight_zero"].shape == (96, 4)
+    err = (dequantize(t, W4) - w).abs().view(96, 4, 32)
+    assert (err <= t["weight_scale"][..., None] / 2 + 1e-5).all()
+    # low nibble = even input channel
+    q0 = torch.round((w[0, 0] - t["weight_zero"][0, 0]) / t["weight_scale"][0, 0]).int()
+    assert int(t["weight"][0, 0] & 0x0F) == int(q0)
+    specs = quantized_specs("model.layers.0.mlp.up_proj.weight", (96, 128), W4)
+    assert {k: v[0] for k, v in specs.items()} == {k: tuple(v.shape) for k, v in
+                                                   {f"model.layers.0.mlp.up_proj.{s}": x for s, x in t.items()}.items()}
+
+
+@pytest.mark.parametrize("cfg", [W8, W4], ids=["W8A16", "W4A16"])
+@pytest.mark.parametrize("rows", [1, 4, 7])
+def test_kernel_matches_reference_dequantization(w, cfg, rows):
+    t = quantize(w, cfg)
+    bias = torch.randn(96)
+    layer = WeightOnlyLinear({**t, "bias": bias}, cfg)
+    x = torch.randn(2, rows, 128)
+    ref = torch.nn.functional.linear(x.bfloat16().float(), dequantize(t, cfg).bfloat16().float(), bias)
+    out = layer(x)
+    assert out.shape == (2, rows, 96) and out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+def test_bad_input_is_named():
+    with pytest.raises(QuantError, match="2-D"):
+        quantize(torch.randn(4), W8)
+    with pytest.raises(QuantError, match="NaN or Inf"):
+        quantize(torch.tensor([[1.0, float("nan")]]), W8)
+    with pytest.raises(QuantError, match="does not divide"):
+        quantize(torch.randn(8, 48), W4)
+    with pytest.raises(QuantError, match="no W4A16 group size"):
+        default_group_size([576, 100])
+    assert default_group_size([576, 1536]) == 64 and default_group_size([896, 4864]) == 128
+
+
+def test_install_replaces_only_quantized_linears():
+    model = nn.Sequential(nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 32))
+    weights = {f"{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    x = torch.randn(3, 128)
+    ref = model(x)
+    q = quantize(weights.pop("0.weight"), W8)
+    weights.update({f"0.{k}": v for k, v in q.items()})
+    replaced = install_weight_only_linears(model, weights, W8)
+    assert replaced == ["0"] and isinstance(model[0], WeightOnlyLinear) and isinstance(model[2], nn.Linear)
+    assert set(weights) == {"2.weight", "2.bias"}
+    model.load_state_dict(weights, strict=True)
+    torch.testing.assert_close(model(x), ref, rtol=0.05, atol=0.05)
+
+
+def test_exclude_modules():
+    cfg = QuantConfig(quant_algo="W8A16", exclude_modules=["lm_head", "model.layers.0"])
+    assert not cfg.applies_to("lm_head") and not cfg.applies_to("model.layers.0.mlp.up_proj")
+    assert cfg.applies_to("model.layers.1.mlp.up_proj") and cfg.applies_to("model.layers.01")
+
+
+def test_quantize_stream_rewrites_specs_and_tensors(w):
+    from nextn.quantization.weight_only import quantize_stream
+
+    specs = {"a.weight": ((96, 128), torch.bfloat16), "norm.weight": ((128,), torch.bfloat16)}
+    stream = [("a.weight", w.bfloat16()), ("norm.weight", torch.ones(128, dtype=torch.bfloat16))]
+    new_specs, out = quantize_stream(specs, iter(stream), {"a.weight"}, W4)
+    got = dict(out)
+    assert set(got) == set(new_specs) == {"a.weight", "a.weight_scale", "a.weight_zero", "norm.weight"}
+    for k, (shape, dtype) in new_specs.items():
+        assert tuple(got[k].shape) == shape and got[k].dtype == dtype, k
