@@ -54,7 +54,7 @@ def test_text_request_in_ensemble_names_with_defaults():
     ({"input_ids": i32(1, 2), "input_lengths": i32(3), "max_tokens": i32(3)}, "input_lengths says 3"),
     ({"text_input": np.array([[b"\xff\xfe"]], np.object_), "max_tokens": i32(3)}, "not valid UTF-8"),
     ({"input_ids": i32(1), "max_tokens": i32(0)}, "max_tokens must be ≥ 1"),
-    ({"input_ids": i32(1), "max_tokens": i32(3), "top_p": np.array([[0.0]], np.float32)}, r"top_p must be in \(0, 1\]"),
+    ({"input_ids": i32(1), "max_tokens": i32(3), "top_p": np.array([[0.0]], np.float32)}, "top_p"),
     ({"input_ids": i32(1), "max_tokens": i32(3), "temperature": np.array([[np.nan]], np.float32)}, "temperature"),
     ({"input_ids": i32(1), "max_tokens": i32(3), "seed": np.array([[2**63]], np.uint64)}, "seed must be in"),
     ({"input_ids": i32(1), "max_tokens": i32(3), "stream": np.array([[True]])}, "streaming needs a decoupled model"),
@@ -113,3 +113,26 @@ def test_triton_repo_cli_writes_the_repository(checkpoints, tmp_path, capsys):
         write_model_repository(engine, tmp_path / "r3", python_env=tmp_path)
     with pytest.raises(ValueError, match="invalid model name"):
         write_model_repository(engine, tmp_path / "r3", model_name="a/b")
+
+
+@pytest.mark.parametrize("inputs, match", [
+    ({"input_ids": i32(1), "max_tokens": i32(3), "top_k": i32(2**31 - 1)}, "top_k=2147483647 exceeds the vocabulary"),
+    ({"input_ids": i32(1), "max_tokens": i32(3), "runtime_top_k": i32(513)}, "top_k=513 exceeds the vocabulary"),
+    ({"input_ids": i32(1), "max_tokens": i32(3), "end_id": i32(-1)}, r"end_id=-1 is outside the vocabulary \[0, 512\)"),
+    ({"input_ids": i32(1), "max_tokens": i32(3), "end_id": i32(512)}, "end_id=512 is outside the vocabulary"),
+    ({"input_ids": i32(1, -5, 512), "max_tokens": i32(3)}, r"token ids \[-5, 512\] are outside the vocabulary"),
+    ({"input_ids": np.zeros((1, 64), np.int32), "max_tokens": i32(3)}, "64 tokens but max_seq_len is 64"),
+    ({"text_input": np.array([[b"a" * (32 * 64 + 1)]], np.object_), "max_tokens": i32(3)}, "2049 characters"),
+    ({"text_input": np.array([["\ud800"]], np.str_), "max_tokens": i32(3)}, "not valid UTF-8"),
+    ({"text_input": np.array([["x\ud800".encode("utf-8", "surrogatepass")]], np.object_), "max_tokens": i32(3)},
+     "not valid UTF-8"),
+    ({"input_ids": i32(1), "max_tokens": i32(3), "seed": np.array([[2**64 - 1]], np.uint64)}, "seed must be in"),
+    ({"input_ids": i32(1), "max_tokens": i32(3), "top_p": np.array([[np.inf]], np.float32)}, "top_p"),
+])
+def test_engine_limits_are_checked_before_the_engine(inputs, match):
+    """Issue 12 items 2 and 8: every field bounded by the engine's vocabulary and max_seq_len, by name."""
+    with pytest.raises(TritonRequestError, match=match):
+        parse_request(inputs, decoupled=False, vocab_size=512, max_seq_len=64)
+    ok = parse_request({"input_ids": i32(0, 511), "max_tokens": i32(3), "top_k": i32(512), "end_id": i32(511)},
+                       decoupled=False, vocab_size=512, max_seq_len=64)
+    assert ok.prompt == [0, 511] and ok.sampling_params.top_k == 512

@@ -174,7 +174,7 @@ def test_bad_requests_get_errors_while_a_good_one_runs(server, reference):
             (dict(input_ids=np.array([[5]], np.int32)), "missing input: give max_tokens"),
             (_ids([5] * 3000), "prompt has 3000 tokens but max_seq_len is"),
             (_ids([5, 10**7]), "outside the vocabulary"),
-            (_ids([5], top_p=np.array([[0.0]], np.float32)), r"top_p must be in \(0, 1\]"),
+            (_ids([5], top_p=np.array([[0.0]], np.float32)), "top_p"),
             (_ids([5], temperature=np.array([[-1.0]], np.float32)), "temperature must be ≥ 0"),
             (_ids([5], stream=np.array([[True]])), "streaming needs a decoupled model"),
             (dict(input_ids=np.array([[5.0]], np.float32), request_output_len=np.array([[2]], np.int32)), "INT32"),

@@ -41,20 +41,23 @@ async def read_body(request: Request, limit: int) -> bytes:
         APIError: 413 when Content-Length or the bytes received exceed `limit`, 400 for a bad Content-Length.
     """
     declared = request.headers.get("content-length")
-    if declared is not None:
-        if not declared.isdigit():
-            raise APIError(400, f"Content-Length {short(declared)} is not a byte count", code="invalid_request")
-        if int(declared) > limit:
-            if int(declared) <= DRAIN_FACTOR * limit:  # read and drop it, so the client reads the 413
-                async for _ in request.stream():
-                    pass
-            raise _too_large(limit, f"{int(declared)} bytes")
+    if declared is not None and not declared.isdigit():
+        raise APIError(400, f"Content-Length {short(declared)} is not a byte count", code="invalid_request")
+    size = None if declared is None else int(declared) if len(declared) < 19 else 2**63
+    if size is not None and size > limit:
+        if size <= DRAIN_FACTOR * limit:  # read and drop it, so that the client reads the 413
+            async for _ in request.stream():
+                pass
+        raise _too_large(limit, f"{short(declared)} bytes")
     chunks, size = [], 0
-    async for chunk in request.stream():
+    async for chunk in request.stream():  # a chunked body: counted as it arrives
         size += len(chunk)
-        if size > limit:
-            raise _too_large(limit, f"more than {limit} bytes")
-        chunks.append(chunk)
+        if size > DRAIN_FACTOR * limit:
+            break
+        if size <= limit:
+            chunks.append(chunk)
+    if size > limit:
+        raise _too_large(limit, f"more than {limit} bytes")
     return b"".join(chunks)
 
 

@@ -40,6 +40,7 @@ from nextn.runtime.outputs import CompletionOutput
 from nextn.runtime.request_handle import RequestHandle
 from nextn.runtime.sampling_params import SamplingParamsError
 from nextn.serving import openai_protocol as p
+from nextn.serving import PROMPT_CHARS_PER_TOKEN
 from nextn.serving.http_edge import DEFAULT_MAX_REQUEST_BYTES, ApiKeyMiddleware, read_json
 from nextn.serving.metrics import CountRequests, ServerMetrics
 
@@ -49,7 +50,6 @@ logger = logging.getLogger(__name__)
 FALLBACK_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                           "{% if add_generation_prompt %}assistant:{% endif %}")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to max_seq_len
-PROMPT_CHARS_PER_TOKEN = 32  # a prompt longer than this × max_seq_len characters cannot fit: refused untokenized
 ROUTES = ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health", "GET /metrics")
 
 

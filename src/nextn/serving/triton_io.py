@@ -18,6 +18,7 @@ import numpy as np
 
 from nextn.runtime.outputs import RequestOutput
 from nextn.runtime.sampling_params import SamplingParams, SamplingParamsError
+from nextn.serving import PROMPT_CHARS_PER_TOKEN
 
 
 class TritonRequestError(ValueError):
@@ -94,16 +95,21 @@ class ParsedRequest:
     streaming: bool
 
 
-def parse_request(inputs: Mapping[str, np.ndarray], decoupled: bool) -> ParsedRequest:
+def parse_request(inputs: Mapping[str, np.ndarray], decoupled: bool, vocab_size: int | None = None,
+                  max_seq_len: int | None = None) -> ParsedRequest:
     """Turn a request's input tensors into a prompt and `SamplingParams`.
 
     Args:
         inputs: input name → array as the Python backend gives it ([1, *dims], or [*dims] without a batch dimension).
         decoupled: whether the model may send several responses (streaming allowed).
+        vocab_size: the engine's vocabulary: token ids, `end_id` and `top_k` are checked against it (None: not).
+        max_seq_len: the engine's max prompt + completion tokens: a longer prompt is refused before it is tokenized
+            or copied (text over PROMPT_CHARS_PER_TOKEN × max_seq_len characters; None: not checked here).
     Raises:
         TritonRequestError: unknown input, no prompt or two, no output length, both spellings of a parameter, batch
-            size ≠ 1, wrong dtype, `input_lengths` ≠ len(input_ids), undecodable text, streaming on a non-decoupled
-            model, or an invalid sampling value (the message names the input and the valid range).
+            size ≠ 1, wrong dtype, `input_lengths` ≠ len(input_ids), undecodable text, a prompt too long, token ids
+            or `end_id` outside the vocabulary, `top_k` > the vocabulary, streaming on a non-decoupled model, or an
+            invalid sampling value (the message names the input and the valid range).
     """
     unknown = sorted(set(inputs) - set(INPUT_NAMES))
     if unknown:
@@ -111,7 +117,7 @@ def parse_request(inputs: Mapping[str, np.ndarray], decoupled: bool) -> ParsedRe
     for name, value in inputs.items():
         _check_dtype(name, np.asarray(value))
     args = {name: _pick(inputs, name) for name in _ALIASES}
-    prompt = _prompt(inputs)
+    prompt = _prompt(inputs, vocab_size, max_seq_len)
     if args["max_tokens"] is None:
         raise TritonRequestError("missing input: give max_tokens (or request_output_len), the tokens to generate")
     streaming = bool(args["stream"]) if args["stream"] is not None else False
@@ -126,6 +132,13 @@ def parse_request(inputs: Mapping[str, np.ndarray], decoupled: bool) -> ParsedRe
         if args[key] is not None:
             params[key] = args[key]
     params = {k: (float(v) if k in ("temperature", "top_p") else int(v)) for k, v in params.items()}
+    if vocab_size is not None:
+        if params.get("top_k", 0) > vocab_size:
+            raise TritonRequestError(f"top_k={params['top_k']} exceeds the vocabulary size {vocab_size}: give 0 (off) "
+                                     f"to {vocab_size}")
+        if not 0 <= params.get("end_id", 0) < vocab_size:
+            raise TritonRequestError(f"end_id={params['end_id']} is outside the vocabulary [0, {vocab_size}): give a "
+                                     "token id of this model, or leave end_id out for the model's EOS")
     try:
         sampling_params = SamplingParams(**params)
     except SamplingParamsError as e:
@@ -197,17 +210,32 @@ def _pick(inputs: Mapping[str, np.ndarray], name: str):
     return None if key is None else _scalar(inputs, key)
 
 
-def _prompt(inputs: Mapping[str, np.ndarray]) -> str | list[int]:
+def _too_long(what: str, max_seq_len: int) -> TritonRequestError:
+    return TritonRequestError(f"the prompt has {what} but max_seq_len is {max_seq_len} (prompt plus at least one "
+                              "generated token): shorten the prompt")
+
+
+def _prompt(inputs: Mapping[str, np.ndarray], vocab_size: int | None, max_seq_len: int | None) -> str | list[int]:
     if ("text_input" in inputs) == ("input_ids" in inputs):
         raise TritonRequestError("give exactly one prompt: text_input (text) or input_ids (token ids)")
     if "text_input" in inputs:
         raw = _scalar(inputs, "text_input")
         try:
-            return raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
-        except UnicodeDecodeError as e:
-            raise TritonRequestError(f"input text_input is not valid UTF-8: {e}") from None
-    ids = _unbatch("input_ids", np.asarray(inputs["input_ids"]), 1).tolist()
+            text = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
+            text.encode("utf-8")  # a str input may hold lone surrogates
+        except UnicodeError as e:
+            raise TritonRequestError(f"input text_input is not valid UTF-8: {e}; send UTF-8 text") from None
+        if max_seq_len is not None and len(text) > PROMPT_CHARS_PER_TOKEN * max_seq_len:
+            raise _too_long(f"{len(text)} characters (more than {PROMPT_CHARS_PER_TOKEN} per token)", max_seq_len)
+        return text
+    ids = _unbatch("input_ids", np.asarray(inputs["input_ids"]), 1)
     if "input_lengths" in inputs and int(_scalar(inputs, "input_lengths")) != len(ids):
         raise TritonRequestError(f"input_lengths says {_scalar(inputs, 'input_lengths')} but input_ids holds "
                                  f"{len(ids)} tokens")
-    return ids
+    if max_seq_len is not None and len(ids) >= max_seq_len:
+        raise _too_long(f"{len(ids)} tokens", max_seq_len)
+    if vocab_size is not None and len(ids) and not (0 <= ids.min() and ids.max() < vocab_size):
+        bad = ids[(ids < 0) | (ids >= vocab_size)][:5].tolist()
+        raise TritonRequestError(f"token ids {bad} are outside the vocabulary [0, {vocab_size}): send ids of this "
+                                 "model's tokenizer")
+    return ids.tolist()
