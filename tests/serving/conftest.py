@@ -121,3 +121,66 @@ class TritonServer:
 def triton_server_cls() -> type[TritonServer]:
     """`TritonServer(repo, workdir)` starts a server (skips the test when the binary is absent); call `.stop()`."""
     return TritonServer
+
+
+# nextn serve in this process: the real stories260K model, uvicorn on a loopback port in a thread -----------------
+STORIES = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "models" / "stories260K" / "stories260K.gguf"
+
+
+@pytest.fixture(scope="session")
+def stories_llm(tmp_path_factory):
+    """`LLM` over an engine built from the real stories260K GGUF (vocabulary 512, max_seq_len 256), on CPU."""
+    if not STORIES.is_file():
+        pytest.skip(f"{STORIES} is absent (../shared/data): the real stories260K model is not available")
+    from nextn import LLM
+    from nextn.build.engine_builder import build_engine
+
+    engine = tmp_path_factory.mktemp("stories") / "engine"
+    build_engine(STORIES, engine, max_seq_len=256, progress=False)
+    llm = LLM(engine, device="cpu")
+    yield llm
+    llm.shutdown()
+
+
+class LocalServer:
+    """uvicorn serving `app` on a free 127.0.0.1 port in a daemon thread; `stop()` ends it."""
+
+    def __init__(self, app) -> None:
+        import threading
+
+        import uvicorn
+
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="critical"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.05)
+
+    def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
+                chunked: bool = False, timeout: float = 120) -> tuple[int, bytes]:
+        """One raw HTTP request (any bytes, any headers); returns (status, body)."""
+        import http.client
+
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            payload = iter([body[i:i + 65536] for i in range(0, len(body), 65536)]) if chunked and body else body
+            conn.request(method, path, body=payload, headers=headers or {}, encode_chunked=chunked)
+            response = conn.getresponse()
+            return response.status, response.read()
+        finally:
+            conn.close()
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="session")
+def local_server_cls() -> type[LocalServer]:
+    """`LocalServer(app)` serves a FastAPI app on loopback (`.url`, `.request(...)`, `.stop()`)."""
+    return LocalServer

@@ -49,6 +49,7 @@ def check_unicode(text: str) -> str:
 
 Text = Annotated[StrictStr, AfterValidator(check_unicode)]
 Name = Annotated[StrictStr, Field(max_length=MAX_NAME_CHARS), AfterValidator(check_unicode)]
+StopText = Annotated[StrictStr, Field(max_length=MAX_STOP_CHARS), AfterValidator(check_unicode)]
 TokenId = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
 TokenCount = Annotated[StrictInt, Field(ge=1, le=INT32_MAX)]
 Finite = Annotated[StrictFloat, Field(allow_inf_nan=False)]
@@ -71,7 +72,7 @@ class _SamplingRequest(_Request):
     top_p: Annotated[Finite, Field(gt=0, le=1)] | None = None  # nucleus mass; omitted = 1 (off)
     top_k: Annotated[StrictInt, Field(ge=0, le=INT32_MAX)] | None = None  # extra: k most likely (0 = off; ≤ vocab)
     seed: Annotated[StrictInt, Field(ge=0, lt=2**63)] | None = None  # same seed, same output
-    stop: list[Annotated[Text, Field(max_length=MAX_STOP_CHARS)]] = Field(default_factory=list)  # ≤ 4; str/list/null
+    stop: list[StopText] = Field(default_factory=list)  # ≤ 4; a string, a list, or null in the request
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)  # extra: end tokens
     ignore_eos: StrictBool = False  # extra: keep going past EOS (benchmarks)
     n: StrictInt = 1  # choices per prompt: only 1
