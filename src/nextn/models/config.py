@@ -24,10 +24,10 @@ class ConfigError(ValueError):
 class RopeConfig(BaseModel):
     """RoPE on the `qk_rope_head_dim` dims, optionally YaRN-scaled (HF `modeling_rope_utils._compute_yarn_parameters`)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     rope_type: Literal["default", "yarn"] = "default"
-    rope_theta: float = 10000.0
+    rope_theta: float = Field(default=10000.0, gt=0)
     factor: float | None = None  # YaRN context-extension factor (V3: 40)
     beta_fast: float = 32.0  # YaRN ramp boundary, in rotations (extrapolation side)
     beta_slow: float = 1.0  # YaRN ramp boundary, in rotations (interpolation side)
@@ -41,7 +41,7 @@ class RopeConfig(BaseModel):
 class DeepseekV3ModelConfig(BaseModel):
     """DeepSeek-V3 hyper-parameters (HF field names; REFERENCE.md §1–2 gives V3/R1 values)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     architecture: Literal["DeepseekV3ForCausalLM"] = "DeepseekV3ForCausalLM"
     vocab_size: int = Field(gt=0)
@@ -55,7 +55,7 @@ class DeepseekV3ModelConfig(BaseModel):
     qk_nope_head_dim: int = Field(gt=0)
     qk_rope_head_dim: int = Field(gt=0)  # one rope key head shared by all heads
     v_head_dim: int = Field(gt=0)
-    rms_norm_eps: float = 1e-6
+    rms_norm_eps: float = Field(default=1e-6, gt=0)
     n_routed_experts: int | None = None  # null: every layer is dense
     n_shared_experts: int = 0
     num_experts_per_tok: int = 1  # top-k routed experts per token

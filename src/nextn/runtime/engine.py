@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from nextn.build.manifest import EngineError, EngineManifest
+from nextn.build.manifest import EngineError, EngineManifest, verify_engine_files, verify_mode_from_env
 from nextn.config.llm_args import LlmArgs, LlmArgsError, MedusaDecodingConfig, MTPDecodingConfig
 from nextn.models.medusa import MedusaHeads
 from nextn.models.registry import MODEL_CLASSES
@@ -163,7 +163,11 @@ class Engine:
         decode_fn = graph_decode_fn(decode_fn, args.cuda_graph_config, self.device, self.max_batch_size, per_seq)
         self.runner = ModelRunner(self.model, self.drafter, self.acceptance, kv, self.block_size, self.max_batch_size,
                                   decode_fn=decode_fn)
-        self.tokenizer = EngineTokenizer.load(self.engine_dir, manifest.tokenizer_files)
+        try:
+            self.tokenizer = EngineTokenizer.load(self.engine_dir, manifest.tokenizer_files)
+        except Exception as e:  # transformers raises many kinds for a corrupt tokenizer file
+            raise EngineError(f"the tokenizer files {manifest.tokenizer_files} of {engine_dir} cannot be loaded "
+                              f"({type(e).__name__}: {e}); rebuild the engine") from e
         eos = cfg.eos_token_id
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self._ids = itertools.count()
@@ -177,13 +181,14 @@ class Engine:
                     time.perf_counter() - t0, manifest.dtype, type(self.drafter).__name__, k, num_blocks, self.block_size)
 
     def _read_weights(self) -> dict[str, torch.Tensor]:
-        files = [self.engine_dir / f for f in self.manifest.weight_files]
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise EngineError(f"engine weights missing: {missing}; rebuild the engine")
+        # Presence, sizes, headers and SHA-256 of every listed file (build/manifest.py: NEXTN_VERIFY_WEIGHTS).
+        verify_engine_files(self.engine_dir, self.manifest, verify_mode_from_env())
         weights: dict[str, torch.Tensor] = {}
-        for f in files:
-            weights.update(load_file(str(f), device=str(self.device)))
+        for f in self.manifest.weight_files:
+            try:
+                weights.update(load_file(str(self.engine_dir / f), device=str(self.device)))
+            except Exception as e:  # safetensors' own SafetensorError for a corrupt file
+                raise EngineError(f"cannot read engine weights {self.engine_dir / f}: {e}; rebuild the engine") from e
         return weights
 
     def _medusa_heads(self, weights: dict[str, torch.Tensor]) -> MedusaHeads | None:

@@ -21,7 +21,7 @@ LLAMA_ARCHITECTURES = ("LlamaForCausalLM",)
 class Llama3RopeScaling(BaseModel):
     """Llama-3.1 frequency-dependent RoPE scaling (HF `modeling_rope_utils._compute_llama3_parameters`)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     rope_type: Literal["llama3"] = "llama3"
     factor: float = Field(gt=0)  # long wavelengths are divided by this (Llama 3.1: 8)
@@ -39,7 +39,7 @@ class Llama3RopeScaling(BaseModel):
 class LlamaModelConfig(BaseModel):
     """Llama hyper-parameters (HF `LlamaConfig` field names)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     architecture: Literal["LlamaForCausalLM"] = "LlamaForCausalLM"
     vocab_size: int = Field(gt=0)
