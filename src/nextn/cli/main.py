@@ -13,8 +13,10 @@ from nextn.config.llm_args import LlmArgsError
 from nextn.models.config import ConfigError
 from nextn.models.deepseek_v3.weights import WeightError
 from nextn.runtime.sampling_params import SamplingParamsError
+from nextn.runtime.tokenizer import ChatTemplateError
 
-USER_ERRORS = (EngineError, LlmArgsError, SamplingParamsError, CheckpointError, ConfigError, WeightError)  # noqa: E501
+USER_ERRORS = (EngineError, LlmArgsError, SamplingParamsError, CheckpointError, ConfigError, WeightError,
+               ChatTemplateError)
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -25,6 +27,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", action="append", required=True,
                    help="a prompt (repeatable); with --token_ids, comma-separated token ids")
     p.add_argument("--token_ids", action="store_true", help="read each --prompt as comma-separated token ids")
+    p.add_argument("--chat", action="store_true",
+                   help="send each --prompt as one user message through the model's chat template (stored in the "
+                        "engine), as /v1/chat/completions does")
     p.add_argument("--max_tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
     p.add_argument("--extra_llm_api_options", "--config", dest="extra_llm_api_options",
                    help="YAML of LLM arguments (TensorRT-LLM names), e.g. speculative_config")
@@ -40,8 +45,16 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 def _generate(args: argparse.Namespace) -> int:
     from nextn import LLM, SamplingParams
 
+    if args.chat and args.token_ids:
+        print("nextn generate: error: --chat renders text prompts; it cannot take --token_ids", file=sys.stderr)
+        return 2
     prompts = [[int(t) for t in p.split(",") if t.strip()] for p in args.prompt] if args.token_ids else args.prompt
     llm = LLM(args.engine_dir, extra_llm_api_options=args.extra_llm_api_options)
+    if args.chat:
+        if llm.tokenizer is None:
+            print("nextn generate: error: --chat needs a tokenizer and this engine has none", file=sys.stderr)
+            return 2
+        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in args.prompt]
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     outputs = llm.generate(prompts, params)
@@ -53,7 +66,8 @@ def _generate(args: argparse.Namespace) -> int:
             print(f"nextn generate: error: prompt {i}: {c.error}", file=sys.stderr)
             continue
         if args.json:
-            print(json.dumps({"prompt": out.prompt, "token_ids": c.token_ids, "text": c.text,
+            prompt = args.prompt[i] if args.chat else out.prompt  # the user's text, not the rendered ids
+            print(json.dumps({"prompt": prompt, "token_ids": c.token_ids, "text": c.text,
                               "finish_reason": c.finish_reason, "acceptance_length": round(c.acceptance_length, 4),
                               "num_draft_tokens": c.num_draft_tokens,
                               "num_accepted_draft_tokens": c.num_accepted_draft_tokens,

@@ -1,27 +1,98 @@
-"""The engine's tokenizer: the checkpoint's own files, loaded with `transformers` (a well-kept library)."""
+"""The engine's tokenizer (the checkpoint's own files, loaded with `transformers`), its chat template and EOS ids.
+
+An engine holds the tokenizer files its checkpoint had (a GGUF's are rebuilt at build time by
+`nextn.build.gguf_tokenizer`), the chat template among them (chat_template.jinja, or `chat_template` in
+tokenizer_config.json), and generation_config.json, whose `eos_token_id` (an id or a list, as in HF) lists the ids
+that end generation besides the model config's.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+GENERATION_CONFIG_NAME = "generation_config.json"
+
+
+class ChatTemplateError(ValueError):
+    """Messages that cannot be rendered: no chat template in the engine, or the template rejected them."""
 
 
 class EngineTokenizer:
-    """encode (with the tokenizer's BOS convention) and decode (special tokens skipped)."""
+    """encode (with the tokenizer's BOS convention), decode (special tokens skipped) and chat-template rendering."""
 
-    def __init__(self, tok: PreTrainedTokenizerBase) -> None:
+    def __init__(self, tok: "PreTrainedTokenizerBase") -> None:
         self.tok = tok
 
     @classmethod
     def load(cls, engine_dir: Path, files: list[str]) -> "EngineTokenizer | None":
         """The tokenizer saved in `engine_dir`, or None when the engine has none (token-id prompts only)."""
+        from transformers import AutoTokenizer  # deferred: the CLI imports this module for its error type
+
         if not files:
             return None
         return cls(AutoTokenizer.from_pretrained(str(engine_dir)))
+
+    @property
+    def chat_template(self) -> str | None:
+        """The model's chat template (Jinja source), None when the engine has none."""
+        return getattr(self.tok, "chat_template", None) or None
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text))
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: Sequence[dict], chat_template: str | None = None) -> list[int]:
+        """Token ids of `messages` rendered for the assistant's next turn.
+
+        Equal to `transformers`' `tokenizer.apply_chat_template(messages, add_generation_prompt=True)`: the template
+        writes its own special tokens (BOS included), so the text is encoded without adding any.
+        Args:
+            messages: `{"role": ..., "content": ...}` dicts, in order.
+            chat_template: Jinja source to use instead of the model's (e.g. a server's fallback).
+        Raises:
+            ChatTemplateError: neither `chat_template` nor the model has a template, or the template raised (e.g. a
+                role order it does not accept; the message quotes it).
+        """
+        if chat_template is None and self.chat_template is None:
+            raise ChatTemplateError("this engine's tokenizer has no chat template (its checkpoint had none): send "
+                                    "plain prompts")
+        try:
+            text = self.tok.apply_chat_template(list(messages), chat_template=chat_template, tokenize=False,
+                                                add_generation_prompt=True)
+        except Exception as e:  # jinja's TemplateError, or raise_exception() inside the template
+            raise ChatTemplateError(f"the chat template rejected the messages: {e}") from None
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+
+def eos_token_ids(engine_dir: Path, config_eos: int | list[int] | None) -> frozenset[int]:
+    """The ids that end generation: the model config's `eos_token_id` and generation_config.json's, if present.
+
+    HF's `generate` stops at generation_config.json's `eos_token_id` (an int or a list; e.g. Qwen2.5's
+    [151645, 151643], `<|im_end|>` and `<|endoftext|>`); the union with the config's keeps engines built before the file
+    was written stopping where they did. An unreadable file is logged and ignored.
+    """
+    ids = set(_as_ids(config_eos))
+    path = Path(engine_dir) / GENERATION_CONFIG_NAME
+    if path.is_file():
+        try:
+            ids.update(_as_ids(json.loads(path.read_text()).get("eos_token_id")))
+        except (ValueError, AttributeError, TypeError) as e:
+            logger.warning("%s is not a readable generation config (%s): EOS ids from the model config only", path, e)
+    return frozenset(ids)
+
+
+def _as_ids(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return [int(value)] if isinstance(value, int) else [int(v) for v in value]
