@@ -16,7 +16,7 @@ import json
 import re
 
 import anyio
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from nextn.serving.openai_protocol import APIError, short
 
@@ -40,6 +40,13 @@ async def read_body(request: Request, limit: int) -> bytes:
     Raises:
         APIError: 413 when Content-Length or the bytes received exceed `limit`, 400 for a bad Content-Length.
     """
+    try:
+        return await _read_body(request, limit)
+    except ClientDisconnect:  # nobody is left to read the answer; ends the request quietly
+        raise APIError(400, "the client disconnected before sending the whole body") from None
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and not declared.isdigit():
         raise APIError(400, f"Content-Length {short(declared)} is not a byte count", code="invalid_request")

@@ -365,7 +365,8 @@ def create_app(llm: LLM, served_model_name: str | None = None, api_key: str | No
     if api_key is not None and not api_key:
         raise ValueError("the API key is empty: give a non-empty key, or None to serve without one")
     server = OpenAIServer(llm, served_model_name or Path(llm.engine.engine_dir).resolve().name, max_request_bytes)
-    app = FastAPI(title="nextn", summary="OpenAI-compatible server of an nextn engine")
+    # No redirects for a trailing slash: a 307 has no error body, and clients that do not follow it see nothing.
+    app = FastAPI(title="nextn", summary="OpenAI-compatible server of an nextn engine", redirect_slashes=False)
     app.state.server = server
     app.add_exception_handler(RequestValidationError, lambda _, e: p.validation_error(e).response())
     app.add_exception_handler(p.APIError, lambda _, e: e.response())
