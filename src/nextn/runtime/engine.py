@@ -99,7 +99,7 @@ def default_speculative_config(manifest: EngineManifest) -> MTPDecodingConfig | 
     return MTPDecodingConfig(num_nextn_predict_layers=s.max_draft_len or s.num_mtp_modules, use_mtp_vanilla=s.use_mtp_vanilla)
 
 
-def _fast_bf16(device: torch.device) -> bool:
+def fast_bf16(device: torch.device) -> bool:
     """Whether bf16 matmuls are fast here: CUDA, or a CPU with bf16 instructions (oneDNN's check)."""
     if device.type == "cuda":
         return True
@@ -135,7 +135,7 @@ class Engine:
         # KV positions past max_seq_len a step may touch: K+1 in flight (overlap) + the decode look-ahead 2K+1.
         lookahead = (k + 1) + (2 * k + 1)
         self.model = self._load_model(weights, self.max_seq_len + lookahead + self.block_size)
-        if k and _fast_bf16(self.device):
+        if k and fast_bf16(self.device):
             self.model.use_bf16_draft_head()  # drafts only propose: a cheaper head cannot change the output
         per_seq = -(-(self.max_seq_len + lookahead) // self.block_size)
         max_tokens = args.kv_cache_config.max_tokens or self.max_batch_size * per_seq * self.block_size
