@@ -1,4 +1,5 @@
-"""`GGUFCheckpoint`: config, HF-named tensors (llama.cpp's q/k permutation undone), tokenizer, and clear errors."""
+"""`GGUFCheckpoint`: config, HF-named tensors (llama.cpp's q/k permutation undone for llama, not for qwen2),
+quantized types dequantized by `gguf.quants`, tokenizer, and clear errors (architecture, ggml type, truncation)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,13 @@ import pytest
 import torch
 
 from nextn.build.checkpoint import CheckpointError
-from nextn.build.gguf_reader import GGUFCheckpoint, hf_name
+from nextn.build.engine_builder import build_engine
+from nextn.build.gguf_reader import GGUFCheckpoint, hf_name, supported_ggml_types, unpermute_rope_rows
 from nextn.models.llama import LlamaModelConfig, to_runtime
 from nextn.models.llama.weights import WeightError
+from nextn.runtime.engine import fast_bf16
+
+Q = gguf.GGMLQuantizationType
 
 STORIES = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "models" / "stories260K"
 GGUF_FILE = STORIES / "stories260K.gguf"
@@ -34,14 +39,24 @@ TOKENS = ["<unk>", "<s>", "</s>", "<0x0A>", "▁a", "▁b", "a", "b", "▁"]
 TYPES = [2, 3, 3, 6, 1, 1, 1, 1, 1]
 
 
-def write_tiny_gguf(path: Path, arch: str = "llama", drop: tuple[str, ...] = (), q8: tuple[str, ...] = (),
-                    extra: tuple[str, ...] = (), seed: int = 0) -> dict[str, np.ndarray]:
-    """A 1-layer GQA Llama GGUF (hidden 64, 4 heads / 2 KV heads, vocab 9) written as llama.cpp would, q/k permuted.
+def write_tiny_gguf(path: Path, arch: str = "llama", drop: tuple[str, ...] = (), quant: dict[str, Q] | None = None,
+                    extra: tuple[str, ...] = (), seed: int = 0, biases: bool = False,
+                    raw: dict[str, tuple[np.ndarray, Q]] | None = None) -> dict[str, np.ndarray]:
+    """A 1-layer GQA Llama-family GGUF (hidden 64, 4 heads / 2 KV heads, ffn 256, vocab 9) written as llama.cpp's
+    convert_hf_to_gguf.py would: q/k rows (and biases) permuted for arch "llama" (`LlamaModel`), not for "qwen2".
 
-    Returns the HF-layout fp32 tensors by HF name (what `GGUFCheckpoint.get` must give back).
+    Args:
+        quant: GGUF tensor name → a type `gguf.quants.quantize` writes (Q4_0 … Q8_0).
+        biases: add q/k/v biases (Qwen2's).
+        raw: GGUF tensor name → (raw block bytes [rows, bytes], type), written as they are (K-quants, which gguf
+            cannot quantize, and types it cannot dequantize).
+    Returns:
+        The HF-layout fp32 tensors by HF name that `GGUFCheckpoint.get` must give back (quantized ones as
+        `gguf.quants.dequantize` reads them back).
     """
     rng = np.random.default_rng(seed)
-    h, heads, kv_heads, d, ffn, v = 64, 4, 2, 16, 96, len(TOKENS)
+    quant, raw = quant or {}, raw or {}
+    h, heads, kv_heads, d, ffn, v = 64, 4, 2, 16, 256, len(TOKENS)
     hf = {
         "model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h),
         "model.layers.0.self_attn.q_proj.weight": (heads * d, h), "model.layers.0.self_attn.k_proj.weight": (kv_heads * d, h),
@@ -50,6 +65,9 @@ def write_tiny_gguf(path: Path, arch: str = "llama", drop: tuple[str, ...] = (),
         "model.layers.0.mlp.down_proj.weight": (h, ffn), "model.layers.0.input_layernorm.weight": (h,),
         "model.layers.0.post_attention_layernorm.weight": (h,),
     }  # fmt: skip
+    if biases:
+        hf.update({"model.layers.0.self_attn.q_proj.bias": (heads * d,), "model.layers.0.self_attn.k_proj.bias": (kv_heads * d,),
+                   "model.layers.0.self_attn.v_proj.bias": (kv_heads * d,)})  # fmt: skip
     hf = {k: rng.standard_normal(s).astype(np.float32) for k, s in hf.items()}
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(1)
@@ -70,17 +88,31 @@ def write_tiny_gguf(path: Path, arch: str = "llama", drop: tuple[str, ...] = (),
     names = {"token_embd.weight", "output_norm.weight", "output.weight"} | {
         f"blk.0.{n}.weight" for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
                                       "attn_norm", "ffn_norm")}
+    if biases:
+        names |= {"blk.0.attn_q.bias", "blk.0.attn_k.bias", "blk.0.attn_v.bias"}
     for name in sorted(names - set(drop)) + list(extra):
         t = hf.get(hf_name(name), np.zeros((4,), np.float32))
-        if name == "blk.0.attn_q.weight":
+        if arch == "llama" and name.startswith("blk.0.attn_q."):
             t = permute(t, heads)
-        elif name == "blk.0.attn_k.weight":
+        elif arch == "llama" and name.startswith("blk.0.attn_k."):
             t = permute(t, kv_heads)
-        if name in q8:
-            qt = gguf.quantize(t, gguf.GGMLQuantizationType.Q8_0)
-            w.add_tensor(name, qt, raw_shape=qt.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        if name in raw:
+            blocks, qtype = raw[name]
+            w.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=qtype)
+            if qtype.name not in supported_ggml_types():
+                continue  # a file nextn must refuse
+            t = gguf.quants.dequantize(blocks, qtype)
+        elif name in quant:
+            qt = gguf.quants.quantize(t, quant[name])
+            w.add_tensor(name, qt, raw_shape=qt.shape, raw_dtype=quant[name])
+            t = gguf.quants.dequantize(qt, quant[name])
         else:
             w.add_tensor(name, t)
+        if name in raw or name in quant:  # what the file holds, back in HF's row order
+            if arch == "llama" and name.startswith(("blk.0.attn_q.", "blk.0.attn_k.")):
+                n = heads if ".attn_q." in name else kv_heads
+                t = unpermute_rope_rows(torch.from_numpy(t.copy()), n).numpy()
+            hf[hf_name(name)] = t
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -141,13 +173,80 @@ def test_synthetic_gguf_round_trips_hf_tensors(tmp_path):
     assert names[0] == "model.embed_tokens.weight" and names[-1] == "lm_head.weight"
 
 
-def test_tied_gguf_gets_explicit_lm_head(tmp_path):
+def test_tied_gguf_stores_the_embedding_once(tmp_path):
     hf = write_tiny_gguf(tmp_path / "m.gguf", drop=("output.weight",))
     ckpt = GGUFCheckpoint(tmp_path / "m.gguf")
     cfg = LlamaModelConfig.from_hf(ckpt.hf_config)
     assert cfg.tie_word_embeddings
     out = dict(to_runtime(ckpt.get, ckpt.has, cfg, torch.float32))
-    assert torch.equal(out["lm_head.weight"], torch.from_numpy(hf["model.embed_tokens.weight"]))
+    assert "lm_head.weight" not in out
+    assert torch.equal(out["model.embed_tokens.weight"], torch.from_numpy(hf["model.embed_tokens.weight"]))
+
+
+def _k_quant_blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random Q4_K / Q6_K blocks [rows, bytes] with small finite fp16 scales (gguf cannot quantize K types)."""
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = np.random.default_rng(seed).integers(0, 256, (rows, cols // block, type_size), dtype=np.uint8)
+    scale = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    if qtype == Q.Q4_K:  # d, dmin (fp16) first
+        blocks[..., 0:2], blocks[..., 2:4] = scale, scale
+    else:  # Q6_K: d (fp16) last
+        blocks[..., -2:] = scale
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("k_type", [Q.Q4_K, Q.Q6_K], ids=["q4_k", "q6_k"])
+def test_quantized_tensors_are_dequantized_by_gguf(tmp_path, k_type):
+    """Q4_1/Q5_0/Q8_0 (SmolLM2's and Qwen2.5's types) and K-quants come back as `gguf.quants.dequantize` reads them,
+    in HF's row order (the permuted q/k rows of a llama file un-permuted after dequantization)."""
+    quant = {"token_embd.weight": Q.Q8_0, "blk.0.attn_q.weight": Q.Q4_1, "blk.0.attn_k.weight": Q.Q5_0,
+             "blk.0.ffn_gate.weight": Q.Q4_1}
+    raw = {"blk.0.ffn_down.weight": (_k_quant_blocks(k_type, 64, 256), k_type)}  # the one 256-wide input
+    hf = write_tiny_gguf(tmp_path / "q.gguf", quant=quant, raw=raw)
+    ckpt = GGUFCheckpoint(tmp_path / "q.gguf")
+    assert ckpt.is_quantized and ckpt.hf_config["torch_dtype"] == "float32"
+    for name, t in hf.items():
+        got = ckpt.get(name)
+        assert got.dtype == torch.float32 and torch.equal(got, torch.from_numpy(t)), name
+
+
+def test_qwen2_gguf_keeps_row_order_and_biases(tmp_path):
+    """qwen2 files are not permuted (convert_hf_to_gguf's Qwen2Model): q/k weights and biases read as written, as
+    `transformers` loads them; the config is a Qwen2ForCausalLM with q/k/v biases only."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf = write_tiny_gguf(tmp_path / "qwen.gguf", arch="qwen2", biases=True, quant={"blk.0.attn_q.weight": Q.Q8_0})
+    ckpt = GGUFCheckpoint(tmp_path / "qwen.gguf")
+    cfg = ckpt.model_config
+    assert (cfg.architecture, cfg.qkv_bias, cfg.attention_bias, cfg.has_qkv_bias) == ("Qwen2ForCausalLM", True, False, True)
+    for name, t in hf.items():
+        assert torch.equal(ckpt.get(name), torch.from_numpy(t)), name
+    hf_cfg = AutoConfig.from_pretrained(tmp_path, gguf_file="qwen.gguf")
+    hf_cfg.pad_token_id = None  # the tiny file's padding id is 0xFFFFFFFF ("none")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="qwen.gguf", config=hf_cfg, dtype=torch.float32)
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    for name, t in model.state_dict().items():
+        if name != "lm_head.weight" or ckpt.has(name):
+            assert torch.equal(ckpt.get(name), t), name
+    out = dict(to_runtime(ckpt.get, ckpt.has, cfg, torch.float32))
+    assert "model.layers.0.self_attn.k_proj.bias" in out and "model.layers.0.self_attn.o_proj.bias" not in out
+
+
+def test_llama_biases_are_unpermuted_like_weights(tmp_path):
+    hf = write_tiny_gguf(tmp_path / "b.gguf", biases=True)
+    ckpt = GGUFCheckpoint(tmp_path / "b.gguf")
+    assert ckpt.model_config.qkv_bias and not ckpt.model_config.attention_bias
+    for name in ("model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.k_proj.bias"):
+        assert torch.equal(ckpt.get(name), torch.from_numpy(hf[name])), name
+
+
+def test_auto_dtype_of_a_quantized_gguf(tmp_path):
+    """`--dtype auto`: bfloat16 where bf16 matmuls are fast here, float32 elsewhere; a float GGUF keeps its dtype."""
+    write_tiny_gguf(tmp_path / "q.gguf", quant={"blk.0.ffn_up.weight": Q.Q4_1})
+    m = build_engine(tmp_path / "q.gguf", tmp_path / "engine", progress=False)
+    assert m.dtype == ("bfloat16" if fast_bf16(torch.device("cpu")) else "float32")
+    write_tiny_gguf(tmp_path / "f.gguf")
+    assert build_engine(tmp_path / "f.gguf", tmp_path / "engine_f", progress=False).dtype == "float32"
 
 
 def test_errors_name_the_file_or_tensor(tmp_path):
@@ -169,19 +268,36 @@ def test_errors_name_the_file_or_tensor(tmp_path):
         GGUFCheckpoint(two)
 
     write_tiny_gguf(tmp_path / "gpt2.gguf", arch="gpt2")
-    with pytest.raises(CheckpointError, match=r"gpt2\.gguf: unsupported GGUF architecture 'gpt2'"):
+    with pytest.raises(CheckpointError, match=r"gpt2\.gguf: unsupported GGUF architecture 'gpt2'; nextn reads llama, qwen2"):
         GGUFCheckpoint(tmp_path / "gpt2.gguf")
 
     write_tiny_gguf(tmp_path / "rf.gguf", extra=("rope_freqs.weight",))
     with pytest.raises(CheckpointError, match="unexpected tensor 'rope_freqs.weight'.*rope_freqs"):
         GGUFCheckpoint(tmp_path / "rf.gguf")
 
-    write_tiny_gguf(tmp_path / "q8.gguf", q8=("blk.0.ffn_up.weight",))
-    q8 = GGUFCheckpoint(tmp_path / "q8.gguf")
-    with pytest.raises(CheckpointError, match=r"tensor 'blk\.0\.ffn_up\.weight' .* Q8_0-quantized"):
-        q8.get("model.layers.0.mlp.up_proj.weight")
+    q81 = np.zeros((256, 64 // 32 * gguf.GGML_QUANT_SIZES[Q.Q8_1][1]), np.uint8)  # gguf cannot dequantize Q8_1
+    write_tiny_gguf(tmp_path / "q81.gguf", raw={"blk.0.ffn_up.weight": (q81, Q.Q8_1)})
+    with pytest.raises(CheckpointError, match=r"'blk\.0\.ffn_up\.weight' has ggml type Q8_1, which gguf .* cannot "
+                       r"dequantize; nextn reads F32, F16, .*Q4_1, .*Q8_0, .*Q4_K, .*Q6_K"):
+        GGUFCheckpoint(tmp_path / "q81.gguf")
+    assert {"Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"} <= set(supported_ggml_types()) and "Q8_1" not in supported_ggml_types()
 
     write_tiny_gguf(tmp_path / "miss.gguf", drop=("blk.0.ffn_down.weight",))
     miss = GGUFCheckpoint(tmp_path / "miss.gguf")
     with pytest.raises(WeightError, match=r"missing tensor 'model\.layers\.0\.mlp\.down_proj\.weight'"):
         list(to_runtime(miss.get, miss.has, LlamaModelConfig.from_hf(miss.hf_config), torch.float32))
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.02])
+def test_truncated_gguf_is_a_clear_error_and_leaves_no_engine(tmp_path, keep):
+    write_tiny_gguf(tmp_path / "full.gguf")
+    data = (tmp_path / "full.gguf").read_bytes()
+    cut = tmp_path / "cut" / "cut.gguf"
+    cut.parent.mkdir()
+    cut.write_bytes(data[: int(len(data) * keep)])
+    with pytest.raises(CheckpointError, match=r"cut\.gguf is a truncated or corrupt GGUF file \(\d+ bytes"):
+        GGUFCheckpoint(cut)
+    out = tmp_path / "out" / "engine"
+    with pytest.raises(CheckpointError, match="truncated"):
+        build_engine(cut, out, progress=False)
+    assert not out.exists() and list((tmp_path / "out").glob("*")) == []  # no staging directory left either

@@ -157,3 +157,27 @@ def test_config_spellings_and_errors():
         LlamaModelConfig.from_hf({k: v for k, v in base.items() if k != "intermediate_size"})
     with pytest.raises(ConfigError, match="DeepseekV3ForCausalLM"):
         LlamaModelConfig.from_hf({**base, "architectures": ["DeepseekV3ForCausalLM"]})
+
+
+def test_tiny_qwen2_checkpoint_matches_transformers(tmp_path):
+    """Qwen2 = the Llama family with q/k/v (not o) biases and its own rope theta: one module, `qkv_bias` set."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    hf_cfg = Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=True)
+    hf = Qwen2ForCausalLM(hf_cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() == 1:  # norms not all 1 and biases not all 0, so a mix-up shows
+                p.copy_((1.0 if "norm" in name else 0.0) + 0.5 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path)
+    cfg = LlamaModelConfig.from_hf(json.loads((tmp_path / "config.json").read_text()))
+    assert (cfg.architecture, cfg.qkv_bias, cfg.attention_bias, cfg.rope_theta) == ("Qwen2ForCausalLM", True, False, 1e6)
+    reader = CheckpointReader(tmp_path)
+    model = _load(cfg, reader.get, reader.has)
+    assert model.model.layers[0].self_attn.o_proj.bias is None and "lm_head.weight" not in model.state_dict()
+    _assert_matches_hf(model, hf, cfg.vocab_size, [60, 9])
+    with pytest.raises(ConfigError, match="use_sliding_window"):
+        LlamaModelConfig.from_hf({**json.loads((tmp_path / "config.json").read_text()), "use_sliding_window": True})

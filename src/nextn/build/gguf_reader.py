@@ -1,21 +1,27 @@
-"""Reader of a llama.cpp GGUF file (Llama architecture) as an HF-named checkpoint, tokenizer included.
+"""Reader of a llama.cpp GGUF file (Llama or Qwen2 architecture, float or quantized) as an HF-named checkpoint.
 
-A GGUF holds the config as metadata under llama.cpp key names (`llama.embedding_length`, ...), the tensors under
-llama.cpp names (`blk.N.attn_q.weight`, ...) and the tokenizer as arrays (`tokenizer.ggml.tokens/scores/token_type`).
+A GGUF holds the config as metadata under llama.cpp key names (`llama.embedding_length`, `qwen2.rope.freq_base`, ...),
+the tensors under llama.cpp names (`blk.N.attn_q.weight`, ...) in ggml types (F32/F16/BF16 or block-quantized: Q4_1,
+Q8_0, Q4_K, Q6_K, ...) and the tokenizer as arrays (`tokenizer.ggml.*`, rebuilt by `nextn.build.gguf_tokenizer`).
 `GGUFCheckpoint` reads it through the PyPI `gguf` library (`gguf.GGUFReader`, memory-mapped) and presents what
-`CheckpointReader` presents for safetensors: `hf_config` (a `LlamaForCausalLM` config.json dict), `names`, `has`,
-`get` (fp32 tensors by HF name), so `nextn.models.llama.weights.to_runtime` builds an engine from either.
+`CheckpointReader` presents for safetensors: `hf_config` (a `LlamaForCausalLM` / `Qwen2ForCausalLM` config.json dict),
+`names`, `has`, `get` (fp32 tensors by HF name), so `nextn.models.llama.weights.to_runtime` builds an engine from
+either. Every ggml type is dequantized by `gguf.quants.dequantize` (llama.cpp's own Python reference, the function
+`transformers` uses for GGUFs), never by nextn code; `supported_ggml_types()` lists the types it implements.
 
-llama.cpp's `convert_hf_to_gguf.py` (`LlamaModel.permute`) reorders the rows of q_proj and k_proj within each head
-from HF's rotate-half RoPE layout (pairs (i, i + d/2)) to ggml's interleaved one (pairs (2i, 2i + 1)):
-`w.reshape(heads, 2, d // 2, H).swapaxes(1, 2)`. `get` applies the inverse, `reshape(heads, d // 2, 2, H)
-.swapaxes(1, 2)`, as `transformers` does when it loads a GGUF (checked against it in tests/build/test_gguf_reader.py).
+Qwen2 is the Llama family plus q/k/v biases (`qkv_bias`), its own rope theta and vocabulary. Row order of q and k:
+llama.cpp's `convert_hf_to_gguf.py` (`LlamaModel.modify_tensors` → `LlamaModel.permute`) reorders the rows of
+q_proj and k_proj (weights and biases) within each head from HF's rotate-half RoPE layout (pairs (i, i + d/2)) to
+ggml's interleaved one (pairs (2i, 2i + 1)): `w.reshape(heads, 2, d // 2, ...).swapaxes(1, 2)`. `get` applies the
+inverse, `reshape(heads, d // 2, 2, ...).swapaxes(1, 2)`, as `transformers` does (`LlamaTensorProcessor`). Its
+`Qwen2Model` does not permute (llama.cpp runs qwen2 with NEOX-style rotate-half RoPE) and `transformers` reads qwen2
+tensors unchanged, so neither does `get`. Both checked against `transformers` in tests/build/test_gguf_reader.py.
 """
 
 from __future__ import annotations
 
 import re
-from functools import cached_property
+from functools import cache, cached_property
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +31,12 @@ import torch
 from nextn.build.checkpoint import CheckpointError
 from nextn.models.llama.config import LlamaModelConfig
 
-SUPPORTED_ARCHITECTURES = ("llama",)
-#: ggml tensor types read (converted to fp32); quantized types are refused.
-SUPPORTED_TYPES = ("F32", "F16", "BF16")
+#: GGUF `general.architecture` → the HF architecture nextn builds it as.
+SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+#: Architectures whose q/k rows llama.cpp permutes at conversion (convert_hf_to_gguf.py `LlamaModel.permute`).
+PERMUTED_ARCHITECTURES = ("llama",)
+#: ggml float types (read as they are, widened to fp32).
+FLOAT_TYPES = ("F32", "F16", "BF16")
 #: llama.cpp writes 0xFFFFFFFF (-1 as uint32) for "no such token".
 NO_TOKEN = 2**32 - 1
 _GLOBAL_NAMES = {
@@ -53,8 +62,29 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
+@cache
+def supported_ggml_types() -> tuple[str, ...]:
+    """The ggml tensor types nextn reads: those `gguf.quants.dequantize` implements (floats included), by name.
+
+    Probed once on one all-zero block per type (a few ms), so the list follows the installed `gguf` library
+    (0.19: F32, F16, BF16, Q4_0 … Q8_0, Q2_K … Q6_K, the IQ types, TQ1_0/TQ2_0, MXFP4, NVFP4; not Q8_1, Q8_K, I8 …).
+    """
+    import gguf
+
+    names = []
+    for qtype in gguf.GGMLQuantizationType:
+        _, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        try:
+            gguf.quants.dequantize(np.zeros((1, type_size), np.uint8), qtype)
+        except NotImplementedError:
+            continue
+        names.append(qtype.name)
+    return tuple(names)
+
+
 def unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's q/k row permutation: [heads · d, ...] interleaved-pair rows → HF rotate-half rows."""
+    """Undo llama.cpp's q/k row permutation: [heads · d, ...] interleaved-pair rows → HF rotate-half rows (weights
+    [heads · d, hidden] and biases [heads · d] alike)."""
     d = w.shape[0] // num_heads
     return w.reshape(num_heads, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
@@ -71,15 +101,38 @@ def _resolve_file(path: Path) -> Path:
     return path
 
 
+def _gguf_version() -> str:
+    from importlib.metadata import version
+
+    return version("gguf")
+
+
+def _open_reader(path: Path):
+    """`gguf.GGUFReader` over `path`, its failures as CheckpointError: not a GGUF, or a GGUF cut short."""
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # gguf raises ValueError/IndexError (numpy reshapes) on short or foreign files
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise CheckpointError(f"{path} is not a readable GGUF file (no GGUF magic; {size} bytes): {e}") from e
+        raise CheckpointError(f"{path} is a truncated or corrupt GGUF file ({size} bytes: its header or tensor data "
+                              f"ends early; re-download or re-convert it) [gguf: {type(e).__name__}: {e}]") from e
+
+
 class GGUFCheckpoint:
-    """Reads a Llama GGUF by HF tensor name.
+    """Reads a Llama or Qwen2 GGUF (float or quantized tensors) by HF tensor name.
 
     Args:
         path: a `.gguf` file, or a directory holding exactly one.
     Raises:
-        CheckpointError: the path is missing or holds no (or several) `.gguf` files, the file is not a GGUF, its
-            architecture is not Llama, it lacks a required metadata key, or it holds a tensor nextn cannot place
-            (each message names the file, key or tensor).
+        CheckpointError: the path is missing or holds no (or several) `.gguf` files; the file is not a GGUF or is
+            truncated; its architecture is not one of `SUPPORTED_ARCHITECTURES`; it lacks a required metadata key,
+            uses RoPE scaling or partial RoPE; or it holds a tensor nextn cannot place or a ggml type
+            `gguf.quants` cannot dequantize (each message names the file, key, tensor or type, and what is supported).
     """
 
     def __init__(self, path: str | Path) -> None:
@@ -87,21 +140,23 @@ class GGUFCheckpoint:
 
         self.path = _resolve_file(Path(path))
         self.model_dir = self.path.parent
-        try:
-            self._reader = gguf.GGUFReader(str(self.path))
-        except Exception as e:  # gguf raises ValueError for a bad magic, OSError/ValueError for empty files
-            raise CheckpointError(f"{self.path} is not a readable GGUF file: {e}") from e
-        arch = self._field("general.architecture")
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise CheckpointError(f"{self.path}: unsupported GGUF architecture {arch!r}; nextn reads "
+        self._reader = _open_reader(self.path)
+        self.architecture: str = self._field("general.architecture")  # the GGUF's, e.g. "llama", "qwen2"
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise CheckpointError(f"{self.path}: unsupported GGUF architecture {self.architecture!r}; nextn reads "
                                   f"{', '.join(SUPPORTED_ARCHITECTURES)}")
         self._tensors: dict[str, Any] = {}
+        supported = supported_ggml_types()
         for t in self._reader.tensors:
             name = hf_name(t.name)
             if name is None:
                 hint = (" (Llama-3 rope scaling stored as a rope_freqs tensor is not supported)"
                         if t.name.startswith("rope_freqs") else "")
-                raise CheckpointError(f"{self.path}: unexpected tensor {t.name!r} for a Llama GGUF{hint}")
+                raise CheckpointError(f"{self.path}: unexpected tensor {t.name!r} for a {self.architecture} "
+                                      f"GGUF{hint}")
+            if t.tensor_type.name not in supported:
+                raise CheckpointError(f"{self.path}: tensor {t.name!r} has ggml type {t.tensor_type.name}, which "
+                                      f"gguf {_gguf_version()} cannot dequantize; nextn reads {', '.join(supported)}")
             self._tensors[name] = t
         self.hf_config: dict[str, Any] = self._hf_config()
 
@@ -119,36 +174,57 @@ class GGUFCheckpoint:
         value = self._field(f"tokenizer.ggml.{key}", None)
         return None if value is None or int(value) == NO_TOKEN else int(value)
 
+    @property
+    def is_quantized(self) -> bool:
+        """Whether any tensor is block-quantized (not F32/F16/BF16): the file then has no float dtype to keep."""
+        return any(t.tensor_type.name not in FLOAT_TYPES for t in self._tensors.values())
+
     def _hf_config(self) -> dict[str, Any]:
-        """A `LlamaForCausalLM` config.json dict from the `llama.*` and `tokenizer.ggml.*` metadata."""
-        k = lambda key, default=...: self._field(f"llama.{key}", default)  # noqa: E731
+        """An HF config.json dict (`LlamaForCausalLM` or `Qwen2ForCausalLM`) from the `{arch}.*` and
+        `tokenizer.ggml.*` metadata, with biases and tying read off the tensors present."""
+        arch = self.architecture
+        k = lambda key, default=...: self._field(f"{arch}.{key}", default)  # noqa: E731
         heads = int(k("attention.head_count"))
         hidden = int(k("embedding_length"))
+        head_dim = int(k("attention.key_length", hidden // heads))
+        rope_dim = int(k("rope.dimension_count", head_dim))
+        if rope_dim != head_dim:
+            raise CheckpointError(f"{self.path}: {arch}.rope.dimension_count {rope_dim} differs from the head size "
+                                  f"{head_dim}; partial RoPE is not supported")
+        scaling = str(k("rope.scaling.type", "none"))
+        if scaling != "none":
+            raise CheckpointError(f"{self.path}: {arch}.rope.scaling.type {scaling!r} is not supported (nextn reads "
+                                  "GGUFs with plain RoPE)")
         tokens = self._field("tokenizer.ggml.tokens", None, array=True)
         embed = self._tensors.get("model.embed_tokens.weight")
-        vocab = len(tokens) if tokens is not None else (int(embed.shape[1]) if embed is not None else None)
+        # The embedding's rows are the model's vocabulary; else llama.cpp's vocab_size key, else the token list.
+        vocab = (int(embed.shape[1]) if embed is not None else k("vocab_size", None)
+                 or (len(tokens) if tokens is not None else None))
         if vocab is None:
             raise CheckpointError(f"{self.path} has neither tokenizer.ggml.tokens nor token_embd.weight: "
                                   "cannot tell the vocabulary size")
         first = embed.tensor_type.name if embed is not None else "F32"
+        o_bias = "model.layers.0.self_attn.o_proj.bias" in self._tensors
         return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "vocab_size": vocab,
+            "architectures": [SUPPORTED_ARCHITECTURES[arch]],
+            "model_type": arch,
+            "vocab_size": int(vocab),
             "hidden_size": hidden,
             "intermediate_size": int(k("feed_forward_length")),
             "num_hidden_layers": int(k("block_count")),
             "num_attention_heads": heads,
             "num_key_value_heads": int(k("attention.head_count_kv", heads)),
-            "head_dim": int(k("attention.key_length", hidden // heads)),
+            "head_dim": head_dim,
             "rms_norm_eps": float(k("attention.layer_norm_rms_epsilon", 1e-5)),
             "rope_theta": float(k("rope.freq_base", 10000.0)),
             "rope_scaling": None,
             "max_position_embeddings": int(k("context_length", 2048)),
             "tie_word_embeddings": "lm_head.weight" not in self._tensors,
-            "attention_bias": "model.layers.0.self_attn.q_proj.bias" in self._tensors,
+            "attention_bias": o_bias,  # HF Llama's flag: q/k/v/o biased
+            "qkv_bias": "model.layers.0.self_attn.q_proj.bias" in self._tensors and not o_bias,  # Qwen2
             "bos_token_id": self._token_id("bos_token_id"),
             "eos_token_id": self._token_id("eos_token_id"),
+            # Dequantized values are exact in fp32; `build-engine --dtype auto` picks for quantized files.
             "torch_dtype": {"F16": "float16", "BF16": "bfloat16"}.get(first, "float32"),
         }
 
@@ -171,29 +247,27 @@ class GGUFCheckpoint:
         return name in self._tensors
 
     def get(self, name: str) -> torch.Tensor:
-        """Tensor `name` (HF name) as fp32, in HF's layout (q/k rows un-permuted).
+        """Tensor `name` (HF name) as fp32 [out, in] (or [n]), dequantized by `gguf.quants.dequantize`, in HF's
+        layout (q/k rows un-permuted for llama-architecture files).
 
         Raises:
-            KeyError: no such tensor. CheckpointError: its ggml type is quantized (the message names tensor and type).
+            KeyError: no such tensor.
         """
+        import gguf
+
         t = self._tensors.get(name)
         if t is None:
             raise KeyError(f"{name!r} not in {self.path}")
-        kind = t.tensor_type.name
-        if kind not in SUPPORTED_TYPES:
-            raise CheckpointError(f"{self.path}: tensor {t.name!r} ({name}) is {kind}-quantized; nextn reads "
-                                  f"{', '.join(SUPPORTED_TYPES)} GGUFs (convert with --outtype f16 or f32)")
-        if kind == "BF16":
-            import gguf
-
-            data = gguf.dequantize(t.data, t.tensor_type)
-        else:
-            data = np.asarray(t.data, dtype=np.float32)
-        w = torch.from_numpy(np.array(data, dtype=np.float32).reshape([int(n) for n in reversed(t.shape)]))
-        if ".self_attn.q_proj." in name:
-            w = unpermute_rope_rows(w, self.hf_config["num_attention_heads"])
-        elif ".self_attn.k_proj." in name:
-            w = unpermute_rope_rows(w, self.hf_config["num_key_value_heads"])
+        # A plain-ndarray view of the memory map: gguf slices it per row group, and memmap slices are slow to make.
+        data = np.asarray(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type), dtype=np.float32)
+        if not data.flags.writeable:  # F32 tensors come back as views of the read-only memory map
+            data = data.copy()
+        w = torch.from_numpy(data.reshape([int(n) for n in reversed(t.shape)]))
+        if self.architecture in PERMUTED_ARCHITECTURES:
+            if ".self_attn.q_proj." in name:
+                w = unpermute_rope_rows(w, self.hf_config["num_attention_heads"])
+            elif ".self_attn.k_proj." in name:
+                w = unpermute_rope_rows(w, self.hf_config["num_key_value_heads"])
         return w
 
     def close(self) -> None:

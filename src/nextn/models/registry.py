@@ -11,15 +11,17 @@ from nextn.models.config import ConfigError, DeepseekV3ModelConfig
 from nextn.models.deepseek_v3 import weights as deepseek_weights
 from nextn.models.deepseek_v3.model import DeepseekV3ForCausalLM
 from nextn.models.llama import weights as llama_weights
-from nextn.models.llama.config import LlamaModelConfig
+from nextn.models.llama.config import LLAMA_ARCHITECTURES, LlamaModelConfig
 from nextn.models.llama.model import LlamaForCausalLM
 
 #: A normalised model config; `architecture` tells which family.
 ModelConfig = Annotated[Union[DeepseekV3ModelConfig, LlamaModelConfig], Field(discriminator="architecture")]
 
-MODEL_CLASSES = {"DeepseekV3ForCausalLM": DeepseekV3ForCausalLM, "LlamaForCausalLM": LlamaForCausalLM}
+#: Qwen2 is the Llama family with q/k/v biases: same module and weight layout, options in `LlamaModelConfig`.
+MODEL_CLASSES = {"DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+                 **{arch: LlamaForCausalLM for arch in LLAMA_ARCHITECTURES}}
 WEIGHT_LAYOUTS: dict[str, ModuleType] = {"DeepseekV3ForCausalLM": deepseek_weights,
-                                         "LlamaForCausalLM": llama_weights}
+                                         **{arch: llama_weights for arch in LLAMA_ARCHITECTURES}}
 
 
 def model_config_from_hf(hf: dict[str, Any]) -> DeepseekV3ModelConfig | LlamaModelConfig:
@@ -29,7 +31,7 @@ def model_config_from_hf(hf: dict[str, Any]) -> DeepseekV3ModelConfig | LlamaMod
         ConfigError: an unsupported architecture (the message lists the supported ones) or an invalid field.
     """
     archs = hf.get("architectures") or []
-    if (archs and archs[0] == "LlamaForCausalLM") or hf.get("model_type") == "llama":
+    if (archs and archs[0] in LLAMA_ARCHITECTURES) or hf.get("model_type") in LLAMA_ARCHITECTURES.values():
         return LlamaModelConfig.from_hf(hf)
     if (archs and archs[0] == "DeepseekV3ForCausalLM") or hf.get("model_type") == "deepseek_v3":
         return DeepseekV3ModelConfig.from_hf(hf)

@@ -1,5 +1,10 @@
 """The normalised Llama-family configuration, read from an HF `config.json` (either rope spelling) or a GGUF.
 
+The family covers Llama (`LlamaForCausalLM`) and Qwen2 (`Qwen2ForCausalLM`: a Llama with biases on q/k/v only, as
+HF `Qwen2Attention` has them; its own rope theta and vocabulary come from the config): one model with options
+(`attention_bias`, `qkv_bias`, `tie_word_embeddings`), not a copy. Qwen2's sliding-window attention is refused
+(`use_sliding_window: true`; Qwen2.5 releases leave it off).
+
 Two spellings of the rotary settings occur and both load:
 - older `transformers` / Meta releases: `rope_theta` + `rope_scaling: {rope_type: llama3, factor, ...}` (or null);
 - `transformers` 5: `rope_parameters: {rope_type: default | llama3, rope_theta, ...}`.
@@ -15,7 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from nextn.models.config import ConfigError
 
-LLAMA_ARCHITECTURES = ("LlamaForCausalLM",)
+#: HF architecture → model_type of the checkpoints this family reads.
+LLAMA_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 
 
 class Llama3RopeScaling(BaseModel):
@@ -37,11 +43,11 @@ class Llama3RopeScaling(BaseModel):
 
 
 class LlamaModelConfig(BaseModel):
-    """Llama hyper-parameters (HF `LlamaConfig` field names)."""
+    """Llama-family hyper-parameters (HF `LlamaConfig` field names; Qwen2 sets `qkv_bias`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
-    architecture: Literal["LlamaForCausalLM"] = "LlamaForCausalLM"
+    architecture: Literal["LlamaForCausalLM", "Qwen2ForCausalLM"] = "LlamaForCausalLM"
     vocab_size: int = Field(gt=0)
     hidden_size: int = Field(gt=0)
     intermediate_size: int = Field(gt=0)  # SwiGLU width
@@ -53,8 +59,9 @@ class LlamaModelConfig(BaseModel):
     rope_theta: float = Field(default=10000.0, gt=0)  # RoPE base
     rope_scaling: Llama3RopeScaling | None = None  # null: plain RoPE
     max_position_embeddings: int = Field(default=2048, gt=0)
-    tie_word_embeddings: bool = False  # lm_head shares embed_tokens (the engine stores an explicit copy)
-    attention_bias: bool = False  # q/k/v/o projections carry biases
+    tie_word_embeddings: bool = False  # lm_head is embed_tokens (stored once in the engine)
+    attention_bias: bool = False  # q/k/v/o projections carry biases (HF LlamaConfig)
+    qkv_bias: bool = False  # q/k/v (not o) projections carry biases (Qwen2; implied by attention_bias)
     mlp_bias: Literal[False] = False  # biased MLPs are not supported (no released Llama uses them)
     hidden_act: Literal["silu"] = "silu"
     bos_token_id: int | None = None
@@ -84,6 +91,11 @@ class LlamaModelConfig(BaseModel):
 
     # Derived sizes -------------------------------------------------------------------------------
     @property
+    def has_qkv_bias(self) -> bool:
+        """Whether q_proj, k_proj and v_proj carry biases (`attention_bias` or `qkv_bias`)."""
+        return self.attention_bias or self.qkv_bias
+
+    @property
     def kv_cache_dim(self) -> int:
         """Values cached per token per layer: K then V of every KV head, 2 · num_key_value_heads · head_dim."""
         return 2 * self.num_key_value_heads * self.head_dim
@@ -102,11 +114,14 @@ class LlamaModelConfig(BaseModel):
                 value; the message names the field.
         """
         archs = hf.get("architectures") or []
-        arch = archs[0] if archs else None
-        if arch not in LLAMA_ARCHITECTURES and not (arch is None and hf.get("model_type") == "llama"):
+        model_types = {t: a for a, t in LLAMA_ARCHITECTURES.items()}
+        arch = archs[0] if archs else model_types.get(hf.get("model_type"))
+        if arch not in LLAMA_ARCHITECTURES:
             raise ConfigError(f"unsupported architecture {arch or hf.get('model_type')!r}: the Llama family reads "
-                              f"{', '.join(LLAMA_ARCHITECTURES)} (model_type 'llama')")
-        skip = ("architecture", "rope_theta", "rope_scaling", "torch_dtype")
+                              + ", ".join(f"{a} (model_type {t!r})" for a, t in LLAMA_ARCHITECTURES.items()))
+        if hf.get("use_sliding_window"):
+            raise ConfigError(f"{arch} with use_sliding_window: true is not supported (sliding-window attention)")
+        skip = ("architecture", "rope_theta", "rope_scaling", "torch_dtype", "qkv_bias")
         fields: dict[str, Any] = {k: hf[k] for k in cls.model_fields if k not in skip and hf.get(k) is not None}
         required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
         missing = [k for k in required if k not in fields]
@@ -114,10 +129,12 @@ class LlamaModelConfig(BaseModel):
             raise ConfigError(f"config lacks required field(s) {missing} for a Llama checkpoint")
         fields["rope_theta"], fields["rope_scaling"] = _rope_from_hf(hf)
         fields["torch_dtype"] = str(hf.get("dtype") or hf.get("torch_dtype") or "float32").removeprefix("torch.")
+        fields["architecture"] = arch
+        fields["qkv_bias"] = bool(hf.get("qkv_bias", arch == "Qwen2ForCausalLM"))  # Qwen2Attention: q/k/v biased
         try:
             return cls(**fields)
         except ValueError as e:  # pydantic.ValidationError is a ValueError
-            raise ConfigError(f"invalid Llama config: {e}") from e
+            raise ConfigError(f"invalid {arch} config: {e}") from e
 
 
 def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:

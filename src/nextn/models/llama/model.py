@@ -27,15 +27,16 @@ from nextn.runtime.attention_metadata import AttentionMetadata
 
 
 class LlamaAttention(nn.Module):
-    """Grouped-query attention with HF parameter names (`q_proj`, `k_proj`, `v_proj`, `o_proj`)."""
+    """Grouped-query attention with HF parameter names (`q_proj`, `k_proj`, `v_proj`, `o_proj`); q/k/v biases when
+    `cfg.has_qkv_bias` (Qwen2), an o_proj bias too when `cfg.attention_bias`."""
 
     def __init__(self, cfg: LlamaModelConfig) -> None:
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=cfg.has_qkv_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.has_qkv_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.has_qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=cfg.attention_bias)
         self.scale = cfg.softmax_scale
 
@@ -116,8 +117,25 @@ class LlamaBody(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
 
+class TiedLMHead(nn.Module):
+    """The lm_head of a tied model: `weight` is the embedding's [vocab, hidden] parameter, owned (and stored) once.
+
+    The embedding module is held outside the module tree, so `state_dict` has no `lm_head.weight`, and `weight`
+    follows the embedding when `load_state_dict(assign=True)` replaces its parameter.
+    """
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        self._embedding = (embedding,)  # a tuple: not registered as a submodule
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._embedding[0].weight
+
+
 class LlamaForCausalLM(SelfDraftingCausalLM):
-    """The Llama target model; parameter names are HF's (a tied checkpoint gets an explicit `lm_head.weight`).
+    """The Llama-family target model (Llama, Qwen2); parameter names are HF's. A tied model
+    (`tie_word_embeddings`) has no `lm_head.weight` of its own: its lm_head is the embedding (`TiedLMHead`).
 
     The KV cache is one tensor [num_hidden_layers + num_nextn_predict_layers, num_slots, 2 · num_key_value_heads ·
     head_dim]: MTP layers page through the same block tables as the target.
@@ -127,10 +145,17 @@ class LlamaForCausalLM(SelfDraftingCausalLM):
         super().__init__()
         self.cfg = cfg
         self.model = LlamaBody(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head: nn.Module = (TiedLMHead(self.model.embed_tokens) if cfg.tie_word_embeddings
+                                   else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
+        self._register_load_state_dict_pre_hook(self._drop_tied_copy)
         self.draft_head_weight: torch.Tensor | None = None
         self.register_buffer("rope_table", rope_cache(cfg, max_positions or cfg.max_position_embeddings),
                              persistent=False)
+
+    def _drop_tied_copy(self, state_dict, prefix, *args) -> None:
+        """Engines built before tied embeddings were stored once hold an explicit `lm_head.weight` copy: drop it."""
+        if self.cfg.tie_word_embeddings:
+            state_dict.pop(prefix + "lm_head.weight", None)
 
     def rope_table_for(self, num_positions: int) -> torch.Tensor:
         """A fresh `rope_table` [num_positions, 2, head_dim // 2] fp32 on the CPU (after loading on the meta device)."""

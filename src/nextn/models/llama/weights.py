@@ -1,8 +1,7 @@
 """Llama weight layouts: the HF checkpoint's tensors and the engine's (runtime) tensors.
 
-The engine keeps HF names unchanged; the changes made at build time are that a tied checkpoint
-(`tie_word_embeddings`, no `lm_head.weight`) gets an explicit `lm_head.weight` copied from `model.embed_tokens.weight`,
-and that MTP layers (`model.layers.{num_hidden_layers + i}`: a decoder block plus `enorm`, `hnorm`, `eh_proj`,
+The engine keeps HF names unchanged; the changes made at build time are that a tied model (`tie_word_embeddings`)
+stores its embedding once (no `lm_head.weight`, even when the checkpoint holds a copy), and that MTP layers (`model.layers.{num_hidden_layers + i}`: a decoder block plus `enorm`, `hnorm`, `eh_proj`,
 `shared_head.norm`) lose their copies of `embed_tokens` / `shared_head.head` when a checkpoint carries them, as for
 DeepSeek-V3 (every engine uses the main model's embedding and lm_head).
 """
@@ -32,16 +31,18 @@ def _layer_specs(cfg: LlamaModelConfig) -> dict[str, Shape]:
         "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
         "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
     }  # fmt: skip
+    if cfg.has_qkv_bias:
+        specs.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
     if cfg.attention_bias:
-        specs.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
-                      "self_attn.v_proj.bias": (kv,), "self_attn.o_proj.bias": (h,)})
+        specs["self_attn.o_proj.bias"] = (h,)
     specs.update({"mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i),
                   "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)})
     return specs
 
 
 def runtime_weight_specs(cfg: LlamaModelConfig) -> dict[str, Shape]:
-    """Every tensor an engine holds, name → shape, in build order (MTP layers after the main ones)."""
+    """Every tensor an engine holds, name → shape, in build order (MTP layers after the main ones; no
+    `lm_head.weight` when tied)."""
     h, v = cfg.hidden_size, cfg.vocab_size
     specs: dict[str, Shape] = {"model.embed_tokens.weight": (v, h)}
     layer = _layer_specs(cfg)
@@ -52,7 +53,8 @@ def runtime_weight_specs(cfg: LlamaModelConfig) -> dict[str, Shape]:
     for n in range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers):
         specs.update({f"model.layers.{n}.{k}": s for k, s in mtp.items()})
     specs["model.norm.weight"] = (h,)
-    specs["lm_head.weight"] = (v, h)
+    if not cfg.tie_word_embeddings:
+        specs["lm_head.weight"] = (v, h)
     return specs
 
 
@@ -71,10 +73,6 @@ def to_runtime(
     """
     for name, shape in runtime_weight_specs(cfg).items():
         if name == "lm_head.weight" and not has(name):
-            if not cfg.tie_word_embeddings:
-                raise WeightError(f"checkpoint is missing tensor 'lm_head.weight' (expected shape {list(shape)}; "
-                                  "tie_word_embeddings is false)")
-            name_src = "model.embed_tokens.weight"
-        else:
-            name_src = name
-        yield name, checked_tensor(get, name_src, shape).to(dtype).contiguous()
+            raise WeightError(f"checkpoint is missing tensor 'lm_head.weight' (expected shape {list(shape)}; "
+                              "tie_word_embeddings is false)")
+        yield name, checked_tensor(get, name, shape).to(dtype).contiguous()
