@@ -18,6 +18,7 @@ import numpy as np
 
 from nextn.runtime.outputs import RequestOutput
 from nextn.runtime.sampling_params import SamplingParams, SamplingParamsError
+from nextn.runtime.tokenizer import ChatTemplateError, EngineTokenizer
 from nextn.serving import PROMPT_CHARS_PER_TOKEN
 
 
@@ -59,6 +60,9 @@ INPUTS = (
     TensorSpec("runtime_top_p", "TYPE_FP32", (1,), True),
     TensorSpec("seed", "TYPE_UINT64", (1,), True),
     TensorSpec("end_id", "TYPE_INT32", (1,), True),
+    # nextn's extension (TensorRT-LLM's ensemble has none): text_input is one user message, rendered with the chat
+    # template the engine stores (the GGUF's tokenizer.chat_template, or the HF tokenizer's).
+    TensorSpec("apply_chat_template", "TYPE_BOOL", (1,), True),
 )
 KV_FREE_BLOCKS = "kv_cache_free_blocks"  # nextn's extension, filled only when the client requests it
 OUTPUTS = (
@@ -88,11 +92,14 @@ class ParsedRequest:
         prompt: the text (`text_input`) or the token ids (`input_ids`).
         sampling_params: validated `SamplingParams`.
         streaming: one response per engine step (decoupled models only).
+        apply_chat_template: render the text prompt as one user message with the model's chat template
+            (`render_prompt`).
     """
 
     prompt: str | list[int]
     sampling_params: SamplingParams
     streaming: bool
+    apply_chat_template: bool = False
 
 
 def parse_request(inputs: Mapping[str, np.ndarray], decoupled: bool, vocab_size: int | None = None,
@@ -143,7 +150,28 @@ def parse_request(inputs: Mapping[str, np.ndarray], decoupled: bool, vocab_size:
         sampling_params = SamplingParams(**params)
     except SamplingParamsError as e:
         raise TritonRequestError(str(e)) from None
-    return ParsedRequest(prompt, sampling_params, streaming)
+    chat = "apply_chat_template" in inputs and bool(_scalar(inputs, "apply_chat_template"))
+    if chat and not isinstance(prompt, str):
+        raise TritonRequestError("apply_chat_template renders text_input; input_ids are sent to the model as they are")
+    return ParsedRequest(prompt, sampling_params, streaming, chat)
+
+
+def render_prompt(parsed: ParsedRequest, tokenizer: EngineTokenizer | None) -> str | list[int]:
+    """The prompt to submit: `parsed.prompt`, or with `apply_chat_template` its chat-template token ids (the text as
+    one user message, `EngineTokenizer.apply_chat_template`; equal to transformers' with add_generation_prompt).
+
+    Raises:
+        TritonRequestError: apply_chat_template on an engine without a tokenizer or without a chat template, or the
+            template rejected the message.
+    """
+    if not parsed.apply_chat_template:
+        return parsed.prompt
+    if tokenizer is None:
+        raise TritonRequestError("apply_chat_template needs a tokenizer and this engine has none: send input_ids")
+    try:
+        return tokenizer.apply_chat_template([{"role": "user", "content": parsed.prompt}])
+    except ChatTemplateError as e:
+        raise TritonRequestError(str(e)) from None
 
 
 def response_tensors(output: RequestOutput, delta: bool, kv_free_blocks: int | None = None) -> dict[str, np.ndarray]:

@@ -49,7 +49,8 @@ class TritonPythonModel:
                       if (t := pb_utils.get_input_tensor_by_name(request, name)) is not None}
             parsed = triton_io.parse_request(inputs, self.decoupled, self.llm.engine.cfg.vocab_size,
                                              self.llm.engine.max_seq_len)
-            handle = self.llm.generate_async(parsed.prompt, parsed.sampling_params, streaming=parsed.streaming)
+            prompt = triton_io.render_prompt(parsed, self.llm.tokenizer)  # the chat template, when asked
+            handle = self.llm.generate_async(prompt, parsed.sampling_params, streaming=parsed.streaming)
         except Exception as e:  # RequestError, TritonRequestError: the client's mistake, said plainly
             code = getattr(pb_utils.TritonError, "INVALID_ARG", None) if isinstance(e, ValueError) else None
             sender.send(_error(f"{type(e).__name__}: {e}", code), flags=_FINAL)
