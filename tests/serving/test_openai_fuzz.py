@@ -109,7 +109,8 @@ def _bad(rng: random.Random) -> tuple[str, str, str, dict, bytes | None, bool, s
         return kind, "POST", path, AUTH, _with(rng, good, rng.choice(FIELDS), rng.choice(NASTY)), False, None
     if kind == "literal":  # a raw JSON token in place of a value
         field = rng.choice(FIELDS[:9])
-        return kind, "POST", path, AUTH, _with(rng, good, field, "@@").replace(b'"@@"', rng.choice(LITERALS)), False, None
+        body = _with(rng, good, field, "@@").replace(b'"@@"', rng.choice(LITERALS))
+        return kind, "POST", path, AUTH, body, False, None
     if kind == "bytes":  # byte-level mutations of a good body
         data = bytearray(raw)
         for _ in range(rng.randint(1, 4)):

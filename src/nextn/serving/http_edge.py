@@ -2,10 +2,11 @@
 
 Everything here runs before a request reaches the routes' logic, and every refusal is an `APIError` (OpenAI's error
 body). The order, outermost first: the API key (`ApiKeyMiddleware`, 401, every path but /health), then for POST
-routes `read_json`: the body size (413 before reading more than the limit), UTF-8, JSON syntax, nesting depth,
-lone surrogates (400, each naming where the problem is and the fix). Parsing a large body runs off the event loop,
-so /health and the other requests stay responsive. The API key follows vLLM's `--api-key` and llama.cpp's
-`llama-server --api-key`: `Authorization: Bearer <key>`, compared in constant time.
+routes `read_body` (the body size: 413 before reading more than the limit) and `parse_json` (UTF-8, JSON syntax,
+nesting depth, lone surrogates: 400, each naming where the problem is and the fix). The server parses a large body
+off the event loop (OFFLOAD_BYTES), so /health and the other requests stay responsive. The API key follows
+vLLM's `--api-key` and llama.cpp's `llama-server --api-key`: `Authorization: Bearer <key>`, compared in constant
+time.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import ipaddress
 import json
 import re
 
-import anyio
 from starlette.requests import ClientDisconnect, Request
 
 from nextn.serving.openai_protocol import APIError, short
@@ -23,7 +23,7 @@ from nextn.serving.openai_protocol import APIError, short
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # 16 MiB: far above any prompt that fits a context (see RELIABILITY.md)
 MAX_JSON_DEPTH = 32  # the deepest real request (chat: body → messages → message → content → part) is 5
 DRAIN_FACTOR = 8  # an oversized body of up to 8× the limit is read and dropped so the client sees the 413
-OFFLOAD_BYTES = 256 * 2**10  # bodies larger than this are parsed in a worker thread
+OFFLOAD_BYTES = 256 * 2**10  # bodies larger than this are parsed and validated in a worker thread
 PUBLIC_PATHS = frozenset({"/health"})  # answered without the API key (load balancers' probes)
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
@@ -144,14 +144,6 @@ def parse_json(body: bytes) -> object:
                            None if bad.startswith("the ") else bad.split(".")[0].split("[")[0],
                            "invalid_encoding") from None
     return obj
-
-
-async def read_json(request: Request, limit: int) -> object:
-    """`read_body` then `parse_json`, the parsing in a worker thread for bodies over OFFLOAD_BYTES."""
-    body = await read_body(request, limit)
-    if len(body) > OFFLOAD_BYTES:
-        return await anyio.to_thread.run_sync(parse_json, body)
-    return parse_json(body)
 
 
 class ApiKeyMiddleware:

@@ -87,8 +87,8 @@ class _SamplingRequest(_Request):
     @classmethod
     def _one_choice(cls, v: int) -> int:
         if v != 1:
-            raise ValueError(f"n={short(v)} is not supported: nextn serve returns one choice per prompt; send n separate "
-                             "requests (with different seeds) instead")
+            raise ValueError(f"n={short(v)} is not supported: nextn serve returns one choice per prompt; send n "
+                             "separate requests (with different seeds) instead")
         return v
 
     @field_validator("presence_penalty", "frequency_penalty")

@@ -41,7 +41,8 @@ from nextn.runtime.request_handle import RequestHandle
 from nextn.runtime.sampling_params import SamplingParamsError
 from nextn.serving import openai_protocol as p
 from nextn.serving import PROMPT_CHARS_PER_TOKEN
-from nextn.serving.http_edge import DEFAULT_MAX_REQUEST_BYTES, ApiKeyMiddleware, read_json
+from nextn.serving.http_edge import (DEFAULT_MAX_REQUEST_BYTES, OFFLOAD_BYTES, ApiKeyMiddleware, parse_json,
+                                     read_body)
 from nextn.serving.metrics import CountRequests, ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -101,11 +102,14 @@ class OpenAIServer:
         Raises:
             p.APIError: 413 for a body over max_request_bytes, 400 naming every bad field.
         """
-        body = await read_json(raw, self.max_request_bytes)
-        try:
-            return model.model_validate(body)
-        except ValidationError as e:
-            raise p.validation_error(e) from None
+        body = await read_body(raw, self.max_request_bytes)
+
+        def decode() -> _Model:
+            try:
+                return model.model_validate(parse_json(body))
+            except ValidationError as e:
+                raise p.validation_error(e) from None
+        return await self._off_loop(decode) if len(body) > OFFLOAD_BYTES else decode()
 
     def _check_chars(self, num_chars: int, param: str) -> None:
         if num_chars > self.max_prompt_chars:
