@@ -93,6 +93,7 @@ def test_every_bad_field_is_a_400_in_openai_format(server, body, fragment):
     ({"messages": [{"role": "user", "content": "a" * 9000}]}, "the prompt has 9000 characters; at most 8192"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "greater than or equal to 1"),
     ({"messages": [{"role": "user", "content": "hi", "name": "n" * 300}]}, "at most 256 characters"),
+    ({"messages": [{"role": "user", "content": ""}] * 300}, "300 messages cannot fit max_seq_len 256"),
 ])
 def test_chat_fields_are_checked_too(server, body, fragment):
     assert_error(*post(server, body, "/v1/chat/completions"), 400, fragment)

@@ -177,6 +177,12 @@ def test_bad_requests_get_errors_while_a_good_one_runs(server, reference):
             (_ids([5], top_p=np.array([[0.0]], np.float32)), "top_p"),
             (_ids([5], temperature=np.array([[-1.0]], np.float32)), "temperature must be ≥ 0"),
             (_ids([5], stream=np.array([[True]])), "streaming needs a decoupled model"),
+            (_ids([5], top_k=np.array([[2**31 - 1]], np.int32), temperature=np.array([[1.0]], np.float32)),
+             "top_k=2147483647 exceeds the vocabulary"),
+            (_ids([5], end_id=np.array([[-1]], np.int32)), "end_id=-1 is outside the vocabulary"),
+            (_ids([5], seed=np.array([[2**64 - 1]], np.uint64)), "seed"),
+            (dict(text_input=np.array([["x\ud800".encode("utf-8", "surrogatepass")]], np.object_),
+                  max_tokens=np.array([[2]], np.int32)), "not valid UTF-8"),
             (dict(input_ids=np.array([[5.0]], np.float32), request_output_len=np.array([[2]], np.int32)), "INT32"),
         ]
         for arrays, match in bad:

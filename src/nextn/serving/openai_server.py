@@ -135,6 +135,9 @@ class OpenAIServer:
         if self.tokenizer is None:
             raise p.APIError(400, "this engine has no tokenizer, so it cannot render chat messages: use "
                              "/v1/completions with token-id prompts", "messages")
+        if len(messages) > self.max_seq_len:  # every message renders to at least one token
+            raise p.APIError(400, f"{len(messages)} messages cannot fit max_seq_len {self.max_seq_len} tokens: send "
+                             "fewer messages", "messages", "context_length_exceeded")
         msgs = [{"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {}) for m in messages]
         self._check_chars(sum(len(m["content"]) for m in msgs), "messages")
         try:
