@@ -166,7 +166,8 @@ class EngineManifest(BaseModel):
     weight_files: list[str] = Field(default=["model.safetensors"], min_length=1)
     tokenizer_files: list[str] = []  # empty: the engine takes token-id prompts only
     aux_files: list[str] = []  # other copied files (generation_config.json)
-    checksums: dict[str, FileChecksum] = {}  # every file but manifest.json → size and SHA-256; empty: built before
+    checksums: dict[str, FileChecksum] = {}  # weight, tokenizer, aux files → size, SHA-256; empty: built before
+    # (compiled_step's files carry their own SHA-256)
     compiled_step: CompiledStepInfo | None = None  # absent in engines built without --compile_step
 
     @field_validator("weight_files", "tokenizer_files", "aux_files")
@@ -195,7 +196,7 @@ class EngineManifest(BaseModel):
             raise ValueError(f"speculative.num_mtp_modules={s.num_mtp_modules} but the model stores "
                              f"num_nextn_predict_layers={self.model.num_nextn_predict_layers} MTP layers")
         if self.checksums:
-            unchecked = sorted(set(self.data_files()) - set(self.checksums))
+            unchecked = sorted({*self.weight_files, *self.tokenizer_files, *self.aux_files} - set(self.checksums))
             if unchecked:
                 raise ValueError(f"files {unchecked} are listed without a checksum")
         return self
