@@ -214,3 +214,11 @@ def test_cli_reads_the_key_from_nextn_api_key_and_warns(monkeypatch, tmp_path, c
     with pytest.raises(Exception):  # no engine there: fails after the warning, before serving
         serve_cli.run(parse("--host", "0.0.0.0"))
     assert "nextn serve: warning: serving on 0.0.0.0 without an API key" in capsys.readouterr().err
+
+
+def test_load_check_passes_with_the_api_key(server, capsys):
+    from nextn.serving import load_check
+
+    assert load_check.main(["--url", server.url, "--requests", "8", "--max_tokens", "4", "--api_key", KEY]) == 0
+    assert "load check: PASSED" in capsys.readouterr().out
+    assert load_check.main(["--url", server.url, "--requests", "8", "--max_tokens", "4", "--api_key", "no"]) != 0

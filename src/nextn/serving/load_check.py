@@ -1,7 +1,7 @@
 """Load check of `nextn serve`: concurrent streams, cancellations and bad requests, then health and figures.
 
     python -m nextn.serving.load_check --engine_dir DIR [--requests 64] [--max_tokens 32]
-    python -m nextn.serving.load_check --url http://127.0.0.1:8000 [--requests 64]
+    python -m nextn.serving.load_check --url http://127.0.0.1:8000 [--requests 64] [--api_key KEY]
 
 Starts the server (or targets `--url`, loopback only), takes each prompt's non-streaming greedy completion as the
 reference, then fires all requests at once: most stream (greedy, `ignore_eos`), every 8th from the 6th closes its
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import socket
 import statistics
@@ -48,8 +49,11 @@ class Outcome:
     extra: dict = field(default_factory=dict)
 
 
-def _http(url: str, body: bytes | None = None, timeout: float = 60) -> tuple[int, str]:
-    req = urllib.request.Request(url, body, {"Content-Type": "application/json"} if body is not None else {})
+def _http(url: str, body: bytes | None = None, timeout: float = 60, api_key: str | None = None) -> tuple[int, str]:
+    headers = {"Content-Type": "application/json"} if body is not None else {}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    req = urllib.request.Request(url, body, headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, r.read().decode()
@@ -109,9 +113,9 @@ async def _stream(client, model: str, prompt: str, max_tokens: int, reference: t
     return out
 
 
-async def _bad(url: str, body: bytes) -> Outcome:
+async def _bad(url: str, body: bytes, api_key: str | None) -> Outcome:
     out = Outcome("bad")
-    status, text = await asyncio.to_thread(_http, url + "/v1/completions", body)
+    status, text = await asyncio.to_thread(_http, url + "/v1/completions", body, 60, api_key)
     try:
         error = json.loads(text)["error"]
         out.ok = 400 <= status < 500 and bool(error["message"]) and set(error) == {"message", "type", "param", "code"}
@@ -121,10 +125,10 @@ async def _bad(url: str, body: bytes) -> Outcome:
     return out
 
 
-async def _run(url: str, num_requests: int, max_tokens: int) -> tuple[list[Outcome], float]:
+async def _run(url: str, num_requests: int, max_tokens: int, api_key: str | None) -> tuple[list[Outcome], float]:
     import openai
 
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=api_key or "unused", max_retries=0, timeout=600)
     card = (await client.models.list()).data[0]
     model, max_seq_len = card.id, getattr(card, "max_model_len", 2048)
     refs = {}
@@ -137,7 +141,7 @@ async def _run(url: str, num_requests: int, max_tokens: int) -> tuple[list[Outco
     for i in range(num_requests):
         prompt = PROMPTS[i % len(PROMPTS)]
         if i % 8 == 3:
-            tasks.append(_bad(url, bad[(i // 8) % len(bad)]))
+            tasks.append(_bad(url, bad[(i // 8) % len(bad)], api_key))
         else:
             cancel = i % 8 == 5  # asks for nearly max_seq_len tokens: only an abort frees its blocks soon
             limit = max_seq_len - 32 if cancel else max_tokens
@@ -149,12 +153,13 @@ async def _run(url: str, num_requests: int, max_tokens: int) -> tuple[list[Outco
     return list(outcomes), wall
 
 
-def _after(url: str, cancelled_before: float, num_cancels: int, timeout: float = 60) -> tuple[list[str], str]:
+def _after(url: str, cancelled_before: float, num_cancels: int, api_key: str | None,
+           timeout: float = 60) -> tuple[list[str], str]:
     """Problems with the server once the load is over (health, running requests, KV blocks not back, cancelled
     requests not aborted), and its /metrics text."""
     deadline = time.monotonic() + timeout
     while True:
-        metrics = _http(url + "/metrics")[1]
+        metrics = _http(url + "/metrics", api_key=api_key)[1]
         free, total = _gauge(metrics, "nextn_kv_cache_free_blocks"), _gauge(metrics, "nextn_kv_cache_total_blocks")
         running = _gauge(metrics, "nextn_num_requests_running")
         if free == total and running == 0:
@@ -176,13 +181,16 @@ def _percentiles(values: list[float]) -> str:
     return f"p50 {q[49] * 1e3:.1f} ms, p90 {q[89] * 1e3:.1f} ms, p99 {q[98] * 1e3:.1f} ms"
 
 
-def _start_server(engine_dir: str, options: str | None, timeout: float) -> tuple[subprocess.Popen, str]:
+def _start_server(engine_dir: str, options: str | None, timeout: float,
+                  api_key: str | None) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "nextn.cli.main", "serve", "--engine_dir", engine_dir,
                              "--port", str(port), "--log_level", "warning"]
-                            + (["--extra_llm_api_options", options] if options else []))
+                            + (["--extra_llm_api_options", options] if options else []),
+                            env={k: v for k, v in os.environ.items() if k != "NEXTN_API_KEY"}
+                            | ({"NEXTN_API_KEY": api_key} if api_key else {}))
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
@@ -207,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--extra_llm_api_options", help="with --engine_dir: LLM-args YAML for the server it starts")
     ap.add_argument("--requests", type=int, default=64, help=f"requests fired at once (1..{MAX_REQUESTS}, default 64)")
     ap.add_argument("--max_tokens", type=int, default=32, help="tokens per streamed completion (default 32)")
+    ap.add_argument("--api_key", default=os.environ.get("NEXTN_API_KEY") or None,
+                    help="the server's API key (default: the NEXTN_API_KEY environment variable); with "
+                         "--engine_dir, the server started here requires it")
     ap.add_argument("--startup_timeout", type=float, default=300, help="seconds to wait for the server (default 300)")
     args = ap.parse_args(argv)
     if not 1 <= args.requests <= MAX_REQUESTS:
@@ -215,11 +226,16 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--url must be a loopback address (127.0.0.1, localhost, ::1): the check stays on this machine")
     proc, url = None, (args.url or "").rstrip("/")
     if args.engine_dir:
-        proc, url = _start_server(args.engine_dir, args.extra_llm_api_options, args.startup_timeout)
+        proc, url = _start_server(args.engine_dir, args.extra_llm_api_options, args.startup_timeout, args.api_key)
     try:
-        cancelled_before = _gauge(_http(url + "/metrics")[1], _CANCELLED) or 0
-        outcomes, wall = asyncio.run(_run(url, args.requests, args.max_tokens))
-        after, metrics = _after(url, cancelled_before, sum(o.kind == "cancel" for o in outcomes))
+        key = args.api_key
+        status, text = _http(url + "/v1/models", api_key=key)
+        if status != 200:
+            print(f"load check: FAILED (GET /v1/models answered {status}: {text[:300]})")
+            return 1
+        cancelled_before = _gauge(_http(url + "/metrics", api_key=key)[1], _CANCELLED) or 0
+        outcomes, wall = asyncio.run(_run(url, args.requests, args.max_tokens, key))
+        after, metrics = _after(url, cancelled_before, sum(o.kind == "cancel" for o in outcomes), key)
         problems = [f"{o.kind}: {o.problem}" for o in outcomes if not o.ok] + after
     finally:
         if proc is not None:
