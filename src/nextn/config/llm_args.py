@@ -22,7 +22,18 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class MTPDecodingConfig(_Strict):
+class DecodingBaseConfig(_Strict):
+    """Fields every linear-draft speculative config shares (TensorRT-LLM `DecodingBaseConfig`): the draft-length
+    policy (runtime/draft_len_policy.py). A batch of B requests verifies the draft length of the smallest
+    threshold ≥ B; above the largest threshold speculation is off."""
+
+    draft_len_schedule: dict[int, int] | None = None
+    max_concurrency: int | None = Field(default=None, gt=0)  # more requests in a batch: speculation off
+    acceptance_rate_window_size: int | None = Field(default=None, ge=0)  # N speculation-enabled iterations ...
+    acceptance_rate_threshold: float | None = Field(default=None, ge=0.0, le=1.0)  # ... below this DAR: off for good
+
+
+class MTPDecodingConfig(DecodingBaseConfig):
     """DeepSeek MTP speculative decoding (TensorRT-LLM `MTPDecodingConfig`)."""
 
     decoding_type: Literal["MTP"] = "MTP"
@@ -34,12 +45,6 @@ class MTPDecodingConfig(_Strict):
     relaxed_delta: float = Field(default=0.0, ge=0.0)
     begin_thinking_phase_token: int = 128798  # <think> in the DeepSeek-V3/R1 vocabulary
     end_thinking_phase_token: int = 128799  # </think>
-    # Draft-length policy (TensorRT-LLM `DecodingBaseConfig`; runtime/draft_len_policy.py). A batch of B requests
-    # verifies the draft length of the smallest threshold ≥ B; above the largest threshold speculation is off.
-    draft_len_schedule: dict[int, int] | None = None
-    max_concurrency: int | None = Field(default=None, gt=0)  # more requests in a batch: speculation off
-    acceptance_rate_window_size: int | None = Field(default=None, ge=0)  # N speculation-enabled iterations ...
-    acceptance_rate_threshold: float | None = Field(default=None, ge=0.0, le=1.0)  # ... below this DAR: off for good
 
 
 class MedusaDecodingConfig(_Strict):
@@ -54,7 +59,21 @@ class MedusaDecodingConfig(_Strict):
     posterior_alpha: float = Field(default=0.3, gt=0)  # typical acceptance δ
 
 
-SpeculativeConfig = Annotated[Union[MTPDecodingConfig, MedusaDecodingConfig], Field(discriminator="decoding_type")]
+class NGramDecodingConfig(DecodingBaseConfig):
+    """N-gram (prompt lookup) drafting: drafts copied from the longest earlier match of the last n tokens in the
+    request's own prompt and output — no draft model (TensorRT-LLM `NGramDecodingConfig`; Saxena 2023, "Prompt
+    Lookup Decoding"; runtime/ngram_drafter.py). Works on any engine."""
+
+    decoding_type: Literal["NGram"] = "NGram"
+    max_draft_len: int = Field(ge=1, le=64)  # K: draft tokens per step (required, as in TensorRT-LLM)
+    max_matching_ngram_size: int = Field(default=2, ge=1, le=64)  # longest n-gram matched (tried down to 1)
+    is_keep_all: bool = True  # every earlier occurrence is a candidate (nextn always searches them all)
+    is_use_oldest: bool = True  # the earliest occurrence of the matched n-gram; false: the latest
+    is_public_pool: bool = True  # accepted; nextn searches each request's own tokens only (logged)
+
+
+SpeculativeConfig = Annotated[Union[MTPDecodingConfig, MedusaDecodingConfig, NGramDecodingConfig],
+                              Field(discriminator="decoding_type")]
 
 
 class KvCacheConfig(_Strict):
@@ -107,7 +126,7 @@ class LlmArgs(_Strict):
     print_iter_log: bool = False
 
 
-_UNION_TAGS = {"MTP": MTPDecodingConfig, "Medusa": MedusaDecodingConfig}
+_UNION_TAGS = {"MTP": MTPDecodingConfig, "Medusa": MedusaDecodingConfig, "NGram": NGramDecodingConfig}
 
 
 def _owner_of(loc: tuple, model: type[BaseModel]) -> type[BaseModel]:

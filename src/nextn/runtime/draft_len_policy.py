@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Protocol
 
-from nextn.config.llm_args import LlmArgsError, MedusaDecodingConfig, MTPDecodingConfig
+from nextn.config.llm_args import DecodingBaseConfig, LlmArgsError, MedusaDecodingConfig
 
 
 class DraftLenPolicy(Protocol):
@@ -92,7 +92,7 @@ class AcceptanceGate:
         self.inner.observe(num_draft_tokens, num_accepted_draft_tokens)
 
 
-def choose_draft_len_policy(spec: MTPDecodingConfig | MedusaDecodingConfig | None,
+def choose_draft_len_policy(spec: DecodingBaseConfig | MedusaDecodingConfig | None,
                             num_draft_tokens: int) -> DraftLenPolicy:
     """The draft-length policy for this speculative config (chosen once, at load time).
 
@@ -101,13 +101,13 @@ def choose_draft_len_policy(spec: MTPDecodingConfig | MedusaDecodingConfig | Non
     Raises:
         LlmArgsError: a schedule entry with a threshold < 1 or a draft length outside [0, K].
     """
-    if not isinstance(spec, MTPDecodingConfig):
+    if not isinstance(spec, DecodingBaseConfig):
         return StaticDraftLen(num_draft_tokens)
     schedule = spec.draft_len_schedule
     bad = {b: k for b, k in (schedule or {}).items() if b < 1 or not 0 <= k <= num_draft_tokens}
     if bad:
         raise LlmArgsError(f"speculative_config.draft_len_schedule {bad}: thresholds must be ≥ 1 and draft lengths "
-                           f"in [0, num_nextn_predict_layers={num_draft_tokens}]")
+                           f"in [0, the max draft length {num_draft_tokens}]")
     policy: DraftLenPolicy = StaticDraftLen(num_draft_tokens)
     if schedule or spec.max_concurrency is not None:
         policy = BatchSizeDraftLen(num_draft_tokens, schedule, spec.max_concurrency)

@@ -1,12 +1,16 @@
 """Drafters: the strategies that propose the next step's K draft tokens from the target's hidden states.
 
 Each implements `Drafter`: `after_prefill` and `after_verify` take fixed-shape device tensors and return drafts
-[B, K] plus the drafter's per-request state (Vanilla's token/hidden pools; nothing for Eagle). Chosen once, at
-load time, from the speculative config (STYLE.md §4). Sources: REFERENCE.md §2; DeepSeek-V3 report §2.2; TensorRT-LLM
-`_torch/speculative/mtp.py` (Eagle and Vanilla modes) for the semantics, not the code.
+[B, K] plus the drafter's per-request state (Vanilla's token/hidden pools, the n-gram drafter's token history;
+nothing for Eagle). Chosen once, at load time, from the speculative config (STYLE.md §4). What the engine needs to
+know about a drafter is on the protocol too (`decode_fn`, `prefill_overlap`, `stat_draft_len`): it never checks
+which drafter runs. The n-gram (prompt lookup) drafter is in ngram_drafter.py, Medusa's in tree_step.py.
+Sources: REFERENCE.md §2; DeepSeek-V3 report §2.2; TensorRT-LLM `_torch/speculative/mtp.py` (Eagle and Vanilla
+modes) for the semantics, not the code.
 
 Row convention: the drafter is handed "rows", one per target input position, with
 - `hidden` [B, T, H]: the target's final hidden state at each row's position p;
+- `input_ids` [B, T] (prefill only): the token at p;
 - `next_tokens` [B, T]: the token at p + 1 (for the last accepted row: the token just emitted);
 - `last_idx` [B]: the row of the last accepted position; rows after it hold rejected or padded inputs.
 MTP module 1 at position p pairs embed(x_{p+1}) with h_p and predicts x_{p+2}.
@@ -14,11 +18,13 @@ MTP module 1 at position p pairs embed(x_{p+1}) with h_p and predicts x_{p+2}.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
 from nextn.models.deepseek_v3.model import DeepseekV3ForCausalLM
+from nextn.runtime.acceptance_rules import SamplingTensors
 from nextn.runtime.attention_metadata import AttentionMetadata, slots_for_positions
 
 DrafterState = tuple[torch.Tensor, ...]
@@ -33,14 +39,26 @@ def _at(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 class Drafter(Protocol):
     num_draft_tokens: int  # draft tokens verified per step (K; a Medusa tree's node count)
     max_draft_depth: int  # the most drafts one step can accept (K; a Medusa tree's depth)
+    prefill_overlap: int  # rows a prefill chunk re-runs from the previous chunk's end (MTP Vanilla: K)
+    uses_draft_head: bool  # drafts from the model's lm_head (MTP): the engine may give it a cheaper bf16 copy
+
+    @property
+    def decode_fn(self) -> Callable:
+        """The decode step that verifies this drafter's drafts (`verify_and_draft_step`, or Medusa's tree step)."""
+
+    def stat_draft_len(self, draft_len: int) -> int:
+        """Drafts counted per request for a decode step run with `draft_len` (statistics: DT, DAR, AL)."""
 
     def initial_state(self, batch: int, hidden_size: int, device: torch.device, dtype: torch.dtype) -> DrafterState:
         """Per-request state for `batch` fresh requests (empty tuple when stateless)."""
 
     def after_prefill(self, model: DeepseekV3ForCausalLM, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                      hidden: torch.Tensor, next_tokens: torch.Tensor, last_idx: torch.Tensor
+                      hidden: torch.Tensor, next_tokens: torch.Tensor, last_idx: torch.Tensor,
+                      input_ids: torch.Tensor, state: DrafterState, sampling: SamplingTensors | None = None
                       ) -> tuple[torch.Tensor, DrafterState]:
-        """Drafts [B, K] after a prefill over the prompt rows, and the state for the first decode step."""
+        """Drafts [B, K] after a prefill over the prompt rows, and the state for the first decode step (`state`:
+        the rows' state before this chunk — stale for a request's first chunk; `sampling`: the requests' sampling
+        parameters, for drafters that sample their drafts)."""
 
     def after_verify(self, model: DeepseekV3ForCausalLM, kv_cache: torch.Tensor, meta: AttentionMetadata,
                      hidden: torch.Tensor, target_tokens: torch.Tensor, num_emitted: torch.Tensor,
@@ -48,13 +66,31 @@ class Drafter(Protocol):
         """Drafts [B, K] after verifying [last, d1..dK]: rows are the K+1 verified positions, last_idx = num_emitted − 1."""
 
 
-class MtpEagleDrafter:
+class LinearDrafter:
+    """The protocol's defaults for drafters whose K drafts form one chain, verified by `verify_and_draft_step`."""
+
+    prefill_overlap = 0
+    uses_draft_head = False
+
+    @property
+    def decode_fn(self) -> Callable:
+        from nextn.runtime.spec_step import verify_and_draft_step  # spec_step imports this module
+
+        return verify_and_draft_step
+
+    def stat_draft_len(self, draft_len: int) -> int:
+        return draft_len
+
+
+class MtpEagleDrafter(LinearDrafter):
     """MTP Eagle: module 1 applied K times with a shared KV (TensorRT-LLM's default for one-module checkpoints).
 
     Step 1 runs over all rows (filling the module's KV for every accepted position; rows past the last accepted
     one write KV that later steps overwrite) and drafts from the last accepted row. Steps 2..K each take one token:
     the previous draft with the module's own previous output, at the next position.
     """
+
+    uses_draft_head = True
 
     def __init__(self, num_draft_tokens: int) -> None:
         self.num_draft_tokens = self.max_draft_depth = num_draft_tokens
@@ -76,14 +112,14 @@ class MtpEagleDrafter:
             drafts.append(token)
         return torch.cat(drafts, dim=1)
 
-    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx):
+    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state, sampling=None):
         return self._draft(model, kv_cache, meta, hidden, next_tokens, last_idx), ()
 
     def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state):
         return self._draft(model, kv_cache, meta, hidden, target_tokens, num_emitted - 1), ()
 
 
-class MtpVanillaDrafter:
+class MtpVanillaDrafter(LinearDrafter):
     """MTP Vanilla: K distinct modules, module k drafts token k, each with its own KV (DeepSeek-V3 report §2.2).
 
     Module k at position p pairs embed(x_{p+k}) with module k−1's output at p (the target's for k = 1). After a
@@ -93,8 +129,11 @@ class MtpVanillaDrafter:
     (`pool_tokens` [B, K+1], `pool_hidden` [B, K+1, H]), slid after each verification.
     """
 
+    uses_draft_head = True
+
     def __init__(self, num_draft_tokens: int) -> None:
         self.num_draft_tokens = self.max_draft_depth = num_draft_tokens
+        self.prefill_overlap = num_draft_tokens  # every module's KV near a chunk boundary from the true tokens
 
     def initial_state(self, batch: int, hidden_size: int, device: torch.device, dtype: torch.dtype) -> DrafterState:
         w = self.num_draft_tokens + 1
@@ -122,7 +161,7 @@ class MtpVanillaDrafter:
         out = x.gather(1, idx)
         return out * valid.view(*valid.shape, *([1] * (x.dim() - 2))).to(out.dtype)
 
-    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx):
+    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state, sampling=None):
         drafts = self._run_modules(model, kv_cache, meta, hidden, next_tokens, last_idx)
         return drafts, (self._window(next_tokens, last_idx), self._window(hidden, last_idx))
 
@@ -140,7 +179,7 @@ class MtpVanillaDrafter:
         return drafts, (win_tokens, win_hidden)
 
 
-class NoDrafter:
+class NoDrafter(LinearDrafter):
     """Plain decoding: no drafts (K = 0)."""
 
     num_draft_tokens = max_draft_depth = 0
@@ -148,7 +187,7 @@ class NoDrafter:
     def initial_state(self, batch, hidden_size, device, dtype):
         return ()
 
-    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx):
+    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state, sampling=None):
         return next_tokens.new_zeros(next_tokens.shape[0], 0), ()
 
     def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state):

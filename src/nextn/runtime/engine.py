@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from nextn.build.manifest import EngineError, EngineManifest, verify_engine_files, verify_mode_from_env
-from nextn.config.llm_args import LlmArgs, LlmArgsError, MedusaDecodingConfig, MTPDecodingConfig
+from nextn.config.llm_args import LlmArgs, LlmArgsError, MedusaDecodingConfig, MTPDecodingConfig, NGramDecodingConfig
 from nextn.models.medusa import MedusaHeads
 from nextn.models.registry import MODEL_CLASSES
 from nextn.plugins.medusa_tree import TreeError, build_tree, published_tree
@@ -23,13 +23,13 @@ from nextn.runtime.cuda_graph_runner import graph_decode_fn
 from nextn.runtime.drafters import Drafter, MtpEagleDrafter, MtpVanillaDrafter, NoDrafter
 from nextn.runtime.kv_cache import BlockPool, allocate_kv_cache
 from nextn.runtime.model_runner import ModelRunner
+from nextn.runtime.ngram_drafter import NGramDrafter
 from nextn.runtime.overlap import InflightStep
 from nextn.runtime.request import Request
 from nextn.runtime.sampling_params import SamplingParams
 from nextn.runtime.scheduler import NeedsSync, Scheduler
-from nextn.runtime.spec_step import verify_and_draft_step
-from nextn.runtime.tokenizer import EngineTokenizer, eos_token_ids
-from nextn.runtime.tree_step import MedusaDrafter, TreeAcceptance, tree_verify_and_draft_step
+from nextn.runtime.tokenizer import EngineTokenizer
+from nextn.runtime.tree_step import MedusaDrafter, TreeAcceptance
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +44,11 @@ MEDUSA_PREFIX = "medusa_heads."
 
 
 def choose_drafter(manifest: EngineManifest, spec: MTPDecodingConfig | MedusaDecodingConfig | None,
-                   heads: MedusaHeads | None = None, device: torch.device | str = "cpu") -> Drafter:
+                   heads: MedusaHeads | None = None, device: torch.device | str = "cpu",
+                   max_seq_len: int | None = None) -> Drafter:
     """The drafter strategy for this engine and speculative config (chosen once, at load time).
+
+    `max_seq_len` (default: the engine's) sizes the n-gram drafter's per-request token history.
 
     Raises:
         LlmArgsError: MTP requested from an engine without MTP layers, Vanilla with more drafts than modules,
@@ -53,6 +56,8 @@ def choose_drafter(manifest: EngineManifest, spec: MTPDecodingConfig | MedusaDec
     """
     if spec is None:
         return NoDrafter()
+    if isinstance(spec, NGramDecodingConfig):  # no weights needed: any engine
+        return NGramDrafter.from_config(spec, max_seq_len or manifest.build_options.max_seq_len)
     if isinstance(spec, MedusaDecodingConfig):
         if heads is None:
             raise LlmArgsError("speculative_config asks for Medusa but this engine has no Medusa heads; rebuild "
@@ -99,7 +104,7 @@ def default_speculative_config(manifest: EngineManifest) -> MTPDecodingConfig | 
     return MTPDecodingConfig(num_nextn_predict_layers=s.max_draft_len or s.num_mtp_modules, use_mtp_vanilla=s.use_mtp_vanilla)
 
 
-def fast_bf16(device: torch.device) -> bool:
+def _fast_bf16(device: torch.device) -> bool:
     """Whether bf16 matmuls are fast here: CUDA, or a CPU with bf16 instructions (oneDNN's check)."""
     if device.type == "cuda":
         return True
@@ -130,12 +135,12 @@ class Engine:
         self.block_size = args.kv_cache_config.tokens_per_block
         weights = self._read_weights()
         heads = self._medusa_heads(weights)
-        self.drafter = choose_drafter(manifest, spec, heads, self.device)
+        self.drafter = choose_drafter(manifest, spec, heads, self.device, self.max_seq_len)
         k = self.drafter.num_draft_tokens
         # KV positions past max_seq_len a step may touch: K+1 in flight (overlap) + the decode look-ahead 2K+1.
         lookahead = (k + 1) + (2 * k + 1)
         self.model = self._load_model(weights, self.max_seq_len + lookahead + self.block_size)
-        if k and fast_bf16(self.device):
+        if self.drafter.uses_draft_head and _fast_bf16(self.device):
             self.model.use_bf16_draft_head()  # drafts only propose: a cheaper head cannot change the output
         per_seq = -(-(self.max_seq_len + lookahead) // self.block_size)
         max_tokens = args.kv_cache_config.max_tokens or self.max_batch_size * per_seq * self.block_size
@@ -148,14 +153,14 @@ class Engine:
         try:
             self.scheduler = Scheduler(self.pool, self.max_batch_size, args.max_num_tokens, k,
                                        enable_chunked_prefill=args.enable_chunked_prefill,
-                                       prefill_overlap=k if isinstance(self.drafter, MtpVanillaDrafter) else 0,
+                                       prefill_overlap=self.drafter.prefill_overlap,
                                        draft_len_policy=self.draft_len_policy)
         except ValueError as e:
             raise LlmArgsError(str(e)) from e
         self.overlap = not args.disable_overlap_scheduler
         self._inflight: InflightStep | None = None  # launched, not yet processed (overlap scheduler)
         self.acceptance = choose_acceptance(spec)
-        decode_fn = tree_verify_and_draft_step if isinstance(self.drafter, MedusaDrafter) else verify_and_draft_step
+        decode_fn = self.drafter.decode_fn  # verify_and_draft_step, or Medusa's tree step
         if args.torch_compile_config is not None:
             decode_fn = compile_decode_fn(decode_fn, self.engine_dir, self.device, args.torch_compile_config, manifest)
         elif manifest.compiled_step is not None:
@@ -168,7 +173,8 @@ class Engine:
         except Exception as e:  # transformers raises many kinds for a corrupt tokenizer file
             raise EngineError(f"the tokenizer files {manifest.tokenizer_files} of {engine_dir} cannot be loaded "
                               f"({type(e).__name__}: {e}); rebuild the engine") from e
-        self.eos_ids = eos_token_ids(self.engine_dir, cfg.eos_token_id)  # config's + generation_config.json's
+        eos = cfg.eos_token_id
+        self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self._ids = itertools.count()
         self._seed_rng = random.Random()  # seeds for requests that give none
         self.print_iter_log = args.print_iter_log
@@ -308,7 +314,7 @@ class Engine:
         """
         batch = step.batch
         result = self.runner.read_back(step)
-        stat_k = self.drafter.max_draft_depth if isinstance(self.drafter, MedusaDrafter) else batch.draft_len
+        stat_k = self.drafter.stat_draft_len(batch.draft_len)
         updated = []
         num_draft = num_accepted = 0
         for i, (req, emitted, drafts, accepted) in enumerate(zip(batch.requests, result.emitted, result.drafts,

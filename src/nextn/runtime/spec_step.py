@@ -7,7 +7,7 @@ boolean-mask indexing (the MoE dispatch included), so the decode step can run un
     hidden  = target([last, d1..dK], positions L..L+K)        # [B, K+1, H], KV written at L..L+K
     tokens, num_emitted = acceptance(lm_head(hidden), drafts)  # strict | rejection sampling | relaxed
     (rewind)  the sequence's KV length becomes L + num_emitted: rejected entries are overwritten later
-    drafts  = drafter(hidden, tokens, num_emitted)             # MTP Eagle | MTP Vanilla | none
+    drafts  = drafter(hidden, tokens, num_emitted)             # MTP Eagle | MTP Vanilla | n-gram | none
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ class StepOutput:
 def prefill_step(model: DeepseekV3ForCausalLM, drafter: Drafter, acceptance: AcceptanceRule, kv_cache: torch.Tensor,
                  input_ids: torch.Tensor, prompt_lens: torch.Tensor, block_tables: torch.Tensor,
                  sampling: SamplingTensors, accept_state: AcceptState, block_size: int,
-                 start_positions: torch.Tensor | None = None, next_tokens: torch.Tensor | None = None) -> StepOutput:
+                 start_positions: torch.Tensor | None = None, next_tokens: torch.Tensor | None = None,
+                 drafter_state: DrafterState = ()) -> StepOutput:
     """Prefill right-padded prompts (or prompt chunks), emit each one's first token (argmax, or sampled) and its
     first drafts.
 
@@ -61,6 +62,7 @@ def prefill_step(model: DeepseekV3ForCausalLM, drafter: Drafter, acceptance: Acc
         start_positions: [B] int64 position of each chunk's first token; None: 0 (whole prompts).
         next_tokens: [B] int64 the token after each chunk, −1 where the chunk ends its prompt (the step samples
             it); None: every chunk ends its prompt.
+        drafter_state: the rows' drafter state before this chunk (stale for a first chunk); () when stateless.
     Returns:
         StepOutput with tokens [B, 1] (for an earlier chunk: its next_token) and num_emitted = 1.
     """
@@ -78,7 +80,8 @@ def prefill_step(model: DeepseekV3ForCausalLM, drafter: Drafter, acceptance: Acc
         first = torch.where(next_tokens[:, None] >= 0, next_tokens[:, None], first)
     # The token one position ahead of each row: the prompt shifted left, the new token after the last row.
     shifted = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1).scatter(1, last_idx[:, None], first)
-    drafts, state = drafter.after_prefill(model, kv_cache, meta, hidden, shifted, last_idx)
+    drafts, state = drafter.after_prefill(model, kv_cache, meta, hidden, shifted, last_idx, input_ids=input_ids,
+                                          state=drafter_state, sampling=sampling)
     ones = torch.ones_like(prompt_lens)
     return StepOutput(first, ones, drafts, state, acceptance.observe(first, ones, accept_state))
 

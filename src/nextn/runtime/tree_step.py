@@ -77,6 +77,16 @@ class MedusaDrafter:
         self.num_draft_tokens = tree.num_tokens - 1
         self.max_draft_depth = tree.max_depth
 
+    prefill_overlap = 0
+    uses_draft_head = False  # its heads have their own vocabulary projection
+
+    @property
+    def decode_fn(self):
+        return tree_verify_and_draft_step
+
+    def stat_draft_len(self, draft_len: int) -> int:
+        return self.max_draft_depth  # the whole tree is verified every step; one path of it can be accepted
+
     def initial_state(self, batch, hidden_size, device, dtype) -> DrafterState:
         return ()
 
@@ -85,7 +95,7 @@ class MedusaDrafter:
         topk = self.heads(hidden_last)[: self.tree.max_depth, :, 0].topk(self.tree.topk, dim=-1).indices  # [D, B, k]
         return tree_candidates(root, topk, self.tree.candidate_index)
 
-    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx):
+    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state, sampling=None):
         tree = self.tree_from(_at(hidden, last_idx), next_tokens.gather(1, last_idx[:, None]))
         return tree[:, 1:], ()
 
