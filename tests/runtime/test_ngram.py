@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import random
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +18,8 @@ from transformers import LlamaForCausalLM as HFLlama
 
 from nextn import LLM, SamplingParams
 from nextn.build.engine_builder import build_engine
-from nextn.config.llm_args import LlmArgsError, parse_llm_args
+from nextn.config.llm_args import LlmArgsError, load_llm_args_yaml, parse_llm_args
+from nextn.runtime.acceptance_rules import SamplingTensors
 from nextn.runtime.ngram_drafter import ngram_drafts
 from nextn.testing import SMALL_VOCAB
 from test_sampling_e2e import chi_square_two_sample_pvalue  # tests/runtime is on sys.path (pytest's rootdir mode)
@@ -113,6 +115,40 @@ def test_options_not_honoured_are_logged(deepseek_plain, caplog):
         LLM(deepseek_plain, speculative_config={**NGRAM, "is_public_pool": True, "is_keep_all": False})
     warned = {r.getMessage() for r in caplog.records if r.levelno == logging.WARNING}
     assert any("is_public_pool" in m for m in warned) and any("is_keep_all" in m for m in warned)
+
+
+def test_config_file_loads():
+    args = parse_llm_args(load_llm_args_yaml(Path(__file__).parents[2] / "configs" / "ngram.yaml"))
+    assert args.speculative_config.decoding_type == "NGram" and args.speculative_config.max_draft_len == 4
+
+
+def test_decode_step_compiles_fullgraph(llama_engine):
+    """The n-gram drafting is part of the one-graph step (no host sync, no data-dependent branching)."""
+    eng = LLM(llama_engine, speculative_config=NGRAM).engine
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(0)
+    b, k = 3, eng.drafter.num_draft_tokens
+    ids = torch.randint(0, 300, (b, k + 1), generator=gen)
+    kv_lens = torch.tensor([5, 9, 17])
+    tables = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]])
+    (history,) = eng.drafter.initial_state(b, eng.cfg.hidden_size, torch.device("cpu"), torch.float32)
+    history.copy_(torch.randint(0, 4, history.shape, generator=gen))
+    sampling = SamplingTensors(torch.tensor([0.0, 0.7, 1.0]), torch.tensor([0, 5, 0]), torch.tensor([1.0, 1.0, 0.9]),
+                               torch.tensor([1, 2, 3]), any_sampled=True, use_filters=True)
+    kv = eng.runner.kv_cache
+    kv.normal_(generator=gen)
+    step_args = (ids, kv_lens, tables, sampling, (history,), (), eng.block_size)
+    with torch.inference_mode():
+        ref = eng.drafter.decode_fn(eng.model, eng.drafter, eng.acceptance, kv.clone(), *step_args)
+        step = torch.compile(eng.drafter.decode_fn, fullgraph=True, dynamic=False, backend="aot_eager")
+        out = step(eng.model, eng.drafter, eng.acceptance, kv.clone(), *step_args)
+    assert torch.equal(out.tokens, ref.tokens) and torch.equal(out.draft_tokens, ref.draft_tokens)
+    assert torch.equal(out.drafter_state[0], ref.drafter_state[0])
+    emitted = [row[:n] for row, n in zip(ref.tokens.tolist(), ref.num_emitted.tolist())]
+    for i in range(b):  # the history now holds the emitted tokens after position kv_len, and drafts come from it
+        seq = history[i, : kv_lens[i] + 1].tolist() + emitted[i]
+        assert ref.drafter_state[0][i, : len(seq)].tolist() == seq
+        assert ref.draft_tokens[i].tolist() == lookup(seq, NGRAM["max_matching_ngram_size"], k)
 
 
 # Greedy: lossless ---------------------------------------------------------------------------------------------
