@@ -25,7 +25,9 @@ from nextn.runtime.kv_cache import BlockPool, allocate_kv_cache
 from nextn.runtime.model_runner import ModelRunner
 from nextn.runtime.ngram_drafter import NGramDrafter
 from nextn.runtime.overlap import InflightStep
+from nextn.runtime.fault_isolation import recover_from_failed_step
 from nextn.runtime.request import Request
+from nextn.runtime.request_validation import RequestError, checked_sampling_params, prompt_token_ids
 from nextn.runtime.sampling_params import SamplingParams
 from nextn.runtime.scheduler import NeedsSync, Scheduler
 from nextn.runtime.tokenizer import EngineTokenizer
@@ -35,9 +37,6 @@ logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-
-class RequestError(ValueError):
-    """A request that cannot run (empty, too long, ids out of vocabulary, ...); the message names the fix."""
 
 
 MEDUSA_PREFIX = "medusa_heads."
@@ -223,29 +222,16 @@ class Engine:
 
     # Requests ----------------------------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
-        """Validate and tokenize one prompt.
+        """Validate and tokenize one prompt, and check its SamplingParams against this engine
+        (runtime/request_validation.py).
 
         Raises:
-            RequestError: empty prompt, a text prompt without a tokenizer, ids outside the vocabulary, or a prompt
-                that leaves no room in max_seq_len or the KV cache.
+            RequestError: empty prompt or of the wrong type, a text prompt without a tokenizer or not valid Unicode,
+                ids outside the vocabulary, a prompt that leaves no room in max_seq_len or the KV cache, or
+                SamplingParams out of range for this engine (a `RequestSamplingParamsError`).
         """
-        text = prompt if isinstance(prompt, str) else None
-        if isinstance(prompt, str):
-            if not prompt:
-                raise RequestError("empty prompt: give at least one character or token id")
-            if self.tokenizer is None:
-                raise RequestError("this engine has no tokenizer (its checkpoint had none): pass token-id lists")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-            if not ids:
-                raise RequestError("empty prompt: give at least one token id")
-            bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
-            if bad:
-                raise RequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.cfg.vocab_size})")
-        if len(ids) >= self.max_seq_len:
-            raise RequestError(f"prompt has {len(ids)} tokens but max_seq_len is {self.max_seq_len} (prompt plus at "
-                               "least one generated token): shorten the prompt or raise max_seq_len")
+        text, ids = prompt_token_ids(prompt, self.tokenizer, self.cfg.vocab_size, self.max_seq_len)
+        params = checked_sampling_params(params, self.cfg.vocab_size, self.max_seq_len)
         need = len(ids) + self.scheduler.lookahead
         if need > self.pool.capacity_tokens:
             raise RequestError(f"prompt needs {need} KV slots but the cache holds {self.pool.capacity_tokens}: "
@@ -283,7 +269,17 @@ class Engine:
         Returns:
             The requests this call updated: those that emitted tokens (finished or not) and those the scheduler
             finished with an error; `Request.finished` tells which are done (their blocks are already freed).
+            A step that raises fails only the request at fault (runtime/fault_isolation.py): it is returned
+            finished with reason "error", the others continue; the engine stays usable.
         """
+        running_before = list(self.scheduler.running)
+        try:
+            return self._step()
+        except Exception as e:  # noqa: BLE001 - isolate the request at fault, whatever the cause
+            return recover_from_failed_step(self, e, running_before)
+
+    def _step(self) -> list[Request]:
+        """`step` without failure isolation."""
         prev, self._inflight = self._inflight, None
         updated: list[Request] = []
         try:

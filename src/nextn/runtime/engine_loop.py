@@ -15,6 +15,8 @@ import threading
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from nextn.runtime.fault_isolation import describe, fail_all
+from nextn.runtime.outputs import CompletionOutput, RequestOutput
 from nextn.runtime.request import Request
 from nextn.runtime.request_handle import RequestHandle
 from nextn.runtime.sampling_params import SamplingParams
@@ -84,20 +86,33 @@ class EngineLoop:
     # The loop thread ----------------------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            block = not self.engine.has_work
             try:
-                while True:
-                    kind, arg = self._commands.get(block=block)
-                    block = False
-                    if kind == "stop":
-                        for rid in list(self._streams):
-                            self._cancel(rid)
-                        return
-                    self._apply(kind, arg)
-            except queue.Empty:
-                pass
-            if self.engine.has_work:
-                self._step()
+                if self._iteration():
+                    return
+            except Exception as e:  # noqa: BLE001 - the loop thread must not die: fail what is running, go on
+                logger.exception("engine loop iteration failed")
+                for req in fail_all(self.engine, e):
+                    self._publish_safely(req)
+                for rid in list(self._streams):  # submitted, never reached the engine
+                    self._streams.pop(rid).handle._deliver(_error_output(rid, e))
+
+    def _iteration(self) -> bool:
+        """Apply the queued commands, then run one step when there is work; True when told to stop."""
+        block = not self.engine.has_work
+        try:
+            while True:
+                kind, arg = self._commands.get(block=block)
+                block = False
+                if kind == "stop":
+                    for rid in list(self._streams):
+                        self._cancel(rid)
+                    return True
+                self._apply(kind, arg)
+        except queue.Empty:
+            pass
+        if self.engine.has_work:
+            self._step()
+        return False
 
     def _apply(self, kind: str, arg) -> None:
         if kind == "abort":
@@ -114,17 +129,19 @@ class EngineLoop:
 
     def _step(self) -> None:
         try:
-            updated = self.engine.step()
-        except Exception as e:  # a failed step fails the requests in it, not the server
-            logger.exception("engine step failed; failing its requests")
-            for rid in list(self._streams):
-                req = self.engine.abort_request(rid)
-                if req is not None:
-                    req.finish("error", f"engine step failed: {type(e).__name__}: {e}")
-                    self._publish(req)
-            return
+            updated = self.engine.step()  # isolates a failing request itself (runtime/fault_isolation.py)
+        except Exception as e:  # noqa: BLE001 - the isolation itself failed: fail everything, keep serving
+            updated = fail_all(self.engine, e)
         for req in updated:
+            self._publish_safely(req)
+
+    def _publish_safely(self, req: Request) -> None:
+        try:
             self._publish(req)
+        except Exception as e:  # noqa: BLE001 - its consumer still gets a final output
+            stream = self._streams.pop(req.request_id, None)
+            if stream is not None:
+                stream.handle._deliver(_error_output(req.request_id, e))
 
     def _publish(self, req: Request) -> None:
         stream = self._streams.get(req.request_id)
@@ -150,3 +167,9 @@ class EngineLoop:
         if tok is None or not req.params.detokenize:
             return ""
         return tok.decode(req.output_token_ids).rstrip("\ufffd")
+
+
+def _error_output(request_id: int, error: BaseException) -> RequestOutput:
+    """A final output with finish_reason "error" for a request the loop could not report otherwise."""
+    return RequestOutput(request_id, None, [], [CompletionOutput(finish_reason="error", error=describe(error))],
+                         finished=True)

@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from nextn.config.llm_args import LlmArgs, load_llm_args_yaml, parse_llm_args
 from nextn.runtime.engine import Engine, RequestError, default_speculative_config
 from nextn.runtime.engine_loop import EngineLoop
+from nextn.runtime.fault_isolation import fail_all
 from nextn.runtime.outputs import CompletionOutput, RequestOutput
 from nextn.runtime.request_handle import RequestHandle
 from nextn.runtime.sampling_params import SamplingParams
@@ -75,17 +76,27 @@ class LLM:
         Returns:
             The request id (the `request_id` of its `RequestOutput`).
         Raises:
-            RequestError: empty prompt, too long for max_seq_len or the KV cache, ids outside the vocabulary.
+            RequestError: a prompt that is empty, of the wrong type (ids must be Python ints), not valid Unicode, too
+                long for max_seq_len or the KV cache, or with ids outside the vocabulary; SamplingParams out of range
+                for this engine (`RequestSamplingParamsError`, also a `SamplingParamsError`).
         """
         self._no_loop("add_request")
-        req = self.engine.make_request(prompt, sampling_params or SamplingParams())
+        req = self.engine.make_request(prompt, SamplingParams() if sampling_params is None else sampling_params)
         self.engine.add_request(req)
         return req.request_id
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine iteration (schedule → verify-and-draft → postprocess); the requests it finished."""
+        """Run one engine iteration (schedule → verify-and-draft → postprocess); the requests it finished.
+
+        A request that makes the step fail finishes with finish_reason "error" (runtime/fault_isolation.py); the
+        others continue.
+        """
         self._no_loop("step")
-        return [req.to_output() for req in self.engine.step() if req.finished]
+        try:
+            updated = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - even the isolation failed: fail everything, stay usable
+            updated = fail_all(self.engine, e)
+        return [req.to_output() for req in updated if req.finished]
 
     def abort_request(self, request_id: int) -> RequestOutput | None:
         """Cancel a queued or running request (added with `add_request`); its KV blocks are freed at once.
@@ -113,12 +124,12 @@ class LLM:
         the tokens that step accepted; `handle.abort()` cancels the request and frees its KV blocks.
 
         Raises:
-            RequestError: empty prompt, too long for max_seq_len or the KV cache, ids outside the vocabulary.
+            RequestError: as `add_request` (nothing is queued; other requests keep running).
         """
         with self._loop_lock:  # concurrent first calls must start one loop, not several
             if self._loop is None:
                 self._loop = EngineLoop(self.engine)
-        return self._loop.submit(prompt, sampling_params or SamplingParams(), streaming)
+        return self._loop.submit(prompt, SamplingParams() if sampling_params is None else sampling_params, streaming)
 
     def shutdown(self) -> None:
         """Stop the background engine loop (unfinished requests are cancelled); the synchronous API works again."""
@@ -135,17 +146,20 @@ class LLM:
         """Decode every prompt to completion with in-flight batching.
 
         Args:
-            prompts: a string, a token-id list, or a list of either.
-            sampling_params: one for all prompts, or one per prompt.
+            prompts: a string, a token-id list, or a list / tuple of either.
+            sampling_params: one for all prompts, or a list / tuple of one per prompt.
         Returns:
             One `RequestOutput` per prompt, in order (a single one for a single prompt). A prompt that cannot run
-            (empty, too long, ids outside the vocabulary) gets finish_reason "error" with the reason in
-            `.outputs[0].error`, and the others still run.
+            (empty, of the wrong type, too long, ids outside the vocabulary, SamplingParams out of range) or that
+            makes an engine step fail gets finish_reason "error" with the reason in `.outputs[0].error`, and the
+            others still run.
+        Raises:
+            ValueError: a list of SamplingParams whose length differs from the number of prompts.
         """
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        single = _is_single_prompt(prompts)
         plist: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item]
         params = sampling_params if sampling_params is not None else SamplingParams()
-        plist_params = list(params) if isinstance(params, Sequence) else [params] * len(plist)
+        plist_params = list(params) if isinstance(params, (list, tuple)) else [params] * len(plist)
         if len(plist_params) != len(plist):
             raise ValueError(f"got {len(plist_params)} SamplingParams for {len(plist)} prompts")
         outputs: list[RequestOutput | None] = [None] * len(plist)
@@ -156,8 +170,12 @@ class LLM:
                     handles[i] = self.generate_async(prompt, sp)
                 except RequestError as e:
                     outputs[i] = _rejected(prompt, e)
-            for i, handle in handles.items():
-                outputs[i] = handle.result()
+            try:
+                for i, handle in handles.items():
+                    outputs[i] = handle.result()
+            finally:  # interrupted: cancel what this call submitted
+                for handle in handles.values():
+                    handle.abort()
             return outputs[0] if single else outputs  # type: ignore[return-value]
         pending = {}
         for i, (prompt, sp) in enumerate(zip(plist, plist_params)):
@@ -167,15 +185,31 @@ class LLM:
                 logger.warning("prompt %d rejected: %s", i, e)
                 outputs[i] = _rejected(prompt, e)
         bar = tqdm(total=len(pending), desc="generate", disable=not use_tqdm)
-        while self.has_unfinished_requests:
-            for out in self.step():
-                outputs[pending[out.request_id]] = out
-                bar.update(1)
-        bar.close()
+        try:
+            while pending and self.has_unfinished_requests:
+                for out in self.step():
+                    i = pending.pop(out.request_id, None)  # requests queued with add_request are not ours
+                    if i is not None:
+                        outputs[i] = out
+                        bar.update(1)
+        finally:  # an exception or KeyboardInterrupt: cancel what this call queued, free its blocks
+            for rid, i in pending.items():
+                out = self.abort_request(rid)
+                outputs[i] = out or _rejected(plist[i], RuntimeError("the request was lost by the engine"))
+            bar.close()
         return outputs[0] if single else outputs  # type: ignore[return-value]
 
 
-def _rejected(prompt: Prompt, error: Exception) -> RequestOutput:
+def _is_single_prompt(prompts: Any) -> bool:
+    """A str, bytes, or a list / tuple whose first item is a scalar (a token id, valid or not) is one prompt; any
+    other list / tuple is a batch; anything else is one (bad) prompt, refused by name by the engine."""
+    if isinstance(prompts, (list, tuple)):
+        return bool(prompts) and not isinstance(prompts[0], str) and not hasattr(prompts[0], "__len__")
+    return True
+
+
+def _rejected(prompt: Any, error: Exception) -> RequestOutput:
     """The output of a prompt the engine would not take: finish_reason "error" and the reason."""
-    return RequestOutput(-1, prompt if isinstance(prompt, str) else None, [] if isinstance(prompt, str) else list(prompt),
+    ids = list(prompt) if isinstance(prompt, (list, tuple)) else []
+    return RequestOutput(-1, prompt if isinstance(prompt, str) else None, ids,
                          [CompletionOutput(finish_reason="error", error=str(error))], finished=True)

@@ -40,9 +40,11 @@ class Request:
     prefill_len: int = 0  # tokens this admission prefills (0 while waiting)
     num_prefilled_tokens: int = 0  # of them, scheduled so far (chunked prefill)
     num_inflight_tokens: int = 0  # most tokens a launched, not yet processed step may emit (overlap scheduler)
+    prefill_done: bool = False  # this admission's last prefill chunk has been processed (its first token appended)
     has_drafts: bool = True  # its last launched step drafted (False after a step with speculation off)
     finish_reason: str | None = None
     error: str | None = None
+    num_failed_steps: int = 0  # engine steps that failed with it in the batch and no request found at fault
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
     num_decode_steps: int = 0
@@ -83,6 +85,7 @@ class Request:
     def reset_prefill(self) -> None:
         """Back to waiting (preemption): the next admission prefills prompt + output again."""
         self.prefill_len = self.num_prefilled_tokens = self.num_inflight_tokens = 0
+        self.prefill_done = False
         self.draft_tokens = []
         self.has_drafts = True  # the prefill drafts
 
@@ -90,6 +93,7 @@ class Request:
         """Append emitted tokens, cutting at EOS / stop tokens / max_tokens / max_seq_len and finishing if so."""
         if self.first_token_time is None and tokens:
             self.first_token_time = time.perf_counter()
+        self.prefill_done = True
         stops = set(self.params.stop_token_ids) | (set() if self.params.ignore_eos else set(self.eos_ids))
         for tok in tokens:
             self.output_token_ids.append(tok)

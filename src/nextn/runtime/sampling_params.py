@@ -1,29 +1,85 @@
-"""`SamplingParams`, in the shape of TensorRT-LLM's and vLLM's, validated at the edge."""
+"""`SamplingParams`, in the shape of TensorRT-LLM's and vLLM's, validated at the edge.
+
+Every field is checked for its type and its real range when the object is made, so that a bad value is a named
+error at the API boundary instead of a failure inside an engine step: ints must be Python ints (not bool, float or
+numpy scalars), floats finite and in range, every size bounded. What depends on the engine (`top_k` and token ids
+against the vocabulary, `max_tokens` against max_seq_len) is checked by `check_for_engine`, which the engine calls
+when the request is made (`runtime/request_validation.py`).
+"""
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+#: Bounds (inclusive). Token ids and counts fit int32; seeds int64.
+MAX_INT32 = 2**31 - 1
+MAX_SEED = 2**63 - 1
+MIN_TEMPERATURE = 1e-6  # below (and above 0): logits / temperature overflows fp32 — use 0 for greedy
+MAX_TEMPERATURE = 1e6  # above: the distribution is uniform in fp32 anyway
+MIN_TOP_P = 1e-6  # below: fp32 rounds the nucleus to nothing
+MAX_STOP_TOKEN_IDS = 1024
 
 
 class SamplingParamsError(ValueError):
     """An invalid sampling parameter; the message names it and the valid range."""
 
 
+def _type_name(v: Any) -> str:
+    t = type(v)
+    return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+def check_int(name: str, v: Any, lo: int, hi: int) -> int:
+    """`v` if it is a Python int (bool excluded) in [lo, hi]; else ValueError naming `name` and the range."""
+    if type(v) is not int:
+        hint = " (convert it with int())" if hasattr(v, "__index__") and not isinstance(v, bool) else ""
+        raise ValueError(f"{name} must be an int, got {_type_name(v)} {v!r:.40}{hint}")
+    if v < lo:
+        raise ValueError(f"{name} must be ≥ {lo}, got {v}")
+    if v > hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
+    return v
+
+
+def _check_float(name: str, v: Any, lo: float, hi: float) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{name} must be a number (int or float), got {_type_name(v)} {v!r:.40}")
+    try:
+        f = float(v)
+    except OverflowError:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got an int too large for a float") from None
+    if not math.isfinite(f):
+        raise ValueError(f"{name} must be finite, got {f}")
+    if f < lo:
+        raise ValueError(f"{name} must be ≥ {lo:g}, got {f:g}")
+    if f > hi:
+        raise ValueError(f"{name} must be in [{lo:g}, {hi:g}], got {f:g}")
+    return f
+
+
 class SamplingParams(BaseModel):
     """How to decode one request.
 
     Attributes:
-        max_tokens: tokens to generate at most (≥ 1).
-        temperature: 0 = greedy (argmax); > 0 samples from softmax(logits / temperature). With speculative
-            decoding, drafts are then accepted by rejection sampling, which keeps the target's distribution exactly.
-        top_k: keep the k most likely tokens (0 = off).
-        top_p: keep the smallest set of most likely tokens whose probability reaches top_p (1.0 = off).
-        seed: the request's random seed; same seed → same output whatever else is in the batch. None: drawn
-            at submission.
-        end_id: the end-of-sequence token; None = the engine's EOS.
-        stop_token_ids: more tokens that end the request (emitted, then stop).
+        max_tokens: tokens to generate at most, in [1, 2**31 − 1]; the engine also requires ≤ max_seq_len.
+        temperature: 0 = greedy (argmax); in [1e-6, 1e6] samples from softmax(logits / temperature). With
+            speculative decoding, drafts are then accepted by rejection sampling, which keeps the target's
+            distribution exactly.
+        top_k: keep the k most likely tokens (0 = off); the engine requires ≤ its vocabulary size.
+        top_p: keep the smallest set of most likely tokens whose probability reaches top_p, in [1e-6, 1]
+            (1.0 = off).
+        seed: the request's random seed in [0, 2**63 − 1]; same seed → same output whatever else is in the batch.
+            None: drawn at submission.
+        end_id: the end-of-sequence token; None = the engine's EOS. The engine requires an id in its vocabulary.
+        stop_token_ids: more tokens that end the request (emitted, then stop); at most 1024, each in the vocabulary.
         ignore_eos: keep going past EOS (benchmarks: exactly `max_tokens` tokens).
         detokenize: fill `.text` when the engine has a tokenizer.
+    Raises:
+        SamplingParamsError (a ValueError): a field of the wrong type or out of range, or an unknown field; the
+            message names each and its valid range.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -42,40 +98,90 @@ class SamplingParams(BaseModel):
         try:
             super().__init__(**kwargs)
         except ValidationError as e:
-            msgs = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'SamplingParams'}: {err['msg']}" for err in e.errors())
+            msgs = "; ".join(_message(err) for err in e.errors())
             raise SamplingParamsError(f"invalid SamplingParams: {msgs}") from None
 
-    @field_validator("max_tokens")
+    # Types and ranges are checked before pydantic's coercion ("mode before"), so "3", 3.0 or True never pass as 3.
+    @field_validator("max_tokens", mode="before")
     @classmethod
-    def _max_tokens(cls, v: int) -> int:
-        if v <= 0:
-            raise ValueError(f"max_tokens must be ≥ 1, got {v}")
+    def _max_tokens(cls, v: Any) -> int:
+        return check_int("max_tokens", v, 1, MAX_INT32)
+
+    @field_validator("temperature", mode="before")
+    @classmethod
+    def _temperature(cls, v: Any) -> float:
+        f = _check_float("temperature", v, 0.0, MAX_TEMPERATURE)
+        if 0 < f < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], "
+                             f"got {f:g}: use 0 for greedy decoding")
+        return f
+
+    @field_validator("top_k", mode="before")
+    @classmethod
+    def _top_k(cls, v: Any) -> int:
+        return check_int("top_k (0 = off)", v, 0, MAX_INT32)
+
+    @field_validator("top_p", mode="before")
+    @classmethod
+    def _top_p(cls, v: Any) -> float:
+        return _check_float("top_p (1 = off)", v, MIN_TOP_P, 1.0)
+
+    @field_validator("seed", mode="before")
+    @classmethod
+    def _seed(cls, v: Any) -> int | None:
+        return None if v is None else check_int("seed", v, 0, MAX_SEED)
+
+    @field_validator("end_id", mode="before")
+    @classmethod
+    def _end_id(cls, v: Any) -> int | None:
+        return None if v is None else check_int("end_id", v, 0, MAX_INT32)
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _stop_token_ids(cls, v: Any) -> list[int]:
+        if not isinstance(v, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of ints, got {_type_name(v)}")
+        if len(v) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids holds {len(v)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
+        return [check_int(f"stop_token_ids[{i}]", t, 0, MAX_INT32) for i, t in enumerate(v)]
+
+    @field_validator("ignore_eos", "detokenize", mode="before")
+    @classmethod
+    def _bool(cls, v: Any, info) -> bool:
+        if type(v) is not bool:
+            raise ValueError(f"{info.field_name} must be True or False, got {_type_name(v)} {v!r:.40}")
         return v
 
-    @field_validator("temperature")
-    @classmethod
-    def _temperature(cls, v: float) -> float:
-        if not v >= 0 or v == float("inf"):
-            raise ValueError(f"temperature must be ≥ 0 and finite (0 = greedy), got {v}")
-        return v
+    def check_for_engine(self, vocab_size: int, max_seq_len: int) -> None:
+        """The checks that need the engine: `top_k` ≤ vocab_size, `end_id` / `stop_token_ids` in [0, vocab_size),
+        `max_tokens` ≤ max_seq_len. Every field is validated again first (an object built with `model_construct`
+        or `model_copy(update=...)` skips validation).
 
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, v: int) -> int:
-        if v < 0:
-            raise ValueError(f"top_k must be ≥ 0 (0 = off), got {v}")
-        return v
+        Raises:
+            SamplingParamsError: the field named, with the engine's limit.
+        """
+        try:
+            again = SamplingParams(**{name: getattr(self, name) for name in type(self).model_fields})
+        except AttributeError as e:
+            raise SamplingParamsError(f"invalid SamplingParams: {e}") from None
+        problems = []
+        if again.top_k > vocab_size:
+            problems.append(f"top_k={again.top_k} exceeds the vocabulary size {vocab_size} (use 0 to turn top-k off)")
+        if again.end_id is not None and again.end_id >= vocab_size:
+            problems.append(f"end_id={again.end_id} is outside the vocabulary [0, {vocab_size})")
+        bad = [t for t in again.stop_token_ids if t >= vocab_size]
+        if bad:
+            problems.append(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+        if again.max_tokens > max_seq_len:
+            problems.append(f"max_tokens={again.max_tokens} exceeds max_seq_len {max_seq_len} (prompt plus output): "
+                            f"lower max_tokens to at most {max_seq_len} minus the prompt length")
+        if problems:
+            raise SamplingParamsError("invalid SamplingParams for this engine: " + "; ".join(problems))
 
-    @field_validator("top_p")
-    @classmethod
-    def _top_p(cls, v: float) -> float:
-        if not 0 < v <= 1:
-            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {v}")
-        return v
 
-    @field_validator("seed")
-    @classmethod
-    def _seed(cls, v: int | None) -> int | None:
-        if v is not None and not 0 <= v < 2**63:
-            raise ValueError(f"seed must be in [0, 2**63), got {v}")
-        return v
+def _message(err: dict) -> str:
+    loc = ".".join(map(str, err["loc"])) or "SamplingParams"
+    if err["type"] == "extra_forbidden":
+        return f"unknown field {loc!r}; valid fields: {', '.join(SamplingParams.model_fields)}"
+    msg = err["msg"].removeprefix("Value error, ")
+    return msg if msg.startswith(loc.split("[")[0]) else f"{loc}: {msg}"

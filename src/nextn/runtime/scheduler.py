@@ -201,6 +201,24 @@ class Scheduler:
         req.finish("cancelled")
         return req
 
+    def requeue(self, req: Request) -> None:
+        """Take a request out of the running batch or the waiting queue, back to its committed (host) state: blocks
+        and batch slot freed, prefill reset, so that a later admission re-prefills prompt + output (failure
+        isolation, runtime/fault_isolation.py; not counted as a preemption). The caller decides where it goes."""
+        if req in self.running:
+            self._release(req)
+        else:
+            self.pool.free(req.block_table)
+            if req in self.waiting:
+                self.waiting.remove(req)
+        req.status = RequestStatus.WAITING
+        req.reset_prefill()
+
+    def fail(self, req: Request, error: str) -> None:
+        """Finish a request with finish_reason "error" and `error`, freeing its blocks and batch slot."""
+        self.requeue(req)
+        req.finish("error", error)
+
     def _abort(self, req: Request) -> None:
         self.pool.free(req.block_table)
         req.finish("error", f"the KV cache ({self.pool.capacity_tokens} tokens) cannot hold this sequence at "
