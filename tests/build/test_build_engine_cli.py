@@ -122,3 +122,12 @@ def test_gguf_with_medusa_heads_builds_from_the_cli(tmp_path, capsys):
                  str(tmp_path / "heads"), "--no-progress", "--max_seq_len", "256"]) == 0
     out = capsys.readouterr().out
     assert "Medusa, 2 head(s)" in out and "tokenizer.json" in out
+
+
+def test_max_seq_len_defaults_to_the_model_and_is_printed(make_ckpt, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    ck = make_ckpt(config_update={"max_position_embeddings": 256})
+    capsys.readouterr()
+    assert main(["--model_dir", str(ck.path), "--output_dir", str(tmp_path / "e"), "--no-progress"]) == 0
+    assert "max_seq_len: 256 (model: 256)" in capsys.readouterr().out
+    assert EngineManifest.load(tmp_path / "e").build_options.max_seq_len == 256

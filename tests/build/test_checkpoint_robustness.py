@@ -185,3 +185,23 @@ def test_the_default_is_capped_where_the_kv_cache_would_not_fit() -> None:
     assert n == int((0.8 * (4 << 30) - (1 << 30)) // (8 * 4096)) // 256 * 256 == 71936
     assert note.startswith("max_seq_len 71936: the model's max_position_embeddings 163840 would need a 5.0 GiB KV "
                            "cache at max_batch_size 8") and "--max_seq_len" in note
+
+
+@pytest.mark.parametrize("bad", ["nan", "int", "config"])
+def test_medusa_heads_are_checked_like_weights(tmp_path: Path, bad: str) -> None:
+    from safetensors.torch import save_file
+
+    from nextn.build.medusa_heads import MedusaHeadsError, read_medusa_heads
+
+    heads = {"0.0.linear.weight": torch.zeros(8, 8), "0.0.linear.bias": torch.zeros(8), "0.1.weight": torch.zeros(16, 8)}
+    if bad == "nan":
+        heads["0.0.linear.bias"][2] = float("nan")
+    if bad == "int":
+        heads["0.1.weight"] = heads["0.1.weight"].to(torch.int32)
+    save_file(heads, str(tmp_path / "medusa_lm_head.safetensors"))
+    (tmp_path / "config.json").write_text("{ not json" if bad == "config" else "{}")
+    if bad == "config":  # a broken side config.json does not matter: the tensors decide
+        assert read_medusa_heads(tmp_path).num_heads == 1
+        return
+    with pytest.raises(MedusaHeadsError, match="NaN/Inf" if bad == "nan" else "dtype torch.int32"):
+        read_medusa_heads(tmp_path)

@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from nextn.build.weight_checks import num_nonfinite
+
 
 class MedusaHeadsError(ValueError):
     """A Medusa head file that cannot be used (missing, unsafe, malformed, or not fitting the base model)."""
@@ -78,7 +80,16 @@ def read_medusa_heads(path: str | Path) -> MedusaHeadsCheckpoint:
     heads = sorted({int(_NAME.match(k)[1]) for k in tensors})
     if heads != list(range(len(heads))) or not heads:
         raise MedusaHeadsError(f"{p}: head indices {heads} are not 0..N-1")
+    for name, t in tensors.items():
+        if not t.is_floating_point():
+            raise MedusaHeadsError(f"{p}: tensor {name!r} has dtype {t.dtype}; Medusa heads are floating point")
+        bad_values = num_nonfinite(t)
+        if bad_values:
+            raise MedusaHeadsError(f"{p}: tensor {name!r} holds {bad_values} NaN/Inf value(s); the heads are "
+                                   "corrupt or diverged, retrain or re-download them")
     proj = [k for k in tensors if k.endswith(".weight") and not k.endswith("linear.weight")]
+    if not proj or tensors[proj[0]].dim() != 2:
+        raise MedusaHeadsError(f"{p}: no 2-D output projection '{{i}}.{{L}}.weight' [vocab, hidden] found")
     num_layers = int(_NAME.match(proj[0])[2])
     vocab, hidden = tensors[proj[0]].shape
     for i in heads:
@@ -92,7 +103,10 @@ def read_medusa_heads(path: str | Path) -> MedusaHeadsCheckpoint:
             raise MedusaHeadsError(f"{p}: tensor {name!r} is missing or not [{vocab}, {hidden}]")
     config = p.parent / "config.json"
     if config.is_file():
-        declared = json.loads(config.read_text()).get("medusa_num_heads")
+        try:
+            declared = json.loads(config.read_text()).get("medusa_num_heads")
+        except (ValueError, AttributeError, OSError):  # not JSON / not an object: the tensors decide anyway
+            declared = None
         if declared is not None and declared != len(heads):
             import logging
 
