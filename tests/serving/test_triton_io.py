@@ -107,6 +107,7 @@ def test_triton_repo_cli_writes_the_repository(checkpoints, tmp_path, capsys):
     assert "decoupled: true" in config and 'key: "device"' in config and "EXECUTION_ENV_PATH" not in config
     model_py = (tmp_path / "repo" / "llm" / "1" / "model.py").read_text()
     assert "class TritonPythonModel" in model_py and "generate_async" in model_py
+    assert "--http-restricted-api=inference,metadata" in capsys.readouterr().out  # the API-key hint (issue 12)
     assert main(["triton-repo", "--engine_dir", str(tmp_path), "--output_dir", str(tmp_path / "r2")]) == 2
     assert "triton-repo: error" in capsys.readouterr().err
     with pytest.raises(FileNotFoundError, match="bin/activate"):

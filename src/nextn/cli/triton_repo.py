@@ -4,13 +4,21 @@ The model takes TensorRT-LLM's tensor names: text (`text_input`, `max_tokens`, `
 `top_p`, `seed`, `end_id` → `text_output`) or token ids (`input_ids`, `request_output_len` → `output_ids`,
 `sequence_length`), and reports `acceptance_rate`, `total_accepted_draft_tokens`, `total_draft_tokens`. With
 --decoupled it streams one response per engine step (gRPC streaming); serve with e.g.
-`tritonserver --model-repository REPO` (the Python backend must find nextn: see --python_env).
+`tritonserver --model-repository REPO` (the Python backend must find nextn: see --python_env). To require an API
+key, tritonserver checks a header itself: the command printed adds `--http-restricted-api` and
+`--grpc-restricted-protocol` with `authorization=Bearer KEY`, the header `nextn serve --api_key` takes.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+
+# Triton's own header check (2.41+), the same header `nextn serve --api_key` takes; the server answers 403 without it.
+_RESTRICTED = "inference,metadata,model-config,model-repository,statistics,shared-memory,trace,logging"
+RESTRICT_HINT = (f"'--http-restricted-api={_RESTRICTED}:authorization=Bearer KEY' "
+                 f"'--grpc-restricted-protocol={_RESTRICTED}:authorization=Bearer KEY'")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,4 +52,5 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(f"wrote {model_dir} ({'decoupled' if args.decoupled else 'non-decoupled'}); serve with: tritonserver "
           f"--model-repository {model_dir.parent}")
+    print(f"to require an API key (as `nextn serve --api_key`; /v2/health stays open), add: {RESTRICT_HINT}")
     return 0
