@@ -99,6 +99,12 @@ def test_chat_fields_are_checked_too(server, body, fragment):
     assert_error(*post(server, body, "/v1/chat/completions"), 400, fragment)
 
 
+@pytest.mark.parametrize("field, value", [("temperature", 1e-300), ("temperature", 5e-324), ("top_p", 1e-300)])
+def test_values_below_the_runtimes_range_name_their_field(server, field, value):
+    status, body = post(server, {"prompt": "Once", "temperature": 1.0, field: value})
+    assert status == 400 and body["error"]["param"] == field, body
+
+
 def test_a_huge_top_k_fails_alone_while_a_request_runs(server, stories_llm):
     """Item 2: `"top_k": 2**70` was HTTP 500 "engine step failed" for every running request."""
     good = {"prompt": "Once upon a time", "max_tokens": 120, "ignore_eos": True, "temperature": 0.8, "seed": 7}

@@ -174,8 +174,10 @@ class OpenAIServer:
             return SamplingParams(max_tokens=max_tokens, temperature=req.temperature or 0.0, top_k=req.top_k or 0,
                                   top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
                                   stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos)
-        except SamplingParamsError as e:
-            raise p.APIError(400, str(e)) from None
+        except SamplingParamsError as e:  # the runtime's own ranges (e.g. the smallest temperature)
+            fields = ("temperature", "top_p", "top_k", "seed", "stop_token_ids", "max_tokens")
+            named = [f for f in fields if f in str(e)]
+            raise p.APIError(400, str(e), min(named, key=str(e).index) if named else None) from None
 
     def _submit(self, prompts: list[list[int]], params: list[SamplingParams], stops: list[str]) -> list[_Job]:
         jobs: list[_Job] = []
