@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -30,8 +29,8 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
 from pydantic import BaseModel, ValidationError
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from nextn import LLM, SamplingParams
@@ -39,8 +38,8 @@ from nextn.runtime.engine import RequestError
 from nextn.runtime.outputs import CompletionOutput
 from nextn.runtime.request_handle import RequestHandle
 from nextn.runtime.sampling_params import SamplingParamsError
-from nextn.serving import openai_protocol as p
 from nextn.serving import PROMPT_CHARS_PER_TOKEN
+from nextn.serving import openai_protocol as p
 from nextn.serving.http_edge import (DEFAULT_MAX_REQUEST_BYTES, OFFLOAD_BYTES, ApiKeyMiddleware, parse_json,
                                      read_body)
 from nextn.serving.metrics import CountRequests, ServerMetrics
@@ -52,8 +51,6 @@ FALLBACK_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content
                           "{% if add_generation_prompt %}assistant:{% endif %}")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to max_seq_len
 ROUTES = ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health", "GET /metrics")
-
-
 _Model = TypeVar("_Model", bound=BaseModel)
 
 
