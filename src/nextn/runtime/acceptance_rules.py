@@ -65,21 +65,23 @@ class AcceptanceRule(Protocol):
         """Host-side initial state of one request from its prompt (+ output after a preemption)."""
 
     def accept(self, logits: torch.Tensor, draft_tokens: torch.Tensor, first_position: torch.Tensor,
-               sampling: SamplingTensors, state: AcceptState) -> tuple[torch.Tensor, torch.Tensor, AcceptState]:
+               sampling: SamplingTensors, state: AcceptState, draft_probs: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, AcceptState]:
         """(tokens [B, K+1], num_emitted [B], new state) for logits [B, K+1, V] and drafts [B, K];
-        first_position [B] is the position of the first token this step can emit (kv_len + 1)."""
+        first_position [B] is the position of the first token this step can emit (kv_len + 1); draft_probs
+        [B, K, V] fp32 the distributions sampled drafts were drawn from (None: deterministic drafts, one-hot q)."""
 
     def observe(self, tokens: torch.Tensor, num_emitted: torch.Tensor, state: AcceptState) -> AcceptState:
         """The state after tokens emitted outside `accept` (the prefill's first token)."""
 
 
 def _rejection(logits: torch.Tensor, draft_tokens: torch.Tensor, first_position: torch.Tensor,
-               sampling: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+               sampling: SamplingTensors, draft_probs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     w = logits.shape[1]
     positions = first_position[:, None] + torch.arange(w, device=logits.device)  # where each emitted token lands
     accept_u = counter_uniform(sampling.seed, positions[:, : w - 1], STREAM_ACCEPT)
     sample_u = counter_uniform(sampling.seed, positions, STREAM_SAMPLE)
-    return rejection_sampling(sampling.probs(logits), draft_tokens, accept_u, sample_u)
+    return rejection_sampling(sampling.probs(logits), draft_tokens, accept_u, sample_u, draft_probs)
 
 
 class StandardAcceptance:
@@ -94,9 +96,9 @@ class StandardAcceptance:
     def observe(self, tokens, num_emitted, state):
         return state
 
-    def accept(self, logits, draft_tokens, first_position, sampling, state):
+    def accept(self, logits, draft_tokens, first_position, sampling, state, draft_probs=None):
         if sampling.any_sampled:
-            tokens, n = _rejection(logits, draft_tokens, first_position, sampling)
+            tokens, n = _rejection(logits, draft_tokens, first_position, sampling, draft_probs)
         else:
             tokens, n = strict_acceptance(logits, draft_tokens)
         return tokens, n, ()
@@ -117,11 +119,11 @@ class RelaxedAcceptance:
         end = max((i for i, t in enumerate(token_ids) if t == self.end_token), default=-1)
         return (self.delta if begin > end else 0.0,)
 
-    def accept(self, logits, draft_tokens, first_position, sampling, state):
+    def accept(self, logits, draft_tokens, first_position, sampling, state, draft_probs=None):
         (delta,) = state
         tokens, n = relaxed_acceptance(logits, draft_tokens, delta, self.topk)
         if sampling.any_sampled:
-            s_tokens, s_n = _rejection(logits, draft_tokens, first_position, sampling)
+            s_tokens, s_n = _rejection(logits, draft_tokens, first_position, sampling, draft_probs)
             greedy = sampling.temperature <= 0
             tokens, n = torch.where(greedy[:, None], tokens, s_tokens), torch.where(greedy, n, s_n)
         return tokens, n, self.observe(tokens, n, state)
