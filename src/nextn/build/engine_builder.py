@@ -48,7 +48,10 @@ from nextn.build.medusa_heads import MedusaHeadsCheckpoint, check_fits, read_med
 from nextn.build.output_dir import plan_output_dir, staging_dir
 from nextn.build.weight_checks import check_engine_size, check_source_tensors, checked_getter, default_max_seq_len
 from nextn.models.deepseek_v3.weights import layer_prefix
-from nextn.models.registry import WEIGHT_LAYOUTS, ModelConfig
+from nextn.models.registry import MODEL_CLASSES, WEIGHT_LAYOUTS, ModelConfig
+from nextn.quantization.weight_only import (
+    QUANT_ALGOS, QuantConfig, QuantError, default_group_size, linear_weight_names, quantize_stream, quantized_specs,
+)  # fmt: skip
 
 WEIGHTS_NAME = "model.safetensors"
 #: Copied into the engine and listed in `manifest.tokenizer_files` when the checkpoint has them.
@@ -59,7 +62,8 @@ TOKENIZER_FILES = (
 #: Copied when present but not tokenizer files (sampling defaults, EOS ids).
 AUX_FILES = ("generation_config.json",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int8: "I8",
+              torch.uint8: "U8"}
 logger = logging.getLogger(__name__)
 
 
@@ -76,6 +80,8 @@ def build_engine(
     compile_batch_sizes: list[int] | None = None,
     compile_device: str | None = None,
     force: bool = False,
+    quant_algo: str | None = None,
+    group_size: int | None = None,
 ) -> EngineManifest:
     """Build an engine directory from a DeepSeek-V3 or Llama-family checkpoint, optionally with Medusa heads.
 
@@ -106,6 +112,11 @@ def build_engine(
             loaders on the same device type and torch version.
         force: replace an existing engine in `output_dir` even when it also holds files its manifest does not
             list (they are removed). A directory that is not an nextn engine is refused even with `force`.
+        quant_algo: weight-only quantization of the decoder's linear layers, TensorRT-LLM's names: "W8A16" (int8,
+            per output channel) or "W4A16" (4-bit, per group); None keeps them in `dtype`. The embedding, norms
+            and lm_head stay in `dtype` (`quantization/weight_only.py`).
+        group_size: W4A16 input channels per scale (must divide every layer's input size); None: the largest of
+            128, 64, 32 that does.
     Returns:
         The manifest written to `output_dir/manifest.json`.
     Raises:
@@ -149,7 +160,9 @@ def build_engine(
         if heads is not None:
             specs.update({MEDUSA_PREFIX + n: (tuple(t.shape), torch_dtype) for n, t in heads.tensors.items()})
         check_source_tensors(reader, specs, cfg)
-        engine_bytes = sum(math.prod(s) * dt.itemsize for s, dt in specs.values())
+        quant, quant_names = resolve_quant(quant_algo, group_size, cfg, specs)
+        stored_specs = quantized_specs_all(specs, quant_names, quant) if quant is not None else specs
+        engine_bytes = sum(math.prod(s) * dt.itemsize for s, dt in stored_specs.values())
         check_engine_size(engine_bytes, reader.files, specs, cfg, output_dir)
         if max_seq_len is None:
             max_seq_len, note = default_max_seq_len(cfg, max_batch_size, torch_dtype.itemsize, engine_bytes)
@@ -171,7 +184,9 @@ def build_engine(
             if heads is not None:
                 tensors = itertools.chain(tensors, ((MEDUSA_PREFIX + n, t.to(torch_dtype).contiguous())
                                                     for n, t in heads.tensors.items()))
-            checksums = {WEIGHTS_NAME: write_safetensors_streaming(staging / WEIGHTS_NAME, specs, tensors,
+            if quant is not None:
+                _, tensors = quantize_stream(specs, tensors, quant_names, quant)
+            checksums = {WEIGHTS_NAME: write_safetensors_streaming(staging / WEIGHTS_NAME, stored_specs, tensors,
                                                                    progress=progress)}
             if isinstance(reader, GGUFCheckpoint):
                 tokenizer_files, aux_files = reader.write_tokenizer_files(staging), []
@@ -193,11 +208,52 @@ def build_engine(
                 tokenizer_files=tokenizer_files,
                 aux_files=aux_files,
                 checksums=checksums,
+                quant_config=quant,
             )
             manifest.save(staging)
             if compile_step:
                 manifest = _compile_step(staging, manifest, llm_args, compile_batch_sizes, compile_device, progress)
     return manifest
+
+
+def resolve_quant(quant_algo: str | None, group_size: int | None, cfg: ModelConfig,
+                  specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> tuple[QuantConfig | None, set[str]]:
+    """The engine's quant config and the weights it quantizes: every decoder `nn.Linear` (lm_head excluded).
+
+    Raises:
+        EngineError: an unknown algorithm, a group size with W8A16, or one that does not divide a layer's input.
+    """
+    if quant_algo is None:
+        if group_size is not None:
+            raise EngineError("--group_size applies to --quant_algo W4A16 only")
+        return None, set()
+    if quant_algo not in QUANT_ALGOS:
+        raise EngineError(f"unknown quant_algo {quant_algo!r}; choose one of {', '.join(QUANT_ALGOS)}")
+    if quant_algo == "W8A16" and group_size is not None:
+        raise EngineError("W8A16 scales each output channel; --group_size applies to W4A16 only")
+    with torch.device("meta"):
+        model = MODEL_CLASSES[cfg.architecture](cfg, max_positions=1)
+    probe = QuantConfig(quant_algo=quant_algo, exclude_modules=["lm_head"])
+    names = {n for n in linear_weight_names(model, probe) if n in specs and len(specs[n][0]) == 2}
+    if quant_algo == "W4A16":
+        try:
+            ks = [specs[n][0][1] for n in names]
+            group_size = group_size or default_group_size(ks)
+            bad = sorted({k for k in ks if k % group_size})
+            if bad:
+                raise QuantError(f"--group_size {group_size} does not divide the input sizes {bad}")
+        except QuantError as e:
+            raise EngineError(f"W4A16: {e}") from e
+    return QuantConfig(quant_algo=quant_algo, group_size=group_size, exclude_modules=["lm_head"]), names
+
+
+def quantized_specs_all(specs: dict[str, tuple[tuple[int, ...], torch.dtype]], names: set[str],
+                        quant: QuantConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """`specs` with each weight in `names` replaced by its quantized tensors (same order)."""
+    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for name, (shape, dtype) in specs.items():
+        out.update(quantized_specs(name, shape, quant) if name in names else {name: (shape, dtype)})
+    return out
 
 
 def _compile_step(engine_dir: Path, manifest: EngineManifest, llm_args: LlmArgs | None,

@@ -36,6 +36,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from nextn.models.registry import ModelConfig
+from nextn.quantization.weight_only import QuantConfig
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +170,7 @@ class EngineManifest(BaseModel):
     checksums: dict[str, FileChecksum] = {}  # weight, tokenizer, aux files → size, SHA-256; empty: built before
     # (compiled_step's files carry their own SHA-256)
     compiled_step: CompiledStepInfo | None = None  # absent in engines built without --compile_step
+    quant_config: QuantConfig | None = None  # weight-only quantization (W8A16 / W4A16); None: weights in `dtype`
 
     @field_validator("weight_files", "tokenizer_files", "aux_files")
     @classmethod

@@ -1,7 +1,8 @@
-"""`build-engine`: compile a DeepSeek-V3 HF checkpoint (with MTP layers) into an nextn engine directory.
+"""`build-engine`: compile a checkpoint (DeepSeek-V3 or Llama-family HF safetensors, or a GGUF) into an engine directory.
 
 Usage:
     build-engine --model_dir CHECKPOINT --output_dir ENGINE [--dtype auto|bfloat16|float32]
+                 [--quant_algo W8A16|W4A16 [--group_size G]]
                  [--max_batch_size N] [--max_seq_len N] [--extra_llm_api_options YAML] [--force] [--no-progress]
                  [--compile_step [--compile_batch_sizes N ...] [--compile_device cpu|cuda]]
 
@@ -37,9 +38,12 @@ def _parser() -> argparse.ArgumentParser:
         prog=PROG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
-            "Compile a DeepSeek-V3 Hugging Face checkpoint (BF16/FP32 or block-FP8 safetensors, single file or\n"
-            "sharded, with its MTP layers) into an nextn engine directory: model.safetensors in the runtime\n"
-            "layout, the tokenizer files, and manifest.json (model, dtype, speculative MTP setup, build options)."
+            "Compile a checkpoint into an nextn engine directory: a DeepSeek-V3 or Llama-family (Llama, Qwen2)\n"
+            "Hugging Face checkpoint (BF16/FP32 or block-FP8 safetensors, single file or sharded, with its MTP\n"
+            "layers), or a GGUF as people download it (F32/F16/BF16 or quantized, e.g. Q4_K_M, dequantized with\n"
+            "the gguf library). The engine holds model.safetensors in the runtime layout (optionally weight-only\n"
+            "quantized: W8A16 / W4A16), the tokenizer files, and manifest.json (model, dtype, speculative setup,\n"
+            "quantization, build options, checksums)."
         ),
         epilog=(
             "example:\n"
@@ -87,6 +91,12 @@ def _parser() -> argparse.ArgumentParser:
                    "YAML, else 1, 2, 4, ... up to --max_batch_size)")
     p.add_argument("--compile_device", choices=("cpu", "cuda"),
                    help="device to compile for with --compile_step (default: cuda when available)")
+    p.add_argument("--quant_algo", choices=("W8A16", "W4A16"),
+                   help="weight-only quantization of the decoder's linear layers (TensorRT-LLM's names): W8A16 = "
+                   "int8 per output channel, W4A16 = 4-bit per group; embedding, norms and lm_head stay in --dtype "
+                   "(default: none)")
+    p.add_argument("--group_size", type=int, metavar="G",
+                   help="W4A16 input channels per scale (default: the largest of 128, 64, 32 dividing every layer)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
     return p
 
@@ -120,6 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_seq_len=args.max_seq_len, extra_llm_api_options=args.extra_llm_api_options, progress=args.progress,
             medusa_model_dir=args.medusa_model_dir, compile_step=args.compile_step,
             compile_batch_sizes=args.compile_batch_sizes, compile_device=args.compile_device, force=args.force,
+            quant_algo=args.quant_algo, group_size=args.group_size,
         )  # fmt: skip
     except USER_ERRORS as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
@@ -134,7 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"Medusa, {spec.num_medusa_heads} head(s) of {spec.medusa_num_layers} ResBlock(s)"
                 if spec.method == "medusa" else f"none ({spec.num_mtp_modules} MTP module(s) stored)")
     print(f"engine:     {args.output_dir}\n"
-          f"dtype:      {manifest.dtype}\n"
+          f"dtype:      {manifest.dtype}"
+          f"{f' ({manifest.quant_config.quant_algo} linear layers)' if manifest.quant_config else ''}\n"
           f"drafting:   {drafting}\n"
           f"max_seq_len: {manifest.build_options.max_seq_len} (model: {manifest.model.max_position_embeddings})\n"
           f"tensors:    {len(WEIGHT_LAYOUTS[manifest.architecture].runtime_weight_specs(manifest.model))}\n"

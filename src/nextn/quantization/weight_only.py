@@ -82,7 +82,7 @@ def quantize(w: torch.Tensor, cfg: QuantConfig) -> dict[str, torch.Tensor]:
         raise QuantError("the weight has NaN or Inf values; it cannot be quantized")
     n, k = w.shape
     if cfg.quant_algo == "W8A16":
-        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [N]
+        scale = _bf16_exact((w.abs().amax(dim=1) / 127).clamp(min=1e-12))  # [N]
         q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
         return {"weight": q, "weight_scale": scale}
     g = cfg.group_size or default_group_size([k])
@@ -90,10 +90,16 @@ def quantize(w: torch.Tensor, cfg: QuantConfig) -> dict[str, torch.Tensor]:
         raise QuantError(f"W4A16 group_size {g} does not divide the input size {k}; choose a group size that does")
     wg = w.view(n, k // g, g)
     lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)  # [N, K/g]
-    scale = ((hi - lo) / 15).clamp(min=1e-12)
+    scale = _bf16_exact(((hi - lo) / 15).clamp(min=1e-12))
+    lo = _bf16_exact(lo + 8 * scale) - 8 * scale  # the kernel's zero point lo + 8·scale is then exact in bf16
     q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).view(n, k)
     packed = q[:, 0::2] | (q[:, 1::2] << 4)  # [N, K/2]
     return {"weight": packed.contiguous(), "weight_scale": scale, "weight_zero": lo}
+
+
+def _bf16_exact(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to bfloat16 precision, kept fp32: the kernels read scales in bf16, so the stored values are exact."""
+    return x.bfloat16().float()
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
@@ -109,7 +115,8 @@ def dequantize(t: dict[str, torch.Tensor], cfg: QuantConfig) -> torch.Tensor:
     q = unpack_int4(t["weight"]).float()
     n, k = q.shape
     groups = t["weight_scale"].shape[1]
-    w = q.view(n, groups, k // groups) * t["weight_scale"].float()[..., None] + t["weight_zero"].float()[..., None]
+    scale, zero8 = t["weight_scale"].float()[..., None], (t["weight_zero"].float() + 8 * t["weight_scale"].float())[..., None]
+    w = (q.view(n, groups, k // groups) - 8) * scale + zero8  # as the kernel: (q − 8) · scale + (zero + 8 · scale)
     return w.view(n, k)
 
 

@@ -23,6 +23,7 @@ from nextn.runtime.cuda_graph_runner import graph_decode_fn
 from nextn.runtime.drafters import Drafter, MtpEagleDrafter, MtpVanillaDrafter, NoDrafter
 from nextn.runtime.kv_cache import BlockPool, allocate_kv_cache
 from nextn.runtime.model_runner import ModelRunner
+from nextn.quantization.linear import install_weight_only_linears
 from nextn.runtime.ngram_drafter import NGramDrafter
 from nextn.runtime.overlap import InflightStep
 from nextn.runtime.fault_isolation import recover_from_failed_step
@@ -220,6 +221,8 @@ class Engine:
         model.rope_table = model.rope_table_for(max_positions).to(self.device)
         return model.eval().requires_grad_(False)
 
+        if self.manifest.quant_config is not None:
+            install_weight_only_linears(model, weights, self.manifest.quant_config)
     # Requests ----------------------------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
         """Validate and tokenize one prompt, and check its SamplingParams against this engine
