@@ -21,9 +21,9 @@ from nextn.runtime.draft_len_policy import choose_draft_len_policy
 from nextn.runtime.compiled_step import compile_decode_fn
 from nextn.runtime.cuda_graph_runner import graph_decode_fn
 from nextn.runtime.drafters import Drafter, MtpEagleDrafter, MtpVanillaDrafter, NoDrafter
+from nextn.quantization.linear import install_weight_only_linears
 from nextn.runtime.kv_cache import BlockPool, allocate_kv_cache
 from nextn.runtime.model_runner import ModelRunner
-from nextn.quantization.linear import install_weight_only_linears
 from nextn.runtime.ngram_drafter import NGramDrafter
 from nextn.runtime.overlap import InflightStep
 from nextn.runtime.fault_isolation import recover_from_failed_step
@@ -214,6 +214,8 @@ class Engine:
         """The target model (its family from the manifest) with the engine weights, rope table for max_positions."""
         with torch.device("meta"):
             model = MODEL_CLASSES[self.manifest.architecture](self.cfg, max_positions=1)
+        if self.manifest.quant_config is not None:
+            install_weight_only_linears(model, weights, self.manifest.quant_config)
         try:
             model.load_state_dict(weights, strict=True, assign=True)
         except RuntimeError as e:
@@ -221,8 +223,6 @@ class Engine:
         model.rope_table = model.rope_table_for(max_positions).to(self.device)
         return model.eval().requires_grad_(False)
 
-        if self.manifest.quant_config is not None:
-            install_weight_only_linears(model, weights, self.manifest.quant_config)
     # Requests ----------------------------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
         """Validate and tokenize one prompt, and check its SamplingParams against this engine
