@@ -45,7 +45,7 @@ def test_every_file_has_its_size_and_sha256(engine: Path) -> None:
 def test_a_flipped_bit_is_a_named_error(engine: Path) -> None:
     _flip_bit(engine / "model.safetensors")
     m = EngineManifest.load(engine)
-    with pytest.raises(EngineError, match=r"model.safetensors is corrupt: its SHA-256 .* rebuild"):
+    with pytest.raises(EngineError, match=r"model.safetensors is corrupt: bytes 0–\d+ have SHA-256 .* rebuild"):
         verify_engine_files(engine, m, "full")
     verify_engine_files(engine, m, "size")  # the documented limit of the fast mode
 
@@ -169,3 +169,25 @@ def test_non_finite_config_values_in_a_manifest_are_refused(engine: Path) -> Non
     (engine / MANIFEST_NAME).write_text(json.dumps(data).replace("Infinity", "1e999"))
     with pytest.raises(EngineError, match="malformed: .*rms_norm_eps"):
         EngineManifest.load(engine)
+
+
+def test_chunk_digests_match_slices_and_name_the_corrupt_range(tmp_path: Path) -> None:
+    import os
+
+    from nextn.build.manifest import StreamHasher, _verify_digest
+
+    data = os.urandom(10_000)
+    hasher = StreamHasher(chunk_bytes=4096)
+    for piece in (data[:1], data[1:5000], data[5000:8192], data[8192:]):  # boundaries anywhere
+        hasher.update(piece)
+    c = hasher.checksum()
+    assert c.sha256 == hashlib.sha256(data).hexdigest() and c.num_bytes == 10_000
+    assert c.chunk_sha256 == [hashlib.sha256(data[i:i + 4096]).hexdigest() for i in range(0, 10_000, 4096)]
+    f = tmp_path / "w.bin"
+    f.write_bytes(data)
+    _verify_digest(f, c, "fix")
+    flipped = bytearray(data)
+    flipped[9000] ^= 0x80
+    f.write_bytes(bytes(flipped))
+    with pytest.raises(EngineError, match="bytes 8192–10000 have SHA-256"):
+        _verify_digest(f, c, "fix")

@@ -22,7 +22,6 @@ The weights' SHA-256 is computed while they are written; every engine file's siz
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import logging
@@ -41,7 +40,8 @@ from nextn.build.checkpoint import CONFIG_NAME, CheckpointError, CheckpointReade
 from nextn.build.fingerprint import fingerprint
 from nextn.build.gguf_reader import GGUFCheckpoint
 from nextn.build.manifest import (
-    MANIFEST_NAME, BuildOptions, EngineError, EngineManifest, FileChecksum, SourceInfo, SpeculativeInfo, sha256_file,
+    MANIFEST_NAME, BuildOptions, EngineError, EngineManifest, FileChecksum, SourceInfo, SpeculativeInfo, StreamHasher,
+    file_checksum,
 )  # fmt: skip
 from nextn.config.llm_args import LlmArgs, load_llm_args_yaml, parse_llm_args
 from nextn.build.medusa_heads import MedusaHeadsCheckpoint, check_fits, read_medusa_heads
@@ -193,8 +193,7 @@ def build_engine(
             else:
                 tokenizer_files, aux_files = _copy_side_files(model_dir, staging)
             for name in (*tokenizer_files, *aux_files):
-                checksums[name] = FileChecksum(num_bytes=(staging / name).stat().st_size,
-                                               sha256=sha256_file(staging / name))
+                checksums[name] = file_checksum(staging / name)
             manifest = EngineManifest(
                 nextn_version=nextn.__version__,
                 architecture=cfg.architecture,
@@ -430,11 +429,11 @@ def write_safetensors_streaming(
     blob += b" " * (-len(blob) % 8)  # 8-byte alignment of the data section, as safetensors pads
     data_start = 8 + len(blob)
     written: set[str] = set()
-    sha = hashlib.sha256()
+    hasher = StreamHasher()
     hashed_to = 0  # data bytes hashed so far, in file order
     with path.open("wb") as f, tqdm(total=len(specs), desc="build-engine", unit="tensor", disable=not progress) as bar:
         f.write(struct.pack("<Q", len(blob)) + blob)
-        sha.update(struct.pack("<Q", len(blob)) + blob)
+        hasher.update(struct.pack("<Q", len(blob)) + blob)
         f.truncate(data_start + offset)
         for name, t in tensors:
             if name not in specs or name in written:
@@ -448,7 +447,7 @@ def write_safetensors_streaming(
             f.seek(data_start + start)
             f.write(data)
             if start == hashed_to:
-                sha.update(data)
+                hasher.update(data)
                 hashed_to += data.nbytes
             written.add(name)
             bar.set_postfix_str(name, refresh=False)
@@ -456,5 +455,4 @@ def write_safetensors_streaming(
     missing = [n for n in specs if n not in written]
     if missing:
         raise EngineError(f"internal error: {len(missing)} engine tensor(s) were never produced, e.g. {missing[0]!r}")
-    digest = sha.hexdigest() if hashed_to == offset else sha256_file(path)
-    return FileChecksum(num_bytes=data_start + offset, sha256=digest)
+    return hasher.checksum() if hashed_to == offset else file_checksum(path)

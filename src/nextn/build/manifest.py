@@ -30,6 +30,7 @@ import logging
 import math
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
@@ -44,7 +45,9 @@ SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 #: A manifest larger than this is not one build-engine wrote (a device file, a mistaken path): refused unread.
 MAX_MANIFEST_BYTES = 16 << 20
-CHUNK_BYTES = 1 << 22
+CHUNK_BYTES = 1 << 22  # read size
+#: Slice of a weights file whose SHA-256 is recorded on its own (verified in parallel at load time).
+VERIFY_CHUNK_BYTES = 256 << 20
 VERIFY_MODES = ("full", "size", "off")
 
 
@@ -66,12 +69,56 @@ def check_relative_path(path: str, what: str) -> str:
 
 
 class FileChecksum(BaseModel):
-    """Size and SHA-256 of one engine file, recorded at build time and checked at load time."""
+    """Size and SHA-256 of one engine file, recorded at build time and checked at load time.
+
+    Besides the SHA-256 of the whole file (what `sha256sum` prints), the SHA-256 of each `chunk_bytes` slice, so that
+    a loader verifies the slices on all its cores at once.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     num_bytes: int = Field(ge=0)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    chunk_bytes: int = Field(default=0, ge=0)  # 0: no per-chunk digests (verify the whole file in one stream)
+    chunk_sha256: list[str] = []  # SHA-256 of bytes [i·chunk_bytes, (i+1)·chunk_bytes), the last chunk shorter
+
+    @model_validator(mode="after")
+    def _chunks(self) -> "FileChecksum":
+        expected = -(-self.num_bytes // self.chunk_bytes) if self.chunk_bytes else 0
+        if len(self.chunk_sha256) != expected:
+            raise ValueError(f"{len(self.chunk_sha256)} chunk digests for {self.num_bytes} bytes in chunks of "
+                             f"{self.chunk_bytes}; expected {expected}")
+        return self
+
+
+class StreamHasher:
+    """SHA-256 of a byte stream, whole and per `chunk_bytes` slice, fed in pieces of any size."""
+
+    def __init__(self, chunk_bytes: int = VERIFY_CHUNK_BYTES) -> None:
+        self.chunk_bytes = chunk_bytes
+        self.whole = hashlib.sha256()
+        self.chunk = hashlib.sha256()
+        self.in_chunk = 0
+        self.num_bytes = 0
+        self.chunks: list[str] = []
+
+    def update(self, data: bytes | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        self.whole.update(view)
+        self.num_bytes += len(view)
+        while len(view):
+            take = min(len(view), self.chunk_bytes - self.in_chunk)
+            self.chunk.update(view[:take])
+            self.in_chunk += take
+            view = view[take:]
+            if self.in_chunk == self.chunk_bytes:
+                self.chunks.append(self.chunk.hexdigest())
+                self.chunk, self.in_chunk = hashlib.sha256(), 0
+
+    def checksum(self) -> FileChecksum:
+        chunks = self.chunks + ([self.chunk.hexdigest()] if self.in_chunk else [])
+        return FileChecksum(num_bytes=self.num_bytes, sha256=self.whole.hexdigest(), chunk_bytes=self.chunk_bytes,
+                            chunk_sha256=chunks)
 
 
 class SpeculativeInfo(BaseModel):
@@ -275,11 +322,50 @@ def _refuse_constant(name: str) -> Any:
 # Integrity --------------------------------------------------------------------------------------------
 def sha256_file(path: str | Path) -> str:
     """SHA-256 hex digest of a file, streamed in 4 MiB chunks."""
-    h = hashlib.sha256()
+    return _sha256_range(Path(path), 0, None)
+
+
+def file_checksum(path: str | Path) -> FileChecksum:
+    """Size, SHA-256 and per-chunk SHA-256 of a file (read once, streamed)."""
+    hasher = StreamHasher()
     with Path(path).open("rb") as f:
         while chunk := f.read(CHUNK_BYTES):
+            hasher.update(chunk)
+    return hasher.checksum()
+
+
+def _sha256_range(path: Path, start: int, length: int | None) -> str:
+    h = hashlib.sha256()
+    left = length
+    with path.open("rb") as f:
+        f.seek(start)
+        while left is None or left > 0:
+            chunk = f.read(CHUNK_BYTES if left is None else min(CHUNK_BYTES, left))
+            if not chunk:
+                break
             h.update(chunk)
+            if left is not None:
+                left -= len(chunk)
     return h.hexdigest()
+
+
+def _verify_digest(path: Path, expected: FileChecksum, fix: str) -> None:
+    """Compare a file's SHA-256 with the record: per chunk on every core when recorded, else in one stream."""
+    if not expected.chunk_sha256:
+        digest = sha256_file(path)
+        if digest != expected.sha256:
+            raise EngineError(f"engine file {path} is corrupt: its SHA-256 is {digest[:16]}…, the manifest records "
+                              f"{expected.sha256[:16]}… (a changed byte); {fix}")
+        return
+    n, size = len(expected.chunk_sha256), expected.chunk_bytes
+    # hashlib releases the GIL on large updates: threads hash on every core
+    with ThreadPoolExecutor(max_workers=max(1, min(n, os.cpu_count() or 1))) as pool:
+        digests = list(pool.map(lambda i: _sha256_range(path, i * size, size), range(n)))
+    for i, (got, want) in enumerate(zip(digests, expected.chunk_sha256)):
+        if got != want:
+            end = min((i + 1) * size, expected.num_bytes)
+            raise EngineError(f"engine file {path} is corrupt: bytes {i * size}–{end} have SHA-256 {got[:16]}…, the "
+                              f"manifest records {want[:16]}… (a changed byte); {fix}")
 
 
 def verify_mode_from_env() -> str:
@@ -327,10 +413,7 @@ def verify_engine_files(engine_dir: str | Path, manifest: EngineManifest, mode: 
         check_safetensors_header(root / name)
     if mode == "full":
         for name, expected in manifest.checksums.items():
-            digest = sha256_file(root / name)
-            if digest != expected.sha256:
-                raise EngineError(f"engine file {root / name} is corrupt: its SHA-256 is {digest[:16]}…, the manifest "
-                                  f"records {expected.sha256[:16]}… (a changed byte); {fix}")
+            _verify_digest(root / name, expected, fix)
 
 
 _ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
