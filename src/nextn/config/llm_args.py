@@ -1,7 +1,10 @@
 """Typed LLM arguments with TensorRT-LLM's field names (`extra_llm_api_options` YAML; REFERENCE.md §6).
 
 Unknown keys and wrong types are errors naming the key and listing the valid ones. `speculative_config` is a
-union on `decoding_type`; `null` means plain decoding.
+union on `decoding_type`; `null` means plain decoding. Floats must be finite and ints within ±2**31 (a bigger
+size is never meant and would only fail later, deep in an allocation); the sizes are checked against the model
+and the memory there is when the engine loads (runtime/engine_sizes.py). The YAML file must be a regular UTF-8
+file of at most 1 MiB, nested at most 32 deep.
 """
 
 from __future__ import annotations
@@ -11,15 +14,64 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class LlmArgsError(ValueError):
     """Invalid LLM arguments (YAML or keyword overrides); the message names the key and the valid ones."""
 
 
+MAX_INT = 2**31 - 1  # every int argument: sizes, counts, token ids
+MAX_YAML_BYTES = 1 << 20
+MAX_NESTING = 32
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _ints_bounded(self):
+        for name, value in self.__dict__.items():
+            bad = _out_of_range_int(value)
+            if bad is not None:
+                raise ValueError(f"{name}: {bad} is out of range (ints must be within ±{MAX_INT})")
+        return self
+
+
+def _out_of_range_int(value: Any, depth: int = 0) -> int | None:
+    """The first int (bool excluded) outside ±MAX_INT in a value, its lists and dicts (keys too), else None."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value if abs(value) > MAX_INT else None
+    if depth < MAX_NESTING and isinstance(value, (list, tuple, dict)):
+        items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+        for item in items:
+            bad = _out_of_range_int(item, depth + 1)
+            if bad is not None:
+                return bad
+    return None
+
+
+def check_nesting(data: Any, what: str) -> None:
+    """Refuse data nested deeper than MAX_NESTING or with more than 100,000 nodes (YAML aliases can make a small
+    file a huge tree), iteratively, before pydantic recurses into it.
+
+    Raises:
+        LlmArgsError: naming `what` and the limit.
+    """
+    stack, nodes = [(data, 0)], 0
+    while stack:
+        value, depth = stack.pop()
+        nodes += 1
+        if depth > MAX_NESTING:
+            raise LlmArgsError(f"{what} is nested more than {MAX_NESTING} levels deep: LLM arguments are a few levels "
+                               "of mappings; check the file")
+        if nodes > 100_000:
+            raise LlmArgsError(f"{what} holds more than 100000 values (YAML aliases expanding?): LLM arguments are a "
+                               "few dozen values; check the file")
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend((v, depth + 1) for v in value)
 
 
 class DecodingBaseConfig(_Strict):
@@ -193,27 +245,54 @@ def parse_llm_args(data: dict[str, Any] | None, **overrides: Any) -> LlmArgs:
     Raises:
         LlmArgsError: unknown key or wrong type; the message names the key and lists the valid ones.
     """
+    if data is not None and not isinstance(data, dict):
+        raise LlmArgsError(f"LLM arguments must be a mapping, got {type(data).__name__}")
     merged = upgrade_legacy_keys(dict(data or {}))
     merged.update({k: v for k, v in overrides.items() if v is not None or k == "speculative_config"})
+    check_nesting(merged, "the LLM arguments")
     try:
         return LlmArgs.model_validate(merged)
     except ValidationError as e:
         raise LlmArgsError(f"invalid LLM arguments: {_format_error(e, LlmArgs)}") from e
+    except RecursionError:
+        raise LlmArgsError(f"the LLM arguments are nested too deeply (at most {MAX_NESTING} levels)") from None
 
 
 def load_llm_args_yaml(path: str | Path) -> dict[str, Any]:
     """Read an `extra_llm_api_options` YAML file into a dict (validated later by `parse_llm_args`).
 
     Raises:
-        LlmArgsError: the file is missing, not YAML, or not a mapping at the top level.
+        LlmArgsError: the file is missing, not a regular file (a directory, /dev/zero, a pipe such as /dev/stdin:
+            never read), larger than 1 MiB, not UTF-8, not YAML, nested too deeply, or not a mapping at the top level.
     """
-    p = Path(path)
-    if not p.is_file():
-        raise LlmArgsError(f"extra_llm_api_options file {p} does not exist")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        p = Path(path)
+    except TypeError:
+        raise LlmArgsError(f"extra_llm_api_options must be a path to a YAML file, got {type(path).__name__}") from None
+    if not p.exists():
+        raise LlmArgsError(f"extra_llm_api_options file {p} does not exist")
+    if not p.is_file():
+        raise LlmArgsError(f"extra_llm_api_options {p} is not a regular file (a directory, device or pipe): give the "
+                           "path of a YAML file")
+    try:
+        with p.open("rb") as f:
+            raw = f.read(MAX_YAML_BYTES + 1)  # bounded even if the file grows while read
+    except OSError as e:
+        raise LlmArgsError(f"extra_llm_api_options file {p} cannot be read: {e}") from e
+    if len(raw) > MAX_YAML_BYTES:
+        raise LlmArgsError(f"{p} is larger than {MAX_YAML_BYTES} bytes: LLM arguments are a few lines of YAML; check "
+                           "the path")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise LlmArgsError(f"{p} is not UTF-8 text (byte {e.start} is {raw[e.start]:#04x}): save it as UTF-8") from None
+    try:
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
         raise LlmArgsError(f"{p} is not valid YAML: {e}") from e
+    except RecursionError:
+        raise LlmArgsError(f"{p} is nested too deeply for LLM arguments (at most {MAX_NESTING} levels)") from None
+    check_nesting(data, str(p))
     if not isinstance(data, dict):
         raise LlmArgsError(f"{p} must hold a mapping of LLM arguments at the top level, got {type(data).__name__}")
     parse_llm_args(data)  # fail early, naming the file's bad key

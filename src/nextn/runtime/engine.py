@@ -26,6 +26,7 @@ from nextn.runtime.kv_cache import BlockPool, allocate_kv_cache
 from nextn.runtime.model_runner import ModelRunner
 from nextn.runtime.ngram_drafter import NGramDrafter
 from nextn.runtime.overlap import InflightStep
+from nextn.runtime.engine_sizes import check_sizes_against_model, plan_kv_cache
 from nextn.runtime.fault_isolation import recover_from_failed_step
 from nextn.runtime.request import Request
 from nextn.runtime.request_validation import RequestError, checked_sampling_params, prompt_token_ids
@@ -133,19 +134,21 @@ class Engine:
         self.max_batch_size = args.max_batch_size or manifest.build_options.max_batch_size
         self.max_seq_len = args.max_seq_len or manifest.build_options.max_seq_len
         self.block_size = args.kv_cache_config.tokens_per_block
+        check_sizes_against_model(args, cfg, manifest.build_options.max_seq_len, self.max_batch_size, self.max_seq_len)
         weights = self._read_weights()
         heads = self._medusa_heads(weights)
         self.drafter = choose_drafter(manifest, spec, heads, self.device, self.max_seq_len)
         k = self.drafter.num_draft_tokens
         # KV positions past max_seq_len a step may touch: K+1 in flight (overlap) + the decode look-ahead 2K+1.
         lookahead = (k + 1) + (2 * k + 1)
+        kv_dtype = DTYPES.get(args.kv_cache_config.dtype, DTYPES[manifest.dtype])
+        # Checked against the memory there is before the rope table, drafter state and KV cache are allocated.
+        plan = plan_kv_cache(args, cfg, self.device, self.max_batch_size, self.max_seq_len, lookahead, kv_dtype,
+                             DTYPES[manifest.dtype], self.drafter)
         self.model = self._load_model(weights, self.max_seq_len + lookahead + self.block_size)
         if self.drafter.uses_draft_head and _fast_bf16(self.device):
             self.model.use_bf16_draft_head()  # drafts only propose: a cheaper head cannot change the output
-        per_seq = -(-(self.max_seq_len + lookahead) // self.block_size)
-        max_tokens = args.kv_cache_config.max_tokens or self.max_batch_size * per_seq * self.block_size
-        num_blocks = -(-max_tokens // self.block_size) + 1  # + the null block
-        kv_dtype = DTYPES.get(args.kv_cache_config.dtype, DTYPES[manifest.dtype])
+        per_seq, num_blocks = plan.per_seq, plan.num_blocks  # num_blocks counts the null block
         kv = allocate_kv_cache(self.model.num_cache_layers, num_blocks, self.block_size, cfg.kv_cache_dim,
                                kv_dtype, self.device)
         self.pool = BlockPool(num_blocks, self.block_size)

@@ -1,0 +1,160 @@
+"""Engine sizes checked before anything is allocated: against the model, then against the memory there is.
+
+`check_sizes_against_model` runs first (before the weights are read): max_seq_len within the model's
+max_position_embeddings, the other sizes positive and bounded. `plan_kv_cache` runs after the weights are loaded
+and before the rope table, the drafter state and the KV cache are allocated: it computes what they need and
+compares it with the memory available (CUDA: `torch.cuda.mem_get_info`; CPU: /proc/meminfo MemAvailable, capped
+by a cgroup memory limit) times `kv_cache_config.free_gpu_memory_fraction`. An engine that does not fit is a
+named error with both figures and the fix, instead of an allocation the kernel's OOM killer ends.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from nextn.config.llm_args import LlmArgs, LlmArgsError
+
+_GIB = 1 << 30
+
+
+class EngineSizeError(LlmArgsError):
+    """An engine size (max_seq_len, max_batch_size, KV cache) that the model or the machine cannot hold."""
+
+
+def check_sizes_against_model(args: LlmArgs, model_cfg, build_max_seq_len: int, max_batch_size: int,
+                              max_seq_len: int) -> None:
+    """max_seq_len ≤ the model's max_position_embeddings (and ≥ 2), every size ≥ 1.
+
+    Raises:
+        EngineSizeError: the size named, where it came from (LLM argument or engine build option), and the fix.
+    """
+    where = "max_seq_len" if args.max_seq_len else f"the engine's build option max_seq_len ({build_max_seq_len})"
+    limit = model_cfg.max_position_embeddings
+    if max_seq_len > limit:
+        raise EngineSizeError(f"{where} = {max_seq_len} exceeds the model's max_position_embeddings {limit} (the "
+                              f"positions it was trained for): set max_seq_len to at most {limit} (LLM(max_seq_len=...)"
+                              ", extra_llm_api_options or --max_seq_len)")
+    if max_seq_len < 2:
+        raise EngineSizeError(f"{where} = {max_seq_len}: a request needs at least one prompt and one output token")
+    if max_batch_size < 1:
+        raise EngineSizeError(f"max_batch_size = {max_batch_size} must be ≥ 1")
+    spec = args.speculative_config
+    topk = getattr(spec, "relaxed_topk", 1)
+    if getattr(spec, "use_relaxed_acceptance_for_thinking", False) and topk > model_cfg.vocab_size:
+        raise EngineSizeError(f"speculative_config.relaxed_topk = {topk} exceeds the vocabulary size "
+                              f"{model_cfg.vocab_size}")
+
+
+def available_memory(device: torch.device) -> tuple[int, str]:
+    """Bytes that can still be allocated on `device`, and where the figure comes from."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free), f"free memory on {device}"
+    avail, what = _meminfo_available()
+    limit = _cgroup_room()
+    if limit is not None and limit < avail:
+        return limit, "room under the cgroup memory limit"
+    return avail, what
+
+
+def _meminfo_available() -> tuple[int, str]:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024, "MemAvailable (/proc/meminfo)"
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "available physical memory"
+    except (OSError, ValueError, AttributeError):
+        return 1 << 62, "unknown available memory"
+
+
+def _cgroup_room() -> int | None:
+    """limit − usage of this process's cgroup (v2, else v1), or None without a limit."""
+    pairs = [("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+             ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")]
+    for limit_file, usage_file in pairs:
+        try:
+            limit = Path(limit_file).read_text().strip()
+            usage = int(Path(usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:
+            return None
+        return max(0, int(limit) - usage)
+    return None
+
+
+@dataclass(frozen=True)
+class KvCachePlan:
+    """What the engine will allocate.
+
+    Attributes:
+        per_seq: KV blocks one sequence of max_seq_len (plus look-ahead) needs.
+        num_blocks: KV blocks in the cache, the null block included.
+        kv_bytes: the KV cache tensor.
+        other_bytes: the rope table, the drafter's per-request state buffers and the block pool.
+    """
+
+    per_seq: int
+    num_blocks: int
+    kv_bytes: int
+    other_bytes: int
+
+
+def plan_kv_cache(args: LlmArgs, model_cfg, device: torch.device, max_batch_size: int, max_seq_len: int,
+                  lookahead: int, kv_dtype: torch.dtype, state_dtype: torch.dtype, drafter) -> KvCachePlan:
+    """Size the KV cache and check that it, the rope table and the per-request state fit in memory.
+
+    Returns:
+        The plan (`num_blocks`, `per_seq` for the engine).
+    Raises:
+        EngineSizeError: it does not fit: what the KV cache would need (and from which sizes), what is available,
+            and the settings that fix it (with a `kv_cache_config.max_tokens` that would fit, when one does).
+    """
+    kvc = args.kv_cache_config
+    block = kvc.tokens_per_block
+    per_seq = -(-(max_seq_len + lookahead) // block)
+    max_tokens = kvc.max_tokens or max_batch_size * per_seq * block
+    num_blocks = -(-max_tokens // block) + 1  # + the null block
+    num_layers = model_cfg.num_hidden_layers + getattr(model_cfg, "num_nextn_predict_layers", 0)
+    itemsize = torch.empty((), dtype=kv_dtype).element_size()
+    per_token = num_layers * model_cfg.kv_cache_dim * itemsize
+    kv_bytes = num_blocks * block * per_token
+    rope_dim = getattr(model_cfg, "qk_rope_head_dim", None) or model_cfg.hidden_size // model_cfg.num_attention_heads
+    other = (max_seq_len + lookahead + block) * rope_dim * 4 + num_blocks * 64
+    other += _state_bytes(drafter, max_batch_size, model_cfg.hidden_size, state_dtype)
+    avail, what = available_memory(device)
+    budget = int(avail * kvc.free_gpu_memory_fraction)
+    if kv_bytes + other > budget:
+        sized_by = ("kv_cache_config.max_tokens" if kvc.max_tokens else
+                    f"max_batch_size {max_batch_size} × max_seq_len {max_seq_len} (+{lookahead} look-ahead)")
+        fit = (budget - other) // per_token // block * block if budget > other else 0
+        if kvc.max_tokens:
+            fix = f"lower kv_cache_config.max_tokens (to at most {fit})" if fit else "lower kv_cache_config.max_tokens"
+        else:
+            fix = "lower max_seq_len or max_batch_size"
+            if fit >= per_seq * block:
+                fix += f", or set kv_cache_config.max_tokens to at most {fit} (requests then share it)"
+        fix += f", or raise kv_cache_config.free_gpu_memory_fraction (now {kvc.free_gpu_memory_fraction:g})"
+        raise EngineSizeError(
+            f"the KV cache would need {kv_bytes / _GIB:.2f} GiB ({max_tokens} tokens from {sized_by}; "
+            f"{num_layers} layers × {model_cfg.kv_cache_dim} values × {itemsize} B per token) plus "
+            f"{other / _GIB:.2f} GiB of rope table, per-request state and block bookkeeping, but {what} is {avail / _GIB:.2f} GiB, of "
+            f"which kv_cache_config.free_gpu_memory_fraction allows {budget / _GIB:.2f} GiB: {fix}")
+    return KvCachePlan(per_seq, num_blocks, kv_bytes, other)
+
+
+def _state_bytes(drafter, batch: int, hidden_size: int, dtype: torch.dtype) -> int:
+    """Bytes of the drafter's per-request state buffers for `batch` slots (shapes taken on the meta device)."""
+    try:
+        state = drafter.initial_state(batch, hidden_size, torch.device("meta"), dtype)
+        return sum(math.prod(t.shape) * t.element_size() for t in state)
+    except Exception:  # noqa: BLE001 - a drafter that cannot build meta tensors: counted as nothing
+        return 0

@@ -1,0 +1,74 @@
+"""Issue 12 item 4: every engine size is checked against the model and against the memory there is before the KV
+cache (or the rope table) is allocated; the error says what the KV cache would need, what there is, and the fix."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+import nextn.runtime.engine as engine_mod
+import nextn.runtime.engine_sizes as engine_sizes
+from nextn import LLM
+from nextn.runtime.engine_sizes import EngineSizeError, available_memory
+from nextn.testing import SMALL_VOCAB as SMALL
+
+
+@pytest.fixture(scope="module")
+def engine_dir(checkpoints):
+    return checkpoints.engine(num_mtp_modules=1, **SMALL)  # max_position_embeddings 2048
+
+
+@pytest.fixture
+def no_allocation(monkeypatch):
+    """Fail the test if the KV cache is allocated."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the KV cache was allocated before the sizes were checked")
+    monkeypatch.setattr(engine_mod, "allocate_kv_cache", refuse)
+
+
+def test_max_seq_len_beyond_the_model_is_refused(engine_dir, tmp_path, no_allocation):
+    opts = tmp_path / "opts.yaml"
+    opts.write_text("max_seq_len: 100000\n")
+    with pytest.raises(EngineSizeError, match="max_seq_len = 100000 exceeds the model's max_position_embeddings 2048"):
+        LLM(engine_dir, extra_llm_api_options=opts, device="cpu")
+
+
+def test_a_manifest_with_a_huge_max_seq_len_is_refused(engine_dir, tmp_path, no_allocation, monkeypatch):
+    copy = tmp_path / "engine"
+    shutil.copytree(engine_dir, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["build_options"]["max_seq_len"] = 10**9
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(EngineSizeError, match="build option max_seq_len .*exceeds.*2048"):
+        LLM(copy, device="cpu")
+    monkeypatch.undo()
+    assert LLM(copy, device="cpu", max_seq_len=128).engine.max_seq_len == 128  # the fix it names works
+
+
+def test_a_kv_cache_larger_than_memory_is_refused_with_both_figures(engine_dir, no_allocation):
+    with pytest.raises(EngineSizeError) as e:
+        LLM(engine_dir, device="cpu", kv_cache_config={"max_tokens": 2**31 - 1})
+    msg = str(e.value)
+    assert "the KV cache would need 1280.00 GiB" in msg and "kv_cache_config.max_tokens" in msg
+    assert "GiB, of which kv_cache_config.free_gpu_memory_fraction allows" in msg
+
+
+def test_the_default_kv_cache_is_checked_against_available_memory(engine_dir, monkeypatch, no_allocation):
+    monkeypatch.setattr(engine_sizes, "available_memory", lambda device: (64 << 20, "test memory"))
+    with pytest.raises(EngineSizeError) as e:
+        LLM(engine_dir, device="cpu", max_batch_size=64)
+    msg = str(e.value)
+    assert "max_batch_size 64 × max_seq_len 2048" in msg and "test memory is 0.06 GiB" in msg
+    assert "lower max_seq_len or max_batch_size" in msg and "set kv_cache_config.max_tokens to at most" in msg
+    fit = int(msg.split("max_tokens to at most ")[1].split()[0])
+    monkeypatch.undo()
+    monkeypatch.setattr(engine_sizes, "available_memory", lambda device: (64 << 20, "test memory"))
+    llm = LLM(engine_dir, device="cpu", max_batch_size=64, kv_cache_config={"max_tokens": fit})  # the fix works
+    assert llm.engine.pool.capacity_tokens >= fit
+
+
+def test_available_memory_reads_the_host():
+    avail, what = available_memory(engine_mod.torch.device("cpu"))
+    assert avail > 0 and what
