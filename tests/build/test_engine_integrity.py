@@ -191,3 +191,12 @@ def test_chunk_digests_match_slices_and_name_the_corrupt_range(tmp_path: Path) -
     f.write_bytes(bytes(flipped))
     with pytest.raises(EngineError, match="bytes 8192–10000 have SHA-256"):
         _verify_digest(f, c, "fix")
+
+
+def test_a_max_seq_len_beyond_the_model_is_a_malformed_manifest(engine: Path) -> None:
+    data = json.loads((engine / MANIFEST_NAME).read_text())
+    data["build_options"]["max_seq_len"] = 10**9  # would make the runtime allocate a giant KV cache
+    (engine / MANIFEST_NAME).write_text(json.dumps(data))
+    with pytest.raises(EngineError, match="build_options.max_seq_len=1000000000 exceeds the model's "
+                                          "max_position_embeddings=4096"):
+        EngineManifest.load(engine)

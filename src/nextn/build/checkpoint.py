@@ -33,6 +33,9 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 SCALE_SUFFIX = "_scale_inv"
 FP8_DTYPES = (torch.float8_e4m3fn,)
+#: A JSON side file (config, index, tokenizer) larger than this is refused unread (tokenizer.json of a 256k
+#: vocabulary is ~20 MB).
+MAX_JSON_BYTES = 256 << 20
 
 
 class CheckpointError(ValueError):
@@ -47,7 +50,10 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
             ±Infinity (including a number too large for a float, `1e999`); the message names the file and field.
     """
     if not path.is_file():
-        raise CheckpointError(f"{path} not found: a checkpoint directory needs {what}")
+        raise CheckpointError(f"{path} not found (or not a regular file): a checkpoint directory needs {what}")
+    if path.stat().st_size > MAX_JSON_BYTES:
+        raise CheckpointError(f"{path} is {path.stat().st_size} bytes, more than the {MAX_JSON_BYTES} a config or "
+                              "index file can need; is it the right file?")
     try:
         data = json.loads(path.read_bytes().decode("utf-8"))
         bad = _non_finite(data, "")
