@@ -181,9 +181,9 @@ def test_the_default_is_capped_where_the_kv_cache_would_not_fit() -> None:
           "qk_rope_head_dim": 12, "v_head_dim": 4, "max_position_embeddings": 163840}
     cfg = DeepseekV3ModelConfig.from_hf(hf)  # 4 layers × 512 values × 2 bytes = 4 KiB per token
     assert default_max_seq_len(cfg, 8, 2, 0, memory_bytes=1 << 40) == (163840, None)
-    n, note = default_max_seq_len(cfg, 8, 2, 1 << 30, memory_bytes=4 << 30)  # (0.8·4 − 1) GiB / (8 × 4 KiB)
-    assert n == int((0.8 * (4 << 30) - (1 << 30)) // (8 * 4096)) // 256 * 256 == 71936
-    assert note.startswith("max_seq_len 71936: the model's max_position_embeddings 163840 would need a 5.0 GiB KV "
+    n, note = default_max_seq_len(cfg, 8, 2, 1 << 30, memory_bytes=4 << 30)  # (0.5·4 − 1) GiB / (8 × 4 KiB)
+    assert n == int((0.5 * (4 << 30) - (1 << 30)) // (8 * 4096)) // 256 * 256 == 32768
+    assert note.startswith("max_seq_len 32768: the model's max_position_embeddings 163840 would need a 5.0 GiB KV "
                            "cache at max_batch_size 8") and "--max_seq_len" in note
 
 
@@ -205,3 +205,12 @@ def test_medusa_heads_are_checked_like_weights(tmp_path: Path, bad: str) -> None
         return
     with pytest.raises(MedusaHeadsError, match="NaN/Inf" if bad == "nan" else "dtype torch.int32"):
         read_medusa_heads(tmp_path)
+
+
+def test_a_capped_default_is_noted_in_one_line(make_ckpt, tmp_path: Path, monkeypatch,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr("nextn.build.weight_checks.available_memory", lambda: 20 << 20)  # 20 MiB of memory
+    m = build_engine(make_ckpt().path, tmp_path / "engine", progress=False)
+    assert 256 <= m.build_options.max_seq_len < 4096 and m.build_options.max_seq_len % 256 == 0
+    notes = [r.getMessage() for r in caplog.records if "max_position_embeddings 4096 would need" in r.getMessage()]
+    assert len(notes) == 1 and "\n" not in notes[0] and f"max_seq_len {m.build_options.max_seq_len}:" in notes[0]

@@ -98,7 +98,7 @@ def build_engine(
         max_batch_size: default max concurrent requests recorded in the manifest (> 0).
         max_seq_len: default max tokens per request (> 0, ≤ the model's max_position_embeddings). None: the YAML's
             `max_seq_len`, else the model's `max_position_embeddings`, capped (with a logged note) where the
-            weights plus a KV cache of max_batch_size × max_seq_len tokens would exceed 80% of the available memory.
+            weights plus a KV cache of max_batch_size × max_seq_len tokens would exceed half the available memory.
         extra_llm_api_options: optional LLM-args YAML (REFERENCE.md §6); its `speculative_config` sets the
             engine's draft method: MTP with K = `num_nextn_predict_layers`, or `null` for none. Without it an
             MTP checkpoint gets method "mtp" with K = its module count.

@@ -27,8 +27,9 @@ from nextn.models.registry import ModelConfig
 #: An engine more than this many times its checkpoint's bytes means a wrong size in the config (a 2-bit GGUF with
 #: tied embeddings stored twice in float32 is ~25x; DeepSeek FP8 → bfloat16 is ~2x).
 MAX_ENGINE_GROWTH = 32
-#: Share of the available memory the default max_seq_len may give the weights plus the KV cache.
-MEMORY_SHARE = 0.8
+#: Share of the available memory the default max_seq_len may give the weights plus the KV cache (half: the runtime
+#: allocates the whole cache up front, and the machine runs other things).
+MEMORY_SHARE = 0.5
 #: Elements checked for NaN/Inf at a time (bounds the temporary boolean mask).
 CHUNK_ELEMENTS = 1 << 24
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3"}
