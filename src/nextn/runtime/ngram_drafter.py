@@ -50,25 +50,26 @@ def ngram_drafts(history: torch.Tensor, num_tokens: torch.Tensor, max_ngram: int
         even the last token alone occurs nowhere earlier.
     """
     b, s = history.shape
-    pos = torch.arange(s, device=history.device)
+    n = max_ngram
+    dev = history.device
     last = num_tokens - 1  # [B] position of the last token
-    run = torch.ones(b, s, dtype=torch.bool, device=history.device)
-    match_len = torch.zeros(b, s, dtype=torch.int64, device=history.device)  # n-gram length ending at position e
-    for i in range(max_ngram):
-        query = history.gather(1, (last - i).clamp(min=0)[:, None])  # [B, 1] the token i before the last
-        query = torch.where(last[:, None] >= i, query, _NO_QUERY)
-        back = torch.cat([history.new_full((b, i), _PAD), history[:, : s - i]], dim=1)  # back[e] = history[e − i]
-        run = run & (back == query)
-        match_len = match_len + run
-    # An end position needs a known token after it: e ≤ last − 1 (this also excludes the suffix itself).
-    match_len = torch.where(pos[None, :] < last[:, None], match_len, 0)
-    best = match_len.amax(dim=1)  # [B] the longest n that matches somewhere
-    hit = (match_len == best[:, None]) & (best[:, None] > 0)
-    key = torch.where(hit, (s - pos if use_oldest else pos)[None, :], -1)
-    end = key.argmax(dim=1)  # [B] the chosen match's last position
-    start = torch.where(best > 0, end + 1, last)  # no match: start at the last token, period 1
+    steps = torch.arange(n, device=dev)
+    # The last n tokens, oldest first ([B, n]; _NO_QUERY before the sequence start).
+    q_pos = last[:, None] - n + 1 + steps
+    query = torch.where(q_pos >= 0, history.gather(1, q_pos.clamp(min=0)), _NO_QUERY)
+    # windows[b, e] = history[b, e−n+1 .. e] (_PAD before position 0): the n-gram ending at each position e.
+    windows = torch.cat([history.new_full((b, n - 1), _PAD), history], dim=1).unfold(1, n, 1)  # [B, S, n]
+    # Match length at e: how many of the last tokens agree, counted back from the window's end.
+    match_len = (windows == query[:, None, :]).flip(-1).cumprod(-1).sum(-1)  # [B, S] in [0, n]
+    # Score: the longest match first, then the earliest (or latest) end; an end needs a known token after it
+    # (e ≤ last − 1, which also excludes the suffix itself).
+    pos = torch.arange(s, device=dev)
+    tiebreak = (s - 1 - pos) if use_oldest else pos  # [S] in [0, S)
+    score = torch.where(pos[None, :] < last[:, None], match_len * s + tiebreak[None, :], -1)
+    best_score, end = score.max(dim=1)  # [B]
+    start = torch.where(best_score >= s, end + 1, last)  # no match (length 0): start at the last token, period 1
     period = num_tokens - start  # [B] ≥ 1
-    idx = start[:, None] + torch.arange(num_drafts, device=history.device)[None, :] % period[:, None]
+    idx = start[:, None] + torch.arange(num_drafts, device=dev)[None, :] % period[:, None]
     return history.gather(1, idx)
 
 
