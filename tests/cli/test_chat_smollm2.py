@@ -60,6 +60,7 @@ def test_engine_stores_the_template_and_the_end_of_turn_ids(engine: Path, refere
     assert json.loads((engine / "generation_config.json").read_text())["eos_token_id"] == [IM_END, 0]
     manifest = json.loads((engine / "manifest.json").read_text())
     assert "chat_template.jinja" in manifest["tokenizer_files"]
+    assert manifest["aux_files"] == ["generation_config.json"]  # checksummed, replaced on a rebuild
 
 
 def test_generate_chat_answers_and_stops_at_im_end(engine: Path, capsys) -> None:

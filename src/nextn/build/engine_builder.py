@@ -188,8 +188,9 @@ def build_engine(
                 _, tensors = quantize_stream(specs, tensors, quant_names, quant)
             checksums = {WEIGHTS_NAME: write_safetensors_streaming(staging / WEIGHTS_NAME, stored_specs, tensors,
                                                                    progress=progress)}
-            if isinstance(reader, GGUFCheckpoint):
-                tokenizer_files, aux_files = reader.write_tokenizer_files(staging), []
+            if isinstance(reader, GGUFCheckpoint):  # tokenizer files, and generation_config.json (the EOS ids)
+                tokenizer_files = reader.write_tokenizer_files(staging)
+                aux_files = [name for name in AUX_FILES if (staging / name).is_file()]
             else:
                 tokenizer_files, aux_files = _copy_side_files(model_dir, staging)
             for name in (*tokenizer_files, *aux_files):
