@@ -7,8 +7,9 @@
 
 __version__ = "0.1.0"
 
+from nextn.quantization.weight_only import QuantConfig  # noqa: E402
 from nextn.runtime.llm import LLM  # noqa: E402
 from nextn.runtime.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from nextn.runtime.sampling_params import SamplingParams  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "QuantConfig", "RequestOutput", "CompletionOutput", "__version__"]

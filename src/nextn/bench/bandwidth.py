@@ -31,7 +31,7 @@ def read_bandwidth_gbs(size_mib: int = 512, repeats: int = 5) -> float:
 
 def decode_step_bytes(engine_dir: str | Path) -> tuple[int, int]:
     """(bytes one plain decode step reads at batch 1, total weight bytes): every weight but the embedding table
-    (a step gathers one row of it), the MTP layers and Medusa heads (drafting only) and, for MoE layers, only the
+    (a step gathers one row of it, unless the lm_head is tied to it), the MTP layers and Medusa heads (drafting only) and, for MoE layers, only the
     routed experts a token selects."""
     manifest = EngineManifest.load(engine_dir)
     cfg = manifest.model
@@ -40,7 +40,7 @@ def decode_step_bytes(engine_dir: str | Path) -> tuple[int, int]:
         for name in f.keys():
             shape = f.get_slice(name).get_shape()
             n = f.get_slice(name).get_dtype()
-            itemsize = {"F32": 4, "BF16": 2, "F16": 2}.get(n, 4)
+            itemsize = {"F32": 4, "BF16": 2, "F16": 2, "I8": 1, "U8": 1}.get(n, 4)
             size = itemsize
             for d in shape:
                 size *= d
@@ -48,7 +48,8 @@ def decode_step_bytes(engine_dir: str | Path) -> tuple[int, int]:
             if name.startswith("medusa_heads."):
                 continue  # heads run only when drafting
             if name == "model.embed_tokens.weight":
-                step += itemsize * shape[-1]
+                # one row is gathered; a tied model also reads the whole table as its lm_head
+                step += size if getattr(cfg, "tie_word_embeddings", False) else itemsize * shape[-1]
             elif ".mlp.experts." in name:
                 step += size * getattr(cfg, "num_experts_per_tok", 1) // shape[0]
             elif ".layers." in name and int(name.split(".")[2]) >= cfg.num_hidden_layers:

@@ -33,6 +33,8 @@ class LLM:
             first use into `engine_cache_dir` (default `~/.cache/nextn/engines`), keyed by its content fingerprint
             and the build options, and reused after (`build/engine_cache.py`).
         dtype: engine dtype when building from a checkpoint ("auto", "float32", "bfloat16", "float16").
+        quant_config: weight-only quantization when building from a checkpoint, TensorRT-LLM's
+            `QuantConfig(quant_algo="W8A16" | "W4A16", group_size=...)` or the same as a dict; None: none.
         speculative_config: a dict or `MTPDecodingConfig` (TensorRT-LLM names, e.g.
             `{"decoding_type": "MTP", "num_nextn_predict_layers": 3}`); None = plain decoding; omitted = what the
             engine was built for.
@@ -45,11 +47,14 @@ class LLM:
 
     def __init__(self, engine_dir: str | Path, speculative_config: Any = _UNSET,
                  extra_llm_api_options: str | Path | None = None, device: str | None = None,
-                 dtype: str = "auto", engine_cache_dir: str | Path | None = None, **overrides: Any) -> None:
+                 dtype: str = "auto", quant_config: Any = None, engine_cache_dir: str | Path | None = None,
+                 **overrides: Any) -> None:
         from nextn.build.engine_cache import resolve_engine_dir
         from nextn.build.manifest import EngineManifest
 
-        engine_dir = resolve_engine_dir(engine_dir, cache_dir=engine_cache_dir, dtype=dtype)
+        quant = quant_config.model_dump() if hasattr(quant_config, "model_dump") else dict(quant_config or {})
+        engine_dir = resolve_engine_dir(engine_dir, cache_dir=engine_cache_dir, dtype=dtype,
+                                        quant_algo=quant.get("quant_algo"), group_size=quant.get("group_size"))
 
         data = load_llm_args_yaml(extra_llm_api_options) if extra_llm_api_options else {}
         if speculative_config is not _UNSET:

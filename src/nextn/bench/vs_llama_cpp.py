@@ -1,0 +1,111 @@
+"""Plain decoding of one GGUF by nextn and by llama.cpp, side by side in one invocation (a benchmark, not a test).
+
+For each nextn weight format asked for (`--formats bf16 W8A16 W4A16`), the GGUF is built once into an engine (LLM's
+engine cache) and decoded greedily at batch 1 (and `--batch` for total throughput): the same prompt, `--max_tokens`
+new tokens with EOS ignored, best of `--runs` after a warm-up, each format's runs alternating with llama.cpp's so both
+see the same machine. Decode tokens/s excludes the prefill on both sides: nextn's is (N − 1) tokens over
+t(N) − t(1); llama.cpp's is `llama-bench -p 0 -n N`'s. The step's memory floor is the bytes one decode step reads
+(`bench/bandwidth.py`) over the read bandwidth measured in the same run; `floor ratio` = step time ÷ that floor.
+
+    python -m nextn.bench.vs_llama_cpp --model ../shared/data/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
+    python -m nextn.bench.vs_llama_cpp --model runs/models/qwen2.5-coder-1.5b/*.gguf --formats W8A16 W4A16 --batch 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from nextn.bench import llama_cpp
+from nextn.bench.bandwidth import decode_step_bytes, read_bandwidth_gbs
+
+PROMPT = "Write a Python function that checks whether a number is prime, and explain how it works."
+FORMATS = {"bf16": None, "fp32": None, "W8A16": "W8A16", "W4A16": "W4A16"}
+
+
+def _nextn_llm(model: Path, fmt: str, cache: Path | None):
+    from nextn import LLM
+
+    quant = {"quant_algo": FORMATS[fmt]} if FORMATS[fmt] else None
+    dtype = "float32" if fmt == "fp32" else "bfloat16"
+    return LLM(model, speculative_config=None, dtype=dtype, quant_config=quant, engine_cache_dir=cache,
+               max_batch_size=8, max_seq_len=1024)
+
+
+def nextn_decode_tps(llm, prompt_ids: list[int], num_tokens: int, batch: int) -> tuple[float, float]:
+    """(decode tokens/s in total over the batch, seconds per decode step) excluding the prefill."""
+    from nextn import SamplingParams
+
+    def run(n: int) -> float:
+        t0 = time.perf_counter()
+        llm.generate([prompt_ids] * batch, SamplingParams(max_tokens=n, ignore_eos=True))
+        return time.perf_counter() - t0
+
+    t1, tn = run(1), run(num_tokens)
+    step = max(tn - t1, 1e-9) / (num_tokens - 1)
+    return batch / step, step
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m nextn.bench.vs_llama_cpp", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, type=Path, help="the GGUF both decode")
+    p.add_argument("--formats", nargs="+", default=["bf16", "W8A16", "W4A16"], choices=list(FORMATS),
+                   help="nextn weight formats to measure (default: bf16 W8A16 W4A16)")
+    p.add_argument("--max_tokens", type=int, default=256, help="new tokens per run (default 256)")
+    p.add_argument("--runs", type=int, default=3, help="timed runs per system after a warm-up; best is kept")
+    p.add_argument("--batch", type=int, nargs="*", default=[1], help="nextn batch sizes (default 1; e.g. 1 8)")
+    p.add_argument("--threads", type=int, default=2, help="threads for both (default 2: this machine's cores)")
+    p.add_argument("--llama_cpp_bin", help="llama.cpp build/bin (default: $LLAMA_CPP_BIN_DIR or runs/peers/...)")
+    p.add_argument("--engine_cache_dir", type=Path, default=Path("runs/engines"))
+    p.add_argument("--json", type=Path, help="also write the figures here")
+    args = p.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    bin_dir = llama_cpp.find_bin_dir(args.llama_cpp_bin)
+    if bin_dir is None:
+        print("llama.cpp: skipped (no build found; ../shared/PEERS.md says how to build it, or set "
+              "--llama_cpp_bin / LLAMA_CPP_BIN_DIR)", file=sys.stderr)
+    bandwidth = read_bandwidth_gbs()
+    llms = {fmt: _nextn_llm(args.model, fmt, args.engine_cache_dir) for fmt in args.formats}
+    prompt_ids = next(iter(llms.values())).tokenizer.encode(PROMPT)
+    rows: dict[str, dict] = {}
+    for fmt, llm in llms.items():  # warm-up
+        nextn_decode_tps(llm, prompt_ids, 8, 1)
+        step_bytes, _ = decode_step_bytes(llm.engine.engine_dir)
+        rows[fmt] = {"tps": {b: 0.0 for b in args.batch}, "step_s": float("inf"), "step_bytes": step_bytes}
+    peer = 0.0
+    for _ in range(max(1, args.runs)):
+        for fmt, llm in llms.items():
+            for b in args.batch:
+                tps, step = nextn_decode_tps(llm, prompt_ids, args.max_tokens, b)
+                rows[fmt]["tps"][b] = max(rows[fmt]["tps"][b], tps)
+                if b == 1:
+                    rows[fmt]["step_s"] = min(rows[fmt]["step_s"], step)
+        if bin_dir is not None:
+            peer = max(peer, llama_cpp.bench_decode(bin_dir, args.model, args.max_tokens, args.threads, 1).tokens_per_s)
+
+    print(f"model: {args.model.name}; {args.max_tokens} new tokens, greedy, {args.threads} threads; "
+          f"read bandwidth {bandwidth:.1f} GB/s (measured now)")
+    head = f"{'system':28}" + "".join(f"{f'batch {b} tok/s':>16}" for b in args.batch)
+    print(head + f"{'step ms':>10}{'MB/step':>10}{'floor ratio':>13}{'vs llama.cpp':>14}")
+    for fmt, r in rows.items():
+        floor_s = r["step_bytes"] / (bandwidth * 1e9)
+        ratio = f"{r['tps'][args.batch[0]] / peer:>13.2f}x" if peer and args.batch[0] == 1 else f"{'':>14}"
+        print(f"{'nextn ' + fmt:28}" + "".join(f"{r['tps'][b]:>16.1f}" for b in args.batch)
+              + f"{r['step_s'] * 1e3:>10.2f}{r['step_bytes'] / 1e6:>10.1f}{r['step_s'] / floor_s:>13.2f}" + ratio)
+    if peer:
+        print(f"{'llama.cpp (GGUF as is)':28}{peer:>16.1f}")
+    if args.json:
+        args.json.write_text(json.dumps({"model": str(args.model), "bandwidth_gbs": bandwidth, "llama_cpp_tps": peer,
+                                         "nextn": rows}, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
