@@ -214,3 +214,28 @@ def test_the_engine_loop_isolates_a_failing_request(small_engine, solo, monkeypa
         assert llm.engine.pool.num_free == llm.engine.pool.num_blocks - 1
     finally:
         llm.shutdown()
+
+
+def test_a_text_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing():
+    from nextn.runtime.request_validation import max_token_bytes, prompt_token_ids
+
+    class Tok:  # the longest vocabulary entry is 4 bytes: 64 tokens hold at most 256 characters
+        class tok:
+            @staticmethod
+            def get_vocab():
+                return {"a": 0, "abcd": 1, "é": 2}
+
+        calls = 0
+
+        def encode(self, text):
+            Tok.calls += 1
+            return [0] * len(text)
+
+    tok = Tok()
+    assert max_token_bytes(tok) == 4
+    with pytest.raises(RequestError, match="257 characters"):
+        prompt_token_ids("x" * 257, tok, vocab_size=8, max_seq_len=64)
+    assert Tok.calls == 0  # refused without tokenizing
+    with pytest.raises(RequestError, match="max_seq_len is 64"):
+        prompt_token_ids("x" * 100, tok, vocab_size=8, max_seq_len=64)  # tokenized, then too long
+    assert prompt_token_ids("xy", tok, vocab_size=8, max_seq_len=64) == ("xy", [0, 0])
