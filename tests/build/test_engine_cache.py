@@ -68,3 +68,11 @@ def test_llm_accepts_a_checkpoint(ckpt, tmp_path):
     built = LLM(engine).generate(prompt, params)
     assert direct.outputs[0].token_ids == built.outputs[0].token_ids
     assert len(direct.outputs[0].token_ids) == 8
+
+
+def test_a_broken_cache_entry_is_rebuilt(ckpt, tmp_path):
+    cache = tmp_path / "cache"
+    engine = resolve_engine_dir(ckpt, cache_dir=cache, progress=False, dtype="float32")
+    (engine / "manifest.json").write_text("{not json")
+    again = resolve_engine_dir(ckpt, cache_dir=cache, progress=False, dtype="float32")
+    assert again == engine and EngineManifest.load(engine).dtype == "float32"

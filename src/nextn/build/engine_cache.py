@@ -18,6 +18,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,8 @@ def resolve_engine_dir(path: str | Path, cache_dir: str | Path | None = None, pr
                 return engine
             except EngineError as e:
                 logger.warning("cached engine %s is unusable (%s); rebuilding it", engine, e)
+        if engine.exists():  # a broken or partial entry of our own cache (never a user's directory)
+            shutil.rmtree(engine)
         from nextn.build.engine_builder import build_engine
 
         logger.warning("building an engine for %s into %s (once; later loads reuse it)", path, engine)
