@@ -32,7 +32,7 @@ from nextn.runtime.request import Request
 from nextn.runtime.request_validation import RequestError, checked_sampling_params, prompt_token_ids
 from nextn.runtime.sampling_params import SamplingParams
 from nextn.runtime.scheduler import NeedsSync, Scheduler
-from nextn.runtime.tokenizer import EngineTokenizer
+from nextn.runtime.tokenizer import EngineTokenizer, eos_token_ids
 from nextn.runtime.tree_step import MedusaDrafter, TreeAcceptance
 
 logger = logging.getLogger(__name__)
@@ -176,8 +176,7 @@ class Engine:
         except Exception as e:  # transformers raises many kinds for a corrupt tokenizer file
             raise EngineError(f"the tokenizer files {manifest.tokenizer_files} of {engine_dir} cannot be loaded "
                               f"({type(e).__name__}: {e}); rebuild the engine") from e
-        eos = cfg.eos_token_id
-        self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self.eos_ids = eos_token_ids(self.engine_dir, cfg.eos_token_id)  # config's + generation_config.json's
         self._ids = itertools.count()
         self._seed_rng = random.Random()  # seeds for requests that give none
         self.print_iter_log = args.print_iter_log
