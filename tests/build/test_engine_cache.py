@@ -44,7 +44,7 @@ def test_options_and_content_change_the_key(ckpt, tmp_path):
 
 def test_not_a_checkpoint_is_a_clear_error(tmp_path):
     (tmp_path / "notes.txt").write_text("hello")
-    with pytest.raises(EngineError, match="neither an nextn engine directory"):
+    with pytest.raises(EngineError, match="not an nextn engine directory"):
         resolve_engine_dir(tmp_path, cache_dir=tmp_path / "cache")
     with pytest.raises(EngineError, match="does not exist"):
         resolve_engine_dir(tmp_path / "missing", cache_dir=tmp_path / "cache")

@@ -56,7 +56,7 @@ def checkpoint_files(path: Path) -> list[Path]:
         if len(ggufs) > 1:
             raise EngineError(f"{path} holds {len(ggufs)} .gguf files ({', '.join(g.name for g in ggufs)}); "
                               "pass the one to use")
-    raise EngineError(f"{path} is neither an nextn engine directory (no {MANIFEST_NAME}), a .gguf file, nor a "
+    raise EngineError(f"{path} is not an nextn engine directory (no {MANIFEST_NAME}), nor a .gguf file or a "
                       f"checkpoint directory with {CONFIG_NAME}; pass an engine built by `build-engine` or a "
                       "checkpoint")
 
