@@ -43,3 +43,17 @@ def test_generate_bad_prompt_and_bad_engine(checkpoints, capsys, tmp_path):
     assert "[0]" in captured.out  # the good prompt still ran
     assert main(["generate", "--engine_dir", str(tmp_path), "--prompt", "x"]) == 2
     assert "not an nextn engine directory" in capsys.readouterr().err
+
+
+def test_generate_model_builds_a_gguf_once_into_the_cache(shared_data, capsys, tmp_path, monkeypatch):
+    """`--model FILE.gguf`: built into $NEXTN_CACHE_DIR on first use, reused after; stories260K's model-card text."""
+    gguf = shared_data / "models" / "stories260K" / "stories260K.gguf"
+    monkeypatch.setenv("NEXTN_CACHE_DIR", str(tmp_path / "cache"))
+    argv = ["generate", "--model", str(gguf), "--prompt", "Once upon a time", "--max_tokens", "12", "--dtype", "float32"]
+    assert main(argv) == 0
+    first = capsys.readouterr().out
+    assert "there was a little girl named Lily" in first
+    (engine,) = (tmp_path / "cache").glob("*/manifest.json")
+    mtime = engine.stat().st_mtime_ns
+    assert main(argv) == 0 and capsys.readouterr().out == first
+    assert engine.stat().st_mtime_ns == mtime  # reused, not rebuilt

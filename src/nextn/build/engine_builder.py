@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 import nextn
+from nextn.progress import progress_bar
 from nextn.build.checkpoint import CONFIG_NAME, CheckpointError, CheckpointReader, read_json
 from nextn.build.fingerprint import fingerprint
 from nextn.build.gguf_reader import GGUFCheckpoint
@@ -432,7 +432,7 @@ def write_safetensors_streaming(
     written: set[str] = set()
     hasher = StreamHasher()
     hashed_to = 0  # data bytes hashed so far, in file order
-    with path.open("wb") as f, tqdm(total=len(specs), desc="build-engine", unit="tensor", disable=not progress) as bar:
+    with path.open("wb") as f, progress_bar(enabled=progress, total=len(specs), desc="build-engine", unit="tensor") as bar:
         f.write(struct.pack("<Q", len(blob)) + blob)
         hasher.update(struct.pack("<Q", len(blob)) + blob)
         f.truncate(data_start + offset)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from nextn.build.checkpoint import CheckpointError
@@ -23,7 +24,15 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="decode prompts with an engine and print completions and acceptance length",
                        description="Decode prompts greedily with an engine; print each completion and its acceptance "
                                    "length (emitted tokens per verify-and-draft step, prefill counted as one).")
-    p.add_argument("--engine_dir", required=True, help="engine directory written by build-engine")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--engine_dir", help="engine directory written by build-engine")
+    src.add_argument("--model", help="a checkpoint (a .gguf file or an HF directory) or an engine: a checkpoint is "
+                                     "built once into nextn's engine cache and reused (as LLM(path))")
+    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                   help="engine dtype when --model is a checkpoint (default auto: bfloat16 where this CPU has fast "
+                        "bf16, else the checkpoint's)")
+    p.add_argument("--quant_algo", choices=("W8A16", "W4A16"),
+                   help="weight-only quantization when --model is a checkpoint (default: none)")
     p.add_argument("--prompt", action="append", required=True,
                    help="a prompt (repeatable); with --token_ids, comma-separated token ids")
     p.add_argument("--token_ids", action="store_true", help="read each --prompt as comma-separated token ids")
@@ -49,7 +58,9 @@ def _generate(args: argparse.Namespace) -> int:
         print("nextn generate: error: --chat renders text prompts; it cannot take --token_ids", file=sys.stderr)
         return 2
     prompts = [[int(t) for t in p.split(",") if t.strip()] for p in args.prompt] if args.token_ids else args.prompt
-    llm = LLM(args.engine_dir, extra_llm_api_options=args.extra_llm_api_options)
+    llm = LLM(args.engine_dir or args.model, extra_llm_api_options=args.extra_llm_api_options, dtype=args.dtype,
+              quant_config={"quant_algo": args.quant_algo} if args.quant_algo else None,
+              engine_cache_dir=os.environ.get("NEXTN_CACHE_DIR"))
     if args.chat:
         if llm.tokenizer is None:
             print("nextn generate: error: --chat needs a tokenizer and this engine has none", file=sys.stderr)
@@ -82,8 +93,9 @@ def _generate(args: argparse.Namespace) -> int:
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     from nextn.cli import demo
 
-    p = sub.add_parser("demo", help="the main job: make a tiny DeepSeek-V3 checkpoint with MTP, build it, and decode "
-                                    "with and without MTP", description=demo.__doc__)
+    p = sub.add_parser("demo", help="the main job: decode chat prompts with a real model (SmolLM2 from ../shared), "
+                                    "plainly and with speculative decoding; compare AL, tokens/s and outputs",
+                       description=demo.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     demo.add_arguments(p)
     p.set_defaults(func=demo.run)
 

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
+from nextn.progress import progress_bar
 from nextn.config.llm_args import LlmArgs, load_llm_args_yaml, parse_llm_args
 from nextn.runtime.engine import Engine, RequestError, default_speculative_config
 from nextn.runtime.engine_loop import EngineLoop
@@ -189,7 +189,7 @@ class LLM:
             except RequestError as e:
                 logger.warning("prompt %d rejected: %s", i, e)
                 outputs[i] = _rejected(prompt, e)
-        bar = tqdm(total=len(pending), desc="generate", disable=not use_tqdm)
+        bar = progress_bar(enabled=use_tqdm, total=len(pending), desc="generate")
         try:
             while pending and self.has_unfinished_requests:
                 for out in self.step():
