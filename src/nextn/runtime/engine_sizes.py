@@ -33,10 +33,11 @@ def check_sizes_against_model(args: LlmArgs, model_cfg, build_max_seq_len: int, 
     Raises:
         EngineSizeError: the size named, where it came from (LLM argument or engine build option), and the fix.
     """
-    where = "max_seq_len" if args.max_seq_len else f"the engine's build option max_seq_len ({build_max_seq_len})"
+    where = "max_seq_len" if args.max_seq_len else "the engine's build option max_seq_len"
     limit = model_cfg.max_position_embeddings
     if max_seq_len > limit:
-        raise EngineSizeError(f"{where} = {max_seq_len} exceeds the model's max_position_embeddings {limit} (the "
+        built = f" (the engine was built for {build_max_seq_len})" if args.max_seq_len else ""
+        raise EngineSizeError(f"{where} = {max_seq_len}{built} exceeds the model's max_position_embeddings {limit} (the "
                               f"positions it was trained for): set max_seq_len to at most {limit} (LLM(max_seq_len=...)"
                               ", extra_llm_api_options or --max_seq_len)")
     if max_seq_len < 2:

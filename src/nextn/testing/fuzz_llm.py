@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import math
 import random
 import tempfile
@@ -303,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine_dir", type=Path, help="an engine with a small vocabulary (default: a tiny one, built)")
     ap.add_argument("--no_faults", action="store_true", help="do not inject step failures")
     args = ap.parse_args(argv)
+    logging.getLogger("nextn").setLevel(logging.CRITICAL)  # each injected fault logs a traceback
     from nextn import LLM
 
     with tempfile.TemporaryDirectory() as tmp:
