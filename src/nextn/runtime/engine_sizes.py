@@ -37,9 +37,9 @@ def check_sizes_against_model(args: LlmArgs, model_cfg, build_max_seq_len: int, 
     limit = model_cfg.max_position_embeddings
     if max_seq_len > limit:
         built = f" (the engine was built for {build_max_seq_len})" if args.max_seq_len else ""
-        raise EngineSizeError(f"{where} = {max_seq_len}{built} exceeds the model's max_position_embeddings {limit} (the "
-                              f"positions it was trained for): set max_seq_len to at most {limit} (LLM(max_seq_len=...)"
-                              ", extra_llm_api_options or --max_seq_len)")
+        raise EngineSizeError(f"{where} = {max_seq_len}{built} exceeds the model's max_position_embeddings {limit} "
+                              f"(the positions it was trained for): set max_seq_len to at most {limit} "
+                              "(LLM(max_seq_len=...), extra_llm_api_options or --max_seq_len)")
     if max_seq_len < 2:
         raise EngineSizeError(f"{where} = {max_seq_len}: a request needs at least one prompt and one output token")
     if max_batch_size < 1:
@@ -147,8 +147,8 @@ def plan_kv_cache(args: LlmArgs, model_cfg, device: torch.device, max_batch_size
         raise EngineSizeError(
             f"the KV cache would need {kv_bytes / _GIB:.2f} GiB ({max_tokens} tokens from {sized_by}; "
             f"{num_layers} layers × {model_cfg.kv_cache_dim} values × {itemsize} B per token) plus "
-            f"{other / _GIB:.2f} GiB of rope table, per-request state and block bookkeeping, but {what} is {avail / _GIB:.2f} GiB, of "
-            f"which kv_cache_config.free_gpu_memory_fraction allows {budget / _GIB:.2f} GiB: {fix}")
+            f"{other / _GIB:.2f} GiB of rope table, per-request state and block bookkeeping, but {what} is "
+            f"{avail / _GIB:.2f} GiB, of which kv_cache_config.free_gpu_memory_fraction allows {budget / _GIB:.2f} GiB: {fix}")
     return KvCachePlan(per_seq, num_blocks, kv_bytes, other)
 
 

@@ -14,8 +14,8 @@ that every later step failed too. `Engine.step` calls `recover_from_failed_step`
    like a preemption — blocks and slot freed, re-prefilled over prompt + output (recompute; a sampled request may
    then differ from its uninterrupted run: ARCHITECTURE.md's known limitation).
 3. Probe: the suspects run one at a time, alone and synchronously, until each has done one decode step (after its
-   prefill when it was taken back) or finished. A suspect whose solo step raises is the request at fault: it finishes with finish_reason
-   "error" and the error. A suspect that passes keeps its blocks and slot (parked) and rejoins the batch after the
+   prefill when it was taken back) or finished. A suspect whose solo step raises is the request at fault: it
+   finishes with finish_reason "error" and the error. A suspect that passes keeps its blocks and slot (parked) and rejoins the batch after the
    probe; waiting requests wait meanwhile.
 4. No suspect fails alone (a transient fault, or one that needs the whole batch): everybody continues. A request
    that has been in `MAX_UNEXPLAINED_FAILURES` such steps finishes with "error", so a persistent fault cannot loop.

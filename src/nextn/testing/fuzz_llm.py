@@ -85,8 +85,9 @@ class _Fuzzer:
             good[rng.randrange(len(good))] = rng.choice(BAD_VALUES + [self.vocab, self.vocab + 1])
             return good
         if kind == 1:
-            return rng.choice([[], (), "", b"", bytes(t % 256 for t in good), bytearray(t % 256 for t in good), np.array(good), good[0], None, {},
-                               [good], [[1, 2]], {"ids": good}])
+            raw = bytes(t % 256 for t in good)
+            return rng.choice([[], (), "", b"", raw, bytearray(raw), np.array(good), good[0], None, {}, [good],
+                               [[1, 2]], {"ids": good}])
         if kind == 2:
             return [1] * rng.choice([self.max_seq_len - 1, self.max_seq_len, self.max_seq_len * 50])
         if kind == 3:
