@@ -18,8 +18,9 @@ from transformers import LlamaForCausalLM as HFLlama
 
 from nextn import LLM, SamplingParams
 from nextn.build.engine_builder import build_engine
-from nextn.config.llm_args import LlmArgsError, load_llm_args_yaml, parse_llm_args
+from nextn.config.llm_args import CudaGraphConfig, LlmArgsError, load_llm_args_yaml, parse_llm_args
 from nextn.runtime.acceptance_rules import SamplingTensors
+from nextn.runtime.cuda_graph_runner import CudaGraphStep, EmulatedGraphBackend
 from nextn.runtime.ngram_drafter import ngram_drafts
 from nextn.testing import SMALL_VOCAB
 from test_sampling_e2e import chi_square_two_sample_pvalue  # tests/runtime is on sys.path (pytest's rootdir mode)
@@ -191,6 +192,20 @@ def test_drafts_after_every_step_equal_a_lookup_over_the_accepted_sequence(llama
                 assert r.draft_tokens == lookup(r.all_token_ids, 2, 4), r.request_id
                 checked += 1
     assert checked > 30 and eng.scheduler.num_preemptions > 0
+
+
+def test_graph_replay_with_the_history_state_matches_the_eager_engine(llama_engine):
+    """The token history goes through the CUDA-graph runner's static state buffers (capture emulated on CPU)."""
+    sp = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (9, 30, 17, 24)]
+    eager = LLM(llama_engine, speculative_config=NGRAM, max_batch_size=4)
+    llm = LLM(llama_engine, speculative_config=NGRAM, max_batch_size=4)
+    eng = llm.engine
+    max_blocks = -(-(eng.max_seq_len + eng.scheduler.lookahead) // eng.block_size)
+    step = CudaGraphStep(eng.runner.decode_fn, CudaGraphConfig(enable_padding=True), eng.max_batch_size, max_blocks,
+                         "cpu", backend=EmulatedGraphBackend())
+    eng.runner.decode_fn = step
+    assert outputs(llm, PROMPTS, sp) == outputs(eager, PROMPTS, sp)
+    assert step.num_replays > 0 and step.num_eager == 0 and step.num_padded_rows > 0
 
 
 def test_a_repetitive_prompt_gets_drafts_accepted(llama_engine):
