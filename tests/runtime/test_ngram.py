@@ -177,6 +177,18 @@ def test_staggered_arrivals_preemption_and_chunked_prefill_stay_lossless(llama_e
     assert tight.engine.pool.num_free == tight.engine.pool.num_blocks - 1
 
 
+def test_speculation_switched_off_and_on_by_the_draft_len_policy_stays_lossless(llama_engine):
+    """Above max_concurrency requests the step runs without the drafter (the history is not written then); when the
+    batch shrinks, drafting resumes from a history with a stale gap: lower acceptance at worst, same tokens."""
+    sp = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (12, 40, 20, 36)]
+    plain = outputs(LLM(llama_engine, speculative_config=None), PROMPTS, sp)
+    llm = LLM(llama_engine, speculative_config={**NGRAM, "max_concurrency": 2})
+    llm.engine.iteration_log = []
+    assert staggered(llm, PROMPTS, sp) == plain
+    drafting = [e["drafting"] for e in llm.engine.iteration_log if e["kind"] == "decode"]
+    assert False in drafting and drafting[-1]
+
+
 def test_drafts_after_every_step_equal_a_lookup_over_the_accepted_sequence(llama_engine):
     """The device token history is exactly the sequence (across prefill chunks, rewinds and a preemption)."""
     spec = {**NGRAM, "max_matching_ngram_size": 2}
