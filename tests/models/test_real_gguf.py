@@ -24,21 +24,22 @@ from nextn.bench.real_models import (
 from nextn.build.engine_builder import build_engine
 
 ROOT = Path(__file__).resolve().parents[2]
+#: name → (folder holding the .gguf, how to get it, MT-bench and as many HumanEval prompts, new tokens each).
 MODELS = {
-    "smollm2-135m": (SHARED_DATA / "models" / "smollm2-135m-instruct", "../shared/data is not checked out"),
+    "smollm2-135m": (SHARED_DATA / "models" / "smollm2-135m-instruct", "../shared/data is not checked out", 2, 24),
     "qwen2.5-coder-0.5b": (ROOT / "runs" / "models" / "qwen2.5-coder-0.5b",
-                           "fetch it: python ../shared/models/fetch_models.py qwen2.5-coder-0.5b --dest runs/models"),
+                           "fetch it: python ../shared/models/fetch_models.py qwen2.5-coder-0.5b --dest runs/models",
+                           1, 16),
 }
-NUM_PROMPTS = 2  # MT-bench and as many HumanEval prompts
-MAX_TOKENS = 24
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
 def real(request, tmp_path_factory):
-    """(gguf file, transformers model fp32, its tokenizer, nextn fp32 engine dir) for one model, built once."""
-    folder, how = MODELS[request.param]
+    """(gguf file, transformers model fp32, its tokenizer, nextn fp32 engine dir, prompts, max tokens) for one model,
+    built once."""
+    folder, how, num_prompts, max_tokens = MODELS[request.param]
     found = sorted(folder.glob("*.gguf"))
     if not found or not (SHARED_DATA / "prompts" / "mt_bench.jsonl").is_file():
         pytest.skip(f"{request.param} GGUF or the prompt sets are absent ({folder}): {how}")
@@ -47,12 +48,13 @@ def real(request, tmp_path_factory):
     hf, tok = load_transformers(gguf_file, torch.float32)
     engine = tmp_path_factory.mktemp(request.param) / "engine"
     build_engine(gguf_file, engine, dtype="float32", max_batch_size=4, max_seq_len=1024, progress=False)
-    yield gguf_file, hf, tok, engine
+    prompts = chat_prompt_ids(tok, load_prompt_texts(num_prompts, num_prompts))
+    yield gguf_file, hf, tok, engine, prompts, max_tokens
     del hf
 
 
 def test_engine_tensors_equal_transformers(real):
-    gguf_file, hf, _, engine = real
+    gguf_file, hf, _, engine, _, _ = real
     ours = load_file(str(engine / "model.safetensors"))
     ref = hf.state_dict()
     tied = hf.config.tie_word_embeddings
@@ -65,12 +67,11 @@ def test_engine_tensors_equal_transformers(real):
 
 
 def test_greedy_float32_is_token_identical_to_transformers(real):
-    _, hf, tok, engine = real
-    prompts = chat_prompt_ids(tok, load_prompt_texts(NUM_PROMPTS, NUM_PROMPTS))
+    _, hf, tok, engine, prompts, max_tokens = real
     llm = load_llm(engine, max_batch_size=4)
-    ours = nextn_greedy(llm, prompts, MAX_TOKENS)
+    ours = nextn_greedy(llm, prompts, max_tokens)
     eos = set(llm.engine.eos_ids) | {hf.generation_config.eos_token_id}
     for prompt, got in zip(prompts, ours):
-        want = transformers_greedy(hf, [prompt], MAX_TOKENS)[0]  # batch 1: no padding in the oracle
+        want = transformers_greedy(hf, [prompt], max_tokens)[0]  # batch 1: no padding in the oracle
         assert up_to_first_eos(got, eos) == up_to_first_eos(want, eos), tok.decode(prompt)[-80:]
         assert len(up_to_first_eos(got, eos)) >= 8  # a real comparison, not an immediate EOS
