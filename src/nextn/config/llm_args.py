@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class LlmArgsError(ValueError):
@@ -124,7 +124,20 @@ class NGramDecodingConfig(DecodingBaseConfig):
     is_public_pool: bool = True  # accepted; nextn searches each request's own tokens only (logged)
 
 
-SpeculativeConfig = Annotated[Union[MTPDecodingConfig, MedusaDecodingConfig, NGramDecodingConfig],
+class DraftTargetDecodingConfig(DecodingBaseConfig):
+    """Draft-target speculative decoding: a separate small draft model with the target's vocabulary proposes the
+    drafts, sampled from its own distribution q and verified by rejection sampling (TensorRT-LLM
+    `DraftTargetDecodingConfig`; Leviathan et al. 2023; runtime/draft_model_drafter.py)."""
+
+    decoding_type: Literal["Draft_Target"] = "Draft_Target"
+    max_draft_len: int = Field(ge=1, le=64)  # K: draft tokens per step (required, as in TensorRT-LLM)
+    # The draft model: an engine directory or anything LLM(path) accepts (HF checkpoint, .gguf), built once into
+    # the engine cache. TensorRT-LLM's field is `speculative_model`, with `speculative_model_dir` as its alias.
+    speculative_model_dir: str = Field(validation_alias=AliasChoices("speculative_model_dir", "speculative_model"))
+
+
+SpeculativeConfig = Annotated[Union[MTPDecodingConfig, MedusaDecodingConfig, NGramDecodingConfig,
+                                    DraftTargetDecodingConfig],
                               Field(discriminator="decoding_type")]
 
 
@@ -178,7 +191,8 @@ class LlmArgs(_Strict):
     print_iter_log: bool = False
 
 
-_UNION_TAGS = {"MTP": MTPDecodingConfig, "Medusa": MedusaDecodingConfig, "NGram": NGramDecodingConfig}
+_UNION_TAGS = {"MTP": MTPDecodingConfig, "Medusa": MedusaDecodingConfig, "NGram": NGramDecodingConfig,
+               "Draft_Target": DraftTargetDecodingConfig}
 
 
 def _owner_of(loc: tuple, model: type[BaseModel]) -> type[BaseModel]:

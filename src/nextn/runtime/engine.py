@@ -12,12 +12,14 @@ import torch
 from safetensors.torch import load_file
 
 from nextn.build.manifest import EngineError, EngineManifest, verify_engine_files, verify_mode_from_env
-from nextn.config.llm_args import LlmArgs, LlmArgsError, MedusaDecodingConfig, MTPDecodingConfig, NGramDecodingConfig
+from nextn.config.llm_args import (DraftTargetDecodingConfig, LlmArgs, LlmArgsError, MedusaDecodingConfig,
+                                   MTPDecodingConfig, NGramDecodingConfig)
 from nextn.models.medusa import MedusaHeads
 from nextn.models.registry import MODEL_CLASSES
 from nextn.plugins.medusa_tree import TreeError, build_tree, published_tree
 from nextn.runtime.acceptance_rules import AcceptanceRule, RelaxedAcceptance, StandardAcceptance
 from nextn.runtime.draft_len_policy import choose_draft_len_policy
+from nextn.runtime.draft_model_drafter import DraftModelDrafter
 from nextn.runtime.compiled_step import compile_decode_fn
 from nextn.runtime.cuda_graph_runner import graph_decode_fn
 from nextn.runtime.drafters import Drafter, MtpEagleDrafter, MtpVanillaDrafter, NoDrafter
@@ -46,10 +48,11 @@ MEDUSA_PREFIX = "medusa_heads."
 
 def choose_drafter(manifest: EngineManifest, spec: MTPDecodingConfig | MedusaDecodingConfig | None,
                    heads: MedusaHeads | None = None, device: torch.device | str = "cpu",
-                   max_seq_len: int | None = None) -> Drafter:
+                   max_seq_len: int | None = None, engine_dir: str | Path | None = None) -> Drafter:
     """The drafter strategy for this engine and speculative config (chosen once, at load time).
 
-    `max_seq_len` (default: the engine's) sizes the n-gram drafter's per-request token history.
+    `max_seq_len` (default: the engine's) sizes the n-gram drafter's per-request token history; `engine_dir` (the
+    target's) is where Draft_Target compares the tokenizers.
 
     Raises:
         LlmArgsError: MTP requested from an engine without MTP layers, Vanilla with more drafts than modules,
@@ -59,6 +62,8 @@ def choose_drafter(manifest: EngineManifest, spec: MTPDecodingConfig | MedusaDec
         return NoDrafter()
     if isinstance(spec, NGramDecodingConfig):  # no weights needed: any engine
         return NGramDrafter.from_config(spec, max_seq_len or manifest.build_options.max_seq_len)
+    if isinstance(spec, DraftTargetDecodingConfig):  # a second model with its own KV cache
+        return DraftModelDrafter.from_config(spec, Path(engine_dir or "."), manifest, torch.device(device))
     if isinstance(spec, MedusaDecodingConfig):
         if heads is None:
             raise LlmArgsError("speculative_config asks for Medusa but this engine has no Medusa heads; rebuild "
@@ -105,7 +110,7 @@ def default_speculative_config(manifest: EngineManifest) -> MTPDecodingConfig | 
     return MTPDecodingConfig(num_nextn_predict_layers=s.max_draft_len or s.num_mtp_modules, use_mtp_vanilla=s.use_mtp_vanilla)
 
 
-def _fast_bf16(device: torch.device) -> bool:
+def fast_bf16(device: torch.device) -> bool:
     """Whether bf16 matmuls are fast here: CUDA, or a CPU with bf16 instructions (oneDNN's check)."""
     if device.type == "cuda":
         return True
@@ -137,7 +142,7 @@ class Engine:
         check_sizes_against_model(args, cfg, manifest.build_options.max_seq_len, self.max_batch_size, self.max_seq_len)
         weights = self._read_weights()
         heads = self._medusa_heads(weights)
-        self.drafter = choose_drafter(manifest, spec, heads, self.device, self.max_seq_len)
+        self.drafter = choose_drafter(manifest, spec, heads, self.device, self.max_seq_len, self.engine_dir)
         k = self.drafter.num_draft_tokens
         # KV positions past max_seq_len a step may touch: K+1 in flight (overlap) + the decode look-ahead 2K+1.
         lookahead = (k + 1) + (2 * k + 1)
@@ -146,7 +151,7 @@ class Engine:
         plan = plan_kv_cache(args, cfg, self.device, self.max_batch_size, self.max_seq_len, lookahead, kv_dtype,
                              DTYPES[manifest.dtype], self.drafter)
         self.model = self._load_model(weights, self.max_seq_len + lookahead + self.block_size)
-        if self.drafter.uses_draft_head and _fast_bf16(self.device):
+        if self.drafter.uses_draft_head and fast_bf16(self.device):
             self.model.use_bf16_draft_head()  # drafts only propose: a cheaper head cannot change the output
         per_seq, num_blocks = plan.per_seq, plan.num_blocks  # num_blocks counts the null block
         kv = allocate_kv_cache(self.model.num_cache_layers, num_blocks, self.block_size, cfg.kv_cache_dim,

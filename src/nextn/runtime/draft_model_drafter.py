@@ -1,0 +1,231 @@
+"""Draft-target speculative decoding: a separate small draft model with its own paged KV cache proposes the drafts.
+
+Speculative sampling (Leviathan et al. 2023, §2.3; Chen et al. 2023, Alg. 2): the draft model proposes K tokens one
+after another, each sampled from its distribution q (the argmax for greedy requests) at the request's temperature /
+top-k / top-p, and keeps the whole q; the target scores all K in one forward (p) and the acceptance rule accepts
+each draft with probability min(1, p/q), draws the first rejected position from normalize(max(0, p − q)) and, when
+all K pass, a bonus token from p (`plugins/acceptance.rejection_sampling` with `draft_probs = q`). Greedy requests
+get argmax drafts and strict acceptance. TensorRT-LLM's name: `DraftTargetDecodingConfig` (decoding_type
+`Draft_Target`).
+
+The draft model's KV cache is its own tensor, addressed by the **target's block tables and slots** (same
+tokens_per_block, as many slots as the target's cache; allocated at the first prefill, when the drafter first sees
+the target's cache tensor): the one block pool and scheduler manage both, so
+admission, growth, preemption and abort need nothing new, and rejected drafts are rewound like the target's — by
+the KV length alone (dead entries are overwritten before anything reads them). Per decode step, for a request with
+L cached tokens that emits n tokens t0..t(n−1) at positions L+1..L+n:
+
+    target([last, d1..dk]) → acceptance(p, drafts, q) → tokens t0..tk, n
+    draft([t0..tk] at L+1..L+k+1)       one pass: row j−1 holds t(j−1) = d_j for j < n (accepted) and the
+                                        correction / bonus token t(n−1) at L+n, so the draft KV is right up to L+n;
+                                        rows past it hold rejected tokens, overwritten before they are read
+    d1 ~ q1 from the row at L+n; d2..dK: K−1 one-token steps at L+n+1.. (the whole batch at once)
+
+so drafting costs K draft forwards per step, whatever was accepted (the position L itself was written by the
+previous step's pass). After a prefill, the draft model runs over the same prompt rows (the same attention
+metadata), then drafts from the first token at the prompt's end. Drafts are sampled with the counter-based RNG on
+their own stream (`STREAM_DRAFT`), so a request's output does not depend on its batch.
+
+While the draft-length policy turns speculation off, steps run without the draft model, so the positions decoded
+then have no draft KV; drafting over them can only lower acceptance (verification keeps the output exact).
+
+Per-request state: q [max_batch, K, V] fp32 (kept only when a batch samples; greedy rows never read it: with a
+one-hot p rejection sampling is strict acceptance whatever q holds).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from nextn.build.manifest import EngineError, EngineManifest
+from nextn.config.llm_args import DraftTargetDecodingConfig, LlmArgsError
+from nextn.models.registry import MODEL_CLASSES
+from nextn.plugins.sampling import counter_uniform, sample_from_probs
+from nextn.runtime.acceptance_rules import AcceptanceRule, AcceptState, SamplingTensors
+from nextn.runtime.attention_metadata import AttentionMetadata, slots_for_positions
+from nextn.runtime.drafters import DrafterState, LinearDrafter, _at
+
+logger = logging.getLogger(__name__)
+
+#: The counter RNG stream of the draft model's samples (STREAM_SAMPLE = 1 and STREAM_ACCEPT = 2 are the target's).
+STREAM_DRAFT = 3
+_MEDUSA_PREFIX = "medusa_heads."
+
+
+def load_draft_model(engine_dir: Path, manifest: EngineManifest, device: torch.device) -> torch.nn.Module:
+    """The draft engine's model (any family of `models.registry`), weights on `device`, eval mode, no grad.
+
+    Its rope table is sized later, to the target's (`DraftModelDrafter._bind`). Medusa heads an engine may carry
+    are dropped (the draft model only runs its decoder).
+
+    Raises:
+        EngineError: weight files missing or not matching the draft engine's manifest.
+    """
+    files = [engine_dir / f for f in manifest.weight_files]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise EngineError(f"draft engine weights missing: {missing}; rebuild the draft engine")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update(load_file(str(f), device=str(device)))
+    weights = {k: v for k, v in weights.items() if not k.startswith(_MEDUSA_PREFIX)}
+    with torch.device("meta"):
+        model = MODEL_CLASSES[manifest.architecture](manifest.model, max_positions=1)
+    try:
+        model.load_state_dict(weights, strict=True, assign=True)
+    except RuntimeError as e:
+        raise EngineError(f"draft engine weights do not match its manifest: {e}") from e
+    return model.eval().requires_grad_(False)
+
+
+def check_vocabularies(target_dir: Path, target: EngineManifest, draft_dir: Path, draft: EngineManifest) -> None:
+    """Draft and target must share a vocabulary: the same vocabulary size and, when both engines carry a tokenizer,
+    the same token → id map (the drafts are token ids the target verifies as they are).
+
+    Raises:
+        LlmArgsError: the sizes differ (both are named) or the tokenizers map tokens to different ids.
+    """
+    vt, vd = target.model.vocab_size, draft.model.vocab_size
+    if vt != vd:
+        raise LlmArgsError(f"Draft_Target needs one vocabulary: the draft model {draft_dir} has {vd} token ids, the "
+                           f"target {target_dir} has {vt}; pick a draft model of the target's family")
+    if target.tokenizer_files and draft.tokenizer_files:
+        from transformers import AutoTokenizer
+
+        a, b = (AutoTokenizer.from_pretrained(str(d)).get_vocab() for d in (target_dir, draft_dir))
+        if a != b:
+            diff = sorted(set(a.items()) ^ set(b.items()), key=lambda kv: kv[1])[:3]
+            raise LlmArgsError(f"Draft_Target needs one vocabulary: the tokenizers of the draft model {draft_dir} "
+                               f"({len(b)} tokens) and the target {target_dir} ({len(a)} tokens) differ, e.g. {diff}")
+
+
+class DraftModelDrafter(LinearDrafter):
+    """Drafts from a separate draft model over its own paged KV cache (module docstring for the data flow).
+
+    Args:
+        draft_model: the draft engine's model (`load_draft_model`), on the target's device.
+        num_draft_tokens: K (`max_draft_len`), ≥ 1.
+    """
+
+    def __init__(self, draft_model: torch.nn.Module, num_draft_tokens: int) -> None:
+        self.draft = draft_model
+        self.num_draft_tokens = self.max_draft_depth = num_draft_tokens
+        self.vocab_size = draft_model.cfg.vocab_size
+        self.kv_cache: torch.Tensor | None = None  # [draft layers, target slots, draft kv dim], set by _bind
+
+    @classmethod
+    def from_config(cls, spec: DraftTargetDecodingConfig, target_dir: Path, target: EngineManifest,
+                    device: torch.device) -> "DraftModelDrafter":
+        """Resolve `spec.speculative_model_dir` (an engine, or a checkpoint built once into the engine cache as
+        `LLM(path)` builds it), check the vocabularies and load the draft model.
+
+        Raises:
+            LlmArgsError: different vocabularies; EngineError / build errors for an unusable draft path.
+        """
+        from nextn.build.engine_cache import resolve_engine_dir
+
+        draft_dir = resolve_engine_dir(spec.speculative_model_dir, dtype="auto")  # the cache entry LLM(path) uses
+        draft = EngineManifest.load(draft_dir)
+        check_vocabularies(Path(target_dir), target, draft_dir, draft)
+        logger.info("Draft_Target: draft model %s (%s, %d layers), K=%d", draft_dir, draft.architecture,
+                    draft.model.num_hidden_layers, spec.max_draft_len)
+        return cls(load_draft_model(draft_dir, draft, device), spec.max_draft_len)
+
+    @property
+    def decode_fn(self):
+        return draft_target_step
+
+    def initial_state(self, batch: int, hidden_size: int, device: torch.device, dtype: torch.dtype) -> DrafterState:
+        return (torch.zeros(batch, self.num_draft_tokens, self.vocab_size, dtype=torch.float32, device=device),)
+
+    def _bind(self, model: torch.nn.Module, kv_cache: torch.Tensor) -> torch.Tensor:
+        """The draft KV cache, allocated on first use with the target cache's slot count (so the target's block
+        tables address it), and the draft rope table sized like the target's."""
+        if self.kv_cache is None or self.kv_cache.shape[1] != kv_cache.shape[1]:
+            cfg = self.draft.cfg
+            dtype = next(self.draft.parameters()).dtype
+            self.kv_cache = torch.zeros(cfg.num_hidden_layers, kv_cache.shape[1], cfg.kv_cache_dim, dtype=dtype,
+                                        device=kv_cache.device)
+            self.draft.rope_table = self.draft.rope_table_for(model.rope_table.shape[0]).to(kv_cache.device)
+        return self.kv_cache
+
+    def _sample(self, hidden: torch.Tensor, positions: torch.Tensor, sampling: SamplingTensors | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft tokens [B, 1] from the draft model's hidden states [B, 1, H] for positions [B, 1], and q [B, 1, V]
+        (None when no request samples: argmax drafts)."""
+        logits = self.draft.logits(hidden)  # [B, 1, V] fp32
+        if sampling is None or not sampling.any_sampled:
+            return logits.argmax(-1), None
+        q = sampling.probs(logits)  # greedy rows: one-hot at the argmax
+        return sample_from_probs(q, counter_uniform(sampling.seed, positions, STREAM_DRAFT)), q
+
+    def _draft(self, kv: torch.Tensor, meta: AttentionMetadata, tokens: torch.Tensor, positions: torch.Tensor,
+               last_idx: torch.Tensor, sampling: SamplingTensors | None, state: DrafterState
+               ) -> tuple[torch.Tensor, DrafterState]:
+        """Run the draft model over tokens [B, T] at positions [B, T], then K drafts from row last_idx [B] on.
+
+        Returns drafts [B, K] int64 and the state (q [B, K, V]; `state` passed on when no request samples).
+        """
+        step_meta = lambda pos: meta.with_tokens(pos, slots_for_positions(meta.block_tables, pos, meta.block_size))  # noqa: E731
+        hidden = _at(self.draft(tokens, kv, step_meta(positions)), last_idx)  # [B, 1, H]
+        position = _at(positions, last_idx) + 1  # [B, 1] where the next draft lands
+        drafts, qs = [], []
+        for i in range(self.num_draft_tokens):
+            token, q = self._sample(hidden, position, sampling)
+            drafts.append(token)
+            qs.append(q)
+            if i + 1 < self.num_draft_tokens:
+                hidden = self.draft(token, kv, step_meta(position))
+                position = position + 1
+        drafts_t = torch.cat(drafts, dim=1)
+        if qs[0] is None:
+            return drafts_t, state if state else self.initial_state(tokens.shape[0], 0, tokens.device, kv.dtype)
+        return drafts_t, (torch.cat(qs, dim=1),)
+
+    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state, sampling=None):
+        kv = self._bind(model, kv_cache)
+        self.draft(input_ids, kv, meta)  # the prompt rows fill the draft KV (pads write into the null block)
+        first = next_tokens.gather(1, last_idx[:, None])  # [B, 1] the token after the chunk
+        position = _at(meta.positions, last_idx) + 1  # [B, 1]
+        zero = torch.zeros_like(last_idx)
+        return self._draft(kv, meta, first, position, zero, sampling, state)
+
+    def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state, sampling=None):
+        kv = self._bind(model, kv_cache)
+        # Verified row j (input at L + j) emitted target_tokens[:, j], the token at L + j + 1.
+        positions = meta.positions[:, :1] + 1 + torch.arange(target_tokens.shape[1], device=target_tokens.device)
+        return self._draft(kv, meta, target_tokens, positions, num_emitted - 1, sampling, state)
+
+
+def draft_target_step(model, drafter: DraftModelDrafter, acceptance: AcceptanceRule, kv_cache: torch.Tensor,
+                      input_ids: torch.Tensor, kv_lens: torch.Tensor, block_tables: torch.Tensor,
+                      sampling: SamplingTensors, drafter_state: DrafterState, accept_state: AcceptState,
+                      block_size: int):
+    """`verify_and_draft_step` with the drafts' distributions q handed to the acceptance rule and the sampling
+    parameters handed to the draft model (same arguments and result; `spec_step.verify_and_draft_step`).
+
+    Args:
+        input_ids: [B, k+1] int64 [last, d1..dk] (k ≤ K: the draft-length policy may verify fewer).
+        drafter_state: (q [B, K, V],) from the step that drafted d1..dK; () with speculation off (the runner then
+            hands over the plain-decoding drafter and this is plain `verify_and_draft_step`).
+    """
+    from nextn.runtime.spec_step import StepOutput, verify_and_draft_step
+
+    if not drafter_state:
+        return verify_and_draft_step(model, drafter, acceptance, kv_cache, input_ids, kv_lens, block_tables, sampling,
+                                     drafter_state, accept_state, block_size)
+    b, w = input_ids.shape
+    positions = kv_lens[:, None] + torch.arange(w, device=input_ids.device)
+    meta = AttentionMetadata.create(positions, slots_for_positions(block_tables, positions, block_size), block_tables,
+                                    block_size)
+    hidden = model(input_ids, kv_cache, meta)  # [B, k+1, H]
+    q = drafter_state[0][:, : w - 1] if sampling.any_sampled else None  # [B, k, V]
+    tokens, num_emitted, accept_state = acceptance.accept(model.logits(hidden), input_ids[:, 1:], kv_lens + 1,
+                                                          sampling, accept_state, draft_probs=q)
+    drafts, state = drafter.after_verify(model, kv_cache, meta, hidden, tokens, num_emitted, drafter_state,
+                                         sampling=sampling)
+    return StepOutput(tokens, num_emitted, drafts, state, accept_state)

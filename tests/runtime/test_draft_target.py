@@ -1,0 +1,229 @@
+"""Draft_Target (a separate draft model with its own paged KV cache): greedy output token-identical to plain
+decoding in every scheduling situation, the draft KV rewound right (draft = target accepts everything), a clear
+vocabulary error, and rejection sampling with sampled drafts keeps the target's distribution."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers import LlamaForCausalLM as HFLlama
+
+from nextn import LLM, SamplingParams
+from nextn.build.engine_builder import build_engine
+from nextn.config.llm_args import LlmArgsError
+
+VOCAB = 300
+PROMPTS = [[5, 6, 7, 8], [9], list(range(20, 60)), [100, 101, 102, 5, 6]]
+
+
+def chi_square_two_sample_pvalue(a: Counter, b: Counter) -> float:
+    """p-value that two samples come from one categorical distribution (as in test_sampling_e2e.py: pooled
+    expected counts, categories expected below 5 merged, Wilson–Hilferty approximation of the tail)."""
+    na, nb = sum(a.values()), sum(b.values())
+    big = [c for c in set(a) | set(b) if (a[c] + b[c]) * min(na, nb) / (na + nb) >= 5]
+    rest_a, rest_b = na - sum(a[c] for c in big), nb - sum(b[c] for c in big)
+    rows = [(a[c], b[c]) for c in big] + ([(rest_a, rest_b)] if rest_a + rest_b else [])
+    stat = sum((x - (x + y) * na / (na + nb)) ** 2 / ((x + y) * na / (na + nb))
+               + (y - (x + y) * nb / (na + nb)) ** 2 / ((x + y) * nb / (na + nb)) for x, y in rows)
+    df = max(len(rows) - 1, 1)
+    z = ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def _hf_llama(num_layers: int, vocab: int = VOCAB, seed: int = 0, scale: float = 8.0) -> HFLlama:
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=num_layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    hf = HFLlama(cfg).eval()
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(scale)  # peaked logits: no greedy ties, a spread but not flat sampling distribution
+    return hf
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """(target, draft, other-vocabulary draft) engine directories. The target has 3 layers; the draft is its
+    first layer with the target's embeddings and head (a truncated target: it agrees often, not always)."""
+    tmp = tmp_path_factory.mktemp("draft_target")
+    target = _hf_llama(3)
+    target.save_pretrained(tmp / "target_ckpt")
+    draft = _hf_llama(1, seed=1)
+    state = {k: v for k, v in target.state_dict().items() if not k.startswith(("model.layers.1.", "model.layers.2."))}
+    draft.load_state_dict(state)
+    draft.save_pretrained(tmp / "draft_ckpt")
+    _hf_llama(1, vocab=VOCAB + 20, seed=2).save_pretrained(tmp / "other_ckpt")
+    for name in ("target", "draft", "other"):
+        build_engine(tmp / f"{name}_ckpt", tmp / name, progress=False, max_seq_len=256)
+    return tmp / "target", tmp / "draft", tmp / "other"
+
+
+def _spec(draft, k: int = 3) -> dict:
+    return {"decoding_type": "Draft_Target", "max_draft_len": k, "speculative_model_dir": str(draft)}
+
+
+def _ids(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def plain(engines):
+    target, _, _ = engines
+    return _ids(LLM(target, speculative_config=None).generate(PROMPTS, GREEDY))
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_greedy_equals_plain_decoding_batched(engines, plain, overlap):
+    target, draft, _ = engines
+    llm = LLM(target, speculative_config=_spec(draft), disable_overlap_scheduler=not overlap)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert _ids(outs) == plain
+    accepted = sum(o.outputs[0].num_accepted_draft_tokens for o in outs)
+    drafted = sum(o.outputs[0].num_draft_tokens for o in outs)
+    assert 0 < accepted < drafted, (accepted, drafted)  # a real drafter: some drafts accepted, some rejected
+
+
+def test_draft_equal_to_target_accepts_every_draft(engines, plain):
+    """With draft = target, every draft is the target's argmax: AL = K + 1 exactly, which only holds when the
+    draft KV after every step is exactly the target's (rewind, prefill, and the drafting positions)."""
+    target, _, _ = engines
+    k = 3
+    outs = LLM(target, speculative_config=_spec(target, k)).generate(PROMPTS, SamplingParams(max_tokens=41,
+                                                                                             ignore_eos=True))
+    assert [ids[:40] for ids in _ids(outs)] == plain
+    for o in outs:
+        c = o.outputs[0]
+        assert c.num_accepted_draft_tokens == c.num_draft_tokens > 0
+        assert len(c.token_ids) == 1 + (k + 1) * c.num_decode_steps  # 41 = 1 + 4 · 10
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_greedy_staggered_arrivals_and_preemption(engines, plain, overlap):
+    """Requests join while others decode, and a cache too small for all of them forces preemption (recompute):
+    the draft KV is addressed by the same block tables, so it is freed and rebuilt with the target's."""
+    target, draft, _ = engines
+    llm = LLM(target, speculative_config=_spec(draft), disable_overlap_scheduler=not overlap,
+              kv_cache_config={"tokens_per_block": 4, "max_tokens": 160})
+    engine = llm.engine
+    reqs = []
+    for i, p in enumerate(PROMPTS):
+        req = engine.make_request(p, GREEDY)
+        engine.add_request(req)
+        reqs.append(req)
+        for _ in range(2 + i):  # the next request arrives a few steps later
+            engine.step()
+    while engine.has_work:
+        engine.step()
+    assert [r.output_token_ids for r in reqs] == plain
+    assert engine.scheduler.num_preemptions > 0
+
+
+def test_greedy_chunked_prefill_and_draft_len_policy(engines, plain):
+    """Prompts prefilled in chunks (the draft KV filled chunk by chunk through the same metadata), and a
+    draft-length schedule that verifies fewer drafts (k < K) or turns speculation off (plain steps without the
+    draft model, then a re-priming step) as the batch shrinks: still token-identical."""
+    target, draft, _ = engines
+    spec = {**_spec(draft), "draft_len_schedule": {2: 3, 3: 1}}  # 4 requests: off; 3: k = 1; ≤ 2: k = 3
+    llm = LLM(target, speculative_config=spec, enable_chunked_prefill=True, max_num_tokens=16)
+    lens = [40, 30, 20, 10]  # requests finish one after another: the batch goes 4 → 3 → 2 → 1
+    outs = llm.generate(PROMPTS, [SamplingParams(max_tokens=n, ignore_eos=True) for n in lens])
+    assert _ids(outs) == [ids[:n] for ids, n in zip(plain, lens)]
+    steps = [o.outputs[0].steps_per_draft_len for o in outs]
+    assert all(s.get(0) and s.get(1) and s.get(3) for s in steps[:2]), steps
+
+
+def test_vocabulary_mismatch_is_a_clear_error(engines):
+    target, _, other = engines
+    with pytest.raises(LlmArgsError, match=rf"{VOCAB + 20}.*{VOCAB}"):
+        LLM(target, speculative_config=_spec(other))
+
+
+def test_config_aliases_and_yaml_names(engines):
+    target, draft, _ = engines
+    spec = {"decoding_type": "Draft_Target", "max_draft_len": 2, "speculative_model": str(draft)}
+    llm = LLM(target, speculative_config=spec)
+    assert llm.engine.drafter.num_draft_tokens == 2
+    with pytest.raises(LlmArgsError, match="speculative_model_dir"):
+        LLM(target, speculative_config={"decoding_type": "Draft_Target", "max_draft_len": 2})
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sampling: drafts sampled from q, rejection sampling with the full q.
+PROMPT = [11, 12, 13, 14, 15]
+TEMPERATURE = dict(temperature=0.8)
+FILTERED = dict(temperature=1.0, top_k=20, top_p=0.9)
+N = 1200  # samples per distribution
+_PLAIN: dict[str, list[Counter]] = {}
+
+
+def _positions(llm: LLM, n: int, params: dict) -> list[Counter]:
+    sps = [SamplingParams(max_tokens=3, ignore_eos=True, seed=s, **params) for s in range(n)]
+    outs = llm.generate([PROMPT] * n, sps)
+    return [Counter(o.outputs[0].token_ids[j] for o in outs) for j in range(3)]
+
+
+def _plain_positions(target, params: dict) -> list[Counter]:
+    """The target alone (plain decoding, other seeds than the speculative runs), computed once per params."""
+    key = repr(sorted(params.items()))
+    if key not in _PLAIN:
+        sps = [SamplingParams(max_tokens=3, ignore_eos=True, seed=10**6 + s, **params) for s in range(N)]
+        outs = LLM(target, speculative_config=None, max_batch_size=N).generate([PROMPT] * N, sps)
+        _PLAIN[key] = [Counter(o.outputs[0].token_ids[j] for o in outs) for j in range(3)]
+    return _PLAIN[key]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("params", [TEMPERATURE, FILTERED], ids=["T0.8", "T1-k20-p0.9"])
+def test_sampling_keeps_the_token_distribution(engines, params):
+    target, draft, _ = engines
+    plain = _plain_positions(target, params)
+    llm = LLM(target, speculative_config=_spec(draft), max_batch_size=N)
+    spec = _positions(llm, N, params)
+    for j in (1, 2):  # the second and third tokens come out of the first verify step (drafts sampled from q)
+        assert chi_square_two_sample_pvalue(plain[j], spec[j]) > 1e-3, (j, plain[j].most_common(5),
+                                                                       spec[j].most_common(5))
+    assert len(plain[1]) > 5, "the test needs a spread distribution to mean anything"
+    outs = llm.generate([PROMPT] * 64, [SamplingParams(max_tokens=8, seed=s, ignore_eos=True, **params)
+                                        for s in range(64)])
+    accepted = sum(o.outputs[0].num_accepted_draft_tokens for o in outs)
+    assert 20 < accepted < sum(o.outputs[0].num_draft_tokens for o in outs)
+
+
+@pytest.mark.slow
+def test_accepting_every_draft_fails_the_distribution_check(engines, monkeypatch):
+    """The check above has power: emitting the sampled drafts unverified changes the distribution detectably."""
+    import nextn.runtime.acceptance_rules as rules
+
+    def accept_all(target_probs, draft_tokens, accept_u, sample_u, draft_probs=None):
+        from nextn.plugins.acceptance import _emit
+        from nextn.plugins.sampling import sample_from_probs
+
+        k = draft_tokens.shape[1]
+        return _emit(draft_tokens, sample_from_probs(target_probs, sample_u),
+                     draft_tokens.new_full(draft_tokens.shape[:1], k))
+
+    target, draft, _ = engines
+    plain = _plain_positions(target, TEMPERATURE)
+    monkeypatch.setattr(rules, "rejection_sampling", accept_all)
+    broken = _positions(LLM(target, speculative_config=_spec(draft), max_batch_size=N), N, TEMPERATURE)
+    assert min(chi_square_two_sample_pvalue(plain[j], broken[j]) for j in (1, 2)) < 1e-6
+
+
+def test_same_seed_same_output_whatever_the_batch(engines):
+    target, draft, _ = engines
+    llm = LLM(target, speculative_config=_spec(draft))
+    sp = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=1234, ignore_eos=True)
+    alone = llm.generate(PROMPT, sp).outputs[0].token_ids
+    others = [[3, 4], list(range(20, 45)), [7] * 9]
+    batch = llm.generate(others[:2] + [PROMPT] + others[2:],
+                         [SamplingParams(max_tokens=30, temperature=1.0, seed=9), SamplingParams(max_tokens=5),
+                          sp, SamplingParams(max_tokens=12, temperature=0.5, top_k=3, seed=5)])
+    assert batch[2].outputs[0].token_ids == alone
+    assert llm.generate(PROMPT, sp.model_copy(update={"seed": 4321})).outputs[0].token_ids != alone
