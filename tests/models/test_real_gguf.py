@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from nextn.bench.real_models import (
-    SHARED_DATA, chat_prompt_ids, load_llm, load_prompt_texts, load_transformers, nextn_greedy, transformers_greedy,
+    SHARED_DATA, chat_prompt_ids, fitting_max_seq_len, load_llm, load_prompt_texts, load_transformers, nextn_greedy, transformers_greedy,
     up_to_first_eos,
 )  # fmt: skip
 from nextn.build.engine_builder import build_engine
@@ -68,7 +68,7 @@ def test_engine_tensors_equal_transformers(real):
 
 def test_greedy_float32_is_token_identical_to_transformers(real):
     _, hf, tok, engine, prompts, max_tokens = real
-    llm = load_llm(engine, max_batch_size=4)
+    llm = load_llm(engine, max_batch_size=4, max_seq_len=fitting_max_seq_len(prompts, max_tokens))
     ours = nextn_greedy(llm, prompts, max_tokens)
     eos = set(llm.engine.eos_ids) | {hf.generation_config.eos_token_id}
     for prompt, got in zip(prompts, ours):

@@ -123,10 +123,18 @@ def build_cached_engine(gguf_file: Path, dtype: str, work_dir: Path) -> Path:
     return out
 
 
-def load_llm(engine_dir: Path, max_batch_size: int = 8):
+def fitting_max_seq_len(prompts: Sequence[list[int]], max_tokens: int) -> int:
+    """The longest prompt + `max_tokens`, rounded up to 64: the decode step attends over block tables as wide as
+    max_seq_len (fixed shapes), so a loose max_seq_len costs every step time."""
+    return -(-(max(len(p) for p in prompts) + max_tokens) // 64) * 64
+
+
+def load_llm(engine_dir: Path, max_batch_size: int = 8, max_seq_len: int = 1024):
+    """`LLM` over an engine, plain decoding on the CPU."""
     from nextn.runtime.llm import LLM
 
-    return LLM(engine_dir, speculative_config=None, max_batch_size=max_batch_size, max_seq_len=1024, device="cpu")
+    return LLM(engine_dir, speculative_config=None, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+               device="cpu")
 
 
 # agreement ----------------------------------------------------------------------------------------------
@@ -145,7 +153,8 @@ def agreement(gguf_file: Path, num_prompts: int, max_tokens: int, work_dir: Path
     prompts = chat_prompt_ids(tok, load_prompt_texts(num_prompts, num_prompts))
     outputs = {}
     for dtype in ("float32", "bfloat16"):
-        llm = load_llm(build_cached_engine(gguf_file, dtype, work_dir))
+        llm = load_llm(build_cached_engine(gguf_file, dtype, work_dir),
+                       max_seq_len=fitting_max_seq_len(prompts, max_tokens))
         outputs[dtype] = nextn_greedy(llm, prompts, max_tokens)
         eos = set(llm.engine.eos_ids)
         del llm
@@ -194,7 +203,8 @@ def speed(gguf_file: Path, batch_sizes: Sequence[int], max_tokens: int, repeats:
     result: dict = {"model": gguf_file.name, "max_tokens": max_tokens, "repeats": repeats,
                     "prompt_lens": [len(p) for p in prompts], "nextn": {}, "transformers": {}}
     for dtype in dtypes:
-        llm = load_llm(build_cached_engine(gguf_file, dtype, work_dir), max_batch_size=max(batch_sizes))
+        llm = load_llm(build_cached_engine(gguf_file, dtype, work_dir), max_batch_size=max(batch_sizes),
+                       max_seq_len=fitting_max_seq_len(prompts, max_tokens))
         result["nextn"][dtype] = _rates(lambda b, n: nextn_greedy(llm, b, n, ignore_eos=True), prompts, batch_sizes,
                                         max_tokens, repeats)
         del llm
