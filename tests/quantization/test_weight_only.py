@@ -95,3 +95,15 @@ def test_quantize_stream_rewrites_specs_and_tensors(w):
     assert set(got) == set(new_specs) == {"a.weight", "a.weight_scale", "a.weight_zero", "norm.weight"}
     for k, (shape, dtype) in new_specs.items():
         assert tuple(got[k].shape) == shape and got[k].dtype == dtype, k
+
+
+def test_unaligned_weight_from_a_file_buffer_is_safe(w):
+    """safetensors hands out tensors at 8-byte offsets in one buffer; the int8 kernel needs an aligned weight."""
+    t = quantize(w, W8)
+    buf = torch.empty(t["weight"].numel() + 8, dtype=torch.int8)
+    unaligned = buf[8:].view(96, 128)
+    unaligned.copy_(t["weight"])
+    assert unaligned.data_ptr() % 64 != 0
+    layer = WeightOnlyLinear({**t, "weight": unaligned}, W8)
+    x = torch.randn(20, 128)
+    torch.testing.assert_close(layer(x), WeightOnlyLinear(t, W8)(x))

@@ -36,7 +36,9 @@ class WeightOnlyLinear(nn.Module):
         self._tensors = {k: v for k, v in tensors.items() if k != "bias"}
         self.use_kernel = w.device.type == "cpu"
         if cfg.quant_algo == "W8A16":
-            self.register_buffer("qweight", w.contiguous(), persistent=False)
+            # a fresh allocation: tensors loaded from safetensors sit at 8-byte offsets in the file's buffer, and the
+            # int8 kernel's vector loads crash on an unaligned weight (found with SmolLM2)
+            self.register_buffer("qweight", w.clone(memory_format=torch.contiguous_format), persistent=False)
             self.register_buffer("scales", tensors["weight_scale"].to(torch.bfloat16), persistent=False)
         else:
             scale, zero = tensors["weight_scale"].float(), tensors["weight_zero"].float()
