@@ -282,3 +282,23 @@ def test_same_seed_same_output_whatever_the_batch(llama_engine):
                           SamplingParams(max_tokens=12, temperature=0.5, top_k=3, seed=5)])
     assert batch[1].outputs[0].token_ids == alone
     assert llm.generate(prompt, sp.model_copy(update={"seed": 4321})).outputs[0].token_ids != alone
+
+
+def test_engine_built_with_an_ngram_yaml_drafts_by_default(tmp_path):
+    """`build-engine --extra_llm_api_options ngram.yaml`: the engine records no MTP method and loads NGram."""
+    from pathlib import Path
+
+    from nextn import LLM, SamplingParams
+    from nextn.build.engine_builder import build_engine
+    from nextn.runtime.ngram_drafter import NGramDrafter
+    from nextn.testing import TinyDeepseekSpec, make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", TinyDeepseekSpec(num_mtp_modules=1))
+    yaml = Path(__file__).resolve().parents[2] / "configs" / "ngram.yaml"
+    manifest = build_engine(ckpt, tmp_path / "engine", max_seq_len=128, progress=False, extra_llm_api_options=yaml)
+    assert manifest.speculative.method == "none"
+    llm = LLM(tmp_path / "engine")
+    assert isinstance(llm.engine.drafter, NGramDrafter)
+    plain = LLM(tmp_path / "engine", speculative_config=None)
+    prompt, params = [5, 6, 7, 5, 6, 7, 5, 6], SamplingParams(max_tokens=12, ignore_eos=True)
+    assert llm.generate(prompt, params).outputs[0].token_ids == plain.generate(prompt, params).outputs[0].token_ids

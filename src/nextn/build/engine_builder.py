@@ -338,6 +338,10 @@ def resolve_speculative(
     spec = llm_args.speculative_config if llm_args is not None else None
     if spec is None:
         return SpeculativeInfo(method="none", num_mtp_modules=modules)
+    if spec.decoding_type not in ("MTP",):
+        # drafters that need no weights in this engine (NGram, Draft_Target): chosen at load time from the YAML
+        # kept in build_options (runtime/engine.py default_speculative_config)
+        return SpeculativeInfo(method="none", num_mtp_modules=modules)
     if modules == 0:
         raise EngineError(f"speculative_config asks for decoding_type {spec.decoding_type} but checkpoint {model_dir} "
                           "has no MTP layers (num_nextn_predict_layers is 0 in its config.json); set "

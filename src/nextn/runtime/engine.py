@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from nextn.build.manifest import EngineError, EngineManifest, verify_engine_files, verify_mode_from_env
 from nextn.config.llm_args import (DraftTargetDecodingConfig, LlmArgs, LlmArgsError, MedusaDecodingConfig,
-                                   MTPDecodingConfig, NGramDecodingConfig)
+                                   MTPDecodingConfig, NGramDecodingConfig, parse_llm_args)
 from nextn.models.medusa import MedusaHeads
 from nextn.models.registry import MODEL_CLASSES
 from nextn.plugins.medusa_tree import TreeError, build_tree, published_tree
@@ -101,8 +101,12 @@ def choose_acceptance(spec: MTPDecodingConfig | MedusaDecodingConfig | None) -> 
 
 
 def default_speculative_config(manifest: EngineManifest) -> MTPDecodingConfig | None:
-    """What the engine was built for: MTP with its max draft length, or none."""
+    """What the engine was built for: MTP with its max draft length, Medusa, the build YAML's NGram or Draft_Target
+    config, or none."""
     s = manifest.speculative
+    built = (manifest.build_options.extra_llm_api_options or {}).get("speculative_config")
+    if s.method == "none" and isinstance(built, dict) and built.get("decoding_type") in ("NGram", "Draft_Target"):
+        return parse_llm_args({"speculative_config": built}).speculative_config
     if s.method == "medusa":
         return MedusaDecodingConfig(num_medusa_heads=s.max_draft_len or None)
     if s.method != "mtp":
