@@ -109,13 +109,9 @@ def choose_model(args: argparse.Namespace) -> Model:
 def chat_prompts(llm, prompts: list[str]) -> list[str | list[int]]:
     """Each prompt as one user turn through the engine's chat template (token ids), or as text without one."""
     tok = llm.tokenizer
-    if tok is None or not getattr(tok.tok, "chat_template", None):
+    if tok is None or not tok.chat_template:
         return list(prompts)
-    out = []
-    for p in prompts:
-        text = tok.tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-        out.append(list(tok.tok.encode(text, add_special_tokens=False)))
-    return out
+    return [tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
 
 
 def _run_once(llm, prompts: list, max_tokens: int) -> tuple[list, float]:
