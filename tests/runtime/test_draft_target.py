@@ -200,30 +200,18 @@ def test_sampling_keeps_the_token_distribution(engines, params):
 def test_accepting_every_draft_fails_the_distribution_check(engines, monkeypatch):
     """The check above has power: emitting the sampled drafts unverified changes the distribution detectably."""
     import nextn.runtime.acceptance_rules as rules
-
-    def accept_all(target_probs, draft_tokens, accept_u, sample_u, draft_probs=None):
-        from nextn.plugins.acceptance import _emit
-        from nextn.plugins.sampling import sample_from_probs
-
-        k = draft_tokens.shape[1]
-        return _emit(draft_tokens, sample_from_probs(target_probs, sample_u),
-                     draft_tokens.new_full(draft_tokens.shape[:1], k))
+    from nextn.testing.spec_checks import accept_every_draft
 
     target, draft, _ = engines
     plain = _plain_positions(target, TEMPERATURE)
-    monkeypatch.setattr(rules, "rejection_sampling", accept_all)
+    monkeypatch.setattr(rules, "rejection_sampling", accept_every_draft)
     broken = _positions(LLM(target, speculative_config=_spec(draft), max_batch_size=N), N, TEMPERATURE)
     assert min(chi_square_two_sample_pvalue(plain[j], broken[j]) for j in (1, 2)) < 1e-6
 
 
 def test_same_seed_same_output_whatever_the_batch(engines):
     target, draft, _ = engines
-    llm = LLM(target, speculative_config=_spec(draft))
-    sp = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=1234, ignore_eos=True)
-    alone = llm.generate(PROMPT, sp).outputs[0].token_ids
-    others = [[3, 4], list(range(20, 45)), [7] * 9]
-    batch = llm.generate(others[:2] + [PROMPT] + others[2:],
-                         [SamplingParams(max_tokens=30, temperature=1.0, seed=9), SamplingParams(max_tokens=5),
-                          sp, SamplingParams(max_tokens=12, temperature=0.5, top_k=3, seed=5)])
-    assert batch[2].outputs[0].token_ids == alone
-    assert llm.generate(PROMPT, sp.model_copy(update={"seed": 4321})).outputs[0].token_ids != alone
+    from nextn.testing.spec_checks import same_seed_same_output_whatever_the_batch as check
+
+    check(LLM(target, speculative_config=_spec(draft)), PROMPT,
+          SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=1234, ignore_eos=True))

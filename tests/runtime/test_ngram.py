@@ -258,30 +258,20 @@ def test_ngram_keeps_the_token_distribution(llama_engine, params):
 def test_accepting_every_draft_would_fail_the_distribution_check(llama_engine, monkeypatch):
     """The check above has power: emitting the n-gram drafts unverified changes the distribution detectably."""
     import nextn.runtime.acceptance_rules as rules
-    from nextn.plugins.acceptance import _emit
-    from nextn.plugins.sampling import sample_from_probs
-
-    def accept_all(target_probs, draft_tokens, accept_u, sample_u, draft_probs=None):
-        k = draft_tokens.shape[1]
-        return _emit(draft_tokens, sample_from_probs(target_probs, sample_u), draft_tokens.new_full(draft_tokens.shape[:1], k))
+    from nextn.testing.spec_checks import accept_every_draft
 
     n = 400
     plain = _positions(LLM(llama_engine, speculative_config=None, max_batch_size=64), n, dict(temperature=1.0))
-    monkeypatch.setattr(rules, "rejection_sampling", accept_all)
+    monkeypatch.setattr(rules, "rejection_sampling", accept_every_draft)
     broken = _positions(LLM(llama_engine, speculative_config=NGRAM, max_batch_size=64), n, dict(temperature=1.0))
     assert chi_square_two_sample_pvalue(plain[1], broken[1]) < 1e-6
 
 
 def test_same_seed_same_output_whatever_the_batch(llama_engine):
-    llm = LLM(llama_engine, speculative_config=NGRAM)
-    sp = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True)
-    prompt = LOOPING
-    alone = llm.generate(prompt, sp).outputs[0].token_ids
-    batch = llm.generate([[3, 4], prompt, [7] * 9],
-                         [SamplingParams(max_tokens=30, temperature=1.0, seed=9), sp,
-                          SamplingParams(max_tokens=12, temperature=0.5, top_k=3, seed=5)])
-    assert batch[1].outputs[0].token_ids == alone
-    assert llm.generate(prompt, sp.model_copy(update={"seed": 4321})).outputs[0].token_ids != alone
+    from nextn.testing.spec_checks import same_seed_same_output_whatever_the_batch as check
+
+    check(LLM(llama_engine, speculative_config=NGRAM), LOOPING,
+          SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True))
 
 
 def test_engine_built_with_an_ngram_yaml_drafts_by_default(tmp_path):

@@ -64,33 +64,21 @@ def test_mtp_keeps_the_token_distribution(engine, params):
 def test_always_accepting_drafts_would_fail_the_distribution_check(engine, monkeypatch):
     """The check above has power: emitting the drafts unverified changes the distribution detectably."""
     import nextn.runtime.acceptance_rules as rules
-
-    def accept_all(target_probs, draft_tokens, accept_u, sample_u, draft_probs=None):
-        from nextn.plugins.acceptance import _emit
-        from nextn.plugins.sampling import sample_from_probs
-
-        k = draft_tokens.shape[1]
-        return _emit(draft_tokens, sample_from_probs(target_probs, sample_u), draft_tokens.new_full(draft_tokens.shape[:1], k))
+    from nextn.testing.spec_checks import accept_every_draft
 
     n = 2000
     plain = _positions(LLM(engine, speculative_config=None, max_batch_size=64), n, dict(temperature=0.07))
-    monkeypatch.setattr(rules, "rejection_sampling", accept_all)
+    monkeypatch.setattr(rules, "rejection_sampling", accept_every_draft)
     broken = _positions(LLM(engine, speculative_config=MTP3, max_batch_size=64), n, dict(temperature=0.07))
     assert chi_square_two_sample_pvalue(plain[1], broken[1]) < 1e-6
 
 
 @pytest.mark.parametrize("spec", [None, MTP3])
 def test_same_seed_same_output_whatever_the_batch(engine, spec):
-    llm = LLM(engine, speculative_config=spec)
-    sp = SamplingParams(max_tokens=24, temperature=0.1, top_p=0.95, seed=1234, ignore_eos=True)
-    alone = llm.generate(PROMPT, sp).outputs[0].token_ids
-    others = [[3, 4], list(range(20, 45)), [7] * 9]
-    batch = llm.generate(others[:2] + [PROMPT] + others[2:],
-                         [SamplingParams(max_tokens=30, temperature=1.0, seed=9), SamplingParams(max_tokens=5),
-                          sp, SamplingParams(max_tokens=12, temperature=0.5, top_k=3, seed=5)])
-    assert batch[2].outputs[0].token_ids == alone
-    different = llm.generate(PROMPT, sp.model_copy(update={"seed": 4321})).outputs[0].token_ids
-    assert different != alone
+    from nextn.testing.spec_checks import same_seed_same_output_whatever_the_batch as check
+
+    check(LLM(engine, speculative_config=spec), PROMPT,
+          SamplingParams(max_tokens=24, temperature=0.1, top_p=0.95, seed=1234, ignore_eos=True))
 
 
 def test_relaxed_acceptance_is_strict_outside_thinking_and_with_zero_delta(engine):
