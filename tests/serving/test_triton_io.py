@@ -119,7 +119,7 @@ def test_triton_repo_cli_writes_the_repository(checkpoints, tmp_path, capsys):
 @pytest.mark.parametrize("inputs, match", [
     ({"input_ids": i32(1), "max_tokens": i32(3), "top_k": i32(2**31 - 1)}, "top_k=2147483647 exceeds the vocabulary"),
     ({"input_ids": i32(1), "max_tokens": i32(3), "runtime_top_k": i32(513)}, "top_k=513 exceeds the vocabulary"),
-    ({"input_ids": i32(1), "max_tokens": i32(3), "end_id": i32(-1)}, r"end_id=-1 is outside the vocabulary \[0, 512\)"),
+    ({"input_ids": i32(1), "max_tokens": i32(3), "end_id": i32(-2)}, r"end_id=-2 is outside the vocabulary \[0, 512\)"),
     ({"input_ids": i32(1), "max_tokens": i32(3), "end_id": i32(512)}, "end_id=512 is outside the vocabulary"),
     ({"input_ids": i32(1, -5, 512), "max_tokens": i32(3)}, r"token ids \[-5, 512\] are outside the vocabulary"),
     ({"input_ids": np.zeros((1, 64), np.int32), "max_tokens": i32(3)}, "64 tokens but max_seq_len is 64"),
@@ -137,3 +137,10 @@ def test_engine_limits_are_checked_before_the_engine(inputs, match):
     ok = parse_request({"input_ids": i32(0, 511), "max_tokens": i32(3), "top_k": i32(512), "end_id": i32(511)},
                        decoupled=False, vocab_size=512, max_seq_len=64)
     assert ok.prompt == [0, 511] and ok.sampling_params.top_k == 512
+
+
+def test_end_id_minus_one_means_no_end_token():
+    """TensorRT-LLM's convention (the Triton tests' long requests rely on it): end_id -1 → stop at max_tokens only."""
+    sp = parse_request({"input_ids": i32(1), "max_tokens": i32(3), "end_id": i32(-1)}, decoupled=False,
+                       vocab_size=512).sampling_params
+    assert sp.ignore_eos and sp.end_id is None

@@ -179,7 +179,7 @@ def test_bad_requests_get_errors_while_a_good_one_runs(server, reference):
             (_ids([5], stream=np.array([[True]])), "streaming needs a decoupled model"),
             (_ids([5], top_k=np.array([[2**31 - 1]], np.int32), temperature=np.array([[1.0]], np.float32)),
              "top_k=2147483647 exceeds the vocabulary"),
-            (_ids([5], end_id=np.array([[-1]], np.int32)), "end_id=-1 is outside the vocabulary"),
+            (_ids([5], end_id=np.array([[-2]], np.int32)), "end_id=-2 is outside the vocabulary"),
             (_ids([5], seed=np.array([[2**64 - 1]], np.uint64)), "seed"),
             (dict(text_input=np.array([["x\ud800".encode("utf-8", "surrogatepass")]], np.object_),
                   max_tokens=np.array([[2]], np.int32)), "not valid UTF-8"),

@@ -139,6 +139,9 @@ def parse_request(inputs: Mapping[str, np.ndarray], decoupled: bool, vocab_size:
         if args[key] is not None:
             params[key] = args[key]
     params = {k: (float(v) if k in ("temperature", "top_p") else int(v)) for k, v in params.items()}
+    if params.get("end_id") == -1:  # TensorRT-LLM's convention: end_id -1 = no end token, stop at max_tokens only
+        del params["end_id"]
+        params["ignore_eos"] = True
     if vocab_size is not None:
         if params.get("top_k", 0) > vocab_size:
             raise TritonRequestError(f"top_k={params['top_k']} exceeds the vocabulary size {vocab_size}: give 0 (off) "
