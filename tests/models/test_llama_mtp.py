@@ -9,7 +9,6 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 
 from nextn import LLM, SamplingParams
@@ -17,18 +16,15 @@ from nextn.build.engine_builder import build_engine
 from nextn.models.llama import LlamaForCausalLM, LlamaModelConfig, runtime_weight_specs, to_runtime
 from nextn.runtime.attention_metadata import AttentionMetadata, slots_for_positions
 from nextn.runtime.kv_cache import allocate_kv_cache
+from nextn.testing.tiny_llama import tiny_hf_llama
 from nextn.train.mtp import MtpContext, llama_mtp_module
 
 BLOCK = 8
 
 
 def _hf_llama(num_mtp: int) -> tuple[HFLlama, list]:
-    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    hf = HFLlama(cfg).eval()
-    with torch.no_grad():
-        hf.lm_head.weight.mul_(20)  # peaked logits: greedy ties impossible
+    hf = tiny_hf_llama()
+    cfg = hf.config
     modules = [llama_mtp_module(cfg, 2 + k) for k in range(num_mtp)]
     for m in modules:
         with torch.no_grad():

@@ -9,13 +9,12 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig
-from transformers import LlamaForCausalLM as HFLlama
 
 from nextn import LLM, SamplingParams
 from nextn.build.engine_builder import build_engine
 from nextn.build.manifest import EngineError
 from nextn.quantization import QuantConfig, dequantize, quantize
+from nextn.testing.tiny_llama import tiny_hf_llama
 
 PROMPTS = [[5, 6, 7, 8], [9], list(range(20, 50))]
 PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -23,14 +22,8 @@ PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    hf = HFLlama(cfg).eval()
-    with torch.no_grad():
-        hf.lm_head.weight.mul_(20)  # peaked logits: no near-ties for rounding to flip
     out = tmp_path_factory.mktemp("q") / "ckpt"
-    hf.save_pretrained(out)
+    tiny_hf_llama().save_pretrained(out)
     return out
 
 

@@ -13,11 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig
-from transformers import LlamaForCausalLM as HFLlama
 
 from nextn import LLM, SamplingParams
 from nextn.build.engine_builder import build_engine
+from nextn.testing.tiny_llama import tiny_hf_llama
 from nextn.config.llm_args import CudaGraphConfig, LlmArgsError, load_llm_args_yaml, parse_llm_args
 from nextn.runtime.acceptance_rules import SamplingTensors
 from nextn.runtime.cuda_graph_runner import CudaGraphStep, EmulatedGraphBackend
@@ -59,13 +58,7 @@ def staggered(llm: LLM, prompts, params) -> list[list[int]]:
 def llama_engine(tmp_path_factory):
     """A tiny HF Llama (no MTP, no Medusa weights) built into an engine."""
     tmp = tmp_path_factory.mktemp("llama_ngram")
-    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    hf = HFLlama(cfg).eval()
-    with torch.no_grad():
-        hf.lm_head.weight.mul_(20)  # peaked logits: greedy ties impossible
-    hf.save_pretrained(tmp / "ckpt")
+    tiny_hf_llama().save_pretrained(tmp / "ckpt")
     build_engine(tmp / "ckpt", tmp / "engine", progress=False, max_seq_len=128)
     return tmp / "engine"
 
