@@ -17,6 +17,7 @@ from nextn.models.config import DeepseekV3ModelConfig
 from nextn.models.deepseek_v3.rope import apply_rope
 from nextn.models.layers import RMSNorm
 from nextn.plugins.kernels.mla_attention import mla_attention
+from nextn.plugins.kv_cache_write import kv_cache_write
 from nextn.runtime.attention_metadata import AttentionMetadata
 
 
@@ -68,7 +69,7 @@ class MLAttention(nn.Module):
         c_kv = self.kv_a_layernorm(c_kv)  # [B, T, lora]
         k_pe = apply_rope(k_pe, cos_sin, cfg.rope_interleave)  # [B, T, rope]
         new_kv = torch.cat([c_kv, k_pe], dim=-1).to(kv_cache.dtype)
-        kv_cache.index_copy_(0, meta.slot_mapping.reshape(-1), new_kv.reshape(b * t, -1))
+        kv_cache_write(kv_cache, meta.slot_mapping.reshape(-1), new_kv.reshape(b * t, -1))
 
         w_kv = self.kv_b_proj.weight.view(nh, nope + cfg.v_head_dim, lora)
         w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]  # [nh, nope, lora], [nh, v, lora]

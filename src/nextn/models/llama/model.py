@@ -23,6 +23,7 @@ from nextn.models.causal_lm import SelfDraftingCausalLM
 from nextn.models.layers import GatedMLP, PreNormDecoderLayer, RMSNorm
 from nextn.models.llama.config import LlamaModelConfig
 from nextn.models.llama.rope import apply_rope, rope_cache
+from nextn.plugins.kv_cache_write import kv_cache_write
 from nextn.runtime.attention_metadata import AttentionMetadata
 
 
@@ -59,7 +60,7 @@ class LlamaAttention(nn.Module):
         k = apply_rope(self.k_proj(x).view(b, t, nkv, d), cos_sin)  # [B, T, nkv, d]
         v = self.v_proj(x)  # [B, T, nkv · d]
         new_kv = torch.cat([k.reshape(b, t, nkv * d), v], dim=-1).to(kv_cache.dtype)  # [B, T, 2 · nkv · d]
-        kv_cache.index_copy_(0, meta.slot_mapping.reshape(-1), new_kv.reshape(b * t, -1))
+        kv_cache_write(kv_cache, meta.slot_mapping.reshape(-1), new_kv.reshape(b * t, -1))
 
         # Each sequence's context through its block table: [B, S, 2, nkv, d], S = max_blocks · block_size.
         ctx = kv_cache[meta.context_slots].to(x.dtype)
