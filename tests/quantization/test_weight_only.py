@@ -62,7 +62,7 @@ def test_bad_input_is_named():
         quantize(torch.randn(8, 48), W4)
     with pytest.raises(QuantError, match="no W4A16 group size"):
         default_group_size([576, 100])
-    assert default_group_size([576, 1536]) == 64 and default_group_size([896, 4864]) == 128
+    assert default_group_size([576, 1536]) == 32 and default_group_size([896, 4864]) == 32
 
 
 def test_install_replaces_only_quantized_linears():

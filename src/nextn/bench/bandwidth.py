@@ -31,12 +31,13 @@ def read_bandwidth_gbs(size_mib: int = 512, repeats: int = 5) -> float:
 
 def decode_step_bytes(engine_dir: str | Path) -> tuple[int, int]:
     """(bytes one plain decode step reads at batch 1, total weight bytes): every weight but the embedding table
-    (a step gathers one row of it, unless the lm_head is tied to it), the MTP layers and Medusa heads (drafting only) and, for MoE layers, only the
+    (a step gathers one row of it, and reads it whole only as a tied lm_head without a quantized copy), the MTP layers and Medusa heads (drafting only) and, for MoE layers, only the
     routed experts a token selects."""
     manifest = EngineManifest.load(engine_dir)
     cfg = manifest.model
     total = step = 0
     with safe_open(str(Path(engine_dir) / manifest.weight_files[0]), "pt") as f:
+        own_head = "lm_head.weight" in f.keys()  # untied, or a tied model's quantized lm_head copy
         for name in f.keys():
             shape = f.get_slice(name).get_shape()
             n = f.get_slice(name).get_dtype()
@@ -49,7 +50,7 @@ def decode_step_bytes(engine_dir: str | Path) -> tuple[int, int]:
                 continue  # heads run only when drafting
             if name == "model.embed_tokens.weight":
                 # one row is gathered; a tied model also reads the whole table as its lm_head
-                step += size if getattr(cfg, "tie_word_embeddings", False) else itemsize * shape[-1]
+                step += itemsize * shape[-1] if own_head else size
             elif ".mlp.experts." in name:
                 step += size * getattr(cfg, "num_experts_per_tok", 1) // shape[0]
             elif ".layers." in name and int(name.split(".")[2]) >= cfg.num_hidden_layers:

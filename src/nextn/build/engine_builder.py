@@ -28,7 +28,7 @@ import logging
 import math
 import shutil
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +82,8 @@ def build_engine(
     force: bool = False,
     quant_algo: str | None = None,
     group_size: int | None = None,
+    exclude_modules: list[str] | None = None,
+    lm_head_quant_algo: str | None = None,
 ) -> EngineManifest:
     """Build an engine directory from a DeepSeek-V3 or Llama-family checkpoint, optionally with Medusa heads.
 
@@ -113,10 +115,15 @@ def build_engine(
         force: replace an existing engine in `output_dir` even when it also holds files its manifest does not
             list (they are removed). A directory that is not an nextn engine is refused even with `force`.
         quant_algo: weight-only quantization of the decoder's linear layers, TensorRT-LLM's names: "W8A16" (int8,
-            per output channel) or "W4A16" (4-bit, per group); None keeps them in `dtype`. The embedding, norms
-            and lm_head stay in `dtype` (`quantization/weight_only.py`).
-        group_size: W4A16 input channels per scale (must divide every layer's input size); None: the largest of
-            128, 64, 32 that does.
+            per output channel) or "W4A16" (4-bit, per group); None keeps them in `dtype`. The lm_head is
+            quantized too, as `lm_head_quant_algo` (a tied model gets a quantized lm_head copy beside its
+            embedding) unless `exclude_modules` names it; the embedding and norms stay in `dtype`
+            (`quantization/weight_only.py`).
+        group_size: W4A16 input channels per scale (must divide every layer's input size); None: the first of
+            32, 64, 128 that does.
+        exclude_modules: linear layers (names or prefixes, TensorRT-LLM's `QuantConfig.exclude_modules`) kept in
+            `dtype`, e.g. ["lm_head"]; None: none.
+        lm_head_quant_algo: the lm_head's format when quantized: None → "W8A16" (`QuantConfig.lm_head_quant_algo`).
     Returns:
         The manifest written to `output_dir/manifest.json`.
     Raises:
@@ -160,7 +167,11 @@ def build_engine(
         if heads is not None:
             specs.update({MEDUSA_PREFIX + n: (tuple(t.shape), torch_dtype) for n, t in heads.tensors.items()})
         check_source_tensors(reader, specs, cfg)
-        quant, quant_names = resolve_quant(quant_algo, group_size, cfg, specs)
+        quant, quant_names = resolve_quant(quant_algo, group_size, cfg, specs, exclude_modules, lm_head_quant_algo)
+        untie = quant is not None and quant.applies_to("lm_head") and "lm_head.weight" not in specs
+        if untie:  # a tied model's quantized lm_head is a copy of the embedding
+            specs["lm_head.weight"] = specs[EMBED_NAME]
+            quant_names.add("lm_head.weight")
         stored_specs = quantized_specs_all(specs, quant_names, quant) if quant is not None else specs
         engine_bytes = sum(math.prod(s) * dt.itemsize for s, dt in stored_specs.values())
         check_engine_size(engine_bytes, reader.files, specs, cfg, output_dir)
@@ -184,6 +195,8 @@ def build_engine(
             if heads is not None:
                 tensors = itertools.chain(tensors, ((MEDUSA_PREFIX + n, t.to(torch_dtype).contiguous())
                                                     for n, t in heads.tensors.items()))
+            if untie:
+                tensors = with_lm_head_copy(tensors)
             if quant is not None:
                 _, tensors = quantize_stream(specs, tensors, quant_names, quant)
             checksums = {WEIGHTS_NAME: write_safetensors_streaming(staging / WEIGHTS_NAME, stored_specs, tensors,
@@ -216,9 +229,30 @@ def build_engine(
     return manifest
 
 
+EMBED_NAME = "model.embed_tokens.weight"
+#: PyTorch's CPU int4 packing (`_convert_weight_to_int4pack_for_cpu`) takes weights whose rows are a multiple of 16.
+INT4_ROWS = 16
+
+
+def with_lm_head_copy(tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The engine tensor stream plus `lm_head.weight` = the embedding, last (a tied model whose lm_head is
+    quantized: the embedding lookup stays in the engine dtype, the vocabulary projection reads the quantized copy)."""
+    embed = None
+    for name, t in tensors:
+        if name == EMBED_NAME:
+            embed = t
+        yield name, t
+    if embed is None:
+        raise EngineError(f"the checkpoint stream has no {EMBED_NAME} to copy into a quantized lm_head")
+    yield "lm_head.weight", embed
+
+
 def resolve_quant(quant_algo: str | None, group_size: int | None, cfg: ModelConfig,
-                  specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> tuple[QuantConfig | None, set[str]]:
-    """The engine's quant config and the weights it quantizes: every decoder `nn.Linear` (lm_head excluded).
+                  specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                  exclude_modules: list[str] | None = None,
+                  lm_head_quant_algo: str | None = None) -> tuple[QuantConfig | None, set[str]]:
+    """The engine's quant config and the weights it quantizes: every `nn.Linear` (the lm_head included) but
+    those `exclude_modules` names. A tied lm_head is not in `specs`: the caller adds its copy.
 
     Raises:
         EngineError: an unknown algorithm, a group size with W8A16, or one that does not divide a layer's input.
@@ -233,18 +267,24 @@ def resolve_quant(quant_algo: str | None, group_size: int | None, cfg: ModelConf
         raise EngineError("W8A16 scales each output channel; --group_size applies to W4A16 only")
     with torch.device("meta"):
         model = MODEL_CLASSES[cfg.architecture](cfg, max_positions=1)
-    probe = QuantConfig(quant_algo=quant_algo, exclude_modules=["lm_head"])
+    exclude = list(exclude_modules or [])
+    if lm_head_quant_algo == "W4A16" and cfg.vocab_size % INT4_ROWS and "lm_head" not in exclude:
+        logger.warning("the lm_head is stored as W8A16, not W4A16 (vocabulary %d is not a multiple of %d, which "
+                       "the int4 kernel's packing needs)", cfg.vocab_size, INT4_ROWS)
+        lm_head_quant_algo = "W8A16"
+    probe = QuantConfig(quant_algo=quant_algo, exclude_modules=exclude)
     names = {n for n in linear_weight_names(model, probe) if n in specs and len(specs[n][0]) == 2}
     if quant_algo == "W4A16":
         try:
-            ks = [specs[n][0][1] for n in names]
+            ks = [specs[n][0][1] for n in names if n != "lm_head.weight"]
             group_size = group_size or default_group_size(ks)
             bad = sorted({k for k in ks if k % group_size})
             if bad:
                 raise QuantError(f"--group_size {group_size} does not divide the input sizes {bad}")
         except QuantError as e:
             raise EngineError(f"W4A16: {e}") from e
-    return QuantConfig(quant_algo=quant_algo, group_size=group_size, exclude_modules=["lm_head"]), names
+    return QuantConfig(quant_algo=quant_algo, group_size=group_size, exclude_modules=probe.exclude_modules,
+                       lm_head_quant_algo=lm_head_quant_algo or "W8A16"), names
 
 
 def quantized_specs_all(specs: dict[str, tuple[tuple[int, ...], torch.dtype]], names: set[str],

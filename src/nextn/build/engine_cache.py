@@ -61,11 +61,17 @@ def checkpoint_files(path: Path) -> list[Path]:
                       "checkpoint")
 
 
+#: Bumped whenever the same build options produce different engine files (2: quantized engines quantize the
+#: lm_head), so that cached engines of an older layout are rebuilt rather than reused.
+ENGINE_LAYOUT = 2
+
+
 def cache_key(files: list[Path], build_options: dict[str, Any]) -> str:
-    """20 hex characters: sha256 over the checkpoint fingerprint, the build options (JSON, sorted) and the version."""
+    """20 hex characters: sha256 over the checkpoint fingerprint, the build options (JSON, sorted), the version and
+    `ENGINE_LAYOUT`."""
     root = files[0].parent if len(files) == 1 else None
     payload = json.dumps({"fingerprint": fingerprint(files, root=root), "options": build_options,
-                          "nextn_version": nextn.__version__}, sort_keys=True)
+                          "nextn_version": nextn.__version__, "layout": ENGINE_LAYOUT}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:20]
 
 

@@ -92,11 +92,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--compile_device", choices=("cpu", "cuda"),
                    help="device to compile for with --compile_step (default: cuda when available)")
     p.add_argument("--quant_algo", choices=("W8A16", "W4A16"),
-                   help="weight-only quantization of the decoder's linear layers (TensorRT-LLM's names): W8A16 = "
-                   "int8 per output channel, W4A16 = 4-bit per group; embedding, norms and lm_head stay in --dtype "
+                   help="weight-only quantization of the linear layers and the lm_head (TensorRT-LLM's names): W8A16 = "
+                   "int8 per output channel, W4A16 = 4-bit per group; embedding and norms stay in --dtype "
                    "(default: none)")
     p.add_argument("--group_size", type=int, metavar="G",
-                   help="W4A16 input channels per scale (default: the largest of 128, 64, 32 dividing every layer)")
+                   help="W4A16 input channels per scale (default: the first of 32, 64, 128 dividing every layer)")
+    p.add_argument("--exclude_modules", nargs="+", metavar="NAME",
+                   help="linear layers kept in --dtype with --quant_algo, by name or prefix (e.g. lm_head)")
+    p.add_argument("--lm_head_quant_algo", choices=("W8A16", "W4A16"),
+                   help="the lm_head's format with --quant_algo (default W8A16: 4 bits there cost far more "
+                   "accuracy than in the decoder layers)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
     return p
 
@@ -130,7 +135,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_seq_len=args.max_seq_len, extra_llm_api_options=args.extra_llm_api_options, progress=args.progress,
             medusa_model_dir=args.medusa_model_dir, compile_step=args.compile_step,
             compile_batch_sizes=args.compile_batch_sizes, compile_device=args.compile_device, force=args.force,
-            quant_algo=args.quant_algo, group_size=args.group_size,
+            quant_algo=args.quant_algo, group_size=args.group_size, exclude_modules=args.exclude_modules,
+            lm_head_quant_algo=args.lm_head_quant_algo,
         )  # fmt: skip
     except USER_ERRORS as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)

@@ -34,6 +34,8 @@ class SelfDraftingCausalLM(nn.Module):
     """The shared model surface; subclasses build `cfg`, `model`, `lm_head`, `rope_table` and `rope_table_for`."""
 
     draft_head_weight: torch.Tensor | None = None
+    #: The lm_head is a `WeightOnlyLinear` (a quantized engine): logits come from calling it, not from its weight.
+    lm_head_quantized: bool = False
 
     @property
     def num_cache_layers(self) -> int:
@@ -53,6 +55,8 @@ class SelfDraftingCausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head: [..., hidden] → [..., vocab] fp32."""
+        if self.lm_head_quantized:
+            return self.lm_head(hidden).float()
         return vocab_projection(self.lm_head.weight, hidden).float()
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -61,12 +65,14 @@ class SelfDraftingCausalLM(nn.Module):
         Drafts only propose tokens (the target verifies them), so a cheaper copy of the head — bf16 for an fp32
         engine — changes acceptance at most, never the output.
         """
+        if self.draft_head_weight is None and self.lm_head_quantized:
+            return self.lm_head(hidden).float()
         weight = self.draft_head_weight if self.draft_head_weight is not None else self.lm_head.weight
         return vocab_projection(weight, hidden.to(weight.dtype)).float()  # fp32 argmax is faster on CPU
 
     def use_bf16_draft_head(self) -> None:
         """Give drafters a bf16 copy of lm_head (about 5× faster on CPUs with bf16 matmul units; lossless)."""
-        if self.lm_head.weight.dtype != torch.bfloat16:
+        if not self.lm_head_quantized and self.lm_head.weight.dtype != torch.bfloat16:
             self.draft_head_weight = self.lm_head.weight.detach().to(torch.bfloat16)
 
     def mtp_layer(self, k: int) -> nn.Module:

@@ -70,7 +70,8 @@ class WeightOnlyLinear(nn.Module):
 
 
 def install_weight_only_linears(model: nn.Module, weights: dict[str, torch.Tensor], cfg: QuantConfig) -> list[str]:
-    """Replace every `nn.Linear` of `model` whose weights are stored quantized by a `WeightOnlyLinear`.
+    """Replace every module of `model` whose weights are stored quantized (an `nn.Linear`, or a tied model's
+    lm_head, which the engine stores as a quantized copy of the embedding) by a `WeightOnlyLinear`.
 
     The layer's tensors (`weight`, `weight_scale`, [`weight_zero`], [`bias`]) are popped from `weights`, so the
     rest loads with `load_state_dict(strict=True)`.
@@ -79,10 +80,10 @@ def install_weight_only_linears(model: nn.Module, weights: dict[str, torch.Tenso
     """
     replaced = []
     for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear) or f"{name}.weight_scale" not in weights:
+        if not name or f"{name}.weight_scale" not in weights:
             continue
         keys = [s for s in ("weight", "weight_scale", "weight_zero", "bias") if f"{name}.{s}" in weights]
-        layer = WeightOnlyLinear({s: weights.pop(f"{name}.{s}") for s in keys}, cfg)
+        layer = WeightOnlyLinear({s: weights.pop(f"{name}.{s}") for s in keys}, cfg.for_module(name))
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, layer)
         replaced.append(name)

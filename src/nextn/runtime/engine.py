@@ -226,7 +226,8 @@ class Engine:
         with torch.device("meta"):
             model = MODEL_CLASSES[self.manifest.architecture](self.cfg, max_positions=1)
         if self.manifest.quant_config is not None:
-            install_weight_only_linears(model, weights, self.manifest.quant_config)
+            replaced = install_weight_only_linears(model, weights, self.manifest.quant_config)
+            model.lm_head_quantized = "lm_head" in replaced
         try:
             model.load_state_dict(weights, strict=True, assign=True)
         except RuntimeError as e:

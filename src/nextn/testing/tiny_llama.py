@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 
 
-def tiny_hf_llama(num_layers: int = 2, vocab_size: int = 300, seed: int = 0, lm_head_scale: float = 20.0):
-    """A `transformers` `LlamaForCausalLM` (hidden 64, FFN 96, 4 heads / 2 KV heads, 256 positions, untied), eval mode.
+def tiny_hf_llama(num_layers: int = 2, vocab_size: int = 300, seed: int = 0, lm_head_scale: float = 20.0,
+                  tied: bool = False):
+    """A `transformers` `LlamaForCausalLM` (hidden 64, FFN 96, 4 heads / 2 KV heads, 256 positions, untied unless
+    `tied`: then the lm_head is the embedding), eval mode.
 
     `lm_head_scale` multiplies the lm_head weights: peaked logits, so greedy near-ties (and tokens that flip on
     rounding) do not occur.
@@ -15,7 +17,7 @@ def tiny_hf_llama(num_layers: int = 2, vocab_size: int = 300, seed: int = 0, lm_
 
     cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=num_layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=False)
+                      tie_word_embeddings=tied)
     torch.manual_seed(seed)
     hf = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
