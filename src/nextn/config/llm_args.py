@@ -147,7 +147,7 @@ class KvCacheConfig(_Strict):
     tokens_per_block: int = Field(default=32, gt=0)  # tokens per KV block
     max_tokens: int | None = Field(default=None, gt=0)  # cache capacity in tokens; null: max_batch_size·max_seq_len
     free_gpu_memory_fraction: float = Field(default=0.9, gt=0, le=1)  # used on CUDA when max_tokens is null
-    enable_block_reuse: bool = True  # accepted; prefix reuse is not implemented yet and is reported
+    enable_block_reuse: bool = True  # prefix caching: full KV blocks reused across requests (runtime/prefix_cache.py)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
 

@@ -111,6 +111,8 @@ class DraftModelDrafter(LinearDrafter):
         num_draft_tokens: K (`max_draft_len`), ≥ 1.
     """
 
+    kv_in_cache = True  # its KV at p depends on tokens ≤ p only (look-ahead 0), in the target's block ids
+
     def __init__(self, draft_model: torch.nn.Module, num_draft_tokens: int) -> None:
         self.draft = draft_model
         self.num_draft_tokens = self.max_draft_depth = num_draft_tokens

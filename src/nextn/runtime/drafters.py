@@ -41,6 +41,11 @@ class Drafter(Protocol):
     max_draft_depth: int  # the most drafts one step can accept (K; a Medusa tree's depth)
     prefill_overlap: int  # rows a prefill chunk re-runs from the previous chunk's end (MTP Vanilla: K)
     uses_draft_head: bool  # drafts from the model's lm_head (MTP): the engine may give it a cheaper bf16 copy
+    # Prefix caching (runtime/prefix_cache.py): tokens after a position that its drafter KV there depends on (MTP
+    # Eagle 1, Vanilla K: part of a cached block's key), and whether it keeps KV that a step run without the drafter
+    # (speculation off) leaves unwritten (MTP, draft model: such blocks are not cached).
+    kv_lookahead: int
+    kv_in_cache: bool
 
     @property
     def decode_fn(self) -> Callable:
@@ -65,12 +70,22 @@ class Drafter(Protocol):
                      state: DrafterState) -> tuple[torch.Tensor, DrafterState]:
         """Drafts [B, K] after verifying [last, d1..dK]: rows are the K+1 verified positions, last_idx = num_emitted − 1."""
 
+    def load_prefix(self, state: DrafterState, slot: int, token_ids: list[int]) -> None:
+        """Before a prefill that starts after a prefix-cache hit: rebuild, in place, the per-request state of batch
+        slot `slot` that the reused tokens `token_ids` (positions 0..n−1) would have left (no-op when the drafter's
+        state lives in the KV cache or is rebuilt by the prefill)."""
+
 
 class LinearDrafter:
     """The protocol's defaults for drafters whose K drafts form one chain, verified by `verify_and_draft_step`."""
 
     prefill_overlap = 0
     uses_draft_head = False
+    kv_lookahead = 0
+    kv_in_cache = False
+
+    def load_prefix(self, state: DrafterState, slot: int, token_ids: list[int]) -> None:
+        return None
 
     @property
     def decode_fn(self) -> Callable:
@@ -91,6 +106,8 @@ class MtpEagleDrafter(LinearDrafter):
     """
 
     uses_draft_head = True
+    kv_lookahead = 1  # module 1's KV at p pairs embed(x_{p+1}) with h_p
+    kv_in_cache = True
 
     def __init__(self, num_draft_tokens: int) -> None:
         self.num_draft_tokens = self.max_draft_depth = num_draft_tokens
@@ -130,10 +147,12 @@ class MtpVanillaDrafter(LinearDrafter):
     """
 
     uses_draft_head = True
+    kv_in_cache = True
 
     def __init__(self, num_draft_tokens: int) -> None:
         self.num_draft_tokens = self.max_draft_depth = num_draft_tokens
         self.prefill_overlap = num_draft_tokens  # every module's KV near a chunk boundary from the true tokens
+        self.kv_lookahead = num_draft_tokens  # module k's KV at p depends on x_{p+k}
 
     def initial_state(self, batch: int, hidden_size: int, device: torch.device, dtype: torch.dtype) -> DrafterState:
         w = self.num_draft_tokens + 1

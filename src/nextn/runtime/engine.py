@@ -28,6 +28,7 @@ from nextn.runtime.kv_cache import BlockPool, allocate_kv_cache
 from nextn.runtime.model_runner import ModelRunner
 from nextn.runtime.ngram_drafter import NGramDrafter
 from nextn.runtime.overlap import InflightStep
+from nextn.runtime.prefix_cache import PrefixCache
 from nextn.runtime.engine_sizes import check_sizes_against_model, plan_kv_cache
 from nextn.runtime.fault_isolation import recover_from_failed_step
 from nextn.runtime.request import Request
@@ -121,12 +122,15 @@ def fast_bf16(device: torch.device) -> bool:
     return device.type == "cpu" and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def unsupported_options(args: LlmArgs, device: torch.device) -> list[str]:
-    """LLM arguments that cannot take effect in this release or on this device, one sentence each."""
-    notes = []
-    if args.kv_cache_config.enable_block_reuse:
-        notes.append("kv_cache_config.enable_block_reuse: prefix reuse is not implemented yet; blocks are not shared")
-    return notes
+def prefix_cache_for(args: LlmArgs, manifest: EngineManifest, spec: object, drafter: Drafter,
+                     kv_dtype: torch.dtype, block_size: int) -> PrefixCache | None:
+    """The prefix cache when `kv_cache_config.enable_block_reuse` is on (None otherwise): keys salted with what
+    changes KV content besides the tokens (checkpoint, KV dtype, drafter and K), and the drafter's look-ahead."""
+    if not args.kv_cache_config.enable_block_reuse:
+        return None
+    salt = "|".join([manifest.source.fingerprint, manifest.dtype, str(kv_dtype), type(drafter).__name__,
+                     str(drafter.num_draft_tokens), repr(spec)])
+    return PrefixCache(block_size, salt, drafter.kv_lookahead)
 
 
 class Engine:
@@ -160,13 +164,15 @@ class Engine:
         per_seq, num_blocks = plan.per_seq, plan.num_blocks  # num_blocks counts the null block
         kv = allocate_kv_cache(self.model.num_cache_layers, num_blocks, self.block_size, cfg.kv_cache_dim,
                                kv_dtype, self.device)
-        self.pool = BlockPool(num_blocks, self.block_size)
+        self.pool = BlockPool(num_blocks, self.block_size,
+                              prefix_cache_for(args, manifest, spec, self.drafter, kv_dtype, self.block_size))
         self.draft_len_policy = choose_draft_len_policy(spec, k)
         try:
             self.scheduler = Scheduler(self.pool, self.max_batch_size, args.max_num_tokens, k,
                                        enable_chunked_prefill=args.enable_chunked_prefill,
                                        prefill_overlap=self.drafter.prefill_overlap,
-                                       draft_len_policy=self.draft_len_policy)
+                                       draft_len_policy=self.draft_len_policy,
+                                       drafter_kv=self.drafter.kv_in_cache)
         except ValueError as e:
             raise LlmArgsError(str(e)) from e
         self.overlap = not args.disable_overlap_scheduler
@@ -190,9 +196,6 @@ class Engine:
         self._seed_rng = random.Random()  # seeds for requests that give none
         self.print_iter_log = args.print_iter_log
         self.iteration_log: list[dict] | None = None  # set to [] to record one dict per iteration
-        for note in unsupported_options(args, self.device):
-            # Defaults that are on (block reuse) are noted quietly; options a user set are warned about.
-            (logger.info if note.startswith("kv_cache_config.enable") else logger.warning)("%s", note)
         logger.info("loaded %s in %.2fs: %s, drafter %s (K=%d), %d KV blocks of %d tokens", engine_dir,
                     time.perf_counter() - t0, manifest.dtype, type(self.drafter).__name__, k, num_blocks, self.block_size)
 
@@ -304,6 +307,10 @@ class Engine:
             prev = None
             batch = self.scheduler.schedule()
         aborted, self.scheduler.aborted = self.scheduler.aborted, []
+        if batch is not None and batch.kind == "prefill":
+            for req, n in zip(batch.requests, batch.num_reused):
+                if n:  # a prefix-cache hit: the drafter's per-request state for the reused tokens (n-gram history)
+                    self.drafter.load_prefix(self.runner.state, req.batch_slot, req.all_token_ids[:n])
         launched = self.runner.launch(batch, prev) if batch is not None else None
         if prev is not None:
             updated += self._process(prev)
@@ -331,13 +338,19 @@ class Engine:
         for i, (req, emitted, drafts, accepted) in enumerate(zip(batch.requests, result.emitted, result.drafts,
                                                                  result.num_accepted)):
             req.num_inflight_tokens = 0
-            if req.finished or not emitted:  # finished before this step ran, or an earlier prefill chunk
+            if req.finished:  # finished (or cancelled) before this step ran
+                continue
+            if not emitted:  # an earlier prefill chunk
+                req.num_computed_tokens = batch.chunk_ends[i]
+                self.scheduler.cache_blocks(req)
                 continue
             if batch.kind == "decode":
                 req.record_step(stat_k, accepted)
                 num_draft, num_accepted = num_draft + stat_k, num_accepted + accepted
             req.append(emitted, self.max_seq_len)
             req.draft_tokens = drafts
+            req.num_computed_tokens = req.kv_len
+            self.scheduler.cache_blocks(req)
             updated.append(req)
         if batch.kind == "decode":
             self.draft_len_policy.observe(num_draft, num_accepted)
@@ -354,6 +367,9 @@ class Engine:
                 entry["draft_len"], entry["drafting"] = stat_k, batch.drafting
             else:
                 entry["num_prefill_tokens"] = sum(e - s for s, e in zip(batch.chunk_starts, batch.chunk_ends))
+                entry["num_reused_tokens"] = sum(batch.num_reused)
+            if self.pool.cache is not None:  # cumulative, over every admission so far (vLLM's hit rate)
+                entry["prefix_cache_hit_rate"] = round(self.pool.cache.stats.hit_rate, 4)
             if self.iteration_log is not None:
                 self.iteration_log.append(entry)
             if self.print_iter_log:

@@ -79,7 +79,8 @@ class NGramDrafter(LinearDrafter):
     State: `history` [max_batch_size, S] int64 per batch slot, S = max_seq_len + 2K + 2 (a step in flight may
     write K + 1 tokens past max_seq_len before the host sees the request finish; writes past S clamp to S − 1,
     which is never read). It is rebuilt by every prefill (after a preemption too: prompt + output are prefilled
-    again), so a reused slot never reads the previous request's tokens.
+    again; the tokens a prefix-cache hit skips are written by `load_prefix`), so a reused slot never reads the
+    previous request's tokens.
 
     While the draft-length policy turns speculation off the step runs without a drafter, so the positions decoded
     then are not written; drafting from stale values there can only lower acceptance (verification keeps the
@@ -110,6 +111,12 @@ class NGramDrafter(LinearDrafter):
 
     def initial_state(self, batch: int, hidden_size: int, device: torch.device, dtype: torch.dtype) -> DrafterState:
         return (torch.zeros(batch, self.history_len, dtype=torch.int64, device=device),)
+
+    def load_prefix(self, state: DrafterState, slot: int, token_ids: list[int]) -> None:
+        """The reused tokens of a prefix-cache hit into the slot's history (the prefill writes the rest)."""
+        (history,) = state
+        n = min(len(token_ids), self.history_len)
+        history[slot, :n] = torch.tensor(token_ids[:n], dtype=history.dtype, device=history.device)
 
     def _write(self, history: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """history with tokens [B, T] written at positions [B, T] (clamped into the buffer)."""

@@ -85,10 +85,16 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """The result of one prompt: `.outputs[0]` holds the completion."""
+    """The result of one prompt: `.outputs[0]` holds the completion.
+
+    Attributes:
+        num_cached_tokens: prompt tokens whose KV was reused from the prefix cache when the request was first
+            admitted (vLLM's name; a multiple of tokens_per_block; 0 with `enable_block_reuse: false`).
+    """
 
     request_id: int
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
+    num_cached_tokens: int = 0

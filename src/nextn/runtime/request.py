@@ -37,8 +37,13 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     draft_tokens: list[int] = field(default_factory=list)
     batch_slot: int = -1  # row in the drafter-state buffers while running
-    prefill_len: int = 0  # tokens this admission prefills (0 while waiting)
-    num_prefilled_tokens: int = 0  # of them, scheduled so far (chunked prefill)
+    prefill_len: int = 0  # tokens this admission prefills (0 while waiting), reused prefix included
+    num_prefilled_tokens: int = 0  # of them, scheduled so far (chunked prefill) or reused from the prefix cache
+    num_computed_tokens: int = 0  # leading positions whose KV (target and drafter) processed steps have written
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache keys of its leading full blocks
+    num_committed_blocks: int = 0  # leading blocks of block_table already handed to the prefix cache (or hits)
+    drafter_gap: int | None = None  # kv_len at this admission's first step run without its drafter (KV left unwritten)
+    num_cached_tokens: int = -1  # prompt tokens reused from the prefix cache at its first admission (-1: not yet)
     num_inflight_tokens: int = 0  # most tokens a launched, not yet processed step may emit (overlap scheduler)
     prefill_done: bool = False  # this admission's last prefill chunk has been processed (its first token appended)
     has_drafts: bool = True  # its last launched step drafted (False after a step with speculation off)
@@ -85,6 +90,8 @@ class Request:
     def reset_prefill(self) -> None:
         """Back to waiting (preemption): the next admission prefills prompt + output again."""
         self.prefill_len = self.num_prefilled_tokens = self.num_inflight_tokens = 0
+        self.num_computed_tokens = self.num_committed_blocks = 0  # (block_hashes stay: the tokens only grow)
+        self.drafter_gap = None
         self.prefill_done = False
         self.draft_tokens = []
         self.has_drafts = True  # the prefill drafts
@@ -130,4 +137,5 @@ class Request:
             steps_per_draft_len=dict(self.steps_per_draft_len),
             arrival_time=self.arrival_time, first_token_time=self.first_token_time, finished_time=self.finished_time,
         )
-        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [completion], self.finished)
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [completion], self.finished,
+                             num_cached_tokens=max(0, self.num_cached_tokens))

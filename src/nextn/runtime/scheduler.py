@@ -16,6 +16,14 @@ step needs room for the K+1 verified tokens and the drafter's K−1 look-ahead p
 scheduler — the tokens the step still in flight may emit (`Request.num_inflight_tokens`). When blocks run out the
 most recently admitted request is preempted (blocks freed, re-prefilled later over prompt + output: nothing is
 lost); with a step in flight the scheduler first asks for a sync (`NeedsSync`) so that it decides on exact state.
+
+Prefix caching (runtime/prefix_cache.py, when the pool has a cache): admission looks the request's full blocks up
+by their keys and shares the longest cached run; its first chunk starts after it, so only the rest is computed
+(and counted against the token budget). The reuse stops short of the prompt's end: at least the last
+`1 + prefill_overlap` positions are computed (the first token's logits; MTP Vanilla's window of K+1 target hidden
+states). After each processed step `cache_blocks` registers the request's blocks that have become final; a shared
+block is never written again: every later write of a request lands at or past its computed length minus the
+drafter's rewrite lag, and reuse starts no lower than that.
 """
 
 from __future__ import annotations
@@ -42,6 +50,9 @@ class ScheduledBatch:
         requests: the batch, in row order.
         chunk_starts, chunk_ends: prefill only: each request runs its tokens [start, end); the chunk with
             end == `Request.prefill_len` is its last and emits the first token.
+        num_reused: prefill only: tokens each row reuses from the prefix cache when this chunk is the first of its
+            admission (its start), else 0; the drafter's per-request state is rebuilt for them
+            (`Drafter.load_prefix`).
         draft_len: decode only: drafts each request verifies this step (the draft-length policy's choice, ≤ K).
         drafting: decode only: whether the step drafts for the next one. False when speculation is off (draft_len
             0): the step is plain decoding and costs no more. When speculation comes back on, a request whose last
@@ -52,6 +63,7 @@ class ScheduledBatch:
     requests: tuple[Request, ...]
     chunk_starts: tuple[int, ...] = ()
     chunk_ends: tuple[int, ...] = ()
+    num_reused: tuple[int, ...] = ()
     draft_len: int = 0
     drafting: bool = True
 
@@ -59,6 +71,8 @@ class ScheduledBatch:
         if self.kind == "prefill" and not self.chunk_ends:  # whole prompts (tests build batches by hand)
             object.__setattr__(self, "chunk_starts", (0,) * len(self.requests))
             object.__setattr__(self, "chunk_ends", tuple(r.num_tokens for r in self.requests))
+        if self.kind == "prefill" and not self.num_reused:
+            object.__setattr__(self, "num_reused", (0,) * len(self.requests))
 
     def is_last_chunk(self, row: int) -> bool:
         return self.chunk_ends[row] >= self.requests[row].prefill_len
@@ -75,13 +89,15 @@ class Scheduler:
         prefill_overlap: rows a chunk re-runs from the previous chunk's end (MTP Vanilla: K, so that every
             module's KV near the boundary is computed from the true next tokens).
         draft_len_policy: the per-batch draft length (default: always K).
+        drafter_kv: the drafter keeps KV that steps with speculation off leave unwritten (MTP, draft model): blocks
+            past such a step are not registered in the prefix cache.
     Raises:
         ValueError: chunked prefill with a budget that cannot make progress past the overlap.
     """
 
     def __init__(self, pool: BlockPool, max_batch_size: int, max_num_tokens: int, num_draft_tokens: int,
                  enable_chunked_prefill: bool = False, prefill_overlap: int = 0,
-                 draft_len_policy: DraftLenPolicy | None = None) -> None:
+                 draft_len_policy: DraftLenPolicy | None = None, drafter_kv: bool = False) -> None:
         if enable_chunked_prefill and max_num_tokens <= prefill_overlap:
             raise ValueError(f"max_num_tokens={max_num_tokens} must exceed the {prefill_overlap} rows a prefill "
                              "chunk re-runs for MTP Vanilla")
@@ -92,6 +108,7 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.prefill_overlap = prefill_overlap
         self.draft_len_policy = draft_len_policy or StaticDraftLen(num_draft_tokens)
+        self.drafter_kv = drafter_kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._free_slots = list(range(max_batch_size - 1, -1, -1))
@@ -125,7 +142,7 @@ class Scheduler:
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
         budget = self.max_num_tokens
-        chunks: list[tuple[Request, int, int]] = []
+        chunks: list[tuple[Request, int, int, int]] = []  # (request, start, end, reused)
         for req in self.running:  # the next chunks of prompts being prefilled, oldest first
             if req.is_decoding or budget <= 0:
                 continue
@@ -133,14 +150,16 @@ class Scheduler:
             end = min(req.prefill_len, start + budget)
             if end <= req.num_prefilled_tokens:
                 break
-            chunks.append((req, start, end))
+            chunks.append((req, start, end, 0))
             budget -= end - start
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             req = self.waiting[0]
             n = req.num_tokens
-            if chunks and not self.enable_chunked_prefill and n > budget:
+            hits = self._prefix_hits(req)
+            reused = len(hits) * self.pool.block_size
+            if chunks and not self.enable_chunked_prefill and n - reused > budget:
                 break
-            if not self.pool.grow(req.block_table, n + self.lookahead):
+            if not self.pool.admit(req.block_table, hits, n + self.lookahead):
                 if not self.running:  # alone and still too big: it can never run
                     self._abort(self.waiting.popleft())
                     continue
@@ -148,17 +167,60 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             req.batch_slot = self._free_slots.pop()
-            req.prefill_len, req.num_prefilled_tokens = n, 0
+            req.prefill_len, req.num_prefilled_tokens = n, reused
+            req.num_computed_tokens, req.num_committed_blocks = reused, len(hits)
+            if self.pool.cache is not None:
+                self.pool.cache.record_query(n, reused)
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = reused
             self.running.append(req)
-            end = min(n, budget) if self.enable_chunked_prefill else n
-            chunks.append((req, 0, end))
-            budget -= end
+            end = min(n, reused + budget) if self.enable_chunked_prefill else n
+            chunks.append((req, reused, end, reused))
+            budget -= end - reused
         if not chunks:
             return None
-        for req, _, end in chunks:
+        for req, _, end, _ in chunks:
             req.num_prefilled_tokens = end
-        reqs, starts, ends = zip(*chunks)
-        return ScheduledBatch("prefill", reqs, starts, ends)
+        reqs, starts, ends, num_reused = zip(*chunks)
+        return ScheduledBatch("prefill", reqs, starts, ends, num_reused)
+
+    def _prefix_hits(self, req: Request) -> list[int]:
+        """The cached blocks of the longest prefix of `req`'s tokens (none without a prefix cache).
+
+        At most the blocks that leave the last `1 + prefill_overlap` positions to compute: the first token needs
+        the last position's logits, and MTP Vanilla's pools need the target's hidden states of the last K+1.
+        """
+        cache = self.pool.cache
+        if cache is None:
+            return []
+        n = req.num_tokens
+        most = min((n - 1 - self.prefill_overlap) // self.pool.block_size, cache.num_keyed_blocks(n))
+        if most <= 0:
+            return []
+        return cache.lookup(cache.extend_hashes(req.block_hashes, req.all_token_ids, most)[:most])
+
+    def cache_blocks(self, req: Request) -> int:
+        """Register `req`'s blocks whose every KV row is final in the prefix cache (after a processed step).
+
+        Final: below its computed length minus the drafter's rewrite lag (`prefill_overlap`: MTP Vanilla re-runs
+        its modules over the last K positions), below the first position decoded without the drafter (its KV
+        there was never written), and with the look-ahead tokens of the block's key known.
+
+        Returns:
+            Blocks registered now.
+        """
+        cache = self.pool.cache
+        if cache is None or not req.block_table:
+            return 0
+        final = req.num_computed_tokens if req.drafter_gap is None else min(req.num_computed_tokens, req.drafter_gap)
+        n = min((final - self.prefill_overlap) // self.pool.block_size, cache.num_keyed_blocks(req.num_tokens),
+                len(req.block_table))
+        if n <= req.num_committed_blocks:
+            return 0
+        hashes = cache.extend_hashes(req.block_hashes, req.all_token_ids, n)
+        done = sum(cache.register(req.block_table[i], hashes[i]) for i in range(req.num_committed_blocks, n))
+        req.num_committed_blocks = n
+        return done
 
     def _schedule_decode(self, in_flight: bool) -> ScheduledBatch | None:
         for req in [r for r in self.running if r.is_decoding and not r.finishes_in_flight]:
@@ -180,6 +242,8 @@ class Scheduler:
             k = 0  # speculation back on: draft first (drafts are not kept while it is off)
         for req in reqs:
             req.has_drafts = drafting
+            if not drafting and self.drafter_kv and req.drafter_gap is None:
+                req.drafter_gap = req.kv_len  # (host kv_len: with a step in flight the gap starts later)
         return ScheduledBatch("decode", reqs, draft_len=k, drafting=drafting)
 
     def cancel(self, request_id: int) -> Request | None:

@@ -79,6 +79,11 @@ class MedusaDrafter:
 
     prefill_overlap = 0
     uses_draft_head = False  # its heads have their own vocabulary projection
+    kv_lookahead = 0  # no KV of its own: a cached block is the target's
+    kv_in_cache = False
+
+    def load_prefix(self, state: DrafterState, slot: int, token_ids: list[int]) -> None:
+        return None
 
     @property
     def decode_fn(self):
