@@ -3,17 +3,21 @@
 Names follow vLLM's (`spec_decode_num_drafts`, `..._accepted_tokens_per_pos`, `time_to_first_token_seconds`) under
 the `nextn_` prefix; counters get prometheus-client's `_total` suffix. The speculative-decoding counters sum the
 per-request statistics of `CompletionOutput` (REFERENCE.md §7): DAR = accepted tokens / draft tokens, and
-AL = (generation tokens) / (drafts + finished requests) when every request speculates.
+AL = (generation tokens) / (drafts + finished requests) when every request speculates. The prefix-cache counters
+(vLLM's `prefix_cache_queries` / `prefix_cache_hits`, in tokens; hit rate = hits / queries) are read from the
+engine's cumulative statistics at scrape time, so they count every admission (a preempted request's too).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, disable_created_metrics, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from nextn.runtime.outputs import CompletionOutput
+from nextn.runtime.prefix_cache import PrefixCacheStats
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)  # seconds
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)  # seconds
@@ -23,13 +27,16 @@ class ServerMetrics:
     """The server's counters, histograms and gauges.
 
     Args:
-        free_blocks: returns the KV pool's free block count now (read at scrape time).
+        free_blocks: returns the KV pool's free block count now (read at scrape time; unreferenced cached blocks
+            count as free: an allocation may evict them).
         total_blocks: usable KV blocks (the null block excluded): free_blocks() equals it when no request runs.
+        prefix_cache_stats: returns the engine's prefix-cache counters now (None: reuse off, counters stay 0).
     """
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, free_blocks: Callable[[], int], total_blocks: int) -> None:
+    def __init__(self, free_blocks: Callable[[], int], total_blocks: int,
+                 prefix_cache_stats: Callable[[], PrefixCacheStats | None] | None = None) -> None:
         disable_created_metrics()  # no `_created` series (process-wide; as vLLM's server does)
         self.registry = r = CollectorRegistry()
         self.http_requests = Counter("nextn_http_requests", "HTTP requests by endpoint and status code",
@@ -53,6 +60,7 @@ class ServerMetrics:
                              registry=r)
         Gauge("nextn_kv_cache_free_blocks", "free KV cache blocks", registry=r).set_function(free_blocks)
         Gauge("nextn_kv_cache_total_blocks", "usable KV cache blocks", registry=r).set(total_blocks)
+        r.register(_PrefixCacheCollector(prefix_cache_stats or (lambda: None)))
 
     def record(self, completion: CompletionOutput, num_prompt_tokens: int, finish_reason: str) -> None:
         """Count one finished request (its statistics from the engine's final output)."""
@@ -73,6 +81,20 @@ class ServerMetrics:
     def exposition(self) -> bytes:
         """The text exposition format of every metric."""
         return generate_latest(self.registry)
+
+
+class _PrefixCacheCollector:
+    """`nextn_prefix_cache_queries_total` / `nextn_prefix_cache_hits_total` (tokens) from the engine at scrape time."""
+
+    def __init__(self, stats: Callable[[], PrefixCacheStats | None]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        s = self.stats() or PrefixCacheStats()
+        yield CounterMetricFamily("nextn_prefix_cache_queries", "prompt tokens looked up in the prefix cache at "
+                                  "admission (a preempted request's re-admission counts again)", value=s.queries)
+        yield CounterMetricFamily("nextn_prefix_cache_hits", "of them, tokens whose KV was reused (hit rate = "
+                                  "hits / queries)", value=s.hits)
 
 
 class CountRequests:

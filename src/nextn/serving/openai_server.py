@@ -85,7 +85,8 @@ class OpenAIServer:
         self.vocab_size = llm.engine.cfg.vocab_size
         self.max_prompt_chars = PROMPT_CHARS_PER_TOKEN * self.max_seq_len
         pool = llm.engine.pool
-        self.metrics = ServerMetrics(lambda: pool.num_free, pool.num_blocks - 1)
+        self.metrics = ServerMetrics(lambda: pool.num_free, pool.num_blocks - 1,
+                                     lambda: pool.cache.stats if pool.cache is not None else None)
         self.chat_template: str | None = None
         if self.tokenizer is not None and not getattr(self.tokenizer.tok, "chat_template", None):
             self.chat_template = FALLBACK_CHAT_TEMPLATE
