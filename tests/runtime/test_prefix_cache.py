@@ -268,3 +268,20 @@ def test_block_reuse_is_on_by_default_and_can_be_turned_off(eagle):
     assert llm.engine.pool.cache is None
     outs = llm.generate([SYSTEM, SYSTEM + [7]], GREEDY)
     assert [o.num_cached_tokens for o in outs] == [0, 0]
+
+
+def test_nextn_bench_reports_the_hit_rate(llama):
+    """run_benchmark starts the timed run cold (the warm-up's prompts do not hit) and reports the reused share of
+    the prompt tokens; requests one at a time sharing a 2-block system prompt: every one after the first hits."""
+    from nextn.bench.dataset import DatasetEntry
+    from nextn.bench.report import format_report, report_dict
+    from nextn.bench.runner import run_benchmark
+
+    llm = LLM(llama[0], speculative_config=None, kv_cache_config={"tokens_per_block": BLOCK})
+    entries = [DatasetEntry(i, 4, input_ids=SYSTEM + [200 + i]) for i in range(4)]
+    run = run_benchmark(llm, entries, concurrency=1, warmup=1, progress=False)
+    assert run.prefix_cache == (4 * (len(SYSTEM) + 1), 3 * 2 * BLOCK)
+    assert f"Prefix Cache Hit Rate (reused / prompt tokens): {48 / 88:.4f}" in format_report(run)
+    assert report_dict(run)["request_info"]["prefix_cache"]["hit_rate"] == 48 / 88
+    off = LLM(llama[0], speculative_config=None, kv_cache_config={"enable_block_reuse": False})
+    assert run_benchmark(off, entries, warmup=0, progress=False).prefix_cache is None

@@ -63,6 +63,22 @@ def test_refcounts_lru_and_eviction_under_pressure():
     assert not cache.is_cached(blocks[2])
 
 
+def test_reset_forgets_every_key():
+    pool = _pool(num_blocks=5)
+    a: list[int] = []
+    b: list[int] = []
+    pool.grow(a, 2 * B)
+    pool.grow(b, B)
+    keys = pool.cache.extend_hashes([], list(range(3 * B)), 3)
+    for block, key in zip(a + b, keys):
+        pool.cache.register(block, key)
+    pool.free(a)
+    pool.reset_prefix_cache()
+    assert pool.cache.lookup(keys) == [] and pool.cache.num_evictable == 0 and pool.num_free == 3
+    pool.free(b)  # a referenced block lost its key: back to the free list when released
+    assert pool.num_free == 4 and pool.cache.cached_blocks == {}
+
+
 def test_admit_that_does_not_fit_changes_nothing():
     pool = _pool(num_blocks=4)  # 3 usable
     cache = pool.cache

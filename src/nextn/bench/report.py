@@ -193,7 +193,9 @@ def format_report(run: BenchRun, stats: BenchStatistics | None = None) -> str:
     lines += _section("REQUEST DETAILS") + _fields([
         ("Number of requests", s.num_requests), ("Number of concurrent requests", s.avg_concurrency),
         ("Average Input Length (tokens)", s.input_len.average), ("Average Output Length (tokens)", s.output_len.average)]
-        + ([("Failed requests", len(run.errors))] if run.errors else []))
+        + ([("Failed requests", len(run.errors))] if run.errors else [])
+        + ([("Prefix Cache Hit Rate (reused / prompt tokens)", _hit_rate(run.prefix_cache))]
+           if run.prefix_cache is not None else [("Prefix Cache", "off (enable_block_reuse: false)")]))
     lines += _section("WORLD + RUNTIME INFORMATION") + _fields([
         ("TP Size", w.get("tp_size")), ("PP Size", w.get("pp_size")), ("EP Size", w.get("ep_size")),
         ("Max Runtime Batch Size", w.get("max_batch_size")), ("Max Runtime Tokens", w.get("max_num_tokens")),
@@ -233,6 +235,11 @@ def format_report(run: BenchRun, stats: BenchStatistics | None = None) -> str:
     return "\n".join(lines + [RULE])
 
 
+def _hit_rate(prefix_cache: tuple[int, int]) -> float:
+    queries, hits = prefix_cache
+    return hits / queries if queries else 0.0
+
+
 def report_dict(run: BenchRun, stats: BenchStatistics | None = None) -> dict:
     """The `--report_json` object with trtllm-bench's keys (REFERENCE.md §7)."""
     s = stats or compute_statistics(run)
@@ -242,7 +249,10 @@ def report_dict(run: BenchRun, stats: BenchStatistics | None = None) -> dict:
         "world_info": dict(run.world, concurrency=run.concurrency, mode=run.mode),
         "request_info": {"num_requests": s.num_requests, "avg_num_concurrent_requests": s.avg_concurrency,
                          "avg_input_length": s.input_len.average, "avg_output_length": s.output_len.average,
-                         "num_failed_requests": len(run.errors)},
+                         "num_failed_requests": len(run.errors),
+                         "prefix_cache": None if run.prefix_cache is None else {
+                             "queried_tokens": run.prefix_cache[0], "reused_tokens": run.prefix_cache[1],
+                             "hit_rate": _hit_rate(run.prefix_cache)}},
         "performance": {
             "total_latency_ms": s.total_latency_ms, "avg_request_latency_ms": s.avg_request_latency_ms,
             "request_throughput_req_s": s.request_throughput_req_s,

@@ -36,6 +36,8 @@ class BenchRun:
         engine: name → value for `= PYTORCH BACKEND` / JSON `engine`.
         world: name → value for `= WORLD + RUNTIME INFORMATION` / JSON `world_info`.
         iteration_log: one dict per engine iteration of the timed run (empty unless asked for).
+        prefix_cache: (queried, reused) prompt tokens of the timed run's admissions (None: block reuse off). The
+            cache is emptied after the warm-up, so reuse comes from prefixes the measured requests share.
     """
 
     mode: str
@@ -53,6 +55,7 @@ class BenchRun:
     world: dict = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     iteration_log: list[dict] = field(default_factory=list)
+    prefix_cache: tuple[int, int] | None = None
 
     @property
     def total_latency_s(self) -> float:
@@ -170,11 +173,15 @@ def run_benchmark(llm, entries: list[DatasetEntry], *, mode: str = "throughput",
         idx = [i % len(entries) for i in range(warmup)]
         _drive(llm, [prompts[i] for i in idx], [params(entries[i]) for i in idx], concurrency, None)
     engine.iteration_log = [] if record_iterations else None
+    llm.reset_prefix_cache()  # the warm-up's prompts must not hit
+    cache = engine.pool.cache
+    before = (cache.stats.queries, cache.stats.hits) if cache is not None else (0, 0)
     bar = progress_bar(enabled=progress, total=len(entries), desc=desc or mode, unit="req")
     start = time.perf_counter()
     results = _drive(llm, prompts, [params(e) for e in entries], concurrency, bar)
     end = time.perf_counter()
     bar.close()
+    reuse = None if cache is None else (cache.stats.queries - before[0], cache.stats.hits - before[1])
     log, engine.iteration_log = engine.iteration_log or [], None
     ok = [(len(p), r) for p, r in zip(prompts, results) if r.finish_reason != "error"]
     errors = [f"request {e.task_id}: {r.error}" for e, r in zip(entries, results) if r.finish_reason == "error"]
@@ -182,4 +189,4 @@ def run_benchmark(llm, entries: list[DatasetEntry], *, mode: str = "throughput",
     return BenchRun(mode=mode, decoding_mode=decoding_mode, max_draft_len=k, input_lens=[n for n, _ in ok],
                     outputs=[r for _, r in ok], start_time=start, end_time=end, concurrency=concurrency,
                     streaming=streaming or mode == "latency", num_draft_positions=depth, dataset_path=dataset_path,
-                    engine=info, world=world, errors=errors, iteration_log=log)
+                    engine=info, world=world, errors=errors, iteration_log=log, prefix_cache=reuse)

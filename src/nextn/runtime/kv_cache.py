@@ -97,6 +97,11 @@ class BlockPool:
             table.append(block)
         return self.grow(table, num_tokens)
 
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached block's key (a benchmark's cold start); no-op without a prefix cache."""
+        if self.cache is not None:
+            self._free.extend(self.cache.clear())
+
     def free(self, table: list[int]) -> None:
         """Drop `table`'s references (and clear it). A block left unreferenced goes to the LRU when it holds a key
         (tail blocks first, so that a prefix outlives its continuations), else to the free list."""

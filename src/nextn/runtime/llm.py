@@ -118,6 +118,15 @@ class LLM:
         req = self.engine.abort_request(request_id)
         return None if req is None else req.to_output()
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached KV prefix (vLLM's name): later requests start cold. Blocks in use are unaffected.
+
+        Raises:
+            RuntimeError: the background engine loop owns the engine (call shutdown() first).
+        """
+        self._no_loop("reset_prefix_cache")
+        self.engine.pool.reset_prefix_cache()
+
     def _no_loop(self, what: str) -> None:
         if self._loop is not None:
             raise RuntimeError(f"LLM.{what}: the background engine loop started by generate_async owns the engine; "

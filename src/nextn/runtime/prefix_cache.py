@@ -178,6 +178,15 @@ class PrefixCache:
         self.stats.evicted_blocks += 1
         return block
 
+    def clear(self) -> list[int]:
+        """Forget every key (vLLM's `reset_prefix_cache`); returns the unreferenced blocks, now plain free blocks.
+        Referenced blocks stay with their requests and go to the free list when released."""
+        parked = list(self._lru)
+        self._lru.clear()
+        self._block_of.clear()
+        self._hash_of.clear()
+        return parked
+
     def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admission's lookup: `num_tokens` queried, `num_hit_tokens` reused."""
         self.stats.queries += num_tokens
