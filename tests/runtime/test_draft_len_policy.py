@@ -174,3 +174,42 @@ def test_speculation_off_runs_no_drafter_and_comes_back(eagle, plain, overlap):
     assert decode[0]["num_requests"] == len(PROMPTS) and decode[0]["draft_len"] == 0
     assert decode[-1]["num_requests"] == 1 and decode[-1]["draft_len"] == 3
     assert outs[-1].outputs[0].num_accepted_draft_tokens > 0  # the drafts came back and were accepted
+
+
+def test_adaptive_draft_len_follows_acceptance_and_measured_cost():
+    from nextn.runtime.draft_len_policy import AdaptiveDraftLen, acceptance_from_rate, expected_tokens
+
+    assert expected_tokens(0.8, 3) == pytest.approx(1 + 0.8 + 0.64 + 0.512)
+    for alpha in (0.1, 0.5, 0.9):  # the rate → α inversion round-trips
+        rate = (expected_tokens(alpha, 4) - 1) / 4
+        assert acceptance_from_rate(rate, 4) == pytest.approx(alpha, abs=1e-6)
+    p = AdaptiveDraftLen(StaticDraftLen(4), probe_every=1000)
+    assert p.draft_len(1) == 4  # nothing observed yet: try the full length
+    for _ in range(20):  # plain steps of 10 ms, speculating steps of 12 ms at k = 4, drafts almost always accepted
+        p.observe(0, 0, 0, 1, 0.010)
+        p.observe(4, 4, 4, 1, 0.012)
+    assert p.alpha > 0.95 and p._cost[1] == pytest.approx(0.05, rel=0.05) and p.draft_len(1) == 4
+    for _ in range(40):  # acceptance drops to 1 in 8 drafts at k = 4 (α ≈ 0.34): shorter drafts pay more
+        p.observe(8, 1, 4, 1, 0.012)
+    assert p.alpha == pytest.approx(0.34, abs=0.01) and p.draft_len(1) == 2
+    for _ in range(40):  # then to nothing: E(k) / (1 + c·k) < 1 for every k > 0, plain decoding
+        p.observe(8, 0, 4, 1, 0.012)
+    assert p.draft_len(1) == 0
+    q = AdaptiveDraftLen(StaticDraftLen(4), probe_every=1000)
+    for _ in range(20):  # α ≈ 0.7, but each draft costs 80 % of a step (a compute-bound target)
+        q.observe(0, 0, 0, 8, 0.100)
+        q.observe(4 * 8, round(8 * 4 * ((expected_tokens(0.7, 4) - 1) / 4)), 4, 8, 0.100 * (1 + 0.8 * 4))
+    assert q.draft_len(8) == 0 and q.draft_len(1) > 0  # batch 8 measured as not paying; batch 1 not yet measured
+    r = AdaptiveDraftLen(StaticDraftLen(4), probe_every=3)
+    r.observe(8, 0, 4, 1, 0.0)  # nothing accepted: off ...
+    assert [r.draft_len(1) for _ in range(6)] == [0, 0, 4, 0, 0, 4]  # ... with a speculating probe every 3 steps
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_adaptive_draft_len_is_lossless(eagle, plain, overlap):
+    spec = {"decoding_type": "MTP", "num_nextn_predict_layers": 3, "adaptive_draft_len": True}
+    llm = LLM(eagle, speculative_config=spec, disable_overlap_scheduler=not overlap)
+    llm.engine.iteration_log = []
+    assert [o.outputs[0].token_ids for o in staggered(llm)] == plain
+    assert llm.engine.draft_len_policy.alpha is not None  # it observed the speculating steps
+    assert {e["draft_len"] for e in llm.engine.iteration_log if e["kind"] == "decode"} - {0, 1, 2, 3} == set()

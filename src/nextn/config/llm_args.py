@@ -83,6 +83,8 @@ class DecodingBaseConfig(_Strict):
     max_concurrency: int | None = Field(default=None, gt=0)  # more requests in a batch: speculation off
     acceptance_rate_window_size: int | None = Field(default=None, ge=0)  # N speculation-enabled iterations ...
     acceptance_rate_threshold: float | None = Field(default=None, ge=0.0, le=1.0)  # ... below this DAR: off for good
+    # nextn's own: each step's draft length from recent acceptance and measured step times (0 when none pays)
+    adaptive_draft_len: bool = False
 
 
 class MTPDecodingConfig(DecodingBaseConfig):

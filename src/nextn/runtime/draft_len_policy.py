@@ -10,6 +10,9 @@ TensorRT-LLM's speculative-config fields (`DecodingBaseConfig`):
 - `acceptance_rate_window_size` N and `acceptance_rate_threshold` t: once the rolling draft acceptance rate
   (accepted drafts / drafts) over the last N speculation-enabled iterations drops below t, speculation is off for
   good.
+- `adaptive_draft_len: true` (nextn's own): each step verifies the draft length k ≤ the schedule's that maximises
+  expected tokens per second, E(k) / t(k), from the batch's recent acceptance and the step times measured on this
+  machine (`AdaptiveDraftLen`); k = 0 (plain decoding) when no k pays.
 
 A step with draft length 0 < k < K runs the same verify-and-draft step with k draft columns ([last, d1..dk]); the
 drafter still drafts K tokens (its KV and pools stay exactly as after a K-draft step, so raising k again later
@@ -33,8 +36,10 @@ class DraftLenPolicy(Protocol):
     def draft_len(self, batch_size: int) -> int:
         """Drafts each request verifies in a decode step of `batch_size` requests, in [0, K]."""
 
-    def observe(self, num_draft_tokens: int, num_accepted_draft_tokens: int) -> None:
-        """One processed decode iteration's totals over its batch (feedback for acceptance-based policies)."""
+    def observe(self, num_draft_tokens: int, num_accepted_draft_tokens: int, draft_len: int = 0,
+                batch_size: int = 0, seconds: float = 0.0) -> None:
+        """One processed decode iteration's totals over its batch (feedback for acceptance-based policies): drafts
+        verified and accepted, the step's draft length and batch size, and its wall time in seconds (0: unknown)."""
 
 
 class StaticDraftLen:
@@ -46,7 +51,8 @@ class StaticDraftLen:
     def draft_len(self, batch_size: int) -> int:
         return self.max_draft_len
 
-    def observe(self, num_draft_tokens: int, num_accepted_draft_tokens: int) -> None:
+    def observe(self, num_draft_tokens: int, num_accepted_draft_tokens: int, draft_len: int = 0,
+                batch_size: int = 0, seconds: float = 0.0) -> None:
         pass
 
 
@@ -65,7 +71,8 @@ class BatchSizeDraftLen:
             return self.max_draft_len
         return next((k for limit, k in self.schedule if batch_size <= limit), 0)
 
-    def observe(self, num_draft_tokens: int, num_accepted_draft_tokens: int) -> None:
+    def observe(self, num_draft_tokens: int, num_accepted_draft_tokens: int, draft_len: int = 0,
+                batch_size: int = 0, seconds: float = 0.0) -> None:
         pass
 
 
@@ -82,14 +89,103 @@ class AcceptanceGate:
     def draft_len(self, batch_size: int) -> int:
         return 0 if self.disabled else self.inner.draft_len(batch_size)
 
-    def observe(self, num_draft_tokens: int, num_accepted_draft_tokens: int) -> None:
+    def observe(self, num_draft_tokens: int, num_accepted_draft_tokens: int, draft_len: int = 0,
+                batch_size: int = 0, seconds: float = 0.0) -> None:
         if self.disabled or num_draft_tokens == 0:
             return
         self._window.append((num_draft_tokens, num_accepted_draft_tokens))
         if len(self._window) == self._window.maxlen:
             drafts = sum(d for d, _ in self._window)
             self.disabled = sum(a for _, a in self._window) / drafts < self.threshold
-        self.inner.observe(num_draft_tokens, num_accepted_draft_tokens)
+        self.inner.observe(num_draft_tokens, num_accepted_draft_tokens, draft_len, batch_size, seconds)
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens one verify step emits per request with k drafts when each draft is accepted with probability α
+    independently of the others (Leviathan et al. 2023, eq. 1): (1 − α^(k+1)) / (1 − α)."""
+    return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def acceptance_from_rate(rate: float, k: int) -> float:
+    """The per-draft acceptance probability α whose expected accepted share E[accepted] / k at draft length k is
+    `rate` (the inverse of α(1 − α^k) / ((1 − α) k), monotone in α; bisection)."""
+    if k <= 0 or rate <= 0.0:
+        return 0.0
+    if rate >= 1.0:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if (expected_tokens(mid, k) - 1.0) / k < rate:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+class AdaptiveDraftLen:
+    """Wraps a policy; picks each step's draft length k in [0, the inner policy's] to maximise E(k) / t(k).
+
+    E(k) = `expected_tokens(α, k)` with α the batch's recent per-draft acceptance (an EMA of
+    `acceptance_from_rate` over speculating steps); t(k) = t(0) · (1 + c · k), the step time, with c the relative
+    cost of one more draft (drafting it plus verifying it) fitted from measured step times of this batch-size
+    bucket (powers of two): c = EMA over speculating steps of (t(k) / t(0) − 1) / k, once a plain step (k = 0) of
+    the bucket has been timed; `prior_cost` until then. So a drafter whose drafts are often rejected, or whose
+    verify rows cost nearly a full step (a compute-bound CPU target), turns itself off; one that pays runs at the
+    length that pays most. While off it probes: every `probe_every` plain steps one step speculates again (its
+    acceptance refreshes α); while on, every `probe_every` speculating steps one plain step refreshes t(0).
+    Lossless by construction: only the number of verified drafts changes, never the acceptance rule.
+    """
+
+    def __init__(self, inner: DraftLenPolicy, prior_cost: float = 0.1, smoothing: float = 0.2,
+                 probe_every: int = 32) -> None:
+        self.inner, self.max_draft_len = inner, inner.max_draft_len
+        self.prior_cost, self.smoothing, self.probe_every = prior_cost, smoothing, probe_every
+        self.alpha: float | None = None  # unknown until a speculating step was observed: start optimistic
+        self._plain_time: dict[int, float] = {}  # batch-size bucket → EMA seconds of a k = 0 step
+        self._cost: dict[int, float] = {}  # bucket → EMA relative cost of one draft
+        self._since_switch = 0  # steps since the last probe at the current on/off state
+
+    @staticmethod
+    def _bucket(batch_size: int) -> int:
+        return 1 << max(batch_size - 1, 0).bit_length()
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.smoothing * (new - old)
+
+    def best_draft_len(self, batch_size: int, limit: int) -> int:
+        """argmax over k in [0, limit] of E(k) / (1 + c · k) (ties: the shorter draft)."""
+        if self.alpha is None:
+            return limit
+        c = self._cost.get(self._bucket(batch_size), self.prior_cost)
+        rates = [expected_tokens(self.alpha, k) / (1.0 + c * k) for k in range(limit + 1)]
+        return max(range(limit + 1), key=lambda k: (rates[k] - 1e-9 * k))
+
+    def draft_len(self, batch_size: int) -> int:
+        limit = self.inner.draft_len(batch_size)
+        if limit == 0:
+            return 0
+        k = self.best_draft_len(batch_size, limit)
+        self._since_switch += 1
+        if self._since_switch >= self.probe_every:  # probe the other side (see the class docstring)
+            self._since_switch = 0
+            return limit if k == 0 else 0
+        return k
+
+    def observe(self, num_draft_tokens: int, num_accepted_draft_tokens: int, draft_len: int = 0,
+                batch_size: int = 0, seconds: float = 0.0) -> None:
+        self.inner.observe(num_draft_tokens, num_accepted_draft_tokens, draft_len, batch_size, seconds)
+        bucket = self._bucket(batch_size)
+        if draft_len > 0 and num_draft_tokens > 0:
+            rate = num_accepted_draft_tokens / num_draft_tokens
+            self.alpha = self._ema(self.alpha, acceptance_from_rate(rate, draft_len))
+        if seconds <= 0.0 or batch_size <= 0:
+            return
+        if draft_len == 0:
+            self._plain_time[bucket] = self._ema(self._plain_time.get(bucket), seconds)
+        elif bucket in self._plain_time:
+            cost = max(seconds / self._plain_time[bucket] - 1.0, 0.0) / draft_len
+            self._cost[bucket] = self._ema(self._cost.get(bucket), cost)
 
 
 def choose_draft_len_policy(spec: DecodingBaseConfig | MedusaDecodingConfig | None,
@@ -113,4 +209,6 @@ def choose_draft_len_policy(spec: DecodingBaseConfig | MedusaDecodingConfig | No
         policy = BatchSizeDraftLen(num_draft_tokens, schedule, spec.max_concurrency)
     if spec.acceptance_rate_window_size and spec.acceptance_rate_threshold is not None:
         policy = AcceptanceGate(policy, spec.acceptance_rate_window_size, spec.acceptance_rate_threshold)
+    if spec.adaptive_draft_len:
+        policy = AdaptiveDraftLen(policy)
     return policy

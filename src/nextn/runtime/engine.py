@@ -352,8 +352,9 @@ class Engine:
             req.num_computed_tokens = req.kv_len
             self.scheduler.cache_blocks(req)
             updated.append(req)
-        if batch.kind == "decode":
-            self.draft_len_policy.observe(num_draft, num_accepted)
+        if batch.kind == "decode":  # timed only when the step is plain or fully speculating (not re-priming drafts)
+            seconds = time.perf_counter() - step.launch_time if batch.drafting == (batch.draft_len > 0) else 0.0
+            self.draft_len_policy.observe(num_draft, num_accepted, stat_k, len(batch.requests), seconds)
         done = self.scheduler.finish_done()
         for req in done:
             if self.tokenizer is not None and req.params.detokenize:
