@@ -77,3 +77,20 @@ def test_the_default_kv_cache_is_checked_against_available_memory(engine_dir, mo
 def test_available_memory_reads_the_host():
     avail, what = available_memory(engine_mod.torch.device("cpu"))
     assert avail > 0 and what
+
+
+def test_cpu_kv_cache_is_resident_only_where_written():
+    import torch
+
+    from nextn.runtime.kv_cache import allocate_kv_cache
+
+    def rss_bytes() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    before = rss_bytes()
+    kv = allocate_kv_cache(8, 4096, 16, 256, torch.bfloat16)  # 256 MiB of zeros
+    assert kv.shape == (8, 4096 * 16, 256) and kv.dtype == torch.bfloat16 and kv.is_contiguous()
+    assert rss_bytes() - before < 32 * 2**20  # not written yet: (almost) nothing resident
+    kv[2].index_copy_(0, torch.tensor([5, 60000]), torch.ones(2, 256, dtype=torch.bfloat16))
+    assert kv[2, 5].sum() == 256 and kv[2, 6].abs().sum() == 0 and kv[7, 65535].abs().sum() == 0
