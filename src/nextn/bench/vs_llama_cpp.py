@@ -28,13 +28,32 @@ PROMPT = "Write a Python function that checks whether a number is prime, and exp
 FORMATS = {"bf16": None, "fp32": None, "W8A16": "W8A16", "W4A16": "W4A16"}
 
 
-def _nextn_llm(model: Path, fmt: str, cache: Path | None):
+def _nextn_llm(model: Path, fmt: str, cache: Path | None, speculative_config: dict | None = None):
+    """The LLM for a format name: `bf16`, `fp32`, `W8A16`, `W4A16`, each optionally `+compile` (the decode step
+    under `torch.compile`, `torch_compile_config: {}`)."""
     from nextn import LLM
 
-    quant = {"quant_algo": FORMATS[fmt]} if FORMATS[fmt] else None
-    dtype = "float32" if fmt == "fp32" else "bfloat16"
-    return LLM(model, speculative_config=None, dtype=dtype, quant_config=quant, engine_cache_dir=cache,
-               max_batch_size=8, max_seq_len=1024)
+    base, _, extra = fmt.partition("+")
+    quant = {"quant_algo": FORMATS[base]} if FORMATS[base] else None
+    dtype = "float32" if base == "fp32" else "bfloat16"
+    return LLM(model, speculative_config=speculative_config, dtype=dtype, quant_config=quant, engine_cache_dir=cache,
+               max_batch_size=8, max_seq_len=1024, torch_compile_config={} if extra == "compile" else None)
+
+
+def verify_step_seconds(llm, prompt_ids: list[int], num_tokens: int) -> float:
+    """Seconds per decode step of a speculative LLM (every step verifies K + 1 rows): (t(N) − t(1)) over the decode
+    steps the N-token run took, read from the engine's iteration log."""
+    from nextn import SamplingParams
+
+    def run(n: int) -> tuple[float, int]:
+        llm.engine.iteration_log = []
+        t0 = time.perf_counter()
+        llm.generate([prompt_ids], SamplingParams(max_tokens=n, ignore_eos=True))
+        dt = time.perf_counter() - t0
+        return dt, sum(e["kind"] == "decode" for e in llm.engine.iteration_log)
+
+    (t1, s1), (tn, sn) = run(1), run(num_tokens)
+    return max(tn - t1, 1e-9) / max(sn - s1, 1)
 
 
 def nextn_decode_tps(llm, prompt_ids: list[int], num_tokens: int, batch: int) -> tuple[float, float]:
@@ -55,8 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m nextn.bench.vs_llama_cpp", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, type=Path, help="the GGUF both decode")
-    p.add_argument("--formats", nargs="+", default=["bf16", "W8A16", "W4A16"], choices=list(FORMATS),
-                   help="nextn weight formats to measure (default: bf16 W8A16 W4A16)")
+    p.add_argument("--formats", nargs="+", default=["bf16", "W8A16", "W4A16"],
+                   choices=[*FORMATS, *(f"{f}+compile" for f in FORMATS)],
+                   help="nextn weight formats to measure, `+compile` for the step under torch.compile "
+                   "(default: bf16 W8A16 W4A16)")
+    p.add_argument("--verify_k", type=int, default=0, metavar="K",
+                   help="also time a verify step of K + 1 rows (n-gram drafting, K drafts) per format, beside "
+                   "its plain step (issue 14: verify ≤ 1.3× plain)")
     p.add_argument("--max_tokens", type=int, default=256, help="new tokens per run (default 256)")
     p.add_argument("--runs", type=int, default=3, help="timed runs per system after a warm-up; best is kept")
     p.add_argument("--batch", type=int, nargs="*", default=[1], help="nextn batch sizes (default 1; e.g. 1 8)")
@@ -78,7 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     for fmt, llm in llms.items():  # warm-up
         nextn_decode_tps(llm, prompt_ids, 8, 1)
         step_bytes, _ = decode_step_bytes(llm.engine.engine_dir)
-        rows[fmt] = {"tps": {b: 0.0 for b in args.batch}, "step_s": float("inf"), "step_bytes": step_bytes}
+        rows[fmt] = {"tps": {b: 0.0 for b in args.batch}, "step_s": float("inf"), "step_bytes": step_bytes,
+                     "verify_s": float("inf")}
+    spec = {"decoding_type": "NGram", "max_draft_len": args.verify_k, "max_matching_ngram_size": 2}
+    verifiers = {fmt: _nextn_llm(args.model, fmt, args.engine_cache_dir, spec) for fmt in args.formats} \
+        if args.verify_k else {}
+    for llm in verifiers.values():
+        verify_step_seconds(llm, prompt_ids, 8)
     peer = 0.0
     for _ in range(max(1, args.runs)):
         for fmt, llm in llms.items():
@@ -87,18 +117,23 @@ def main(argv: list[str] | None = None) -> int:
                 rows[fmt]["tps"][b] = max(rows[fmt]["tps"][b], tps)
                 if b == 1:
                     rows[fmt]["step_s"] = min(rows[fmt]["step_s"], step)
+            if fmt in verifiers:
+                rows[fmt]["verify_s"] = min(rows[fmt]["verify_s"],
+                                            verify_step_seconds(verifiers[fmt], prompt_ids, args.max_tokens))
         if bin_dir is not None:
             peer = max(peer, llama_cpp.bench_decode(bin_dir, args.model, args.max_tokens, args.threads, 1).tokens_per_s)
 
     print(f"model: {args.model.name}; {args.max_tokens} new tokens, greedy, {args.threads} threads; "
           f"read bandwidth {bandwidth:.1f} GB/s (measured now)")
     head = f"{'system':28}" + "".join(f"{f'batch {b} tok/s':>16}" for b in args.batch)
-    print(head + f"{'step ms':>10}{'MB/step':>10}{'floor ratio':>13}{'vs llama.cpp':>14}")
+    verify = f"{f'verify K={args.verify_k} ms':>17}{'/ plain':>9}" if args.verify_k else ""
+    print(head + f"{'step ms':>10}{'MB/step':>10}{'floor ratio':>13}{'vs llama.cpp':>14}" + verify)
     for fmt, r in rows.items():
         floor_s = r["step_bytes"] / (bandwidth * 1e9)
         ratio = f"{r['tps'][args.batch[0]] / peer:>13.2f}x" if peer and args.batch[0] == 1 else f"{'':>14}"
         print(f"{'nextn ' + fmt:28}" + "".join(f"{r['tps'][b]:>16.1f}" for b in args.batch)
-              + f"{r['step_s'] * 1e3:>10.2f}{r['step_bytes'] / 1e6:>10.1f}{r['step_s'] / floor_s:>13.2f}" + ratio)
+              + f"{r['step_s'] * 1e3:>10.2f}{r['step_bytes'] / 1e6:>10.1f}{r['step_s'] / floor_s:>13.2f}" + ratio
+              + (f"{r['verify_s'] * 1e3:>17.2f}{r['verify_s'] / r['step_s']:>9.2f}" if args.verify_k else ""))
     if peer:
         print(f"{'llama.cpp (GGUF as is)':28}{peer:>16.1f}")
     if args.json:
