@@ -127,5 +127,6 @@ def speculative(bin_dir: Path, target: Path, draft: Path, prompt: str, num_token
                 threads: int = 2, timeout_s: float = 900) -> PeerResult:
     """llama.cpp's own draft-model speculation (greedy) on `prompt`."""
     out = _run([str(bin_dir / "llama-speculative-simple"), "-m", str(target), "-md", str(draft), "-t", str(threads),
-                "--temp", "0", "-p", prompt, "-n", str(num_tokens), "--draft-max", str(draft_max)], timeout_s)
+                "--temp", "0", "-p", prompt, "-n", str(num_tokens), "--spec-type", "draft-simple",
+                "--spec-draft-n-max", str(draft_max)], timeout_s)
     return parse_speculative(out)
