@@ -61,9 +61,10 @@ def checkpoint_files(path: Path) -> list[Path]:
                       "checkpoint")
 
 
-#: Bumped whenever the same build options produce different engine files (2: quantized engines quantize the
-#: lm_head), so that cached engines of an older layout are rebuilt rather than reused.
-ENGINE_LAYOUT = 2
+#: Bumped whenever the same build options produce different engine files (a default changed), so that cached
+#: engines of an older layout are rebuilt rather than reused: 2, quantized engines quantize the lm_head; 3, W4A16's
+#: default group size 32 and the W8A16 lm_head.
+ENGINE_LAYOUT = 3
 
 
 def cache_key(files: list[Path], build_options: dict[str, Any]) -> str:
