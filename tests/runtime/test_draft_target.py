@@ -215,3 +215,23 @@ def test_same_seed_same_output_whatever_the_batch(engines):
 
     check(LLM(target, speculative_config=_spec(draft)), PROMPT,
           SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=1234, ignore_eos=True))
+
+
+def test_a_checkpoint_draft_is_built_like_a_quantized_target(engines, tmp_path, monkeypatch):
+    """A draft given as a checkpoint is built in the target's dtype and weight-only quantization (its weights are
+    read K times a step), loads with its quantized linears, and greedy output stays that of the plain target."""
+    import nextn.build.engine_cache as engine_cache
+    from nextn.build.manifest import EngineManifest
+
+    monkeypatch.setattr(engine_cache, "DEFAULT_CACHE_DIR", tmp_path / "cache")
+    target_ckpt, draft_ckpt = engines[0].parent / "target_ckpt", engines[0].parent / "draft_ckpt"
+    build_engine(target_ckpt, tmp_path / "target_w8", dtype="bfloat16", quant_algo="W8A16", max_seq_len=256,
+                 progress=False)
+    plain_w8 = _ids(LLM(tmp_path / "target_w8", speculative_config=None).generate(PROMPTS, GREEDY))
+    llm = LLM(tmp_path / "target_w8", speculative_config=_spec(draft_ckpt))
+    (draft_dir,) = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
+    draft = EngineManifest.load(draft_dir)
+    assert draft.dtype == "bfloat16" and draft.quant_config.quant_algo == "W8A16"
+    assert llm.engine.drafter.draft.lm_head_quantized
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert _ids(outs) == plain_w8 and sum(o.outputs[0].num_accepted_draft_tokens for o in outs) > 0

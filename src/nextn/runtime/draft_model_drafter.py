@@ -45,9 +45,11 @@ from nextn.build.manifest import EngineError, EngineManifest
 from nextn.config.llm_args import DraftTargetDecodingConfig, LlmArgsError
 from nextn.models.registry import MODEL_CLASSES
 from nextn.plugins.sampling import counter_uniform, sample_from_probs
+from nextn.quantization.linear import install_weight_only_linears
 from nextn.runtime.acceptance_rules import AcceptanceRule, AcceptState, SamplingTensors
 from nextn.runtime.attention_metadata import AttentionMetadata, slots_for_positions
 from nextn.runtime.drafters import DrafterState, LinearDrafter, _at
+from nextn.runtime.kv_cache import allocate_kv_cache
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +77,8 @@ def load_draft_model(engine_dir: Path, manifest: EngineManifest, device: torch.d
     weights = {k: v for k, v in weights.items() if not k.startswith(_MEDUSA_PREFIX)}
     with torch.device("meta"):
         model = MODEL_CLASSES[manifest.architecture](manifest.model, max_positions=1)
+    if manifest.quant_config is not None:  # a weight-only quantized draft engine
+        model.lm_head_quantized = "lm_head" in install_weight_only_linears(model, weights, manifest.quant_config)
     try:
         model.load_state_dict(weights, strict=True, assign=True)
     except RuntimeError as e:
@@ -123,14 +127,18 @@ class DraftModelDrafter(LinearDrafter):
     def from_config(cls, spec: DraftTargetDecodingConfig, target_dir: Path, target: EngineManifest,
                     device: torch.device) -> "DraftModelDrafter":
         """Resolve `spec.speculative_model_dir` (an engine, or a checkpoint built once into the engine cache as
-        `LLM(path)` builds it), check the vocabularies and load the draft model.
+        `LLM(path)` builds it, in the target's dtype and weight-only quantization), check the vocabularies and load
+        the draft model.
 
         Raises:
             LlmArgsError: different vocabularies; EngineError / build errors for an unusable draft path.
         """
         from nextn.build.engine_cache import resolve_engine_dir
 
-        draft_dir = resolve_engine_dir(spec.speculative_model_dir, dtype="auto")  # the cache entry LLM(path) uses
+        # A checkpoint is built like the target: same dtype and weight-only quantization (drafting reads the draft's
+        # weights K times a step, so its bytes matter as much as the target's)
+        quant = target.quant_config.model_dump(exclude_defaults=True) if target.quant_config else {}
+        draft_dir = resolve_engine_dir(spec.speculative_model_dir, dtype=target.dtype, **quant)
         draft = EngineManifest.load(draft_dir)
         check_vocabularies(Path(target_dir), target, draft_dir, draft)
         logger.info("Draft_Target: draft model %s (%s, %d layers), K=%d", draft_dir, draft.architecture,
@@ -150,8 +158,8 @@ class DraftModelDrafter(LinearDrafter):
         if self.kv_cache is None or self.kv_cache.shape[1] != kv_cache.shape[1]:
             cfg = self.draft.cfg
             dtype = next(self.draft.parameters()).dtype
-            self.kv_cache = torch.zeros(cfg.num_hidden_layers, kv_cache.shape[1], cfg.kv_cache_dim, dtype=dtype,
-                                        device=kv_cache.device)
+            self.kv_cache = allocate_kv_cache(cfg.num_hidden_layers, kv_cache.shape[1], 1, cfg.kv_cache_dim, dtype,
+                                              kv_cache.device)
             self.draft.rope_table = self.draft.rope_table_for(model.rope_table.shape[0]).to(kv_cache.device)
         return self.kv_cache
 
