@@ -17,7 +17,7 @@ from nextn.models.llama import LlamaForCausalLM, LlamaModelConfig, runtime_weigh
 from nextn.runtime.attention_metadata import AttentionMetadata, slots_for_positions
 from nextn.runtime.kv_cache import allocate_kv_cache
 from nextn.testing.tiny_llama import tiny_hf_llama
-from nextn.train.mtp import MtpContext, llama_mtp_module
+from nextn.train.mtp import MtpContext, mtp_module
 
 BLOCK = 8
 
@@ -25,7 +25,7 @@ BLOCK = 8
 def _hf_llama(num_mtp: int) -> tuple[HFLlama, list]:
     hf = tiny_hf_llama()
     cfg = hf.config
-    modules = [llama_mtp_module(cfg, 2 + k) for k in range(num_mtp)]
+    modules = [mtp_module(cfg) for _ in range(num_mtp)]
     for m in modules:
         with torch.no_grad():
             for p in m.parameters():
@@ -86,10 +86,11 @@ def test_engine_mtp_module_matches_the_training_module(mtp_checkpoint):
             pos[:, :-1], slots_for_positions(tables, pos[:, :-1], BLOCK)))
         logits = model.mtp_logits(0, h1)
     assert h1.shape == (2, 11, 64) and logits.shape == (2, 11, 300)
-    ctx = MtpContext(hf.model.embed_tokens.weight, hf.lm_head.weight, hf.model.rotary_emb, prompt_len=1)
+    ctx = MtpContext(hf.model.embed_tokens.weight, hf.lm_head.weight, hf.model.rotary_emb)
     with torch.no_grad():
         ref = hf.model(ids).last_hidden_state
-        x, _, _ = ctx.vanilla(torch.nn.ModuleList(modules[:1]), ids, ref)[0]
+        x, *_ = ctx.vanilla(torch.nn.ModuleList(modules[:1]), ids, ref, torch.ones(2, dtype=torch.int64),
+                            torch.full((2,), 12))[0]
     torch.testing.assert_close(hidden, ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(logits[:, :10], (x @ hf.lm_head.weight.T)[:, :10], atol=1e-3, rtol=1e-3)
 

@@ -13,7 +13,10 @@ from safetensors.torch import load_file
 
 from nextn.build.medusa_heads import read_medusa_heads
 from nextn.cli.train_draft import main
-from nextn.train.medusa import measure_acceptance, train_medusa
+from nextn.train.data import DataConfig
+from nextn.train.evaluate import evaluate_heads
+from nextn.train.medusa import train_medusa
+from nextn.train.session import TrainSettings
 
 DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 STORIES = DATA / "models" / "stories260K" / "stories260K.gguf"
@@ -49,7 +52,11 @@ def test_training_beats_the_untrained_heads_and_writes_readable_files(trained):
 
 
 def test_training_is_deterministic_under_its_seed(trained, tmp_path):
-    result = train_medusa(STORIES, [CORPUS], tmp_path, num_heads=4, progress=False, **SMALL)
+    data = DataConfig(files=(str(CORPUS),), seed=SMALL["seed"], prompt_len=SMALL["prompt_len"],
+                      num_tokens=SMALL["num_tokens"], max_prompts=SMALL["max_prompts"])
+    settings = TrainSettings(steps=SMALL["steps"], batch=SMALL["batch"], lr=SMALL["lr"], seed=SMALL["seed"],
+                             progress=False)
+    result = train_medusa(STORIES, data, tmp_path, settings, num_heads=4)
     first = load_file(str(trained / "medusa_lm_head.safetensors"))
     again = load_file(str(tmp_path / "medusa_lm_head.safetensors"))
     assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
@@ -59,7 +66,8 @@ def test_training_is_deterministic_under_its_seed(trained, tmp_path):
 def test_trained_heads_stay_lossless_on_held_out_prompts(trained):
     prompts = json.loads((trained / "train_draft.json").read_text())["held_out_prompts"][:4]
     choices = json.loads(CHOICES.read_text())["mc_sim_7b_63"]
-    m = measure_acceptance(STORIES, trained, choices, prompts, max_tokens=32)
+    m = evaluate_heads(STORIES, trained, "medusa", prompts, medusa_choices=choices, max_tokens=32, ignore_eos=True,
+                       engine_dir=trained.parent / "engine")
     assert m["lossless"] and m["tokens"] == 4 * 32
     assert m["acceptance_length"] > 1.2  # random heads accept almost nothing (≈ 1.0)
 

@@ -16,8 +16,8 @@ from torch import nn
 from nextn import LLM, SamplingParams
 from nextn.build.engine_builder import build_engine
 from nextn.cli.train_draft import main
-from nextn.train.data import load_base, make_self_distill_data
-from nextn.train.mtp import MtpContext, eagle_mask, fit_mtp, llama_mtp_module
+from nextn.train.data import DataConfig, load_base, make_self_distill_data
+from nextn.train.mtp import MtpContext, eagle_mask, fit_mtp, mtp_module
 
 DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 STORIES = DATA / "models" / "stories260K" / "stories260K.gguf"
@@ -27,13 +27,22 @@ SMALL = ["--max_prompts", "40", "--num_tokens", "20", "--prompt_len", "10", "--b
 
 
 @pytest.fixture(scope="module")
-def stories():
+def stories(tmp_path_factory):
     if not (STORIES.is_file() and CORPUS.is_file()):
         pytest.skip(f"../shared/data is absent ({DATA}): stories260K or its corpus is not available")
     torch.manual_seed(0)
-    model, tokenizer = load_base(STORIES)
-    data = make_self_distill_data(model, tokenizer, [CORPUS], prompt_len=10, num_tokens=20, max_prompts=40, seed=1)
+    model, _ = load_base(STORIES)
+    cfg = DataConfig(files=(str(CORPUS),), prompt_len=10, num_tokens=20, max_prompts=40, num_top1_prompts=8, seed=1)
+    data = make_self_distill_data(STORIES, model, cfg, cache_dir=tmp_path_factory.mktemp("data"), progress=False)
     return model, data
+
+
+def test_cutting_the_prompt_context_keeps_the_generated_tokens(stories):
+    _, data = stories
+    cut = data.with_context(4)
+    assert cut.prompt_lens.tolist() == [4] * len(cut.prompt_lens) and cut.tokens.shape[1] == 4 + 20
+    assert cut.tokens[:, 3:].equal(data.tokens[:, 9:]) and cut.hidden[:, 3:].equal(data.hidden[:, 9:])
+    assert (cut.lengths - cut.prompt_lens).equal(data.lengths - data.prompt_lens)
 
 
 def test_eagle_mask_is_the_runtime_cache_after_a_chain():
@@ -45,30 +54,31 @@ def test_eagle_mask_is_the_runtime_cache_after_a_chain():
 
 def test_stream_attention_equals_the_masked_streams(stories):
     model, data = stories
-    ctx = MtpContext(model.model.embed_tokens.weight, model.lm_head.weight, model.model.rotary_emb, data.prompt_len)
-    module = llama_mtp_module(model.config, model.config.num_hidden_layers)
-    tokens, hidden = data.train[0][:4], data.train[1][:4]
+    ctx = MtpContext(model.model.embed_tokens.weight, model.lm_head.weight, model.model.rotary_emb)
+    module = mtp_module(model.config)
+    rows = data.rows(torch.arange(4))
     with torch.no_grad():
-        fast, ref = ctx.eagle(module, tokens, hidden, 3), ctx.eagle(module, tokens, hidden, 3, reference=True)
-    for (x, labels, keep), (y, labels_ref, keep_ref) in zip(fast, ref):
+        fast, ref = ctx.eagle(module, *rows, 3), ctx.eagle(module, *rows, 3, reference=True)
+    for (x, labels, keep, _), (y, labels_ref, keep_ref, _) in zip(fast, ref):
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
         assert labels.equal(labels_ref) and keep.equal(keep_ref)
-    assert [k.sum().item() for _, _, k in fast] == [4 * (19 - s) for s in range(3)]  # chains from generated rows
+    assert [k.sum().item() for _, _, k, _ in fast] == [4 * (19 - s) for s in range(3)]  # chains from generated rows
 
 
 @pytest.mark.parametrize("num_modules", [1, 3])
 def test_a_few_steps_reduce_the_loss_deterministically(stories, num_modules):
     model, data = stories
-    ctx = MtpContext(model.model.embed_tokens.weight, model.lm_head.weight, model.model.rotary_emb, data.prompt_len)
+    ctx = MtpContext(model.model.embed_tokens.weight, model.lm_head.weight, model.model.rotary_emb)
+    held_out = data.rows(data.held_out_rows)
     runs = []
     for _ in range(2):
         torch.manual_seed(5)
-        modules = nn.ModuleList(llama_mtp_module(model.config, 5 + k) for k in range(num_modules))
-        run = ((lambda t, h: ctx.eagle(modules[0], t, h, 3)) if num_modules == 1
-               else (lambda t, h: ctx.vanilla(modules, t, h)))
-        before = ctx.loss(run(*data.held_out)).item()
+        modules = nn.ModuleList(mtp_module(model.config) for k in range(num_modules))
+        run = ((lambda *rows: ctx.eagle(modules[0], *rows, 3)) if num_modules == 1
+               else (lambda *rows: ctx.vanilla(modules, *rows)))
+        before = ctx.loss(run(*held_out)).item()
         fit_mtp(run, ctx, modules.parameters(), data, 8, batch=8, lr=3e-3, seed=2, progress=False)
-        runs.append((before, ctx.loss(run(*data.held_out)).item(), modules.state_dict()))
+        runs.append((before, ctx.loss(run(*held_out)).item(), modules.state_dict()))
     (before, after, state), (_, _, again) = runs
     assert after < before
     assert all(torch.equal(state[k], again[k]) for k in state)
@@ -126,3 +136,15 @@ def test_eval_only_measures_the_cached_checkpoint(trained):
     assert main(argv) == 0
     m = json.loads((trained / "train_draft.json").read_text())["acceptance"]
     assert m["lossless"] and m["num_prompts"] == 2 and m["mode"] == "eagle" and m["acceptance_length"] >= 1.0
+
+
+def test_a_second_method_reuses_the_cached_data(trained, tmp_path):
+    """Medusa heads on the MTP run's data: nothing is generated again, the split is the same."""
+    out = tmp_path / "medusa"
+    argv = ["--model_dir", str(STORIES), "--method", "medusa", "--num_heads", "2", "--data", str(CORPUS),
+            "--output_dir", str(out), "--cache_dir", str(trained / "train_cache"), "--steps", "2", "--seed", "1",
+            *SMALL]
+    assert main(argv) == 0
+    meta, first = (json.loads((d / "train_draft.json").read_text()) for d in (out, trained))
+    assert meta["seconds"]["generate"] == 0.0 and meta["seconds"]["hidden"] == 0.0
+    assert meta["train_prompt_ids"] == first["train_prompt_ids"] and meta["held_out_ids"] == first["held_out_ids"]

@@ -1,24 +1,27 @@
 """`nextn train-draft`: train draft heads on a frozen base by self-distillation (its own greedy continuations).
 
 Usage:
-    nextn train-draft --model_dir BASE --method medusa --num_heads K --data FILE [FILE ...] --output_dir OUT
-                      [--steps N] [--seed S] [--num_layers 1]
+    nextn train-draft --model_dir BASE --method mtp --num_heads 1 --num_draft_steps 3 --data FILE [FILE ...]
+                      --output_dir OUT [--steps N] [--max_minutes M] [--eval_mtp 3]
+    nextn train-draft --model_dir BASE --method medusa --num_heads 4 --data FILE [FILE ...] --output_dir OUT
                       [--eval_medusa_choices choices.json [--eval_tree mc_sim_7b_63]]
-    nextn train-draft --model_dir BASE --method mtp --num_heads K --data FILE [FILE ...] --output_dir OUT
-                      [--steps N] [--seed S] [--num_draft_steps 3] [--eval_mtp K]
-    nextn train-draft --model_dir TEACHER --method student --data FILE [FILE ...] --output_dir OUT
-                      [--steps N] [--seed S] [--mtp_lambda 0.3] [--eval_mtp K]
+    nextn train-draft --model_dir TEACHER --method student --data FILE [FILE ...] --output_dir OUT [--eval_mtp K]
 
-Medusa writes `medusa_lm_head.safetensors` + `config.json` (what `build-engine --medusa_model_dir` reads) and
-`train_draft.json` (metrics, held-out prompt ids). With `--eval_medusa_choices` it then builds an engine with the
-heads and measures the greedy acceptance length on the held-out prompts.
+BASE: a `.gguf` file (llama, qwen2), a directory holding one, or an HF checkpoint. FILE: prompt files (MT-bench,
+Spec-Bench, HumanEval, GSM8K JSON lines, optionally gzipped) and text corpora (paragraphs; lines for a plain LM).
+The base continues the training prompts greedily with nextn's own engine (chat template applied when the base has
+one), its hidden states are computed once, and both are cached in `--cache_dir` (default OUT/train_cache) with the
+resumable training state: the same command after an interruption or `--max_minutes` continues where it stopped.
+MT-bench question ids and HumanEval task ids are split by `--benchmark_held_out_fraction`, the rest by
+`--held_out_fraction`, under `--seed`; the held-out ids are recorded in OUT/train_draft.json and never trained on.
 
-MTP (Llama-family base; `train/mtp.py`): `--num_heads` MTP modules, 1 for Eagle-style use (trained unrolled
-`--num_draft_steps` times) or K for Vanilla; writes an HF checkpoint (the base + `model.layers.{L + i}`,
-`num_nextn_predict_layers` in config.json, tokenizer files) that `build-engine` reads. Student (`train/student.py`):
-a tiny DeepSeek-V3 (MLA + MoE + one MTP module, trained jointly) distilled from the base's generations, written as
-a DeepSeek-V3 checkpoint. With `--eval_mtp K` either then builds an engine and measures the greedy acceptance
-length with K drafts on the held-out prompts, and checks the output against plain decoding.
+Output: Medusa: `medusa_lm_head.safetensors` + `config.json` (what `build-engine --medusa_model_dir` reads). MTP
+(`train/mtp.py`, Llama / Qwen2 base): `--num_heads` modules, 1 for Eagle-style use (trained unrolled
+`--num_draft_steps` times) or K for Vanilla, as an HF checkpoint with the modules as extra layers
+`model.layers.{L + i}` and `num_nextn_predict_layers` (DeepSeek-V3's layout) that `build-engine` reads. Student
+(`train/student.py`): a tiny DeepSeek-V3 with one MTP module. `--eval_mtp K` / `--eval_medusa_choices` then build
+an engine with the heads (kept in OUT/engine-<dtype>) and measure the greedy acceptance length on held-out
+prompts, checking the output against plain decoding.
 
 Exit status: 0 trained; 2 bad arguments, an unreadable base or data, or an unsupported method.
 """
@@ -46,35 +49,66 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Medusa heads (default 4), or MTP modules (default 1: one module for Eagle-style use; "
                    "K > 1: Vanilla, module k drafts token k)")
     p.add_argument("--num_layers", type=int, default=1, help="ResBlocks per Medusa head (default 1, as Medusa-1)")
+    p.add_argument("--train_projection", action="store_true",
+                   help="Medusa: also train each head's own vocabulary projection (default: the base lm_head's copy)")
     p.add_argument("--data", required=True, nargs="+", type=Path, metavar="FILE",
-                   help="text files; every non-empty line's first --prompt_len tokens are a prompt")
+                   help="prompt files (.jsonl[.gz]: MT-bench, Spec-Bench, HumanEval, GSM8K) and text corpora")
     p.add_argument("--output_dir", required=True, type=Path, metavar="OUT", help="directory for the trained heads")
-    p.add_argument("--steps", type=int, default=2000, help="optimizer steps (default 2000)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the prompt split, batches and init (default 0)")
-    p.add_argument("--batch_size", type=int, default=64, help="sequences per step (default 64)")
-    p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate, decayed linearly to 0 (default 1e-3)")
-    p.add_argument("--prompt_len", type=int, default=16, help="prompt tokens per sequence, BOS included (default 16)")
-    p.add_argument("--num_tokens", type=int, default=96, help="greedy tokens the base adds per prompt (default 96)")
-    p.add_argument("--max_prompts", type=int, help="use at most this many prompts (default: all)")
-    p.add_argument("--held_out_fraction", type=float, default=0.1, help="prompts kept for evaluation (default 0.1)")
-    p.add_argument("--eval_medusa_choices", type=Path, metavar="JSON",
-                   help="measure acceptance length on the held-out prompts with this Medusa tree file: a JSON list "
-                   "of paths, or an object of named trees (see --eval_tree)")
-    p.add_argument("--eval_tree", default="mc_sim_7b_63",
-                   help="tree name in --eval_medusa_choices (default mc_sim_7b_63)")
-    p.add_argument("--eval_prompts", type=int, default=64, help="held-out prompts to decode for it (default 64)")
-    p.add_argument("--num_draft_steps", type=int, default=3,
+    p.add_argument("--cache_dir", type=Path, help="data and resumable state (default OUT/train_cache)")
+    g = p.add_argument_group("data")
+    g.add_argument("--seed", type=int, default=0, help="seed of the split, the batches and the init (default 0)")
+    g.add_argument("--num_tokens", type=int, default=96,
+                   help="tokens the base adds per prompt (a chat model stops earlier at EOS; default 96)")
+    g.add_argument("--prompt_len", type=int, default=16,
+                   help="plain LM: prompt tokens per sequence, BOS included (default 16)")
+    g.add_argument("--max_prompt_len", type=int, default=256,
+                   help="chat model: prompts rendering to more tokens are skipped (default 256)")
+    g.add_argument("--max_prompts", type=int, help="training prompts, round-robin over the files (default: all)")
+    g.add_argument("--held_out_fraction", type=float, default=0.1,
+                   help="share of the other prompts held out (default 0.1)")
+    g.add_argument("--benchmark_held_out_fraction", type=float, default=0.5,
+                   help="share of MT-bench question ids and HumanEval task ids held out (default 0.5)")
+    g.add_argument("--num_top1_prompts", type=int, default=32,
+                   help="held-out prompts also continued, for the held-out top-1 meter (default 32)")
+    g.add_argument("--no_chat_template", dest="chat", action="store_false", default=None,
+                   help="raw-text prompts even when the base has a chat template")
+    g.add_argument("--gen_batch_size", type=int, default=32, help="requests the engine generates at once (32)")
+    g.add_argument("--gen_dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="dtype of the engine that generates the data (default auto: bfloat16 where fast)")
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=int, default=2000, help="optimizer steps (default 2000)")
+    g.add_argument("--batch_size", type=int, default=64, help="sequences per step (default 64)")
+    g.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate, decayed linearly to 0 (default 1e-3)")
+    g.add_argument("--max_minutes", type=float,
+                   help="budget of the whole run, data included: training stops at it, writes the heads as they "
+                   "are and saves its state (the same command resumes)")
+    g.add_argument("--max_context", type=int, default=64,
+                   help="prompt tokens kept before the generated ones in training (default 64; -1: all)")
+    g.add_argument("--loss_vocab", choices=("data", "full"), default="data",
+                   help="softmax over the tokens of the training data (default; much cheaper) or the whole vocabulary")
+    g.add_argument("--feature_loss_weight", type=float, default=0.0,
+                   help="MTP: weight of EAGLE's feature loss (smooth L1 to the base's state; default 0)")
+    g.add_argument("--num_draft_steps", type=int, default=3,
                    help="MTP with one module: draft steps it is trained for, fed its own hidden states (default 3)")
-    p.add_argument("--eval_mtp", type=int, metavar="K",
-                   help="MTP / student: measure the greedy acceptance length with K draft tokens on the held-out "
-                   "prompts (Eagle for one module, Vanilla for several) and check it against plain decoding")
-    p.add_argument("--eval_only", action="store_true",
-                   help="MTP / student: skip training; measure --eval_mtp on the checkpoint already in --output_dir "
-                   "(its train_draft.json's held-out prompts)")
-    p.add_argument("--mtp_lambda", type=float, default=0.3,
+    g.add_argument("--mtp_lambda", type=float, default=0.3,
                    help="student: weight of the MTP loss against the next-token loss (default 0.3, DeepSeek-V3's "
                    "first-phase λ)")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    g.add_argument("--checkpoint_every", type=float, default=120.0, help="seconds between resumable checkpoints")
+    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    g = p.add_argument_group("evaluation (held-out prompts, greedy, through nextn's LLM)")
+    g.add_argument("--eval_mtp", type=int, metavar="K",
+                   help="MTP / student: measure the acceptance length with K draft tokens (Eagle for one module, "
+                   "Vanilla for several) and check it against plain decoding")
+    g.add_argument("--eval_medusa_choices", type=Path, metavar="JSON",
+                   help="Medusa: measure it with this tree file: a JSON list of paths, or an object of named trees")
+    g.add_argument("--eval_tree", default="mc_sim_7b_63",
+                   help="tree name in --eval_medusa_choices (default mc_sim_7b_63)")
+    g.add_argument("--eval_prompts", type=int, default=64, help="held-out prompts to decode (default 64)")
+    g.add_argument("--eval_tokens", type=int, help="tokens per prompt (default --num_tokens)")
+    g.add_argument("--eval_dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="engine dtype (default float32: speculative output must equal plain decoding exactly)")
+    g.add_argument("--eval_only", action="store_true",
+                   help="skip training; measure the heads already in OUT on its train_draft.json's held-out prompts")
 
 
 def _load_choices(path: Path, name: str) -> list[list[int]]:
@@ -95,82 +129,96 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
-def _run(args: argparse.Namespace) -> int:
-    from nextn.train.medusa import VICUNA_7B_TOP1, measure_acceptance, train_medusa
+def _configs(args: argparse.Namespace):
+    from nextn.train.data import DataConfig
+    from nextn.train.session import TrainSettings
 
+    data = DataConfig(files=tuple(str(f) for f in args.data), seed=args.seed, prompt_len=args.prompt_len,
+                      max_prompt_len=args.max_prompt_len, num_tokens=args.num_tokens, max_prompts=args.max_prompts,
+                      num_top1_prompts=args.num_top1_prompts, held_out_fraction=args.held_out_fraction,
+                      benchmark_held_out_fraction=args.benchmark_held_out_fraction, chat=args.chat,
+                      gen_dtype=args.gen_dtype, gen_batch_size=args.gen_batch_size)
+    settings = TrainSettings(steps=args.steps, batch=args.batch_size, lr=args.lr, seed=args.seed,
+                             max_minutes=args.max_minutes, loss_vocab=args.loss_vocab,
+                             max_context=None if args.max_context < 0 else args.max_context,
+                             feature_weight=args.feature_loss_weight, checkpoint_every_s=args.checkpoint_every,
+                             progress=args.progress)
+    return data, settings
+
+
+def _run(args: argparse.Namespace) -> int:
     missing = [str(f) for f in args.data if not f.is_file()]
     if missing:
         raise ValueError(f"data file(s) not found: {', '.join(missing)}")
-    if args.method in ("mtp", "student"):
-        return _run_mtp(args)
     choices = _load_choices(args.eval_medusa_choices, args.eval_tree) if args.eval_medusa_choices else None
-    r = train_medusa(args.model_dir, args.data, args.output_dir, num_heads=args.num_heads or 4, num_layers=args.num_layers,
-                     steps=args.steps, seed=args.seed, batch=args.batch_size, lr=args.lr, prompt_len=args.prompt_len,
-                     num_tokens=args.num_tokens, max_prompts=args.max_prompts,
-                     held_out_fraction=args.held_out_fraction, progress=args.progress)
-    print(f"trained {r.num_heads} Medusa heads ({r.num_layers} ResBlock each) in {r.steps} steps: "
-          f"{r.data_seconds:.1f} s data ({r.num_train} train / {r.num_held_out} held-out sequences), "
-          f"{r.train_seconds:.1f} s training; final loss {r.final_loss:.3f}")
-    print("held-out top-1 per head   " + "  ".join(f"h{i + 1}" + " " * 3 for i in range(r.num_heads)))
-    print("  untrained (lm_head copy) " + "  ".join(f"{a:.3f}" for a in r.top1_before))
+    if args.eval_only:
+        return _evaluate(args, json.loads((args.output_dir / "train_draft.json").read_text()), choices)
+    data_cfg, settings = _configs(args)
+    if args.method == "medusa":
+        from nextn.train.medusa import VICUNA_7B_TOP1, train_medusa
+
+        r = train_medusa(args.model_dir, data_cfg, args.output_dir, settings, num_heads=args.num_heads or 4,
+                         num_layers=args.num_layers, train_projection=args.train_projection,
+                         cache_dir=args.cache_dir)
+        what, label, names = f"{r.num_heads} Medusa heads ({args.num_layers} ResBlock each)", "head", None
+        reference = ("Medusa paper, Vicuna-7B", VICUNA_7B_TOP1[: r.num_heads])
+    elif args.method == "mtp":
+        from nextn.train.mtp import train_mtp
+
+        r = train_mtp(args.model_dir, data_cfg, args.output_dir, settings, num_modules=args.num_heads or 1,
+                      num_draft_steps=args.num_draft_steps, cache_dir=args.cache_dir)
+        what = (f"1 MTP module (Eagle, {r.num_draft_steps} draft steps)" if r.mode == "eagle"
+                else f"{r.num_heads} MTP modules (Vanilla)")
+        label, names, reference = ("step" if r.mode == "eagle" else "module"), None, None
+    else:
+        from nextn.train.student import train_student
+
+        r = train_student(args.model_dir, data_cfg, args.output_dir, settings, mtp_lambda=args.mtp_lambda,
+                          num_draft_steps=args.num_draft_steps, cache_dir=args.cache_dir)
+        what, label, reference = f"a DeepSeek-V3 student with 1 MTP module ({r.num_draft_steps} draft steps)", \
+            "step", None
+        names = ["next", *(f"s{i + 1}" for i in range(r.num_draft_steps))]  # the student's own next-token head first
+    s, cpu = r.seconds, r.cpu_seconds
+    print(f"trained {what}: {r.steps_done}/{r.steps} steps{'' if r.complete else ' (time budget; rerun resumes)'}; "
+          f"final loss {r.final_loss:.3f}; softmax over {r.loss_vocab_size} tokens")
+    print(f"data: {r.num_train} training sequences, {r.num_tokens_generated} tokens generated, {r.num_held_out} "
+          f"prompts held out; wall s: load {s['load_base']:.0f}, generate {s['generate']:.0f}, hidden states "
+          f"{s['hidden']:.0f}, train {s['train']:.0f} (CPU s: data {cpu['data']:.0f}, train {cpu['train']:.0f})")
+    names = names or [f"{label[0]}{i + 1}" for i in range(len(r.top1_after))]
+    print(f"held-out top-1 per {label}   " + "  ".join(f"{n:<5}" for n in names))
+    print("  before training          " + "  ".join(f"{a:.3f}" for a in r.top1_before))
     print("  trained                  " + "  ".join(f"{a:.3f}" for a in r.top1_after))
-    print("  Medusa paper, Vicuna-7B  " + "  ".join(f"{a:.3f}" for a in VICUNA_7B_TOP1[: r.num_heads]))
-    print(f"wrote {args.output_dir}/medusa_lm_head.safetensors, config.json, train_draft.json")
-    if choices is not None:
-        m = measure_acceptance(args.model_dir, args.output_dir, choices, r.held_out_prompts[: args.eval_prompts],
-                               max_tokens=args.num_tokens)
-        print(f"greedy acceptance length on {m['num_prompts']} held-out prompts ({args.eval_tree}, {args.num_tokens} "
-              f"tokens each): {m['acceptance_length']:.3f}; lossless vs plain decoding: {m['lossless']}")
-        meta = json.loads((args.output_dir / "train_draft.json").read_text())
-        meta["acceptance"] = {"tree": args.eval_tree, **m}
-        (args.output_dir / "train_draft.json").write_text(json.dumps(meta) + "\n")
+    if reference is not None:
+        print(f"  {reference[0]:<24} " + "  ".join(f"{a:.3f}" for a in reference[1]))
+    print(f"wrote {args.output_dir} (train_draft.json with the split and these figures)")
+    if args.eval_mtp or choices is not None:
+        return _evaluate(args, json.loads((args.output_dir / "train_draft.json").read_text()), choices)
     return 0
 
 
-def _run_mtp(args: argparse.Namespace) -> int:
-    from nextn.train.mtp import train_mtp
-    from nextn.train.student import train_student
+def _evaluate(args: argparse.Namespace, meta: dict, choices: list[list[int]] | None) -> int:
+    """Greedy AL on the held-out prompts recorded in `meta`; recorded in train_draft.json under "acceptance"."""
+    from nextn.train.evaluate import evaluate_heads
 
-    common = dict(steps=args.steps, seed=args.seed, batch=args.batch_size, lr=args.lr, prompt_len=args.prompt_len,
-                  num_tokens=args.num_tokens, max_prompts=args.max_prompts, held_out_fraction=args.held_out_fraction,
-                  progress=args.progress)
-    if args.eval_only:
-        return _eval_mtp(args, json.loads((args.output_dir / "train_draft.json").read_text()))
-    if args.method == "mtp":
-        r = train_mtp(args.model_dir, args.data, args.output_dir, num_modules=args.num_heads or 1,
-                      num_draft_steps=args.num_draft_steps, **common)
-        what = (f"1 MTP module (Eagle, {r.num_draft_steps} draft steps)" if r.mode == "eagle"
-                else f"{r.num_modules} MTP modules (Vanilla)")
-        label = "step" if r.mode == "eagle" else "module"
-    else:
-        r = train_student(args.model_dir, args.data, args.output_dir, mtp_lambda=args.mtp_lambda,
-                          num_draft_steps=args.num_draft_steps, **common)
-        what, label = f"a DeepSeek-V3 student with 1 MTP module ({r.num_draft_steps} draft steps)", "step"
-    print(f"trained {what} in {r.steps} steps: {r.data_seconds:.1f} s data ({r.num_train} train / "
-          f"{r.num_held_out} held-out sequences), {r.train_seconds:.1f} s training (CPU time: "
-          f"{r.data_cpu_seconds:.1f} s + {r.train_cpu_seconds:.1f} s); final loss {r.final_loss:.3f}")
-    names = [f"{label[0]}{i + 1}" for i in range(r.num_draft_steps if label == "step" else r.num_modules)]
-    if args.method == "student":
-        names = ["next", *names]  # the student's own next-token head first
-    print(f"held-out top-1 per {label}  " + "  ".join(f"{n:<5}" for n in names))
-    print("  before training         " + "  ".join(f"{a:.3f}" for a in r.top1_before))
-    print("  trained                 " + "  ".join(f"{a:.3f}" for a in r.top1_after))
-    print(f"wrote {args.output_dir} (config.json, model*.safetensors, tokenizer files, train_draft.json)")
-    return _eval_mtp(args, json.loads((args.output_dir / "train_draft.json").read_text())) if args.eval_mtp else 0
-
-
-def _eval_mtp(args: argparse.Namespace, meta: dict) -> int:
-    """Greedy AL with `--eval_mtp` drafts on the held-out prompts in `meta`; recorded in train_draft.json."""
-    from nextn.train.mtp import measure_mtp_acceptance
-
-    if not args.eval_mtp:
-        raise ValueError("--eval_only needs --eval_mtp K")
-    m = measure_mtp_acceptance(args.output_dir, meta["held_out_prompts"][: args.eval_prompts],
-                               num_draft_tokens=args.eval_mtp, use_mtp_vanilla=meta["num_modules"] > 1,
-                               max_tokens=args.num_tokens)
-    print(f"greedy acceptance length on {m['num_prompts']} held-out prompts (MTP {m['mode']}, K={args.eval_mtp}, "
-          f"{args.num_tokens} tokens each): {m['acceptance_length']:.3f}; lossless vs plain decoding: {m['lossless']}")
-    meta["acceptance"] = m
+    method = meta["method"]
+    if method == "medusa" and choices is None:
+        raise ValueError("measuring Medusa heads needs --eval_medusa_choices")
+    if method != "medusa" and not args.eval_mtp:
+        raise ValueError("--eval_only needs --eval_mtp K (MTP) or --eval_medusa_choices (Medusa)")
+    chat = meta["chat"]
+    prompts = meta["held_out_prompts"][: args.eval_prompts]
+    tokens = args.eval_tokens or meta["data_config"]["num_tokens"]
+    m = evaluate_heads(meta["base_model"], args.output_dir, "medusa" if method == "medusa" else "mtp", prompts,
+                       num_draft_tokens=args.eval_mtp or 0, use_mtp_vanilla=meta.get("num_modules", 1) > 1,
+                       medusa_choices=choices, max_tokens=tokens, ignore_eos=not chat, dtype=args.eval_dtype)
+    what = f"Medusa {args.eval_tree}" if method == "medusa" else \
+        f"MTP {'Vanilla' if meta.get('num_modules', 1) > 1 else 'Eagle'}, K={args.eval_mtp}"
+    print(f"greedy acceptance length on {m['num_prompts']} held-out prompts ({what}, {tokens} tokens, "
+          f"{args.eval_dtype}): AL {m['acceptance_length']:.3f}, draft acceptance rate "
+          f"{m['draft_acceptance_rate']:.3f}; identical to plain decoding: {m['num_identical']}/{m['num_prompts']}")
+    print(f"engine with the heads: {m['engine_dir']}")
+    meta.setdefault("acceptance_runs", []).append({**m, "tree": args.eval_tree if method == "medusa" else None})
+    meta["acceptance"] = meta["acceptance_runs"][-1]
     (args.output_dir / "train_draft.json").write_text(json.dumps(meta) + "\n")
     return 0
 

@@ -1,6 +1,7 @@
-"""Training draft models on a frozen base by self-distillation (`nextn train-draft`): Medusa heads."""
+"""Training draft heads on a frozen base by self-distillation (`nextn train-draft`): MTP modules, Medusa heads, and
+a distilled DeepSeek-V3 student."""
 
-from nextn.train.data import SelfDistillData, load_base, make_self_distill_data
-from nextn.train.medusa import MedusaTrainResult, train_medusa
+from nextn.train.data import DataConfig, SelfDistillData, load_base, make_self_distill_data
+from nextn.train.session import TrainResult, TrainSettings
 
-__all__ = ["MedusaTrainResult", "SelfDistillData", "load_base", "make_self_distill_data", "train_medusa"]
+__all__ = ["DataConfig", "SelfDistillData", "TrainResult", "TrainSettings", "load_base", "make_self_distill_data"]

@@ -1,6 +1,7 @@
 """Training MTP modules on a frozen Llama-family base by self-distillation (DeepSeek-V3 report §2.2; EAGLE).
 
-The module is DeepSeek's: x = eh_proj([enorm(embed(t)); hnorm(h)]), one decoder block of the base's architecture,
+The module is DeepSeek's: x = eh_proj([enorm(embed(t)); hnorm(h)]), one decoder block of the base's architecture
+(`transformers`' `LlamaDecoderLayer`, or `Qwen2DecoderLayer` with its q/k/v biases: `DECODER_LAYERS`),
 logits = lm_head(shared_head.norm(x)), with the base's embedding and lm_head shared and frozen. Targets are the
 base's own greedy continuations (`train/data.py`), so the module learns the base's distribution. Two shapes, as
 the runtime drafters use them (`runtime/drafters.py`):
@@ -17,8 +18,11 @@ the runtime drafters use them (`runtime/drafters.py`):
   equals running all streams under `eagle_mask` (tested) at about K plain passes' cost. Tokens are
   teacher-forced: a step only matters when the drafts before it were accepted, i.e. equal to the base's tokens.
 
-Only chains that start at a generated position count (p ≥ P − 1 for a prompt of P tokens), as at decode time.
-Loss: Σ_k cross-entropy against the base's greedy tokens (full vocabulary); Adam, linearly decayed learning rate.
+Only chains that start at a generated position count (p ≥ P − 1 for a prompt of P tokens), as at decode time, and
+only labels inside the sequence (sequences are right-padded). Loss: Σ_k cross-entropy against the base's greedy
+tokens, over the tokens of the training data (`LossVocab`: the lm_head product is most of a step's cost) or the full
+vocabulary, plus optionally EAGLE's feature loss (smooth L1 between the normed output and the base's own final
+state at the label's position); Adam, linearly decayed learning rate.
 The output is an HF checkpoint (config.json with `num_nextn_predict_layers`, model.safetensors with the base's
 tensors and the modules at `model.layers.{num_hidden_layers + k}`, tokenizer files) that `build-engine` reads.
 """
@@ -29,9 +33,8 @@ import copy
 import json
 import re
 import shutil
-import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,11 +42,13 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from nextn.train.data import SelfDistillData, load_base, make_self_distill_data
-from nextn.train.loop import fit
+from nextn.train.data import DataConfig, SelfDistillData
+from nextn.train.loop import FitResult, fit
+from nextn.train.session import TrainResult, TrainSettings, finish, prepare
 
-#: (block output after shared_head.norm [B, T, H], labels [B, T], keep [B, T]) per draft step / module.
-StepOutputs = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+#: (block output after shared_head.norm [B, T, H], labels [B, T], keep [B, T], the base's final state that
+#: predicted each label [B, T, H]) per draft step / module.
+StepOutputs = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 class MtpModule(nn.Module):
@@ -80,12 +85,30 @@ class MtpModule(nn.Module):
         return out
 
 
-def llama_mtp_module(hf_config, layer_idx: int) -> MtpModule:
-    """A module whose block is `transformers`' `LlamaDecoderLayer` (HF parameter names, as the engine's)."""
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
+#: model_type → (transformers module, decoder layer class, RMSNorm class) of the bases MTP modules are trained for.
+DECODER_LAYERS = {
+    "llama": ("transformers.models.llama.modeling_llama", "LlamaDecoderLayer", "LlamaRMSNorm"),
+    "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2DecoderLayer", "Qwen2RMSNorm"),
+}
 
-    return MtpModule(LlamaDecoderLayer(hf_config, layer_idx), hf_config.hidden_size,
-                     lambda h: LlamaRMSNorm(h, eps=hf_config.rms_norm_eps))
+
+def mtp_module(hf_config) -> MtpModule:
+    """A module whose block is the base's own `transformers` decoder layer (HF parameter names, as the engine's):
+    `LlamaDecoderLayer`, or `Qwen2DecoderLayer` (q/k/v biases).
+
+    Raises:
+        ValueError: a base of another architecture.
+    """
+    import importlib
+
+    if hf_config.model_type not in DECODER_LAYERS:
+        raise ValueError(f"--method mtp trains MTP modules for {', '.join(DECODER_LAYERS)} bases; this base is "
+                         f"{hf_config.model_type!r} (a DeepSeek-V3 checkpoint brings its own MTP modules)")
+    module_name, layer_name, norm_name = DECODER_LAYERS[hf_config.model_type]
+    hf = importlib.import_module(module_name)
+    # the layer index only picks a cache slot and (Qwen2) the layer type: the last decoder layer's
+    block = getattr(hf, layer_name)(hf_config, hf_config.num_hidden_layers - 1)
+    return MtpModule(block, hf_config.hidden_size, lambda h: getattr(hf, norm_name)(h, eps=hf_config.rms_norm_eps))
 
 
 def _causal(t: int) -> torch.Tensor:
@@ -159,15 +182,54 @@ EAGLE_ATTENTION = "nextn_eagle_streams"
 
 
 @dataclass
+class LossVocab:
+    """The tokens the cross-entropy is taken over: `ids` [C] (sorted), and `index` [V] mapping a token to its place
+    in `ids` (−100, ignored, for tokens outside). The base only ever emits a few thousand distinct tokens in the
+    self-distillation data; a softmax over those instead of the whole vocabulary makes the lm_head product — most
+    of a step's cost — V / C times cheaper. Accuracy is always measured over the full vocabulary."""
+
+    ids: torch.Tensor
+    index: torch.Tensor
+
+    @classmethod
+    def of(cls, tokens: torch.Tensor, vocab_size: int) -> "LossVocab":
+        ids = torch.unique(tokens)
+        index = torch.full((vocab_size,), -100, dtype=torch.int64)
+        index[ids] = torch.arange(len(ids))
+        return cls(ids, index)
+
+    @classmethod
+    def full(cls, vocab_size: int) -> "LossVocab":
+        return cls(torch.arange(vocab_size), torch.arange(vocab_size))
+
+
+@torch.no_grad()
+def argmax_logits(x: torch.Tensor, lm_head: torch.Tensor, chunk: int = 2048) -> torch.Tensor:
+    """argmax over the full vocabulary of x [N, H] @ lm_head [V, H]ᵀ → [N], `chunk` rows at a time (memory)."""
+    return torch.cat([(part @ lm_head.T).argmax(-1) for part in x.split(chunk)]) if len(x) else \
+        torch.zeros(0, dtype=torch.int64)
+
+
+def generated(prompt_lens: torch.Tensor, lengths: torch.Tensor, t: int, first: int, label: int) -> torch.Tensor:
+    """keep [B, t]: rows j with j ≥ prompt_len − 1 + `first` (the chain reads only the base's own tokens) whose label
+    position j + `label` lies inside the sequence."""
+    j = torch.arange(t)[None, :]
+    return (j >= prompt_lens[:, None] - 1 + first) & (j + label < lengths[:, None])
+
+
+@dataclass
 class MtpContext:
-    """The pieces of the model that the modules share: embedding, lm_head and rotary embedding (frozen or not)."""
+    """The pieces of the model that the modules share: embedding, lm_head and rotary embedding (frozen or not),
+    and the loss's vocabulary and feature-loss weight."""
 
     embed: torch.Tensor  # [V, H]
     lm_head: torch.Tensor  # [V, H]
     rotary: nn.Module  # transformers' rotary embedding: (x, position_ids [1, T]) → (cos, sin)
-    prompt_len: int
+    vocab: LossVocab | None = None  # None: the full vocabulary
+    feature_weight: float = 0.0  # weight of the smooth-L1 loss between the normed output and the base's state
 
-    def vanilla(self, modules: nn.ModuleList, tokens: torch.Tensor, hidden: torch.Tensor) -> StepOutputs:
+    def vanilla(self, modules: nn.ModuleList, tokens: torch.Tensor, hidden: torch.Tensor, prompt_lens: torch.Tensor,
+                lengths: torch.Tensor) -> StepOutputs:
         """Module k (1-based) at row i reads t_{i+k} and module k−1's output at i, predicts t_{i+k+1}; tokens [B, L]."""
         length = tokens.shape[1]
         h_prev, out = hidden, []
@@ -175,13 +237,13 @@ class MtpContext:
             t = length - k - 1
             positions = torch.arange(t)[None]
             x = module(self.embed[tokens[:, k : k + t]], h_prev[:, :t], self.rotary(h_prev, positions), _causal(t))
-            keep = (torch.arange(t) >= self.prompt_len - 1).expand(tokens.shape[0], t)
-            out.append((module.shared_head_norm(x), tokens[:, k + 1 : k + 1 + t], keep))
+            keep = generated(prompt_lens, lengths, t, 0, k + 1)
+            out.append((module.shared_head_norm(x), tokens[:, k + 1 : k + 1 + t], keep, hidden[:, k : k + t]))
             h_prev = x
         return out
 
-    def eagle(self, module: MtpModule, tokens: torch.Tensor, hidden: torch.Tensor, steps: int,
-              reference: bool = False) -> StepOutputs:
+    def eagle(self, module: MtpModule, tokens: torch.Tensor, hidden: torch.Tensor, prompt_lens: torch.Tensor,
+              lengths: torch.Tensor, steps: int, reference: bool = False) -> StepOutputs:
         """Draft steps 1..`steps` of one module (see the module docstring); each row j predicts t_{j+2}.
 
         Stream s runs alone through the block with `_eagle_attention` (cost ≈ `steps` plain passes). With
@@ -190,7 +252,7 @@ class MtpContext:
         b, length = tokens.shape
         t = length - 2
         embeds = self.embed[tokens[:, 1 : 1 + t]]  # [B, T, H] embed(t_{j+1})
-        labels = tokens[:, 2 : 2 + t]
+        labels, targets = tokens[:, 2 : 2 + t], hidden[:, 1 : 1 + t]
         xs, h_in = [], [hidden[:, :t]]  # stream inputs: the base's h_j, then the previous stream's output at j − 1
         attn = module.block.self_attn
         if reference:
@@ -211,93 +273,78 @@ class MtpContext:
                     h_in.append(_shift_down(xs[-1]))
             finally:
                 attn.config, attn.eagle_cache = config, None
-        return [(module.shared_head_norm(x), labels, (torch.arange(t) >= self.prompt_len - 1 + s).expand(b, t))
+        return [(module.shared_head_norm(x), labels, generated(prompt_lens, lengths, t, s, 2), targets)
                 for s, x in enumerate(xs)]
 
     def loss(self, outputs: StepOutputs) -> torch.Tensor:
-        """Σ over steps of the mean cross-entropy (full vocabulary) on kept rows."""
-        return sum(F.cross_entropy((x[keep] @ self.lm_head.T), labels[keep]) for x, labels, keep in outputs)
+        """Σ over steps of the mean cross-entropy on kept rows (over `vocab`), plus `feature_weight` × the smooth-L1
+        distance of the normed output to the base's own final state at the label's position (EAGLE's feature loss)."""
+        vocab = self.vocab
+        head = self.lm_head if vocab is None else self.lm_head[vocab.ids]
+        total = self.lm_head.new_zeros(())
+        for x, labels, keep, target in outputs:
+            y = labels[keep] if vocab is None else vocab.index[labels[keep]]
+            total = total + F.cross_entropy(x[keep] @ head.T, y)
+            if self.feature_weight:
+                total = total + self.feature_weight * F.smooth_l1_loss(x[keep], target[keep])
+        return total
 
     @torch.no_grad()
     def top1(self, outputs: StepOutputs) -> list[float]:
-        """Per step top-1 accuracy against the base's greedy tokens (teacher-forced chains)."""
-        return [((x[keep] @ self.lm_head.T).argmax(-1) == labels[keep]).float().mean().item()
-                for x, labels, keep in outputs]
+        """Per step top-1 accuracy (full vocabulary) against the base's greedy tokens (teacher-forced chains)."""
+        return [(argmax_logits(x[keep], self.lm_head) == labels[keep]).float().mean().item()
+                for x, labels, keep, _ in outputs]
 
 
-@dataclass
-class MtpTrainResult:
-    """What `train_mtp` did; `top1_*` are per draft step (Eagle) or per module (Vanilla), on held-out sequences."""
-
-    mode: str  # "eagle" or "vanilla"
-    num_modules: int
-    num_draft_steps: int  # K the modules were trained for
-    steps: int
-    final_loss: float
-    top1_before: list[float]
-    top1_after: list[float]
-    num_train: int
-    num_held_out: int
-    data_seconds: float  # wall-clock
-    train_seconds: float
-    data_cpu_seconds: float  # CPU time of this process (= wall-clock on an idle machine with one thread)
-    train_cpu_seconds: float
-    held_out_prompts: list[list[int]] = field(repr=False, default_factory=list)
+def fit_mtp(run: Callable[..., StepOutputs], ctx: MtpContext, params, data: SelfDistillData, steps: int, *,
+            batch: int = 64, lr: float = 3e-3, seed: int = 0, progress: bool = True, eval_every: int = 100,
+            desc: str = "train MTP", **fit_kwargs) -> FitResult:
+    """Adam on `params` for `steps` steps of `ctx.loss(run(*data.rows(batch)))`; the held-out top-1 per step."""
+    return fit(params, lambda rows: ctx.loss(run(*data.rows(rows))),
+               lambda: ctx.top1(run(*data.rows(data.held_out_rows))), data.num_train, steps, batch=batch, lr=lr,
+               seed=seed, progress=progress, eval_every=eval_every, desc=desc, **fit_kwargs)
 
 
-def fit_mtp(run: Callable[[torch.Tensor, torch.Tensor], StepOutputs], ctx: MtpContext, params, data: SelfDistillData,
-            steps: int, *, batch: int = 64, lr: float = 3e-3, seed: int = 0, progress: bool = True,
-            eval_every: int = 100, desc: str = "train MTP") -> tuple[float, list[float]]:
-    """Adam on `params` for `steps` steps of `ctx.loss(run(tokens, hidden))`; returns (last loss, held-out top-1)."""
-    return fit(params, lambda tokens, hidden: ctx.loss(run(tokens, hidden)), lambda: ctx.top1(run(*data.held_out)),
-               data.train, steps, batch=batch, lr=lr, seed=seed, progress=progress, eval_every=eval_every, desc=desc)
-
-
-def train_mtp(model_dir: str | Path, data_files: list[str | Path], output_dir: str | Path, *, num_modules: int = 1,
-              num_draft_steps: int = 3, steps: int = 2000, seed: int = 0, batch: int = 64, lr: float = 3e-3,
-              prompt_len: int = 16, num_tokens: int = 96, max_prompts: int | None = None,
-              held_out_fraction: float = 0.1, progress: bool = True) -> MtpTrainResult:
-    """Self-distil MTP modules onto the frozen Llama-family base `model_dir`; write the checkpoint to `output_dir`.
+def train_mtp(model_dir: str | Path, data_cfg: DataConfig, output_dir: str | Path, settings: TrainSettings, *,
+              num_modules: int = 1, num_draft_steps: int = 3, cache_dir: str | Path | None = None) -> TrainResult:
+    """Self-distil MTP modules onto the frozen Llama / Qwen2 base `model_dir`; write the checkpoint to `output_dir`.
 
     `num_modules` = 1 trains one module for Eagle use, unrolled `num_draft_steps` times; K > 1 trains K Vanilla
-    modules. Also writes `train_draft.json` (metrics, held-out prompt ids). Deterministic under `seed` (same
-    thread count).
+    modules. Also writes `train_draft.json` (metrics, the split). `cache_dir` (default `output_dir/train_cache`)
+    keeps the data and the resumable training state. Deterministic under the seeds (same thread count).
     Raises:
-        ValueError: no usable prompt, a base that is not Llama-family, or arguments out of range.
+        ValueError: no usable prompt, a base of another architecture, or arguments out of range.
     """
-    if num_modules < 1 or num_draft_steps < 1 or steps < 0:
+    if num_modules < 1 or num_draft_steps < 1 or settings.steps < 0:
         raise ValueError(f"need num_modules ≥ 1, num_draft_steps ≥ 1, steps ≥ 0 "
-                         f"(got {num_modules}, {num_draft_steps}, {steps})")
-    start, cpu_start = time.perf_counter(), time.process_time()
-    torch.manual_seed(seed)
-    model, tokenizer = load_base(model_dir)
-    if model.config.model_type != "llama":
-        raise ValueError(f"--method mtp trains MTP modules for Llama-family bases; {model_dir} is "
-                         f"{model.config.model_type!r} (a DeepSeek-V3 checkpoint brings its own MTP modules)")
-    data = make_self_distill_data(model, tokenizer, data_files, prompt_len=prompt_len, num_tokens=num_tokens,
-                                  held_out_fraction=held_out_fraction, max_prompts=max_prompts, seed=seed)
-    data_seconds, data_cpu = time.perf_counter() - start, time.process_time() - cpu_start
-    n = model.config.num_hidden_layers
-    modules = nn.ModuleList(llama_mtp_module(model.config, n + k) for k in range(num_modules))
+                         f"(got {num_modules}, {num_draft_steps}, {settings.steps})")
+    cache = Path(cache_dir) if cache_dir is not None else Path(output_dir) / "train_cache"
+    prep = prepare(model_dir, data_cfg, settings, cache)
+    model, data = prep.model, prep.data
+    modules = nn.ModuleList(mtp_module(model.config) for _ in range(num_modules))
     for module in modules:
         module.warm_start(model.model.norm.weight.detach())
-    ctx = MtpContext(model.model.embed_tokens.weight.detach(), model.lm_head.weight.detach(), model.model.rotary_emb,
-                     data.prompt_len)
+    vocab = LossVocab.of(data.tokens[: data.num_train], model.config.vocab_size) if settings.loss_vocab == "data" \
+        else None
+    ctx = MtpContext(model.model.embed_tokens.weight.detach(), prep.lm_head, model.model.rotary_emb, vocab,
+                     settings.feature_weight)
     eagle = num_modules == 1
     if eagle:
-        run = lambda tokens, hidden: ctx.eagle(modules[0], tokens, hidden, num_draft_steps)  # noqa: E731
+        run = lambda *rows: ctx.eagle(modules[0], *rows, num_draft_steps)  # noqa: E731
     else:
-        run = lambda tokens, hidden: ctx.vanilla(modules, tokens, hidden)  # noqa: E731
-    top1_before = ctx.top1(run(*data.held_out))
-    loss, top1_after = fit_mtp(run, ctx, modules.parameters(), data, steps, batch=batch, lr=lr, seed=seed,
-                               progress=progress, desc=f"train MTP ({'Eagle' if eagle else 'Vanilla'})")
-    result = MtpTrainResult("eagle" if eagle else "vanilla", num_modules, num_draft_steps if eagle else num_modules,
-                            steps, loss, top1_before, top1_after, data.num_train, data.tokens.shape[0] - data.num_train,
-                            data_seconds, time.perf_counter() - start - data_seconds, data_cpu,
-                            time.process_time() - cpu_start - data_cpu, data.held_out_prompts)
+        run = lambda *rows: ctx.vanilla(modules, *rows)  # noqa: E731
+    top1_before = ctx.top1(run(*data.rows(data.held_out_rows)))
+    mode = "eagle" if eagle else "vanilla"
+    fitted = fit_mtp(run, ctx, modules.parameters(), data, settings.steps, batch=settings.batch, lr=settings.lr,
+                     seed=settings.seed, progress=settings.progress, eval_every=settings.eval_every,
+                     desc=f"train MTP ({mode})", top1_start=top1_before, state_path=cache / "train_state_mtp.pt",
+                     run_key=settings.run_key(prep.data_key, mode=mode, num_modules=num_modules,
+                                              num_draft_steps=num_draft_steps),
+                     deadline=prep.deadline, checkpoint_every_s=settings.checkpoint_every_s)
     write_mtp_checkpoint(model_dir, [m.checkpoint_tensors() for m in modules], output_dir)
-    (Path(output_dir) / "train_draft.json").write_text(json.dumps({"method": "mtp", **asdict(result)}) + "\n")
-    return result
+    vocab_size = len(vocab.ids) if vocab is not None else model.config.vocab_size
+    return finish(prep, "mtp", mode, num_modules, num_draft_steps if eagle else num_modules, settings, fitted,
+                  top1_before, vocab_size, output_dir, data_cfg, num_modules=num_modules)
 
 
 # Checkpoint ---------------------------------------------------------------------------------------------------
@@ -342,40 +389,3 @@ def write_mtp_checkpoint(model_dir: str | Path, modules: list[dict[str, torch.Te
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     write_tokenizer(out)
     return out
-
-
-# Evaluation ---------------------------------------------------------------------------------------------------
-def measure_mtp_acceptance(checkpoint_dir: str | Path, prompts: list[list[int]], num_draft_tokens: int = 3,
-                           use_mtp_vanilla: bool = False, max_tokens: int = 96,
-                           engine_dir: str | Path | None = None) -> dict:
-    """Greedy acceptance length of the MTP modules through the public `LLM` API, and losslessness vs plain decoding.
-
-    Builds an engine of `checkpoint_dir` (into `engine_dir`, else a temporary directory) and decodes `prompts`
-    (token ids) with `ignore_eos`, with MTP (Eagle, or Vanilla) drafting K = `num_draft_tokens` and without.
-    Returns {"acceptance_length": Σ tokens / Σ (decode steps + 1), "lossless": bool, "num_prompts", "tokens",
-    "seconds" (MTP decoding), "plain_seconds", "mode", "num_draft_tokens"}.
-    """
-    import tempfile
-
-    from nextn import LLM, SamplingParams
-    from nextn.build.engine_builder import build_engine
-
-    with tempfile.TemporaryDirectory() as tmp:
-        engine = Path(engine_dir) if engine_dir is not None else Path(tmp) / "engine"
-        build_engine(checkpoint_dir, engine, max_seq_len=max(len(p) for p in prompts) + max_tokens + 64,
-                     progress=False)
-        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        spec = {"decoding_type": "MTP", "num_nextn_predict_layers": num_draft_tokens,
-                "use_mtp_vanilla": use_mtp_vanilla}
-        start = time.perf_counter()
-        outs = LLM(engine, speculative_config=spec).generate(prompts, sp)
-        seconds = time.perf_counter() - start
-        plain = LLM(engine, speculative_config=None).generate(prompts, sp)
-        plain_seconds = time.perf_counter() - start - seconds
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    steps = sum(o.outputs[0].num_decode_steps + 1 for o in outs)
-    return {"acceptance_length": tokens / steps, "num_prompts": len(prompts), "tokens": tokens, "seconds": seconds,
-            "plain_seconds": plain_seconds, "mode": "vanilla" if use_mtp_vanilla else "eagle",
-            "num_draft_tokens": num_draft_tokens,
-            "lossless": [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]}
-

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -26,9 +24,10 @@ from safetensors.torch import save_file
 from nextn.testing.tiny_checkpoint import (
     INDEX_FILE, MTP_SHARD, TinyDeepseekSpec, _tensor_bytes, hf_config, quiet_transformers, split_experts,
 )  # fmt: skip
-from nextn.train.data import load_base, make_self_distill_data
+from nextn.train.data import DataConfig
 from nextn.train.loop import fit
-from nextn.train.mtp import MtpContext, MtpModule, MtpTrainResult
+from nextn.train.mtp import MtpContext, MtpModule, generated
+from nextn.train.session import TrainResult, TrainSettings, finish, prepare
 
 #: The student's shape: 3 layers (1 dense, 2 MoE: 8 routed experts, top-2 in 1 of 2 groups, 1 shared), MLA with a
 #: 32-d latent and 8-d rope dims, hidden 64 like stories260K; vocabulary and special ids are set from the teacher.
@@ -49,30 +48,25 @@ def student_spec(teacher_config, spec: TinyDeepseekSpec = STUDENT_SPEC) -> TinyD
                                eos_token_id=teacher_config.eos_token_id)
 
 
-def train_student(teacher_dir: str | Path, data_files: list[str | Path], output_dir: str | Path, *,
-                  mtp_lambda: float = 0.3, num_draft_steps: int = 3, steps: int = 2000, seed: int = 0,
-                  batch: int = 64, lr: float = 3e-3, prompt_len: int = 16, num_tokens: int = 96,
-                  max_prompts: int | None = None, held_out_fraction: float = 0.1, progress: bool = True,
-                  spec: TinyDeepseekSpec = STUDENT_SPEC, eval_every: int = 100) -> MtpTrainResult:
+def train_student(teacher_dir: str | Path, data_cfg: DataConfig, output_dir: str | Path, settings: TrainSettings,
+                  *, mtp_lambda: float = 0.3, num_draft_steps: int = 3, spec: TinyDeepseekSpec = STUDENT_SPEC,
+                  cache_dir: str | Path | None = None) -> TrainResult:
     """Distil a DeepSeek-V3 student (with one MTP module) from `teacher_dir`'s greedy continuations; write it.
 
     Returns the metrics; `top1_*` are [next token, MTP step 1, .., step K] on held-out sequences. Also writes
-    `train_draft.json` in `output_dir`. Deterministic under `seed` (same thread count).
+    `train_draft.json` in `output_dir`. Deterministic under the seeds (same thread count).
     Raises:
         ValueError: no usable prompt, or arguments out of range.
     """
     from transformers import DeepseekV3ForCausalLM
 
-    if steps < 0 or num_draft_steps < 1 or mtp_lambda < 0:
-        raise ValueError(f"need steps ≥ 0, num_draft_steps ≥ 1, mtp_lambda ≥ 0 (got {steps}, {num_draft_steps}, "
-                         f"{mtp_lambda})")
-    start, cpu_start = time.perf_counter(), time.process_time()
-    torch.manual_seed(seed)
-    teacher, tokenizer = load_base(teacher_dir)
-    data = make_self_distill_data(teacher, tokenizer, data_files, prompt_len=prompt_len, num_tokens=num_tokens,
-                                  held_out_fraction=held_out_fraction, max_prompts=max_prompts, seed=seed)
-    data_seconds, data_cpu = time.perf_counter() - start, time.process_time() - cpu_start
-    spec = student_spec(teacher.config, spec)
+    if settings.steps < 0 or num_draft_steps < 1 or mtp_lambda < 0:
+        raise ValueError(f"need steps ≥ 0, num_draft_steps ≥ 1, mtp_lambda ≥ 0 (got {settings.steps}, "
+                         f"{num_draft_steps}, {mtp_lambda})")
+    cache = Path(cache_dir) if cache_dir is not None else Path(output_dir) / "train_cache"
+    prep = prepare(teacher_dir, data_cfg, settings, cache)
+    data = prep.data
+    spec = student_spec(prep.model.config, spec)
     cfg = hf_config(spec)
     with quiet_transformers():
         student = DeepseekV3ForCausalLM(cfg).train()
@@ -82,37 +76,39 @@ def train_student(teacher_dir: str | Path, data_files: list[str | Path], output_
     mtp.warm_start(student.model.norm.weight.detach())
     params = [*student.parameters(), *mtp.parameters()]
 
-    def run(tokens: torch.Tensor):
-        """(next-token logits [B, L−1, V] and labels, MTP step outputs, context)."""
+    def run(tokens: torch.Tensor, prompt_lens: torch.Tensor, lengths: torch.Tensor):
+        """(next-token logits [N, V] and labels [N] at real positions, MTP step outputs, context)."""
         hidden = student.model(tokens).last_hidden_state  # [B, L, H] after the final norm
-        ctx = MtpContext(student.model.embed_tokens.weight, student.lm_head.weight, student.model.rotary_emb,
-                         data.prompt_len)
-        return student.lm_head(hidden[:, :-1]), tokens[:, 1:], ctx.eagle(mtp, tokens, hidden, num_draft_steps), ctx
+        ctx = MtpContext(student.model.embed_tokens.weight, student.lm_head.weight, student.model.rotary_emb)
+        keep = generated(torch.zeros_like(prompt_lens) + 1, lengths, tokens.shape[1] - 1, 0, 1)  # every next token
+        return (student.lm_head(hidden[:, :-1][keep]), tokens[:, 1:][keep],
+                ctx.eagle(mtp, tokens, hidden, prompt_lens, lengths, num_draft_steps), ctx)
 
-    def loss_of(tokens: torch.Tensor) -> torch.Tensor:
-        logits, labels, mtp_out, ctx = run(tokens)
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten()) + mtp_lambda * ctx.loss(mtp_out)
+    def loss_of(rows: torch.Tensor) -> torch.Tensor:
+        tokens, _, prompt_lens, lengths = data.rows(rows)
+        logits, labels, mtp_out, ctx = run(tokens, prompt_lens, lengths)
+        return F.cross_entropy(logits, labels) + mtp_lambda * ctx.loss(mtp_out)
 
     @torch.no_grad()
     def top1() -> list[float]:
-        tokens = data.held_out[0]
-        logits, labels, mtp_out, ctx = run(tokens)
-        keep = torch.arange(labels.shape[1]) >= data.prompt_len - 1  # the generated tokens
-        main = (logits.argmax(-1) == labels)[:, keep].float().mean().item()
-        return [main, *ctx.top1(mtp_out)]
+        tokens, _, prompt_lens, lengths = data.rows(data.held_out_rows)
+        t = tokens.shape[1] - 1
+        hidden = student.model(tokens).last_hidden_state
+        keep = generated(prompt_lens, lengths, t, 0, 1)  # the generated tokens
+        main = (student.lm_head(hidden[:, :-1][keep]).argmax(-1) == tokens[:, 1:][keep]).float().mean().item()
+        ctx = MtpContext(student.model.embed_tokens.weight, student.lm_head.weight, student.model.rotary_emb)
+        return [main, *ctx.top1(ctx.eagle(mtp, tokens, hidden, prompt_lens, lengths, num_draft_steps))]
 
     top1_before = top1()
-    loss_value, top1_after = fit(params, loss_of, top1, (data.train[0],), steps, batch=batch, lr=lr, seed=seed,
-                                 progress=progress, eval_every=eval_every, desc="train DeepSeek-V3 student",
-                                 warmup=max(1, steps // 20), max_grad_norm=1.0, top1_start=top1_before)
-    result = MtpTrainResult("eagle", 1, num_draft_steps, steps, loss_value, top1_before, top1_after, data.num_train,
-                            data.tokens.shape[0] - data.num_train, data_seconds,
-                            time.perf_counter() - start - data_seconds, data_cpu,
-                            time.process_time() - cpu_start - data_cpu, data.held_out_prompts)
+    fitted = fit(params, loss_of, top1, data.num_train, settings.steps, batch=settings.batch, lr=settings.lr,
+                 seed=settings.seed, progress=settings.progress, eval_every=settings.eval_every,
+                 desc="train DeepSeek-V3 student", warmup=max(1, settings.steps // 20), max_grad_norm=1.0,
+                 top1_start=top1_before, state_path=cache / "train_state_student.pt",
+                 run_key=settings.run_key(prep.data_key, mtp_lambda=mtp_lambda, num_draft_steps=num_draft_steps),
+                 deadline=prep.deadline, checkpoint_every_s=settings.checkpoint_every_s)
     write_student_checkpoint(student, mtp, spec, teacher_dir, output_dir)
-    (Path(output_dir) / "train_draft.json").write_text(
-        json.dumps({"method": "student", "mtp_lambda": mtp_lambda, **asdict(result)}) + "\n")
-    return result
+    return finish(prep, "student", "eagle", 1, num_draft_steps, settings, fitted, top1_before, spec.vocab_size,
+                  output_dir, data_cfg, mtp_lambda=mtp_lambda, num_modules=1)
 
 
 def write_student_checkpoint(student, mtp: MtpModule, spec: TinyDeepseekSpec, teacher_dir: str | Path,
