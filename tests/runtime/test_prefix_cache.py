@@ -215,7 +215,8 @@ def test_a_cache_too_small_evicts_preempts_and_stays_exact(request, overlap):
     equals the reuse-off run, no cached block is ever written, and every block is free again at the end."""
     prompts = [[(11 * i + 3 * j) % 400 + 20 for j in range(n)] for i, n in enumerate([19, 30, 9, 26, 17, 33])]
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (14, 9, 16, 12, 10, 8)]
-    kw = dict(kv={"max_tokens": 96}, enable_chunked_prefill=True, max_num_tokens=10, disable_overlap_scheduler=not overlap)
+    kw = dict(kv={"max_tokens": 96}, enable_chunked_prefill=True, max_num_tokens=10,
+              disable_overlap_scheduler=not overlap)
     ref = staggered(make_llm(request, "mtp_eagle", reuse=False, **kw), prompts, params, every=1)
     llm = make_llm(request, "mtp_eagle", reuse=True, **kw)
     checker = FrozenCachedBlocks(llm)

@@ -213,8 +213,8 @@ def summarize(turns: dict[bool, list[Turn]], counters: dict[bool, tuple[float, f
 
 
 def table(title: str, s: dict) -> str:
-    lines = [f"{title}", "| Prefix caching | Turn | Prompt tokens (mean) | TTFT mean / median (ms) | End-to-end mean (ms) "
-             "| Reused / prompt tokens | AL (mean) |", "|---|---|---|---|---|---|---|"]
+    lines = [f"{title}", "| Prefix caching | Turn | Prompt tokens (mean) | TTFT mean / median (ms) "
+             "| End-to-end mean (ms) | Reused / prompt tokens | AL (mean) |", "|---|---|---|---|---|---|---|"]
     for reuse in ("off", "on"):
         for turn in (1, 2):
             r = s[f"reuse_{reuse}_turn{turn}"]
