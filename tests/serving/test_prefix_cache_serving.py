@@ -5,15 +5,12 @@ one the engine gives without reuse."""
 from __future__ import annotations
 
 import re
-import socket
-import threading
 import time
 import urllib.request
 from pathlib import Path
 
 import openai
 import pytest
-import uvicorn
 
 from nextn import LLM, SamplingParams
 from nextn.build.engine_builder import build_engine
@@ -24,35 +21,22 @@ STORIES = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "mode
 KV = {"tokens_per_block": 4}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _metric(text: str, name: str) -> float:
     m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
     return float(m.group(1)) if m else -1.0
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(tmp_path_factory, local_server_cls):
     if not STORIES.is_file():
         pytest.skip(f"{STORIES} is absent (../shared/data): the real stories260K model is not available")
     engine = tmp_path_factory.mktemp("stories_prefix") / "engine"
     build_engine(STORIES, engine, max_seq_len=256, progress=False)
     llm = LLM(engine, device="cpu", kv_cache_config=KV)
     app = create_app(llm, "stories")
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=_free_port(), log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.1)
-    yield f"http://127.0.0.1:{server.config.port}", app, engine
-    server.should_exit = True
-    thread.join(30)
+    server = local_server_cls(app)
+    yield server.url, app, engine
+    server.stop()
     llm.shutdown()
 
 
