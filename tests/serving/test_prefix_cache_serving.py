@@ -5,7 +5,6 @@ one the engine gives without reuse."""
 from __future__ import annotations
 
 import re
-import time
 import urllib.request
 from pathlib import Path
 
