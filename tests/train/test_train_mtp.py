@@ -45,6 +45,17 @@ def test_cutting_the_prompt_context_keeps_the_generated_tokens(stories):
     assert (cut.lengths - cut.prompt_lens).equal(data.lengths - data.prompt_lens)
 
 
+def test_targets_are_the_bases_own_tokens(stories):
+    """Generated positions: the engine's continuation; prompt positions: the base's prediction (argmax)."""
+    _, data = stories
+    rows = data.rows(torch.arange(4), with_prompts=True)
+    p = int(data.prompt_lens[0])
+    assert rows.prompt_lens.tolist() == [1] * 4 and rows.targets[:, p:].equal(rows.tokens[:, p:])
+    assert rows.targets[:, 1:p].equal(data.base_next[:4, : p - 1])
+    agree = (data.base_next[:, p - 1 : -1] == data.tokens[:, p:]).float().mean()
+    assert agree > 0.9  # the transformers pass predicts what the engine generated
+
+
 def test_eagle_mask_is_the_runtime_cache_after_a_chain():
     m = eagle_mask(4, 3)[0, 0] == 0  # [12, 12] allowed
     # step 3 (stream 2) at position 3: chain from p = 1 sees module-1 rows 0..1, step 2 at 2, itself at 3
@@ -58,7 +69,7 @@ def test_stream_attention_equals_the_masked_streams(stories):
     module = mtp_module(model.config)
     rows = data.rows(torch.arange(4))
     with torch.no_grad():
-        fast, ref = ctx.eagle(module, *rows, 3), ctx.eagle(module, *rows, 3, reference=True)
+        fast, ref = ctx.eagle(module, *rows[:4], 3), ctx.eagle(module, *rows[:4], 3, reference=True)
     for (x, labels, keep, _), (y, labels_ref, keep_ref, _) in zip(fast, ref):
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
         assert labels.equal(labels_ref) and keep.equal(keep_ref)
@@ -74,11 +85,11 @@ def test_a_few_steps_reduce_the_loss_deterministically(stories, num_modules):
     for _ in range(2):
         torch.manual_seed(5)
         modules = nn.ModuleList(mtp_module(model.config) for k in range(num_modules))
-        run = ((lambda *rows: ctx.eagle(modules[0], *rows, 3)) if num_modules == 1
-               else (lambda *rows: ctx.vanilla(modules, *rows)))
-        before = ctx.loss(run(*held_out)).item()
+        run = ((lambda r: ctx.eagle(modules[0], *r[:4], 3, targets=r.targets)) if num_modules == 1
+               else (lambda r: ctx.vanilla(modules, *r[:4], targets=r.targets)))
+        before = ctx.loss(run(held_out)).item()
         fit_mtp(run, ctx, modules.parameters(), data, 8, batch=8, lr=3e-3, seed=2, progress=False)
-        runs.append((before, ctx.loss(run(*held_out)).item(), modules.state_dict()))
+        runs.append((before, ctx.loss(run(held_out)).item(), modules.state_dict()))
     (before, after, state), (_, _, again) = runs
     assert after < before
     assert all(torch.equal(state[k], again[k]) for k in state)

@@ -23,6 +23,7 @@ import logging
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -50,11 +51,33 @@ class DataConfig:
     chat: bool | None = None  # apply the chat template; None: when the base has one
     gen_dtype: str = "auto"  # dtype of the engine that generates (bfloat16 where fast, else float32)
     gen_batch_size: int = 32  # requests the engine runs at once
+    num_text_prompts: int = 0  # more training prompts that are only read by the base (no continuation): their
+    # positions train on the base's own next-token predictions (`SelfDistillData.base_next`), ~7× cheaper a token
+
+    def generation_key(self, base_fingerprint: str, chat: bool) -> str:
+        """The settings a continuation depends on (not the prompt selection: the store is shared across runs)."""
+        payload = json.dumps({"base": base_fingerprint, "chat": chat, "num_tokens": self.num_tokens,
+                              "prompt_len": None if chat else self.prompt_len, "gen_dtype": self.gen_dtype,
+                              "gen_batch_size": self.gen_batch_size}, sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
     def key(self, base_fingerprint: str) -> str:
         payload = json.dumps({"base": base_fingerprint, **asdict(self), "files": [Path(f).name for f in self.files]},
                              sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+class Rows(NamedTuple):
+    """A batch of sequences, cut to the longest: inputs `tokens` [B, T], the base's final states `hidden` [B, T, H]
+    (float32), `prompt_lens` [B] (positions before prompt_len − 1 do not train; 1 when prompts train too),
+    `lengths` [B], and `targets` [B, T]: the base's greedy token at each position (targets[:, i] = its prediction
+    given tokens[:, :i]) — the continuation itself where the base generated, its prediction inside prompts."""
+
+    tokens: torch.Tensor
+    hidden: torch.Tensor
+    prompt_lens: torch.Tensor
+    lengths: torch.Tensor
+    targets: torch.Tensor
 
 
 @dataclass
@@ -78,15 +101,23 @@ class SelfDistillData:
     prompt_ids: list[str]
     held_out: list[str] = field(repr=False)
     eval_prompts: dict[str, list[int]] = field(repr=False)
+    base_next: torch.Tensor | None = None  # [S, L] int64: the base's argmax at each position (its next token)
     seconds: dict[str, float] = field(default_factory=dict)  # generate, hidden (0 when loaded from the cache)
     chat: bool = True  # prompts were chat-templated and continuations stop at EOS (else raw text, EOS ignored)
+    num_text: int = 0  # of the training rows, the last `num_text` are prompts only (no continuation)
 
-    def rows(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(tokens [B, T], hidden [B, T, H] float32, prompt_lens [B], lengths [B]) of rows `index`, cut to the
-        longest of them."""
+    def rows(self, index: torch.Tensor, with_prompts: bool = False) -> Rows:
+        """`Rows` of `index`, cut to the longest of them; `with_prompts`: prompt positions train too (their targets
+        are the base's predictions, `base_next`)."""
         t = int(self.lengths[index].max())
-        return (self.tokens[index, :t], self.hidden[index, :t].float(), self.prompt_lens[index],
-                self.lengths[index])
+        tokens = self.tokens[index, :t]
+        targets = tokens
+        if self.base_next is not None:
+            targets = torch.cat([tokens[:, :1], self.base_next[index, : t - 1]], dim=1)
+            generated = torch.arange(t)[None, :] >= self.prompt_lens[index, None]
+            targets = torch.where(generated, tokens, targets)  # the engine's own tokens where it generated
+        first = torch.ones_like(self.prompt_lens[index]) if with_prompts else self.prompt_lens[index]
+        return Rows(tokens, self.hidden[index, :t].float(), first, self.lengths[index], targets)
 
     def with_context(self, max_context: int | None) -> "SelfDistillData":
         """The same data with each prompt cut to its last `max_context` tokens (None: unchanged).
@@ -102,11 +133,21 @@ class SelfDistillData:
         length = int(lengths.max())
         tokens = torch.zeros(len(cut), length, dtype=self.tokens.dtype)
         hidden = torch.zeros(len(cut), length, self.hidden.shape[-1], dtype=self.hidden.dtype)
+        base_next = None if self.base_next is None else torch.zeros_like(tokens)
         for i, (c, n) in enumerate(zip(cut.tolist(), lengths.tolist())):
             tokens[i, :n] = self.tokens[i, c : c + n]
             hidden[i, :n] = self.hidden[i, c : c + n]
+            if base_next is not None:
+                base_next[i, :n] = self.base_next[i, c : c + n]
         return dataclasses.replace(self, tokens=tokens, hidden=hidden, prompt_lens=self.prompt_lens - cut,
-                                   lengths=lengths)
+                                   lengths=lengths, base_next=base_next)
+
+    def train_token_ids(self) -> torch.Tensor:
+        """Every token id that occurs in the training rows, as input or as the base's prediction."""
+        parts = [self.tokens[: self.num_train].flatten()]
+        if self.base_next is not None:
+            parts.append(self.base_next[: self.num_train].flatten())
+        return torch.unique(torch.cat(parts))
 
     @property
     def train(self) -> torch.Tensor:
@@ -189,28 +230,82 @@ def render_prompts(tokenizer, prompts: list[TrainPrompt], cfg: DataConfig, chat:
     return out
 
 
-def generate(llm, prompts: list[list[int]], num_tokens: int, *, ignore_eos: bool, progress: bool
-             ) -> list[list[int]]:
-    """The engine's greedy continuations of `prompts` (token ids), up to `num_tokens` each."""
-    from nextn import SamplingParams
+class BudgetExhausted(RuntimeError):
+    """The run's time budget ran out while the base was still generating; what it generated is kept."""
 
-    outs = llm.generate(prompts, SamplingParams(max_tokens=num_tokens, ignore_eos=ignore_eos), use_tqdm=progress)
-    bad = [o for o in outs if o.outputs[0].finish_reason == "error"]
-    if bad:
-        raise RuntimeError(f"{len(bad)} prompt(s) failed to generate: {bad[0].outputs[0].error}")
-    return [list(o.outputs[0].token_ids) for o in outs]
+
+class GenerationStore:
+    """The base's continuations, one JSON line per prompt as it finishes (`{"id", "prompt", "continuation"}`), in
+    `cache_dir/generations-<key>.jsonl`; the key covers the base and every setting that changes a continuation.
+    An interrupted generation (a crash, `--max_minutes`) resumes with the prompts not yet in the file, and a run
+    with more prompts generates only the new ones."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.done: dict[str, tuple[list[int], list[int]]] = {}
+        if path.is_file():
+            for line in path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:  # a line cut by an interruption
+                    continue
+                self.done[row["id"]] = (row["prompt"], row["continuation"])
+
+    def get(self, prompt_id: str, prompt: list[int]) -> list[int] | None:
+        hit = self.done.get(prompt_id)
+        return hit[1] if hit is not None and hit[0] == prompt else None
+
+    def generate(self, llm, rows: list[tuple[str, list[int]]], num_tokens: int, *, ignore_eos: bool,
+                 deadline: float | None, progress: bool) -> None:
+        """Continue every (id, prompt) of `rows` not stored yet, greedily, with in-flight batching through the
+        public request API; each finished request is appended at once.
+
+        Raises:
+            BudgetExhausted: `deadline` (a `time.perf_counter()` value) passed first.
+            RuntimeError: a request failed.
+        """
+        from nextn import SamplingParams
+
+        todo = [(pid, ids) for pid, ids in rows if self.get(pid, ids) is None]
+        if not todo:
+            return
+        sp = SamplingParams(max_tokens=num_tokens, ignore_eos=ignore_eos)
+        pending = {llm.add_request(ids, sp): (pid, ids) for pid, ids in todo}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        bar = progress_bar(total=len(rows), initial=len(rows) - len(todo), enabled=progress, desc="generate",
+                           unit="prompt")
+        with self.path.open("a") as f:
+            while pending:
+                if deadline is not None and time.perf_counter() > deadline:
+                    for rid in pending:
+                        llm.abort_request(rid)
+                    bar.close()
+                    raise BudgetExhausted(f"the time budget ran out while generating: {len(rows) - len(pending)} of "
+                                          f"{len(rows)} continuations are in {self.path}; the same command resumes")
+                for out in llm.step():
+                    pid, ids = pending.pop(out.request_id)
+                    o = out.outputs[0]
+                    if o.finish_reason == "error":
+                        raise RuntimeError(f"prompt {pid} failed to generate: {o.error}")
+                    f.write(json.dumps({"id": pid, "prompt": ids, "continuation": list(o.token_ids)}) + "\n")
+                    f.flush()
+                    self.done[pid] = (ids, list(o.token_ids))
+                    bar.update(1)
+        bar.close()
 
 
 @torch.no_grad()
 def final_hidden(model, tokens: torch.Tensor, lengths: torch.Tensor, *, dtype: torch.dtype,
-                 max_batch_tokens: int = 4096, progress: bool = False) -> torch.Tensor:
-    """tokens [S, L] (right-padded) → the base's final-normed hidden states [S, L, H] in `dtype` (padding rows 0).
+                 max_batch_tokens: int = 4096, progress: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens [S, L] (right-padded) → the base's final-normed hidden states [S, L, H] in `dtype` and its argmax
+    next tokens [S, L] int64 (padding rows 0).
 
     Rows run in length-sorted batches of at most `max_batch_tokens` tokens; under bfloat16 autocast when `dtype`
     is bfloat16 (linear layers in bf16; rope and norms as `transformers` keeps them).
     """
     s, length = tokens.shape
     out = torch.zeros(s, length, model.config.hidden_size, dtype=dtype)
+    nxt = torch.zeros(s, length, dtype=torch.int64)
     order = torch.argsort(lengths, descending=True).tolist()
     bar = progress_bar(total=int(lengths.sum()), enabled=progress, desc="base hidden states", unit="tok")
     i = 0
@@ -219,13 +314,15 @@ def final_hidden(model, tokens: torch.Tensor, lengths: torch.Tensor, *, dtype: t
         rows = order[i : i + max(1, max_batch_tokens // t)]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
             h = model.model(tokens[rows, :t]).last_hidden_state
+            top = model.lm_head(h).argmax(-1)
         for r, row in enumerate(rows):
             n = int(lengths[row])
             out[row, :n] = h[r, :n].to(dtype)
+            nxt[row, :n] = top[r, :n]
         bar.update(int(lengths[rows].sum()))
         i += len(rows)
     bar.close()
-    return out
+    return out, nxt
 
 
 def _pad(seqs: list[list[int]]) -> torch.Tensor:
@@ -236,12 +333,14 @@ def _pad(seqs: list[list[int]]) -> torch.Tensor:
 
 
 def make_self_distill_data(model_dir: str | Path, base_model, cfg: DataConfig, *, cache_dir: str | Path,
-                           progress: bool = True) -> SelfDistillData:
+                           progress: bool = True, deadline: float | None = None) -> SelfDistillData:
     """The self-distillation data of `cfg` for the base `model_dir` (loaded in `transformers` as `base_model`),
-    from `cache_dir` when it was made before, else made now (see the module docstring) and cached.
+    from `cache_dir` when it was made before, else made now (see the module docstring) and cached; the
+    continuations already in the cache's `GenerationStore` are not generated again.
 
     Raises:
         ValueError: no usable prompt, or no held-out one.
+        BudgetExhausted: `deadline` passed during generation (what was generated is kept).
     """
     from nextn import LLM
     from nextn.build.engine_cache import checkpoint_files, resolve_engine_dir
@@ -249,7 +348,8 @@ def make_self_distill_data(model_dir: str | Path, base_model, cfg: DataConfig, *
 
     cache = Path(cache_dir)
     files = checkpoint_files(Path(model_dir))
-    key = cfg.key(fingerprint(files, root=files[0].parent if len(files) == 1 else None))
+    base_fingerprint = fingerprint(files, root=files[0].parent if len(files) == 1 else None)
+    key = cfg.key(base_fingerprint)
     path = cache / f"data-{key}.pt"
     if path.is_file():
         logger.info("self-distillation data from the cache %s", path)
@@ -269,25 +369,34 @@ def make_self_distill_data(model_dir: str | Path, base_model, cfg: DataConfig, *
     bench = [p for p in held if p.source in BENCHMARK_SOURCES] or held
     eval_rendered = render_prompts(llm.tokenizer, bench, cfg, chat, limit=max(MAX_EVAL_PROMPTS, cfg.num_top1_prompts))
     top1 = eval_rendered[: cfg.num_top1_prompts]
-    train_rendered = render_prompts(llm.tokenizer, balanced(train), cfg, chat, limit=cfg.max_prompts)
+    limit = None if cfg.max_prompts is None else cfg.max_prompts + cfg.num_text_prompts
+    train_rendered = render_prompts(llm.tokenizer, balanced(train), cfg, chat, limit=limit)
+    text_rendered = train_rendered[cfg.max_prompts :] if cfg.max_prompts is not None else []
+    train_rendered = train_rendered[: cfg.max_prompts]
     if not train_rendered or not top1:
         raise ValueError(f"no usable prompt: {len(train_rendered)} to train on, {len(top1)} held out (prompts too "
                          f"long for --max_prompt_len {cfg.max_prompt_len}, or shorter than --prompt_len "
                          f"{cfg.prompt_len})")
-    rows = train_rendered + top1
-    continuations = generate(llm, [ids for _, ids in rows], cfg.num_tokens, ignore_eos=not chat, progress=progress)
+    rows = train_rendered + top1  # the prompts the base continues
+    store = GenerationStore(cache / f"generations-{cfg.generation_key(base_fingerprint, chat)}.jsonl")
+    store.generate(llm, [(p.id, ids) for p, ids in rows], cfg.num_tokens, ignore_eos=not chat, deadline=deadline,
+                   progress=progress)
+    continuations = [store.get(p.id, ids) for p, ids in rows]
     del llm
     gen_seconds = time.perf_counter() - start
+    rows = train_rendered + text_rendered + top1  # text rows: the prompt alone
+    continuations = continuations[: len(train_rendered)] + [[]] * len(text_rendered) + continuations[-len(top1) :]
     seqs = [ids + cont for (_, ids), cont in zip(rows, continuations)]
     tokens = _pad(seqs)
     lengths = torch.tensor([len(s) for s in seqs])
     from nextn.runtime.engine import fast_bf16
 
-    hidden = final_hidden(base_model, tokens, lengths, progress=progress,
-                          dtype=torch.bfloat16 if fast_bf16(torch.device("cpu")) else torch.float32)
+    hidden, base_next = final_hidden(base_model, tokens, lengths, progress=progress,
+                                     dtype=torch.bfloat16 if fast_bf16(torch.device("cpu")) else torch.float32)
     data = SelfDistillData(tokens, hidden, torch.tensor([len(ids) for _, ids in rows]), lengths,
-                           len(train_rendered), [p.id for p, _ in rows], [p.id for p in held],
-                           {p.id: ids for p, ids in eval_rendered}, chat=chat)
+                           len(train_rendered) + len(text_rendered), [p.id for p, _ in rows], [p.id for p in held],
+                           {p.id: ids for p, ids in eval_rendered}, base_next=base_next, chat=chat,
+                           num_text=len(text_rendered))
     cache.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     torch.save({k: v for k, v in vars(data).items() if k != "seconds"}, tmp)

@@ -39,7 +39,7 @@ def fit(params: Iterable[torch.nn.Parameter], loss_fn: Callable[[torch.Tensor], 
         top1_fn: Callable[[], list[float]], num_rows: int, steps: int, *, batch: int, lr: float, seed: int,
         progress: bool, eval_every: int, desc: str, warmup: int = 0, max_grad_norm: float | None = None,
         top1_start: list[float] | None = None, state_path: str | Path | None = None, run_key: str = "",
-        deadline: float | None = None, checkpoint_every_s: float = 120.0) -> FitResult:
+        deadline: float | None = None, checkpoint_every_s: float = 120.0, bf16: bool = False) -> FitResult:
     """Run `steps` Adam steps of `loss_fn(rows)` over random batches of `batch` row indices in [0, num_rows).
 
     Args:
@@ -50,6 +50,7 @@ def fit(params: Iterable[torch.nn.Parameter], loss_fn: Callable[[torch.Tensor], 
         top1_start: top-1 before training when the caller has it (else measured).
         state_path: the resumable checkpoint (None: none); resumed from when it exists with the same `run_key`.
         deadline: `time.perf_counter()` value after which no new step starts (None: no budget).
+        bf16: run the loss under CPU bfloat16 autocast (matmuls in bf16, parameters and Adam in float32).
     """
     gen = torch.Generator().manual_seed(seed)
     params = list(params)
@@ -93,7 +94,8 @@ def fit(params: Iterable[torch.nn.Parameter], loss_fn: Callable[[torch.Tensor], 
                            steps, state_path)
             return FitResult(loss_value, top1_fn(), step, False, start_step)
         pick = torch.randint(0, num_rows, (min(batch, num_rows),), generator=gen)
-        loss = loss_fn(pick)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = loss_fn(pick)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if max_grad_norm is not None:
@@ -103,7 +105,7 @@ def fit(params: Iterable[torch.nn.Parameter], loss_fn: Callable[[torch.Tensor], 
         loss_value = loss.item()
         if progress and ((step + 1) % eval_every == 0 or step + 1 == steps):
             top1 = top1_fn()
-        bar.set_postfix(loss=f"{loss_value:.3f}", top1="/".join(f"{a:.2f}" for a in top1))
+        bar.set_postfix(loss=f"{loss_value:.3f}", top1="/".join(f"{a:.2f}" for a in top1), refresh=False)
         if state_path is not None and time.perf_counter() - last_save > checkpoint_every_s and step + 1 < steps:
             save(step + 1)
             last_save = time.perf_counter()

@@ -17,13 +17,12 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from nextn.models.medusa import MedusaHeads
-from nextn.train.data import DataConfig
+from nextn.train.data import DataConfig, Rows
 from nextn.train.loop import fit
-from nextn.train.mtp import LossVocab, argmax_logits, generated
+from nextn.train.mtp import LossVocab, argmax_logits, class_loss, generated
 from nextn.train.session import TrainResult, TrainSettings, finish, prepare
 
 #: Medusa paper, Vicuna-7B, per-head top-1 accuracy of heads 1..5 (REFERENCE.md §5).
@@ -52,35 +51,31 @@ def _head_hidden(heads: MedusaHeads, i: int, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def head_loss(heads: MedusaHeads, tokens: torch.Tensor, hidden: torch.Tensor, prompt_lens: torch.Tensor,
-              lengths: torch.Tensor, vocab: LossVocab | None = None) -> torch.Tensor:
-    """Σ_i 0.8^i · CE of head i at generated positions t (t ≥ P − 1, t + i + 2 < length) against tokens[t + i + 2];
-    tokens [B, L]; the softmax over `vocab` (None: the full vocabulary)."""
-    length = tokens.shape[1]
-    loss = hidden.new_zeros(())
+def head_loss(heads: MedusaHeads, rows: Rows, vocab: LossVocab | None = None) -> torch.Tensor:
+    """Σ_i 0.8^i · CE of head i at positions t ≥ prompt_len − 1 with t + i + 2 < length against the base's greedy
+    token at t + i + 2 (`rows.targets`); the softmax over `vocab` (None: the full vocabulary)."""
+    length = rows.tokens.shape[1]
+    loss = rows.hidden.new_zeros(())
     for i in range(len(heads)):
         t = length - i - 2
-        keep = generated(prompt_lens, lengths, t, 0, i + 2)
-        x = _head_hidden(heads, i, hidden[:, :t][keep])  # [N, H]
+        keep = generated(rows.prompt_lens, rows.lengths, t, 0, i + 2)
+        x = _head_hidden(heads, i, rows.hidden[:, :t][keep])  # [N, H]
         w = heads[i][heads.num_layers].weight
-        labels = tokens[:, i + 2 :][keep]
-        if vocab is not None:
-            w, labels = w[vocab.ids], vocab.index[labels]
-        loss = loss + DECAY**i * F.cross_entropy(x @ w.T, labels)
+        classes = None if vocab is None else vocab.classes(x, w)
+        loss = loss + DECAY**i * class_loss(x, rows.targets[:, i + 2 :][keep], w, classes)
     return loss
 
 
 @torch.no_grad()
-def head_top1(heads: MedusaHeads, tokens: torch.Tensor, hidden: torch.Tensor, prompt_lens: torch.Tensor,
-              lengths: torch.Tensor) -> list[float]:
+def head_top1(heads: MedusaHeads, rows: Rows) -> list[float]:
     """Per-head top-1 accuracy (full vocabulary) over the same positions as `head_loss`."""
-    length = tokens.shape[1]
+    length = rows.tokens.shape[1]
     accs = []
     for i in range(len(heads)):
         t = length - i - 2
-        keep = generated(prompt_lens, lengths, t, 0, i + 2)
-        pred = argmax_logits(_head_hidden(heads, i, hidden[:, :t][keep]), heads[i][heads.num_layers].weight)
-        accs.append((pred == tokens[:, i + 2 :][keep]).float().mean().item())
+        keep = generated(rows.prompt_lens, rows.lengths, t, 0, i + 2)
+        pred = argmax_logits(_head_hidden(heads, i, rows.hidden[:, :t][keep]), heads[i][heads.num_layers].weight)
+        accs.append((pred == rows.targets[:, i + 2 :][keep]).float().mean().item())
     return accs
 
 
@@ -117,17 +112,17 @@ def train_medusa(model_dir: str | Path, data_cfg: DataConfig, output_dir: str | 
     heads = init_heads(num_heads, num_layers, prep.lm_head.float())
     params = [p for name, p in heads.named_parameters() if train_projection or name.endswith(("linear.weight",
                                                                                              "linear.bias"))]
-    vocab = LossVocab.of(data.tokens[: data.num_train], prep.model.config.vocab_size) \
-        if settings.loss_vocab == "data" else None
-    top1_before = head_top1(heads, *data.rows(data.held_out_rows))
-    fitted = fit(params, lambda rows: head_loss(heads, *data.rows(rows), vocab),
-                 lambda: head_top1(heads, *data.rows(data.held_out_rows)), data.num_train, settings.steps,
+    vocab = LossVocab.of(data.train_token_ids()) if settings.loss_vocab == "data" else None
+    top1_before = head_top1(heads, data.rows(data.held_out_rows))
+    fitted = fit(params, lambda rows: head_loss(heads, data.rows(rows, settings.train_on_prompts), vocab),
+                 lambda: head_top1(heads, data.rows(data.held_out_rows)), data.num_train, settings.steps,
                  batch=settings.batch, lr=settings.lr, seed=settings.seed, progress=settings.progress,
                  eval_every=settings.eval_every, desc="train Medusa heads", top1_start=top1_before,
                  state_path=cache / "train_state_medusa.pt",
                  run_key=settings.run_key(prep.data_key, num_heads=num_heads, num_layers=num_layers,
                                           train_projection=train_projection),
-                 deadline=prep.deadline, checkpoint_every_s=settings.checkpoint_every_s)
+                 deadline=prep.deadline, checkpoint_every_s=settings.checkpoint_every_s, bf16=settings.bf16,
+                 warmup=settings.warmup)
     save_heads(heads, output_dir, str(model_dir))
     vocab_size = len(vocab.ids) if vocab is not None else prep.model.config.vocab_size
     return finish(prep, "medusa", "medusa", num_heads, num_heads, settings, fitted, top1_before, vocab_size,

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from nextn.train.data import DataConfig, SelfDistillData
+from nextn.train.data import DataConfig, Rows, SelfDistillData
 from nextn.train.loop import FitResult, fit
 from nextn.train.session import TrainResult, TrainSettings, finish, prepare
 
@@ -66,6 +66,23 @@ class MtpModule(nn.Module):
         """tok_embeds, h_prev [B, T, H] → block output [B, T, H] (before shared_head.norm); mask [1, 1, T, T] additive."""
         x = self.eh_proj(torch.cat([self.enorm(tok_embeds), self.hnorm(h_prev)], dim=-1))
         return self.block(x, attention_mask=mask, position_embeddings=position_embeddings)
+
+    def warm_start_from_base(self, hidden_rms: float) -> None:
+        """Start as the base's own next-token head: eh_proj passes hnorm(h) through (eh_proj = [0, I]), the block is
+        the identity (o_proj and down_proj zero, as residual branches are often started), and shared_head.norm's
+        weight is `hidden_rms` (the base's final states' typical RMS), so logits(h) ≈ the base's lm_head(h).
+
+        Untrained, the module then predicts token t + 1 for t + 2 — wrong, but with the base's calibrated logits
+        in the base's own hidden space. From a random start the logits are confidently wrong (CE ≈ 12 for a
+        ~4,000-token softmax on SmolLM2-135M) and 50 steps barely moved them.
+        """
+        h = self.eh_proj.weight.shape[0]
+        with torch.no_grad():
+            self.eh_proj.weight.zero_()
+            self.eh_proj.weight[:, h:].copy_(torch.eye(h))
+            self.block.self_attn.o_proj.weight.zero_()
+            self.block.mlp.down_proj.weight.zero_()
+            self.shared_head_norm.weight.fill_(hidden_rms)
 
     def warm_start(self, final_norm: torch.Tensor) -> None:
         """shared_head.norm = the base's final norm; the rest keeps its default init.
@@ -183,24 +200,36 @@ EAGLE_ATTENTION = "nextn_eagle_streams"
 
 @dataclass
 class LossVocab:
-    """The tokens the cross-entropy is taken over: `ids` [C] (sorted), and `index` [V] mapping a token to its place
-    in `ids` (−100, ignored, for tokens outside). The base only ever emits a few thousand distinct tokens in the
-    self-distillation data; a softmax over those instead of the whole vocabulary makes the lm_head product — most
-    of a step's cost — V / C times cheaper. Accuracy is always measured over the full vocabulary."""
+    """The tokens the cross-entropy is taken over: the sorted `ids` [C] of every token in the training data, plus,
+    at each step, the hard negatives of that step (`classes`): the tokens outside `ids` that the heads currently
+    rank highest. The base emits a few thousand distinct tokens in the self-distillation data (SmolLM2: ~4,000 of
+    49,152); a softmax over those makes the lm_head product — most of a step's cost — ~10× cheaper, and the hard
+    negatives keep the other ~45,000 tokens from winning the full-vocabulary argmax that decoding uses (without
+    them, held-out top-1 stays at 0). Accuracy is always measured over the full vocabulary."""
 
     ids: torch.Tensor
-    index: torch.Tensor
+    num_negative_rows: int = 256  # rows whose full-vocabulary top-k give the step's hard negatives
+    num_negatives: int = 8  # k
 
     @classmethod
-    def of(cls, tokens: torch.Tensor, vocab_size: int) -> "LossVocab":
-        ids = torch.unique(tokens)
-        index = torch.full((vocab_size,), -100, dtype=torch.int64)
-        index[ids] = torch.arange(len(ids))
-        return cls(ids, index)
+    def of(cls, tokens: torch.Tensor) -> "LossVocab":
+        return cls(torch.unique(tokens))
 
-    @classmethod
-    def full(cls, vocab_size: int) -> "LossVocab":
-        return cls(torch.arange(vocab_size), torch.arange(vocab_size))
+    @torch.no_grad()
+    def classes(self, x: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+        """Sorted class ids for one step: `ids` ∪ the top-k tokens of evenly spaced rows of x [N, H]."""
+        rows = x[:: max(1, len(x) // self.num_negative_rows)][: self.num_negative_rows].detach()
+        top = (rows @ lm_head.T).topk(self.num_negatives, dim=-1).indices.flatten()
+        return torch.unique(torch.cat([self.ids, top]))
+
+
+def class_loss(x: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor, classes: torch.Tensor | None
+               ) -> torch.Tensor:
+    """Mean cross-entropy of x [N, H] @ lm_head[classes]ᵀ against labels [N] (token ids, all in `classes`);
+    `classes` None: the full vocabulary."""
+    if classes is None:
+        return F.cross_entropy(x @ lm_head.T, labels)
+    return F.cross_entropy(x @ lm_head[classes].T, torch.searchsorted(classes, labels))
 
 
 @torch.no_grad()
@@ -229,22 +258,26 @@ class MtpContext:
     feature_weight: float = 0.0  # weight of the smooth-L1 loss between the normed output and the base's state
 
     def vanilla(self, modules: nn.ModuleList, tokens: torch.Tensor, hidden: torch.Tensor, prompt_lens: torch.Tensor,
-                lengths: torch.Tensor) -> StepOutputs:
-        """Module k (1-based) at row i reads t_{i+k} and module k−1's output at i, predicts t_{i+k+1}; tokens [B, L]."""
+                lengths: torch.Tensor, targets: torch.Tensor | None = None) -> StepOutputs:
+        """Module k (1-based) at row i reads t_{i+k} and module k−1's output at i, predicts t_{i+k+1}; tokens [B, L];
+        the labels come from `targets` (`Rows.targets`: the base's greedy tokens; default `tokens`)."""
         length = tokens.shape[1]
+        targets = tokens if targets is None else targets
         h_prev, out = hidden, []
         for k, module in enumerate(modules, start=1):
             t = length - k - 1
             positions = torch.arange(t)[None]
             x = module(self.embed[tokens[:, k : k + t]], h_prev[:, :t], self.rotary(h_prev, positions), _causal(t))
             keep = generated(prompt_lens, lengths, t, 0, k + 1)
-            out.append((module.shared_head_norm(x), tokens[:, k + 1 : k + 1 + t], keep, hidden[:, k : k + t]))
+            out.append((module.shared_head_norm(x), targets[:, k + 1 : k + 1 + t], keep, hidden[:, k : k + t]))
             h_prev = x
         return out
 
     def eagle(self, module: MtpModule, tokens: torch.Tensor, hidden: torch.Tensor, prompt_lens: torch.Tensor,
-              lengths: torch.Tensor, steps: int, reference: bool = False) -> StepOutputs:
-        """Draft steps 1..`steps` of one module (see the module docstring); each row j predicts t_{j+2}.
+              lengths: torch.Tensor, steps: int, reference: bool = False, targets: torch.Tensor | None = None
+              ) -> StepOutputs:
+        """Draft steps 1..`steps` of one module (see the module docstring); each row j predicts t_{j+2} (from
+        `targets`, the base's greedy tokens; default `tokens`).
 
         Stream s runs alone through the block with `_eagle_attention` (cost ≈ `steps` plain passes). With
         `reference`, every stream runs again at each step under `eagle_mask` (cost ∝ steps²; for tests).
@@ -252,7 +285,8 @@ class MtpContext:
         b, length = tokens.shape
         t = length - 2
         embeds = self.embed[tokens[:, 1 : 1 + t]]  # [B, T, H] embed(t_{j+1})
-        labels, targets = tokens[:, 2 : 2 + t], hidden[:, 1 : 1 + t]
+        labels = (tokens if targets is None else targets)[:, 2 : 2 + t]
+        targets = hidden[:, 1 : 1 + t]  # the base's state that predicted each label (the feature loss's target)
         xs, h_in = [], [hidden[:, :t]]  # stream inputs: the base's h_j, then the previous stream's output at j − 1
         attn = module.block.self_attn
         if reference:
@@ -279,14 +313,13 @@ class MtpContext:
     def loss(self, outputs: StepOutputs) -> torch.Tensor:
         """Σ over steps of the mean cross-entropy on kept rows (over `vocab`), plus `feature_weight` × the smooth-L1
         distance of the normed output to the base's own final state at the label's position (EAGLE's feature loss)."""
-        vocab = self.vocab
-        head = self.lm_head if vocab is None else self.lm_head[vocab.ids]
+        kept = [(x[keep], labels[keep], target[keep]) for x, labels, keep, target in outputs]
+        classes = None if self.vocab is None else self.vocab.classes(torch.cat([x for x, _, _ in kept]), self.lm_head)
         total = self.lm_head.new_zeros(())
-        for x, labels, keep, target in outputs:
-            y = labels[keep] if vocab is None else vocab.index[labels[keep]]
-            total = total + F.cross_entropy(x[keep] @ head.T, y)
+        for x, labels, target in kept:
+            total = total + class_loss(x, labels, self.lm_head, classes)
             if self.feature_weight:
-                total = total + self.feature_weight * F.smooth_l1_loss(x[keep], target[keep])
+                total = total + self.feature_weight * F.smooth_l1_loss(x, target)
         return total
 
     @torch.no_grad()
@@ -296,12 +329,13 @@ class MtpContext:
                 for x, labels, keep, _ in outputs]
 
 
-def fit_mtp(run: Callable[..., StepOutputs], ctx: MtpContext, params, data: SelfDistillData, steps: int, *,
+def fit_mtp(run: Callable[[Rows], StepOutputs], ctx: MtpContext, params, data: SelfDistillData, steps: int, *,
             batch: int = 64, lr: float = 3e-3, seed: int = 0, progress: bool = True, eval_every: int = 100,
-            desc: str = "train MTP", **fit_kwargs) -> FitResult:
-    """Adam on `params` for `steps` steps of `ctx.loss(run(*data.rows(batch)))`; the held-out top-1 per step."""
-    return fit(params, lambda rows: ctx.loss(run(*data.rows(rows))),
-               lambda: ctx.top1(run(*data.rows(data.held_out_rows))), data.num_train, steps, batch=batch, lr=lr,
+            desc: str = "train MTP", with_prompts: bool = False, **fit_kwargs) -> FitResult:
+    """Adam on `params` for `steps` steps of `ctx.loss(run(data.rows(batch)))` (`with_prompts`: prompt positions
+    train too); the held-out top-1 (generated positions) per step."""
+    return fit(params, lambda rows: ctx.loss(run(data.rows(rows, with_prompts))),
+               lambda: ctx.top1(run(data.rows(data.held_out_rows))), data.num_train, steps, batch=batch, lr=lr,
                seed=seed, progress=progress, eval_every=eval_every, desc=desc, **fit_kwargs)
 
 
@@ -322,25 +356,30 @@ def train_mtp(model_dir: str | Path, data_cfg: DataConfig, output_dir: str | Pat
     prep = prepare(model_dir, data_cfg, settings, cache)
     model, data = prep.model, prep.data
     modules = nn.ModuleList(mtp_module(model.config) for _ in range(num_modules))
+    real = torch.arange(data.tokens.shape[1])[None, :] < data.lengths[: data.num_train, None]  # [S, L]
+    hidden_rms = float(data.hidden[: data.num_train][real].float().pow(2).mean().sqrt())
     for module in modules:
-        module.warm_start(model.model.norm.weight.detach())
-    vocab = LossVocab.of(data.tokens[: data.num_train], model.config.vocab_size) if settings.loss_vocab == "data" \
-        else None
+        if settings.init == "base":
+            module.warm_start_from_base(hidden_rms)
+        else:
+            module.warm_start(model.model.norm.weight.detach())
+    vocab = LossVocab.of(data.train_token_ids()) if settings.loss_vocab == "data" else None
     ctx = MtpContext(model.model.embed_tokens.weight.detach(), prep.lm_head, model.model.rotary_emb, vocab,
                      settings.feature_weight)
     eagle = num_modules == 1
     if eagle:
-        run = lambda *rows: ctx.eagle(modules[0], *rows, num_draft_steps)  # noqa: E731
+        run = lambda r: ctx.eagle(modules[0], *r[:4], num_draft_steps, targets=r.targets)  # noqa: E731
     else:
-        run = lambda *rows: ctx.vanilla(modules, *rows)  # noqa: E731
-    top1_before = ctx.top1(run(*data.rows(data.held_out_rows)))
+        run = lambda r: ctx.vanilla(modules, *r[:4], targets=r.targets)  # noqa: E731
+    top1_before = ctx.top1(run(data.rows(data.held_out_rows)))
     mode = "eagle" if eagle else "vanilla"
     fitted = fit_mtp(run, ctx, modules.parameters(), data, settings.steps, batch=settings.batch, lr=settings.lr,
                      seed=settings.seed, progress=settings.progress, eval_every=settings.eval_every,
-                     desc=f"train MTP ({mode})", top1_start=top1_before, state_path=cache / "train_state_mtp.pt",
+                     desc=f"train MTP ({mode})", top1_start=top1_before, with_prompts=settings.train_on_prompts, state_path=cache / "train_state_mtp.pt",
                      run_key=settings.run_key(prep.data_key, mode=mode, num_modules=num_modules,
                                               num_draft_steps=num_draft_steps),
-                     deadline=prep.deadline, checkpoint_every_s=settings.checkpoint_every_s)
+                     deadline=prep.deadline, checkpoint_every_s=settings.checkpoint_every_s, bf16=settings.bf16,
+                     warmup=settings.warmup)
     write_mtp_checkpoint(model_dir, [m.checkpoint_tensors() for m in modules], output_dir)
     vocab_size = len(vocab.ids) if vocab is not None else model.config.vocab_size
     return finish(prep, "mtp", mode, num_modules, num_draft_steps if eagle else num_modules, settings, fitted,

@@ -85,13 +85,13 @@ def train_student(teacher_dir: str | Path, data_cfg: DataConfig, output_dir: str
                 ctx.eagle(mtp, tokens, hidden, prompt_lens, lengths, num_draft_steps), ctx)
 
     def loss_of(rows: torch.Tensor) -> torch.Tensor:
-        tokens, _, prompt_lens, lengths = data.rows(rows)
+        tokens, _, prompt_lens, lengths, _ = data.rows(rows)
         logits, labels, mtp_out, ctx = run(tokens, prompt_lens, lengths)
         return F.cross_entropy(logits, labels) + mtp_lambda * ctx.loss(mtp_out)
 
     @torch.no_grad()
     def top1() -> list[float]:
-        tokens, _, prompt_lens, lengths = data.rows(data.held_out_rows)
+        tokens, _, prompt_lens, lengths, _ = data.rows(data.held_out_rows)
         t = tokens.shape[1] - 1
         hidden = student.model(tokens).last_hidden_state
         keep = generated(prompt_lens, lengths, t, 0, 1)  # the generated tokens

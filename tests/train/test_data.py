@@ -1,0 +1,51 @@
+"""Self-distillation data (`train/data.py`) on stories260K: continuations come from nextn's engine and are stored per
+prompt, so a run with more prompts generates only the new ones and a run stopped by its time budget resumes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from nextn import LLM, SamplingParams
+from nextn.cli.train_draft import main
+from nextn.train.data import GenerationStore
+
+DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+STORIES = DATA / "models" / "stories260K" / "stories260K.gguf"
+CORPUS = DATA / "corpora" / "tinystories_train_head.txt"
+
+
+@pytest.fixture(scope="module")
+def llm():
+    if not STORIES.is_file():
+        pytest.skip(f"../shared/data is absent ({DATA}): stories260K is not available")
+    return LLM(STORIES, speculative_config=None, dtype="float32", max_batch_size=4)
+
+
+def test_the_store_generates_only_what_it_lacks_and_equals_plain_generate(llm, tmp_path):
+    prompts = [(f"p{i}", [1, 20 + i, 30 + 2 * i]) for i in range(6)]
+    store = GenerationStore(tmp_path / "gen.jsonl")
+    store.generate(llm, prompts[:2], 8, ignore_eos=True, deadline=None, progress=False)
+    first = (tmp_path / "gen.jsonl").read_text().splitlines()
+    store.generate(llm, prompts, 8, ignore_eos=True, deadline=None, progress=False)
+    lines = (tmp_path / "gen.jsonl").read_text().splitlines()
+    assert len(first) == 2 and lines[:2] == first and len(lines) == 6  # nothing generated twice
+    again = GenerationStore(tmp_path / "gen.jsonl")  # read back from the file
+    want = llm.generate([ids for _, ids in prompts], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert [again.get(pid, ids) for pid, ids in prompts] == [o.outputs[0].token_ids for o in want]
+    assert again.get("p0", [1, 2, 3]) is None  # another prompt under the same id is not a hit
+
+
+def test_a_spent_budget_stops_generation_with_exit_status_3(tmp_path, capsys):
+    if not CORPUS.is_file():
+        pytest.skip(f"{CORPUS} is absent")
+    argv = ["--model_dir", str(STORIES), "--method", "mtp", "--data", str(CORPUS), "--output_dir",
+            str(tmp_path / "out"), "--max_prompts", "8", "--num_tokens", "8", "--prompt_len", "8", "--max_minutes", "0",
+            "--no-progress"]
+    assert main(argv) == 3
+    assert "time budget ran out while generating" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "train_draft.json").exists()
+    stored = list((tmp_path / "out" / "train_cache").glob("generations-*.jsonl"))
+    assert len(stored) == 1 and all(json.loads(line)["id"] for line in stored[0].read_text().splitlines())
