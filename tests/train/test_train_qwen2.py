@@ -24,7 +24,8 @@ SMALL = ["--max_prompts", "24", "--num_tokens", "16", "--prompt_len", "8", "--ba
 
 @pytest.fixture(scope="module")
 def tiny_qwen2(tmp_path_factory) -> Path:
-    """A seeded 2-layer Qwen2 (hidden 64, random q/k/v biases, peaked logits) with stories260K's 512-token
+    """A seeded 2-layer Qwen2 (hidden 64, init std 0.2 so greedy continuations vary with the context — at the default
+    0.02 every prompt continues with one repeated token, which any draft predicts —, random q/k/v biases, peaked logits) with stories260K's 512-token
     tokenizer, saved as an HF checkpoint."""
     if not (STORIES.is_file() and CORPUS.is_file()):
         pytest.skip(f"../shared/data is absent ({DATA}): stories260K's tokenizer or its corpus is not available")
@@ -34,7 +35,8 @@ def tiny_qwen2(tmp_path_factory) -> Path:
 
     cfg = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                      initializer_range=0.2)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(cfg).eval()
     with torch.no_grad():
