@@ -24,9 +24,9 @@ SMALL = ["--max_prompts", "24", "--num_tokens", "16", "--prompt_len", "8", "--ba
 
 @pytest.fixture(scope="module")
 def tiny_qwen2(tmp_path_factory) -> Path:
-    """A seeded 2-layer Qwen2 (hidden 64, init std 0.2 so greedy continuations vary with the context — at the default
-    0.02 every prompt continues with one repeated token, which any draft predicts —, random q/k/v biases, peaked logits) with stories260K's 512-token
-    tokenizer, saved as an HF checkpoint."""
+    """A seeded 2-layer Qwen2 (hidden 64, random q/k/v biases, peaked logits) with stories260K's 512-token tokenizer,
+    saved as an HF checkpoint. Init std 0.2: greedy continuations vary with the context, so drafts are both accepted
+    and rejected (at the default 0.02 every prompt continues with one repeated token, which any draft predicts)."""
     if not (STORIES.is_file() and CORPUS.is_file()):
         pytest.skip(f"../shared/data is absent ({DATA}): stories260K's tokenizer or its corpus is not available")
     from transformers import Qwen2Config, Qwen2ForCausalLM
