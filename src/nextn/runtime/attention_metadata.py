@@ -26,7 +26,8 @@ class AttentionMetadata:
         block_tables: [batch, max_blocks] int64, the blocks of each sequence in order (unused entries: 0).
         block_size: tokens per KV block.
         tree_start: [batch] int64 kv_len for a tree forward (`create_tree`), else None.
-        tree_mask: [L, L] bool the tree's own mask for a tree forward, else None.
+        tree_mask: the tree's own mask for a tree forward, else None: [L, L] bool (one tree for the batch) or
+            [B, T, L] bool (per request: T query tokens over the L tree keys at tree_start..tree_start+L−1).
     A query at position p attends to every cached key at positions 0..p of its own sequence (causal over the
     paged cache): the keys this forward writes are stored before attention reads them. `context_slots` and
     `visible` spell the same out densely for the PyTorch attention; kernels read block tables, positions and the
@@ -57,12 +58,13 @@ class AttentionMetadata:
                     block_size: int, kv_lens: torch.Tensor, tree_mask: torch.Tensor) -> "AttentionMetadata":
         """Metadata for tree verification: the L tree tokens sit at cache positions kv_len..kv_len+L−1 (by token
         index) with rope positions kv_len + depth; token i sees the cached prefix and its tree ancestors
-        (tree_mask [L, L] bool), nothing else."""
+        (tree_mask [L, L] bool), nothing else. A per-request mask [B, T, L] gives T query tokens (positions and
+        slots [B, T]) their own view of the L tree keys (an MTP tree: runtime/mtp_tree_step.py)."""
         b, max_blocks = block_tables.shape
         s = max_blocks * block_size
         offsets = torch.arange(block_size, device=block_tables.device)
         context_slots = (block_tables[:, :, None] * block_size + offsets).reshape(b, s)
-        visible = tree_visibility(kv_lens, tree_mask, s)  # [B, L, S]
+        visible = tree_visibility(kv_lens, tree_mask, s)  # [B, T, S]
         return cls(positions, slot_mapping, block_tables, block_size, context_slots, visible[:, None], kv_lens,
                    tree_mask)
 

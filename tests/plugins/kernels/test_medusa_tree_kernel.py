@@ -51,3 +51,18 @@ def test_candidates_match_reference(kernels, batch, choices):
     topk = torch.randint(0, 1000, (tree.max_depth, batch, tree.topk), generator=gen)
     assert torch.equal(tree_candidates(root, topk, tree.candidate_index),
                        tree_candidates_reference(root, topk, tree.candidate_index))
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_per_request_rectangular_visibility_matches_reference(kernels, batch):
+    """An MTP tree's masks: one per request, Q query tokens over L tree keys ([B, Q, L])."""
+    from nextn.plugins.kernels.medusa_tree import tree_visibility, tree_visibility_reference
+
+    gen = torch.Generator().manual_seed(batch)
+    mask = torch.rand(batch, 3, 7, generator=gen) < 0.5
+    kv_lens = torch.randint(0, 30, (batch,), generator=gen)
+    got = tree_visibility(kv_lens, mask, 40)
+    assert got.shape == (batch, 3, 40) and torch.equal(got, tree_visibility_reference(kv_lens, mask, 40))
+    shared = build_tree(TREE).mask
+    assert torch.equal(tree_visibility_reference(kv_lens, shared.expand(batch, 7, 7), 40),
+                       tree_visibility_reference(kv_lens, shared, 40))

@@ -86,6 +86,24 @@ def test_tree_matches_reference(kernels, batch, block_size):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_per_request_tree_matches_reference(kernels, batch):
+    """Per-request rectangular tree masks [B, T, L] (an MTP tree: T queries of one depth over L tree keys)."""
+    gen = torch.Generator().manual_seed(batch)
+    block_size, t, n = 4, 3, 6
+    tables = _tables(gen, batch, 10, 64)
+    kv_lens = torch.randint(0, 30, (batch,), generator=gen)
+    mask = torch.rand(batch, t, n, generator=gen) < 0.5
+    mask[:, :, 0] = True
+    positions = kv_lens[:, None] + torch.arange(t)
+    meta = AttentionMetadata.create_tree(positions, kv_lens[:, None] + torch.arange(t), tables, block_size, kv_lens,
+                                         mask)
+    kv = _cache(gen, 64 * block_size, 16, 8)
+    got, want = _run_both(torch.randn(batch, t, 3, 16, generator=gen), torch.randn(batch, t, 3, 8, generator=gen),
+                          kv, meta, 0.3)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_deepseek_layer_forward_with_kernels(kernels):
     """The model path: a one-layer DeepSeek-V3 writes its cache and attends through the dispatchers."""
     from nextn.models.config import DeepseekV3ModelConfig

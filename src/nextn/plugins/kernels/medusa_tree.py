@@ -5,8 +5,10 @@ Source: Cai et al. 2024 ("Medusa") §2.1.2 (tree attention, candidates from the 
 builds) and `tree_candidates_reference` (`MedusaDrafter.tree_from`'s gather).
 
 Tree tokens sit at cache positions kv_len..kv_len+L−1 (by token index); token i sees every key before kv_len and
-the tree tokens j with tree_mask[i, j] (its ancestors and itself), nothing else. The next tree's tokens are
-[root, head 0 top-k, head 1 top-k, ...] picked by the tree's candidate index.
+the tree tokens j with tree_mask[i, j] (its ancestors and itself), nothing else. The mask is one tree for the
+batch ([L, L], Medusa) or one per request and possibly rectangular ([B, Q, L]: Q query tokens over L tree keys —
+an MTP tree's per-request dynamic tree, or the queries of one depth; runtime/mtp_tree_step.py). The next tree's
+tokens are [root, head 0 top-k, head 1 top-k, ...] picked by the tree's candidate index.
 """
 
 from __future__ import annotations
@@ -30,17 +32,17 @@ def _build():
     import triton.language as tl
 
     @triton.jit
-    def tree_visibility_kernel(kv_lens_ptr, tree_mask_ptr, visible_ptr, L, S, BLOCK_S: tl.constexpr):
-        """Program (b, i, c): visible[b, i, c·BLOCK_S …] for tree token i of request b."""
+    def tree_visibility_kernel(kv_lens_ptr, tree_mask_ptr, visible_ptr, Q, L, S, BLOCK_S: tl.constexpr):
+        """Program (b, i, c): visible[b, i, c·BLOCK_S …] for query token i of request b (mask [B, Q, L])."""
         b = tl.program_id(0)
         i = tl.program_id(1)
         keys = tl.program_id(2) * BLOCK_S + tl.arange(0, BLOCK_S)
         inside = keys < S
         rel = keys - tl.load(kv_lens_ptr + b)
         in_tree = (rel >= 0) & (rel < L)
-        m = tl.load(tree_mask_ptr + i * L + tl.minimum(tl.maximum(rel, 0), L - 1), mask=inside, other=0)
+        m = tl.load(tree_mask_ptr + (b * Q + i) * L + tl.minimum(tl.maximum(rel, 0), L - 1), mask=inside, other=0)
         vis = (rel < 0) | (in_tree & (m != 0))
-        tl.store(visible_ptr + (b * L + i).to(tl.int64) * S + keys, vis, mask=inside)
+        tl.store(visible_ptr + (b * Q + i).to(tl.int64) * S + keys, vis, mask=inside)
 
     @triton.jit
     def tree_candidates_kernel(root_ptr, topk_ptr, index_ptr, out_ptr, B, L, TOPK, BLOCK_L: tl.constexpr):
@@ -70,24 +72,32 @@ def tree_visibility_reference(kv_lens: torch.Tensor, tree_mask: torch.Tensor, ma
 
     Args:
         kv_lens: [B] int64 cached tokens before the tree.
-        tree_mask: [L, L] bool, tree_mask[i, j]: token i sees token j.
+        tree_mask: [L, L] bool (one tree for the batch) or [B, Q, L] bool (per request; Q query tokens over the L
+            tree keys); tree_mask[(b,) i, j]: query token i sees tree token j.
         max_context: S, the keys gathered per sequence (max_blocks · block_size).
     Returns:
-        [B, L, S] bool: key position s < kv_len, or s = kv_len + j with tree_mask[i, j].
+        [B, Q, S] bool (Q = L for a square mask): key position s < kv_len, or s = kv_len + j with tree_mask[i, j].
     """
-    s = max_context
+    s, n = max_context, tree_mask.shape[-1]
+    mask = _per_request(tree_mask, kv_lens.shape[0])  # [B, Q, L]
     rel = torch.arange(s, device=kv_lens.device)[None, :] - kv_lens[:, None]  # [B, S] key index in the tree
-    in_tree = (rel >= 0) & (rel < tree_mask.shape[0])
-    tree_vis = tree_mask[:, rel.clamp(0, tree_mask.shape[0] - 1)].permute(1, 0, 2)  # [B, L, S]
+    in_tree = (rel >= 0) & (rel < n)
+    tree_vis = mask.gather(2, rel.clamp(0, n - 1)[:, None, :].expand(-1, mask.shape[1], -1))  # [B, Q, S]
     return (rel < 0)[:, None, :] | (in_tree[:, None, :] & tree_vis)
 
 
+def _per_request(tree_mask: torch.Tensor, batch: int) -> torch.Tensor:
+    """A tree mask as [B, Q, L]: a shared [L, L] mask expanded (no copy), a per-request one as it is."""
+    return tree_mask.expand(batch, *tree_mask.shape) if tree_mask.dim() == 2 else tree_mask
+
+
 def _tree_visibility(kv_lens: torch.Tensor, tree_mask: torch.Tensor, max_context: int) -> torch.Tensor:
-    b, n = kv_lens.shape[0], tree_mask.shape[0]
-    visible = torch.empty(b, n, max_context, dtype=torch.bool, device=kv_lens.device)
+    mask = _per_request(tree_mask, kv_lens.shape[0]).to(torch.int8).contiguous()  # [B, Q, L]
+    b, q, n = mask.shape
+    visible = torch.empty(b, q, max_context, dtype=torch.bool, device=kv_lens.device)
     # A fixed block: max_context follows the widest block table, so it may be symbolic under torch.compile.
-    launch(_build()[0])[(b, n, cdiv(max_context, _BLOCK_S))](
-        kv_lens.contiguous(), tree_mask.to(torch.int8).contiguous(), visible, n, max_context, BLOCK_S=_BLOCK_S)
+    launch(_build()[0])[(b, q, cdiv(max_context, _BLOCK_S))](
+        kv_lens.contiguous(), mask, visible, q, n, max_context, BLOCK_S=_BLOCK_S)
     return visible
 
 
@@ -125,7 +135,8 @@ def tree_visibility_triton(kv_lens: torch.Tensor, tree_mask: torch.Tensor, max_c
 
 
 def tree_visibility(kv_lens: torch.Tensor, tree_mask: torch.Tensor, max_context: int) -> torch.Tensor:
-    """The tree attention mask [B, L, S] bool: the kernel where it can run, else the reference."""
+    """The tree attention mask [B, Q, S] bool (tree_mask [L, L] or [B, Q, L]): the kernel where it can run, else
+    the reference."""
     if use_kernel(kv_lens, tree_mask):
         return tree_visibility_triton(kv_lens, tree_mask, max_context)
     return tree_visibility_reference(kv_lens, tree_mask, max_context)

@@ -10,7 +10,8 @@ Per query token (b, t) and head n, over key positions s of request b's paged cac
     score[s] = (q_lat[n] · c_kv[s] + q_pe[n] · k_pe[s]) · scale      (fp32)
     o_lat[n] = Σ_s softmax(score)[s] · c_kv[s]                        over the visible keys
 Visible (the same mask as `AttentionMetadata.visible`): causal, s ≤ max(position, 0); tree, s < kv_len or
-s = kv_len + j with tree_mask[t, j]. Keys beyond max_blocks · block_size do not exist.
+s = kv_len + j with tree_mask[(b,) t, j] (one [L, L] tree for the batch, or [B, T, L] per request). Keys beyond
+max_blocks · block_size do not exist.
 
 Kernel: one program per (query token, BLOCK_H heads); it walks the visible keys BLOCK_N at a time, each key's
 slot looked up through the block table, so K+1 queries may span block boundaries freely.
@@ -79,7 +80,7 @@ def _build():
             if IS_TREE:
                 rel = keys - start
                 in_tree = (rel >= 0) & (rel < L_TREE)
-                tm = tl.load(tree_mask_ptr + t * L_TREE + rel, mask=k_in & in_tree, other=0)
+                tm = tl.load(tree_mask_ptr + qi * L_TREE + rel, mask=k_in & in_tree, other=0)  # [B, T, L]
                 vis = vis & ((rel < 0) | (tm != 0))
             s = tl.where(vis[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -131,13 +132,15 @@ def _attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
                tree_mask: torch.Tensor, is_tree: bool) -> torch.Tensor:
     b, t, nh, c = q_lat.shape
     r = q_pe.shape[-1]
+    if is_tree and tree_mask.dim() == 2:  # one tree for the batch: [L, L] → [B, L, L]
+        tree_mask = tree_mask.expand(b, *tree_mask.shape)
     out = torch.empty_like(q_lat)
     block_h = min(_BLOCK_H, next_pow2(nh, 16))
     precision = "ieee" if q_lat.dtype == torch.float32 else "tf32"
     launch(_build()[0])[(b * t, cdiv(nh, block_h))](
         q_lat.contiguous(), q_pe.contiguous(), kv_cache, block_tables.contiguous(), positions.contiguous(),
         tree_start.contiguous(), tree_mask.to(torch.int8).contiguous(), out, scale, t, nh, c, r, kv_cache.stride(0),
-        block_tables.shape[1], block_size, tree_mask.shape[0], IS_TREE=is_tree, DOT_PRECISION=precision,
+        block_tables.shape[1], block_size, tree_mask.shape[-1], IS_TREE=is_tree, DOT_PRECISION=precision,
         BLOCK_H=block_h, BLOCK_C=next_pow2(c, 16), BLOCK_R=next_pow2(r, 16), BLOCK_N=_BLOCK_N)
     return out
 
@@ -163,7 +166,8 @@ def mla_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
                          tree_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Launcher: q_lat [B, T, nh, C], q_pe [B, T, nh, R], kv_cache [num_slots, C + R] (row-contiguous),
     block_tables [B, max_blocks] int64, positions [B, T] int64 → o_lat [B, T, nh, C] (q_lat's dtype).
-    Causal unless tree_start [B] int64 (kv_len) and tree_mask [L, L] bool are given (then T = L)."""
+    Causal unless tree_start [B] int64 (kv_len) and tree_mask are given: [L, L] bool, one tree for the batch
+    (then T = L), or [B, T, L] bool per request (T queries over L tree keys at kv_len..kv_len+L−1)."""
     if tree_mask is None:
         return _causal_op(q_lat, q_pe, kv_cache, block_tables, positions, block_size, scale)
     return _tree_op(q_lat, q_pe, kv_cache, block_tables, positions, block_size, scale, tree_start, tree_mask)
