@@ -41,6 +41,18 @@ from nextn.models.config import ConfigError
 PROG = "nextn train-draft"
 
 
+#: The data group's numeric options: flag, type, default, help (the help ends with the default).
+_DATA_NUMBERS = (
+    ("--seed", int, 0, "seed of the split, the batches and the init"),
+    ("--num_tokens", int, 96, "tokens the base adds per prompt (a chat model stops earlier at EOS)"),
+    ("--prompt_len", int, 16, "plain LM: prompt tokens per sequence, BOS included"),
+    ("--max_prompt_len", int, 256, "chat model: prompts rendering to more tokens are skipped"),
+    ("--held_out_fraction", float, 0.1, "share of the other prompts held out"),
+    ("--benchmark_held_out_fraction", float, 0.5, "share of MT-bench question ids and HumanEval task ids held out"),
+    ("--num_top1_prompts", int, 32, "held-out prompts also continued, for the held-out top-1 meter"),
+)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model_dir", required=True, type=Path, metavar="BASE",
                    help="the frozen base: a .gguf file, a directory holding one, or an HF checkpoint directory")
@@ -57,20 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output_dir", required=True, type=Path, metavar="OUT", help="directory for the trained heads")
     p.add_argument("--cache_dir", type=Path, help="data and resumable state (default OUT/train_cache)")
     g = p.add_argument_group("data")
-    g.add_argument("--seed", type=int, default=0, help="seed of the split, the batches and the init (default 0)")
-    g.add_argument("--num_tokens", type=int, default=96,
-                   help="tokens the base adds per prompt (a chat model stops earlier at EOS; default 96)")
-    g.add_argument("--prompt_len", type=int, default=16,
-                   help="plain LM: prompt tokens per sequence, BOS included (default 16)")
-    g.add_argument("--max_prompt_len", type=int, default=256,
-                   help="chat model: prompts rendering to more tokens are skipped (default 256)")
+    for flag, kind, default, text in _DATA_NUMBERS:
+        g.add_argument(flag, type=kind, default=default, help=f"{text} (default {default})")
     g.add_argument("--max_prompts", type=int, help="training prompts, round-robin over the files (default: all)")
-    g.add_argument("--held_out_fraction", type=float, default=0.1,
-                   help="share of the other prompts held out (default 0.1)")
-    g.add_argument("--benchmark_held_out_fraction", type=float, default=0.5,
-                   help="share of MT-bench question ids and HumanEval task ids held out (default 0.5)")
-    g.add_argument("--num_top1_prompts", type=int, default=32,
-                   help="held-out prompts also continued, for the held-out top-1 meter (default 32)")
     g.add_argument("--no_chat_template", dest="chat", action="store_false", default=None,
                    help="raw-text prompts even when the base has a chat template")
     g.add_argument("--num_text_prompts", type=int, default=0,
