@@ -99,6 +99,24 @@ class MTPDecodingConfig(DecodingBaseConfig):
     relaxed_delta: float = Field(default=0.0, ge=0.0)
     begin_thinking_phase_token: int = 128798  # <think> in the DeepSeek-V3/R1 vocabulary
     end_thinking_phase_token: int = 128799  # </think>
+    # Tree drafting (MTP Eagle; runtime/mtp_tree_step.py, peer names in docs/ARCHITECTURE.md). A static tree: paths
+    # of top-k ranks over the module's successive drafts, depth ≤ K (TensorRT-LLM's `eagle_choices`).
+    eagle_choices: list[list[int]] | None = None
+    # A dynamic tree (EAGLE-2): each depth expands the `dynamic_tree_max_topK` best nodes by cumulative draft
+    # probability into their top-k children, then the best `max_total_draft_tokens` nodes are verified.
+    use_dynamic_tree: bool = False
+    dynamic_tree_max_topK: int = Field(default=4, ge=1, le=16)  # SGLang's speculative_eagle_topk
+    max_total_draft_tokens: int | None = Field(default=None, ge=1, le=255)  # draft nodes, root excluded; null: 15
+
+    @model_validator(mode="after")
+    def _one_tree(self):
+        if self.eagle_choices is not None and self.use_dynamic_tree:
+            raise ValueError("eagle_choices (a static tree) and use_dynamic_tree are exclusive: give one")
+        if (self.eagle_choices is not None or self.use_dynamic_tree) and (
+                self.use_mtp_vanilla or self.use_relaxed_acceptance_for_thinking):
+            raise ValueError("MTP tree drafting runs MTP Eagle with lossless acceptance: use_mtp_vanilla and "
+                             "use_relaxed_acceptance_for_thinking must stay false with eagle_choices / use_dynamic_tree")
+        return self
 
 
 class MedusaDecodingConfig(_Strict):
