@@ -26,6 +26,7 @@ from nextn.runtime.drafters import Drafter, MtpEagleDrafter, MtpVanillaDrafter, 
 from nextn.quantization.linear import install_weight_only_linears
 from nextn.runtime.kv_cache import BlockPool, allocate_kv_cache
 from nextn.runtime.model_runner import ModelRunner
+from nextn.runtime.mtp_tree_step import MtpTreeAcceptance, tree_drafter, uses_tree
 from nextn.runtime.ngram_drafter import NGramDrafter
 from nextn.runtime.overlap import InflightStep
 from nextn.runtime.prefix_cache import PrefixCache
@@ -83,6 +84,8 @@ def choose_drafter(manifest: EngineManifest, spec: MTPDecodingConfig | MedusaDec
     if modules == 0:
         raise LlmArgsError("speculative_config asks for MTP but this engine has no MTP layers; "
                            "use speculative_config: null or build from a checkpoint with MTP weights")
+    if uses_tree(spec):  # MTP Eagle drafting a tree (eagle_choices / use_dynamic_tree)
+        return tree_drafter(spec, modules, device)
     if spec.use_mtp_vanilla or modules > 1:
         if k > modules:
             raise LlmArgsError(f"MTP Vanilla drafts one token per module: num_nextn_predict_layers={k} exceeds the "
@@ -95,6 +98,8 @@ def choose_acceptance(spec: MTPDecodingConfig | MedusaDecodingConfig | None) -> 
     """The acceptance rule for this speculative config (chosen once, at load time)."""
     if isinstance(spec, MedusaDecodingConfig):
         return TreeAcceptance(spec.posterior_threshold, spec.posterior_alpha)
+    if uses_tree(spec):
+        return MtpTreeAcceptance()
     if isinstance(spec, MTPDecodingConfig) and spec.use_relaxed_acceptance_for_thinking:
         return RelaxedAcceptance(spec.relaxed_topk, spec.relaxed_delta, spec.begin_thinking_phase_token,
                                  spec.end_thinking_phase_token)
