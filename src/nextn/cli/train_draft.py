@@ -98,9 +98,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "predictions there)")
     g.add_argument("--loss_vocab", choices=("data", "full"), default="data",
                    help="softmax over the tokens of the training data (default; much cheaper) or the whole vocabulary")
-    g.add_argument("--soft_target_weight", type=float, default=0.0,
-                   help="weight w of the base's own distribution as the target: (1 − w)·CE(greedy token) + "
-                   "w·CE(the base's softmax over the loss vocabulary) (default 0)")
     g.add_argument("--feature_loss_weight", type=float, default=0.0,
                    help="MTP: weight of EAGLE's feature loss (smooth L1 to the base's state; default 0)")
     g.add_argument("--mtp_init", choices=("base", "random"), default="base",
@@ -168,8 +165,7 @@ def _configs(args: argparse.Namespace):
                              warmup=args.warmup_steps, bf16=args.bf16,
                              max_minutes=args.max_minutes, loss_vocab=args.loss_vocab,
                              max_context=None if args.max_context < 0 else args.max_context,
-                             feature_weight=args.feature_loss_weight,
-                             soft_weight=args.soft_target_weight, checkpoint_every_s=args.checkpoint_every,
+                             feature_weight=args.feature_loss_weight, checkpoint_every_s=args.checkpoint_every,
                              eval_every=args.eval_every, init=args.mtp_init, train_on_prompts=args.train_on_prompts,
                              progress=args.progress)
     return data, settings

@@ -51,12 +51,9 @@ def _head_hidden(heads: MedusaHeads, i: int, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def head_loss(heads: MedusaHeads, rows: Rows, vocab: LossVocab | None = None, soft_weight: float = 0.0
-              ) -> torch.Tensor:
+def head_loss(heads: MedusaHeads, rows: Rows, vocab: LossVocab | None = None) -> torch.Tensor:
     """Σ_i 0.8^i · CE of head i at positions t ≥ prompt_len − 1 with t + i + 2 < length against the base's greedy
-    token at t + i + 2 (`rows.targets`), mixed by `soft_weight` with the base's own distribution there (its state
-    at t + i + 1 through the head's projection, `class_loss`); the softmax over `vocab` (None: the full
-    vocabulary)."""
+    token at t + i + 2 (`rows.targets`); the softmax over `vocab` (None: the full vocabulary)."""
     length = rows.tokens.shape[1]
     loss = rows.hidden.new_zeros(())
     for i in range(len(heads)):
@@ -65,8 +62,7 @@ def head_loss(heads: MedusaHeads, rows: Rows, vocab: LossVocab | None = None, so
         x = _head_hidden(heads, i, rows.hidden[:, :t][keep])  # [N, H]
         w = heads[i][heads.num_layers].weight
         classes = None if vocab is None else vocab.classes(x, w)
-        teacher = rows.hidden[:, i + 1 : i + 1 + t][keep] if soft_weight else None
-        loss = loss + DECAY**i * class_loss(x, rows.targets[:, i + 2 :][keep], w, classes, teacher, soft_weight)
+        loss = loss + DECAY**i * class_loss(x, rows.targets[:, i + 2 :][keep], w, classes)
     return loss
 
 
@@ -118,8 +114,7 @@ def train_medusa(model_dir: str | Path, data_cfg: DataConfig, output_dir: str | 
                                                                                              "linear.bias"))]
     vocab = LossVocab.of(data.train_token_ids()) if settings.loss_vocab == "data" else None
     top1_before = head_top1(heads, data.rows(data.held_out_rows))
-    fitted = fit(params, lambda rows: head_loss(heads, data.rows(rows, settings.train_on_prompts), vocab,
-                                                settings.soft_weight),
+    fitted = fit(params, lambda rows: head_loss(heads, data.rows(rows, settings.train_on_prompts), vocab),
                  lambda: head_top1(heads, data.rows(data.held_out_rows)), data.num_train, settings.steps,
                  batch=settings.batch, lr=settings.lr, seed=settings.seed, progress=settings.progress,
                  eval_every=settings.eval_every, desc="train Medusa heads", top1_start=top1_before,

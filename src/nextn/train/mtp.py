@@ -63,8 +63,7 @@ class MtpModule(nn.Module):
 
     def forward(self, tok_embeds: torch.Tensor, h_prev: torch.Tensor, position_embeddings, mask: torch.Tensor
                 ) -> torch.Tensor:
-        """tok_embeds, h_prev [B, T, H] → block output [B, T, H] (before shared_head.norm); mask [1, 1, T, T]
-        additive."""
+        """tok_embeds, h_prev [B, T, H] → block output [B, T, H] (before shared_head.norm); mask [1, 1, T, T] additive."""
         x = self.eh_proj(torch.cat([self.enorm(tok_embeds), self.hnorm(h_prev)], dim=-1))
         return self.block(x, attention_mask=mask, position_embeddings=position_embeddings)
 
@@ -224,25 +223,13 @@ class LossVocab:
         return torch.unique(torch.cat([self.ids, top]))
 
 
-def class_loss(x: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor, classes: torch.Tensor | None,
-               teacher: torch.Tensor | None = None, soft_weight: float = 0.0) -> torch.Tensor:
+def class_loss(x: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor, classes: torch.Tensor | None
+               ) -> torch.Tensor:
     """Mean cross-entropy of x [N, H] @ lm_head[classes]ᵀ against labels [N] (token ids, all in `classes`);
-    `classes` None: the full vocabulary.
-
-    With `teacher` [N, H] (the base's final state whose lm_head product predicted each label) and `soft_weight`
-    w > 0: (1 − w) · that + w · the cross-entropy against the base's own distribution softmax(teacher @
-    lm_head[classes]ᵀ) (knowledge distillation, Hinton et al. 2015, temperature 1): a whole distribution per
-    position instead of one token, which a few hundred thousand tokens of data need more than a large one does.
-    """
-    w = lm_head if classes is None else lm_head[classes]
-    logits = x @ w.T  # [N, C]
-    loss = F.cross_entropy(logits, labels if classes is None else torch.searchsorted(classes, labels))
-    if teacher is None or not soft_weight:
-        return loss
-    with torch.no_grad():
-        p = torch.softmax((teacher @ w.T).float(), dim=-1)  # [N, C]
-    soft = -(p * torch.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
-    return (1 - soft_weight) * loss + soft_weight * soft
+    `classes` None: the full vocabulary."""
+    if classes is None:
+        return F.cross_entropy(x @ lm_head.T, labels)
+    return F.cross_entropy(x @ lm_head[classes].T, torch.searchsorted(classes, labels))
 
 
 @torch.no_grad()
@@ -269,7 +256,6 @@ class MtpContext:
     rotary: nn.Module  # transformers' rotary embedding: (x, position_ids [1, T]) → (cos, sin)
     vocab: LossVocab | None = None  # None: the full vocabulary
     feature_weight: float = 0.0  # weight of the smooth-L1 loss between the normed output and the base's state
-    soft_weight: float = 0.0  # weight of the base's own distribution against its greedy token (`class_loss`)
 
     def vanilla(self, modules: nn.ModuleList, tokens: torch.Tensor, hidden: torch.Tensor, prompt_lens: torch.Tensor,
                 lengths: torch.Tensor, targets: torch.Tensor | None = None) -> StepOutputs:
@@ -325,14 +311,13 @@ class MtpContext:
                 for s, x in enumerate(xs)]
 
     def loss(self, outputs: StepOutputs) -> torch.Tensor:
-        """Σ over steps of the mean cross-entropy on kept rows (over `vocab`; mixed with the base's own distribution
-        by `soft_weight`), plus `feature_weight` × the smooth-L1 distance of the normed output to the base's own
-        final state at the label's position (EAGLE's feature loss)."""
+        """Σ over steps of the mean cross-entropy on kept rows (over `vocab`), plus `feature_weight` × the smooth-L1
+        distance of the normed output to the base's own final state at the label's position (EAGLE's feature loss)."""
         kept = [(x[keep], labels[keep], target[keep]) for x, labels, keep, target in outputs]
         classes = None if self.vocab is None else self.vocab.classes(torch.cat([x for x, _, _ in kept]), self.lm_head)
         total = self.lm_head.new_zeros(())
         for x, labels, target in kept:
-            total = total + class_loss(x, labels, self.lm_head, classes, target, self.soft_weight)
+            total = total + class_loss(x, labels, self.lm_head, classes)
             if self.feature_weight:
                 total = total + self.feature_weight * F.smooth_l1_loss(x, target)
         return total
@@ -380,7 +365,7 @@ def train_mtp(model_dir: str | Path, data_cfg: DataConfig, output_dir: str | Pat
             module.warm_start(model.model.norm.weight.detach())
     vocab = LossVocab.of(data.train_token_ids()) if settings.loss_vocab == "data" else None
     ctx = MtpContext(model.model.embed_tokens.weight.detach(), prep.lm_head, model.model.rotary_emb, vocab,
-                     settings.feature_weight, settings.soft_weight)
+                     settings.feature_weight)
     eagle = num_modules == 1
     if eagle:
         run = lambda r: ctx.eagle(modules[0], *r[:4], num_draft_steps, targets=r.targets)  # noqa: E731
@@ -390,8 +375,7 @@ def train_mtp(model_dir: str | Path, data_cfg: DataConfig, output_dir: str | Pat
     mode = "eagle" if eagle else "vanilla"
     fitted = fit_mtp(run, ctx, modules.parameters(), data, settings.steps, batch=settings.batch, lr=settings.lr,
                      seed=settings.seed, progress=settings.progress, eval_every=settings.eval_every,
-                     desc=f"train MTP ({mode})", top1_start=top1_before, with_prompts=settings.train_on_prompts,
-                     state_path=cache / "train_state_mtp.pt",
+                     desc=f"train MTP ({mode})", top1_start=top1_before, with_prompts=settings.train_on_prompts, state_path=cache / "train_state_mtp.pt",
                      run_key=settings.run_key(prep.data_key, mode=mode, num_modules=num_modules,
                                               num_draft_steps=num_draft_steps),
                      deadline=prep.deadline, checkpoint_every_s=settings.checkpoint_every_s, bf16=settings.bf16,

@@ -33,7 +33,6 @@ class TrainSettings:
     max_context: int | None = 64  # prompt tokens kept before the generated ones (SelfDistillData.with_context)
     loss_vocab: str = "data"  # "data": softmax over the tokens of the training data (LossVocab); "full"
     feature_weight: float = 0.0  # EAGLE's feature loss weight (MTP)
-    soft_weight: float = 0.0  # weight of the base's own distribution as the target against its greedy token
     init: str = "base"  # MTP: "base" (MtpModule.warm_start_from_base) or "random" (MtpModule.warm_start)
     train_on_prompts: bool = True  # prompt positions train too, on the base's own predictions (Rows.targets)
     eval_every: int = 100  # steps between held-out top-1 measurements in the progress bar
