@@ -63,7 +63,8 @@ class MtpModule(nn.Module):
 
     def forward(self, tok_embeds: torch.Tensor, h_prev: torch.Tensor, position_embeddings, mask: torch.Tensor
                 ) -> torch.Tensor:
-        """tok_embeds, h_prev [B, T, H] → block output [B, T, H] (before shared_head.norm); mask [1, 1, T, T] additive."""
+        """tok_embeds, h_prev [B, T, H] → block output [B, T, H] (before shared_head.norm); mask [1, 1, T, T]
+        additive."""
         x = self.eh_proj(torch.cat([self.enorm(tok_embeds), self.hnorm(h_prev)], dim=-1))
         return self.block(x, attention_mask=mask, position_embeddings=position_embeddings)
 
@@ -375,7 +376,8 @@ def train_mtp(model_dir: str | Path, data_cfg: DataConfig, output_dir: str | Pat
     mode = "eagle" if eagle else "vanilla"
     fitted = fit_mtp(run, ctx, modules.parameters(), data, settings.steps, batch=settings.batch, lr=settings.lr,
                      seed=settings.seed, progress=settings.progress, eval_every=settings.eval_every,
-                     desc=f"train MTP ({mode})", top1_start=top1_before, with_prompts=settings.train_on_prompts, state_path=cache / "train_state_mtp.pt",
+                     desc=f"train MTP ({mode})", top1_start=top1_before, with_prompts=settings.train_on_prompts,
+                     state_path=cache / "train_state_mtp.pt",
                      run_key=settings.run_key(prep.data_key, mode=mode, num_modules=num_modules,
                                               num_draft_steps=num_draft_steps),
                      deadline=prep.deadline, checkpoint_every_s=settings.checkpoint_every_s, bf16=settings.bf16,
