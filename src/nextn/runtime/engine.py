@@ -14,6 +14,8 @@ from safetensors.torch import load_file
 from nextn.build.manifest import EngineError, EngineManifest, verify_engine_files, verify_mode_from_env
 from nextn.config.llm_args import (DraftTargetDecodingConfig, LlmArgs, LlmArgsError, MedusaDecodingConfig,
                                    MTPDecodingConfig, NGramDecodingConfig, parse_llm_args)
+from nextn.distributed.mirror import PlanBroadcaster
+from nextn.distributed.tensor_parallel import local_kv_config, shard_model
 from nextn.models.medusa import MedusaHeads
 from nextn.models.registry import MODEL_CLASSES
 from nextn.plugins.medusa_tree import TreeError, build_tree, published_tree
@@ -142,8 +144,11 @@ class Engine:
     """Loads an engine directory and runs requests to completion with in-flight batching."""
 
     def __init__(self, engine_dir: str | Path, args: LlmArgs, spec: MTPDecodingConfig | None,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", comm=None) -> None:
+        """`comm`: a `distributed.comm.Communicator` when this process is one rank of a tensor-parallel engine
+        (its share of the model and KV heads; rank 0 broadcasts each step to the others: distributed/mirror.py)."""
         t0 = time.perf_counter()
+        self.comm = comm
         self.engine_dir = Path(engine_dir)
         self.manifest = manifest = EngineManifest.load(engine_dir)
         self.cfg = cfg = manifest.model
@@ -161,13 +166,14 @@ class Engine:
         lookahead = (k + 1) + (2 * k + 1)
         kv_dtype = DTYPES.get(args.kv_cache_config.dtype, DTYPES[manifest.dtype])
         # Checked against the memory there is before the rope table, drafter state and KV cache are allocated.
-        plan = plan_kv_cache(args, cfg, self.device, self.max_batch_size, self.max_seq_len, lookahead, kv_dtype,
+        kv_cfg = cfg if comm is None else local_kv_config(cfg, comm.mapping)  # a rank caches its KV heads only
+        plan = plan_kv_cache(args, kv_cfg, self.device, self.max_batch_size, self.max_seq_len, lookahead, kv_dtype,
                              DTYPES[manifest.dtype], self.drafter)
         self.model = self._load_model(weights, self.max_seq_len + lookahead + self.block_size)
         if self.drafter.uses_draft_head and fast_bf16(self.device):
             self.model.use_bf16_draft_head()  # drafts only propose: a cheaper head cannot change the output
         per_seq, num_blocks = plan.per_seq, plan.num_blocks  # num_blocks counts the null block
-        kv = allocate_kv_cache(self.model.num_cache_layers, num_blocks, self.block_size, cfg.kv_cache_dim,
+        kv = allocate_kv_cache(self.model.num_cache_layers, num_blocks, self.block_size, kv_cfg.kv_cache_dim,
                                kv_dtype, self.device)
         self.pool = BlockPool(num_blocks, self.block_size,
                               prefix_cache_for(args, manifest, spec, self.drafter, kv_dtype, self.block_size))
@@ -191,6 +197,8 @@ class Engine:
         decode_fn = graph_decode_fn(decode_fn, args.cuda_graph_config, self.device, self.max_batch_size, per_seq)
         self.runner = ModelRunner(self.model, self.drafter, self.acceptance, kv, self.block_size, self.max_batch_size,
                                   decode_fn=decode_fn)
+        if comm is not None and comm.mapping.is_driver:
+            self.runner.on_launch = PlanBroadcaster(comm)
         try:
             self.tokenizer = EngineTokenizer.load(self.engine_dir, manifest.tokenizer_files)
         except Exception as e:  # transformers raises many kinds for a corrupt tokenizer file
@@ -236,6 +244,8 @@ class Engine:
         if self.manifest.quant_config is not None:
             replaced = install_weight_only_linears(model, weights, self.manifest.quant_config)
             model.lm_head_quantized = "lm_head" in replaced
+        if self.comm is not None:
+            weights = shard_model(model, weights, self.comm)  # this rank's heads, columns, experts, vocabulary
         try:
             model.load_state_dict(weights, strict=True, assign=True)
         except RuntimeError as e:

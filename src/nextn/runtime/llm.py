@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import torch
 
 from nextn.progress import progress_bar
 from nextn.config.llm_args import LlmArgs, load_llm_args_yaml, parse_llm_args
+from nextn.distributed.launcher import start_engine
 from nextn.runtime.engine import Engine, RequestError, default_speculative_config
 from nextn.runtime.engine_loop import EngineLoop
 from nextn.runtime.fault_isolation import fail_all
@@ -70,7 +72,10 @@ class LLM:
         spec_given = "speculative_config" in overrides or "speculative_config" in data
         spec = self.args.speculative_config if spec_given else default_speculative_config(manifest)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.engine = Engine(engine_dir, self.args, spec, device)
+        # tensor_parallel_size > 1: worker ranks spawned here (or given by torchrun), rank 0's engine drives them
+        self.engine, self._workers = start_engine(engine_dir, self.args, spec, device)
+        if self._workers is not None:
+            weakref.finalize(self, self._workers.close)
         self._loop: EngineLoop | None = None
         self._loop_lock = threading.Lock()
 

@@ -47,6 +47,9 @@ class ModelRunner:
         dtype = next(model.parameters()).dtype
         self.state = drafter.initial_state(max_batch_size, model.cfg.hidden_size, self.device, dtype)
         self.accept_state = acceptance.initial_state(max_batch_size, self.device)
+        #: Called with (batch, whether it continues from `prev`) before each launch: tensor parallelism's rank 0
+        #: broadcasts the step plan to the other ranks (distributed/mirror.py).
+        self.on_launch: Callable[[ScheduledBatch, bool], None] | None = None
 
     def _sampling(self, reqs: tuple[Request, ...]) -> SamplingTensors:
         ps = [r.params for r in reqs]
@@ -79,6 +82,8 @@ class ModelRunner:
                 ran in it take their inputs from its device outputs.
         """
         t0 = time.perf_counter()
+        if self.on_launch is not None:
+            self.on_launch(batch, prev is not None)
         reqs = batch.requests
         slots = torch.tensor([r.batch_slot for r in reqs], dtype=torch.int64, device=self.device)
         block_tables = self._block_tables(batch)
