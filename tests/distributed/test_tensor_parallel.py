@@ -1,0 +1,53 @@
+"""Tensor and expert parallelism on 2 gloo ranks (CPU): `LLM(..., tensor_parallel_size=2)` starts its worker rank
+itself, and greedy outputs are token-identical to one process — plain decoding, n-gram drafting, MTP."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+from nextn import LLM, SamplingParams
+from nextn.testing.tiny_checkpoint import SMALL_VOCAB
+
+SP = SamplingParams(max_tokens=12, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9], list(range(20, 50))]
+
+
+def tokens(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SP)]
+
+
+@contextlib.contextmanager
+def parallel_llm(engine, **kwargs):
+    llm = LLM(engine, **kwargs)
+    try:
+        yield llm
+    finally:
+        llm._workers.close()
+
+
+@pytest.mark.parametrize("engine", ["llama_engine", "qwen2_engine"])
+def test_llama_family_tp2_equals_one_rank(engine, request):
+    """Heads (GQA: one KV head a rank), MLP columns/rows, the vocabulary (Qwen2: tied, odd size, q/k/v biases)."""
+    path = request.getfixturevalue(engine)
+    ref = tokens(LLM(path, speculative_config=None))
+    ngram = {"decoding_type": "NGram", "max_draft_len": 3}
+    with parallel_llm(path, speculative_config=ngram, tensor_parallel_size=2) as llm:
+        assert llm.engine.model.model.layers[0].self_attn.num_kv_heads == 1
+        out = llm.generate(PROMPTS, SP)
+        assert [o.outputs[0].token_ids for o in out] == ref
+        assert sum(o.outputs[0].num_accepted_draft_tokens for o in out) > 0  # drafts verified, some accepted
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_deepseek_v3_mtp_tp2_equals_one_rank(checkpoints, ep):
+    """MLA heads, dense MLP, MoE (ep=1: experts split by columns; ep=2: by id), the MTP module, MTP Eagle drafts."""
+    engine = checkpoints.engine(distill_steps=150, num_mtp_modules=1, **SMALL_VOCAB)
+    mtp = {"decoding_type": "MTP", "num_nextn_predict_layers": 2}
+    ref = LLM(engine, speculative_config=mtp).generate(PROMPTS, SP)
+    with parallel_llm(engine, speculative_config=mtp, tensor_parallel_size=2, moe_expert_parallel_size=ep) as llm:
+        out = llm.generate(PROMPTS, SP)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+    assert [o.outputs[0].num_accepted_draft_tokens for o in out] == [o.outputs[0].num_accepted_draft_tokens
+                                                                    for o in ref]
