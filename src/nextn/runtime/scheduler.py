@@ -184,6 +184,20 @@ class Scheduler:
         reqs, starts, ends, num_reused = zip(*chunks)
         return ScheduledBatch("prefill", reqs, starts, ends, num_reused)
 
+    def admit_prefilled(self, req: Request) -> bool:
+        """Admit a request whose prompt was prefilled by another engine (disaggregated serving,
+        distributed/disaggregated.py): a batch slot and blocks for its `num_tokens` plus the look-ahead, its prefill
+        marked done; the caller writes its KV and appends its first token. False (no change) when no slot or blocks
+        are free."""
+        n = req.num_tokens
+        if len(self.running) >= self.max_batch_size or not self.pool.admit(req.block_table, [], n + self.lookahead):
+            return False
+        req.status = RequestStatus.RUNNING
+        req.batch_slot = self._free_slots.pop()
+        req.prefill_len = req.num_prefilled_tokens = req.num_computed_tokens = n
+        self.running.append(req)
+        return True
+
     def _prefix_hits(self, req: Request) -> list[int]:
         """The cached blocks of the longest prefix of `req`'s tokens (none without a prefix cache).
 
