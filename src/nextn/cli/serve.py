@@ -47,6 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max_batch_size", type=int, help="max concurrent requests in a step (default: the engine's)")
     p.add_argument("--max_seq_len", type=int, help="max prompt + completion tokens (default: the engine's)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: CUDA when available")
+    p.add_argument("--tp_size", type=int, dest="tensor_parallel_size",
+                   help="tensor-parallel ranks (trtllm-serve's name; started by nextn: docs/ARCHITECTURE.md)")
+    p.add_argument("--ep_size", type=int, dest="moe_expert_parallel_size",
+                   help="expert-parallel ranks for DeepSeek-V3's routed experts (divides --tp_size)")
     p.add_argument("--api_key", default=os.environ.get("NEXTN_API_KEY") or None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: the "
                         "NEXTN_API_KEY environment variable; unset = no key)")
@@ -66,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
     warning = exposure_warning(args.host, args.api_key)
     if warning:
         print(f"nextn serve: warning: {warning}", file=sys.stderr)
-    overrides = {k: getattr(args, k) for k in ("max_batch_size", "max_seq_len") if getattr(args, k) is not None}
+    sizes = ("max_batch_size", "max_seq_len", "tensor_parallel_size", "moe_expert_parallel_size")
+    overrides = {k: getattr(args, k) for k in sizes if getattr(args, k) is not None}
     llm = LLM(args.engine_dir, extra_llm_api_options=args.extra_llm_api_options, device=args.device, **overrides)
     app = create_app(llm, args.served_model_name, api_key=args.api_key, max_request_bytes=args.max_request_bytes)
     logging.getLogger("nextn").setLevel(min(logging.getLogger("nextn").getEffectiveLevel(), logging.INFO))
