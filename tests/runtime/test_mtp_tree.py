@@ -171,3 +171,36 @@ def test_incremental_trees_equal_trees_from_scratch(eagle, spec):
             checked += 1
         eng.scheduler.finish_done()
     assert checked > 15
+
+
+@pytest.mark.parametrize("spec", [STATIC, DYNAMIC], ids=["static", "dynamic"])
+def test_tree_step_compiles_fullgraph(eagle, spec):
+    """The tree step is one graph (torch.compile fullgraph=True) and matches eager, with a mixed greedy/sampled
+    batch: no host synchronisation, no data-dependent branching in the tree expansion or the selection."""
+    import torch
+
+    from nextn.runtime.acceptance_rules import SamplingTensors
+    from nextn.runtime.mtp_tree_step import mtp_tree_verify_and_draft_step
+
+    eng = LLM(eagle, speculative_config=spec).engine
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(0)
+    b, n = 3, eng.drafter.num_draft_tokens + 1
+    ids = torch.randint(0, SMALL_VOCAB["vocab_size"], (b, n), generator=gen)
+    kv_lens = torch.tensor([5, 9, 17])
+    tables = torch.tensor([[1, 2], [3, 4], [5, 6]])
+    state = eng.drafter.initial_state(b, eng.cfg.hidden_size, torch.device("cpu"), torch.float32)
+    sampling = SamplingTensors(torch.tensor([0.0, 0.7, 1.0]), torch.tensor([0, 5, 0]), torch.tensor([1.0, 1.0, 0.9]),
+                               torch.tensor([1, 2, 3]), any_sampled=True, use_filters=True)
+    kv = eng.runner.kv_cache
+    kv.normal_(generator=gen)
+    args = (eng.model, eng.drafter, eng.acceptance)
+    with torch.inference_mode():
+        ref = mtp_tree_verify_and_draft_step(*args, kv.clone(), ids, kv_lens, tables, sampling, state, (),
+                                             eng.block_size)
+        step = torch.compile(mtp_tree_verify_and_draft_step, fullgraph=True, dynamic=False, backend="aot_eager")
+        out = step(*args, kv.clone(), ids, kv_lens, tables, sampling, state, (), eng.block_size)
+    assert torch.equal(out.tokens, ref.tokens) and torch.equal(out.num_emitted, ref.num_emitted)
+    assert torch.equal(out.draft_tokens, ref.draft_tokens)
+    for got, want in zip(out.drafter_state, ref.drafter_state):
+        assert torch.equal(got, want)
