@@ -70,3 +70,15 @@ def test_a_worker_exits_when_rank_0_dies(llama_engine, tmp_path):
         time.sleep(0.5)
     assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
     assert "RankFailure" in proc.stderr or "rank 1" in proc.stderr
+
+
+def test_sizes_that_do_not_divide_the_model_are_named(llama_engine):
+    """3 ranks for 2 KV heads: every rank refuses at load, rank 0 raises the named error, the workers are gone."""
+    import pytest
+
+    from nextn.distributed.mapping import Mapping, MappingError
+
+    with pytest.raises(MappingError, match="num_key_value_heads = 2 is not divisible by 3"):
+        LLM(llama_engine, speculative_config=None, tensor_parallel_size=3)
+    with pytest.raises(MappingError, match="must divide tensor_parallel_size"):
+        Mapping(world_size=4, tp_size=4, moe_ep_size=3)

@@ -108,7 +108,8 @@ def init_communicator(mapping: Mapping, device: torch.device, init_method: str |
     backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
         if device.type == "cuda":
-            torch.cuda.set_device(device.index if device.index is not None else mapping.rank % torch.cuda.device_count())
+            index = device.index if device.index is not None else mapping.rank % torch.cuda.device_count()
+            torch.cuda.set_device(index)
         try:
             dist.init_process_group(backend, init_method=init_method or "env://", world_size=mapping.world_size,
                                     rank=mapping.rank, timeout=timeout)

@@ -107,12 +107,12 @@ class WorkerGroup:
         """Exchange load reports with the workers (rank 0's `error`, or None).
 
         Raises:
-            RankFailure: a worker could not load (its error is in the message) or exited.
+            RankFailure: rank 0 loaded but a worker could not (its error is in the message) or exited.
         """
         self.check_alive()
         reports = self.comm.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
         failed = [(rank, r) for rank, r in enumerate(reports) if r is not None and rank > 0]
-        if failed:
+        if failed and error is None:  # rank 0's own error, raised by the caller, says it first
             raise RankFailure("; ".join(f"worker rank {rank} could not load the engine: {r}" for rank, r in failed))
 
     def attach(self, engine: Any) -> None:

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nextn.config.llm_args import LlmArgsError
 
-class MappingError(ValueError):
+
+class MappingError(LlmArgsError):
     """Parallel sizes that do not fit the model or each other; the message names the size and the fix."""
 
 

@@ -124,7 +124,7 @@ def serve_steps(engine, comm: Communicator) -> int:
         plan = comm.broadcast_object()
         if plan == SHUTDOWN:
             return steps
-        before = {id_: r for id_, r in ((r.request_id, r) for r in (prev.batch.requests if prev else ()))}
+        before = {r.request_id: r for r in (prev.batch.requests if prev else ())}  # keep identities (overlap.py)
         rows = tuple(_Row.of(row, before.get(row.request_id)) for row in plan.rows)
         batch = ScheduledBatch(plan.kind, rows, plan.chunk_starts, plan.chunk_ends, plan.num_reused,  # type: ignore
                                plan.draft_len, plan.drafting)

@@ -72,7 +72,8 @@ class VocabParallelEmbedding(nn.Module):
         """ids: [...] int64 (full vocabulary) → [..., hidden]."""
         local = ids - self.first
         mine = (local >= 0) & (local < self.weight.shape[0])
-        rows = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * mine[..., None].to(self.weight.dtype)
+        rows = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)  # [..., hidden]
+        rows = rows * mine[..., None].to(rows.dtype)
         return self.comm.all_reduce(rows)
 
 

@@ -14,7 +14,7 @@ import torch
 from nextn.progress import progress_bar
 from nextn.config.llm_args import LlmArgs, load_llm_args_yaml, parse_llm_args
 from nextn.distributed.launcher import start_engine
-from nextn.runtime.engine import Engine, RequestError, default_speculative_config
+from nextn.runtime.engine import RequestError, default_speculative_config
 from nextn.runtime.engine_loop import EngineLoop
 from nextn.runtime.fault_isolation import fail_all
 from nextn.runtime.outputs import CompletionOutput, RequestOutput
@@ -44,9 +44,12 @@ class LLM:
             engine was built for.
         extra_llm_api_options: a YAML file of LLM arguments (keyword overrides win).
         device: "cpu" or "cuda"; default: CUDA when available.
-        **overrides: other LLM arguments (`max_batch_size`, `max_seq_len`, `kv_cache_config`, ...).
+        **overrides: other LLM arguments (`max_batch_size`, `max_seq_len`, `kv_cache_config`, ...);
+            `tensor_parallel_size=N` starts N − 1 worker processes (or takes the ranks of `torchrun`) and splits the
+            model over them, `moe_expert_parallel_size` splits DeepSeek-V3's routed experts (distributed/).
     Raises:
-        EngineError: not an engine directory; LlmArgsError: unknown/invalid argument (named).
+        EngineError: not an engine directory; LlmArgsError: unknown/invalid argument (named), parallel sizes that
+            do not divide the model's (`MappingError`); RankFailure: a worker rank failed to start or load.
     """
 
     def __init__(self, engine_dir: str | Path, speculative_config: Any = _UNSET,
