@@ -51,3 +51,17 @@ def test_deepseek_v3_mtp_tp2_equals_one_rank(checkpoints, ep):
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
     assert [o.outputs[0].num_accepted_draft_tokens for o in out] == [o.outputs[0].num_accepted_draft_tokens
                                                                     for o in ref]
+
+
+def test_prefix_cache_hits_and_chunked_prefill_stay_in_step(llama_engine):
+    """The second run of a prompt reuses cached blocks (workers rebuild the n-gram history from the plan's
+    num_reused); prompts prefilled in 16-token chunks alternate with decode steps of the others."""
+    prompts = [list(range(30, 90)), [7, 8, 9, 7, 8, 9, 7]]
+    opts = {"enable_chunked_prefill": True, "max_num_tokens": 16, "kv_cache_config": {"tokens_per_block": 8}}
+    ref = [o.outputs[0].token_ids for o in LLM(llama_engine, speculative_config=None).generate(prompts, SP)]
+    ngram = {"decoding_type": "NGram", "max_draft_len": 3}
+    with parallel_llm(llama_engine, speculative_config=ngram, tensor_parallel_size=2, **opts) as llm:
+        first = llm.generate(prompts, SP)
+        again = llm.generate(prompts[0], SP)
+    assert [o.outputs[0].token_ids for o in first] == ref and again.outputs[0].token_ids == ref[0]
+    assert again.num_cached_tokens > 0
