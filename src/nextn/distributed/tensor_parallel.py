@@ -37,6 +37,7 @@ from nextn.models.deepseek_v3.mla import MLAttention
 from nextn.models.deepseek_v3.moe import DeepseekMoE
 from nextn.models.layers import GatedMLP
 from nextn.models.llama.model import LlamaAttention
+from nextn.quantization.linear import WeightOnlyLinear
 
 Weights = dict[str, torch.Tensor]
 
@@ -224,7 +225,7 @@ def shard_model(model: nn.Module, weights: Weights, comm: Communicator) -> Weigh
         MappingError: a size not divisible by the parallel sizes (named, with the fix), or a weight-only quantized
             engine (its packed tensors are not split yet).
     """
-    if any(name.endswith(".weight_scale") for name in weights):
+    if any(isinstance(m, WeightOnlyLinear) for m in model.modules()):
         raise MappingError("weight-only quantized engines run with tensor_parallel_size 1 for now: build the engine "
                            "without --quant_algo to split it")
     s = _Sharder(dict(weights), comm)
