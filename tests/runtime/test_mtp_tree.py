@@ -204,3 +204,24 @@ def test_tree_step_compiles_fullgraph(eagle, spec):
     assert torch.equal(out.draft_tokens, ref.draft_tokens)
     for got, want in zip(out.drafter_state, ref.drafter_state):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("spec", [STATIC, DYNAMIC], ids=["static", "dynamic"])
+def test_graph_replay_matches_the_eager_engine(eagle, spec):
+    """CUDA-graph replay of the tree step (the CPU emulation backend: static buffers, padded batches, the dynamic
+    tree's state rows) gives the eager engine's tokens and accepted drafts, greedy and sampled requests mixed."""
+    from nextn.config.llm_args import CudaGraphConfig
+    from nextn.runtime.cuda_graph_runner import CudaGraphStep, EmulatedGraphBackend
+
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (6, 10, 14, 20)]
+    params[0] = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.8, top_k=20, seed=7)
+    eager = _run(eagle, spec, sp=params, max_batch_size=4, max_seq_len=128)
+    llm = LLM(eagle, speculative_config=spec, max_batch_size=4, max_seq_len=128)
+    eng = llm.engine
+    max_blocks = -(-(eng.max_seq_len + eng.scheduler.lookahead) // eng.block_size)
+    step = CudaGraphStep(eng.runner.decode_fn, CudaGraphConfig(enable_padding=True), eng.max_batch_size, max_blocks,
+                         "cpu", backend=EmulatedGraphBackend())
+    eng.runner.decode_fn = step
+    graph = llm.generate(PROMPTS, params)
+    assert _ids(graph) == _ids(eager) and _stats(graph) == _stats(eager)
+    assert step.num_replays > 0
