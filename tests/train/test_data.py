@@ -49,3 +49,18 @@ def test_a_spent_budget_stops_generation_with_exit_status_3(tmp_path, capsys):
     assert not (tmp_path / "out" / "train_draft.json").exists()
     stored = list((tmp_path / "out" / "train_cache").glob("generations-*.jsonl"))
     assert len(stored) == 1 and all(json.loads(line)["id"] for line in stored[0].read_text().splitlines())
+
+
+def test_the_top1_meter_takes_the_held_out_benchmarks_in_turn(tmp_path):
+    if not STORIES.is_file():
+        pytest.skip(f"../shared/data is absent ({DATA}): stories260K is not available")
+    from nextn.train.data import DataConfig, load_base, make_self_distill_data
+
+    prompts = DATA / "prompts"
+    cfg = DataConfig(files=(str(prompts / "mt_bench.jsonl"), str(prompts / "humaneval.jsonl.gz")), chat=False,
+                     prompt_len=8, num_tokens=2, max_prompts=2, num_top1_prompts=6)
+    model, _ = load_base(STORIES)
+    data = make_self_distill_data(STORIES, model, cfg, cache_dir=tmp_path, progress=False)
+    meter = [data.prompt_ids[i].split("/")[0] for i in data.held_out_rows.tolist()]
+    assert meter == ["mt_bench", "humaneval"] * 3  # in split order 12 of the first 16 were HumanEval
+    assert set(data.prompt_ids[i] for i in data.held_out_rows.tolist()) <= set(data.held_out)

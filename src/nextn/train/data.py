@@ -3,7 +3,8 @@
 Medusa-2 (Cai et al. 2024, §2.3.2) and EAGLE train draft heads on the base model's own generations, so the heads
 learn the distribution of the model that will verify them. Here:
 1. prompts (`train/prompts.py`) are split train / held out under the seed; at most `max_prompts` training prompts
-   are taken round-robin over their sources, plus up to `num_top1_prompts` held-out ones for the top-1 meter;
+   are taken round-robin over their sources, plus up to `num_top1_prompts` held-out ones for the top-1 meter
+   (round-robin over the held-out benchmark sources, MT-bench and HumanEval);
 2. each prompt is rendered for the base: with its chat template (an instruct model; the prompt is dropped when it
    renders to more than `max_prompt_len` tokens), or, for a plain LM, BOS + the text's first `prompt_len` tokens;
 3. nextn's own engine (`LLM` + greedy `SamplingParams`, batched with in-flight batching) continues every prompt by
@@ -366,7 +367,9 @@ def make_self_distill_data(model_dir: str | Path, base_model, cfg: DataConfig, *
     prompts = read_prompts(list(cfg.files), chat=chat)
     train, held = split_prompts(prompts, seed=cfg.seed, held_out_fraction=cfg.held_out_fraction,
                                 benchmark_held_out_fraction=cfg.benchmark_held_out_fraction)
-    bench = [p for p in held if p.source in BENCHMARK_SOURCES] or held
+    # round-robin over the benchmarks, so that the top-1 meter's rows are not mostly one of them (in split order
+    # 12 of 16 were HumanEval, whose code drafts more easily than MT-bench's prose)
+    bench = balanced([p for p in held if p.source in BENCHMARK_SOURCES]) or held
     eval_rendered = render_prompts(llm.tokenizer, bench, cfg, chat, limit=max(MAX_EVAL_PROMPTS, cfg.num_top1_prompts))
     top1 = eval_rendered[: cfg.num_top1_prompts]
     limit = None if cfg.max_prompts is None else cfg.max_prompts + cfg.num_text_prompts
