@@ -26,6 +26,16 @@ def test_static_tree_parents_ranks_and_depths():
     assert torch.equal(ancestor_mask(t.parents[None], 3)[0], t.mask)
     with pytest.raises(TreeError, match="no parent"):
         static_tree([[0, 0]])
+    assert t.order.tolist() == list(range(7))  # listed in (depth, path) order already
+
+
+def test_a_best_first_list_is_verified_in_its_order():
+    t = static_tree([[0], [0, 0], [1], [0, 0, 0], [0, 1]])  # tokens by (depth, path): [0] [1] [0,0] [0,1] [0,0,0]
+    assert t.order.tolist() == [0, 1, 3, 2, 5, 4]
+    parents, depth, mask = t.verify_layout(4)  # root, [0], [0, 0], [1]: the best 3-node tree
+    assert parents.tolist() == [0, 0, 1, 0] and depth.tolist() == [0, 1, 2, 1]
+    assert mask[2].tolist() == [True, True, True, False]
+    assert static_tree([[0, 0], [0]]).order.tolist() == [0, 1, 2]  # a child listed first: (depth, path) order
 
 
 def test_greedy_acceptance_takes_the_longest_matching_path():

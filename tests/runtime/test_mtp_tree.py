@@ -20,7 +20,7 @@ CORPUS = DATA / "corpora" / "tinystories_train_head.txt"
 
 PROMPTS = [[11, 12, 13], [30, 31, 32, 33, 34, 35, 36], [7], [100, 3, 250, 4, 9]]
 STATIC = {"decoding_type": "MTP", "num_nextn_predict_layers": 3,
-          "eagle_choices": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0]]}
+          "eagle_choices": [[0], [0, 0], [1], [0, 0, 0], [0, 1], [2], [1, 0], [0, 0, 1], [0, 1, 0]]}  # best first
 DYNAMIC = {"decoding_type": "MTP", "num_nextn_predict_layers": 3, "use_dynamic_tree": True,
            "dynamic_tree_max_topK": 3, "max_total_draft_tokens": 10}
 

@@ -29,6 +29,9 @@ class StaticTree:
             top-k (root: 0); depth: [N] int64; mask: [N, N] bool, token i sees its ancestors and itself.
         depth_starts: index of the first token of each depth 0..D, then N (a depth's tokens are contiguous).
         topk: children drafted per expanded node (max rank + 1).
+        order: [N] int64 the verification order (the listed order of `choices` when every parent is listed before
+            its children — best first, so that the first w tokens are the tree to verify at a smaller draft
+            length —, else the (depth, path) order): order[j] = the token index of the j-th verified token.
     """
 
     parents: torch.Tensor
@@ -37,6 +40,7 @@ class StaticTree:
     mask: torch.Tensor
     depth_starts: tuple[int, ...]
     topk: int
+    order: torch.Tensor
 
     @property
     def num_tokens(self) -> int:
@@ -48,7 +52,14 @@ class StaticTree:
 
     def to(self, device: torch.device | str) -> "StaticTree":
         return StaticTree(self.parents.to(device), self.ranks.to(device), self.depth.to(device),
-                          self.mask.to(device), self.depth_starts, self.topk)
+                          self.mask.to(device), self.depth_starts, self.topk, self.order.to(device))
+
+    def verify_layout(self, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(parents [w], depth [w], mask [w, w]) of the first w tokens in verification order (a tree)."""
+        position = torch.empty_like(self.order)
+        position[self.order] = torch.arange(self.num_tokens, device=self.order.device)
+        parents = position[self.parents[self.order[:width]]]
+        return parents, self.depth[self.order[:width]], ancestor_mask(parents[None], self.max_depth)[0]
 
 
 def static_tree(choices: list[list[int]]) -> StaticTree:
@@ -65,7 +76,11 @@ def static_tree(choices: list[list[int]]) -> StaticTree:
     ranks = [0] + [p[-1] for p in nodes]
     depth = buffers.depth.tolist()
     starts = tuple(depth.index(d) for d in range(max(depth) + 1)) + (len(depth),)
-    return StaticTree(torch.tensor(parents), torch.tensor(ranks), buffers.depth, buffers.mask, starts, buffers.topk)
+    listed = [tuple(int(r) for r in c) for c in choices]
+    parents_first = all(len(p) == 1 or p[:-1] in listed[:i] for i, p in enumerate(listed))
+    order = [0] + ([index[p] for p in listed] if parents_first else list(range(1, len(depth))))
+    return StaticTree(torch.tensor(parents), torch.tensor(ranks), buffers.depth, buffers.mask, starts, buffers.topk,
+                      torch.tensor(order))
 
 
 def chain_choices(depth: int) -> list[list[int]]:

@@ -26,8 +26,9 @@ The module's KV written while drafting pairs a draft with the module's own hidde
 step's first pass rewrites every accepted position from the target's, so no draft-time KV survives a step. With
 the tree `chain_choices(K)` the drafts are exactly MTP Eagle's chain (tested).
 
-A step verifying w < N tokens (draft-length policy) verifies the tree's first w tokens, a tree itself; w = 1 (off,
-or re-priming the drafts) is the chain step with no drafts.
+A step verifying w < N tokens (draft-length policy) verifies the tree's first w tokens, a tree itself (the dynamic
+tree's best w; a static tree's first w in `eagle_choices`' order, so list it best first); w = 1 (off, or
+re-priming the drafts) is the chain step with no drafts.
 """
 
 from __future__ import annotations
@@ -115,18 +116,18 @@ class StaticTreeDrafter(MtpTreeDrafter):
     def __init__(self, tree: StaticTree) -> None:
         super().__init__(tree.max_depth, tree.num_tokens - 1)
         self.tree = tree
-        self._layouts = {w: (tree.parents[:w], tree.depth[:w], tree.mask[:w, :w])
-                         for w in range(2, tree.num_tokens + 1)}
+        self._layouts = {w: tree.verify_layout(w) for w in range(2, tree.num_tokens + 1)}
 
     def initial_state(self, batch, hidden_size, device, dtype) -> DrafterState:
         return ()
 
     def layout(self, state: DrafterState, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(parents [w], depth [w], mask [w, w]) of the tree's first w tokens, shared by the batch."""
+        """(parents [w], depth [w], mask [w, w]) of the first w tokens in verification order (`eagle_choices`'
+        order when parents come first: list it best first), shared by the batch."""
         return self._layouts[width]
 
     def expand(self, model, kv_cache, meta, h_root: torch.Tensor, base: torch.Tensor):
-        """Drafts [B, N−1] in token order from the root's module output h_root [B, 1, H]; state ()."""
+        """Drafts [B, N−1] in verification order from the root's module output h_root [B, 1, H]; state ()."""
         tree, starts = self.tree, self.tree.depth_starts
         top = model.mtp_logits(0, h_root).topk(tree.topk, dim=-1).indices  # [B, 1, k]: children of depth 0
         h, drafts = h_root, []
@@ -141,7 +142,7 @@ class StaticTreeDrafter(MtpTreeDrafter):
             h = model.forward_mtp(0, tokens, h[:, local], kv_cache,
                                   self._depth_meta(meta, base, d, cols, tree.mask[s:e]))  # [B, n_d, H]
             top = model.mtp_logits(0, h).topk(tree.topk, dim=-1).indices  # [B, n_d, k]
-        return torch.cat(drafts, dim=1), ()
+        return torch.cat(drafts, dim=1)[:, tree.order[1:] - 1], ()  # (depth, path) order → verification order
 
 
 class DynamicTreeDrafter(MtpTreeDrafter):
