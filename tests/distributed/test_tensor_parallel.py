@@ -65,3 +65,12 @@ def test_prefix_cache_hits_and_chunked_prefill_stay_in_step(llama_engine):
         again = llm.generate(prompts[0], SP)
     assert [o.outputs[0].token_ids for o in first] == ref and again.outputs[0].token_ids == ref[0]
     assert again.num_cached_tokens > 0
+
+
+def test_deepseek_v3_mtp_vanilla_tp2_equals_one_rank(checkpoints):
+    """Two MTP modules (MTP Vanilla): the per-request pools of hidden states and tokens stay in step on each rank."""
+    engine = checkpoints.engine(num_mtp_modules=2, **SMALL_VOCAB)
+    vanilla = {"decoding_type": "MTP", "num_nextn_predict_layers": 2, "use_mtp_vanilla": True}
+    ref = [o.outputs[0].token_ids for o in LLM(engine, speculative_config=vanilla).generate(PROMPTS, SP)]
+    with parallel_llm(engine, speculative_config=vanilla, tensor_parallel_size=2) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SP)] == ref
