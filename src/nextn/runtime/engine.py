@@ -25,6 +25,7 @@ from nextn.runtime.draft_model_drafter import DraftModelDrafter
 from nextn.runtime.compiled_step import compile_decode_fn
 from nextn.runtime.cuda_graph_runner import graph_decode_fn
 from nextn.runtime.drafters import Drafter, MtpEagleDrafter, MtpVanillaDrafter, NoDrafter
+from nextn.plugins.packed_linear import install_packed_linears
 from nextn.quantization.linear import install_weight_only_linears
 from nextn.runtime.kv_cache import BlockPool, allocate_kv_cache
 from nextn.runtime.model_runner import ModelRunner
@@ -251,6 +252,7 @@ class Engine:
         except RuntimeError as e:
             raise EngineError(f"engine weights do not match its manifest: {e}") from e
         model.rope_table = model.rope_table_for(max_positions).to(self.device)
+        install_packed_linears(model)  # bf16 on a CPU with bf16 instructions: oneDNN's pre-packed kernel
         return model.eval().requires_grad_(False)
 
     # Requests ----------------------------------------------------------------------------------------

@@ -74,6 +74,9 @@ class DeepseekV3ForCausalLM(SelfDraftingCausalLM):
     MTP layers page through the same block tables as the target.
     """
 
+    #: MLA folds `kv_b_proj`'s weight into the query and output (mla.py): it stays an `nn.Linear` when packing.
+    weights_read_directly = ("kv_b_proj",)
+
     def __init__(self, cfg: DeepseekV3ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()
         self.cfg = cfg

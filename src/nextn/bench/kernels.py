@@ -1,0 +1,83 @@
+"""The linear-layer kernels a decode or verify step can use, timed at the few rows those steps have (a benchmark).
+
+For one weight matrix [N, K] and each row count M (1 = a plain decode step; K + 1 = a verify step over K drafts):
+- int8: `torch.ops.aten._weight_int8pack_mm` (W8A16, `quantization/linear.py`);
+- int4: `torch.ops.aten._weight_int4pack_mm_for_cpu`, group 32 (W4A16);
+- bf16: `F.linear`;
+- bf16 packed: oneDNN's pre-packed weight (`plugins/packed_linear.py`, what nextn's bf16 engines run).
+Prints µs per call (median of `--iters` after a warm-up) and the weight bytes read per µs. A matrix that fits in the
+CPU's last-level cache measures the kernel, not DRAM: the decode step reads every matrix once from memory.
+
+    python -m nextn.bench.kernels --shape 8960 1536 --rows 1 4 5 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from nextn.plugins.packed_linear import packed_linear, packing_supported
+
+
+def _time(fn: Callable[[], torch.Tensor], iters: int) -> float:
+    """Median µs per call of `fn` over `iters` calls, after 10 warm-up calls."""
+    for _ in range(10):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def kernels(n: int, k: int, group: int = 32) -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], int]]:
+    """name → (fn(x [M, k] bf16) → [M, n], weight bytes) for a random [n, k] matrix."""
+    torch.manual_seed(0)
+    w = torch.randn(n, k, dtype=torch.bfloat16)
+    q8, s8 = torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n, dtype=torch.bfloat16)
+    q4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (n, k), dtype=torch.int32), 1)
+    sz = torch.rand(k // group, n, 2, dtype=torch.bfloat16)
+    out = {
+        "int8": (lambda x: torch.ops.aten._weight_int8pack_mm(x, q8, s8), n * k + 2 * n),
+        f"int4 g{group}": (lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, q4, group, sz),
+                           n * k // 2 + 4 * n * (k // group)),
+        "bf16": (lambda x: F.linear(x, w), 2 * n * k),
+    }
+    if packing_supported(torch.device("cpu"), torch.bfloat16):
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        out["bf16 packed"] = (lambda x: packed_linear(x, packed, None), 2 * n * k)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m nextn.bench.kernels", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", type=int, nargs=2, default=[8960, 1536], metavar=("N", "K"),
+                   help="weight [out, in] (default Qwen2.5-1.5B's MLP up projection, 8960 1536)")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 5, 8], help="row counts M (default 1 4 5 8)")
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    n, k = args.shape
+    table = kernels(n, k)
+    print(f"[{n}, {k}] weight, {args.threads} threads; µs per call (weight GB read per second)")
+    print("rows  " + "".join(f"{name:>18}" for name in table))
+    for m in args.rows:
+        x = torch.randn(m, k, dtype=torch.bfloat16)
+        cells = []
+        for fn, nbytes in table.values():
+            us = _time(lambda: fn(x), args.iters)
+            cells.append(f"{us:9.0f} ({nbytes / us / 1e3:4.1f} GB/s)")
+        print(f"{m:>4}  " + "".join(f"{c:>18}" for c in cells))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

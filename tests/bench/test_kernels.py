@@ -1,0 +1,23 @@
+"""`python -m nextn.bench.kernels`: every kernel it times computes the same product (up to quantization)."""
+
+from __future__ import annotations
+
+import torch
+
+from nextn.bench.kernels import kernels, main
+
+
+def test_kernels_have_the_output_shape_and_bf16_paths_agree():
+    table = kernels(64, 64)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    outs = {name: fn(x) for name, (fn, _) in table.items()}
+    assert all(o.shape == (5, 64) for o in outs.values())
+    if "bf16 packed" in outs:
+        torch.testing.assert_close(outs["bf16 packed"].float(), outs["bf16"].float(), atol=1e-2, rtol=1e-2)
+    assert table["int4 g32"][1] < table["int8"][1] < table["bf16"][1]  # bytes read
+
+
+def test_cli_prints_a_row_per_row_count(capsys):
+    assert main(["--shape", "32", "64", "--rows", "1", "3", "--iters", "2"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-2].split()[0] == "1" and lines[-1].split()[0] == "3"
