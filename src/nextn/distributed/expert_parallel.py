@@ -97,11 +97,6 @@ class ParallelMoE(nn.Module):
         self.comm = comm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [..., hidden] → [..., hidden], the same on every rank."""
-        shape = x.shape
-        flat = x.reshape(-1, shape[-1])
-        weights, ids = self.gate(flat)
-        out = self.experts(flat, weights, ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(flat)
-        return self.comm.all_reduce(out).view(shape)
+        """x: [..., hidden] → [..., hidden], the same on every rank: `DeepseekMoE`'s routing over this rank's
+        experts and shared-expert columns (the same attribute names), then the all-reduce of the partial sums."""
+        return self.comm.all_reduce(DeepseekMoE.forward(self, x))

@@ -135,23 +135,23 @@ class WorkerGroup:
         except RankFailure as e:
             logger.warning("shutting the tensor-parallel workers down: %s", e)
         self.closed = True
-        for p in self.processes:
-            try:
-                p.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        if self.rendezvous_dir:
-            shutil.rmtree(self.rendezvous_dir, ignore_errors=True)
+        self._reap(timeout_s)
 
     def abandon(self) -> None:
         """After a failed start: kill the started workers (they may wait in a collective) and leave the group."""
         self.closed = True
+        self._reap(0.0)
+
+    def _reap(self, timeout_s: float) -> None:
+        """Wait for every worker (killed after `timeout_s`; at once for 0), leave the group, remove the rendezvous."""
         for p in self.processes:
-            p.kill()
-            p.wait()
+            try:
+                if timeout_s <= 0:
+                    raise subprocess.TimeoutExpired(p.args, 0)
+                p.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
         if dist.is_initialized():
             dist.destroy_process_group()
         if self.rendezvous_dir:
