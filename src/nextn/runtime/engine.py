@@ -19,14 +19,14 @@ from nextn.distributed.tensor_parallel import local_kv_config, shard_model
 from nextn.models.medusa import MedusaHeads
 from nextn.models.registry import MODEL_CLASSES
 from nextn.plugins.medusa_tree import TreeError, build_tree, published_tree
+from nextn.plugins.packed_linear import install_packed_linears
+from nextn.quantization.linear import install_weight_only_linears
 from nextn.runtime.acceptance_rules import AcceptanceRule, RelaxedAcceptance, StandardAcceptance
 from nextn.runtime.draft_len_policy import choose_draft_len_policy
 from nextn.runtime.draft_model_drafter import DraftModelDrafter
 from nextn.runtime.compiled_step import compile_decode_fn
 from nextn.runtime.cuda_graph_runner import graph_decode_fn
 from nextn.runtime.drafters import Drafter, MtpEagleDrafter, MtpVanillaDrafter, NoDrafter
-from nextn.plugins.packed_linear import install_packed_linears
-from nextn.quantization.linear import install_weight_only_linears
 from nextn.runtime.kv_cache import BlockPool, allocate_kv_cache
 from nextn.runtime.model_runner import ModelRunner
 from nextn.runtime.mtp_tree_step import MtpTreeAcceptance, tree_drafter, uses_tree
