@@ -1,6 +1,8 @@
-"""`WeightOnlyLinear`: a linear layer over W8A16 / W4A16 weights, on PyTorch's own CPU kernels.
+"""`WeightOnlyLinear`: a linear layer over W8A16 / W4A16 weights, on nextn's CPU kernels or PyTorch's.
 
-Kernels (measured in docs/PERFORMANCE.md; chosen because a one-row decode matmul is bound by weight bytes):
+On CPUs with AVX-512 BF16, nextn's own kernels (`plugins/woq_linear.py`; 1.7–1.9× PyTorch's at one row, more at
+the rows of a verify step, and batch-invariant: docs/PERFORMANCE.md). Elsewhere, or for shapes ours do not take
+(int4 K % 64 ≠ 0), PyTorch's:
 - W8A16: `torch.ops.aten._weight_int8pack_mm(x [M, K] bf16, w [N, K] int8, scales [N] bf16)`.
 - W4A16: `torch.ops.aten._weight_int4pack_mm_for_cpu(x [M, K] bf16, packed, group_size, scales_and_zeros
   [K/g, N, 2] bf16)`, with the weight packed at load by `_convert_weight_to_int4pack_for_cpu` from [N, K] int32 values;
@@ -15,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nextn.plugins import woq_linear
 from nextn.quantization.weight_only import QuantConfig, dequantize, unpack_int4
 
 
@@ -35,19 +38,30 @@ class WeightOnlyLinear(nn.Module):
         self.register_buffer("bias", tensors.get("bias"), persistent=False)
         self._tensors = {k: v for k, v in tensors.items() if k != "bias"}
         self.use_kernel = w.device.type == "cpu"
+        self.kernel = "aten"
+        if self.use_kernel and woq_linear.available() and self.in_features % (64 if cfg.quant_algo == "W4A16" else 16) == 0:
+            self.kernel = "nextn"
         if cfg.quant_algo == "W8A16":
             # a fresh allocation: tensors loaded from safetensors sit at 8-byte offsets in the file's buffer, and the
             # int8 kernel's vector loads crash on an unaligned weight (found with SmolLM2)
             self.register_buffer("qweight", w.clone(memory_format=torch.contiguous_format), persistent=False)
-            self.register_buffer("scales", tensors["weight_scale"].to(torch.bfloat16), persistent=False)
+            scale_dtype = torch.float32 if self.kernel == "nextn" else torch.bfloat16
+            self.register_buffer("scales", tensors["weight_scale"].to(scale_dtype).contiguous(), persistent=False)
         else:
             scale, zero = tensors["weight_scale"].float(), tensors["weight_zero"].float()
             self.group_size = self.in_features // scale.shape[1]
-            q = unpack_int4(w)  # [N, K] int32
-            self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-                                 if self.use_kernel else w, persistent=False)
-            sz = torch.stack([scale, zero + 8 * scale], dim=-1)  # [N, K/g, 2]
-            self.register_buffer("scales", sz.transpose(0, 1).contiguous().to(torch.bfloat16), persistent=False)
+            if self.kernel == "nextn":
+                self.register_buffer("qweight", woq_linear.pack_int4(w), persistent=False)
+                self.register_buffer("scales", scale.to(torch.bfloat16).contiguous(), persistent=False)
+                self.register_buffer("zeros", (zero + 8 * scale).to(torch.bfloat16).contiguous(), persistent=False)
+            else:
+                q = unpack_int4(w)  # [N, K] int32
+                self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+                                     if self.use_kernel else w, persistent=False)
+                sz = torch.stack([scale, zero + 8 * scale], dim=-1)  # [N, K/g, 2]
+                self.register_buffer("scales", sz.transpose(0, 1).contiguous().to(torch.bfloat16), persistent=False)
+        if self.kernel == "nextn" and self.bias is not None:
+            self.bias = self.bias.float()
         if not self.use_kernel:
             self.register_buffer("dense", dequantize(self._tensors, cfg), persistent=False)
         del self._tensors
@@ -56,6 +70,10 @@ class WeightOnlyLinear(nn.Module):
         """x: [..., in_features] → [..., out_features] in x's dtype."""
         if not self.use_kernel:
             return F.linear(x, self.dense.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        if self.kernel == "nextn":
+            if self.cfg.quant_algo == "W8A16":
+                return torch.ops.nextn.woq_int8_linear(x, self.qweight, self.scales, self.bias)
+            return torch.ops.nextn.woq_int4_linear(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
         if self.cfg.quant_algo == "W8A16":
@@ -66,7 +84,7 @@ class WeightOnlyLinear(nn.Module):
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.cfg.quant_algo}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.cfg.quant_algo}, {self.kernel} kernel"
 
 
 def install_weight_only_linears(model: nn.Module, weights: dict[str, torch.Tensor], cfg: QuantConfig) -> list[str]:

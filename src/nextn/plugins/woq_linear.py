@@ -1,0 +1,129 @@
+"""nextn's CPU weight-only kernels (`woq_linear_cpu.cpp`): int4 / int8 weights × bf16 activations, 1–8+ rows.
+
+The decode step multiplies one row per request (plain decoding) or K + 1 (a verify step) by every weight.
+PyTorch's own weight-only CPU kernels (`aten._weight_int4pack_mm_for_cpu`, `aten._weight_int8pack_mm`) are
+compute-bound at one row and fall off a cliff past four rows (docs/PERFORMANCE.md); ours unpack a block of
+weights into registers once and use it for up to 8 rows (int4: nibbles → bf16 by table lookup, `vdpbf16ps`
+with exact products and f32 sums, one scale per group; int8: f32 FMAs, one scale per channel). Every output is
+the same sequence of f32 operations whatever the row count (batch invariance: a verify step's logits equal a
+plain step's, bit for bit), which `tests/plugins/test_woq_linear.py` checks.
+
+The C++ source is compiled on first use with `torch.utils.cpp_extension` (g++, ~20–30 s once; cached under
+`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`) and only on x86-64 CPUs with AVX-512 F/BW/VL and
+AVX512-BF16. Where that is not possible, `available()` is False with the reason in `unavailable_reason()`, and
+callers keep PyTorch's kernels.
+
+Ops (`torch.ops.nextn.*`, usable under `torch.compile` through the fake implementations below):
+- `woq_int4_linear(x [M, K] bf16|f32, w [N, K/2] uint8 (`pack_int4` layout), scale [N, K/g] bf16,
+  zero8 [N, K/g] bf16, g, bias [N] f32 | None) → [M, N] in x's dtype`, w = (q − 8)·scale + zero8 (the
+  engine's W4A16 format, `quantization/weight_only.py`). K % 64 == 0, g % 32 == 0.
+- `woq_int8_linear(x [M, K] bf16|f32, w [N, K] int8, scale [N] f32, bias | None) → [M, N]`, w = q·scale
+  (W8A16); x is used in f32 (the int4 kernel rounds it to bf16). K % 16 == 0.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import platform
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("woq_linear_cpu.cpp")
+_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma")
+_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return set()
+
+
+@functools.cache
+def _load() -> str | None:
+    """Compile and load the kernels once; returns None on success, else why they are unavailable."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"needs an x86-64 CPU (this is {platform.machine()})"
+    missing = [f for f in _CPU_FLAGS if f not in _cpu_flags()]
+    if missing:
+        return f"the CPU lacks {', '.join(missing)}"
+    try:
+        from torch.utils import cpp_extension
+
+        logger.info("compiling nextn's CPU weight-only kernels (once per machine, ~30 s)")
+        cpp_extension.load(name="nextn_woq_linear", sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
+                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    except Exception as e:  # no compiler, no headers, a failed build: keep PyTorch's kernels
+        reason = f"building {_SOURCE.name} failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        logger.warning("nextn: CPU weight-only kernels unavailable, using PyTorch's (slower): %s", reason)
+        return reason
+    _register_fakes()
+    return None
+
+
+def available() -> bool:
+    """Whether nextn's CPU weight-only kernels are loaded (compiling them on the first call)."""
+    return _load() is None
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernels are unavailable (None when they are)."""
+    return _load()
+
+
+def _register_fakes() -> None:
+    @torch.library.register_fake("nextn::woq_int4_linear")
+    def _(x, w, scale, zero8, group_size, bias):
+        return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+    @torch.library.register_fake("nextn::woq_int8_linear")
+    def _(x, w, scale, bias):
+        return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+def pack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The engine's portable int4 layout → the kernel's.
+
+    Args:
+        packed: [N, K/2] uint8, two values a byte, the even input channel in the low nibble (`weight_only.quantize`).
+    Returns:
+        [N, K/2] uint8: for every 64 input channels k0.., 32 bytes; byte j holds q[k0 + j] (low nibble) and
+        q[k0 + 32 + j] (high nibble).
+    Raises:
+        ValueError: K is not a multiple of 64.
+    """
+    n, half = packed.shape
+    if (2 * half) % 64:
+        raise ValueError(f"the int4 kernel needs K % 64 == 0, got K = {2 * half}")
+    q = torch.stack([packed & 0x0F, packed >> 4], dim=-1).view(n, -1, 2, 32)  # [N, K/64, (low, high) half, 32]
+    return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, half).contiguous()
+
+
+def int4_linear_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero8: torch.Tensor,
+                          group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What `woq_int4_linear` computes, in PyTorch (f32, another summation order): x [..., K], `pack_int4`'s
+    layout, scale / zero8 [N, K/g] → [..., N] in x's dtype."""
+    n, half = packed.shape
+    k = 2 * half
+    nib = packed.view(n, k // 64, 32)
+    q = torch.cat([nib & 0x0F, nib >> 4], dim=-1).view(n, k).float()  # back to channel order
+    w = ((q.view(n, k // group_size, group_size) - 8) * scale.float()[..., None]
+         + zero8.float()[..., None]).view(n, k)
+    y = x.to(torch.bfloat16).float() @ w.T
+    return (y if bias is None else y + bias.float()).to(x.dtype)
+
+
+def int8_linear_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
+                          bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What `woq_int8_linear` computes, in PyTorch: x [..., K], w [N, K] int8, scale [N] → [..., N] in x's dtype."""
+    y = (x.float() @ w.float().T) * scale.float()
+    return (y if bias is None else y + bias.float()).to(x.dtype)

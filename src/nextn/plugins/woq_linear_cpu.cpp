@@ -1,0 +1,279 @@
+// Weight-only quantized linear layers for the CPU decode and verify steps (nextn plugin; Python side and the
+// PyTorch reference: woq_linear.py).
+//
+//   nextn::woq_int4_linear(x [M, K], w [N, K/2] uint8, scale [N, K/g] bf16, zero8 [N, K/g] bf16, g, bias?)
+//   nextn::woq_int8_linear(x [M, K], w [N, K] int8, scale [N] f32, bias?)
+//     -> [M, N] in x's dtype
+//
+// x is bf16 or f32; bias is [N] or absent. int4: w = (q - 8) * scale + zero8 per group of g input channels
+// (q in [0, 15]), x rounded to bf16, exact products and f32 sums; int8: y = scale * sum(q * x) in f32.
+//
+// Why our own kernel: a decode step multiplies 1 row (plain) or K + 1 rows (a verify step) by every weight, so it
+// is bound by the weight bytes. PyTorch's CPU weight-only kernels are compute-bound at one row and fall off a cliff
+// past four rows (docs/PERFORMANCE.md). Here a block of output channels is unpacked into registers once and
+// multiplied against up to 8 rows, the rows of a verify step re-reading the block from L1.
+//
+// Batch invariance (what makes speculative decoding token-identical to plain decoding): every output y[m, n] is
+// the same sequence of f32 operations on x[m] and W[n] whatever M, the row chunk, the channel block or the thread.
+//
+// int4 layout (made by `pack_int4` in woq_linear.py from the engine's portable one): for every 64 input channels
+// k0..k0+63 of a row, 32 bytes; byte j holds q[k0 + j] in its low nibble and q[k0 + 32 + j] in its high nibble, so
+// one 32-byte load widens to two vectors of 32 consecutive channels (one group of 32 each).
+//
+// Built with AVX-512 F/BW/VL/BF16 + FMA + OpenMP (at::parallel_for); loaded only on CPUs with those
+// (woq_linear.py).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#include <optional>
+
+namespace {
+
+constexpr int kMaxRows = 8;  // rows per register block
+
+// Rows [0, MB) of x (bf16, row stride K) against NB int4 rows of W starting at w (row stride K/2 bytes).
+// Per 32 input channels: the nibbles become bf16 integers by a table lookup (exact), one vdpbf16ps per row
+// multiplies them with x (exact products, f32 sums), and the sum is scaled by the group's scale. The zero points
+// enter once per row through the group sums of x: y = sum_g scale_g * sum_k q_k x_k + sum_g zero_g * xs_g.
+// s: [NB][groups] f32 scales; zt: [MB][NB] precomputed sum_g zero_g * xs_g.
+template <int MB, int NB>
+inline void int4_block(const uint16_t* x, int64_t K, const uint8_t* w, const float* s, int64_t groups,
+                       int64_t g, const float* zt, float* out, int64_t out_stride, const float* bias) {
+  __m512 acc[MB][NB];
+  for (int m = 0; m < MB; ++m)
+    for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi16(0x0F);
+  // bf16 bit patterns of 0.0 .. 15.0, indexed by a nibble
+  const __m512i table = _mm512_set_epi16(
+      0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+      0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
+      0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
+  const int64_t wstride = K / 2;
+  for (int64_t k = 0; k < K; k += 64) {
+    const int64_t g0 = k / g, g1 = (k + 32) / g;
+    __m512bh xl[MB], xh[MB];
+    for (int m = 0; m < MB; ++m) {
+      xl[m] = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+      xh[m] = (__m512bh)_mm512_loadu_si512(x + m * K + k + 32);
+    }
+    for (int n = 0; n < NB; ++n) {
+      const __m512i q = _mm512_cvtepu8_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + n * wstride + k / 2)));
+      const __m512bh wl = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(q, low4), table);
+      const __m512bh wh = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(q, 4), table);
+      const __m512 sl = _mm512_set1_ps(s[n * groups + g0]), sh = _mm512_set1_ps(s[n * groups + g1]);
+      for (int m = 0; m < MB; ++m) {
+        acc[m][n] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), wl, xl[m]), sl, acc[m][n]);
+        acc[m][n] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), wh, xh[m]), sh, acc[m][n]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int n = 0; n < NB; ++n)
+      out[m * out_stride + n] = _mm512_reduce_add_ps(acc[m][n]) + zt[m * NB + n] + (bias ? bias[n] : 0.f);
+}
+
+// sum_g a[g] * b[g] over `len` floats, 16 lanes at a time (a fixed order: the same for every row count).
+inline float dot(const float* a, const float* b, int64_t len) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < len; i += 16) {
+    const __mmask16 mask = len - i >= 16 ? 0xFFFF : (__mmask16)((1u << (len - i)) - 1);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, a + i), _mm512_maskz_loadu_ps(mask, b + i), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+template <int MB, int NB>
+inline void int8_block(const float* x, int64_t K, const int8_t* w, const float* scale, float* out,
+                       int64_t out_stride, const float* bias) {
+  __m512 acc[MB][NB];
+  for (int m = 0; m < MB; ++m)
+    for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    __m512 xv[MB];
+    for (int m = 0; m < MB; ++m) xv[m] = _mm512_loadu_ps(x + m * K + k);
+    for (int n = 0; n < NB; ++n) {
+      const __m512 wv = _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + n * K + k))));
+      for (int m = 0; m < MB; ++m) acc[m][n] = _mm512_fmadd_ps(wv, xv[m], acc[m][n]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int n = 0; n < NB; ++n)
+      out[m * out_stride + n] = scale[n] * _mm512_reduce_add_ps(acc[m][n]) + (bias ? bias[n] : 0.f);
+}
+
+template <int V>
+using Int = std::integral_constant<int, V>;
+
+// Call f(Int<rows>{}) for a runtime row count 1..MAX (MAX: 4 or 8), the row count a compile-time constant.
+template <int MAX, typename F>
+inline void with_rows(int64_t rows, F&& f) {
+  switch (rows) {
+    case 1: f(Int<1>{}); return;
+    case 2: f(Int<2>{}); return;
+    case 3: f(Int<3>{}); return;
+    case 4: f(Int<4>{}); return;
+  }
+  if constexpr (MAX > 4) {
+    switch (rows) {
+      case 5: f(Int<5>{}); return;
+      case 6: f(Int<6>{}); return;
+      case 7: f(Int<7>{}); return;
+      default: f(Int<8>{}); return;
+    }
+  }
+}
+
+// Run `block(Int<MB>, Int<NB>, m0, n0)` over the [M, N] output: blocks of NB output channels split across
+// threads; within a block, chunks of MAX rows reuse the block's weights from L1. NB x MAX = 16 accumulators.
+template <int NB, int MAX, typename Block>
+void run_blocks(int64_t M, int64_t N, Block& block) {
+  const int64_t blocks = (N + NB - 1) / NB;
+  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * NB;
+      for (int64_t m0 = 0; m0 < M; m0 += MAX) {
+        with_rows<MAX>(std::min<int64_t>(MAX, M - m0), [&](auto mb) {
+          if (n0 + NB <= N) {
+            block(mb, Int<NB>{}, m0, n0);
+          } else {
+            for (int64_t n = n0; n < N; ++n) block(mb, Int<1>{}, m0, n);
+          }
+        });
+      }
+    }
+  });
+}
+
+// Up to 4 rows: 4 channels a block; more rows (a verify step): 2 channels a block, 8 rows a chunk.
+template <typename Block>
+void for_each_block(int64_t M, int64_t N, Block&& block) {
+  if (M <= 4) {
+    run_blocks<4, 4>(M, N, block);
+  } else {
+    run_blocks<2, kMaxRows>(M, N, block);
+  }
+}
+
+at::Tensor check_x(const at::Tensor& x, int64_t K, const char* op) {
+  TORCH_CHECK(x.device().is_cpu(), op, ": x must be on the CPU");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, op,
+              ": x must be bfloat16 or float32, got ", x.scalar_type());
+  TORCH_CHECK(x.size(-1) == K, op, ": x has ", x.size(-1), " input channels, the weight ", K);
+  return x.reshape({-1, K}).to(at::kFloat).contiguous();
+}
+
+const float* bias_ptr(const std::optional<at::Tensor>& bias, int64_t N, at::Tensor& keep) {
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->numel() == N, "bias must have ", N, " elements, got ", bias->numel());
+  keep = bias->to(at::kFloat).contiguous();
+  return keep.data_ptr<float>();
+}
+
+at::Tensor finish(const at::Tensor& out, const at::Tensor& x) {
+  auto sizes = x.sizes().vec();
+  sizes.back() = out.size(1);
+  return out.to(x.scalar_type()).view(sizes);
+}
+
+inline float bf16_to_float(uint16_t b) {
+  const uint32_t bits = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+at::Tensor woq_int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                           const at::Tensor& zero8, int64_t group_size, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
+              "woq_int4_linear: w must be a contiguous [N, K/2] uint8 tensor");
+  const int64_t N = w.size(0), K = w.size(1) * 2;
+  TORCH_CHECK(K % 64 == 0, "woq_int4_linear: K = ", K, " must be a multiple of 64");
+  TORCH_CHECK(group_size % 32 == 0 && K % group_size == 0, "woq_int4_linear: group_size ", group_size,
+              " must be a multiple of 32 dividing K = ", K);
+  const int64_t G = K / group_size;
+  TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && zero8.scalar_type() == at::kBFloat16 &&
+                  scale.is_contiguous() && zero8.is_contiguous() && scale.numel() == N * G && zero8.numel() == N * G,
+              "woq_int4_linear: scale and zero8 must be contiguous bfloat16 [N, K / group_size]");
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "woq_int4_linear: x must be a bfloat16 or float32 CPU tensor");
+  TORCH_CHECK(x.size(-1) == K, "woq_int4_linear: x has ", x.size(-1), " input channels, the weight ", K);
+  TORCH_CHECK(G <= 512, "woq_int4_linear: at most 512 groups per row, got ", G);
+  const at::Tensor xb = x.reshape({-1, K}).to(at::kBFloat16).contiguous();
+  const int64_t M = xb.size(0);
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
+  // group sums of x, f32, in a fixed order per row
+  std::vector<float> xs(M * G);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t gi = 0; gi < G; ++gi) {
+      __m512 a = _mm512_setzero_ps();
+      for (int64_t k = gi * group_size; k < (gi + 1) * group_size; k += 16)
+        a = _mm512_add_ps(a, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                 _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                     reinterpret_cast<const __m256i*>(xp + m * K + k))), 16)));
+      xs[m * G + gi] = _mm512_reduce_add_ps(a);
+    }
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat)), bias_keep;
+  const float* b = bias_ptr(bias, N, bias_keep);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::BFloat16>());
+  const uint16_t* zp = reinterpret_cast<const uint16_t*>(zero8.data_ptr<at::BFloat16>());
+  float* op = out.data_ptr<float>();
+  for_each_block(M, N, [&](auto mb, auto nb, int64_t m0, int64_t n0) {
+    constexpr int MB = decltype(mb)::value, NB = decltype(nb)::value;
+    // this block's scales, and the zero points' term sum_g (zero8_g - 8 scale_g) * xs_g per row
+    float s[NB * 512], z[512], zt[MB * NB];
+    for (int n = 0; n < NB; ++n) {
+      for (int64_t gi = 0; gi < G; ++gi) {
+        s[n * G + gi] = bf16_to_float(sp[(n0 + n) * G + gi]);
+        z[gi] = bf16_to_float(zp[(n0 + n) * G + gi]) - 8.f * s[n * G + gi];
+      }
+      for (int m = 0; m < MB; ++m) zt[m * NB + n] = dot(z, xs.data() + (m0 + m) * G, G);
+    }
+    int4_block<MB, NB>(xp + m0 * K, K, wp + n0 * (K / 2), s, G, group_size, zt, op + m0 * N + n0, N,
+                       b ? b + n0 : nullptr);
+  });
+  return finish(out, x);
+}
+
+at::Tensor woq_int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                           const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous(),
+              "woq_int8_linear: w must be a contiguous [N, K] int8 tensor");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(K % 16 == 0, "woq_int8_linear: K = ", K, " must be a multiple of 16");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == N,
+              "woq_int8_linear: scale must be a contiguous float32 [N]");
+  const at::Tensor x2 = check_x(x, K, "woq_int8_linear");
+  const int64_t M = x2.size(0);
+  at::Tensor out = at::empty({M, N}, x2.options()), bias_keep;
+  const float* b = bias_ptr(bias, N, bias_keep);
+  const float* xp = x2.data_ptr<float>();
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for_each_block(M, N, [&](auto mb, auto nb, int64_t m0, int64_t n0) {
+    constexpr int MB = decltype(mb)::value, NB = decltype(nb)::value;
+    int8_block<MB, NB>(xp + m0 * K, K, wp + n0 * K, sp + n0, op + m0 * N + n0, N, b ? b + n0 : nullptr);
+  });
+  return finish(out, x);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(nextn, m) {
+  m.def("woq_int4_linear(Tensor x, Tensor w, Tensor scale, Tensor zero, int group_size, Tensor? bias) -> Tensor");
+  m.def("woq_int8_linear(Tensor x, Tensor w, Tensor scale, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(nextn, CPU, m) {
+  m.impl("woq_int4_linear", &woq_int4_linear);
+  m.impl("woq_int8_linear", &woq_int8_linear);
+}
