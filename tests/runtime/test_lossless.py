@@ -10,9 +10,7 @@ from transformers import DeepseekV3ForCausalLM as HFDeepseekV3
 
 from nextn import LLM, SamplingParams
 from nextn.cli.prompts import load_prompts
-from nextn.runtime.acceptance_rules import StandardAcceptance, greedy_sampling
-from nextn.runtime.kv_cache import allocate_kv_cache
-from nextn.runtime.spec_step import prefill_step
+from nextn.testing.spec_checks import check_drafts_against_fresh_prefill
 
 DISTILL_STEPS = 150
 MAX_TOKENS = 40
@@ -98,24 +96,5 @@ def test_incremental_drafts_equal_drafts_from_scratch(eagle_engine, vanilla_engi
     eng = llm.engine
     for p in _prompts():
         eng.add_request(eng.make_request(p, SamplingParams(max_tokens=24, ignore_eos=True)))
-    checked = 0
-    while eng.has_work:
-        batch = eng.scheduler.schedule()
-        result = eng.runner.run(batch)
-        for req, emitted, drafts in zip(batch.requests, result.emitted, result.drafts):
-            req.append(emitted, eng.max_seq_len)
-            req.draft_tokens = drafts
-            if req.finished:
-                continue
-            seq = req.all_token_ids[:-1]
-            kv = allocate_kv_cache(eng.model.num_cache_layers, 1 + -(-(len(seq) + 2 * k + 1) // 16), 16,
-                                   eng.cfg.kv_cache_dim, torch.float32)
-            table = torch.arange(1, kv.shape[1] // 16)[None]
-            with torch.inference_mode():
-                ref = prefill_step(eng.model, eng.drafter, StandardAcceptance(), kv, torch.tensor([seq]),
-                                   torch.tensor([len(seq)]), table, greedy_sampling(1), (), 16)
-            assert ref.tokens[0].tolist() == [req.all_token_ids[-1]]
-            assert ref.draft_tokens[0].tolist() == drafts, f"step {req.num_tokens}: stale drafter state"
-            checked += 1
-        eng.scheduler.finish_done()
+    checked = check_drafts_against_fresh_prefill(eng, k)
     assert checked > 20

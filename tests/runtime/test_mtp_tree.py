@@ -138,38 +138,12 @@ def test_tree_is_lossless_on_a_llama_base_with_a_trained_mtp_module(llama_mtp, s
 def test_incremental_trees_equal_trees_from_scratch(eagle, spec):
     """After every step, the drafted tree (built with compaction, the path's first pass and per-depth passes over
     the paged cache) equals the tree a fresh prefill over the accepted sequence drafts: no stale module KV."""
-    import torch
-
-    from nextn.runtime.acceptance_rules import StandardAcceptance, greedy_sampling
-    from nextn.runtime.kv_cache import allocate_kv_cache
-    from nextn.runtime.spec_step import prefill_step
+    from nextn.testing.spec_checks import check_drafts_against_fresh_prefill
 
     eng = LLM(eagle, speculative_config=spec).engine
     for p in PROMPTS:
         eng.add_request(eng.make_request(p, SamplingParams(max_tokens=20, ignore_eos=True)))
-    checked, n = 0, eng.drafter.num_draft_tokens
-    while eng.has_work:
-        batch = eng.scheduler.schedule()
-        slots = [r.batch_slot for r in batch.requests]
-        result = eng.runner.run(batch)
-        for req, slot, emitted, drafts in zip(batch.requests, slots, result.emitted, result.drafts):
-            req.append(emitted, eng.max_seq_len)
-            req.draft_tokens = drafts
-            if req.finished:
-                continue
-            seq = req.all_token_ids[:-1]
-            kv = allocate_kv_cache(eng.model.num_cache_layers, 1 + -(-(len(seq) + 2 * n + 1) // 16), 16,
-                                   eng.cfg.kv_cache_dim, torch.float32)
-            table = torch.arange(1, kv.shape[1] // 16)[None]
-            with torch.inference_mode():
-                ref = prefill_step(eng.model, eng.drafter, StandardAcceptance(), kv, torch.tensor([seq]),
-                                   torch.tensor([len(seq)]), table, greedy_sampling(1), (), 16)
-            assert ref.tokens[0].tolist() == [req.all_token_ids[-1]]
-            assert ref.draft_tokens[0].tolist() == drafts, f"step {req.num_tokens}: stale drafter state"
-            for buf, fresh in zip(eng.runner.state, ref.drafter_state):  # the dynamic tree's parents and depths
-                assert buf[slot].tolist() == fresh[0].tolist()
-            checked += 1
-        eng.scheduler.finish_done()
+    checked = check_drafts_against_fresh_prefill(eng, eng.drafter.num_draft_tokens, check_drafter_state=True)
     assert checked > 15
 
 

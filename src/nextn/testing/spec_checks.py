@@ -1,5 +1,5 @@
-"""Shared checks for the tests of every drafter: a broken acceptance rule (to show a distribution test has power)
-and the batch-independence of a seeded request."""
+"""Shared checks for the tests of every drafter: a broken acceptance rule (to show a distribution test has power),
+the batch-independence of a seeded request, and incremental drafts against a fresh prefill's."""
 
 from __future__ import annotations
 
@@ -37,3 +37,51 @@ def same_seed_same_output_whatever_the_batch(llm, prompt: list[int], params: Sam
                           params, SamplingParams(max_tokens=12, temperature=0.5, top_k=3, seed=5)])
     assert batch[2].outputs[0].token_ids == alone
     assert llm.generate(prompt, params.model_copy(update={"seed": 4321})).outputs[0].token_ids != alone
+
+
+def check_drafts_against_fresh_prefill(engine, num_draft_tokens: int, check_drafter_state: bool = False) -> int:
+    """Run the engine's queued greedy requests to the end, asserting after every step that each unfinished request's
+    drafts (built incrementally over the paged cache, with rewinds) equal the drafts of a fresh prefill over its
+    accepted sequence: the drafter's KV cache holds no stale rejected entries.
+
+    Args:
+        engine: an `Engine` with requests added and not yet stepped.
+        num_draft_tokens: the drafter's K; the fresh KV cache holds the sequence plus 2K + 1 rows.
+        check_drafter_state: also compare the runner's per-slot drafter state buffers (a dynamic tree's parents and
+            depths) with the fresh prefill's.
+
+    Returns:
+        The number of (request, step) pairs checked.
+
+    Raises:
+        AssertionError: a token, a draft or (with `check_drafter_state`) a state row differs from the fresh prefill's.
+    """
+    from nextn.runtime.acceptance_rules import StandardAcceptance, greedy_sampling
+    from nextn.runtime.kv_cache import allocate_kv_cache
+    from nextn.runtime.spec_step import prefill_step
+
+    checked = 0
+    while engine.has_work:
+        batch = engine.scheduler.schedule()
+        slots = [r.batch_slot for r in batch.requests]
+        result = engine.runner.run(batch)
+        for req, slot, emitted, drafts in zip(batch.requests, slots, result.emitted, result.drafts):
+            req.append(emitted, engine.max_seq_len)
+            req.draft_tokens = drafts
+            if req.finished:
+                continue
+            seq = req.all_token_ids[:-1]
+            kv = allocate_kv_cache(engine.model.num_cache_layers, 1 + -(-(len(seq) + 2 * num_draft_tokens + 1) // 16),
+                                   16, engine.cfg.kv_cache_dim, torch.float32)
+            table = torch.arange(1, kv.shape[1] // 16)[None]
+            with torch.inference_mode():
+                ref = prefill_step(engine.model, engine.drafter, StandardAcceptance(), kv, torch.tensor([seq]),
+                                   torch.tensor([len(seq)]), table, greedy_sampling(1), (), 16)
+            assert ref.tokens[0].tolist() == [req.all_token_ids[-1]]
+            assert ref.draft_tokens[0].tolist() == drafts, f"step {req.num_tokens}: stale drafter state"
+            if check_drafter_state:
+                for buf, fresh in zip(engine.runner.state, ref.drafter_state):
+                    assert buf[slot].tolist() == fresh[0].tolist()
+            checked += 1
+        engine.scheduler.finish_done()
+    return checked
