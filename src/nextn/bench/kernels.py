@@ -1,8 +1,10 @@
 """The linear-layer kernels a decode or verify step can use, timed at the few rows those steps have (a benchmark).
 
 For one weight matrix [N, K] and each row count M (1 = a plain decode step; K + 1 = a verify step over K drafts):
-- int8: `torch.ops.aten._weight_int8pack_mm` (W8A16, `quantization/linear.py`);
-- int4: `torch.ops.aten._weight_int4pack_mm_for_cpu`, group 32 (W4A16);
+- int8: `torch.ops.aten._weight_int8pack_mm` (W8A16 on PyTorch's kernel);
+- int4: `torch.ops.aten._weight_int4pack_mm_for_cpu`, group 32 (W4A16 on PyTorch's kernel);
+- nextn int8 / nextn int4: nextn's own kernels (`plugins/woq_linear.py`; what `quantization/linear.py` uses where
+  the CPU has AVX512-BF16);
 - bf16: `F.linear`;
 - bf16 packed: oneDNN's pre-packed weight (`plugins/packed_linear.py`, what nextn's bf16 engines run).
 Prints µs per call (median of `--iters` after a warm-up) and the weight bytes read per µs. A matrix that fits in the
@@ -21,6 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from nextn.plugins import woq_linear
 from nextn.plugins.packed_linear import packed_linear, packing_supported
 
 
@@ -49,6 +52,13 @@ def kernels(n: int, k: int, group: int = 32) -> dict[str, tuple[Callable[[torch.
                            n * k // 2 + 4 * n * (k // group)),
         "bf16": (lambda x: F.linear(x, w), 2 * n * k),
     }
+    if woq_linear.available() and k % 64 == 0:
+        s32 = torch.rand(n, dtype=torch.float32)
+        p4 = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+        sc, z8 = torch.rand(n, k // group, dtype=torch.bfloat16), torch.rand(n, k // group, dtype=torch.bfloat16)
+        out["nextn int8"] = (lambda x: torch.ops.nextn.woq_int8_linear(x, q8, s32, None), n * k + 4 * n)
+        out[f"nextn int4 g{group}"] = (lambda x: torch.ops.nextn.woq_int4_linear(x, p4, sc, z8, group, None),
+                                       n * k // 2 + 4 * n * (k // group))
     if packing_supported(torch.device("cpu"), torch.bfloat16):
         packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
         out["bf16 packed"] = (lambda x: packed_linear(x, packed, None), 2 * n * k)
@@ -68,14 +78,14 @@ def main(argv: list[str] | None = None) -> int:
     n, k = args.shape
     table = kernels(n, k)
     print(f"[{n}, {k}] weight, {args.threads} threads; µs per call (weight GB read per second)")
-    print("rows  " + "".join(f"{name:>18}" for name in table))
+    print("rows  " + "".join(f"{name:>20}" for name in table))
     for m in args.rows:
         x = torch.randn(m, k, dtype=torch.bfloat16)
         cells = []
         for fn, nbytes in table.values():
             us = _time(lambda: fn(x), args.iters)
             cells.append(f"{us:9.0f} ({nbytes / us / 1e3:4.1f} GB/s)")
-        print(f"{m:>4}  " + "".join(f"{c:>18}" for c in cells))
+        print(f"{m:>4}  " + "".join(f"{c:>20}" for c in cells))
     return 0
 
 

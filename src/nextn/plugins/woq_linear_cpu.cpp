@@ -29,13 +29,20 @@
 #include <immintrin.h>
 
 #include <cstdint>
-#include <cstring>
 #include <vector>
 #include <optional>
 
 namespace {
 
 constexpr int kMaxRows = 8;  // rows per register block
+
+// Ask for the next channel block's bytes at this offset into L2 while this block computes: the weights stream from
+// DRAM once per step, and without it loads and arithmetic do not overlap (measured: a [151936, 1536] int8 matrix,
+// one row, 14.5 -> 5.9-7.9 ms; an L1 hint gained less).
+template <int NB, typename T>
+inline void prefetch_next(const T* p, int64_t row_stride) {
+  for (int n = 0; n < NB; ++n) _mm_prefetch(reinterpret_cast<const char*>(p + (n + NB) * row_stride), _MM_HINT_T1);
+}
 
 // Rows [0, MB) of x (bf16, row stride K) against NB int4 rows of W starting at w (row stride K/2 bytes).
 // Per 32 input channels: the nibbles become bf16 integers by a table lookup (exact), one vdpbf16ps per row
@@ -57,6 +64,7 @@ inline void int4_block(const uint16_t* x, int64_t K, const uint8_t* w, const flo
   const int64_t wstride = K / 2;
   for (int64_t k = 0; k < K; k += 64) {
     const int64_t g0 = k / g, g1 = (k + 32) / g;
+    if ((k & 127) == 0) prefetch_next<NB>(w + k / 2, wstride);
     __m512bh xl[MB], xh[MB];
     for (int m = 0; m < MB; ++m) {
       xl[m] = (__m512bh)_mm512_loadu_si512(x + m * K + k);
@@ -79,14 +87,26 @@ inline void int4_block(const uint16_t* x, int64_t K, const uint8_t* w, const flo
       out[m * out_stride + n] = _mm512_reduce_add_ps(acc[m][n]) + zt[m * NB + n] + (bias ? bias[n] : 0.f);
 }
 
-// sum_g a[g] * b[g] over `len` floats, 16 lanes at a time (a fixed order: the same for every row count).
-inline float dot(const float* a, const float* b, int64_t len) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t i = 0; i < len; i += 16) {
-    const __mmask16 mask = len - i >= 16 ? 0xFFFF : (__mmask16)((1u << (len - i)) - 1);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, a + i), _mm512_maskz_loadu_ps(mask, b + i), acc);
+inline __m512 bf16x16_to_f32(__m256i b) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
+// One channel's group terms, 16 groups at a time: s_out[g] = scale[g] as f32, and for each row m < MB
+// zt[m * zt_stride] = sum_g (zero8[g] - 8 scale[g]) * xs[m * G + g] (a fixed order: the same for every row count).
+template <int MB>
+inline void group_terms(const uint16_t* scale, const uint16_t* zero8, int64_t G, const float* xs, float* s_out,
+                        float* zt, int zt_stride) {
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  const __m512 eight = _mm512_set1_ps(8.f);
+  for (int64_t gi = 0; gi < G; gi += 16) {
+    const __mmask16 mask = G - gi >= 16 ? 0xFFFF : (__mmask16)((1u << (G - gi)) - 1);
+    const __m512 sv = bf16x16_to_f32(_mm256_maskz_loadu_epi16(mask, scale + gi));
+    const __m512 zv = _mm512_fnmadd_ps(eight, sv, bf16x16_to_f32(_mm256_maskz_loadu_epi16(mask, zero8 + gi)));
+    _mm512_mask_storeu_ps(s_out + gi, mask, sv);
+    for (int m = 0; m < MB; ++m) acc[m] = _mm512_fmadd_ps(zv, _mm512_maskz_loadu_ps(mask, xs + m * G + gi), acc[m]);
   }
-  return _mm512_reduce_add_ps(acc);
+  for (int m = 0; m < MB; ++m) zt[m * zt_stride] = _mm512_reduce_add_ps(acc[m]);
 }
 
 template <int MB, int NB>
@@ -97,6 +117,7 @@ inline void int8_block(const float* x, int64_t K, const int8_t* w, const float* 
     for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 16) {
     __m512 xv[MB];
+    if ((k & 63) == 0) prefetch_next<NB>(w + k, K);
     for (int m = 0; m < MB; ++m) xv[m] = _mm512_loadu_ps(x + m * K + k);
     for (int n = 0; n < NB; ++n) {
       const __m512 wv = _mm512_cvtepi32_ps(
@@ -183,13 +204,6 @@ at::Tensor finish(const at::Tensor& out, const at::Tensor& x) {
   return out.to(x.scalar_type()).view(sizes);
 }
 
-inline float bf16_to_float(uint16_t b) {
-  const uint32_t bits = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
 at::Tensor woq_int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                            const at::Tensor& zero8, int64_t group_size, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
@@ -215,9 +229,7 @@ at::Tensor woq_int4_linear(const at::Tensor& x, const at::Tensor& w, const at::T
     for (int64_t gi = 0; gi < G; ++gi) {
       __m512 a = _mm512_setzero_ps();
       for (int64_t k = gi * group_size; k < (gi + 1) * group_size; k += 16)
-        a = _mm512_add_ps(a, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                 _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                                     reinterpret_cast<const __m256i*>(xp + m * K + k))), 16)));
+        a = _mm512_add_ps(a, bf16x16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + m * K + k))));
       xs[m * G + gi] = _mm512_reduce_add_ps(a);
     }
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat)), bias_keep;
@@ -229,14 +241,9 @@ at::Tensor woq_int4_linear(const at::Tensor& x, const at::Tensor& w, const at::T
   for_each_block(M, N, [&](auto mb, auto nb, int64_t m0, int64_t n0) {
     constexpr int MB = decltype(mb)::value, NB = decltype(nb)::value;
     // this block's scales, and the zero points' term sum_g (zero8_g - 8 scale_g) * xs_g per row
-    float s[NB * 512], z[512], zt[MB * NB];
-    for (int n = 0; n < NB; ++n) {
-      for (int64_t gi = 0; gi < G; ++gi) {
-        s[n * G + gi] = bf16_to_float(sp[(n0 + n) * G + gi]);
-        z[gi] = bf16_to_float(zp[(n0 + n) * G + gi]) - 8.f * s[n * G + gi];
-      }
-      for (int m = 0; m < MB; ++m) zt[m * NB + n] = dot(z, xs.data() + (m0 + m) * G, G);
-    }
+    float s[NB * 512], zt[MB * NB];
+    for (int n = 0; n < NB; ++n)
+      group_terms<MB>(sp + (n0 + n) * G, zp + (n0 + n) * G, G, xs.data() + m0 * G, s + n * G, zt + n, NB);
     int4_block<MB, NB>(xp + m0 * K, K, wp + n0 * (K / 2), s, G, group_size, zt, op + m0 * N + n0, N,
                        b ? b + n0 : nullptr);
   });
