@@ -7,6 +7,8 @@ The weights are written one tensor at a time into a pre-sized safetensors file (
 `runtime_weight_specs`), so peak memory is one converted tensor (one layer's stacked experts), not the model.
 The engine is assembled in a staging directory beside `output_dir` and swapped in only when complete: a failed
 build leaves an existing engine untouched and nothing in `output_dir`.
+The decisions taken before anything is written (reader, dtype, speculative section, quantization plan) live in
+`engine_settings.py`, the streaming writer in `safetensors_writer.py`; both are re-exported here.
 
 What a build refuses before it writes (each error names the tensor, field or file):
 - an `output_dir` that is not empty and is not an nextn engine (its manifest must validate), and an engine that also
@@ -20,38 +22,40 @@ The weights' SHA-256 is computed while they are written; every engine file's siz
 (`EngineManifest.checksums`), checked at load (`manifest.verify_engine_files`).
 """
 
+
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import math
 import shutil
-import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 
 import nextn
-from nextn.progress import progress_bar
-from nextn.build.checkpoint import CONFIG_NAME, CheckpointError, CheckpointReader, read_json
+from nextn.build.checkpoint import CONFIG_NAME, read_json
+from nextn.build.engine_settings import (
+    DTYPES, INT4_ROWS, check_mtp_layers, check_seq_len, medusa_speculative, open_checkpoint, quantized_specs_all,
+    resolve_dtype, resolve_quant, resolve_speculative,
+)  # fmt: skip
 from nextn.build.fingerprint import fingerprint
 from nextn.build.gguf_reader import GGUFCheckpoint
-from nextn.build.manifest import (
-    MANIFEST_NAME, BuildOptions, EngineError, EngineManifest, FileChecksum, SourceInfo, SpeculativeInfo, StreamHasher,
-    file_checksum,
-)  # fmt: skip
-from nextn.config.llm_args import LlmArgs, load_llm_args_yaml, parse_llm_args
-from nextn.build.medusa_heads import MedusaHeadsCheckpoint, check_fits, read_medusa_heads
+from nextn.build.manifest import BuildOptions, EngineError, EngineManifest, SourceInfo, file_checksum
+from nextn.build.medusa_heads import check_fits, read_medusa_heads
 from nextn.build.output_dir import plan_output_dir, staging_dir
+from nextn.build.safetensors_writer import write_safetensors_streaming
 from nextn.build.weight_checks import check_engine_size, check_source_tensors, checked_getter, default_max_seq_len
-from nextn.models.deepseek_v3.weights import layer_prefix
-from nextn.models.registry import MODEL_CLASSES, WEIGHT_LAYOUTS, ModelConfig
-from nextn.quantization.weight_only import (
-    QUANT_ALGOS, QuantConfig, QuantError, default_group_size, linear_weight_names, quantize_stream, quantized_specs,
-)  # fmt: skip
+from nextn.config.llm_args import LlmArgs, load_llm_args_yaml, parse_llm_args
+from nextn.models.registry import WEIGHT_LAYOUTS
+from nextn.quantization.weight_only import quantize_stream
+
+__all__ = [
+    "AUX_FILES", "DTYPES", "EMBED_NAME", "INT4_ROWS", "MEDUSA_PREFIX", "TOKENIZER_FILES", "WEIGHTS_NAME",
+    "build_engine", "medusa_speculative", "open_checkpoint", "quantized_specs_all", "resolve_dtype", "resolve_quant",
+    "resolve_speculative", "with_lm_head_copy", "write_safetensors_streaming",
+]  # fmt: skip
 
 WEIGHTS_NAME = "model.safetensors"
 #: Copied into the engine and listed in `manifest.tokenizer_files` when the checkpoint has them.
@@ -61,9 +65,8 @@ TOKENIZER_FILES = (
 )  # fmt: skip
 #: Copied when present but not tokenizer files (sampling defaults, EOS ids).
 AUX_FILES = ("generation_config.json",)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int8: "I8",
-              torch.uint8: "U8"}
+EMBED_NAME = "model.embed_tokens.weight"
+MEDUSA_PREFIX = "medusa_heads."
 logger = logging.getLogger(__name__)
 
 
@@ -151,14 +154,14 @@ def build_engine(
         if heads is not None:
             check_fits(heads, cfg.hidden_size, cfg.vocab_size)
         if max_seq_len is not None:
-            _check_seq_len(max_seq_len, "--max_seq_len", cfg)
+            check_seq_len(max_seq_len, "--max_seq_len", cfg)
         if llm_args is not None and llm_args.max_seq_len is not None:
-            _check_seq_len(llm_args.max_seq_len, f"max_seq_len in {extra_llm_api_options}", cfg)
+            check_seq_len(llm_args.max_seq_len, f"max_seq_len in {extra_llm_api_options}", cfg)
             max_seq_len = max_seq_len or llm_args.max_seq_len
         # `speculative_config: null` in the YAML turns drafting off (an absent key keeps the checkpoint's default).
         spec_disabled = (llm_args is not None and "speculative_config" in yaml_data
                          and llm_args.speculative_config is None)
-        cfg = _check_mtp_layers(reader, cfg, drop_if_absent=spec_disabled)
+        cfg = check_mtp_layers(reader, cfg, drop_if_absent=spec_disabled)
         speculative = (resolve_speculative(cfg, yaml_data, llm_args, model_dir) if heads is None
                        else medusa_speculative(heads, llm_args))
         engine_dtype = resolve_dtype(dtype, cfg, reader.is_fp8, getattr(reader, "is_quantized", False))
@@ -229,11 +232,6 @@ def build_engine(
     return manifest
 
 
-EMBED_NAME = "model.embed_tokens.weight"
-#: PyTorch's CPU int4 packing (`_convert_weight_to_int4pack_for_cpu`) takes weights whose rows are a multiple of 16.
-INT4_ROWS = 16
-
-
 def with_lm_head_copy(tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """The engine tensor stream plus `lm_head.weight` = the embedding, last (a tied model whose lm_head is
     quantized: the embedding lookup stays in the engine dtype, the vocabulary projection reads the quantized copy)."""
@@ -245,55 +243,6 @@ def with_lm_head_copy(tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[t
     if embed is None:
         raise EngineError(f"the checkpoint stream has no {EMBED_NAME} to copy into a quantized lm_head")
     yield "lm_head.weight", embed
-
-
-def resolve_quant(quant_algo: str | None, group_size: int | None, cfg: ModelConfig,
-                  specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
-                  exclude_modules: list[str] | None = None,
-                  lm_head_quant_algo: str | None = None) -> tuple[QuantConfig | None, set[str]]:
-    """The engine's quant config and the weights it quantizes: every `nn.Linear` (the lm_head included) but
-    those `exclude_modules` names. A tied lm_head is not in `specs`: the caller adds its copy.
-
-    Raises:
-        EngineError: an unknown algorithm, a group size with W8A16, or one that does not divide a layer's input.
-    """
-    if quant_algo is None:
-        if group_size is not None:
-            raise EngineError("--group_size applies to --quant_algo W4A16 only")
-        return None, set()
-    if quant_algo not in QUANT_ALGOS:
-        raise EngineError(f"unknown quant_algo {quant_algo!r}; choose one of {', '.join(QUANT_ALGOS)}")
-    if quant_algo == "W8A16" and group_size is not None:
-        raise EngineError("W8A16 scales each output channel; --group_size applies to W4A16 only")
-    with torch.device("meta"):
-        model = MODEL_CLASSES[cfg.architecture](cfg, max_positions=1)
-    exclude = list(exclude_modules or [])
-    if lm_head_quant_algo == "W4A16" and cfg.vocab_size % INT4_ROWS and "lm_head" not in exclude:
-        logger.warning("the lm_head is stored as W8A16, not W4A16 (vocabulary %d is not a multiple of %d, which "
-                       "the int4 kernel's packing needs)", cfg.vocab_size, INT4_ROWS)
-        lm_head_quant_algo = "W8A16"
-    probe = QuantConfig(quant_algo=quant_algo, exclude_modules=exclude)
-    names = {n for n in linear_weight_names(model, probe) if n in specs and len(specs[n][0]) == 2}
-    if quant_algo == "W4A16":
-        try:
-            ks = [specs[n][0][1] for n in names if n != "lm_head.weight"]
-            group_size = group_size or default_group_size(ks)
-            bad = sorted({k for k in ks if k % group_size})
-            if bad:
-                raise QuantError(f"--group_size {group_size} does not divide the input sizes {bad}")
-        except QuantError as e:
-            raise EngineError(f"W4A16: {e}") from e
-    return QuantConfig(quant_algo=quant_algo, group_size=group_size, exclude_modules=probe.exclude_modules,
-                       lm_head_quant_algo=lm_head_quant_algo or "W8A16"), names
-
-
-def quantized_specs_all(specs: dict[str, tuple[tuple[int, ...], torch.dtype]], names: set[str],
-                        quant: QuantConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """`specs` with each weight in `names` replaced by its quantized tensors (same order)."""
-    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    for name, (shape, dtype) in specs.items():
-        out.update(quantized_specs(name, shape, quant) if name in names else {name: (shape, dtype)})
-    return out
 
 
 def _compile_step(engine_dir: Path, manifest: EngineManifest, llm_args: LlmArgs | None,
@@ -317,114 +266,6 @@ def _compile_step(engine_dir: Path, manifest: EngineManifest, llm_args: LlmArgs 
     return manifest
 
 
-# Decisions ---------------------------------------------------------------------------------------------
-MEDUSA_PREFIX = "medusa_heads."
-
-
-def open_checkpoint(model_dir: Path) -> CheckpointReader | GGUFCheckpoint:
-    """A GGUF reader for a `.gguf` file or a directory holding one and no config.json; else the HF reader."""
-    if model_dir.suffix == ".gguf" or (model_dir.is_dir() and not (model_dir / CONFIG_NAME).exists()
-                                       and any(model_dir.glob("*.gguf"))):
-        return GGUFCheckpoint(model_dir)
-    return CheckpointReader(model_dir)
-
-
-def medusa_speculative(heads: MedusaHeadsCheckpoint, llm_args: LlmArgs | None) -> SpeculativeInfo:
-    """The manifest's speculative section for an engine with Medusa heads (the tree is chosen at load time)."""
-    spec = llm_args.speculative_config if llm_args is not None else None
-    if spec is not None and spec.decoding_type != "Medusa":
-        raise EngineError(f"--medusa_model_dir was given but speculative_config asks for {spec.decoding_type}")
-    n = spec.num_medusa_heads if spec is not None and spec.num_medusa_heads else heads.num_heads
-    if n > heads.num_heads:
-        raise EngineError(f"num_medusa_heads={n} but {heads.source} holds {heads.num_heads} heads")
-    return SpeculativeInfo(method="medusa", num_medusa_heads=heads.num_heads, medusa_num_layers=heads.num_layers,
-                           max_draft_len=n)
-
-
-def resolve_dtype(dtype: str, cfg: ModelConfig, is_fp8: bool, is_quantized: bool = False) -> str:
-    """The engine dtype: `dtype` unless "auto"; auto = checkpoint `torch_dtype`, FP8 checkpoints → bfloat16,
-    block-quantized GGUFs (no float dtype to keep) → bfloat16 where bf16 matmuls are fast here (CUDA, or a CPU with
-    bf16 instructions: `runtime.engine.fast_bf16`), else float32."""
-    if dtype != "auto":
-        return dtype
-    if is_fp8:
-        return "bfloat16"
-    if is_quantized:
-        from nextn.runtime.engine import fast_bf16
-
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return "bfloat16" if fast_bf16(device) else "float32"
-    if cfg.torch_dtype not in DTYPES:
-        raise EngineError(f"cannot derive the engine dtype from the checkpoint's torch_dtype {cfg.torch_dtype!r}; "
-                          f"pass --dtype ({', '.join(DTYPES)})")
-    return cfg.torch_dtype
-
-
-def resolve_speculative(
-    cfg: ModelConfig, yaml_data: dict[str, Any] | None, llm_args: LlmArgs | None, model_dir: Path
-) -> SpeculativeInfo:
-    """The manifest's speculative section from the checkpoint's MTP module count and the YAML's speculative_config.
-
-    Raises:
-        EngineError: the YAML asks for MTP but the checkpoint has no MTP layers, or asks for MTP Vanilla with more
-            draft tokens than the checkpoint has modules.
-    """
-    modules = cfg.num_nextn_predict_layers
-    if yaml_data is None or "speculative_config" not in yaml_data:
-        if modules == 0:
-            return SpeculativeInfo()
-        return SpeculativeInfo(method="mtp", num_mtp_modules=modules, max_draft_len=modules,
-                               use_mtp_vanilla=modules > 1)
-    spec = llm_args.speculative_config if llm_args is not None else None
-    if spec is None:
-        return SpeculativeInfo(method="none", num_mtp_modules=modules)
-    if spec.decoding_type not in ("MTP",):
-        # drafters that need no weights in this engine (NGram, Draft_Target): chosen at load time from the YAML
-        # kept in build_options (runtime/engine.py default_speculative_config)
-        return SpeculativeInfo(method="none", num_mtp_modules=modules)
-    if modules == 0:
-        raise EngineError(f"speculative_config asks for decoding_type {spec.decoding_type} but checkpoint {model_dir} "
-                          "has no MTP layers (num_nextn_predict_layers is 0 in its config.json); set "
-                          "speculative_config: null or use a checkpoint with MTP weights")
-    k = spec.num_nextn_predict_layers
-    vanilla = spec.use_mtp_vanilla or modules > 1
-    if vanilla and k > modules:
-        raise EngineError(f"MTP Vanilla drafts token k with module k, so num_nextn_predict_layers={k} needs {k} MTP "
-                          f"modules but checkpoint {model_dir} has {modules}; lower it or use MTP Eagle "
-                          "(use_mtp_vanilla: false with a one-module checkpoint)")
-    return SpeculativeInfo(method="mtp", num_mtp_modules=modules, max_draft_len=k, use_mtp_vanilla=vanilla)
-
-
-def _check_seq_len(value: int, what: str, cfg: ModelConfig) -> None:
-    if value > cfg.max_position_embeddings:
-        raise EngineError(f"{what} {value} exceeds the model's max_position_embeddings "
-                          f"{cfg.max_position_embeddings} (config.json)")
-
-
-def _check_mtp_layers(
-    reader: CheckpointReader, cfg: ModelConfig, drop_if_absent: bool
-) -> ModelConfig:
-    """Detect a config that declares MTP layers whose tensors are entirely absent (as `save_pretrained` writes).
-
-    Returns `cfg`, or a copy with no MTP layers when they are absent and drafting is disabled (`drop_if_absent`).
-    Raises EngineError when they are absent and drafting is wanted; partial layers fail later naming the tensor.
-    """
-    n, k = cfg.num_hidden_layers, cfg.num_nextn_predict_layers
-    if k == 0:
-        return cfg
-    prefixes = tuple(layer_prefix(n + i) for i in range(k))
-    if any(name.startswith(prefixes) for name in reader.names()):
-        return cfg
-    if drop_if_absent:
-        return cfg.model_copy(update={"num_nextn_predict_layers": 0})
-    raise EngineError(
-        f"{reader.model_dir / CONFIG_NAME} declares num_nextn_predict_layers={k} but the checkpoint holds no tensors "
-        f"for MTP layer(s) {prefixes[0]}… (transformers' save_pretrained drops them); add the MTP weights, set "
-        "num_nextn_predict_layers to 0, or pass an --extra_llm_api_options YAML with speculative_config: null"
-    )
-
-
-# Side files --------------------------------------------------------------------------------------------
 def _copy_side_files(model_dir: Path, engine_dir: Path) -> tuple[list[str], list[str]]:
     """Copy the tokenizer and auxiliary files that exist (symlinks followed); return (tokenizer, aux) names.
 
@@ -440,64 +281,3 @@ def _copy_side_files(model_dir: Path, engine_dir: Path) -> tuple[list[str], list
             shutil.copyfile(model_dir / name, engine_dir / name)
             copied[name in AUX_FILES].append(name)
     return copied
-
-
-# Weights -----------------------------------------------------------------------------------------------
-def write_safetensors_streaming(
-    path: Path,
-    specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
-    tensors: Iterable[tuple[str, torch.Tensor]],
-    progress: bool = True,
-) -> FileChecksum:
-    """Write a safetensors file whose tensors arrive one at a time, holding at most one in memory.
-
-    The header (name → dtype, shape, byte range) is computed from `specs` and written first; each tensor is then
-    written at its offset as it arrives, in any order. The SHA-256 of the file is computed as the bytes are
-    written when the tensors arrive in `specs` order (the builders' order), else by reading the file back.
-
-    Args:
-        path: file to create.
-        specs: name → (shape, dtype) of every tensor the file will hold (float32, bfloat16 or float16).
-        tensors: (name, CPU tensor) pairs; every spec'd name exactly once, with the spec'd shape and dtype.
-    Returns:
-        The file's size in bytes and SHA-256.
-    Raises:
-        EngineError: a tensor is unexpected, repeated, missing, or has another shape/dtype than its spec.
-    """
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, (shape, dt) in specs.items():
-        nbytes = math.prod(shape) * dt.itemsize
-        header[name] = {"dtype": _ST_DTYPES[dt], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # 8-byte alignment of the data section, as safetensors pads
-    data_start = 8 + len(blob)
-    written: set[str] = set()
-    hasher = StreamHasher()
-    hashed_to = 0  # data bytes hashed so far, in file order
-    with path.open("wb") as f, progress_bar(enabled=progress, total=len(specs), desc="build-engine", unit="tensor") as bar:
-        f.write(struct.pack("<Q", len(blob)) + blob)
-        hasher.update(struct.pack("<Q", len(blob)) + blob)
-        f.truncate(data_start + offset)
-        for name, t in tensors:
-            if name not in specs or name in written:
-                raise EngineError(f"internal error: unexpected or repeated engine tensor {name!r}")
-            shape, dt = specs[name]
-            if tuple(t.shape) != tuple(shape) or t.dtype != dt:
-                raise EngineError(f"internal error: engine tensor {name!r} is {t.dtype} {list(t.shape)}, "
-                                  f"expected {dt} {list(shape)}")
-            start = header[name]["data_offsets"][0]
-            data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data
-            f.seek(data_start + start)
-            f.write(data)
-            if start == hashed_to:
-                hasher.update(data)
-                hashed_to += data.nbytes
-            written.add(name)
-            bar.set_postfix_str(name, refresh=False)
-            bar.update(1)
-    missing = [n for n in specs if n not in written]
-    if missing:
-        raise EngineError(f"internal error: {len(missing)} engine tensor(s) were never produced, e.g. {missing[0]!r}")
-    return hasher.checksum() if hashed_to == offset else file_checksum(path)
