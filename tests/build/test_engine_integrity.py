@@ -11,6 +11,7 @@ import pytest
 
 from nextn.build.engine_builder import build_engine
 from nextn.build.manifest import MANIFEST_NAME, EngineError, EngineManifest, verify_engine_files
+from nextn.config.llm_args import LlmArgsError
 
 
 @pytest.fixture
@@ -74,7 +75,7 @@ def test_a_missing_listed_file_is_a_named_error(engine: Path) -> None:
         verify_engine_files(engine, EngineManifest.load(engine), "off" if False else "size")
 
 
-def test_llm_refuses_a_corrupt_engine_and_loads_a_good_one(make_ckpt, tmp_path: Path, monkeypatch) -> None:
+def test_llm_refuses_a_corrupt_engine_and_loads_a_good_one(make_ckpt, tmp_path: Path) -> None:
     from nextn.runtime.llm import LLM
 
     engine = tmp_path / "plain_engine"
@@ -85,9 +86,9 @@ def test_llm_refuses_a_corrupt_engine_and_loads_a_good_one(make_ckpt, tmp_path: 
     _flip_bit(engine / "model.safetensors", 5000)
     with pytest.raises(EngineError, match="is corrupt"):
         LLM(str(engine), device="cpu")
-    monkeypatch.setenv("NEXTN_VERIFY_WEIGHTS", "sometimes")
-    with pytest.raises(EngineError, match="NEXTN_VERIFY_WEIGHTS='sometimes'; choose one of full, size, off"):
-        LLM(str(engine), device="cpu")
+    assert LLM(str(engine), device="cpu", verify_weights="size").generate([[1, 2, 3]])  # size: a flipped bit loads
+    with pytest.raises(LlmArgsError, match="verify_weights"):
+        LLM(str(engine), device="cpu", verify_weights="sometimes")
 
 
 def test_an_engine_built_before_checksums_loads_with_a_warning_and_a_bad_tokenizer_is_named(

@@ -13,7 +13,7 @@ The runtime reads this file and never guesses from file names (STYLE.md §9). La
 Integrity. `checksums` records, for the weights, tokenizer and aux files, the size in bytes, the SHA-256 of the
 whole file (what `sha256sum` prints) and the SHA-256 of each 256 MiB slice (weights computed while they are
 written, streamed; compiled artifacts carry their own digest in `compiled_step`). `verify_engine_files` checks them
-when an engine loads, in the mode `NEXTN_VERIFY_WEIGHTS` names (`verify_mode_from_env`):
+when an engine loads, in the mode `LlmArgs.verify_weights` names (the CLIs also take `NEXTN_VERIFY_WEIGHTS`):
 - "full" (the default): presence, sizes, safetensors headers, then the SHA-256 of every slice, the slices hashed
   on all cores at once (hashlib releases the GIL). It catches a single flipped bit anywhere and names the byte
   range. Cost: SHA-256 runs at about 1.35 GB/s per core with SHA-NI (measured), so about 2.3 s for a 3.2 GB
@@ -379,25 +379,14 @@ def _verify_digest(path: Path, expected: FileChecksum, fix: str) -> None:
                               f"manifest records {want[:16]}… (a changed byte); {fix}")
 
 
-def verify_mode_from_env() -> str:
-    """The verification mode from `NEXTN_VERIFY_WEIGHTS` (full, size or off; default full).
-
-    Raises:
-        EngineError: another value.
-    """
-    mode = os.environ.get("NEXTN_VERIFY_WEIGHTS", "full").strip().lower() or "full"
-    if mode not in VERIFY_MODES:
-        raise EngineError(f"NEXTN_VERIFY_WEIGHTS={mode!r}; choose one of {', '.join(VERIFY_MODES)}")
-    return mode
-
-
 def verify_engine_files(engine_dir: str | Path, manifest: EngineManifest, mode: str = "full") -> None:
     """Check that the files the manifest lists are present, regular, inside the engine and intact.
 
     Args:
         engine_dir: the engine directory.
         manifest: its manifest (`EngineManifest.load`).
-        mode: "full" (sizes, safetensors headers and SHA-256 of every file), "size" (sizes and headers), "off".
+        mode: "full" (sizes, safetensors headers and SHA-256 of every file), "size" (sizes and headers), "off"
+            (`LlmArgs.verify_weights`).
     Raises:
         EngineError: a listed file is missing, not a regular file, of another size or SHA-256 than recorded
             (corrupt, truncated, edited), or a weights file whose safetensors header is inconsistent; the message

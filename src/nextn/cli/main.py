@@ -53,6 +53,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 def _generate(args: argparse.Namespace) -> int:
     from nextn import LLM, SamplingParams
+    from nextn.cli.env_options import env_llm_overrides
 
     if args.chat and args.token_ids:
         print("nextn generate: error: --chat renders text prompts; it cannot take --token_ids", file=sys.stderr)
@@ -60,7 +61,7 @@ def _generate(args: argparse.Namespace) -> int:
     prompts = [[int(t) for t in p.split(",") if t.strip()] for p in args.prompt] if args.token_ids else args.prompt
     llm = LLM(args.engine_dir or args.model, extra_llm_api_options=args.extra_llm_api_options, dtype=args.dtype,
               quant_config={"quant_algo": args.quant_algo} if args.quant_algo else None,
-              engine_cache_dir=os.environ.get("NEXTN_CACHE_DIR"))
+              engine_cache_dir=os.environ.get("NEXTN_CACHE_DIR"), **env_llm_overrides())
     if args.chat:
         if llm.tokenizer is None:
             print("nextn generate: error: --chat needs a tokenizer and this engine has none", file=sys.stderr)

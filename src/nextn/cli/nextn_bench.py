@@ -193,6 +193,7 @@ def _run(args) -> int:
     from nextn.bench.plot import write_plots
     from nextn.bench.report import compute_statistics, format_report, report_dict
     from nextn.bench.runner import run_benchmark
+    from nextn.cli.env_options import env_llm_overrides
     from nextn.runtime.llm import LLM
 
     entries = load_dataset(args.dataset)  # fail fast, before loading the engine
@@ -204,6 +205,7 @@ def _run(args) -> int:
                  if getattr(args, k) is not None}
     if args.command == "latency":
         overrides["max_batch_size"] = 1
+    overrides |= env_llm_overrides()
 
     def load(spec):
         kw = {} if spec == CONFIGURED else {"speculative_config": spec}

@@ -65,13 +65,14 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from nextn import LLM
+    from nextn.cli.env_options import env_llm_overrides
     from nextn.serving.openai_server import create_app
 
     warning = exposure_warning(args.host, args.api_key)
     if warning:
         print(f"nextn serve: warning: {warning}", file=sys.stderr)
     sizes = ("max_batch_size", "max_seq_len", "tensor_parallel_size", "moe_expert_parallel_size")
-    overrides = {k: getattr(args, k) for k in sizes if getattr(args, k) is not None}
+    overrides = {k: getattr(args, k) for k in sizes if getattr(args, k) is not None} | env_llm_overrides()
     llm = LLM(args.engine_dir, extra_llm_api_options=args.extra_llm_api_options, device=args.device, **overrides)
     app = create_app(llm, args.served_model_name, api_key=args.api_key, max_request_bytes=args.max_request_bytes)
     logging.getLogger("nextn").setLevel(min(logging.getLogger("nextn").getEffectiveLevel(), logging.INFO))

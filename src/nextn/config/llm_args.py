@@ -209,6 +209,8 @@ class LlmArgs(_Strict):
     max_num_tokens: int = Field(default=8192, gt=0)  # token budget of one scheduler step
     enable_chunked_prefill: bool = False  # split prompts longer than the step's token budget into chunks
     print_iter_log: bool = False
+    # at load: every engine file's SHA-256 (full), or its size and safetensors header only (size), or nothing (off)
+    verify_weights: Literal["full", "size", "off"] = "full"
     tensor_parallel_size: int = Field(default=1, ge=1, le=1024)  # ranks the model is split over (distributed/)
     moe_expert_parallel_size: int | None = Field(default=None, ge=1, le=1024)  # routed experts split by id; null: 1
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from nextn.build.manifest import EngineError, EngineManifest, verify_engine_files, verify_mode_from_env
+from nextn.build.manifest import EngineError, EngineManifest, verify_engine_files
 from nextn.config.llm_args import (DraftTargetDecodingConfig, LlmArgs, LlmArgsError, MedusaDecodingConfig,
                                    MTPDecodingConfig, NGramDecodingConfig, parse_llm_args)
 from nextn.distributed.mirror import PlanBroadcaster
@@ -159,7 +159,7 @@ class Engine:
         self.max_seq_len = args.max_seq_len or manifest.build_options.max_seq_len
         self.block_size = args.kv_cache_config.tokens_per_block
         check_sizes_against_model(args, cfg, manifest.build_options.max_seq_len, self.max_batch_size, self.max_seq_len)
-        weights = self._read_weights()
+        weights = self._read_weights(args.verify_weights)
         heads = self._medusa_heads(weights)
         self.drafter = choose_drafter(manifest, spec, heads, self.device, self.max_seq_len, self.engine_dir)
         k = self.drafter.num_draft_tokens
@@ -213,9 +213,9 @@ class Engine:
         logger.info("loaded %s in %.2fs: %s, drafter %s (K=%d), %d KV blocks of %d tokens", engine_dir,
                     time.perf_counter() - t0, manifest.dtype, type(self.drafter).__name__, k, num_blocks, self.block_size)
 
-    def _read_weights(self) -> dict[str, torch.Tensor]:
-        # Presence, sizes, headers and SHA-256 of every listed file (build/manifest.py: NEXTN_VERIFY_WEIGHTS).
-        verify_engine_files(self.engine_dir, self.manifest, verify_mode_from_env())
+    def _read_weights(self, verify: str) -> dict[str, torch.Tensor]:
+        # Presence, sizes, headers and SHA-256 of every listed file, as `verify` (LlmArgs.verify_weights) says.
+        verify_engine_files(self.engine_dir, self.manifest, verify)
         weights: dict[str, torch.Tensor] = {}
         for f in self.manifest.weight_files:
             try:
