@@ -8,10 +8,9 @@ with exact products and f32 sums, one scale per group; int8: f32 FMAs, one scale
 the same sequence of f32 operations whatever the row count (batch invariance: a verify step's logits equal a
 plain step's, bit for bit), which `tests/plugins/test_woq_linear.py` checks.
 
-The C++ source is compiled on first use with `torch.utils.cpp_extension` (g++, ~20–30 s once; cached under
-`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`) and only on x86-64 CPUs with AVX-512 F/BW/VL and
-AVX512-BF16. Where that is not possible, `available()` is False with the reason in `unavailable_reason()`, and
-callers keep PyTorch's kernels.
+The C++ source is compiled on first use with nextn's other CPU kernels (`cpu_kernels.py`: x86-64 with AVX-512
+F/BW/VL and AVX512-BF16). Where that is not possible, `available()` is False with the reason in
+`unavailable_reason()`, and callers keep PyTorch's kernels.
 
 Ops (`torch.ops.nextn.*`, usable under `torch.compile` through the fake implementations below):
 - `woq_int4_linear(x [M, K] bf16|f32, w [N, K/2] uint8 (`pack_int4` layout), scale [N, K/g] bf16,
@@ -23,71 +22,19 @@ Ops (`torch.ops.nextn.*`, usable under `torch.compile` through the fake implemen
 
 from __future__ import annotations
 
-import functools
-import logging
-import platform
-from pathlib import Path
-
 import torch
 
-logger = logging.getLogger(__name__)
-
-_SOURCE = Path(__file__).with_name("woq_linear_cpu.cpp")
-_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma")
-_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.partition(":")[2].split())
-    return set()
-
-
-@functools.cache
-def _load() -> str | None:
-    """Compile and load the kernels once; returns None on success, else why they are unavailable."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return f"needs an x86-64 CPU (this is {platform.machine()})"
-    missing = [f for f in _CPU_FLAGS if f not in _cpu_flags()]
-    if missing:
-        return f"the CPU lacks {', '.join(missing)}"
-    try:
-        from torch.utils import cpp_extension
-
-        logger.info("compiling nextn's CPU weight-only kernels (once per machine, ~30 s)")
-        cpp_extension.load(name="nextn_woq_linear", sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
-                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-    except Exception as e:  # no compiler, no headers, a failed build: keep PyTorch's kernels
-        reason = f"building {_SOURCE.name} failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-        logger.warning("nextn: CPU weight-only kernels unavailable, using PyTorch's (slower): %s", reason)
-        return reason
-    _register_fakes()
-    return None
+from nextn.plugins import cpu_kernels
 
 
 def available() -> bool:
-    """Whether nextn's CPU weight-only kernels are loaded (compiling them on the first call)."""
-    return _load() is None
+    """Whether the kernels are loaded (compiling nextn's CPU kernels on the first call: `cpu_kernels`)."""
+    return cpu_kernels.available()
 
 
 def unavailable_reason() -> str | None:
     """Why the kernels are unavailable (None when they are)."""
-    return _load()
-
-
-def _register_fakes() -> None:
-    @torch.library.register_fake("nextn::woq_int4_linear")
-    def _(x, w, scale, zero8, group_size, bias):
-        return x.new_empty((*x.shape[:-1], w.shape[0]))
-
-    @torch.library.register_fake("nextn::woq_int8_linear")
-    def _(x, w, scale, bias):
-        return x.new_empty((*x.shape[:-1], w.shape[0]))
+    return cpu_kernels.unavailable_reason()
 
 
 def pack_int4(packed: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,13 @@ from nextn.runtime.attention_metadata import AttentionMetadata
 
 class LlamaAttention(nn.Module):
     """Grouped-query attention with HF parameter names (`q_proj`, `k_proj`, `v_proj`, `o_proj`); q/k/v biases when
-    `cfg.has_qkv_bias` (Qwen2), an o_proj bias too when `cfg.attention_bias`."""
+    `cfg.has_qkv_bias` (Qwen2), an o_proj bias too when `cfg.attention_bias`.
+
+    `paged_attention_kernel` (set at load by `plugins.paged_attention.install_paged_attention` where it applies):
+    attend with nextn's CPU kernel, reading the cache in place, instead of the PyTorch gather-and-einsum path.
+    """
+
+    paged_attention_kernel = False
 
     def __init__(self, cfg: LlamaModelConfig) -> None:
         super().__init__()
@@ -61,6 +67,9 @@ class LlamaAttention(nn.Module):
         v = self.v_proj(x)  # [B, T, nkv · d]
         new_kv = torch.cat([k.reshape(b, t, nkv * d), v], dim=-1).to(kv_cache.dtype)  # [B, T, 2 · nkv · d]
         kv_cache_write(kv_cache, meta.slot_mapping.reshape(-1), new_kv.reshape(b * t, -1))
+        if self.paged_attention_kernel and kv_cache.dtype == q.dtype:
+            o = torch.ops.nextn.paged_attention(q, kv_cache, meta.context_slots, meta.visible, self.scale)
+            return self.o_proj(o)
 
         # Each sequence's context through its block table: [B, S, 2, nkv, d], S = max_blocks · block_size.
         ctx = kv_cache[meta.context_slots].to(x.dtype)

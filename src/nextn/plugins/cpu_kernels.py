@@ -1,0 +1,84 @@
+"""Builds and loads nextn's C++ CPU kernels (`*_cpu.cpp` in this folder) as one PyTorch extension, once.
+
+Kernels: `woq_linear_cpu.cpp` (weight-only int4 / int8 linears, `woq_linear.py`) and `paged_attention_cpu.cpp`
+(`paged_attention.py`). They are compiled on first use with `torch.utils.cpp_extension` (g++ with OpenMP, ~30–60 s
+once per machine; cached under `TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`, and rebuilt when a
+source changes) and only on x86-64 CPUs with AVX-512 F/BW/VL, AVX512-BF16 and FMA. Where that is not possible
+(another CPU, no compiler), `available()` is False with the reason in `unavailable_reason()`, one warning is logged,
+and every caller keeps its PyTorch path. The ops get fake (meta) implementations here, so `torch.compile` traces
+them as opaque calls.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import platform
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).with_name(n) for n in ("woq_linear_cpu.cpp", "paged_attention_cpu.cpp")]
+_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma")
+_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return set()
+
+
+@functools.cache
+def _load() -> str | None:
+    """Compile and load the kernels once; returns None on success, else why they are unavailable."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"needs an x86-64 CPU (this is {platform.machine()})"
+    missing = [f for f in _CPU_FLAGS if f not in _cpu_flags()]
+    if missing:
+        return f"the CPU lacks {', '.join(missing)}"
+    try:
+        from torch.utils import cpp_extension
+
+        logger.info("loading nextn's CPU kernels (compiled once per machine, ~30-60 s)")
+        cpp_extension.load(name="nextn_cpu_kernels", sources=[str(s) for s in SOURCES], extra_cflags=_CFLAGS,
+                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    except Exception as e:  # no compiler, no headers, a failed build: callers keep PyTorch's paths
+        first = str(e).splitlines()[0] if str(e) else ""
+        reason = f"building {', '.join(s.name for s in SOURCES)} failed ({type(e).__name__}: {first})"
+        logger.warning("nextn: CPU kernels unavailable, using PyTorch's (slower): %s", reason)
+        return reason
+    _register_fakes()
+    return None
+
+
+def available() -> bool:
+    """Whether nextn's CPU kernels are loaded (compiling them on the first call)."""
+    return _load() is None
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernels are unavailable (None when they are)."""
+    return _load()
+
+
+def _register_fakes() -> None:
+    @torch.library.register_fake("nextn::woq_int4_linear")
+    def _(x, w, scale, zero8, group_size, bias):
+        return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+    @torch.library.register_fake("nextn::woq_int8_linear")
+    def _(x, w, scale, bias):
+        return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+    @torch.library.register_fake("nextn::paged_attention")
+    def _(q, kv_cache, context_slots, visible, scale):
+        b, t, nh, d = q.shape
+        return q.new_empty((b, t, nh * d))

@@ -1,0 +1,160 @@
+// Paged attention for the CPU decode and verify steps (nextn plugin; Python side and the PyTorch reference:
+// paged_attention.py).
+//
+//   nextn::paged_attention(q [B, T, NH, D], kv_cache [slots, 2 * NKV * D], context_slots [B, S] int64,
+//                          visible [B, 1, T, S] bool, scale) -> [B, T, NH * D] in q's dtype
+//
+// Each query (b, t, head h) attends to the keys j of its sequence with visible[b, 0, t, j]: the cache row
+// context_slots[b, j] holds K (NKV x D) then V (NKV x D); query head h reads KV head h / (NH / NKV) (GQA).
+// f32 throughout: scores = scale * q.k, softmax (max-subtracted exp), o = sum_j p_j v_j / sum_j p_j.
+//
+// Why our own kernel: the PyTorch path gathers every sequence's context out of the cache, then runs two einsums, a
+// mask and a softmax per layer, ~10 dispatches of microseconds each on a few hundred keys; this is one, reading the
+// cache in place. Every query row is the same sequence of f32 operations whatever T, B or the thread (batch
+// invariance: a verify step's rows equal plain steps'), which fused library kernels do not promise (SDPA broke
+// greedy identity here: docs/PERFORMANCE.md).
+//
+// Built with AVX-512 F/BW/VL + FMA; D % 16 == 0.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int kMaxD = 256;
+
+// 16 values of a bf16 or f32 row as f32
+template <typename T>
+inline __m512 load16(const T* p);
+template <>
+inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <>
+inline __m512 load16<at::BFloat16>(const at::BFloat16* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// One (sequence, KV head): its `rows` query heads x T tokens against S cached keys.
+template <typename T>
+void attend(const T* q, int64_t q_tok_stride, const T* kv, int64_t kv_row, const int64_t* slots, const bool* vis,
+            int64_t S, int64_t Tq, int64_t group, int64_t D, int64_t k_off, int64_t v_off, float scale, float* out,
+            int64_t out_tok_stride) {
+  const int64_t R = Tq * group;  // query rows: token-major, then head
+  std::vector<float> qf(R * D), scores(R * S), acc(R * D, 0.f);
+  for (int64_t t = 0; t < Tq; ++t)
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t d = 0; d < D; d += 16)
+        _mm512_storeu_ps(&qf[(t * group + g) * D + d], load16(q + t * q_tok_stride + g * D + d));
+  std::vector<float> row_max(R, -std::numeric_limits<float>::infinity()), row_sum(R, 0.f);
+  // scores
+  for (int64_t j = 0; j < S; ++j) {
+    const T* k = kv + slots[j] * kv_row + k_off;
+    __m512 kj[kMaxD / 16];
+    for (int64_t c = 0; c < D / 16; ++c) kj[c] = load16(k + c * 16);
+    for (int64_t t = 0; t < Tq; ++t) {
+      if (!vis[t * S + j]) continue;
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t r = t * group + g;
+        __m512 a = _mm512_mul_ps(kj[0], _mm512_loadu_ps(&qf[r * D]));
+        for (int64_t c = 1; c < D / 16; ++c) a = _mm512_fmadd_ps(kj[c], _mm512_loadu_ps(&qf[r * D + c * 16]), a);
+        const float s = _mm512_reduce_add_ps(a) * scale;
+        scores[r * S + j] = s;
+        row_max[r] = std::max(row_max[r], s);
+      }
+    }
+  }
+  // probabilities (unnormalised), in key order
+  for (int64_t t = 0; t < Tq; ++t)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t r = t * group + g;
+      for (int64_t j = 0; j < S; ++j) {
+        if (!vis[t * S + j]) continue;
+        const float p = std::exp(scores[r * S + j] - row_max[r]);
+        scores[r * S + j] = p;
+        row_sum[r] += p;
+      }
+    }
+  // weighted values
+  for (int64_t j = 0; j < S; ++j) {
+    const T* v = kv + slots[j] * kv_row + v_off;
+    __m512 vj[kMaxD / 16];
+    for (int64_t c = 0; c < D / 16; ++c) vj[c] = load16(v + c * 16);
+    for (int64_t t = 0; t < Tq; ++t) {
+      if (!vis[t * S + j]) continue;
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t r = t * group + g;
+        const __m512 p = _mm512_set1_ps(scores[r * S + j]);
+        for (int64_t c = 0; c < D / 16; ++c)
+          _mm512_storeu_ps(&acc[r * D + c * 16], _mm512_fmadd_ps(p, vj[c], _mm512_loadu_ps(&acc[r * D + c * 16])));
+      }
+    }
+  }
+  for (int64_t t = 0; t < Tq; ++t)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t r = t * group + g;
+      const float inv = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
+      for (int64_t d = 0; d < D; ++d) out[t * out_tok_stride + g * D + d] = acc[r * D + d] * inv;
+    }
+}
+
+// Every (sequence, KV head) is one task; tasks split across threads.
+template <typename T>
+void run(const at::Tensor& q, const at::Tensor& kv_cache, const int64_t* slots, const bool* vis, int64_t B,
+         int64_t Tq, int64_t NH, int64_t NKV, int64_t S, int64_t D, float scale, float* out) {
+  const T* qp = q.data_ptr<T>();
+  const T* kvp = kv_cache.data_ptr<T>();
+  const int64_t group = NH / NKV;
+  at::parallel_for(0, B * NKV, 1, [&](int64_t w0, int64_t w1) {
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t b = w / NKV, h = w % NKV, base = (b * Tq * NH + h * group) * D;
+      attend<T>(qp + base, NH * D, kvp, 2 * NKV * D, slots + b * S, vis + b * Tq * S, S, Tq, group, D, h * D,
+                NKV * D + h * D, scale, out + base, NH * D);
+    }
+  });
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& context_slots,
+                           const at::Tensor& visible, double scale) {
+  TORCH_CHECK(q.dim() == 4, "paged_attention: q must be [B, T, NH, D]");
+  const int64_t B = q.size(0), Tq = q.size(1), NH = q.size(2), D = q.size(3);
+  TORCH_CHECK(D % 16 == 0 && D <= kMaxD, "paged_attention: head_dim ", D, " must be a multiple of 16, at most ",
+              kMaxD);
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() &&
+                  (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat),
+              "paged_attention: q and kv_cache must both be bfloat16 or both float32");
+  TORCH_CHECK(kv_cache.dim() == 2 && kv_cache.is_contiguous() && kv_cache.size(1) % (2 * D) == 0,
+              "paged_attention: kv_cache must be a contiguous [slots, 2 * NKV * D] tensor");
+  const int64_t NKV = kv_cache.size(1) / (2 * D);
+  TORCH_CHECK(NH % NKV == 0, "paged_attention: ", NH, " query heads are not a multiple of ", NKV, " KV heads");
+  TORCH_CHECK(context_slots.scalar_type() == at::kLong && context_slots.dim() == 2 && context_slots.size(0) == B,
+              "paged_attention: context_slots must be [B, S] int64");
+  const int64_t S = context_slots.size(1);
+  TORCH_CHECK(visible.scalar_type() == at::kBool && visible.numel() == B * Tq * S,
+              "paged_attention: visible must be [B, 1, T, S] bool");
+  const at::Tensor qc = q.contiguous(), slots = context_slots.contiguous(), vis = visible.contiguous();
+  at::Tensor out = at::empty({B, Tq, NH * D}, q.options().dtype(at::kFloat));
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const bool* vp = vis.data_ptr<bool>();
+  float* op = out.data_ptr<float>();
+  if (q.scalar_type() == at::kFloat) {
+    run<float>(qc, kv_cache, sp, vp, B, Tq, NH, NKV, S, D, float(scale), op);
+  } else {
+    run<at::BFloat16>(qc, kv_cache, sp, vp, B, Tq, NH, NKV, S, D, float(scale), op);
+  }
+  return out.to(q.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(nextn, m) {
+  m.def("paged_attention(Tensor q, Tensor kv_cache, Tensor context_slots, Tensor visible, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(nextn, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -1,0 +1,81 @@
+"""nextn's CPU paged attention: against the PyTorch reference (causal, tree masks, GQA, pads), batch invariance,
+fake tensors, and the model path it replaces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nextn.plugins import cpu_kernels, paged_attention
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
+                                reason=f"nextn's CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
+
+
+def _case(b: int, t: int, nh: int, nkv: int, d: int, ctx: list[int], dtype: torch.dtype, seed: int = 0,
+          block_size: int = 4):
+    """A paged cache with each sequence's blocks scattered; queries at the last t positions of each context."""
+    gen = torch.Generator().manual_seed(seed)
+    max_blocks = (max(ctx) + block_size - 1) // block_size
+    num_blocks = 1 + b * max_blocks
+    kv = torch.randn(num_blocks * block_size, 2 * nkv * d, generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks - 1, generator=gen) + 1  # block 0 is the null block
+    tables = torch.zeros(b, max_blocks, dtype=torch.int64)
+    for i, n in enumerate(ctx):
+        used = (n + block_size - 1) // block_size
+        tables[i, :used] = perm[i * max_blocks:i * max_blocks + used]
+    slots = (tables[:, :, None] * block_size + torch.arange(block_size)).reshape(b, -1)
+    positions = torch.stack([torch.arange(n - t, n) for n in ctx])  # [B, T]
+    visible = (torch.arange(slots.shape[1])[None, None, :] <= positions[:, :, None])[:, None]
+    q = torch.randn(b, t, nh, d, generator=gen).to(dtype)
+    return q, kv, slots, visible
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("b,t,nh,nkv,d,ctx", [(1, 1, 12, 2, 128, [37]), (3, 5, 9, 3, 64, [9, 21, 14]),
+                                              (2, 4, 4, 4, 32, [4, 30])])
+def test_matches_the_reference(dtype, b, t, nh, nkv, d, ctx):
+    q, kv, slots, visible = _case(b, t, nh, nkv, d, ctx, dtype)
+    out = torch.ops.nextn.paged_attention(q, kv, slots, visible, d ** -0.5)
+    ref = paged_attention.reference(q, kv, slots, visible, d ** -0.5)
+    assert out.shape == (b, t, nh * d) and out.dtype == dtype
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+def test_a_tree_mask_is_honoured():
+    """Queries that see arbitrary key subsets (a draft tree: ancestors only), not just a causal prefix."""
+    q, kv, slots, _ = _case(1, 6, 4, 2, 64, [24], torch.float32, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    visible = torch.rand(1, 1, 6, slots.shape[1], generator=gen) < 0.5
+    visible[..., 0] = True
+    out = torch.ops.nextn.paged_attention(q, kv, slots, visible, 0.125)
+    torch.testing.assert_close(out, paged_attention.reference(q, kv, slots, visible, 0.125), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_query_row_is_computed_as_if_alone(dtype):
+    """Batch invariance, bit for bit: a verify step's rows (T > 1, B > 1) equal one-token steps'."""
+    q, kv, slots, visible = _case(2, 5, 6, 2, 64, [17, 29], dtype, seed=5)
+    together = torch.ops.nextn.paged_attention(q, kv, slots, visible, 0.125)
+    for i in range(2):
+        for j in range(5):
+            alone = torch.ops.nextn.paged_attention(q[i:i + 1, j:j + 1], kv, slots[i:i + 1],
+                                                    visible[i:i + 1, :, j:j + 1], 0.125)
+            assert torch.equal(alone[0, 0], together[i, j])
+
+
+def test_bad_operands_are_named():
+    q, kv, slots, visible = _case(1, 1, 4, 2, 64, [8], torch.float32)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        torch.ops.nextn.paged_attention(q[..., :40], kv, slots, visible, 1.0)
+    with pytest.raises(RuntimeError, match="bfloat16 or both float32"):
+        torch.ops.nextn.paged_attention(q.bfloat16(), kv, slots, visible, 1.0)
+    with pytest.raises(RuntimeError, match="visible"):
+        torch.ops.nextn.paged_attention(q, kv, slots, visible[..., :3], 1.0)
+
+
+def test_fake_implementation_lets_torch_compile_trace_the_op():
+    q, kv, slots, visible = _case(1, 2, 4, 2, 64, [8], torch.float32)
+    torch.library.opcheck(torch.ops.nextn.paged_attention.default, (q, kv, slots, visible, 0.125),
+                          test_utils=("test_schema", "test_faketensor"))
