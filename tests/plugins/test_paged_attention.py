@@ -79,3 +79,27 @@ def test_fake_implementation_lets_torch_compile_trace_the_op():
     q, kv, slots, visible = _case(1, 2, 4, 2, 64, [8], torch.float32)
     torch.library.opcheck(torch.ops.nextn.paged_attention.default, (q, kv, slots, visible, 0.125),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def test_a_llama_engine_attends_with_the_kernel_and_matches_transformers(tmp_path):
+    """The model path: a tiny HF Llama (head_dim 16) built into a float32 engine uses the kernel in every layer, and
+    its greedy continuation equals `transformers`' token for token."""
+    from nextn.build.engine_builder import build_engine
+    from nextn.runtime.llm import LLM
+    from nextn.runtime.sampling_params import SamplingParams
+    from nextn.testing.tiny_llama import tiny_hf_llama
+
+    hf = tiny_hf_llama()
+    hf.save_pretrained(tmp_path / "ckpt")
+    build_engine(tmp_path / "ckpt", tmp_path / "engine", progress=False, max_seq_len=128, dtype="float32")
+    llm = LLM(tmp_path / "engine")
+    try:
+        layers = llm.engine.model.model.layers
+        assert all(layer.self_attn.paged_attention_kernel for layer in layers)
+        prompt = [1, 17, 42, 99, 5]
+        out = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
+        assert list(out.outputs[0].token_ids) == ref
+    finally:
+        llm.shutdown()

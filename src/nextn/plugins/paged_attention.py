@@ -11,6 +11,8 @@ einsum path of `models/llama/model.py`.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -43,8 +45,9 @@ def install_paged_attention(model: nn.Module) -> int:
     for module in model.modules():
         if not hasattr(module, "paged_attention_kernel") or module.head_dim % 16:
             continue
-        param = next(module.parameters(), None)
-        if param is None or param.device.type != "cpu" or not cpu_kernels.available():
+        # quantized and packed linears hold their weights as buffers, not parameters
+        tensor = next(itertools.chain(module.parameters(), module.buffers()), None)
+        if tensor is None or tensor.device.type != "cpu" or not cpu_kernels.available():
             continue
         module.paged_attention_kernel = True
         count += 1
