@@ -14,12 +14,14 @@ from __future__ import annotations
 import functools
 import logging
 import platform
+import sys
 from pathlib import Path
 
 import torch
 
 logger = logging.getLogger(__name__)
 
+_NAME = "nextn_cpu_kernels"
 SOURCES = [Path(__file__).with_name(n) for n in ("woq_linear_cpu.cpp", "paged_attention_cpu.cpp")]
 _CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma")
 _CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
@@ -47,8 +49,9 @@ def _load() -> str | None:
     try:
         from torch.utils import cpp_extension
 
-        logger.info("loading nextn's CPU kernels (compiled once per machine, ~30-60 s)")
-        cpp_extension.load(name="nextn_cpu_kernels", sources=[str(s) for s in SOURCES], extra_cflags=_CFLAGS,
+        if not _built_before(cpp_extension):
+            print("compiling nextn's CPU kernels for this machine (once, ~30-60 s)", file=sys.stderr, flush=True)
+        cpp_extension.load(name=_NAME, sources=[str(s) for s in SOURCES], extra_cflags=_CFLAGS,
                            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no headers, a failed build: callers keep PyTorch's paths
         first = str(e).splitlines()[0] if str(e) else ""
@@ -57,6 +60,14 @@ def _load() -> str | None:
         return reason
     _register_fakes()
     return None
+
+
+def _built_before(cpp_extension) -> bool:
+    """Whether a build of the kernels already lies in torch's extension cache (best effort)."""
+    try:
+        return any(Path(cpp_extension._get_build_directory(_NAME, verbose=False)).glob(f"{_NAME}*.so"))
+    except Exception:
+        return False
 
 
 def available() -> bool:
