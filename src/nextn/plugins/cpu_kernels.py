@@ -11,8 +11,10 @@ them as opaque calls.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import os
 import platform
 import sys
 from pathlib import Path
@@ -51,8 +53,9 @@ def _load() -> str | None:
 
         if not _built_before(cpp_extension):
             print("compiling nextn's CPU kernels for this machine (once, ~30-60 s)", file=sys.stderr, flush=True)
-        cpp_extension.load(name=_NAME, sources=[str(s) for s in SOURCES], extra_cflags=_CFLAGS,
-                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        with _ninja_on_path():
+            cpp_extension.load(name=_NAME, sources=[str(s) for s in SOURCES], extra_cflags=_CFLAGS,
+                               extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no headers, a failed build: callers keep PyTorch's paths
         first = str(e).splitlines()[0] if str(e) else ""
         reason = f"building {', '.join(s.name for s in SOURCES)} failed ({type(e).__name__}: {first})"
@@ -60,6 +63,23 @@ def _load() -> str | None:
         return reason
     _register_fakes()
     return None
+
+
+@contextlib.contextmanager
+def _ninja_on_path():
+    """cpp_extension runs `ninja` from PATH; the `ninja` wheel (a dependency) puts it in the venv, which is not on
+    PATH when Python is started as .venv/bin/python. Prepend it for the build, then restore PATH."""
+    try:
+        import ninja
+    except ImportError:
+        yield
+        return
+    old = os.environ.get("PATH", "")
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + old
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = old
 
 
 def _built_before(cpp_extension) -> bool:
