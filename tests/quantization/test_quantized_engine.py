@@ -5,6 +5,7 @@ decoding."""
 from __future__ import annotations
 
 import json
+from difflib import SequenceMatcher
 
 import pytest
 import torch
@@ -83,7 +84,10 @@ def test_quantized_engine_equals_reference_dequantization(ckpt, tied_ckpt, tmp_p
     # may flip (measured: a 3 % logit margin at token 4 of one W4A16 sequence), not the first tokens
     early = 8 if algo == "W8A16" else 2
     assert all(q[:early] == r[:early] for q, r in zip(quantized, reference)), (quantized, reference)
-    same = sum(a == b for q, r in zip(quantized, reference) for a, b in zip(q, r))
+    # tokens in common, aligned (one flipped near-tie shifts the rest of a sequence by one: measured, a repeated token
+    # inserted at index 3 of a W4A16 sequence, identical after it)
+    same = sum(m.size for q, r in zip(quantized, reference)
+               for m in SequenceMatcher(None, q, r, autojunk=False).get_matching_blocks())
     assert same >= (0.8 if algo == "W8A16" else 0.6) * sum(map(len, reference))
     ngram = LLM(engine, speculative_config={"decoding_type": "NGram", "max_draft_len": 3,
                                             "max_matching_ngram_size": 2}).generate(PROMPTS, PARAMS)
