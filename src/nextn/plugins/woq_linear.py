@@ -12,7 +12,7 @@ The C++ source is compiled on first use with nextn's other CPU kernels (`cpu_ker
 F/BW/VL and AVX512-BF16). Where that is not possible, `available()` is False with the reason in
 `unavailable_reason()`, and callers keep PyTorch's kernels.
 
-Ops (`torch.ops.nextn.*`, usable under `torch.compile` through the fake implementations below):
+Ops (`torch.ops.nextn.*`, usable under `torch.compile` through the fake implementations in `cpu_kernels.py`):
 - `woq_int4_linear(x [M, K] bf16|f32, w [N, K/2] uint8 (`pack_int4` layout), scale [N, K/g] bf16,
   zero8 [N, K/g] bf16, g, bias [N] f32 | None) → [M, N] in x's dtype`, w = (q − 8)·scale + zero8 (the
   engine's W4A16 format, `quantization/weight_only.py`). K % 64 == 0, g % 32 == 0.

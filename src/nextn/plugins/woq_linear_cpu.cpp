@@ -183,12 +183,13 @@ void for_each_block(int64_t M, int64_t N, Block&& block) {
   }
 }
 
-at::Tensor check_x(const at::Tensor& x, int64_t K, const char* op) {
+// x checked and flattened to a contiguous [M, K] `as` tensor (the dtype the kernel reads it in).
+at::Tensor check_x(const at::Tensor& x, int64_t K, const char* op, at::ScalarType as) {
   TORCH_CHECK(x.device().is_cpu(), op, ": x must be on the CPU");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, op,
               ": x must be bfloat16 or float32, got ", x.scalar_type());
   TORCH_CHECK(x.size(-1) == K, op, ": x has ", x.size(-1), " input channels, the weight ", K);
-  return x.reshape({-1, K}).to(at::kFloat).contiguous();
+  return x.reshape({-1, K}).to(as).contiguous();
 }
 
 const float* bias_ptr(const std::optional<at::Tensor>& bias, int64_t N, at::Tensor& keep) {
@@ -216,11 +217,8 @@ at::Tensor woq_int4_linear(const at::Tensor& x, const at::Tensor& w, const at::T
   TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && zero8.scalar_type() == at::kBFloat16 &&
                   scale.is_contiguous() && zero8.is_contiguous() && scale.numel() == N * G && zero8.numel() == N * G,
               "woq_int4_linear: scale and zero8 must be contiguous bfloat16 [N, K / group_size]");
-  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
-              "woq_int4_linear: x must be a bfloat16 or float32 CPU tensor");
-  TORCH_CHECK(x.size(-1) == K, "woq_int4_linear: x has ", x.size(-1), " input channels, the weight ", K);
   TORCH_CHECK(G <= 512, "woq_int4_linear: at most 512 groups per row, got ", G);
-  const at::Tensor xb = x.reshape({-1, K}).to(at::kBFloat16).contiguous();
+  const at::Tensor xb = check_x(x, K, "woq_int4_linear", at::kBFloat16);
   const int64_t M = xb.size(0);
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
   // group sums of x, f32, in a fixed order per row
@@ -258,7 +256,7 @@ at::Tensor woq_int8_linear(const at::Tensor& x, const at::Tensor& w, const at::T
   TORCH_CHECK(K % 16 == 0, "woq_int8_linear: K = ", K, " must be a multiple of 16");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == N,
               "woq_int8_linear: scale must be a contiguous float32 [N]");
-  const at::Tensor x2 = check_x(x, K, "woq_int8_linear");
+  const at::Tensor x2 = check_x(x, K, "woq_int8_linear", at::kFloat);
   const int64_t M = x2.size(0);
   at::Tensor out = at::empty({M, N}, x2.options()), bias_keep;
   const float* b = bias_ptr(bias, N, bias_keep);
