@@ -1,7 +1,8 @@
 """Builds and loads nextn's C++ CPU kernels (`*_cpu.cpp` in this folder) as one PyTorch extension, once.
 
-Kernels: `woq_linear_cpu.cpp` (weight-only int4 / int8 linears, `woq_linear.py`) and `paged_attention_cpu.cpp`
-(`paged_attention.py`). They are compiled on first use with `torch.utils.cpp_extension` (g++ with OpenMP, ~30–60 s
+Kernels: `woq_linear_cpu.cpp` (weight-only int4 / int8 linears, `woq_linear.py`), `paged_attention_cpu.cpp`
+(`paged_attention.py`) and `decoder_layer_cpu.cpp` (a whole Llama decoder layer over the other two,
+`decoder_layer.py`); `cpu_kernels.h` declares what they share. They are compiled on first use with `torch.utils.cpp_extension` (g++ with OpenMP, ~30–60 s
 once per machine; cached under `TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`, and rebuilt when a
 source changes) and only on x86-64 CPUs with AVX-512 F/BW/VL, AVX512-BF16 and FMA. Where that is not possible
 (another CPU, no compiler), `available()` is False with the reason in `unavailable_reason()`, one warning is logged,
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import logging
 import os
 import platform
@@ -24,7 +26,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 _NAME = "nextn_cpu_kernels"
-SOURCES = [Path(__file__).with_name(n) for n in ("woq_linear_cpu.cpp", "paged_attention_cpu.cpp")]
+SOURCES = [Path(__file__).with_name(n) for n in ("woq_linear_cpu.cpp", "paged_attention_cpu.cpp",
+                                                "decoder_layer_cpu.cpp")]
+HEADER = Path(__file__).with_name("cpu_kernels.h")
 _CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma")
 _CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
 
@@ -54,7 +58,10 @@ def _load() -> str | None:
         if not _built_before(cpp_extension):
             print("compiling nextn's CPU kernels for this machine (once, ~30-60 s)", file=sys.stderr, flush=True)
         with _ninja_on_path():
-            cpp_extension.load(name=_NAME, sources=[str(s) for s in SOURCES], extra_cflags=_CFLAGS,
+            # torch rebuilds when a source or a flag changes, not a header: the header's hash goes in as a flag
+            header = hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16]
+            cpp_extension.load(name=_NAME, sources=[str(s) for s in SOURCES],
+                               extra_cflags=[*_CFLAGS, f"-DNEXTN_HEADER_HASH={header}"],
                                extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no headers, a failed build: callers keep PyTorch's paths
         first = str(e).splitlines()[0] if str(e) else ""
@@ -108,6 +115,11 @@ def _register_fakes() -> None:
     @torch.library.register_fake("nextn::woq_int8_linear")
     def _(x, w, scale, bias):
         return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+    @torch.library.register_fake("nextn::llama_decoder_layer")
+    def _(x, cos_sin, kv_cache, slot_mapping, context_slots, visible, input_norm, post_norm, qkv, o, gate_up, down,
+          num_heads, num_kv_heads, group_size, eps, scale):
+        return torch.empty_like(x)
 
     @torch.library.register_fake("nextn::paged_attention")
     def _(q, kv_cache, context_slots, visible, scale):

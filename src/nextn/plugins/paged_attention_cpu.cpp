@@ -21,6 +21,8 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "cpu_kernels.h"
+
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -28,7 +30,7 @@
 
 namespace {
 
-constexpr int kMaxD = 256;
+using nextn_cpu::kMaxD;
 
 // 16 values of a bf16 or f32 row as f32
 template <typename T>
@@ -106,10 +108,8 @@ void attend(const T* q, int64_t q_tok_stride, const T* kv, int64_t kv_row, const
 
 // Every (sequence, KV head) is one task; tasks split across threads.
 template <typename T>
-void run(const at::Tensor& q, const at::Tensor& kv_cache, const int64_t* slots, const bool* vis, int64_t B,
-         int64_t Tq, int64_t NH, int64_t NKV, int64_t S, int64_t D, float scale, float* out) {
-  const T* qp = q.data_ptr<T>();
-  const T* kvp = kv_cache.data_ptr<T>();
+void run(const T* qp, const T* kvp, const int64_t* slots, const bool* vis, int64_t B, int64_t Tq, int64_t NH,
+         int64_t NKV, int64_t S, int64_t D, float scale, float* out) {
   const int64_t group = NH / NKV;
   at::parallel_for(0, B * NKV, 1, [&](int64_t w0, int64_t w1) {
     for (int64_t w = w0; w < w1; ++w) {
@@ -119,6 +119,21 @@ void run(const at::Tensor& q, const at::Tensor& kv_cache, const int64_t* slots, 
     }
   });
 }
+
+}  // namespace
+
+namespace nextn_cpu {
+
+void paged_attention_bf16(const uint16_t* q, const uint16_t* kv_cache, const int64_t* context_slots,
+                          const bool* visible, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t S, int64_t D,
+                          float scale, float* out) {
+  run<at::BFloat16>(reinterpret_cast<const at::BFloat16*>(q), reinterpret_cast<const at::BFloat16*>(kv_cache),
+                    context_slots, visible, B, T, NH, NKV, S, D, scale, out);
+}
+
+}  // namespace nextn_cpu
+
+namespace {
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& context_slots,
                            const at::Tensor& visible, double scale) {
@@ -144,9 +159,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
   const bool* vp = vis.data_ptr<bool>();
   float* op = out.data_ptr<float>();
   if (q.scalar_type() == at::kFloat) {
-    run<float>(qc, kv_cache, sp, vp, B, Tq, NH, NKV, S, D, float(scale), op);
+    run<float>(qc.data_ptr<float>(), kv_cache.data_ptr<float>(), sp, vp, B, Tq, NH, NKV, S, D, float(scale), op);
   } else {
-    run<at::BFloat16>(qc, kv_cache, sp, vp, B, Tq, NH, NKV, S, D, float(scale), op);
+    run<at::BFloat16>(qc.data_ptr<at::BFloat16>(), kv_cache.data_ptr<at::BFloat16>(), sp, vp, B, Tq, NH, NKV, S, D,
+                      float(scale), op);
   }
   return out.to(q.scalar_type());
 }

@@ -28,12 +28,15 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "cpu_kernels.h"
+
 #include <cstdint>
 #include <vector>
 #include <optional>
 
 namespace {
 
+using nextn_cpu::kMaxGroups;
 constexpr int kMaxRows = 8;  // rows per register block
 
 // Ask for the next channel block's bytes at this offset into L2 while this block computes: the weights stream from
@@ -205,6 +208,37 @@ at::Tensor finish(const at::Tensor& out, const at::Tensor& x) {
   return out.to(x.scalar_type()).view(sizes);
 }
 
+}  // namespace
+
+namespace nextn_cpu {
+
+void int4_linear(const uint16_t* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t N, const uint16_t* sp,
+                 const uint16_t* zp, int64_t group_size, const float* b, float* op) {
+  const int64_t G = K / group_size;
+  // group sums of x, f32, in a fixed order per row
+  std::vector<float> xs(M * G);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t gi = 0; gi < G; ++gi) {
+      __m512 a = _mm512_setzero_ps();
+      for (int64_t k = gi * group_size; k < (gi + 1) * group_size; k += 16)
+        a = _mm512_add_ps(a, bf16x16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + m * K + k))));
+      xs[m * G + gi] = _mm512_reduce_add_ps(a);
+    }
+  for_each_block(M, N, [&](auto mb, auto nb, int64_t m0, int64_t n0) {
+    constexpr int MB = decltype(mb)::value, NB = decltype(nb)::value;
+    // this block's scales, and the zero points' term sum_g (zero8_g - 8 scale_g) * xs_g per row
+    float s[NB * kMaxGroups], zt[MB * NB];
+    for (int n = 0; n < NB; ++n)
+      group_terms<MB>(sp + (n0 + n) * G, zp + (n0 + n) * G, G, xs.data() + m0 * G, s + n * G, zt + n, NB);
+    int4_block<MB, NB>(xp + m0 * K, K, wp + n0 * (K / 2), s, G, group_size, zt, op + m0 * N + n0, N,
+                       b ? b + n0 : nullptr);
+  });
+}
+
+}  // namespace nextn_cpu
+
+namespace {
+
 at::Tensor woq_int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                            const at::Tensor& zero8, int64_t group_size, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
@@ -217,34 +251,15 @@ at::Tensor woq_int4_linear(const at::Tensor& x, const at::Tensor& w, const at::T
   TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && zero8.scalar_type() == at::kBFloat16 &&
                   scale.is_contiguous() && zero8.is_contiguous() && scale.numel() == N * G && zero8.numel() == N * G,
               "woq_int4_linear: scale and zero8 must be contiguous bfloat16 [N, K / group_size]");
-  TORCH_CHECK(G <= 512, "woq_int4_linear: at most 512 groups per row, got ", G);
+  TORCH_CHECK(G <= nextn_cpu::kMaxGroups, "woq_int4_linear: at most ", nextn_cpu::kMaxGroups,
+              " groups per row, got ", G);
   const at::Tensor xb = check_x(x, K, "woq_int4_linear", at::kBFloat16);
   const int64_t M = xb.size(0);
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
-  // group sums of x, f32, in a fixed order per row
-  std::vector<float> xs(M * G);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t gi = 0; gi < G; ++gi) {
-      __m512 a = _mm512_setzero_ps();
-      for (int64_t k = gi * group_size; k < (gi + 1) * group_size; k += 16)
-        a = _mm512_add_ps(a, bf16x16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + m * K + k))));
-      xs[m * G + gi] = _mm512_reduce_add_ps(a);
-    }
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat)), bias_keep;
-  const float* b = bias_ptr(bias, N, bias_keep);
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::BFloat16>());
-  const uint16_t* zp = reinterpret_cast<const uint16_t*>(zero8.data_ptr<at::BFloat16>());
-  float* op = out.data_ptr<float>();
-  for_each_block(M, N, [&](auto mb, auto nb, int64_t m0, int64_t n0) {
-    constexpr int MB = decltype(mb)::value, NB = decltype(nb)::value;
-    // this block's scales, and the zero points' term sum_g (zero8_g - 8 scale_g) * xs_g per row
-    float s[NB * 512], zt[MB * NB];
-    for (int n = 0; n < NB; ++n)
-      group_terms<MB>(sp + (n0 + n) * G, zp + (n0 + n) * G, G, xs.data() + m0 * G, s + n * G, zt + n, NB);
-    int4_block<MB, NB>(xp + m0 * K, K, wp + n0 * (K / 2), s, G, group_size, zt, op + m0 * N + n0, N,
-                       b ? b + n0 : nullptr);
-  });
+  nextn_cpu::int4_linear(reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()), M, K, w.data_ptr<uint8_t>(),
+                         N, reinterpret_cast<const uint16_t*>(scale.data_ptr<at::BFloat16>()),
+                         reinterpret_cast<const uint16_t*>(zero8.data_ptr<at::BFloat16>()), group_size,
+                         bias_ptr(bias, N, bias_keep), out.data_ptr<float>());
   return finish(out, x);
 }
 

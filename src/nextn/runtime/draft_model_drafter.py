@@ -46,6 +46,7 @@ from nextn.config.llm_args import DraftTargetDecodingConfig, LlmArgsError
 from nextn.models.registry import MODEL_CLASSES
 from nextn.plugins.sampling import counter_uniform, sample_from_probs
 from nextn.plugins.packed_linear import install_packed_linears
+from nextn.plugins.decoder_layer import install_fused_layers
 from nextn.plugins.paged_attention import install_paged_attention
 from nextn.quantization.linear import install_weight_only_linears
 from nextn.runtime.acceptance_rules import AcceptanceRule, AcceptState, SamplingTensors
@@ -87,6 +88,7 @@ def load_draft_model(engine_dir: Path, manifest: EngineManifest, device: torch.d
         raise EngineError(f"draft engine weights do not match its manifest: {e}") from e
     install_packed_linears(model)  # bf16 decoder linears on a CPU with bf16 instructions: oneDNN's packed kernel
     install_paged_attention(model)  # nextn's CPU attention kernel where it applies
+    install_fused_layers(model)  # W4A16 on the CPU: one op per decoder layer
     return model.eval().requires_grad_(False)
 
 

@@ -20,6 +20,7 @@ from nextn.models.medusa import MedusaHeads
 from nextn.models.registry import MODEL_CLASSES
 from nextn.plugins.medusa_tree import TreeError, build_tree, published_tree
 from nextn.plugins.packed_linear import install_packed_linears
+from nextn.plugins.decoder_layer import install_fused_layers
 from nextn.plugins.paged_attention import install_paged_attention
 from nextn.quantization.linear import install_weight_only_linears
 from nextn.runtime.acceptance_rules import AcceptanceRule, RelaxedAcceptance, StandardAcceptance
@@ -255,6 +256,7 @@ class Engine:
         model.rope_table = model.rope_table_for(max_positions).to(self.device)
         install_packed_linears(model)  # bf16 on a CPU with bf16 instructions: oneDNN's pre-packed kernel
         install_paged_attention(model)  # nextn's CPU attention kernel where it applies
+        install_fused_layers(model)  # W4A16 on the CPU: one op per decoder layer
         return model.eval().requires_grad_(False)
 
     # Requests ----------------------------------------------------------------------------------------

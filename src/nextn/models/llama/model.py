@@ -23,6 +23,7 @@ from nextn.models.causal_lm import SelfDraftingCausalLM
 from nextn.models.layers import GatedMLP, PreNormDecoderLayer, RMSNorm
 from nextn.models.llama.config import LlamaModelConfig
 from nextn.models.llama.rope import apply_rope, rope_cache
+from nextn.plugins.decoder_layer import FusedLayerWeights, fused_forward
 from nextn.plugins.kv_cache_write import kv_cache_write
 from nextn.runtime.attention_metadata import AttentionMetadata
 
@@ -84,11 +85,23 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):
-    """Pre-norm block with GQA attention and a SwiGLU MLP."""
+    """Pre-norm block with GQA attention and a SwiGLU MLP.
+
+    `fused` (set at load by `plugins.decoder_layer.install_fused_layers` where it applies: W4A16 engines on the
+    CPU): run the whole layer as one op of nextn's CPU kernels instead of the modules one by one.
+    """
+
+    fused: FusedLayerWeights | None = None
 
     def __init__(self, cfg: LlamaModelConfig) -> None:
         super().__init__(LlamaAttention(cfg), GatedMLP(cfg.hidden_size, cfg.intermediate_size), cfg.hidden_size,
                          cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor, meta) -> torch.Tensor:
+        """x: [B, T, hidden] → [B, T, hidden]; writes this layer's KV (kv_cache: [num_slots, kv dim])."""
+        if self.fused is not None and x.dtype == kv_cache.dtype == torch.bfloat16:
+            return fused_forward(self, x, cos_sin, kv_cache, meta)
+        return super().forward(x, cos_sin, kv_cache, meta)
 
 
 class SharedHead(nn.Module):

@@ -1,0 +1,123 @@
+"""nextn's fused CPU decoder layer (`decoder_layer_cpu.cpp`): a whole Llama / Qwen2 layer of a W4A16 engine in one
+op call, for the decode and verify steps (and prefill: one numerical path for every step).
+
+A small model's decode step is dispatch, not arithmetic: the PyTorch path of one layer runs ~50 ops (RMSNorm,
+three projections, RoPE, the cache write, attention, the gated MLP, two residual adds, each a few µs from Python)
+around seven matmuls. The op computes the same layer in C++ with nextn's int4 kernel and paged attention, q/k/v as
+one matmul and gate/up as one (their weights concatenated at load, the modules' own buffers becoming views of the
+concatenation: no extra memory).
+
+`torch.ops.nextn.llama_decoder_layer(x [B, T, H] bf16, cos_sin [B, T, 2, D/2] f32, kv_cache [slots, 2·NKV·D]
+bf16 (written), slot_mapping [B·T] int64, context_slots [B, S] int64, visible [B, 1, T, S] bool, input_norm [H]
+bf16, post_norm [H] bf16, qkv, o, gate_up, down ([w, scale, zero8(, bias)] each, `woq_linear`'s int4 layout),
+num_heads, num_kv_heads, group_size, eps, scale) → [B, T, H] bf16.`
+
+Numerics: the layer's PyTorch path (the reference: the same module with `fused = None`) with its bf16 roundings
+(RMSNorm output, projections, RoPE products, attention output, residual adds, silu and its product); only the
+RMSNorm sum of squares and silu's exp are computed in another order, so a rare element differs in its last bf16
+bit. Every row is computed alone (batch-invariant: a verify step's rows equal plain steps' bit for bit), which
+speculative decoding's token identity needs. `tests/plugins/test_decoder_layer.py` checks both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from nextn.plugins import cpu_kernels
+
+
+@dataclass(frozen=True)
+class FusedLayerWeights:
+    """One layer's operands for the op: each linear as [w, scale, zero8] (+ [bias]), q/k/v and gate/up concatenated
+    along the output channels (rows)."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: list[torch.Tensor]
+    o: list[torch.Tensor]
+    gate_up: list[torch.Tensor]
+    down: list[torch.Tensor]
+    group_size: int
+
+
+def _int4_linears(*linears: nn.Module) -> int | None:
+    """The common group size when every module is a W4A16 `WeightOnlyLinear` on nextn's kernel, else None."""
+    sizes = set()
+    for lin in linears:
+        if getattr(lin, "kernel", None) != "nextn" or lin.cfg.quant_algo != "W4A16":
+            return None
+        sizes.add(lin.group_size)
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def _concat_rows(linears: list[nn.Module]) -> list[torch.Tensor]:
+    """Concatenate the linears' int4 tensors along the output channels and make each module's buffers views of the
+    concatenation (same values, no second copy). Returns [w, scale, zero8] (+ [bias])."""
+    names = ["qweight", "scales", "zeros"]
+    if all(lin.bias is not None for lin in linears):
+        names.append("bias")
+    fused = []
+    for name in names:
+        cat = torch.cat([getattr(lin, name) for lin in linears]).contiguous()
+        row = 0
+        for lin in linears:
+            n = lin.out_features
+            setattr(lin, name, cat[row:row + n])
+            row += n
+        fused.append(cat)
+    return fused
+
+
+def _one(lin: nn.Module) -> list[torch.Tensor]:
+    return [lin.qweight, lin.scales, lin.zeros] + ([lin.bias] if lin.bias is not None else [])
+
+
+def fuse_layer(layer: nn.Module) -> FusedLayerWeights | None:
+    """The op's operands for a `LlamaDecoderLayer`, or None where the op does not apply: not every projection a
+    W4A16 linear on nextn's kernel with one group size, q/k/v biases on some but not all, attention not on nextn's
+    paged kernel, norms not bf16, or shapes the op does not take (hidden / intermediate % 64, head_dim % 32)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+    group = _int4_linears(*qkv, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    if group is None or not attn.paged_attention_kernel or len({lin.bias is None for lin in qkv}) != 1:
+        return None
+    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+    hidden, inter = attn.o_proj.out_features, mlp.gate_proj.out_features
+    if (any(n.dtype != torch.bfloat16 for n in norms) or hidden % 64 or inter % 64 or attn.head_dim % 32
+            or attn.head_dim > 256):
+        return None
+    return FusedLayerWeights(norms[0].detach().contiguous(), norms[1].detach().contiguous(), _concat_rows(qkv),
+                             _one(attn.o_proj), _concat_rows([mlp.gate_proj, mlp.up_proj]), _one(mlp.down_proj),
+                             group)
+
+
+def install_fused_layers(model: nn.Module) -> int:
+    """Give every layer of `model` that offers the op (a `fused` attribute: `LlamaDecoderLayer`) its operands, where
+    it applies (`fuse_layer`; the kernels built: `cpu_kernels`). Call after the weight-only linears and the paged
+    attention kernel are installed.
+
+    Returns:
+        How many layers use the op (0 where it does not apply).
+    """
+    if not cpu_kernels.available():
+        return 0
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "fused"):
+            module.fused = fuse_layer(module)
+            count += module.fused is not None
+    return count
+
+
+def fused_forward(layer: nn.Module, x: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
+                  meta) -> torch.Tensor:
+    """Run `layer` (with `layer.fused` set) through the op: shapes as `PreNormDecoderLayer.forward`'s."""
+    f: FusedLayerWeights = layer.fused
+    attn = layer.self_attn
+    return torch.ops.nextn.llama_decoder_layer(
+        x, cos_sin, kv_cache, meta.slot_mapping.reshape(-1), meta.context_slots, meta.visible, f.input_norm,
+        f.post_norm, f.qkv, f.o, f.gate_up, f.down, attn.num_heads, attn.num_kv_heads, f.group_size,
+        layer.input_layernorm.eps, attn.scale)

@@ -1,0 +1,238 @@
+// A whole Llama / Qwen2 decoder layer in one op, for W4A16 engines on the CPU (nextn plugin; Python side and the
+// reference: decoder_layer.py).
+//
+//   nextn::llama_decoder_layer(x [B, T, H] bf16, cos_sin [B, T, 2, D/2] f32, kv_cache [slots, 2 * NKV * D] bf16
+//       (written in place), slot_mapping [B * T] int64, context_slots [B, S] int64, visible [B, 1, T, S] bool,
+//       input_norm [H] bf16, post_norm [H] bf16, qkv, o, gate_up, down (each [w, scale, zero8] or
+//       [w, scale, zero8, bias]: the int4 weights of woq_linear_cpu.cpp), num_heads, num_kv_heads, group_size, eps,
+//       scale) -> [B, T, H] bf16
+//
+// It computes what the layer's PyTorch modules compute (models/llama/model.py, models/layers.py) with the same
+// bf16 roundings, in the same order:
+//   h = w1 * bf16(x * rsqrt(mean(x^2) + eps))                       RMSNorm in f32, rounded, times the weight
+//   q, k, v = bf16(h Wqkv^T + b)                                    one int4 matmul over the concatenated q/k/v
+//   q, k = RoPE(q), RoPE(k)                                         rotate-half, cos/sin rounded to bf16 first
+//   cache[slot] = [k, v]; o = bf16(attention(q, cache))             paged_attention_cpu.cpp
+//   x1 = bf16(x + bf16(o Wo^T + bo))
+//   g, u = bf16(h2 Wgu^T), h2 = RMSNorm(x1);  x2 = bf16(x1 + bf16(bf16(bf16(silu(g)) * u) Wdown^T))
+// Only the RMSNorm sums and silu's exp are computed in another order than PyTorch's (a last-bit difference in
+// rare elements); every row is computed alone, so the op is batch-invariant like the kernels it calls.
+//
+// Why: a decode step of a small model is dominated by dispatch, not arithmetic: the PyTorch path runs ~50 ops per
+// layer (~10 us each from Python) around 7 matmuls; this is one call per layer, with q/k/v and gate/up each one
+// matmul over concatenated weights (docs/PERFORMANCE.md).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "cpu_kernels.h"
+
+namespace {
+
+// bf16 <-> f32, 16 lanes; the rounding is to nearest even, as PyTorch's
+inline __m512 widen(__m256i b) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)); }
+inline __m512 load_bf16(const uint16_t* p) { return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m256i narrow(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+inline __m512 round_bf16(__m512 v) { return widen(narrow(v)); }
+inline void store_bf16(uint16_t* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), narrow(v)); }
+
+// exp(v) for v in f32 (|error| ~1 ulp): 2^n * p(r), r = v - n ln 2, a degree-6 polynomial
+inline __m512 exp16(__m512 v) {
+  v = _mm512_max_ps(_mm512_min_ps(v, _mm512_set1_ps(88.f)), _mm512_set1_ps(-88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), v);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.3981999507e-3f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// out = w * bf16(x * rsqrt(mean(x^2) + eps)), one row of H (H % 16 == 0)
+inline void rms_norm(const uint16_t* x, const uint16_t* w, int64_t H, float eps, uint16_t* out) {
+  __m512 ss = _mm512_setzero_ps();
+  for (int64_t i = 0; i < H; i += 16) {
+    const __m512 v = load_bf16(x + i);
+    ss = _mm512_fmadd_ps(v, v, ss);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / float(H) + eps));
+  for (int64_t i = 0; i < H; i += 16)
+    store_bf16(out + i, _mm512_mul_ps(load_bf16(w + i), round_bf16(_mm512_mul_ps(load_bf16(x + i), inv))));
+}
+
+// One head of D values (f32, already rounded to bf16) rotated in HF's rotate-half layout -> bf16:
+// [x1 c - x2 s, x2 c + x1 s] with c, s rounded to bf16 and every product and sum rounded (PyTorch's bf16 ops).
+inline void rope_head(const float* x, const float* cs, int64_t D, uint16_t* out) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < half; i += 16) {
+    const __m512 c = round_bf16(_mm512_loadu_ps(cs + i)), s = round_bf16(_mm512_loadu_ps(cs + half + i));
+    const __m512 x1 = _mm512_loadu_ps(x + i), x2 = _mm512_loadu_ps(x + half + i);
+    store_bf16(out + i, _mm512_sub_ps(round_bf16(_mm512_mul_ps(x1, c)), round_bf16(_mm512_mul_ps(x2, s))));
+    store_bf16(out + half + i, _mm512_add_ps(round_bf16(_mm512_mul_ps(x2, c)), round_bf16(_mm512_mul_ps(x1, s))));
+  }
+}
+
+// out[i] = bf16(a[i] + bf16(b[i])): a residual add (a bf16, b the f32 matmul output)
+inline void residual_add(const uint16_t* a, const float* b, int64_t n, uint16_t* out) {
+  for (int64_t i = 0; i < n; i += 16)
+    store_bf16(out + i, _mm512_add_ps(load_bf16(a + i), round_bf16(_mm512_loadu_ps(b + i))));
+}
+
+// One int4 linear's tensors: [w, scale, zero8] and an optional f32 bias
+struct Int4 {
+  const uint8_t* w;
+  const uint16_t* scale;
+  const uint16_t* zero8;
+  const float* bias = nullptr;
+  int64_t N, K;
+};
+
+Int4 int4_weights(const at::TensorList& t, int64_t K, int64_t N, int64_t group_size, const char* name) {
+  TORCH_CHECK(t.size() == 3 || t.size() == 4, "llama_decoder_layer: ", name,
+              " must be [w, scale, zero8] or [w, scale, zero8, bias]");
+  const int64_t G = K / group_size;
+  TORCH_CHECK(t[0].scalar_type() == at::kByte && t[0].is_contiguous() && t[0].dim() == 2 && t[0].size(0) == N &&
+                  t[0].size(1) * 2 == K,
+              "llama_decoder_layer: ", name, ".w must be a contiguous [", N, ", ", K / 2, "] uint8 tensor");
+  for (int i = 1; i < 3; ++i)
+    TORCH_CHECK(t[i].scalar_type() == at::kBFloat16 && t[i].is_contiguous() && t[i].numel() == N * G,
+                "llama_decoder_layer: ", name, " scale and zero8 must be contiguous bfloat16 [", N, ", ", G, "]");
+  Int4 r{t[0].data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(t[1].data_ptr<at::BFloat16>()),
+         reinterpret_cast<const uint16_t*>(t[2].data_ptr<at::BFloat16>()), nullptr, N, K};
+  if (t.size() == 4) {
+    TORCH_CHECK(t[3].scalar_type() == at::kFloat && t[3].is_contiguous() && t[3].numel() == N,
+                "llama_decoder_layer: ", name, ".bias must be a contiguous float32 [", N, "]");
+    r.bias = t[3].data_ptr<float>();
+  }
+  return r;
+}
+
+void matmul(const Int4& l, const uint16_t* x, int64_t M, int64_t group_size, float* out) {
+  nextn_cpu::int4_linear(x, M, l.K, l.w, l.N, l.scale, l.zero8, group_size, l.bias, out);
+}
+
+const uint16_t* bf16_ptr(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
+
+template <typename F>
+void for_rows(int64_t M, F&& f) {
+  at::parallel_for(0, M, 8, [&](int64_t r0, int64_t r1) {
+    for (int64_t m = r0; m < r1; ++m) f(m);
+  });
+}
+
+at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& cos_sin, at::Tensor& kv_cache,
+                               const at::Tensor& slot_mapping, const at::Tensor& context_slots,
+                               const at::Tensor& visible, const at::Tensor& input_norm, const at::Tensor& post_norm,
+                               at::TensorList qkv_t, at::TensorList o_t, at::TensorList gate_up_t,
+                               at::TensorList down_t, int64_t num_heads, int64_t num_kv_heads, int64_t group_size,
+                               double eps, double scale) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
+              "llama_decoder_layer: x must be a [B, T, H] bfloat16 CPU tensor");
+  const int64_t B = x.size(0), T = x.size(1), H = x.size(2), M = B * T;
+  TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.dim() == 4 && cos_sin.size(0) == B &&
+                  cos_sin.size(1) == T && cos_sin.size(2) == 2,
+              "llama_decoder_layer: cos_sin must be [B, T, 2, head_dim / 2] float32");
+  const int64_t D = 2 * cos_sin.size(3), NH = num_heads, NKV = num_kv_heads;
+  TORCH_CHECK(H % 64 == 0 && D % 32 == 0 && D <= nextn_cpu::kMaxD && NH % NKV == 0,
+              "llama_decoder_layer: needs hidden % 64 == 0, head_dim % 32 == 0 (<= ", nextn_cpu::kMaxD,
+              ") and whole query groups; got hidden ", H, ", head_dim ", D, ", heads ", NH, "/", NKV);
+  TORCH_CHECK(kv_cache.scalar_type() == at::kBFloat16 && kv_cache.dim() == 2 && kv_cache.is_contiguous() &&
+                  kv_cache.size(1) == 2 * NKV * D,
+              "llama_decoder_layer: kv_cache must be a contiguous bfloat16 [slots, ", 2 * NKV * D, "] tensor");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == M,
+              "llama_decoder_layer: slot_mapping must hold B * T int64 slots");
+  TORCH_CHECK(context_slots.scalar_type() == at::kLong && context_slots.dim() == 2 && context_slots.size(0) == B,
+              "llama_decoder_layer: context_slots must be [B, S] int64");
+  const int64_t S = context_slots.size(1);
+  TORCH_CHECK(visible.scalar_type() == at::kBool && visible.numel() == B * T * S,
+              "llama_decoder_layer: visible must be [B, 1, T, S] bool");
+  for (const at::Tensor* n : {&input_norm, &post_norm})
+    TORCH_CHECK(n->scalar_type() == at::kBFloat16 && n->is_contiguous() && n->numel() == H,
+                "llama_decoder_layer: the norm weights must be contiguous bfloat16 [", H, "]");
+  TORCH_CHECK(group_size % 32 == 0 && group_size > 0, "llama_decoder_layer: group_size must be a multiple of 32");
+  TORCH_CHECK(gate_up_t.size() >= 1 && gate_up_t[0].dim() == 2 && gate_up_t[0].size(0) % 2 == 0,
+              "llama_decoder_layer: gate_up must hold the gate then the up rows");
+  const int64_t I = gate_up_t[0].size(0) / 2, NQKV = (NH + 2 * NKV) * D;
+  TORCH_CHECK(I % 64 == 0 && H % group_size == 0 && I % group_size == 0 && (NH * D) % group_size == 0 &&
+                  H / group_size <= nextn_cpu::kMaxGroups && I / group_size <= nextn_cpu::kMaxGroups,
+              "llama_decoder_layer: intermediate size ", I, " and hidden ", H, " must be multiples of 64 and of the "
+              "group size ", group_size);
+  const Int4 qkv = int4_weights(qkv_t, H, NQKV, group_size, "qkv");
+  const Int4 o = int4_weights(o_t, NH * D, H, group_size, "o");
+  const Int4 gate_up = int4_weights(gate_up_t, H, 2 * I, group_size, "gate_up");
+  const Int4 down = int4_weights(down_t, I, H, group_size, "down");
+
+  const at::Tensor xc = x.contiguous(), cs = cos_sin.contiguous(), slots = slot_mapping.contiguous();
+  const at::Tensor ctx = context_slots.contiguous(), vis = visible.contiguous();
+  const uint16_t* xp = bf16_ptr(xc);
+  uint16_t* cache = reinterpret_cast<uint16_t*>(kv_cache.data_ptr<at::BFloat16>());
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t kv_row = 2 * NKV * D, num_slots = kv_cache.size(0);
+  for (int64_t m = 0; m < M; ++m)
+    TORCH_CHECK(slot[m] >= 0 && slot[m] < num_slots, "llama_decoder_layer: slot ", slot[m], " out of range");
+
+  std::vector<uint16_t> h(M * std::max(H, I)), q(M * NH * D), x1(M * H);
+  std::vector<float> f(M * std::max(NQKV, 2 * I));
+  at::Tensor out = at::empty_like(xc);
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+
+  // attention
+  for_rows(M, [&](int64_t m) { rms_norm(xp + m * H, bf16_ptr(input_norm), H, float(eps), h.data() + m * H); });
+  matmul(qkv, h.data(), M, group_size, f.data());
+  for_rows(M, [&](int64_t m) {
+    float* row = f.data() + m * NQKV;
+    for (int64_t i = 0; i < NQKV; i += 16) _mm512_storeu_ps(row + i, round_bf16(_mm512_loadu_ps(row + i)));
+    const float* c = cs.data_ptr<float>() + m * D;  // [cos (D/2), sin (D/2)]
+    uint16_t* kv = cache + slot[m] * kv_row;
+    for (int64_t hd = 0; hd < NH; ++hd) rope_head(row + hd * D, c, D, q.data() + m * NH * D + hd * D);
+    for (int64_t hd = 0; hd < NKV; ++hd) rope_head(row + (NH + hd) * D, c, D, kv + hd * D);
+    for (int64_t i = 0; i < NKV * D; i += 16) store_bf16(kv + NKV * D + i, _mm512_loadu_ps(row + (NH + NKV) * D + i));
+  });
+  nextn_cpu::paged_attention_bf16(q.data(), cache, ctx.data_ptr<int64_t>(), vis.data_ptr<bool>(), B, T, NH, NKV, S,
+                                  D, float(scale), f.data());
+  for_rows(M, [&](int64_t m) {
+    const int64_t row = m * NH * D;
+    for (int64_t i = 0; i < NH * D; i += 16) store_bf16(q.data() + row + i, _mm512_loadu_ps(f.data() + row + i));
+  });
+  matmul(o, q.data(), M, group_size, f.data());
+  for_rows(M, [&](int64_t m) {
+    residual_add(xp + m * H, f.data() + m * H, H, x1.data() + m * H);
+    rms_norm(x1.data() + m * H, bf16_ptr(post_norm), H, float(eps), h.data() + m * H);
+  });
+
+  // MLP
+  matmul(gate_up, h.data(), M, group_size, f.data());
+  for_rows(M, [&](int64_t m) {
+    const float* g = f.data() + m * 2 * I;
+    for (int64_t i = 0; i < I; i += 16) {
+      const __m512 gv = round_bf16(_mm512_loadu_ps(g + i)), uv = round_bf16(_mm512_loadu_ps(g + I + i));
+      const __m512 a = round_bf16(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(
+                                                                       _mm512_setzero_ps(), gv)))));
+      store_bf16(h.data() + m * I + i, _mm512_mul_ps(a, uv));
+    }
+  });
+  matmul(down, h.data(), M, group_size, f.data());
+  for_rows(M, [&](int64_t m) { residual_add(x1.data() + m * H, f.data() + m * H, H, op + m * H); });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(nextn, m) {
+  m.def("llama_decoder_layer(Tensor x, Tensor cos_sin, Tensor(a!) kv_cache, Tensor slot_mapping, "
+        "Tensor context_slots, Tensor visible, Tensor input_norm, Tensor post_norm, Tensor[] qkv, Tensor[] o, "
+        "Tensor[] gate_up, Tensor[] down, int num_heads, int num_kv_heads, int group_size, float eps, "
+        "float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(nextn, CPU, m) { m.impl("llama_decoder_layer", &llama_decoder_layer); }

@@ -1,0 +1,199 @@
+"""nextn's fused CPU decoder layer: against the layer's PyTorch modules (Llama, and Qwen2 with q/k/v biases), batch
+invariance with the KV cache it writes, where it applies, and a W4A16 engine that uses it staying lossless."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nextn import LLM, SamplingParams
+from nextn.build.engine_builder import build_engine
+from nextn.plugins import cpu_kernels
+from nextn.plugins.decoder_layer import fuse_layer, fused_forward
+from nextn.runtime.attention_metadata import AttentionMetadata
+from nextn.testing.tiny_llama import tiny_hf_llama
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
+                                reason=f"nextn's CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
+
+BLOCK = 4
+
+
+def _tiny_qwen2(path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(1)
+    cfg = Qwen2Config(vocab_size=320, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=False)
+    hf = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() == 1:  # norms not all 1 and biases not all 0
+                p.copy_((1.0 if "norm" in name else 0.0) + 0.3 * torch.randn_like(p))
+        hf.lm_head.weight.mul_(20.0)
+    hf.save_pretrained(path)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def engine(request, tmp_path_factory):
+    """A W4A16 engine whose layers take the op: hidden 128, FFN 128 / 192, head_dim 32."""
+    root = tmp_path_factory.mktemp(request.param)
+    if request.param == "llama":
+        tiny_hf_llama(vocab_size=320, lm_head_scale=20.0, hidden_size=128, intermediate_size=128).save_pretrained(
+            root / "ckpt")
+    else:
+        _tiny_qwen2(root / "ckpt")
+    build_engine(root / "ckpt", root / "engine", progress=False, max_seq_len=128, dtype="bfloat16",
+                 quant_algo="W4A16", group_size=32)
+    return root / "engine"
+
+
+@pytest.fixture(scope="module")
+def llm(engine):
+    llm = LLM(engine)
+    yield llm
+    llm.shutdown()
+
+
+def _inputs(layer, b: int, t: int, ctx: list[int], seed: int = 0):
+    """x [B, T, H] bf16, cos_sin, a bf16 cache whose sequences' blocks are scattered, and the metadata of the last t
+    positions of each context."""
+    gen = torch.Generator().manual_seed(seed)
+    attn = layer.self_attn
+    max_blocks = (max(ctx) + BLOCK - 1) // BLOCK
+    num_blocks = 1 + b * max_blocks
+    kv = torch.randn(num_blocks * BLOCK, 2 * attn.num_kv_heads * attn.head_dim, generator=gen).bfloat16()
+    perm = torch.randperm(num_blocks - 1, generator=gen) + 1
+    tables = torch.zeros(b, max_blocks, dtype=torch.int64)
+    for i, n in enumerate(ctx):
+        used = (n + BLOCK - 1) // BLOCK
+        tables[i, :used] = perm[i * max_blocks:i * max_blocks + used]
+    positions = torch.stack([torch.arange(n - t, n) for n in ctx])
+    slots = torch.gather(tables, 1, positions // BLOCK) * BLOCK + positions % BLOCK
+    meta = AttentionMetadata.create(positions, slots, tables, BLOCK)
+    x = torch.randn(b, t, attn.o_proj.out_features, generator=gen).bfloat16()
+    return x, kv, meta
+
+
+def _both(llm, layer_index: int, b: int, t: int, ctx: list[int]):
+    model = llm.engine.model
+    layer = model.model.layers[layer_index]
+    x, kv, meta = _inputs(layer, b, t, ctx)
+    cos_sin = model._cos_sin(meta.positions)
+    kv_fused, kv_ref = kv.clone(), kv.clone()
+    fused = fused_forward(layer, x, cos_sin, kv_fused, meta)
+    saved, layer.fused = layer.fused, None
+    try:
+        ref = layer(x, cos_sin, kv_ref, meta)
+    finally:
+        layer.fused = saved
+    return fused, ref, kv_fused, kv_ref
+
+
+def test_every_layer_of_a_w4a16_engine_takes_the_op(llm):
+    layers = llm.engine.model.model.layers
+    assert all(layer.fused is not None for layer in layers)
+    # the modules' own buffers are views of the concatenated weights: one copy in memory
+    attn = layers[0].self_attn
+    assert attn.k_proj.qweight.untyped_storage().data_ptr() == layers[0].fused.qkv[0].untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("b,t,ctx", [(1, 1, [9]), (2, 5, [13, 30]), (3, 3, [3, 17, 8])])
+def test_matches_the_pytorch_modules(llm, b, t, ctx):
+    """Same bf16 roundings as the modules: all but a few elements bit-equal (the RMSNorm sums and silu's exp run in
+    another order), the rest within a bf16 step; the KV the layer writes likewise."""
+    for i in range(2):
+        fused, ref, kv_fused, kv_ref = _both(llm, i, b, t, ctx)
+        assert fused.dtype == torch.bfloat16 and fused.shape == ref.shape
+        assert (fused == ref).float().mean() > 0.97
+        torch.testing.assert_close(fused.float(), ref.float(), rtol=2e-2, atol=2e-2)
+        assert (kv_fused == kv_ref).float().mean() > 0.97
+        torch.testing.assert_close(kv_fused.float(), kv_ref.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_rows_are_computed_as_if_alone(llm):
+    """Batch invariance, bit for bit: T tokens of two sequences in one call (a verify step) equal the same tokens
+    fed one call at a time (plain decoding), outputs and the cache they leave."""
+    model = llm.engine.model
+    layer = model.model.layers[1]
+    x, kv, meta = _inputs(layer, 2, 4, [11, 26], seed=3)
+    cos_sin = model._cos_sin(meta.positions)
+    kv_all, kv_one = kv.clone(), kv.clone()
+    together = fused_forward(layer, x, cos_sin, kv_all, meta)
+    for j in range(4):
+        for i in range(2):
+            m = AttentionMetadata.create(meta.positions[i:i + 1, j:j + 1], meta.slot_mapping[i:i + 1, j:j + 1],
+                                         meta.block_tables[i:i + 1], BLOCK)
+            alone = fused_forward(layer, x[i:i + 1, j:j + 1], cos_sin[i:i + 1, j:j + 1], kv_one, m)
+            assert torch.equal(alone[0, 0], together[i, j])
+    assert torch.equal(kv_all, kv_one)
+
+
+def test_where_it_does_not_apply_the_modules_run(tmp_path):
+    """A bf16 engine (no int4 linears) and a W4A16 engine with FFN 96 (not a multiple of 64) keep the PyTorch path."""
+    tiny_hf_llama(vocab_size=320).save_pretrained(tmp_path / "ckpt")
+    build_engine(tmp_path / "ckpt", tmp_path / "bf16", progress=False, max_seq_len=64, dtype="bfloat16")
+    build_engine(tmp_path / "ckpt", tmp_path / "w4", progress=False, max_seq_len=64, dtype="bfloat16",
+                 quant_algo="W4A16", group_size=32)
+    for engine in ("bf16", "w4"):
+        llm = LLM(tmp_path / engine)
+        try:
+            layers = llm.engine.model.model.layers
+            assert all(layer.fused is None for layer in layers)
+            assert fuse_layer(layers[0]) is None
+        finally:
+            llm.shutdown()
+
+
+def test_bad_operands_are_named(llm):
+    model = llm.engine.model
+    layer = model.model.layers[0]
+    x, kv, meta = _inputs(layer, 1, 2, [6])
+    cos_sin = model._cos_sin(meta.positions)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        fused_forward(layer, x.float(), cos_sin, kv, meta)
+    with pytest.raises(RuntimeError, match="kv_cache"):
+        fused_forward(layer, x, cos_sin, kv[:, :-16].contiguous(), meta)
+    bad = AttentionMetadata.create(meta.positions, meta.slot_mapping + 10 ** 6, meta.block_tables, BLOCK)
+    with pytest.raises(RuntimeError, match="out of range"):
+        fused_forward(layer, x, cos_sin, kv, bad)
+
+
+def test_speculation_on_the_fused_engine_is_lossless(engine, llm):
+    """Greedy n-gram and Draft_Target (the engine drafting for itself) outputs equal plain decoding, batch 3;
+    and plain decoding through the op equals the modules' path on these peaked logits."""
+    prompts = [[5, 6, 7, 8, 5, 6, 7], [9], list(range(20, 50))]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    layers = llm.engine.model.model.layers
+    saved = [layer.fused for layer in layers]
+    for layer in layers:
+        layer.fused = None
+    try:
+        modules = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    finally:
+        for layer, f in zip(layers, saved):
+            layer.fused = f
+    assert modules == plain
+    for spec in ({"decoding_type": "NGram", "max_draft_len": 3, "max_matching_ngram_size": 2},
+                 {"decoding_type": "Draft_Target", "max_draft_len": 3, "speculative_model_dir": str(engine)}):
+        other = LLM(engine, speculative_config=spec)
+        try:
+            assert all(layer.fused is not None for layer in other.engine.model.model.layers)
+            assert [o.outputs[0].token_ids for o in other.generate(prompts, params)] == plain
+        finally:
+            other.shutdown()
+
+
+def test_fake_implementation_lets_torch_compile_trace_the_op(llm):
+    model = llm.engine.model
+    layer = model.model.layers[0]
+    x, kv, meta = _inputs(layer, 1, 2, [6])
+    f = layer.fused
+    attn = layer.self_attn
+    args = (x, model._cos_sin(meta.positions), kv, meta.slot_mapping.reshape(-1), meta.context_slots, meta.visible,
+            f.input_norm, f.post_norm, f.qkv, f.o, f.gate_up, f.down, attn.num_heads, attn.num_kv_heads,
+            f.group_size, layer.input_layernorm.eps, attn.scale)
+    torch.library.opcheck(torch.ops.nextn.llama_decoder_layer.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
