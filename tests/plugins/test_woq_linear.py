@@ -19,15 +19,16 @@ W8 = QuantConfig(quant_algo="W8A16")
 def _int4_operands(n: int, k: int, g: int, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     t = quantize(torch.randn(n, k, generator=gen), QuantConfig(quant_algo="W4A16", group_size=g))
-    scale = t["weight_scale"].bfloat16()
-    zero8 = (t["weight_zero"] + 8 * t["weight_scale"]).bfloat16()
+    scale = woq_linear.block_scales(t["weight_scale"].bfloat16())
+    zero8 = woq_linear.block_scales((t["weight_zero"] + 8 * t["weight_scale"]).bfloat16())
     return t, woq_linear.pack_int4(t["weight"]), scale, zero8
 
 
-@pytest.mark.parametrize("n,k,g", [(96, 128, 32), (70, 576, 32), (64, 256, 64), (36, 1536, 128)])
+@pytest.mark.parametrize("n,k,g", [(96, 128, 32), (80, 576, 32), (64, 256, 64), (48, 1536, 128), (16, 64, 32)])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 17])
 def test_int4_matches_the_reference(n, k, g, rows):
-    """N not a multiple of the channel block (70, 36), 18 groups (576/32: a masked tail), every row chunking."""
+    """An odd number of 16-channel blocks (80, 48: one row runs two blocks at a time), one block, 18 groups,
+    every row chunking."""
     _, packed, scale, zero8 = _int4_operands(n, k, g)
     x = torch.randn(rows, k).bfloat16()
     bias = torch.randn(n)
@@ -38,12 +39,17 @@ def test_int4_matches_the_reference(n, k, g, rows):
 
 
 def test_pack_int4_keeps_every_value():
-    t, packed, scale, zero8 = _int4_operands(8, 128, 32)
+    t, packed, scale, zero8 = _int4_operands(32, 128, 32)
     x = torch.eye(128)  # rows of the identity read the dequantized weight back, column by column
     got = woq_linear.int4_linear_reference(x, packed, scale, zero8, 32)
     torch.testing.assert_close(got.T, dequantize(t, W4))
+    # and the kernel reads the same values
+    torch.testing.assert_close(torch.ops.nextn.woq_int4_linear(x.bfloat16(), packed, scale, zero8, 32, None).float().T,
+                               dequantize(t, W4), rtol=1e-2, atol=1e-2)
     with pytest.raises(ValueError, match="K % 64"):
-        woq_linear.pack_int4(torch.zeros(4, 48, dtype=torch.uint8))
+        woq_linear.pack_int4(torch.zeros(16, 24, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="N % 16"):
+        woq_linear.pack_int4(torch.zeros(8, 32, dtype=torch.uint8))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 9])
@@ -60,7 +66,7 @@ def test_int8_matches_the_reference(rows):
 @pytest.mark.parametrize("rows", [2, 4, 5, 8, 13])
 def test_every_row_is_computed_as_if_alone(rows):
     """Batch invariance, bit for bit: what keeps a verify step's logits equal to plain decoding's."""
-    _, packed, scale, zero8 = _int4_operands(70, 576, 32, seed=2)
+    _, packed, scale, zero8 = _int4_operands(80, 576, 32, seed=2)
     t8 = quantize(torch.randn(70, 576), W8)
     x = torch.randn(rows, 576).bfloat16()
     ops = [lambda a: torch.ops.nextn.woq_int4_linear(a, packed, scale, zero8, 32, None),
@@ -72,7 +78,9 @@ def test_every_row_is_computed_as_if_alone(rows):
 
 
 def test_bad_operands_are_named():
-    _, packed, scale, zero8 = _int4_operands(8, 128, 32)
+    _, packed, scale, zero8 = _int4_operands(16, 128, 32)
+    with pytest.raises(RuntimeError, match="output channels"):
+        torch.ops.nextn.woq_int4_linear(torch.randn(1, 128), packed[:8], scale, zero8, 32, None)
     with pytest.raises(RuntimeError, match="input channels"):
         torch.ops.nextn.woq_int4_linear(torch.randn(1, 64), packed, scale, zero8, 32, None)
     with pytest.raises(RuntimeError, match="bfloat16"):
@@ -82,7 +90,7 @@ def test_bad_operands_are_named():
 
 
 def test_fake_implementations_let_torch_compile_trace_the_ops():
-    _, packed, scale, zero8 = _int4_operands(8, 128, 32)
+    _, packed, scale, zero8 = _int4_operands(16, 128, 32)
     x = torch.randn(3, 128).bfloat16()
     torch.library.opcheck(torch.ops.nextn.woq_int4_linear.default, (x, packed, scale, zero8, 32, None),
                           test_utils=("test_schema", "test_faketensor"))

@@ -61,12 +61,12 @@ def _concat_rows(linears: list[nn.Module]) -> list[torch.Tensor]:
         names.append("bias")
     fused = []
     for name in names:
-        cat = torch.cat([getattr(lin, name) for lin in linears]).contiguous()
+        parts = [getattr(lin, name) for lin in linears]
+        cat = torch.cat(parts).contiguous()  # along dim 0: rows, or blocks of 16 rows (`woq_linear.block_scales`)
         row = 0
-        for lin in linears:
-            n = lin.out_features
-            setattr(lin, name, cat[row:row + n])
-            row += n
+        for lin, part in zip(linears, parts):
+            setattr(lin, name, cat[row:row + part.shape[0]])
+            row += part.shape[0]
         fused.append(cat)
     return fused
 

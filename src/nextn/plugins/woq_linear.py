@@ -4,7 +4,8 @@ The decode step multiplies one row per request (plain decoding) or K + 1 (a veri
 PyTorch's own weight-only CPU kernels (`aten._weight_int4pack_mm_for_cpu`, `aten._weight_int8pack_mm`) are
 compute-bound at one row and fall off a cliff past four rows (docs/PERFORMANCE.md); ours unpack a block of
 weights into registers once and use it for up to 8 rows (int4: nibbles → bf16 by table lookup, `vdpbf16ps`
-with exact products and f32 sums, one scale per group; int8: f32 FMAs, one scale per channel). Every output is
+with exact products and f32 sums, a vector lane per output channel so that one FMA scales a group of 16
+channels; int8: f32 FMAs, one scale per channel). Every output is
 the same sequence of f32 operations whatever the row count (batch invariance: a verify step's logits equal a
 plain step's, bit for bit), which `tests/plugins/test_woq_linear.py` checks.
 
@@ -13,9 +14,10 @@ F/BW/VL and AVX512-BF16). Where that is not possible, `available()` is False wit
 `unavailable_reason()`, and callers keep PyTorch's kernels.
 
 Ops (`torch.ops.nextn.*`, usable under `torch.compile` through the fake implementations in `cpu_kernels.py`):
-- `woq_int4_linear(x [M, K] bf16|f32, w [N, K/2] uint8 (`pack_int4` layout), scale [N, K/g] bf16,
-  zero8 [N, K/g] bf16, g, bias [N] f32 | None) → [M, N] in x's dtype`, w = (q − 8)·scale + zero8 (the
-  engine's W4A16 format, `quantization/weight_only.py`). K % 64 == 0, g % 32 == 0.
+- `woq_int4_linear(x [M, K] bf16|f32, w [N, K/2] uint8 (`pack_int4` layout), scale [N/16, K/g, 16] bf16,
+  zero8 [N/16, K/g, 16] bf16 (`block_scales` layout), g, bias [N] f32 | None) → [M, N] in x's dtype`,
+  w = (q − 8)·scale + zero8 (the engine's W4A16 format, `quantization/weight_only.py`). K % 64 == 0, N % 16 == 0,
+  g % 32 == 0.
 - `woq_int8_linear(x [M, K] bf16|f32, w [N, K] int8, scale [N] f32, bias | None) → [M, N]`, w = q·scale
   (W8A16); x is used in f32 (the int4 kernel rounds it to bf16). K % 16 == 0.
 """
@@ -37,34 +39,60 @@ def unavailable_reason() -> str | None:
     return cpu_kernels.unavailable_reason()
 
 
+def takes(quant_algo: str, out_features: int, in_features: int) -> bool:
+    """Whether the kernels take a layer of this shape: int4 K % 64 == 0 and N % 16 == 0; int8 K % 16 == 0."""
+    if quant_algo == "W4A16":
+        return in_features % 64 == 0 and out_features % 16 == 0
+    return in_features % 16 == 0
+
+
 def pack_int4(packed: torch.Tensor) -> torch.Tensor:
     """The engine's portable int4 layout → the kernel's.
 
     Args:
         packed: [N, K/2] uint8, two values a byte, the even input channel in the low nibble (`weight_only.quantize`).
     Returns:
-        [N, K/2] uint8: for every 64 input channels k0.., 32 bytes; byte j holds q[k0 + j] (low nibble) and
-        q[k0 + 32 + j] (high nibble).
+        [N, K/2] uint8 holding blocks of 16 output channels (8·K bytes each, in block order): for every 4 input
+        channels k..k+3 of a block, 32 bytes; byte 2c + j (channel c < 16, j < 2) holds q[c][k + j] (low nibble)
+        and q[c][k + 2 + j] (high nibble).
     Raises:
-        ValueError: K is not a multiple of 64.
+        ValueError: K is not a multiple of 64 or N of 16.
     """
     n, half = packed.shape
-    if (2 * half) % 64:
-        raise ValueError(f"the int4 kernel needs K % 64 == 0, got K = {2 * half}")
-    q = torch.stack([packed & 0x0F, packed >> 4], dim=-1).view(n, -1, 2, 32)  # [N, K/64, (low, high) half, 32]
-    return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, half).contiguous()
+    k = 2 * half
+    if k % 64 or n % 16:
+        raise ValueError(f"the int4 kernel needs K % 64 == 0 and N % 16 == 0, got N = {n}, K = {k}")
+    q = torch.stack([packed & 0x0F, packed >> 4], dim=-1).view(n // 16, 16, k // 4, 2, 2)  # [blk, c, k4, hi, j]
+    q = q.permute(0, 2, 1, 4, 3)  # [blk, k4, c, j, (low, high)]
+    return (q[..., 0] | (q[..., 1] << 4)).reshape(n, half).contiguous()
+
+
+def block_scales(t: torch.Tensor) -> torch.Tensor:
+    """Per-group scales or zero points [N, G] → the kernel's [N/16, G, 16] (16 channels of a group together)."""
+    n, g = t.shape
+    return t.reshape(n // 16, 16, g).transpose(1, 2).contiguous()
+
+
+def unpack_int4_kernel_layout(w: torch.Tensor) -> torch.Tensor:
+    """`pack_int4`'s layout → the values q [N, K] uint8 in channel order (the inverse)."""
+    n, half = w.shape
+    k = 2 * half
+    b = w.view(n // 16, k // 4, 16, 2)  # [blk, k4, c, j]
+    q = torch.stack([b & 0x0F, b >> 4], dim=-2)  # [blk, k4, c, (low: k + j, high: k + 2 + j), j]
+    return q.permute(0, 2, 1, 3, 4).reshape(n, k)
 
 
 def int4_linear_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero8: torch.Tensor,
                           group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """What `woq_int4_linear` computes, in PyTorch (f32, another summation order): x [..., K], `pack_int4`'s
-    layout, scale / zero8 [N, K/g] → [..., N] in x's dtype."""
+    layout, scale / zero8 in `block_scales`' layout → [..., N] in x's dtype."""
     n, half = packed.shape
     k = 2 * half
-    nib = packed.view(n, k // 64, 32)
-    q = torch.cat([nib & 0x0F, nib >> 4], dim=-1).view(n, k).float()  # back to channel order
-    w = ((q.view(n, k // group_size, group_size) - 8) * scale.float()[..., None]
-         + zero8.float()[..., None]).view(n, k)
+    g = k // group_size
+    q = unpack_int4_kernel_layout(packed).float()
+    s = scale.float().transpose(1, 2).reshape(n, g)
+    z = zero8.float().transpose(1, 2).reshape(n, g)
+    w = ((q.view(n, g, group_size) - 8) * s[..., None] + z[..., None]).view(n, k)
     y = x.to(torch.bfloat16).float() @ w.T
     return (y if bias is None else y + bias.float()).to(x.dtype)
 

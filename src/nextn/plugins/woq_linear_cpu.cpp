@@ -1,7 +1,8 @@
 // Weight-only quantized linear layers for the CPU decode and verify steps (nextn plugin; Python side and the
 // PyTorch reference: woq_linear.py).
 //
-//   nextn::woq_int4_linear(x [M, K], w [N, K/2] uint8, scale [N, K/g] bf16, zero8 [N, K/g] bf16, g, bias?)
+//   nextn::woq_int4_linear(x [M, K], w [N, K/2] uint8, scale [N/16, K/g, 16] bf16, zero8 [N/16, K/g, 16] bf16, g,
+//                          bias?)
 //   nextn::woq_int8_linear(x [M, K], w [N, K] int8, scale [N] f32, bias?)
 //     -> [M, N] in x's dtype
 //
@@ -16,9 +17,12 @@
 // Batch invariance (what makes speculative decoding token-identical to plain decoding): every output y[m, n] is
 // the same sequence of f32 operations on x[m] and W[n] whatever M, the row chunk, the channel block or the thread.
 //
-// int4 layout (made by `pack_int4` in woq_linear.py from the engine's portable one): for every 64 input channels
-// k0..k0+63 of a row, 32 bytes; byte j holds q[k0 + j] in its low nibble and q[k0 + 32 + j] in its high nibble, so
-// one 32-byte load widens to two vectors of 32 consecutive channels (one group of 32 each).
+// int4 layout (made by `pack_int4` in woq_linear.py from the engine's portable one): blocks of 16 output channels
+// (N % 16 == 0), 8 K bytes each; in a block, for every 4 input channels k..k+3, 32 bytes: byte 2c + j (channel c,
+// j = 0, 1) holds q[c][k + j] in its low nibble and q[c][k + 2 + j] in its high nibble, so one 32-byte load widens
+// to 16 channels x 2 (k, k+1) pairs and 16 x (k+2, k+3): a vector lane is an output channel, and a group's scales
+// (`block_scales`: [N/16, G, 16]) apply to 16 channels with one FMA. An earlier layout put 32 input channels of
+// one output channel in a vector: one scale FMA per 32 weights and row, which bounded the verify step's rows.
 //
 // Built with AVX-512 F/BW/VL/BF16 + FMA + OpenMP (at::parallel_for); loaded only on CPUs with those
 // (woq_linear.py).
@@ -47,69 +51,69 @@ inline void prefetch_next(const T* p, int64_t row_stride) {
   for (int n = 0; n < NB; ++n) _mm_prefetch(reinterpret_cast<const char*>(p + (n + NB) * row_stride), _MM_HINT_T1);
 }
 
-// Rows [0, MB) of x (bf16, row stride K) against NB int4 rows of W starting at w (row stride K/2 bytes).
-// Per 32 input channels: the nibbles become bf16 integers by a table lookup (exact), one vdpbf16ps per row
-// multiplies them with x (exact products, f32 sums), and the sum is scaled by the group's scale. The zero points
-// enter once per row through the group sums of x: y = sum_g scale_g * sum_k q_k x_k + sum_g zero_g * xs_g.
-// s: [NB][groups] f32 scales; zt: [MB][NB] precomputed sum_g zero_g * xs_g.
+inline __m512 bf16x16_to_f32(__m256i b) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
+// NB blocks of 16 output channels (int4, `pack_int4` layout, starting at w; 8 K bytes a block) against rows
+// [0, MB) of x (bf16, row stride K). A vector lane is an output channel: per 4 input channels, one 32-byte load
+// widens to two vectors of 16 channels x (k, k+1) and (k+2, k+3) bf16 pairs (nibbles -> bf16 integers by a table
+// lookup, exact), and one vdpbf16ps per vector and row multiplies them with x's pair, broadcast (exact products,
+// f32 sums, two chains: lo and hi pairs). At the end of a group of g input channels each row's sums are scaled by
+// the group's 16 scales (one FMA for 16 channels) and the zero points enter through the group sum of x:
+//   y = sum_g [ scale_g * sum_{k in g} q_k x_k + (zero8_g - 8 scale_g) * xs_g ] + bias.
+// Every channel's result is this sequence of f32 operations whatever MB, NB or the thread: batch-invariant.
+// s, z: the blocks' bf16 scale and zero8, [NB][G][16]; xs: [MB][G] f32 group sums of x.
 template <int MB, int NB>
-inline void int4_block(const uint16_t* x, int64_t K, const uint8_t* w, const float* s, int64_t groups,
-                       int64_t g, const float* zt, float* out, int64_t out_stride, const float* bias) {
-  __m512 acc[MB][NB];
-  for (int m = 0; m < MB; ++m)
-    for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
+inline void int4_block(const uint16_t* x, int64_t K, const uint8_t* w, const uint16_t* s, const uint16_t* z,
+                       int64_t G, int64_t g, const float* xs, float* out, int64_t out_stride, const float* bias) {
   const __m512i low4 = _mm512_set1_epi16(0x0F);
   // bf16 bit patterns of 0.0 .. 15.0, indexed by a nibble
   const __m512i table = _mm512_set_epi16(
       0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
       0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
       0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
-  const int64_t wstride = K / 2;
-  for (int64_t k = 0; k < K; k += 64) {
-    const int64_t g0 = k / g, g1 = (k + 32) / g;
-    if ((k & 127) == 0) prefetch_next<NB>(w + k / 2, wstride);
-    __m512bh xl[MB], xh[MB];
-    for (int m = 0; m < MB; ++m) {
-      xl[m] = (__m512bh)_mm512_loadu_si512(x + m * K + k);
-      xh[m] = (__m512bh)_mm512_loadu_si512(x + m * K + k + 32);
+  const __m512 eight = _mm512_set1_ps(8.f);
+  const int64_t block_bytes = 8 * K;
+  __m512 acc[MB][NB];
+  for (int m = 0; m < MB; ++m)
+    for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
+  for (int64_t gi = 0; gi < G; ++gi) {
+    __m512 lo[MB][NB], hi[MB][NB];
+    for (int m = 0; m < MB; ++m)
+      for (int n = 0; n < NB; ++n) lo[m][n] = hi[m][n] = _mm512_setzero_ps();
+    for (int64_t k = gi * g; k < (gi + 1) * g; k += 4) {
+      if ((k & 31) == 0)
+        for (int n = 0; n < NB; ++n)
+          _mm_prefetch(reinterpret_cast<const char*>(w + (n + NB) * block_bytes + 8 * k), _MM_HINT_T1);
+      for (int n = 0; n < NB; ++n) {
+        const __m512i q = _mm512_cvtepu8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + n * block_bytes + 8 * k)));
+        const __m512bh wl = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(q, low4), table);
+        const __m512bh wh = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(q, 4), table);
+        for (int m = 0; m < MB; ++m) {
+          const uint32_t* xm = reinterpret_cast<const uint32_t*>(x + m * K + k);
+          lo[m][n] = _mm512_dpbf16_ps(lo[m][n], wl, (__m512bh)_mm512_set1_epi32(int(xm[0])));
+          hi[m][n] = _mm512_dpbf16_ps(hi[m][n], wh, (__m512bh)_mm512_set1_epi32(int(xm[1])));
+        }
+      }
     }
     for (int n = 0; n < NB; ++n) {
-      const __m512i q = _mm512_cvtepu8_epi16(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + n * wstride + k / 2)));
-      const __m512bh wl = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(q, low4), table);
-      const __m512bh wh = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(q, 4), table);
-      const __m512 sl = _mm512_set1_ps(s[n * groups + g0]), sh = _mm512_set1_ps(s[n * groups + g1]);
+      const __m512 sv = bf16x16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + (n * G + gi) * 16)));
+      const __m512 zv = _mm512_fnmadd_ps(
+          eight, sv, bf16x16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(z + (n * G + gi) * 16))));
       for (int m = 0; m < MB; ++m) {
-        acc[m][n] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), wl, xl[m]), sl, acc[m][n]);
-        acc[m][n] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), wh, xh[m]), sh, acc[m][n]);
+        acc[m][n] = _mm512_fmadd_ps(_mm512_add_ps(lo[m][n], hi[m][n]), sv, acc[m][n]);
+        acc[m][n] = _mm512_fmadd_ps(zv, _mm512_set1_ps(xs[m * G + gi]), acc[m][n]);
       }
     }
   }
   for (int m = 0; m < MB; ++m)
-    for (int n = 0; n < NB; ++n)
-      out[m * out_stride + n] = _mm512_reduce_add_ps(acc[m][n]) + zt[m * NB + n] + (bias ? bias[n] : 0.f);
-}
-
-inline __m512 bf16x16_to_f32(__m256i b) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-}
-
-// One channel's group terms, 16 groups at a time: s_out[g] = scale[g] as f32, and for each row m < MB
-// zt[m * zt_stride] = sum_g (zero8[g] - 8 scale[g]) * xs[m * G + g] (a fixed order: the same for every row count).
-template <int MB>
-inline void group_terms(const uint16_t* scale, const uint16_t* zero8, int64_t G, const float* xs, float* s_out,
-                        float* zt, int zt_stride) {
-  __m512 acc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
-  const __m512 eight = _mm512_set1_ps(8.f);
-  for (int64_t gi = 0; gi < G; gi += 16) {
-    const __mmask16 mask = G - gi >= 16 ? 0xFFFF : (__mmask16)((1u << (G - gi)) - 1);
-    const __m512 sv = bf16x16_to_f32(_mm256_maskz_loadu_epi16(mask, scale + gi));
-    const __m512 zv = _mm512_fnmadd_ps(eight, sv, bf16x16_to_f32(_mm256_maskz_loadu_epi16(mask, zero8 + gi)));
-    _mm512_mask_storeu_ps(s_out + gi, mask, sv);
-    for (int m = 0; m < MB; ++m) acc[m] = _mm512_fmadd_ps(zv, _mm512_maskz_loadu_ps(mask, xs + m * G + gi), acc[m]);
-  }
-  for (int m = 0; m < MB; ++m) zt[m * zt_stride] = _mm512_reduce_add_ps(acc[m]);
+    for (int n = 0; n < NB; ++n) {
+      __m512 y = acc[m][n];
+      if (bias) y = _mm512_add_ps(y, _mm512_loadu_ps(bias + 16 * n));
+      _mm512_storeu_ps(out + m * out_stride + 16 * n, y);
+    }
 }
 
 template <int MB, int NB>
@@ -224,15 +228,38 @@ void int4_linear(const uint16_t* xp, int64_t M, int64_t K, const uint8_t* wp, in
         a = _mm512_add_ps(a, bf16x16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + m * K + k))));
       xs[m * G + gi] = _mm512_reduce_add_ps(a);
     }
-  for_each_block(M, N, [&](auto mb, auto nb, int64_t m0, int64_t n0) {
-    constexpr int MB = decltype(mb)::value, NB = decltype(nb)::value;
-    // this block's scales, and the zero points' term sum_g (zero8_g - 8 scale_g) * xs_g per row
-    float s[NB * kMaxGroups], zt[MB * NB];
-    for (int n = 0; n < NB; ++n)
-      group_terms<MB>(sp + (n0 + n) * G, zp + (n0 + n) * G, G, xs.data() + m0 * G, s + n * G, zt + n, NB);
-    int4_block<MB, NB>(xp + m0 * K, K, wp + n0 * (K / 2), s, G, group_size, zt, op + m0 * N + n0, N,
-                       b ? b + n0 : nullptr);
-  });
+  // blocks of 16 channels split across threads; one row: 2 blocks at a time (4 independent vdpbf16ps chains);
+  // more: 1 block, up to 8 rows a chunk re-reading the block's weights from L1/L2
+  const int64_t blocks = N / 16;
+  auto run = [&](auto nb, auto max_rows) {
+    constexpr int NB = decltype(nb)::value, MAX = decltype(max_rows)::value;
+    at::parallel_for(0, (blocks + NB - 1) / NB, 4, [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; ++c) {
+        const int64_t b0 = c * NB;
+        for (int64_t m0 = 0; m0 < M; m0 += MAX) {
+          with_rows<MAX>(std::min<int64_t>(MAX, M - m0), [&](auto mb) {
+            constexpr int MB = decltype(mb)::value;
+            auto one = [&](auto nbk, int64_t blk) {
+              constexpr int NBK = decltype(nbk)::value;
+              int4_block<MB, NBK>(xp + m0 * K, K, wp + blk * 8 * K, sp + blk * G * 16, zp + blk * G * 16, G,
+                                  group_size, xs.data() + m0 * G, op + m0 * N + blk * 16, N,
+                                  b ? b + blk * 16 : nullptr);
+            };
+            if (b0 + NB <= blocks) {
+              one(Int<NB>{}, b0);
+            } else {
+              for (int64_t blk = b0; blk < blocks; ++blk) one(Int<1>{}, blk);
+            }
+          });
+        }
+      }
+    });
+  };
+  if (M == 1) {
+    run(Int<2>{}, Int<1>{});
+  } else {
+    run(Int<1>{}, Int<kMaxRows>{});
+  }
 }
 
 }  // namespace nextn_cpu
@@ -245,12 +272,13 @@ at::Tensor woq_int4_linear(const at::Tensor& x, const at::Tensor& w, const at::T
               "woq_int4_linear: w must be a contiguous [N, K/2] uint8 tensor");
   const int64_t N = w.size(0), K = w.size(1) * 2;
   TORCH_CHECK(K % 64 == 0, "woq_int4_linear: K = ", K, " must be a multiple of 64");
+  TORCH_CHECK(N % 16 == 0, "woq_int4_linear: N = ", N, " output channels must be a multiple of 16");
   TORCH_CHECK(group_size % 32 == 0 && K % group_size == 0, "woq_int4_linear: group_size ", group_size,
               " must be a multiple of 32 dividing K = ", K);
   const int64_t G = K / group_size;
   TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && zero8.scalar_type() == at::kBFloat16 &&
                   scale.is_contiguous() && zero8.is_contiguous() && scale.numel() == N * G && zero8.numel() == N * G,
-              "woq_int4_linear: scale and zero8 must be contiguous bfloat16 [N, K / group_size]");
+              "woq_int4_linear: scale and zero8 must be contiguous bfloat16 [N / 16, K / group_size, 16]");
   TORCH_CHECK(G <= nextn_cpu::kMaxGroups, "woq_int4_linear: at most ", nextn_cpu::kMaxGroups,
               " groups per row, got ", G);
   const at::Tensor xb = check_x(x, K, "woq_int4_linear", at::kBFloat16);

@@ -2,7 +2,7 @@
 
 On CPUs with AVX-512 BF16, nextn's own kernels (`plugins/woq_linear.py`; 1.7–1.9× PyTorch's at one row, more at
 the rows of a verify step, and batch-invariant: docs/PERFORMANCE.md). Elsewhere, or for shapes ours do not take
-(int4 K % 64 ≠ 0), PyTorch's:
+(`woq_linear.takes`), PyTorch's:
 - W8A16: `torch.ops.aten._weight_int8pack_mm(x [M, K] bf16, w [N, K] int8, scales [N] bf16)`.
 - W4A16: `torch.ops.aten._weight_int4pack_mm_for_cpu(x [M, K] bf16, packed, group_size, scales_and_zeros
   [K/g, N, 2] bf16)`, with the weight packed at load by `_convert_weight_to_int4pack_for_cpu` from [N, K] int32 values;
@@ -39,7 +39,8 @@ class WeightOnlyLinear(nn.Module):
         self._tensors = {k: v for k, v in tensors.items() if k != "bias"}
         self.use_kernel = w.device.type == "cpu"
         self.kernel = "aten"
-        if self.use_kernel and woq_linear.available() and self.in_features % (64 if cfg.quant_algo == "W4A16" else 16) == 0:
+        if self.use_kernel and woq_linear.available() and woq_linear.takes(cfg.quant_algo, self.out_features,
+                                                                           self.in_features):
             self.kernel = "nextn"
         if cfg.quant_algo == "W8A16":
             # a fresh allocation: tensors loaded from safetensors sit at 8-byte offsets in the file's buffer, and the
@@ -52,8 +53,9 @@ class WeightOnlyLinear(nn.Module):
             self.group_size = self.in_features // scale.shape[1]
             if self.kernel == "nextn":
                 self.register_buffer("qweight", woq_linear.pack_int4(w), persistent=False)
-                self.register_buffer("scales", scale.to(torch.bfloat16).contiguous(), persistent=False)
-                self.register_buffer("zeros", (zero + 8 * scale).to(torch.bfloat16).contiguous(), persistent=False)
+                self.register_buffer("scales", woq_linear.block_scales(scale.to(torch.bfloat16)), persistent=False)
+                self.register_buffer("zeros", woq_linear.block_scales((zero + 8 * scale).to(torch.bfloat16)),
+                                     persistent=False)
             else:
                 q = unpack_int4(w)  # [N, K] int32
                 self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
