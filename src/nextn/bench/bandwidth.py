@@ -31,8 +31,9 @@ def read_bandwidth_gbs(size_mib: int = 512, repeats: int = 5) -> float:
 
 def decode_step_bytes(engine_dir: str | Path) -> tuple[int, int]:
     """(bytes one plain decode step reads at batch 1, total weight bytes): every weight but the embedding table
-    (a step gathers one row of it, and reads it whole only as a tied lm_head without a quantized copy), the MTP layers and Medusa heads (drafting only) and, for MoE layers, only the
-    routed experts a token selects."""
+    (a step gathers one row of it, and reads it whole only as a tied lm_head without a quantized copy), the MTP
+    layers and Medusa heads (drafting only) and, for MoE layers, only the routed experts a token selects. W4A16
+    group scales and zero points count as the bf16 the kernels read (engines store them as float32)."""
     manifest = EngineManifest.load(engine_dir)
     cfg = manifest.model
     total = step = 0
@@ -42,6 +43,8 @@ def decode_step_bytes(engine_dir: str | Path) -> tuple[int, int]:
             shape = f.get_slice(name).get_shape()
             n = f.get_slice(name).get_dtype()
             itemsize = {"F32": 4, "BF16": 2, "F16": 2, "I8": 1, "U8": 1}.get(n, 4)
+            if name.endswith((".weight_scale", ".weight_zero")) and len(shape) == 2:
+                itemsize = min(itemsize, 2)  # W4A16 group scales / zero points: the kernels read them as bf16
             size = itemsize
             for d in shape:
                 size *= d

@@ -3,7 +3,8 @@
 On the same chat-templated prompts (HumanEval or MT-bench first turns), greedy, `--max_tokens` new tokens with EOS
 ignored, best of `--runs` after a warm-up, alternating systems so that all see the same machine:
 - nextn: plain decoding, Draft_Target (`--draft` as the draft model, K = `--draft_len`), Draft_Target with
-  `adaptive_draft_len`, and NGram (K, n = 3) — one engine format for target and draft (`--format`);
+  `adaptive_draft_len`, and NGram (K, n = 3) without and with `adaptive_draft_len` — one engine format for target
+  and draft (`--format`);
 - llama.cpp (when built, ../shared/PEERS.md): `llama-completion` (plain) and `llama-speculative-simple` (its
   draft-model speculation, `--draft-max K`) on the same GGUF files.
 
@@ -36,8 +37,9 @@ FORMATS = {"bf16": None, "fp32": None, "W8A16": {"quant_algo": "W8A16"}, "W4A16"
 
 def _configs(draft: Path, k: int) -> dict[str, dict | None]:
     dt = {"decoding_type": "Draft_Target", "max_draft_len": k, "speculative_model_dir": str(draft)}
+    ngram = {"decoding_type": "NGram", "max_draft_len": k, "max_matching_ngram_size": 3}
     return {"plain": None, f"Draft_Target K={k}": dt, f"Draft_Target K≤{k} adaptive": {**dt, "adaptive_draft_len": True},
-            f"NGram K={k}": {"decoding_type": "NGram", "max_draft_len": k, "max_matching_ngram_size": 3}}
+            f"NGram K={k}": ngram, f"NGram K≤{k} adaptive": {**ngram, "adaptive_draft_len": True}}
 
 
 def _llm(target: Path, fmt: str, spec: dict | None, cache: Path | None, max_batch: int):
