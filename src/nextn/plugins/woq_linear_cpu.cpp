@@ -83,7 +83,7 @@ inline void int4_block(const uint16_t* x, int64_t K, const uint8_t* w, const uin
     for (int m = 0; m < MB; ++m)
       for (int n = 0; n < NB; ++n) lo[m][n] = hi[m][n] = _mm512_setzero_ps();
     for (int64_t k = gi * g; k < (gi + 1) * g; k += 4) {
-      if ((k & 31) == 0)
+      if ((k & 7) == 0)
         for (int n = 0; n < NB; ++n)
           _mm_prefetch(reinterpret_cast<const char*>(w + (n + NB) * block_bytes + 8 * k), _MM_HINT_T1);
       for (int n = 0; n < NB; ++n) {
