@@ -114,6 +114,7 @@ def test_options_not_honoured_are_logged(deepseek_plain, caplog):
 def test_config_file_loads():
     args = parse_llm_args(load_llm_args_yaml(Path(__file__).parents[2] / "configs" / "ngram.yaml"))
     assert args.speculative_config.decoding_type == "NGram" and args.speculative_config.max_draft_len == 4
+    assert args.speculative_config.adaptive_draft_len  # never slower than plain decoding where drafts miss
 
 
 def test_decode_step_compiles_fullgraph(llama_engine):
