@@ -146,11 +146,16 @@ def test_where_it_does_not_apply_the_modules_run(tmp_path):
             llm.shutdown()
 
 
-def test_bad_operands_are_named(llm):
+def _small_case(llm):
+    """Layer 0 of the engine and a two-token step of one sequence: (layer, x, cos_sin, kv cache, metadata)."""
     model = llm.engine.model
     layer = model.model.layers[0]
     x, kv, meta = _inputs(layer, 1, 2, [6])
-    cos_sin = model._cos_sin(meta.positions)
+    return layer, x, model._cos_sin(meta.positions), kv, meta
+
+
+def test_bad_operands_are_named(llm):
+    layer, x, cos_sin, kv, meta = _small_case(llm)
     with pytest.raises(RuntimeError, match="bfloat16"):
         fused_forward(layer, x.float(), cos_sin, kv, meta)
     with pytest.raises(RuntimeError, match="kv_cache"):
@@ -187,12 +192,9 @@ def test_speculation_on_the_fused_engine_is_lossless(engine, llm):
 
 
 def test_fake_implementation_lets_torch_compile_trace_the_op(llm):
-    model = llm.engine.model
-    layer = model.model.layers[0]
-    x, kv, meta = _inputs(layer, 1, 2, [6])
-    f = layer.fused
-    attn = layer.self_attn
-    args = (x, model._cos_sin(meta.positions), kv, meta.slot_mapping.reshape(-1), meta.context_slots, meta.visible,
+    layer, x, cos_sin, kv, meta = _small_case(llm)
+    f, attn = layer.fused, layer.self_attn
+    args = (x, cos_sin, kv, meta.slot_mapping.reshape(-1), meta.context_slots, meta.visible,
             f.input_norm, f.post_norm, f.qkv, f.o, f.gate_up, f.down, attn.num_heads, attn.num_kv_heads,
             f.group_size, layer.input_layernorm.eps, attn.scale)
     torch.library.opcheck(torch.ops.nextn.llama_decoder_layer.default, args,
