@@ -25,16 +25,18 @@ from nextn.bench import llama_cpp
 from nextn.bench.bandwidth import decode_step_bytes, read_bandwidth_gbs
 
 PROMPT = "Write a Python function that checks whether a number is prime, and explain how it works."
-FORMATS = {"bf16": None, "fp32": None, "W8A16": "W8A16", "W4A16": "W4A16"}
+FORMATS: dict[str, dict | None] = {"bf16": None, "fp32": None, "W8A16": {"quant_algo": "W8A16"},
+                                   "W4A16": {"quant_algo": "W4A16"},
+                                   "W4A16-lmhead4": {"quant_algo": "W4A16", "lm_head_quant_algo": "W4A16"}}
 
 
 def _nextn_llm(model: Path, fmt: str, cache: Path | None, speculative_config: dict | None = None):
-    """The LLM for a format name: `bf16`, `fp32`, `W8A16`, `W4A16`, each optionally `+compile` (the decode step
-    under `torch.compile`, `torch_compile_config: {}`)."""
+    """The LLM for a format name: `bf16`, `fp32`, `W8A16`, `W4A16`, `W4A16-lmhead4` (the lm_head 4-bit too), each
+    optionally `+compile` (the decode step under `torch.compile`, `torch_compile_config: {}`)."""
     from nextn import LLM
 
     base, _, extra = fmt.partition("+")
-    quant = {"quant_algo": FORMATS[base]} if FORMATS[base] else None
+    quant = FORMATS[base]
     dtype = "float32" if base == "fp32" else "bfloat16"
     return LLM(model, speculative_config=speculative_config, dtype=dtype, quant_config=quant, engine_cache_dir=cache,
                max_batch_size=8, max_seq_len=1024, torch_compile_config={} if extra == "compile" else None)
