@@ -21,3 +21,12 @@ def test_cli_prints_a_row_per_row_count(capsys):
     assert main(["--shape", "32", "64", "--rows", "1", "3", "--iters", "2"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-2].split()[0] == "1" and lines[-1].split()[0] == "3"
+
+
+def test_copies_cycle_nextns_kernels_over_distinct_matrices(capsys):
+    from nextn.plugins import woq_linear
+
+    table = kernels(64, 64, copies=3)
+    assert all(name.startswith("nextn") for name in table) and (len(table) == 2) == woq_linear.available()
+    assert main(["--shape", "64", "64", "--rows", "1", "--iters", "2", "--copies", "3"]) == 0
+    assert "3 copies cycled" in capsys.readouterr().out
