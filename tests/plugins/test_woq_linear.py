@@ -24,11 +24,12 @@ def _int4_operands(n: int, k: int, g: int, seed: int = 0):
     return t, woq_linear.pack_int4(t["weight"]), scale, zero8
 
 
-@pytest.mark.parametrize("n,k,g", [(96, 128, 32), (80, 576, 32), (64, 256, 64), (48, 1536, 128), (16, 64, 32)])
+@pytest.mark.parametrize("n,k,g", [(96, 128, 32), (80, 576, 32), (64, 256, 64), (48, 1536, 128), (16, 64, 32),
+                                   (16, 18944, 32)])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 17])
 def test_int4_matches_the_reference(n, k, g, rows):
-    """An odd number of 16-channel blocks (80, 48: one row runs two blocks at a time), one block, 18 groups,
-    every row chunking."""
+    """An odd number of 16-channel blocks (80, 48: one row runs two blocks at a time), one block, 18 groups, 592
+    groups (a 7B model's down_proj input), every row chunking."""
     _, packed, scale, zero8 = _int4_operands(n, k, g)
     x = torch.randn(rows, k).bfloat16()
     bias = torch.randn(n)

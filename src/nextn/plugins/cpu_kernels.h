@@ -6,7 +6,6 @@
 
 namespace nextn_cpu {
 
-constexpr int64_t kMaxGroups = 512;  // int4 quantization groups per weight row
 constexpr int64_t kMaxD = 256;       // attention head_dim
 
 // out[M, N] f32 = x[M, K] (bf16 bits) times the int4 weight (woq_linear_cpu.cpp: `pack_int4` layout, w = (q - 8) *

@@ -163,8 +163,7 @@ at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& cos_sin, a
   TORCH_CHECK(gate_up_t.size() >= 1 && gate_up_t[0].dim() == 2 && gate_up_t[0].size(0) % 2 == 0,
               "llama_decoder_layer: gate_up must hold the gate then the up rows");
   const int64_t I = gate_up_t[0].size(0) / 2, NQKV = (NH + 2 * NKV) * D;
-  TORCH_CHECK(I % 64 == 0 && H % group_size == 0 && I % group_size == 0 && (NH * D) % group_size == 0 &&
-                  H / group_size <= nextn_cpu::kMaxGroups && I / group_size <= nextn_cpu::kMaxGroups,
+  TORCH_CHECK(I % 64 == 0 && H % group_size == 0 && I % group_size == 0 && (NH * D) % group_size == 0,
               "llama_decoder_layer: intermediate size ", I, " and hidden ", H, " must be multiples of 64 and of the "
               "group size ", group_size);
   const Int4 qkv = int4_weights(qkv_t, H, NQKV, group_size, "qkv");

@@ -40,7 +40,6 @@
 
 namespace {
 
-using nextn_cpu::kMaxGroups;
 constexpr int kMaxRows = 8;  // rows per register block
 
 // Ask for the next channel block's bytes at this offset into L2 while this block computes: the weights stream from
@@ -279,8 +278,6 @@ at::Tensor woq_int4_linear(const at::Tensor& x, const at::Tensor& w, const at::T
   TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && zero8.scalar_type() == at::kBFloat16 &&
                   scale.is_contiguous() && zero8.is_contiguous() && scale.numel() == N * G && zero8.numel() == N * G,
               "woq_int4_linear: scale and zero8 must be contiguous bfloat16 [N / 16, K / group_size, 16]");
-  TORCH_CHECK(G <= nextn_cpu::kMaxGroups, "woq_int4_linear: at most ", nextn_cpu::kMaxGroups,
-              " groups per row, got ", G);
   const at::Tensor xb = check_x(x, K, "woq_int4_linear", at::kBFloat16);
   const int64_t M = xb.size(0);
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat)), bias_keep;
