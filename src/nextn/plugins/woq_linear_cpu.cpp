@@ -158,12 +158,13 @@ inline void with_rows(int64_t rows, F&& f) {
   }
 }
 
-// Run `block(Int<MB>, Int<NB>, m0, n0)` over the [M, N] output: blocks of NB output channels split across
-// threads; within a block, chunks of MAX rows reuse the block's weights from L1. NB x MAX = 16 accumulators.
+// Run `block(Int<MB>, Int<NB>, m0, n0)` over M rows and N units (output channels for int8, blocks of 16 channels
+// for int4): NB units at a time, split across threads (at least `grain` such steps a thread), the last < NB one
+// by one; within them, chunks of MAX rows reuse the units' weights from L1.
 template <int NB, int MAX, typename Block>
-void run_blocks(int64_t M, int64_t N, Block& block) {
+void run_blocks(int64_t M, int64_t N, int64_t grain, Block& block) {
   const int64_t blocks = (N + NB - 1) / NB;
-  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * NB;
       for (int64_t m0 = 0; m0 < M; m0 += MAX) {
@@ -179,13 +180,14 @@ void run_blocks(int64_t M, int64_t N, Block& block) {
   });
 }
 
-// Up to 4 rows: 4 channels a block; more rows (a verify step): 2 channels a block, 8 rows a chunk.
+// int8: up to 4 rows, 4 channels a block (NB x MAX = 16 accumulators); more rows (a verify step): 2 channels a
+// block, 8 rows a chunk.
 template <typename Block>
 void for_each_block(int64_t M, int64_t N, Block&& block) {
   if (M <= 4) {
-    run_blocks<4, 4>(M, N, block);
+    run_blocks<4, 4>(M, N, 16, block);
   } else {
-    run_blocks<2, kMaxRows>(M, N, block);
+    run_blocks<2, kMaxRows>(M, N, 16, block);
   }
 }
 
@@ -229,35 +231,15 @@ void int4_linear(const uint16_t* xp, int64_t M, int64_t K, const uint8_t* wp, in
     }
   // blocks of 16 channels split across threads; one row: 2 blocks at a time (4 independent vdpbf16ps chains);
   // more: 1 block, up to 8 rows a chunk re-reading the block's weights from L1/L2
-  const int64_t blocks = N / 16;
-  auto run = [&](auto nb, auto max_rows) {
-    constexpr int NB = decltype(nb)::value, MAX = decltype(max_rows)::value;
-    at::parallel_for(0, (blocks + NB - 1) / NB, 4, [&](int64_t c0, int64_t c1) {
-      for (int64_t c = c0; c < c1; ++c) {
-        const int64_t b0 = c * NB;
-        for (int64_t m0 = 0; m0 < M; m0 += MAX) {
-          with_rows<MAX>(std::min<int64_t>(MAX, M - m0), [&](auto mb) {
-            constexpr int MB = decltype(mb)::value;
-            auto one = [&](auto nbk, int64_t blk) {
-              constexpr int NBK = decltype(nbk)::value;
-              int4_block<MB, NBK>(xp + m0 * K, K, wp + blk * 8 * K, sp + blk * G * 16, zp + blk * G * 16, G,
-                                  group_size, xs.data() + m0 * G, op + m0 * N + blk * 16, N,
-                                  b ? b + blk * 16 : nullptr);
-            };
-            if (b0 + NB <= blocks) {
-              one(Int<NB>{}, b0);
-            } else {
-              for (int64_t blk = b0; blk < blocks; ++blk) one(Int<1>{}, blk);
-            }
-          });
-        }
-      }
-    });
+  auto block = [&](auto mb, auto nb, int64_t m0, int64_t blk) {
+    constexpr int MB = decltype(mb)::value, NB = decltype(nb)::value;
+    int4_block<MB, NB>(xp + m0 * K, K, wp + blk * 8 * K, sp + blk * G * 16, zp + blk * G * 16, G, group_size,
+                       xs.data() + m0 * G, op + m0 * N + blk * 16, N, b ? b + blk * 16 : nullptr);
   };
   if (M == 1) {
-    run(Int<2>{}, Int<1>{});
+    run_blocks<2, 1>(M, N / 16, 4, block);
   } else {
-    run(Int<1>{}, Int<kMaxRows>{});
+    run_blocks<1, kMaxRows>(M, N / 16, 4, block);
   }
 }
 
