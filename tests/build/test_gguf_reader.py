@@ -41,8 +41,8 @@ TYPES = [2, 3, 3, 6, 1, 1, 1, 1, 1]
 
 def write_tiny_gguf(path: Path, arch: str = "llama", drop: tuple[str, ...] = (), quant: dict[str, Q] | None = None,
                     extra: tuple[str, ...] = (), seed: int = 0, biases: bool = False,
-                    raw: dict[str, tuple[np.ndarray, Q]] | None = None) -> dict[str, np.ndarray]:
-    """A 1-layer GQA Llama-family GGUF (hidden 64, 4 heads / 2 KV heads, ffn 256, vocab 9) written as llama.cpp's
+                    raw: dict[str, tuple[np.ndarray, Q]] | None = None, hidden: int = 64) -> dict[str, np.ndarray]:
+    """A 1-layer GQA Llama-family GGUF (hidden 64 (or `hidden`), 4 heads / 2 KV heads, ffn 256, vocab 9) written as llama.cpp's
     convert_hf_to_gguf.py would: q/k rows (and biases) permuted for arch "llama" (`LlamaModel`), not for "qwen2".
 
     Args:
@@ -56,7 +56,7 @@ def write_tiny_gguf(path: Path, arch: str = "llama", drop: tuple[str, ...] = (),
     """
     rng = np.random.default_rng(seed)
     quant, raw = quant or {}, raw or {}
-    h, heads, kv_heads, d, ffn, v = 64, 4, 2, 16, 256, len(TOKENS)
+    h, heads, kv_heads, d, ffn, v = hidden, 4, 2, hidden // 4, 256, len(TOKENS)
     hf = {
         "model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h),
         "model.layers.0.self_attn.q_proj.weight": (heads * d, h), "model.layers.0.self_attn.k_proj.weight": (kv_heads * d, h),
@@ -301,3 +301,38 @@ def test_truncated_gguf_is_a_clear_error_and_leaves_no_engine(tmp_path, keep):
     with pytest.raises(CheckpointError, match="truncated"):
         build_engine(cut, out, progress=False)
     assert not out.exists() and list((tmp_path / "out").glob("*")) == []  # no staging directory left either
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_q4_k_tensors_are_read_as_they_are(tmp_path, arch):
+    """Under W4A16 with two-level scales (group 32, super-block 256) a Q4_K tensor's values are taken from its blocks
+    (q/k rows of a llama file un-permuted like `get`'s), equal to `gguf`'s dequantization bit for bit; other types and
+    other formats are quantized as before; a built engine stores them and runs."""
+    from nextn.build.engine_builder import build_engine
+    from nextn.quantization.weight_only import QuantConfig, dequantize
+    from safetensors.torch import load_file
+
+    names = ("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.ffn_gate.weight", "blk.0.ffn_down.weight")
+    raw = {n: (_k_quant_blocks(Q.Q4_K, r, 256, seed=i), Q.Q4_K)
+           for i, (n, r) in enumerate(zip(names, (256, 128, 256, 256)))}
+    write_tiny_gguf(tmp_path / "q.gguf", arch=arch, raw=raw, hidden=256)
+    ckpt = GGUFCheckpoint(tmp_path / "q.gguf")
+    cfg = QuantConfig(quant_algo="W4A16", group_size=32, super_block_size=256)
+    for name in map(hf_name, names):
+        t = ckpt.native_w4a16(name, cfg)
+        assert t is not None and torch.equal(dequantize(t, cfg), ckpt.get(name)), name
+    assert ckpt.native_w4a16("model.layers.0.self_attn.v_proj.weight", cfg) is None  # F32 in the file
+    assert ckpt.native_w4a16(hf_name(names[2]), QuantConfig(quant_algo="W4A16", group_size=32)) is None
+    assert ckpt.native_w4a16(hf_name(names[2]), QuantConfig(quant_algo="W4A16", group_size=32,
+                                                            super_block_size=128)) is None
+    build_engine(tmp_path / "q.gguf", tmp_path / "e", progress=False, max_seq_len=64, dtype="bfloat16",
+                 quant_algo="W4A16", group_size=32, super_block_size=256)
+    stored = load_file(str(tmp_path / "e" / "model.safetensors"))
+    for name in map(hf_name, names):
+        prefix = name.removesuffix(".weight")
+        got = {s: stored[f"{prefix}.{s}"] for s in ("weight", "weight_scale", "weight_zero", "weight_scale_2")}
+        assert torch.equal(dequantize(got, cfg), ckpt.get(name)), name
+    from nextn import LLM, SamplingParams
+
+    out = LLM(tmp_path / "e").generate([[3, 4, 5]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4

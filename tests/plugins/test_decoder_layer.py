@@ -35,17 +35,19 @@ def _tiny_qwen2(path):
     hf.save_pretrained(path)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen2-two-level", "llama-w4a8"])
 def engine(request, tmp_path_factory):
-    """A W4A16 engine whose layers take the op: hidden 128, FFN 128 / 192, head_dim 32."""
+    """A W4A16 engine whose layers take the op: hidden 128, FFN 128 / 192, head_dim 32; two-level scales (super-blocks
+    of 4 and 6 groups) on the Qwen2 model too; W4A8 (int8 activations) on the Llama model."""
     root = tmp_path_factory.mktemp(request.param)
-    if request.param == "llama":
+    if request.param.startswith("llama"):
         tiny_hf_llama(vocab_size=320, lm_head_scale=20.0, hidden_size=128, intermediate_size=128).save_pretrained(
             root / "ckpt")
     else:
         _tiny_qwen2(root / "ckpt")
     build_engine(root / "ckpt", root / "engine", progress=False, max_seq_len=128, dtype="bfloat16",
-                 quant_algo="W4A16", group_size=32)
+                 quant_algo="W4A8" if request.param.endswith("w4a8") else "W4A16", group_size=32,
+                 super_block_size=256 if request.param.endswith("two-level") else None)
     return root / "engine"
 
 

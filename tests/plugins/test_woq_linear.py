@@ -16,62 +16,117 @@ W4 = QuantConfig(quant_algo="W4A16", group_size=32)
 W8 = QuantConfig(quant_algo="W8A16")
 
 
-def _int4_operands(n: int, k: int, g: int, seed: int = 0):
+def _int4_operands(n: int, k: int, g: int, seed: int = 0, super_block: int | None = None, a8: bool = False):
+    """(quantize's tensors, and the kernel's w, scale, zero) for a random [n, k] weight: one-level scales, or
+    two-level with `super_block` (scale = the 8-bit pairs, zero = the fp16 (d, dmin)); W4A8's layout with `a8`."""
     gen = torch.Generator().manual_seed(seed)
-    t = quantize(torch.randn(n, k, generator=gen), QuantConfig(quant_algo="W4A16", group_size=g))
+    cfg = QuantConfig(quant_algo="W4A8" if a8 else "W4A16", group_size=g, super_block_size=super_block)
+    t = quantize(torch.randn(n, k, generator=gen), cfg)
+    if super_block or a8:
+        lin = WeightOnlyLinear(dict(t), cfg)
+        return t, lin.qweight, lin.scales, lin.zeros
     scale = woq_linear.block_scales(t["weight_scale"].bfloat16())
     zero8 = woq_linear.block_scales((t["weight_zero"] + 8 * t["weight_scale"]).bfloat16())
     return t, woq_linear.pack_int4(t["weight"]), scale, zero8
 
 
-@pytest.mark.parametrize("n,k,g", [(96, 128, 32), (80, 576, 32), (64, 256, 64), (48, 1536, 128), (16, 64, 32),
-                                   (16, 18944, 32)])
+@pytest.mark.parametrize("n,k,g,sb", [(96, 128, 32, None), (80, 576, 32, None), (64, 256, 64, None),
+                                      (48, 1536, 128, None), (16, 64, 32, None), (16, 18944, 32, None),
+                                      (80, 576, 32, 192), (48, 1536, 32, 256), (16, 18944, 32, 256),
+                                      (32, 896, 32, 224), (16, 64, 32, 32)])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 17])
-def test_int4_matches_the_reference(n, k, g, rows):
-    """An odd number of 16-channel blocks (80, 48: one row runs two blocks at a time), one block, 18 groups, 592
-    groups (a 7B model's down_proj input), every row chunking."""
-    _, packed, scale, zero8 = _int4_operands(n, k, g)
+@pytest.mark.parametrize("a8", [False, True], ids=["bf16-x", "int8-x"])
+def test_int4_matches_the_reference(n, k, g, sb, rows, a8):
+    """An odd number of 16-channel blocks (80, 48: one row runs two blocks at a time; W4A8 four), one block, 18
+    groups, 592 groups (a 7B model's down_proj input), every row chunking; two-level scales with super-blocks of 6,
+    8, 7 and 1 groups; bf16 activations (W4A16) and int8 ones (W4A8, the reference quantizing them alike)."""
+    _, packed, scale, zero8 = _int4_operands(n, k, g, super_block=sb, a8=a8)
     x = torch.randn(rows, k).bfloat16()
+    x[0, :g] = 0  # an all-zero group (W4A8: scale 0)
     bias = torch.randn(n)
-    out = torch.ops.nextn.woq_int4_linear(x, packed, scale, zero8, g, bias)
-    ref = woq_linear.int4_linear_reference(x.float(), packed, scale, zero8, g, bias)
+    out = torch.ops.nextn.woq_int4_linear(x, packed, scale, zero8, g, bias, a8)
+    ref = woq_linear.int4_linear_reference(x.float(), packed, scale, zero8, g, bias, int8_activations=a8)
     assert out.shape == (rows, n) and out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
 
 
+def test_vnni_layout_keeps_every_value():
+    t = quantize(torch.randn(32, 128), W4)
+    packed = woq_linear.pack_int4_vnni(t["weight"])
+    q = torch.stack([t["weight"] & 0x0F, t["weight"] >> 4], dim=-1).view(32, 128)
+    assert torch.equal(woq_linear.unpack_int4_vnni_layout(packed), q)
+    assert int(packed[0, 0]) == int(q[0, 0]) | int(q[0, 4]) << 4  # byte 4c + j of a block: k + j, k + 4 + j
+    with pytest.raises(ValueError, match="K % 64"):
+        woq_linear.pack_int4_vnni(torch.zeros(16, 24, dtype=torch.uint8))
+
+
+def test_activations_are_quantized_per_group_to_int8():
+    x = torch.tensor([[1.0, -2.0, 0.5, 127.0] * 8 + [0.0] * 32])
+    xq = woq_linear.quantize_activations(x, 32)
+    assert torch.equal(xq[0, 32:], torch.zeros(32))  # an all-zero group stays zero
+    assert torch.equal(xq[0, :4], torch.tensor([1.0, -2.0, 0.0, 127.0]))  # scale 1: 0.5 rounds half to even
+
+
 def test_pack_int4_keeps_every_value():
-    t, packed, scale, zero8 = _int4_operands(32, 128, 32)
-    x = torch.eye(128)  # rows of the identity read the dequantized weight back, column by column
-    got = woq_linear.int4_linear_reference(x, packed, scale, zero8, 32)
-    torch.testing.assert_close(got.T, dequantize(t, W4))
-    # and the kernel reads the same values
-    torch.testing.assert_close(torch.ops.nextn.woq_int4_linear(x.bfloat16(), packed, scale, zero8, 32, None).float().T,
-                               dequantize(t, W4), rtol=1e-2, atol=1e-2)
+    for sb in (None, 64):
+        cfg = QuantConfig(quant_algo="W4A16", group_size=32, super_block_size=sb)
+        t, packed, scale, zero8 = _int4_operands(32, 128, 32, super_block=sb)
+        x = torch.eye(128)  # rows of the identity read the dequantized weight back, column by column
+        got = woq_linear.int4_linear_reference(x, packed, scale, zero8, 32)
+        torch.testing.assert_close(got.T, dequantize(t, cfg))
+        # and the kernel reads the same values
+        torch.testing.assert_close(torch.ops.nextn.woq_int4_linear(x.bfloat16(), packed, scale, zero8, 32, None)
+                                   .float().T, dequantize(t, cfg), rtol=1e-2, atol=1e-2)
     with pytest.raises(ValueError, match="K % 64"):
         woq_linear.pack_int4(torch.zeros(16, 24, dtype=torch.uint8))
     with pytest.raises(ValueError, match="N % 16"):
         woq_linear.pack_int4(torch.zeros(8, 32, dtype=torch.uint8))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 9])
-def test_int8_matches_the_reference(rows):
+def _int8_operands(n: int, k: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    t = quantize(torch.randn(n, k, generator=gen), W8)
+    return t, woq_linear.pack_int8(t["weight"]), t["weight_scale"]
+
+
+@pytest.mark.parametrize("n", [80, 48, 16, 144])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 9])
+def test_int8_matches_the_reference(n, rows):
+    """4, 2 and 1 blocks of 16 channels at a time and the rest one by one (80 = 4 + 1, 48 = 2 + 1), every chunking."""
     gen = torch.Generator().manual_seed(1)
-    t = quantize(torch.randn(70, 576, generator=gen), W8)
-    x, bias = torch.randn(rows, 576, generator=gen), torch.randn(70, generator=gen)
-    out = torch.ops.nextn.woq_int8_linear(x, t["weight"], t["weight_scale"], bias)
-    ref = woq_linear.int8_linear_reference(x, t["weight"], t["weight_scale"], bias)
+    t, packed, scale = _int8_operands(n, 576, seed=1)
+    x, bias = torch.randn(rows, 576, generator=gen), torch.randn(n, generator=gen)
+    out = torch.ops.nextn.woq_int8_linear(x, packed, scale, bias)
+    ref = woq_linear.int8_linear_reference(x, packed, scale, bias)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    assert torch.equal(woq_linear.unpack_int8_kernel_layout(packed), t["weight"])
+
+
+def test_int8_rows_are_padded_to_16_and_cut_back():
+    """A W8A16 layer of 70 output channels (a vocabulary not a multiple of 16): packed as 80, output 70."""
+    t = quantize(torch.randn(70, 64), W8)
+    layer = WeightOnlyLinear(dict(t), W8)
+    assert layer.qweight.shape == (80, 64) and not woq_linear.unpack_int8_kernel_layout(layer.qweight)[70:].any()
+    x = torch.randn(3, 64)
+    ref = torch.nn.functional.linear(x.bfloat16().float(), dequantize(t, W8))
+    torch.testing.assert_close(layer(x), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
 @pytest.mark.parametrize("rows", [2, 4, 5, 8, 13])
 def test_every_row_is_computed_as_if_alone(rows):
     """Batch invariance, bit for bit: what keeps a verify step's logits equal to plain decoding's."""
     _, packed, scale, zero8 = _int4_operands(80, 576, 32, seed=2)
-    t8 = quantize(torch.randn(70, 576), W8)
+    two = _int4_operands(80, 576, 32, seed=2, super_block=192)[1:]
+    a8 = _int4_operands(80, 576, 32, seed=2, a8=True)[1:]
+    a8_two = _int4_operands(80, 576, 32, seed=2, super_block=192, a8=True)[1:]
+    _, q8, s8 = _int8_operands(80, 576)
     x = torch.randn(rows, 576).bfloat16()
     ops = [lambda a: torch.ops.nextn.woq_int4_linear(a, packed, scale, zero8, 32, None),
-           lambda a: torch.ops.nextn.woq_int8_linear(a, t8["weight"], t8["weight_scale"], None)]
+           lambda a: torch.ops.nextn.woq_int4_linear(a, *two, 32, None),
+           lambda a: torch.ops.nextn.woq_int4_linear(a, *a8, 32, None, True),
+           lambda a: torch.ops.nextn.woq_int4_linear(a, *a8_two, 32, None, True),
+           lambda a: torch.ops.nextn.woq_int8_linear(a, q8, s8, None)]
     for op in ops:
         together = op(x)
         alone = torch.cat([op(x[i:i + 1]) for i in range(rows)])
@@ -86,8 +141,15 @@ def test_bad_operands_are_named():
         torch.ops.nextn.woq_int4_linear(torch.randn(1, 64), packed, scale, zero8, 32, None)
     with pytest.raises(RuntimeError, match="bfloat16"):
         torch.ops.nextn.woq_int4_linear(torch.randn(1, 128), packed, scale.float(), zero8, 32, None)
-    with pytest.raises(RuntimeError, match="multiple of 16"):
-        torch.ops.nextn.woq_int8_linear(torch.randn(1, 40), torch.zeros(4, 40, dtype=torch.int8), torch.ones(4), None)
+    _, packed, pairs, sup = _int4_operands(16, 128, 32, super_block=64)
+    with pytest.raises(RuntimeError, match="two-level scales"):
+        torch.ops.nextn.woq_int4_linear(torch.randn(1, 128), packed, pairs, sup.float(), 32, None)
+    with pytest.raises(RuntimeError, match="super-blocks do not divide"):  # 3 super-blocks for 4 groups
+        torch.ops.nextn.woq_int4_linear(torch.randn(1, 128), packed, pairs, torch.cat([sup, sup[:, :1]], 1), 32, None)
+    with pytest.raises(RuntimeError, match="K = 40 must be a multiple of 16"):
+        torch.ops.nextn.woq_int8_linear(torch.randn(1, 40), torch.zeros(16, 40, dtype=torch.int8), torch.ones(16), None)
+    with pytest.raises(RuntimeError, match="N = 4 output channels must be a multiple of 16"):
+        torch.ops.nextn.woq_int8_linear(torch.randn(1, 32), torch.zeros(4, 32, dtype=torch.int8), torch.ones(4), None)
 
 
 def test_fake_implementations_let_torch_compile_trace_the_ops():
@@ -95,12 +157,20 @@ def test_fake_implementations_let_torch_compile_trace_the_ops():
     x = torch.randn(3, 128).bfloat16()
     torch.library.opcheck(torch.ops.nextn.woq_int4_linear.default, (x, packed, scale, zero8, 32, None),
                           test_utils=("test_schema", "test_faketensor"))
-    t8 = quantize(torch.randn(8, 128), W8)
-    torch.library.opcheck(torch.ops.nextn.woq_int8_linear.default, (x, t8["weight"], t8["weight_scale"], None),
+    _, packed, pairs, sup = _int4_operands(16, 128, 32, super_block=64)
+    torch.library.opcheck(torch.ops.nextn.woq_int4_linear.default, (x, packed, pairs, sup, 32, None),
+                          test_utils=("test_schema", "test_faketensor"))
+    _, packed, scale, zero8 = _int4_operands(16, 128, 32, a8=True)
+    torch.library.opcheck(torch.ops.nextn.woq_int4_linear.default, (x, packed, scale, zero8, 32, None, True),
+                          test_utils=("test_schema", "test_faketensor"))
+    _, q8, s8 = _int8_operands(16, 128)
+    torch.library.opcheck(torch.ops.nextn.woq_int8_linear.default, (x, q8, s8, None),
                           test_utils=("test_schema", "test_faketensor"))
 
 
-@pytest.mark.parametrize("cfg", [W4, W8], ids=["W4A16", "W8A16"])
+@pytest.mark.parametrize("cfg", [W4, W8, QuantConfig(quant_algo="W4A16", group_size=32, super_block_size=64),
+                                 QuantConfig(quant_algo="W4A8", group_size=32)],
+                         ids=["W4A16", "W8A16", "W4A16-two-level", "W4A8"])
 def test_layers_use_nextn_kernels_and_agree_with_pytorchs(cfg, monkeypatch):
     t = quantize(torch.randn(96, 128), cfg)
     ours = WeightOnlyLinear(dict(t), cfg)

@@ -55,23 +55,28 @@ def _dequantized_copy(ckpt, out, cfg: QuantConfig):
     return out
 
 
-@pytest.mark.parametrize("algo,group,head,tied", [
-    ("W8A16", None, None, False),  # lm_head W8A16 (the default)
-    ("W4A16", 32, None, False),  # decoder W4A16, lm_head W8A16
-    ("W4A16", 32, "W4A16", False),
-    ("W4A16", 32, "excluded", False),  # lm_head in bf16
-    ("W8A16", None, None, True),  # a tied model: a quantized lm_head copy of the embedding
+@pytest.mark.parametrize("algo,group,head,tied,sb", [
+    ("W8A16", None, None, False, None),  # lm_head W8A16 (the default)
+    ("W4A16", 32, None, False, None),  # decoder W4A16, lm_head W8A16
+    ("W4A16", 32, "W4A16", False, None),
+    ("W4A16", 32, "excluded", False, None),  # lm_head in bf16
+    ("W8A16", None, None, True, None),  # a tied model: a quantized lm_head copy of the embedding
+    ("W4A16", 32, "W4A16", False, 256),  # two-level scales (k-quants), the 4-bit lm_head too
+    ("W4A8", 32, None, False, None),  # int8 activations per group on nextn's kernel
 ])
-def test_quantized_engine_equals_reference_dequantization(ckpt, tied_ckpt, tmp_path, algo, group, head, tied):
+def test_quantized_engine_equals_reference_dequantization(ckpt, tied_ckpt, tmp_path, algo, group, head, tied, sb):
     engine, ckpt = tmp_path / "engine", tied_ckpt if tied else ckpt
     exclude = ["lm_head"] if head == "excluded" else None
     build_engine(ckpt, engine, dtype="bfloat16", max_seq_len=128, progress=False, quant_algo=algo, group_size=group,
-                 exclude_modules=exclude, lm_head_quant_algo=None if head == "excluded" else head)
+                 exclude_modules=exclude, lm_head_quant_algo=None if head == "excluded" else head,
+                 super_block_size=sb)
     manifest = json.loads((engine / "manifest.json").read_text())
     assert manifest["quant_config"]["quant_algo"] == algo and manifest["quant_config"]["exclude_modules"] == (exclude or [])
+    assert manifest["quant_config"]["super_block_size"] == sb
     stored = load_file(str(engine / "model.safetensors"))
-    dtypes = {"W8A16": torch.int8, "W4A16": torch.uint8}
+    dtypes = {"W8A16": torch.int8, "W4A16": torch.uint8, "W4A8": torch.uint8}
     assert stored["model.layers.0.mlp.down_proj.weight"].dtype == dtypes[algo]
+    assert ("model.layers.0.mlp.down_proj.weight_scale_2" in stored) == (sb is not None)
     assert stored["lm_head.weight"].dtype == (torch.bfloat16 if exclude else dtypes[head or "W8A16"])
     assert stored["model.embed_tokens.weight"].dtype == torch.bfloat16  # a tied model keeps its embedding whole
     cfg = QuantConfig(**manifest["quant_config"])
@@ -112,4 +117,8 @@ def test_bad_quant_options_are_named(ckpt, tmp_path):
         build_engine(ckpt, tmp_path / "e2", max_seq_len=64, progress=False, quant_algo="W8A16", group_size=32)
     with pytest.raises(EngineError, match="unknown quant_algo"):
         build_engine(ckpt, tmp_path / "e3", max_seq_len=64, progress=False, quant_algo="FP8")
-    assert not (tmp_path / "e1").exists() and not (tmp_path / "e2").exists() and not (tmp_path / "e3").exists()
+    with pytest.raises(EngineError, match="super_block_size 16 is smaller than the group size 32"):
+        build_engine(ckpt, tmp_path / "e4", max_seq_len=64, progress=False, quant_algo="W4A16", super_block_size=16)
+    with pytest.raises(EngineError, match="apply to W4A16 / W4A8 only"):
+        build_engine(ckpt, tmp_path / "e5", max_seq_len=64, progress=False, quant_algo="W8A16", super_block_size=256)
+    assert not any((tmp_path / f"e{i}").exists() for i in range(1, 6))

@@ -8,10 +8,11 @@ from torch import nn
 
 from nextn.quantization import QuantConfig, QuantError, dequantize, quantize
 from nextn.quantization.linear import WeightOnlyLinear, install_weight_only_linears
-from nextn.quantization.weight_only import default_group_size, quantized_specs
+from nextn.quantization.weight_only import default_group_size, quantized_specs, super_block
 
 W8 = QuantConfig(quant_algo="W8A16")
 W4 = QuantConfig(quant_algo="W4A16", group_size=32)
+W4K = QuantConfig(quant_algo="W4A16", group_size=32, super_block_size=64)
 
 
 @pytest.fixture()
@@ -40,7 +41,27 @@ def test_w4_error_is_within_half_a_step_and_layout(w):
                                                    {f"model.layers.0.mlp.up_proj.{s}": x for s, x in t.items()}.items()}
 
 
-@pytest.mark.parametrize("cfg", [W8, W4], ids=["W8A16", "W4A16"])
+def test_two_level_scales_layout_and_error(w):
+    """8-bit group scales and zeros under fp16 (d, dmin) per super-block: exact products, every weight within half a
+    step of its group (the range [zero, zero + 15 · scale] covers the group or clips it by less than a step), and no
+    worse than one-level scales overall."""
+    t = quantize(w, W4K)
+    assert t["weight"].shape == (96, 64) and t["weight_scale"].dtype == torch.uint8
+    assert t["weight_zero"].dtype == torch.int8 and t["weight_scale_2"].shape == (96, 2, 2)
+    assert t["weight_scale_2"].dtype == torch.float16
+    scale = t["weight_scale"].float() * t["weight_scale_2"].float()[..., 0].repeat_interleave(2, 1)
+    deq = dequantize(t, W4K)
+    err = (deq - w).abs().view(96, 4, 32)
+    assert (err <= scale[..., None] * 1.01).all()
+    one = (dequantize(quantize(w, W4), W4) - w).square().sum()
+    assert (deq - w).square().sum() <= 1.05 * one
+    specs = quantized_specs("model.layers.0.mlp.up_proj.weight", (96, 128), W4K)
+    assert {k: (v[0], v[1]) for k, v in specs.items()} == {
+        f"model.layers.0.mlp.up_proj.{s}": (tuple(x.shape), x.dtype) for s, x in t.items()}
+    assert [super_block(k, 32, 256) for k in (1536, 576, 896, 8960, 96)] == [256, 192, 224, 256, 96]
+
+
+@pytest.mark.parametrize("cfg", [W8, W4, W4K], ids=["W8A16", "W4A16", "W4A16-two-level"])
 @pytest.mark.parametrize("rows", [1, 4, 7])
 def test_kernel_matches_reference_dequantization(w, cfg, rows):
     t = quantize(w, cfg)

@@ -3,8 +3,9 @@
 For one weight matrix [N, K] and each row count M (1 = a plain decode step; K + 1 = a verify step over K drafts):
 - int8: `torch.ops.aten._weight_int8pack_mm` (W8A16 on PyTorch's kernel);
 - int4: `torch.ops.aten._weight_int4pack_mm_for_cpu`, group 32 (W4A16 on PyTorch's kernel);
-- nextn int8 / nextn int4: nextn's own kernels (`plugins/woq_linear.py`; what `quantization/linear.py` uses where
-  the CPU has AVX512-BF16);
+- nextn int8 / nextn int4 / nextn int4 super S: nextn's own kernels (`plugins/woq_linear.py`; what
+  `quantization/linear.py` uses where the CPU has AVX512-BF16), int4 with one-level bf16 group scales and with
+  two-level ones (8-bit group scales under fp16 per super-block of S input channels: llama.cpp's k-quants);
 - bf16: `F.linear`;
 - bf16 packed: oneDNN's pre-packed weight (`plugins/packed_linear.py`, what nextn's bf16 engines run).
 Prints µs per call (median of `--iters` after a warm-up) and the weight bytes read per µs. A matrix that fits in the
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 
 from nextn.plugins import woq_linear
 from nextn.plugins.packed_linear import packed_linear, packing_supported
+from nextn.quantization.weight_only import super_block
 
 
 def _time(fn: Callable[[], torch.Tensor], iters: int) -> float:
@@ -63,7 +65,11 @@ def kernels(n: int, k: int, group: int = 32, copies: int = 1
         int8 = [(torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n)) for _ in range(copies)]
         int4 = [(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8), torch.rand(n // 16, k // group, 16).bfloat16(),
                  torch.rand(n // 16, k // group, 16).bfloat16()) for _ in range(copies)]
-        turn = {"int8": 0, "int4": 0}
+        sb = super_block(k, group, 256)  # two-level scales (W4A16's default super-block from 1B parameters)
+        int4k = [(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8),
+                  torch.randint(0, 256, (n // 16, k // group, 2, 16), dtype=torch.uint8),
+                  (torch.rand(n // 16, k // sb, 2, 16) * 1e-3).half()) for _ in range(copies)]
+        turn = {"int8": 0, "int4": 0, "int4k": 0}
 
         def nextn_int8(x):
             turn["int8"] = (turn["int8"] + 1) % copies
@@ -73,8 +79,13 @@ def kernels(n: int, k: int, group: int = 32, copies: int = 1
             turn["int4"] = (turn["int4"] + 1) % copies
             return torch.ops.nextn.woq_int4_linear(x, *int4[turn["int4"]], group, None)
 
+        def nextn_int4k(x):
+            turn["int4k"] = (turn["int4k"] + 1) % copies
+            return torch.ops.nextn.woq_int4_linear(x, *int4k[turn["int4k"]], group, None)
+
         out["nextn int8"] = (nextn_int8, n * k + 4 * n)
         out[f"nextn int4 g{group}"] = (nextn_int4, n * k // 2 + 4 * n * (k // group))
+        out[f"nextn int4 g{group} super {sb}"] = (nextn_int4k, n * k // 2 + 2 * n * (k // group) + 4 * n * (k // sb))
     if copies == 1 and packing_supported(torch.device("cpu"), torch.bfloat16):
         packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
         out["bf16 packed"] = (lambda x: packed_linear(x, packed, None), 2 * n * k)

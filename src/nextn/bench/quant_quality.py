@@ -35,6 +35,9 @@ FORMATS: dict[str, dict | None] = {
     "W8A16": {"quant_algo": "W8A16"},
     "W4A16": {"quant_algo": "W4A16"},  # group 32, lm_head W8A16 (the defaults)
     "W4A16-lmhead4": {"quant_algo": "W4A16", "lm_head_quant_algo": "W4A16"},
+    "W4A16-sb256": {"quant_algo": "W4A16", "super_block_size": 256},  # two-level scales (llama.cpp's k-quants)
+    "W4A16-one-level": {"quant_algo": "W4A16", "super_block_size": 0},
+    "W4A8": {"quant_algo": "W4A8"},  # W4A16's weights, int8 activations per group on nextn's CPU kernel  # bf16 scale and zero per group,
     "W4A16-lmhead16": {"quant_algo": "W4A16", "exclude_modules": ["lm_head"]},
     "W4A16-g64": {"quant_algo": "W4A16", "group_size": 64},
 }

@@ -27,7 +27,10 @@ from nextn.bench.bandwidth import decode_step_bytes, read_bandwidth_gbs
 PROMPT = "Write a Python function that checks whether a number is prime, and explain how it works."
 FORMATS: dict[str, dict | None] = {"bf16": None, "fp32": None, "W8A16": {"quant_algo": "W8A16"},
                                    "W4A16": {"quant_algo": "W4A16"},
-                                   "W4A16-lmhead4": {"quant_algo": "W4A16", "lm_head_quant_algo": "W4A16"}}
+                                   "W4A16-lmhead4": {"quant_algo": "W4A16", "lm_head_quant_algo": "W4A16"},
+                                   "W4A16-sb256": {"quant_algo": "W4A16", "super_block_size": 256},
+                                   "W4A16-one-level": {"quant_algo": "W4A16", "super_block_size": 0},
+                                   "W4A8": {"quant_algo": "W4A8"}}
 
 
 def _nextn_llm(model: Path, fmt: str, cache: Path | None, speculative_config: dict | None = None):

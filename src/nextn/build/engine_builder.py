@@ -87,6 +87,7 @@ def build_engine(
     group_size: int | None = None,
     exclude_modules: list[str] | None = None,
     lm_head_quant_algo: str | None = None,
+    super_block_size: int | None = None,
 ) -> EngineManifest:
     """Build an engine directory from a DeepSeek-V3 or Llama-family checkpoint, optionally with Medusa heads.
 
@@ -127,6 +128,9 @@ def build_engine(
         exclude_modules: linear layers (names or prefixes, TensorRT-LLM's `QuantConfig.exclude_modules`) kept in
             `dtype`, e.g. ["lm_head"]; None: none.
         lm_head_quant_algo: the lm_head's format when quantized: None → "W8A16" (`QuantConfig.lm_head_quant_algo`).
+        super_block_size: W4A16 with two-level scales (llama.cpp's k-quants): 8-bit group scales and zeros under
+            fp16 scales per super-block of at most this many input channels (`QuantConfig.super_block_size`);
+            None: 256 for models of ≥ 1B quantized weights, else none; 0: none (`resolve_quant`).
     Returns:
         The manifest written to `output_dir/manifest.json`.
     Raises:
@@ -170,7 +174,8 @@ def build_engine(
         if heads is not None:
             specs.update({MEDUSA_PREFIX + n: (tuple(t.shape), torch_dtype) for n, t in heads.tensors.items()})
         check_source_tensors(reader, specs, cfg)
-        quant, quant_names = resolve_quant(quant_algo, group_size, cfg, specs, exclude_modules, lm_head_quant_algo)
+        quant, quant_names = resolve_quant(quant_algo, group_size, cfg, specs, exclude_modules, lm_head_quant_algo,
+                                           super_block_size)
         untie = quant is not None and quant.applies_to("lm_head") and "lm_head.weight" not in specs
         if untie:  # a tied model's quantized lm_head is a copy of the embedding
             specs["lm_head.weight"] = specs[EMBED_NAME]
@@ -201,7 +206,9 @@ def build_engine(
             if untie:
                 tensors = with_lm_head_copy(tensors)
             if quant is not None:
-                _, tensors = quantize_stream(specs, tensors, quant_names, quant)
+                # a GGUF's Q4_K tensors are taken as they are where the engine's format holds them (not re-quantized)
+                _, tensors = quantize_stream(specs, tensors, quant_names, quant,
+                                             native=getattr(reader, "native_w4a16", None))
             checksums = {WEIGHTS_NAME: write_safetensors_streaming(staging / WEIGHTS_NAME, stored_specs, tensors,
                                                                    progress=progress)}
             if isinstance(reader, GGUFCheckpoint):  # tokenizer files, and generation_config.json (the EOS ids)

@@ -63,8 +63,8 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 #: Bumped whenever the same build options produce different engine files (a default changed), so that cached
 #: engines of an older layout are rebuilt rather than reused: 2, quantized engines quantize the lm_head; 3, W4A16's
-#: default group size 32 and the W8A16 lm_head.
-ENGINE_LAYOUT = 3
+#: default group size 32 and the W8A16 lm_head; 4, W4A16's two-level scales by default from 1B parameters.
+ENGINE_LAYOUT = 4
 
 
 def cache_key(files: list[Path], build_options: dict[str, Any]) -> str:

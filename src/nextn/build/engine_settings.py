@@ -7,6 +7,7 @@ quantization option), each an `EngineError` naming the option. `engine_builder.b
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from nextn.config.llm_args import LlmArgs
 from nextn.models.deepseek_v3.weights import layer_prefix
 from nextn.models.registry import MODEL_CLASSES, ModelConfig
 from nextn.quantization.weight_only import (
-    QUANT_ALGOS, QuantConfig, QuantError, default_group_size, linear_weight_names, quantized_specs,
+    INT4_ALGOS, QUANT_ALGOS, QuantConfig, QuantError, default_group_size, linear_weight_names, quantized_specs,
 )  # fmt: skip
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -134,44 +135,63 @@ def check_mtp_layers(
 
 
 # Quantization ------------------------------------------------------------------------------------------
+#: W4A16's default super-block (two-level scales, llama.cpp's Q4_K) for models whose quantized linears hold at least
+#: TWO_LEVEL_MIN_PARAMS weights; smaller ones keep one-level bf16 scales. Measured (docs/PERFORMANCE.md, batch 1):
+#: Qwen2.5-Coder-1.5B +9 % tokens/s (its step is bound by the weight bytes, 6 % fewer), Qwen2.5-Coder-0.5B +3 %
+#: (−2 % at batch 8), SmolLM2-135M −6 % (its step is bound by instructions, and two-level scales take a few more).
+DEFAULT_SUPER_BLOCK = 256
+TWO_LEVEL_MIN_PARAMS = 1_000_000_000
 def resolve_quant(quant_algo: str | None, group_size: int | None, cfg: ModelConfig,
                   specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
                   exclude_modules: list[str] | None = None,
-                  lm_head_quant_algo: str | None = None) -> tuple[QuantConfig | None, set[str]]:
+                  lm_head_quant_algo: str | None = None,
+                  super_block_size: int | None = None) -> tuple[QuantConfig | None, set[str]]:
     """The engine's quant config and the weights it quantizes: every `nn.Linear` (the lm_head included) but
     those `exclude_modules` names. A tied lm_head is not in `specs`: the caller adds its copy.
 
     Raises:
-        EngineError: an unknown algorithm, a group size with W8A16, or one that does not divide a layer's input.
+        EngineError: an unknown algorithm, a group size or super-block with W8A16, a group size that does not
+            divide a layer's input, a super-block smaller than the group.
+
+    W4A16's `super_block_size`: None picks `DEFAULT_SUPER_BLOCK` for models of ≥ `TWO_LEVEL_MIN_PARAMS` quantized
+    weights, else none; 0 asks for none (one-level scales).
     """
     if quant_algo is None:
-        if group_size is not None:
-            raise EngineError("--group_size applies to --quant_algo W4A16 only")
+        if group_size is not None or super_block_size is not None:
+            raise EngineError("--group_size and --super_block_size apply to --quant_algo W4A16 / W4A8 only")
         return None, set()
     if quant_algo not in QUANT_ALGOS:
         raise EngineError(f"unknown quant_algo {quant_algo!r}; choose one of {', '.join(QUANT_ALGOS)}")
-    if quant_algo == "W8A16" and group_size is not None:
-        raise EngineError("W8A16 scales each output channel; --group_size applies to W4A16 only")
+    if quant_algo == "W8A16" and (group_size is not None or super_block_size is not None):
+        raise EngineError("W8A16 scales each output channel; --group_size and --super_block_size apply to W4A16 / W4A8 "
+                          "only")
     with torch.device("meta"):
         model = MODEL_CLASSES[cfg.architecture](cfg, max_positions=1)
     exclude = list(exclude_modules or [])
-    if lm_head_quant_algo == "W4A16" and cfg.vocab_size % INT4_ROWS and "lm_head" not in exclude:
+    if lm_head_quant_algo in INT4_ALGOS and cfg.vocab_size % INT4_ROWS and "lm_head" not in exclude:
         logger.warning("the lm_head is stored as W8A16, not W4A16 (vocabulary %d is not a multiple of %d, which "
                        "the int4 kernel's packing needs)", cfg.vocab_size, INT4_ROWS)
         lm_head_quant_algo = "W8A16"
     probe = QuantConfig(quant_algo=quant_algo, exclude_modules=exclude)
     names = {n for n in linear_weight_names(model, probe) if n in specs and len(specs[n][0]) == 2}
-    if quant_algo == "W4A16":
+    if quant_algo in INT4_ALGOS:
         try:
             ks = [specs[n][0][1] for n in names if n != "lm_head.weight"]
             group_size = group_size or default_group_size(ks)
             bad = sorted({k for k in ks if k % group_size})
             if bad:
                 raise QuantError(f"--group_size {group_size} does not divide the input sizes {bad}")
+            if super_block_size is None:
+                params = sum(math.prod(specs[n][0]) for n in names)
+                super_block_size = DEFAULT_SUPER_BLOCK if params >= TWO_LEVEL_MIN_PARAMS else 0
+            if 0 < super_block_size < group_size:
+                raise QuantError(f"--super_block_size {super_block_size} is smaller than the group size {group_size}; "
+                                 "a super-block holds whole groups (256 = llama.cpp's Q4_K; 0 = none)")
         except QuantError as e:
-            raise EngineError(f"W4A16: {e}") from e
+            raise EngineError(f"{quant_algo}: {e}") from e
     return QuantConfig(quant_algo=quant_algo, group_size=group_size, exclude_modules=probe.exclude_modules,
-                       lm_head_quant_algo=lm_head_quant_algo or "W8A16"), names
+                       lm_head_quant_algo=lm_head_quant_algo or "W8A16",
+                       super_block_size=super_block_size or None), names
 
 
 def quantized_specs_all(specs: dict[str, tuple[tuple[int, ...], torch.dtype]], names: set[str],

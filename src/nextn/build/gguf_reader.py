@@ -23,13 +23,16 @@ from __future__ import annotations
 import re
 from functools import cache, cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from nextn.build.checkpoint import CheckpointError
 from nextn.models.llama.config import LlamaModelConfig
+
+if TYPE_CHECKING:
+    from nextn.quantization.weight_only import QuantConfig
 
 #: GGUF `general.architecture` → the HF architecture nextn builds it as.
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -87,6 +90,36 @@ def unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     [heads · d, hidden] and biases [heads · d] alike)."""
     d = w.shape[0] // num_heads
     return w.reshape(num_heads, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def q4_k_two_level(blocks: np.ndarray, n: int, k: int) -> dict[str, torch.Tensor]:
+    """A Q4_K tensor's blocks as nextn's two-level W4A16 tensors, value for value (`quantization/weight_only.py`).
+
+    Q4_K (llama.cpp's `block_q4_K`, 144 bytes per 256 weights of a row): fp16 d and dmin, twelve bytes packing the
+    eight sub-blocks' 6-bit scales and mins (unpacked by `gguf.quants.Q4_K.get_scale_min`), 128 bytes of nibbles
+    (per 64 weights, 32 bytes: the first 32 weights in the low nibbles, the next 32 in the high ones);
+    w = d · scale · q − dmin · min. nextn's form w = q · (d · scale) + dmin' · zero holds it with zero = min and
+    dmin' = −dmin.
+
+    Args:
+        blocks: the tensor's raw bytes, [n, k / 256 · 144] uint8 (k % 256 == 0).
+    Returns:
+        {"weight" [n, k/2] uint8, "weight_scale" [n, k/32] uint8, "weight_zero" [n, k/32] int8,
+         "weight_scale_2" [n, k/256, 2] float16}.
+    """
+    import gguf
+
+    s = k // 256
+    b = np.ascontiguousarray(blocks).reshape(n, s, 144)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0]
+    dmin = b[..., 2:4].copy().view(np.float16)[..., 0]
+    sc, mn = gguf.quants.Q4_K.get_scale_min(b[..., 4:16].reshape(n * s, 12))
+    qs = b[..., 16:].reshape(n, s, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+    q = torch.from_numpy((qs & 0x0F).reshape(n, k).astype(np.uint8))
+    return {"weight": (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous(),
+            "weight_scale": torch.from_numpy(sc.reshape(n, 8 * s).astype(np.uint8)),
+            "weight_zero": torch.from_numpy(mn.reshape(n, 8 * s).astype(np.int8)),
+            "weight_scale_2": torch.from_numpy(np.stack([d, -dmin], axis=-1))}
 
 
 def _resolve_file(path: Path) -> Path:
@@ -269,6 +302,30 @@ class GGUFCheckpoint:
             elif ".self_attn.k_proj." in name:
                 w = unpermute_rope_rows(w, self.hf_config["num_key_value_heads"])
         return w
+
+    def native_w4a16(self, name: str, cfg: "QuantConfig") -> dict[str, torch.Tensor] | None:
+        """Tensor `name` as `cfg`'s W4A16 tensors read from the file's own 4-bit blocks where they are the same
+        format — a Q4_K tensor under two-level scales with group 32 and super-block 256 (`q4_k_two_level`): the
+        engine then holds llama.cpp's values, where re-quantizing their dequantization would add error (measured on
+        Qwen2.5-Coder-1.5B's Q4_K gate_proj: 4.3 % relative) — else None (the caller quantizes `get(name)`)."""
+        import gguf
+
+        from nextn.quantization.weight_only import super_block
+
+        t = self._tensors.get(name)
+        if (t is None or t.tensor_type != gguf.GGMLQuantizationType.Q4_K or cfg.quant_algo not in ("W4A16", "W4A8")
+                or cfg.group_size != 32 or not cfg.super_block_size or len(t.shape) != 2):
+            return None
+        k, n = (int(x) for x in t.shape)
+        if k % 256 or super_block(k, 32, cfg.super_block_size) != 256:
+            return None
+        out = q4_k_two_level(np.asarray(t.data), n, k)
+        if self.architecture in PERMUTED_ARCHITECTURES:
+            heads = {"q_proj": "num_attention_heads", "k_proj": "num_key_value_heads"}
+            for proj, key in heads.items():
+                if f".self_attn.{proj}." in name:
+                    out = {s: unpermute_rope_rows(v, self.hf_config[key]).contiguous() for s, v in out.items()}
+        return out
 
     def close(self) -> None:
         self._reader = None  # drops the memory map with the tensors' views

@@ -2,7 +2,7 @@
 
 Usage:
     build-engine --model_dir CHECKPOINT --output_dir ENGINE [--dtype auto|bfloat16|float32]
-                 [--quant_algo W8A16|W4A16 [--group_size G]]
+                 [--quant_algo W8A16|W4A16|W4A8 [--group_size G] [--super_block_size S]]
                  [--max_batch_size N] [--max_seq_len N] [--extra_llm_api_options YAML] [--force] [--no-progress]
                  [--compile_step [--compile_batch_sizes N ...] [--compile_device cpu|cuda]]
 
@@ -91,12 +91,18 @@ def _parser() -> argparse.ArgumentParser:
                    "YAML, else 1, 2, 4, ... up to --max_batch_size)")
     p.add_argument("--compile_device", choices=("cpu", "cuda"),
                    help="device to compile for with --compile_step (default: cuda when available)")
-    p.add_argument("--quant_algo", choices=("W8A16", "W4A16"),
+    p.add_argument("--quant_algo", choices=("W8A16", "W4A16", "W4A8"),
                    help="weight-only quantization of the linear layers and the lm_head (TensorRT-LLM's names): W8A16 = "
-                   "int8 per output channel, W4A16 = 4-bit per group; embedding and norms stay in --dtype "
-                   "(default: none)")
+                   "int8 per output channel, W4A16 = 4-bit per group, W4A8 = W4A16's weights times activations "
+                   "quantized to int8 per group on nextn's CPU kernel (llama.cpp's CPU numerics, faster); embedding "
+                   "and norms stay in --dtype (default: none)")
     p.add_argument("--group_size", type=int, metavar="G",
                    help="W4A16 input channels per scale (default: the first of 32, 64, 128 dividing every layer)")
+    p.add_argument("--super_block_size", type=int, metavar="S",
+                   help="W4A16 with two-level scales, llama.cpp's k-quant scheme: 8-bit group scales and zeros under "
+                   "fp16 scales per super-block of at most S input channels (256 = Q4_K's; 4.625 bits a weight at "
+                   "group 32 instead of 5); default 256 for models of 1B parameters and more (their step is bound by "
+                   "weight bytes), else 0 = one-level bf16 scales")
     p.add_argument("--exclude_modules", nargs="+", metavar="NAME",
                    help="linear layers kept in --dtype with --quant_algo, by name or prefix (e.g. lm_head)")
     p.add_argument("--lm_head_quant_algo", choices=("W8A16", "W4A16"),
@@ -136,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             medusa_model_dir=args.medusa_model_dir, compile_step=args.compile_step,
             compile_batch_sizes=args.compile_batch_sizes, compile_device=args.compile_device, force=args.force,
             quant_algo=args.quant_algo, group_size=args.group_size, exclude_modules=args.exclude_modules,
-            lm_head_quant_algo=args.lm_head_quant_algo,
+            lm_head_quant_algo=args.lm_head_quant_algo, super_block_size=args.super_block_size,
         )  # fmt: skip
     except USER_ERRORS as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)

@@ -31,7 +31,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                    help="engine dtype when --model is a checkpoint (default auto: bfloat16 where this CPU has fast "
                         "bf16, else the checkpoint's)")
-    p.add_argument("--quant_algo", choices=("W8A16", "W4A16"),
+    p.add_argument("--quant_algo", choices=("W8A16", "W4A16", "W4A8"),
                    help="weight-only quantization when --model is a checkpoint (default: none)")
     p.add_argument("--prompt", action="append", required=True,
                    help="a prompt (repeatable); with --token_ids, comma-separated token ids")

@@ -2,16 +2,38 @@
 // entry points, no checks: the ops that call them check their tensors.
 #pragma once
 
+#include <ATen/ATen.h>
+
 #include <cstdint>
 
 namespace nextn_cpu {
 
 constexpr int64_t kMaxD = 256;       // attention head_dim
 
-// out[M, N] f32 = x[M, K] (bf16 bits) times the int4 weight (woq_linear_cpu.cpp: `pack_int4` layout, w = (q - 8) *
-// scale + zero8 per group) plus bias (f32 [N] or null). Batch-invariant. K % 64 == 0, group_size % 32 == 0.
-void int4_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, const uint16_t* scale,
-                 const uint16_t* zero8, int64_t group_size, const float* bias, float* out);
+// An int4 weight's scales, one of two formats (woq_linear_cpu.cpp; layouts from woq_linear.py):
+//  - one-level (`group` null): bf16 `scale` and `zero8` per group of input channels and output channel,
+//    [N/16, G, 16]: w = (q - 8) * scale + zero8;
+//  - two-level (llama.cpp's k-quant scheme): per group 8-bit `group` [N/16, G, 2, 16] (a u8 scale, an i8 zero),
+//    under fp16 `super` [N/16, G / groups_per_super, 2, 16] (d, dmin) per super-block of groups:
+//    w = q * (d * scale) + dmin * zero.
+struct Int4Scales {
+  const uint16_t* scale = nullptr;
+  const uint16_t* zero8 = nullptr;
+  const uint8_t* group = nullptr;
+  const uint16_t* super = nullptr;
+  int64_t groups_per_super = 0;
+  // W4A8: x quantized to int8 per group, the weight in `pack_int4_vnni` layout (else bf16 x, `pack_int4` layout)
+  bool int8_activations = false;
+};
+
+// out[M, N] f32 = x[M, K] (bf16 bits) times the int4 weight (`pack_int4` layout, q in [0, 15]) with `scales`, plus
+// bias (f32 [N] or null). Batch-invariant. K % 64 == 0, N % 16 == 0, group_size % 32 == 0.
+void int4_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, const Int4Scales& scales,
+                 int64_t group_size, const float* bias, float* out);
+
+// The scales of an int4 weight of N output channels and G groups from the op's (scale, zero) tensors, dispatched on
+// their dtypes (bf16, bf16: one-level; uint8, fp16: two-level); TORCH_CHECKs shapes and dtypes, naming `op`.
+Int4Scales int4_scales(const at::Tensor& scale, const at::Tensor& zero, int64_t N, int64_t G, const char* op);
 
 // out[B, T, NH * D] f32: q [B, T, NH, D] bf16 attending over the bf16 cache [slots, 2 * NKV * D] through
 // context_slots [B, S] where visible [B, T, S] (paged_attention_cpu.cpp). Batch-invariant.

@@ -29,8 +29,8 @@ _NAME = "nextn_cpu_kernels"
 SOURCES = [Path(__file__).with_name(n) for n in ("woq_linear_cpu.cpp", "paged_attention_cpu.cpp",
                                                 "decoder_layer_cpu.cpp")]
 HEADER = Path(__file__).with_name("cpu_kernels.h")
-_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma")
-_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
+_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "fma")
+_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-fopenmp"]
 
 
 def _cpu_flags() -> set[str]:
@@ -109,7 +109,7 @@ def unavailable_reason() -> str | None:
 
 def _register_fakes() -> None:
     @torch.library.register_fake("nextn::woq_int4_linear")
-    def _(x, w, scale, zero8, group_size, bias):
+    def _(x, w, scale, zero8, group_size, bias, int8_activations=False):
         return x.new_empty((*x.shape[:-1], w.shape[0]))
 
     @torch.library.register_fake("nextn::woq_int8_linear")
@@ -118,7 +118,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("nextn::llama_decoder_layer")
     def _(x, cos_sin, kv_cache, slot_mapping, context_slots, visible, input_norm, post_norm, qkv, o, gate_up, down,
-          num_heads, num_kv_heads, group_size, eps, scale):
+          num_heads, num_kv_heads, group_size, eps, scale, int8_activations=False):
         return torch.empty_like(x)
 
     @torch.library.register_fake("nextn::paged_attention")

@@ -41,16 +41,18 @@ class FusedLayerWeights:
     gate_up: list[torch.Tensor]
     down: list[torch.Tensor]
     group_size: int
+    int8_activations: bool = False  # W4A8
 
 
-def _int4_linears(*linears: nn.Module) -> int | None:
-    """The common group size when every module is a W4A16 `WeightOnlyLinear` on nextn's kernel, else None."""
-    sizes = set()
+def _int4_linears(*linears: nn.Module) -> tuple[int, bool] | None:
+    """(the common group size, W4A8) when every module is a W4A16 (or every one a W4A8) `WeightOnlyLinear` on
+    nextn's kernel, else None."""
+    kinds = set()
     for lin in linears:
-        if getattr(lin, "kernel", None) != "nextn" or lin.cfg.quant_algo != "W4A16":
+        if getattr(lin, "kernel", None) != "nextn" or lin.cfg.quant_algo not in ("W4A16", "W4A8"):
             return None
-        sizes.add(lin.group_size)
-    return sizes.pop() if len(sizes) == 1 else None
+        kinds.add((lin.group_size, lin.int8_activations))
+    return kinds.pop() if len(kinds) == 1 else None
 
 
 def _concat_rows(linears: list[nn.Module]) -> list[torch.Tensor]:
@@ -81,8 +83,8 @@ def fuse_layer(layer: nn.Module) -> FusedLayerWeights | None:
     paged kernel, norms not bf16, or shapes the op does not take (hidden / intermediate % 64, head_dim % 32)."""
     attn, mlp = layer.self_attn, layer.mlp
     qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
-    group = _int4_linears(*qkv, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    if group is None or not attn.paged_attention_kernel or len({lin.bias is None for lin in qkv}) != 1:
+    kind = _int4_linears(*qkv, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    if kind is None or not attn.paged_attention_kernel or len({lin.bias is None for lin in qkv}) != 1:
         return None
     norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
     hidden, inter = attn.o_proj.out_features, mlp.gate_proj.out_features
@@ -91,7 +93,7 @@ def fuse_layer(layer: nn.Module) -> FusedLayerWeights | None:
         return None
     return FusedLayerWeights(norms[0].detach().contiguous(), norms[1].detach().contiguous(), _concat_rows(qkv),
                              _one(attn.o_proj), _concat_rows([mlp.gate_proj, mlp.up_proj]), _one(mlp.down_proj),
-                             group)
+                             *kind)
 
 
 def install_fused_layers(model: nn.Module) -> int:
@@ -120,4 +122,4 @@ def fused_forward(layer: nn.Module, x: torch.Tensor, cos_sin: torch.Tensor, kv_c
     return torch.ops.nextn.llama_decoder_layer(
         x, cos_sin, kv_cache, meta.slot_mapping.reshape(-1), meta.context_slots, meta.visible, f.input_norm,
         f.post_norm, f.qkv, f.o, f.gate_up, f.down, attn.num_heads, attn.num_kv_heads, f.group_size,
-        layer.input_layernorm.eps, attn.scale)
+        layer.input_layernorm.eps, attn.scale, f.int8_activations)

@@ -3,9 +3,9 @@
 //
 //   nextn::llama_decoder_layer(x [B, T, H] bf16, cos_sin [B, T, 2, D/2] f32, kv_cache [slots, 2 * NKV * D] bf16
 //       (written in place), slot_mapping [B * T] int64, context_slots [B, S] int64, visible [B, 1, T, S] bool,
-//       input_norm [H] bf16, post_norm [H] bf16, qkv, o, gate_up, down (each [w, scale, zero8] or
-//       [w, scale, zero8, bias]: the int4 weights of woq_linear_cpu.cpp), num_heads, num_kv_heads, group_size, eps,
-//       scale) -> [B, T, H] bf16
+//       input_norm [H] bf16, post_norm [H] bf16, qkv, o, gate_up, down (each [w, scale, zero] or
+//       [w, scale, zero, bias]: the int4 weights of woq_linear_cpu.cpp, one- or two-level scales), num_heads,
+//       num_kv_heads, group_size, eps, scale) -> [B, T, H] bf16
 //
 // It computes what the layer's PyTorch modules compute (models/llama/model.py, models/layers.py) with the same
 // bf16 roundings, in the same order:
@@ -88,27 +88,24 @@ inline void residual_add(const uint16_t* a, const float* b, int64_t n, uint16_t*
     store_bf16(out + i, _mm512_add_ps(load_bf16(a + i), round_bf16(_mm512_loadu_ps(b + i))));
 }
 
-// One int4 linear's tensors: [w, scale, zero8] and an optional f32 bias
+// One int4 linear's tensors: [w, scale, zero] (one- or two-level scales: cpu_kernels.h) and an optional f32 bias
 struct Int4 {
   const uint8_t* w;
-  const uint16_t* scale;
-  const uint16_t* zero8;
+  nextn_cpu::Int4Scales scales;
   const float* bias = nullptr;
   int64_t N, K;
 };
 
-Int4 int4_weights(const at::TensorList& t, int64_t K, int64_t N, int64_t group_size, const char* name) {
+Int4 int4_weights(const at::TensorList& t, int64_t K, int64_t N, int64_t group_size, bool int8_activations,
+                  const char* name) {
   TORCH_CHECK(t.size() == 3 || t.size() == 4, "llama_decoder_layer: ", name,
-              " must be [w, scale, zero8] or [w, scale, zero8, bias]");
-  const int64_t G = K / group_size;
+              " must be [w, scale, zero] or [w, scale, zero, bias]");
   TORCH_CHECK(t[0].scalar_type() == at::kByte && t[0].is_contiguous() && t[0].dim() == 2 && t[0].size(0) == N &&
                   t[0].size(1) * 2 == K,
               "llama_decoder_layer: ", name, ".w must be a contiguous [", N, ", ", K / 2, "] uint8 tensor");
-  for (int i = 1; i < 3; ++i)
-    TORCH_CHECK(t[i].scalar_type() == at::kBFloat16 && t[i].is_contiguous() && t[i].numel() == N * G,
-                "llama_decoder_layer: ", name, " scale and zero8 must be contiguous bfloat16 [", N, ", ", G, "]");
-  Int4 r{t[0].data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(t[1].data_ptr<at::BFloat16>()),
-         reinterpret_cast<const uint16_t*>(t[2].data_ptr<at::BFloat16>()), nullptr, N, K};
+  Int4 r{t[0].data_ptr<uint8_t>(), nextn_cpu::int4_scales(t[1], t[2], N, K / group_size, "llama_decoder_layer"),
+         nullptr, N, K};
+  r.scales.int8_activations = int8_activations;
   if (t.size() == 4) {
     TORCH_CHECK(t[3].scalar_type() == at::kFloat && t[3].is_contiguous() && t[3].numel() == N,
                 "llama_decoder_layer: ", name, ".bias must be a contiguous float32 [", N, "]");
@@ -118,7 +115,7 @@ Int4 int4_weights(const at::TensorList& t, int64_t K, int64_t N, int64_t group_s
 }
 
 void matmul(const Int4& l, const uint16_t* x, int64_t M, int64_t group_size, float* out) {
-  nextn_cpu::int4_linear(x, M, l.K, l.w, l.N, l.scale, l.zero8, group_size, l.bias, out);
+  nextn_cpu::int4_linear(x, M, l.K, l.w, l.N, l.scales, group_size, l.bias, out);
 }
 
 const uint16_t* bf16_ptr(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
@@ -135,7 +132,7 @@ at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& cos_sin, a
                                const at::Tensor& visible, const at::Tensor& input_norm, const at::Tensor& post_norm,
                                at::TensorList qkv_t, at::TensorList o_t, at::TensorList gate_up_t,
                                at::TensorList down_t, int64_t num_heads, int64_t num_kv_heads, int64_t group_size,
-                               double eps, double scale) {
+                               double eps, double scale, bool int8_activations) {
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
               "llama_decoder_layer: x must be a [B, T, H] bfloat16 CPU tensor");
   const int64_t B = x.size(0), T = x.size(1), H = x.size(2), M = B * T;
@@ -166,10 +163,10 @@ at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& cos_sin, a
   TORCH_CHECK(I % 64 == 0 && H % group_size == 0 && I % group_size == 0 && (NH * D) % group_size == 0,
               "llama_decoder_layer: intermediate size ", I, " and hidden ", H, " must be multiples of 64 and of the "
               "group size ", group_size);
-  const Int4 qkv = int4_weights(qkv_t, H, NQKV, group_size, "qkv");
-  const Int4 o = int4_weights(o_t, NH * D, H, group_size, "o");
-  const Int4 gate_up = int4_weights(gate_up_t, H, 2 * I, group_size, "gate_up");
-  const Int4 down = int4_weights(down_t, I, H, group_size, "down");
+  const Int4 qkv = int4_weights(qkv_t, H, NQKV, group_size, int8_activations, "qkv");
+  const Int4 o = int4_weights(o_t, NH * D, H, group_size, int8_activations, "o");
+  const Int4 gate_up = int4_weights(gate_up_t, H, 2 * I, group_size, int8_activations, "gate_up");
+  const Int4 down = int4_weights(down_t, I, H, group_size, int8_activations, "down");
 
   const at::Tensor xc = x.contiguous(), cs = cos_sin.contiguous(), slots = slot_mapping.contiguous();
   const at::Tensor ctx = context_slots.contiguous(), vis = visible.contiguous();
@@ -231,7 +228,7 @@ TORCH_LIBRARY_FRAGMENT(nextn, m) {
   m.def("llama_decoder_layer(Tensor x, Tensor cos_sin, Tensor(a!) kv_cache, Tensor slot_mapping, "
         "Tensor context_slots, Tensor visible, Tensor input_norm, Tensor post_norm, Tensor[] qkv, Tensor[] o, "
         "Tensor[] gate_up, Tensor[] down, int num_heads, int num_kv_heads, int group_size, float eps, "
-        "float scale) -> Tensor");
+        "float scale, bool int8_activations=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(nextn, CPU, m) { m.impl("llama_decoder_layer", &llama_decoder_layer); }

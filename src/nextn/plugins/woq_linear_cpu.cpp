@@ -1,13 +1,15 @@
 // Weight-only quantized linear layers for the CPU decode and verify steps (nextn plugin; Python side and the
 // PyTorch reference: woq_linear.py).
 //
-//   nextn::woq_int4_linear(x [M, K], w [N, K/2] uint8, scale [N/16, K/g, 16] bf16, zero8 [N/16, K/g, 16] bf16, g,
-//                          bias?)
-//   nextn::woq_int8_linear(x [M, K], w [N, K] int8, scale [N] f32, bias?)
+//   nextn::woq_int4_linear(x [M, K], w [N, K/2] uint8, scale, zero, g, bias?): one-level scales: scale
+//                          [N/16, K/g, 16] bf16, zero = zero8 [N/16, K/g, 16] bf16; two-level (k-quants): scale
+//                          [N/16, K/g, 2, 16] uint8 (u8 scale, i8 zero), zero [N/16, S, 2, 16] fp16 (d, dmin)
+//   nextn::woq_int8_linear(x [M, K], w [N, K] int8 (`pack_int8` layout), scale [N] f32, bias?)
 //     -> [M, N] in x's dtype
 //
 // x is bf16 or f32; bias is [N] or absent. int4: w = (q - 8) * scale + zero8 per group of g input channels
-// (q in [0, 15]), x rounded to bf16, exact products and f32 sums; int8: y = scale * sum(q * x) in f32.
+// (q in [0, 15]), or w = q * (d * scale) + dmin * zero with d, dmin per super-block of S groups; x rounded to
+// bf16, exact products and f32 sums; int8: y = scale * sum(q * x), x rounded to bf16, exact products, f32 sums.
 //
 // Why our own kernel: a decode step multiplies 1 row (plain) or K + 1 rows (a verify step) by every weight, so it
 // is bound by the weight bytes. PyTorch's CPU weight-only kernels are compute-bound at one row and fall off a cliff
@@ -42,38 +44,80 @@ namespace {
 
 constexpr int kMaxRows = 8;  // rows per register block
 
-// Ask for the next channel block's bytes at this offset into L2 while this block computes: the weights stream from
-// DRAM once per step, and without it loads and arithmetic do not overlap (measured: a [151936, 1536] int8 matrix,
-// one row, 14.5 -> 5.9-7.9 ms; an L1 hint gained less).
-template <int NB, typename T>
-inline void prefetch_next(const T* p, int64_t row_stride) {
-  for (int n = 0; n < NB; ++n) _mm_prefetch(reinterpret_cast<const char*>(p + (n + NB) * row_stride), _MM_HINT_T1);
-}
+// Both kernels ask for every cache line of the next channel blocks into L2 while these compute: the weights stream
+// from DRAM once per step, and without it loads and arithmetic do not overlap (measured: a [151936, 1536] int8
+// matrix, one row, 14.5 -> 5.9-7.9 ms; an L1 hint gained less).
 
 inline __m512 bf16x16_to_f32(__m256i b) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
 }
 
+// A block's group scales, one-level: bf16 scale and zero8 [NB][G][16] (16 channels a group). `get(n, gi, si)` (si:
+// the super-block, unused here) gives the group's scale and the coefficient of its x sum for weights read as
+// 128 + q (int4_block): (q - 8) * s + z8 = (128 + q) * s + (z8 - 136 s).
+struct Bf16Scales {
+  const uint16_t* s;
+  const uint16_t* z;
+  int64_t G;
+  static constexpr bool kTwoLevel = false;
+  inline void prefetch_next(int NB, int64_t gi, int64_t) const {
+    if (gi % 4 == 0) {  // a 64-byte line holds 4 groups' scales (and zero8s)
+      _mm_prefetch(reinterpret_cast<const char*>(s + (NB * G + gi) * 16), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(z + (NB * G + gi) * 16), _MM_HINT_T1);
+    }
+  }
+  inline void get(int n, int64_t gi, int64_t, __m512& sv, __m512& zv) const {
+    const int64_t at = (n * G + gi) * 16;
+    sv = bf16x16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + at)));
+    zv = _mm512_fnmadd_ps(_mm512_set1_ps(136.f), sv,
+                          bf16x16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(z + at))));
+  }
+};
+
+// Two-level (llama.cpp's k-quants): 8-bit group scales [NB][G][2][16] (u8 scale, i8 zero) under fp16 (d, dmin)
+// [NB][S][2][16] per super-block of `gps` groups: w = q * (d * scale) + dmin * zero. d * scale and dmin * zero are
+// exact in f32 (11 x 8 bits), so a GGUF Q4_K block (6-bit scales and mins) is read with llama.cpp's values.
+// Weights read as 128 + q: zv = dmin * zero - 128 * sv.
+struct KScales {
+  const uint8_t* g8;
+  const uint16_t* sup;
+  int64_t G, S, gps;
+  static constexpr bool kTwoLevel = true;
+  inline void prefetch_next(int NB, int64_t gi, int64_t si) const {
+    if (gi % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(g8 + (NB * G + gi) * 32), _MM_HINT_T1);
+    if (gi % gps == 0) _mm_prefetch(reinterpret_cast<const char*>(sup + (NB * S + si) * 32), _MM_HINT_T1);
+  }
+  // d and dmin are re-read (from L1) for every group rather than held in registers across the group: with 8 rows
+  // the accumulators leave no registers for them (measured: held, batch 8 spilled and ran 15 % slower)
+  inline void get(int n, int64_t gi, int64_t si, __m512& sv, __m512& zv) const {
+    const uint8_t* p = g8 + (n * G + gi) * 32;
+    const uint16_t* ds = sup + (n * S + si) * 32;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ds)));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ds + 16)));
+    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    const __m512 zc =
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+    sv = _mm512_mul_ps(sc, d);
+    zv = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), sv, _mm512_mul_ps(zc, dmin));
+  }
+};
+
 // NB blocks of 16 output channels (int4, `pack_int4` layout, starting at w; 8 K bytes a block) against rows
 // [0, MB) of x (bf16, row stride K). A vector lane is an output channel: per 4 input channels, one 32-byte load
-// widens to two vectors of 16 channels x (k, k+1) and (k+2, k+3) bf16 pairs (nibbles -> bf16 integers by a table
-// lookup, exact), and one vdpbf16ps per vector and row multiplies them with x's pair, broadcast (exact products,
+// widens to two vectors of 16 channels x (k, k+1) and (k+2, k+3) bf16 pairs (a nibble q -> the bf16 128 + q by
+// an OR, exact; the 128 comes back out through the group sum of x), and one vdpbf16ps per vector and row multiplies them with x's pair, broadcast (exact products,
 // f32 sums, two chains: lo and hi pairs). At the end of a group of g input channels each row's sums are scaled by
 // the group's 16 scales (one FMA for 16 channels) and the zero points enter through the group sum of x:
-//   y = sum_g [ scale_g * sum_{k in g} q_k x_k + (zero8_g - 8 scale_g) * xs_g ] + bias.
+//   y = sum_g [ s_g * sum_{k in g} (128 + q_k) x_k + z_g * xs_g ] + bias     (Scales::get gives s_g, z_g)
 // Every channel's result is this sequence of f32 operations whatever MB, NB or the thread: batch-invariant.
-// s, z: the blocks' bf16 scale and zero8, [NB][G][16]; xs: [MB][G] f32 group sums of x.
-template <int MB, int NB>
-inline void int4_block(const uint16_t* x, int64_t K, const uint8_t* w, const uint16_t* s, const uint16_t* z,
-                       int64_t G, int64_t g, const float* xs, float* out, int64_t out_stride, const float* bias) {
+// xs: [MB][G] f32 group sums of x.
+template <int MB, int NB, typename Scales>
+inline void int4_block(const uint16_t* x, int64_t K, const uint8_t* w, const Scales& sc, int64_t G, int64_t g,
+                       const float* xs, float* out, int64_t out_stride, const float* bias) {
   const __m512i low4 = _mm512_set1_epi16(0x0F);
-  // bf16 bit patterns of 0.0 .. 15.0, indexed by a nibble
-  const __m512i table = _mm512_set_epi16(
-      0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-      0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
-      0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
-  const __m512 eight = _mm512_set1_ps(8.f);
+  const __m512i b128 = _mm512_set1_epi16(0x4300);  // bf16 128.0: 0x4300 | q is 128 + q exactly (7-bit mantissa)
   const int64_t block_bytes = 8 * K;
+  int64_t si = 0, in_super = 0;  // two-level: the super-block of group gi (counted, not divided), gi's place in it
   __m512 acc[MB][NB];
   for (int m = 0; m < MB; ++m)
     for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
@@ -81,6 +125,7 @@ inline void int4_block(const uint16_t* x, int64_t K, const uint8_t* w, const uin
     __m512 lo[MB][NB], hi[MB][NB];
     for (int m = 0; m < MB; ++m)
       for (int n = 0; n < NB; ++n) lo[m][n] = hi[m][n] = _mm512_setzero_ps();
+    sc.prefetch_next(NB, gi, si);
     for (int64_t k = gi * g; k < (gi + 1) * g; k += 4) {
       if ((k & 7) == 0)
         for (int n = 0; n < NB; ++n)
@@ -88,8 +133,8 @@ inline void int4_block(const uint16_t* x, int64_t K, const uint8_t* w, const uin
       for (int n = 0; n < NB; ++n) {
         const __m512i q = _mm512_cvtepu8_epi16(
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + n * block_bytes + 8 * k)));
-        const __m512bh wl = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(q, low4), table);
-        const __m512bh wh = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(q, 4), table);
+        const __m512bh wl = (__m512bh)_mm512_ternarylogic_epi32(q, low4, b128, 0xEA);  // (q & 0x0F) | 0x4300
+        const __m512bh wh = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(q, 4), b128);
         for (int m = 0; m < MB; ++m) {
           const uint32_t* xm = reinterpret_cast<const uint32_t*>(x + m * K + k);
           lo[m][n] = _mm512_dpbf16_ps(lo[m][n], wl, (__m512bh)_mm512_set1_epi32(int(xm[0])));
@@ -98,13 +143,15 @@ inline void int4_block(const uint16_t* x, int64_t K, const uint8_t* w, const uin
       }
     }
     for (int n = 0; n < NB; ++n) {
-      const __m512 sv = bf16x16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + (n * G + gi) * 16)));
-      const __m512 zv = _mm512_fnmadd_ps(
-          eight, sv, bf16x16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(z + (n * G + gi) * 16))));
+      __m512 sv, zv;
+      sc.get(n, gi, si, sv, zv);
       for (int m = 0; m < MB; ++m) {
         acc[m][n] = _mm512_fmadd_ps(_mm512_add_ps(lo[m][n], hi[m][n]), sv, acc[m][n]);
         acc[m][n] = _mm512_fmadd_ps(zv, _mm512_set1_ps(xs[m * G + gi]), acc[m][n]);
       }
+    }
+    if constexpr (Scales::kTwoLevel) {
+      if (++in_super == sc.gps) in_super = 0, ++si;
     }
   }
   for (int m = 0; m < MB; ++m)
@@ -115,25 +162,133 @@ inline void int4_block(const uint16_t* x, int64_t K, const uint8_t* w, const uin
     }
 }
 
-template <int MB, int NB>
-inline void int8_block(const float* x, int64_t K, const int8_t* w, const float* scale, float* out,
-                       int64_t out_stride, const float* bias) {
+// W4A8: NB blocks of 16 output channels (int4, `pack_int4_vnni` layout: per 8 input channels k..k+7 of a block, 64
+// bytes, byte 4c + j = q[c][k + j] | q[c][k + 4 + j] << 4) against rows [0, MB) of xq, x quantized per group of g
+// to int8 (xq = round(x / sx), sx = max|x| / 127: `quantize_rows`). Per 8 input channels one 64-byte load gives, by
+// an AND and a shift, 16 channels x 4 input channels of unsigned bytes twice, and one vpdpbusd per half and row
+// (64 multiply-adds an instruction, exact in int32) takes x's 4 bytes, broadcast. At the end of a group:
+//   y += (s_g * sx) * sum_{k in g} q_k xq_k + z_g * (sx * sum_{k in g} xq_k)
+// with the group's weight scale s_g and zero z_g (w = q * s_g + z_g), in f32 — the same for a row whatever MB, NB
+// or the thread: batch-invariant. sx, xs: [MB][G] the rows' group scales and sx * sum xq.
+template <int MB, int NB, typename Scales>
+inline void int4a8_block(const int8_t* xq, int64_t K, const uint8_t* w, const Scales& sc, int64_t G, int64_t g,
+                         const float* sx, const float* xs, float* out, int64_t out_stride, const float* bias) {
+  constexpr bool kSplit = MB <= 4;  // two int32 chains (low / high nibbles) where registers allow
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const int64_t block_bytes = 8 * K;
+  int64_t si = 0, in_super = 0;
   __m512 acc[MB][NB];
   for (int m = 0; m < MB; ++m)
     for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) {
-    __m512 xv[MB];
-    if ((k & 63) == 0) prefetch_next<NB>(w + k, K);
-    for (int m = 0; m < MB; ++m) xv[m] = _mm512_loadu_ps(x + m * K + k);
+  for (int64_t gi = 0; gi < G; ++gi) {
+    __m512i lo[MB][NB], hi[MB][kSplit ? NB : 1];
+    for (int m = 0; m < MB; ++m)
+      for (int n = 0; n < NB; ++n) {
+        lo[m][n] = _mm512_setzero_si512();
+        if constexpr (kSplit) hi[m][n] = _mm512_setzero_si512();
+      }
+    sc.prefetch_next(NB, gi, si);
+    for (int64_t k = gi * g; k < (gi + 1) * g; k += 8) {
+      for (int n = 0; n < NB; ++n)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (n + NB) * block_bytes + 8 * k), _MM_HINT_T1);
+      for (int n = 0; n < NB; ++n) {
+        const __m512i v = _mm512_loadu_si512(w + n * block_bytes + 8 * k);
+        const __m512i wl = _mm512_and_si512(v, low4);
+        const __m512i wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        for (int m = 0; m < MB; ++m) {
+          const int32_t* xm = reinterpret_cast<const int32_t*>(xq + m * K + k);
+          lo[m][n] = _mm512_dpbusd_epi32(lo[m][n], wl, _mm512_set1_epi32(xm[0]));
+          if constexpr (kSplit) {
+            hi[m][n] = _mm512_dpbusd_epi32(hi[m][n], wh, _mm512_set1_epi32(xm[1]));
+          } else {
+            lo[m][n] = _mm512_dpbusd_epi32(lo[m][n], wh, _mm512_set1_epi32(xm[1]));
+          }
+        }
+      }
+    }
     for (int n = 0; n < NB; ++n) {
-      const __m512 wv = _mm512_cvtepi32_ps(
-          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + n * K + k))));
-      for (int m = 0; m < MB; ++m) acc[m][n] = _mm512_fmadd_ps(wv, xv[m], acc[m][n]);
+      __m512 sv, zv;
+      sc.get(n, gi, si, sv, zv);
+      zv = _mm512_fmadd_ps(_mm512_set1_ps(128.f), sv, zv);  // get's zero is for weights read as 128 + q
+      for (int m = 0; m < MB; ++m) {
+        __m512i d = lo[m][n];
+        if constexpr (kSplit) d = _mm512_add_epi32(d, hi[m][n]);
+        acc[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(sv, _mm512_set1_ps(sx[m * G + gi])),
+                                    acc[m][n]);
+        acc[m][n] = _mm512_fmadd_ps(zv, _mm512_set1_ps(xs[m * G + gi]), acc[m][n]);
+      }
+    }
+    if constexpr (Scales::kTwoLevel) {
+      if (++in_super == sc.gps) in_super = 0, ++si;
     }
   }
   for (int m = 0; m < MB; ++m)
-    for (int n = 0; n < NB; ++n)
-      out[m * out_stride + n] = scale[n] * _mm512_reduce_add_ps(acc[m][n]) + (bias ? bias[n] : 0.f);
+    for (int n = 0; n < NB; ++n) {
+      __m512 y = acc[m][n];
+      if (bias) y = _mm512_add_ps(y, _mm512_loadu_ps(bias + 16 * n));
+      _mm512_storeu_ps(out + m * out_stride + 16 * n, y);
+    }
+}
+
+// x [M, K] bf16 -> xq [M, K] int8, per group of g: sx = max|x| / 127 (0 for an all-zero group), xq = round-to-even
+// of x / sx, xs = sx * sum xq (what the group's zero point multiplies). Each row alone: batch-invariant.
+void quantize_rows(const uint16_t* x, int64_t M, int64_t K, int64_t g, int8_t* xq, float* sx, float* xs) {
+  const int64_t G = K / g;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t gi = 0; gi < G; ++gi) {
+      const uint16_t* p = x + m * K + gi * g;
+      __m512 amax = _mm512_setzero_ps();
+      for (int64_t k = 0; k < g; k += 16)
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(bf16x16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + k)))));
+      const float s = _mm512_reduce_max_ps(amax) / 127.f;
+      const __m512 sv = _mm512_set1_ps(s);
+      __m512i sum = _mm512_setzero_si512();
+      for (int64_t k = 0; k < g; k += 16) {
+        const __m512 v = bf16x16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + k)));
+        const __m512i q = s > 0.f ? _mm512_cvtps_epi32(_mm512_div_ps(v, sv)) : _mm512_setzero_si512();
+        sum = _mm512_add_epi32(sum, q);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + m * K + gi * g + k), _mm512_cvtsepi32_epi8(q));
+      }
+      sx[m * G + gi] = s;
+      xs[m * G + gi] = s * float(_mm512_reduce_add_epi32(sum));
+    }
+}
+
+// NB blocks of 16 output channels (int8, `pack_int8` layout: per 2 input channels k, k+1 of a block, 32 bytes, byte
+// 2c + j = q[c][k + j]) against rows [0, MB) of x (bf16, row stride K). Per 2 input channels one 32-byte load
+// widens to 32 f32 and packs into 16 channels x (k, k+1) bf16 pairs (exact: |q| <= 127 fits bf16's 8-bit
+// significand), and one vdpbf16ps per row multiplies them with x's pair, broadcast: 32 multiply-adds an
+// instruction, twice an f32 FMA's, so a verify step's rows stay memory-bound. y = scale * sum + bias, f32.
+// Every channel's result is the same sequence of operations whatever MB, NB or the thread: batch-invariant.
+template <int MB, int NB>
+inline void int8_block(const uint16_t* x, int64_t K, const int8_t* w, const float* scale, float* out,
+                       int64_t out_stride, const float* bias) {
+  const int64_t block_bytes = 16 * K;
+  __m512 acc[MB][NB];
+  for (int m = 0; m < MB; ++m)
+    for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 2) {
+    if ((k & 3) == 0)
+      for (int n = 0; n < NB; ++n)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (n + NB) * block_bytes + 16 * k), _MM_HINT_T1);
+    for (int n = 0; n < NB; ++n) {
+      const int8_t* p = w + n * block_bytes + 16 * k;
+      const __m512 c0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+      const __m512 c8 =
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+      const __m512bh wv = _mm512_cvtne2ps_pbh(c8, c0);  // bf16 lanes 0-15 from c0 (channels 0-7), 16-31 from c8
+      for (int m = 0; m < MB; ++m) {
+        const uint32_t* xm = reinterpret_cast<const uint32_t*>(x + m * K + k);
+        acc[m][n] = _mm512_dpbf16_ps(acc[m][n], wv, (__m512bh)_mm512_set1_epi32(int(xm[0])));
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int n = 0; n < NB; ++n) {
+      __m512 y = _mm512_mul_ps(acc[m][n], _mm512_loadu_ps(scale + 16 * n));
+      if (bias) y = _mm512_add_ps(y, _mm512_loadu_ps(bias + 16 * n));
+      _mm512_storeu_ps(out + m * out_stride + 16 * n, y);
+    }
 }
 
 template <int V>
@@ -180,17 +335,6 @@ void run_blocks(int64_t M, int64_t N, int64_t grain, Block& block) {
   });
 }
 
-// int8: up to 4 rows, 4 channels a block (NB x MAX = 16 accumulators); more rows (a verify step): 2 channels a
-// block, 8 rows a chunk.
-template <typename Block>
-void for_each_block(int64_t M, int64_t N, Block&& block) {
-  if (M <= 4) {
-    run_blocks<4, 4>(M, N, 16, block);
-  } else {
-    run_blocks<2, kMaxRows>(M, N, 16, block);
-  }
-}
-
 // x checked and flattened to a contiguous [M, K] `as` tensor (the dtype the kernel reads it in).
 at::Tensor check_x(const at::Tensor& x, int64_t K, const char* op, at::ScalarType as) {
   TORCH_CHECK(x.device().is_cpu(), op, ": x must be on the CPU");
@@ -217,8 +361,8 @@ at::Tensor finish(const at::Tensor& out, const at::Tensor& x) {
 
 namespace nextn_cpu {
 
-void int4_linear(const uint16_t* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t N, const uint16_t* sp,
-                 const uint16_t* zp, int64_t group_size, const float* b, float* op) {
+void int4_linear(const uint16_t* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t N, const Int4Scales& scales,
+                 int64_t group_size, const float* b, float* op) {
   const int64_t G = K / group_size;
   // group sums of x, f32, in a fixed order per row
   std::vector<float> xs(M * G);
@@ -231,16 +375,83 @@ void int4_linear(const uint16_t* xp, int64_t M, int64_t K, const uint8_t* wp, in
     }
   // blocks of 16 channels split across threads; one row: 2 blocks at a time (4 independent vdpbf16ps chains);
   // more: 1 block, up to 8 rows a chunk re-reading the block's weights from L1/L2
-  auto block = [&](auto mb, auto nb, int64_t m0, int64_t blk) {
-    constexpr int MB = decltype(mb)::value, NB = decltype(nb)::value;
-    int4_block<MB, NB>(xp + m0 * K, K, wp + blk * 8 * K, sp + blk * G * 16, zp + blk * G * 16, G, group_size,
-                       xs.data() + m0 * G, op + m0 * N + blk * 16, N, b ? b + blk * 16 : nullptr);
+  auto run = [&](auto make_scales) {
+    auto block = [&](auto mb, auto nb, int64_t m0, int64_t blk) {
+      constexpr int MB = decltype(mb)::value, NB = decltype(nb)::value;
+      int4_block<MB, NB>(xp + m0 * K, K, wp + blk * 8 * K, make_scales(blk), G, group_size, xs.data() + m0 * G,
+                         op + m0 * N + blk * 16, N, b ? b + blk * 16 : nullptr);
+    };
+    if (M == 1) {
+      run_blocks<2, 1>(M, N / 16, 4, block);
+    } else {
+      run_blocks<1, kMaxRows>(M, N / 16, 4, block);
+    }
   };
-  if (M == 1) {
-    run_blocks<2, 1>(M, N / 16, 4, block);
-  } else {
-    run_blocks<1, kMaxRows>(M, N / 16, 4, block);
+  if (scales.int8_activations) {
+    std::vector<int8_t> xq(M * K);
+    std::vector<float> sx(M * G);
+    quantize_rows(xp, M, K, group_size, xq.data(), sx.data(), xs.data());
+    // one row: 4 blocks at a time (8 vpdpbusd chains); up to 4 rows: 2; more: 1 block, 8 rows a chunk
+    auto run8 = [&](auto make_scales) {
+      auto block = [&](auto mb, auto nb, int64_t m0, int64_t blk) {
+        constexpr int MB = decltype(mb)::value, NB = decltype(nb)::value;
+        int4a8_block<MB, NB>(xq.data() + m0 * K, K, wp + blk * 8 * K, make_scales(blk), G, group_size,
+                             sx.data() + m0 * G, xs.data() + m0 * G, op + m0 * N + blk * 16, N,
+                             b ? b + blk * 16 : nullptr);
+      };
+      if (M == 1) {
+        run_blocks<4, 1>(M, N / 16, 2, block);
+      } else if (M <= 4) {
+        run_blocks<2, 4>(M, N / 16, 2, block);
+      } else {
+        run_blocks<1, kMaxRows>(M, N / 16, 4, block);
+      }
+    };
+    if (scales.group == nullptr) {
+      run8([&](int64_t blk) { return Bf16Scales{scales.scale + blk * G * 16, scales.zero8 + blk * G * 16, G}; });
+    } else {
+      const int64_t S = G / scales.groups_per_super;
+      run8([&](int64_t blk) {
+        return KScales{scales.group + blk * G * 32, scales.super + blk * S * 32, G, S, scales.groups_per_super};
+      });
+    }
+    return;
   }
+  if (scales.group == nullptr) {
+    run([&](int64_t blk) { return Bf16Scales{scales.scale + blk * G * 16, scales.zero8 + blk * G * 16, G}; });
+  } else {
+    const int64_t S = G / scales.groups_per_super;
+    run([&](int64_t blk) {
+      return KScales{scales.group + blk * G * 32, scales.super + blk * S * 32, G, S, scales.groups_per_super};
+    });
+  }
+}
+
+Int4Scales int4_scales(const at::Tensor& scale, const at::Tensor& zero, int64_t N, int64_t G, const char* op) {
+  Int4Scales r;
+  TORCH_CHECK(scale.is_contiguous() && zero.is_contiguous(), op, ": scale and zero must be contiguous");
+  if (scale.scalar_type() == at::kBFloat16) {
+    TORCH_CHECK(zero.scalar_type() == at::kBFloat16 && scale.numel() == N * G && zero.numel() == N * G, op,
+                ": one-level scales: scale and zero8 must be bfloat16 [N / 16, K / group_size, 16] = [", N / 16, ", ",
+                G, ", 16]");
+    r.scale = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::BFloat16>());
+    r.zero8 = reinterpret_cast<const uint16_t*>(zero.data_ptr<at::BFloat16>());
+    return r;
+  }
+  TORCH_CHECK(scale.scalar_type() == at::kByte, op, ": scale must be bfloat16 (one-level scales, with a bfloat16 "
+              "zero8) or uint8 (two-level: 8-bit group scales and zeros, with float16 super-block scales), got ",
+              scale.scalar_type());
+  TORCH_CHECK(zero.scalar_type() == at::kHalf && scale.numel() == 2 * N * G &&
+                  zero.numel() % (2 * N) == 0 && zero.numel() > 0,
+              op, ": two-level scales: scale must be uint8 [N / 16, G, 2, 16] and zero float16 [N / 16, S, 2, 16] "
+              "(G = K / group_size = ", G, ", S super-blocks), got ", scale.scalar_type(), " ", scale.sizes(), " and ",
+              zero.scalar_type(), " ", zero.sizes());
+  const int64_t S = zero.numel() / (2 * N);
+  TORCH_CHECK(G % S == 0, op, ": ", S, " super-blocks do not divide ", G, " groups");
+  r.group = scale.data_ptr<uint8_t>();
+  r.super = reinterpret_cast<const uint16_t*>(zero.data_ptr<at::Half>());
+  r.groups_per_super = G / S;
+  return r;
 }
 
 }  // namespace nextn_cpu
@@ -248,7 +459,8 @@ void int4_linear(const uint16_t* xp, int64_t M, int64_t K, const uint8_t* wp, in
 namespace {
 
 at::Tensor woq_int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
-                           const at::Tensor& zero8, int64_t group_size, const std::optional<at::Tensor>& bias) {
+                           const at::Tensor& zero, int64_t group_size, const std::optional<at::Tensor>& bias,
+                           bool int8_activations) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
               "woq_int4_linear: w must be a contiguous [N, K/2] uint8 tensor");
   const int64_t N = w.size(0), K = w.size(1) * 2;
@@ -256,47 +468,55 @@ at::Tensor woq_int4_linear(const at::Tensor& x, const at::Tensor& w, const at::T
   TORCH_CHECK(N % 16 == 0, "woq_int4_linear: N = ", N, " output channels must be a multiple of 16");
   TORCH_CHECK(group_size % 32 == 0 && K % group_size == 0, "woq_int4_linear: group_size ", group_size,
               " must be a multiple of 32 dividing K = ", K);
-  const int64_t G = K / group_size;
-  TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && zero8.scalar_type() == at::kBFloat16 &&
-                  scale.is_contiguous() && zero8.is_contiguous() && scale.numel() == N * G && zero8.numel() == N * G,
-              "woq_int4_linear: scale and zero8 must be contiguous bfloat16 [N / 16, K / group_size, 16]");
+  nextn_cpu::Int4Scales scales = nextn_cpu::int4_scales(scale, zero, N, K / group_size, "woq_int4_linear");
+  scales.int8_activations = int8_activations;
   const at::Tensor xb = check_x(x, K, "woq_int4_linear", at::kBFloat16);
   const int64_t M = xb.size(0);
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat)), bias_keep;
   nextn_cpu::int4_linear(reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()), M, K, w.data_ptr<uint8_t>(),
-                         N, reinterpret_cast<const uint16_t*>(scale.data_ptr<at::BFloat16>()),
-                         reinterpret_cast<const uint16_t*>(zero8.data_ptr<at::BFloat16>()), group_size,
-                         bias_ptr(bias, N, bias_keep), out.data_ptr<float>());
+                         N, scales, group_size, bias_ptr(bias, N, bias_keep), out.data_ptr<float>());
   return finish(out, x);
 }
 
 at::Tensor woq_int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                            const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous(),
-              "woq_int8_linear: w must be a contiguous [N, K] int8 tensor");
+              "woq_int8_linear: w must be a contiguous [N, K] int8 tensor (`pack_int8` layout)");
   const int64_t N = w.size(0), K = w.size(1);
   TORCH_CHECK(K % 16 == 0, "woq_int8_linear: K = ", K, " must be a multiple of 16");
+  TORCH_CHECK(N % 16 == 0, "woq_int8_linear: N = ", N, " output channels must be a multiple of 16");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == N,
               "woq_int8_linear: scale must be a contiguous float32 [N]");
-  const at::Tensor x2 = check_x(x, K, "woq_int8_linear", at::kFloat);
-  const int64_t M = x2.size(0);
-  at::Tensor out = at::empty({M, N}, x2.options()), bias_keep;
+  const at::Tensor xb = check_x(x, K, "woq_int8_linear", at::kBFloat16);
+  const int64_t M = xb.size(0);
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat)), bias_keep;
   const float* b = bias_ptr(bias, N, bias_keep);
-  const float* xp = x2.data_ptr<float>();
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  for_each_block(M, N, [&](auto mb, auto nb, int64_t m0, int64_t n0) {
+  // blocks of 16 channels; one row: 4 blocks at a time (4 independent vdpbf16ps chains); up to 4 rows: 2 blocks;
+  // more: 2 blocks, 8 rows a chunk
+  auto block = [&](auto mb, auto nb, int64_t m0, int64_t blk) {
     constexpr int MB = decltype(mb)::value, NB = decltype(nb)::value;
-    int8_block<MB, NB>(xp + m0 * K, K, wp + n0 * K, sp + n0, op + m0 * N + n0, N, b ? b + n0 : nullptr);
-  });
+    int8_block<MB, NB>(xp + m0 * K, K, wp + blk * 16 * K, sp + blk * 16, op + m0 * N + blk * 16, N,
+                       b ? b + blk * 16 : nullptr);
+  };
+  if (M == 1) {
+    run_blocks<4, 1>(M, N / 16, 4, block);
+  } else if (M <= 4) {
+    run_blocks<2, 4>(M, N / 16, 4, block);
+  } else {
+    run_blocks<2, kMaxRows>(M, N / 16, 4, block);
+  }
   return finish(out, x);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(nextn, m) {
-  m.def("woq_int4_linear(Tensor x, Tensor w, Tensor scale, Tensor zero, int group_size, Tensor? bias) -> Tensor");
+  m.def("woq_int4_linear(Tensor x, Tensor w, Tensor scale, Tensor zero, int group_size, Tensor? bias, "
+        "bool int8_activations=False) -> Tensor");
   m.def("woq_int8_linear(Tensor x, Tensor w, Tensor scale, Tensor? bias) -> Tensor");
 }
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nextn.plugins import woq_linear
-from nextn.quantization.weight_only import QuantConfig, dequantize, unpack_int4
+from nextn.quantization.weight_only import INT4_ALGOS, QuantConfig, dequantize, super_scales, unpack_int4
 
 
 class WeightOnlyLinear(nn.Module):
@@ -34,7 +34,9 @@ class WeightOnlyLinear(nn.Module):
         self.cfg = cfg
         w = tensors["weight"]
         self.out_features = w.shape[0]
-        self.in_features = w.shape[1] * (2 if cfg.quant_algo == "W4A16" else 1)
+        self.in_features = w.shape[1] * (2 if cfg.quant_algo in INT4_ALGOS else 1)
+        # W4A8 on nextn's kernel: activations quantized to int8 per group, the weight in the `vpdpbusd` layout
+        self.int8_activations = cfg.quant_algo == "W4A8"
         self.register_buffer("bias", tensors.get("bias"), persistent=False)
         self._tensors = {k: v for k, v in tensors.items() if k != "bias"}
         self.use_kernel = w.device.type == "cpu"
@@ -42,17 +44,33 @@ class WeightOnlyLinear(nn.Module):
         if self.use_kernel and woq_linear.available() and woq_linear.takes(cfg.quant_algo, self.out_features,
                                                                            self.in_features):
             self.kernel = "nextn"
-        if cfg.quant_algo == "W8A16":
-            # a fresh allocation: tensors loaded from safetensors sit at 8-byte offsets in the file's buffer, and the
-            # int8 kernel's vector loads crash on an unaligned weight (found with SmolLM2)
+        if cfg.quant_algo == "W8A16" and self.kernel == "nextn":
+            # the kernel's layout, rows padded to a multiple of 16 (the output is cut back to N)
+            self.register_buffer("qweight", woq_linear.pack_int8(w), persistent=False)
+            scale = tensors["weight_scale"].float()
+            scale = torch.cat([scale, scale.new_zeros(self.qweight.shape[0] - self.out_features)])
+            self.register_buffer("scales", scale.contiguous(), persistent=False)
+        elif cfg.quant_algo == "W8A16":
+            # a fresh allocation: tensors loaded from safetensors sit at 8-byte offsets in the file's buffer, and
+            # vector loads of an unaligned weight crash (found with SmolLM2)
             self.register_buffer("qweight", w.clone(memory_format=torch.contiguous_format), persistent=False)
-            scale_dtype = torch.float32 if self.kernel == "nextn" else torch.bfloat16
-            self.register_buffer("scales", tensors["weight_scale"].to(scale_dtype).contiguous(), persistent=False)
+            self.register_buffer("scales", tensors["weight_scale"].to(torch.bfloat16).contiguous(), persistent=False)
+        elif "weight_scale_2" in tensors and self.kernel == "nextn":
+            # two-level scales read as stored: `scales` the 8-bit (scale, zero) pairs [N/16, G, 2, 16] uint8, `zeros`
+            # the fp16 (d, dmin) of each super-block [N/16, S, 2, 16] (woq_linear_cpu.cpp)
+            self.group_size = self.in_features // tensors["weight_scale"].shape[1]
+            self.register_buffer("qweight", self._pack(w), persistent=False)
+            pairs = torch.stack([tensors["weight_scale"], tensors["weight_zero"].view(torch.uint8)], dim=-1)
+            self.register_buffer("scales", woq_linear.block_scales(pairs), persistent=False)
+            self.register_buffer("zeros", woq_linear.block_scales(tensors["weight_scale_2"].half()), persistent=False)
         else:
-            scale, zero = tensors["weight_scale"].float(), tensors["weight_zero"].float()
+            if "weight_scale_2" in tensors:  # two-level scales on PyTorch's kernel: their per-group values
+                scale, zero = super_scales(tensors)
+            else:
+                scale, zero = tensors["weight_scale"].float(), tensors["weight_zero"].float()
             self.group_size = self.in_features // scale.shape[1]
             if self.kernel == "nextn":
-                self.register_buffer("qweight", woq_linear.pack_int4(w), persistent=False)
+                self.register_buffer("qweight", self._pack(w), persistent=False)
                 self.register_buffer("scales", woq_linear.block_scales(scale.to(torch.bfloat16)), persistent=False)
                 self.register_buffer("zeros", woq_linear.block_scales((zero + 8 * scale).to(torch.bfloat16)),
                                      persistent=False)
@@ -64,9 +82,14 @@ class WeightOnlyLinear(nn.Module):
                 self.register_buffer("scales", sz.transpose(0, 1).contiguous().to(torch.bfloat16), persistent=False)
         if self.kernel == "nextn" and self.bias is not None:
             self.bias = self.bias.float()
+            if self.qweight.shape[0] != self.out_features:  # int8 rows padded to 16
+                self.bias = torch.cat([self.bias, self.bias.new_zeros(self.qweight.shape[0] - self.out_features)])
         if not self.use_kernel:
             self.register_buffer("dense", dequantize(self._tensors, cfg), persistent=False)
         del self._tensors
+
+    def _pack(self, w: torch.Tensor) -> torch.Tensor:
+        return woq_linear.pack_int4_vnni(w) if self.int8_activations else woq_linear.pack_int4(w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in_features] → [..., out_features] in x's dtype."""
@@ -74,8 +97,10 @@ class WeightOnlyLinear(nn.Module):
             return F.linear(x, self.dense.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         if self.kernel == "nextn":
             if self.cfg.quant_algo == "W8A16":
-                return torch.ops.nextn.woq_int8_linear(x, self.qweight, self.scales, self.bias)
-            return torch.ops.nextn.woq_int4_linear(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias)
+                y = torch.ops.nextn.woq_int8_linear(x, self.qweight, self.scales, self.bias)
+                return y if y.shape[-1] == self.out_features else y[..., :self.out_features].contiguous()
+            return torch.ops.nextn.woq_int4_linear(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias,
+                                                   self.int8_activations)
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
         if self.cfg.quant_algo == "W8A16":
@@ -93,7 +118,7 @@ def install_weight_only_linears(model: nn.Module, weights: dict[str, torch.Tenso
     """Replace every module of `model` whose weights are stored quantized (an `nn.Linear`, or a tied model's
     lm_head, which the engine stores as a quantized copy of the embedding) by a `WeightOnlyLinear`.
 
-    The layer's tensors (`weight`, `weight_scale`, [`weight_zero`], [`bias`]) are popped from `weights`, so the
+    The layer's tensors (`weight`, `weight_scale`, [`weight_zero`], [`weight_scale_2`], [`bias`]) are popped from `weights`, so the
     rest loads with `load_state_dict(strict=True)`.
     Returns:
         The names of the replaced layers.
@@ -102,7 +127,8 @@ def install_weight_only_linears(model: nn.Module, weights: dict[str, torch.Tenso
     for name, module in list(model.named_modules()):
         if not name or f"{name}.weight_scale" not in weights:
             continue
-        keys = [s for s in ("weight", "weight_scale", "weight_zero", "bias") if f"{name}.{s}" in weights]
+        keys = [s for s in ("weight", "weight_scale", "weight_zero", "weight_scale_2", "bias")
+                if f"{name}.{s}" in weights]
         layer = WeightOnlyLinear({s: weights.pop(f"{name}.{s}") for s in keys}, cfg.for_module(name))
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, layer)

@@ -8,6 +8,16 @@ TensorRT-LLM's names (`QuantConfig.quant_algo`, `group_size`, `exclude_modules`)
   `_weight_int4pack_mm_for_cpu`). Stored portably as `<linear>.weight` uint8 [N, K / 2] (two values a byte, the
   even input channel in the low nibble), `<linear>.weight_scale` and `<linear>.weight_zero` fp32 [N, K / group_size];
   the runtime packs them into the kernel's own layout at load (`quantization/linear.py`).
+- **W4A16 with super-blocks** (`super_block_size`; llama.cpp's k-quant scheme, as in Q4_K): the same 4-bit values,
+  but each group's scale and zero are 8-bit integers under two fp16 numbers per super-block of groups,
+  w = q · (d · scale) + dmin · zero, q ∈ [0, 15]: 4 + 16/g + 32/super bits a weight (4.625 at g = 32, super 256)
+  instead of 4 + 64/g (5 at g = 32). Stored as `<linear>.weight` uint8 [N, K / 2], `<linear>.weight_scale` uint8
+  and `<linear>.weight_zero` int8 [N, K / group_size], `<linear>.weight_scale_2` fp16 [N, K / super, 2] (d, dmin).
+  A layer's super-block is the largest multiple of the group size ≤ `super_block_size` dividing its K.
+- **W4A8**: W4A16's weights (stored the same way), multiplied on nextn's CPU kernel by the activations quantized to
+  int8 per group of `group_size` (symmetric, max |x| / 127, at run time: llama.cpp's numerics on a CPU, where its
+  4-bit dot products take 8-bit activations). Integer dot products (`vpdpbusd`, 64 multiply-adds an instruction)
+  keep the step memory-bound at the K + 1 rows of a verify step; elsewhere (PyTorch's kernels) it runs as W4A16.
 
 The engine file stays independent of the CPU kernel's tiling; the kernels are PyTorch's own
 (`torch.ops.aten._weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`).
@@ -15,13 +25,15 @@ The engine file stays independent of the CPU kernel's tiling; the kernels are Py
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-QUANT_ALGOS = ("W8A16", "W4A16")
+QUANT_ALGOS = ("W8A16", "W4A16", "W4A8")
+#: The 4-bit formats: stored alike; W4A8 multiplies activations quantized per group to int8 (llama.cpp's CPU numerics)
+INT4_ALGOS = ("W4A16", "W4A8")
 #: Group sizes tried in order when `group_size` is not given. 32 first (TensorRT-LLM's default is 128): it is the
 #: block of llama.cpp's 4-bit formats (Q4_0, Q4_1, Q4_K's sub-blocks), so a 4-bit GGUF re-quantizes almost exactly —
 #: measured on SmolLM2-135M Q4_1, held-out perplexity +0.13 % over bf16 at 32 against +25.7 % at 64
@@ -37,21 +49,25 @@ class QuantConfig(BaseModel):
     """The engine's weight-only quantization (recorded in the manifest as `quant_config`).
 
     Attributes:
-        quant_algo: "W8A16" (int8 per-channel) or "W4A16" (4-bit per-group).
+        quant_algo: "W8A16" (int8 per-channel), "W4A16" (4-bit per-group) or "W4A8" (W4A16's weights, int8
+            activations per group on nextn's CPU kernel).
         group_size: input channels per scale for W4A16 (must divide every quantized layer's input size); None for
             W8A16.
         exclude_modules: linear layers kept in the engine dtype, by name or name prefix (e.g. "lm_head").
         lm_head_quant_algo: the lm_head's own format when it is quantized (None: `quant_algo`). Builds set
             "W8A16": the vocabulary projection decides every token, and 4 bits there cost SmolLM2 +4.3 % held-out
             perplexity where 4-bit decoder layers cost +0.13 % (docs/PERFORMANCE.md).
+        super_block_size: W4A16 / W4A8 only: 8-bit group scales and zeros under fp16 scales per super-block of at most
+            this many input channels (llama.cpp's k-quants; 256 is Q4_K's); None: bf16 scales and zeros per group.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    quant_algo: Literal["W8A16", "W4A16"]
+    quant_algo: Literal["W8A16", "W4A16", "W4A8"]
     group_size: int | None = Field(default=None, gt=0)
     exclude_modules: list[str] = Field(default_factory=list)
-    lm_head_quant_algo: Literal["W8A16", "W4A16"] | None = None
+    lm_head_quant_algo: Literal["W8A16", "W4A16", "W4A8"] | None = None
+    super_block_size: int | None = Field(default=None, gt=0)
 
     def applies_to(self, linear_name: str) -> bool:
         """Whether the linear layer `linear_name` (without `.weight`) is quantized."""
@@ -62,7 +78,9 @@ class QuantConfig(BaseModel):
         algo = self.lm_head_quant_algo
         if linear_name != "lm_head" or algo is None or algo == self.quant_algo:
             return self
-        return QuantConfig(quant_algo=algo, group_size=self.group_size if algo == "W4A16" else None)
+        w4 = algo in INT4_ALGOS
+        return QuantConfig(quant_algo=algo, group_size=self.group_size if w4 else None,
+                           super_block_size=self.super_block_size if w4 else None)
 
 
 def default_group_size(in_features: list[int]) -> int:
@@ -78,14 +96,24 @@ def default_group_size(in_features: list[int]) -> int:
                      "; use W8A16, or exclude those layers with exclude_modules")
 
 
+def super_block(k: int, group_size: int, super_block_size: int) -> int:
+    """A layer's super-block: the largest multiple of `group_size` ≤ `super_block_size` dividing K (at least one
+    group)."""
+    best = group_size
+    for s in range(group_size, super_block_size + 1, group_size):
+        if k % s == 0:
+            best = s
+    return best
+
+
 def quantize(w: torch.Tensor, cfg: QuantConfig) -> dict[str, torch.Tensor]:
     """Quantize one linear weight.
 
     Args:
         w: [N, K] floating weight (out_features × in_features).
     Returns:
-        {"weight", "weight_scale"} (W8A16) or {"weight", "weight_scale", "weight_zero"} (W4A16), shapes and dtypes
-        as in the module docstring.
+        {"weight", "weight_scale"} (W8A16), {"weight", "weight_scale", "weight_zero"} (W4A16) and
+        "weight_scale_2" (W4A16 with super-blocks), shapes and dtypes as in the module docstring.
     Raises:
         QuantError: not 2-D, non-finite values, or K not divisible by the group size.
     """
@@ -104,11 +132,50 @@ def quantize(w: torch.Tensor, cfg: QuantConfig) -> dict[str, torch.Tensor]:
         raise QuantError(f"W4A16 group_size {g} does not divide the input size {k}; choose a group size that does")
     wg = w.view(n, k // g, g)
     lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)  # [N, K/g]
+    if cfg.super_block_size:
+        return _quantize_super(wg, lo, hi, super_block(k, g, cfg.super_block_size) // g)
     scale = _bf16_exact(((hi - lo) / 15).clamp(min=1e-12))
     lo = _bf16_exact(lo + 8 * scale) - 8 * scale  # the kernel's zero point lo + 8·scale is then exact in bf16
     q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).view(n, k)
     packed = q[:, 0::2] | (q[:, 1::2] << 4)  # [N, K/2]
     return {"weight": packed.contiguous(), "weight_scale": scale, "weight_zero": lo}
+
+
+def _fp16_at_least(x: torch.Tensor) -> torch.Tensor:
+    """x (≥ 0) as fp16, rounded up (never below x, never 0), so that 255 · d covers the largest group scale."""
+    h = x.clamp(min=2.0 ** -24).half()
+    low = h.float() < x
+    return torch.where(low, torch.nextafter(h, torch.tensor(float("inf"), dtype=torch.float16)), h)
+
+
+def _quantize_super(wg: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, gps: int) -> dict[str, torch.Tensor]:
+    """Two-level W4A16 of wg [N, G, g] with group minima / maxima lo, hi [N, G] and `gps` groups a super-block:
+    zero = dmin · floor(lo / dmin) (≤ lo), scale = d · sc with sc the smallest 8-bit step covering [zero, hi] or
+    one less, whichever gives the group the smaller squared error (llama.cpp's `make_qkx2_quants` searches the
+    same two numbers more widely)."""
+    n, groups, g = wg.shape
+    sup = groups // gps
+    d = _fp16_at_least((hi - lo).clamp(min=0).view(n, sup, gps).amax(-1) / 15 / 255)  # [N, S]
+    dmin = _fp16_at_least(lo.abs().view(n, sup, gps).amax(-1) / 127)
+    df, dminf = d.float().repeat_interleave(gps, 1), dmin.float().repeat_interleave(gps, 1)  # [N, G]
+    z = torch.floor(lo / dminf).clamp(-127, 127)
+    zero = z * dminf
+    top = torch.ceil((hi - zero) / 15 / df).clamp(0, 255)
+    best_err, best = None, None
+    for sc in (top, (top - 1).clamp(min=0)):
+        scale = sc * df
+        q = torch.round((wg - zero[..., None]) / scale.clamp(min=1e-30)[..., None]).clamp(0, 15)
+        err = (q * scale[..., None] + zero[..., None] - wg).square().sum(-1)
+        if best is None:
+            best_err, best = err, (sc, q)
+        else:
+            take = err < best_err
+            best = (torch.where(take, sc, best[0]), torch.where(take[..., None], q, best[1]))
+            best_err = torch.minimum(err, best_err)
+    sc, q = best
+    q = q.to(torch.uint8).view(n, groups * g)
+    return {"weight": (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous(), "weight_scale": sc.to(torch.uint8),
+            "weight_zero": z.to(torch.int8), "weight_scale_2": torch.stack([d, dmin], dim=-1)}
 
 
 def _bf16_exact(x: torch.Tensor) -> torch.Tensor:
@@ -129,9 +196,20 @@ def dequantize(t: dict[str, torch.Tensor], cfg: QuantConfig) -> torch.Tensor:
     q = unpack_int4(t["weight"]).float()
     n, k = q.shape
     groups = t["weight_scale"].shape[1]
+    if "weight_scale_2" in t:
+        scale, zero = super_scales(t)
+        return (q.view(n, groups, k // groups) * scale[..., None] + zero[..., None]).view(n, k)
     scale, zero8 = t["weight_scale"].float()[..., None], (t["weight_zero"].float() + 8 * t["weight_scale"].float())[..., None]
     w = (q.view(n, groups, k // groups) - 8) * scale + zero8  # as the kernel: (q − 8) · scale + (zero + 8 · scale)
     return w.view(n, k)
+
+
+def super_scales(t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A two-level W4A16 layer's effective per-group scale d · sc and zero dmin · z, [N, G] fp32 (exact)."""
+    d2 = t["weight_scale_2"].float()  # [N, S, 2]
+    gps = t["weight_scale"].shape[1] // d2.shape[1]
+    d, dmin = d2[..., 0].repeat_interleave(gps, 1), d2[..., 1].repeat_interleave(gps, 1)
+    return t["weight_scale"].float() * d, t["weight_zero"].float() * dmin
 
 
 def quantized_specs(name: str, shape: tuple[int, int], cfg: QuantConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -141,6 +219,10 @@ def quantized_specs(name: str, shape: tuple[int, int], cfg: QuantConfig) -> dict
     if cfg.quant_algo == "W8A16":
         return {f"{prefix}.weight": ((n, k), torch.int8), f"{prefix}.weight_scale": ((n,), torch.float32)}
     g = cfg.group_size or default_group_size([k])
+    if cfg.super_block_size:
+        return {f"{prefix}.weight": ((n, k // 2), torch.uint8), f"{prefix}.weight_scale": ((n, k // g), torch.uint8),
+                f"{prefix}.weight_zero": ((n, k // g), torch.int8),
+                f"{prefix}.weight_scale_2": ((n, k // super_block(k, g, cfg.super_block_size), 2), torch.float16)}
     return {f"{prefix}.weight": ((n, k // 2), torch.uint8), f"{prefix}.weight_scale": ((n, k // g), torch.float32),
             f"{prefix}.weight_zero": ((n, k // g), torch.float32)}
 
@@ -151,13 +233,16 @@ def linear_weight_names(model: torch.nn.Module, cfg: QuantConfig) -> set[str]:
 
 
 def quantize_stream(specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
-                    tensors: Iterable[tuple[str, torch.Tensor]], names: set[str], cfg: QuantConfig):
+                    tensors: Iterable[tuple[str, torch.Tensor]], names: set[str], cfg: QuantConfig,
+                    native: Callable[[str, QuantConfig], dict[str, torch.Tensor] | None] | None = None):
     """Rewrite a build's tensor specs and tensor stream so that the weights in `names` are stored quantized.
 
     Args:
         specs: name → (shape, dtype) of every engine tensor (the safetensors header is written from these).
         tensors: the (name, tensor) stream in the engine dtype.
         names: linear weights to quantize (`linear_weight_names`); others pass through unchanged.
+        native: (name, the layer's config) → the layer's tensors as the source already holds them in that format
+            (a GGUF's Q4_K blocks: `GGUFCheckpoint.native_w4a16`), or None to quantize the streamed tensor.
     Returns:
         (new specs, new stream); the stream yields `quantize`'s tensors in place of each quantized weight.
     Raises:
@@ -172,8 +257,13 @@ def quantize_stream(specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
             if name not in names:
                 yield name, t
                 continue
+            layer_cfg = cfg.for_module(name.removesuffix(".weight"))
+            q = native(name, layer_cfg) if native is not None else None
+            if q is not None and tuple(q["weight"].shape) != (t.shape[0], t.shape[1] // 2):
+                raise QuantError(f"{name}: the source's quantized tensor is {tuple(q['weight'].shape)} packed, the "
+                                 f"weight {tuple(t.shape)}")
             try:
-                q = quantize(t, cfg.for_module(name.removesuffix(".weight")))
+                q = q if q is not None else quantize(t, layer_cfg)
             except QuantError as e:
                 raise QuantError(f"{name}: {e}") from e
             prefix = name.removesuffix(".weight")

@@ -146,7 +146,7 @@ class DraftModelDrafter(LinearDrafter):
         # 4-bit too: drafts only propose (the target verifies every token), and the head is ~40 % of a small draft
         # model's bytes (Qwen2.5-0.5B: 136 MB at 8 bits of 360 MB)
         quant = target.quant_config.model_dump(exclude_defaults=True) if target.quant_config else {}
-        if quant.get("quant_algo") == "W4A16":
+        if quant.get("quant_algo") in ("W4A16", "W4A8"):
             quant["lm_head_quant_algo"] = "W4A16"
         draft_dir = resolve_engine_dir(spec.speculative_model_dir, dtype=target.dtype, **quant)
         draft = EngineManifest.load(draft_dir)

@@ -37,7 +37,7 @@ class LLM:
         dtype: engine dtype when building from a checkpoint ("auto", "float32", "bfloat16", "float16").
         quant_config: weight-only quantization when building from a checkpoint, TensorRT-LLM's
             `QuantConfig(quant_algo="W8A16" | "W4A16", group_size=..., exclude_modules=["lm_head"],
-            lm_head_quant_algo=...)` or the same as a dict (the lm_head is quantized, W8A16 by default, unless
+            lm_head_quant_algo=..., super_block_size=...)` or the same as a dict (the lm_head is quantized, W8A16 by default, unless
             excluded); None: none.
         speculative_config: a dict or `MTPDecodingConfig` (TensorRT-LLM names, e.g.
             `{"decoding_type": "MTP", "num_nextn_predict_layers": 3}`); None = plain decoding; omitted = what the
@@ -63,7 +63,8 @@ class LLM:
         engine_dir = resolve_engine_dir(engine_dir, cache_dir=engine_cache_dir, dtype=dtype,
                                         quant_algo=quant.get("quant_algo"), group_size=quant.get("group_size"),
                                         exclude_modules=quant.get("exclude_modules") or None,
-                                        lm_head_quant_algo=quant.get("lm_head_quant_algo"))
+                                        lm_head_quant_algo=quant.get("lm_head_quant_algo"),
+                                        super_block_size=quant.get("super_block_size"))
 
         data = load_llm_args_yaml(extra_llm_api_options) if extra_llm_api_options else {}
         if speculative_config is not _UNSET:
