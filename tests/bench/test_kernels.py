@@ -27,6 +27,6 @@ def test_copies_cycle_nextns_kernels_over_distinct_matrices(capsys):
     from nextn.plugins import woq_linear
 
     table = kernels(64, 64, copies=3)
-    assert all(name.startswith("nextn") for name in table) and (len(table) == 3) == woq_linear.available()
+    assert all(name.startswith("nextn") for name in table) and (len(table) == 4) == woq_linear.available()
     assert main(["--shape", "64", "64", "--rows", "1", "--iters", "2", "--copies", "3"]) == 0
     assert "3 copies cycled" in capsys.readouterr().out

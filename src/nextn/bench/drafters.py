@@ -32,7 +32,8 @@ import torch
 from nextn.bench import llama_cpp
 from nextn.bench.real_models import load_prompt_texts
 
-FORMATS = {"bf16": None, "fp32": None, "W8A16": {"quant_algo": "W8A16"}, "W4A16": {"quant_algo": "W4A16"}}
+FORMATS = {"bf16": None, "fp32": None, "W8A16": {"quant_algo": "W8A16"}, "W4A16": {"quant_algo": "W4A16"},
+           "W4A8": {"quant_algo": "W4A8"}}
 
 
 def _configs(draft: Path, k: int) -> dict[str, dict | None]:

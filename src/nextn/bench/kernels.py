@@ -5,7 +5,8 @@ For one weight matrix [N, K] and each row count M (1 = a plain decode step; K + 
 - int4: `torch.ops.aten._weight_int4pack_mm_for_cpu`, group 32 (W4A16 on PyTorch's kernel);
 - nextn int8 / nextn int4 / nextn int4 super S: nextn's own kernels (`plugins/woq_linear.py`; what
   `quantization/linear.py` uses where the CPU has AVX512-BF16), int4 with one-level bf16 group scales and with
-  two-level ones (8-bit group scales under fp16 per super-block of S input channels: llama.cpp's k-quants);
+  two-level ones (8-bit group scales under fp16 per super-block of S input channels: llama.cpp's k-quants), and
+  W4A8 (the same weights times activations quantized to int8 per group, `vpdpbusd`);
 - bf16: `F.linear`;
 - bf16 packed: oneDNN's pre-packed weight (`plugins/packed_linear.py`, what nextn's bf16 engines run).
 Prints µs per call (median of `--iters` after a warm-up) and the weight bytes read per µs. A matrix that fits in the
@@ -83,9 +84,14 @@ def kernels(n: int, k: int, group: int = 32, copies: int = 1
             turn["int4k"] = (turn["int4k"] + 1) % copies
             return torch.ops.nextn.woq_int4_linear(x, *int4k[turn["int4k"]], group, None)
 
+        def nextn_int4a8(x):  # W4A8 (the same bytes; the vpdpbusd layout is a permutation of them)
+            turn["int4k"] = (turn["int4k"] + 1) % copies
+            return torch.ops.nextn.woq_int4_linear(x, *int4k[turn["int4k"]], group, None, True)
+
         out["nextn int8"] = (nextn_int8, n * k + 4 * n)
         out[f"nextn int4 g{group}"] = (nextn_int4, n * k // 2 + 4 * n * (k // group))
         out[f"nextn int4 g{group} super {sb}"] = (nextn_int4k, n * k // 2 + 2 * n * (k // group) + 4 * n * (k // sb))
+        out[f"nextn W4A8 g{group} super {sb}"] = (nextn_int4a8, n * k // 2 + 2 * n * (k // group) + 4 * n * (k // sb))
     if copies == 1 and packing_supported(torch.device("cpu"), torch.bfloat16):
         packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
         out["bf16 packed"] = (lambda x: packed_linear(x, packed, None), 2 * n * k)
