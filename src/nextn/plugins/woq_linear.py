@@ -103,12 +103,12 @@ def unpack_int4_vnni_layout(w: torch.Tensor) -> torch.Tensor:
 
 def quantize_activations(x: torch.Tensor, group_size: int) -> torch.Tensor:
     """What the W4A8 kernel multiplies instead of x [..., K]: x rounded to bf16, then per group of `group_size`
-    symmetric int8 (sx = max|x| / 127, round half to even), dequantized back, f32."""
+    symmetric int8 (sx = max|x| / 127, q = round half to even of x · (1 / sx), all f32), dequantized back, f32."""
     xb = x.to(torch.bfloat16).float()
     g = xb.unflatten(-1, (-1, group_size))
     sx = g.abs().amax(-1, keepdim=True) / 127
-    q = torch.where(sx > 0, torch.round(g / torch.where(sx > 0, sx, 1)), 0)
-    return (q * sx).flatten(-2)
+    inv = torch.where(sx > 0, 1 / torch.where(sx > 0, sx, 1), 0)
+    return (torch.round(g * inv) * sx).flatten(-2)
 
 
 def pack_int8(q: torch.Tensor) -> torch.Tensor:

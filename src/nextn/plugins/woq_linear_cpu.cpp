@@ -230,8 +230,8 @@ inline void int4a8_block(const int8_t* xq, int64_t K, const uint8_t* w, const Sc
     }
 }
 
-// x [M, K] bf16 -> xq [M, K] int8, per group of g: sx = max|x| / 127 (0 for an all-zero group), xq = round-to-even
-// of x / sx, xs = sx * sum xq (what the group's zero point multiplies). Each row alone: batch-invariant.
+// x [M, K] bf16 -> xq [M, K] int8, per group of g: sx = max|x| / 127, xq = round-to-even of x * (1 / sx) (0 for an
+// all-zero group), xs = sx * sum xq (what the group's zero point multiplies). Each row alone: batch-invariant.
 void quantize_rows(const uint16_t* x, int64_t M, int64_t K, int64_t g, int8_t* xq, float* sx, float* xs) {
   const int64_t G = K / g;
   for (int64_t m = 0; m < M; ++m)
@@ -241,11 +241,11 @@ void quantize_rows(const uint16_t* x, int64_t M, int64_t K, int64_t g, int8_t* x
       for (int64_t k = 0; k < g; k += 16)
         amax = _mm512_max_ps(amax, _mm512_abs_ps(bf16x16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + k)))));
       const float s = _mm512_reduce_max_ps(amax) / 127.f;
-      const __m512 sv = _mm512_set1_ps(s);
+      const __m512 inv = _mm512_set1_ps(s > 0.f ? 1.f / s : 0.f);  // a multiply per element, not a division
       __m512i sum = _mm512_setzero_si512();
       for (int64_t k = 0; k < g; k += 16) {
         const __m512 v = bf16x16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + k)));
-        const __m512i q = s > 0.f ? _mm512_cvtps_epi32(_mm512_div_ps(v, sv)) : _mm512_setzero_si512();
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));
         sum = _mm512_add_epi32(sum, q);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + m * K + gi * g + k), _mm512_cvtsepi32_epi8(q));
       }
@@ -391,7 +391,8 @@ void int4_linear(const uint16_t* xp, int64_t M, int64_t K, const uint8_t* wp, in
     std::vector<int8_t> xq(M * K);
     std::vector<float> sx(M * G);
     quantize_rows(xp, M, K, group_size, xq.data(), sx.data(), xs.data());
-    // one row: 4 blocks at a time (8 vpdpbusd chains); up to 4 rows: 2; more: 1 block, 8 rows a chunk
+    // one row: 4 blocks at a time (8 vpdpbusd chains), 2 for a small matrix; up to 4 rows: 2; more: 1 block, 8 rows
+    // a chunk
     auto run8 = [&](auto make_scales) {
       auto block = [&](auto mb, auto nb, int64_t m0, int64_t blk) {
         constexpr int MB = decltype(mb)::value, NB = decltype(nb)::value;
@@ -399,8 +400,10 @@ void int4_linear(const uint16_t* xp, int64_t M, int64_t K, const uint8_t* wp, in
                              sx.data() + m0 * G, xs.data() + m0 * G, op + m0 * N + blk * 16, N,
                              b ? b + blk * 16 : nullptr);
       };
-      if (M == 1) {
+      if (M == 1 && N >= 2048) {
         run_blocks<4, 1>(M, N / 16, 2, block);
+      } else if (M == 1) {  // a small matrix: 2 blocks a unit, enough units to share between the threads
+        run_blocks<2, 1>(M, N / 16, 2, block);
       } else if (M <= 4) {
         run_blocks<2, 4>(M, N / 16, 2, block);
       } else {
