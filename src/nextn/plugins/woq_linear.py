@@ -50,6 +50,27 @@ def takes(quant_algo: str, out_features: int, in_features: int) -> bool:
     return in_features % 16 == 0
 
 
+def _pack_nibbles(packed: torch.Tensor, span: int) -> torch.Tensor:
+    """Blocks of 16 output channels; per 2·span input channels of a block, 16·span bytes: byte span·c + j holds
+    q[c][k + j] (low nibble) and q[c][k + span + j] (high nibble). Raises ValueError unless K % 64 == N % 16 == 0."""
+    n, half = packed.shape
+    k = 2 * half
+    if k % 64 or n % 16:
+        raise ValueError(f"the int4 kernel needs K % 64 == 0 and N % 16 == 0, got N = {n}, K = {k}")
+    q = torch.stack([packed & 0x0F, packed >> 4], dim=-1).view(n // 16, 16, k // (2 * span), 2, span)
+    q = q.permute(0, 2, 1, 4, 3)  # [blk, k-step, c, j, (low, high)]
+    return (q[..., 0] | (q[..., 1] << 4)).reshape(n, half).contiguous()
+
+
+def _unpack_nibbles(w: torch.Tensor, span: int) -> torch.Tensor:
+    """`_pack_nibbles`' inverse: the values q [N, K] uint8 in channel order."""
+    n, half = w.shape
+    k = 2 * half
+    b = w.view(n // 16, k // (2 * span), 16, span)  # [blk, k-step, c, j]
+    q = torch.stack([b & 0x0F, b >> 4], dim=-2)  # [blk, k-step, c, (low: k + j, high: k + span + j), j]
+    return q.permute(0, 2, 1, 3, 4).reshape(n, k)
+
+
 def pack_int4(packed: torch.Tensor) -> torch.Tensor:
     """The engine's portable int4 layout → the kernel's.
 
@@ -62,13 +83,7 @@ def pack_int4(packed: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: K is not a multiple of 64 or N of 16.
     """
-    n, half = packed.shape
-    k = 2 * half
-    if k % 64 or n % 16:
-        raise ValueError(f"the int4 kernel needs K % 64 == 0 and N % 16 == 0, got N = {n}, K = {k}")
-    q = torch.stack([packed & 0x0F, packed >> 4], dim=-1).view(n // 16, 16, k // 4, 2, 2)  # [blk, c, k4, hi, j]
-    q = q.permute(0, 2, 1, 4, 3)  # [blk, k4, c, j, (low, high)]
-    return (q[..., 0] | (q[..., 1] << 4)).reshape(n, half).contiguous()
+    return _pack_nibbles(packed, 2)
 
 
 def pack_int4_vnni(packed: torch.Tensor) -> torch.Tensor:
@@ -83,22 +98,12 @@ def pack_int4_vnni(packed: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: K is not a multiple of 64 or N of 16.
     """
-    n, half = packed.shape
-    k = 2 * half
-    if k % 64 or n % 16:
-        raise ValueError(f"the int4 kernel needs K % 64 == 0 and N % 16 == 0, got N = {n}, K = {k}")
-    q = torch.stack([packed & 0x0F, packed >> 4], dim=-1).view(n // 16, 16, k // 8, 2, 4)  # [blk, c, k8, hi, j]
-    q = q.permute(0, 2, 1, 4, 3)  # [blk, k8, c, j, (low, high)]
-    return (q[..., 0] | (q[..., 1] << 4)).reshape(n, half).contiguous()
+    return _pack_nibbles(packed, 4)
 
 
 def unpack_int4_vnni_layout(w: torch.Tensor) -> torch.Tensor:
     """`pack_int4_vnni`'s layout → the values q [N, K] uint8 in channel order (the inverse)."""
-    n, half = w.shape
-    k = 2 * half
-    b = w.view(n // 16, k // 8, 16, 4)  # [blk, k8, c, j]
-    q = torch.stack([b & 0x0F, b >> 4], dim=-2)  # [blk, k8, c, (low: k + j, high: k + 4 + j), j]
-    return q.permute(0, 2, 1, 3, 4).reshape(n, k)
+    return _unpack_nibbles(w, 4)
 
 
 def quantize_activations(x: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -138,11 +143,7 @@ def block_scales(t: torch.Tensor) -> torch.Tensor:
 
 def unpack_int4_kernel_layout(w: torch.Tensor) -> torch.Tensor:
     """`pack_int4`'s layout → the values q [N, K] uint8 in channel order (the inverse)."""
-    n, half = w.shape
-    k = 2 * half
-    b = w.view(n // 16, k // 4, 16, 2)  # [blk, k4, c, j]
-    q = torch.stack([b & 0x0F, b >> 4], dim=-2)  # [blk, k4, c, (low: k + j, high: k + 2 + j), j]
-    return q.permute(0, 2, 1, 3, 4).reshape(n, k)
+    return _unpack_nibbles(w, 2)
 
 
 def int4_linear_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero8: torch.Tensor,

@@ -102,6 +102,25 @@ struct KScales {
   }
 };
 
+// out rows [0, MB) x NB blocks of 16 channels = acc (+ bias)
+template <int MB, int NB>
+inline void store_rows(const __m512 (&acc)[MB][NB], const float* bias, float* out, int64_t out_stride) {
+  for (int m = 0; m < MB; ++m)
+    for (int n = 0; n < NB; ++n) {
+      __m512 y = acc[m][n];
+      if (bias) y = _mm512_add_ps(y, _mm512_loadu_ps(bias + 16 * n));
+      _mm512_storeu_ps(out + m * out_stride + 16 * n, y);
+    }
+}
+
+// After a group: two-level scales count the groups of a super-block (no division per group)
+template <typename Scales>
+inline void next_group(const Scales& sc, int64_t& si, int64_t& in_super) {
+  if constexpr (Scales::kTwoLevel) {
+    if (++in_super == sc.gps) in_super = 0, ++si;
+  }
+}
+
 // NB blocks of 16 output channels (int4, `pack_int4` layout, starting at w; 8 K bytes a block) against rows
 // [0, MB) of x (bf16, row stride K). A vector lane is an output channel: per 4 input channels, one 32-byte load
 // widens to two vectors of 16 channels x (k, k+1) and (k+2, k+3) bf16 pairs (a nibble q -> the bf16 128 + q by
@@ -150,16 +169,9 @@ inline void int4_block(const uint16_t* x, int64_t K, const uint8_t* w, const Sca
         acc[m][n] = _mm512_fmadd_ps(zv, _mm512_set1_ps(xs[m * G + gi]), acc[m][n]);
       }
     }
-    if constexpr (Scales::kTwoLevel) {
-      if (++in_super == sc.gps) in_super = 0, ++si;
-    }
+    next_group(sc, si, in_super);
   }
-  for (int m = 0; m < MB; ++m)
-    for (int n = 0; n < NB; ++n) {
-      __m512 y = acc[m][n];
-      if (bias) y = _mm512_add_ps(y, _mm512_loadu_ps(bias + 16 * n));
-      _mm512_storeu_ps(out + m * out_stride + 16 * n, y);
-    }
+  store_rows<MB, NB>(acc, bias, out, out_stride);
 }
 
 // W4A8: NB blocks of 16 output channels (int4, `pack_int4_vnni` layout: per 8 input channels k..k+7 of a block, 64
@@ -218,16 +230,9 @@ inline void int4a8_block(const int8_t* xq, int64_t K, const uint8_t* w, const Sc
         acc[m][n] = _mm512_fmadd_ps(zv, _mm512_set1_ps(xs[m * G + gi]), acc[m][n]);
       }
     }
-    if constexpr (Scales::kTwoLevel) {
-      if (++in_super == sc.gps) in_super = 0, ++si;
-    }
+    next_group(sc, si, in_super);
   }
-  for (int m = 0; m < MB; ++m)
-    for (int n = 0; n < NB; ++n) {
-      __m512 y = acc[m][n];
-      if (bias) y = _mm512_add_ps(y, _mm512_loadu_ps(bias + 16 * n));
-      _mm512_storeu_ps(out + m * out_stride + 16 * n, y);
-    }
+  store_rows<MB, NB>(acc, bias, out, out_stride);
 }
 
 // x [M, K] bf16 -> xq [M, K] int8, per group of g: sx = max|x| / 127, xq = round-to-even of x * (1 / sx) (0 for an
