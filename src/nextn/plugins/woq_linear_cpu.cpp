@@ -185,7 +185,7 @@ inline void int4_block(const uint16_t* x, int64_t K, const uint8_t* w, const Sca
 template <int MB, int NB, typename Scales>
 inline void int4a8_block(const int8_t* xq, int64_t K, const uint8_t* w, const Scales& sc, int64_t G, int64_t g,
                          const float* sx, const float* xs, float* out, int64_t out_stride, const float* bias) {
-  constexpr bool kSplit = MB <= 4;  // two int32 chains (low / high nibbles) where registers allow
+  constexpr bool kSplit = MB == 1;  // two int32 chains (low / high nibbles) for one row
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const int64_t block_bytes = 8 * K;
   int64_t si = 0, in_super = 0;
