@@ -362,6 +362,19 @@ at::Tensor finish(const at::Tensor& out, const at::Tensor& x) {
   return out.to(x.scalar_type()).view(sizes);
 }
 
+// f(make_scales): make_scales(block) gives that 16-channel block's group scales (Bf16Scales or KScales)
+template <typename F>
+void with_block_scales(const nextn_cpu::Int4Scales& scales, int64_t G, F&& f) {
+  if (scales.group == nullptr) {
+    f([&](int64_t blk) { return Bf16Scales{scales.scale + blk * G * 16, scales.zero8 + blk * G * 16, G}; });
+  } else {
+    const int64_t S = G / scales.groups_per_super;
+    f([&, S](int64_t blk) {
+      return KScales{scales.group + blk * G * 32, scales.super + blk * S * 32, G, S, scales.groups_per_super};
+    });
+  }
+}
+
 }  // namespace
 
 namespace nextn_cpu {
@@ -415,24 +428,10 @@ void int4_linear(const uint16_t* xp, int64_t M, int64_t K, const uint8_t* wp, in
         run_blocks<1, kMaxRows>(M, N / 16, 4, block);
       }
     };
-    if (scales.group == nullptr) {
-      run8([&](int64_t blk) { return Bf16Scales{scales.scale + blk * G * 16, scales.zero8 + blk * G * 16, G}; });
-    } else {
-      const int64_t S = G / scales.groups_per_super;
-      run8([&](int64_t blk) {
-        return KScales{scales.group + blk * G * 32, scales.super + blk * S * 32, G, S, scales.groups_per_super};
-      });
-    }
+    with_block_scales(scales, G, run8);
     return;
   }
-  if (scales.group == nullptr) {
-    run([&](int64_t blk) { return Bf16Scales{scales.scale + blk * G * 16, scales.zero8 + blk * G * 16, G}; });
-  } else {
-    const int64_t S = G / scales.groups_per_super;
-    run([&](int64_t blk) {
-      return KScales{scales.group + blk * G * 32, scales.super + blk * S * 32, G, S, scales.groups_per_super};
-    });
-  }
+  with_block_scales(scales, G, run);
 }
 
 Int4Scales int4_scales(const at::Tensor& scale, const at::Tensor& zero, int64_t N, int64_t G, const char* op) {
