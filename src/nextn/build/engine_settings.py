@@ -136,11 +136,14 @@ def check_mtp_layers(
 
 # Quantization ------------------------------------------------------------------------------------------
 #: W4A16's default super-block (two-level scales, llama.cpp's Q4_K) for models whose quantized linears hold at least
-#: TWO_LEVEL_MIN_PARAMS weights; smaller ones keep one-level bf16 scales. Measured (docs/PERFORMANCE.md, batch 1):
-#: Qwen2.5-Coder-1.5B +9 % tokens/s (its step is bound by the weight bytes, 6 % fewer), Qwen2.5-Coder-0.5B +3 %
-#: (−2 % at batch 8), SmolLM2-135M −6 % (its step is bound by instructions, and two-level scales take a few more).
+#: TWO_LEVEL_MIN_PARAMS weights; smaller ones keep one-level bf16 scales. Measured (docs/PERFORMANCE.md): a GGUF's
+#: Q4_K tensors are then read exactly (Qwen2.5-Coder-1.5B perplexity +0.55 % over bf16 against +1.73 %), with 6 % fewer
+#: bytes a step; the kernel takes a few more instructions, so W4A16's batch-1 speed moves −9 % to +9 % with the
+#: machine's memory speed (SmolLM2-135M, bound by instructions: −6 %); W4A8 runs them at either speed.
 DEFAULT_SUPER_BLOCK = 256
 TWO_LEVEL_MIN_PARAMS = 1_000_000_000
+
+
 def resolve_quant(quant_algo: str | None, group_size: int | None, cfg: ModelConfig,
                   specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
                   exclude_modules: list[str] | None = None,

@@ -310,10 +310,10 @@ class GGUFCheckpoint:
         Qwen2.5-Coder-1.5B's Q4_K gate_proj: 4.3 % relative) — else None (the caller quantizes `get(name)`)."""
         import gguf
 
-        from nextn.quantization.weight_only import super_block
+        from nextn.quantization.weight_only import INT4_ALGOS, super_block
 
         t = self._tensors.get(name)
-        if (t is None or t.tensor_type != gguf.GGMLQuantizationType.Q4_K or cfg.quant_algo not in ("W4A16", "W4A8")
+        if (t is None or t.tensor_type != gguf.GGMLQuantizationType.Q4_K or cfg.quant_algo not in INT4_ALGOS
                 or cfg.group_size != 32 or not cfg.super_block_size or len(t.shape) != 2):
             return None
         k, n = (int(x) for x in t.shape)

@@ -28,6 +28,7 @@ from nextn.config.llm_args import LlmArgsError
 from nextn.models.config import ConfigError
 from nextn.models.deepseek_v3.weights import WeightError
 from nextn.models.registry import WEIGHT_LAYOUTS
+from nextn.quantization.weight_only import QUANT_ALGOS
 
 PROG = "build-engine"
 USER_ERRORS = (CheckpointError, ConfigError, WeightError, EngineError, LlmArgsError, MedusaHeadsError)
@@ -91,7 +92,7 @@ def _parser() -> argparse.ArgumentParser:
                    "YAML, else 1, 2, 4, ... up to --max_batch_size)")
     p.add_argument("--compile_device", choices=("cpu", "cuda"),
                    help="device to compile for with --compile_step (default: cuda when available)")
-    p.add_argument("--quant_algo", choices=("W8A16", "W4A16", "W4A8"),
+    p.add_argument("--quant_algo", choices=QUANT_ALGOS,
                    help="weight-only quantization of the linear layers and the lm_head (TensorRT-LLM's names): W8A16 = "
                    "int8 per output channel, W4A16 = 4-bit per group, W4A8 = W4A16's weights times activations "
                    "quantized to int8 per group on nextn's CPU kernel (llama.cpp's CPU numerics, faster); embedding "

@@ -13,6 +13,7 @@ from nextn.build.manifest import EngineError
 from nextn.config.llm_args import LlmArgsError
 from nextn.models.config import ConfigError
 from nextn.models.deepseek_v3.weights import WeightError
+from nextn.quantization.weight_only import QUANT_ALGOS
 from nextn.runtime.sampling_params import SamplingParamsError
 from nextn.runtime.tokenizer import ChatTemplateError
 
@@ -31,7 +32,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                    help="engine dtype when --model is a checkpoint (default auto: bfloat16 where this CPU has fast "
                         "bf16, else the checkpoint's)")
-    p.add_argument("--quant_algo", choices=("W8A16", "W4A16", "W4A8"),
+    p.add_argument("--quant_algo", choices=QUANT_ALGOS,
                    help="weight-only quantization when --model is a checkpoint (default: none)")
     p.add_argument("--prompt", action="append", required=True,
                    help="a prompt (repeatable); with --token_ids, comma-separated token ids")

@@ -382,9 +382,9 @@ namespace nextn_cpu {
 void int4_linear(const uint16_t* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t N, const Int4Scales& scales,
                  int64_t group_size, const float* b, float* op) {
   const int64_t G = K / group_size;
-  // group sums of x, f32, in a fixed order per row
+  // group sums of x, f32, in a fixed order per row (W4A8: sx * sum xq, from quantize_rows)
   std::vector<float> xs(M * G);
-  for (int64_t m = 0; m < M; ++m)
+  for (int64_t m = 0; m < M && !scales.int8_activations; ++m)
     for (int64_t gi = 0; gi < G; ++gi) {
       __m512 a = _mm512_setzero_ps();
       for (int64_t k = gi * group_size; k < (gi + 1) * group_size; k += 16)

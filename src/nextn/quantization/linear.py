@@ -118,8 +118,8 @@ def install_weight_only_linears(model: nn.Module, weights: dict[str, torch.Tenso
     """Replace every module of `model` whose weights are stored quantized (an `nn.Linear`, or a tied model's
     lm_head, which the engine stores as a quantized copy of the embedding) by a `WeightOnlyLinear`.
 
-    The layer's tensors (`weight`, `weight_scale`, [`weight_zero`], [`weight_scale_2`], [`bias`]) are popped from `weights`, so the
-    rest loads with `load_state_dict(strict=True)`.
+    The layer's tensors (`weight`, `weight_scale`, [`weight_zero`], [`weight_scale_2`], [`bias`]) are popped from
+    `weights`, so the rest loads with `load_state_dict(strict=True)`.
     Returns:
         The names of the replaced layers.
     """

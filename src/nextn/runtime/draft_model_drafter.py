@@ -49,6 +49,7 @@ from nextn.plugins.packed_linear import install_packed_linears
 from nextn.plugins.decoder_layer import install_fused_layers
 from nextn.plugins.paged_attention import install_paged_attention
 from nextn.quantization.linear import install_weight_only_linears
+from nextn.quantization.weight_only import INT4_ALGOS
 from nextn.runtime.acceptance_rules import AcceptanceRule, AcceptState, SamplingTensors
 from nextn.runtime.attention_metadata import AttentionMetadata, slots_for_positions
 from nextn.runtime.drafters import DrafterState, LinearDrafter, _at
@@ -146,7 +147,7 @@ class DraftModelDrafter(LinearDrafter):
         # 4-bit too: drafts only propose (the target verifies every token), and the head is ~40 % of a small draft
         # model's bytes (Qwen2.5-0.5B: 136 MB at 8 bits of 360 MB)
         quant = target.quant_config.model_dump(exclude_defaults=True) if target.quant_config else {}
-        if quant.get("quant_algo") in ("W4A16", "W4A8"):
+        if quant.get("quant_algo") in INT4_ALGOS:
             quant["lm_head_quant_algo"] = "W4A16"
         draft_dir = resolve_engine_dir(spec.speculative_model_dir, dtype=target.dtype, **quant)
         draft = EngineManifest.load(draft_dir)
