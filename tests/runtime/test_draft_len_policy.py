@@ -205,6 +205,29 @@ def test_adaptive_draft_len_follows_acceptance_and_measured_cost():
     assert [r.draft_len(1) for _ in range(6)] == [0, 0, 4, 0, 0, 4]  # ... with a speculating probe every 3 steps
 
 
+def test_adaptive_draft_len_follows_each_requests_own_acceptance():
+    from nextn.runtime.draft_len_policy import AdaptiveDraftLen
+
+    p = AdaptiveDraftLen(StaticDraftLen(4), probe_every=1000)
+    for _ in range(30):  # request 1's drafts all hit, request 2's all miss; each extra draft costs 10 % of a step
+        p.observe(0, 0, 0, 2, 0.010)
+        p.observe(8, 4, 4, 2, 0.014, per_request={1: 4, 2: 0})
+    assert p.request_alpha[1] > 0.99 and p.request_alpha[2] < 0.01
+    assert p.draft_len(2, [1]) == 4 and p.draft_len(2, [2]) == 0  # alone, each runs what pays for it
+    assert p.draft_len(2, [1, 2]) == 4  # together: 1 + 5 tokens per 1.4 steps beats 2 per step
+    # the pooled α (1 draft in 2 accepted at k = 4: α ≈ 0.74) stands for a request not seen yet
+    assert 0.7 < p.alpha < 0.8 and p.draft_len(2, [3]) == p.best_draft_len(2, 4)
+    for _ in range(30):  # a batch of one hitting and three missing requests: no k pays for all four
+        p.observe(16, 4, 4, 4, 0.0, per_request={1: 4, 2: 0, 4: 0, 5: 0})
+    p.observe(0, 0, 0, 4, 0.010)
+    p.observe(16, 4, 4, 4, 0.022, per_request={1: 4, 2: 0, 4: 0, 5: 0})  # each draft costs 30 % at batch 4
+    # 4 + k tokens per 1 + 0.3 k steps never beats 4 per step, though the pooled α (≈ 0.52) says k > 0 would
+    assert p.draft_len(4, [1, 2, 4, 5]) == 0 and p.best_draft_len(4, 4) > 0
+    p.max_tracked_requests = 2  # the least recently observed requests are forgotten
+    p.observe(8, 4, 4, 2, 0.0, per_request={1: 4, 6: 0})
+    assert list(p.request_alpha) == [1, 6]
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_adaptive_draft_len_is_lossless(eagle, plain, overlap):
     spec = {"decoding_type": "MTP", "num_nextn_predict_layers": 3, "adaptive_draft_len": True}
@@ -212,4 +235,5 @@ def test_adaptive_draft_len_is_lossless(eagle, plain, overlap):
     llm.engine.iteration_log = []
     assert [o.outputs[0].token_ids for o in staggered(llm)] == plain
     assert llm.engine.draft_len_policy.alpha is not None  # it observed the speculating steps
+    assert len(llm.engine.draft_len_policy.request_alpha) > 1  # and each request's own acceptance
     assert {e["draft_len"] for e in llm.engine.iteration_log if e["kind"] == "decode"} - {0, 1, 2, 3} == set()

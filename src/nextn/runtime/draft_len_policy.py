@@ -11,8 +11,8 @@ TensorRT-LLM's speculative-config fields (`DecodingBaseConfig`):
   (accepted drafts / drafts) over the last N speculation-enabled iterations drops below t, speculation is off for
   good.
 - `adaptive_draft_len: true` (nextn's own): each step verifies the draft length k ≤ the schedule's that maximises
-  expected tokens per second, E(k) / t(k), from the batch's recent acceptance and the step times measured on this
-  machine (`AdaptiveDraftLen`); k = 0 (plain decoding) when no k pays.
+  expected tokens per second, Σ_r E_r(k) / t(k), from each request's own recent acceptance and the step times
+  measured on this machine (`AdaptiveDraftLen`); k = 0 (plain decoding) when no k pays.
 
 A step with draft length 0 < k < K runs the same verify-and-draft step with k draft columns ([last, d1..dk]); the
 drafter still drafts K tokens (its KV and pools stay exactly as after a K-draft step, so raising k again later
@@ -24,7 +24,8 @@ decoded while off are missing, which can only lower acceptance: verification kee
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from nextn.config.llm_args import DecodingBaseConfig, LlmArgsError, MedusaDecodingConfig
@@ -33,13 +34,14 @@ from nextn.config.llm_args import DecodingBaseConfig, LlmArgsError, MedusaDecodi
 class DraftLenPolicy(Protocol):
     max_draft_len: int  # K: the drafter's draft count, the most a step can verify
 
-    def draft_len(self, batch_size: int) -> int:
-        """Drafts each request verifies in a decode step of `batch_size` requests, in [0, K]."""
+    def draft_len(self, batch_size: int, request_ids: Sequence[int] = ()) -> int:
+        """Drafts each request verifies in a decode step of `batch_size` requests (ids `request_ids`), in [0, K]."""
 
     def observe(self, num_draft_tokens: int, num_accepted_draft_tokens: int, draft_len: int = 0,
-                batch_size: int = 0, seconds: float = 0.0) -> None:
+                batch_size: int = 0, seconds: float = 0.0, per_request: Mapping[int, int] | None = None) -> None:
         """One processed decode iteration's totals over its batch (feedback for acceptance-based policies): drafts
-        verified and accepted, the step's draft length and batch size, and its wall time in seconds (0: unknown)."""
+        verified and accepted, the step's draft length and batch size, its wall time in seconds (0: unknown), and
+        each request's accepted drafts (request id → count; None: not given)."""
 
 
 class StaticDraftLen:
@@ -48,11 +50,11 @@ class StaticDraftLen:
     def __init__(self, max_draft_len: int) -> None:
         self.max_draft_len = max_draft_len
 
-    def draft_len(self, batch_size: int) -> int:
+    def draft_len(self, batch_size: int, request_ids: Sequence[int] = ()) -> int:
         return self.max_draft_len
 
     def observe(self, num_draft_tokens: int, num_accepted_draft_tokens: int, draft_len: int = 0,
-                batch_size: int = 0, seconds: float = 0.0) -> None:
+                batch_size: int = 0, seconds: float = 0.0, per_request: Mapping[int, int] | None = None) -> None:
         pass
 
 
@@ -64,7 +66,7 @@ class BatchSizeDraftLen:
         self.schedule = sorted((schedule or {}).items())
         self.max_concurrency = max_concurrency
 
-    def draft_len(self, batch_size: int) -> int:
+    def draft_len(self, batch_size: int, request_ids: Sequence[int] = ()) -> int:
         if self.max_concurrency is not None and batch_size > self.max_concurrency:
             return 0
         if not self.schedule:
@@ -72,7 +74,7 @@ class BatchSizeDraftLen:
         return next((k for limit, k in self.schedule if batch_size <= limit), 0)
 
     def observe(self, num_draft_tokens: int, num_accepted_draft_tokens: int, draft_len: int = 0,
-                batch_size: int = 0, seconds: float = 0.0) -> None:
+                batch_size: int = 0, seconds: float = 0.0, per_request: Mapping[int, int] | None = None) -> None:
         pass
 
 
@@ -86,18 +88,18 @@ class AcceptanceGate:
         self._window: deque[tuple[int, int]] = deque(maxlen=window)
         self.disabled = False
 
-    def draft_len(self, batch_size: int) -> int:
-        return 0 if self.disabled else self.inner.draft_len(batch_size)
+    def draft_len(self, batch_size: int, request_ids: Sequence[int] = ()) -> int:
+        return 0 if self.disabled else self.inner.draft_len(batch_size, request_ids)
 
     def observe(self, num_draft_tokens: int, num_accepted_draft_tokens: int, draft_len: int = 0,
-                batch_size: int = 0, seconds: float = 0.0) -> None:
+                batch_size: int = 0, seconds: float = 0.0, per_request: Mapping[int, int] | None = None) -> None:
         if self.disabled or num_draft_tokens == 0:
             return
         self._window.append((num_draft_tokens, num_accepted_draft_tokens))
         if len(self._window) == self._window.maxlen:
             drafts = sum(d for d, _ in self._window)
             self.disabled = sum(a for _, a in self._window) / drafts < self.threshold
-        self.inner.observe(num_draft_tokens, num_accepted_draft_tokens, draft_len, batch_size, seconds)
+        self.inner.observe(num_draft_tokens, num_accepted_draft_tokens, draft_len, batch_size, seconds, per_request)
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -124,24 +126,34 @@ def acceptance_from_rate(rate: float, k: int) -> float:
 
 
 class AdaptiveDraftLen:
-    """Wraps a policy; picks each step's draft length k in [0, the inner policy's] to maximise E(k) / t(k).
+    """Wraps a policy; picks each step's draft length k in [0, the inner policy's] to maximise the batch's expected
+    tokens per second, Σ_r E(α_r, k) / t(k), from each request's own recent acceptance.
 
-    E(k) = `expected_tokens(α, k)` with α the batch's recent per-draft acceptance (an EMA of
-    `acceptance_from_rate` over speculating steps); t(k) = t(0) · (1 + c · k), the step time, with c the relative
-    cost of one more draft (drafting it plus verifying it) fitted from measured step times of this batch-size
-    bucket (powers of two): c = EMA over speculating steps of (t(k) / t(0) − 1) / k, once a plain step (k = 0) of
-    the bucket has been timed; `prior_cost` until then. So a drafter whose drafts are often rejected, or whose
-    verify rows cost nearly a full step (a compute-bound CPU target), turns itself off; one that pays runs at the
-    length that pays most. While off it probes: every `probe_every` plain steps one step speculates again (its
-    acceptance refreshes α); while on, every `probe_every` speculating steps one plain step refreshes t(0).
-    Lossless by construction: only the number of verified drafts changes, never the acceptance rule.
+    E(α, k) = `expected_tokens(α, k)`; α_r is request r's per-draft acceptance, an EMA of `acceptance_from_rate`
+    over the speculating steps it took part in (a request not yet observed starts from the pooled α of all
+    requests; none observed at all: the full length is tried). So a request whose drafts keep missing (chat beside
+    code, a drafter that does not know the topic) pulls k down only by its own share, and a lone request runs the
+    length that pays for it alone; k = 0 (plain decoding) when no k pays for the batch. t(k) = t(0) · (1 + c · k),
+    the step time, with c the relative cost of one more draft (drafting it plus verifying it) fitted from measured
+    step times of this batch-size bucket (powers of two): c = EMA over speculating steps of (t(k) / t(0) − 1) / k,
+    once a plain step (k = 0) of the bucket has been timed; `prior_cost` until then. So a drafter whose drafts are
+    often rejected, or whose verify rows cost nearly a full step (a compute-bound CPU target), turns itself off;
+    one that pays runs at the length that pays most. While off it probes: every `probe_every` plain steps one step
+    speculates again (its acceptance refreshes α); while on, every `probe_every` speculating steps one plain step
+    refreshes t(0). Lossless by construction: only the number of verified drafts changes, never the acceptance rule.
+    The step's shape is one draft length for the whole batch ([B, k+1], graph-capturable), so per-request acceptance
+    chooses the batch's k rather than giving each row its own width (a row's extra verified drafts cost nothing
+    more once the step runs).
     """
+
+    max_tracked_requests = 4096  # per-request α kept for at most this many recent requests (least recent dropped)
 
     def __init__(self, inner: DraftLenPolicy, prior_cost: float = 0.1, smoothing: float = 0.2,
                  probe_every: int = 32) -> None:
         self.inner, self.max_draft_len = inner, inner.max_draft_len
         self.prior_cost, self.smoothing, self.probe_every = prior_cost, smoothing, probe_every
-        self.alpha: float | None = None  # unknown until a speculating step was observed: start optimistic
+        self.alpha: float | None = None  # pooled over all requests; unknown until a speculating step was observed
+        self.request_alpha: OrderedDict[int, float] = OrderedDict()  # request id → its own α (recent ones)
         self._plain_time: dict[int, float] = {}  # batch-size bucket → EMA seconds of a k = 0 step
         self._cost: dict[int, float] = {}  # bucket → EMA relative cost of one draft
         self._since_switch = 0  # steps since the last probe at the current on/off state
@@ -153,19 +165,21 @@ class AdaptiveDraftLen:
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.smoothing * (new - old)
 
-    def best_draft_len(self, batch_size: int, limit: int) -> int:
-        """argmax over k in [0, limit] of E(k) / (1 + c · k) (ties: the shorter draft)."""
-        if self.alpha is None:
+    def best_draft_len(self, batch_size: int, limit: int, request_ids: Sequence[int] = ()) -> int:
+        """argmax over k in [0, limit] of Σ_r E(α_r, k) / (1 + c · k) (ties: the shorter draft); the pooled α
+        stands for requests not yet observed, and for the whole batch when no ids are given."""
+        alphas = [self.request_alpha.get(r, self.alpha) for r in request_ids] or [self.alpha]
+        if any(a is None for a in alphas):
             return limit
         c = self._cost.get(self._bucket(batch_size), self.prior_cost)
-        rates = [expected_tokens(self.alpha, k) / (1.0 + c * k) for k in range(limit + 1)]
+        rates = [sum(expected_tokens(a, k) for a in alphas) / (1.0 + c * k) for k in range(limit + 1)]
         return max(range(limit + 1), key=lambda k: (rates[k] - 1e-9 * k))
 
-    def draft_len(self, batch_size: int) -> int:
-        limit = self.inner.draft_len(batch_size)
+    def draft_len(self, batch_size: int, request_ids: Sequence[int] = ()) -> int:
+        limit = self.inner.draft_len(batch_size, request_ids)
         if limit == 0:
             return 0
-        k = self.best_draft_len(batch_size, limit)
+        k = self.best_draft_len(batch_size, limit, request_ids)
         self._since_switch += 1
         if self._since_switch >= self.probe_every:  # probe the other side (see the class docstring)
             self._since_switch = 0
@@ -173,12 +187,19 @@ class AdaptiveDraftLen:
         return k
 
     def observe(self, num_draft_tokens: int, num_accepted_draft_tokens: int, draft_len: int = 0,
-                batch_size: int = 0, seconds: float = 0.0) -> None:
-        self.inner.observe(num_draft_tokens, num_accepted_draft_tokens, draft_len, batch_size, seconds)
+                batch_size: int = 0, seconds: float = 0.0, per_request: Mapping[int, int] | None = None) -> None:
+        self.inner.observe(num_draft_tokens, num_accepted_draft_tokens, draft_len, batch_size, seconds, per_request)
         bucket = self._bucket(batch_size)
         if draft_len > 0 and num_draft_tokens > 0:
+            prior = self.alpha
             rate = num_accepted_draft_tokens / num_draft_tokens
             self.alpha = self._ema(self.alpha, acceptance_from_rate(rate, draft_len))
+            for rid, accepted in (per_request or {}).items():
+                alpha = acceptance_from_rate(accepted / draft_len, draft_len)
+                self.request_alpha[rid] = self._ema(self.request_alpha.get(rid, prior), alpha)
+                self.request_alpha.move_to_end(rid)
+            while len(self.request_alpha) > self.max_tracked_requests:
+                self.request_alpha.popitem(last=False)
         if seconds <= 0.0 or batch_size <= 0:
             return
         if draft_len == 0:

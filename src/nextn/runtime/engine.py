@@ -356,6 +356,7 @@ class Engine:
         stat_k = self.drafter.stat_draft_len(batch.draft_len)
         updated = []
         num_draft = num_accepted = 0
+        per_request: dict[int, int] = {}
         for i, (req, emitted, drafts, accepted) in enumerate(zip(batch.requests, result.emitted, result.drafts,
                                                                  result.num_accepted)):
             req.num_inflight_tokens = 0
@@ -368,6 +369,7 @@ class Engine:
             if batch.kind == "decode":
                 req.record_step(stat_k, accepted)
                 num_draft, num_accepted = num_draft + stat_k, num_accepted + accepted
+                per_request[req.request_id] = accepted
             req.append(emitted, self.max_seq_len)
             req.draft_tokens = drafts
             req.num_computed_tokens = req.kv_len
@@ -375,7 +377,7 @@ class Engine:
             updated.append(req)
         if batch.kind == "decode":  # timed only when the step is plain or fully speculating (not re-priming drafts)
             seconds = time.perf_counter() - step.launch_time if batch.drafting == (batch.draft_len > 0) else 0.0
-            self.draft_len_policy.observe(num_draft, num_accepted, stat_k, len(batch.requests), seconds)
+            self.draft_len_policy.observe(num_draft, num_accepted, stat_k, len(batch.requests), seconds, per_request)
         done = self.scheduler.finish_done()
         for req in done:
             if self.tokenizer is not None and req.params.detokenize:

@@ -250,7 +250,7 @@ class Scheduler:
         reqs = tuple(r for r in self.running if r.is_decoding and not r.finishes_in_flight)
         if not reqs:
             return None
-        k = self.draft_len_policy.draft_len(len(reqs))
+        k = self.draft_len_policy.draft_len(len(reqs), [r.request_id for r in reqs])
         drafting = k > 0 or self.draft_len_policy.max_draft_len == 0
         if k > 0 and not all(r.has_drafts for r in reqs):
             k = 0  # speculation back on: draft first (drafts are not kept while it is off)
