@@ -185,21 +185,35 @@ def test_adaptive_draft_len_follows_acceptance_and_measured_cost():
         assert acceptance_from_rate(rate, 4) == pytest.approx(alpha, abs=1e-6)
     p = AdaptiveDraftLen(StaticDraftLen(4), probe_every=1000)
     assert p.draft_len(1) == 4  # nothing observed yet: try the full length
+    p.observe(4, 4, 4, 1, 0.012)
+    p.observe(4, 4, 4, 1, 0.012)
+    assert p.draft_len(1) == 0  # two speculating steps timed, no plain one yet: time a plain step
     for _ in range(20):  # plain steps of 10 ms, speculating steps of 12 ms at k = 4, drafts almost always accepted
         p.observe(0, 0, 0, 1, 0.010)
         p.observe(4, 4, 4, 1, 0.012)
-    assert p.alpha > 0.95 and p._cost[1] == pytest.approx(0.05, rel=0.05) and p.draft_len(1) == 4
+    assert p.alpha > 0.95 and p.relative_step_time(1, 4) == pytest.approx(1.2, rel=0.01) and p.draft_len(1) == 4
+    # k = 2 not timed: two verified rows fewer than k = 4, each at most 1/4 of k = 4's extra time (so ≥ 1)
+    assert p.relative_step_time(1, 2) == pytest.approx(1.1, rel=0.01)
+    assert p.relative_step_time(1, 5) == pytest.approx(1.2 + p.prior_cost, rel=0.01)
     for _ in range(40):  # acceptance drops to 1 in 8 drafts at k = 4 (α ≈ 0.34): shorter drafts pay more
         p.observe(8, 1, 4, 1, 0.012)
     assert p.alpha == pytest.approx(0.34, abs=0.01) and p.draft_len(1) == 2
-    for _ in range(40):  # then to nothing: E(k) / (1 + c·k) < 1 for every k > 0, plain decoding
+    for _ in range(40):  # then to nothing: E(k) / (t(k) / t(0)) < 1 for every k > 0, plain decoding
         p.observe(8, 0, 4, 1, 0.012)
     assert p.draft_len(1) == 0
     q = AdaptiveDraftLen(StaticDraftLen(4), probe_every=1000)
-    for _ in range(20):  # α ≈ 0.7, but each draft costs 80 % of a step (a compute-bound target)
+    for _ in range(20):  # α ≈ 0.7, but a speculating step costs 3.2 plain ones (a compute-bound target)
         q.observe(0, 0, 0, 8, 0.100)
         q.observe(4 * 8, round(8 * 4 * ((expected_tokens(0.7, 4) - 1) / 4)), 4, 8, 0.100 * (1 + 0.8 * 4))
     assert q.draft_len(8) == 0 and q.draft_len(1) > 0  # batch 8 measured as not paying; batch 1 not yet measured
+    d = AdaptiveDraftLen(StaticDraftLen(3), probe_every=1000)
+    for _ in range(20):  # a draft model: drafting K = 3 costs 1.05 steps whatever k, each verified row 0.1 more
+        d.observe(0, 0, 0, 1, 0.010)
+        d.observe(3, 3, 3, 1, 0.0215)
+        d.observe(1, 1, 1, 1, 0.0215 - 0.002)
+    # α ≈ 1: k = 3 gives 4 tokens per 2.15 steps (1.86×), k = 1 only 2 per 1.95 — a per-draft linear fit of
+    # the k = 1 steps, (1.95 − 1) / 1, would price k = 3 at 3.85 steps
+    assert d.relative_step_time(1, 1) == pytest.approx(1.95, rel=0.01) and d.draft_len(1) == 3
     r = AdaptiveDraftLen(StaticDraftLen(4), probe_every=3)
     r.observe(8, 0, 4, 1, 0.0)  # nothing accepted: off ...
     assert [r.draft_len(1) for _ in range(6)] == [0, 0, 4, 0, 0, 4]  # ... with a speculating probe every 3 steps
@@ -217,12 +231,16 @@ def test_adaptive_draft_len_follows_each_requests_own_acceptance():
     assert p.draft_len(2, [1, 2]) == 4  # together: 1 + 5 tokens per 1.4 steps beats 2 per step
     # the pooled α (1 draft in 2 accepted at k = 4: α ≈ 0.74) stands for a request not seen yet
     assert 0.7 < p.alpha < 0.8 and p.draft_len(2, [3]) == p.best_draft_len(2, 4)
-    for _ in range(30):  # a batch of one hitting and three missing requests: no k pays for all four
-        p.observe(16, 4, 4, 4, 0.0, per_request={1: 4, 2: 0, 4: 0, 5: 0})
-    p.observe(0, 0, 0, 4, 0.010)
-    p.observe(16, 4, 4, 4, 0.022, per_request={1: 4, 2: 0, 4: 0, 5: 0})  # each draft costs 30 % at batch 4
-    # 4 + k tokens per 1 + 0.3 k steps never beats 4 per step, though the pooled α (≈ 0.52) says k > 0 would
-    assert p.draft_len(4, [1, 2, 4, 5]) == 0 and p.best_draft_len(4, 4) > 0
+    q = AdaptiveDraftLen(StaticDraftLen(4), probe_every=1000)  # a hitting and a missing request, k = 1 and 4 timed
+    q.observe(0, 0, 0, 2, 0.010)
+    for _ in range(30):
+        q.observe(2, 1, 1, 2, 0.016, per_request={1: 1, 2: 0})
+    for _ in range(30):
+        q.observe(8, 4, 4, 2, 0.031, per_request={1: 4, 2: 0})
+    # their own α (1 and 0): k + 2 tokens per t(k) = 1.6, 2.1, 2.6, 3.1 steps (k = 2, 3 interpolated) — none beats
+    # 2 per step; the pooled α (≈ 0.74, half the drafts accepted at k = 4) would take 2 · 1.74 per 1.6 steps at k = 1
+    assert q.relative_step_time(2, 2) == pytest.approx(2.1, rel=0.01)
+    assert q.draft_len(2, [1, 2]) == 0 and q.best_draft_len(2, 4) > 0
     p.max_tracked_requests = 2  # the least recently observed requests are forgotten
     p.observe(8, 4, 4, 2, 0.0, per_request={1: 4, 6: 0})
     assert list(p.request_alpha) == [1, 6]

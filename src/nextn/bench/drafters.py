@@ -1,6 +1,6 @@
 """Drafters on a real draft/target pair, nextn beside llama.cpp in one invocation (a benchmark, not a test).
 
-On the same chat-templated prompts (HumanEval or MT-bench first turns), greedy, `--max_tokens` new tokens with EOS
+On the same chat-templated prompts (HumanEval, MT-bench first turns, or the two alternating), greedy, `--max_tokens` new tokens with EOS
 ignored, best of `--runs` after a warm-up, alternating systems so that all see the same machine:
 - nextn: plain decoding, Draft_Target (`--draft` as the draft model, K = `--draft_len`), Draft_Target with
   `adaptive_draft_len`, and NGram (K, n = 3) without and with `adaptive_draft_len` — one engine format for target
@@ -83,12 +83,22 @@ def run_llama_cpp(bin_dir: Path, target: Path, draft: Path, texts: list[str], ma
                                              "acceptance_rate": accepted / drafted if drafted else 0.0}}
 
 
+def _texts(dataset: str, n: int) -> list[str]:
+    if dataset != "mixed":
+        return load_prompt_texts(n if dataset == "mt_bench" else 0, n if dataset == "humaneval" else 0)
+    texts = load_prompt_texts(n // 2, n - n // 2)
+    chat, code = texts[:n // 2], texts[n // 2:]
+    return [t for pair in zip(code, chat) for t in pair] + code[len(chat):]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m nextn.bench.drafters", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True, type=Path, help="the target GGUF")
     p.add_argument("--draft", required=True, type=Path, help="the draft GGUF (same vocabulary)")
-    p.add_argument("--dataset", choices=("humaneval", "mt_bench"), default="humaneval")
+    p.add_argument("--dataset", choices=("humaneval", "mt_bench", "mixed"), default="humaneval",
+                   help="prompt set; mixed: MT-bench and HumanEval alternating (a batch of requests whose drafts "
+                        "are accepted at different rates)")
     p.add_argument("--num_prompts", type=int, default=8)
     p.add_argument("--max_tokens", type=int, default=128)
     p.add_argument("--draft_len", type=int, default=4, help="K (default 4)")
@@ -110,8 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     llms = {name: _llm(args.target, args.format, spec, args.engine_cache_dir, max(args.batch))
             for name, spec in configs.items()}
     tok = next(iter(llms.values())).tokenizer
-    texts = load_prompt_texts(args.num_prompts if args.dataset == "mt_bench" else 0,
-                              args.num_prompts if args.dataset == "humaneval" else 0)
+    texts = _texts(args.dataset, args.num_prompts)
     chats = [tok.tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
                                                add_generation_prompt=True) for t in texts]
     prompts = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]

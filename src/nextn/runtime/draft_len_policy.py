@@ -12,7 +12,7 @@ TensorRT-LLM's speculative-config fields (`DecodingBaseConfig`):
   good.
 - `adaptive_draft_len: true` (nextn's own): each step verifies the draft length k ≤ the schedule's that maximises
   expected tokens per second, Σ_r E_r(k) / t(k), from each request's own recent acceptance and the step times
-  measured on this machine (`AdaptiveDraftLen`); k = 0 (plain decoding) when no k pays.
+  measured on this machine at each k (`AdaptiveDraftLen`); k = 0 (plain decoding) when no k pays.
 
 A step with draft length 0 < k < K runs the same verify-and-draft step with k draft columns ([last, d1..dk]); the
 drafter still drafts K tokens (its KV and pools stay exactly as after a K-draft step, so raising k again later
@@ -127,35 +127,41 @@ def acceptance_from_rate(rate: float, k: int) -> float:
 
 class AdaptiveDraftLen:
     """Wraps a policy; picks each step's draft length k in [0, the inner policy's] to maximise the batch's expected
-    tokens per second, Σ_r E(α_r, k) / t(k), from each request's own recent acceptance.
+    tokens per second, Σ_r E(α_r, k) / t(k), from each request's own recent acceptance and measured step times.
 
     E(α, k) = `expected_tokens(α, k)`; α_r is request r's per-draft acceptance, an EMA of `acceptance_from_rate`
     over the speculating steps it took part in (a request not yet observed starts from the pooled α of all
     requests; none observed at all: the full length is tried). So a request whose drafts keep missing (chat beside
     code, a drafter that does not know the topic) pulls k down only by its own share, and a lone request runs the
-    length that pays for it alone; k = 0 (plain decoding) when no k pays for the batch. t(k) = t(0) · (1 + c · k),
-    the step time, with c the relative cost of one more draft (drafting it plus verifying it) fitted from measured
-    step times of this batch-size bucket (powers of two): c = EMA over speculating steps of (t(k) / t(0) − 1) / k,
-    once a plain step (k = 0) of the bucket has been timed; `prior_cost` until then. So a drafter whose drafts are
-    often rejected, or whose verify rows cost nearly a full step (a compute-bound CPU target), turns itself off;
-    one that pays runs at the length that pays most. While off it probes: every `probe_every` plain steps one step
-    speculates again (its acceptance refreshes α); while on, every `probe_every` speculating steps one plain step
-    refreshes t(0). Lossless by construction: only the number of verified drafts changes, never the acceptance rule.
-    The step's shape is one draft length for the whole batch ([B, k+1], graph-capturable), so per-request acceptance
-    chooses the batch's k rather than giving each row its own width (a row's extra verified drafts cost nothing
-    more once the step runs).
+    length that pays for it alone; k = 0 (plain decoding) when no k pays for the batch.
+
+    t(k) is measured, per batch-size bucket (powers of two) and per k: an EMA of the wall time of the steps that ran
+    at that length (k = 0: plain steps, no drafter). A k not yet measured is interpolated between the measured lengths around it, else
+    extrapolated from the nearest measured k' > 0 as t(k') + (k − k') · v · t(0), v = `prior_cost` per verified row (below k': at most (t(k') / t(0) − 1)
+    / k', so that no estimate undercuts a plain step), or as t(0) · (1 + `prior_cost` · k) when no speculating step
+    was timed. Measuring each length matters because the drafter drafts K tokens whatever
+    k the step verifies (its KV stays as after a full step): a short k saves verify rows only, not draft work, so
+    no per-draft linear model fits both a draft model (a large fixed drafting cost) and heads (almost none). A
+    bucket whose plain step is not yet timed times one after `warmup_steps` speculating steps, so a drafter that
+    does not pay is found out within a few steps. Afterwards it probes: while off, every `probe_every` plain steps
+    one step speculates (refreshing α and t(K)); while on, every `probe_every` speculating steps one plain step
+    refreshes t(0). Lossless by construction: only the number of verified drafts changes, never the acceptance
+    rule. The step's shape is one draft length for the whole batch ([B, k+1], graph-capturable), so per-request
+    acceptance chooses the batch's k rather than giving each row its own width (a row's extra verified drafts cost
+    nothing more once the step runs).
     """
 
     max_tracked_requests = 4096  # per-request α kept for at most this many recent requests (least recent dropped)
 
     def __init__(self, inner: DraftLenPolicy, prior_cost: float = 0.1, smoothing: float = 0.2,
-                 probe_every: int = 32) -> None:
+                 probe_every: int = 32, warmup_steps: int = 2) -> None:
         self.inner, self.max_draft_len = inner, inner.max_draft_len
         self.prior_cost, self.smoothing, self.probe_every = prior_cost, smoothing, probe_every
+        self.warmup_steps = warmup_steps
         self.alpha: float | None = None  # pooled over all requests; unknown until a speculating step was observed
         self.request_alpha: OrderedDict[int, float] = OrderedDict()  # request id → its own α (recent ones)
-        self._plain_time: dict[int, float] = {}  # batch-size bucket → EMA seconds of a k = 0 step
-        self._cost: dict[int, float] = {}  # bucket → EMA relative cost of one draft
+        self.step_time: dict[int, dict[int, float]] = {}  # batch-size bucket → {k: EMA seconds of a step at k}
+        self._spec_steps: dict[int, int] = {}  # bucket → speculating steps observed (for the first plain timing)
         self._since_switch = 0  # steps since the last probe at the current on/off state
 
     @staticmethod
@@ -165,19 +171,46 @@ class AdaptiveDraftLen:
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.smoothing * (new - old)
 
+    def relative_step_time(self, batch_size: int, k: int) -> float:
+        """t(k) / t(0) for this batch size's bucket: measured where a step at k was timed, else estimated (see the
+        class docstring)."""
+        times = self.step_time.get(self._bucket(batch_size), {})
+        t0 = times.get(0)
+        if k == 0:
+            return 1.0
+        if t0 is None:
+            return 1.0 + self.prior_cost * k
+        if k in times:
+            return times[k] / t0
+        measured = [j for j in times if j > 0]
+        if not measured:
+            return 1.0 + self.prior_cost * k
+        below, above = [j for j in measured if j < k], [j for j in measured if j > k]
+        if below and above:  # between two timed lengths: interpolate
+            lo, hi = max(below), min(above)
+            return (times[lo] + (times[hi] - times[lo]) * (k - lo) / (hi - lo)) / t0
+        near = max(below) if below else min(above)
+        ratio = times[near] / t0
+        per_row = self.prior_cost if k > near else min(self.prior_cost, max(ratio - 1.0, 0.0) / near)
+        return ratio + per_row * (k - near)
+
     def best_draft_len(self, batch_size: int, limit: int, request_ids: Sequence[int] = ()) -> int:
-        """argmax over k in [0, limit] of Σ_r E(α_r, k) / (1 + c · k) (ties: the shorter draft); the pooled α
+        """argmax over k in [0, limit] of Σ_r E(α_r, k) / (t(k) / t(0)) (ties: the shorter draft); the pooled α
         stands for requests not yet observed, and for the whole batch when no ids are given."""
         alphas = [self.request_alpha.get(r, self.alpha) for r in request_ids] or [self.alpha]
         if any(a is None for a in alphas):
             return limit
-        c = self._cost.get(self._bucket(batch_size), self.prior_cost)
-        rates = [sum(expected_tokens(a, k) for a in alphas) / (1.0 + c * k) for k in range(limit + 1)]
+        rates = [sum(expected_tokens(a, k) for a in alphas) / self.relative_step_time(batch_size, k)
+                 for k in range(limit + 1)]
         return max(range(limit + 1), key=lambda k: (rates[k] - 1e-9 * k))
 
     def draft_len(self, batch_size: int, request_ids: Sequence[int] = ()) -> int:
         limit = self.inner.draft_len(batch_size, request_ids)
         if limit == 0:
+            return 0
+        bucket = self._bucket(batch_size)
+        if 0 not in self.step_time.get(bucket, {}) and self._spec_steps.get(bucket, 0) >= self.warmup_steps:
+            self._spec_steps[bucket] = 0  # time a plain step of this bucket (again, if it was not timed)
             return 0
         k = self.best_draft_len(batch_size, limit, request_ids)
         self._since_switch += 1
@@ -189,7 +222,6 @@ class AdaptiveDraftLen:
     def observe(self, num_draft_tokens: int, num_accepted_draft_tokens: int, draft_len: int = 0,
                 batch_size: int = 0, seconds: float = 0.0, per_request: Mapping[int, int] | None = None) -> None:
         self.inner.observe(num_draft_tokens, num_accepted_draft_tokens, draft_len, batch_size, seconds, per_request)
-        bucket = self._bucket(batch_size)
         if draft_len > 0 and num_draft_tokens > 0:
             prior = self.alpha
             rate = num_accepted_draft_tokens / num_draft_tokens
@@ -202,11 +234,11 @@ class AdaptiveDraftLen:
                 self.request_alpha.popitem(last=False)
         if seconds <= 0.0 or batch_size <= 0:
             return
-        if draft_len == 0:
-            self._plain_time[bucket] = self._ema(self._plain_time.get(bucket), seconds)
-        elif bucket in self._plain_time:
-            cost = max(seconds / self._plain_time[bucket] - 1.0, 0.0) / draft_len
-            self._cost[bucket] = self._ema(self._cost.get(bucket), cost)
+        bucket = self._bucket(batch_size)
+        times = self.step_time.setdefault(bucket, {})
+        times[draft_len] = self._ema(times.get(draft_len), seconds)
+        if draft_len > 0:
+            self._spec_steps[bucket] = self._spec_steps.get(bucket, 0) + 1
 
 
 def choose_draft_len_policy(spec: DecodingBaseConfig | MedusaDecodingConfig | None,
