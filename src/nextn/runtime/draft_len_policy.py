@@ -130,39 +130,42 @@ class AdaptiveDraftLen:
     tokens per second, Σ_r E(α_r, k) / t(k), from each request's own recent acceptance and measured step times.
 
     E(α, k) = `expected_tokens(α, k)`; α_r is request r's per-draft acceptance, an EMA of `acceptance_from_rate`
-    over the speculating steps it took part in (a request not yet observed starts from the pooled α of all
-    requests; none observed at all: the full length is tried). So a request whose drafts keep missing (chat beside
-    code, a drafter that does not know the topic) pulls k down only by its own share, and a lone request runs the
-    length that pays for it alone; k = 0 (plain decoding) when no k pays for the batch.
+    over the speculating steps it took part in (a request not yet observed starts from the pooled α of all requests;
+    none observed at all: the full length is tried). So a request whose drafts keep missing (chat beside code, a
+    drafter that does not know the topic) pulls k down only by its own share, and a lone request runs the length
+    that pays for it alone; k = 0 (plain decoding) when no k pays for the batch.
 
     t(k) is measured, per batch-size bucket (powers of two) and per k: an EMA of the wall time of the steps that ran
-    at that length (k = 0: plain steps, no drafter). A k not yet measured is interpolated between the measured lengths around it, else
-    extrapolated from the nearest measured k' > 0 as t(k') + (k − k') · v · t(0), v = `prior_cost` per verified row (below k': at most (t(k') / t(0) − 1)
-    / k', so that no estimate undercuts a plain step), or as t(0) · (1 + `prior_cost` · k) when no speculating step
-    was timed. Measuring each length matters because the drafter drafts K tokens whatever
-    k the step verifies (its KV stays as after a full step): a short k saves verify rows only, not draft work, so
-    no per-draft linear model fits both a draft model (a large fixed drafting cost) and heads (almost none). A
-    bucket whose plain step is not yet timed times one after `warmup_steps` speculating steps, so a drafter that
-    does not pay is found out within a few steps. Afterwards it probes: while off, every `probe_every` plain steps
-    one step speculates (refreshing α and t(K)); while on, every `probe_every` speculating steps one plain step
-    refreshes t(0). Lossless by construction: only the number of verified drafts changes, never the acceptance
-    rule. The step's shape is one draft length for the whole batch ([B, k+1], graph-capturable), so per-request
-    acceptance chooses the batch's k rather than giving each row its own width (a row's extra verified drafts cost
-    nothing more once the step runs).
+    at that length (k = 0: plain steps, no drafter). A k not yet measured is interpolated between the measured
+    lengths around it, else extrapolated from the nearest measured k' > 0 as t(k') + (k − k') · v · t(0), v =
+    `prior_cost` per verified row (below k': at most (t(k') / t(0) − 1) / k', so that no estimate undercuts a plain
+    step), or as t(0) · (1 + `prior_cost` · k) when no speculating step was timed. Measuring each length matters
+    because the drafter drafts K tokens whatever k the step verifies (its KV stays as after a full step): a short k
+    saves verify rows only, not draft work, so no per-draft linear model fits both a draft model (a large fixed
+    drafting cost) and heads (almost none). A bucket whose plain step is not yet timed times one after
+    `warmup_steps` speculating steps, so a drafter that does not pay is found out within a few steps. Afterwards it
+    probes: while off, after `probe_every` plain steps one step speculates (refreshing α and t(K)), the wait
+    doubling after each probe that leaves it off (up to `max_probe_every`: a probe costs a draft-priming step and a
+    speculating one); while on, every `probe_every` speculating steps one plain step refreshes t(0). Lossless by
+    construction: only the number of verified drafts changes, never the acceptance rule. The step's shape is one
+    draft length for the whole batch ([B, k+1], graph-capturable), so per-request acceptance chooses the batch's k
+    rather than giving each row its own width (a row's extra verified drafts cost nothing more once the step runs).
     """
 
     max_tracked_requests = 4096  # per-request α kept for at most this many recent requests (least recent dropped)
 
     def __init__(self, inner: DraftLenPolicy, prior_cost: float = 0.1, smoothing: float = 0.2,
-                 probe_every: int = 32, warmup_steps: int = 2) -> None:
+                 probe_every: int = 32, warmup_steps: int = 2, max_probe_every: int = 256) -> None:
         self.inner, self.max_draft_len = inner, inner.max_draft_len
         self.prior_cost, self.smoothing, self.probe_every = prior_cost, smoothing, probe_every
-        self.warmup_steps = warmup_steps
+        self.warmup_steps, self.max_probe_every = warmup_steps, max_probe_every
         self.alpha: float | None = None  # pooled over all requests; unknown until a speculating step was observed
         self.request_alpha: OrderedDict[int, float] = OrderedDict()  # request id → its own α (recent ones)
         self.step_time: dict[int, dict[int, float]] = {}  # batch-size bucket → {k: EMA seconds of a step at k}
         self._spec_steps: dict[int, int] = {}  # bucket → speculating steps observed (for the first plain timing)
         self._since_switch = 0  # steps since the last probe at the current on/off state
+        self._off = False  # the last chosen k was 0
+        self._probe_interval = probe_every  # steps between probes now (doubles while speculation stays off)
 
     @staticmethod
     def _bucket(batch_size: int) -> int:
@@ -213,9 +216,13 @@ class AdaptiveDraftLen:
             self._spec_steps[bucket] = 0  # time a plain step of this bucket (again, if it was not timed)
             return 0
         k = self.best_draft_len(batch_size, limit, request_ids)
+        if (k == 0) != self._off:  # switched: probe the other side at the base interval again
+            self._off, self._since_switch, self._probe_interval = k == 0, 0, self.probe_every
         self._since_switch += 1
-        if self._since_switch >= self.probe_every:  # probe the other side (see the class docstring)
+        if self._since_switch >= self._probe_interval:  # probe the other side (see the class docstring)
             self._since_switch = 0
+            if self._off:  # each probe that leaves speculation off doubles the wait for the next one
+                self._probe_interval = min(2 * self._probe_interval, self.max_probe_every)
             return limit if k == 0 else 0
         return k
 
