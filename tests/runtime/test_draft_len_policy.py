@@ -216,7 +216,13 @@ def test_adaptive_draft_len_follows_acceptance_and_measured_cost():
     assert d.relative_step_time(1, 1) == pytest.approx(1.95, rel=0.01) and d.draft_len(1) == 3
     r = AdaptiveDraftLen(StaticDraftLen(4), probe_every=3)
     r.observe(8, 0, 4, 1, 0.0)  # nothing accepted: off ...
-    ks = [r.draft_len(1) for _ in range(24)]  # ... with a speculating probe after 3 steps, then 6, then 12
+    ks = []  # ... with a speculating probe after 3 steps, then 6, then 12
+    for _ in range(24):
+        ks.append(r.draft_len(1))
+        if ks[-1]:  # the drafter's first step back primes the drafts (k = 0 with drafting on): the probe goes on
+            r.observe(0, 0, 0, 1, 0.0)
+            assert r.draft_len(1) == 4
+        r.observe(8 if ks[-1] else 0, 0, ks[-1], 1, 0.0)
     assert [i for i, k in enumerate(ks) if k] == [2, 8, 20] and set(ks) == {0, 4}
 
 

@@ -144,7 +144,8 @@ class AdaptiveDraftLen:
     saves verify rows only, not draft work, so no per-draft linear model fits both a draft model (a large fixed
     drafting cost) and heads (almost none). A bucket whose plain step is not yet timed times one after
     `warmup_steps` speculating steps, so a drafter that does not pay is found out within a few steps. Afterwards it
-    probes: while off, after `probe_every` plain steps one step speculates (refreshing α and t(K)), the wait
+    probes: while off, after `probe_every` plain steps it speculates until one speculating step was observed (the
+    drafter's first step back only primes the drafts; this one refreshes α and t(K)), the wait
     doubling after each probe that leaves it off (up to `max_probe_every`: a probe costs a draft-priming step and a
     speculating one); while on, every `probe_every` speculating steps one plain step refreshes t(0). Lossless by
     construction: only the number of verified drafts changes, never the acceptance rule. The step's shape is one
@@ -165,6 +166,7 @@ class AdaptiveDraftLen:
         self._spec_steps: dict[int, int] = {}  # bucket → speculating steps observed (for the first plain timing)
         self._since_switch = 0  # steps since the last probe at the current on/off state
         self._off = False  # the last chosen k was 0
+        self._probing = False  # a probe from off is under way: speculate until a speculating step is observed
         self._probe_interval = probe_every  # steps between probes now (doubles while speculation stays off)
 
     @staticmethod
@@ -215,6 +217,8 @@ class AdaptiveDraftLen:
         if 0 not in self.step_time.get(bucket, {}) and self._spec_steps.get(bucket, 0) >= self.warmup_steps:
             self._spec_steps[bucket] = 0  # time a plain step of this bucket (again, if it was not timed)
             return 0
+        if self._probing:  # until a speculating step ran (the first one after a pause only primes the drafts)
+            return limit
         k = self.best_draft_len(batch_size, limit, request_ids)
         if (k == 0) != self._off:  # switched: probe the other side at the base interval again
             self._off, self._since_switch, self._probe_interval = k == 0, 0, self.probe_every
@@ -223,13 +227,16 @@ class AdaptiveDraftLen:
             self._since_switch = 0
             if self._off:  # each probe that leaves speculation off doubles the wait for the next one
                 self._probe_interval = min(2 * self._probe_interval, self.max_probe_every)
-            return limit if k == 0 else 0
+                self._probing = True
+                return limit
+            return 0
         return k
 
     def observe(self, num_draft_tokens: int, num_accepted_draft_tokens: int, draft_len: int = 0,
                 batch_size: int = 0, seconds: float = 0.0, per_request: Mapping[int, int] | None = None) -> None:
         self.inner.observe(num_draft_tokens, num_accepted_draft_tokens, draft_len, batch_size, seconds, per_request)
         if draft_len > 0 and num_draft_tokens > 0:
+            self._probing = False
             prior = self.alpha
             rate = num_accepted_draft_tokens / num_draft_tokens
             self.alpha = self._ema(self.alpha, acceptance_from_rate(rate, draft_len))
