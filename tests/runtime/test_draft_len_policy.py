@@ -195,7 +195,7 @@ def test_adaptive_draft_len_follows_acceptance_and_measured_cost():
     # k = 2 not timed: two verified rows fewer than k = 4, each at most 1/4 of k = 4's extra time (so ≥ 1)
     assert p.relative_step_time(1, 2) == pytest.approx(1.1, rel=0.01)
     assert p.relative_step_time(1, 5) == pytest.approx(1.2 + p.prior_cost, rel=0.01)
-    for _ in range(40):  # acceptance drops to 1 in 8 drafts at k = 4 (α ≈ 0.34): shorter drafts pay more
+    for _ in range(80):  # acceptance drops to 1 in 8 drafts at k = 4 (α ≈ 0.34): shorter drafts pay more
         p.observe(8, 1, 4, 1, 0.012)
     assert p.alpha == pytest.approx(0.34, abs=0.01) and p.draft_len(1) == 2
     for _ in range(40):  # then to nothing: E(k) / (t(k) / t(0)) < 1 for every k > 0, plain decoding
@@ -214,6 +214,12 @@ def test_adaptive_draft_len_follows_acceptance_and_measured_cost():
     # α ≈ 1: k = 3 gives 4 tokens per 2.15 steps (1.86×), k = 1 only 2 per 1.95 — a per-draft linear fit of
     # the k = 1 steps, (1.95 − 1) / 1, would price k = 3 at 3.85 steps
     assert d.relative_step_time(1, 1) == pytest.approx(1.95, rel=0.01) and d.draft_len(1) == 3
+    cold = AdaptiveDraftLen(StaticDraftLen(3), probe_every=8)
+    for seconds in (0.050, 0.050) + (0.010,) * 20:  # two cold speculating steps, then plain ones
+        cold.observe(3 if seconds > 0.02 else 0, 3 if seconds > 0.02 else 0, 3 if seconds > 0.02 else 0, 1, seconds)
+    assert cold.draft_len(1) == 0  # 4 tokens per 5 steps
+    cold.observe(3, 3, 3, 1, 0.012)  # a probe 20 steps later: the stale cold time is replaced, not blended
+    assert cold.relative_step_time(1, 3) == pytest.approx(1.2) and cold.draft_len(1) == 3
     r = AdaptiveDraftLen(StaticDraftLen(4), probe_every=3)
     r.observe(8, 0, 4, 1, 0.0)  # nothing accepted: off ...
     ks = []  # ... with a speculating probe after 3 steps, then 6, then 12

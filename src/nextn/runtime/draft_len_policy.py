@@ -116,7 +116,7 @@ def acceptance_from_rate(rate: float, k: int) -> float:
     if rate >= 1.0:
         return 1.0
     lo, hi = 0.0, 1.0
-    for _ in range(40):
+    for _ in range(24):  # to 6e-8
         mid = (lo + hi) / 2
         if (expected_tokens(mid, k) - 1.0) / k < rate:
             lo = mid
@@ -129,14 +129,17 @@ class AdaptiveDraftLen:
     """Wraps a policy; picks each step's draft length k in [0, the inner policy's] to maximise the batch's expected
     tokens per second, Σ_r E(α_r, k) / t(k), from each request's own recent acceptance and measured step times.
 
-    E(α, k) = `expected_tokens(α, k)`; α_r is request r's per-draft acceptance, an EMA of `acceptance_from_rate`
-    over the speculating steps it took part in (a request not yet observed starts from the pooled α of all requests;
+    E(α, k) = `expected_tokens(α, k)`; α_r is request r's per-draft acceptance: `acceptance_from_rate` of EMAs
+    (weight `acceptance_smoothing`) of its accepted and verified drafts per step over the speculating steps it took
+    part in (a request not yet observed starts from the pooled α of all requests;
     none observed at all: the full length is tried). So a request whose drafts keep missing (chat beside code, a
     drafter that does not know the topic) pulls k down only by its own share, and a lone request runs the length
     that pays for it alone; k = 0 (plain decoding) when no k pays for the batch.
 
     t(k) is measured, per batch-size bucket (powers of two) and per k: an EMA of the wall time of the steps that ran
-    at that length (k = 0: plain steps, no drafter). A k not yet measured is interpolated between the measured
+    at that length (k = 0: plain steps, no drafter), restarted from the new time when the last was more than
+    `probe_every` timed steps ago (a probe's t(K) after a pause, or the engine's first, cold steps, would
+    otherwise decide for a long time). A k not yet measured is interpolated between the measured
     lengths around it, else extrapolated from the nearest measured k' > 0 as t(k') + (k − k') · v · t(0), v =
     `prior_cost` per verified row (below k': at most (t(k') / t(0) − 1) / k', so that no estimate undercuts a plain
     step), or as t(0) · (1 + `prior_cost` · k) when no speculating step was timed. Measuring each length matters
@@ -156,13 +159,19 @@ class AdaptiveDraftLen:
     max_tracked_requests = 4096  # per-request α kept for at most this many recent requests (least recent dropped)
 
     def __init__(self, inner: DraftLenPolicy, prior_cost: float = 0.1, smoothing: float = 0.2,
+                 acceptance_smoothing: float = 0.1,
                  probe_every: int = 32, warmup_steps: int = 2, max_probe_every: int = 256) -> None:
         self.inner, self.max_draft_len = inner, inner.max_draft_len
         self.prior_cost, self.smoothing, self.probe_every = prior_cost, smoothing, probe_every
         self.warmup_steps, self.max_probe_every = warmup_steps, max_probe_every
+        self.acceptance_smoothing = acceptance_smoothing
         self.alpha: float | None = None  # pooled over all requests; unknown until a speculating step was observed
-        self.request_alpha: OrderedDict[int, float] = OrderedDict()  # request id → its own α (recent ones)
+        self.request_alpha: dict[int, float] = {}  # request id → its own α (recent ones)
+        self._pooled: tuple[float, float, float] | None = None  # `_acceptance_ema` of a request's mean step
+        self._request_stats: OrderedDict[int, tuple[float, float, float]] = OrderedDict()  # request id → the same
         self.step_time: dict[int, dict[int, float]] = {}  # batch-size bucket → {k: EMA seconds of a step at k}
+        self._timed_at: dict[int, dict[int, int]] = {}  # bucket → {k: `_timed_steps` when t(k) was last timed}
+        self._timed_steps = 0  # timed steps observed
         self._spec_steps: dict[int, int] = {}  # bucket → speculating steps observed (for the first plain timing)
         self._since_switch = 0  # steps since the last probe at the current on/off state
         self._off = False  # the last chosen k was 0
@@ -175,6 +184,17 @@ class AdaptiveDraftLen:
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.smoothing * (new - old)
+
+    def _acceptance_ema(self, old: tuple[float, float, float] | None, accepted: float,
+                        drafts: float) -> tuple[float, float, float]:
+        """(EMA accepted drafts, EMA verified drafts, their α) per step after one more step's counts. The counts
+        are averaged, not per-step α: one step's α is 0 or 1 more often than not, and α's map is not linear."""
+        a = self.acceptance_smoothing
+        if old is None:
+            acc, n = accepted, drafts
+        else:
+            acc, n = old[0] + a * (accepted - old[0]), old[1] + a * (drafts - old[1])
+        return acc, n, acceptance_from_rate(acc / n if n > 0 else 0.0, n)
 
     def relative_step_time(self, batch_size: int, k: int) -> float:
         """t(k) / t(0) for this batch size's bucket: measured where a step at k was timed, else estimated (see the
@@ -237,20 +257,26 @@ class AdaptiveDraftLen:
         self.inner.observe(num_draft_tokens, num_accepted_draft_tokens, draft_len, batch_size, seconds, per_request)
         if draft_len > 0 and num_draft_tokens > 0:
             self._probing = False
-            prior = self.alpha
-            rate = num_accepted_draft_tokens / num_draft_tokens
-            self.alpha = self._ema(self.alpha, acceptance_from_rate(rate, draft_len))
+            prior = self._pooled
+            per_draft = num_accepted_draft_tokens / num_draft_tokens  # a request's mean step: k drafts, k·rate kept
+            self._pooled = self._acceptance_ema(prior, per_draft * draft_len, draft_len)
+            self.alpha = self._pooled[2]
             for rid, accepted in (per_request or {}).items():
-                alpha = acceptance_from_rate(accepted / draft_len, draft_len)
-                self.request_alpha[rid] = self._ema(self.request_alpha.get(rid, prior), alpha)
-                self.request_alpha.move_to_end(rid)
-            while len(self.request_alpha) > self.max_tracked_requests:
-                self.request_alpha.popitem(last=False)
+                stats = self._acceptance_ema(self._request_stats.get(rid, prior), accepted, draft_len)
+                self._request_stats[rid] = stats
+                self._request_stats.move_to_end(rid)
+                self.request_alpha[rid] = stats[2]
+            while len(self._request_stats) > self.max_tracked_requests:
+                self.request_alpha.pop(self._request_stats.popitem(last=False)[0], None)
         if seconds <= 0.0 or batch_size <= 0:
             return
         bucket = self._bucket(batch_size)
-        times = self.step_time.setdefault(bucket, {})
-        times[draft_len] = self._ema(times.get(draft_len), seconds)
+        times, seen = self.step_time.setdefault(bucket, {}), self._timed_at.setdefault(bucket, {})
+        self._timed_steps += 1
+        stale = self._timed_steps - seen.get(draft_len, self._timed_steps) > self.probe_every
+        # a length timed long ago (a probe after a pause; the first, cold steps) is replaced, not blended
+        times[draft_len] = seconds if stale else self._ema(times.get(draft_len), seconds)
+        seen[draft_len] = self._timed_steps
         if draft_len > 0:
             self._spec_steps[bucket] = self._spec_steps.get(bucket, 0) + 1
 

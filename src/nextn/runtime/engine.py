@@ -352,7 +352,11 @@ class Engine:
         Rows of requests that finished or were cancelled since the step was launched are discarded.
         """
         batch = step.batch
+        read_start = time.perf_counter()
         result = self.runner.read_back(step)
+        # the step's own time: its launch (all of it on a CPU) plus waiting for its results (a GPU's compute). Not
+        # launch → now: with the overlap scheduler that would also hold the next step's launch.
+        step_seconds = step.launch_seconds + time.perf_counter() - read_start
         stat_k = self.drafter.stat_draft_len(batch.draft_len)
         updated = []
         num_draft = num_accepted = 0
@@ -376,7 +380,7 @@ class Engine:
             self.scheduler.cache_blocks(req)
             updated.append(req)
         if batch.kind == "decode":  # timed only when the step is plain or fully speculating (not re-priming drafts)
-            seconds = time.perf_counter() - step.launch_time if batch.drafting == (batch.draft_len > 0) else 0.0
+            seconds = step_seconds if batch.drafting == (batch.draft_len > 0) else 0.0
             self.draft_len_policy.observe(num_draft, num_accepted, stat_k, len(batch.requests), seconds, per_request)
         done = self.scheduler.finish_done()
         for req in done:

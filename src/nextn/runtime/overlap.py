@@ -20,6 +20,8 @@ What lags, and how it is made safe:
 
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +42,7 @@ class InflightStep:
         next_kv_lens: [B] int64 each row's KV length after the step (the next decode step's kv_lens).
         rows: request → row in this batch.
         launch_time: perf_counter seconds when the step was scheduled.
+        launch_seconds: seconds its launch took (on a CPU: the step's whole computation; on a GPU: the enqueueing).
     """
 
     batch: ScheduledBatch
@@ -48,6 +51,7 @@ class InflightStep:
     next_kv_lens: torch.Tensor
     rows: dict[int, int]
     launch_time: float
+    launch_seconds: float = 0.0
 
     @classmethod
     def create(cls, batch: ScheduledBatch, out: StepOutput, kv_lens: torch.Tensor,
@@ -57,7 +61,8 @@ class InflightStep:
                          out.accept_state)
         last = out.tokens.gather(1, (out.num_emitted - 1)[:, None])[:, 0]
         rows = {id(r): i for i, r in enumerate(batch.requests)}
-        return cls(batch, out, last, kv_lens + out.num_emitted, rows, launch_time)
+        return cls(batch, out, last, kv_lens + out.num_emitted, rows, launch_time,
+                   time.perf_counter() - launch_time)
 
 
 def decode_inputs(reqs: tuple[Request, ...], draft_len: int, prev: InflightStep | None,
