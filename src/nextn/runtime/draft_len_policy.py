@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from nextn.config.llm_args import DecodingBaseConfig, LlmArgsError, MedusaDecodingConfig
@@ -125,35 +126,45 @@ def acceptance_from_rate(rate: float, k: int) -> float:
     return (lo + hi) / 2
 
 
+@dataclass
+class _ProbeState:
+    """One batch-size bucket's probing (`AdaptiveDraftLen`)."""
+
+    interval: int  # steps between probes now (doubles while speculation stays off)
+    off: bool = False  # the last chosen k was 0
+    since_switch: int = 0  # steps since the last probe at the current on/off state
+    probing: bool = False  # a probe from off is under way: speculate until a speculating step is observed
+
+
 class AdaptiveDraftLen:
-    """Wraps a policy; picks each step's draft length k in [0, the inner policy's] to maximise the batch's expected
-    tokens per second, Σ_r E(α_r, k) / t(k), from each request's own recent acceptance and measured step times.
+    """Wraps a policy; picks each step's draft length k in [0, the inner policy's] to maximise the batch's expected tokens
+    per second, Σ_r E(α_r, k) / t(k), from each request's own recent acceptance and measured step times.
 
     E(α, k) = `expected_tokens(α, k)`; α_r is request r's per-draft acceptance: `acceptance_from_rate` of EMAs
     (weight `acceptance_smoothing`) of its accepted and verified drafts per step over the speculating steps it took
-    part in (a request not yet observed starts from the pooled α of all requests;
-    none observed at all: the full length is tried). So a request whose drafts keep missing (chat beside code, a
-    drafter that does not know the topic) pulls k down only by its own share, and a lone request runs the length
-    that pays for it alone; k = 0 (plain decoding) when no k pays for the batch.
+    part in (a request not yet observed starts from the pooled α of all requests; none observed at all: the full
+    length is tried). So a request whose drafts keep missing (chat beside code, a drafter that does not know the
+    topic) pulls k down only by its own share, and a lone request runs the length that pays for it alone; k = 0
+    (plain decoding) when no k pays for the batch.
 
     t(k) is measured, per batch-size bucket (powers of two) and per k: an EMA of the wall time of the steps that ran
     at that length (k = 0: plain steps, no drafter), restarted from the new time when the last was more than
-    `probe_every` timed steps ago (a probe's t(K) after a pause, or the engine's first, cold steps, would
-    otherwise decide for a long time). A k not yet measured is interpolated between the measured
-    lengths around it, else extrapolated from the nearest measured k' > 0 as t(k') + (k − k') · v · t(0), v =
-    `prior_cost` per verified row (below k': at most (t(k') / t(0) − 1) / k', so that no estimate undercuts a plain
-    step), or as t(0) · (1 + `prior_cost` · k) when no speculating step was timed. Measuring each length matters
-    because the drafter drafts K tokens whatever k the step verifies (its KV stays as after a full step): a short k
-    saves verify rows only, not draft work, so no per-draft linear model fits both a draft model (a large fixed
-    drafting cost) and heads (almost none). A bucket whose plain step is not yet timed times one after
-    `warmup_steps` speculating steps, so a drafter that does not pay is found out within a few steps. Afterwards it
-    probes: while off, after `probe_every` plain steps it speculates until one speculating step was observed (the
-    drafter's first step back only primes the drafts; this one refreshes α and t(K)), the wait
-    doubling after each probe that leaves it off (up to `max_probe_every`: a probe costs a draft-priming step and a
-    speculating one); while on, every `probe_every` speculating steps one plain step refreshes t(0). Lossless by
-    construction: only the number of verified drafts changes, never the acceptance rule. The step's shape is one
-    draft length for the whole batch ([B, k+1], graph-capturable), so per-request acceptance chooses the batch's k
-    rather than giving each row its own width (a row's extra verified drafts cost nothing more once the step runs).
+    `probe_every` timed steps ago (a probe's t(K) after a pause, or the engine's first, cold steps, would otherwise
+    decide for a long time). A k not yet measured is interpolated between the measured lengths around it, else
+    extrapolated from the nearest measured k' > 0 as t(k') + (k − k') · v · t(0), v = `prior_cost` per verified row
+    (below k': at most (t(k') / t(0) − 1) / k', so that no estimate undercuts a plain step), or as t(0) · (1 +
+    `prior_cost` · k) when no speculating step was timed. Measuring each length matters because the drafter drafts K
+    tokens whatever k the step verifies (its KV stays as after a full step): a short k saves verify rows only, not
+    draft work, so no per-draft linear model fits both a draft model (a large fixed drafting cost) and heads (almost
+    none). A bucket whose plain step is not yet timed times one after `warmup_steps` speculating steps, so a drafter
+    that does not pay is found out within a few steps. Afterwards it probes (each bucket on its own): while off,
+    after `probe_every` plain steps it speculates until one speculating step was observed (the drafter's first step
+    back only primes the drafts; this one refreshes α and t(K)), the wait doubling after each probe that leaves it
+    off (up to `max_probe_every`: a probe costs a draft-priming step and a speculating one); while on, every
+    `probe_every` speculating steps one plain step refreshes t(0). Lossless by construction: only the number of
+    verified drafts changes, never the acceptance rule. The step's shape is one draft length for the whole batch
+    ([B, k+1], graph-capturable), so per-request acceptance chooses the batch's k rather than giving each row its
+    own width (a row's extra verified drafts cost nothing more once the step runs).
     """
 
     max_tracked_requests = 4096  # per-request α kept for at most this many recent requests (least recent dropped)
@@ -173,10 +184,7 @@ class AdaptiveDraftLen:
         self._timed_at: dict[int, dict[int, int]] = {}  # bucket → {k: `_timed_steps` when t(k) was last timed}
         self._timed_steps = 0  # timed steps observed
         self._spec_steps: dict[int, int] = {}  # bucket → speculating steps observed (for the first plain timing)
-        self._since_switch = 0  # steps since the last probe at the current on/off state
-        self._off = False  # the last chosen k was 0
-        self._probing = False  # a probe from off is under way: speculate until a speculating step is observed
-        self._probe_interval = probe_every  # steps between probes now (doubles while speculation stays off)
+        self._probes: dict[int, _ProbeState] = {}  # bucket → its probing state
 
     @staticmethod
     def _bucket(batch_size: int) -> int:
@@ -237,17 +245,18 @@ class AdaptiveDraftLen:
         if 0 not in self.step_time.get(bucket, {}) and self._spec_steps.get(bucket, 0) >= self.warmup_steps:
             self._spec_steps[bucket] = 0  # time a plain step of this bucket (again, if it was not timed)
             return 0
-        if self._probing:  # until a speculating step ran (the first one after a pause only primes the drafts)
+        probe = self._probes.setdefault(bucket, _ProbeState(self.probe_every))
+        if probe.probing:  # until a speculating step ran (the first one after a pause only primes the drafts)
             return limit
         k = self.best_draft_len(batch_size, limit, request_ids)
-        if (k == 0) != self._off:  # switched: probe the other side at the base interval again
-            self._off, self._since_switch, self._probe_interval = k == 0, 0, self.probe_every
-        self._since_switch += 1
-        if self._since_switch >= self._probe_interval:  # probe the other side (see the class docstring)
-            self._since_switch = 0
-            if self._off:  # each probe that leaves speculation off doubles the wait for the next one
-                self._probe_interval = min(2 * self._probe_interval, self.max_probe_every)
-                self._probing = True
+        if (k == 0) != probe.off:  # switched: probe the other side at the base interval again
+            probe.off, probe.since_switch, probe.interval = k == 0, 0, self.probe_every
+        probe.since_switch += 1
+        if probe.since_switch >= probe.interval:  # probe the other side (see the class docstring)
+            probe.since_switch = 0
+            if probe.off:  # each probe that leaves speculation off doubles the wait for the next one
+                probe.interval = min(2 * probe.interval, self.max_probe_every)
+                probe.probing = True
                 return limit
             return 0
         return k
@@ -256,7 +265,8 @@ class AdaptiveDraftLen:
                 batch_size: int = 0, seconds: float = 0.0, per_request: Mapping[int, int] | None = None) -> None:
         self.inner.observe(num_draft_tokens, num_accepted_draft_tokens, draft_len, batch_size, seconds, per_request)
         if draft_len > 0 and num_draft_tokens > 0:
-            self._probing = False
+            if (probe := self._probes.get(self._bucket(batch_size))) is not None:
+                probe.probing = False
             prior = self._pooled
             per_draft = num_accepted_draft_tokens / num_draft_tokens  # a request's mean step: k drafts, k·rate kept
             self._pooled = self._acceptance_ema(prior, per_draft * draft_len, draft_len)
