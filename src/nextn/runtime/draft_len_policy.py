@@ -137,8 +137,8 @@ class _ProbeState:
 
 
 class AdaptiveDraftLen:
-    """Wraps a policy; picks each step's draft length k in [0, the inner policy's] to maximise the batch's expected tokens
-    per second, Σ_r E(α_r, k) / t(k), from each request's own recent acceptance and measured step times.
+    """Wraps a policy; picks each step's draft length k in [0, the inner policy's] to maximise the batch's expected
+    tokens per second, Σ_r E(α_r, k) / t(k), from each request's own recent acceptance and measured step times.
 
     E(α, k) = `expected_tokens(α, k)`; α_r is request r's per-draft acceptance: `acceptance_from_rate` of EMAs
     (weight `acceptance_smoothing`) of its accepted and verified drafts per step over the speculating steps it took
