@@ -251,7 +251,8 @@ def test_adaptive_draft_len_follows_each_requests_own_acceptance():
     for _ in range(30):
         q.observe(8, 4, 4, 2, 0.031, per_request={1: 4, 2: 0})
     # their own α (1 and 0): k + 2 tokens per t(k) = 1.6, 2.1, 2.6, 3.1 steps (k = 2, 3 interpolated) — none beats
-    # 2 per step; the pooled α (≈ 0.74, half the drafts accepted at k = 4) would take 2 · 1.74 per 1.6 steps at k = 1
+    # 2 per step; the pooled α (≈ 0.74, half the drafts accepted at k = 4) would take 2 · 1.74 per 1.6 steps at
+    # k = 1
     assert q.relative_step_time(2, 2) == pytest.approx(2.1, rel=0.01)
     assert q.draft_len(2, [1, 2]) == 0 and q.best_draft_len(2, 4) > 0
     p.max_tracked_requests = 2  # the least recently observed requests are forgotten

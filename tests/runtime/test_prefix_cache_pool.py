@@ -177,7 +177,8 @@ def test_no_blocks_registered_past_a_step_without_the_drafter():
     req.output_token_ids = [1]
     req.prefill_done = True
     assert req.num_committed_blocks == 1
-    sched.draft_len_policy.draft_len = lambda batch_size: 0  # speculation off: a step without the drafter
+    # speculation off: a step without the drafter
+    sched.draft_len_policy.draft_len = lambda batch_size, request_ids=(): 0
     assert not sched.schedule().drafting and req.drafter_gap == req.kv_len == 6
     req.output_token_ids += list(range(10))
     req.num_computed_tokens = req.kv_len

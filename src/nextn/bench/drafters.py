@@ -1,7 +1,8 @@
 """Drafters on a real draft/target pair, nextn beside llama.cpp in one invocation (a benchmark, not a test).
 
-On the same chat-templated prompts (HumanEval, MT-bench first turns, or the two alternating), greedy, `--max_tokens` new tokens with EOS
-ignored, best of `--runs` after a warm-up, alternating systems so that all see the same machine:
+On the same chat-templated prompts (HumanEval, MT-bench first turns, or the two alternating), greedy,
+`--max_tokens` new tokens with EOS ignored, best of `--runs` after a warm-up, alternating systems so that all see
+the same machine:
 - nextn: plain decoding, Draft_Target (`--draft` as the draft model, K = `--draft_len`), Draft_Target with
   `adaptive_draft_len`, and NGram (K, n = 3) without and with `adaptive_draft_len` — one engine format for target
   and draft (`--format`);
