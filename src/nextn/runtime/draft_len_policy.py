@@ -177,14 +177,19 @@ class AdaptiveDraftLen:
         self.warmup_steps, self.max_probe_every = warmup_steps, max_probe_every
         self.acceptance_smoothing = acceptance_smoothing
         self.alpha: float | None = None  # pooled over all requests; unknown until a speculating step was observed
-        self.request_alpha: dict[int, float] = {}  # request id → its own α (recent ones)
         self._pooled: tuple[float, float, float] | None = None  # `_acceptance_ema` of a request's mean step
-        self._request_stats: OrderedDict[int, tuple[float, float, float]] = OrderedDict()  # request id → the same
+        # request id → the same for each recently observed request (least recent first)
+        self._request_stats: OrderedDict[int, tuple[float, float, float]] = OrderedDict()
         self.step_time: dict[int, dict[int, float]] = {}  # batch-size bucket → {k: EMA seconds of a step at k}
         self._timed_at: dict[int, dict[int, int]] = {}  # bucket → {k: `_timed_steps` when t(k) was last timed}
         self._timed_steps = 0  # timed steps observed
         self._spec_steps: dict[int, int] = {}  # bucket → speculating steps observed (for the first plain timing)
         self._probes: dict[int, _ProbeState] = {}  # bucket → its probing state
+
+    @property
+    def request_alpha(self) -> dict[int, float]:
+        """Request id → its own α, for the recently observed requests (least recent first)."""
+        return {rid: stats[2] for rid, stats in self._request_stats.items()}
 
     @staticmethod
     def _bucket(batch_size: int) -> int:
@@ -230,7 +235,8 @@ class AdaptiveDraftLen:
     def best_draft_len(self, batch_size: int, limit: int, request_ids: Sequence[int] = ()) -> int:
         """argmax over k in [0, limit] of Σ_r E(α_r, k) / (t(k) / t(0)) (ties: the shorter draft); the pooled α
         stands for requests not yet observed, and for the whole batch when no ids are given."""
-        alphas = [self.request_alpha.get(r, self.alpha) for r in request_ids] or [self.alpha]
+        stats = self._request_stats
+        alphas = [stats[r][2] if r in stats else self.alpha for r in request_ids] or [self.alpha]
         if any(a is None for a in alphas):
             return limit
         rates = [sum(expected_tokens(a, k) for a in alphas) / self.relative_step_time(batch_size, k)
@@ -275,9 +281,8 @@ class AdaptiveDraftLen:
                 stats = self._acceptance_ema(self._request_stats.get(rid, prior), accepted, draft_len)
                 self._request_stats[rid] = stats
                 self._request_stats.move_to_end(rid)
-                self.request_alpha[rid] = stats[2]
             while len(self._request_stats) > self.max_tracked_requests:
-                self.request_alpha.pop(self._request_stats.popitem(last=False)[0], None)
+                self._request_stats.popitem(last=False)
         if seconds <= 0.0 or batch_size <= 0:
             return
         bucket = self._bucket(batch_size)
