@@ -4,6 +4,7 @@ vocabulary error, and rejection sampling with sampled drafts keeps the target's 
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 
@@ -235,3 +236,69 @@ def test_a_checkpoint_draft_is_built_like_a_quantized_target(engines, tmp_path, 
     assert llm.engine.drafter.draft.lm_head_quantized
     outs = llm.generate(PROMPTS, GREEDY)
     assert _ids(outs) == plain_w8 and sum(o.outputs[0].num_accepted_draft_tokens for o in outs) > 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A draft head cut to its hot tokens (`draft_vocab_size`, `draft_token_map`: runtime/draft_vocab.py).
+def _record_drafts(llm: LLM) -> list[torch.Tensor]:
+    """Wrap the drafter's sampling to keep every draft token it proposes."""
+    drafter, seen = llm.engine.drafter, []
+    inner = drafter._sample
+
+    def sample(*args, **kwargs):
+        tokens, q = inner(*args, **kwargs)
+        seen.append(tokens.detach().clone())
+        return tokens, q
+
+    drafter._sample = sample
+    return seen
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["fp32-head", "W4A16-head"])
+def test_a_draft_head_cut_to_hot_tokens_stays_token_identical(engines, plain, tmp_path, quantized):
+    """Drafts only from the hot rows (a token map from text like the outputs, plus the lowest ids), a dense or a
+    W4A16 draft head: greedy output is still the plain target's, drafts are still accepted, none is off the set."""
+    target, draft, _ = engines
+    if quantized:
+        draft = tmp_path / "draft_w4"
+        build_engine(engines[0].parent / "draft_ckpt", draft, dtype="bfloat16", quant_algo="W4A16", max_seq_len=256,
+                     progress=False)
+    counts = Counter(t for ids in plain for t in ids)
+    token_map = tmp_path / "hot.json"
+    token_map.write_text(json.dumps([t for t, _ in counts.most_common(40)]))
+    spec = {**_spec(draft), "draft_vocab_size": 48, "draft_token_map": str(token_map)}
+    llm = LLM(target, speculative_config=spec)
+    hot = llm.engine.drafter.hot_tokens
+    assert hot.numel() == 48 and set(t for t, _ in counts.most_common(40)) <= set(hot.tolist())
+    assert llm.engine.drafter.draft.logits(torch.zeros(1, 1, 64)).shape[-1] == 48
+    seen = _record_drafts(llm)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert _ids(outs) == plain
+    accepted = sum(o.outputs[0].num_accepted_draft_tokens for o in outs)
+    assert 0 < accepted < sum(o.outputs[0].num_draft_tokens for o in outs)
+    assert set(torch.cat([s.flatten() for s in seen]).tolist()) <= set(hot.tolist())
+
+
+def test_a_bad_token_map_is_a_clear_error(engines, tmp_path):
+    target, draft, _ = engines
+    bad = tmp_path / "hot.json"
+    bad.write_text(json.dumps([1, VOCAB + 5]))
+    with pytest.raises(LlmArgsError, match=rf"outside the draft model's vocabulary \[0, {VOCAB}\)"):
+        LLM(target, speculative_config={**_spec(draft), "draft_vocab_size": 32, "draft_token_map": str(bad)})
+    with pytest.raises(LlmArgsError, match="draft_vocab_size"):
+        LLM(target, speculative_config={**_spec(draft), "draft_vocab_size": 0})
+
+
+@pytest.mark.slow
+def test_sampling_with_a_cut_draft_head_keeps_the_token_distribution(engines):
+    """q is zero off the hot set: rejection sampling's residual must bring those tokens back at the target's rate."""
+    target, draft, _ = engines
+    plain = _plain_positions(target, TEMPERATURE)
+    llm = LLM(target, speculative_config={**_spec(draft), "draft_vocab_size": 64}, max_batch_size=N)
+    hot = set(llm.engine.drafter.hot_tokens.tolist())
+    spec = _positions(llm, N, TEMPERATURE)
+    for j in (1, 2):
+        assert chi_square_two_sample_pvalue(plain[j], spec[j]) > 1e-3, (j, plain[j].most_common(5),
+                                                                       spec[j].most_common(5))
+        off = sum(n for t, n in plain[j].items() if t not in hot)
+        assert off > 0.1 * N, "the test needs target mass off the hot set to mean anything"

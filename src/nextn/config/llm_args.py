@@ -154,6 +154,12 @@ class DraftTargetDecodingConfig(DecodingBaseConfig):
     # The draft model: an engine directory or anything LLM(path) accepts (HF checkpoint, .gguf), built once into
     # the engine cache. TensorRT-LLM's field is `speculative_model`, with `speculative_model_dir` as its alias.
     speculative_model_dir: str = Field(validation_alias=AliasChoices("speculative_model_dir", "speculative_model"))
+    # Keep only this many rows (the most frequent tokens) in the draft model's lm_head, fewer bytes a draft token;
+    # lossless (the target verifies). EAGLE-3's name in vLLM / TensorRT-LLM; FR-Spec (runtime/draft_vocab.py).
+    draft_vocab_size: int | None = Field(default=None, ge=1)
+    # Which tokens are hot: a JSON list of token ids, most frequent first (`nextn token-map`; SGLang's
+    # `speculative_token_map`); without it, the lowest ids (a BPE vocabulary's merge order).
+    draft_token_map: str | None = None
 
 
 SpeculativeConfig = Annotated[Union[MTPDecodingConfig, MedusaDecodingConfig, NGramDecodingConfig,

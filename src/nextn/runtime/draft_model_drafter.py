@@ -52,6 +52,8 @@ from nextn.quantization.linear import install_weight_only_linears
 from nextn.quantization.weight_only import INT4_ALGOS
 from nextn.runtime.acceptance_rules import AcceptanceRule, AcceptState, SamplingTensors
 from nextn.runtime.attention_metadata import AttentionMetadata, slots_for_positions
+from nextn.runtime.draft_vocab import (always_kept_ids, hot_token_ids, load_token_map, restrict_dense_head,
+                                      restrict_quantized_head)
 from nextn.runtime.drafters import DrafterState, LinearDrafter, _at
 from nextn.runtime.kv_cache import allocate_kv_cache
 
@@ -62,11 +64,13 @@ STREAM_DRAFT = 3
 _MEDUSA_PREFIX = "medusa_heads."
 
 
-def load_draft_model(engine_dir: Path, manifest: EngineManifest, device: torch.device) -> torch.nn.Module:
+def load_draft_model(engine_dir: Path, manifest: EngineManifest, device: torch.device,
+                     hot_tokens: torch.Tensor | None = None) -> torch.nn.Module:
     """The draft engine's model (any family of `models.registry`), weights on `device`, eval mode, no grad.
 
     Its rope table is sized later, to the target's (`DraftModelDrafter._bind`). Medusa heads an engine may carry
-    are dropped (the draft model only runs its decoder).
+    are dropped (the draft model only runs its decoder). With `hot_tokens` (sorted ids [V'] int64,
+    `draft_vocab.hot_token_ids`), its lm_head keeps those rows only: `logits` gives [..., V'].
 
     Raises:
         EngineError: weight files missing or not matching the draft engine's manifest.
@@ -81,12 +85,15 @@ def load_draft_model(engine_dir: Path, manifest: EngineManifest, device: torch.d
     weights = {k: v for k, v in weights.items() if not k.startswith(_MEDUSA_PREFIX)}
     with torch.device("meta"):
         model = MODEL_CLASSES[manifest.architecture](manifest.model, max_positions=1)
+    head_cut = hot_tokens is not None and restrict_quantized_head(weights, hot_tokens)
     if manifest.quant_config is not None:  # a weight-only quantized draft engine
         model.lm_head_quantized = "lm_head" in install_weight_only_linears(model, weights, manifest.quant_config)
     try:
         model.load_state_dict(weights, strict=True, assign=True)
     except RuntimeError as e:
         raise EngineError(f"draft engine weights do not match its manifest: {e}") from e
+    if hot_tokens is not None and not head_cut:
+        restrict_dense_head(model, hot_tokens)
     install_packed_linears(model)  # bf16 decoder linears on a CPU with bf16 instructions: oneDNN's packed kernel
     install_paged_attention(model)  # nextn's CPU attention kernel where it applies
     install_fused_layers(model)  # W4A16 on the CPU: one op per decoder layer
@@ -120,14 +127,18 @@ class DraftModelDrafter(LinearDrafter):
     Args:
         draft_model: the draft engine's model (`load_draft_model`), on the target's device.
         num_draft_tokens: K (`max_draft_len`), ≥ 1.
+        hot_tokens: the token ids [V'] int64 of a draft head cut to its hot rows (`draft_vocab`), None for the
+            whole vocabulary; the head's row i proposes token hot_tokens[i].
     """
 
     kv_in_cache = True  # its KV at p depends on tokens ≤ p only (look-ahead 0), in the target's block ids
 
-    def __init__(self, draft_model: torch.nn.Module, num_draft_tokens: int) -> None:
+    def __init__(self, draft_model: torch.nn.Module, num_draft_tokens: int,
+                 hot_tokens: torch.Tensor | None = None) -> None:
         self.draft = draft_model
         self.num_draft_tokens = self.max_draft_depth = num_draft_tokens
         self.vocab_size = draft_model.cfg.vocab_size
+        self.hot_tokens = hot_tokens
         self.kv_cache: torch.Tensor | None = None  # [draft layers, target slots, draft kv dim], set by _bind
 
     @classmethod
@@ -152,9 +163,17 @@ class DraftModelDrafter(LinearDrafter):
         draft_dir = resolve_engine_dir(spec.speculative_model_dir, dtype=target.dtype, **quant)
         draft = EngineManifest.load(draft_dir)
         check_vocabularies(Path(target_dir), target, draft_dir, draft)
-        logger.info("Draft_Target: draft model %s (%s, %d layers), K=%d", draft_dir, draft.architecture,
-                    draft.model.num_hidden_layers, spec.max_draft_len)
-        return cls(load_draft_model(draft_dir, draft, device), spec.max_draft_len)
+        vocab = draft.model.vocab_size
+        try:
+            ranking = None if spec.draft_token_map is None else load_token_map(Path(spec.draft_token_map), vocab)
+            hot = hot_token_ids(vocab, spec.draft_vocab_size, always_kept_ids(draft_dir, vocab), ranking)
+        except ValueError as e:
+            raise LlmArgsError(f"Draft_Target: {e}") from e
+        logger.info("Draft_Target: draft model %s (%s, %d layers), K=%d, draft head %d of %d token ids", draft_dir,
+                    draft.architecture, draft.model.num_hidden_layers, spec.max_draft_len,
+                    vocab if hot is None else hot.numel(), vocab)
+        hot = None if hot is None else hot.to(device)
+        return cls(load_draft_model(draft_dir, draft, device, hot), spec.max_draft_len, hot)
 
     @property
     def decode_fn(self):
@@ -178,9 +197,13 @@ class DraftModelDrafter(LinearDrafter):
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft tokens [B, 1] from the draft model's hidden states [B, 1, H] for positions [B, 1], and q [B, 1, V]
         (None when no request samples: argmax drafts)."""
-        logits = self.draft.logits(hidden)  # [B, 1, V] fp32
+        logits = self.draft.logits(hidden)  # [B, 1, V] fp32 ([B, 1, V'] over the hot rows)
         if sampling is None or not sampling.any_sampled:
-            return logits.argmax(-1), None
+            top = logits.argmax(-1)
+            return (top if self.hot_tokens is None else self.hot_tokens[top]), None
+        if self.hot_tokens is not None:  # q is zero off the hot set: −inf logits there
+            logits = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf")).index_copy_(
+                -1, self.hot_tokens, logits)
         q = sampling.probs(logits)  # greedy rows: one-hot at the argmax
         return sample_from_probs(q, counter_uniform(sampling.seed, positions, STREAM_DRAFT)), q
 
