@@ -37,10 +37,14 @@ FORMATS = {"bf16": None, "fp32": None, "W8A16": {"quant_algo": "W8A16"}, "W4A16"
            "W4A8": {"quant_algo": "W4A8"}}
 
 
-def _configs(draft: Path, k: int) -> dict[str, dict | None]:
+def _configs(draft: Path, k: int, draft_vocab_sizes: list[int] = (), token_map: Path | None = None
+             ) -> dict[str, dict | None]:
     dt = {"decoding_type": "Draft_Target", "max_draft_len": k, "speculative_model_dir": str(draft)}
     ngram = {"decoding_type": "NGram", "max_draft_len": k, "max_matching_ngram_size": 3}
-    return {"plain": None, f"Draft_Target K={k}": dt, f"Draft_Target K≤{k} adaptive": {**dt, "adaptive_draft_len": True},
+    hot = {} if token_map is None else {"draft_token_map": str(token_map)}
+    cut = {f"Draft_Target K={k} draft_vocab_size={v}": {**dt, "draft_vocab_size": v, **hot} for v in draft_vocab_sizes}
+    return {"plain": None, f"Draft_Target K={k}": dt, **cut,
+            f"Draft_Target K≤{k} adaptive": {**dt, "adaptive_draft_len": True},
             f"NGram K={k}": ngram, f"NGram K≤{k} adaptive": {**ngram, "adaptive_draft_len": True}}
 
 
@@ -103,6 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num_prompts", type=int, default=8)
     p.add_argument("--max_tokens", type=int, default=128)
     p.add_argument("--draft_len", type=int, default=4, help="K (default 4)")
+    p.add_argument("--draft_vocab_sizes", type=int, nargs="+", default=[],
+                   help="also run Draft_Target with the draft head cut to each of these many hot tokens "
+                        "(`draft_vocab_size`)")
+    p.add_argument("--draft_token_map", type=Path,
+                   help="which tokens are hot for --draft_vocab_sizes: a token map (`nextn token-map`); default: the "
+                        "lowest ids")
     p.add_argument("--format", choices=list(FORMATS), default="W4A16", help="nextn weight format (default W4A16)")
     p.add_argument("--batch", type=int, nargs="+", default=[1], help="nextn batch sizes (default 1)")
     p.add_argument("--configs", nargs="+", help="subset of nextn configurations (default all)")
@@ -115,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    configs = _configs(args.draft, args.draft_len)
+    configs = _configs(args.draft, args.draft_len, args.draft_vocab_sizes, args.draft_token_map)
     if args.configs:
         configs = {name: c for name, c in configs.items() if any(name.startswith(s) for s in args.configs)}
     llms = {name: _llm(args.target, args.format, spec, args.engine_cache_dir, max(args.batch))

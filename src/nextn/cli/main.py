@@ -1,4 +1,5 @@
-"""`nextn`: the runtime's command line (generate, demo, bench, make-checkpoint, train-draft, triton-repo, serve)."""
+"""`nextn`: the runtime's command line (generate, demo, bench, make-checkpoint, train-draft, token-map, triton-repo,
+serve)."""
 
 from __future__ import annotations
 
@@ -130,6 +131,16 @@ def _add_train_draft(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=train_draft.run)
 
 
+def _add_token_map(sub: argparse._SubParsersAction) -> None:
+    from nextn.cli import token_map
+
+    p = sub.add_parser("token-map", help="rank a model's tokens by corpus frequency (a Draft_Target draft head cut to "
+                                         "its hot tokens: draft_token_map)", description=token_map.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    token_map.add_arguments(p)
+    p.set_defaults(func=token_map.run)
+
+
 def _add_triton_repo(sub: argparse._SubParsersAction) -> None:
     from nextn.cli import triton_repo
 
@@ -158,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_make_checkpoint(sub)
     _add_train_draft(sub)
+    _add_token_map(sub)
     _add_triton_repo(sub)
     _add_serve(sub)
     return parser
