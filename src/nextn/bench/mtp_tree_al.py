@@ -6,6 +6,10 @@ here on trained heads of `nextn train-draft` (their held-out prompts, recorded i
 AL = Σ emitted tokens / Σ (decode steps + 1) (trtllm-bench's global AL, REFERENCE.md §7).
 
     python -m nextn.bench.mtp_tree_al --heads runs/issue16/smol/mtp-eagle-1k --source mt_bench --num_prompts 16
+
+`--speed R`: also batch-1 decode tokens/s (prompts one after another, EOS ignored; tokens after the first over
+first-token → finish time), plain decoding and each config alternating, best of R passes after a warm-up — on a
+faster engine of the same heads with `--engine` (e.g. `build-engine --model_dir HEADS --quant_algo W4A16`).
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 16])
     p.add_argument("--depth", type=int, default=3, help="the trees' depth (num_nextn_predict_layers)")
     p.add_argument("--only", nargs="*", help="run only these config names")
+    p.add_argument("--speed", type=int, default=0, metavar="R",
+                   help="also measure batch-1 tokens/s, best of R passes (default 0: AL only)")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     from nextn import LLM, SamplingParams
@@ -87,7 +93,35 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(results, indent=1) + "\n")
+    if args.speed:
+        results["speed"] = _speed(engine, prompts, args, [n for n in results["runs"]])
+        if args.out:
+            args.out.write_text(json.dumps(results, indent=1) + "\n")
     return 0
+
+
+def _speed(engine: Path, prompts: list[list[int]], args, names: list[str]) -> dict[str, dict]:
+    """Batch-1 tokens/s of plain decoding and each named config, alternating, best of `args.speed` passes."""
+    from nextn import LLM
+    from nextn.bench.drafters import run_nextn
+
+    specs = {"plain": None, **{n: s for n, s in configs(args.budgets, args.depth).items() if n in names}}
+    llms = {n: LLM(engine, speculative_config=s, max_batch_size=1) for n, s in specs.items()}
+    for llm in llms.values():  # warm-up
+        run_nextn(llm, prompts[:1], 8, 1)
+    best: dict[str, dict] = {}
+    for _ in range(args.speed):
+        for name, llm in llms.items():
+            r = run_nextn(llm, prompts, args.max_tokens, 1)
+            if name not in best or r["tps"] > best[name]["tps"]:
+                best[name] = r
+    plain = best["plain"]
+    print(f"| batch 1, {len(prompts)} prompts × {args.max_tokens} tokens | tokens/s | AL | vs plain | identical |")
+    print("|---|---:|---:|---:|---|")
+    for name, r in best.items():
+        same = "yes" if r["tokens"] == plain["tokens"] else "NO"
+        print(f"| {name} | {r['tps']:.2f} | {r['al']:.2f} | {r['tps'] / plain['tps']:.2f}× | {same} |", flush=True)
+    return {n: {k: v for k, v in r.items() if k != "tokens"} for n, r in best.items()}
 
 
 if __name__ == "__main__":
