@@ -94,3 +94,30 @@ def test_a_cut_dense_head_leaves_a_tied_embedding_whole():
     restrict_dense_head(model, hot)
     assert model.embed.weight.shape == (100, 8) and model.lm_head.weight.shape == (16, 8)
     torch.testing.assert_close(model.lm_head(x), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("algo", ["W8A16", "W4A16"])
+def test_a_quantized_head_cut_for_self_drafting_holds_its_dequantized_hot_rows(algo):
+    """`cut_draft_head` on a quantized lm_head (MTP): the hot rows come out of the head itself (the identity
+    passed through it), so they equal the reference dequantization, in bf16."""
+    from types import SimpleNamespace
+
+    from nextn.models.causal_lm import SelfDraftingCausalLM
+    from nextn.models.layers import RMSNorm
+    from nextn.quantization.weight_only import dequantize
+
+    torch.manual_seed(0)
+    cfg = QuantConfig(quant_algo=algo, group_size=32) if algo != "W8A16" else QuantConfig(quant_algo=algo)
+    tensors = quantize(torch.randn(320, 128), cfg)
+    model = SelfDraftingCausalLM()
+    model.lm_head, model.lm_head_quantized = WeightOnlyLinear(dict(tensors), cfg), True
+    model.model = torch.nn.Module()
+    model.model.norm = RMSNorm(128, eps=1e-6).to(torch.bfloat16)
+    model.cfg = SimpleNamespace(vocab_size=320)
+    hot = hot_token_ids(320, 48, ranking=list(range(300, 320)))
+    model.cut_draft_head(hot)
+    want = dequantize(tensors, cfg)[hot].to(torch.bfloat16)
+    assert model.draft_head_weight.dtype == torch.bfloat16
+    torch.testing.assert_close(model.draft_head_weight, want, rtol=0, atol=0)
+    logits = model.draft_logits(torch.randn(3, 128).bfloat16())
+    assert logits.shape == (3, 320) and torch.isinf(logits[:, 100:300]).all()

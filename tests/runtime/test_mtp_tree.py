@@ -199,3 +199,39 @@ def test_graph_replay_matches_the_eager_engine(eagle, spec):
     graph = llm.generate(PROMPTS, params)
     assert _ids(graph) == _ids(eager) and _stats(graph) == _stats(eager)
     assert step.num_replays > 0
+
+
+CHAIN = {"decoding_type": "MTP", "num_nextn_predict_layers": 3}
+
+
+@pytest.mark.parametrize("spec", [CHAIN, STATIC, DYNAMIC], ids=["chain", "static", "dynamic"])
+def test_a_draft_head_cut_to_hot_tokens_is_lossless(eagle, plain, spec, tmp_path):
+    """The MTP module's head over the hot tokens only (`draft_vocab_size` + a token map): −inf logits elsewhere,
+    drafts still accepted, output still plain decoding's, chain and trees."""
+    import json
+    from collections import Counter
+
+    import torch
+
+    counts = Counter(t for ids in plain for t in ids)
+    token_map = tmp_path / "hot.json"
+    token_map.write_text(json.dumps([t for t, _ in counts.most_common(24)]))
+    llm = LLM(eagle, speculative_config={**spec, "draft_vocab_size": 32, "draft_token_map": str(token_map)})
+    model = llm.engine.model
+    hot = model.draft_hot_tokens
+    assert hot.numel() == 32 and {t for t, _ in counts.most_common(24)} <= set(hot.tolist())
+    logits = model.draft_logits(torch.randn(2, 1, model.cfg.hidden_size))
+    off = torch.ones(SMALL_VOCAB["vocab_size"], dtype=torch.bool)
+    off[hot] = False
+    assert logits.shape[-1] == SMALL_VOCAB["vocab_size"] and torch.isinf(logits[..., off]).all()
+    assert torch.isfinite(logits[..., hot]).all()
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=32, ignore_eos=True))
+    assert _ids(outs) == plain
+    assert sum(o.outputs[0].num_accepted_draft_tokens for o in outs) > 0
+
+
+def test_a_bad_draft_token_map_is_a_clear_error(eagle, tmp_path):
+    bad = tmp_path / "hot.json"
+    bad.write_text("[1, 100000]")
+    with pytest.raises(LlmArgsError, match="outside the draft model's vocabulary"):
+        LLM(eagle, speculative_config={**CHAIN, "draft_vocab_size": 32, "draft_token_map": str(bad)})

@@ -107,6 +107,9 @@ class MTPDecodingConfig(DecodingBaseConfig):
     use_dynamic_tree: bool = False
     dynamic_tree_max_topK: int = Field(default=4, ge=1, le=16)  # SGLang's speculative_eagle_topk
     max_total_draft_tokens: int | None = Field(default=None, ge=1, le=255)  # draft nodes, root excluded; null: 15
+    # The module's lm_head cut to its hot tokens, as Draft_Target's (runtime/draft_vocab.py): fewer bytes a draft.
+    draft_vocab_size: int | None = Field(default=None, ge=1)
+    draft_token_map: str | None = None
 
     @model_validator(mode="after")
     def _one_tree(self):

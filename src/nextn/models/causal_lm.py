@@ -34,6 +34,7 @@ class SelfDraftingCausalLM(nn.Module):
     """The shared model surface; subclasses build `cfg`, `model`, `lm_head`, `rope_table` and `rope_table_for`."""
 
     draft_head_weight: torch.Tensor | None = None
+    draft_hot_tokens: torch.Tensor | None = None  # `cut_draft_head`: the token id of each draft_head_weight row
     #: The lm_head is a `WeightOnlyLinear` (a quantized engine): logits come from calling it, not from its weight.
     lm_head_quantized: bool = False
 
@@ -63,12 +64,35 @@ class SelfDraftingCausalLM(nn.Module):
         """The drafters' lm_head: [..., hidden] → [..., vocab] fp32, through `draft_head_weight` when set.
 
         Drafts only propose tokens (the target verifies them), so a cheaper copy of the head — bf16 for an fp32
-        engine — changes acceptance at most, never the output.
+        engine, or only its hot rows (`cut_draft_head`: −inf for every other token) — changes acceptance at most,
+        never the output.
         """
         if self.draft_head_weight is None and self.lm_head_quantized:
             return self.lm_head(hidden).float()
         weight = self.draft_head_weight if self.draft_head_weight is not None else self.lm_head.weight
-        return vocab_projection(weight, hidden.to(weight.dtype)).float()  # fp32 argmax is faster on CPU
+        logits = vocab_projection(weight, hidden.to(weight.dtype)).float()  # fp32 argmax is faster on CPU
+        if self.draft_hot_tokens is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.cfg.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.draft_hot_tokens, logits)
+
+    def cut_draft_head(self, hot: torch.Tensor, chunk: int = 256) -> None:
+        """Let drafters read only the lm_head rows of `hot` (sorted token ids [V'] int64; runtime/draft_vocab.py):
+        `draft_head_weight` becomes those rows [V', hidden] (in `draft_head_weight`'s dtype when set, else the
+        model's; a quantized head is dequantized by passing the identity through it, `chunk` rows at a time).
+        """
+        if self.draft_head_weight is not None:
+            rows = self.draft_head_weight.index_select(0, hot.to(self.draft_head_weight.device))
+        elif self.lm_head_quantized:
+            head, h = self.lm_head, self.lm_head.in_features
+            eye = torch.eye(h, device=hot.device)
+            cols = [head(eye[i:i + chunk]).float().index_select(-1, hot) for i in range(0, h, chunk)]  # W[hot]ᵀ
+            dtype = self.model.norm.weight.dtype
+            rows = torch.cat(cols).t().to(torch.bfloat16 if dtype == torch.float32 else dtype)
+        else:
+            rows = self.lm_head.weight.detach().index_select(0, hot)
+        self.draft_head_weight = rows.contiguous()
+        self.draft_hot_tokens = hot.to(rows.device)
 
     def use_bf16_draft_head(self) -> None:
         """Give drafters a bf16 copy of lm_head (about 5× faster on CPUs with bf16 matmul units; lossless)."""

@@ -175,6 +175,9 @@ class Engine:
         self.model = self._load_model(weights, self.max_seq_len + lookahead + self.block_size)
         if self.drafter.uses_draft_head and fast_bf16(self.device):
             self.model.use_bf16_draft_head()  # drafts only propose: a cheaper head cannot change the output
+        cut = (getattr(spec, "draft_vocab_size", None), getattr(spec, "draft_token_map", None))
+        if self.drafter.uses_draft_head and cut != (None, None):  # MTP's head (a Draft_Target drafter cuts its own)
+            self._cut_draft_head(*cut, cfg.vocab_size, comm is not None)
         per_seq, num_blocks = plan.per_seq, plan.num_blocks  # num_blocks counts the null block
         kv = allocate_kv_cache(self.model.num_cache_layers, num_blocks, self.block_size, kv_cfg.kv_cache_dim,
                                kv_dtype, self.device)
@@ -225,6 +228,26 @@ class Engine:
             except Exception as e:  # safetensors' own SafetensorError for a corrupt file
                 raise EngineError(f"cannot read engine weights {self.engine_dir / f}: {e}; rebuild the engine") from e
         return weights
+
+    def _cut_draft_head(self, size: int | None, token_map: str | None, vocab: int, tensor_parallel: bool) -> None:
+        """The drafters' lm_head cut to its hot tokens (`draft_vocab_size`, `draft_token_map`: runtime/draft_vocab.py).
+
+        Raises:
+            LlmArgsError: an unreadable token map, or tensor parallelism (the head is split by vocabulary there).
+        """
+        from nextn.runtime.draft_vocab import always_kept_ids, hot_token_ids, load_token_map
+
+        if tensor_parallel:
+            raise LlmArgsError("draft_vocab_size / draft_token_map are not supported with tensor parallelism (the "
+                               "lm_head is split by vocabulary there): drop them")
+        try:
+            ranking = None if token_map is None else load_token_map(Path(token_map), vocab)
+            hot = hot_token_ids(vocab, size, always_kept_ids(self.engine_dir, vocab), ranking)
+        except ValueError as e:
+            raise LlmArgsError(f"draft head: {e}") from e
+        if hot is not None:
+            self.model.cut_draft_head(hot.to(self.device))
+            logger.info("draft head: %d of %d token ids", hot.numel(), vocab)
 
     def _medusa_heads(self, weights: dict[str, torch.Tensor]) -> MedusaHeads | None:
         """Pop the Medusa heads out of the engine weights (None when the engine has none)."""
