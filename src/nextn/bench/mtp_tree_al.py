@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 16])
     p.add_argument("--depth", type=int, default=3, help="the trees' depth (num_nextn_predict_layers)")
     p.add_argument("--only", nargs="*", help="run only these config names")
+    p.add_argument("--draft_vocab_size", type=int,
+                   help="also run each config with the module's head cut to this many hot tokens")
+    p.add_argument("--draft_token_map", type=Path, help="the hot tokens' ranking (`nextn token-map`)")
     p.add_argument("--speed", type=int, default=0, metavar="R",
                    help="also measure batch-1 tokens/s, best of R passes (default 0: AL only)")
     p.add_argument("--out", type=Path)
@@ -78,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     plain = [o.outputs[0].token_ids for o in LLM(engine, speculative_config=None).generate(prompts, sp)]
     results = {"heads": str(args.heads), "engine": str(engine), "prompt_ids": ids, "max_tokens": args.max_tokens,
                "runs": {}}
-    for name, spec in configs(args.budgets, args.depth).items():
-        if args.only and name not in args.only:
+    for name, spec in _all_configs(args).items():
+        if args.only and name.removesuffix(" cut") not in args.only:
             continue
         start = time.perf_counter()
         outs = [o.outputs[0] for o in LLM(engine, speculative_config=spec).generate(prompts, sp)]
@@ -100,12 +103,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _all_configs(args) -> dict[str, dict]:
+    """`configs`, each also with the head cut (name + " cut") when --draft_vocab_size is given."""
+    out = {}
+    for name, spec in configs(args.budgets, args.depth).items():
+        out[name] = spec
+        if args.draft_vocab_size:
+            out[f"{name} cut"] = {**spec, "draft_vocab_size": args.draft_vocab_size,
+                                  **({"draft_token_map": str(args.draft_token_map)} if args.draft_token_map else {})}
+    return out
+
+
 def _speed(engine: Path, prompts: list[list[int]], args, names: list[str]) -> dict[str, dict]:
     """Batch-1 tokens/s of plain decoding and each named config, alternating, best of `args.speed` passes."""
     from nextn import LLM
     from nextn.bench.drafters import run_nextn
 
-    specs = {"plain": None, **{n: s for n, s in configs(args.budgets, args.depth).items() if n in names}}
+    specs = {"plain": None, **{n: s for n, s in _all_configs(args).items() if n in names}}
     llms = {n: LLM(engine, speculative_config=s, max_batch_size=1) for n, s in specs.items()}
     for llm in llms.values():  # warm-up
         run_nextn(llm, prompts[:1], 8, 1)
