@@ -52,8 +52,7 @@ from nextn.quantization.linear import install_weight_only_linears
 from nextn.quantization.weight_only import INT4_ALGOS
 from nextn.runtime.acceptance_rules import AcceptanceRule, AcceptState, SamplingTensors
 from nextn.runtime.attention_metadata import AttentionMetadata, slots_for_positions
-from nextn.runtime.draft_vocab import (always_kept_ids, hot_token_ids, load_token_map, restrict_dense_head,
-                                      restrict_quantized_head)
+from nextn.runtime.draft_vocab import restrict_dense_head, restrict_quantized_head, resolve_hot_tokens
 from nextn.runtime.drafters import DrafterState, LinearDrafter, _at
 from nextn.runtime.kv_cache import allocate_kv_cache
 
@@ -165,8 +164,7 @@ class DraftModelDrafter(LinearDrafter):
         check_vocabularies(Path(target_dir), target, draft_dir, draft)
         vocab = draft.model.vocab_size
         try:
-            ranking = None if spec.draft_token_map is None else load_token_map(Path(spec.draft_token_map), vocab)
-            hot = hot_token_ids(vocab, spec.draft_vocab_size, always_kept_ids(draft_dir, vocab), ranking)
+            hot = resolve_hot_tokens(draft_dir, vocab, spec.draft_vocab_size, spec.draft_token_map)
         except ValueError as e:
             raise LlmArgsError(f"Draft_Target: {e}") from e
         logger.info("Draft_Target: draft model %s (%s, %d layers), K=%d, draft head %d of %d token ids", draft_dir,

@@ -102,6 +102,18 @@ def hot_token_ids(vocab_size: int, draft_vocab_size: int | None, kept: list[int]
     return torch.tensor(sorted(chosen), dtype=torch.int64)
 
 
+def resolve_hot_tokens(engine_dir: Path, vocab_size: int, draft_vocab_size: int | None,
+                       token_map: str | Path | None) -> torch.Tensor | None:
+    """A drafter's hot tokens from its config keys (`draft_vocab_size`, `draft_token_map`): `hot_token_ids` with the
+    engine's always-kept ids and the token map's ranking; None for the whole vocabulary.
+
+    Raises:
+        ValueError: an unreadable or mismatched token map, invalid engine JSON, or `draft_vocab_size` < 1.
+    """
+    ranking = None if token_map is None else load_token_map(Path(token_map), vocab_size)
+    return hot_token_ids(vocab_size, draft_vocab_size, always_kept_ids(engine_dir, vocab_size), ranking)
+
+
 def restrict_quantized_head(weights: dict[str, torch.Tensor], hot: torch.Tensor, prefix: str = "lm_head") -> bool:
     """Keep only the hot rows of a weight-only quantized lm_head in an engine's tensors (in place, before
     `install_weight_only_linears`): every `{prefix}.*` tensor is indexed by output channel in its first dimension.

@@ -235,14 +235,13 @@ class Engine:
         Raises:
             LlmArgsError: an unreadable token map, or tensor parallelism (the head is split by vocabulary there).
         """
-        from nextn.runtime.draft_vocab import always_kept_ids, hot_token_ids, load_token_map
+        from nextn.runtime.draft_vocab import resolve_hot_tokens
 
         if tensor_parallel:
             raise LlmArgsError("draft_vocab_size / draft_token_map are not supported with tensor parallelism (the "
                                "lm_head is split by vocabulary there): drop them")
         try:
-            ranking = None if token_map is None else load_token_map(Path(token_map), vocab)
-            hot = hot_token_ids(vocab, size, always_kept_ids(self.engine_dir, vocab), ranking)
+            hot = resolve_hot_tokens(self.engine_dir, vocab, size, token_map)
         except ValueError as e:
             raise LlmArgsError(f"draft head: {e}") from e
         if hot is not None:
