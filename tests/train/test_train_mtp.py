@@ -107,6 +107,11 @@ def trained(stories, tmp_path_factory):
 def test_cli_writes_a_checkpoint_build_engine_reads(trained):
     meta = json.loads((trained / "train_draft.json").read_text())
     assert meta["method"] == "mtp" and meta["mode"] == "eagle" and len(meta["top1_after"]) == 2
+    acc = meta["rank_acceptance"]  # per draft step, per rank: the calibrated tree's input
+    assert len(acc) == 2 and all(len(row) == 8 and sum(row) <= 1 + 1e-6 for row in acc)
+    assert abs(acc[0][0] - meta["top1_after"][0]) < 1e-6  # rank 0 = the held-out top-1 meter
+    assert len(meta["eagle_choices"]) == 15 and meta["eagle_choices"][0] == [0]
+    assert meta["expected_acceptance_length"] >= 1.0
     config = json.loads((trained / "config.json").read_text())
     assert config["num_nextn_predict_layers"] == 1 and config["num_hidden_layers"] == 5
     names = load_file(str(trained / "model.safetensors")).keys()

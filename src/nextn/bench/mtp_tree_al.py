@@ -3,7 +3,9 @@
 AL does not depend on the machine or its load (only on the model, the heads and the prompts), so it is measured
 here on trained heads of `nextn train-draft` (their held-out prompts, recorded in train_draft.json) with the public
 `LLM` API: plain decoding once, then each speculative config; every output is checked token-identical to plain.
-AL = Σ emitted tokens / Σ (decode steps + 1) (trtllm-bench's global AL, REFERENCE.md §7).
+AL = Σ emitted tokens / Σ (decode steps + 1) (trtllm-bench's global AL, REFERENCE.md §7). Heads whose
+train_draft.json has `rank_acceptance` also run `static-cal-N`, the tree built from it (`train/tree_calibration.py`);
+the prompts exclude the top-1 meter's, on which that acceptance was measured.
 
     python -m nextn.bench.mtp_tree_al --heads runs/issue16/smol/mtp-eagle-1k --source mt_bench --num_prompts 16
 
@@ -25,27 +27,25 @@ MTP = {"decoding_type": "MTP"}
 def _tree(nodes: int, depth: int, topk: int) -> list[list[int]]:
     """A static tree of `nodes` rank paths, best-first by the product of assumed per-rank acceptance
     (0.5, 0.2, 0.1, 0.05, ... for ranks 0, 1, 2, 3 at every depth): Medusa's greedy tree construction with a prior."""
-    prior = [0.5, 0.2, 0.1, 0.05, 0.03, 0.02][:topk]
-    frontier, chosen = [((0,), prior[0])], []
-    while len(chosen) < nodes:
-        frontier.sort(key=lambda x: -x[1])
-        path, score = frontier.pop(0)
-        chosen.append(list(path))
-        if path[-1] + 1 < len(prior):  # the next sibling
-            frontier.append((path[:-1] + (path[-1] + 1,), score / prior[path[-1]] * prior[path[-1] + 1]))
-        if len(path) < depth:  # the first child
-            frontier.append((path + (0,), score * prior[0]))
-    return chosen
+    from nextn.train.tree_calibration import best_first_tree
+
+    return best_first_tree([[0.5, 0.2, 0.1, 0.05, 0.03, 0.02][:topk]] * depth, nodes)
 
 
-def configs(budgets: list[int], depth: int) -> dict[str, dict]:
+def configs(budgets: list[int], depth: int, acceptance: list[list[float]] | None = None) -> dict[str, dict]:
     """Per budget N (verified tokens with the root): the chain of N − 1 drafts, a static tree and a dynamic tree
-    of N − 1 nodes at depth ≤ `depth`."""
+    of N − 1 nodes at depth ≤ `depth`; with `acceptance` (the heads' measured per-rank acceptance, train_draft.json)
+    also the static tree built from it (`static-cal-N`)."""
+    from nextn.train.tree_calibration import best_first_tree
+
     out = {}
     for n in budgets:
         out[f"chain-{n}"] = {**MTP, "num_nextn_predict_layers": n - 1}
         if n > 2:
             out[f"static-{n}"] = {**MTP, "num_nextn_predict_layers": depth, "eagle_choices": _tree(n - 1, depth, 4)}
+            if acceptance is not None:
+                out[f"static-cal-{n}"] = {**MTP, "num_nextn_predict_layers": depth,
+                                          "eagle_choices": best_first_tree(acceptance[:depth], n - 1)}
             for k in (2, 4):
                 if k + (depth - 1) * k * k >= n - 1 and depth + (depth - 1) * k <= 2 * (n - 1):
                     out[f"dynamic-top{k}-{n}"] = {**MTP, "num_nextn_predict_layers": depth, "use_dynamic_tree": True,
@@ -68,13 +68,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft_token_map", type=Path, help="the hot tokens' ranking (`nextn token-map`)")
     p.add_argument("--speed", type=int, default=0, metavar="R",
                    help="also measure batch-1 tokens/s, best of R passes (default 0: AL only)")
+    p.add_argument("--speed_batch", type=int, default=1, metavar="B",
+                   help="with --speed: requests decoded at once (default 1: tokens/s per request; B > 1: total "
+                   "throughput of in-flight batching at max_batch_size B)")
+    p.add_argument("--draft_len_schedule", type=json.loads, metavar="JSON",
+                   help="added to every speculative config, e.g. '{\"2\": 15, \"4\": 7, \"8\": 3}' "
+                   "(configs/mtp_tree.yaml's: batch size → verified draft nodes, 0 = off above)")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     from nextn import LLM, SamplingParams
 
     meta = json.loads((args.heads / "train_draft.json").read_text())
+    args.acceptance = meta.get("rank_acceptance")
     by_id = dict(zip(meta["eval_prompt_ids"], meta["held_out_prompts"]))
-    ids = [i for i in meta["eval_prompt_ids"] if i.startswith(f"{args.source}/")][: args.num_prompts]
+    # not the top-1 meter's prompts: the calibrated tree was chosen on them
+    meter = set(meta["eval_prompt_ids"][: meta["data_config"]["num_top1_prompts"]])
+    ids = [i for i in meta["eval_prompt_ids"] if i.startswith(f"{args.source}/") and i not in meter]
+    ids = ids[: args.num_prompts]
     prompts = [by_id[i] for i in ids]
     engine = args.engine or args.heads / "engine-float32"
     sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=not meta["chat"])
@@ -106,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
 def _all_configs(args) -> dict[str, dict]:
     """`configs`, each also with the head cut (name + " cut") when --draft_vocab_size is given."""
     out = {}
-    for name, spec in configs(args.budgets, args.depth).items():
+    for name, spec in configs(args.budgets, args.depth, getattr(args, "acceptance", None)).items():
+        if getattr(args, "draft_len_schedule", None):
+            spec = {**spec, "draft_len_schedule": {int(k): v for k, v in args.draft_len_schedule.items()}}
         out[name] = spec
         if args.draft_vocab_size:
             out[f"{name} cut"] = {**spec, "draft_vocab_size": args.draft_vocab_size,
@@ -120,17 +132,18 @@ def _speed(engine: Path, prompts: list[list[int]], args, names: list[str]) -> di
     from nextn.bench.drafters import run_nextn
 
     specs = {"plain": None, **{n: s for n, s in _all_configs(args).items() if n in names}}
-    llms = {n: LLM(engine, speculative_config=s, max_batch_size=1) for n, s in specs.items()}
+    b = args.speed_batch
+    llms = {n: LLM(engine, speculative_config=s, max_batch_size=b) for n, s in specs.items()}
     for llm in llms.values():  # warm-up
-        run_nextn(llm, prompts[:1], 8, 1)
+        run_nextn(llm, prompts[:b], 8, b)
     best: dict[str, dict] = {}
     for _ in range(args.speed):
         for name, llm in llms.items():
-            r = run_nextn(llm, prompts, args.max_tokens, 1)
+            r = run_nextn(llm, prompts, args.max_tokens, b)
             if name not in best or r["tps"] > best[name]["tps"]:
                 best[name] = r
     plain = best["plain"]
-    print(f"| batch 1, {len(prompts)} prompts × {args.max_tokens} tokens | tokens/s | AL | vs plain | identical |")
+    print(f"| batch {b}, {len(prompts)} prompts × {args.max_tokens} tokens | tokens/s | AL | vs plain | identical |")
     print("|---|---:|---:|---:|---|")
     for name, r in best.items():
         same = "yes" if r["tokens"] == plain["tokens"] else "NO"

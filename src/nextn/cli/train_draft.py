@@ -107,6 +107,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mtp_lambda", type=float, default=0.3,
                    help="student: weight of the MTP loss against the next-token loss (default 0.3, DeepSeek-V3's "
                    "first-phase λ)")
+    g.add_argument("--tree_nodes", type=int, default=15,
+                   help="MTP Eagle: draft nodes of the static tree chosen from the trained module's held-out per-rank "
+                   "acceptance, written to train_draft.json as eagle_choices (default 15: 16 verified tokens)")
     g.add_argument("--eval_every", type=int, default=100, help="steps between held-out top-1 figures in the bar")
     g.add_argument("--checkpoint_every", type=float, default=120.0, help="seconds between resumable checkpoints")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
@@ -166,8 +169,8 @@ def _configs(args: argparse.Namespace):
                              max_minutes=args.max_minutes, loss_vocab=args.loss_vocab,
                              max_context=None if args.max_context < 0 else args.max_context,
                              feature_weight=args.feature_loss_weight, checkpoint_every_s=args.checkpoint_every,
-                             eval_every=args.eval_every, init=args.mtp_init, train_on_prompts=args.train_on_prompts,
-                             progress=args.progress)
+                             eval_every=args.eval_every, tree_nodes=args.tree_nodes, init=args.mtp_init,
+                             train_on_prompts=args.train_on_prompts, progress=args.progress)
     return data, settings
 
 
@@ -215,9 +218,14 @@ def _run(args: argparse.Namespace) -> int:
     print("  trained                  " + "  ".join(f"{a:.3f}" for a in r.top1_after))
     if reference is not None:
         print(f"  {reference[0]:<24} " + "  ".join(f"{a:.3f}" for a in reference[1]))
+    meta = json.loads((args.output_dir / "train_draft.json").read_text())
+    if "eagle_choices" in meta:
+        print(f"static tree for these heads ({len(meta['eagle_choices'])} nodes, expected AL "
+              f"{meta['expected_acceptance_length']:.2f} from held-out per-rank acceptance): eagle_choices: "
+              f"{json.dumps(meta['eagle_choices'])}")
     print(f"wrote {args.output_dir} (train_draft.json with the split and these figures)")
     if args.eval_mtp or choices is not None:
-        return _evaluate(args, json.loads((args.output_dir / "train_draft.json").read_text()), choices)
+        return _evaluate(args, meta, choices)
     return 0
 
 

@@ -37,12 +37,13 @@ class TrainSettings:
     train_on_prompts: bool = True  # prompt positions train too, on the base's own predictions (Rows.targets)
     eval_every: int = 100  # steps between held-out top-1 measurements in the progress bar
     checkpoint_every_s: float = 120.0  # seconds between resumable checkpoints
+    tree_nodes: int = 15  # MTP Eagle: draft nodes of the static tree calibrated after training (train_draft.json)
     progress: bool = True
 
     def run_key(self, data_key: str, **extra: object) -> str:
         """What a resumable checkpoint must match: the data and every setting that shapes the run."""
         own = {k: v for k, v in asdict(self).items() if k not in ("max_minutes", "progress", "checkpoint_every_s",
-                                                                    "eval_every")}
+                                                                    "eval_every", "tree_nodes")}
         return json.dumps({"data": data_key, **own, **extra}, sort_keys=True)
 
 
