@@ -72,8 +72,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --speed: requests decoded at once (default 1: tokens/s per request; B > 1: total "
                    "throughput of in-flight batching at max_batch_size B)")
     p.add_argument("--draft_len_schedule", type=json.loads, metavar="JSON",
-                   help="added to every speculative config, e.g. '{\"2\": 15, \"4\": 7, \"8\": 3}' "
+                   help="added to every speculative config (capped at its draft nodes), e.g. '{\"2\": 15, \"4\": 7, \"8\": 3}' "
                    "(configs/mtp_tree.yaml's: batch size → verified draft nodes, 0 = off above)")
+    p.add_argument("--adaptive_draft_len", action="store_true",
+                   help="every speculative config with adaptive_draft_len: true (nodes per step from measured step "
+                   "times and acceptance; 0 = plain decoding when none pays)")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     from nextn import LLM, SamplingParams
@@ -117,8 +120,12 @@ def _all_configs(args) -> dict[str, dict]:
     """`configs`, each also with the head cut (name + " cut") when --draft_vocab_size is given."""
     out = {}
     for name, spec in configs(args.budgets, args.depth, getattr(args, "acceptance", None)).items():
-        if getattr(args, "draft_len_schedule", None):
-            spec = {**spec, "draft_len_schedule": {int(k): v for k, v in args.draft_len_schedule.items()}}
+        if getattr(args, "draft_len_schedule", None):  # capped at each config's own draft nodes
+            most = len(spec.get("eagle_choices") or []) or spec.get("max_total_draft_tokens") or \
+                spec["num_nextn_predict_layers"]
+            spec = {**spec, "draft_len_schedule": {int(k): min(v, most) for k, v in args.draft_len_schedule.items()}}
+        if getattr(args, "adaptive_draft_len", False):
+            spec = {**spec, "adaptive_draft_len": True}
         out[name] = spec
         if args.draft_vocab_size:
             out[f"{name} cut"] = {**spec, "draft_vocab_size": args.draft_vocab_size,

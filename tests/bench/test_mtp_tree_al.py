@@ -1,0 +1,30 @@
+"""The configurations `python -m nextn.bench.mtp_tree_al` compares (the runs themselves are benchmarks)."""
+
+from types import SimpleNamespace
+
+from nextn.bench.mtp_tree_al import _all_configs, configs
+from nextn.config.llm_args import MTPDecodingConfig
+from nextn.train.tree_calibration import best_first_tree
+
+ACC = [[0.45, 0.12, 0.06, 0.05], [0.40, 0.12, 0.05, 0.03], [0.36, 0.11, 0.05, 0.04]]
+
+
+def test_each_budget_verifies_the_same_number_of_tokens():
+    out = configs([4, 16], 3, ACC)
+    assert out["chain-16"]["num_nextn_predict_layers"] == 15
+    for name in ("static-16", "static-cal-16"):
+        assert len(out[name]["eagle_choices"]) == 15 and out[name]["num_nextn_predict_layers"] == 3
+    assert out["static-cal-16"]["eagle_choices"] == best_first_tree(ACC, 15)
+    assert out["dynamic-top4-16"]["max_total_draft_tokens"] == 15
+    assert "static-cal-4" not in configs([4], 3)  # no measured acceptance: no calibrated tree
+    for spec in out.values():
+        MTPDecodingConfig(**spec)  # every config is valid as written
+
+
+def test_a_schedule_is_capped_at_each_configs_own_drafts_and_adaptive_is_added():
+    args = SimpleNamespace(budgets=[4, 16], depth=3, acceptance=ACC, draft_vocab_size=None,
+                           draft_len_schedule={"2": 15, "8": 3}, adaptive_draft_len=True)
+    out = _all_configs(args)
+    assert out["chain-4"]["draft_len_schedule"] == {2: 3, 8: 3}
+    assert out["static-cal-16"]["draft_len_schedule"] == {2: 15, 8: 3}
+    assert all(spec["adaptive_draft_len"] for spec in out.values())
