@@ -164,3 +164,11 @@ def test_a_second_method_reuses_the_cached_data(trained, tmp_path):
     meta, first = (json.loads((d / "train_draft.json").read_text()) for d in (out, trained))
     assert meta["seconds"]["generate"] == 0.0 and meta["seconds"]["hidden"] == 0.0
     assert meta["train_prompt_ids"] == first["train_prompt_ids"] and meta["held_out_ids"] == first["held_out_ids"]
+
+
+def test_a_tree_of_no_nodes_is_refused_before_any_work(tmp_path, capsys):
+    out = tmp_path / "never"
+    argv = ["--model_dir", str(STORIES), "--method", "mtp", "--data", str(CORPUS), "--output_dir", str(out),
+            "--tree_nodes", "0", *SMALL]
+    assert main(argv) == 2
+    assert "--tree_nodes must be ≥ 1" in capsys.readouterr().err and not out.exists()

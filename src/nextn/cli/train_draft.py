@@ -178,6 +178,8 @@ def _run(args: argparse.Namespace) -> int:
     missing = [str(f) for f in args.data if not f.is_file()]
     if missing:
         raise ValueError(f"data file(s) not found: {', '.join(missing)}")
+    if args.tree_nodes < 1:
+        raise ValueError(f"--tree_nodes must be ≥ 1 (draft nodes of the calibrated MTP tree), got {args.tree_nodes}")
     choices = _load_choices(args.eval_medusa_choices, args.eval_tree) if args.eval_medusa_choices else None
     if args.eval_only:
         return _evaluate(args, json.loads((args.output_dir / "train_draft.json").read_text()), choices)
