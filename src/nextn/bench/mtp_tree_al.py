@@ -11,7 +11,8 @@ the prompts exclude the top-1 meter's, on which that acceptance was measured.
 
 `--speed R`: also batch-1 decode tokens/s (prompts one after another, EOS ignored; tokens after the first over
 first-token → finish time), plain decoding and each config alternating, best of R passes after a warm-up — on a
-faster engine of the same heads with `--engine` (e.g. `build-engine --model_dir HEADS --quant_algo W4A16`).
+faster engine of the same heads with `--engine` (e.g. `build-engine --model_dir HEADS --quant_algo W4A16`);
+`--speed_batch B` measures total throughput at B requests at once instead.
 """
 
 from __future__ import annotations
@@ -72,8 +73,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --speed: requests decoded at once (default 1: tokens/s per request; B > 1: total "
                    "throughput of in-flight batching at max_batch_size B)")
     p.add_argument("--draft_len_schedule", type=json.loads, metavar="JSON",
-                   help="added to every speculative config (capped at its draft nodes), e.g. '{\"2\": 15, \"4\": 7, \"8\": 3}' "
-                   "(configs/mtp_tree.yaml's: batch size → verified draft nodes, 0 = off above)")
+                   help="added to every speculative config (capped at its draft nodes), e.g. "
+                   "'{\"2\": 15, \"4\": 7, \"8\": 3}' (configs/mtp_tree.yaml's: batch size → verified draft "
+                   "nodes; above the largest size speculation is off)")
     p.add_argument("--adaptive_draft_len", action="store_true",
                    help="every speculative config with adaptive_draft_len: true (nodes per step from measured step "
                    "times and acceptance; 0 = plain decoding when none pays)")
