@@ -227,9 +227,10 @@ def test_adaptive_draft_len_follows_acceptance_and_measured_cost():
         ks.append(r.draft_len(1))
         if ks[-1]:  # the drafter's first step back primes the drafts (k = 0 with drafting on): the probe goes on
             r.observe(0, 0, 0, 1, 0.0)
-            assert r.draft_len(1) == 4
-        r.observe(8 if ks[-1] else 0, 0, ks[-1], 1, 0.0)
-    assert [i for i, k in enumerate(ks) if k] == [2, 8, 20] and set(ks) == {0, 4}
+            assert r.draft_len(1) == ks[-1]
+        r.observe(2 * ks[-1], 0, ks[-1], 1, 0.0)
+    # probes at the k of the best predicted rate: with α ≈ 0 the cheapest, one draft (not the full length)
+    assert [i for i, k in enumerate(ks) if k] == [2, 8, 20] and set(ks) == {0, 1}
 
 
 def test_adaptive_draft_len_follows_each_requests_own_acceptance():

@@ -95,6 +95,19 @@ def test_draft_len_schedule_turns_the_tree_down_and_off(eagle, plain, spec):
     assert _ids(outs) == plain
 
 
+@pytest.mark.parametrize("spec", [STATIC, DYNAMIC], ids=["static", "dynamic"])
+def test_adaptive_draft_len_counts_a_trees_nodes(eagle, plain, spec):
+    """adaptive_draft_len on a tree: token-identical; its step times are kept per node count (not per accepted
+    depth) and its acceptance model is the tree's own gain."""
+    llm = LLM(eagle, speculative_config={**spec, "adaptive_draft_len": True}, max_batch_size=4)
+    assert _ids(llm.generate(PROMPTS, SamplingParams(max_tokens=32, ignore_eos=True))) == plain
+    policy, drafter = llm.engine.draft_len_policy, llm.engine.drafter
+    nodes = drafter.num_draft_tokens
+    assert nodes in policy.step_time[4]  # the first steps verify the whole tree, timed under its node count
+    assert policy.gain == drafter.expected_tokens
+    assert policy.gain(0.5, nodes) > policy.gain(0.5, 3) > 1.0  # more nodes, more expected tokens
+
+
 def test_tree_options_are_checked(eagle, vanilla):
     with pytest.raises(LlmArgsError, match="deep but num_nextn_predict_layers is 1"):
         LLM(eagle, speculative_config={"decoding_type": "MTP", "eagle_choices": [[0], [0, 0]]})

@@ -27,26 +27,28 @@ MTP = {"decoding_type": "MTP"}
 
 def _tree(nodes: int, depth: int, topk: int) -> list[list[int]]:
     """A static tree of `nodes` rank paths, best-first by the product of assumed per-rank acceptance
-    (0.5, 0.2, 0.1, 0.05, ... for ranks 0, 1, 2, 3 at every depth): Medusa's greedy tree construction with a prior."""
-    from nextn.train.tree_calibration import best_first_tree
+    (0.5, 0.2, 0.1, 0.05, ... for ranks 0, 1, 2, 3 at every depth): Medusa's greedy tree construction with a prior
+    (`draft_gain.prior_tree`)."""
+    from nextn.runtime.draft_gain import prior_tree
 
-    return best_first_tree([[0.5, 0.2, 0.1, 0.05, 0.03, 0.02][:topk]] * depth, nodes)
+    return prior_tree(depth, nodes, topk)
 
 
 def configs(budgets: list[int], depth: int, acceptance: list[list[float]] | None = None) -> dict[str, dict]:
     """Per budget N (verified tokens with the root): the chain of N − 1 drafts, a static tree and a dynamic tree
     of N − 1 nodes at depth ≤ `depth`; with `acceptance` (the heads' measured per-rank acceptance, train_draft.json)
     also the static tree built from it (`static-cal-N`)."""
-    from nextn.train.tree_calibration import best_first_tree
+    from nextn.runtime.draft_gain import best_first_tree
 
     out = {}
     for n in budgets:
         out[f"chain-{n}"] = {**MTP, "num_nextn_predict_layers": n - 1}
         if n > 2:
             out[f"static-{n}"] = {**MTP, "num_nextn_predict_layers": depth, "eagle_choices": _tree(n - 1, depth, 4)}
-            if acceptance is not None:
-                out[f"static-cal-{n}"] = {**MTP, "num_nextn_predict_layers": depth,
-                                          "eagle_choices": best_first_tree(acceptance[:depth], n - 1)}
+            if acceptance is not None:  # as deep as the heads' calibration went (the module applied again)
+                tree = best_first_tree(acceptance, n - 1)
+                out[f"static-cal-{n}"] = {**MTP, "num_nextn_predict_layers": max(map(len, tree)),
+                                          "eagle_choices": tree}
             for k in (2, 4):
                 if k + (depth - 1) * k * k >= n - 1 and depth + (depth - 1) * k <= 2 * (n - 1):
                     out[f"dynamic-top{k}-{n}"] = {**MTP, "num_nextn_predict_layers": depth, "use_dynamic_tree": True,

@@ -30,6 +30,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from nextn.config.llm_args import DecodingBaseConfig, LlmArgsError, MedusaDecodingConfig
+from nextn.runtime.draft_gain import Gain, alpha_for_gain, expected_tokens
+
+__all__ = ["AdaptiveDraftLen", "DraftLenPolicy", "acceptance_from_rate", "choose_draft_len_policy", "expected_tokens"]
 
 
 class DraftLenPolicy(Protocol):
@@ -41,8 +44,9 @@ class DraftLenPolicy(Protocol):
     def observe(self, num_draft_tokens: int, num_accepted_draft_tokens: int, draft_len: int = 0,
                 batch_size: int = 0, seconds: float = 0.0, per_request: Mapping[int, int] | None = None) -> None:
         """One processed decode iteration's totals over its batch (feedback for acceptance-based policies): drafts
-        verified and accepted, the step's draft length and batch size, its wall time in seconds (0: unknown), and
-        each request's accepted drafts (request id → count; None: not given)."""
+        counted and accepted (`Drafter.stat_draft_len` per request: a tree counts its depth), the step's draft
+        length as `draft_len` returned it (a tree's nodes), its batch size, its wall time in seconds (0: unknown),
+        and each request's accepted drafts (request id → count; None: not given)."""
 
 
 class StaticDraftLen:
@@ -103,27 +107,10 @@ class AcceptanceGate:
         self.inner.observe(num_draft_tokens, num_accepted_draft_tokens, draft_len, batch_size, seconds, per_request)
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens one verify step emits per request with k drafts when each draft is accepted with probability α
-    independently of the others (Leviathan et al. 2023, eq. 1): (1 − α^(k+1)) / (1 − α)."""
-    return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-
-
-def acceptance_from_rate(rate: float, k: int) -> float:
-    """The per-draft acceptance probability α whose expected accepted share E[accepted] / k at draft length k is
-    `rate` (the inverse of α(1 − α^k) / ((1 − α) k), monotone in α; bisection)."""
-    if k <= 0 or rate <= 0.0:
-        return 0.0
-    if rate >= 1.0:
-        return 1.0
-    lo, hi = 0.0, 1.0
-    for _ in range(24):  # to 6e-8
-        mid = (lo + hi) / 2
-        if (expected_tokens(mid, k) - 1.0) / k < rate:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
+def acceptance_from_rate(rate: float, k: float) -> float:
+    """The per-draft acceptance probability α whose expected accepted share E[accepted] / k at chain draft length k
+    is `rate` (the inverse of α(1 − α^k) / ((1 − α) k), monotone in α; bisection)."""
+    return alpha_for_gain(expected_tokens, rate * k, k)
 
 
 @dataclass
@@ -134,16 +121,19 @@ class _ProbeState:
     off: bool = False  # the last chosen k was 0
     since_switch: int = 0  # steps since the last probe at the current on/off state
     probing: bool = False  # a probe from off is under way: speculate until a speculating step is observed
+    probe_len: int = 0  # the draft length that probe runs
 
 
 class AdaptiveDraftLen:
     """Wraps a policy; picks each step's draft length k in [0, the inner policy's] to maximise the batch's expected
     tokens per second, Σ_r E(α_r, k) / t(k), from each request's own recent acceptance and measured step times.
 
-    E(α, k) = `expected_tokens(α, k)`; α_r is request r's per-draft acceptance: `acceptance_from_rate` of EMAs
-    (weight `acceptance_smoothing`) of its accepted and verified drafts per step over the speculating steps it took
-    part in (a request not yet observed starts from the pooled α of all requests; none observed at all: the full
-    length is tried). So a request whose drafts keep missing (chat beside code, a drafter that does not know the
+    E(α, k) = `gain`(α, k), the expected tokens per request of a step verifying k drafts (runtime/draft_gain.py: a
+    chain's `expected_tokens`; a tree's `TreeGain` over its first k nodes, k counting nodes); α_r is request r's
+    top-1 acceptance: the α at which E(α, n) − 1 equals the EMAs (weight `acceptance_smoothing`) of its accepted
+    drafts per step, n the EMA of its verified drafts per step, over the speculating steps it took part in (a
+    request not yet observed starts from the pooled α of all requests; none observed at all: the full length is
+    tried). So a request whose drafts keep missing (chat beside code, a drafter that does not know the
     topic) pulls k down only by its own share, and a lone request runs the length that pays for it alone; k = 0
     (plain decoding) when no k pays for the batch.
 
@@ -159,8 +149,10 @@ class AdaptiveDraftLen:
     none). A bucket whose plain step is not yet timed times one after `warmup_steps` speculating steps, so a drafter
     that does not pay is found out within a few steps. Afterwards it probes (each bucket on its own): while off,
     after `probe_every` plain steps it speculates until one speculating step was observed (the drafter's first step
-    back only primes the drafts; this one refreshes α and t(K)), the wait doubling after each probe that leaves it
-    off (up to `max_probe_every`: a probe costs a draft-priming step and a speculating one); while on, every
+    back only primes the drafts; this one refreshes α and t(k)) at the k ≥ 1 of the best predicted rate — the
+    cheapest informative probe, not the full length (a 16-node tree at batch 8 costs several plain steps) — the
+    wait doubling after each probe that leaves it off (up to `max_probe_every`: a probe costs a draft-priming step
+    and a speculating one); while on, every
     `probe_every` speculating steps one plain step refreshes t(0). Lossless by construction: only the number of
     verified drafts changes, never the acceptance rule. The step's shape is one draft length for the whole batch
     ([B, k+1], graph-capturable), so per-request acceptance chooses the batch's k rather than giving each row its
@@ -171,8 +163,9 @@ class AdaptiveDraftLen:
 
     def __init__(self, inner: DraftLenPolicy, prior_cost: float = 0.1, smoothing: float = 0.2,
                  acceptance_smoothing: float = 0.1,
-                 probe_every: int = 32, warmup_steps: int = 2, max_probe_every: int = 256) -> None:
-        self.inner, self.max_draft_len = inner, inner.max_draft_len
+                 probe_every: int = 32, warmup_steps: int = 2, max_probe_every: int = 256,
+                 gain: Gain = expected_tokens) -> None:
+        self.inner, self.max_draft_len, self.gain = inner, inner.max_draft_len, gain
         self.prior_cost, self.smoothing, self.probe_every = prior_cost, smoothing, probe_every
         self.warmup_steps, self.max_probe_every = warmup_steps, max_probe_every
         self.acceptance_smoothing = acceptance_smoothing
@@ -207,7 +200,7 @@ class AdaptiveDraftLen:
             acc, n = accepted, drafts
         else:
             acc, n = old[0] + a * (accepted - old[0]), old[1] + a * (drafts - old[1])
-        return acc, n, acceptance_from_rate(acc / n if n > 0 else 0.0, n)
+        return acc, n, alpha_for_gain(self.gain, acc, n)
 
     def relative_step_time(self, batch_size: int, k: int) -> float:
         """t(k) / t(0) for this batch size's bucket: measured where a step at k was timed, else estimated (see the
@@ -239,9 +232,22 @@ class AdaptiveDraftLen:
         alphas = [stats[r][2] if r in stats else self.alpha for r in request_ids] or [self.alpha]
         if any(a is None for a in alphas):
             return limit
-        rates = [sum(expected_tokens(a, k) for a in alphas) / self.relative_step_time(batch_size, k)
-                 for k in range(limit + 1)]
+        rates = self._rates(batch_size, limit, alphas)
         return max(range(limit + 1), key=lambda k: (rates[k] - 1e-9 * k))
+
+    def _rates(self, batch_size: int, limit: int, alphas: Sequence[float]) -> list[float]:
+        """Predicted tokens per plain-step time, Σ_r E(α_r, k) / (t(k) / t(0)), for k in [0, limit]."""
+        return [sum(self.gain(a, k) for a in alphas) / self.relative_step_time(batch_size, k)
+                for k in range(limit + 1)]
+
+    def _probe_len(self, batch_size: int, limit: int, request_ids: Sequence[int]) -> int:
+        """The k in [1, limit] of the best predicted rate (the full length while α is unknown)."""
+        stats = self._request_stats
+        alphas = [stats[r][2] if r in stats else self.alpha for r in request_ids] or [self.alpha]
+        if any(a is None for a in alphas):
+            return limit
+        rates = self._rates(batch_size, limit, alphas)
+        return max(range(1, limit + 1), key=lambda k: (rates[k] - 1e-9 * k))
 
     def draft_len(self, batch_size: int, request_ids: Sequence[int] = ()) -> int:
         limit = self.inner.draft_len(batch_size, request_ids)
@@ -253,7 +259,7 @@ class AdaptiveDraftLen:
             return 0
         probe = self._probes.setdefault(bucket, _ProbeState(self.probe_every))
         if probe.probing:  # until a speculating step ran (the first one after a pause only primes the drafts)
-            return limit
+            return min(probe.probe_len, limit)
         k = self.best_draft_len(batch_size, limit, request_ids)
         if (k == 0) != probe.off:  # switched: probe the other side at the base interval again
             probe.off, probe.since_switch, probe.interval = k == 0, 0, self.probe_every
@@ -262,8 +268,8 @@ class AdaptiveDraftLen:
             probe.since_switch = 0
             if probe.off:  # each probe that leaves speculation off doubles the wait for the next one
                 probe.interval = min(2 * probe.interval, self.max_probe_every)
-                probe.probing = True
-                return limit
+                probe.probing, probe.probe_len = True, self._probe_len(batch_size, limit, request_ids)
+                return probe.probe_len
             return 0
         return k
 
@@ -274,8 +280,11 @@ class AdaptiveDraftLen:
             if (probe := self._probes.get(self._bucket(batch_size))) is not None:
                 probe.probing = False
             prior = self._pooled
-            per_draft = num_accepted_draft_tokens / num_draft_tokens  # a request's mean step: k drafts, k·rate kept
-            self._pooled = self._acceptance_ema(prior, per_draft * draft_len, draft_len)
+            if per_request:  # a request's mean step: draft_len verified, this many accepted
+                mean = sum(per_request.values()) / len(per_request)
+            else:  # (a chain: k drafts counted per request, k·rate accepted)
+                mean = num_accepted_draft_tokens / num_draft_tokens * draft_len
+            self._pooled = self._acceptance_ema(prior, mean, draft_len)
             self.alpha = self._pooled[2]
             for rid, accepted in (per_request or {}).items():
                 stats = self._acceptance_ema(self._request_stats.get(rid, prior), accepted, draft_len)
@@ -296,9 +305,10 @@ class AdaptiveDraftLen:
             self._spec_steps[bucket] = self._spec_steps.get(bucket, 0) + 1
 
 
-def choose_draft_len_policy(spec: DecodingBaseConfig | MedusaDecodingConfig | None,
-                            num_draft_tokens: int) -> DraftLenPolicy:
-    """The draft-length policy for this speculative config (chosen once, at load time).
+def choose_draft_len_policy(spec: DecodingBaseConfig | MedusaDecodingConfig | None, num_draft_tokens: int,
+                            gain: Gain = expected_tokens) -> DraftLenPolicy:
+    """The draft-length policy for this speculative config (chosen once, at load time); `gain` is the drafter's
+    expected tokens per step at (α, draft length) (`Drafter.expected_tokens`), the adaptive policy's model.
 
     Medusa verifies its whole tree every step (its width is the tree's, not a draft length): static.
 
@@ -318,5 +328,5 @@ def choose_draft_len_policy(spec: DecodingBaseConfig | MedusaDecodingConfig | No
     if spec.acceptance_rate_window_size and spec.acceptance_rate_threshold is not None:
         policy = AcceptanceGate(policy, spec.acceptance_rate_window_size, spec.acceptance_rate_threshold)
     if spec.adaptive_draft_len:
-        policy = AdaptiveDraftLen(policy)
+        policy = AdaptiveDraftLen(policy, gain=gain)
     return policy

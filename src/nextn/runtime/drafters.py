@@ -26,6 +26,7 @@ import torch
 from nextn.models.deepseek_v3.model import DeepseekV3ForCausalLM
 from nextn.runtime.acceptance_rules import SamplingTensors
 from nextn.runtime.attention_metadata import AttentionMetadata, slots_for_positions
+from nextn.runtime.draft_gain import expected_tokens
 
 DrafterState = tuple[torch.Tensor, ...]
 
@@ -53,6 +54,10 @@ class Drafter(Protocol):
 
     def stat_draft_len(self, draft_len: int) -> int:
         """Drafts counted per request for a decode step run with `draft_len` (statistics: DT, DAR, AL)."""
+
+    def expected_tokens(self, alpha: float, draft_len: float) -> float:
+        """Tokens a request is expected to emit in a decode step run with `draft_len` when each top-1 draft is
+        accepted with probability α (runtime/draft_gain.py; the adaptive draft-length policy's model)."""
 
     def initial_state(self, batch: int, hidden_size: int, device: torch.device, dtype: torch.dtype) -> DrafterState:
         """Per-request state for `batch` fresh requests (empty tuple when stateless)."""
@@ -95,6 +100,9 @@ class LinearDrafter:
 
     def stat_draft_len(self, draft_len: int) -> int:
         return draft_len
+
+    def expected_tokens(self, alpha: float, draft_len: float) -> float:
+        return expected_tokens(alpha, draft_len)  # one chain of draft_len drafts
 
 
 class MtpEagleDrafter(LinearDrafter):

@@ -183,7 +183,7 @@ class Engine:
                                kv_dtype, self.device)
         self.pool = BlockPool(num_blocks, self.block_size,
                               prefix_cache_for(args, manifest, spec, self.drafter, kv_dtype, self.block_size))
-        self.draft_len_policy = choose_draft_len_policy(spec, k)
+        self.draft_len_policy = choose_draft_len_policy(spec, k, self.drafter.expected_tokens)
         try:
             self.scheduler = Scheduler(self.pool, self.max_batch_size, args.max_num_tokens, k,
                                        enable_chunked_prefill=args.enable_chunked_prefill,
@@ -403,7 +403,8 @@ class Engine:
             updated.append(req)
         if batch.kind == "decode":  # timed only when the step is plain or fully speculating (not re-priming drafts)
             seconds = step_seconds if batch.drafting == (batch.draft_len > 0) else 0.0
-            self.draft_len_policy.observe(num_draft, num_accepted, stat_k, len(batch.requests), seconds, per_request)
+            self.draft_len_policy.observe(num_draft, num_accepted, batch.draft_len, len(batch.requests), seconds,
+                                         per_request)
         done = self.scheduler.finish_done()
         for req in done:
             if self.tokenizer is not None and req.params.detokenize:

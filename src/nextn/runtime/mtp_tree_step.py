@@ -41,6 +41,7 @@ from nextn.plugins.draft_tree import (StaticTree, ancestor_mask, check_tree_fits
 from nextn.plugins.medusa_tree import TreeError
 from nextn.runtime.acceptance_rules import SamplingTensors, StandardAcceptance, sample_tokens
 from nextn.runtime.attention_metadata import AttentionMetadata, slots_for_positions
+from nextn.runtime.draft_gain import TreeGain, prior_tree
 from nextn.runtime.drafters import DrafterState, _at
 from nextn.runtime.spec_step import StepOutput, verify_and_draft_step
 
@@ -84,6 +85,10 @@ class MtpTreeDrafter:
     def stat_draft_len(self, draft_len: int) -> int:
         return min(self.max_draft_depth, draft_len)  # one path of the verified tree can be accepted
 
+    def expected_tokens(self, alpha: float, draft_len: float) -> float:
+        """The gain of the tree's first `draft_len` nodes (`self.gain`: a `TreeGain` over its nodes, best first)."""
+        return self.gain(alpha, draft_len)
+
     def _root(self, model, kv_cache: torch.Tensor, meta: AttentionMetadata, hidden: torch.Tensor,
               next_tokens: torch.Tensor, last_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Module 1 over the rows (its KV at their positions); (h at the last row [B, 1, H], the root's module-row
@@ -116,6 +121,10 @@ class StaticTreeDrafter(MtpTreeDrafter):
     def __init__(self, tree: StaticTree) -> None:
         super().__init__(tree.max_depth, tree.num_tokens - 1)
         self.tree = tree
+        paths: list[tuple[int, ...]] = [()]  # by node index ((depth, path) order), then in verification order
+        for parent, rank in zip(tree.parents.tolist()[1:], tree.ranks.tolist()[1:]):
+            paths.append(paths[parent] + (rank,))
+        self.gain = TreeGain([paths[i] for i in tree.order.tolist()[1:]])
         self._layouts = {w: tree.verify_layout(w) for w in range(2, tree.num_tokens + 1)}
 
     def initial_state(self, batch, hidden_size, device, dtype) -> DrafterState:
@@ -156,6 +165,7 @@ class DynamicTreeDrafter(MtpTreeDrafter):
     def __init__(self, topk: int, max_depth: int, num_nodes: int) -> None:
         super().__init__(max_depth, num_nodes)
         self.topk = topk
+        self.gain = TreeGain(prior_tree(max_depth, num_nodes, topk))  # its expected shape: best-first, prior ranks
         self.cand_depth = torch.tensor([1] * topk + [d + 1 for d in range(1, max_depth) for _ in range(topk * topk)])
 
     def initial_state(self, batch, hidden_size, device, dtype) -> DrafterState:

@@ -23,6 +23,7 @@ from nextn.plugins.medusa_tree import TreeBuffers
 from nextn.plugins.sampling import STREAM_SAMPLE, counter_uniform, sample_from_probs
 from nextn.runtime.acceptance_rules import AcceptanceRule, AcceptState, SamplingTensors
 from nextn.runtime.attention_metadata import AttentionMetadata, slots_for_positions
+from nextn.runtime.draft_gain import TreeGain
 from nextn.runtime.drafters import DrafterState, _at
 from nextn.runtime.spec_step import StepOutput
 
@@ -76,6 +77,10 @@ class MedusaDrafter:
         self.tree = tree
         self.num_draft_tokens = tree.num_tokens - 1
         self.max_draft_depth = tree.max_depth
+        depth, mask = tree.depth.tolist(), tree.mask.tolist()
+        rank = [c - 1 - (d - 1) * tree.topk for c, d in zip(tree.candidate_index.tolist(), depth)]
+        self.gain = TreeGain([tuple(rank[j] for j in sorted((j for j in range(1, len(depth)) if mask[i][j]),
+                                                            key=depth.__getitem__)) for i in range(1, len(depth))])
 
     prefill_overlap = 0
     uses_draft_head = False  # its heads have their own vocabulary projection
@@ -91,6 +96,10 @@ class MedusaDrafter:
 
     def stat_draft_len(self, draft_len: int) -> int:
         return self.max_draft_depth  # the whole tree is verified every step; one path of it can be accepted
+
+    def expected_tokens(self, alpha: float, draft_len: float) -> float:
+        """The whole tree's `TreeGain` (every step verifies all of it, whatever `draft_len`)."""
+        return self.gain(alpha, self.num_draft_tokens)
 
     def initial_state(self, batch, hidden_size, device, dtype) -> DrafterState:
         return ()
