@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from nextn.bench.mtp_tree_al import _tree
-from nextn.train.tree_calibration import (best_first_tree, expected_acceptance_length, path_probability,
-                                          rank_acceptance)
+from nextn.train.tree_calibration import (best_first_tree, chain_rank_acceptance, expected_acceptance_length,
+                                          path_probability, rank_acceptance)
 
 
 def _all_paths(depth: int, topk: int):
@@ -87,3 +87,25 @@ def test_rank_acceptance_counts_the_labels_rank_among_the_logits():
     assert acc[1] == pytest.approx([0.4, 0.2, 0.0, 0.2])  # rank 5 is outside the top 4: never accepted
     with pytest.raises(ValueError, match="no held-out position"):
         rank_acceptance([(x, labels, torch.zeros_like(keep), x)], lm_head)
+
+
+def test_chain_rank_acceptance_conditions_each_step_on_the_chains_earlier_hits():
+    """Eagle streams: stream s's row j continues the chain rooted at row j − s. Checked against counting by hand."""
+    v, t = 5, 6
+    lm_head = torch.eye(v)
+    scores = torch.tensor([5.0, 4, 3, 2, 1])  # token i has rank i in every row
+    x = scores.repeat(1, t, 1)
+    step1 = torch.tensor([[0, 1, 0, 0, 2, 0]])  # roots 0..5: hits at roots 0, 2, 3, 5
+    step2 = torch.tensor([[0, 0, 3, 0, 1, 4]])  # row j is root j − 1's step 2 (row 0 belongs to no root)
+    keep1 = torch.ones(1, t, dtype=torch.bool)
+    keep2 = torch.tensor([[False, True, True, True, True, False]])  # root 4's step 2 (row 5) is not measured
+    acc = chain_rank_acceptance([(x, step1, keep1, x), (x, step2, keep2, x)], lm_head, topk=4)
+    assert acc[0] == pytest.approx([4 / 6, 1 / 6, 1 / 6, 0])  # step 1: every root
+    # step 2 over roots that hit at step 1 and are kept: roots 0 (row 1: rank 0), 2 (row 3: rank 0), 3 (row 4: rank
+    # 1); root 5 has no step 2 row
+    assert acc[1] == pytest.approx([2 / 3, 1 / 3, 0, 0])
+    assert rank_acceptance([(x, step2, keep2, x)], lm_head, topk=4)[0] == pytest.approx([0.5, 0.25, 0, 0.25])
+    missed = chain_rank_acceptance([(x, torch.full((1, t), 4), keep1, x), (x, step2, keep2, x)], lm_head, topk=4)
+    assert missed == [[0, 0, 0, 0]]  # no chain hit at step 1: the table stops there
+    with pytest.raises(ValueError, match="no held-out position"):
+        chain_rank_acceptance([(x, step1, torch.zeros_like(keep1), x)], lm_head, topk=4)

@@ -110,6 +110,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tree_nodes", type=int, default=15,
                    help="MTP Eagle: draft nodes of the static tree chosen from the trained module's held-out per-rank "
                    "acceptance, written to train_draft.json as eagle_choices (default 15: 16 verified tokens)")
+    g.add_argument("--tree_depth", type=int, default=0,
+                   help="MTP Eagle: the deepest draft step that tree may use, the module applied again past its "
+                   "trained steps (default 0: twice --num_draft_steps); run it with num_nextn_predict_layers ≥ the "
+                   "depth printed")
     g.add_argument("--eval_every", type=int, default=100, help="steps between held-out top-1 figures in the bar")
     g.add_argument("--checkpoint_every", type=float, default=120.0, help="seconds between resumable checkpoints")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
@@ -169,7 +173,8 @@ def _configs(args: argparse.Namespace):
                              max_minutes=args.max_minutes, loss_vocab=args.loss_vocab,
                              max_context=None if args.max_context < 0 else args.max_context,
                              feature_weight=args.feature_loss_weight, checkpoint_every_s=args.checkpoint_every,
-                             eval_every=args.eval_every, tree_nodes=args.tree_nodes, init=args.mtp_init,
+                             eval_every=args.eval_every, tree_nodes=args.tree_nodes, tree_depth=args.tree_depth,
+                             init=args.mtp_init,
                              train_on_prompts=args.train_on_prompts, progress=args.progress)
     return data, settings
 
@@ -180,6 +185,8 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError(f"data file(s) not found: {', '.join(missing)}")
     if args.tree_nodes < 1:
         raise ValueError(f"--tree_nodes must be ≥ 1 (draft nodes of the calibrated MTP tree), got {args.tree_nodes}")
+    if args.tree_depth < 0:
+        raise ValueError(f"--tree_depth must be ≥ 0 (0: twice --num_draft_steps), got {args.tree_depth}")
     choices = _load_choices(args.eval_medusa_choices, args.eval_tree) if args.eval_medusa_choices else None
     if args.eval_only:
         return _evaluate(args, json.loads((args.output_dir / "train_draft.json").read_text()), choices)
@@ -222,9 +229,10 @@ def _run(args: argparse.Namespace) -> int:
         print(f"  {reference[0]:<24} " + "  ".join(f"{a:.3f}" for a in reference[1]))
     meta = json.loads((args.output_dir / "train_draft.json").read_text())
     if "eagle_choices" in meta:
-        print(f"static tree for these heads ({len(meta['eagle_choices'])} nodes, expected AL "
-              f"{meta['expected_acceptance_length']:.2f} from held-out per-rank acceptance): eagle_choices: "
-              f"{json.dumps(meta['eagle_choices'])}")
+        depth = max(len(p) for p in meta["eagle_choices"])
+        print(f"static tree for these heads ({len(meta['eagle_choices'])} nodes, depth {depth}, expected AL "
+              f"{meta['expected_acceptance_length']:.2f} from held-out per-rank acceptance): "
+              f"num_nextn_predict_layers: {depth}, eagle_choices: {json.dumps(meta['eagle_choices'])}")
     print(f"wrote {args.output_dir} (train_draft.json with the split and these figures)")
     if args.eval_mtp or choices is not None:
         return _evaluate(args, meta, choices)

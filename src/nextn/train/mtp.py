@@ -384,18 +384,25 @@ def train_mtp(model_dir: str | Path, data_cfg: DataConfig, output_dir: str | Pat
                      warmup=settings.warmup)
     write_mtp_checkpoint(model_dir, [m.checkpoint_tensors() for m in modules], output_dir)
     vocab_size = len(vocab.ids) if vocab is not None else model.config.vocab_size
-    extra = calibrated_tree(run(data.rows(data.held_out_rows)), ctx.lm_head, settings.tree_nodes) if eagle else {}
+    extra = {}
+    if eagle:  # the module applied past its trained steps too: a tree may go deeper than the chain it trained for
+        depth = settings.tree_depth or 2 * num_draft_steps
+        held_out = data.rows(data.held_out_rows)
+        with torch.no_grad():
+            streams = ctx.eagle(modules[0], *held_out[:4], depth, targets=held_out.targets)
+        extra = calibrated_tree(streams, ctx.lm_head, settings.tree_nodes)
     return finish(prep, "mtp", mode, num_modules, num_draft_steps if eagle else num_modules, settings, fitted,
                   top1_before, vocab_size, output_dir, data_cfg, num_modules=num_modules, **extra)
 
 
 def calibrated_tree(outputs: StepOutputs, lm_head: torch.Tensor, nodes: int, topk: int = 8) -> dict[str, object]:
-    """The trained module's per-step, per-rank acceptance on held-out rows (`tree_calibration.rank_acceptance`) and
-    the static tree of `nodes` drafts it makes best (`eagle_choices`, best first) with its expected AL; recorded in
-    train_draft.json."""
-    from nextn.train.tree_calibration import best_first_tree, expected_acceptance_length, rank_acceptance
+    """The trained module's per-step, per-rank acceptance on held-out chains, each step conditional on the chain's
+    earlier steps hitting (`tree_calibration.chain_rank_acceptance`; Eagle streams), and the static tree of `nodes`
+    drafts it makes best (`eagle_choices`, best first, as deep as `outputs` has steps) with its expected AL;
+    recorded in train_draft.json."""
+    from nextn.train.tree_calibration import best_first_tree, chain_rank_acceptance, expected_acceptance_length
 
-    acc = rank_acceptance(outputs, lm_head, topk=topk)
+    acc = chain_rank_acceptance(outputs, lm_head, topk=topk)
     choices = best_first_tree(acc, nodes)
     return {"rank_acceptance": acc, "eagle_choices": choices,
             "expected_acceptance_length": expected_acceptance_length(acc, choices)}

@@ -38,12 +38,13 @@ class TrainSettings:
     eval_every: int = 100  # steps between held-out top-1 measurements in the progress bar
     checkpoint_every_s: float = 120.0  # seconds between resumable checkpoints
     tree_nodes: int = 15  # MTP Eagle: draft nodes of the static tree calibrated after training (train_draft.json)
+    tree_depth: int = 0  # MTP Eagle: the deepest draft step that tree may use (0: twice the trained draft steps)
     progress: bool = True
 
     def run_key(self, data_key: str, **extra: object) -> str:
         """What a resumable checkpoint must match: the data and every setting that shapes the run."""
         own = {k: v for k, v in asdict(self).items() if k not in ("max_minutes", "progress", "checkpoint_every_s",
-                                                                    "eval_every", "tree_nodes")}
+                                                                    "eval_every", "tree_nodes", "tree_depth")}
         return json.dumps({"data": data_key, **own, **extra}, sort_keys=True)
 
 
