@@ -233,6 +233,31 @@ def test_adaptive_draft_len_follows_acceptance_and_measured_cost():
     assert [i for i, k in enumerate(ks) if k] == [2, 8, 20] and set(ks) == {0, 1}
 
 
+def test_adaptive_draft_len_probes_a_hopeless_batch_size_rarely():
+    """A speculating step at 6 plain steps with K = 4: no acceptance could pay (5 tokens at most), so the bucket
+    probes every idle_probe_every steps instead of doubling from probe_every."""
+    from nextn.runtime.draft_len_policy import AdaptiveDraftLen
+
+    for cost, hopeless in ((0.060, True), (0.030, False)):
+        p = AdaptiveDraftLen(StaticDraftLen(4), probe_every=4, max_probe_every=16, idle_probe_every=50)
+        p.observe(8 * 4, 8 * 4, 4, 8, cost)  # two warm-up steps at k = 4, all accepted ...
+        p.observe(8 * 4, 8 * 4, 4, 8, cost)
+        p.observe(0, 0, 0, 8, 0.010)  # ... a plain one ...
+        for _ in range(10):
+            p.observe(8 * 4, 0, 4, 8, cost)  # ... then nothing accepted: off
+        ks = []
+        for _ in range(120):
+            ks.append(p.draft_len(8))
+            if ks[-1]:
+                p.observe(0, 0, 0, 8, 0.0)  # the drafts' priming step
+                p.draft_len(8)
+            p.observe(8 * ks[-1], 0, ks[-1], 8, cost if ks[-1] else 0.010)
+        probes = [i for i, k in enumerate(ks) if k]
+        assert p.hopeless(8, 4) == hopeless
+        # hopeless: every 50 steps; else doubling from 4 up to max_probe_every (16)
+        assert probes == ([49, 99] if hopeless else [3, 11, 27, 43, 59, 75, 91, 107])
+
+
 def test_adaptive_draft_len_follows_each_requests_own_acceptance():
     from nextn.runtime.draft_len_policy import AdaptiveDraftLen
 

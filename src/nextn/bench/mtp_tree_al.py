@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                    "throughput of in-flight batching at max_batch_size B)")
     p.add_argument("--draft_len_schedule", type=json.loads, metavar="JSON",
                    help="added to every speculative config (capped at its draft nodes), e.g. "
-                   "'{\"2\": 15, \"4\": 7, \"8\": 3}' (configs/mtp_tree.yaml's: batch size → verified draft "
+                   "'{\"1\": 15, \"2\": 7, \"4\": 3}' (configs/mtp_tree.yaml's: batch size → verified draft "
                    "nodes; above the largest size speculation is off)")
     p.add_argument("--adaptive_draft_len", action="store_true",
                    help="every speculative config with adaptive_draft_len: true (nodes per step from measured step "

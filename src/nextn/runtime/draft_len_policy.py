@@ -152,7 +152,10 @@ class AdaptiveDraftLen:
     back only primes the drafts; this one refreshes α and t(k)) at the k ≥ 1 of the best predicted rate — the
     cheapest informative probe, not the full length (a 16-node tree at batch 8 costs several plain steps) — the
     wait doubling after each probe that leaves it off (up to `max_probe_every`: a probe costs a draft-priming step
-    and a speculating one); while on, every
+    and a speculating one), or `idle_probe_every` at once when the bucket is hopeless — no k would pay even if
+    every draft were accepted (max_k E(1, k) / (t(k) / t(0)) < 1: a compute-bound batch, or a drafter costlier
+    than the tokens it could add; measured on this CPU at batch 8, where one probe costs ~17 plain steps); while
+    on, every
     `probe_every` speculating steps one plain step refreshes t(0). Lossless by construction: only the number of
     verified drafts changes, never the acceptance rule. The step's shape is one draft length for the whole batch
     ([B, k+1], graph-capturable), so per-request acceptance chooses the batch's k rather than giving each row its
@@ -164,10 +167,11 @@ class AdaptiveDraftLen:
     def __init__(self, inner: DraftLenPolicy, prior_cost: float = 0.1, smoothing: float = 0.2,
                  acceptance_smoothing: float = 0.1,
                  probe_every: int = 32, warmup_steps: int = 2, max_probe_every: int = 256,
-                 gain: Gain = expected_tokens) -> None:
+                 idle_probe_every: int = 1024, gain: Gain = expected_tokens) -> None:
         self.inner, self.max_draft_len, self.gain = inner, inner.max_draft_len, gain
         self.prior_cost, self.smoothing, self.probe_every = prior_cost, smoothing, probe_every
         self.warmup_steps, self.max_probe_every = warmup_steps, max_probe_every
+        self.idle_probe_every = idle_probe_every
         self.acceptance_smoothing = acceptance_smoothing
         self.alpha: float | None = None  # pooled over all requests; unknown until a speculating step was observed
         self._pooled: tuple[float, float, float] | None = None  # `_acceptance_ema` of a request's mean step
@@ -240,6 +244,14 @@ class AdaptiveDraftLen:
         return [sum(self.gain(a, k) for a in alphas) / self.relative_step_time(batch_size, k)
                 for k in range(limit + 1)]
 
+    def hopeless(self, batch_size: int, limit: int) -> bool:
+        """No draft length in [1, limit] would pay at this batch size's measured step times even with every draft
+        accepted: max_k E(1, k) / (t(k) / t(0)) < 1 (False until a plain and a speculating step were timed)."""
+        times = self.step_time.get(self._bucket(batch_size), {})
+        if 0 not in times or len(times) < 2:
+            return False
+        return all(self.gain(1.0, k) < self.relative_step_time(batch_size, k) for k in range(1, limit + 1))
+
     def _probe_len(self, batch_size: int, limit: int, request_ids: Sequence[int]) -> int:
         """The k in [1, limit] of the best predicted rate (the full length while α is unknown)."""
         stats = self._request_stats
@@ -263,6 +275,8 @@ class AdaptiveDraftLen:
         k = self.best_draft_len(batch_size, limit, request_ids)
         if (k == 0) != probe.off:  # switched: probe the other side at the base interval again
             probe.off, probe.since_switch, probe.interval = k == 0, 0, self.probe_every
+        if k == 0 and probe.interval < self.idle_probe_every and self.hopeless(batch_size, limit):
+            probe.interval = self.idle_probe_every
         probe.since_switch += 1
         if probe.since_switch >= probe.interval:  # probe the other side (see the class docstring)
             probe.since_switch = 0
