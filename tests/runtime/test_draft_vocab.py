@@ -99,7 +99,8 @@ def test_a_cut_dense_head_leaves_a_tied_embedding_whole():
 @pytest.mark.parametrize("algo", ["W8A16", "W4A16"])
 def test_a_quantized_head_cut_for_self_drafting_holds_its_dequantized_hot_rows(algo):
     """`cut_draft_head` on a quantized lm_head (MTP): the hot rows come out of the head itself (the identity
-    passed through it), so they equal the reference dequantization, in bf16."""
+    passed through it), so they equal the reference dequantization, in bf16; the drafters read them quantized
+    again, W8A16 — for an int8 head exactly its own int8 rows and scales."""
     from types import SimpleNamespace
 
     from nextn.models.causal_lm import SelfDraftingCausalLM
@@ -117,7 +118,14 @@ def test_a_quantized_head_cut_for_self_drafting_holds_its_dequantized_hot_rows(a
     hot = hot_token_ids(320, 48, ranking=list(range(300, 320)))
     model.cut_draft_head(hot)
     want = dequantize(tensors, cfg)[hot].to(torch.bfloat16)
-    assert model.draft_head_weight.dtype == torch.bfloat16
-    torch.testing.assert_close(model.draft_head_weight, want, rtol=0, atol=0)
-    logits = model.draft_logits(torch.randn(3, 128).bfloat16())
+    int8 = QuantConfig(quant_algo="W8A16")
+    assert model.draft_head_weight is None and model.draft_head.out_features == hot.numel()
+    requantized = quantize(want, int8)
+    if algo == "W8A16":  # the head's own int8 rows and scales, unchanged
+        assert torch.equal(requantized["weight"], tensors["weight"][hot])
+        assert torch.equal(requantized["weight_scale"], tensors["weight_scale"][hot])
+    x = torch.randn(3, 128).bfloat16()
+    logits = model.draft_logits(x)
     assert logits.shape == (3, 320) and torch.isinf(logits[:, 100:300]).all()
+    ref = x.float() @ dequantize(requantized, int8).T  # the int8 rows the drafters read
+    torch.testing.assert_close(logits[:, hot], ref, rtol=2e-2, atol=2e-2)
