@@ -28,3 +28,15 @@ def test_a_schedule_is_capped_at_each_configs_own_drafts_and_adaptive_is_added()
     assert out["chain-4"]["draft_len_schedule"] == {2: 3, 8: 3}
     assert out["static-cal-16"]["draft_len_schedule"] == {2: 15, 8: 3}
     assert all(spec["adaptive_draft_len"] for spec in out.values())
+
+
+def test_compare_policies_runs_each_config_under_three_policies():
+    args = SimpleNamespace(budgets=[16], depth=3, acceptance=None, draft_vocab_size=None,
+                           draft_len_schedule={"1": 15, "4": 3}, adaptive_draft_len=False, compare_policies=True)
+    out = _all_configs(args)
+    assert set(out) == {f"{c} {p}" for c in configs([16], 3) for p in ("schedule", "schedule+adaptive", "adaptive")}
+    for name, spec in out.items():
+        assert ("draft_len_schedule" in spec) == ("schedule" in name)
+        assert spec.get("adaptive_draft_len", False) == name.endswith("adaptive")
+        MTPDecodingConfig(**spec)
+    assert out["static-16 schedule"]["draft_len_schedule"] == {1: 15, 4: 3}

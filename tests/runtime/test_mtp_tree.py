@@ -95,6 +95,26 @@ def test_draft_len_schedule_turns_the_tree_down_and_off(eagle, plain, spec):
     assert _ids(outs) == plain
 
 
+@pytest.mark.parametrize("spec", [STATIC, DYNAMIC, {"decoding_type": "MTP", "num_nextn_predict_layers": 3}],
+                         ids=["static", "dynamic", "chain"])
+def test_a_prefill_whose_batch_will_not_speculate_does_not_draft(eagle, plain, spec):
+    """Schedule: speculate alone only. Four prompts admitted at once: their prefill writes the module's KV but drafts
+    nothing (the next steps are plain); once one request is left, it drafts first, then its drafts are accepted —
+    token-identical throughout."""
+    llm = LLM(eagle, speculative_config={**spec, "draft_len_schedule": {1: 3}}, max_batch_size=4)
+    llm.engine.iteration_log = []
+    sp = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (8, 8, 8, 32)]
+    outs = llm.generate(PROMPTS, sp)
+    assert _ids(outs) == [ids[:n] for ids, n in zip(plain, (8, 8, 8, 32))]  # greedy: a prefix of the 32 tokens
+    log = llm.engine.iteration_log
+    prefill = [e for e in log if e["kind"] == "prefill"]
+    assert prefill and not any(e["drafting"] for e in prefill)
+    alone = [e for e in log if e["kind"] == "decode" and e["num_requests"] == 1]
+    assert alone[0]["draft_len"] == 0 and alone[0]["drafting"]  # drafts first ...
+    assert any(e["draft_len"] > 0 for e in alone[1:])  # ... then speculates
+    assert outs[-1].outputs[0].num_accepted_draft_tokens > 0
+
+
 @pytest.mark.parametrize("spec", [STATIC, DYNAMIC], ids=["static", "dynamic"])
 def test_adaptive_draft_len_counts_a_trees_nodes(eagle, plain, spec):
     """adaptive_draft_len on a tree: token-identical; its step times are kept per node count (not per accepted

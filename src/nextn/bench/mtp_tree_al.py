@@ -12,7 +12,9 @@ the prompts exclude the top-1 meter's, on which that acceptance was measured.
 `--speed R`: also batch-1 decode tokens/s (prompts one after another, EOS ignored; tokens after the first over
 first-token → finish time), plain decoding and each config alternating, best of R passes after a warm-up — on a
 faster engine of the same heads with `--engine` (e.g. `build-engine --model_dir HEADS --quant_algo W4A16`);
-`--speed_batch B` measures total throughput at B requests at once instead.
+`--speed_batch B` measures total throughput at B requests at once instead; `--compare_policies` runs each config
+under its draft-length schedule, the schedule with `adaptive_draft_len`, and `adaptive_draft_len` alone, beside a
+second plain engine whose ratio to the first is the run's noise.
 """
 
 from __future__ import annotations
@@ -81,8 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--adaptive_draft_len", action="store_true",
                    help="every speculative config with adaptive_draft_len: true (nodes per step from measured step "
                    "times and acceptance; 0 = plain decoding when none pays)")
+    p.add_argument("--compare_policies", action="store_true",
+                   help="each config three times: with --draft_len_schedule, with it and adaptive_draft_len, with "
+                   "adaptive_draft_len alone; --speed also times a second plain engine (the run's noise)")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
+    if args.compare_policies and not args.draft_len_schedule:
+        p.error("--compare_policies needs --draft_len_schedule")
     from nextn import LLM, SamplingParams
 
     meta = json.loads((args.heads / "train_draft.json").read_text())
@@ -99,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {"heads": str(args.heads), "engine": str(engine), "prompt_ids": ids, "max_tokens": args.max_tokens,
                "runs": {}}
     for name, spec in _all_configs(args).items():
-        if args.only and name.removesuffix(" cut") not in args.only:
+        if args.only and name.split(" ")[0] not in args.only:
             continue
         start = time.perf_counter()
         outs = [o.outputs[0] for o in LLM(engine, speculative_config=spec).generate(prompts, sp)]
@@ -124,16 +131,24 @@ def _all_configs(args) -> dict[str, dict]:
     """`configs`, each also with the head cut (name + " cut") when --draft_vocab_size is given."""
     out = {}
     for name, spec in configs(args.budgets, args.depth, getattr(args, "acceptance", None)).items():
+        schedule = None
         if getattr(args, "draft_len_schedule", None):  # capped at each config's own draft nodes
             most = len(spec.get("eagle_choices") or []) or spec.get("max_total_draft_tokens") or \
                 spec["num_nextn_predict_layers"]
-            spec = {**spec, "draft_len_schedule": {int(k): min(v, most) for k, v in args.draft_len_schedule.items()}}
-        if getattr(args, "adaptive_draft_len", False):
-            spec = {**spec, "adaptive_draft_len": True}
-        out[name] = spec
-        if args.draft_vocab_size:
-            out[f"{name} cut"] = {**spec, "draft_vocab_size": args.draft_vocab_size,
-                                  **({"draft_token_map": str(args.draft_token_map)} if args.draft_token_map else {})}
+            schedule = {int(k): min(v, most) for k, v in args.draft_len_schedule.items()}
+        variants = {name: {**spec, **({"draft_len_schedule": schedule} if schedule else {}),
+                           **({"adaptive_draft_len": True} if getattr(args, "adaptive_draft_len", False) else {})}}
+        if getattr(args, "compare_policies", False):
+            variants = {f"{name} schedule": {**spec, "draft_len_schedule": schedule},
+                        f"{name} schedule+adaptive": {**spec, "draft_len_schedule": schedule,
+                                                      "adaptive_draft_len": True},
+                        f"{name} adaptive": {**spec, "adaptive_draft_len": True}}
+        for label, variant in variants.items():
+            out[label] = variant
+            if args.draft_vocab_size:
+                out[f"{label} cut"] = {**variant, "draft_vocab_size": args.draft_vocab_size,
+                                       **({"draft_token_map": str(args.draft_token_map)} if args.draft_token_map
+                                          else {})}
     return out
 
 
@@ -142,7 +157,8 @@ def _speed(engine: Path, prompts: list[list[int]], args, names: list[str]) -> di
     from nextn import LLM
     from nextn.bench.drafters import run_nextn
 
-    specs = {"plain": None, **{n: s for n, s in _all_configs(args).items() if n in names}}
+    control = {"plain (a second engine: the noise)": None} if getattr(args, "compare_policies", False) else {}
+    specs = {"plain": None, **control, **{n: s for n, s in _all_configs(args).items() if n in names}}
     b = args.speed_batch
     llms = {n: LLM(engine, speculative_config=s, max_batch_size=b) for n, s in specs.items()}
     for llm in llms.values():  # warm-up

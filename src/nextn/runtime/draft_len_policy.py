@@ -41,6 +41,10 @@ class DraftLenPolicy(Protocol):
     def draft_len(self, batch_size: int, request_ids: Sequence[int] = ()) -> int:
         """Drafts each request verifies in a decode step of `batch_size` requests (ids `request_ids`), in [0, K]."""
 
+    def would_draft(self, batch_size: int) -> bool:
+        """Whether a decode step of `batch_size` requests may speculate (no side effects: asked at prefill, so
+        that a prefill whose next step will not speculate skips drafting)."""
+
     def observe(self, num_draft_tokens: int, num_accepted_draft_tokens: int, draft_len: int = 0,
                 batch_size: int = 0, seconds: float = 0.0, per_request: Mapping[int, int] | None = None) -> None:
         """One processed decode iteration's totals over its batch (feedback for acceptance-based policies): drafts
@@ -54,6 +58,9 @@ class StaticDraftLen:
 
     def __init__(self, max_draft_len: int) -> None:
         self.max_draft_len = max_draft_len
+
+    def would_draft(self, batch_size: int) -> bool:
+        return self.max_draft_len > 0
 
     def draft_len(self, batch_size: int, request_ids: Sequence[int] = ()) -> int:
         return self.max_draft_len
@@ -78,6 +85,9 @@ class BatchSizeDraftLen:
             return self.max_draft_len
         return next((k for limit, k in self.schedule if batch_size <= limit), 0)
 
+    def would_draft(self, batch_size: int) -> bool:
+        return self.draft_len(batch_size) > 0
+
     def observe(self, num_draft_tokens: int, num_accepted_draft_tokens: int, draft_len: int = 0,
                 batch_size: int = 0, seconds: float = 0.0, per_request: Mapping[int, int] | None = None) -> None:
         pass
@@ -95,6 +105,9 @@ class AcceptanceGate:
 
     def draft_len(self, batch_size: int, request_ids: Sequence[int] = ()) -> int:
         return 0 if self.disabled else self.inner.draft_len(batch_size, request_ids)
+
+    def would_draft(self, batch_size: int) -> bool:
+        return not self.disabled and self.inner.would_draft(batch_size)
 
     def observe(self, num_draft_tokens: int, num_accepted_draft_tokens: int, draft_len: int = 0,
                 batch_size: int = 0, seconds: float = 0.0, per_request: Mapping[int, int] | None = None) -> None:
@@ -243,6 +256,10 @@ class AdaptiveDraftLen:
         """Predicted tokens per plain-step time, Σ_r E(α_r, k) / (t(k) / t(0)), for k in [0, limit]."""
         return [sum(self.gain(a, k) for a in alphas) / self.relative_step_time(batch_size, k)
                 for k in range(limit + 1)]
+
+    def would_draft(self, batch_size: int) -> bool:
+        """The wrapped policy's answer (this one explores: it may speculate wherever that one allows)."""
+        return self.inner.would_draft(batch_size)
 
     def hopeless(self, batch_size: int, limit: int) -> bool:
         """No draft length in [1, limit] would pay at this batch size's measured step times even with every draft

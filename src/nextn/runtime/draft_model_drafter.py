@@ -228,7 +228,8 @@ class DraftModelDrafter(LinearDrafter):
             return drafts_t, state if state else self.initial_state(tokens.shape[0], 0, tokens.device, kv.dtype)
         return drafts_t, (torch.cat(qs, dim=1),)
 
-    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state, sampling=None):
+    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state, sampling=None,
+                      draft=True):
         kv = self._bind(model, kv_cache)
         self.draft(input_ids, kv, meta)  # the prompt rows fill the draft KV (pads write into the null block)
         first = next_tokens.gather(1, last_idx[:, None])  # [B, 1] the token after the chunk

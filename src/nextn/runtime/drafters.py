@@ -64,11 +64,13 @@ class Drafter(Protocol):
 
     def after_prefill(self, model: DeepseekV3ForCausalLM, kv_cache: torch.Tensor, meta: AttentionMetadata,
                       hidden: torch.Tensor, next_tokens: torch.Tensor, last_idx: torch.Tensor,
-                      input_ids: torch.Tensor, state: DrafterState, sampling: SamplingTensors | None = None
-                      ) -> tuple[torch.Tensor, DrafterState]:
+                      input_ids: torch.Tensor, state: DrafterState, sampling: SamplingTensors | None = None,
+                      draft: bool = True) -> tuple[torch.Tensor, DrafterState]:
         """Drafts [B, K] after a prefill over the prompt rows, and the state for the first decode step (`state`:
         the rows' state before this chunk — stale for a request's first chunk; `sampling`: the requests' sampling
-        parameters, for drafters that sample their drafts)."""
+        parameters, for drafters that sample their drafts). `draft` False: the next decode step will not speculate
+        (the draft-length policy is off at that batch size), so a drafter may only write its KV / state for the
+        prompt rows and return zeros: the step that turns speculation back on drafts first."""
 
     def after_verify(self, model: DeepseekV3ForCausalLM, kv_cache: torch.Tensor, meta: AttentionMetadata,
                      hidden: torch.Tensor, target_tokens: torch.Tensor, num_emitted: torch.Tensor,
@@ -137,7 +139,11 @@ class MtpEagleDrafter(LinearDrafter):
             drafts.append(token)
         return torch.cat(drafts, dim=1)
 
-    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state, sampling=None):
+    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state, sampling=None,
+                      draft=True):
+        if not draft:  # the module's KV over the prompt rows only
+            model.forward_mtp(0, next_tokens, hidden, kv_cache, meta)
+            return next_tokens.new_zeros(next_tokens.shape[0], self.num_draft_tokens), ()
         return self._draft(model, kv_cache, meta, hidden, next_tokens, last_idx), ()
 
     def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state):
@@ -188,7 +194,8 @@ class MtpVanillaDrafter(LinearDrafter):
         out = x.gather(1, idx)
         return out * valid.view(*valid.shape, *([1] * (x.dim() - 2))).to(out.dtype)
 
-    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state, sampling=None):
+    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state, sampling=None,
+                      draft=True):
         drafts = self._run_modules(model, kv_cache, meta, hidden, next_tokens, last_idx)
         return drafts, (self._window(next_tokens, last_idx), self._window(hidden, last_idx))
 
@@ -214,7 +221,8 @@ class NoDrafter(LinearDrafter):
     def initial_state(self, batch, hidden_size, device, dtype):
         return ()
 
-    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state, sampling=None):
+    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state, sampling=None,
+                      draft=True):
         return next_tokens.new_zeros(next_tokens.shape[0], 0), ()
 
     def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state):

@@ -419,6 +419,7 @@ class Engine:
             else:
                 entry["num_prefill_tokens"] = sum(e - s for s, e in zip(batch.chunk_starts, batch.chunk_ends))
                 entry["num_reused_tokens"] = sum(batch.num_reused)
+                entry["drafting"] = batch.drafting
             if self.pool.cache is not None:  # cumulative, over every admission so far (vLLM's hit rate)
                 entry["prefix_cache_hit_rate"] = round(self.pool.cache.stats.hit_rate, 4)
             if self.iteration_log is not None:

@@ -103,7 +103,8 @@ class ModelRunner:
             out = prefill_step(self.model, self.drafter, self.acceptance, self.kv_cache, ids, lens, block_tables,
                                sampling, accept_state, self.block_size, starts,
                                torch.tensor(nexts, dtype=torch.int64, device=self.device),
-                               drafter_state=tuple(s[slots] for s in self.state))  # e.g. n-gram token history
+                               drafter_state=tuple(s[slots] for s in self.state),  # e.g. n-gram token history
+                               draft=batch.drafting)
             kv_lens = starts + lens - 1  # so that kv_lens + num_emitted is the chunk's end
         else:
             ids, kv_lens = decode_inputs(reqs, batch.draft_len, prev, self.device)

@@ -96,8 +96,13 @@ class MtpTreeDrafter:
         h = model.forward_mtp(0, next_tokens, hidden, kv_cache, meta)
         return _at(h, last_idx), _at(meta.positions, last_idx)[:, 0]
 
-    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state, sampling=None):
+    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state, sampling=None,
+                      draft=True):
         h_root, base = self._root(model, kv_cache, meta, hidden, next_tokens, last_idx)
+        if not draft:  # the module's KV over the prompt rows only (the tree is drafted when speculation resumes)
+            b = next_tokens.shape[0]
+            return (next_tokens.new_zeros(b, self.num_draft_tokens),
+                    state if state else self.initial_state(b, hidden.shape[-1], hidden.device, hidden.dtype))
         return self.expand(model, kv_cache, meta, h_root, base)
 
     def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state):

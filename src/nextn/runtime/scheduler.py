@@ -54,9 +54,11 @@ class ScheduledBatch:
             admission (its start), else 0; the drafter's per-request state is rebuilt for them
             (`Drafter.load_prefix`).
         draft_len: decode only: drafts each request verifies this step (the draft-length policy's choice, ≤ K).
-        drafting: decode only: whether the step drafts for the next one. False when speculation is off (draft_len
-            0): the step is plain decoding and costs no more. When speculation comes back on, a request whose last
+        drafting: whether the step drafts for the next one. Decode: False when speculation is off (draft_len 0):
+            the step is plain decoding and costs no more. When speculation comes back on, a request whose last
             step did not draft first runs one step with draft_len 0 and drafting on (it has no drafts to verify).
+            Prefill: False when the policy would not speculate at the running batch's size
+            (`DraftLenPolicy.would_draft`): the drafter writes its KV for the prompt but drafts nothing.
     """
 
     kind: Literal["prefill", "decode"]
@@ -179,10 +181,12 @@ class Scheduler:
             budget -= end - reused
         if not chunks:
             return None
+        drafting = self.draft_len_policy.max_draft_len == 0 or self.draft_len_policy.would_draft(len(self.running))
         for req, _, end, _ in chunks:
             req.num_prefilled_tokens = end
+            req.has_drafts = drafting
         reqs, starts, ends, num_reused = zip(*chunks)
-        return ScheduledBatch("prefill", reqs, starts, ends, num_reused)
+        return ScheduledBatch("prefill", reqs, starts, ends, num_reused, drafting=drafting)
 
     def admit_prefilled(self, req: Request) -> bool:
         """Admit a request whose prompt was prefilled by another engine (disaggregated serving,

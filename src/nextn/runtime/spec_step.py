@@ -45,7 +45,7 @@ def prefill_step(model: DeepseekV3ForCausalLM, drafter: Drafter, acceptance: Acc
                  input_ids: torch.Tensor, prompt_lens: torch.Tensor, block_tables: torch.Tensor,
                  sampling: SamplingTensors, accept_state: AcceptState, block_size: int,
                  start_positions: torch.Tensor | None = None, next_tokens: torch.Tensor | None = None,
-                 drafter_state: DrafterState = ()) -> StepOutput:
+                 drafter_state: DrafterState = (), draft: bool = True) -> StepOutput:
     """Prefill right-padded prompts (or prompt chunks), emit each one's first token (argmax, or sampled) and its
     first drafts.
 
@@ -63,6 +63,8 @@ def prefill_step(model: DeepseekV3ForCausalLM, drafter: Drafter, acceptance: Acc
         next_tokens: [B] int64 the token after each chunk, −1 where the chunk ends its prompt (the step samples
             it); None: every chunk ends its prompt.
         drafter_state: the rows' drafter state before this chunk (stale for a first chunk); () when stateless.
+        draft: False when the next decode step will not speculate: the drafter only writes its KV / state
+            (`Drafter.after_prefill`).
     Returns:
         StepOutput with tokens [B, 1] (for an earlier chunk: its next_token) and num_emitted = 1.
     """
@@ -81,7 +83,7 @@ def prefill_step(model: DeepseekV3ForCausalLM, drafter: Drafter, acceptance: Acc
     # The token one position ahead of each row: the prompt shifted left, the new token after the last row.
     shifted = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1).scatter(1, last_idx[:, None], first)
     drafts, state = drafter.after_prefill(model, kv_cache, meta, hidden, shifted, last_idx, input_ids=input_ids,
-                                          state=drafter_state, sampling=sampling)
+                                          state=drafter_state, sampling=sampling, draft=draft)
     ones = torch.ones_like(prompt_lens)
     return StepOutput(first, ones, drafts, state, acceptance.observe(first, ones, accept_state))
 

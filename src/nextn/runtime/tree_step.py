@@ -109,7 +109,8 @@ class MedusaDrafter:
         topk = self.heads(hidden_last)[: self.tree.max_depth, :, 0].topk(self.tree.topk, dim=-1).indices  # [D, B, k]
         return tree_candidates(root, topk, self.tree.candidate_index)
 
-    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state, sampling=None):
+    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state, sampling=None,
+                      draft=True):
         tree = self.tree_from(_at(hidden, last_idx), next_tokens.gather(1, last_idx[:, None]))
         return tree[:, 1:], ()
 
