@@ -168,11 +168,10 @@ class AdaptiveDraftLen:
     and a speculating one), or `idle_probe_every` at once when the bucket is hopeless — no k would pay even if
     every draft were accepted (max_k E(1, k) / (t(k) / t(0)) < 1: a compute-bound batch, or a drafter costlier
     than the tokens it could add; measured on this CPU at batch 8, where one probe costs ~17 plain steps); while
-    on, every
-    `probe_every` speculating steps one plain step refreshes t(0). Lossless by construction: only the number of
-    verified drafts changes, never the acceptance rule. The step's shape is one draft length for the whole batch
-    ([B, k+1], graph-capturable), so per-request acceptance chooses the batch's k rather than giving each row its
-    own width (a row's extra verified drafts cost nothing more once the step runs).
+    on, every `probe_every` speculating steps one plain step refreshes t(0). Lossless by construction: only the
+    number of verified drafts changes, never the acceptance rule. The step's shape is one draft length for the whole
+    batch ([B, k+1], graph-capturable), so per-request acceptance chooses the batch's k rather than giving each row
+    its own width (a row's extra verified drafts cost nothing more once the step runs).
     """
 
     max_tracked_requests = 4096  # per-request α kept for at most this many recent requests (least recent dropped)
