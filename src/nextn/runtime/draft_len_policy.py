@@ -241,20 +241,17 @@ class AdaptiveDraftLen:
         per_row = self.prior_cost if k > near else min(self.prior_cost, max(ratio - 1.0, 0.0) / near)
         return ratio + per_row * (k - near)
 
-    def best_draft_len(self, batch_size: int, limit: int, request_ids: Sequence[int] = ()) -> int:
-        """argmax over k in [0, limit] of Σ_r E(α_r, k) / (t(k) / t(0)) (ties: the shorter draft); the pooled α
-        stands for requests not yet observed, and for the whole batch when no ids are given."""
+    def best_draft_len(self, batch_size: int, limit: int, request_ids: Sequence[int] = (), lowest: int = 0) -> int:
+        """argmax over k in [lowest, limit] of Σ_r E(α_r, k) / (t(k) / t(0)) (ties: the shorter draft); the pooled α
+        stands for requests not yet observed, and for the whole batch when no ids are given (`limit` while no α is
+        known). `lowest` 1: the length a probe from off runs."""
         stats = self._request_stats
         alphas = [stats[r][2] if r in stats else self.alpha for r in request_ids] or [self.alpha]
         if any(a is None for a in alphas):
             return limit
-        rates = self._rates(batch_size, limit, alphas)
-        return max(range(limit + 1), key=lambda k: (rates[k] - 1e-9 * k))
-
-    def _rates(self, batch_size: int, limit: int, alphas: Sequence[float]) -> list[float]:
-        """Predicted tokens per plain-step time, Σ_r E(α_r, k) / (t(k) / t(0)), for k in [0, limit]."""
-        return [sum(self.gain(a, k) for a in alphas) / self.relative_step_time(batch_size, k)
-                for k in range(limit + 1)]
+        rates = [sum(self.gain(a, k) for a in alphas) / self.relative_step_time(batch_size, k)
+                 for k in range(limit + 1)]
+        return max(range(lowest, limit + 1), key=lambda k: (rates[k] - 1e-9 * k))
 
     def would_draft(self, batch_size: int) -> bool:
         """The wrapped policy's answer (this one explores: it may speculate wherever that one allows)."""
@@ -267,15 +264,6 @@ class AdaptiveDraftLen:
         if 0 not in times or len(times) < 2:
             return False
         return all(self.gain(1.0, k) < self.relative_step_time(batch_size, k) for k in range(1, limit + 1))
-
-    def _probe_len(self, batch_size: int, limit: int, request_ids: Sequence[int]) -> int:
-        """The k in [1, limit] of the best predicted rate (the full length while α is unknown)."""
-        stats = self._request_stats
-        alphas = [stats[r][2] if r in stats else self.alpha for r in request_ids] or [self.alpha]
-        if any(a is None for a in alphas):
-            return limit
-        rates = self._rates(batch_size, limit, alphas)
-        return max(range(1, limit + 1), key=lambda k: (rates[k] - 1e-9 * k))
 
     def draft_len(self, batch_size: int, request_ids: Sequence[int] = ()) -> int:
         limit = self.inner.draft_len(batch_size, request_ids)
@@ -298,7 +286,7 @@ class AdaptiveDraftLen:
             probe.since_switch = 0
             if probe.off:  # each probe that leaves speculation off doubles the wait for the next one
                 probe.interval = min(2 * probe.interval, self.max_probe_every)
-                probe.probing, probe.probe_len = True, self._probe_len(batch_size, limit, request_ids)
+                probe.probing, probe.probe_len = True, self.best_draft_len(batch_size, limit, request_ids, lowest=1)
                 return probe.probe_len
             return 0
         return k
