@@ -9,7 +9,7 @@ import torch
 from nextn import LLM, SamplingParams
 from nextn.build.engine_builder import build_engine
 from nextn.plugins import cpu_kernels
-from nextn.plugins.decoder_layer import fuse_layer, fused_forward
+from nextn.plugins.decoder_layer import fuse_layer, fuse_stack, fused_forward, stack_forward
 from nextn.runtime.attention_metadata import AttentionMetadata
 from nextn.testing.tiny_llama import tiny_hf_llama
 
@@ -99,6 +99,37 @@ def test_every_layer_of_a_w4a16_engine_takes_the_op(llm):
     # the modules' own buffers are views of the concatenated weights: one copy in memory
     attn = layers[0].self_attn
     assert attn.k_proj.qweight.untyped_storage().data_ptr() == layers[0].fused.qkv[0].untyped_storage().data_ptr()
+    stack = llm.engine.model.fused_stack  # and the decoder layers as one op call
+    assert stack is not None and len(stack.norms) == 2 * len(layers)
+    assert stack.qkv[stack.arity[0]].data_ptr() == layers[1].fused.qkv[0].data_ptr()
+
+
+def test_the_stack_is_its_layers_one_by_one(llm):
+    """`llama_decoder_stack` equals the layers' op calls in order, bit for bit: outputs and every layer's KV."""
+    model = llm.engine.model
+    layers = list(model.model.layers)
+    x, kv, meta = _inputs(layers[0], 2, 3, [7, 21], seed=5)
+    kv = torch.stack([kv, kv.flip(0)])  # [layers, slots, kv dim], layers' caches differ
+    cos_sin = model._cos_sin(meta.positions)
+    kv_stack, kv_one = kv.clone(), kv.clone()
+    out = stack_forward(model.fused_stack, x, cos_sin, kv_stack, meta)
+    ref = x
+    for i, layer in enumerate(layers):
+        ref = fused_forward(layer, ref, cos_sin, kv_one[i], meta)
+    assert torch.equal(out, ref)
+    assert torch.equal(kv_stack, kv_one) and not torch.equal(kv_stack, kv)
+    with pytest.raises(RuntimeError, match="kv_cache must be"):
+        stack_forward(model.fused_stack, x, cos_sin, kv_stack[:1], meta)
+
+
+def test_a_layer_without_the_op_leaves_no_stack(llm):
+    layers = list(llm.engine.model.model.layers)
+    saved, layers[1].fused = layers[1].fused, None
+    try:
+        assert fuse_stack(layers) is None
+    finally:
+        layers[1].fused = saved
+    assert fuse_stack(layers) is not None
 
 
 @pytest.mark.parametrize("b,t,ctx", [(1, 1, [9]), (2, 5, [13, 30]), (3, 3, [3, 17, 8])])
@@ -143,7 +174,7 @@ def test_where_it_does_not_apply_the_modules_run(tmp_path):
         try:
             layers = llm.engine.model.model.layers
             assert all(layer.fused is None for layer in layers)
-            assert fuse_layer(layers[0]) is None
+            assert fuse_layer(layers[0]) is None and llm.engine.model.fused_stack is None
         finally:
             llm.shutdown()
 
@@ -173,21 +204,25 @@ def test_speculation_on_the_fused_engine_is_lossless(engine, llm):
     prompts = [[5, 6, 7, 8, 5, 6, 7], [9], list(range(20, 50))]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    layers = llm.engine.model.model.layers
-    saved = [layer.fused for layer in layers]
+    model = llm.engine.model
+    layers = model.model.layers
+    saved, saved_stack = [layer.fused for layer in layers], model.fused_stack
     for layer in layers:
         layer.fused = None
+    model.fused_stack = None
     try:
         modules = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     finally:
         for layer, f in zip(layers, saved):
             layer.fused = f
+        model.fused_stack = saved_stack
     assert modules == plain
     for spec in ({"decoding_type": "NGram", "max_draft_len": 3, "max_matching_ngram_size": 2},
                  {"decoding_type": "Draft_Target", "max_draft_len": 3, "speculative_model_dir": str(engine)}):
         other = LLM(engine, speculative_config=spec)
         try:
             assert all(layer.fused is not None for layer in other.engine.model.model.layers)
+            assert other.engine.model.fused_stack is not None
             assert [o.outputs[0].token_ids for o in other.generate(prompts, params)] == plain
         finally:
             other.shutdown()
@@ -200,4 +235,15 @@ def test_fake_implementation_lets_torch_compile_trace_the_op(llm):
             f.input_norm, f.post_norm, f.qkv, f.o, f.gate_up, f.down, attn.num_heads, attn.num_kv_heads,
             f.group_size, layer.input_layernorm.eps, attn.scale)
     torch.library.opcheck(torch.ops.nextn.llama_decoder_layer.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_fake_implementation_lets_torch_compile_trace_the_stack(llm):
+    model = llm.engine.model
+    layer, x, cos_sin, kv, meta = _small_case(llm)
+    st = model.fused_stack
+    args = (x, cos_sin, torch.stack([kv, kv]), meta.slot_mapping.reshape(-1), meta.context_slots, meta.visible,
+            st.norms, st.qkv, st.o, st.gate_up, st.down, st.arity, st.num_heads, st.num_kv_heads, st.group_size,
+            st.eps, st.scale, st.int8_activations)
+    torch.library.opcheck(torch.ops.nextn.llama_decoder_stack.default, args,
                           test_utils=("test_schema", "test_faketensor"))

@@ -35,14 +35,18 @@ FORMATS: dict[str, dict | None] = {"bf16": None, "fp32": None, "W8A16": {"quant_
 
 def _nextn_llm(model: Path, fmt: str, cache: Path | None, speculative_config: dict | None = None):
     """The LLM for a format name: `bf16`, `fp32`, `W8A16`, `W4A16`, `W4A16-lmhead4` (the lm_head 4-bit too), each
-    optionally `+compile` (the decode step under `torch.compile`, `torch_compile_config: {}`)."""
+    optionally `+compile` (the decode step under `torch.compile`, `torch_compile_config: {}`) or `+layers` (the
+    fused decoder layers called one by one, not as one `llama_decoder_stack` call: the A/B of that op)."""
     from nextn import LLM
 
     base, _, extra = fmt.partition("+")
     quant = FORMATS[base]
     dtype = "float32" if base == "fp32" else "bfloat16"
-    return LLM(model, speculative_config=speculative_config, dtype=dtype, quant_config=quant, engine_cache_dir=cache,
-               max_batch_size=8, max_seq_len=1024, torch_compile_config={} if extra == "compile" else None)
+    llm = LLM(model, speculative_config=speculative_config, dtype=dtype, quant_config=quant, engine_cache_dir=cache,
+              max_batch_size=8, max_seq_len=1024, torch_compile_config={} if extra == "compile" else None)
+    if extra == "layers":
+        llm.engine.model.fused_stack = None
+    return llm
 
 
 def verify_step_seconds(llm, prompt_ids: list[int], num_tokens: int) -> float:
@@ -80,9 +84,9 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, type=Path, help="the GGUF both decode")
     p.add_argument("--formats", nargs="+", default=["bf16", "W8A16", "W4A16"],
-                   choices=[*FORMATS, *(f"{f}+compile" for f in FORMATS)],
-                   help="nextn weight formats to measure, `+compile` for the step under torch.compile "
-                   "(default: bf16 W8A16 W4A16)")
+                   choices=[*FORMATS, *(f"{f}+{x}" for f in FORMATS for x in ("compile", "layers"))],
+                   help="nextn weight formats to measure, `+compile` for the step under torch.compile, `+layers` "
+                   "for the fused layers called one by one (default: bf16 W8A16 W4A16)")
     p.add_argument("--verify_k", type=int, default=0, metavar="K",
                    help="also time a verify step of K + 1 rows (n-gram drafting, K drafts) per format, beside "
                    "its plain step (issue 14: verify ≤ 1.3× plain)")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nextn.plugins.decoder_layer import FusedStack, stack_forward
 from nextn.runtime.attention_metadata import AttentionMetadata
 
 
@@ -37,6 +38,8 @@ class SelfDraftingCausalLM(nn.Module):
     draft_hot_tokens: torch.Tensor | None = None  # `cut_draft_head`: the token id of each draft head row
     #: The lm_head is a `WeightOnlyLinear` (a quantized engine): logits come from calling it, not from its weight.
     lm_head_quantized: bool = False
+    #: Every decoder layer as one op call (`plugins.decoder_layer.install_fused_layers`, W4A16 / W4A8 on the CPU).
+    fused_stack: FusedStack | None = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -54,6 +57,8 @@ class SelfDraftingCausalLM(nn.Module):
         at the tokens' slots."""
         x = self.model.embed_tokens(input_ids)
         cos_sin = self._cos_sin(meta.positions)
+        if self.fused_stack is not None and x.dtype == kv_cache.dtype == torch.bfloat16:
+            return self.model.norm(stack_forward(self.fused_stack, x, cos_sin, kv_cache, meta))
         for i in range(self.cfg.num_hidden_layers):
             x = self.model.layers[i](x, cos_sin, kv_cache[i], meta)
         return self.model.norm(x)

@@ -121,6 +121,11 @@ def _register_fakes() -> None:
           num_heads, num_kv_heads, group_size, eps, scale, int8_activations=False):
         return torch.empty_like(x)
 
+    @torch.library.register_fake("nextn::llama_decoder_stack")
+    def _(x, cos_sin, kv_cache, slot_mapping, context_slots, visible, norms, qkv, o, gate_up, down, arity, num_heads,
+          num_kv_heads, group_size, eps, scale, int8_activations=False):
+        return torch.empty_like(x)
+
     @torch.library.register_fake("nextn::paged_attention")
     def _(q, kv_cache, context_slots, visible, scale):
         b, t, nh, d = q.shape

@@ -5,7 +5,8 @@ A small model's decode step is dispatch, not arithmetic: the PyTorch path of one
 three projections, RoPE, the cache write, attention, the gated MLP, two residual adds, each a few µs from Python)
 around seven matmuls. The op computes the same layer in C++ with nextn's int4 kernel and paged attention, q/k/v as
 one matmul and gate/up as one (their weights concatenated at load, the modules' own buffers becoming views of the
-concatenation: no extra memory).
+concatenation: no extra memory). `llama_decoder_stack` runs every layer of a model in one call (`FusedStack`, the
+same layer function in a C++ loop), so a small model's step pays the Python and dispatch of one call, not ~30.
 
 `torch.ops.nextn.llama_decoder_layer(x [B, T, H] bf16, cos_sin [B, T, 2, D/2] f32, kv_cache [slots, 2·NKV·D]
 bf16 (written), slot_mapping [B·T] int64, context_slots [B, S] int64, visible [B, 1, T, S] bool, input_norm [H]
@@ -97,10 +98,51 @@ def fuse_layer(layer: nn.Module) -> FusedLayerWeights | None:
                              *kind)
 
 
+@dataclass(frozen=True)
+class FusedStack:
+    """Every decoder layer's operands for `llama_decoder_stack` (all the layers in one op call), layer after layer:
+    `norms` 2 a layer, each linear kind `arity` tensors a layer."""
+
+    norms: list[torch.Tensor]
+    qkv: list[torch.Tensor]
+    o: list[torch.Tensor]
+    gate_up: list[torch.Tensor]
+    down: list[torch.Tensor]
+    arity: list[int]  # tensors a layer of qkv, o, gate_up, down (3, or 4 with a bias)
+    num_heads: int
+    num_kv_heads: int
+    group_size: int
+    eps: float
+    scale: float
+    int8_activations: bool
+
+
+def fuse_stack(layers: list[nn.Module]) -> FusedStack | None:
+    """`FusedStack` of `layers` (each with its `fused` operands set), or None unless every layer takes the op with
+    the same group size, activations, biases, heads, eps and softmax scale (then the op calls run one by one)."""
+    if not layers or any(getattr(layer, "fused", None) is None for layer in layers):
+        return None
+    fs: list[FusedLayerWeights] = [layer.fused for layer in layers]
+
+    def shape(layer: nn.Module, f: FusedLayerWeights) -> tuple:
+        attn = layer.self_attn
+        return (f.group_size, f.int8_activations, len(f.qkv), len(f.o), len(f.gate_up), len(f.down), attn.num_heads,
+                attn.num_kv_heads, float(layer.input_layernorm.eps), float(attn.scale))
+
+    shapes = {shape(layer, f) for layer, f in zip(layers, fs)}
+    if len(shapes) != 1:
+        return None
+    group, int8, *arity, heads, kv_heads, eps, scale = shapes.pop()
+    return FusedStack([n for f in fs for n in (f.input_norm, f.post_norm)], [t for f in fs for t in f.qkv],
+                      [t for f in fs for t in f.o], [t for f in fs for t in f.gate_up], [t for f in fs for t in f.down],
+                      list(arity), heads, kv_heads, group, eps, scale, int8)
+
+
 def install_fused_layers(model: nn.Module) -> int:
     """Give every layer of `model` that offers the op (a `fused` attribute: `LlamaDecoderLayer`) its operands, where
-    it applies (`fuse_layer`; the kernels built: `cpu_kernels`). Call after the weight-only linears and the paged
-    attention kernel are installed.
+    it applies (`fuse_layer`; the kernels built: `cpu_kernels`), and a model that offers it (a `fused_stack`
+    attribute: `SelfDraftingCausalLM`) its decoder layers as one `FusedStack` when all of them take the op. Call after
+    the weight-only linears and the paged attention kernel are installed.
 
     Returns:
         How many layers use the op (0 where it does not apply).
@@ -112,6 +154,8 @@ def install_fused_layers(model: nn.Module) -> int:
         if hasattr(module, "fused"):
             module.fused = fuse_layer(module)
             count += module.fused is not None
+    if hasattr(model, "fused_stack"):
+        model.fused_stack = fuse_stack(list(model.model.layers)[:model.cfg.num_hidden_layers])
     return count
 
 
@@ -124,3 +168,13 @@ def fused_forward(layer: nn.Module, x: torch.Tensor, cos_sin: torch.Tensor, kv_c
         x, cos_sin, kv_cache, meta.slot_mapping.reshape(-1), meta.context_slots, meta.visible, f.input_norm,
         f.post_norm, f.qkv, f.o, f.gate_up, f.down, attn.num_heads, attn.num_kv_heads, f.group_size,
         layer.input_layernorm.eps, attn.scale, f.int8_activations)
+
+
+def stack_forward(stack: FusedStack, x: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
+                  meta) -> torch.Tensor:
+    """All the decoder layers of `stack` in one op call: x [B, T, H] bf16 → [B, T, H] bf16; kv_cache: the model's
+    whole cache [layers, slots, kv dim] (layer i writes kv_cache[i])."""
+    return torch.ops.nextn.llama_decoder_stack(
+        x, cos_sin, kv_cache, meta.slot_mapping.reshape(-1), meta.context_slots, meta.visible, stack.norms, stack.qkv,
+        stack.o, stack.gate_up, stack.down, stack.arity, stack.num_heads, stack.num_kv_heads, stack.group_size,
+        stack.eps, stack.scale, stack.int8_activations)
