@@ -40,3 +40,13 @@ def test_compare_policies_runs_each_config_under_three_policies():
         assert spec.get("adaptive_draft_len", False) == name.endswith("adaptive")
         MTPDecodingConfig(**spec)
     assert out["static-16 schedule"]["draft_len_schedule"] == {1: 15, 4: 3}
+
+
+def test_held_out_prompts_skip_the_top1_meter_and_other_sources():
+    from nextn.bench.mtp_tree_al import held_out_prompts
+
+    meta = {"eval_prompt_ids": ["humaneval/HumanEval/1", "mt_bench/81", "humaneval/HumanEval/7", "mt_bench/90",
+                                "humaneval/HumanEval/9"],
+            "held_out_prompts": [[1], [2], [3], [4], [5]], "data_config": {"num_top1_prompts": 2}}
+    assert held_out_prompts(meta, "humaneval", 8) == (["humaneval/HumanEval/7", "humaneval/HumanEval/9"], [[3], [5]])
+    assert held_out_prompts(meta, "mt_bench", 1) == (["mt_bench/90"], [[4]])

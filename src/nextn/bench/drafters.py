@@ -4,10 +4,15 @@ On the same chat-templated prompts (HumanEval, MT-bench first turns, or the two 
 `--max_tokens` new tokens with EOS ignored, best of `--runs` after a warm-up, alternating systems so that all see
 the same machine:
 - nextn: plain decoding, Draft_Target (`--draft` as the draft model, K = `--draft_len`), Draft_Target with
-  `adaptive_draft_len`, and NGram (K, n = 3) without and with `adaptive_draft_len` — one engine format for target
-  and draft (`--format`);
-- llama.cpp (when built, ../shared/PEERS.md): `llama-completion` (plain) and `llama-speculative-simple` (its
-  draft-model speculation, `--draft-max K`) on the same GGUF files.
+  `adaptive_draft_len`, NGram (K, n = 3) without and with `adaptive_draft_len`, and, for a target with MTP modules
+  (a `train-draft --method mtp` output or an engine built from one), MTP with K = each of `--mtp_len` — one engine
+  format for target and draft (`--format`);
+- llama.cpp (when built, ../shared/PEERS.md): `llama-completion` (plain) and, with `--draft`,
+  `llama-speculative-simple` (its draft-model speculation, `--draft-max K`) on the same GGUF files
+  (`--llama_cpp_model`: the GGUF of a target that is not one).
+
+`--held_out_from HEADS` takes the prompts from a train-draft run's held-out set (never trained on; as
+`nextn.bench.mtp_tree_al`), so that trained heads are measured on prompts they have not seen.
 
 Batch 1: the prompts one after another; tokens/s is decode only on both sides (nextn: tokens after the first over
 first-token → finish time, summed over prompts; llama.cpp: its "decoded N tokens in S seconds"). Batch B > 1
@@ -17,6 +22,8 @@ flagged.
 
     python -m nextn.bench.drafters --target runs/models/qwen2.5-coder-1.5b/*.gguf \\
         --draft runs/models/qwen2.5-coder-0.5b/*.gguf --dataset humaneval --num_prompts 8 --max_tokens 128
+    python -m nextn.bench.drafters --target runs/issue16/qwen05-mtp-1k --held_out_from runs/issue16/qwen05-mtp-1k \\
+        --llama_cpp_model runs/models/qwen2.5-coder-0.5b/*.gguf --mtp_len 2 3 --draft_vocab_sizes 32768
 """
 
 from __future__ import annotations
@@ -37,15 +44,25 @@ FORMATS = {"bf16": None, "fp32": None, "W8A16": {"quant_algo": "W8A16"}, "W4A16"
            "W4A8": {"quant_algo": "W4A8"}}
 
 
-def _configs(draft: Path, k: int, draft_vocab_sizes: list[int] = (), token_map: Path | None = None
-             ) -> dict[str, dict | None]:
-    dt = {"decoding_type": "Draft_Target", "max_draft_len": k, "speculative_model_dir": str(draft)}
-    ngram = {"decoding_type": "NGram", "max_draft_len": k, "max_matching_ngram_size": 3}
+def _configs(draft: Path | None, k: int, draft_vocab_sizes: list[int] = (), token_map: Path | None = None,
+             mtp_lens: list[int] = ()) -> dict[str, dict | None]:
+    """Name → speculative_config: plain; Draft_Target (when `draft`), NGram, MTP chains of each of `mtp_lens`
+    drafts; the draft-model and MTP heads also cut to each of `draft_vocab_sizes` hot tokens."""
     hot = {} if token_map is None else {"draft_token_map": str(token_map)}
-    cut = {f"Draft_Target K={k} draft_vocab_size={v}": {**dt, "draft_vocab_size": v, **hot} for v in draft_vocab_sizes}
-    return {"plain": None, f"Draft_Target K={k}": dt, **cut,
-            f"Draft_Target K≤{k} adaptive": {**dt, "adaptive_draft_len": True},
-            f"NGram K={k}": ngram, f"NGram K≤{k} adaptive": {**ngram, "adaptive_draft_len": True}}
+
+    def with_cuts(name: str, spec: dict) -> dict[str, dict]:
+        return {name: spec, **{f"{name} draft_vocab_size={v}": {**spec, "draft_vocab_size": v, **hot}
+                               for v in draft_vocab_sizes}}
+
+    out: dict[str, dict | None] = {"plain": None}
+    if draft is not None:
+        dt = {"decoding_type": "Draft_Target", "max_draft_len": k, "speculative_model_dir": str(draft)}
+        out |= with_cuts(f"Draft_Target K={k}", dt) | {f"Draft_Target K≤{k} adaptive": {**dt, "adaptive_draft_len": True}}
+    ngram = {"decoding_type": "NGram", "max_draft_len": k, "max_matching_ngram_size": 3}
+    out |= {f"NGram K={k}": ngram, f"NGram K≤{k} adaptive": {**ngram, "adaptive_draft_len": True}}
+    for n in mtp_lens:
+        out |= with_cuts(f"MTP K={n}", {"decoding_type": "MTP", "num_nextn_predict_layers": n})
+    return out
 
 
 def _llm(target: Path, fmt: str, spec: dict | None, cache: Path | None, max_batch: int):
@@ -76,16 +93,19 @@ def run_nextn(llm, prompts: list[list[int]], max_tokens: int, batch: int) -> dic
             "tokens": [list(o.token_ids) for o in outs]}
 
 
-def run_llama_cpp(bin_dir: Path, target: Path, draft: Path, texts: list[str], max_tokens: int, k: int,
+def run_llama_cpp(bin_dir: Path, target: Path, draft: Path | None, texts: list[str], max_tokens: int, k: int,
                   threads: int) -> dict[str, dict]:
+    """llama.cpp's plain decoding of `target` and (with `draft`) its draft-model speculation over `texts`."""
     plain = [llama_cpp.complete(bin_dir, target, t, max_tokens, threads) for t in texts]
-    spec = [llama_cpp.speculative(bin_dir, target, draft, t, max_tokens, k, threads) for t in texts]
-    drafted, accepted = sum(r.num_drafted for r in spec), sum(r.num_accepted for r in spec)
-    return {"llama.cpp plain": {"tps": sum(r.tokens for r in plain) / sum(r.seconds for r in plain), "al": 1.0,
-                                "acceptance_rate": 0.0},
-            f"llama.cpp draft-model K={k}": {"tps": sum(r.tokens for r in spec) / sum(r.seconds for r in spec),
-                                             "al": float("nan"),
-                                             "acceptance_rate": accepted / drafted if drafted else 0.0}}
+    out = {"llama.cpp plain": {"tps": sum(r.tokens for r in plain) / sum(r.seconds for r in plain), "al": 1.0,
+                               "acceptance_rate": 0.0}}
+    if draft is not None:
+        spec = [llama_cpp.speculative(bin_dir, target, draft, t, max_tokens, k, threads) for t in texts]
+        drafted, accepted = sum(r.num_drafted for r in spec), sum(r.num_accepted for r in spec)
+        out[f"llama.cpp draft-model K={k}"] = {"tps": sum(r.tokens for r in spec) / sum(r.seconds for r in spec),
+                                              "al": float("nan"),
+                                              "acceptance_rate": accepted / drafted if drafted else 0.0}
+    return out
 
 
 def _texts(dataset: str, n: int) -> list[str]:
@@ -99,8 +119,15 @@ def _texts(dataset: str, n: int) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m nextn.bench.drafters", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", required=True, type=Path, help="the target GGUF")
-    p.add_argument("--draft", required=True, type=Path, help="the draft GGUF (same vocabulary)")
+    p.add_argument("--target", required=True, type=Path,
+                   help="the target: a GGUF, or a checkpoint / engine directory (e.g. a train-draft MTP output)")
+    p.add_argument("--draft", type=Path, help="the draft GGUF (same vocabulary; default: no Draft_Target runs)")
+    p.add_argument("--mtp_len", type=int, nargs="+", default=[],
+                   help="also run MTP with these many drafts a step (the target must carry MTP modules)")
+    p.add_argument("--held_out_from", type=Path, metavar="HEADS",
+                   help="prompts from this train-draft output's held-out set (--dataset humaneval or mt_bench)")
+    p.add_argument("--llama_cpp_model", type=Path,
+                   help="the GGUF llama.cpp runs (default: --target when it is a .gguf; else llama.cpp is skipped)")
     p.add_argument("--dataset", choices=("humaneval", "mt_bench", "mixed"), default="humaneval",
                    help="prompt set; mixed: MT-bench and HumanEval alternating (a batch of requests whose drafts "
                         "are accepted at different rates)")
@@ -125,19 +152,30 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    configs = _configs(args.draft, args.draft_len, args.draft_vocab_sizes, args.draft_token_map)
+    if args.held_out_from is not None and args.dataset == "mixed":
+        p.error("--held_out_from takes --dataset humaneval or mt_bench")
+    configs = _configs(args.draft, args.draft_len, args.draft_vocab_sizes, args.draft_token_map, args.mtp_len)
     if args.configs:
         configs = {name: c for name, c in configs.items() if any(name.startswith(s) for s in args.configs)}
     llms = {name: _llm(args.target, args.format, spec, args.engine_cache_dir, max(args.batch))
             for name, spec in configs.items()}
     tok = next(iter(llms.values())).tokenizer
-    texts = _texts(args.dataset, args.num_prompts)
-    chats = [tok.tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
-                                               add_generation_prompt=True) for t in texts]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
-    bin_dir = None if args.no_llama_cpp else llama_cpp.find_bin_dir(args.llama_cpp_bin)
+    if args.held_out_from is not None:
+        from nextn.bench.mtp_tree_al import held_out_prompts
+
+        meta = json.loads((args.held_out_from / "train_draft.json").read_text())
+        _, prompts = held_out_prompts(meta, args.dataset, args.num_prompts)
+        chats = [tok.tok.decode(ids, skip_special_tokens=False) for ids in prompts]
+    else:
+        texts = _texts(args.dataset, args.num_prompts)
+        chats = [tok.tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
+                                             add_generation_prompt=True) for t in texts]
+        prompts = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+    peer_model = args.llama_cpp_model or (args.target if args.target.suffix == ".gguf" else None)
+    bin_dir = None if args.no_llama_cpp or peer_model is None else llama_cpp.find_bin_dir(args.llama_cpp_bin)
     if bin_dir is None and not args.no_llama_cpp:
-        print("llama.cpp: skipped (no build; ../shared/PEERS.md)", file=sys.stderr)
+        why = "no GGUF: --llama_cpp_model" if peer_model is None else "no build; ../shared/PEERS.md"
+        print(f"llama.cpp: skipped ({why})", file=sys.stderr)
     for llm in llms.values():  # warm-up
         run_nextn(llm, prompts[:1], 8, 1)
     rows: dict[str, dict] = {}
@@ -149,12 +187,14 @@ def main(argv: list[str] | None = None) -> int:
                 if key not in rows or r["tps"] > rows[key]["tps"]:
                     rows[key] = r
         if bin_dir is not None:
-            for key, r in run_llama_cpp(bin_dir, args.target, args.draft, chats, args.max_tokens, args.draft_len,
+            for key, r in run_llama_cpp(bin_dir, peer_model, args.draft, chats, args.max_tokens, args.draft_len,
                                         args.threads).items():
                 if key not in rows or r["tps"] > rows[key]["tps"]:
                     rows[key] = r
     plain = {b: rows[f"nextn plain (batch {b})"] for b in args.batch if f"nextn plain (batch {b})" in rows}
-    print(f"{args.target.name} ← {args.draft.name}; {args.dataset} × {len(prompts)}, {args.max_tokens} tokens, "
+    drafter = f" ← {args.draft.name}" if args.draft is not None else ""
+    held = f" (held out by {args.held_out_from})" if args.held_out_from is not None else ""
+    print(f"{args.target.name}{drafter}; {args.dataset}{held} × {len(prompts)}, {args.max_tokens} tokens, "
           f"greedy, nextn {args.format}, {args.threads} threads, best of {args.runs}")
     print(f"| system | tokens/s | AL | acceptance rate | vs own plain | identical to plain |")
     print("|---|---:|---:|---:|---:|---|")

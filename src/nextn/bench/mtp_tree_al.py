@@ -58,6 +58,16 @@ def configs(budgets: list[int], depth: int, acceptance: list[list[float]] | None
     return out
 
 
+def held_out_prompts(meta: dict, source: str, n: int) -> tuple[list[str], list[list[int]]]:
+    """(ids, rendered token ids) of the first `n` held-out prompts of `source` ("humaneval", "mt_bench") in a
+    train-draft run's record `meta` (its train_draft.json): never trained on, and not the top-1 meter's prompts
+    either (the calibrated tree was chosen on those)."""
+    by_id = dict(zip(meta["eval_prompt_ids"], meta["held_out_prompts"]))
+    meter = set(meta["eval_prompt_ids"][: meta["data_config"]["num_top1_prompts"]])
+    ids = [i for i in meta["eval_prompt_ids"] if i.startswith(f"{source}/") and i not in meter][:n]
+    return ids, [by_id[i] for i in ids]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--heads", type=Path, required=True, help="a train-draft MTP output directory")
@@ -94,12 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 
     meta = json.loads((args.heads / "train_draft.json").read_text())
     args.acceptance = meta.get("rank_acceptance")
-    by_id = dict(zip(meta["eval_prompt_ids"], meta["held_out_prompts"]))
-    # not the top-1 meter's prompts: the calibrated tree was chosen on them
-    meter = set(meta["eval_prompt_ids"][: meta["data_config"]["num_top1_prompts"]])
-    ids = [i for i in meta["eval_prompt_ids"] if i.startswith(f"{args.source}/") and i not in meter]
-    ids = ids[: args.num_prompts]
-    prompts = [by_id[i] for i in ids]
+    ids, prompts = held_out_prompts(meta, args.source, args.num_prompts)
     engine = args.engine or args.heads / "engine-float32"
     sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=not meta["chat"])
     plain = [o.outputs[0].token_ids for o in LLM(engine, speculative_config=None).generate(prompts, sp)]
