@@ -15,7 +15,11 @@ def test_without_a_draft_model_no_draft_target_runs_and_mtp_chains_get_cut_heads
     assert out["MTP K=2"] == {"decoding_type": "MTP", "num_nextn_predict_layers": 2}
     assert out["MTP K=3 draft_vocab_size=32768"] == {"decoding_type": "MTP", "num_nextn_predict_layers": 3,
                                                      "draft_vocab_size": 32768, "draft_token_map": "hot.json"}
+    assert out["MTP K≤2 adaptive draft_vocab_size=32768"]["adaptive_draft_len"] is True
     assert {"NGram K=4", "NGram K≤4 adaptive"} <= set(out)
+    for spec in out.values():
+        if spec is not None:
+            KINDS[spec["decoding_type"]](**spec)
 
 
 def test_with_a_draft_model_every_config_is_valid_as_written():

@@ -5,7 +5,8 @@ On the same chat-templated prompts (HumanEval, MT-bench first turns, or the two 
 the same machine:
 - nextn: plain decoding, Draft_Target (`--draft` as the draft model, K = `--draft_len`), Draft_Target with
   `adaptive_draft_len`, NGram (K, n = 3) without and with `adaptive_draft_len`, and, for a target with MTP modules
-  (a `train-draft --method mtp` output or an engine built from one), MTP with K = each of `--mtp_len` — one engine
+  (a `train-draft --method mtp` output or an engine built from one), MTP with K = each of `--mtp_len`, without
+  and with `adaptive_draft_len` — one engine
   format for target and draft (`--format`);
 - llama.cpp (when built, ../shared/PEERS.md): `llama-completion` (plain) and, with `--draft`,
   `llama-speculative-simple` (its draft-model speculation, `--draft-max K`) on the same GGUF files
@@ -61,7 +62,8 @@ def _configs(draft: Path | None, k: int, draft_vocab_sizes: list[int] = (), toke
     ngram = {"decoding_type": "NGram", "max_draft_len": k, "max_matching_ngram_size": 3}
     out |= {f"NGram K={k}": ngram, f"NGram K≤{k} adaptive": {**ngram, "adaptive_draft_len": True}}
     for n in mtp_lens:
-        out |= with_cuts(f"MTP K={n}", {"decoding_type": "MTP", "num_nextn_predict_layers": n})
+        mtp = {"decoding_type": "MTP", "num_nextn_predict_layers": n}
+        out |= with_cuts(f"MTP K={n}", mtp) | with_cuts(f"MTP K≤{n} adaptive", {**mtp, "adaptive_draft_len": True})
     return out
 
 
