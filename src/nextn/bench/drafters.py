@@ -6,8 +6,7 @@ the same machine:
 - nextn: plain decoding, Draft_Target (`--draft` as the draft model, K = `--draft_len`), Draft_Target with
   `adaptive_draft_len`, NGram (K, n = 3) without and with `adaptive_draft_len`, and, for a target with MTP modules
   (a `train-draft --method mtp` output or an engine built from one), MTP with K = each of `--mtp_len`, without
-  and with `adaptive_draft_len` — one engine
-  format for target and draft (`--format`);
+  and with `adaptive_draft_len` — one engine format for target and draft (`--format`);
 - llama.cpp (when built, ../shared/PEERS.md): `llama-completion` (plain) and, with `--draft`,
   `llama-speculative-simple` (its draft-model speculation, `--draft-max K`) on the same GGUF files
   (`--llama_cpp_model`: the GGUF of a target that is not one).
@@ -58,7 +57,8 @@ def _configs(draft: Path | None, k: int, draft_vocab_sizes: list[int] = (), toke
     out: dict[str, dict | None] = {"plain": None}
     if draft is not None:
         dt = {"decoding_type": "Draft_Target", "max_draft_len": k, "speculative_model_dir": str(draft)}
-        out |= with_cuts(f"Draft_Target K={k}", dt) | {f"Draft_Target K≤{k} adaptive": {**dt, "adaptive_draft_len": True}}
+        out |= with_cuts(f"Draft_Target K={k}", dt)
+        out[f"Draft_Target K≤{k} adaptive"] = {**dt, "adaptive_draft_len": True}
     ngram = {"decoding_type": "NGram", "max_draft_len": k, "max_matching_ngram_size": 3}
     out |= {f"NGram K={k}": ngram, f"NGram K≤{k} adaptive": {**ngram, "adaptive_draft_len": True}}
     for n in mtp_lens:
