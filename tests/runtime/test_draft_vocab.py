@@ -129,3 +129,28 @@ def test_a_quantized_head_cut_for_self_drafting_holds_its_dequantized_hot_rows(a
     assert logits.shape == (3, 320) and torch.isinf(logits[:, 100:300]).all()
     ref = x.float() @ dequantize(requantized, int8).T  # the int8 rows the drafters read
     torch.testing.assert_close(logits[:, hot], ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("special", ["/dev/zero", "fifo", "dir"])
+def test_a_token_map_that_is_not_a_regular_file_is_refused_unread(tmp_path, special):
+    # issue 32: `draft_token_map: /dev/zero` read forever (MemoryError); a FIFO would hang the load
+    import os
+
+    path = special
+    if special == "fifo":
+        path = tmp_path / "fifo"
+        os.mkfifo(path)
+    elif special == "dir":
+        path = tmp_path
+    with pytest.raises(ValueError, match="not a regular file"):
+        load_token_map(path, 10)
+
+
+def test_a_token_map_larger_than_the_cap_is_refused(tmp_path, monkeypatch):
+    from nextn.config import user_files
+
+    path = tmp_path / "map.json"
+    path.write_text("[" + ", ".join(["1"] * 2000) + "]")
+    monkeypatch.setattr(user_files, "MAX_USER_FILE_BYTES", 100)
+    with pytest.raises(ValueError, match="larger than"):
+        load_token_map(path, 10)

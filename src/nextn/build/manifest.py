@@ -386,21 +386,21 @@ def verify_engine_files(engine_dir: str | Path, manifest: EngineManifest, mode: 
         engine_dir: the engine directory.
         manifest: its manifest (`EngineManifest.load`).
         mode: "full" (sizes, safetensors headers and SHA-256 of every file), "size" (sizes and headers), "off"
-            (`LlmArgs.verify_weights`).
+            (`LlmArgs.verify_weights`); every mode checks that the listed files are present and regular.
     Raises:
         EngineError: a listed file is missing, not a regular file, of another size or SHA-256 than recorded
             (corrupt, truncated, edited), or a weights file whose safetensors header is inconsistent; the message
             names the file and says to rebuild.
     """
-    if mode == "off":
-        return
     root = Path(engine_dir)
     fix = "rebuild the engine with `build-engine` (or restore it from a good copy)"
     for name in [*manifest.weight_files, *manifest.tokenizer_files, *manifest.aux_files, *manifest.checksums]:
-        p = root / name
+        p = root / name  # checked even with "off": a FIFO or device there would hang or exhaust the load
         if not p.is_file():
             what = "missing" if not p.exists() else "not a regular file"
             raise EngineError(f"engine file {p} listed in {MANIFEST_NAME} is {what}; {fix}")
+    if mode == "off":
+        return
     if not manifest.checksums:
         logger.warning("%s was built before engine checksums existed: its files cannot be verified; rebuild it to "
                        "have them checked", root)

@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from nextn.config.user_files import read_user_text
+
 
 class LlmArgsError(ValueError):
     """Invalid LLM arguments (YAML or keyword overrides); the message names the key and the valid ones."""
@@ -96,7 +98,7 @@ class MTPDecodingConfig(DecodingBaseConfig):
     mtp_eagle_one_model: bool = True  # accepted for compatibility; nextn always runs one fused step
     use_relaxed_acceptance_for_thinking: bool = False  # relaxed acceptance inside <think>…</think> (issue 5)
     relaxed_topk: int = Field(default=1, ge=1)
-    relaxed_delta: float = Field(default=0.0, ge=0.0)
+    relaxed_delta: float = Field(default=0.0, ge=0.0, le=1.0)  # a probability gap (plugins/acceptance.py)
     begin_thinking_phase_token: int = 128798  # <think> in the DeepSeek-V3/R1 vocabulary
     end_thinking_phase_token: int = 128799  # </think>
     # Tree drafting (MTP Eagle; runtime/mtp_tree_step.py, peer names in docs/ARCHITECTURE.md). A static tree: paths
@@ -316,29 +318,16 @@ def load_llm_args_yaml(path: str | Path) -> dict[str, Any]:
         p = Path(path)
     except TypeError:
         raise LlmArgsError(f"extra_llm_api_options must be a path to a YAML file, got {type(path).__name__}") from None
-    if not p.exists():
-        raise LlmArgsError(f"extra_llm_api_options file {p} does not exist")
-    if not p.is_file():
-        raise LlmArgsError(f"extra_llm_api_options {p} is not a regular file (a directory, device or pipe): give the "
-                           "path of a YAML file")
-    try:
-        with p.open("rb") as f:
-            raw = f.read(MAX_YAML_BYTES + 1)  # bounded even if the file grows while read
-    except OSError as e:
-        raise LlmArgsError(f"extra_llm_api_options file {p} cannot be read: {e}") from e
-    if len(raw) > MAX_YAML_BYTES:
-        raise LlmArgsError(f"{p} is larger than {MAX_YAML_BYTES} bytes: LLM arguments are a few lines of YAML; check "
-                           "the path")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise LlmArgsError(f"{p} is not UTF-8 text (byte {e.start} is {raw[e.start]:#04x}): save it as UTF-8") from None
+    text = read_user_text(p, "extra_llm_api_options file", LlmArgsError, MAX_YAML_BYTES)
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
         raise LlmArgsError(f"{p} is not valid YAML: {e}") from e
     except RecursionError:
         raise LlmArgsError(f"{p} is nested too deeply for LLM arguments (at most {MAX_NESTING} levels)") from None
+    except ValueError as e:  # an integer of more than 4300 digits (Python's int-from-string limit)
+        raise LlmArgsError(f"{p} holds a number Python refuses to read ({e}); LLM argument ints are within "
+                           f"±{MAX_INT}") from None
     check_nesting(data, str(p))
     if not isinstance(data, dict):
         raise LlmArgsError(f"{p} must hold a mapping of LLM arguments at the top level, got {type(data).__name__}")

@@ -22,13 +22,16 @@ template's end of turn must stay proposable), rounded up to a multiple of 16 row
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
+from nextn.config.user_files import read_user_json
+
 #: Rows of a hot set are a multiple of this (nextn's int4 kernel takes output channels in blocks of 16).
 ROW_MULTIPLE = 16
+#: Cap of an engine's tokenizer.json / generation_config.json read here (a 256k-token tokenizer.json is ~20 MB).
+MAX_ENGINE_JSON_BYTES = 256 << 20
 
 
 def always_kept_ids(engine_dir: Path, vocab_size: int) -> list[int]:
@@ -41,12 +44,11 @@ def always_kept_ids(engine_dir: Path, vocab_size: int) -> list[int]:
     ids: set[int] = set()
     for name in ("tokenizer.json", "generation_config.json"):
         path = engine_dir / name
-        if not path.is_file():
+        if not path.exists():
             continue
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not valid JSON ({e}); rebuild the draft engine") from e
+        data = read_user_json(path, "the engine file", max_bytes=MAX_ENGINE_JSON_BYTES)
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} is not a JSON object; rebuild the draft engine")
         if name == "tokenizer.json":
             ids.update(int(t["id"]) for t in data.get("added_tokens", []))
         else:
@@ -60,12 +62,13 @@ def load_token_map(path: Path, vocab_size: int) -> list[int]:
     `speculative_token_map` holds the same set).
 
     Raises:
-        ValueError: the file is missing, not a JSON list of integers, or holds an id outside [0, vocab_size).
+        ValueError: the file is missing, not a regular file of at most 64 MiB (`config/user_files.py`), not a JSON
+            list of integers, or holds an id outside [0, vocab_size).
     """
     try:
-        ids = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read the token map {path}: {e}; write one with `nextn token-map`") from e
+        ids = read_user_json(path, "the token map (draft_token_map)")
+    except ValueError as e:
+        raise ValueError(f"{e}; write one with `nextn token-map`") from None
     if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise ValueError(f"the token map {path} must be a JSON list of token ids (most frequent first)")
     bad = [i for i in ids if not 0 <= i < vocab_size]
