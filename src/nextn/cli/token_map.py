@@ -11,7 +11,8 @@ what `speculative_config: {decoding_type: Draft_Target, draft_vocab_size: N, dra
 requests the engine will serve: a code corpus for a code model. Ids the corpus never shows rank after it, lowest id
 first.
 
-Exit status: 0 written; 2 an unreadable model, tokenizer or corpus.
+Exit status: 0 written; 2 an unreadable model, tokenizer or corpus (a corpus file must be a regular file of at most
+1 GiB), or an --out that is a directory or a file other than a token map (without --force).
 """
 
 from __future__ import annotations
@@ -19,14 +20,15 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
+from nextn.build.output_files import check_output_file, is_token_map, write_output_file
+from nextn.config.user_files import check_user_file, read_user_text
 from nextn.progress import progress_bar
 
 CHUNK_CHARS = 100_000  # text tokenized per call (a long file in pieces: the counts differ only at the seams)
+MAX_CORPUS_BYTES = 1 << 30  # one corpus file (regular files only: /dev/zero or a FIFO is refused unread)
 
 
 class TokenMapError(ValueError):
@@ -38,7 +40,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the model whose tokenizer counts: a .gguf file, an engine directory or an HF checkpoint")
     p.add_argument("--corpus", required=True, nargs="+", type=Path,
                    help="text files (read whole) and prompt files (.jsonl[.gz]: their prompt texts)")
-    p.add_argument("--out", required=True, type=Path, help="the token map to write (JSON list of ids)")
+    p.add_argument("--out", required=True, type=Path,
+                   help="the token map to write (JSON list of ids); an existing file is replaced only when it is a "
+                   "token map")
+    p.add_argument("--force", action="store_true", help="replace --out even when it is not a token map")
 
 
 def load_tokenizer(model: Path):
@@ -71,17 +76,19 @@ def corpus_texts(files: list[Path]) -> list[str]:
     """The texts of `files`: a prompt file's prompts, a text file whole, cut into pieces of ≤ 100,000 characters.
 
     Raises:
-        TokenMapError: a file is missing or unreadable.
+        TokenMapError: a file is missing, not a regular file, larger than 1 GiB or unreadable.
     """
     from nextn.train.prompts import read_prompts
 
+    for f in files:  # all of them before any is read
+        check_user_file(f, "the corpus file", TokenMapError, MAX_CORPUS_BYTES)
     texts: list[str] = []
     for f in files:
         try:
             if f.name.removesuffix(".gz").endswith((".jsonl", ".json")):
                 texts.extend(p.text for p in read_prompts([f], chat=False))
             else:
-                text = f.read_text(errors="replace")
+                text = read_user_text(f, "the corpus file", TokenMapError, MAX_CORPUS_BYTES, errors="replace")
                 texts.extend(text[i:i + CHUNK_CHARS] for i in range(0, len(text), CHUNK_CHARS))
         except (OSError, ValueError) as e:
             raise TokenMapError(f"cannot read the corpus file {f}: {e}") from e
@@ -98,27 +105,25 @@ def rank_tokens(tokenizer, texts: list[str]) -> tuple[list[int], list[int]]:
     return ids, [counts[i] for i in ids]
 
 
-def write_token_map(ids: list[int], out: Path) -> None:
-    """Write atomically (a temporary file renamed), so a failure leaves no half-written map."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(ids, f)
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def write_token_map(ids: list[int], out: Path, force: bool = False) -> None:
+    """Write atomically (a temporary file renamed), so a failure leaves no half-written map.
+
+    Raises:
+        OutputPathError: `out` is a directory, a link, or an existing file that is not a token map (without `force`).
+    """
+    write_output_file(out, json.dumps(ids), "--out", is_token_map, force, "--force")
 
 
 def run(args: argparse.Namespace) -> int:
+    check_output_file(args.out, "--out", is_token_map, args.force, "--force")  # before the work
     try:
+        texts = corpus_texts(args.corpus)
         tokenizer = load_tokenizer(args.model_dir)
-        ids, counts = rank_tokens(tokenizer, corpus_texts(args.corpus))
+        ids, counts = rank_tokens(tokenizer, texts)
     except TokenMapError as e:
         print(f"nextn token-map: error: {e}", file=sys.stderr)
         return 2
-    write_token_map(ids, args.out)
+    write_token_map(ids, args.out, args.force)
     total = sum(counts)
     cover = ", ".join(f"the top {n}: {sum(counts[:n]) / max(total, 1):.2%}" for n in (8192, 16384, 32768))
     print(f"{args.out}: {len(ids)} distinct token ids of {len(tokenizer)} over {total} corpus tokens; share of the "

@@ -19,6 +19,17 @@ from typing import Any
 MAX_USER_FILE_BYTES = 64 << 20
 
 
+def check_user_file(path: str | Path, what: str, error: type[Exception] = ValueError,
+                    max_bytes: int | None = None) -> int:
+    """Check, without reading it, that `path` is a regular file of at most `max_bytes` (for a reader that streams
+    the file itself, e.g. a gzip prompt file); return its size in bytes.
+
+    Raises:
+        `error`: as `read_user_bytes`.
+    """
+    return _read(path, what, error, max_bytes, read=False)[1]
+
+
 def read_user_bytes(path: str | Path, what: str, error: type[Exception] = ValueError,
                     max_bytes: int | None = None) -> bytes:
     """The bytes of a regular file of at most `max_bytes`.
@@ -32,42 +43,7 @@ def read_user_bytes(path: str | Path, what: str, error: type[Exception] = ValueE
         `error`: missing, not a regular file (a directory, a device such as /dev/zero, a FIFO or socket: never read),
             unreadable, or larger than `max_bytes`; the message names `what`, the path and the fix.
     """
-    max_bytes = MAX_USER_FILE_BYTES if max_bytes is None else max_bytes
-    try:
-        p = Path(path)
-    except TypeError:
-        raise error(f"{what} must be a file path, got {type(path).__name__}") from None
-    try:
-        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise error(f"{what} {p} does not exist") from None
-    except OSError as e:
-        kind = "is a directory" if p.is_dir() else f"cannot be opened ({e.strerror})"
-        raise error(f"{what} {p} {kind}: give the path of a regular file") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise error(f"{what} {p} is not a regular file (a directory, device, pipe or socket); it was not read: "
-                        "give the path of a regular file")
-        if st.st_size > max_bytes:
-            raise error(f"{what} {p} is larger than {max_bytes} bytes ({st.st_size} bytes): more than such a file "
-                        "holds; check the path")
-        os.set_blocking(fd, True)
-        chunks, left = [], max_bytes + 1
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 20))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-    except OSError as e:
-        raise error(f"{what} {p} cannot be read: {e.strerror or e}") from None
-    finally:
-        os.close(fd)
-    data = b"".join(chunks)
-    if len(data) > max_bytes:
-        raise error(f"{what} {p} is larger than {max_bytes} bytes (it grew while read); check the path")
-    return data
+    return _read(path, what, error, max_bytes, read=True)[0]
 
 
 def read_user_text(path: str | Path, what: str, error: type[Exception] = ValueError,
@@ -104,3 +80,45 @@ def read_user_json(path: str | Path, what: str, error: type[Exception] = ValueEr
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
+
+
+def _read(path: str | Path, what: str, error: type[Exception], max_bytes: int | None, read: bool
+          ) -> tuple[bytes, int]:
+    max_bytes = MAX_USER_FILE_BYTES if max_bytes is None else max_bytes
+    try:
+        p = Path(path)
+    except TypeError:
+        raise error(f"{what} must be a file path, got {type(path).__name__}") from None
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise error(f"{what} {p} does not exist") from None
+    except OSError as e:
+        kind = "is a directory" if p.is_dir() else f"cannot be opened ({e.strerror})"
+        raise error(f"{what} {p} {kind}: give the path of a regular file") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise error(f"{what} {p} is not a regular file (a directory, device, pipe or socket); it was not read: "
+                        "give the path of a regular file")
+        if st.st_size > max_bytes:
+            raise error(f"{what} {p} is larger than {max_bytes} bytes ({st.st_size} bytes): more than such a file "
+                        "holds; check the path")
+        if not read:
+            return b"", st.st_size
+        os.set_blocking(fd, True)
+        chunks, left = [], max_bytes + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+    except OSError as e:
+        raise error(f"{what} {p} cannot be read: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > max_bytes:
+        raise error(f"{what} {p} is larger than {max_bytes} bytes (it grew while read); check the path")
+    return data, len(data)
