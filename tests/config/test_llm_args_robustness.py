@@ -78,3 +78,24 @@ def test_programmatic_arguments_are_bounded_too():
     with pytest.raises(LlmArgsError, match="mapping"):
         parse_llm_args(["max_seq_len", 3])  # type: ignore[arg-type]
     assert parse_llm_args({"max_seq_len": 2048, "kv_cache_config": {"free_gpu_memory_fraction": 0.5}}).max_seq_len == 2048
+
+
+def test_relaxed_delta_is_a_probability_gap():
+    # issue 32: relaxed_delta 1e300 became inf in fp32 and failed every thinking request
+    from nextn.config.llm_args import parse_llm_args
+
+    spec = {"decoding_type": "MTP", "use_relaxed_acceptance_for_thinking": True}
+    assert parse_llm_args({"speculative_config": {**spec, "relaxed_delta": 1.0}}).speculative_config.relaxed_delta == 1
+    for bad in (1e300, 1.5):
+        with pytest.raises(LlmArgsError, match="relaxed_delta"):
+            parse_llm_args({"speculative_config": {**spec, "relaxed_delta": bad}})
+
+
+def test_a_yaml_integer_of_over_4300_digits_is_a_named_error(tmp_path):
+    # issue 32: a traceback (ValueError from int()) before
+    from nextn.config.llm_args import load_llm_args_yaml
+
+    f = tmp_path / "a.yaml"
+    f.write_text("max_batch_size: " + "9" * 5000 + "\n")
+    with pytest.raises(LlmArgsError, match="refuses to read"):
+        load_llm_args_yaml(f)

@@ -106,3 +106,17 @@ def test_tree_sampling_keeps_the_target_distribution():
         stat = ((second - m * probs[node].double()) ** 2 / (m * probs[node].double())).sum().item()
         assert _chi2_sf(stat, v - 1) > 1e-3
         assert path[rows, 1].eq(node).all()
+
+
+def test_a_static_tree_takes_the_same_caps_and_vocabulary_check():
+    # issue 32: eagle_choices of 2,000 nodes gave a raw OSError; a rank ≥ the vocabulary failed every request
+    import pytest as _pytest
+
+    from nextn.plugins.draft_tree import static_tree
+    from nextn.plugins.medusa_tree import TreeError
+
+    with _pytest.raises(TreeError, match="2000 nodes, more than the 255"):
+        static_tree([[i] for i in range(2000)])
+    with _pytest.raises(TreeError, match="rank 600"):
+        static_tree([[0], [600]], vocab_size=512)
+    assert static_tree([[0], [1]], vocab_size=512).num_tokens == 3

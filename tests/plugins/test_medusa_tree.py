@@ -62,3 +62,30 @@ def test_chain_is_the_degenerate_tree():
 def test_malformed_trees(bad, fragment):
     with pytest.raises(TreeError, match=fragment):
         build_tree(bad)
+
+
+def _wide_tree(n: int) -> list[list[int]]:
+    return [[i] for i in range(n)]
+
+
+def test_a_tree_is_capped_like_the_dynamic_one_before_any_buffer_is_built():
+    # issue 32: 5,000 nodes ran for minutes, 20,000 tried to allocate 25.6 GB a step
+    from nextn.plugins.medusa_tree import MAX_TREE_NODES
+
+    assert MAX_TREE_NODES == 255
+    build_tree(_wide_tree(255))
+    for n in (256, 20_000):
+        with pytest.raises(TreeError, match=f"{n} nodes, more than the 255"):
+            build_tree(_wide_tree(n))
+    with pytest.raises(TreeError, match="at most 64 ranks"):
+        build_tree([[0] * d for d in range(1, 66)][-1:])
+
+
+def test_ranks_must_index_the_vocabulary():
+    # issue 32: [[0], [600]] on a 512-token model loaded, then every request failed
+    build_tree([[0], [511]], vocab_size=512)
+    for rank in (512, 600, 2_000_000_000):
+        with pytest.raises(TreeError, match=f"rank {rank}.*512-token vocabulary"):
+            build_tree([[0], [rank]], vocab_size=512)
+    with pytest.raises(TreeError, match="ints"):
+        build_tree([[0], [True]])

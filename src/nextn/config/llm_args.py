@@ -26,6 +26,10 @@ class LlmArgsError(ValueError):
 MAX_INT = 2**31 - 1  # every int argument: sizes, counts, token ids
 MAX_YAML_BYTES = 1 << 20
 MAX_NESTING = 32
+MAX_TREE_DRAFT_TOKENS = 255  # draft nodes of one tree, dynamic or static (eagle_choices, medusa_choices)
+MAX_TREE_DEPTH = 64  # ranks in one path of a static tree
+TreePaths = Annotated[list[Annotated[list[int], Field(min_length=1, max_length=MAX_TREE_DEPTH)]],
+                      Field(min_length=1, max_length=MAX_TREE_DRAFT_TOKENS)]
 
 
 class _Strict(BaseModel):
@@ -103,12 +107,12 @@ class MTPDecodingConfig(DecodingBaseConfig):
     end_thinking_phase_token: int = 128799  # </think>
     # Tree drafting (MTP Eagle; runtime/mtp_tree_step.py, peer names in docs/ARCHITECTURE.md). A static tree: paths
     # of top-k ranks over the module's successive drafts, depth ≤ K (TensorRT-LLM's `eagle_choices`).
-    eagle_choices: list[list[int]] | None = None
+    eagle_choices: TreePaths | None = None
     # A dynamic tree (EAGLE-2): each depth expands the `dynamic_tree_max_topK` best nodes by cumulative draft
     # probability into their top-k children, then the best `max_total_draft_tokens` nodes are verified.
     use_dynamic_tree: bool = False
     dynamic_tree_max_topK: int = Field(default=4, ge=1, le=16)  # SGLang's speculative_eagle_topk
-    max_total_draft_tokens: int | None = Field(default=None, ge=1, le=255)  # draft nodes, root excluded; null: 15
+    max_total_draft_tokens: int | None = Field(default=None, ge=1, le=MAX_TREE_DRAFT_TOKENS)  # draft nodes, root excluded; null: 15
     # The module's lm_head cut to its hot tokens, as Draft_Target's (runtime/draft_vocab.py): fewer bytes a draft.
     draft_vocab_size: int | None = Field(default=None, ge=1)
     draft_token_map: str | None = None
@@ -131,7 +135,7 @@ class MedusaDecodingConfig(_Strict):
     num_medusa_heads: int | None = Field(default=None, ge=1)  # null: every head the engine holds
     # The tree: a list of top-k rank paths, or the name of a published tree (read from medusa_choices.json,
     # located by $NEXTN_MEDUSA_CHOICES or ../shared/data/); default: Medusa's mc_sim_7b_63.
-    medusa_choices: list[list[int]] | str = "mc_sim_7b_63"
+    medusa_choices: TreePaths | str = Field(default="mc_sim_7b_63", max_length=256)
     posterior_threshold: float = Field(default=0.09, gt=0)  # typical acceptance ε (sampling requests)
     posterior_alpha: float = Field(default=0.3, gt=0)  # typical acceptance δ
 

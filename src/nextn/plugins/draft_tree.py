@@ -62,14 +62,15 @@ class StaticTree:
         return parents, self.depth[self.order[:width]], ancestor_mask(parents[None], self.max_depth)[0]
 
 
-def static_tree(choices: list[list[int]]) -> StaticTree:
+def static_tree(choices: list[list[int]], vocab_size: int | None = None) -> StaticTree:
     """The tree of rank paths `choices` (e.g. `[[0], [1], [0, 0]]`: top-1 and top-2 of the first draft, then the
     top-1 after the top-1).
 
     Raises:
-        TreeError: empty, a negative rank, a duplicate, or a node whose parent path is missing (`build_tree`).
+        TreeError: empty, more than 255 nodes or 64 deep, a negative rank or one ≥ `vocab_size` (when given), a
+            duplicate, or a node whose parent path is missing (`build_tree`).
     """
-    buffers = build_tree(choices)  # validates; the same node order (depth, path) and mask
+    buffers = build_tree(choices, vocab_size)  # validates; the same node order (depth, path) and mask
     nodes = sorted({tuple(int(r) for r in c) for c in choices}, key=lambda p: (len(p), p))
     index = {p: i + 1 for i, p in enumerate(nodes)}
     parents = [0] + [index.get(p[:-1], 0) for p in nodes]

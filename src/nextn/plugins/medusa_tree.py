@@ -13,7 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
+from nextn.config.llm_args import MAX_TREE_DEPTH, MAX_TREE_DRAFT_TOKENS
+
 Path = tuple[int, ...]
+
+#: Draft nodes a static tree may hold: the dynamic tree's cap (`MTPDecodingConfig.max_total_draft_tokens`).
+MAX_TREE_NODES = MAX_TREE_DRAFT_TOKENS
+# MAX_TREE_DEPTH: ranks a path may hold (Medusa trees are ≤ 5 deep, MTP trees ≤ num_nextn_predict_layers ≤ 16).
+MAX_TREE_FILE_BYTES = 16 << 20  # medusa_choices.json (FasterDecoding/Medusa's is a few kilobytes)
 
 
 class TreeError(ValueError):
@@ -56,12 +63,41 @@ class TreeBuffers:
                            self.paths.to(device), self.path_valid.to(device), self.depth_counts, self.topk)
 
 
-def build_tree(choices: list[list[int]] | list[Path]) -> TreeBuffers:
-    """Tree buffers for `choices` (Medusa's `medusa_choices`).
+def check_tree_size(choices: list[list[int]] | list[Path], vocab_size: int | None = None) -> None:
+    """Bound a tree before any buffer is built: at most `MAX_TREE_NODES` nodes (the dynamic tree's cap), paths of
+    at most `MAX_TREE_DEPTH` ranks, every rank an int in [0, vocab_size) (a rank is an index into a top-k over the
+    vocabulary) when the vocabulary is known.
 
     Raises:
-        TreeError: empty tree, negative rank, duplicate node, or a node whose parent path is not in the tree.
+        TreeError: naming the limit and the offending node.
     """
+    if not isinstance(choices, (list, tuple)):
+        raise TreeError(f"a tree is a list of rank paths such as [[0], [1], [0, 0]], got {type(choices).__name__}")
+    if len(choices) > MAX_TREE_NODES:
+        raise TreeError(f"the tree has {len(choices)} nodes, more than the {MAX_TREE_NODES} a step may verify (as "
+                        "max_total_draft_tokens): every node is a token verified for every request at every step")
+    for c in choices:
+        if not isinstance(c, (list, tuple)) or len(c) > MAX_TREE_DEPTH:
+            raise TreeError(f"invalid tree node {c!r}: a path is a list of at most {MAX_TREE_DEPTH} ranks")
+        for r in c:
+            if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+                raise TreeError(f"invalid tree node {list(c)}: ranks are ints ≥ 0")
+            if vocab_size is not None and r >= vocab_size:
+                raise TreeError(f"tree node {list(c)} has rank {r}, but a rank indexes the top-k of the model's "
+                                f"{vocab_size}-token vocabulary: ranks must be < {vocab_size}")
+
+
+def build_tree(choices: list[list[int]] | list[Path], vocab_size: int | None = None) -> TreeBuffers:
+    """Tree buffers for `choices` (Medusa's `medusa_choices`).
+
+    Args:
+        choices: rank paths, at most `MAX_TREE_NODES` of at most `MAX_TREE_DEPTH` ranks.
+        vocab_size: the model's vocabulary, when known: every rank must be below it.
+    Raises:
+        TreeError: empty or too large a tree, a rank that is negative, not an int or ≥ vocab_size, a duplicate
+            node, or a node whose parent path is not in the tree.
+    """
+    check_tree_size(choices, vocab_size)
     nodes = sorted({tuple(int(r) for r in c) for c in choices}, key=lambda p: (len(p), p))
     if not nodes:
         raise TreeError("medusa_choices is empty: give at least one path such as [[0]]")
@@ -111,9 +147,10 @@ def published_tree(name: str) -> list[list[int]]:
     `$NEXTN_MEDUSA_CHOICES`, else from `../shared/data/medusa_choices.json` beside the working directory or the
     checkout. Raises TreeError naming what to do when the file or the name is missing.
     """
-    import json
     import os
     from pathlib import Path
+
+    from nextn.config.user_files import read_user_json
 
     candidates = [Path(os.environ["NEXTN_MEDUSA_CHOICES"])] if os.environ.get("NEXTN_MEDUSA_CHOICES") else []
     here = Path(__file__).resolve()
@@ -123,7 +160,9 @@ def published_tree(name: str) -> list[list[int]]:
         raise TreeError(f"medusa_choices {name!r} names a published tree, but no medusa_choices.json was found: set "
                         "NEXTN_MEDUSA_CHOICES to that file (FasterDecoding/Medusa's trees) or pass medusa_choices "
                         "as a list of paths, e.g. [[0], [0, 0], [1]]")
-    trees = json.loads(found.read_text())
+    trees = read_user_json(found, "the Medusa tree file", TreeError, MAX_TREE_FILE_BYTES)
+    if not isinstance(trees, dict):
+        raise TreeError(f"{found} must hold a JSON object of named trees")
     if name not in trees:
         raise TreeError(f"unknown Medusa tree {name!r}; {found} has {', '.join(trees)}")
     return trees[name]

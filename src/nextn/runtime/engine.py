@@ -67,6 +67,7 @@ def choose_drafter(manifest: EngineManifest, spec: MTPDecodingConfig | MedusaDec
     """
     if spec is None:
         return NoDrafter()
+    vocab = manifest.model.vocab_size  # a tree's ranks index a top-k over it
     if isinstance(spec, NGramDecodingConfig):  # no weights needed: any engine
         return NGramDrafter.from_config(spec, max_seq_len or manifest.build_options.max_seq_len)
     if isinstance(spec, DraftTargetDecodingConfig):  # a second model with its own KV cache
@@ -80,7 +81,7 @@ def choose_drafter(manifest: EngineManifest, spec: MTPDecodingConfig | MedusaDec
             raise LlmArgsError(f"num_medusa_heads={n} but the engine holds {len(heads)} Medusa heads")
         choices = spec.medusa_choices
         try:
-            tree = build_tree(published_tree(choices) if isinstance(choices, str) else choices)
+            tree = build_tree(published_tree(choices) if isinstance(choices, str) else choices, vocab)
             return MedusaDrafter(heads[:n] if n < len(heads) else heads, tree.to(device))
         except (TreeError, ValueError) as e:
             raise LlmArgsError(f"medusa_choices: {e}") from e
@@ -90,7 +91,7 @@ def choose_drafter(manifest: EngineManifest, spec: MTPDecodingConfig | MedusaDec
         raise LlmArgsError("speculative_config asks for MTP but this engine has no MTP layers; "
                            "use speculative_config: null or build from a checkpoint with MTP weights")
     if uses_tree(spec):  # MTP Eagle drafting a tree (eagle_choices / use_dynamic_tree)
-        return tree_drafter(spec, modules, device)
+        return tree_drafter(spec, modules, device, vocab)
     if spec.use_mtp_vanilla or modules > 1:
         if k > modules:
             raise LlmArgsError(f"MTP Vanilla drafts one token per module: num_nextn_predict_layers={k} exceeds the "

@@ -262,12 +262,13 @@ def uses_tree(spec: object) -> bool:
     return isinstance(spec, MTPDecodingConfig) and (spec.eagle_choices is not None or spec.use_dynamic_tree)
 
 
-def tree_drafter(spec: MTPDecodingConfig, num_mtp_modules: int, device: torch.device | str) -> MtpTreeDrafter:
+def tree_drafter(spec: MTPDecodingConfig, num_mtp_modules: int, device: torch.device | str,
+                 vocab_size: int | None = None) -> MtpTreeDrafter:
     """The tree drafter for an MTP config with `eagle_choices` or `use_dynamic_tree` (chosen once, at load time).
 
     Raises:
-        LlmArgsError: an engine with more than one MTP module (trees run MTP Eagle), a malformed tree or one deeper
-            than num_nextn_predict_layers, or a node budget the candidates cannot fill or the KV look-ahead
+        LlmArgsError: an engine with more than one MTP module (trees run MTP Eagle), a malformed tree, one deeper
+            than num_nextn_predict_layers, larger than 255 nodes or with a rank ≥ `vocab_size` (a top-k index), or a node budget the candidates cannot fill or the KV look-ahead
             cannot hold.
     """
     k_max = spec.num_nextn_predict_layers
@@ -276,12 +277,14 @@ def tree_drafter(spec: MTPDecodingConfig, num_mtp_modules: int, device: torch.de
                            f"{num_mtp_modules} MTP modules (MTP Vanilla): drop eagle_choices / use_dynamic_tree")
     if spec.eagle_choices is not None:
         try:
-            tree = static_tree(spec.eagle_choices)
+            tree = static_tree(spec.eagle_choices, vocab_size)
             check_tree_fits("eagle_choices", tree.max_depth, k_max)
         except TreeError as e:
             raise LlmArgsError(f"eagle_choices: {e}") from e
         return StaticTreeDrafter(tree.to(device))
     k = spec.dynamic_tree_max_topK
+    if vocab_size is not None and k > vocab_size:
+        raise LlmArgsError(f"dynamic_tree_max_topK={k} exceeds the model's vocabulary of {vocab_size} tokens")
     nodes = spec.max_total_draft_tokens or DEFAULT_TREE_NODES
     candidates = k + (k_max - 1) * k * k
     if nodes > candidates:
