@@ -14,16 +14,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from nextn.runtime.template_render import (ChatTemplateError, ChatTemplateLimitError, RenderLimits,  # noqa: F401
+                                           shared_renderer)
+
 if TYPE_CHECKING:
+    import threading
+
     from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
 GENERATION_CONFIG_NAME = "generation_config.json"
-
-
-class ChatTemplateError(ValueError):
-    """Messages that cannot be rendered: no chat template in the engine, or the template rejected them."""
 
 
 class EngineTokenizer:
@@ -52,8 +53,36 @@ class EngineTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
+    def render_chat(self, messages: Sequence[dict], chat_template: str | None = None, *,
+                    limits: RenderLimits | None = None, cancel: "threading.Event | None" = None) -> str:
+        """`messages` rendered as text for the assistant's next turn, in a bounded worker process.
+
+        Equal to `transformers`' `tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)`
+        (keys whose value is None dropped, the special tokens passed to the template).
+        Args:
+            messages: `{"role": ..., "content": ...}` dicts, in order.
+            chat_template: Jinja source (or a template name of the model's) to use instead of the model's default.
+            limits: the render's time and size budget (default `RenderLimits()`: 5 s, 16 Mi characters).
+            cancel: set it to stop the render (`RenderCancelled`).
+        Raises:
+            ChatTemplateError: no messages, no template, or the template raised (the message quotes it).
+            ChatTemplateLimitError: the template passed the time, size or memory budget and was stopped.
+        """
+        if not messages:
+            raise ChatTemplateError("no messages to render: give at least one")
+        if chat_template is None and self.chat_template is None:
+            raise ChatTemplateError("this engine's tokenizer has no chat template (its checkpoint had none): send "
+                                    "plain prompts")
+        try:
+            template = self.tok.get_chat_template(chat_template)
+        except ValueError as e:  # several named templates and no default
+            raise ChatTemplateError(str(e)) from None
+        conversation = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        return shared_renderer().render(template, conversation, dict(self.tok.special_tokens_map),
+                                        add_generation_prompt=True, limits=limits, cancel=cancel)
+
     def apply_chat_template(self, messages: Sequence[dict], chat_template: str | None = None) -> list[int]:
-        """Token ids of `messages` rendered for the assistant's next turn.
+        """Token ids of `messages` rendered for the assistant's next turn (`render_chat`, default budget).
 
         Equal to `transformers`' `tokenizer.apply_chat_template(messages, add_generation_prompt=True)`: the template
         writes its own special tokens (BOS included), so the text is encoded without adding any.
@@ -63,16 +92,43 @@ class EngineTokenizer:
         Raises:
             ChatTemplateError: neither `chat_template` nor the model has a template, or the template raised (e.g. a
                 role order it does not accept; the message quotes it).
+            ChatTemplateLimitError: the template passed its time, size or memory budget and was stopped.
         """
-        if chat_template is None and self.chat_template is None:
-            raise ChatTemplateError("this engine's tokenizer has no chat template (its checkpoint had none): send "
-                                    "plain prompts")
-        try:
-            text = self.tok.apply_chat_template(list(messages), chat_template=chat_template, tokenize=False,
-                                                add_generation_prompt=True)
-        except Exception as e:  # jinja's TemplateError, or raise_exception() inside the template
-            raise ChatTemplateError(f"the chat template rejected the messages: {e}") from None
+        text = self.render_chat(messages, chat_template)
         return list(self.tok.encode(text, add_special_tokens=False))
+
+
+#: Rendered once at build time with every template the tokenizer has (`check_chat_template`).
+SAMPLE_CONVERSATIONS = (
+    [{"role": "user", "content": "Hello!"}],
+    [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "Hi."},
+     {"role": "assistant", "content": "Hello! How can I help?"}, {"role": "user", "content": "Tell me a story."}],
+)
+
+
+def check_chat_template(tok: "PreTrainedTokenizerBase", source: str, limits: RenderLimits | None = None) -> None:
+    """Render the sample conversations with each of `tok`'s chat templates under `limits` (the default budget).
+
+    A template that raises on a sample (e.g. one that refuses a system message) is accepted: only a render that
+    passes the budget is refused, since it would pass it on every request too.
+    Args:
+        tok: a `transformers` tokenizer; nothing happens when it has no chat template.
+        source: where the template came from, for the message (e.g. "model.gguf (tokenizer.chat_template)").
+    Raises:
+        ChatTemplateLimitError: a sample render passed the time, size or memory budget (names `source`).
+    """
+    templates = getattr(tok, "chat_template", None) or {}
+    named = templates.items() if isinstance(templates, dict) else [("default", templates)]
+    for name, template in named:
+        for messages in SAMPLE_CONVERSATIONS:
+            try:
+                shared_renderer().render(template, messages, dict(tok.special_tokens_map), limits=limits)
+            except ChatTemplateLimitError as e:
+                which = "" if name == "default" else f" {name!r}"
+                raise ChatTemplateLimitError(f"{source}: the chat template{which} cannot be used: rendering a "
+                                             f"{len(messages)}-message sample conversation failed: {e}") from None
+            except ChatTemplateError:
+                continue
 
 
 def eos_token_ids(engine_dir: Path, config_eos: int | list[int] | None) -> frozenset[int]:
