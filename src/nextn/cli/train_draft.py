@@ -36,9 +36,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from nextn.build.checkpoint import CheckpointError
+from nextn.build.manifest import EngineError
+from nextn.build.output_files import write_output_file
+from nextn.config.llm_args import MAX_TREE_DRAFT_TOKENS
+from nextn.config.user_files import check_user_file, read_user_json
 from nextn.models.config import ConfigError
 
 PROG = "nextn train-draft"
+MAX_DATA_BYTES = 4 << 30  # one prompt file or corpus (regular files only)
 
 
 #: The data group's numeric options: flag, type, default, help (the help ends with the default).
@@ -135,8 +140,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip training; measure the heads already in OUT on its train_draft.json's held-out prompts")
 
 
+#: --num_heads: Medusa heads or MTP modules (MTPDecodingConfig.num_nextn_predict_layers ≤ 16).
+MAX_HEADS = 16
+
+
 def _load_choices(path: Path, name: str) -> list[list[int]]:
-    data = json.loads(path.read_text())
+    data = read_user_json(path, "--eval_medusa_choices")
     if isinstance(data, dict):
         if name not in data:
             raise ValueError(f"{path} has no tree {name!r}; it has {', '.join(data)}")
@@ -153,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     except BudgetExhausted as e:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 3
-    except (CheckpointError, ConfigError, ValueError, OSError) as e:
+    except (CheckpointError, ConfigError, EngineError, ValueError, OSError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
 
@@ -179,22 +188,37 @@ def _configs(args: argparse.Namespace):
     return data, settings
 
 
+def _check_counts(args: argparse.Namespace) -> None:
+    """Bound the counts that size the heads and the tree before any work (ValueError naming the option)."""
+    bounds = (("--num_heads", args.num_heads, 1, MAX_HEADS), ("--num_layers", args.num_layers, 1, MAX_HEADS),
+              ("--num_draft_steps", args.num_draft_steps, 1, MAX_HEADS),
+              ("--tree_nodes", args.tree_nodes, 1, MAX_TREE_DRAFT_TOKENS), ("--tree_depth", args.tree_depth, 0, 64))
+    for flag, value, low, high in bounds:
+        if value is not None and not low <= value <= high:
+            raise ValueError(f"{flag} must be in [{low}, {high}], got {value}")
+
+
 def _run(args: argparse.Namespace) -> int:
-    missing = [str(f) for f in args.data if not f.is_file()]
+    _check_counts(args)
+    missing = [str(f) for f in args.data if not f.exists()]
     if missing:
         raise ValueError(f"data file(s) not found: {', '.join(missing)}")
-    if args.tree_nodes < 1:
-        raise ValueError(f"--tree_nodes must be ≥ 1 (draft nodes of the calibrated MTP tree), got {args.tree_nodes}")
-    if args.tree_depth < 0:
-        raise ValueError(f"--tree_depth must be ≥ 0 (0: twice --num_draft_steps), got {args.tree_depth}")
+    for f in args.data:
+        check_user_file(f, "data file", max_bytes=MAX_DATA_BYTES)
+    from nextn.train.session import claim_train_output, is_train_output
+
+    if args.eval_only and not is_train_output(args.output_dir):
+        raise ValueError(f"--eval_only: {args.output_dir} holds no train-draft output (train_draft.json)")
+    claim_train_output(args.model_dir, args.data, args.output_dir, args.cache_dir,
+                       [args.eval_medusa_choices] if args.eval_medusa_choices else [])
     choices = _load_choices(args.eval_medusa_choices, args.eval_tree) if args.eval_medusa_choices else None
     if args.eval_only:
-        return _evaluate(args, json.loads((args.output_dir / "train_draft.json").read_text()), choices)
+        return _evaluate(args, _record(args.output_dir), choices)
     data_cfg, settings = _configs(args)
     if args.method == "medusa":
         from nextn.train.medusa import VICUNA_7B_TOP1, train_medusa
 
-        r = train_medusa(args.model_dir, data_cfg, args.output_dir, settings, num_heads=args.num_heads or 4,
+        r = train_medusa(args.model_dir, data_cfg, args.output_dir, settings, num_heads=4 if args.num_heads is None else args.num_heads,
                          num_layers=args.num_layers, train_projection=args.train_projection,
                          cache_dir=args.cache_dir)
         what, label, names = f"{r.num_heads} Medusa heads ({args.num_layers} ResBlock each)", "head", None
@@ -202,7 +226,7 @@ def _run(args: argparse.Namespace) -> int:
     elif args.method == "mtp":
         from nextn.train.mtp import train_mtp
 
-        r = train_mtp(args.model_dir, data_cfg, args.output_dir, settings, num_modules=args.num_heads or 1,
+        r = train_mtp(args.model_dir, data_cfg, args.output_dir, settings, num_modules=1 if args.num_heads is None else args.num_heads,
                       num_draft_steps=args.num_draft_steps, cache_dir=args.cache_dir)
         what = (f"1 MTP module (Eagle, {r.num_draft_steps} draft steps)" if r.mode == "eagle"
                 else f"{r.num_heads} MTP modules (Vanilla)")
@@ -227,7 +251,7 @@ def _run(args: argparse.Namespace) -> int:
     print("  trained                  " + "  ".join(f"{a:.3f}" for a in r.top1_after))
     if reference is not None:
         print(f"  {reference[0]:<24} " + "  ".join(f"{a:.3f}" for a in reference[1]))
-    meta = json.loads((args.output_dir / "train_draft.json").read_text())
+    meta = _record(args.output_dir)
     if "eagle_choices" in meta:
         depth = max(len(p) for p in meta["eagle_choices"])
         print(f"static tree for these heads ({len(meta['eagle_choices'])} nodes, depth {depth}, expected AL "
@@ -269,8 +293,15 @@ def _evaluate(args: argparse.Namespace, meta: dict, choices: list[list[int]] | N
     meta.setdefault("acceptance_runs", []).append({**m, "tree": args.eval_tree if method == "medusa" else None,
                                                     "prompt_ids": ids})
     meta["acceptance"] = meta["acceptance_runs"][-1]
-    (args.output_dir / "train_draft.json").write_text(json.dumps(meta) + "\n")
+    write_output_file(args.output_dir / "train_draft.json", json.dumps(meta) + "\n", "train_draft.json", force=True)
     return 0
+
+
+def _record(output_dir: Path) -> dict:
+    meta = read_user_json(output_dir / "train_draft.json", "train_draft.json")
+    if not isinstance(meta, dict):
+        raise ValueError(f"{output_dir / 'train_draft.json'} is not a train-draft record (a JSON object)")
+    return meta
 
 
 def main(argv: Sequence[str] | None = None) -> int:

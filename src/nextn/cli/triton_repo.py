@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from nextn.build.manifest import EngineError
+
 
 # Triton's own header check (2.41+), the same header `nextn serve --api_key` takes; the server answers 403 without it.
 _RESTRICTED = "inference,metadata,model-config,model-repository,statistics,shared-memory,trace,logging"
@@ -23,7 +25,8 @@ RESTRICT_HINT = (f"'--http-restricted-api={_RESTRICTED}:authorization=Bearer KEY
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine_dir", required=True, help="engine directory written by build-engine")
-    p.add_argument("--output_dir", required=True, help="the model repository (created; other models are kept)")
+    p.add_argument("--output_dir", required=True, help="the model repository (created; other models are kept; a model directory that nextn triton-repo did "
+                   "not write is refused)")
     p.add_argument("--model_name", default="nextn", help="Triton model name (default nextn)")
     p.add_argument("--decoupled", action="store_true",
                    help="decoupled (streaming) model: one response per engine step when the request sets stream")
@@ -47,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         model_dir = write_model_repository(args.engine_dir, args.output_dir, args.model_name, args.decoupled,
                                            args.max_batch_size, args.device, args.extra_llm_api_options, env)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError, EngineError) as e:
         print(f"nextn triton-repo: error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {model_dir} ({'decoupled' if args.decoupled else 'non-decoupled'}); serve with: tritonserver "

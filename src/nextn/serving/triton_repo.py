@@ -1,6 +1,7 @@
 """Write a Triton Inference Server model repository that serves one nextn engine (`nextn triton-repo`).
 
-Layout (Triton's): `<repo>/<model_name>/config.pbtxt` and `<repo>/<model_name>/1/model.py`, the latter a copy of
+Layout (Triton's): `<repo>/<model_name>/config.pbtxt`, `<repo>/<model_name>/1/model.py` and the marker
+`.nextn-output.json` (a model directory nextn did not write is never touched), the latter a copy of
 `nextn/serving/triton_model.py` (Python backend). The config declares TensorRT-LLM's tensor names
 (`triton_io.INPUTS` / `OUTPUTS`), one CPU model instance (`KIND_CPU`: Triton assigns no GPU; the engine picks its
 device itself), dynamic batching, and the engine directory and options as `parameters`. With `python_env` it also
@@ -10,10 +11,12 @@ model; without it the server's `PATH` must start with that environment's `bin/`.
 
 from __future__ import annotations
 
-import shutil
+import json
+import os
 from pathlib import Path
 
 from nextn.build.manifest import EngineManifest
+from nextn.build.output_files import MARKER_NAME, SNIFF_BYTES, OutputPathError, write_output_file, written_by
 from nextn.serving import triton_io
 from nextn.serving.triton_io import TensorSpec
 
@@ -46,7 +49,8 @@ def write_model_repository(engine_dir: str | Path, output_dir: str | Path, model
                            decoupled: bool = False, max_batch_size: int = 64, device: str | None = None,
                            extra_llm_api_options: str | Path | None = None,
                            python_env: str | Path | None = None) -> Path:
-    """Write (or overwrite) `<output_dir>/<model_name>/` for an engine; other models in the repository are kept.
+    """Write `<output_dir>/<model_name>/` for an engine; other models in the repository are kept. An existing model
+    directory is rewritten only when it holds nothing but what an earlier `nextn triton-repo` wrote (`check_model_dir`).
 
     Args:
         engine_dir: an engine directory written by `build-engine` (stored as an absolute path).
@@ -60,7 +64,9 @@ def write_model_repository(engine_dir: str | Path, output_dir: str | Path, model
     Returns:
         The model directory.
     Raises:
-        EngineError: `engine_dir` is not an engine directory. ValueError: a bad model name or max_batch_size.
+        EngineError: `engine_dir` is not an engine directory. OutputPathError (an EngineError): the model directory
+            holds a user's model or a symbolic link, or the repository is a file. ValueError: a bad model name or
+            max_batch_size.
         FileNotFoundError: `extra_llm_api_options` or `python_env/bin/activate` is missing.
     """
     engine_dir = Path(engine_dir).resolve()
@@ -80,11 +86,67 @@ def write_model_repository(engine_dir: str | Path, output_dir: str | Path, model
         if not (env / "bin" / "activate").is_file():
             raise FileNotFoundError(f"python_env {env} has no bin/activate: give a virtual environment's directory")
         parameters["EXECUTION_ENV_PATH"] = str(env)
-    model_dir = Path(output_dir) / model_name
+    model_dir = check_model_dir(Path(output_dir), model_name)
     (model_dir / "1").mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.pbtxt").write_text(config_pbtxt(model_name, parameters, decoupled, max_batch_size))
-    shutil.copyfile(MODEL_TEMPLATE, model_dir / "1" / "model.py")
+    marker = model_dir / MARKER_NAME
+    if not marker.exists():
+        marker.write_text(json.dumps(written_by("triton-repo")) + "\n")
+    write_output_file(model_dir / "config.pbtxt", config_pbtxt(model_name, parameters, decoupled, max_batch_size),
+                      "config.pbtxt", force=True)  # checked above; written atomically (a link is replaced, never followed)
+    write_output_file(model_dir / "1" / "model.py", MODEL_TEMPLATE.read_bytes(), "1/model.py", force=True)
     return model_dir
+
+
+#: What `write_model_repository` writes into a model directory (the Python backend adds 1/__pycache__/).
+OWN_FILES = frozenset({"config.pbtxt", "1/model.py", MARKER_NAME})
+
+
+def check_model_dir(repo: Path, model_name: str) -> Path:
+    """Check that `<repo>/<model_name>` may be (re)written: missing, empty, or holding only what an earlier
+    `nextn triton-repo` wrote there (config.pbtxt with an nextn engine_dir parameter, 1/model.py, the marker and
+    Python caches), with no symbolic link anywhere in it. Return the model directory.
+
+    Raises:
+        OutputPathError: the repository is a file, or the model directory holds a link or any other file (a user's
+            model: its files named; nothing is changed).
+    """
+    if repo.exists() and not repo.is_dir():
+        raise OutputPathError(f"--output_dir {repo} exists and is not a directory; give the model repository's "
+                              "directory")
+    model_dir = repo / model_name
+    if model_dir.is_symlink() or (model_dir.exists() and not model_dir.is_dir()):
+        raise OutputPathError(f"{model_dir} is a symbolic link or a file; nothing was written: choose another "
+                              "--model_name or --output_dir")
+    if not model_dir.exists():
+        return model_dir
+    links, foreign = [], []
+    for root, dirs, files in os.walk(model_dir):
+        for name in [*dirs, *files]:
+            path = Path(root) / name
+            rel = path.relative_to(model_dir).as_posix()
+            if path.is_symlink():
+                links.append(rel)
+            elif name in files and rel not in OWN_FILES and "__pycache__" not in Path(rel).parts:
+                foreign.append(rel)
+    ours = (model_dir / MARKER_NAME).is_file() or _is_own_config(model_dir / "config.pbtxt")
+    if links:
+        raise OutputPathError(f"{model_dir} holds symbolic links ({', '.join(sorted(links)[:8])}); nothing was written: "
+                              "nextn triton-repo writes only into a model directory of plain files it wrote")
+    if foreign or (any(model_dir.iterdir()) and not ours):
+        shown = sorted(foreign)[:8] or sorted(p.name for p in model_dir.iterdir())[:8]
+        raise OutputPathError(f"{model_dir} is a model that nextn triton-repo did not write (it holds "
+                              f"{', '.join(shown)}); nothing was changed: choose another --model_name or --output_dir")
+    return model_dir
+
+
+def _is_own_config(path: Path) -> bool:
+    """A config.pbtxt written by an earlier nextn triton-repo (before the marker): the python backend with our
+    engine_dir parameter."""
+    if path.is_symlink() or not path.is_file():
+        return False
+    with path.open("rb") as f:
+        head = f.read(SNIFF_BYTES)
+    return b'backend: "python"' in head and b'parameters { key: "engine_dir"' in head
 
 
 def _tensors(kind: str, specs: tuple[TensorSpec, ...]) -> str:

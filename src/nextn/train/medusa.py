@@ -23,7 +23,7 @@ from nextn.models.medusa import MedusaHeads
 from nextn.train.data import DataConfig, Rows
 from nextn.train.loop import fit
 from nextn.train.mtp import LossVocab, argmax_logits, class_loss, generated
-from nextn.train.session import TrainResult, TrainSettings, finish, prepare
+from nextn.train.session import TrainResult, TrainSettings, claim_train_output, finish, prepare
 
 #: Medusa paper, Vicuna-7B, per-head top-1 accuracy of heads 1..5 (REFERENCE.md §5).
 VICUNA_7B_TOP1 = (0.56, 0.32, 0.20, 0.15, 0.12)
@@ -106,7 +106,7 @@ def train_medusa(model_dir: str | Path, data_cfg: DataConfig, output_dir: str | 
     if num_heads < 1 or num_layers < 0 or settings.steps < 0:
         raise ValueError(f"need num_heads ≥ 1, num_layers ≥ 0, steps ≥ 0 (got {num_heads}, {num_layers}, "
                          f"{settings.steps})")
-    cache = Path(cache_dir) if cache_dir is not None else Path(output_dir) / "train_cache"
+    cache = claim_train_output(model_dir, data_cfg.files, output_dir, cache_dir)
     prep = prepare(model_dir, data_cfg, settings, cache)
     data = prep.data
     heads = init_heads(num_heads, num_layers, prep.lm_head.float())

@@ -44,7 +44,7 @@ from torch import nn
 
 from nextn.train.data import DataConfig, Rows, SelfDistillData
 from nextn.train.loop import FitResult, fit
-from nextn.train.session import TrainResult, TrainSettings, finish, prepare
+from nextn.train.session import TrainResult, TrainSettings, claim_train_output, finish, prepare
 
 #: (block output after shared_head.norm [B, T, H], labels [B, T], keep [B, T], the base's final state that
 #: predicted each label [B, T, H]) per draft step / module.
@@ -353,7 +353,7 @@ def train_mtp(model_dir: str | Path, data_cfg: DataConfig, output_dir: str | Pat
     if num_modules < 1 or num_draft_steps < 1 or settings.steps < 0:
         raise ValueError(f"need num_modules ≥ 1, num_draft_steps ≥ 1, steps ≥ 0 "
                          f"(got {num_modules}, {num_draft_steps}, {settings.steps})")
-    cache = Path(cache_dir) if cache_dir is not None else Path(output_dir) / "train_cache"
+    cache = claim_train_output(model_dir, data_cfg.files, output_dir, cache_dir)
     prep = prepare(model_dir, data_cfg, settings, cache)
     model, data = prep.model, prep.data
     modules = nn.ModuleList(mtp_module(model.config) for _ in range(num_modules))

@@ -11,12 +11,18 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
+from nextn.build.output_files import claim_output_dir
+from nextn.config.user_files import read_user_json
 from nextn.train.data import DataConfig, SelfDistillData, load_base, make_self_distill_data
+
+#: The record a run writes into its output directory.
+RECORD_NAME = "train_draft.json"
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,32 @@ class TrainSettings:
         own = {k: v for k, v in asdict(self).items() if k not in ("max_minutes", "progress", "checkpoint_every_s",
                                                                     "eval_every", "tree_nodes", "tree_depth")}
         return json.dumps({"data": data_key, **own, **extra}, sort_keys=True)
+
+
+def is_train_output(out: Path) -> bool:
+    """An output written before output markers existed: its train_draft.json is a trainer's record."""
+    try:
+        meta = read_user_json(out / RECORD_NAME, RECORD_NAME)
+    except ValueError:
+        return False
+    return isinstance(meta, dict) and {"method", "settings", "data_config", "base_model"} <= meta.keys()
+
+
+def claim_train_output(model_dir: str | Path, data_files: Sequence[str | Path], output_dir: str | Path,
+                       cache_dir: str | Path | None = None, other_inputs: Sequence[str | Path] = ()) -> Path:
+    """Claim `output_dir` (and an explicit `cache_dir`) for a trainer before anything is written; return the cache
+    directory (default `output_dir/train_cache`). A trainer overwrites config.json, model.safetensors and
+    train_draft.json there, so a directory it did not write, the base model or a data file is refused
+    (`build/output_files.py`).
+
+    Raises:
+        OutputPathError: naming the directory, what it holds and the way out.
+    """
+    inputs = [model_dir, *data_files, *other_inputs]
+    out = claim_output_dir(output_dir, "train-draft", inputs, is_train_output)
+    if cache_dir is None:
+        return out / "train_cache"
+    return claim_output_dir(cache_dir, "train-draft", inputs, flag="--cache_dir")
 
 
 @dataclass
@@ -132,5 +164,5 @@ def finish(prep: Prepared, method: str, mode: str, num_heads: int, num_draft_ste
               "train_prompt_ids": data.prompt_ids[: data.num_train]}
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "train_draft.json").write_text(json.dumps(record) + "\n")
+    (out / RECORD_NAME).write_text(json.dumps(record) + "\n")
     return result

@@ -27,7 +27,7 @@ from nextn.testing.tiny_checkpoint import (
 from nextn.train.data import DataConfig
 from nextn.train.loop import fit
 from nextn.train.mtp import MtpContext, MtpModule, generated
-from nextn.train.session import TrainResult, TrainSettings, finish, prepare
+from nextn.train.session import TrainResult, TrainSettings, claim_train_output, finish, prepare
 
 #: The student's shape: 3 layers (1 dense, 2 MoE: 8 routed experts, top-2 in 1 of 2 groups, 1 shared), MLA with a
 #: 32-d latent and 8-d rope dims, hidden 64 like stories260K; vocabulary and special ids are set from the teacher.
@@ -63,7 +63,7 @@ def train_student(teacher_dir: str | Path, data_cfg: DataConfig, output_dir: str
     if settings.steps < 0 or num_draft_steps < 1 or mtp_lambda < 0:
         raise ValueError(f"need steps ≥ 0, num_draft_steps ≥ 1, mtp_lambda ≥ 0 (got {settings.steps}, "
                          f"{num_draft_steps}, {mtp_lambda})")
-    cache = Path(cache_dir) if cache_dir is not None else Path(output_dir) / "train_cache"
+    cache = claim_train_output(teacher_dir, data_cfg.files, output_dir, cache_dir)
     prep = prepare(teacher_dir, data_cfg, settings, cache)
     data = prep.data
     spec = student_spec(prep.model.config, spec)
