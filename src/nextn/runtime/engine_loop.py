@@ -27,6 +27,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+class LoopStopped(RuntimeError):
+    """The loop was shut down before this request could be submitted (nothing was queued)."""
+
+
 class _Stream:
     """What a handle has been sent so far (for the diffs)."""
 
@@ -48,6 +52,7 @@ class EngineLoop:
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[int, _Stream] = {}
         self._stopped = False
+        self._submit_lock = threading.Lock()  # no command is queued after "stop": every handle gets a final output
         self._thread = threading.Thread(target=self._run, name="nextn-engine-loop", daemon=True)
         self._thread.start()
 
@@ -62,26 +67,36 @@ class EngineLoop:
         Raises:
             RequestError: empty prompt, too long for max_seq_len or the KV cache, ids outside the vocabulary
                 (nothing is queued; other requests keep running).
-            RuntimeError: the loop was shut down.
+            LoopStopped: the loop was shut down (also a RuntimeError).
         """
         if self._stopped:
-            raise RuntimeError("the engine loop is shut down")
+            raise LoopStopped("the engine loop is shut down")
         req = self.engine.make_request(prompt, params)  # reads only immutable engine state: safe off-loop
         handle = RequestHandle(streaming, self.abort)
         handle.request_id = req.request_id
-        self._commands.put(("submit", (req, handle)))
+        with self._submit_lock:
+            if self._stopped:
+                raise LoopStopped("the engine loop is shut down")
+            self._commands.put(("submit", (req, handle)))
         return handle
 
     def abort(self, request_id: int) -> None:
         """Cancel a request (thread-safe); its handle gets a final output with finish_reason "cancelled"."""
         self._commands.put(("abort", request_id))
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the loop after cancelling every unfinished request."""
-        if not self._stopped:
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the loop after cancelling every unfinished request (each handle gets a "cancelled" output).
+
+        Args:
+            timeout: seconds to wait for the step in progress; None (default): until the loop thread has exited,
+                so the engine is free for its caller afterwards.
+        """
+        with self._submit_lock:
+            if self._stopped:
+                return
             self._stopped = True
             self._commands.put(("stop", None))
-            self._thread.join(timeout)
+        self._thread.join(timeout)
 
     # The loop thread ----------------------------------------------------------------------------------------
     def _run(self) -> None:

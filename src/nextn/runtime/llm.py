@@ -15,7 +15,7 @@ from nextn.progress import progress_bar
 from nextn.config.llm_args import LlmArgs, load_llm_args_yaml, parse_llm_args
 from nextn.distributed.launcher import start_engine
 from nextn.runtime.engine import RequestError, default_speculative_config
-from nextn.runtime.engine_loop import EngineLoop
+from nextn.runtime.engine_loop import EngineLoop, LoopStopped
 from nextn.runtime.fault_isolation import fail_all
 from nextn.runtime.outputs import CompletionOutput, RequestOutput
 from nextn.runtime.request_handle import RequestHandle
@@ -27,8 +27,16 @@ _UNSET: Any = object()
 Prompt = str | list[int]
 
 
+class EngineBusyError(RuntimeError):
+    """The engine is owned by another way of driving it: the synchronous API (`add_request` / `step`) was called
+    while the background loop of `generate_async` runs, or the loop was asked to start while requests added with
+    `add_request` are unfinished. Nothing was queued."""
+
+
 class LLM:
-    """An engine ready to generate.
+    """An engine ready to generate. Thread-safe: any number of threads may call `generate` and `generate_async` on
+    one LLM and each gets its solo output (the synchronous API is serialised by an engine lock; once the background
+    loop of `generate_async` runs, `generate` goes through it, batched with the other requests).
 
     Args:
         engine_dir: a directory written by `build-engine`, or a checkpoint (HF directory, `.gguf` file): built on
@@ -81,7 +89,10 @@ class LLM:
         if self._workers is not None:
             weakref.finalize(self, self._workers.close)
         self._loop: EngineLoop | None = None
-        self._loop_lock = threading.Lock()
+        # The engine lock: held by the synchronous API (a whole synchronous `generate`, each add_request / step /
+        # abort_request) and while the background loop starts or stops, so only one caller drives the engine.
+        self._lock = threading.RLock()
+        self._unclaimed: list[RequestOutput] = []  # add_request outputs finished by a generate: the next step's
 
     @property
     def tokenizer(self):
@@ -97,19 +108,31 @@ class LLM:
             RequestError: a prompt that is empty, of the wrong type (ids must be Python ints), not valid Unicode, too
                 long for max_seq_len or the KV cache, or with ids outside the vocabulary; SamplingParams out of range
                 for this engine (`RequestSamplingParamsError`, also a `SamplingParamsError`).
+            EngineBusyError: the background loop of `generate_async` owns the engine.
         """
-        self._no_loop("add_request")
-        req = self.engine.make_request(prompt, SamplingParams() if sampling_params is None else sampling_params)
-        self.engine.add_request(req)
-        return req.request_id
+        with self._lock:
+            self._no_loop("add_request")
+            req = self.engine.make_request(prompt, SamplingParams() if sampling_params is None else sampling_params)
+            self.engine.add_request(req)
+            return req.request_id
 
     def step(self) -> list[RequestOutput]:
         """Run one engine iteration (schedule → verify-and-draft → postprocess); the requests it finished.
 
         A request that makes the step fail finishes with finish_reason "error" (runtime/fault_isolation.py); the
-        others continue.
+        others continue. Requests added here that a `generate` call (on any thread) finished are returned by the
+        next `step()`.
+
+        Raises:
+            EngineBusyError: the background loop of `generate_async` owns the engine.
         """
-        self._no_loop("step")
+        with self._lock:
+            self._no_loop("step")
+            finished, self._unclaimed = self._unclaimed, []
+            return finished + self._step_finished()
+
+    def _step_finished(self) -> list[RequestOutput]:
+        """One engine step (the caller holds the engine lock); the outputs of the requests it finished."""
         try:
             updated = self.engine.step()
         except Exception as e:  # noqa: BLE001 - even the isolation failed: fail everything, stay usable
@@ -122,24 +145,29 @@ class LLM:
         Returns:
             Its final output (finish_reason "cancelled", the tokens generated so far), or None when no unfinished
             request has this id.
+        Raises:
+            EngineBusyError: the background loop of `generate_async` owns the engine.
         """
-        self._no_loop("abort_request")
-        req = self.engine.abort_request(request_id)
-        return None if req is None else req.to_output()
+        with self._lock:
+            self._no_loop("abort_request")
+            req = self.engine.abort_request(request_id)
+            return None if req is None else req.to_output()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached KV prefix (vLLM's name): later requests start cold. Blocks in use are unaffected.
 
         Raises:
-            RuntimeError: the background engine loop owns the engine (call shutdown() first).
+            EngineBusyError: the background engine loop owns the engine (call shutdown() first).
         """
-        self._no_loop("reset_prefix_cache")
-        self.engine.pool.reset_prefix_cache()
+        with self._lock:
+            self._no_loop("reset_prefix_cache")
+            self.engine.pool.reset_prefix_cache()
 
     def _no_loop(self, what: str) -> None:
         if self._loop is not None:
-            raise RuntimeError(f"LLM.{what}: the background engine loop started by generate_async owns the engine; "
-                               "use generate_async / RequestHandle.abort, or call shutdown() first")
+            raise EngineBusyError(f"LLM.{what}: the background engine loop started by generate_async owns the "
+                                  "engine; use generate / generate_async / RequestHandle.abort, or call shutdown() "
+                                  "first")
 
     # Asynchronous API (a background engine loop; servers share one engine this way) ----------------------
     def generate_async(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
@@ -150,19 +178,41 @@ class LLM:
         per-step outputs (`for out in handle`, `async for out in handle`) whose `outputs[0].token_ids_diff` holds
         the tokens that step accepted; `handle.abort()` cancels the request and frees its KV blocks.
 
+        The first call waits for a synchronous `generate` running on another thread to finish, then starts the loop.
+
         Raises:
             RequestError: as `add_request` (nothing is queued; other requests keep running).
+            EngineBusyError: the loop would start while requests added with `add_request` are unfinished (step
+                them to completion or abort them first).
         """
-        with self._loop_lock:  # concurrent first calls must start one loop, not several
-            if self._loop is None:
-                self._loop = EngineLoop(self.engine)
-        return self._loop.submit(prompt, SamplingParams() if sampling_params is None else sampling_params, streaming)
+        params = SamplingParams() if sampling_params is None else sampling_params
+        while True:
+            loop = self._loop
+            if loop is None:
+                with self._lock:  # one loop, started only while no synchronous caller drives the engine
+                    if self._loop is None:
+                        if self.engine.scheduler.has_work:
+                            raise EngineBusyError("LLM.generate_async: requests added with add_request are "
+                                                  "unfinished; step them to completion or abort them first")
+                        self._loop = EngineLoop(self.engine)
+                    loop = self._loop
+            try:
+                return loop.submit(prompt, params, streaming)
+            except LoopStopped:  # a concurrent shutdown() stopped it: start a fresh loop
+                with self._lock:
+                    if self._loop is loop:
+                        self._loop = None
 
     def shutdown(self) -> None:
-        """Stop the background engine loop (unfinished requests are cancelled); the synchronous API works again."""
-        if self._loop is not None:
-            self._loop.shutdown()
-            self._loop = None
+        """Stop the background engine loop (unfinished requests are cancelled) and, for a tensor-parallel LLM,
+        release its worker processes and process group (another tensor-parallel LLM can then start in this
+        process; this one can no longer step). A single-process LLM's synchronous API works again."""
+        with self._lock:
+            loop, self._loop = self._loop, None
+            if loop is not None:
+                loop.shutdown()
+            if self._workers is not None:
+                self._workers.close()
 
     @property
     def has_unfinished_requests(self) -> bool:
@@ -182,6 +232,7 @@ class LLM:
             others still run.
         Raises:
             ValueError: a list of SamplingParams whose length differs from the number of prompts.
+            EngineBusyError: as `generate_async`, when the loop of another thread's `generate_async` cannot start.
         """
         single = _is_single_prompt(prompts)
         plist: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item]
@@ -189,21 +240,33 @@ class LLM:
         plist_params = list(params) if isinstance(params, (list, tuple)) else [params] * len(plist)
         if len(plist_params) != len(plist):
             raise ValueError(f"got {len(plist_params)} SamplingParams for {len(plist)} prompts")
+        with self._lock:
+            if self._loop is None:  # this thread drives the engine; other callers wait for the lock
+                outputs = self._generate_here(plist, plist_params, use_tqdm)
+                return outputs[0] if single else outputs
+        outputs = self._generate_through_loop(plist, plist_params)  # the loop owns the engine
+        return outputs[0] if single else outputs
+
+    def _generate_through_loop(self, plist: list[Prompt], plist_params: list[SamplingParams]) -> list[RequestOutput]:
         outputs: list[RequestOutput | None] = [None] * len(plist)
-        if self._loop is not None:  # the loop owns the engine: go through it
-            handles = {}
+        handles = {}
+        try:
             for i, (prompt, sp) in enumerate(zip(plist, plist_params)):
                 try:
                     handles[i] = self.generate_async(prompt, sp)
                 except RequestError as e:
                     outputs[i] = _rejected(prompt, e)
-            try:
-                for i, handle in handles.items():
-                    outputs[i] = handle.result()
-            finally:  # interrupted: cancel what this call submitted
-                for handle in handles.values():
-                    handle.abort()
-            return outputs[0] if single else outputs  # type: ignore[return-value]
+            for i, handle in handles.items():
+                outputs[i] = handle.result()
+        finally:  # interrupted: cancel what this call submitted
+            for handle in handles.values():
+                handle.abort()
+        return outputs  # type: ignore[return-value]
+
+    def _generate_here(self, plist: list[Prompt], plist_params: list[SamplingParams],
+                       use_tqdm: bool) -> list[RequestOutput]:
+        """`generate` on this thread (the caller holds the engine lock): add, step until ours finish."""
+        outputs: list[RequestOutput | None] = [None] * len(plist)
         pending = {}
         for i, (prompt, sp) in enumerate(zip(plist, plist_params)):
             try:
@@ -214,9 +277,11 @@ class LLM:
         bar = progress_bar(enabled=use_tqdm, total=len(pending), desc="generate")
         try:
             while pending and self.has_unfinished_requests:
-                for out in self.step():
-                    i = pending.pop(out.request_id, None)  # requests queued with add_request are not ours
-                    if i is not None:
+                for out in self._step_finished():
+                    i = pending.pop(out.request_id, None)
+                    if i is None:  # queued with add_request: the next step() returns it
+                        self._unclaimed.append(out)
+                    else:
                         outputs[i] = out
                         bar.update(1)
         finally:  # an exception or KeyboardInterrupt: cancel what this call queued, free its blocks
@@ -224,7 +289,7 @@ class LLM:
                 out = self.abort_request(rid)
                 outputs[i] = out or _rejected(plist[i], RuntimeError("the request was lost by the engine"))
             bar.close()
-        return outputs[0] if single else outputs  # type: ignore[return-value]
+        return outputs  # type: ignore[return-value]
 
 
 def _is_single_prompt(prompts: Any) -> bool:
