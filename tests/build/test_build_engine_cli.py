@@ -131,3 +131,50 @@ def test_max_seq_len_defaults_to_the_model_and_is_printed(make_ckpt, tmp_path: P
     assert main(["--model_dir", str(ck.path), "--output_dir", str(tmp_path / "e"), "--no-progress"]) == 0
     assert "max_seq_len: 256 (model: 256)" in capsys.readouterr().out
     assert EngineManifest.load(tmp_path / "e").build_options.max_seq_len == 256
+
+
+@pytest.mark.parametrize("flag,value", [("--max_batch_size", str(10**12)), ("--max_batch_size", "0"),
+                                        ("--max_seq_len", "1"), ("--max_seq_len", str(2**40))])
+def test_sizes_no_load_accepts_are_refused_before_writing(make_ckpt, tmp_path: Path, capsys, flag, value) -> None:
+    # issue 32: --max_batch_size 10**12 built an engine that could never load
+    out = tmp_path / "engine"
+    err = _fails(["--model_dir", str(make_ckpt().path), "--output_dir", str(out), flag, value], capsys)
+    assert flag in err and "must be in" in err
+    assert not out.exists() and not list(tmp_path.glob(".engine*"))
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGHUP"])
+def test_sigterm_and_sighup_clean_up_like_ctrl_c(make_ckpt, tmp_path: Path, monkeypatch, capsys, signame) -> None:
+    # issue 32: SIGTERM/SIGHUP left .eng.building-* staging directories
+    import os
+    import signal
+    import time
+
+    import nextn.build.engine_builder as builder
+
+    real = builder.write_safetensors_streaming
+
+    def killed(path, *a, **kw):
+        real(path, *a, **kw)
+        os.kill(os.getpid(), getattr(signal, signame))
+        time.sleep(5)  # the handler raises here
+
+    monkeypatch.setattr(builder, "write_safetensors_streaming", killed)
+    out = tmp_path / "eng"
+    with pytest.raises(SystemExit) as e:
+        main(["--model_dir", str(make_ckpt().path), "--output_dir", str(out), "--no-progress"])
+    assert e.value.code == 128 + getattr(signal, signame)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no engine, no staging dir, no lock file
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or signame != "SIGTERM"
+
+
+def test_a_second_build_into_the_same_dir_is_refused_while_one_runs(make_ckpt, tmp_path: Path, capsys) -> None:
+    # issue 32: two concurrent builds into one folder both "succeeded"
+    from nextn.build.output_dir import output_lock
+
+    out = tmp_path / "eng"
+    with output_lock(out):
+        err = _fails(["--model_dir", str(make_ckpt().path), "--output_dir", str(out)], capsys)
+    assert "another build-engine is writing" in err and not out.exists()
+    assert main(["--model_dir", str(make_ckpt().path), "--output_dir", str(out), "--no-progress"]) == 0
+    assert not list(tmp_path.glob(".eng.lock"))

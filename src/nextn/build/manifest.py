@@ -161,8 +161,8 @@ class BuildOptions(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    max_batch_size: int = Field(default=8, gt=0)
-    max_seq_len: int = Field(default=2048, gt=0)
+    max_batch_size: int = Field(default=8, gt=0, le=1 << 16)  # LlmArgs' MAX_BATCH_SIZE: loadable engines only
+    max_seq_len: int = Field(default=2048, gt=0, le=2**31 - 1)
     extra_llm_api_options: dict[str, Any] | None = None  # the YAML given at build time, as loaded
 
 

@@ -10,13 +10,17 @@ The rule (a user's files are never removed):
 The engine is written into `.NAME.building-XXXX` beside `output_dir` and renamed into place when complete; the old
 engine is renamed aside first and then removed file by file (the files found at the check, nothing else). A failed
 build removes its staging directory and the parent directories it created, and leaves `output_dir` as it was.
+`build-engine` also holds `output_lock` (a second build into the same directory is refused) and turns SIGTERM and
+SIGHUP into an exception like Ctrl-C (`signals_interrupt_build`), so those clean up the same way.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import shutil
+import signal
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -155,3 +159,71 @@ def _remove(old: Path, replaced: Replacement) -> None:
         old.rmdir()
     except OSError:
         logger.warning("kept %s: it holds files that appeared while the engine was built", old)
+
+
+@contextmanager
+def output_lock(output_dir: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `output_dir` for one build: `.NAME.lock` beside it (flock), removed afterwards.
+
+    A second build into the same directory is refused rather than queued (both would otherwise "succeed", the
+    second swapping its engine over the first's).
+
+    Raises:
+        EngineError: another build holds the lock (the message names the lock file).
+    """
+    output_dir = Path(output_dir)
+    output_dir.absolute().parent.mkdir(parents=True, exist_ok=True)
+    lock_path = output_dir.absolute().parent / f".{output_dir.name}.lock"
+    while True:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise EngineError(f"another build-engine is writing {output_dir} (it holds {lock_path}); wait for it to "
+                              "finish or choose another --output_dir") from None
+        try:  # the holder before us may have removed the file after we opened it: lock the current one
+            same = os.path.samestat(os.fstat(fd), os.stat(lock_path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
+        yield
+    finally:
+        try:
+            os.unlink(lock_path)  # while still held: a waiter re-checks the inode
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+class BuildInterrupted(BaseException):
+    """SIGTERM or SIGHUP during a build, raised in the main thread so that the staging directory is removed as for
+    Ctrl-C (a BaseException like KeyboardInterrupt: no `except Exception` swallows it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+@contextmanager
+def signals_interrupt_build() -> Iterator[None]:
+    """Turn SIGTERM and SIGHUP into `BuildInterrupted` while the block runs (main thread only; the previous
+    handlers are restored afterwards)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise BuildInterrupted(signum)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)

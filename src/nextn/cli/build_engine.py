@@ -8,7 +8,8 @@ Usage:
 
 Exit status: 0 on success; 2 for invalid arguments, an unreadable/unsupported checkpoint, bad YAML or an output
 directory that is not an engine (message on stderr, no traceback); 1 for an I/O failure (disk full, permissions).
-A failed build leaves --output_dir as it was; an existing engine is replaced only when its directory holds nothing
+A failed build (SIGINT, SIGTERM and SIGHUP included: exit status 128 + the signal) leaves --output_dir as it
+was, with no staging directory; a second build into the same --output_dir while one runs is refused (status 2); an existing engine is replaced only when its directory holds nothing
 but the files its manifest lists (--force removes the others, named in the refusal).
 """
 
@@ -23,8 +24,9 @@ from pathlib import Path
 from nextn.build.checkpoint import CheckpointError
 from nextn.build.engine_builder import build_engine
 from nextn.build.manifest import EngineError
+from nextn.build.output_dir import BuildInterrupted, output_lock, signals_interrupt_build
 from nextn.build.medusa_heads import MedusaHeadsError
-from nextn.config.llm_args import LlmArgsError
+from nextn.config.llm_args import MAX_BATCH_SIZE, MAX_INT, LlmArgsError
 from nextn.models.config import ConfigError
 from nextn.models.deepseek_v3.weights import WeightError
 from nextn.models.registry import WEIGHT_LAYOUTS
@@ -137,7 +139,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     start = time.perf_counter()
     try:
-        manifest = build_engine(
+        _check_sizes(args)
+        with signals_interrupt_build(), output_lock(args.output_dir):
+            manifest = _build(args)
+    except BuildInterrupted as e:
+        print(f"{PROG}: {e}; nothing was written to {args.output_dir}", file=sys.stderr)
+        sys.exit(128 + e.signum)
+    except USER_ERRORS as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        sys.exit(1)
+    _report(args, manifest, time.perf_counter() - start)
+    return 0
+
+
+def _check_sizes(args: argparse.Namespace) -> None:
+    """Sizes the engine records must be ones an engine load accepts (LlmArgs' bounds, runtime/engine_sizes.py):
+    refused before anything is read or written."""
+    if not 1 <= args.max_batch_size <= MAX_BATCH_SIZE:
+        raise EngineError(f"--max_batch_size {args.max_batch_size} must be in [1, {MAX_BATCH_SIZE}] (concurrent "
+                          "requests an engine can load with)")
+    if args.max_seq_len is not None and not 2 <= args.max_seq_len <= MAX_INT:
+        raise EngineError(f"--max_seq_len {args.max_seq_len} must be in [2, {MAX_INT}] and at most the model's "
+                          "max_position_embeddings (a request needs a prompt token and an output token)")
+
+
+def _build(args: argparse.Namespace):
+    return build_engine(
             args.model_dir, args.output_dir, dtype=args.dtype, max_batch_size=args.max_batch_size,
             max_seq_len=args.max_seq_len, extra_llm_api_options=args.extra_llm_api_options, progress=args.progress,
             medusa_model_dir=args.medusa_model_dir, compile_step=args.compile_step,
@@ -145,13 +175,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             quant_algo=args.quant_algo, group_size=args.group_size, exclude_modules=args.exclude_modules,
             lm_head_quant_algo=args.lm_head_quant_algo, super_block_size=args.super_block_size,
         )  # fmt: skip
-    except USER_ERRORS as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except OSError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        sys.exit(1)
-    seconds = time.perf_counter() - start
+
+
+def _report(args: argparse.Namespace, manifest, seconds: float) -> None:
     spec = manifest.speculative
     drafting = (f"MTP, {spec.num_mtp_modules} module(s), K={spec.max_draft_len}, "
                 f"{'vanilla' if spec.use_mtp_vanilla else 'eagle'}" if spec.method == "mtp" else
@@ -167,7 +193,6 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"tokenizer:  {', '.join(manifest.tokenizer_files) or 'none (token-id prompts only)'}\n"
           f"compiled:   {_compiled(manifest, args.compile_step)}\n"
           f"time:       {seconds:.1f} s")
-    return 0
 
 
 if __name__ == "__main__":

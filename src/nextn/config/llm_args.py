@@ -24,6 +24,7 @@ class LlmArgsError(ValueError):
 
 
 MAX_INT = 2**31 - 1  # every int argument: sizes, counts, token ids
+MAX_BATCH_SIZE = 1 << 16  # concurrent requests: per-request slots and state are allocated for each at load
 MAX_YAML_BYTES = 1 << 20
 MAX_NESTING = 32
 MAX_TREE_DRAFT_TOKENS = 255  # draft nodes of one tree, dynamic or static (eagle_choices, medusa_choices)
@@ -219,7 +220,7 @@ class LlmArgs(_Strict):
     torch_compile_config: TorchCompileConfig | None = None  # null: the decode step runs eagerly
     disable_overlap_scheduler: bool = False  # false: launch step n before reading back step n−1's results
     moe_config: MoeConfig = MoeConfig()
-    max_batch_size: int | None = Field(default=None, gt=0)  # null: the engine's build option
+    max_batch_size: int | None = Field(default=None, gt=0, le=MAX_BATCH_SIZE)  # null: the engine's build option
     max_seq_len: int | None = Field(default=None, gt=0)  # null: the engine's build option
     max_num_tokens: int = Field(default=8192, gt=0)  # token budget of one scheduler step
     enable_chunked_prefill: bool = False  # split prompts longer than the step's token budget into chunks
