@@ -66,6 +66,44 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
     return data
 
 
+def tokenizer_num_ids(model_dir: Path) -> int | None:
+    """How many token ids `model_dir/tokenizer.json` can produce (1 + its largest id: model vocabulary and added
+    tokens), or None without a tokenizer.json.
+
+    Raises:
+        CheckpointError: the file is not a JSON object (`read_json`), or its vocabulary holds a non-integer id.
+    """
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        return None
+    data = read_json(path, "a valid tokenizer.json")
+    model = data.get("model") if isinstance(data.get("model"), dict) else {}
+    vocab = model.get("vocab")
+    ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab) if isinstance(vocab, list) else 0))
+    added = data.get("added_tokens")
+    ids += [t.get("id") for t in added if isinstance(t, dict)] if isinstance(added, list) else []
+    bad = next((i for i in ids if type(i) is not int or i < 0), None)
+    if bad is not None:
+        raise CheckpointError(f"{path} maps a token to id {bad!r}, not a non-negative integer")
+    return max(ids) + 1 if ids else None
+
+
+def check_tokenizer_fits(model_dir: Path, vocab_size: int) -> None:
+    """Refuse a tokenizer.json that can produce ids past the embedding (`vocab_size` rows).
+
+    Fewer token ids than rows is normal (vocabularies padded to a multiple of 64 or 128, e.g. Qwen2.5: 151,665 ids
+    for 151,936 rows) and builds.
+
+    Raises:
+        CheckpointError: naming both counts.
+    """
+    num_ids = tokenizer_num_ids(model_dir)
+    if num_ids is not None and num_ids > vocab_size:
+        raise CheckpointError(f"{model_dir / 'tokenizer.json'} has token ids up to {num_ids - 1} but the model's "
+                              f"embedding has {vocab_size} rows (config.json vocab_size): those ids would index past "
+                              "it. The tokenizer and the weights are from different models")
+
+
 def _non_finite(value: Any, where: str) -> tuple[str, float] | None:
     """The first (dotted field path, value) holding a NaN or ±Inf float in a JSON value, else None."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -183,10 +221,19 @@ class CheckpointReader:
     # Public API --------------------------------------------------------------------------------------
     @cached_property
     def model_config(self) -> DeepseekV3ModelConfig:
-        """The normalised DeepSeek-V3 config (raises `ConfigError` for another architecture or a bad field)."""
+        """The normalised config of any supported family, its layer counts checked against the stored layers.
+
+        Raises:
+            ConfigError: another architecture, a bad field, or `num_hidden_layers` / `num_nextn_predict_layers`
+                above the layers the weights store (`tensor_inventory.check_layer_counts`).
+        """
+        from nextn.build.tensor_inventory import check_layer_counts
         from nextn.models.registry import model_config_from_hf
 
-        return model_config_from_hf(self.hf_config)
+        cfg = model_config_from_hf(self.hf_config)
+        check_layer_counts(cfg.num_hidden_layers, cfg.num_nextn_predict_layers, self._names,
+                           f"{self.model_dir / CONFIG_NAME} num_hidden_layers")
+        return cfg
 
     @property
     def is_fp8(self) -> bool:

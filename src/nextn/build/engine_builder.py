@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 import nextn
-from nextn.build.checkpoint import CONFIG_NAME, read_json
+from nextn.build.checkpoint import CONFIG_NAME, check_tokenizer_fits, read_json
 from nextn.build.engine_settings import (
     DTYPES, INT4_ROWS, check_mtp_layers, check_seq_len, medusa_speculative, open_checkpoint, quantized_specs_all,
     resolve_dtype, resolve_quant, resolve_speculative,
@@ -46,6 +46,7 @@ from nextn.build.manifest import BuildOptions, EngineError, EngineManifest, Sour
 from nextn.build.medusa_heads import check_fits, read_medusa_heads
 from nextn.build.output_dir import plan_output_dir, staging_dir
 from nextn.build.safetensors_writer import write_safetensors_streaming
+from nextn.build.tensor_inventory import check_all_read
 from nextn.build.weight_checks import check_engine_size, check_source_tensors, checked_getter, default_max_seq_len
 from nextn.config.llm_args import LlmArgs, load_llm_args_yaml, parse_llm_args
 from nextn.models.registry import WEIGHT_LAYOUTS
@@ -88,6 +89,7 @@ def build_engine(
     exclude_modules: list[str] | None = None,
     lm_head_quant_algo: str | None = None,
     super_block_size: int | None = None,
+    allow_unused_tensors: bool = False,
 ) -> EngineManifest:
     """Build an engine directory from a DeepSeek-V3 or Llama-family checkpoint, optionally with Medusa heads.
 
@@ -131,6 +133,9 @@ def build_engine(
         super_block_size: W4A16 with two-level scales (llama.cpp's k-quants): 8-bit group scales and zeros under
             fp16 scales per super-block of at most this many input channels (`QuantConfig.super_block_size`);
             None: 256 for models of ≥ 1B quantized weights, else none; 0: none (`resolve_quant`).
+        allow_unused_tensors: build even when the checkpoint stores tensors the engine would not read (a warning
+            names them), e.g. MTP layers a config with `num_nextn_predict_layers: 0` leaves out; by default such a
+            build is refused (`tensor_inventory.check_all_read`).
     Returns:
         The manifest written to `output_dir/manifest.json`.
     Raises:
@@ -138,8 +143,8 @@ def build_engine(
             (without `force`); `output_dir` holds the checkpoint; an explicit max_seq_len too large; MTP requested
             but absent; the engine would not fit the disk or is far larger than the checkpoint (a wrong size).
         CheckpointError, ConfigError, WeightError: unreadable checkpoint file, bad config.json (non-finite or
-            invalid field), missing, misshapen, non-float or non-finite tensor (each message names the file,
-            field or tensor).
+            invalid field, a layer count above the stored layers), missing, misshapen, non-float or non-finite
+            tensor, stored tensors the engine would not read (each message names the file, field or tensor).
         LlmArgsError: the YAML is missing or invalid.
     """
     model_dir, output_dir = Path(model_dir), Path(output_dir)
@@ -174,6 +179,10 @@ def build_engine(
         if heads is not None:
             specs.update({MEDUSA_PREFIX + n: (tuple(t.shape), torch_dtype) for n, t in heads.tensors.items()})
         check_source_tensors(reader, specs, cfg)
+        check_all_read(layout.unread_tensors(reader.names(), cfg), cfg.num_hidden_layers,
+                       cfg.num_nextn_predict_layers, allow_unused_tensors)
+        if not isinstance(reader, GGUFCheckpoint):  # a GGUF's token list is checked against its embedding on opening
+            check_tokenizer_fits(model_dir, cfg.vocab_size)
         quant, quant_names = resolve_quant(quant_algo, group_size, cfg, specs, exclude_modules, lm_head_quant_algo,
                                            super_block_size)
         untie = quant is not None and quant.applies_to("lm_head") and "lm_head.weight" not in specs

@@ -29,6 +29,9 @@ import numpy as np
 import torch
 
 from nextn.build.checkpoint import CheckpointError
+from nextn.build.gguf_tokenizer import check_vocabulary
+from nextn.build.tensor_inventory import check_layer_counts
+from nextn.models.config import MAX_SIZE
 from nextn.models.llama.config import LlamaModelConfig
 
 if TYPE_CHECKING:
@@ -53,6 +56,9 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 }  # fmt: skip
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+#: GGUF value types read as integers (a BOOL is not a count) and as numbers.
+_INT_TYPES = frozenset({"UINT8", "INT8", "UINT16", "INT16", "UINT32", "INT32", "UINT64", "INT64"})
+_NUMBER_TYPES = _INT_TYPES | {"FLOAT32", "FLOAT64"}
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -174,7 +180,7 @@ class GGUFCheckpoint:
         self.path = _resolve_file(Path(path))
         self.model_dir = self.path.parent
         self._reader = _open_reader(self.path)
-        self.architecture: str = self._field("general.architecture")  # the GGUF's, e.g. "llama", "qwen2"
+        self.architecture: str = self._scalar("general.architecture", {"STRING"}, "a string")  # e.g. "llama"
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise CheckpointError(f"{self.path}: unsupported GGUF architecture {self.architecture!r}; nextn reads "
                                   f"{', '.join(SUPPORTED_ARCHITECTURES)}")
@@ -191,7 +197,19 @@ class GGUFCheckpoint:
                 raise CheckpointError(f"{self.path}: tensor {t.name!r} has ggml type {t.tensor_type.name}, which "
                                       f"gguf {_gguf_version()} cannot dequantize; nextn reads {', '.join(supported)}")
             self._tensors[name] = t
+        self._check_tensor_spans()
+        if "tokenizer.ggml.tokens" in self._reader.fields:  # before the build writes anything
+            check_vocabulary(self._reader.fields, self.path)
         self.hf_config: dict[str, Any] = self._hf_config()
+
+    def _check_tensor_spans(self) -> None:
+        """Refuse two tensors whose bytes overlap in the file (a crafted header: one tensor read as another)."""
+        spans = sorted((int(t.data_offset), int(t.n_bytes), t.name) for t in self._reader.tensors)
+        for (start, size, name), (other_start, _, other) in zip(spans, spans[1:]):
+            if start + size > other_start:
+                raise CheckpointError(f"{self.path}: tensors {name!r} (bytes {start}-{start + size}) and {other!r} "
+                                      f"(from byte {other_start}) overlap in the file: its header is corrupt or "
+                                      "crafted; re-convert the model")
 
     # Metadata ----------------------------------------------------------------------------------------
     def _field(self, key: str, default: Any = ..., *, array: bool = False) -> Any:
@@ -203,8 +221,44 @@ class GGUFCheckpoint:
         value = f.contents()
         return list(value) if array else value
 
+    def _scalar(self, key: str, kinds: set[str] | frozenset[str], what: str, default: Any = ...) -> Any:
+        """Metadata `key` as one value of a GGUF type in `kinds` (e.g. {"UINT32", ...}); `default` when absent.
+
+        Raises:
+            CheckpointError: the key is absent (and has no default), an array, or of another type (e.g. the string
+                "abc" or a BOOL where a count belongs); the message names the key, its type and value.
+        """
+        f = self._reader.fields.get(key)
+        if f is None:
+            return self._field(key, default)
+        kind = f.types[0].name if f.types else "empty"
+        if len(f.types) != 1 or kind not in kinds:
+            shown = repr(f.contents()) if f.types else "nothing"
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            raise CheckpointError(f"{self.path}: GGUF metadata {key!r} is {'an array' if kind == 'ARRAY' else kind} "
+                                  f"({shown}), not {what}; the file is corrupt or was not written by llama.cpp's "
+                                  "converter")
+        return f.contents()
+
+    def _count(self, key: str, default: int | None = None) -> int:
+        """Metadata `key` as a count or size in [1, MAX_SIZE] (`default` when absent; required when None).
+
+        Raises:
+            CheckpointError: absent without a default, not an integer (a string, float, bool or array), or out of
+                range (0 heads, 2**32 - 1 blocks); the message names the key and value.
+        """
+        value = int(self._scalar(key, _INT_TYPES, "an integer", ... if default is None else default))
+        if not 1 <= value <= MAX_SIZE:
+            raise CheckpointError(f"{self.path}: GGUF metadata {key!r} is {value}; a count or size must lie in "
+                                  f"[1, {MAX_SIZE}]")
+        return value
+
+    def _number(self, key: str, default: float) -> float:
+        """Metadata `key` as a float (an integer or float type); NaN and ±Inf are refused by the model config."""
+        return float(self._scalar(key, _NUMBER_TYPES, "a number", default))
+
     def _token_id(self, key: str) -> int | None:
-        value = self._field(f"tokenizer.ggml.{key}", None)
+        value = self._scalar(f"tokenizer.ggml.{key}", _INT_TYPES, "an integer token id", None)
         return None if value is None or int(value) == NO_TOKEN else int(value)
 
     @property
@@ -216,42 +270,36 @@ class GGUFCheckpoint:
         """An HF config.json dict (`LlamaForCausalLM` or `Qwen2ForCausalLM`) from the `{arch}.*` and
         `tokenizer.ggml.*` metadata, with biases and tying read off the tensors present."""
         arch = self.architecture
-        k = lambda key, default=...: self._field(f"{arch}.{key}", default)  # noqa: E731
-        heads = int(k("attention.head_count"))
-        hidden = int(k("embedding_length"))
-        head_dim = int(k("attention.key_length", hidden // heads))
-        rope_dim = int(k("rope.dimension_count", head_dim))
+        count = lambda key, default=None: self._count(f"{arch}.{key}", default)  # noqa: E731
+        heads = count("attention.head_count")
+        hidden = count("embedding_length")
+        head_dim = count("attention.key_length", max(hidden // heads, 1))
+        rope_dim = count("rope.dimension_count", head_dim)
         if rope_dim != head_dim:
             raise CheckpointError(f"{self.path}: {arch}.rope.dimension_count {rope_dim} differs from the head size "
                                   f"{head_dim}; partial RoPE is not supported")
-        scaling = str(k("rope.scaling.type", "none"))
+        scaling = self._scalar(f"{arch}.rope.scaling.type", {"STRING"}, "a string", "none")
         if scaling != "none":
             raise CheckpointError(f"{self.path}: {arch}.rope.scaling.type {scaling!r} is not supported (nextn reads "
                                   "GGUFs with plain RoPE)")
-        tokens = self._field("tokenizer.ggml.tokens", None, array=True)
+        vocab = self._vocab_size()
         embed = self._tensors.get("model.embed_tokens.weight")
-        # The embedding's rows are the model's vocabulary; else llama.cpp's vocab_size key, else the token list.
-        vocab = (int(embed.shape[1]) if embed is not None else k("vocab_size", None)
-                 or (len(tokens) if tokens is not None else None))
-        if vocab is None:
-            raise CheckpointError(f"{self.path} has neither tokenizer.ggml.tokens nor token_embd.weight: "
-                                  "cannot tell the vocabulary size")
         first = embed.tensor_type.name if embed is not None else "F32"
         o_bias = "model.layers.0.self_attn.o_proj.bias" in self._tensors
         return {
             "architectures": [SUPPORTED_ARCHITECTURES[arch]],
             "model_type": arch,
-            "vocab_size": int(vocab),
+            "vocab_size": vocab,
             "hidden_size": hidden,
-            "intermediate_size": int(k("feed_forward_length")),
-            "num_hidden_layers": int(k("block_count")),
+            "intermediate_size": count("feed_forward_length"),
+            "num_hidden_layers": count("block_count"),
             "num_attention_heads": heads,
-            "num_key_value_heads": int(k("attention.head_count_kv", heads)),
+            "num_key_value_heads": count("attention.head_count_kv", heads),
             "head_dim": head_dim,
-            "rms_norm_eps": float(k("attention.layer_norm_rms_epsilon", 1e-5)),
-            "rope_theta": float(k("rope.freq_base", 10000.0)),
+            "rms_norm_eps": self._number(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
+            "rope_theta": self._number(f"{arch}.rope.freq_base", 10000.0),
             "rope_scaling": None,
-            "max_position_embeddings": int(k("context_length", 2048)),
+            "max_position_embeddings": count("context_length", 2048),
             "tie_word_embeddings": "lm_head.weight" not in self._tensors,
             "attention_bias": o_bias,  # HF Llama's flag: q/k/v/o biased
             "qkv_bias": "model.layers.0.self_attn.q_proj.bias" in self._tensors and not o_bias,  # Qwen2
@@ -261,8 +309,43 @@ class GGUFCheckpoint:
             "torch_dtype": {"F16": "float16", "BF16": "bfloat16"}.get(first, "float32"),
         }
 
+    def _vocab_size(self) -> int:
+        """The embedding's rows (a 2-D `token_embd.weight`, [hidden, vocab] in ggml order); without one, llama.cpp's
+        `vocab_size` key, else the token list's length.
+
+        Raises:
+            CheckpointError: the embedding is not 2-D; the token list's length differs from the embedding's rows
+                (llama.cpp's loader refuses it too: ids past the embedding, or rows no token reaches); no way to tell.
+        """
+        tokens = self._reader.fields.get("tokenizer.ggml.tokens")
+        num_tokens = len(tokens.data) if tokens is not None and tokens.types[:1] == [tokens.types[0].ARRAY] else None
+        embed = self._tensors.get("model.embed_tokens.weight")
+        if embed is None:  # the build then stops at the missing tensor, naming it
+            key = f"{self.architecture}.vocab_size"
+            if key not in self._reader.fields and num_tokens:
+                return num_tokens
+            return self._count(key)
+        if len(embed.shape) != 2:
+            raise CheckpointError(f"{self.path}: tensor 'token_embd.weight' has shape {[int(n) for n in embed.shape]} "
+                                  "(ggml order); an embedding is 2-D, [hidden, vocab]")
+        rows = int(embed.shape[1])
+        if num_tokens is not None and num_tokens != rows:
+            raise CheckpointError(f"{self.path}: tokenizer.ggml.tokens lists {num_tokens} tokens but "
+                                  f"token_embd.weight has {rows} rows; they must be equal (as llama.cpp requires): "
+                                  f"{'ids past the embedding' if num_tokens > rows else 'rows no token can reach'}. "
+                                  "The tokenizer and the weights are from different models")
+        return rows
+
     @cached_property
     def model_config(self) -> LlamaModelConfig:
+        """The normalised config, its layer count checked against the blocks the file stores.
+
+        Raises:
+            ConfigError: a value the config refuses, or `{arch}.block_count` above the blocks stored
+                (`tensor_inventory.check_layer_counts`).
+        """
+        check_layer_counts(self.hf_config["num_hidden_layers"], 0, self.names(),
+                           f"{self.path}: {self.architecture}.block_count")
         return LlamaModelConfig.from_hf(self.hf_config)
 
     # CheckpointReader's surface ------------------------------------------------------------------------
@@ -278,6 +361,18 @@ class GGUFCheckpoint:
 
     def has(self, name: str) -> bool:
         return name in self._tensors
+
+    def tensor_info(self, name: str) -> tuple[str, list[int]]:
+        """("F32", HF-order shape) of tensor `name` from the file's header: the dtype `get` returns (every ggml type
+        is dequantized to float32), so `weight_checks.check_source_tensors` checks GGUF shapes before any data.
+
+        Raises:
+            KeyError: no such tensor.
+        """
+        t = self._tensors.get(name)
+        if t is None:
+            raise KeyError(name)
+        return "F32", [int(n) for n in reversed(t.shape)]
 
     def get(self, name: str) -> torch.Tensor:
         """Tensor `name` (HF name) as fp32 [out, in] (or [n]), dequantized by `gguf.quants.dequantize`, in HF's

@@ -46,6 +46,58 @@ _SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "un
                    "pad_token": "padding_token_id"}
 
 
+def check_vocabulary(fields: Any, path: Path) -> None:
+    """Refuse tokenizer metadata that `transformers`' converter would fail on or turn into a wrong tokenizer.
+
+    Checked (each GGUF value's own type, as `gguf.GGUFReader` reports it): `tokenizer.ggml.tokens` is a non-empty
+    array of strings with no string twice (two ids for one string: one of them could never be encoded or decoded);
+    `scores` (floats) and `token_type` (integers), where present, have one entry per token; `merges` is an array of
+    strings; a `gpt2` (byte-level BPE) vocabulary has merges, as llama.cpp requires, and a SentencePiece one without
+    merges has scores (its merges are derived from them).
+
+    Args:
+        fields: `gguf.GGUFReader.fields`; path: the file (for messages).
+    Raises:
+        CheckpointError: naming the key and what is wrong (the first repeated token with both ids).
+    """
+    def array(key: str, kinds: tuple[str, ...], what: str) -> Any:
+        f = fields.get(f"tokenizer.ggml.{key}")
+        if f is None:
+            return None
+        types = [t.name for t in f.types]
+        if len(types) != 2 or types[0] != "ARRAY" or types[1] not in kinds:
+            raise CheckpointError(f"{path}: GGUF metadata 'tokenizer.ggml.{key}' is {'/'.join(types) or 'empty'}, "
+                                  f"not an array of {what}; the tokenizer metadata is corrupt")
+        return f
+
+    tokens_field = array("tokens", ("STRING",), "strings")
+    if tokens_field is None or not tokens_field.data:
+        raise CheckpointError(f"{path}: tokenizer.ggml.tokens is missing or empty")
+    tokens = tokens_field.contents()
+    first: dict[str, int] = {}
+    for i, token in enumerate(tokens):
+        j = first.setdefault(token, i)
+        if j != i:
+            raise CheckpointError(f"{path}: tokenizer.ggml.tokens lists {token!r} twice (ids {j} and {i}); a "
+                                  "vocabulary names each token once: the tokenizer metadata is corrupt")
+    for key, kinds, what in (("scores", ("FLOAT32", "FLOAT64"), "floats"),
+                             ("token_type", ("INT32", "UINT32", "INT8", "UINT8", "INT16", "UINT16", "INT64", "UINT64"),
+                              "integers")):
+        f = array(key, kinds, what)
+        if f is not None and len(f.data) != len(tokens):
+            raise CheckpointError(f"{path}: tokenizer.ggml.{key} has {len(f.data)} entries for {len(tokens)} tokens; "
+                                  "it needs one per token")
+    merges = array("merges", ("STRING",), "strings")
+    model = fields.get("tokenizer.ggml.model")
+    kind = model.contents() if model is not None and [t.name for t in model.types] == ["STRING"] else None
+    if kind == "gpt2" and merges is None:
+        raise CheckpointError(f"{path}: a gpt2 (byte-level BPE) tokenizer needs tokenizer.ggml.merges, which the file "
+                              "lacks (llama.cpp refuses it too); re-convert the model")
+    if kind == "llama" and merges is None and "tokenizer.ggml.scores" not in fields:
+        raise CheckpointError(f"{path}: a llama (SentencePiece) tokenizer without tokenizer.ggml.merges needs "
+                              "tokenizer.ggml.scores to derive them, and the file has neither")
+
+
 class GGUFTokenizerMetadata:
     """The tokenizer metadata of one GGUF, in `transformers.get_gguf_tokenizer`'s three parts.
 
@@ -70,6 +122,7 @@ class GGUFTokenizerMetadata:
         if "tokenizer.ggml.tokens" not in self._fields:
             raise CheckpointError(f"{path} has no tokenizer (no tokenizer.ggml.tokens metadata): "
                                   "pass token-id prompts, or build from a GGUF that carries one")
+        check_vocabulary(self._fields, path)
         self.architecture = str(self._get("general.architecture"))
         parts: dict[str, dict[str, Any]] = {}
         for group, renames in GGUF_TOKENIZER_MAPPING.items():
@@ -144,15 +197,22 @@ def write_tokenizer_files(reader: Any, path: Path, out_dir: str | Path) -> list[
     """Save the GGUF's tokenizer into `out_dir` (tokenizer.json, tokenizer_config.json, chat_template.jinja when the
     file has a template) and its generation ids as generation_config.json (`eos_token_id`: a list, `bos_token_id`).
 
+    The chat template is code from the file: it is rendered once with sample conversations under the runtime's
+    render budget (`nextn.runtime.tokenizer.check_chat_template`) before anything is written.
     Returns:
         the tokenizer file names written (sorted; generation_config.json, an auxiliary file, is not listed).
     Raises:
         CheckpointError: as `build_tokenizer`.
+        ChatTemplateLimitError: the chat template passes the render budget (time, size or memory) on a sample.
     """
+    from nextn.runtime.tokenizer import check_chat_template
+
     out = Path(out_dir)
     before = {p.name for p in out.iterdir()} if out.is_dir() else set()
     meta = GGUFTokenizerMetadata(reader, path)
-    _build(meta).save_pretrained(str(out))
+    tok = _build(meta)
+    check_chat_template(tok, f"{path} (tokenizer.chat_template)")
+    tok.save_pretrained(str(out))
     written = sorted(p.name for p in out.iterdir() if p.name not in before)
     generation = {"bos_token_id": meta.bos_token_id(), "eos_token_id": meta.eos_token_ids()}
     (out / GENERATION_CONFIG_NAME).write_text(json.dumps(generation, indent=2) + "\n")

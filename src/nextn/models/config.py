@@ -10,11 +10,27 @@ and the runtime builds its modules from. Fields keep the HF names.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+#: Most decoder layers (main or MTP) a config may declare; the largest released models have ~130. Every layer count
+#: is also checked against the layers a checkpoint stores (`nextn.build.tensor_inventory`).
+MAX_LAYERS = 1024
+#: Most routed experts a config may declare (DeepSeek-V3: 256; Kimi-K2: 384); each is a tensor read at build time.
+MAX_EXPERTS = 1 << 16
+#: Largest count or size a GGUF header may state (an int32); in a config, sizes are bounded by the stored tensors'
+#: shapes and the checkpoint's bytes at build time (`build.weight_checks`).
+MAX_SIZE = 2**31 - 1
+
+#: A width, head count or vocabulary of at least 1: a Python/JSON int (a bool, float or string is refused, not
+#: coerced).
+Size = Annotated[int, Field(strict=True, ge=1)]
+#: A number of decoder layers (main ones: at least 1).
+Layers = Annotated[int, Field(strict=True, ge=1, le=MAX_LAYERS)]
+#: A number of MTP modules (0: none).
+MtpLayers = Annotated[int, Field(strict=True, ge=0, le=MAX_LAYERS)]
 
 
 class ConfigError(ValueError):
@@ -44,25 +60,27 @@ class DeepseekV3ModelConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     architecture: Literal["DeepseekV3ForCausalLM"] = "DeepseekV3ForCausalLM"
-    vocab_size: int = Field(gt=0)
-    hidden_size: int = Field(gt=0)
-    intermediate_size: int = Field(gt=0)  # dense-MLP width (first_k_dense_replace layers)
-    moe_intermediate_size: int = Field(gt=0)  # width of each routed / shared expert
-    num_hidden_layers: int = Field(gt=0)
-    num_attention_heads: int = Field(gt=0)
-    q_lora_rank: int | None = None  # null: q_proj is a plain Linear
-    kv_lora_rank: int = Field(gt=0)  # width of the cached latent c_kv
-    qk_nope_head_dim: int = Field(gt=0)
-    qk_rope_head_dim: int = Field(gt=0)  # one rope key head shared by all heads
-    v_head_dim: int = Field(gt=0)
+    vocab_size: Size
+    hidden_size: Size
+    intermediate_size: Size  # dense-MLP width (first_k_dense_replace layers)
+    moe_intermediate_size: Size  # width of each routed / shared expert
+    num_hidden_layers: Layers
+    num_attention_heads: Size
+    q_lora_rank: Size | None = None  # null: q_proj is a plain Linear
+    kv_lora_rank: Size  # width of the cached latent c_kv
+    qk_nope_head_dim: Size
+    qk_rope_head_dim: Size  # one rope key head shared by all heads
+    v_head_dim: Size
     rms_norm_eps: float = Field(default=1e-6, gt=0)
-    n_routed_experts: int | None = None  # null: every layer is dense
-    n_shared_experts: int = 0
-    num_experts_per_tok: int = 1  # top-k routed experts per token
-    n_group: int = 1  # expert groups for group-limited routing
-    topk_group: int = 1  # groups kept per token
-    first_k_dense_replace: int = 0  # layers below this index use the dense MLP
-    moe_layer_freq: int = 1  # every moe_layer_freq-th layer (after the dense ones) is MoE
+    # null: every layer is dense
+    n_routed_experts: Annotated[int, Field(strict=True, ge=1, le=MAX_EXPERTS)] | None = None
+    n_shared_experts: Annotated[int, Field(strict=True, ge=0, le=MAX_EXPERTS)] = 0
+    num_experts_per_tok: Size = 1  # top-k routed experts per token
+    n_group: Size = 1  # expert groups for group-limited routing
+    topk_group: Size = 1  # groups kept per token
+    # layers below this index use the dense MLP
+    first_k_dense_replace: Annotated[int, Field(strict=True, ge=0, le=MAX_LAYERS)] = 0
+    moe_layer_freq: Size = 1  # every moe_layer_freq-th layer (after the dense ones) is MoE
     norm_topk_prob: bool = True  # renormalise the top-k sigmoid scores to sum 1
     routed_scaling_factor: float = 1.0  # multiplies routed-expert weights (V3: 2.5)
     scoring_func: Literal["sigmoid"] = "sigmoid"
@@ -70,8 +88,8 @@ class DeepseekV3ModelConfig(BaseModel):
     hidden_act: Literal["silu"] = "silu"
     rope: RopeConfig = RopeConfig()
     rope_interleave: bool = True  # rope dims stored as adjacent pairs (DeepSeek's layout)
-    max_position_embeddings: int = Field(default=4096, gt=0)
-    num_nextn_predict_layers: int = Field(default=0, ge=0)  # MTP modules stored after the main layers
+    max_position_embeddings: Size = 4096
+    num_nextn_predict_layers: MtpLayers = 0  # MTP modules stored after the main layers
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     bos_token_id: int | None = None
@@ -159,9 +177,8 @@ class DeepseekV3ModelConfig(BaseModel):
         if missing:
             raise ConfigError(f"config.json lacks required field(s) {missing} for a DeepSeek-V3 checkpoint")
         fields.setdefault("moe_intermediate_size", fields["intermediate_size"])
-        fields["num_nextn_predict_layers"] = int(
-            hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0)) or 0
-        )
+        mtp = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers"))
+        fields["num_nextn_predict_layers"] = 0 if mtp is None else mtp
         fields["torch_dtype"] = str(hf.get("dtype") or hf.get("torch_dtype") or "float32").removeprefix("torch.")
         fields["rope"] = _rope_from_hf(hf)
         try:

@@ -12,7 +12,8 @@ Both expert spellings load: per-expert (`mlp.experts.{e}.gate_proj.weight`, Deep
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import re
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -24,6 +25,14 @@ TensorGetter = Callable[[str], torch.Tensor]
 
 #: Tensors kept in fp32 whatever the engine dtype (the router's selection bias decides top-k ties).
 FP32_TENSORS = ("e_score_correction_bias",)
+
+
+#: Tensors an MTP layer may store that no engine reads: its copies of the main model's embedding and lm_head.
+MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+#: RoPE frequency buffers some checkpoints store; the runtime recomputes them from the config.
+DERIVED_SUFFIXES = (".rotary_emb.inv_freq",)
+_MTP_COPY_RE = re.compile(r"model\.layers\.(\d+)\.(?:" + "|".join(map(re.escape, MTP_COPIES)) + ")")
+_EXPERT_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(?:gate|up|down)_proj\.weight")
 
 
 class WeightError(ValueError):
@@ -98,6 +107,41 @@ def runtime_weight_specs(cfg: DeepseekV3ModelConfig) -> dict[str, Shape]:
     specs["model.norm.weight"] = (h,)
     specs["lm_head.weight"] = (v, h)
     return specs
+
+
+def dropped_by_design(name: str, num_layers: int, num_mtp_layers: int) -> bool:
+    """Whether a stored tensor is one every engine leaves out on purpose: an MTP layer's embedding / lm_head copy
+    (`MTP_COPIES`) or a RoPE buffer (`DERIVED_SUFFIXES`)."""
+    if name.endswith(DERIVED_SUFFIXES):
+        return True
+    m = _MTP_COPY_RE.fullmatch(name)
+    return m is not None and num_layers <= int(m[1]) < num_layers + num_mtp_layers
+
+
+def unread_tensors(names: Iterable[str], cfg: DeepseekV3ModelConfig) -> list[str]:
+    """The stored tensors (`names`, FP8 scales hidden) that `to_runtime` would not read for `cfg`, in stored order.
+
+    Read: every `runtime_weight_specs` name; per-expert weights `mlp.experts.{e}.{gate,up,down}_proj.weight` of a MoE
+    layer with e < n_routed_experts where the fused `mlp.experts.gate_up_proj` is not stored. Left out by design
+    (not listed): `dropped_by_design`.
+    """
+    names = list(names)
+    specs = runtime_weight_specs(cfg)
+    stored = set(names)
+    n, k = cfg.num_hidden_layers, cfg.num_nextn_predict_layers
+    unread = []
+    for name in names:
+        if name in specs or dropped_by_design(name, n, k):
+            continue
+        m = _EXPERT_RE.fullmatch(name)
+        if m:
+            layer, expert = int(m[1]), int(m[2])
+            fused = f"{layer_prefix(layer)}mlp.experts.gate_up_proj" in stored
+            if (layer < n + k and cfg.is_moe_layer(layer) and expert < (cfg.n_routed_experts or 0)
+                    and not fused):
+                continue
+        unread.append(name)
+    return unread
 
 
 def checked_tensor(get: TensorGetter, name: str, shape: Shape) -> torch.Tensor:

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from nextn.models.config import ConfigError
+from nextn.models.config import ConfigError, Layers, MtpLayers, Size
 
 #: HF architecture → model_type of the checkpoints this family reads.
 LLAMA_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
@@ -48,17 +48,17 @@ class LlamaModelConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     architecture: Literal["LlamaForCausalLM", "Qwen2ForCausalLM"] = "LlamaForCausalLM"
-    vocab_size: int = Field(gt=0)
-    hidden_size: int = Field(gt=0)
-    intermediate_size: int = Field(gt=0)  # SwiGLU width
-    num_hidden_layers: int = Field(gt=0)
-    num_attention_heads: int = Field(gt=0)
-    num_key_value_heads: int = Field(gt=0)  # GQA: heads of K and V (= num_attention_heads for MHA)
-    head_dim: int = Field(gt=0)  # per-head width; HF's default is hidden_size // num_attention_heads
+    vocab_size: Size
+    hidden_size: Size
+    intermediate_size: Size  # SwiGLU width
+    num_hidden_layers: Layers
+    num_attention_heads: Size
+    num_key_value_heads: Size  # GQA: heads of K and V (= num_attention_heads for MHA)
+    head_dim: Size  # per-head width; HF's default is hidden_size // num_attention_heads
     rms_norm_eps: float = Field(default=1e-6, gt=0)
     rope_theta: float = Field(default=10000.0, gt=0)  # RoPE base
     rope_scaling: Llama3RopeScaling | None = None  # null: plain RoPE
-    max_position_embeddings: int = Field(default=2048, gt=0)
+    max_position_embeddings: Size = 2048
     tie_word_embeddings: bool = False  # lm_head is embed_tokens (stored once in the engine)
     attention_bias: bool = False  # q/k/v/o projections carry biases (HF LlamaConfig)
     qkv_bias: bool = False  # q/k/v (not o) projections carry biases (Qwen2; implied by attention_bias)
@@ -67,7 +67,7 @@ class LlamaModelConfig(BaseModel):
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     torch_dtype: str = "float32"  # dtype the checkpoint was saved in
-    num_nextn_predict_layers: int = Field(default=0, ge=0)  # MTP modules at model.layers.{num_hidden_layers + i}
+    num_nextn_predict_layers: MtpLayers = 0  # MTP modules at model.layers.{num_hidden_layers + i}
 
     @model_validator(mode="before")
     @classmethod
@@ -76,8 +76,9 @@ class LlamaModelConfig(BaseModel):
             data = dict(data)
             if data.get("num_key_value_heads") is None and "num_attention_heads" in data:
                 data["num_key_value_heads"] = data["num_attention_heads"]
-            if data.get("head_dim") is None and "hidden_size" in data and data.get("num_attention_heads"):
-                data["head_dim"] = data["hidden_size"] // data["num_attention_heads"]
+            hidden, heads = data.get("hidden_size"), data.get("num_attention_heads")
+            if data.get("head_dim") is None and type(hidden) is int and type(heads) is int and heads > 0:
+                data["head_dim"] = hidden // heads  # a non-int or zero is refused by the fields' own checks
         return data
 
     @model_validator(mode="after")

@@ -8,15 +8,15 @@ DeepSeek-V3 (every engine uses the main model's embedding and lm_head).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from nextn.models.deepseek_v3.weights import Shape, TensorGetter, WeightError, checked_tensor
+from nextn.models.deepseek_v3.weights import Shape, TensorGetter, WeightError, checked_tensor, dropped_by_design
 from nextn.models.llama.config import LlamaModelConfig
 
 
-__all__ = ["WeightError", "runtime_weight_dtype", "runtime_weight_specs", "to_runtime"]
+__all__ = ["WeightError", "runtime_weight_dtype", "runtime_weight_specs", "to_runtime", "unread_tensors"]
 
 
 def runtime_weight_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
@@ -56,6 +56,15 @@ def runtime_weight_specs(cfg: LlamaModelConfig) -> dict[str, Shape]:
     if not cfg.tie_word_embeddings:
         specs["lm_head.weight"] = (v, h)
     return specs
+
+
+def unread_tensors(names: Iterable[str], cfg: LlamaModelConfig) -> list[str]:
+    """The stored tensors (`names`) that `to_runtime` would not read for `cfg`, in stored order; a tied model's
+    `lm_head.weight` copy and `deepseek_v3.weights.dropped_by_design` tensors are left out on purpose, not listed."""
+    specs = runtime_weight_specs(cfg)
+    n, k = cfg.num_hidden_layers, cfg.num_nextn_predict_layers
+    return [name for name in names if name not in specs and not dropped_by_design(name, n, k)
+            and not (name == "lm_head.weight" and cfg.tie_word_embeddings)]
 
 
 def to_runtime(
