@@ -66,8 +66,9 @@ def load_transformers(gguf_file: Path, dtype: torch.dtype = torch.float32):
     """(model, tokenizer) of `transformers` loading the GGUF (dequantized into `dtype`), the numerical oracle."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=dtype)
+    tok = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=dtype,
+                                                 trust_remote_code=False)
     return model.eval().requires_grad_(False), tok
 
 
@@ -198,7 +199,7 @@ def speed(gguf_file: Path, batch_sizes: Sequence[int], max_tokens: int, repeats:
     """Tokens/s of nextn and transformers for each dtype and batch size (every sequence runs `max_tokens` tokens)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    tok = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, trust_remote_code=False)
     prompts = chat_prompt_ids(tok, load_prompt_texts(max(batch_sizes), 0))
     result: dict = {"model": gguf_file.name, "max_tokens": max_tokens, "repeats": repeats,
                     "prompt_lens": [len(p) for p in prompts], "nextn": {}, "transformers": {}}

@@ -54,8 +54,8 @@ def _nextn_rows(engine: Path, prompts: list[str], max_tokens: int, k: int, batch
 def _transformers_row(model_dir: Path, prompts: list[str], max_tokens: int) -> tuple[str, int, float, float]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=False).eval()
     ids = [tok(p, return_tensors="pt").input_ids for p in prompts]
     kw = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=tok.eos_token_id)
     with torch.inference_mode():

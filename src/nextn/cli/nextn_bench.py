@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import logging
 import random
@@ -21,6 +22,8 @@ from pathlib import Path
 
 from nextn.bench.dataset import (DatasetError, load_dataset, normal_lengths, prompt_dataset, read_prompt_file,
                                  synthetic_dataset, uniform_lengths, write_dataset)
+from nextn.build.output_files import (check_output_file, is_jsonl_with, is_report_of, write_output_file,
+                                      written_by)
 from nextn.cli.main import USER_ERRORS
 
 PROG = "nextn-bench"
@@ -132,7 +135,7 @@ def _tokenizer_and_vocab(args):
 
     from nextn.runtime.tokenizer import EngineTokenizer
 
-    return EngineTokenizer(AutoTokenizer.from_pretrained(args.model_dir)), vocab
+    return EngineTokenizer(AutoTokenizer.from_pretrained(args.model_dir, trust_remote_code=False)), vocab
 
 
 def _prepare(args) -> int:
@@ -164,9 +167,9 @@ def _prepare(args) -> int:
             outs = uniform_lengths(n, args.output_min, args.output_max, rng)
         entries = synthetic_dataset(ins, outs, vocab, rng)
     if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.output, "w", encoding="utf-8") as f:
-            write_dataset(entries, f)
+        buf = io.StringIO()
+        write_dataset(entries, buf)
+        write_output_file(args.output, buf.getvalue(), "--output", is_jsonl_with("task_id"))
     else:
         write_dataset(entries, sys.stdout)
     return 0
@@ -196,7 +199,8 @@ def _run(args) -> int:
     from nextn.cli.env_options import env_llm_overrides
     from nextn.runtime.llm import LLM
 
-    entries = load_dataset(args.dataset)  # fail fast, before loading the engine
+    _check_outputs(args)  # fail fast, before loading the engine
+    entries = load_dataset(args.dataset)
     if args.num_threads:
         import torch
 
@@ -237,20 +241,30 @@ def _run(args) -> int:
     return 1 if failed else 0
 
 
+def _check_outputs(args) -> None:
+    """Refuse, before any work, an output path that is a directory, a link, or a file not in the format written
+    there (build/output_files.py); the plots are checked by `write_plots` before each is saved."""
+    if args.report_json:
+        check_output_file(args.report_json, "--report_json", is_report_of("bench"))
+    if args.iteration_log:
+        check_output_file(args.iteration_log, "--iteration_log", is_jsonl_with("iteration"))
+    if args.plot and Path(args.plot).exists() and not Path(args.plot).is_dir():
+        raise BenchError(f"--plot {args.plot} is not a directory: give the directory for the charts")
+
+
 def _write_outputs(args, results, report_dict, write_plots) -> None:
     """--report_json (FILE for the configured run; FILE.baseline.json, FILE.k{K}.json beside it), --iteration_log,
     --plot."""
     if args.report_json:
-        Path(args.report_json).parent.mkdir(parents=True, exist_ok=True)
         for tag, run, stats in results:
             p = Path(args.report_json)
             path = p.with_name(f"{p.stem}.{tag}{p.suffix}") if tag else p
-            path.write_text(json.dumps(report_dict(run, stats), indent=2) + "\n")
+            write_output_file(path, json.dumps({**written_by("bench"), **report_dict(run, stats)}, indent=2) + "\n",
+                              "--report_json", is_report_of("bench"))
     if args.iteration_log:
-        with open(args.iteration_log, "w", encoding="utf-8") as f:
-            for _, run, _ in results:
-                for i, entry in enumerate(run.iteration_log):
-                    f.write(json.dumps({"iteration": i, "max_draft_len": run.max_draft_len, **entry}) + "\n")
+        lines = [json.dumps({"iteration": i, "max_draft_len": run.max_draft_len, **entry}) + "\n"
+                 for _, run, _ in results for i, entry in enumerate(run.iteration_log)]
+        write_output_file(args.iteration_log, "".join(lines), "--iteration_log", is_jsonl_with("iteration"))
     if args.plot:
         for path in write_plots([(run, stats) for _, run, stats in results], args.plot):
             print(f"{PROG}: wrote {path}", file=sys.stderr)

@@ -68,7 +68,7 @@ def load_tokenizer(model: Path):
     if model.is_dir() and any((model / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(model))
+        return AutoTokenizer.from_pretrained(str(model), trust_remote_code=False)
     raise TokenMapError(f"{model} is not a .gguf file, an engine or a checkpoint with a tokenizer")
 
 

@@ -113,7 +113,8 @@ def check_vocabularies(target_dir: Path, target: EngineManifest, draft_dir: Path
     if target.tokenizer_files and draft.tokenizer_files:
         from transformers import AutoTokenizer
 
-        a, b = (AutoTokenizer.from_pretrained(str(d)).get_vocab() for d in (target_dir, draft_dir))
+        a, b = (AutoTokenizer.from_pretrained(str(d), trust_remote_code=False).get_vocab()
+                for d in (target_dir, draft_dir))
         if a != b:
             diff = sorted(set(a.items()) ^ set(b.items()), key=lambda kv: kv[1])[:3]
             raise LlmArgsError(f"Draft_Target needs one vocabulary: the tokenizers of the draft model {draft_dir} "

@@ -40,7 +40,7 @@ class EngineTokenizer:
 
         if not files:
             return None
-        return cls(AutoTokenizer.from_pretrained(str(engine_dir)))
+        return cls(AutoTokenizer.from_pretrained(str(engine_dir), trust_remote_code=False))  # never run repo code
 
     @property
     def chat_template(self) -> str | None:

@@ -252,7 +252,7 @@ def _greedy_data(target, ckpt: Path, prompts, num_sequences: int, seq_len: int, 
     if prompts:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(ckpt)
+        tokenizer = AutoTokenizer.from_pretrained(ckpt, trust_remote_code=False)
         stream = torch.tensor([i for p in prompts for i in tokenizer(p)["input_ids"]], dtype=torch.long)
         while stream.numel() < prompt_len + num_sequences:
             stream = torch.cat([stream, stream])

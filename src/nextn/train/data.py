@@ -197,14 +197,14 @@ def load_base(model_dir: str | Path):
     if gguf is not None:
         from nextn.build.gguf_reader import GGUFCheckpoint
 
-        cfg = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        cfg = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
         cfg.pad_token_id = None
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, config=cfg,
-                                                     dtype=torch.float32)
+                                                     dtype=torch.float32, trust_remote_code=False)
         tokenizer = GGUFCheckpoint(gguf).tokenizer()
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     model.eval().requires_grad_(False)
     return model, tokenizer
 

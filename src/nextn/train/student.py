@@ -142,5 +142,5 @@ def write_student_checkpoint(student, mtp: MtpModule, spec: TinyDeepseekSpec, te
         else:
             from transformers import AutoTokenizer
 
-            AutoTokenizer.from_pretrained(teacher_dir).save_pretrained(str(out))
+            AutoTokenizer.from_pretrained(teacher_dir, trust_remote_code=False).save_pretrained(str(out))
     return out
