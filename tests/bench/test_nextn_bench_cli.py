@@ -121,3 +121,22 @@ def test_python_dash_m_entry_point(small_engine):
     assert done.returncode == 0, done.stderr
     rows = [json.loads(line) for line in done.stdout.splitlines()]
     assert [len(r["input_ids"]) for r in rows] == [4, 4, 4] and all(r["output_tokens"] == 2 for r in rows)
+
+
+def test_outputs_never_overwrite_a_users_file(small_engine, dataset, tmp_path, capsys):
+    # issue 32: --report_json / --iteration_log / --output replaced any file; a directory was a traceback
+    mine = tmp_path / "config.json"
+    mine.write_text('{"mine": true}')
+    base = ["--engine_dir", str(small_engine), "throughput", "--dataset", str(dataset), "--no_progress"]
+    for flag, path in (("--report_json", mine), ("--iteration_log", mine), ("--report_json", tmp_path)):
+        assert main([*base, flag, str(path)]) == 2
+        err = capsys.readouterr().err
+        assert ("not written by this command" in err or "is a directory" in err) and "Traceback" not in err
+    assert main(["--engine_dir", str(small_engine), "prepare-dataset", "--output", str(mine), "token-norm-dist",
+                 "--num-requests", "2", "--input-mean", "4", "--output-mean", "2"]) == 2
+    assert mine.read_text() == '{"mine": true}'
+    out = tmp_path / "d.jsonl"
+    for _ in range(2):  # its own dataset is replaced
+        assert main(["--engine_dir", str(small_engine), "prepare-dataset", "--output", str(out), "token-norm-dist",
+                     "--num-requests", "2", "--input-mean", "4", "--output-mean", "2"]) == 0
+    assert len(out.read_text().splitlines()) == 2

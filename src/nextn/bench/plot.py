@@ -8,10 +8,23 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 from nextn.bench.report import BenchStatistics
 from nextn.bench.runner import BenchRun
+from nextn.build.output_files import is_png, write_output_file
+
+
+def _save(fig, path: str | Path) -> None:
+    """Save a PNG atomically; an existing file is replaced only when it is a PNG (build/output_files.py).
+
+    Raises:
+        OutputPathError: `path` is a directory, a link or a file other than a PNG.
+    """
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    write_output_file(path, buf.getvalue(), "--plot", is_png)
 
 
 def _pyplot():
@@ -34,7 +47,7 @@ def plot_acceptance_per_position(rates: list[float], path: str | Path, title: st
     ax.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1.05), xticks=positions,
            title=title or "acceptance rate per draft position")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    _save(fig, path)
     plt.close(fig)
     return Path(path)
 
@@ -53,7 +66,7 @@ def plot_runs_vs_k(rows: list[tuple[int, float, float]], path: str | Path, title
             ylim=(0, max(r[2] for r in rows) + 0.5))
     fig.suptitle(title or "throughput and acceptance length against K")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    _save(fig, path)
     plt.close(fig)
     return Path(path)
 

@@ -118,8 +118,18 @@ def _add_make_checkpoint(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("make-checkpoint", help="write a tiny DeepSeek-V3 checkpoint with MTP layers (HF save_pretrained "
                                                "+ DeepSeek's MTP layout), optionally distilling its MTP modules")
     demo.add_checkpoint_arguments(p)
-    p.add_argument("--output_dir", required=True)
-    p.set_defaults(func=demo.make_checkpoint_cmd)
+    p.add_argument("--output_dir", required=True,
+                   help="a new or empty directory (or one an earlier make-checkpoint wrote); other folders are refused")
+    p.set_defaults(func=_make_checkpoint)
+
+
+def _make_checkpoint(args: argparse.Namespace) -> int:
+    """make-checkpoint into a directory it may claim (build/output_files.py): never over a user's files."""
+    from nextn.build.output_files import claim_output_dir
+    from nextn.cli import demo
+
+    claim_output_dir(args.output_dir, "make-checkpoint")
+    return demo.make_checkpoint_cmd(args)
 
 
 def _add_train_draft(sub: argparse._SubParsersAction) -> None:
