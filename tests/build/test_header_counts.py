@@ -9,9 +9,10 @@ disagree with the embedding, overlapping tensor data, and tokenizers that would 
 from __future__ import annotations
 
 import ast
-import builtins
 import json
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -270,24 +271,26 @@ def test_a_padded_hf_vocabulary_builds(make_ckpt, tmp_path: Path) -> None:
 
 
 # Remote code: never asked, never run -------------------------------------------------------------------------------
-def test_a_tokenizer_asking_for_remote_code_is_refused_without_reading_stdin(tmp_path: Path, monkeypatch) -> None:
-    from nextn.runtime.tokenizer import EngineTokenizer
-
+def test_a_tokenizer_asking_for_remote_code_is_refused_without_reading_stdin(tmp_path: Path) -> None:
+    """`auto_map` in tokenizer_config.json: transformers' default asks "Do you wish to run the custom code? [y/N]" on
+    stdin. Here stdin answers "y" and the load must neither ask nor run the file's code: a named error instead."""
     d = tmp_path / "tok"
     d.mkdir()
     (d / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {"type": "WordLevel",
                                                                               "vocab": {"<unk>": 0}}}))
     (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "EvilTokenizer",
                                                          "auto_map": {"AutoTokenizer": ["evil.EvilTokenizer", None]}}))
-    (d / "evil.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
-
-    def no_prompt(*args, **kwargs):
-        raise AssertionError(f"stdin was read: {args}")
-
-    monkeypatch.setattr(builtins, "input", no_prompt)
-    with pytest.raises(ValueError, match="trust_remote_code"):
-        EngineTokenizer.load(d, ["tokenizer.json", "tokenizer_config.json"])
-    assert not (tmp_path / "ran").exists()
+    ran = tmp_path / "ran"
+    (d / "evil.py").write_text(f"open({str(ran)!r}, 'w').close()\n"
+                               "from transformers import PreTrainedTokenizerFast as EvilTokenizer\n")
+    code = ("import sys; from pathlib import Path; from nextn.runtime.tokenizer import EngineTokenizer\n"
+            "try:\n    EngineTokenizer.load(Path(sys.argv[1]), ['tokenizer.json'])\n"
+            "except ValueError as e:\n    print('REFUSED', e)\n")
+    out = subprocess.run([sys.executable, "-c", code, str(d)], input="y\ny\n", capture_output=True, text=True,
+                         timeout=120)
+    assert "Do you wish" not in out.stdout + out.stderr
+    assert "REFUSED" in out.stdout and "trust_remote_code" in out.stdout, out.stdout + out.stderr
+    assert not ran.exists()
 
 
 AUTO_CLASSES = ("AutoTokenizer", "AutoConfig", "AutoModel", "AutoModelForCausalLM")
