@@ -308,3 +308,16 @@ def test_every_auto_class_load_refuses_remote_code() -> None:
                 if not (isinstance(flag, ast.Constant) and flag.value is False):
                     missing.append(f"{path.relative_to(SRC)}:{node.lineno}")
     assert not missing, f"from_pretrained without trust_remote_code=False: {missing}"
+
+
+def test_build_engine_cli_names_unread_tensors_and_takes_the_option(tmp_path: Path, capsys) -> None:
+    from nextn.cli.build_engine import main
+
+    path = write_gguf(tmp_path / "m.gguf", blocks=3, stored=5)
+    argv = ["--model_dir", str(path), "--output_dir", str(tmp_path / "engine"), "--no-progress"]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: the checkpoint stores 18 tensor(s) the engine would not read" in err and "Traceback" not in err
+    assert main([*argv, "--allow_unused_tensors"]) == 0

@@ -3,7 +3,8 @@
 Usage:
     build-engine --model_dir CHECKPOINT --output_dir ENGINE [--dtype auto|bfloat16|float32]
                  [--quant_algo W8A16|W4A16|W4A8 [--group_size G] [--super_block_size S]]
-                 [--max_batch_size N] [--max_seq_len N] [--extra_llm_api_options YAML] [--force] [--no-progress]
+                 [--max_batch_size N] [--max_seq_len N] [--extra_llm_api_options YAML] [--force]
+                 [--allow_unused_tensors] [--no-progress]
                  [--compile_step [--compile_batch_sizes N ...] [--compile_device cpu|cuda]]
 
 Exit status: 0 on success; 2 for invalid arguments, an unreadable/unsupported checkpoint, bad YAML or an output
@@ -111,6 +112,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lm_head_quant_algo", choices=("W8A16", "W4A16"),
                    help="the lm_head's format with --quant_algo (default W8A16: 4 bits there cost far more "
                    "accuracy than in the decoder layers)")
+    p.add_argument("--allow_unused_tensors", action="store_true",
+                   help="build even when the checkpoint stores tensors the engine would not read (named in a warning), "
+                   "e.g. MTP layers a config with num_nextn_predict_layers: 0 leaves out; refused by default")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
     return p
 
@@ -174,6 +178,7 @@ def _build(args: argparse.Namespace):
             compile_batch_sizes=args.compile_batch_sizes, compile_device=args.compile_device, force=args.force,
             quant_algo=args.quant_algo, group_size=args.group_size, exclude_modules=args.exclude_modules,
             lm_head_quant_algo=args.lm_head_quant_algo, super_block_size=args.super_block_size,
+            allow_unused_tensors=args.allow_unused_tensors,
         )  # fmt: skip
 
 
