@@ -15,7 +15,7 @@ import pytest
 
 from nextn.build.checkpoint import CheckpointError
 from nextn.build.gguf_tokenizer import GGUFTokenizerMetadata, build_tokenizer, write_tokenizer_files
-from nextn.runtime.tokenizer import ChatTemplateError, EngineTokenizer, eos_token_ids
+from nextn.runtime.tokenizer import ChatTemplateError, ChatTemplateLimitError, EngineTokenizer, eos_token_ids
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED = ROOT.parent / "shared" / "data"
@@ -194,3 +194,46 @@ def test_eos_ids_are_the_union_of_config_and_generation_config(tmp_path: Path) -
     assert eos_token_ids(tmp_path, [1, 2]) == {1, 2, 7}
     (tmp_path / "generation_config.json").write_text("not json")
     assert eos_token_ids(tmp_path, None) == frozenset()
+
+
+def write_template_gguf(path: Path, template: str) -> Path:
+    """A SentencePiece-style tokenizer-only GGUF whose `tokenizer.chat_template` is `template`."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(["<unk>", "<s>", "</s>", "▁a", "a"])
+    w.add_token_types([2, 3, 3, 1, 1])
+    w.add_token_scores([0.0, 0.0, 0.0, -1.0, -2.0])
+    w.add_uint32("tokenizer.ggml.bos_token_id", 1)
+    w.add_uint32("tokenizer.ggml.eos_token_id", 2)
+    w.add_chat_template(template)
+    for step in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file, w.close):
+        step()
+    return path
+
+
+@pytest.mark.parametrize("template, fragment", [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "within 5 s"),
+    ("{{ 'x' * (2*10**9) }}", "cap of"),
+    ("{% set ns = namespace(s='x') %}{% for i in range(31) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+     "cap"),
+])
+def test_a_chat_template_that_passes_the_render_budget_is_refused_before_writing(tmp_path, template, fragment):
+    """build-engine renders the GGUF's template once with sample conversations under the runtime's budget (5 s,
+    16 Mi characters, 1 GiB): one that passes it is a ChatTemplateLimitError naming the file, and no tokenizer file
+    is written."""
+    path = write_template_gguf(tmp_path / "m.gguf", template)
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(ChatTemplateLimitError, match=rf"m\.gguf \(tokenizer\.chat_template\).*{fragment}"):
+        write_tokenizer_files(gguf.GGUFReader(str(path)), path, out)
+    assert list(out.iterdir()) == []
+
+
+def test_a_chat_template_that_refuses_the_sample_is_still_built(tmp_path):
+    """Only the budget is enforced at build time: a template's own checks (here: no system role) are its business."""
+    template = ("{% if messages[0].role == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+                "{% for m in messages %}{{ m.content }}{% endfor %}")
+    path = write_template_gguf(tmp_path / "m.gguf", template)
+    files = write_tokenizer_files(gguf.GGUFReader(str(path)), path, tmp_path)
+    tok = EngineTokenizer.load(tmp_path, files)
+    assert tok.render_chat([{"role": "user", "content": "a a"}]) == "a a"

@@ -18,12 +18,47 @@ logger = logging.getLogger(__name__)
 
 
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # = nextn.serving.http_edge's (not imported: keeps `--help` fast)
+DEFAULT_CHAT_TEMPLATE_TIMEOUT_S = 5.0  # = nextn.runtime.template_render's DEFAULT_TIMEOUT_S
+MAX_CHAT_TEMPLATE_TIMEOUT_S = 3600.0
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive byte count, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive byte count, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a TCP port number (1-65535), got {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port number (1-65535), got {value}")
+    return value
+
+
+def _api_key(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the API key is empty: give a non-empty key, or leave --api_key out to "
+                                         "serve without one")
+    if not all("!" <= c <= "~" for c in text):  # what a client can send in 'Authorization: Bearer KEY'
+        raise argparse.ArgumentTypeError("the API key must be printable ASCII without spaces (clients send it in an "
+                                         "HTTP header)")
+    return text
+
+
+def _timeout(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= MAX_CHAT_TEMPLATE_TIMEOUT_S:  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"must be seconds in (0, {MAX_CHAT_TEMPLATE_TIMEOUT_S:g}], got {text!r}")
     return value
 
 
@@ -40,7 +75,7 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine_dir", required=True, help="engine directory written by build-engine")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--port", type=_port, default=8000, help="port to listen on, 1-65535 (default 8000)")
     p.add_argument("--extra_llm_api_options", "--config", dest="extra_llm_api_options",
                    help="YAML of LLM arguments (TensorRT-LLM names), e.g. speculative_config, kv_cache_config")
     p.add_argument("--served_model_name", help="the model name clients send (default: the engine directory's name)")
@@ -51,12 +86,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tensor-parallel ranks (trtllm-serve's name; started by nextn: docs/ARCHITECTURE.md)")
     p.add_argument("--ep_size", type=int, dest="moe_expert_parallel_size",
                    help="expert-parallel ranks for DeepSeek-V3's routed experts (divides --tp_size)")
-    p.add_argument("--api_key", default=os.environ.get("NEXTN_API_KEY") or None,
+    p.add_argument("--api_key", type=_api_key, default=os.environ.get("NEXTN_API_KEY") or None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: the "
                         "NEXTN_API_KEY environment variable; unset = no key)")
     p.add_argument("--max_request_bytes", type=_positive, default=DEFAULT_MAX_REQUEST_BYTES,
                    help=f"largest request body accepted, in bytes; larger ones get HTTP 413 before being read "
                         f"(default {DEFAULT_MAX_REQUEST_BYTES} = 16 MiB)")
+    p.add_argument("--chat_template_timeout", type=_timeout, default=DEFAULT_CHAT_TEMPLATE_TIMEOUT_S,
+                   help="seconds one chat-template render may take before it is stopped and the request gets a 400 "
+                        f"(default {DEFAULT_CHAT_TEMPLATE_TIMEOUT_S:g}); renders run in worker processes")
     p.add_argument("--log_level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default info)")
 
@@ -74,13 +112,29 @@ def run(args: argparse.Namespace) -> int:
     sizes = ("max_batch_size", "max_seq_len", "tensor_parallel_size", "moe_expert_parallel_size")
     overrides = {k: getattr(args, k) for k in sizes if getattr(args, k) is not None} | env_llm_overrides()
     llm = LLM(args.engine_dir, extra_llm_api_options=args.extra_llm_api_options, device=args.device, **overrides)
-    app = create_app(llm, args.served_model_name, api_key=args.api_key, max_request_bytes=args.max_request_bytes)
+    app = create_app(llm, args.served_model_name, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
+                     chat_template_timeout_s=args.chat_template_timeout)
     logging.getLogger("nextn").setLevel(min(logging.getLogger("nextn").getEffectiveLevel(), logging.INFO))
     logger.info("serving '%s' from %s on http://%s:%d", app.state.server.model_name, args.engine_dir, args.host,
                 args.port)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=10))
+    server.handle_exit = _renders_stopped_first(server.handle_exit)
     try:
         # On Ctrl+C / SIGTERM, streams still open after 10 s are cut; shutdown() then cancels their requests.
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10)
+        server.run()
     finally:
         llm.shutdown()
-    return 0
+    return 0 if server.started else 1  # uvicorn logged why it could not start (e.g. the port is in use)
+
+
+def _renders_stopped_first(handle_exit):
+    """uvicorn's signal handler, preceded by closing the chat-template renderer: renders in flight stop at once (their
+    requests get 503), so a template that loops cannot hold the shutdown. Runs in the event-loop thread, which never
+    holds the renderer's lock."""
+    def handle(sig, frame) -> None:
+        from nextn.runtime.template_render import shared_renderer
+
+        shared_renderer().close()
+        handle_exit(sig, frame)
+    return handle

@@ -48,6 +48,10 @@ class ChatTemplateLimitError(ChatTemplateError):
     """The template passed a render budget (time, output size, memory) and was stopped; the message names which."""
 
 
+class RendererClosed(ChatTemplateError):
+    """The renderer was closed (the process is shutting down); renders in flight end with this at once."""
+
+
 class RenderCancelled(Exception):
     """The caller cancelled the render (its client left); the worker was stopped."""
 
@@ -197,17 +201,22 @@ class ChatTemplateRenderer:
             keep = reply.get("kind") != "memory"
             return _text(reply, limits, self.memory_bytes)
         except _WorkerGone as e:
+            if self._closed:
+                raise RendererClosed("the chat-template renderer was closed (the server is shutting down)") from None
             raise ChatTemplateError(f"the chat-template worker failed: {e}; check that `{sys.executable} -P "
                                     f"{WORKER_PATH}` starts (it needs jinja2 and transformers)") from None
         finally:
             self._release(worker, keep)
 
     def close(self) -> None:
-        """Stop every worker (idle ones now, busy ones when their render returns)."""
+        """Stop every worker now; renders in flight or waiting raise `RendererClosed`. Safe from a signal handler
+        of the thread that renders nothing (e.g. a server's event loop)."""
         with self._cond:
             self._closed = True
-            idle, self._idle = self._idle, []
+            idle, busy, self._idle = self._idle, list(self._busy), []
             self._cond.notify_all()
+        for worker in busy:
+            worker.proc.kill()  # its render sees the end of its output and ends; that thread reaps it
         for worker in idle:
             worker.kill()
 
@@ -215,7 +224,7 @@ class ChatTemplateRenderer:
         with self._cond:
             while True:
                 if self._closed:
-                    raise ChatTemplateError("the chat-template renderer is closed (the server is shutting down)")
+                    raise RendererClosed("the chat-template renderer is closed (the server is shutting down)")
                 if cancel is not None and cancel.is_set():
                     raise RenderCancelled("the render was cancelled before it started")
                 ready = [w for w in self._idle if w.ready]

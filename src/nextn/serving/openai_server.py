@@ -7,7 +7,8 @@ engine through in-flight batching; a client that disconnects has its request abo
 once). Bad requests get HTTP 4xx with OpenAI's error body naming the field and the fix: the HTTP edge
 (`serving/http_edge.py`: API key, body size, UTF-8, JSON) then the request models (`openai_protocol.py`: types and
 ranges) then the engine-dependent limits here (vocabulary, max_seq_len, prompt characters before tokenizing).
-Tokenization and chat-template rendering run in worker threads, so a long prompt never blocks the event loop.
+Tokenization runs in worker threads, so a long prompt never blocks the event loop; chat templates render in worker
+processes under a time, size and memory budget, and a client that leaves stops its render (`serving/chat_render.py`).
 
 Stop strings (`stop`) are matched on the detokenized text after each engine step: the text is cut before the
 first match, the request is aborted there (finish_reason "stop"), and `usage.completion_tokens` counts the tokens
@@ -38,8 +39,10 @@ from nextn.runtime.engine import RequestError
 from nextn.runtime.outputs import CompletionOutput
 from nextn.runtime.request_handle import RequestHandle
 from nextn.runtime.sampling_params import SamplingParamsError
+from nextn.runtime.template_render import DEFAULT_TIMEOUT_S, RenderLimits
 from nextn.serving import PROMPT_CHARS_PER_TOKEN
 from nextn.serving import openai_protocol as p
+from nextn.serving.chat_render import ServerChatRenderer
 from nextn.serving.http_edge import (DEFAULT_MAX_REQUEST_BYTES, OFFLOAD_BYTES, ApiKeyMiddleware, parse_json,
                                      read_body)
 from nextn.serving.metrics import CountRequests, ServerMetrics
@@ -76,9 +79,11 @@ class OpenAIServer:
         llm: a loaded `LLM`; the server shares it across requests (the caller shuts it down).
         model_name: the name clients send as `model` (GET /v1/models lists it).
         max_request_bytes: the largest request body read (413 beyond).
+        chat_template_timeout_s: the wall-clock budget of one chat-template render (400 beyond; the render is stopped).
     """
 
-    def __init__(self, llm: LLM, model_name: str, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+    def __init__(self, llm: LLM, model_name: str, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 chat_template_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.llm, self.model_name, self.max_request_bytes = llm, model_name, max_request_bytes
         self.tokenizer = llm.tokenizer
         self.max_seq_len = llm.engine.max_seq_len
@@ -92,6 +97,10 @@ class OpenAIServer:
             self.chat_template = FALLBACK_CHAT_TEMPLATE
             logger.warning("the tokenizer has no chat template: /v1/chat/completions renders messages as "
                            "'ROLE: CONTENT' lines followed by 'assistant:' (nextn's fallback template)")
+        # A rendered prompt longer than max_prompt_chars is refused anyway: the render stops there.
+        limits = RenderLimits(timeout_s=chat_template_timeout_s, max_chars=self.max_prompt_chars)
+        self.chat_renderer = (None if self.tokenizer is None else
+                              ServerChatRenderer(self.tokenizer, self.chat_template, limits))
 
     # Requests, prompts and sampling parameters --------------------------------------------------------------
     async def parse(self, raw: Request, model: type[_Model]) -> _Model:
@@ -129,7 +138,7 @@ class OpenAIServer:
         self._check_chars(len(text), param)
         return list(self.tokenizer.tok.encode(text, add_special_tokens=add_special_tokens))
 
-    def _chat_ids(self, messages: list[p.ChatMessage]) -> list[int]:
+    async def _chat_ids(self, messages: list[p.ChatMessage], raw: Request) -> list[int]:
         if self.tokenizer is None:
             raise p.APIError(400, "this engine has no tokenizer, so it cannot render chat messages: use "
                              "/v1/completions with token-id prompts", "messages")
@@ -138,13 +147,9 @@ class OpenAIServer:
                              "fewer messages", "messages", "context_length_exceeded")
         msgs = [{"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {}) for m in messages]
         self._check_chars(sum(len(m["content"]) for m in msgs), "messages")
-        try:
-            text = self.tokenizer.tok.apply_chat_template(msgs, chat_template=self.chat_template, tokenize=False,
-                                                          add_generation_prompt=True)
-        except Exception as e:  # the template's own checks (e.g. role order) raise jinja errors
-            raise p.APIError(400, f"the chat template rejected the messages: {e}", "messages") from None
+        text = await self.chat_renderer.render(msgs, raw)
         # A model's template writes its own BOS; the fallback does not, so the tokenizer adds it.
-        return self._encode(text, "messages", add_special_tokens=self.chat_template is not None)
+        return await self._off_loop(self._encode, text, "messages", self.chat_template is not None)
 
     def _params(self, req: p._SamplingRequest, num_prompt_tokens: int, max_tokens: int | None, param: str,
                 max_tokens_param: str = "max_tokens") -> SamplingParams:
@@ -306,7 +311,7 @@ class OpenAIServer:
 
     async def chat(self, req: p.ChatCompletionRequest, raw: Request) -> Response:
         self._check_model(req.model)
-        ids = await self._off_loop(self._chat_ids, req.messages)
+        ids = await self._chat_ids(req.messages, raw)
         limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self._params(req, len(ids), limit, "messages", limit_param)
@@ -356,7 +361,8 @@ def _internal_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 def create_app(llm: LLM, served_model_name: str | None = None, api_key: str | None = None,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               chat_template_timeout_s: float = DEFAULT_TIMEOUT_S) -> FastAPI:
     """The FastAPI app serving `llm`.
 
     Args:
@@ -364,14 +370,16 @@ def create_app(llm: LLM, served_model_name: str | None = None, api_key: str | No
         served_model_name: the name clients send as `model`; default: the engine directory's name.
         api_key: when set, every endpoint but /health needs `Authorization: Bearer <api_key>` (401 otherwise).
         max_request_bytes: the largest request body accepted (413 beyond, before it is read).
+        chat_template_timeout_s: seconds one chat-template render may take (its worker is killed beyond: 400).
     Raises:
-        ValueError: an empty `api_key` or a `max_request_bytes` < 1.
+        ValueError: an empty `api_key`, a `max_request_bytes` < 1 or a `chat_template_timeout_s` not > 0.
     """
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be ≥ 1, got {max_request_bytes}")
     if api_key is not None and not api_key:
         raise ValueError("the API key is empty: give a non-empty key, or None to serve without one")
-    server = OpenAIServer(llm, served_model_name or Path(llm.engine.engine_dir).resolve().name, max_request_bytes)
+    server = OpenAIServer(llm, served_model_name or Path(llm.engine.engine_dir).resolve().name, max_request_bytes,
+                          chat_template_timeout_s)
     # No redirects for a trailing slash: a 307 has no error body, and clients that do not follow it see nothing.
     app = FastAPI(title="nextn", summary="OpenAI-compatible server of an nextn engine", redirect_slashes=False)
     app.state.server = server
@@ -389,7 +397,10 @@ def create_app(llm: LLM, served_model_name: str | None = None, api_key: str | No
     app.post("/v1/completions", response_model=None)(completions)
     app.post("/v1/chat/completions", response_model=None)(chat)
     app.get("/v1/models")(server.models)
-    app.get("/health")(lambda: Response(status_code=200))
+    async def health() -> Response:  # on the event loop: no thread needed, however busy the thread pool is
+        return Response(status_code=200)
+
+    app.get("/health")(health)
     app.get("/metrics")(lambda: Response(server.metrics.exposition(), media_type=server.metrics.content_type))
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
