@@ -15,8 +15,10 @@ What a build refuses before it writes (each error names the tensor, field or fil
   holds files its manifest does not list, unless `force` (the message lists them). Replacing an engine removes exactly
   the files found at the check, never a whole directory tree it did not list;
 - a checkpoint tensor that is not floating point (or block FP8), holds NaN/Inf, or overflows the engine dtype;
-- config sizes the checkpoint's tensors contradict (shapes read from the headers before any data), an engine far
-  larger than its checkpoint (a wrong size in config.json), or more than the free disk space;
+- config sizes the checkpoint's tensors contradict (shapes read from the headers before any data, GGUF included),
+  layer counts above the stored layers, stored tensors the engine would not read (unless `allow_unused_tensors`),
+  a tokenizer with ids past the embedding, an engine far larger than its checkpoint (a wrong size in config.json),
+  or more than the free disk space;
 - an explicit `max_seq_len` above the model's `max_position_embeddings`.
 The weights' SHA-256 is computed while they are written; every engine file's size and SHA-256 go into the manifest
 (`EngineManifest.checksums`), checked at load (`manifest.verify_engine_files`).

@@ -171,7 +171,11 @@ class GGUFCheckpoint:
         CheckpointError: the path is missing or holds no (or several) `.gguf` files; the file is not a GGUF or is
             truncated; its architecture is not one of `SUPPORTED_ARCHITECTURES`; it lacks a required metadata key,
             uses RoPE scaling or partial RoPE; or it holds a tensor nextn cannot place or a ggml type
-            `gguf.quants` cannot dequantize (each message names the file, key, tensor or type, and what is supported).
+            `gguf.quants` cannot dequantize (each message names the file, key, tensor or type, and what is supported);
+            a metadata value of the wrong type (a string, bool or array where a count belongs) or a count outside
+            [1, 2**31 - 1]; tensors whose bytes overlap; an embedding that is not 2-D, or a token list whose length
+            differs from its rows; malformed tokenizer metadata (`gguf_tokenizer.check_vocabulary`).
+    Layer counts are checked against the stored blocks by `model_config` (ConfigError).
     """
 
     def __init__(self, path: str | Path) -> None:
