@@ -167,8 +167,8 @@ def test_a_second_method_reuses_the_cached_data(trained, tmp_path):
     assert meta["train_prompt_ids"] == first["train_prompt_ids"] and meta["held_out_ids"] == first["held_out_ids"]
 
 
-@pytest.mark.parametrize("flag,value,message", [("--tree_nodes", "0", "--tree_nodes must be ≥ 1"),
-                                                ("--tree_depth", "-1", "--tree_depth must be ≥ 0")])
+@pytest.mark.parametrize("flag,value,message", [("--tree_nodes", "0", "--tree_nodes must be in [1, 255]"),
+                                                ("--tree_depth", "-1", "--tree_depth must be in [0, 64]")])
 def test_a_bad_tree_size_is_refused_before_any_work(tmp_path, capsys, flag, value, message):
     out = tmp_path / "never"
     argv = ["--model_dir", str(STORIES), "--method", "mtp", "--data", str(CORPUS), "--output_dir", str(out),

@@ -10,6 +10,7 @@ shared: CPU seconds are the better estimate of an idle machine.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -77,7 +78,15 @@ def claim_train_output(model_dir: str | Path, data_files: Sequence[str | Path], 
     out = claim_output_dir(output_dir, "train-draft", inputs, is_train_output)
     if cache_dir is None:
         return out / "train_cache"
-    return claim_output_dir(cache_dir, "train-draft", inputs, flag="--cache_dir")
+    return claim_output_dir(cache_dir, "train-draft", inputs, is_train_cache, flag="--cache_dir")
+
+
+_CACHE_ENTRY = re.compile(r"(data-[0-9a-f]+\.pt|generations-[0-9a-f]+\.jsonl|train_state_\w+\.pt|engines|\..*\.tmp)")
+
+
+def is_train_cache(cache: Path) -> bool:
+    """A data cache a trainer wrote (an earlier run's OUT/train_cache, shared with `--cache_dir`): only its files."""
+    return all(_CACHE_ENTRY.fullmatch(p.name) for p in cache.iterdir())
 
 
 @dataclass
