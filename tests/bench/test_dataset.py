@@ -151,3 +151,20 @@ def test_prepare_dataset_synthetic(checkpoints, tmp_path, capsys):
     assert len(rows) == 50 and {len(r["input_ids"]) for r in rows} <= {2, 3, 4, 5}
     assert {r["output_tokens"] for r in rows} <= {1, 2, 3}
     assert main(argv) == 0 and capsys.readouterr().out == first
+
+
+def test_a_gzipped_dataset_is_bounded_after_decompression_and_a_device_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr("nextn.bench.dataset.MAX_PROMPT_FILE_BYTES", 4096)
+    rows = "".join(json.dumps({"prompt": "x" * 100, "output_tokens": 1}) + "\n" for _ in range(100))
+    small = tmp_path / "d.jsonl.gz"
+    with gzip.open(small, "wt") as f:
+        f.write(rows)
+    assert small.stat().st_size < 4096 < len(rows)
+    with pytest.raises(DatasetError, match="dataset .*d.jsonl.gz decompresses to more than 4096 bytes"):
+        load_dataset(small)
+    bad = tmp_path / "bad.jsonl.gz"
+    bad.write_bytes(gzip.compress(rows[:300].encode())[:-12])  # truncated
+    with pytest.raises(DatasetError, match="bad.jsonl.gz cannot be read"):
+        load_dataset(bad)
+    with pytest.raises(DatasetError, match="prompt file /dev/zero is not a regular file"):
+        read_prompt_file("/dev/zero")

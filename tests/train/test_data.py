@@ -64,3 +64,23 @@ def test_the_top1_meter_takes_the_held_out_benchmarks_in_turn(tmp_path):
     meter = [data.prompt_ids[i].split("/")[0] for i in data.held_out_rows.tolist()]
     assert meter == ["mt_bench", "humaneval"] * 3  # in split order 12 of the first 16 were HumanEval
     assert set(data.prompt_ids[i] for i in data.held_out_rows.tolist()) <= set(data.held_out)
+
+
+def test_the_generations_cache_is_read_bounded_and_skips_rows_that_are_not_its_own(tmp_path, monkeypatch):
+    import os
+
+    import nextn.train.data as data
+
+    path = tmp_path / "generations-k.jsonl"
+    path.write_text(json.dumps({"id": "a", "prompt": [1, 2], "continuation": [3]}) + "\n"
+                    + "[1, 2]\n" + json.dumps({"id": "b", "prompt": "text", "continuation": [3]}) + "\n"
+                    + '{"id": "c", "prom')  # a line cut by an interruption
+    store = GenerationStore(path)
+    assert store.done == {"a": ([1, 2], [3])}
+    monkeypatch.setattr(data, "MAX_GENERATIONS_BYTES", 10)
+    with pytest.raises(ValueError, match="generations cache .* larger than 10 bytes"):
+        GenerationStore(path)
+    fifo = tmp_path / "generations-f.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="not a regular file"):
+        GenerationStore(fifo)

@@ -60,3 +60,53 @@ def test_no_prompt_is_an_error(tmp_path):
     (tmp_path / "empty.txt").write_text("\n\nshort\n")
     with pytest.raises(ValueError, match="no prompt"):
         read_prompts([tmp_path / "empty.txt"], chat=True)
+
+
+# Bounded reads (issue 32, class 4) ------------------------------------------------------------------------------
+def test_a_gzip_bomb_stops_at_the_decompressed_cap(tmp_path, monkeypatch):
+    import gzip
+    import time
+
+    import nextn.train.prompts as prompts
+    from nextn.bench.dataset import DatasetError
+
+    bomb = tmp_path / "bomb.jsonl.gz"
+    with gzip.open(bomb, "wb", compresslevel=9) as f:  # 50 MB of zeros in a ~50 KB file
+        for _ in range(50):
+            f.write(b"\0" * (1 << 20))
+    assert bomb.stat().st_size < 1 << 20
+    monkeypatch.setattr(prompts, "MAX_PROMPT_FILE_BYTES", 1 << 20, raising=True)
+    monkeypatch.setattr("nextn.bench.dataset.MAX_PROMPT_FILE_BYTES", 1 << 20)
+    start = time.perf_counter()
+    with pytest.raises(DatasetError, match=r"bomb.jsonl.gz decompresses to more than 1048576 bytes"):
+        read_prompts([bomb], chat=True)
+    assert time.perf_counter() - start < 5
+
+
+def test_a_corpus_over_the_cap_a_device_and_a_fifo_are_refused_unread(tmp_path, monkeypatch):
+    import os
+    import threading
+
+    from nextn.bench.dataset import DatasetError
+
+    monkeypatch.setattr("nextn.train.prompts.MAX_PROMPT_FILE_BYTES", 1000)
+    big = tmp_path / "big.txt"
+    big.write_text("word " * 400)
+    with pytest.raises(DatasetError, match="corpus file .*big.txt is larger than 1000 bytes"):
+        read_prompts([big], chat=False)
+    with pytest.raises(DatasetError, match="corpus file /dev/zero is not a regular file"):
+        read_prompts(["/dev/zero"], chat=True)
+    fifo = tmp_path / "prompts.jsonl"
+    os.mkfifo(fifo)
+    result = []
+
+    def read():
+        try:
+            read_prompts([fifo], chat=True)
+        except DatasetError as e:
+            result.append(str(e))
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(5)
+    assert result and "not a regular file" in result[0], "a FIFO hung the read or was read"

@@ -6,11 +6,13 @@ Sources:
   [min, max]); token ids uniform over the engine's vocabulary (TensorRT-LLM's `prepare_dataset.py` does the same);
 - real prompt files (JSONL, optionally gzipped), recognised by their fields: MT-bench and Spec-Bench (`turns`: the
   first turn is the prompt; Spec-Bench adds categories such as `translation`), HumanEval (`prompt`), GSM8K (`question`).
+
+Every file is read through `config/user_files.open_user_text`: a regular file only (a device, FIFO or directory is
+refused unread), at most `MAX_PROMPT_FILE_BYTES` on disk and, for a gzip, after decompression (counted as it streams).
 """
 
 from __future__ import annotations
 
-import gzip
 import json
 import random
 from collections.abc import Iterable
@@ -18,10 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from nextn.config.user_files import open_user_text
+
 #: The fields of a trtllm-bench dataset line.
 VALID_FIELDS = ("task_id", "prompt", "input_ids", "output_tokens")
 #: MT-bench's eight categories; a `turns` file with others is Spec-Bench.
 MT_BENCH_CATEGORIES = frozenset({"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"})
+#: Most bytes of one dataset, prompt file or corpus, on disk and decompressed (Spec-Bench is 0.7 MB, GSM8K 0.75 MB).
+MAX_PROMPT_FILE_BYTES = 1 << 30
 
 
 class DatasetError(ValueError):
@@ -44,17 +50,16 @@ class DatasetEntry:
         return json.dumps(row, ensure_ascii=False)
 
 
-def _open_text(path: Path) -> IO[str]:
-    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8")
+def _json_lines(path: str | Path, what: str = "dataset") -> Iterable[tuple[int, dict]]:
+    """(line number, object) for each non-blank line of a JSON-lines file (gzipped when its name ends with .gz).
 
-
-def _json_lines(path: str | Path) -> Iterable[tuple[int, dict]]:
-    """(line number, object) for each non-blank line. Raises DatasetError: missing file, bad JSON, not an object."""
+    Raises:
+        DatasetError: missing, not a regular file, over `MAX_PROMPT_FILE_BYTES` (on disk or decompressed), a corrupt
+            gzip, not UTF-8, bad JSON, not an object (the line named).
+    """
     path = Path(path)
-    if not path.is_file():
-        raise DatasetError(f"dataset {path} does not exist")
     try:
-        with _open_text(path) as f:
+        with open_user_text(path, what, DatasetError, MAX_PROMPT_FILE_BYTES) as f:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -168,7 +173,7 @@ def read_prompt_file(path: str | Path) -> tuple[str, list[str]]:
     The format is detected from the fields of every row; a Spec-Bench file is one whose categories go beyond
     MT-bench's eight. Raises DatasetError: missing file, bad JSON, rows of no or of mixed formats.
     """
-    rows = list(_json_lines(path))
+    rows = list(_json_lines(path, "prompt file"))
     if not rows:
         raise DatasetError(f"prompt file {path} is empty")
     formats = {detect_format(row) for _, row in rows}

@@ -28,12 +28,15 @@ from typing import NamedTuple
 
 import torch
 
+from nextn.config.user_files import open_user_text
 from nextn.progress import progress_bar
 from nextn.train.prompts import BENCHMARK_SOURCES, TrainPrompt, balanced, read_prompts, split_prompts
 
 logger = logging.getLogger(__name__)
 #: Held-out benchmark prompts rendered and recorded for acceptance runs (at most).
 MAX_EVAL_PROMPTS = 256
+#: Most bytes of a cache's generations file read back (~40 M continuations of 96 tokens).
+MAX_GENERATIONS_BYTES = 16 << 30
 
 
 @dataclass(frozen=True)
@@ -239,18 +242,25 @@ class GenerationStore:
     """The base's continuations, one JSON line per prompt as it finishes (`{"id", "prompt", "continuation"}`), in
     `cache_dir/generations-<key>.jsonl`; the key covers the base and every setting that changes a continuation.
     An interrupted generation (a crash, `--max_minutes`) resumes with the prompts not yet in the file, and a run
-    with more prompts generates only the new ones."""
+    with more prompts generates only the new ones. The file is read back streamed and bounded
+    (`MAX_GENERATIONS_BYTES`, a regular file only); a line that is not such a row (cut by an interruption) is
+    skipped, so its prompt is generated again."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.done: dict[str, tuple[list[int], list[int]]] = {}
-        if path.is_file():
-            for line in path.read_text().splitlines():
+        if not path.exists() and not path.is_symlink():
+            return
+        with open_user_text(path, "generations cache", ValueError, MAX_GENERATIONS_BYTES, gzipped=False,
+                            errors="replace") as f:
+            for line in f:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError:  # a line cut by an interruption
                     continue
-                self.done[row["id"]] = (row["prompt"], row["continuation"])
+                if isinstance(row, dict) and isinstance(row.get("id"), str) and _ids(row.get("prompt")) \
+                        and _ids(row.get("continuation")):
+                    self.done[row["id"]] = (row["prompt"], row["continuation"])
 
     def get(self, prompt_id: str, prompt: list[int]) -> list[int] | None:
         hit = self.done.get(prompt_id)
@@ -293,6 +303,10 @@ class GenerationStore:
                     self.done[pid] = (ids, list(o.token_ids))
                     bar.update(1)
         bar.close()
+
+
+def _ids(value) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
 @torch.no_grad()

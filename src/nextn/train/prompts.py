@@ -12,6 +12,9 @@ The split (`split_prompts`) is a function of the prompt's text and the seed: hel
 normalised text falls under the fraction. A text that occurs in several files (Spec-Bench repeats MT-bench's 80
 questions) is therefore on the same side everywhere, so a held-out MT-bench question id is never trained on, by
 construction; the held-out ids are recorded in `train_draft.json`.
+
+Every file is read bounded (`nextn.bench.dataset.MAX_PROMPT_FILE_BYTES`, on disk and, for a gzipped prompt file,
+decompressed as it streams); a device, FIFO or directory is refused unread (`DatasetError`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from nextn.bench.dataset import DatasetError, _json_lines, detect_format
+from nextn.bench.dataset import MAX_PROMPT_FILE_BYTES, DatasetError, _json_lines, detect_format
+from nextn.config.user_files import read_user_text
 
 #: Sources whose prompts are benchmark questions (the figures are measured on their held-out part).
 BENCHMARK_SOURCES = ("mt_bench", "humaneval")
@@ -52,10 +56,15 @@ class TrainPrompt:
         return " ".join(self.text.split())
 
 
+def _corpus_lines(path: Path) -> list[str]:
+    """The lines of a text corpus (bytes that are not UTF-8 replaced). Raises DatasetError: as `_json_lines`."""
+    return read_user_text(path, "corpus file", DatasetError, MAX_PROMPT_FILE_BYTES, errors="replace").splitlines()
+
+
 def _paragraphs(path: Path) -> list[tuple[int, str]]:
     """(first line number, text) of every blank-line separated block of `path` with ≥ MIN_PARAGRAPH_CHARS."""
     out, block, start = [], [], 0
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    lines = _corpus_lines(path)
     for lineno, line in enumerate([*lines, ""], 1):
         if line.strip():
             if not block:
@@ -72,7 +81,7 @@ def _paragraphs(path: Path) -> list[tuple[int, str]]:
 
 def _lines(path: Path) -> list[tuple[int, str]]:
     """(line number, text) of every non-empty line of `path`."""
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    lines = _corpus_lines(path)
     return [(i, line.strip()) for i, line in enumerate(lines, 1) if line.strip()]
 
 
@@ -83,13 +92,14 @@ def read_prompts(files: list[str | Path], *, chat: bool) -> list[TrainPrompt]:
         chat: prompts for a chat model. Corpus paragraphs are wrapped in an instruction; without `chat`, a corpus
             gives its lines as raw text (a plain language model continues them) and prompt files their texts.
     Raises:
-        DatasetError: a prompt file that cannot be read. ValueError: no prompt at all.
+        DatasetError: a prompt file or corpus that cannot be read: missing, not a regular file, over
+            `MAX_PROMPT_FILE_BYTES` (on disk, or a gzip decompressed), bad JSON. ValueError: no prompt at all.
     """
     prompts, seen = [], set()
     for f in map(Path, files):
         name = f.name.removesuffix(".gz")
         if name.endswith((".jsonl", ".json")):
-            rows = list(_json_lines(f))
+            rows = list(_json_lines(f, "prompt file"))
             formats = {detect_format(row) for _, row in rows}
             fmt = "spec_bench" if "spec_bench" in formats else formats.pop() if len(formats) == 1 else None
             if fmt is None:
