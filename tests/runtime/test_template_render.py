@@ -130,3 +130,30 @@ def test_workers_exit_with_their_parent_input_closed():
     assert worker.proc.poll() is not None and not os.path.exists(f"/proc/{worker.proc.pid}")
     with pytest.raises(ChatTemplateError, match="closed"):
         r.render("x", MESSAGES)
+
+
+def test_a_worker_that_cannot_start_is_a_named_error(monkeypatch, tmp_path):
+    import nextn.runtime.template_render as template_render
+
+    monkeypatch.setattr(template_render, "WORKER_PATH", tmp_path / "missing_worker.py")
+    r = ChatTemplateRenderer(num_workers=1)
+    with pytest.raises(ChatTemplateError, match="worker failed: the worker exited"):
+        r.render("x", MESSAGES)
+    r.close()
+
+
+def test_an_hf_tokenizers_template_is_checked_like_a_ggufs(checkpoints, tmp_path):
+    """`check_saved_chat_template` (for HF checkpoints at build time): the shipped DeepSeek-V3 template passes; the
+    same tokenizer with a template that runs past the budget is refused, naming the directory."""
+    import shutil
+
+    from nextn.runtime.tokenizer import check_saved_chat_template
+
+    files = ["tokenizer.json", "tokenizer_config.json"]
+    ckpt = checkpoints.checkpoint()
+    check_saved_chat_template(ckpt, files)
+    for name in files:
+        shutil.copyfile(ckpt / name, tmp_path / name)
+    (tmp_path / "chat_template.jinja").write_text("{{ 'x' * (2*10**9) }}")
+    with pytest.raises(ChatTemplateLimitError, match=rf"{tmp_path} \(chat template\).*cap of"):
+        check_saved_chat_template(tmp_path, [*files, "chat_template.jinja"])

@@ -120,6 +120,23 @@ class Serve:
                 found.add(int(proc.name))
         return found
 
+    def workers_idle_within(self, seconds: float) -> bool:
+        """Whether the workers stop using CPU (same pids, no CPU tick for 0.5 s) within `seconds`."""
+        deadline, last = time.monotonic() + seconds, None
+        while time.monotonic() < deadline:
+            ticks = {}
+            for pid in self.workers():
+                try:
+                    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                    ticks[pid] = int(fields[11]) + int(fields[12])  # utime + stime
+                except OSError:
+                    pass
+            if ticks and ticks == last:
+                return True
+            last = ticks
+            time.sleep(0.5)
+        return False
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -129,7 +146,8 @@ class Serve:
 def test_forever_template_under_abandoned_chats(engine, tmp_path):
     server = Serve(engine, tmp_path / "serve.log")
     try:
-        server.timed_completion()  # warm-up
+        for _ in range(3):  # warm-up: the first steps of a fresh engine are slower
+            server.timed_completion()
         baseline = statistics.median(server.timed_completion() for _ in range(3))
 
         start = time.monotonic()  # one chat waits for its answer: the budget's 400, naming the limit
@@ -153,7 +171,8 @@ def test_forever_template_under_abandoned_chats(engine, tmp_path):
             c.join(ABANDON_AFTER_S + 20)
         assert max(health) < 0.1, health
         assert loaded < 2 * baseline + SLACK_S, (loaded, baseline)
-        assert len(server.workers()) <= 2  # abandoned renders were stopped, not left spinning
+        # abandoned renders were stopped and the queued ones dropped, not rendered to their 2 s budget one by one
+        assert server.workers_idle_within(5.0)
 
         for c in [threading.Thread(target=server.abandon, args=(CHAT, 30), daemon=True) for _ in range(4)]:
             c.start()  # renders in flight (and waiting) when the signal comes

@@ -76,6 +76,19 @@ class RenderLimits:
             raise ValueError(f"max_chars must be an int ≥ 1, got {self.max_chars!r}")
 
 
+def _interpreter() -> str:
+    """This Python's interpreter: `sys.executable`, or where an embedding host (e.g. Triton's Python-backend stub)
+    sets it to itself or nothing, the python of `sys.prefix`."""
+    if sys.executable and Path(sys.executable).name.startswith("python"):
+        return sys.executable
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    for candidate in (Path(sys.prefix) / "bin" / version, Path(sys.prefix) / "bin" / "python3",
+                      Path(sys.exec_prefix) / "bin" / version):
+        if candidate.is_file():
+            return str(candidate)
+    return sys.executable or "python3"
+
+
 class _WorkerGone(Exception):
     """The worker exited or sent something that is not a frame."""
 
@@ -84,8 +97,11 @@ class _Worker:
     """One worker process and its frame reader (os.read on the pipe: select() sees what is buffered)."""
 
     def __init__(self, memory_bytes: int) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-P", str(WORKER_PATH), str(memory_bytes)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        try:
+            self.proc = subprocess.Popen([_interpreter(), "-P", str(WORKER_PATH), str(memory_bytes)],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        except OSError as e:
+            raise ChatTemplateError(f"cannot start a chat-template worker ({_interpreter()}): {e}") from None
         self.ready = False
         self._buf = bytearray()
 
@@ -203,7 +219,7 @@ class ChatTemplateRenderer:
         except _WorkerGone as e:
             if self._closed:
                 raise RendererClosed("the chat-template renderer was closed (the server is shutting down)") from None
-            raise ChatTemplateError(f"the chat-template worker failed: {e}; check that `{sys.executable} -P "
+            raise ChatTemplateError(f"the chat-template worker failed: {e}; check that `{_interpreter()} -P "
                                     f"{WORKER_PATH}` starts (it needs jinja2 and transformers)") from None
         finally:
             self._release(worker, keep)
@@ -252,8 +268,11 @@ class ChatTemplateRenderer:
             if keep and not self._closed:
                 self._idle.append(worker)
                 worker = None
-            elif not self._closed:  # a fresh one in its place, starting now
-                self._idle.append(_Worker(self.memory_bytes))
+            elif not self._closed:  # a fresh one in its place, starting now (else at the next render)
+                try:
+                    self._idle.append(_Worker(self.memory_bytes))
+                except ChatTemplateError:
+                    pass
             self._cond.notify()
         if worker is not None:
             worker.kill()

@@ -131,6 +131,18 @@ def check_chat_template(tok: "PreTrainedTokenizerBase", source: str, limits: Ren
                 continue
 
 
+def check_saved_chat_template(tokenizer_dir: str | Path, files: list[str]) -> None:
+    """`check_chat_template` on the tokenizer saved in `tokenizer_dir` (an HF checkpoint, or an engine's staging
+    directory after its tokenizer files are copied); nothing when `files` is empty.
+
+    Raises:
+        ChatTemplateLimitError: as `check_chat_template`, naming the directory.
+    """
+    tok = EngineTokenizer.load(Path(tokenizer_dir), files)
+    if tok is not None:
+        check_chat_template(tok.tok, f"{tokenizer_dir} (chat template)")
+
+
 def eos_token_ids(engine_dir: Path, config_eos: int | list[int] | None) -> frozenset[int]:
     """The ids that end generation: the model config's `eos_token_id` and generation_config.json's, if present.
 
