@@ -140,3 +140,24 @@ def test_outputs_never_overwrite_a_users_file(small_engine, dataset, tmp_path, c
         assert main(["--engine_dir", str(small_engine), "prepare-dataset", "--output", str(out), "token-norm-dist",
                      "--num-requests", "2", "--input-mean", "4", "--output-mean", "2"]) == 0
     assert len(out.read_text().splitlines()) == 2
+
+
+def test_sibling_reports_and_charts_are_checked_before_the_run(small_engine, dataset, tmp_path, capsys,
+                                                               monkeypatch):
+    # issue 32: FILE.k{K}.json / FILE.baseline.json and the charts were checked only after the whole run
+    import nextn.runtime.llm
+
+    monkeypatch.setattr(nextn.runtime.llm, "LLM", None)  # any load would fail: the refusal must come first
+    mine = tmp_path / "r.k2.json"
+    mine.write_text('{"mine": true}')
+    plots = tmp_path / "plots"
+    plots.mkdir()
+    (plots / "throughput_vs_k.png").write_text("my notes")
+    base = ["--engine_dir", str(small_engine), "throughput", "--dataset", str(dataset), "--no_progress",
+            "--draft_lens", "1,2"]
+    for extra, name in ((["--report_json", str(tmp_path / "r.json")], "r.k2.json"),
+                        (["--plot", str(plots)], "throughput_vs_k.png")):
+        assert main([*base, *extra]) == 2
+        err = capsys.readouterr().err
+        assert name in err and "not written by this command" in err and "Traceback" not in err, err
+    assert mine.read_text() == '{"mine": true}' and (plots / "throughput_vs_k.png").read_text() == "my notes"

@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from nextn.bench.outputs import check_report, write_report
+
 MODES = ("eager", "compiled", "artifacts")
 
 
@@ -134,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num_threads", type=int, default=1,
                    help="torch threads in each worker (default 1: on a busy machine two spinning OpenMP threads "
                    "make tiny steps 10-100x slower; 0 keeps torch's default)")
-    p.add_argument("--json", type=Path, help="also write every worker's raw figures here")
+    p.add_argument("--json", type=Path, help="also write every worker's raw figures here, after each worker "
+                   "({\"written_by\": ..., \"results\": [...]}; an existing file only when a run of this benchmark "
+                   "wrote it)")
     p.add_argument("--_worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args._worker:
@@ -142,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.engine:
         p.error("give at least one --engine")
+    check_report(p, args.json, "compile_step")
     results = []
     for engine in args.engine:
         for i in range(args.processes):
@@ -154,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"graphs {r['graphs']} fx hit/miss {r['fxgraph_cache_hit']}/{r['fxgraph_cache_miss']}",
                       file=sys.stderr, flush=True)
                 if args.json:
-                    args.json.write_text(json.dumps(results, indent=1))
+                    write_report(args.json, "compile_step", {"results": results})
     print(table(results, args.batch_sizes))
     return 0
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 import time
 from pathlib import Path
@@ -38,6 +37,7 @@ from pathlib import Path
 import torch
 
 from nextn.bench import llama_cpp
+from nextn.bench.outputs import check_report, write_report
 from nextn.bench.real_models import load_prompt_texts
 
 FORMATS = {"bf16": None, "fp32": None, "W8A16": {"quant_algo": "W8A16"}, "W4A16": {"quant_algo": "W4A16"},
@@ -150,12 +150,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no_llama_cpp", action="store_true", help="skip llama.cpp")
     p.add_argument("--llama_cpp_bin", help="llama.cpp build/bin (default: $LLAMA_CPP_BIN_DIR or runs/peers/...)")
     p.add_argument("--engine_cache_dir", type=Path, default=Path("runs/engines"))
-    p.add_argument("--json", type=Path, help="also write the figures here")
+    p.add_argument("--json", type=Path, help="also write the figures here ({\"written_by\": ..., \"systems\": {...}}; "
+                   "an existing file only when a run of this benchmark wrote it)")
     args = p.parse_args(argv)
+    check_report(p, args.json, "drafters")
     torch.set_num_threads(args.threads)
 
     if args.held_out_from is not None and args.dataset == "mixed":
         p.error("--held_out_from takes --dataset humaneval or mt_bench")
+    if args.held_out_from is not None:  # before any model loads
+        from nextn.bench.mtp_tree_al import read_train_record
+
+        meta = read_train_record(p, args.held_out_from, "--held_out_from")
     configs = _configs(args.draft, args.draft_len, args.draft_vocab_sizes, args.draft_token_map, args.mtp_len)
     if args.configs:
         configs = {name: c for name, c in configs.items() if any(name.startswith(s) for s in args.configs)}
@@ -165,7 +171,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.held_out_from is not None:
         from nextn.bench.mtp_tree_al import held_out_prompts
 
-        meta = json.loads((args.held_out_from / "train_draft.json").read_text())
         _, prompts = held_out_prompts(meta, args.dataset, args.num_prompts)
         chats = [tok.tok.decode(ids, skip_special_tokens=False) for ids in prompts]
     else:
@@ -213,8 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         best_ours = max(v["tps"] for k, v in rows.items() if k.startswith("nextn") and k.endswith("(batch 1)"))
         print(f"nextn's fastest batch-1 configuration / llama.cpp's fastest: {best_ours / best_peer:.2f}×")
     if args.json:
-        args.json.write_text(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "tokens"}
-                                         for k, v in rows.items()}, indent=1))
+        write_report(args.json, "drafters",
+                     {"systems": {k: {kk: vv for kk, vv in v.items() if kk != "tokens"} for k, v in rows.items()}})
     del llms
     gc.collect()
     return 0

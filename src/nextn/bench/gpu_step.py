@@ -14,14 +14,13 @@ On CPU the "graph" rows run the emulation backend (no speed-up is expected there
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
+from nextn.bench.outputs import check_report, write_report
 from nextn.config.llm_args import CudaGraphConfig
 from nextn.models.config import DeepseekV3ModelConfig
 from nextn.models.deepseek_v3.model import DeepseekV3ForCausalLM
@@ -305,8 +304,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--eager_all", action="store_true", help="also time eager steps at every batch size")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default="gpu_step.json", help="where to write the results")
+    p.add_argument("--json", default="gpu_step.json",
+                   help="where to write the results (an existing file only when a run of this benchmark wrote it)")
     args = p.parse_args(argv)
+    check_report(p, args.json, "gpu_step")
     tiny_defaults = {"context": (1024, 16), "batch_sizes": ("1,2,4,8,16,32,64", "1,2"), "gen_tokens": (32, 6),
                      "iters": (20, 1)}
     for name, (full, tiny) in tiny_defaults.items():
@@ -315,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny:
         args.warmup = min(args.warmup, 1)
     result = run(args)
-    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    write_report(args.json, "gpu_step", result, indent=2)
     print(f"\nwrote {args.json}")
     return 0
 

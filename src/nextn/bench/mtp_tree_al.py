@@ -24,6 +24,9 @@ import json
 import time
 from pathlib import Path
 
+from nextn.bench.outputs import check_report, write_report
+from nextn.config.user_files import read_user_json
+
 MTP = {"decoding_type": "MTP"}
 
 
@@ -56,6 +59,19 @@ def configs(budgets: list[int], depth: int, acceptance: list[list[float]] | None
                     out[f"dynamic-top{k}-{n}"] = {**MTP, "num_nextn_predict_layers": depth, "use_dynamic_tree": True,
                                                   "dynamic_tree_max_topK": k, "max_total_draft_tokens": n - 1}
     return out
+
+
+def read_train_record(parser: argparse.ArgumentParser, heads: Path, flag: str = "--heads") -> dict:
+    """A train-draft output's `train_draft.json`, read bounded (a regular file of at most 64 MiB, strict JSON:
+    config/user_files.py); a missing or bad one is the parser's usage error (exit status 2), before any model loads.
+    """
+    try:
+        meta = read_user_json(Path(heads) / "train_draft.json", f"{flag} {heads}: train_draft.json")
+    except ValueError as e:
+        parser.error(str(e))
+    if not isinstance(meta, dict) or not isinstance(meta.get("eval_prompt_ids"), list):
+        parser.error(f"{flag} {heads}: train_draft.json is not a train-draft record (no eval_prompt_ids list)")
+    return meta
 
 
 def held_out_prompts(meta: dict, source: str, n: int) -> tuple[list[str], list[list[int]]]:
@@ -96,13 +112,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compare_policies", action="store_true",
                    help="each config three times: with --draft_len_schedule, with it and adaptive_draft_len, with "
                    "adaptive_draft_len alone; --speed also times a second plain engine (the run's noise)")
-    p.add_argument("--out", type=Path)
+    p.add_argument("--out", type=Path,
+                   help="write the results here, after each config (an existing file only when a run of this "
+                   "benchmark wrote it)")
     args = p.parse_args(argv)
+    check_report(p, args.out, "mtp_tree_al", "--out")
     if args.compare_policies and not args.draft_len_schedule:
         p.error("--compare_policies needs --draft_len_schedule")
+    meta = read_train_record(p, args.heads)
     from nextn import LLM, SamplingParams
 
-    meta = json.loads((args.heads / "train_draft.json").read_text())
     args.acceptance = meta.get("rank_acceptance")
     ids, prompts = held_out_prompts(meta, args.source, args.num_prompts)
     engine = args.engine or args.heads / "engine-float32"
@@ -123,12 +142,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:18s} AL {run['acceptance_length']:.3f}  identical {run['identical_to_plain']}/{len(outs)}",
               flush=True)
         if args.out:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(results, indent=1) + "\n")
+            write_report(args.out, "mtp_tree_al", results, "--out")
     if args.speed:
         results["speed"] = _speed(engine, prompts, args, [n for n in results["runs"]])
         if args.out:
-            args.out.write_text(json.dumps(results, indent=1) + "\n")
+            write_report(args.out, "mtp_tree_al", results, "--out")
     return 0
 
 

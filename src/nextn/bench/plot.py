@@ -9,11 +9,34 @@
 from __future__ import annotations
 
 import io
+import re
 from pathlib import Path
 
 from nextn.bench.report import BenchStatistics
 from nextn.bench.runner import BenchRun
-from nextn.build.output_files import is_png, write_output_file
+from nextn.build.output_files import OutputPathError, check_output_file, is_png, write_output_file
+
+#: The names of the charts `write_plots` writes.
+CHART_NAME = re.compile(r"acceptance_per_position_k\d+\.png|throughput_vs_k\.png")
+
+
+def check_plot_dir(out_dir: str | Path) -> Path:
+    """Check, before the run, that `out_dir` may receive the charts: missing or a directory (not a link), and every
+    chart-named file already in it a PNG (a user's file of that name is never replaced).
+
+    Raises:
+        OutputPathError: `out_dir` is a link or not a directory, or holds a chart-named file that is not a PNG.
+    """
+    out = Path(out_dir)
+    if out.is_symlink():
+        raise OutputPathError(f"--plot {out} is a symbolic link; give the directory itself")
+    if out.exists() and not out.is_dir():
+        raise OutputPathError(f"--plot {out} is not a directory: give the directory for the charts")
+    if out.is_dir():
+        for path in out.iterdir():
+            if CHART_NAME.fullmatch(path.name):
+                check_output_file(path, "--plot", is_png)
+    return out
 
 
 def _save(fig, path: str | Path) -> None:

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from nextn.bench.outputs import check_report, write_report
 from nextn.bench.real_models import DEFAULT_WORK_DIR, SHARED_DATA, build_cached_engine
 
 SPECS = {"none": None, "ngram": {"decoding_type": "NGram", "max_draft_len": 4, "max_matching_ngram_size": 3}}
@@ -238,8 +239,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--serve", action="store_true", help="also through `nextn serve` with the openai client")
     p.add_argument("--work_dir", type=Path, default=DEFAULT_WORK_DIR, help="where the fp32 engine is built")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
-    p.add_argument("--json", type=Path, help="also write the raw turns and the summaries here")
+    p.add_argument("--json", type=Path, help="also write the raw turns and the summaries here (an existing file "
+                   "only when a run of this benchmark wrote it)")
     args = p.parse_args(argv)
+    check_report(p, args.json, "prefix_reuse")
     import torch
 
     torch.set_num_threads(args.threads)
@@ -256,9 +259,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(table(f"nextn serve + openai client, speculative {args.speculative}:", results["served"]))
         raw["served"] = {str(k): [asdict(t) for t in v] for k, v in served.items()}
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "summary": results,
-                                         "turns": raw}, indent=1))
+        write_report(args.json, "prefix_reuse", {"args": {k: str(v) for k, v in vars(args).items()},
+                                                 "summary": results, "turns": raw})
     return 0
 
 

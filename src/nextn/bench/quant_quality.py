@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from nextn.bench.outputs import check_report, write_report
 from nextn.bench.real_models import (
     SHARED_DATA, first_divergence, load_prompt_texts, nextn_greedy)
 
@@ -126,14 +127,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=512, help="perplexity window in tokens (default 512)")
     p.add_argument("--engine_cache_dir", type=Path, default=None, help="where engines are built (default: LLM's)")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
-    p.add_argument("--json", type=Path, help="also write the rows here")
+    p.add_argument("--json", type=Path, help="also write the rows here ({\"written_by\": ..., \"model\": ..., "
+                   "\"rows\": [...]}; an existing file only when a run of this benchmark wrote it)")
     args = p.parse_args(argv)
+    check_report(p, args.json, "quant_quality")
     torch.set_num_threads(args.threads)
     rows = quality(args.model, args.formats, args.num_prompts, args.max_tokens, args.ppl_tokens, args.window,
                    args.engine_cache_dir)
     print(table(args.model.name, rows, args.max_tokens))
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+        write_report(args.json, "quant_quality", {"model": str(args.model), "rows": rows})
     return 0
 
 

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from nextn.bench.outputs import check_report, write_report
+
 SHARED_DATA = Path(__file__).resolve().parents[3].parent / "shared" / "data"
 DEFAULT_WORK_DIR = Path("runs/bench/real_models")
 
@@ -260,13 +262,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         q.add_argument("--work_dir", type=Path, default=DEFAULT_WORK_DIR,
                        help=f"where engines are built and reused (default {DEFAULT_WORK_DIR})")
         q.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
-        q.add_argument("--json", type=Path, help="also write the raw results here")
+        q.add_argument("--json", type=Path, help="also write the raw results here ({\"written_by\": ..., \"results\": "
+                       "[...]}; an existing file only when a run of this benchmark wrote it)")
     a.add_argument("--num_prompts", type=int, default=16, help="MT-bench and as many HumanEval prompts (default 16)")
     a.add_argument("--no_transformers", action="store_true", help="skip the nextn fp32 vs transformers comparison")
     s.add_argument("--batch_sizes", type=int, nargs="+", default=[1, 8])
     s.add_argument("--repeats", type=int, default=3, help="timed runs after one warm-up; the best counts (default 3)")
     s.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=("float32", "bfloat16"))
     args = p.parse_args(argv)
+    check_report(p, args.json, "real_models")
     torch.set_num_threads(args.threads)
     results = []
     for model in args.model:
@@ -278,8 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(results[-1]), file=sys.stderr, flush=True)
     print(agreement_table(results) if args.command == "agreement" else speed_table(results))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=1))
+        write_report(args.json, "real_models", {"command": args.command, "results": results})
     return 0
 
 

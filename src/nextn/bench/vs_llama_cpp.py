@@ -14,7 +14,6 @@ t(N) − t(1); llama.cpp's is `llama-bench -p 0 -n N`'s. The step's memory floor
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import torch
 
 from nextn.bench import llama_cpp
+from nextn.bench.outputs import check_report, write_report
 from nextn.bench.bandwidth import decode_step_bytes, read_bandwidth_gbs
 
 PROMPT = "Write a Python function that checks whether a number is prime, and explain how it works."
@@ -96,8 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2, help="threads for both (default 2: this machine's cores)")
     p.add_argument("--llama_cpp_bin", help="llama.cpp build/bin (default: $LLAMA_CPP_BIN_DIR or runs/peers/...)")
     p.add_argument("--engine_cache_dir", type=Path, default=Path("runs/engines"))
-    p.add_argument("--json", type=Path, help="also write the figures here")
+    p.add_argument("--json", type=Path,
+                   help="also write the figures here (an existing file only when a run of this benchmark wrote it)")
     args = p.parse_args(argv)
+    check_report(p, args.json, "vs_llama_cpp")
 
     torch.set_num_threads(args.threads)
     bin_dir = llama_cpp.find_bin_dir(args.llama_cpp_bin)
@@ -146,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     if peer:
         print(f"{'llama.cpp (GGUF as is)':28}{peer:>16.1f}")
     if args.json:
-        args.json.write_text(json.dumps({"model": str(args.model), "bandwidth_gbs": bandwidth, "llama_cpp_tps": peer,
-                                         "nextn": rows}, indent=2, default=str))
+        write_report(args.json, "vs_llama_cpp", {"model": str(args.model), "bandwidth_gbs": bandwidth,
+                                                 "llama_cpp_tps": peer, "nextn": rows}, indent=2)
     return 0
 
 

@@ -16,6 +16,7 @@ import io
 import json
 import logging
 import random
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -243,13 +244,19 @@ def _run(args) -> int:
 
 def _check_outputs(args) -> None:
     """Refuse, before any work, an output path that is a directory, a link, or a file not in the format written
-    there (build/output_files.py); the plots are checked by `write_plots` before each is saved."""
+    there (build/output_files.py): --report_json and the FILE.baseline.json / FILE.k{K}.json beside it, the charts
+    already in --plot."""
     if args.report_json:
-        check_output_file(args.report_json, "--report_json", is_report_of("bench"))
+        p = Path(args.report_json)
+        tagged = re.compile(re.escape(p.stem) + r"\.(baseline|k\d+)" + re.escape(p.suffix))
+        for path in [p, *(q for q in (p.parent.iterdir() if p.parent.is_dir() else ()) if tagged.fullmatch(q.name))]:
+            check_output_file(path, "--report_json", is_report_of("bench"))
     if args.iteration_log:
         check_output_file(args.iteration_log, "--iteration_log", is_jsonl_with("iteration"))
-    if args.plot and Path(args.plot).exists() and not Path(args.plot).is_dir():
-        raise BenchError(f"--plot {args.plot} is not a directory: give the directory for the charts")
+    if args.plot:
+        from nextn.bench.plot import check_plot_dir
+
+        check_plot_dir(args.plot)
 
 
 def _write_outputs(args, results, report_dict, write_plots) -> None:
