@@ -5,6 +5,7 @@ replaced, and the next render works; a cancelled render kills its worker at once
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -143,8 +144,9 @@ def test_a_worker_that_cannot_start_is_a_named_error(monkeypatch, tmp_path):
 
 
 def test_an_hf_tokenizers_template_is_checked_like_a_ggufs(checkpoints, tmp_path):
-    """`check_saved_chat_template` (for HF checkpoints at build time): the shipped DeepSeek-V3 template passes; the
-    same tokenizer with a template that runs past the budget is refused, naming the directory."""
+    """`check_saved_chat_template` (HF checkpoints, at build time): the shipped DeepSeek-V3 template passes; the same
+    tokenizer with a template past the budget (chat_template.jinja, or one of several named ones) is refused, naming
+    the file and the template."""
     import shutil
 
     from nextn.runtime.tokenizer import check_saved_chat_template
@@ -155,5 +157,11 @@ def test_an_hf_tokenizers_template_is_checked_like_a_ggufs(checkpoints, tmp_path
     for name in files:
         shutil.copyfile(ckpt / name, tmp_path / name)
     (tmp_path / "chat_template.jinja").write_text("{{ 'x' * (2*10**9) }}")
-    with pytest.raises(ChatTemplateLimitError, match=rf"{tmp_path} \(chat template\).*cap of"):
+    with pytest.raises(ChatTemplateLimitError, match=rf"{tmp_path}/chat_template.jinja: .*cap of"):
         check_saved_chat_template(tmp_path, [*files, "chat_template.jinja"])
+    config = json.loads((ckpt / "tokenizer_config.json").read_text())
+    config["chat_template"] = [{"name": "default", "template": "ok"}, {"name": "tool_use", "template": FOREVER}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ChatTemplateLimitError, match=r"tokenizer_config.json \(chat_template\): the chat template "
+                                                     r"'tool_use' cannot be used.*within 5 s"):
+        check_saved_chat_template(tmp_path, files)

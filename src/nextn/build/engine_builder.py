@@ -53,6 +53,7 @@ from nextn.build.weight_checks import check_engine_size, check_source_tensors, c
 from nextn.config.llm_args import LlmArgs, load_llm_args_yaml, parse_llm_args
 from nextn.models.registry import WEIGHT_LAYOUTS
 from nextn.quantization.weight_only import quantize_stream
+from nextn.runtime.tokenizer import check_saved_chat_template
 
 __all__ = [
     "AUX_FILES", "DTYPES", "EMBED_NAME", "INT4_ROWS", "MEDUSA_PREFIX", "TOKENIZER_FILES", "WEIGHTS_NAME",
@@ -185,6 +186,7 @@ def build_engine(
                        cfg.num_nextn_predict_layers, allow_unused_tensors)
         if not isinstance(reader, GGUFCheckpoint):  # a GGUF's token list is checked against its embedding on opening
             check_tokenizer_fits(model_dir, cfg.vocab_size)
+            check_saved_chat_template(model_dir, [n for n in TOKENIZER_FILES if (model_dir / n).is_file()])
         quant, quant_names = resolve_quant(quant_algo, group_size, cfg, specs, exclude_modules, lm_head_quant_algo,
                                            super_block_size)
         untie = quant is not None and quant.applies_to("lm_head") and "lm_head.weight" not in specs

@@ -32,9 +32,11 @@ from nextn.models.config import ConfigError
 from nextn.models.deepseek_v3.weights import WeightError
 from nextn.models.registry import WEIGHT_LAYOUTS
 from nextn.quantization.weight_only import QUANT_ALGOS
+from nextn.runtime.template_render import ChatTemplateError
 
 PROG = "build-engine"
-USER_ERRORS = (CheckpointError, ConfigError, WeightError, EngineError, LlmArgsError, MedusaHeadsError)
+USER_ERRORS = (CheckpointError, ConfigError, WeightError, EngineError, LlmArgsError, MedusaHeadsError,
+               ChatTemplateError)
 
 
 def _parser() -> argparse.ArgumentParser:

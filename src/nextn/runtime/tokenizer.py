@@ -117,30 +117,51 @@ def check_chat_template(tok: "PreTrainedTokenizerBase", source: str, limits: Ren
     Raises:
         ChatTemplateLimitError: a sample render passed the time, size or memory budget (names `source`).
     """
-    templates = getattr(tok, "chat_template", None) or {}
-    named = templates.items() if isinstance(templates, dict) else [("default", templates)]
-    for name, template in named:
-        for messages in SAMPLE_CONVERSATIONS:
-            try:
-                shared_renderer().render(template, messages, dict(tok.special_tokens_map), limits=limits)
-            except ChatTemplateLimitError as e:
-                which = "" if name == "default" else f" {name!r}"
-                raise ChatTemplateLimitError(f"{source}: the chat template{which} cannot be used: rendering a "
-                                             f"{len(messages)}-message sample conversation failed: {e}") from None
-            except ChatTemplateError:
-                continue
+    _check_templates(getattr(tok, "chat_template", None), dict(tok.special_tokens_map), source, limits)
 
 
 def check_saved_chat_template(tokenizer_dir: str | Path, files: list[str]) -> None:
-    """`check_chat_template` on the tokenizer saved in `tokenizer_dir` (an HF checkpoint, or an engine's staging
-    directory after its tokenizer files are copied); nothing when `files` is empty.
+    """`check_chat_template` on the template saved in `tokenizer_dir` (an HF checkpoint: chat_template.jinja, else
+    tokenizer_config.json's `chat_template`, a string or a list of named ones), read without loading the tokenizer;
+    the special tokens are tokenizer_config.json's `*_token` strings. Only `files` are read.
 
     Raises:
-        ChatTemplateLimitError: as `check_chat_template`, naming the directory.
+        ChatTemplateLimitError: as `check_chat_template`, naming the file.
     """
-    tok = EngineTokenizer.load(Path(tokenizer_dir), files)
-    if tok is not None:
-        check_chat_template(tok.tok, f"{tokenizer_dir} (chat template)")
+    root = Path(tokenizer_dir)
+    config: dict = {}
+    if "tokenizer_config.json" in files:
+        try:
+            loaded = json.loads((root / "tokenizer_config.json").read_text(encoding="utf-8"))
+            config = loaded if isinstance(loaded, dict) else {}
+        except (OSError, ValueError):
+            config = {}  # the tokenizer's own loading reports a bad file
+    if "chat_template.jinja" in files:
+        templates, source = (root / "chat_template.jinja").read_text(encoding="utf-8"), root / "chat_template.jinja"
+    else:
+        templates, source = config.get("chat_template"), f"{root / 'tokenizer_config.json'} (chat_template)"
+        if isinstance(templates, list):
+            templates = {t.get("name"): t.get("template") for t in templates if isinstance(t, dict)}
+    specials = {k: v.get("content") if isinstance(v, dict) else v for k, v in config.items()
+                if k.endswith("_token") and isinstance(v, (str, dict))}
+    _check_templates(templates, {k: v for k, v in specials.items() if isinstance(v, str)}, str(source), None)
+
+
+def _check_templates(templates: str | dict | None, special_tokens: dict, source: str,
+                     limits: RenderLimits | None) -> None:
+    named = templates.items() if isinstance(templates, dict) else [("default", templates)]
+    for name, template in named:
+        if not isinstance(template, str) or not template:
+            continue
+        for messages in SAMPLE_CONVERSATIONS:
+            try:
+                shared_renderer().render(template, messages, special_tokens, limits=limits)
+            except ChatTemplateLimitError as e:
+                which = "" if name == "default" else f" {name!r}"
+                raise ChatTemplateLimitError(f"{source}: the chat template{which} cannot be used: rendering a "
+                                             f"{len(messages)}-message sample conversation failed: {e}. Fix or remove the template") from None
+            except ChatTemplateError:
+                continue
 
 
 def eos_token_ids(engine_dir: Path, config_eos: int | list[int] | None) -> frozenset[int]:
