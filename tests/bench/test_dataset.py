@@ -168,3 +168,21 @@ def test_a_gzipped_dataset_is_bounded_after_decompression_and_a_device_refused(t
         load_dataset(bad)
     with pytest.raises(DatasetError, match="prompt file /dev/zero is not a regular file"):
         read_prompt_file("/dev/zero")
+
+
+def test_the_benchmarks_prompt_sets_are_read_bounded(tmp_path, monkeypatch):
+    from nextn.bench.prefix_reuse import load_conversations
+    from nextn.bench.real_models import load_prompt_texts
+
+    (tmp_path / "prompts").mkdir()
+    row = json.dumps({"question_id": 81, "category": "writing", "turns": ["One?", "Two?"]}) + "\n"
+    (tmp_path / "prompts" / "mt_bench.jsonl").write_text(row * 50)
+    with gzip.open(tmp_path / "prompts" / "humaneval.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"task_id": "HumanEval/0", "prompt": "def f():"}) + "\n")
+    assert load_prompt_texts(1, 1, tmp_path) == ["One?", "def f():"]
+    assert load_conversations(1, tmp_path) == [("One?", "Two?")]
+    monkeypatch.setattr("nextn.bench.dataset.MAX_PROMPT_FILE_BYTES", len(row) * 10)
+    with pytest.raises(DatasetError, match="mt_bench.jsonl is larger than"):
+        load_prompt_texts(1, 1, tmp_path)
+    with pytest.raises(DatasetError, match="mt_bench.jsonl is larger than"):
+        load_conversations(1, tmp_path)

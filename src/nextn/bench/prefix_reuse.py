@@ -18,7 +18,6 @@ first streamed content chunk as the client sees it; the hit rate comes from `/me
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from nextn.bench.dataset import _json_lines
 from nextn.bench.outputs import check_report, write_report
 from nextn.bench.real_models import DEFAULT_WORK_DIR, SHARED_DATA, build_cached_engine
 
@@ -54,10 +54,9 @@ def load_conversations(num: int, data_dir: Path = SHARED_DATA) -> list[tuple[str
     """(first turn, second turn) of the first `num` MT-bench questions.
 
     Raises:
-        FileNotFoundError: ../shared/data/prompts/mt_bench.jsonl is absent.
+        DatasetError: ../shared/data/prompts/mt_bench.jsonl is absent or unreadable (bench/dataset.py's bounds).
     """
-    with (data_dir / "prompts" / "mt_bench.jsonl").open() as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    rows = [row for _, row in _json_lines(data_dir / "prompts" / "mt_bench.jsonl", "prompt file")]
     return [(r["turns"][0], r["turns"][1]) for r in rows[:num]]
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import gzip
 import json
 import statistics
 import sys
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from nextn.bench.dataset import _json_lines
 from nextn.bench.outputs import check_report, write_report
 
 SHARED_DATA = Path(__file__).resolve().parents[3].parent / "shared" / "data"
@@ -43,13 +43,12 @@ def load_prompt_texts(num_mt_bench: int, num_humaneval: int, data_dir: Path = SH
     prompts (function signatures + docstrings), from `data_dir/prompts`.
 
     Raises:
-        FileNotFoundError: the prompt files are absent.
+        DatasetError: a prompt file is absent, not a regular file, over `MAX_PROMPT_FILE_BYTES` (decompressed), or
+            not JSON lines (bench/dataset.py).
     """
     prompts = data_dir / "prompts"
-    with (prompts / "mt_bench.jsonl").open() as f:
-        mt = [json.loads(line)["turns"][0] for line in f if line.strip()][:num_mt_bench]
-    with gzip.open(prompts / "humaneval.jsonl.gz", "rt") as f:
-        he = [json.loads(line)["prompt"] for line in f if line.strip()][:num_humaneval]
+    mt = [row["turns"][0] for _, row in _json_lines(prompts / "mt_bench.jsonl", "prompt file")][:num_mt_bench]
+    he = [row["prompt"] for _, row in _json_lines(prompts / "humaneval.jsonl.gz", "prompt file")][:num_humaneval]
     return mt + he
 
 
