@@ -35,6 +35,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from nextn.bench.dataset import MAX_PROMPT_FILE_BYTES
 from nextn.build.checkpoint import CheckpointError
 from nextn.build.manifest import EngineError
 from nextn.build.output_files import write_output_file
@@ -43,7 +44,6 @@ from nextn.config.user_files import check_user_file, read_user_json
 from nextn.models.config import ConfigError
 
 PROG = "nextn train-draft"
-MAX_DATA_BYTES = 4 << 30  # one prompt file or corpus (regular files only)
 
 
 #: The data group's numeric options: flag, type, default, help (the help ends with the default).
@@ -204,7 +204,7 @@ def _run(args: argparse.Namespace) -> int:
     if missing:
         raise ValueError(f"data file(s) not found: {', '.join(missing)}")
     for f in args.data:
-        check_user_file(f, "data file", max_bytes=MAX_DATA_BYTES)
+        check_user_file(f, "data file", max_bytes=MAX_PROMPT_FILE_BYTES)
     from nextn.train.session import claim_train_output, is_train_output
 
     if args.eval_only and not is_train_output(args.output_dir):
