@@ -165,3 +165,14 @@ def test_an_hf_tokenizers_template_is_checked_like_a_ggufs(checkpoints, tmp_path
     with pytest.raises(ChatTemplateLimitError, match=r"tokenizer_config.json \(chat_template\): the chat template "
                                                      r"'tool_use' cannot be used.*within 5 s"):
         check_saved_chat_template(tmp_path, files)
+
+
+def test_messages_that_are_not_json_data(renderer):
+    class Image:
+        pass
+    assert renderer.render("{{ messages[0].content }}", [{"role": "user", "content": Image()}]) == "<Image>"
+    cyclic: dict = {"role": "user"}
+    cyclic["content"] = cyclic
+    with pytest.raises(ChatTemplateError, match="not JSON data"):
+        renderer.render("x", [cyclic])
+    assert renderer.render("{{ messages|length }}", MESSAGES) == "1"

@@ -106,7 +106,13 @@ class _Worker:
         self._buf = bytearray()
 
     def send(self, obj: object) -> None:
-        data = json.dumps(obj, ensure_ascii=False).encode("utf-8", "surrogatepass")
+        """Raises ChatTemplateError for data that is not JSON (a cycle, nesting past the recursion limit)."""
+        try:
+            # like transformers' _plain_template_data, an object that is not JSON data becomes a "<Type>" placeholder
+            data = json.dumps(obj, ensure_ascii=False, default=lambda o: f"<{type(o).__name__}>")
+        except (ValueError, RecursionError) as e:
+            raise ChatTemplateError(f"the messages are not JSON data ({e}): send dicts of strings") from None
+        data = data.encode("utf-8", "surrogatepass")
         try:
             self.proc.stdin.write(HEADER.pack(len(data)) + data)
             self.proc.stdin.flush()
