@@ -148,3 +148,15 @@ def test_a_shutdown_racing_with_submissions_leaves_no_handle_waiting(eagle):
         assert c.finish_reason in ("length", "cancelled")
         assert c.token_ids == ref[i % 2][:len(c.token_ids)]
         assert c.finish_reason == "cancelled" or c.token_ids == ref[i % 2]
+
+
+def test_a_generate_hands_the_add_request_outputs_it_finished_to_step(eagle):
+    llm = LLM(eagle, speculative_config=None, device="cpu")
+    ref = tokens(llm.generate(PROMPTS, SP))
+    rid = llm.add_request(PROMPTS[0], SP)
+    assert tokens([llm.generate(PROMPTS[1], SP)]) == [ref[1]]  # steps the queued request too
+    assert llm.has_unfinished_requests
+    outs = []
+    while llm.has_unfinished_requests:
+        outs += llm.step()
+    assert [(o.request_id, o.outputs[0].token_ids) for o in outs] == [(rid, ref[0])]

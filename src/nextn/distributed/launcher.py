@@ -8,6 +8,10 @@ at a `file://` rendezvous in a fresh temporary directory, build the same `Engine
 report their load (None, or the error) in one all-gather with rank 0, then run `mirror.serve_steps` until rank 0
 shuts down. Rank 0 checks that they are alive before every step: a worker that died makes the next step fail at
 once with a `RankFailure` naming it; a worker whose rank 0 died fails its next collective and exits.
+
+Before any process starts, the sizes are checked against the model and the machine (`preflight.py`), and against
+the process: torch.distributed has one default group a process, so one started tensor-parallel `LLM` at a time
+(`LLM.shutdown()` releases its group, workers and rendezvous; the next one can then start).
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ import torch
 import torch.distributed as dist
 
 from nextn.distributed.comm import Communicator, RankFailure, init_communicator
-from nextn.distributed.mapping import Mapping
+from nextn.distributed.mapping import Mapping, MappingError
 from nextn.distributed.mirror import PlanBroadcaster, serve_steps
+from nextn.distributed.preflight import check_machine, check_model_split
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +125,9 @@ class WorkerGroup:
         self.broadcaster = broadcaster = engine.runner.on_launch
 
         def launch_hook(batch, from_previous: bool) -> None:
+            if self.closed:
+                raise RankFailure("this tensor-parallel LLM was shut down: its worker ranks and process group are "
+                                  "released; create a new LLM")
             self.check_alive()
             broadcaster(batch, from_previous)
 
@@ -163,21 +171,25 @@ def start_workers(engine_dir: str | Path, args: Any, spec: Any, device: str) -> 
     rank 0. CPU ranks share the cores: each worker gets `torch.get_num_threads() // N` threads.
 
     Raises:
+        MappingError: another tensor-parallel LLM of this process still holds torch.distributed's default group.
         RankFailure: the rendezvous failed (a worker did not start).
     """
     mapping = mapping_from_args(args)
+    if dist.is_initialized():
+        raise MappingError("another tensor-parallel LLM (or torch.distributed process group) is active in this "
+                           "process, and torch.distributed allows one: call that LLM's shutdown() first")
     rendezvous_dir = tempfile.mkdtemp(prefix="nextn-tp-")
     init_method = f"file://{rendezvous_dir}/rendezvous"
     threads = max(1, torch.get_num_threads() // mapping.world_size)
-    procs = []
-    for rank in range(1, mapping.world_size):
-        spec_file = Path(rendezvous_dir) / f"rank{rank}.pkl"
-        spec_file.write_bytes(pickle.dumps({"engine_dir": str(engine_dir), "args": args, "spec": spec,
-                                            "device": str(device), "mapping": mapping.with_rank(rank),
-                                            "init_method": init_method, "num_threads": threads}))
-        procs.append(subprocess.Popen([sys.executable, "-m", "nextn.distributed.worker", str(spec_file)]))
-    group = WorkerGroup(None, procs, rendezvous_dir)  # type: ignore[arg-type]
+    group = WorkerGroup(None, [], rendezvous_dir)  # type: ignore[arg-type]
     try:
+        for rank in range(1, mapping.world_size):
+            spec_file = Path(rendezvous_dir) / f"rank{rank}.pkl"
+            spec_file.write_bytes(pickle.dumps({"engine_dir": str(engine_dir), "args": args, "spec": spec,
+                                                "device": str(device), "mapping": mapping.with_rank(rank),
+                                                "init_method": init_method, "num_threads": threads}))
+            group.processes.append(subprocess.Popen([sys.executable, "-m", "nextn.distributed.worker",
+                                                     str(spec_file)]))
         group.comm = init_communicator(mapping, device_for(device, 0), init_method)
     except BaseException:
         group.abandon()
@@ -192,17 +204,21 @@ def start_engine(engine_dir: str | Path, args: Any, spec: Any, device: str) -> t
     returns, so a script written for one process runs unchanged under `torchrun --nproc_per_node N`.
 
     Raises:
-        MappingError: sizes that do not fit the model or each other; RankFailure: a rank failed to start or load;
+        MappingError: sizes that do not fit the model, the machine (more ranks than GPUs or CPU cores) or each
+            other, all checked before any process starts; RankFailure: a rank failed to start or load;
         EngineError / LlmArgsError: as `Engine`.
     """
+    from nextn.build.manifest import EngineManifest
     from nextn.runtime.engine import Engine  # the engine imports this package
 
     launched = torchrun_rank()
+    mapping = mapping_from_args(args, 0 if launched is None else launched[0])  # sizes that fit each other
     if args.tensor_parallel_size == 1 and launched is None:
         return Engine(engine_dir, args, spec, device), None
+    manifest = EngineManifest.load(engine_dir)
+    check_model_split(manifest.model, mapping, quantized=manifest.quant_config is not None)
     if launched is not None:
         rank, world = launched
-        mapping = mapping_from_args(args, rank)
         if world != mapping.world_size:
             raise RankFailure(f"torchrun started {world} processes but tensor_parallel_size is "
                               f"{args.tensor_parallel_size}: use --nproc_per_node {args.tensor_parallel_size}")
@@ -211,6 +227,7 @@ def start_engine(engine_dir: str | Path, args: Any, spec: Any, device: str) -> t
             raise SystemExit(0)
         group = WorkerGroup(init_communicator(mapping, device_for(device, 0)), [])
     else:
+        check_machine(mapping, device)
         group = start_workers(engine_dir, args, spec, device)
     engine = error = None
     try:

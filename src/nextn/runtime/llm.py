@@ -56,8 +56,10 @@ class LLM:
             `tensor_parallel_size=N` starts N − 1 worker processes (or takes the ranks of `torchrun`) and splits the
             model over them, `moe_expert_parallel_size` splits DeepSeek-V3's routed experts (distributed/).
     Raises:
-        EngineError: not an engine directory; LlmArgsError: unknown/invalid argument (named), parallel sizes that
-            do not divide the model's (`MappingError`); RankFailure: a worker rank failed to start or load.
+        EngineError: not an engine directory; LlmArgsError: unknown/invalid argument (named); MappingError (an
+            LlmArgsError): parallel sizes that do not divide the model's or exceed the machine's CPU cores / GPUs, or
+            a second tensor-parallel LLM while one is active in this process — checked before any process starts;
+            RankFailure: a worker rank failed to start or load.
     """
 
     def __init__(self, engine_dir: str | Path, speculative_config: Any = _UNSET,
@@ -216,7 +218,8 @@ class LLM:
 
     @property
     def has_unfinished_requests(self) -> bool:
-        return self.engine.has_work
+        """Whether the engine has work, or a finished request's output awaits the next `step()`."""
+        return self.engine.has_work or bool(self._unclaimed)
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> RequestOutput | list[RequestOutput]:
@@ -276,7 +279,7 @@ class LLM:
                 outputs[i] = _rejected(prompt, e)
         bar = progress_bar(enabled=use_tqdm, total=len(pending), desc="generate")
         try:
-            while pending and self.has_unfinished_requests:
+            while pending and self.engine.has_work:
                 for out in self._step_finished():
                     i = pending.pop(out.request_id, None)
                     if i is None:  # queued with add_request: the next step() returns it
