@@ -321,3 +321,17 @@ def test_build_engine_cli_names_unread_tensors_and_takes_the_option(tmp_path: Pa
     err = capsys.readouterr().err
     assert "error: the checkpoint stores 18 tensor(s) the engine would not read" in err and "Traceback" not in err
     assert main([*argv, "--allow_unused_tensors"]) == 0
+
+
+def test_a_gguf_chat_template_past_the_budget_is_refused_before_any_weight_is_read(tmp_path: Path, monkeypatch) -> None:
+    """build-engine renders a GGUF's template (code from the file) under the render budget before any tensor is read
+    or anything is written: the weights are never dequantized for a model whose template cannot be used."""
+    from nextn.runtime.template_render import ChatTemplateLimitError
+
+    path = write_gguf(tmp_path / "m.gguf", meta={"tokenizer.chat_template": ("{{ 'x' * (2*10**9) }}", GT.STRING)})
+    reads = []
+    monkeypatch.setattr(GGUFCheckpoint, "get", lambda self, name: reads.append(name))
+    with pytest.raises(ChatTemplateLimitError, match=r"m\.gguf \(tokenizer\.chat_template\)"):
+        build_engine(path, tmp_path / "engine", progress=False)
+    assert reads == []
+    untouched(tmp_path, "m.gguf")

@@ -184,7 +184,9 @@ def build_engine(
         check_source_tensors(reader, specs, cfg)
         check_all_read(layout.unread_tensors(reader.names(), cfg), cfg.num_hidden_layers,
                        cfg.num_nextn_predict_layers, allow_unused_tensors)
-        if not isinstance(reader, GGUFCheckpoint):  # a GGUF's token list is checked against its embedding on opening
+        if isinstance(reader, GGUFCheckpoint):  # its token list was checked against its embedding on opening
+            reader.check_chat_template()
+        else:
             check_tokenizer_fits(model_dir, cfg.vocab_size)
             check_saved_chat_template(model_dir, [n for n in TOKENIZER_FILES if (model_dir / n).is_file()])
         quant, quant_names = resolve_quant(quant_algo, group_size, cfg, specs, exclude_modules, lm_head_quant_algo,

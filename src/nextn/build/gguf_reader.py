@@ -446,6 +446,13 @@ class GGUFCheckpoint:
 
         return build_tokenizer(self._reader, self.path)
 
+    def check_chat_template(self) -> None:
+        """Render the file's chat template under the render budget before a build does any work
+        (`gguf_tokenizer.check_gguf_chat_template`; ChatTemplateLimitError past it)."""
+        from nextn.build.gguf_tokenizer import check_gguf_chat_template
+
+        check_gguf_chat_template(self._reader, self.path)
+
     def write_tokenizer_files(self, out_dir: str | Path) -> list[str]:
         """Save tokenizer files and generation_config.json into `out_dir` (`gguf_tokenizer.write_tokenizer_files`);
         returns the tokenizer file names written (sorted)."""

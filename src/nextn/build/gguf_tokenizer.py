@@ -193,6 +193,23 @@ def _build(meta: GGUFTokenizerMetadata):
     return PreTrainedTokenizerFast(tokenizer_object=backend, **meta.tokenizer_config, **extra)
 
 
+def check_gguf_chat_template(reader: Any, path: Path) -> None:
+    """Render the GGUF's `tokenizer.chat_template` (code from the file) with sample conversations under the runtime's
+    render budget, from its metadata alone (no tokenizer is built): what a build does before any work.
+
+    Raises:
+        ChatTemplateLimitError: the template passes the render budget (time, size or memory) on a sample.
+        CheckpointError: as `GGUFTokenizerMetadata` (only where the file has a template).
+    """
+    from nextn.runtime.tokenizer import check_template_source
+
+    if "tokenizer.chat_template" not in reader.fields:
+        return
+    config = GGUFTokenizerMetadata(reader, path).tokenizer_config
+    specials = {k: v for k, v in config.items() if k in _SPECIAL_TOKENS and isinstance(v, str)}
+    check_template_source(config.get("chat_template"), specials, f"{path} (tokenizer.chat_template)")
+
+
 def write_tokenizer_files(reader: Any, path: Path, out_dir: str | Path) -> list[str]:
     """Save the GGUF's tokenizer into `out_dir` (tokenizer.json, tokenizer_config.json, chat_template.jinja when the
     file has a template) and its generation ids as generation_config.json (`eos_token_id`: a list, `bos_token_id`).

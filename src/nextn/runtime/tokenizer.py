@@ -147,6 +147,17 @@ def check_saved_chat_template(tokenizer_dir: str | Path, files: list[str]) -> No
     _check_templates(templates, {k: v for k, v in specials.items() if isinstance(v, str)}, str(source), None)
 
 
+def check_template_source(templates: str | dict | None, special_tokens: dict, source: str,
+                          limits: RenderLimits | None = None) -> None:
+    """`check_chat_template` on a template's source (a string, or a dict of named ones) and the special-token
+    strings it may read (`{"bos_token": "<s>", ...}`), without a tokenizer (e.g. a GGUF's metadata).
+
+    Raises:
+        ChatTemplateLimitError: as `check_chat_template`.
+    """
+    _check_templates(templates, special_tokens, source, limits)
+
+
 def _check_templates(templates: str | dict | None, special_tokens: dict, source: str,
                      limits: RenderLimits | None) -> None:
     named = templates.items() if isinstance(templates, dict) else [("default", templates)]
