@@ -101,6 +101,9 @@ def test_add_request_step_and_abort_from_several_threads(eagle):
     for i in range(3):
         assert done[mine[i]].outputs[0].token_ids == ref[i % 2]
     assert done[mine[3]].outputs[0].finish_reason in ("cancelled", "length")
+    for _ in range(3):  # at most an overlapped step in flight is left: it returns nothing more
+        if llm.has_unfinished_requests:
+            assert llm.step() == []
     assert not llm.has_unfinished_requests
 
 
@@ -160,3 +163,18 @@ def test_a_generate_hands_the_add_request_outputs_it_finished_to_step(eagle):
     while llm.has_unfinished_requests:
         outs += llm.step()
     assert [(o.request_id, o.outputs[0].token_ids) for o in outs] == [(rid, ref[0])]
+
+
+def test_several_threads_wait_on_one_handle(eagle):
+    llm = LLM(eagle, speculative_config=None, device="cpu")
+    ref = tokens(llm.generate(PROMPTS, SP))
+    try:
+        handle = llm.generate_async(PROMPTS[0], SP)
+        results = []
+        assert run_threads(lambda i: results.append(handle.result(60)), 3) == []
+        assert [o.outputs[0].token_ids for o in results] == [ref[0]] * 3
+        after: list = []
+        assert run_threads(lambda i: after.extend(handle), 1) == []  # still iterable after result()
+        assert tokens(after) == [ref[0]]
+    finally:
+        llm.shutdown()

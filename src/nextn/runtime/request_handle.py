@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 
 from nextn.runtime.outputs import RequestOutput
@@ -30,6 +31,7 @@ class RequestHandle:
         self.streaming = streaming
         self._abort = abort
         self._final: RequestOutput | None = None
+        self._done = threading.Event()  # set once the final output is delivered: any number of threads may wait
         self._sync: queue.Queue = queue.Queue()
         try:
             self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
@@ -51,6 +53,7 @@ class RequestHandle:
         items = [output, _END] if output.finished else [output]
         if output.finished:
             self._final = output
+            self._done.set()
         for item in items:
             if self._loop is not None and self._async is not None:
                 try:
@@ -77,19 +80,23 @@ class RequestHandle:
                 yield item
 
     def result(self, timeout: float | None = None) -> RequestOutput:
-        """Block until the request finishes; its final output (all tokens, full text).
+        """Block until the request finishes; its final output (all tokens, full text). Any number of threads may
+        wait on one handle; a non-streaming handle can still be iterated afterwards (a streaming one has no outputs
+        left: result() drops those not iterated yet).
 
         Raises:
             TimeoutError: not finished within `timeout` seconds.
         """
-        if self._final is None:
-            if self._loop is not None:
-                raise RuntimeError("this handle was made inside an event loop: use `await handle.aresult()`")
+        if self._final is None and self._loop is not None:
+            raise RuntimeError("this handle was made inside an event loop: use `await handle.aresult()`")
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
+        if self.streaming:  # the per-step outputs nobody iterated (each holds every token so far): dropped
             try:
-                while (item := self._sync.get(timeout=timeout)) is not _END:
+                while self._sync.get_nowait() is not _END:
                     pass
             except queue.Empty:
-                raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s") from None
+                pass
         assert self._final is not None
         return self._final
 
