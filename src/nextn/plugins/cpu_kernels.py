@@ -1,8 +1,9 @@
 """Builds and loads nextn's C++ CPU kernels (`*_cpu.cpp` in this folder) as one PyTorch extension, once.
 
 Kernels: `woq_linear_cpu.cpp` (weight-only int4 / int8 linears, `woq_linear.py`), `paged_attention_cpu.cpp`
-(`paged_attention.py`) and `decoder_layer_cpu.cpp` (a whole Llama decoder layer over the other two,
-`decoder_layer.py`); `cpu_kernels.h` declares what they share. They are compiled on first use with `torch.utils.cpp_extension` (g++ with OpenMP, ~30–60 s
+(`paged_attention.py`), `decoder_layer_cpu.cpp` (a whole Llama decoder layer over the first two,
+`decoder_layer.py`) and `dense_linear_cpu.cpp` (batch-invariant bf16 / fp16 / fp32 linears, `dense_linear.py`);
+`cpu_kernels.h` declares what they share. They are compiled on first use with `torch.utils.cpp_extension` (g++ with OpenMP, ~30–60 s
 once per machine; cached under `TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`, and rebuilt when a
 source changes) and only on x86-64 CPUs with AVX-512 F/BW/VL, AVX512-BF16 and FMA. Where that is not possible
 (another CPU, no compiler), `available()` is False with the reason in `unavailable_reason()`, one warning is logged,
@@ -27,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 _NAME = "nextn_cpu_kernels"
 SOURCES = [Path(__file__).with_name(n) for n in ("woq_linear_cpu.cpp", "paged_attention_cpu.cpp",
-                                                "decoder_layer_cpu.cpp")]
+                                                "decoder_layer_cpu.cpp", "dense_linear_cpu.cpp")]
 HEADER = Path(__file__).with_name("cpu_kernels.h")
 _CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "fma")
 _CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-fopenmp"]
@@ -115,6 +116,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("nextn::woq_int8_linear")
     def _(x, w, scale, bias):
         return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+    @torch.library.register_fake("nextn::dense_linear")
+    def _(x, w, bias, out_features):
+        return x.new_empty((*x.shape[:-1], out_features))
 
     @torch.library.register_fake("nextn::llama_decoder_layer")
     def _(x, cos_sin, kv_cache, slot_mapping, context_slots, visible, input_norm, post_norm, qkv, o, gate_up, down,
