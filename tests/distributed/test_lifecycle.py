@@ -10,6 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from nextn import LLM, SamplingParams
+from nextn.distributed import disaggregated
 from nextn.distributed.mapping import MappingError
 
 SP = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -20,7 +21,7 @@ def tokens(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def test_shutdown_releases_the_group_and_a_second_tp_llm_starts(llama_engine, qwen2_engine):
+def test_shutdown_releases_the_group_and_a_second_tp_llm_starts(llama_engine, qwen2_engine, monkeypatch):
     refs = {e: tokens(LLM(e, speculative_config=None, device="cpu").generate(PROMPTS, SP))
             for e in (llama_engine, qwen2_engine)}
     first = LLM(llama_engine, speculative_config=None, tensor_parallel_size=2, device="cpu")
@@ -29,6 +30,10 @@ def test_shutdown_releases_the_group_and_a_second_tp_llm_starts(llama_engine, qw
         with pytest.raises(MappingError, match="shutdown"):  # one group a process: refused before starting any
             LLM(qwen2_engine, speculative_config=None, tensor_parallel_size=2, device="cpu")
         assert time.monotonic() - t0 < 5
+        monkeypatch.setattr(disaggregated.subprocess, "Popen", None)  # a started process would fail the test
+        with pytest.raises(MappingError, match="DisaggregatedLLM: another tensor-parallel"):
+            disaggregated.DisaggregatedLLM(llama_engine)
+        monkeypatch.undo()
         assert tokens(first.generate(PROMPTS, SP)) == refs[llama_engine]  # the first one was not disturbed
         workers, rendezvous = first._workers.processes, first._workers.rendezvous_dir
     finally:

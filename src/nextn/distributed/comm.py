@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nextn.distributed.mapping import Mapping
+from nextn.distributed.mapping import Mapping, MappingError
 
 #: How long a collective waits for a rank that neither answers nor exits (a hung peer).
 DEFAULT_TIMEOUT = timedelta(seconds=120)
@@ -92,6 +92,18 @@ class Communicator:
             dist.barrier(group=self.control)
         except (RuntimeError, ValueError) as e:
             raise self._failed("barrier", e) from e
+
+
+def require_free_default_group(what: str) -> None:
+    """torch.distributed has one default process group a process: refuse to start `what` while one is active.
+
+    Raises:
+        MappingError: naming the fix (shut the other tensor-parallel or disaggregated LLM down first).
+    """
+    if dist.is_initialized():
+        raise MappingError(f"{what}: another tensor-parallel or disaggregated LLM (or a torch.distributed process "
+                           "group) is active in this process, and torch.distributed allows one: call that LLM's "
+                           "shutdown() / close() first")
 
 
 def init_communicator(mapping: Mapping, device: torch.device, init_method: str | None = None,

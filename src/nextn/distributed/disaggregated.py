@@ -42,6 +42,7 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
 from nextn.config.llm_args import LlmArgs, LlmArgsError, parse_llm_args
+from nextn.distributed.comm import require_free_default_group
 from nextn.runtime.attention_metadata import AttentionMetadata, slots_for_positions
 from nextn.runtime.drafters import MtpEagleDrafter, NoDrafter
 from nextn.runtime.outputs import RequestOutput
@@ -308,14 +309,23 @@ class DisaggregatedLLM:
         ctx_args = cfg.context_servers.llm_args(disable_overlap_scheduler=True, enable_chunked_prefill=False)
         gen_args = cfg.generation_servers.llm_args()
         self.mode = cfg.first_mtp_step
+        require_free_default_group("DisaggregatedLLM")
         self._dir = tempfile.mkdtemp(prefix="nextn-disagg-")
         init_method = f"file://{self._dir}/rendezvous"
         spec_file = Path(self._dir) / "generation.pkl"
         spec_file.write_bytes(pickle.dumps((str(engine_dir), gen_args, spec, self.mode, init_method)))
         self._proc = subprocess.Popen([sys.executable, "-m", "nextn.distributed.disaggregated", str(spec_file)])
-        dist.init_process_group("gloo", init_method=init_method, world_size=2, rank=0)
-        self.context = ContextSide(Engine(engine_dir, ctx_args, spec, "cpu"), self.mode)
-        self._expect_ok()
+        try:
+            dist.init_process_group("gloo", init_method=init_method, world_size=2, rank=0)
+            self.context = ContextSide(Engine(engine_dir, ctx_args, spec, "cpu"), self.mode)
+            self._expect_ok()
+        except BaseException:  # nothing left behind: the generation process, the group, the rendezvous
+            self._proc.kill()
+            self._proc.wait()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
 
     def _expect_ok(self) -> Any:
         box: list[Any] = [None]

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nextn.distributed.comm import Communicator, RankFailure, init_communicator
-from nextn.distributed.mapping import Mapping, MappingError
+from nextn.distributed.comm import Communicator, RankFailure, init_communicator, require_free_default_group
+from nextn.distributed.mapping import Mapping
 from nextn.distributed.mirror import PlanBroadcaster, serve_steps
 from nextn.distributed.preflight import check_machine, check_model_split
 
@@ -175,9 +175,7 @@ def start_workers(engine_dir: str | Path, args: Any, spec: Any, device: str) -> 
         RankFailure: the rendezvous failed (a worker did not start).
     """
     mapping = mapping_from_args(args)
-    if dist.is_initialized():
-        raise MappingError("another tensor-parallel LLM (or torch.distributed process group) is active in this "
-                           "process, and torch.distributed allows one: call that LLM's shutdown() first")
+    require_free_default_group(f"tensor_parallel_size = {mapping.world_size}")
     rendezvous_dir = tempfile.mkdtemp(prefix="nextn-tp-")
     init_method = f"file://{rendezvous_dir}/rendezvous"
     threads = max(1, torch.get_num_threads() // mapping.world_size)
