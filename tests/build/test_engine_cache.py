@@ -76,3 +76,65 @@ def test_a_broken_cache_entry_is_rebuilt(ckpt, tmp_path):
     (engine / "manifest.json").write_text("{not json")
     again = resolve_engine_dir(ckpt, cache_dir=cache, progress=False, dtype="float32")
     assert again == engine and EngineManifest.load(engine).dtype == "float32"
+
+
+def write_q4_gguf(path, quantized: bool = True):
+    """A tiny Llama GGUF (hidden 64, 2 heads, ffn 128, vocab 32) whose decoder matrices are Q4_0 (or float32)."""
+    import gguf
+    import numpy as np
+    from gguf import quants
+
+    h, ffn, vocab = 64, 128, 32
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, value in {"block_count": 1, "context_length": 64, "embedding_length": h, "feed_forward_length": ffn,
+                       "attention.head_count": 2, "attention.head_count_kv": 2}.items():
+        w.add_uint32(f"llama.{key}", value)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(vocab - 3)])
+    w.add_token_scores([0.0] * vocab)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd.weight": (vocab, h), "output_norm.weight": (h,), "output.weight": (vocab, h),
+              "blk.0.attn_norm.weight": (h,), "blk.0.ffn_norm.weight": (h,), "blk.0.attn_q.weight": (h, h),
+              "blk.0.attn_k.weight": (h, h), "blk.0.attn_v.weight": (h, h), "blk.0.attn_output.weight": (h, h),
+              "blk.0.ffn_gate.weight": (ffn, h), "blk.0.ffn_up.weight": (ffn, h), "blk.0.ffn_down.weight": (h, ffn)}
+    for name, shape in shapes.items():
+        a = (rng.standard_normal(shape) * 0.1).astype(np.float32)
+        if quantized and name.startswith("blk.") and len(shape) == 2:
+            q4 = gguf.GGMLQuantizationType.Q4_0
+            w.add_tensor(name, quants.quantize(a, q4), raw_dtype=q4)
+        else:
+            w.add_tensor(name, a)
+    for step in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file, w.close):
+        step()
+    return path
+
+
+def test_a_4bit_gguf_builds_w4a16_by_default_and_every_path_shares_one_engine(tmp_path):
+    """quant_algo "auto" (the default): a mostly 4-bit GGUF on a CPU with nextn's int4 kernels builds W4A16 in bf16
+    — the fast, batch-invariant format — and the options are resolved before the cache key, so the default, an
+    explicit W4A16 / bfloat16 (the demo's) and `nextn generate --model`'s "auto" reach one engine; float32 asks for
+    an exact engine and gets no quantization."""
+    from nextn.plugins import woq_linear
+
+    if not woq_linear.available():
+        pytest.skip(f"nextn's int4 CPU kernels are unavailable here: {woq_linear.unavailable_reason()}")
+    gguf_file, cache = write_q4_gguf(tmp_path / "m.gguf"), tmp_path / "cache"
+    default = resolve_engine_dir(gguf_file, cache_dir=cache, progress=False)
+    manifest = EngineManifest.load(default)
+    assert manifest.quant_config is not None and manifest.quant_config.quant_algo == "W4A16"
+    assert manifest.dtype == "bfloat16"
+    explicit = resolve_engine_dir(gguf_file, cache_dir=cache, progress=False, dtype="bfloat16", quant_algo="W4A16")
+    auto = resolve_engine_dir(gguf_file, cache_dir=cache, progress=False, dtype="auto", quant_algo="auto")
+    assert explicit == default == auto
+    exact = resolve_engine_dir(gguf_file, cache_dir=cache, progress=False, dtype="float32")
+    assert exact != default and EngineManifest.load(exact).quant_config is None
+    assert len([p for p in cache.iterdir() if p.is_dir()]) == 2
+
+
+def test_a_float_gguf_stays_unquantized_by_default(tmp_path):
+    engine = resolve_engine_dir(write_q4_gguf(tmp_path / "m.gguf", quantized=False), cache_dir=tmp_path / "cache",
+                                progress=False)
+    assert EngineManifest.load(engine).quant_config is None

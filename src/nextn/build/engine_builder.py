@@ -39,7 +39,8 @@ import torch
 import nextn
 from nextn.build.checkpoint import CONFIG_NAME, check_tokenizer_fits, read_json
 from nextn.build.engine_settings import (
-    DTYPES, INT4_ROWS, check_mtp_layers, check_seq_len, medusa_speculative, open_checkpoint, quantized_specs_all,
+    DTYPES, INT4_ROWS, auto_quant_algo, check_mtp_layers, check_seq_len, medusa_speculative, open_checkpoint,
+    quantized_specs_all,
     resolve_dtype, resolve_quant, resolve_speculative,
 )  # fmt: skip
 from nextn.build.fingerprint import fingerprint
@@ -87,7 +88,7 @@ def build_engine(
     compile_batch_sizes: list[int] | None = None,
     compile_device: str | None = None,
     force: bool = False,
-    quant_algo: str | None = None,
+    quant_algo: str | None = "auto",
     group_size: int | None = None,
     exclude_modules: list[str] | None = None,
     lm_head_quant_algo: str | None = None,
@@ -124,7 +125,9 @@ def build_engine(
         force: replace an existing engine in `output_dir` even when it also holds files its manifest does not
             list (they are removed). A directory that is not an nextn engine is refused even with `force`.
         quant_algo: weight-only quantization of the decoder's linear layers, TensorRT-LLM's names: "W8A16" (int8,
-            per output channel) or "W4A16" (4-bit, per group); None keeps them in `dtype`. The lm_head is
+            per output channel), "W4A16" (4-bit, per group) or "W4A8" (W4A16's weights, int8 activations); None keeps
+            them in `dtype`; "auto" (default): W4A16 for a mostly 4-bit GGUF on a CPU with nextn's int4 kernels when
+            `dtype` is "auto" or "bfloat16", else None (`engine_settings.auto_quant_algo`). The lm_head is
             quantized too, as `lm_head_quant_algo` (a tied model gets a quantized lm_head copy beside its
             embedding) unless `exclude_modules` names it; the embedding and norms stay in `dtype`
             (`quantization/weight_only.py`).
@@ -176,6 +179,8 @@ def build_engine(
         cfg = check_mtp_layers(reader, cfg, drop_if_absent=spec_disabled)
         speculative = (resolve_speculative(cfg, yaml_data, llm_args, model_dir) if heads is None
                        else medusa_speculative(heads, llm_args))
+        if quant_algo == "auto":
+            quant_algo = auto_quant_algo(reader, compile_device) if dtype in ("auto", "bfloat16") else None
         engine_dtype = resolve_dtype(dtype, cfg, reader.is_fp8, getattr(reader, "is_quantized", False))
         torch_dtype = DTYPES[engine_dtype]
         specs = {n: (s, layout.runtime_weight_dtype(n, torch_dtype)) for n, s in layout.runtime_weight_specs(cfg).items()}

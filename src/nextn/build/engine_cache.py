@@ -76,6 +76,29 @@ def cache_key(files: list[Path], build_options: dict[str, Any]) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:20]
 
 
+def normalized_build_options(path: Path, build_options: dict[str, Any]) -> dict[str, Any]:
+    """`build_options` with "auto" resolved as the build would resolve it here (the dtype, `quant_algo`: an absent
+    one is "auto", `build_engine`'s default) and None values dropped, so that every path to the same engine — the
+    demo's explicit W4A16, `nextn generate --model`'s defaults, `LLM(path)` — shares one cache entry.
+
+    Raises:
+        As `open_checkpoint` / `build_engine`'s readers (CheckpointError, ConfigError).
+    """
+    from nextn.build.engine_settings import auto_quant_algo, open_checkpoint, resolve_dtype
+
+    options = {k: v for k, v in build_options.items() if v is not None or k == "quant_algo"}
+    dtype, quant = options.get("dtype", "auto"), options.get("quant_algo", "auto")
+    if dtype == "auto" or quant == "auto":
+        with open_checkpoint(path) as reader:
+            if quant == "auto":
+                quant = auto_quant_algo(reader) if dtype in ("auto", "bfloat16") else None
+            if dtype == "auto":
+                dtype = resolve_dtype("auto", reader.model_config, reader.is_fp8,
+                                      getattr(reader, "is_quantized", False))
+    options.update(dtype=dtype, quant_algo=quant)
+    return {k: v for k, v in options.items() if v is not None}
+
+
 def resolve_engine_dir(path: str | Path, cache_dir: str | Path | None = None, progress: bool = True,
                        **build_options: Any) -> Path:
     """The engine directory for `path`: `path` itself when it is an engine, else the cached build of the checkpoint.
@@ -84,8 +107,8 @@ def resolve_engine_dir(path: str | Path, cache_dir: str | Path | None = None, pr
         path: an engine directory, an HF checkpoint directory, or a `.gguf` file (or a directory holding one).
         cache_dir: where built engines live; default `~/.cache/nextn/engines`.
         progress: show build-engine's progress bar on a first build.
-        **build_options: `build_engine` keyword arguments (dtype, max_seq_len, ...); None values are dropped.
-            They are part of the cache key.
+        **build_options: `build_engine` keyword arguments (dtype, max_seq_len, ...); "auto" values are resolved
+            and None values dropped (`normalized_build_options`); the result is the cache key's options.
     Returns:
         An engine directory (built now if it was not cached).
     Raises:
@@ -98,7 +121,7 @@ def resolve_engine_dir(path: str | Path, cache_dir: str | Path | None = None, pr
     if not path.exists():
         raise EngineError(f"{path} does not exist; pass an engine directory, a checkpoint directory or a .gguf file")
     files = checkpoint_files(path)
-    options = {k: v for k, v in build_options.items() if v is not None}
+    options = normalized_build_options(files[0] if len(files) == 1 else path, build_options)
     root = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE_DIR
     engine = root / cache_key(files, options)
     root.mkdir(parents=True, exist_ok=True)
@@ -116,5 +139,5 @@ def resolve_engine_dir(path: str | Path, cache_dir: str | Path | None = None, pr
         from nextn.build.engine_builder import build_engine
 
         logger.warning("building an engine for %s into %s (once; later loads reuse it)", path, engine)
-        build_engine(path, engine, progress=progress, **options)
+        build_engine(path, engine, progress=progress, **{"quant_algo": None, **options})
     return engine

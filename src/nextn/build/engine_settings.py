@@ -38,6 +38,35 @@ def open_checkpoint(model_dir: Path) -> CheckpointReader | GGUFCheckpoint:
     return CheckpointReader(model_dir)
 
 
+#: `quant_algo="auto"` quantizes a GGUF whose decoder matrices are at least this share 4-bit (`auto_quant_algo`).
+AUTO_W4_MIN_SHARE = 0.5
+
+
+def auto_quant_algo(reader: CheckpointReader | GGUFCheckpoint, device_type: str | None = None) -> str | None:
+    """What `quant_algo="auto"` (the default of `build-engine`, `LLM(checkpoint)` and `nextn generate --model`)
+    builds: **W4A16** for a GGUF whose decoder matrices are mostly 4-bit (`GGUFCheckpoint.four_bit_share` ≥
+    `AUTO_W4_MIN_SHARE`: Q4_0, Q4_1, Q4_K_M, ...) when the engine runs on a CPU where nextn's int4 kernels load
+    (`plugins/woq_linear.available()`: AVX-512 BF16), else None (the linears stay in the engine dtype).
+
+    Why W4A16: the file's 4-bit values are read as they are (one- or two-level scales, `quantization/weight_only.py`),
+    nextn's kernels are the fast path on such a CPU, and they compute every row alone, so outputs do not depend on
+    what shares the batch (docs/PERFORMANCE.md, "Batch invariance"). W4A8 (int8 activations) is faster on larger
+    models but changes the numerics; it stays an explicit choice.
+    Args:
+        device_type: "cpu" or "cuda" (None: CUDA when available), where the engine will run.
+    """
+    from nextn.plugins import woq_linear
+
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not isinstance(reader, GGUFCheckpoint) or reader.four_bit_share < AUTO_W4_MIN_SHARE or device_type != "cpu":
+        return None
+    if not woq_linear.available():
+        logger.info("quant_algo auto: nextn's int4 CPU kernels are unavailable here (%s); the linears stay in the "
+                    "engine dtype", woq_linear.unavailable_reason())
+        return None
+    return "W4A16"
+
+
 def medusa_speculative(heads: MedusaHeadsCheckpoint, llm_args: LlmArgs | None) -> SpeculativeInfo:
     """The manifest's speculative section for an engine with Medusa heads (the tree is chosen at load time)."""
     spec = llm_args.speculative_config if llm_args is not None else None

@@ -43,6 +43,8 @@ SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausal
 PERMUTED_ARCHITECTURES = ("llama",)
 #: ggml float types (read as they are, widened to fp32).
 FLOAT_TYPES = ("F32", "F16", "BF16")
+#: ggml types of about 4 bits a weight: a file mostly in them builds W4A16 by default (`engine_settings.auto_quant_algo`)
+FOUR_BIT_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS"})
 #: llama.cpp writes 0xFFFFFFFF (-1 as uint32) for "no such token".
 NO_TOKEN = 2**32 - 1
 _GLOBAL_NAMES = {
@@ -264,6 +266,16 @@ class GGUFCheckpoint:
     def _token_id(self, key: str) -> int | None:
         value = self._scalar(f"tokenizer.ggml.{key}", _INT_TYPES, "an integer token id", None)
         return None if value is None or int(value) == NO_TOKEN else int(value)
+
+    @property
+    def four_bit_share(self) -> float:
+        """The share of the decoder's matrix weights (2-D `blk.*` tensors, by element count) stored in a 4-bit ggml
+        type (`FOUR_BIT_TYPES`): 1.0 for a Q4_0 / Q4_1 file, ~0.7-0.9 for a Q4_K_M one (its Q6_K tensors are the
+        rest), 0 for a Q8_0 or float file."""
+        sizes = [(int(t.n_elements), t.tensor_type.name) for t in self._tensors.values()
+                 if t.name.startswith("blk.") and len(t.shape) == 2]
+        total = sum(n for n, _ in sizes)
+        return sum(n for n, kind in sizes if kind in FOUR_BIT_TYPES) / total if total else 0.0
 
     @property
     def is_quantized(self) -> bool:

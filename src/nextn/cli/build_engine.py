@@ -97,11 +97,13 @@ def _parser() -> argparse.ArgumentParser:
                    "YAML, else 1, 2, 4, ... up to --max_batch_size)")
     p.add_argument("--compile_device", choices=("cpu", "cuda"),
                    help="device to compile for with --compile_step (default: cuda when available)")
-    p.add_argument("--quant_algo", choices=QUANT_ALGOS,
-                   help="weight-only quantization of the linear layers and the lm_head (TensorRT-LLM's names): W8A16 = "
-                   "int8 per output channel, W4A16 = 4-bit per group, W4A8 = W4A16's weights times activations "
-                   "quantized to int8 per group on nextn's CPU kernel (llama.cpp's CPU numerics, faster); embedding "
-                   "and norms stay in --dtype (default: none)")
+    p.add_argument("--quant_algo", choices=("auto", "none", *QUANT_ALGOS), default="auto",
+                   help="quantization of the linear layers and the lm_head (TensorRT-LLM's names): W8A16 = int8 "
+                   "weights per output channel, W4A16 = 4-bit weights per group (both weight-only: bf16 activations), "
+                   "W4A8 = W4A16's weights times activations quantized to int8 per group on nextn's CPU kernel "
+                   "(llama.cpp's CPU numerics, faster); embedding and norms stay in --dtype; none = every linear in "
+                   "--dtype; auto (default) = W4A16 for a mostly 4-bit GGUF (Q4_0, Q4_1, Q4_K_M, ...) on a CPU with "
+                   "nextn's int4 kernels (AVX512-BF16) unless --dtype float32/float16, else none")
     p.add_argument("--group_size", type=int, metavar="G",
                    help="W4A16 input channels per scale (default: the first of 32, 64, 128 dividing every layer)")
     p.add_argument("--super_block_size", type=int, metavar="S",
@@ -178,7 +180,8 @@ def _build(args: argparse.Namespace):
             max_seq_len=args.max_seq_len, extra_llm_api_options=args.extra_llm_api_options, progress=args.progress,
             medusa_model_dir=args.medusa_model_dir, compile_step=args.compile_step,
             compile_batch_sizes=args.compile_batch_sizes, compile_device=args.compile_device, force=args.force,
-            quant_algo=args.quant_algo, group_size=args.group_size, exclude_modules=args.exclude_modules,
+            quant_algo=None if args.quant_algo == "none" else args.quant_algo, group_size=args.group_size,
+            exclude_modules=args.exclude_modules,
             lm_head_quant_algo=args.lm_head_quant_algo, super_block_size=args.super_block_size,
             allow_unused_tensors=args.allow_unused_tensors,
         )  # fmt: skip

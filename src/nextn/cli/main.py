@@ -33,8 +33,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                    help="engine dtype when --model is a checkpoint (default auto: bfloat16 where this CPU has fast "
                         "bf16, else the checkpoint's)")
-    p.add_argument("--quant_algo", choices=QUANT_ALGOS,
-                   help="weight-only quantization when --model is a checkpoint (default: none)")
+    p.add_argument("--quant_algo", choices=("auto", "none", *QUANT_ALGOS), default="auto",
+                   help="quantization when --model is a checkpoint, as build-engine's (default auto: W4A16 for a "
+                        "mostly 4-bit GGUF on a CPU with nextn's int4 kernels, else none)")
     p.add_argument("--prompt", action="append", required=True,
                    help="a prompt (repeatable); with --token_ids, comma-separated token ids")
     p.add_argument("--token_ids", action="store_true", help="read each --prompt as comma-separated token ids")
@@ -62,7 +63,7 @@ def _generate(args: argparse.Namespace) -> int:
         return 2
     prompts = [[int(t) for t in p.split(",") if t.strip()] for p in args.prompt] if args.token_ids else args.prompt
     llm = LLM(args.engine_dir or args.model, extra_llm_api_options=args.extra_llm_api_options, dtype=args.dtype,
-              quant_config={"quant_algo": args.quant_algo} if args.quant_algo else None,
+              quant_config={"quant_algo": None if args.quant_algo == "none" else args.quant_algo},
               engine_cache_dir=os.environ.get("NEXTN_CACHE_DIR"), **env_llm_overrides())
     if args.chat:
         if llm.tokenizer is None:

@@ -43,10 +43,11 @@ class LLM:
             first use into `engine_cache_dir` (default `~/.cache/nextn/engines`), keyed by its content fingerprint
             and the build options, and reused after (`build/engine_cache.py`).
         dtype: engine dtype when building from a checkpoint ("auto", "float32", "bfloat16", "float16").
-        quant_config: weight-only quantization when building from a checkpoint, TensorRT-LLM's
-            `QuantConfig(quant_algo="W8A16" | "W4A16", group_size=..., exclude_modules=["lm_head"],
-            lm_head_quant_algo=..., super_block_size=...)` or the same as a dict (the lm_head is quantized, W8A16 by default, unless
-            excluded); None: none.
+        quant_config: quantization when building from a checkpoint, TensorRT-LLM's
+            `QuantConfig(quant_algo="W8A16" | "W4A16" | "W4A8", group_size=..., exclude_modules=["lm_head"],
+            lm_head_quant_algo=..., super_block_size=...)` or the same as a dict (the lm_head is quantized, W8A16 by
+            default, unless excluded); None: none; omitted: `{"quant_algo": "auto"}` (W4A16 for a mostly 4-bit GGUF
+            on a CPU with nextn's int4 kernels unless `dtype` is float32/float16, else none: `build_engine`).
         speculative_config: a dict or `MTPDecodingConfig` (TensorRT-LLM names, e.g.
             `{"decoding_type": "MTP", "num_nextn_predict_layers": 3}`); None = plain decoding; omitted = what the
             engine was built for.
@@ -64,11 +65,13 @@ class LLM:
 
     def __init__(self, engine_dir: str | Path, speculative_config: Any = _UNSET,
                  extra_llm_api_options: str | Path | None = None, device: str | None = None,
-                 dtype: str = "auto", quant_config: Any = None, engine_cache_dir: str | Path | None = None,
+                 dtype: str = "auto", quant_config: Any = _UNSET, engine_cache_dir: str | Path | None = None,
                  **overrides: Any) -> None:
         from nextn.build.engine_cache import resolve_engine_dir
         from nextn.build.manifest import EngineManifest
 
+        if quant_config is _UNSET:  # omitted: build_engine's "auto" (W4A16 for a 4-bit GGUF where nextn's kernels run)
+            quant_config = {"quant_algo": "auto"}
         quant = quant_config.model_dump() if hasattr(quant_config, "model_dump") else dict(quant_config or {})
         engine_dir = resolve_engine_dir(engine_dir, cache_dir=engine_cache_dir, dtype=dtype,
                                         quant_algo=quant.get("quant_algo"), group_size=quant.get("group_size"),
