@@ -30,3 +30,18 @@ def test_copies_cycle_nextns_kernels_over_distinct_matrices(capsys):
     assert all(name.startswith("nextn") for name in table) and (len(table) == 4) == woq_linear.available()
     assert main(["--shape", "64", "64", "--rows", "1", "--iters", "2", "--copies", "3"]) == 0
     assert "3 copies cycled" in capsys.readouterr().out
+
+
+def test_dense_kernels_agree_and_the_dense_table_runs(capsys):
+    from nextn.bench.kernels import dense, dense_kernels
+
+    table = dense_kernels(40, 64, copies=2)
+    x = torch.randn(5, 64)
+    outs = {name: fn(x.to(dtype)).float() for name, (fn, _, dtype) in table.items()}
+    assert all(o.shape == (5, 40) for o in outs.values())
+    for name, out in outs.items():  # each variant's first call reads the same copy: all within bf16 of fp32
+        torch.testing.assert_close(out, outs["fp32 F.linear"], atol=0.1, rtol=0.05)
+    results = dense([(40, 64)], rows=(1, 3), iters=2, threads=1)
+    assert {(r["rows"], r["kernel"]) for r in results} == {(m, name) for m in (1, 3) for name in table}
+    assert main(["--dense", "--shape", "40", "64", "--rows", "1", "--iters", "2", "--stream-mb", "0.01"]) == 0
+    assert "2 copies cycled" in capsys.readouterr().out

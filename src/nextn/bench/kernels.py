@@ -14,13 +14,19 @@ CPU's last-level cache measures the kernel, not DRAM: the decode step reads ever
 `--copies C` times nextn's kernels over C distinct copies of the matrix, one after another (as a decode step walks
 its layers), so that the weights stream from DRAM: the figure a real step sees.
 
+`--dense` times the dense linears instead (`dense`): nextn's batch-invariant kernel (`plugins/dense_linear.py`)
+against oneDNN's packed bf16 (`PackedLinear`) and `F.linear` in fp32, by default at M = 1, 5, 8, 12 on SmolLM2-135M's
+and Qwen2.5-1.5B's matrices (`DENSE_SHAPES`), each variant cycling copies of at least `--stream-mb` MB in all.
+
     python -m nextn.bench.kernels --shape 8960 1536 --rows 1 4 5 8
     python -m nextn.bench.kernels --shape 8960 1536 --rows 1 4 5 --copies 96 --iters 20   # ~660 MB of int4
+    python -m nextn.bench.kernels --dense --stream-mb 256 --iters 50                     # every DENSE_SHAPES matrix
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -28,7 +34,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from nextn.plugins import woq_linear
+from nextn.plugins import dense_linear, woq_linear
 from nextn.plugins.packed_linear import packed_linear, packing_supported
 from nextn.quantization.weight_only import super_block
 
@@ -98,17 +104,105 @@ def kernels(n: int, k: int, group: int = 32, copies: int = 1
     return out
 
 
+DENSE_SHAPES = {  # [N, K] (out, in) of each model's linears: q/o, kv, MLP up/gate, down, lm_head
+    "SmolLM2-135M": [(576, 576), (1536, 576), (576, 1536), (49152, 576)],
+    "Qwen2.5-1.5B": [(1536, 1536), (256, 1536), (8960, 1536), (1536, 8960), (151936, 1536)],
+}
+
+
+def dense_kernels(n: int, k: int, copies: int = 1
+                  ) -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], int, torch.dtype]]:
+    """name → (fn(x [M, k]) → [M, n], weight bytes per call, x's dtype) for random [n, k] matrices, each call on the
+    next of `copies` distinct ones: nextn's dense kernel in bf16 and fp32 (where available), oneDNN's packed bf16
+    (where the CPU has bf16 instructions), `F.linear` in fp32."""
+    torch.manual_seed(0)
+    w32 = [torch.randn(n, k) for _ in range(copies)]
+    turn = {}
+
+    def cycled(name: str, weights: list, call: Callable) -> Callable[[torch.Tensor], torch.Tensor]:
+        turn[name] = 0
+
+        def fn(x):
+            turn[name] = (turn[name] + 1) % copies
+            return call(x, weights[turn[name]])
+        return fn
+
+    out = {}
+    if dense_linear.available():
+        bf = [dense_linear.pack(w.bfloat16()) for w in w32]
+        f32 = [dense_linear.pack(w) for w in w32]
+        out["nextn bf16"] = (cycled("nb", bf, lambda x, p: dense_linear.dense_linear(x, p, n)), 2 * n * k,
+                             torch.bfloat16)
+        out["nextn fp32"] = (cycled("nf", f32, lambda x, p: dense_linear.dense_linear(x, p, n)), 4 * n * k,
+                             torch.float32)
+    if packing_supported(torch.device("cpu"), torch.bfloat16):
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), None) for w in w32]
+        out["bf16 packed"] = (cycled("pb", packed, lambda x, p: packed_linear(x, p, None)), 2 * n * k, torch.bfloat16)
+    out["fp32 F.linear"] = (cycled("f", w32, F.linear), 4 * n * k, torch.float32)
+    return out
+
+
+def dense(shapes: list[tuple[int, int]] | None = None, rows: tuple[int, ...] = (1, 5, 8, 12), iters: int = 100,
+          stream_mb: float = 0.0, threads: int = 2) -> list[dict]:
+    """Times the dense linears (`dense_kernels`) on each [N, K] of `shapes` (default: every `DENSE_SHAPES` matrix) at
+    each row count, printing a table per shape; each variant cycles enough copies of its matrix to read at least
+    `stream_mb` MB (0: one copy, cache-resident when it fits).
+
+    Returns:
+        One dict per (shape, rows, kernel): n, k, rows, kernel, us (median µs per call), gb_s (weight GB/s).
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _dense_tables(shapes, rows, iters, stream_mb, threads)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _dense_tables(shapes: list[tuple[int, int]] | None, rows: tuple[int, ...], iters: int, stream_mb: float,
+                  threads: int) -> list[dict]:
+    """`dense`'s tables, under the thread count it set."""
+    shapes = shapes or [s for model in DENSE_SHAPES.values() for s in model]
+    results = []
+    for n, k in shapes:
+        copies = max(1, math.ceil(stream_mb * 1e6 / (2 * n * k)))
+        table = dense_kernels(n, k, copies)
+        print(f"[{n}, {k}] weight, {copies} copies cycled, {threads} threads; µs per call (weight GB read per second)")
+        print("rows  " + "".join(f"{name:>22}" for name in table))
+        for m in rows:
+            x = torch.randn(m, k)
+            cells = []
+            for name, (fn, nbytes, dtype) in table.items():
+                xd = x.to(dtype)
+                us = _time(lambda: fn(xd), iters)
+                results.append(dict(n=n, k=k, rows=m, kernel=name, us=us, gb_s=nbytes / us / 1e3))
+                cells.append(f"{us:9.0f} ({nbytes / us / 1e3:5.1f} GB/s)")
+            print(f"{m:>4}  " + "".join(f"{c:>22}" for c in cells))
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m nextn.bench.kernels", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", type=int, nargs=2, default=[8960, 1536], metavar=("N", "K"),
-                   help="weight [out, in] (default Qwen2.5-1.5B's MLP up projection, 8960 1536)")
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 5, 8], help="row counts M (default 1 4 5 8)")
+    p.add_argument("--shape", type=int, nargs=2, default=None, metavar=("N", "K"),
+                   help="weight [out, in] (default Qwen2.5-1.5B's MLP up projection, 8960 1536; with --dense, every "
+                        "DENSE_SHAPES matrix)")
+    p.add_argument("--rows", type=int, nargs="+", default=None,
+                   help="row counts M (default 1 4 5 8; with --dense 1 5 8 12)")
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--copies", type=int, default=1,
                    help="distinct copies of the matrix, cycled (weights from DRAM); nextn's kernels only when > 1")
+    p.add_argument("--dense", action="store_true",
+                   help="time the dense linears (nextn's batch-invariant kernel, oneDNN bf16, F.linear fp32) instead")
+    p.add_argument("--stream-mb", type=float, default=0.0,
+                   help="with --dense: copies of each matrix cycled, at least this many MB a kernel (default one copy)")
     args = p.parse_args(argv)
+    if args.dense:
+        dense([tuple(args.shape)] if args.shape else None, tuple(args.rows or (1, 5, 8, 12)), args.iters,
+              args.stream_mb, args.threads)
+        return 0
+    args.shape, args.rows = args.shape or [8960, 1536], args.rows or [1, 4, 5, 8]
     torch.set_num_threads(args.threads)
     n, k = args.shape
     table = kernels(n, k, copies=args.copies)
