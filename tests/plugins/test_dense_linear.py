@@ -147,6 +147,12 @@ def test_module_replaces_a_linear():
         DenseLinear(torch.nn.Linear(8, 8).double())
 
 
+def test_module_refuses_a_machine_without_the_kernel(monkeypatch):
+    monkeypatch.setattr(dense_linear.cpu_kernels, "_load", lambda: "the CPU lacks avx512_bf16")
+    with pytest.raises(RuntimeError, match="unavailable: the CPU lacks avx512_bf16"):
+        DenseLinear(torch.nn.Linear(8, 8))
+
+
 def test_reference_rows_alone_is_batch_invariant():
     _, packed, bias = _operands(40, 96, torch.float32, seed=6)
     x = torch.randn(7, 96)

@@ -93,6 +93,8 @@ def dense_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
         [..., N] in x's dtype.
     Raises:
         RuntimeError: (the op's checks) operands of the wrong device, dtype, layout or shape, named.
+
+    The op exists once the kernels are loaded: call `available()` first.
     """
     return torch.ops.nextn.dense_linear(x, packed, bias, out_features)
 
@@ -123,6 +125,7 @@ class DenseLinear(nn.Module):
         linear: an `nn.Linear` on the CPU with a bf16, fp16 or fp32 weight (copied; the original can be freed).
     Raises:
         ValueError: the layer is not on the CPU or its weight not of those dtypes.
+        RuntimeError: the kernel is unavailable on this machine (`unavailable_reason()`; keep the `nn.Linear`).
     """
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -130,6 +133,8 @@ class DenseLinear(nn.Module):
         w = linear.weight.detach()
         if w.device.type != "cpu" or w.dtype not in DTYPES:
             raise ValueError(f"DenseLinear takes a bf16/fp16/fp32 CPU weight, got {w.dtype} on {w.device}")
+        if not available():
+            raise RuntimeError(f"nextn's dense CPU kernel is unavailable: {unavailable_reason()}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.register_buffer("packed", pack(w), persistent=False)
         bias = None if linear.bias is None else linear.bias.detach().float()
