@@ -67,6 +67,8 @@ def _json_lines(path: str | Path, what: str = "dataset") -> Iterable[tuple[int, 
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise DatasetError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                except (ValueError, RecursionError) as e:  # an int of over 4300 digits, nesting past the stack
+                    raise DatasetError(f"{path}:{lineno}: not valid JSON ({str(e) or type(e).__name__})") from None
                 if not isinstance(row, dict):
                     raise DatasetError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
                 yield lineno, row

@@ -172,8 +172,10 @@ def output_lock(output_dir: Path) -> Iterator[None]:
         EngineError: another build holds the lock (the message names the lock file).
     """
     output_dir = Path(output_dir)
-    output_dir.absolute().parent.mkdir(parents=True, exist_ok=True)
-    lock_path = output_dir.absolute().parent / f".{output_dir.name}.lock"
+    parent = output_dir.absolute().parent
+    created = [p for p in (parent, *parent.parents) if not p.exists()]  # deepest first
+    parent.mkdir(parents=True, exist_ok=True)
+    lock_path = parent / f".{output_dir.name}.lock"
     while True:
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
         try:
@@ -197,6 +199,11 @@ def output_lock(output_dir: Path) -> Iterator[None]:
         except FileNotFoundError:
             pass
         os.close(fd)
+        for p in created:  # the parents made for the lock, when a refused or failed build left them empty
+            try:
+                p.rmdir()
+            except OSError:
+                break
 
 
 class BuildInterrupted(BaseException):

@@ -152,10 +152,12 @@ def published_tree(name: str) -> list[list[int]]:
 
     from nextn.config.user_files import read_user_json
 
-    candidates = [Path(os.environ["NEXTN_MEDUSA_CHOICES"])] if os.environ.get("NEXTN_MEDUSA_CHOICES") else []
-    here = Path(__file__).resolve()
-    candidates += [root.parent / "shared" / "data" / "medusa_choices.json" for root in (Path.cwd(), *here.parents)]
-    found = next((c for c in candidates if c.is_file()), None)
+    if os.environ.get("NEXTN_MEDUSA_CHOICES"):  # the user's file: read or refused by name, never skipped
+        found = Path(os.environ["NEXTN_MEDUSA_CHOICES"])
+    else:
+        here = Path(__file__).resolve()
+        candidates = [root.parent / "shared" / "data" / "medusa_choices.json" for root in (Path.cwd(), *here.parents)]
+        found = next((c for c in candidates if c.is_file()), None)
     if found is None:
         raise TreeError(f"medusa_choices {name!r} names a published tree, but no medusa_choices.json was found: set "
                         "NEXTN_MEDUSA_CHOICES to that file (FasterDecoding/Medusa's trees) or pass medusa_choices "

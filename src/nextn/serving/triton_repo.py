@@ -16,7 +16,8 @@ import os
 from pathlib import Path
 
 from nextn.build.manifest import EngineManifest
-from nextn.build.output_files import MARKER_NAME, SNIFF_BYTES, OutputPathError, write_output_file, written_by
+from nextn.build.output_files import (MARKER_NAME, SNIFF_BYTES, OutputPathError, is_report_of, write_output_file,
+                                      written_by)
 from nextn.serving import triton_io
 from nextn.serving.triton_io import TensorSpec
 
@@ -128,7 +129,7 @@ def check_model_dir(repo: Path, model_name: str) -> Path:
                 links.append(rel)
             elif name in files and rel not in OWN_FILES and "__pycache__" not in Path(rel).parts:
                 foreign.append(rel)
-    ours = (model_dir / MARKER_NAME).is_file() or _is_own_config(model_dir / "config.pbtxt")
+    ours = _is_own_marker(model_dir / MARKER_NAME) or _is_own_config(model_dir / "config.pbtxt")
     if links:
         raise OutputPathError(f"{model_dir} holds symbolic links ({', '.join(sorted(links)[:8])}); nothing was written: "
                               "nextn triton-repo writes only into a model directory of plain files it wrote")
@@ -137,6 +138,14 @@ def check_model_dir(repo: Path, model_name: str) -> Path:
         raise OutputPathError(f"{model_dir} is a model that nextn triton-repo did not write (it holds "
                               f"{', '.join(shown)}); nothing was changed: choose another --model_name or --output_dir")
     return model_dir
+
+
+def _is_own_marker(path: Path) -> bool:
+    """A marker triton-repo wrote (`{"written_by": "nextn triton-repo"}`), not a user's file of that name."""
+    if path.is_symlink() or not path.is_file():
+        return False
+    with path.open("rb") as f:
+        return is_report_of("triton-repo")(f.read(SNIFF_BYTES))
 
 
 def _is_own_config(path: Path) -> bool:
