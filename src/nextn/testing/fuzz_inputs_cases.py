@@ -19,7 +19,7 @@ from nextn.testing import fuzz_inputs_gen as gen
 from nextn.testing.fuzz_inputs import Harness
 
 TEMPLATE_SLACK_S = 2.5  # past a render's budget: killing the worker, a loaded 2-core machine
-READ_BOUND_S = 3.0  # a user-named file is refused within a couple of seconds
+READ_BOUND_S = 5.0  # a user-named file is refused within seconds (PyYAML takes ~2 s to refuse a deep 1 MiB file)
 BUILD_BOUND_S = 20.0  # a tiny build (about 0.02 s once imported) or its refusal
 BOMB_CAP = 4 << 20  # the gzip bombs run against the prompt readers' cap lowered to 4 MiB (theirs: 1 GiB)
 TINY_VOCAB = 512  # the tree class's engine (SMALL_VOCAB)

@@ -275,8 +275,9 @@ class OutputsCase(_Case):
         elif which == "--plot":
             out = d / "plots"
             chart = out / rng.choice(["throughput_vs_k.png", f"acceptance_per_position_k{rng.randrange(1, 9)}.png"])
-            kind = "under a file"
-            while kind == "under a file":  # a chart-named path that is not a PNG, or --plot itself not a folder
+            kind, target = "under a file", out
+            # a chart-named path that is not a PNG, or --plot itself not a folder (a folder is what it should be)
+            while kind == "under a file" or (target == out and kind == "directory"):
                 target = chart if rng.random() < 0.7 else out
                 if target.exists() or target.is_symlink():
                     shutil.rmtree(d / "plots")
