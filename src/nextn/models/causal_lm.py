@@ -40,6 +40,8 @@ class SelfDraftingCausalLM(nn.Module):
     lm_head_quantized: bool = False
     #: Every decoder layer as one op call (`plugins.decoder_layer.install_fused_layers`, W4A16 / W4A8 on the CPU).
     fused_stack: FusedStack | None = None
+    #: The lm_head on nextn's batch-invariant dense kernel (`plugins.dense_linear.install_dense_linears`).
+    dense_lm_head: nn.Module | None = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -67,6 +69,8 @@ class SelfDraftingCausalLM(nn.Module):
         """lm_head: [..., hidden] → [..., vocab] fp32."""
         if self.lm_head_quantized:
             return self.lm_head(hidden).float()
+        if self.dense_lm_head is not None:
+            return self.dense_lm_head(hidden).float()
         return vocab_projection(self.lm_head.weight, hidden).float()
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,8 @@ out_features N) → [..., N] in x's dtype`.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from torch import nn
 
@@ -140,6 +142,12 @@ class DenseLinear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach().float()
         self.register_buffer("bias", bias, persistent=False)
 
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "DenseLinear":
+        """The layer y = x weightᵀ + bias for a weight [out, in] held elsewhere (e.g. a tied lm_head's embedding)."""
+        return cls(SimpleNamespace(weight=weight, bias=bias, in_features=weight.shape[1],  # type: ignore[arg-type]
+                                   out_features=weight.shape[0]))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in_features] bf16/fp16/fp32 → [..., out_features] in x's dtype."""
         return dense_linear(x, self.packed, self.out_features, self.bias)
@@ -147,3 +155,35 @@ class DenseLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"batch-invariant {str(self.packed.dtype).removeprefix('torch.')}")
+
+
+def install_dense_linears(model: nn.Module, prefix: str = "model.layers.") -> list[str]:
+    """Make a dense CPU engine batch-invariant: every bf16 / fp16 / fp32 CPU `nn.Linear` whose name starts with
+    `prefix` (the decoder and MTP layers) becomes a `DenseLinear`, except layers whose weight the model reads
+    directly (`model.weights_read_directly`, e.g. MLA's `kv_b_proj`); and the target's lm_head, unless quantized,
+    gets a `DenseLinear` copy as `model.dense_lm_head` (`SelfDraftingCausalLM.logits` uses it; a tied lm_head keeps
+    sharing the embedding's weight for lookups).
+
+    Returns:
+        The names replaced ("lm_head" included); empty where the kernel is unavailable (`unavailable_reason()`),
+        in which case nothing changes.
+    """
+    if not any(isinstance(p, torch.Tensor) and p.device.type == "cpu" for p in model.parameters()) or not available():
+        return []
+    replaced = []
+    keep = set(getattr(model, "weights_read_directly", ()))
+    for name, module in list(model.named_modules()):
+        if not (name.startswith(prefix) and type(module) is nn.Linear) or name.rpartition(".")[2] in keep:
+            continue
+        if module.weight.device.type != "cpu" or module.weight.dtype not in DTYPES:
+            continue
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, DenseLinear(module))
+        replaced.append(name)
+    head = getattr(model, "lm_head", None)
+    weight = getattr(head, "weight", None)
+    if (not getattr(model, "lm_head_quantized", False) and isinstance(weight, torch.Tensor)
+            and weight.device.type == "cpu" and weight.dtype in DTYPES and weight.dim() == 2):
+        model.dense_lm_head = DenseLinear.from_weight(weight)
+        replaced.append("lm_head")
+    return replaced

@@ -19,6 +19,8 @@ from nextn.distributed.tensor_parallel import local_kv_config, shard_model
 from nextn.models.medusa import MedusaHeads
 from nextn.models.registry import MODEL_CLASSES
 from nextn.plugins.medusa_tree import TreeError, build_tree, published_tree
+from nextn.plugins.dense_linear import install_dense_linears
+from nextn.plugins.dense_linear import unavailable_reason as dense_linear_unavailable_reason
 from nextn.plugins.packed_linear import install_packed_linears
 from nextn.plugins.decoder_layer import install_fused_layers
 from nextn.plugins.paged_attention import install_paged_attention
@@ -277,7 +279,14 @@ class Engine:
         except RuntimeError as e:
             raise EngineError(f"engine weights do not match its manifest: {e}") from e
         model.rope_table = model.rope_table_for(max_positions).to(self.device)
-        install_packed_linears(model)  # bf16 on a CPU with bf16 instructions: oneDNN's pre-packed kernel
+        # dense linears and lm_head on nextn's batch-invariant CPU kernel; else bf16 on oneDNN's pre-packed kernel
+        self.batch_invariant_linears = bool(install_dense_linears(model)) or self.manifest.quant_config is not None
+        if not self.batch_invariant_linears:
+            if self.device.type == "cpu":
+                logger.warning("this engine's %s linears are not batch-invariant on this CPU (nextn's dense kernel: "
+                               "%s): a request's greedy tokens may depend on what shares its batch",
+                               self.manifest.dtype, dense_linear_unavailable_reason())
+            install_packed_linears(model)
         install_paged_attention(model)  # nextn's CPU attention kernel where it applies
         install_fused_layers(model)  # W4A16 on the CPU: one op per decoder layer
         return model.eval().requires_grad_(False)
