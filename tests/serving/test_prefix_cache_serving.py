@@ -58,6 +58,6 @@ def test_a_second_chat_turn_hits_the_prefix_cache(served):
     assert hits >= first.usage.prompt_tokens // 4 * 4 - 4 > 0  # (the prompt's blocks but its last, at least)
     # The same prompt ids through an engine without reuse give the same answer.
     plain = LLM(engine, device="cpu", kv_cache_config={**KV, "enable_block_reuse": False})
-    ids = app.state.server._chat_ids([ChatMessage(**m) for m in messages])  # the server's own rendering
+    ids = app.state.server.chat_ids([ChatMessage(**m) for m in messages])  # the server's own rendering
     assert len(ids) == second.usage.prompt_tokens
     assert plain.generate(ids, SamplingParams(max_tokens=16)).outputs[0].text == second.choices[0].message.content

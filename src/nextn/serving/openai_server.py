@@ -138,7 +138,20 @@ class OpenAIServer:
         self._check_chars(len(text), param)
         return list(self.tokenizer.tok.encode(text, add_special_tokens=add_special_tokens))
 
+    def chat_ids(self, messages: list[p.ChatMessage]) -> list[int]:
+        """The prompt ids of `messages` as a chat request renders them (same checks, template and budget; no client
+        to watch): for tools and tests. Raises APIError as a request would."""
+        msgs = self._chat_messages(messages)
+        text = self.chat_renderer.tokenizer.render_chat(msgs, self.chat_renderer.chat_template,
+                                                        limits=self.chat_renderer.limits)
+        return self._encode(text, "messages", self.chat_template is not None)
+
     async def _chat_ids(self, messages: list[p.ChatMessage], raw: Request) -> list[int]:
+        text = await self.chat_renderer.render(self._chat_messages(messages), raw)
+        # A model's template writes its own BOS; the fallback does not, so the tokenizer adds it.
+        return await self._off_loop(self._encode, text, "messages", self.chat_template is not None)
+
+    def _chat_messages(self, messages: list[p.ChatMessage]) -> list[dict]:
         if self.tokenizer is None:
             raise p.APIError(400, "this engine has no tokenizer, so it cannot render chat messages: use "
                              "/v1/completions with token-id prompts", "messages")
@@ -147,9 +160,7 @@ class OpenAIServer:
                              "fewer messages", "messages", "context_length_exceeded")
         msgs = [{"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {}) for m in messages]
         self._check_chars(sum(len(m["content"]) for m in msgs), "messages")
-        text = await self.chat_renderer.render(msgs, raw)
-        # A model's template writes its own BOS; the fallback does not, so the tokenizer adds it.
-        return await self._off_loop(self._encode, text, "messages", self.chat_template is not None)
+        return msgs
 
     def _params(self, req: p._SamplingRequest, num_prompt_tokens: int, max_tokens: int | None, param: str,
                 max_tokens_param: str = "max_tokens") -> SamplingParams:
