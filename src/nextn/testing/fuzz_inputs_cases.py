@@ -302,8 +302,12 @@ class TreesCase(_Case):
             from nextn.testing import SMALL_VOCAB, TinyDeepseekSpec, make_tiny_checkpoint
 
             ckpt = make_tiny_checkpoint(self.root / "ckpt", TinyDeepseekSpec(num_mtp_modules=1, **SMALL_VOCAB))
-            self.engine = build_engine(ckpt, self.root / "engine", progress=False, max_seq_len=64) and \
-                self.root / "engine"
+            build_engine(ckpt, self.root / "engine", progress=False, max_seq_len=64)
+            from nextn.runtime.llm import LLM
+
+            # the first load may build the CPU kernels (minutes on a cold cache): not a tree's cost
+            LLM(self.root / "engine", device="cpu").shutdown()
+            self.engine = self.root / "engine"
         return self.engine
 
     def one(self, rng: random.Random, tag: str) -> None:
@@ -334,7 +338,7 @@ class TreesCase(_Case):
             return  # refused, no tree, or the name of a published tree (the user_files class reads those)
         parsed = [list(p) for p in getattr(args.speculative_config, key)]
         over = any(not 0 <= r < TINY_VOCAB for p in parsed for r in p)
-        engine = self.h.guard(self.name, "building the tiny engine", self._tiny_engine, 120.0)
+        engine = self.h.guard(self.name, "building and loading the tiny engine", self._tiny_engine, 600.0)
         if engine is None:
             return
         if medusa:  # the load-time check (a Medusa engine's loader calls it with the engine's vocabulary)
