@@ -56,6 +56,16 @@ def test_a_cache_dir_of_the_users_is_refused(base, data, tmp_path, capsys):
     assert "--cache_dir" in capsys.readouterr().err and (cache / "state.pt").read_text() == "user"
 
 
+def test_a_refused_cache_dir_leaves_the_output_dir_unclaimed(base, data, tmp_path, capsys):
+    """Both directories are checked before either is created or marked: a refused --cache_dir leaves no claimed
+    --output_dir behind."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "state.pt").write_text("user")
+    assert main(_argv(base, data, tmp_path / "out", "--cache_dir", str(cache))) == 2
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("flag,value", [("--num_heads", "1000"), ("--num_heads", "0"), ("--num_layers", "-1"),
                                         ("--tree_nodes", "100000"), ("--num_draft_steps", "0")])
 def test_counts_out_of_range_are_named(base, data, tmp_path, capsys, flag, value):

@@ -122,7 +122,8 @@ def write_output_file(path: str | Path, data: str | bytes, what: str, is_ours: C
 
 
 def claim_output_dir(path: str | Path, command: str, inputs: Iterable[str | Path] = (),
-                     is_legacy: Callable[[Path], bool] | None = None, flag: str = "--output_dir") -> Path:
+                     is_legacy: Callable[[Path], bool] | None = None, flag: str = "--output_dir",
+                     check_only: bool = False) -> Path:
     """Make `path` this command's output directory (created when missing), or refuse it.
 
     Args:
@@ -131,6 +132,8 @@ def claim_output_dir(path: str | Path, command: str, inputs: Iterable[str | Path
         inputs: the command's input paths (base model, data): the output may not be one of them or hold one.
         is_legacy: recognises an output written before markers existed (then the marker is added).
         flag: the option's name, for messages.
+        check_only: refuse or accept without creating or marking anything (a command that claims several
+            directories checks them all first).
     Raises:
         OutputPathError: `path` is a symbolic link or a file, is or holds an input, or is a non-empty directory this
             command did not write (its files named).
@@ -154,6 +157,8 @@ def claim_output_dir(path: str | Path, command: str, inputs: Iterable[str | Path
             raise OutputPathError(
                 f"{flag} {out} is not empty and was not written by nextn {command} (it holds "
                 f"{', '.join(names[:SHOWN])}{more}); nothing was changed: choose a new or empty {flag}")
+    if check_only:
+        return out
     out.mkdir(parents=True, exist_ok=True)
     if not marker.is_file():
         marker.write_text(json.dumps(written_by(command)) + "\n")

@@ -75,6 +75,9 @@ def claim_train_output(model_dir: str | Path, data_files: Sequence[str | Path], 
         OutputPathError: naming the directory, what it holds and the way out.
     """
     inputs = [model_dir, *data_files, *other_inputs]
+    if cache_dir is not None:  # both checked before either is created or marked
+        claim_output_dir(output_dir, "train-draft", inputs, is_train_output, check_only=True)
+        claim_output_dir(cache_dir, "train-draft", inputs, is_train_cache, flag="--cache_dir", check_only=True)
     out = claim_output_dir(output_dir, "train-draft", inputs, is_train_output)
     if cache_dir is None:
         return out / "train_cache"
