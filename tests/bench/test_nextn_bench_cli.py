@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -41,7 +43,8 @@ def test_throughput_report_json_iteration_log_plot_baseline(small_engine, datase
     report, log, plots = tmp_path / "r.json", tmp_path / "it.jsonl", tmp_path / "plots"
     rc = main(["--engine_dir", str(small_engine), "throughput", "--dataset", str(dataset), "--streaming",
                "--config", str(cfg), "--report_json", str(report), "--iteration_log", str(log), "--plot", str(plots),
-               "--baseline", "--warmup", "1", "--concurrency", "3", "--no_progress"])
+               "--baseline", "--warmup", "1", "--concurrency", "3", "--no_progress", "--passes", "2",
+               "--max_spread", "100"])
     out = capsys.readouterr().out
     assert rc == 0
     assert out.count("= PYTORCH BACKEND") == 2  # the baseline's report, then the speculative run's
@@ -50,14 +53,18 @@ def test_throughput_report_json_iteration_log_plot_baseline(small_engine, datase
     assert _in_order(spec, SECTIONS) and "= DECODING STATISTICS (MTP)" in spec
     assert "[TTFT] P99" in out and "Speculative Decoding: MTP (MtpEagle, K=2)" in out and "[Draft 2]" in out
     assert "Speed-up over no speculation (MTP K=2): " in out and "x (" in out
+    assert out.count("Timed Passes (figures above: the fastest):") == 2
     d = json.loads(report.read_text())
     assert d["decoding_stats"]["mode"] == "MTP" and d["dataset"]["num_requests"] == 4
     assert d["request_info"]["avg_output_length"] == pytest.approx(7.5)
     assert d["world_info"]["concurrency"] == 3
     assert json.loads((tmp_path / "r.baseline.json").read_text())["decoding_stats"]["mode"] == "none"
+    passes = d["performance"]["passes"]
+    assert passes["num_passes"] == 2 and len(passes["output_throughput_tok_s"]) == 2
+    assert {"speed_up", "measured_ratio", "reliable", "acceptance_length"} <= set(d["speed_up_over_baseline"])
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     assert {r["max_draft_len"] for r in rows} == {0, 2} and max(r["num_requests"] for r in rows) <= 3
-    assert sum(r["num_emitted"] for r in rows if r["max_draft_len"] == 2) == 6 + 7 + 8 + 9
+    assert sum(r["num_emitted"] for r in rows if r["max_draft_len"] == 2) == 6 + 7 + 8 + 9  # the reported pass
     for name in ("acceptance_per_position_k2.png", "throughput_vs_k.png"):
         assert (plots / name).read_bytes()[:8] == PNG_MAGIC
 
@@ -161,3 +168,124 @@ def test_sibling_reports_and_charts_are_checked_before_the_run(small_engine, dat
         err = capsys.readouterr().err
         assert name in err and "not written by this command" in err and "Traceback" not in err, err
     assert mine.read_text() == '{"mine": true}' and (plots / "throughput_vs_k.png").read_text() == "my notes"
+
+
+def _slowed_baseline(monkeypatch, factor: float, spread: tuple[float, ...] | None = None):
+    """Make run_benchmark report the baseline `factor` times slower (a machine busy only while it ran), and every
+    run's passes `spread` (× its tokens/s) when given."""
+    import nextn.bench.runner as runner
+
+    real = runner.run_benchmark
+
+    def fake(*args, **kwargs):
+        run = real(*args, **kwargs)
+        if run.decoding_mode == "none":
+            run = dataclasses.replace(run, end_time=run.start_time + run.total_latency_s * factor)
+        tok_s = run.output_throughput
+        rel = spread or (1.0,) * len(run.spread.tok_s)
+        return dataclasses.replace(run, spread=dataclasses.replace(
+            run.spread, tok_s=tuple(tok_s * r for r in rel), load_before=6.5, load_after=7.25, cpu_cores=2))
+
+    monkeypatch.setattr(runner, "run_benchmark", fake)
+
+
+def test_a_speed_up_above_the_al_is_not_printed_as_a_result(small_engine, dataset, tmp_path, capsys, monkeypatch):
+    # issue 33: `Speed-up over no speculation (NGram K=4): 15.010x (AL 1.006)` was printed as a result
+    _slowed_baseline(monkeypatch, 15.0)
+    cfg = tmp_path / "mtp.yaml"
+    cfg.write_text("speculative_config: {decoding_type: MTP, num_nextn_predict_layers: 2}\n")
+    report = tmp_path / "r.json"
+    assert main(["--engine_dir", str(small_engine), "throughput", "--dataset", str(dataset), "--config", str(cfg),
+                 "--baseline", "--warmup", "0", "--passes", "2", "--report_json", str(report), "--no_progress"]) == 0
+    out = capsys.readouterr().out
+    table = out[out.rindex("speed-up/AL"):]
+    al = json.loads(report.read_text())["decoding_stats"]["acceptance_length_percentiles"]["maximum"]
+    assert al < 15 / 1.05  # the fake speed-up is impossible for this engine
+    line = next(x for x in table.splitlines() if x.startswith("Speed-up over no speculation (MTP K=2)"))
+    assert "not measured reliably" in line and "exceeds the AL" in line and "which speculation cannot do" in line
+    assert "n/a" in table.splitlines()[2] and not re.search(r"K=2\): [0-9.]+x", line)  # no ratio as the result
+    assert "baseline passes (output tokens/s): " in table and "K=2 passes (output tokens/s): " in table
+    assert "load average 6.50 before, 7.25 after, on 2 cores" in table
+    verdict = json.loads(report.read_text())["speed_up_over_baseline"]
+    assert verdict["speed_up"] is None and not verdict["reliable"] and verdict["measured_ratio"] > 5
+    assert "exceeds the AL" in verdict["unreliable_reason"]
+
+
+def test_passes_that_disagree_are_warned_about(small_engine, dataset, tmp_path, capsys, monkeypatch):
+    _slowed_baseline(monkeypatch, 1.0, spread=(1.0, 0.5, 0.95))
+    assert main(["--engine_dir", str(small_engine), "throughput", "--dataset", str(dataset), "--warmup", "0",
+                 "--passes", "3", "--max_spread", "0.2", "--no_progress"]) == 0
+    captured = capsys.readouterr()
+    assert "Pass Spread ((max - min) / median):" in captured.out and "52.6%" in captured.out
+    assert "warning: the 3 timed passes of MTP K=1 disagree by 53%" in captured.err
+    assert "more than --max_spread 20%" in captured.err and "load average 6.50 before, 7.25 after" in captured.err
+    assert main(["--engine_dir", str(small_engine), "throughput", "--dataset", str(dataset), "--warmup", "0",
+                 "--passes", "3", "--max_spread", "0.6", "--no_progress"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--passes", "0", "--passes must be in 1..100"), ("--passes", "101", "--passes must be in 1..100"),
+    ("--max_spread", "0", "--max_spread must be a positive"), ("--max_spread", "nan", "--max_spread must be"),
+    ("--num_threads", "-1", "--num_threads must be in 1..1024"),
+])
+def test_counts_are_bounded_before_the_engine_loads(small_engine, dataset, capsys, monkeypatch, flag, value, message):
+    import nextn.runtime.llm
+
+    monkeypatch.setattr(nextn.runtime.llm, "LLM", None)  # any load would fail: the refusal must come first
+    assert main(["--engine_dir", str(small_engine), "throughput", "--dataset", str(dataset), flag, value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("nextn-bench: error: ") and message in err and "Traceback" not in err
+
+
+def test_help_cites_what_users_have(capsys):
+    # issue 33: --help cited "REFERENCE.md §7", a file users do not have
+    assert main(["--help"]) == 0
+    text = capsys.readouterr().out
+    assert "REFERENCE.md" not in text and "trtllm-bench" in text and "docs/PERFORMANCE.md" in text
+    assert main(["throughput", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert "--passes" in text and "--max_spread" in text and "REFERENCE.md" not in text
+
+
+def test_report_names_the_weight_format(dataset, tmp_path, capsys):
+    # issue 33: the report said `Quantization: None` for a W4A16 engine
+    from nextn.build.engine_builder import build_engine
+    from nextn.testing.tiny_llama import tiny_hf_llama
+
+    tiny_hf_llama(vocab_size=320).save_pretrained(tmp_path / "ckpt")  # 320: a multiple of 16 (int4 packing)
+    build_engine(tmp_path / "ckpt", tmp_path / "e", max_seq_len=64, progress=False, quant_algo="W4A16", group_size=32)
+    report = tmp_path / "r.json"
+    assert main(["--engine_dir", str(tmp_path / "e"), "throughput", "--dataset", str(dataset), "--warmup", "0",
+                 "--passes", "1", "--num_requests", "1", "--report_json", str(report), "--no_progress"]) == 0
+    out = capsys.readouterr().out
+    assert "Quantization:         W4A16: 4-bit weights in groups of 32, " in out and "lm_head W8A16" in out
+    e = json.loads(report.read_text())["engine"]
+    assert e["weight_format"] == "W4A16" and e["quant_config"]["group_size"] == 32
+    assert e["quantization"].startswith("W4A16: ") and e["model_name"] == "ckpt"
+
+
+def test_a_busy_machine_gets_fewer_torch_threads(monkeypatch, capsys):
+    # issue 33: on 2 cores under load ~6, two spinning torch threads made passes 10x apart (a 15x "speed-up")
+    import torch
+
+    import nextn.cli.nextn_bench as bench
+
+    old = torch.get_num_threads()
+    monkeypatch.setattr(bench.os, "cpu_count", lambda: 2)
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setattr(bench, "load_average", lambda: 5.3)
+        bench._set_threads(None)
+        assert torch.get_num_threads() == 1
+        assert "the machine is busy (1-minute load average 5.30 on 2 cores): 1 torch thread instead of 2" in \
+            capsys.readouterr().err
+        torch.set_num_threads(2)
+        monkeypatch.setattr(bench, "load_average", lambda: 0.1)  # idle: torch's default is kept
+        bench._set_threads(None)
+        assert torch.get_num_threads() == 2 and capsys.readouterr().err == ""
+        monkeypatch.setattr(bench, "load_average", lambda: 5.3)
+        bench._set_threads(2)  # asked for: kept, even when busy
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(old)

@@ -19,7 +19,7 @@ JSON_KEYS = {
            "dataset"},
     "performance": {"total_latency_ms", "avg_request_latency_ms", "request_throughput_req_s",
                     "system_output_throughput_tok_s", "system_total_throughput_tok_s",
-                    "output_throughput_per_user_tok_s", "request_latency_percentiles_ms"},
+                    "output_throughput_per_user_tok_s", "request_latency_percentiles_ms", "passes"},
     "streaming_metrics": {"token_output_speed_tok_s", "avg_ttft_ms", "avg_tpot_ms", "tpot_percentiles",
                           "ttft_percentiles"},
     "decoding_stats": {"mode", "num_draft_tokens_percentiles", "num_accepted_draft_tokens_percentiles",

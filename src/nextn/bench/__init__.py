@@ -1,4 +1,4 @@
-"""`nextn-bench`: a benchmark in the shape of TensorRT-LLM's `trtllm-bench` (REFERENCE.md §7).
+"""`nextn-bench`: a benchmark in the shape of TensorRT-LLM's `trtllm-bench` (commands, report sections, JSON keys).
 
     dataset.py  prepare-dataset (synthetic token-norm-dist / token-unif-dist; MT-bench, Spec-Bench, HumanEval,
                 GSM8K prompt files) and the reader of trtllm-bench's dataset JSON lines

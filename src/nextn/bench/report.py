@@ -1,4 +1,5 @@
-"""The benchmark report: statistics of a `BenchRun`, trtllm-bench's text report and its `--report_json` (REFERENCE.md §7).
+"""The benchmark report: statistics of a `BenchRun`, the text report and `--report_json` of TensorRT-LLM's
+`trtllm-bench` (its sections and keys), plus the spread of the timed passes (bench/passes.py).
 
 Decoding statistics per request, with k = max draft length and it = decode iterations + 1 (prefill counted as one):
 DT = k·it draft tokens, ADT = output − it accepted draft tokens, DAR = ADT / DT, AL = output / it; the global
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from nextn.bench.passes import PassSpread
 from nextn.bench.runner import BenchRun
 from nextn.runtime.outputs import CompletionOutput
 
@@ -182,7 +184,7 @@ def format_report(run: BenchRun, stats: BenchStatistics | None = None) -> str:
     s = stats or compute_statistics(run)
     e, w, m = run.engine, run.world, machine_info(run.engine.get("device", "cpu"))
     lines = _section("PYTORCH BACKEND") + _fields([
-        ("Model", e.get("model")), ("Model Path", e.get("model_path")), ("Engine Directory", e.get("engine_dir")),
+        ("Model", e.get("model_name") or e.get("model")), ("Architecture", e.get("model")), ("Model Path", e.get("model_path")), ("Engine Directory", e.get("engine_dir")),
         ("nextn Version", e.get("version")), ("Dtype", e.get("dtype")), ("KV Cache Dtype", e.get("kv_cache_dtype")),
         ("Quantization", e.get("quantization")), ("Device", e.get("device")),
         ("Speculative Decoding", e.get("speculative_decoding"))])
@@ -207,6 +209,7 @@ def format_report(run: BenchRun, stats: BenchStatistics | None = None) -> str:
         ("Total Token Throughput (tokens/sec)", s.total_throughput_tok_s),
         ("Total Latency (ms)", s.total_latency_ms), ("Average request latency (ms)", s.avg_request_latency_ms),
         ("Per User Output Throughput [w/ ctx] (tps/user)", s.output_throughput_per_user_tok_s)]
+        + _pass_rows(run.spread)
         + ([("Average time-to-first-token [TTFT] (ms)", s.ttft_ms.average),
             ("Average time-per-output-token [TPOT] (ms)", s.tpot_ms.average),
             ("Per User Output Speed (tps/user)", s.output_speed_tok_s.average)] if run.streaming else []))
@@ -235,13 +238,26 @@ def format_report(run: BenchRun, stats: BenchStatistics | None = None) -> str:
     return "\n".join(lines + [RULE])
 
 
+def _pass_rows(spread: PassSpread | None) -> list[tuple[str, object]]:
+    """The report's rows on the timed passes: how many, their tokens/s, their spread, the machine's load."""
+    if spread is None:
+        return []
+    rel = spread.relative_spread
+    return [("Timed Passes (figures above: the fastest)", len(spread.tok_s)),
+            ("Pass Output Throughput min / median / max (tokens/sec)",
+             f"{spread.minimum:.2f} / {spread.median:.2f} / {spread.maximum:.2f}"),
+            ("Pass Spread ((max - min) / median)", "n/a (one pass)" if rel is None else f"{rel:.1%}"),
+            ("Machine Load (1-minute load average)", spread.noise_text().removeprefix("load average "))]
+
+
 def _hit_rate(prefix_cache: tuple[int, int]) -> float:
     queries, hits = prefix_cache
     return hits / queries if queries else 0.0
 
 
 def report_dict(run: BenchRun, stats: BenchStatistics | None = None) -> dict:
-    """The `--report_json` object with trtllm-bench's keys (REFERENCE.md §7)."""
+    """The `--report_json` object with trtllm-bench's keys, plus `performance.passes` (PassSpread.to_dict; None
+    when not recorded)."""
     s = stats or compute_statistics(run)
     return {
         "engine": dict(run.engine),
@@ -259,7 +275,8 @@ def report_dict(run: BenchRun, stats: BenchStatistics | None = None) -> dict:
             "system_output_throughput_tok_s": s.output_throughput_tok_s,
             "system_total_throughput_tok_s": s.total_throughput_tok_s,
             "output_throughput_per_user_tok_s": s.output_throughput_per_user_tok_s,
-            "request_latency_percentiles_ms": s.request_latency_ms.to_dict()},
+            "request_latency_percentiles_ms": s.request_latency_ms.to_dict(),
+            "passes": run.spread.to_dict() if run.spread is not None else None},
         "streaming_metrics": {
             "token_output_speed_tok_s": s.output_speed_tok_s.average, "avg_ttft_ms": s.ttft_ms.average,
             "avg_tpot_ms": s.tpot_ms.average, "tpot_percentiles": s.tpot_ms.to_dict(),

@@ -1,11 +1,17 @@
-"""`nextn-bench`: trtllm-bench's commands for nextn engines (REFERENCE.md §7).
+"""`nextn-bench`: the commands of TensorRT-LLM's `trtllm-bench` (prepare-dataset, throughput, latency) for nextn
+engines, with its report sections and JSON keys (see README.md and docs/PERFORMANCE.md for worked runs).
 
     nextn-bench --engine_dir DIR prepare-dataset [--output FILE] token-norm-dist --num-requests N --input-mean M ...
-    nextn-bench --engine_dir DIR prepare-dataset dataset --dataset-local-path ../shared/data/prompts/mt_bench.jsonl
+    nextn-bench --engine_dir DIR prepare-dataset dataset --dataset-local-path mt_bench.jsonl
     nextn-bench --engine_dir DIR throughput --dataset FILE [--concurrency N] [--streaming] [--baseline] [--plot DIR]
     nextn-bench --engine_dir DIR latency --dataset FILE
 
 `--model_dir CKPT` instead of `--engine_dir` builds a temporary engine from a checkpoint first.
+
+Each configuration runs a warm-up, then --passes timed passes of the dataset; its report gives the fastest pass,
+every pass's tokens/s and the machine's load, and warns when the passes disagree by more than --max_spread. A
+speed-up over --baseline above the acceptance length (AL) cannot be real: it is reported as unreliable, not as a
+result.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ import contextlib
 import io
 import json
 import logging
+import math
+import os
 import random
 import re
 import sys
@@ -23,11 +31,14 @@ from pathlib import Path
 
 from nextn.bench.dataset import (DatasetError, load_dataset, normal_lengths, prompt_dataset, read_prompt_file,
                                  synthetic_dataset, uniform_lengths, write_dataset)
+from nextn.bench.passes import DEFAULT_MAX_SPREAD, load_average, speed_up, spread_warning
 from nextn.build.output_files import (check_output_file, is_jsonl_with, is_report_of, write_output_file,
                                       written_by)
 from nextn.cli.main import USER_ERRORS
 
 PROG = "nextn-bench"
+MAX_PASSES = 100  # --passes multiplies the whole dataset's run time
+MAX_THREADS = 1024  # --num_threads: OpenMP would start them all
 
 
 class BenchError(ValueError):
@@ -100,8 +111,15 @@ def _add_run(sub, name: str) -> None:
     p.add_argument("--baseline", action="store_true",
                    help="also run the dataset with speculation off and print the speed-up")
     p.add_argument("--draft_lens", help="comma-separated K values: one run per K (MTP), compared side by side")
-    p.add_argument("--num_threads", type=int, help="torch CPU threads (default: torch's; 1 is steadier on a busy "
-                                                    "machine, where spinning OpenMP threads can slow tiny steps 10-100x)")
+    p.add_argument("--num_threads", type=int,
+                   help="torch CPU threads (default: torch's, lowered to the cores the load average leaves free on a "
+                        "busy machine, where spinning OpenMP threads slow tiny steps 10-100x at random)")
+    p.add_argument("--passes", type=int, default=3,
+                   help=f"timed passes of the dataset per configuration, after the warm-up; the report gives the "
+                        f"fastest and the spread of all (1..{MAX_PASSES}, default 3)")
+    p.add_argument("--max_spread", type=float, default=DEFAULT_MAX_SPREAD,
+                   help="warn, and mark a speed-up unreliable, when passes' tokens/s differ by more than this "
+                        f"fraction of their median (default {DEFAULT_MAX_SPREAD})")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_run)
 
@@ -200,12 +218,10 @@ def _run(args) -> int:
     from nextn.cli.env_options import env_llm_overrides
     from nextn.runtime.llm import LLM
 
+    _check_counts(args)
     _check_outputs(args)  # fail fast, before loading the engine
     entries = load_dataset(args.dataset)
-    if args.num_threads:
-        import torch
-
-        torch.set_num_threads(args.num_threads)
+    _set_threads(args.num_threads)
     overrides = {k: getattr(args, k) for k in ("max_batch_size", "max_num_tokens", "max_seq_len")
                  if getattr(args, k) is not None}
     if args.command == "latency":
@@ -227,7 +243,7 @@ def _run(args) -> int:
                             warmup=args.warmup, eos_id=args.eos_id, streaming=getattr(args, "streaming", True),
                             num_requests=args.num_requests, record_iterations=bool(args.iteration_log),
                             progress=not args.no_progress, dataset_path=args.dataset,
-                            desc=f"{args.command} K={llm.engine.drafter.num_draft_tokens}")
+                            desc=f"{args.command} K={llm.engine.drafter.num_draft_tokens}", passes=args.passes)
         for err in run.errors:
             print(f"{PROG}: error: {err}", file=sys.stderr)
         failed += len(run.errors)
@@ -235,11 +251,45 @@ def _run(args) -> int:
             raise BenchError(f"no request of {args.dataset} completed")
         stats = compute_statistics(run)
         print(format_report(run, stats), flush=True)
+        warning = spread_warning(f"{run.decoding_mode} K={run.max_draft_len}", run.spread, args.max_spread)
+        if warning:
+            print(f"{PROG}: {warning}", file=sys.stderr, flush=True)
         tag = "baseline" if args.baseline and i == 0 else (f"k{run.max_draft_len}" if args.draft_lens else None)
         results.append((tag, run, stats))
     _write_outputs(args, results, report_dict, write_plots)
-    _print_comparison(results, args.baseline)
+    _print_comparison(results, args.baseline, args.max_spread)
     return 1 if failed else 0
+
+
+def _set_threads(num_threads: int | None) -> None:
+    """Set torch's CPU threads: `num_threads` when given; else, on a busy machine (1-minute load average + torch's
+    threads above the cores), only the cores the load leaves free (at least 1), and say so. OpenMP threads that spin
+    against other processes on shared cores slow tiny steps 10-100x, at random: the cause of passes that disagree
+    and of speed-ups beyond the AL."""
+    import torch
+
+    if num_threads:
+        torch.set_num_threads(num_threads)
+        return
+    cores, load, threads = os.cpu_count() or 1, load_average(), torch.get_num_threads()
+    if load is None or load + threads <= cores + 0.5:
+        return
+    free = max(1, min(threads, cores - math.ceil(load - 0.5)))
+    if free < threads:
+        torch.set_num_threads(free)
+        print(f"{PROG}: the machine is busy (1-minute load average {load:.2f} on {cores} cores): {free} torch "
+              f"thread{'s' if free > 1 else ''} instead of {threads}, as threads spinning on shared cores slow steps "
+              "at random; --num_threads N sets it", file=sys.stderr)
+
+
+def _check_counts(args) -> None:
+    """Bound what multiplies the run before any work: --passes in 1..MAX_PASSES, --max_spread a positive number."""
+    if not 1 <= args.passes <= MAX_PASSES:
+        raise BenchError(f"--passes must be in 1..{MAX_PASSES} (each pass runs the whole dataset), got {args.passes}")
+    if not 0 < args.max_spread < float("inf"):
+        raise BenchError(f"--max_spread must be a positive fraction such as 0.1 (10 %), got {args.max_spread}")
+    if args.num_threads is not None and not 1 <= args.num_threads <= MAX_THREADS:
+        raise BenchError(f"--num_threads must be in 1..{MAX_THREADS}, got {args.num_threads}")
 
 
 def _check_outputs(args) -> None:
@@ -263,39 +313,66 @@ def _write_outputs(args, results, report_dict, write_plots) -> None:
     """--report_json (FILE for the configured run; FILE.baseline.json, FILE.k{K}.json beside it), --iteration_log,
     --plot."""
     if args.report_json:
-        for tag, run, stats in results:
+        base = results[0][2] if args.baseline else None
+        for i, (tag, run, stats) in enumerate(results):
             p = Path(args.report_json)
             path = p.with_name(f"{p.stem}.{tag}{p.suffix}") if tag else p
-            write_output_file(path, json.dumps({**written_by("bench"), **report_dict(run, stats)}, indent=2) + "\n",
-                              "--report_json", is_report_of("bench"))
+            d = {**written_by("bench"), **report_dict(run, stats)}
+            if base is not None and i > 0:
+                d["speed_up_over_baseline"] = _speed_up(results[0], (tag, run, stats), args.max_spread).to_dict(
+                    base.output_throughput_tok_s)
+            write_output_file(path, json.dumps(d, indent=2) + "\n", "--report_json", is_report_of("bench"))
     if args.iteration_log:
         lines = [json.dumps({"iteration": i, "max_draft_len": run.max_draft_len, **entry}) + "\n"
                  for _, run, _ in results for i, entry in enumerate(run.iteration_log)]
         write_output_file(args.iteration_log, "".join(lines), "--iteration_log", is_jsonl_with("iteration"))
     if args.plot:
-        for path in write_plots([(run, stats) for _, run, stats in results], args.plot):
+        for path in write_plots([(run, stats) for _, run, stats in results], args.plot, args.max_spread):
             print(f"{PROG}: wrote {path}", file=sys.stderr)
 
 
-def _print_comparison(results, baseline: bool) -> None:
-    """A table of the runs (K, tokens/s, TPOT, AL, and with a baseline the speed-up and speed-up / AL)."""
+def _speed_up(base, result, max_spread: float):
+    """The verdict (bench/passes.py SpeedUp) on one (tag, run, stats) result against the baseline's."""
+    (_, base_run, base_stats), (_, run, stats) = base, result
+    return speed_up(stats.output_throughput_tok_s, base_stats.output_throughput_tok_s,
+                    stats.global_acceptance_length, run.spread, base_run.spread, max_spread)
+
+
+def _print_comparison(results, baseline: bool, max_spread: float = DEFAULT_MAX_SPREAD) -> None:
+    """A table of the runs (K, tokens/s, TPOT, AL, and with a baseline the speed-up and speed-up / AL); a speed-up
+    above the AL is printed as n/a and flagged unreliable with every pass's tokens/s and the machine's load."""
     if len(results) < 2:
         return
-    base = results[0][2] if baseline else None
+    base = results[0] if baseline else None
     print(f"\n{'K':>3}{'tokens/s':>12}{'TPOT (ms)':>11}{'AL':>8}"
           + (f"{'speed-up':>10}{'speed-up/AL':>13}" if base else ""))
-    for _, run, s in results:
+    for result in results:
+        _, run, s = result
         row = (f"{run.max_draft_len:>3}{s.output_throughput_tok_s:>12.2f}{s.tpot_ms.average:>11.2f}"
                f"{s.global_acceptance_length:>8.3f}")
         if base:
-            up = s.output_throughput_tok_s / base.output_throughput_tok_s
-            row += f"{up:>9.3f}x{up / s.global_acceptance_length:>13.3f}"
+            up = _speed_up(base, result, max_spread).shown
+            ratio = f"{up:>9.3f}x{up / s.global_acceptance_length:>13.3f}" if up is not None else None
+            row += ratio or f"{'n/a':>10}{'n/a':>13}"
         print(row)
-    for _, run, s in results[1:] if base else []:
-        print(f"Speed-up over no speculation ({run.decoding_mode} K={run.max_draft_len}): "
-              f"{s.output_throughput_tok_s / base.output_throughput_tok_s:.3f}x "
-              f"({s.output_throughput_tok_s:.2f} vs {base.output_throughput_tok_s:.2f} output tokens/s, "
-              f"AL {s.global_acceptance_length:.3f})")
+    if base is None:
+        return
+    b_run, b = base[1], base[2]
+    for result in results[1:]:
+        _, run, s = result
+        v = _speed_up(base, result, max_spread)
+        label = f"Speed-up over no speculation ({run.decoding_mode} K={run.max_draft_len})"
+        figures = (f"{s.output_throughput_tok_s:.2f} vs {b.output_throughput_tok_s:.2f} output tokens/s, fastest of "
+                   f"each, AL {s.global_acceptance_length:.3f}")
+        if v.reliable:
+            print(f"{label}: {v.ratio:.3f}x ({figures})")
+            continue
+        shown = "not measured reliably" if v.impossible else f"{v.ratio:.3f}x, UNRELIABLE"
+        print(f"{label}: {shown} ({figures}): {v.reason}")
+        for name, r in (("baseline", b_run), (f"K={run.max_draft_len}", run)):
+            if r.spread is not None:
+                print(f"    {name} passes (output tokens/s): {r.spread.passes_text()}; {r.spread.noise_text()}")
+        print("    rerun on an idle machine (other processes slow some passes more than others), or with more --passes")
 
 
 # main ------------------------------------------------------------------------------------------------------------
