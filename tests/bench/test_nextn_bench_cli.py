@@ -238,6 +238,14 @@ def test_counts_are_bounded_before_the_engine_loads(small_engine, dataset, capsy
     assert err.startswith("nextn-bench: error: ") and message in err and "Traceback" not in err
 
 
+def test_counts_are_checked_before_a_model_dir_is_built(dataset, tmp_path, capsys, monkeypatch):
+    import nextn.build.engine_builder
+
+    monkeypatch.setattr(nextn.build.engine_builder, "build_engine", None)  # a build would fail: refuse first
+    assert main(["--model_dir", str(tmp_path), "throughput", "--dataset", str(dataset), "--passes", "1000"]) == 2
+    assert "--passes must be in 1..100" in capsys.readouterr().err
+
+
 def test_help_cites_what_users_have(capsys):
     # issue 33: --help cited "REFERENCE.md §7", a file users do not have
     assert main(["--help"]) == 0

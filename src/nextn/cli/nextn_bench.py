@@ -218,8 +218,8 @@ def _run(args) -> int:
     from nextn.cli.env_options import env_llm_overrides
     from nextn.runtime.llm import LLM
 
-    _check_counts(args)
-    _check_outputs(args)  # fail fast, before loading the engine
+    _check_counts(args)  # fail fast, before loading the engine (main checks them before building one too)
+    _check_outputs(args)
     entries = load_dataset(args.dataset)
     _set_threads(args.num_threads)
     overrides = {k: getattr(args, k) for k in ("max_batch_size", "max_num_tokens", "max_seq_len")
@@ -389,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
             raise BenchError("give exactly one of --engine_dir (an engine) and --model_dir (a checkpoint)")
         with contextlib.ExitStack() as stack:
             if args.model_dir and args.command != "prepare-dataset":
+                _check_counts(args)  # before the build: a refusal must not cost one
+                _check_outputs(args)
                 from nextn.build.engine_builder import build_engine
 
                 tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="nextn-bench-"))
