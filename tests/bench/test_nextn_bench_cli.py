@@ -227,7 +227,7 @@ def test_passes_that_disagree_are_warned_about(small_engine, dataset, tmp_path, 
 @pytest.mark.parametrize("flag, value, message", [
     ("--passes", "0", "--passes must be in 1..100"), ("--passes", "101", "--passes must be in 1..100"),
     ("--max_spread", "0", "--max_spread must be a positive"), ("--max_spread", "nan", "--max_spread must be"),
-    ("--num_threads", "-1", "--num_threads must be in 1..1024"),
+    ("--num_threads", "-1", "--num_threads must be in 1.."),
 ])
 def test_counts_are_bounded_before_the_engine_loads(small_engine, dataset, capsys, monkeypatch, flag, value, message):
     import nextn.runtime.llm
@@ -271,29 +271,3 @@ def test_report_names_the_weight_format(dataset, tmp_path, capsys):
     e = json.loads(report.read_text())["engine"]
     assert e["weight_format"] == "W4A16" and e["quant_config"]["group_size"] == 32
     assert e["quantization"].startswith("W4A16: ") and e["model_name"] == "ckpt"
-
-
-def test_a_busy_machine_gets_fewer_torch_threads(monkeypatch, capsys):
-    # issue 33: on 2 cores under load ~6, two spinning torch threads made passes 10x apart (a 15x "speed-up")
-    import torch
-
-    import nextn.cli.nextn_bench as bench
-
-    old = torch.get_num_threads()
-    monkeypatch.setattr(bench.os, "cpu_count", lambda: 2)
-    try:
-        torch.set_num_threads(2)
-        monkeypatch.setattr(bench, "load_average", lambda: 5.3)
-        bench._set_threads(None)
-        assert torch.get_num_threads() == 1
-        assert "the machine is busy (1-minute load average 5.30 on 2 cores): 1 torch thread instead of 2" in \
-            capsys.readouterr().err
-        torch.set_num_threads(2)
-        monkeypatch.setattr(bench, "load_average", lambda: 0.1)  # idle: torch's default is kept
-        bench._set_threads(None)
-        assert torch.get_num_threads() == 2 and capsys.readouterr().err == ""
-        monkeypatch.setattr(bench, "load_average", lambda: 5.3)
-        bench._set_threads(2)  # asked for: kept, even when busy
-        assert torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(old)

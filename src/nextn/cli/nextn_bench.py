@@ -21,8 +21,6 @@ import contextlib
 import io
 import json
 import logging
-import math
-import os
 import random
 import re
 import sys
@@ -31,14 +29,14 @@ from pathlib import Path
 
 from nextn.bench.dataset import (DatasetError, load_dataset, normal_lengths, prompt_dataset, read_prompt_file,
                                  synthetic_dataset, uniform_lengths, write_dataset)
-from nextn.bench.passes import DEFAULT_MAX_SPREAD, load_average, speed_up, spread_warning
+from nextn.bench.passes import DEFAULT_MAX_SPREAD, speed_up, spread_warning
+from nextn.cli.threads import add_threads_argument, apply_threads, available_cores
 from nextn.build.output_files import (check_output_file, is_jsonl_with, is_report_of, write_output_file,
                                       written_by)
 from nextn.cli.main import USER_ERRORS
 
 PROG = "nextn-bench"
 MAX_PASSES = 100  # --passes multiplies the whole dataset's run time
-MAX_THREADS = 1024  # --num_threads: OpenMP would start them all
 
 
 class BenchError(ValueError):
@@ -111,9 +109,7 @@ def _add_run(sub, name: str) -> None:
     p.add_argument("--baseline", action="store_true",
                    help="also run the dataset with speculation off and print the speed-up")
     p.add_argument("--draft_lens", help="comma-separated K values: one run per K (MTP), compared side by side")
-    p.add_argument("--num_threads", type=int,
-                   help="torch CPU threads (default: torch's, lowered to the cores the load average leaves free on a "
-                        "busy machine, where spinning OpenMP threads slow tiny steps 10-100x at random)")
+    add_threads_argument(p)
     p.add_argument("--passes", type=int, default=3,
                    help=f"timed passes of the dataset per configuration, after the warm-up; the report gives the "
                         f"fastest and the spread of all (1..{MAX_PASSES}, default 3)")
@@ -221,7 +217,7 @@ def _run(args) -> int:
     _check_counts(args)  # fail fast, before loading the engine (main checks them before building one too)
     _check_outputs(args)
     entries = load_dataset(args.dataset)
-    _set_threads(args.num_threads)
+    _, threads_note = apply_threads(args.num_threads, PROG, announce=False)  # said after the report
     overrides = {k: getattr(args, k) for k in ("max_batch_size", "max_num_tokens", "max_seq_len")
                  if getattr(args, k) is not None}
     if args.command == "latency":
@@ -258,28 +254,9 @@ def _run(args) -> int:
         results.append((tag, run, stats))
     _write_outputs(args, results, report_dict, write_plots)
     _print_comparison(results, args.baseline, args.max_spread)
+    if threads_note:
+        print(f"{PROG}: {threads_note}", file=sys.stderr)
     return 1 if failed else 0
-
-
-def _set_threads(num_threads: int | None) -> None:
-    """Set torch's CPU threads: `num_threads` when given; else, on a busy machine (1-minute load average + torch's
-    threads above the cores), only the cores the load leaves free (at least 1), and say so. OpenMP threads that spin
-    against other processes on shared cores slow tiny steps 10-100x, at random: the cause of passes that disagree
-    and of speed-ups beyond the AL."""
-    import torch
-
-    if num_threads:
-        torch.set_num_threads(num_threads)
-        return
-    cores, load, threads = os.cpu_count() or 1, load_average(), torch.get_num_threads()
-    if load is None or load + threads <= cores + 0.5:
-        return
-    free = max(1, min(threads, cores - math.ceil(load - 0.5)))
-    if free < threads:
-        torch.set_num_threads(free)
-        print(f"{PROG}: the machine is busy (1-minute load average {load:.2f} on {cores} cores): {free} torch "
-              f"thread{'s' if free > 1 else ''} instead of {threads}, as threads spinning on shared cores slow steps "
-              "at random; --num_threads N sets it", file=sys.stderr)
 
 
 def _check_counts(args) -> None:
@@ -288,8 +265,9 @@ def _check_counts(args) -> None:
         raise BenchError(f"--passes must be in 1..{MAX_PASSES} (each pass runs the whole dataset), got {args.passes}")
     if not 0 < args.max_spread < float("inf"):
         raise BenchError(f"--max_spread must be a positive fraction such as 0.1 (10 %), got {args.max_spread}")
-    if args.num_threads is not None and not 1 <= args.num_threads <= MAX_THREADS:
-        raise BenchError(f"--num_threads must be in 1..{MAX_THREADS}, got {args.num_threads}")
+    if args.num_threads is not None and not 1 <= args.num_threads <= available_cores():
+        raise BenchError(f"--num_threads must be in 1..{available_cores()} (the cores this process may use), got "
+                         f"{args.num_threads}")
 
 
 def _check_outputs(args) -> None:
