@@ -15,6 +15,7 @@ a warm-up, best of `--runs` runs of each mode, alternating plain and speculative
 from __future__ import annotations
 
 import argparse
+import sys
 import shutil
 import tempfile
 import time
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nextn.cli.prompts import find_shared, load_prompts
+from nextn.cli.threads import add_threads_argument, apply_threads
 
 SMOLLM2 = "models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
 STORIES = "models/stories260K/stories260K.gguf"
@@ -70,6 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max_tokens", type=int, default=64, help="tokens per prompt at most (default 64)")
     p.add_argument("-k", "--num_draft_tokens", type=int, default=3, help="draft tokens per step, K (default 3)")
     p.add_argument("--runs", type=int, default=3, help="timed runs per mode after the warm-up; best is shown (default 3)")
+    add_threads_argument(p)
 
 
 @dataclass
@@ -149,9 +152,13 @@ def compare(plain_llm, spec_llm, prompts: list, max_tokens: int, runs: int) -> d
 
 
 def report(r: dict, spec_label: str) -> None:
+    import torch
+
     print(f"    first completion: {r['spec'][0].outputs[0].text[:160]!r}")
     tps_plain, tps_spec = r["n_plain"] / r["t_plain"], r["n_spec"] / r["t_spec"]
-    print(f"{'batch 1':24}{'tokens':>8}{'seconds':>9}{'tokens/s':>10}{'AL':>7}{'speed-up':>10}")
+    threads = torch.get_num_threads()
+    head = f"batch 1, {threads} thread{'s' if threads > 1 else ''}"
+    print(f"{head:24}{'tokens':>8}{'seconds':>9}{'tokens/s':>10}{'AL':>7}{'speed-up':>10}")
     print(f"{'plain decoding':24}{r['n_plain']:>8}{r['t_plain']:>9.2f}{tps_plain:>10.1f}{1.0:>7.2f}{1.0:>9.2f}x")
     speedup = tps_spec / tps_plain
     shown = f"{speedup:>9.2f}x" if speedup <= r["al"] else f"{'n/a':>10}"
@@ -170,6 +177,11 @@ def report(r: dict, spec_label: str) -> None:
 def run(args: argparse.Namespace) -> int:
     from nextn import LLM
 
+    try:
+        apply_threads(args.num_threads, "nextn demo")
+    except ValueError as e:
+        print(f"nextn demo: error: {e}", file=sys.stderr)
+        return 2
     model = choose_model(args)
     tmp = tempfile.mkdtemp(prefix="nextn-demo-") if model.path is None else None
     cache = Path(args.work_dir) / "engines" if args.work_dir else None
