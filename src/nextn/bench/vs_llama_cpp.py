@@ -14,6 +14,7 @@ t(N) − t(1); llama.cpp's is `llama-bench -p 0 -n N`'s. The step's memory floor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -35,15 +36,22 @@ FORMATS: dict[str, dict | None] = {"bf16": None, "fp32": None, "W8A16": {"quant_
 
 def _nextn_llm(model: Path, fmt: str, cache: Path | None, speculative_config: dict | None = None):
     """The LLM for a format name: `bf16`, `fp32`, `W8A16`, `W4A16`, `W4A16-lmhead4` (the lm_head 4-bit too), each
-    optionally `+compile` (the decode step under `torch.compile`, `torch_compile_config: {}`) or `+layers` (the
-    fused decoder layers called one by one, not as one `llama_decoder_stack` call: the A/B of that op)."""
+    optionally `+compile` (the decode step under `torch.compile`, `torch_compile_config: {}`), `+layers` (the
+    fused decoder layers called one by one, not as one `llama_decoder_stack` call: the A/B of that op) or `+packed`
+    (a dense engine's linears on oneDNN / PyTorch as before nextn's batch-invariant dense kernel: the A/B of
+    invariance's cost)."""
+    from unittest import mock
+
     from nextn import LLM
 
     base, _, extra = fmt.partition("+")
     quant = FORMATS[base]
     dtype = "float32" if base == "fp32" else "bfloat16"
-    llm = LLM(model, speculative_config=speculative_config, dtype=dtype, quant_config=quant, engine_cache_dir=cache,
-              max_batch_size=8, max_seq_len=1024, torch_compile_config={} if extra == "compile" else None)
+    with mock.patch("nextn.runtime.engine.install_dense_linears", lambda model: []) if extra == "packed" \
+            else contextlib.nullcontext():
+        llm = LLM(model, speculative_config=speculative_config, dtype=dtype, quant_config=quant,
+                  engine_cache_dir=cache, max_batch_size=8, max_seq_len=1024,
+                  torch_compile_config={} if extra == "compile" else None)
     if extra == "layers":
         llm.engine.model.fused_stack = None
     return llm
@@ -84,9 +92,10 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, type=Path, help="the GGUF both decode")
     p.add_argument("--formats", nargs="+", default=["bf16", "W8A16", "W4A16"],
-                   choices=[*FORMATS, *(f"{f}+{x}" for f in FORMATS for x in ("compile", "layers"))],
+                   choices=[*FORMATS, *(f"{f}+{x}" for f in FORMATS for x in ("compile", "layers", "packed"))],
                    help="nextn weight formats to measure, `+compile` for the step under torch.compile, `+layers` "
-                   "for the fused layers called one by one (default: bf16 W8A16 W4A16)")
+                   "for the fused layers called one by one, `+packed` for a dense format's linears on oneDNN / "
+                   "PyTorch instead of nextn's batch-invariant kernel (default: bf16 W8A16 W4A16)")
     p.add_argument("--verify_k", type=int, default=0, metavar="K",
                    help="also time a verify step of K + 1 rows (n-gram drafting, K drafts) per format, beside "
                    "its plain step (issue 14: verify ≤ 1.3× plain)")
