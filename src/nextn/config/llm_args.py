@@ -337,4 +337,33 @@ def load_llm_args_yaml(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise LlmArgsError(f"{p} must hold a mapping of LLM arguments at the top level, got {type(data).__name__}")
     parse_llm_args(data)  # fail early, naming the file's bad key
-    return data
+    return resolve_yaml_paths(data, p)
+
+
+#: The LLM-argument keys (under speculative_config) that hold a file or directory path.
+PATH_KEYS = ("speculative_model_dir", "speculative_model", "draft_token_map")
+
+
+def resolve_yaml_paths(data: dict[str, Any], yaml_path: Path) -> dict[str, Any]:
+    """`data` with each relative path of `PATH_KEYS` made relative to the YAML file's folder (absolute), as a config
+    file's paths are read wherever the command runs; `~` is expanded.
+
+    Raises:
+        LlmArgsError: such a path does not exist (the message names the key, the YAML file and where it looked).
+    """
+    spec = data.get("speculative_config")
+    if not isinstance(spec, dict):
+        return data
+    spec = dict(spec)
+    for key in PATH_KEYS:
+        value = spec.get(key)
+        if not isinstance(value, str) or not value:
+            continue
+        given = Path(value).expanduser()
+        resolved = given if given.is_absolute() else yaml_path.absolute().parent / given
+        if not resolved.exists():
+            where = "" if given.is_absolute() else f" (relative to the YAML's folder: {resolved})"
+            raise LlmArgsError(f"{key} in {yaml_path}: {value}{where} does not exist; a relative path in a YAML "
+                               "file is read from the YAML file's folder")
+        spec[key] = str(resolved)
+    return {**data, "speculative_config": spec}
