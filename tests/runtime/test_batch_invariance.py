@@ -1,0 +1,148 @@
+"""Batch invariance: a request's greedy tokens are the plain decoder's alone (the reference: each prompt alone,
+plain decoding, no prefix cache), whatever shares its steps — a batch of 12, staggered arrivals, chunked prefill,
+prefix-cache hits — and whatever the drafter; a seeded sampled request draws the same tokens alone and in a batch.
+
+The matrix is `nextn.testing.batch_invariance` (`python -m nextn.testing.batch_invariance --model GGUF ...` runs
+it in full: 32 prompts × 128 tokens, every format × drafter × scenario). Here, within CI's minutes on 2 cores:
+- stories260K (a real pretrained Llama, GGUF): 6 checked prompts × 24 tokens, each batch topped up to 12 with
+  unchecked fillers. bf16 and W4A16: drafters none, NGram, Draft_Target (the fp32 build as draft), Medusa (seeded
+  random heads), every scenario. fp32, W8A16, W4A8: none and NGram, scenarios batch, staggered, chunked.
+  (stories260K's MLP width 172 fits no int4 group: its W4A16 / W4A8 engines quantize attention and keep the MLPs
+  bf16, as `build-engine --exclude_modules` does.)
+- MTP: the tiny DeepSeek-V3 (MLA, MoE; one distilled MTP module) and a tiny Llama with 1 MTP layer, fp32 and bf16.
+- SmolLM2-135M (Q4_1 GGUF): bf16 and W4A16, none and NGram, 4 prompts × 64 tokens, alone vs a batch of 12.
+Real models are skipped with the reason when ../shared/data is absent.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from nextn.testing import SMALL_VOCAB
+from nextn.testing import batch_invariance as bi
+
+pytestmark = pytest.mark.slow
+
+DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+STORIES = DATA / "models" / "stories260K" / "stories260K.gguf"
+SMOLLM2 = DATA / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+ALL = ("alone", "batch", "staggered", "chunked", "prefix", "sampled")
+BASIC = ("batch", "staggered", "chunked")
+
+
+def _assert_all_identical(results: list[bi.Result]) -> None:
+    assert results and all(r.ok for r in results), "\n" + bi.format_table(results)
+
+
+@pytest.fixture(scope="module")
+def stories(tmp_path_factory):
+    """Builds of stories260K by format (with 3 Medusa heads), the fp32 draft engine, prompts, and references."""
+    if not STORIES.is_file():
+        pytest.skip(f"{STORIES} is absent: the real stories260K model is not available")
+    work = tmp_path_factory.mktemp("stories_inv")
+    draft = bi.build_format(STORIES, "fp32", work / "draft", max_seq_len=256)
+    cfg = json.loads((draft / "manifest.json").read_text())["model"]
+    heads = bi.random_medusa_heads(work / "heads", 3, cfg["hidden_size"], cfg["vocab_size"])
+    prompts = bi.id_prompts(6, cfg["vocab_size"], num_fillers=6)
+    cache: dict[str, tuple[Path, bi.Reference]] = {}
+
+    def engine(fmt: str) -> tuple[Path, bi.Reference]:
+        if fmt not in cache:
+            eng = bi.build_format(STORIES, fmt, work / fmt, heads, cfg, max_seq_len=256)
+            cache[fmt] = eng, bi.Reference(eng, prompts, 24)
+        return cache[fmt]
+
+    return engine, draft, prompts
+
+
+@pytest.mark.parametrize("fmt,drafter,scenarios", [
+    *[(f, d, ALL) for f in ("bf16", "W4A16") for d in ("none", "NGram", "Draft_Target", "Medusa")],
+    *[(f, d, BASIC) for f in ("fp32", "W8A16", "W4A8") for d in ("none", "NGram")],
+])
+def test_stories260k_outputs_do_not_depend_on_the_batch(stories, fmt, drafter, scenarios):
+    engine, draft, prompts = stories
+    eng, ref = engine(fmt)
+    spec = bi.speculative_config(drafter, draft)
+    _assert_all_identical(bi.run_cell(eng, fmt, drafter, spec, prompts, ref, 24, scenarios))
+
+
+@pytest.fixture(scope="module")
+def deepseek_mtp(checkpoints, tmp_path_factory):
+    """The tiny DeepSeek-V3 with one distilled MTP module, by engine dtype."""
+    ckpt = checkpoints.checkpoint(distill_steps=150, num_mtp_modules=1, **SMALL_VOCAB)
+    work = tmp_path_factory.mktemp("ds_inv")
+    return lambda fmt: bi.build_format(ckpt, fmt, work / fmt)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16"])
+@pytest.mark.parametrize("drafter", ["none", "MTP"])
+def test_deepseek_v3_outputs_do_not_depend_on_the_batch(deepseek_mtp, fmt, drafter):
+    eng = deepseek_mtp(fmt)
+    prompts = bi.id_prompts(6, SMALL_VOCAB["vocab_size"], num_fillers=6)
+    ref = bi.Reference(eng, prompts, 24)
+    results = bi.run_cell(eng, fmt, drafter, bi.speculative_config(drafter), prompts, ref, 24,
+                          ALL if drafter == "MTP" else BASIC)
+    _assert_all_identical(results)
+
+
+def _llama_mtp_checkpoint(out: Path) -> Path:
+    """A 2-layer HF Llama (head_dim 16: nextn's attention kernel) with one random MTP module at model.layers.2."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from nextn.testing.tiny_llama import tiny_hf_llama
+    from nextn.train.mtp import mtp_module
+
+    hf = tiny_hf_llama()
+    module = mtp_module(hf.config)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    hf.save_pretrained(out)
+    state = load_file(str(out / "model.safetensors"))
+    state.update({f"model.layers.2.{n}": t for n, t in module.checkpoint_tensors().items()})
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def llama_mtp(tmp_path_factory):
+    """The tiny Llama with one MTP layer, by engine dtype."""
+    work = tmp_path_factory.mktemp("llama_mtp_inv")
+    ckpt = _llama_mtp_checkpoint(work / "ckpt")
+    return lambda fmt: bi.build_format(ckpt, fmt, work / fmt)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16"])
+def test_llama_mtp_outputs_do_not_depend_on_the_batch(llama_mtp, fmt):
+    eng = llama_mtp(fmt)
+    prompts = bi.id_prompts(6, 300, num_fillers=6)
+    ref = bi.Reference(eng, prompts, 24)
+    _assert_all_identical(bi.run_cell(eng, fmt, "MTP", bi.speculative_config("MTP"), prompts, ref, 24, ALL))
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    if not SMOLLM2.is_file():
+        pytest.skip(f"{SMOLLM2} is absent: the real SmolLM2 model is not available")
+    return tmp_path_factory.mktemp("smollm2_inv")
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "W4A16"])
+def test_smollm2_outputs_do_not_depend_on_the_batch(smollm2, fmt):
+    eng = bi.build_format(SMOLLM2, fmt, smollm2 / fmt, max_seq_len=512)
+    from nextn import LLM
+
+    tok = LLM(eng, speculative_config=None, device="cpu").tokenizer
+    prompts = bi.text_prompts(tok.encode, 12, DATA, min_len=16, max_len=64)
+    checked = bi.Prompts(prompts.main[:4], fillers=prompts.main[4:])
+    ref = bi.Reference(eng, checked, 64)
+    results = []
+    for drafter in ("none", "NGram"):
+        results += bi.run_cell(eng, fmt, drafter, bi.speculative_config(drafter), checked, ref, 64, ("batch",))
+    _assert_all_identical(results)
