@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -138,3 +139,120 @@ def test_a_float_gguf_stays_unquantized_by_default(tmp_path):
     engine = resolve_engine_dir(write_q4_gguf(tmp_path / "m.gguf", quantized=False), cache_dir=tmp_path / "cache",
                                 progress=False)
     assert EngineManifest.load(engine).quant_config is None
+
+
+# The cache's entries: last use, listing, clearing, the size cap (build/cache_entries.py, `nextn cache`) ------------
+
+def _two_entries(ckpt, cache):
+    """Two engines of `ckpt` in `cache` (float32 used first, then bfloat16)."""
+    old = resolve_engine_dir(ckpt, cache_dir=cache, progress=False, dtype="float32", max_cache_bytes=2**62)
+    new = resolve_engine_dir(ckpt, cache_dir=cache, progress=False, dtype="bfloat16", max_cache_bytes=2**62)
+    os.utime(cache / f"{old.name}.lock", (1_000_000, 1_000_000))  # used long ago
+    return old, new
+
+
+def test_entries_list_source_format_and_last_use(ckpt, tmp_path, capsys):
+    from nextn.build.cache_entries import list_entries
+    from nextn.cli.main import main
+
+    cache = tmp_path / "cache"
+    old, new = _two_entries(ckpt, cache)
+    entries = list_entries(cache)
+    assert [e.key for e in entries] == [old.name, new.name]  # least recently used first
+    assert all(e.removable and e.num_bytes > 0 for e in entries)
+    assert entries[0].manifest.source.path.endswith("ckpt") and entries[1].manifest.dtype == "bfloat16"
+    resolve_engine_dir(ckpt, cache_dir=cache, progress=False, dtype="float32")  # a use moves it to the end
+    assert [e.key for e in list_entries(cache)] == [new.name, old.name]
+    assert main(["cache", "list", "--cache_dir", str(cache)]) == 0
+    out = capsys.readouterr().out
+    assert "2 engine(s)" in out and old.name in out and "float32" in out and "bfloat16" in out
+    assert f"from {ckpt}" in out and "fingerprint" in out and "last used" in out
+
+
+def test_clear_removes_only_engines_of_the_cache(ckpt, tmp_path, capsys):
+    from nextn.cli.main import main
+
+    cache = tmp_path / "cache"
+    old, new = _two_entries(ckpt, cache)
+    (cache / "notes.txt").write_text("mine")
+    (cache / ("a" * 20)).mkdir()  # named like a key, not an engine
+    (cache / ("a" * 20) / "data.bin").write_bytes(b"x")
+    outside = tmp_path / "outside_engine"
+    shutil.copytree(new, outside)
+    (cache / ("b" * 20)).symlink_to(outside)  # a link to an engine elsewhere
+    extra = cache / ("c" * 20)
+    shutil.copytree(new, extra)
+    (extra / "my_results.txt").write_text("keep")  # an engine holding a file its manifest does not list
+    assert main(["cache", "clear", "--all", "--cache_dir", str(cache)]) == 0
+    captured = capsys.readouterr()
+    assert "removed 2 engine(s)" in captured.out and captured.err.count("left alone") == 3
+    assert not old.exists() and not new.exists()
+    assert not (cache / f"{old.name}.lock").exists() and not (cache / f"{new.name}.lock").exists()
+    assert (cache / "notes.txt").read_text() == "mine" and (cache / ("a" * 20) / "data.bin").exists()
+    assert (outside / "manifest.json").exists() and (cache / ("b" * 20)).is_symlink()
+    assert (extra / "my_results.txt").exists() and (extra / "manifest.json").exists()
+
+
+def test_clear_by_key_and_by_age(ckpt, tmp_path, capsys):
+    from nextn.cli.main import main
+
+    cache = tmp_path / "cache"
+    old, new = _two_entries(ckpt, cache)
+    assert main(["cache", "clear", "--older_than", "30", "--cache_dir", str(cache)]) == 0
+    assert not old.exists() and new.exists()
+    assert main(["cache", "clear", "0123456789", "--cache_dir", str(cache)]) == 2
+    assert "names no entry" in capsys.readouterr().err and new.exists()
+    assert main(["cache", "clear", new.name[:8], "--cache_dir", str(cache)]) == 0
+    assert not new.exists() and f"removed {new.name}" in capsys.readouterr().out
+
+
+def test_the_size_cap_evicts_the_least_recently_used(ckpt, tmp_path, caplog):
+    from nextn.build.cache_entries import list_entries
+
+    cache = tmp_path / "cache"
+    old, new = _two_entries(ckpt, cache)
+    sizes = {e.key: e.num_bytes for e in list_entries(cache)}
+    cap = sizes[new.name] + sizes[old.name] // 2  # room for one engine and a half
+    with caplog.at_level("WARNING", logger="nextn.build.cache_entries"):
+        third = resolve_engine_dir(ckpt, cache_dir=cache, progress=False, dtype="float32", max_seq_len=64,
+                                   max_cache_bytes=cap)
+    assert third.exists() and not old.exists() and not new.exists()  # both older ones went, the new one stays
+    evictions = [r.getMessage() for r in caplog.records if "evicted" in r.getMessage()]
+    assert len(evictions) == 1 and "evicted 2 least-recently-used" in evictions[0] and old.name in evictions[0]
+
+
+def test_the_size_cap_keeps_the_new_engine_and_locked_ones(ckpt, tmp_path):
+    import fcntl
+
+    from nextn.build.cache_entries import lock_path
+
+    cache = tmp_path / "cache"
+    old, new = _two_entries(ckpt, cache)
+    with open(lock_path(cache, old.name), "a") as held:  # another holder of the old entry's lock
+        fcntl.flock(held, fcntl.LOCK_EX)
+        third = resolve_engine_dir(ckpt, cache_dir=cache, progress=False, dtype="float32", max_seq_len=64,
+                                   max_cache_bytes=1)
+    assert third.exists() and old.exists()  # the entry built now and the locked one are never evicted
+    assert not new.exists()
+
+
+def test_a_bad_cache_cap_is_a_named_error(ckpt, tmp_path, monkeypatch):
+    for bad in ("lots", "0", "-3", "nan"):
+        monkeypatch.setenv("NEXTN_CACHE_MAX_GB", bad)
+        with pytest.raises(EngineError, match="NEXTN_CACHE_MAX_GB must be a positive number"):
+            resolve_engine_dir(ckpt, cache_dir=tmp_path / "cache", progress=False, dtype="float32")
+    assert not (tmp_path / "cache").exists()
+
+
+def test_a_draft_checkpoint_build_says_so(checkpoints, ckpt, tmp_path, monkeypatch, caplog):
+    """A Draft_Target draft given as a checkpoint is built on load with a line naming the draft model."""
+    import nextn.build.engine_cache as engine_cache
+    from nextn import LLM
+
+    monkeypatch.setattr(engine_cache, "DEFAULT_CACHE_DIR", tmp_path / "cache")
+    target = checkpoints.engine(num_mtp_modules=1)
+    with caplog.at_level("WARNING", logger="nextn.build.engine_cache"):
+        LLM(target, speculative_config={"decoding_type": "Draft_Target", "max_draft_len": 2,
+                                        "speculative_model_dir": str(ckpt)})
+    lines = [r.getMessage() for r in caplog.records if "building an engine" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("Draft_Target: the draft model: building an engine for")

@@ -33,3 +33,53 @@ def test_a_blank_api_key_in_the_environment_is_refused(tmp_path):
     run = [sys.executable, "-m", "nextn.cli.main", "serve", "--engine_dir", str(tmp_path / "none"), "--port", "1"]
     out = subprocess.run(run, env={"NEXTN_API_KEY": " ", "PATH": ""}, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "the API key is empty" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("extra, dtype, quant", [([], "auto", "auto"), (["--dtype", "float32"], "float32", "auto"),
+                                                 (["--quant_algo", "none"], "auto", None),
+                                                 (["--quant_algo", "W4A8"], "auto", "W4A8")])
+def test_serve_model_takes_a_checkpoint(tmp_path, monkeypatch, extra, dtype, quant):
+    """`serve --model CHECKPOINT` reaches LLM with generate's --dtype / --quant_algo and the engine cache."""
+    import nextn
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_llm(source, **kwargs):
+        seen.update(source=source, **kwargs)
+        raise Stop
+
+    monkeypatch.setattr(nextn, "LLM", fake_llm)
+    monkeypatch.setenv("NEXTN_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / "model-Q4_K_M.gguf"
+    with pytest.raises(Stop):
+        main(["serve", "--model", str(gguf), *extra])
+    assert seen["source"] == str(gguf) and seen["dtype"] == dtype
+    assert seen["quant_config"] == {"quant_algo": quant} and seen["engine_cache_dir"] == str(tmp_path / "cache")
+
+
+def test_serve_takes_an_engine_or_a_model_not_both(tmp_path, capsys):
+    for argv in ([], ["--engine_dir", str(tmp_path), "--model", str(tmp_path)]):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", *argv])
+        assert e.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--model", "x.gguf", "--quant_algo", "W3"])
+    assert "invalid choice: 'W3'" in capsys.readouterr().err
+
+
+def test_the_served_name_of_a_checkpoint_is_its_name():
+    import argparse
+
+    from nextn.cli.serve import served_model_name
+
+    def ns(**kw):
+        return argparse.Namespace(**{"served_model_name": None, "model": None, **kw})
+
+    assert served_model_name(ns(model="/m/qwen2.5-0.5b-q4_k_m.gguf")) == "qwen2.5-0.5b-q4_k_m"
+    assert served_model_name(ns(model="/m/SmolLM2/")) == "SmolLM2"
+    assert served_model_name(ns(model="/m/x.gguf", served_model_name="mine")) == "mine"
+    assert served_model_name(ns(engine_dir="/e")) is None

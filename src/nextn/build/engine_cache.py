@@ -10,11 +10,12 @@ and the nextn version:
 A second `LLM(path)` with the same checkpoint and options reuses the engine; an edited checkpoint (any byte) or other
 options get a new one. Builds are serialised by an exclusive lock file per key, so two processes starting at once
 build once; `build_engine` writes through a staging directory, so an interrupted build leaves no engine behind.
+Each use touches the entry's lock file (its last use); after a build, least-recently-used entries are evicted down
+to the cache's size cap (`build/cache_entries.py`, which also lists and clears entries for `nextn cache`).
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
@@ -25,6 +26,7 @@ from typing import Any
 import nextn
 from nextn.build.checkpoint import CONFIG_NAME
 from nextn.build.fingerprint import fingerprint
+from nextn.build.cache_entries import cache_cap_bytes, entry_lock, evict_lru, mark_used
 from nextn.build.manifest import MANIFEST_NAME, EngineError, EngineManifest
 
 logger = logging.getLogger(__name__)
@@ -100,19 +102,22 @@ def normalized_build_options(path: Path, build_options: dict[str, Any]) -> dict[
 
 
 def resolve_engine_dir(path: str | Path, cache_dir: str | Path | None = None, progress: bool = True,
-                       **build_options: Any) -> Path:
+                       what: str = "LLM", max_cache_bytes: int | None = None, **build_options: Any) -> Path:
     """The engine directory for `path`: `path` itself when it is an engine, else the cached build of the checkpoint.
 
     Args:
         path: an engine directory, an HF checkpoint directory, or a `.gguf` file (or a directory holding one).
         cache_dir: where built engines live; default `~/.cache/nextn/engines`.
         progress: show build-engine's progress bar on a first build.
+        what: who asks, for the one line a first build logs ("LLM", "the draft model", ...).
+        max_cache_bytes: the cache's size cap (`cache_cap_bytes()` when None): after a build, least-recently-used
+            entries are evicted down to it (`evict_lru`).
         **build_options: `build_engine` keyword arguments (dtype, max_seq_len, ...); "auto" values are resolved
             and None values dropped (`normalized_build_options`); the result is the cache key's options.
     Returns:
         An engine directory (built now if it was not cached).
     Raises:
-        EngineError: `path` is not an engine nor a checkpoint; the build's own errors (CheckpointError,
+        EngineError: `path` is not an engine nor a checkpoint, a bad $NEXTN_CACHE_MAX_GB; the build's own errors (CheckpointError,
             ConfigError, WeightError, EngineError) propagate unchanged.
     """
     path = Path(path)
@@ -123,14 +128,15 @@ def resolve_engine_dir(path: str | Path, cache_dir: str | Path | None = None, pr
     files = checkpoint_files(path)
     options = normalized_build_options(files[0] if len(files) == 1 else path, build_options)
     root = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE_DIR
+    cap = cache_cap_bytes() if max_cache_bytes is None else max_cache_bytes
     engine = root / cache_key(files, options)
     root.mkdir(parents=True, exist_ok=True)
-    with (root / f"{engine.name}.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with entry_lock(root, engine.name):
         if is_engine_dir(engine):
             try:
                 EngineManifest.load(engine)
                 logger.info("using the cached engine %s for %s", engine, path)
+                mark_used(root, engine.name)
                 return engine
             except EngineError as e:
                 logger.warning("cached engine %s is unusable (%s); rebuilding it", engine, e)
@@ -138,6 +144,8 @@ def resolve_engine_dir(path: str | Path, cache_dir: str | Path | None = None, pr
             shutil.rmtree(engine)
         from nextn.build.engine_builder import build_engine
 
-        logger.warning("building an engine for %s into %s (once; later loads reuse it)", path, engine)
+        logger.warning("%s: building an engine for %s into %s (once; later loads reuse it)", what, path, engine)
         build_engine(path, engine, progress=progress, **{"quant_algo": None, **options})
+        mark_used(root, engine.name)
+    evict_lru(root, cap, keep=engine.name)
     return engine

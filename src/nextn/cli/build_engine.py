@@ -22,21 +22,24 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from nextn.build.checkpoint import CheckpointError
-from nextn.build.engine_builder import build_engine
-from nextn.build.manifest import EngineError
-from nextn.build.output_dir import BuildInterrupted, output_lock, signals_interrupt_build
-from nextn.build.medusa_heads import MedusaHeadsError
-from nextn.config.llm_args import MAX_BATCH_SIZE, MAX_INT, LlmArgsError
-from nextn.models.config import ConfigError
-from nextn.models.deepseek_v3.weights import WeightError
-from nextn.models.registry import WEIGHT_LAYOUTS
-from nextn.quantization.weight_only import QUANT_ALGOS
-from nextn.runtime.template_render import ChatTemplateError
+from nextn.cli.checkpoint_options import QUANT_ALGOS
+from nextn.config.llm_args import MAX_BATCH_SIZE, MAX_INT
 
 PROG = "build-engine"
-USER_ERRORS = (CheckpointError, ConfigError, WeightError, EngineError, LlmArgsError, MedusaHeadsError,
-               ChatTemplateError)
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    """The errors reported as `build-engine: error: ...`, exit status 2 (imported here, not at start-up: `--help`
+    stays free of torch)."""
+    from nextn.build.checkpoint import CheckpointError
+    from nextn.build.manifest import EngineError
+    from nextn.build.medusa_heads import MedusaHeadsError
+    from nextn.config.llm_args import LlmArgsError
+    from nextn.models.config import ConfigError
+    from nextn.models.deepseek_v3.weights import WeightError
+    from nextn.runtime.template_render import ChatTemplateError
+
+    return (CheckpointError, ConfigError, WeightError, EngineError, LlmArgsError, MedusaHeadsError, ChatTemplateError)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -63,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     p.add_argument("--model_dir", required=True, type=Path, metavar="DIR",
-                   help="HF checkpoint directory (config.json plus model.safetensors or model.safetensors.index.json), "
+                   help="the checkpoint: an HF checkpoint directory (config.json plus model.safetensors or model.safetensors.index.json), "
                    "or a .gguf file / a directory holding one (Llama family)")
     p.add_argument("--medusa_model_dir", type=Path, metavar="DIR",
                    help="Medusa heads to pack into the engine: a directory with medusa_lm_head.safetensors or "
@@ -145,6 +148,8 @@ def _compiled(manifest, requested: bool) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status (0) or exits with 1/2 after printing `build-engine: error: ...`."""
     args = _parser().parse_args(argv)
+    from nextn.build.output_dir import BuildInterrupted, output_lock, signals_interrupt_build
+
     start = time.perf_counter()
     try:
         _check_sizes(args)
@@ -153,12 +158,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BuildInterrupted as e:
         print(f"{PROG}: {e}; nothing was written to {args.output_dir}", file=sys.stderr)
         sys.exit(128 + e.signum)
-    except USER_ERRORS as e:
+    except Exception as e:
+        if not isinstance(e, (*_user_errors(), OSError)):
+            raise
         print(f"{PROG}: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except OSError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(1 if isinstance(e, OSError) and not isinstance(e, _user_errors()) else 2)
     _report(args, manifest, time.perf_counter() - start)
     return 0
 
@@ -166,6 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _check_sizes(args: argparse.Namespace) -> None:
     """Sizes the engine records must be ones an engine load accepts (LlmArgs' bounds, runtime/engine_sizes.py):
     refused before anything is read or written."""
+    from nextn.build.manifest import EngineError
+
     if not 1 <= args.max_batch_size <= MAX_BATCH_SIZE:
         raise EngineError(f"--max_batch_size {args.max_batch_size} must be in [1, {MAX_BATCH_SIZE}] (concurrent "
                           "requests an engine can load with)")
@@ -175,6 +181,8 @@ def _check_sizes(args: argparse.Namespace) -> None:
 
 
 def _build(args: argparse.Namespace):
+    from nextn.build.engine_builder import build_engine
+
     return build_engine(
             args.model_dir, args.output_dir, dtype=args.dtype, max_batch_size=args.max_batch_size,
             max_seq_len=args.max_seq_len, extra_llm_api_options=args.extra_llm_api_options, progress=args.progress,
@@ -188,6 +196,8 @@ def _build(args: argparse.Namespace):
 
 
 def _report(args: argparse.Namespace, manifest, seconds: float) -> None:
+    from nextn.models.registry import WEIGHT_LAYOUTS
+
     spec = manifest.speculative
     drafting = (f"MTP, {spec.num_mtp_modules} module(s), K={spec.max_draft_len}, "
                 f"{'vanilla' if spec.use_mtp_vanilla else 'eagle'}" if spec.method == "mtp" else

@@ -1,5 +1,8 @@
 """`nextn serve`: an OpenAI-compatible HTTP server over an engine (FastAPI + uvicorn), like `trtllm-serve`.
 
+`--model` takes a checkpoint (a .gguf file or an HF directory) as `nextn generate --model` does: it is built once
+into nextn's engine cache ($NEXTN_CACHE_DIR, default ~/.cache/nextn/engines) and reused.
+
 Endpoints: POST /v1/completions, POST /v1/chat/completions (SSE streaming with "stream": true), GET /v1/models,
 GET /health, GET /metrics (Prometheus: requests, TTFT/TPOT, speculative-decoding counters, free KV blocks).
 Concurrent requests share the engine through in-flight batching. Omitted temperature means greedy decoding.
@@ -13,6 +16,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -72,13 +76,30 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
             "--api_key KEY (or set NEXTN_API_KEY), or bind --host 127.0.0.1")
 
 
+def served_model_name(args: argparse.Namespace) -> str | None:
+    """--served_model_name, else for --model the checkpoint's name (the file's without `.gguf`: a cached engine's
+    directory is a hash), else None (the engine directory's name)."""
+    if args.served_model_name or not args.model:
+        return args.served_model_name
+    name = Path(args.model).name
+    return name[:-len(".gguf")] if name.endswith(".gguf") else name
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engine_dir", required=True, help="engine directory written by build-engine")
+    from nextn.cli.checkpoint_options import add_checkpoint_options
+
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--engine_dir", help="engine directory written by build-engine")
+    src.add_argument("--model", help="a checkpoint (a .gguf file or an HF directory) or an engine: a checkpoint is "
+                                     "built once into nextn's engine cache and reused (as LLM(path))")
+    add_checkpoint_options(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=_port, default=8000, help="port to listen on, 1-65535 (default 8000)")
     p.add_argument("--extra_llm_api_options", "--config", dest="extra_llm_api_options",
                    help="YAML of LLM arguments (TensorRT-LLM names), e.g. speculative_config, kv_cache_config")
-    p.add_argument("--served_model_name", help="the model name clients send (default: the engine directory's name)")
+    p.add_argument("--served_model_name",
+                   help="the model name clients send (default: the engine directory's name, or --model's checkpoint "
+                        "name)")
     p.add_argument("--max_batch_size", type=int, help="max concurrent requests in a step (default: the engine's)")
     p.add_argument("--max_seq_len", type=int, help="max prompt + completion tokens (default: the engine's)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: CUDA when available")
@@ -104,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
 
     from nextn import LLM
     from nextn.cli.env_options import env_llm_overrides
+    from nextn.cli.checkpoint_options import checkpoint_llm_kwargs
     from nextn.serving.openai_server import create_app
 
     warning = exposure_warning(args.host, args.api_key)
@@ -111,11 +133,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"nextn serve: warning: {warning}", file=sys.stderr)
     sizes = ("max_batch_size", "max_seq_len", "tensor_parallel_size", "moe_expert_parallel_size")
     overrides = {k: getattr(args, k) for k in sizes if getattr(args, k) is not None} | env_llm_overrides()
-    llm = LLM(args.engine_dir, extra_llm_api_options=args.extra_llm_api_options, device=args.device, **overrides)
-    app = create_app(llm, args.served_model_name, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
+    source = args.engine_dir or args.model
+    llm = LLM(source, extra_llm_api_options=args.extra_llm_api_options, device=args.device,
+              **checkpoint_llm_kwargs(args), **overrides)
+    app = create_app(llm, served_model_name(args), api_key=args.api_key, max_request_bytes=args.max_request_bytes,
                      chat_template_timeout_s=args.chat_template_timeout)
     logging.getLogger("nextn").setLevel(min(logging.getLogger("nextn").getEffectiveLevel(), logging.INFO))
-    logger.info("serving '%s' from %s on http://%s:%d", app.state.server.model_name, args.engine_dir, args.host,
+    logger.info("serving '%s' from %s on http://%s:%d", app.state.server.model_name, source, args.host,
                 args.port)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=10))

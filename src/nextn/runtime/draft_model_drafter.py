@@ -160,7 +160,8 @@ class DraftModelDrafter(LinearDrafter):
         quant = target.quant_config.model_dump(exclude_defaults=True) if target.quant_config else {}
         if quant.get("quant_algo") in INT4_ALGOS:
             quant["lm_head_quant_algo"] = "W4A16"
-        draft_dir = resolve_engine_dir(spec.speculative_model_dir, dtype=target.dtype, **quant)
+        draft_dir = resolve_engine_dir(spec.speculative_model_dir, what="Draft_Target: the draft model", progress=True,
+                                       dtype=target.dtype, **quant)
         draft = EngineManifest.load(draft_dir)
         check_vocabularies(Path(target_dir), target, draft_dir, draft)
         vocab = draft.model.vocab_size
