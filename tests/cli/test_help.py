@@ -24,7 +24,9 @@ def test_importing_the_command_lines_imports_no_torch():
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["serve", "--help"], ["cache", "--help"],
-                                  ["cache", "clear", "--help"], ["make-checkpoint", "--help"], ["demo", "--help"]])
+                                  ["cache", "clear", "--help"], ["make-checkpoint", "--help"], ["demo", "--help"],
+                                  ["token-map", "--help"], ["triton-repo", "--help"], ["train-draft", "--help"],
+                                  ["bench", "--help"]])
 def test_nextn_help_imports_no_torch(argv):
     code = (f"from nextn.cli.main import main\ntry:\n    main({argv!r})\nexcept SystemExit as e:\n"
             "    assert e.code == 0, e.code")

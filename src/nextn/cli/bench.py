@@ -11,8 +11,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from nextn.cli.prompts import load_prompts
 
 
@@ -52,6 +50,7 @@ def _nextn_rows(engine: Path, prompts: list[str], max_tokens: int, k: int, batch
 
 
 def _transformers_row(model_dir: Path, prompts: list[str], max_tokens: int) -> tuple[str, int, float, float]:
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
@@ -66,6 +65,8 @@ def _transformers_row(model_dir: Path, prompts: list[str], max_tokens: int) -> t
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from nextn.build.engine_builder import build_engine
     from nextn.cli.demo import make_checkpoint
 

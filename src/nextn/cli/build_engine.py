@@ -78,8 +78,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="replace an existing engine in --output_dir even when it also holds files its manifest does "
                    "not list (they are removed); a directory that is not an nextn engine is refused even so")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
-                   help="engine weight dtype; auto = the checkpoint's torch_dtype, bfloat16 for FP8 checkpoints "
-                   "(default: %(default)s)")
+                   help="engine weight dtype; auto = the checkpoint's torch_dtype, bfloat16 for FP8 checkpoints, and "
+                   "for a quantized GGUF bfloat16 where this machine has fast bf16 matmuls, else float32 (default: "
+                   "%(default)s)")
     p.add_argument("--max_batch_size", type=int, default=8, metavar="N",
                    help="default max concurrent requests recorded in the engine (default: %(default)s)")
     p.add_argument("--max_seq_len", type=int, metavar="N",

@@ -170,7 +170,7 @@ def report(r: dict, spec_label: str) -> None:
         print(f"note: at AL {r['al']:.2f} the drafts do not pay for verifying K+1 tokens a step on this CPU (a "
               "verify step costs 1.4-1.8x a plain one: docs/PERFORMANCE.md); speculation pays once AL is high "
               "(code, repetitive text, a draft model, trained heads); `adaptive_draft_len: true` "
-              "(configs/ngram.yaml) turns drafting off where it does not pay")
+              "(configs/ngram.yaml) shortens drafts where they do not pay")
     print(f"outputs identical to plain decoding: {'yes' if r['same'] else 'NO'}")
 
 

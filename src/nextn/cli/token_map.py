@@ -23,7 +23,6 @@ import json
 import sys
 from pathlib import Path
 
-from nextn.build.output_files import check_output_file, is_token_map, write_output_file
 from nextn.config.user_files import check_user_file, read_user_text
 from nextn.progress import progress_bar
 
@@ -111,10 +110,14 @@ def write_token_map(ids: list[int], out: Path, force: bool = False) -> None:
     Raises:
         OutputPathError: `out` is a directory, a link, or an existing file that is not a token map (without `force`).
     """
+    from nextn.build.output_files import is_token_map, write_output_file
+
     write_output_file(out, json.dumps(ids), "--out", is_token_map, force, "--force")
 
 
 def run(args: argparse.Namespace) -> int:
+    from nextn.build.output_files import check_output_file, is_token_map
+
     check_output_file(args.out, "--out", is_token_map, args.force, "--force")  # before the work
     try:
         texts = corpus_texts(args.corpus)

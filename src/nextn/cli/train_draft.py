@@ -35,13 +35,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from nextn.bench.dataset import MAX_PROMPT_FILE_BYTES
-from nextn.build.checkpoint import CheckpointError
-from nextn.build.manifest import EngineError
-from nextn.build.output_files import write_output_file
 from nextn.config.llm_args import MAX_TREE_DRAFT_TOKENS
 from nextn.config.user_files import check_user_file, read_user_json
-from nextn.models.config import ConfigError
 
 PROG = "nextn train-draft"
 
@@ -155,6 +150,9 @@ def _load_choices(path: Path, name: str) -> list[list[int]]:
 
 def run(args: argparse.Namespace) -> int:
     """Run the parsed command; a user error (bad base, data or tree file, method) prints one line and gives 2."""
+    from nextn.build.checkpoint import CheckpointError
+    from nextn.build.manifest import EngineError
+    from nextn.models.config import ConfigError
     from nextn.train.data import BudgetExhausted
 
     try:
@@ -203,6 +201,8 @@ def _run(args: argparse.Namespace) -> int:
     missing = [str(f) for f in args.data if not f.exists()]
     if missing:
         raise ValueError(f"data file(s) not found: {', '.join(missing)}")
+    from nextn.bench.dataset import MAX_PROMPT_FILE_BYTES
+
     for f in args.data:
         check_user_file(f, "data file", max_bytes=MAX_PROMPT_FILE_BYTES)
     from nextn.train.session import claim_train_output, is_train_output
@@ -265,6 +265,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _evaluate(args: argparse.Namespace, meta: dict, choices: list[list[int]] | None) -> int:
     """Greedy AL on the held-out prompts recorded in `meta`; recorded in train_draft.json under "acceptance"."""
+    from nextn.build.output_files import write_output_file
     from nextn.train.evaluate import evaluate_heads
 
     method = meta["method"]

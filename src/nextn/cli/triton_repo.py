@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from nextn.build.manifest import EngineError
 
 
 # Triton's own header check (2.41+), the same header `nextn serve --api_key` takes; the server answers 403 without it.
@@ -40,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from nextn.build.manifest import EngineError
     from nextn.serving.triton_repo import write_model_repository
 
     env = args.python_env
