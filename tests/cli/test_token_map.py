@@ -45,7 +45,9 @@ def test_unreadable_inputs_are_exit_status_2(gguf, tmp_path, capsys):
     assert main(["token-map", "--model_dir", str(gguf), "--corpus", str(tmp_path / "missing.txt"),
                  "--out", str(out)]) == 2
     assert "missing.txt" in capsys.readouterr().err and not out.exists()
-    assert main(["token-map", "--model_dir", str(tmp_path), "--corpus", str(tmp_path), "--out", str(out)]) == 2
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("a b c\n")
+    assert main(["token-map", "--model_dir", str(tmp_path), "--corpus", str(corpus), "--out", str(out)]) == 2
     assert "not a .gguf file, an engine or a checkpoint" in capsys.readouterr().err
 
 
