@@ -157,7 +157,7 @@ class DraftModelDrafter(LinearDrafter):
         # weights K times a step, so its bytes matter as much as the target's), except that a W4A16 draft's lm_head is
         # 4-bit too: drafts only propose (the target verifies every token), and the head is ~40 % of a small draft
         # model's bytes (Qwen2.5-0.5B: 136 MB at 8 bits of 360 MB)
-        quant = target.quant_config.model_dump(exclude_defaults=True) if target.quant_config else {}
+        quant = target.quant_config.model_dump(exclude_defaults=True) if target.quant_config else {"quant_algo": None}
         if quant.get("quant_algo") in INT4_ALGOS:
             quant["lm_head_quant_algo"] = "W4A16"
         draft_dir = resolve_engine_dir(spec.speculative_model_dir, what="Draft_Target: the draft model", progress=True,
