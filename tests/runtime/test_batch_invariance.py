@@ -33,6 +33,56 @@ ALL = ("alone", "batch", "staggered", "chunked", "prefix", "sampled")
 BASIC = ("batch", "staggered", "chunked")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_deepseek_moe_rows_do_not_depend_on_the_token_count(dtype):
+    """A token's MoE output alone equals its row among 1..47 others (router, gathered vs buffered dispatch, bmm M)."""
+    import torch
+
+    from nextn.models.config import DeepseekV3ModelConfig
+    from nextn.models.deepseek_v3.moe import DeepseekMoE
+    from nextn.plugins import dense_linear
+
+    if not dense_linear.available():
+        pytest.skip(f"nextn's dense CPU kernel is unavailable: {dense_linear.unavailable_reason()}")
+    cfg = DeepseekV3ModelConfig(vocab_size=32, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+                                num_hidden_layers=2, num_attention_heads=2, n_routed_experts=8, n_group=2,
+                                topk_group=1, num_experts_per_tok=2, kv_lora_rank=8, qk_nope_head_dim=4,
+                                qk_rope_head_dim=4, v_head_dim=4)
+    torch.manual_seed(0)
+    moe = DeepseekMoE(cfg)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.2)
+    moe = moe.to(getattr(torch, dtype))
+    moe.gate.e_score_correction_bias.data = moe.gate.e_score_correction_bias.float()
+    dense_linear.install_dense_linears(moe, prefix="")
+    x = torch.randn(48, 64).to(getattr(torch, dtype))
+    with torch.inference_mode():
+        full = moe(x)
+        for n in (1, 2, 3, 4, 5, 7, 12):
+            assert torch.equal(moe(x[:n]), full[:n]), n
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gated_mlp_rows_do_not_depend_on_the_token_count(dtype):
+    """A SwiGLU width that is no multiple of the vector width (stories260K's 172): the silu's tail moves with N."""
+    import torch
+
+    from nextn.models.layers import GatedMLP
+    from nextn.plugins import dense_linear
+
+    if not dense_linear.available():
+        pytest.skip(f"nextn's dense CPU kernel is unavailable: {dense_linear.unavailable_reason()}")
+    torch.manual_seed(0)
+    mlp = GatedMLP(64, 172).to(getattr(torch, dtype))
+    dense_linear.install_dense_linears(mlp, prefix="")
+    x = torch.randn(48, 64).to(getattr(torch, dtype))
+    with torch.inference_mode():
+        full = mlp(x)
+        for n in (1, 2, 3, 5, 7, 12):
+            assert torch.equal(mlp(x[:n]), full[:n]), n
+
+
 def _assert_all_identical(results: list[bi.Result]) -> None:
     assert results and all(r.ok for r in results), "\n" + bi.format_table(results)
 

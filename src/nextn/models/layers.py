@@ -7,6 +7,18 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def row_exact(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn(x) (an elementwise transcendental: sigmoid, silu) computed in float64, rounded to x's dtype.
+
+    PyTorch's CPU elementwise kernels run the vector body (SLEEF) over a contiguous buffer and a scalar loop over
+    its tail, which can differ in the last ulp: where an element falls — body or tail — depends on the tensor's
+    size, i.e. on how many tokens share the step (DeepSeek-V3's router scores [N, 8] at N = 5; a SwiGLU width like
+    stories260K's 172 leaves a tail in the last row). In float64 the
+    two paths may still differ in the last double ulp, which rounding to fp32/bf16 hides (but for ~2⁻²⁹ of inputs).
+    """
+    return fn(x.double()).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm (Zhang & Sennrich 2019), computed in fp32 and cast back, as HF's `*RMSNorm`."""
 
@@ -31,7 +43,9 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)
+        # on the CPU the silu's ulp must not depend on the row count: row_exact (a GPU's kernels are per element)
+        return self.down_proj((row_exact(F.silu, gate) if gate.device.type == "cpu" else F.silu(gate)) * self.up_proj(x))
 
 
 class PreNormDecoderLayer(nn.Module):

@@ -180,6 +180,10 @@ def install_dense_linears(model: nn.Module, prefix: str = "model.layers.") -> li
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, DenseLinear(module))
         replaced.append(name)
+    for name, module in model.named_modules():  # matmuls a model runs itself (DeepSeek-V3's router and experts)
+        if name.startswith(prefix) and hasattr(module, "use_dense_kernel"):
+            module.use_dense_kernel()
+            replaced.append(name)
     head = getattr(model, "lm_head", None)
     weight = getattr(head, "weight", None)
     if (not getattr(model, "lm_head_quantized", False) and isinstance(weight, torch.Tensor)

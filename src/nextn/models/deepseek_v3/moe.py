@@ -7,6 +7,12 @@ only); REFERENCE.md §1 gives the router step by step. Dispatch has fixed shapes
 - many assignments (prefill): scatter tokens into per-expert buffers of fixed capacity (one row per token: no
   token is ever dropped, so routing stays lossless), one batched matmul per projection, gather back.
 The choice depends on shapes only, never on values.
+
+Batch invariance on the CPU (`use_dense_kernel`, called at load by `plugins.dense_linear.install_dense_linears`):
+both paths above change a token's arithmetic with the number of tokens in the step (gather vs buffers, then the
+matmul's blocking by row count), so a request's output would depend on what shares its step. There the router and
+every expert run on nextn's batch-invariant dense kernel over the capacity buffers, whatever N (each output row
+is the same sequence of operations alone or among others; the buffers' zero rows cost E·N rows per step).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nextn.models.config import DeepseekV3ModelConfig
-from nextn.models.layers import GatedMLP
+from nextn.models.layers import GatedMLP, row_exact
 
 
 class NoAuxRouter(nn.Module):
@@ -28,12 +34,25 @@ class NoAuxRouter(nn.Module):
         e = cfg.n_routed_experts
         self.weight = nn.Parameter(torch.zeros(e, cfg.hidden_size))
         self.e_score_correction_bias = nn.Parameter(torch.zeros(e, dtype=torch.float32), requires_grad=False)
+        self.dense: nn.Module | None = None  # the scores' fp32 projection on nextn's dense kernel (use_dense_kernel)
+
+    def use_dense_kernel(self) -> None:
+        """Score on nextn's batch-invariant dense CPU kernel (fp32) from now on (the kernel must be available; a
+        weight off the CPU: no change)."""
+        from nextn.plugins.dense_linear import DenseLinear
+
+        if self.weight.device.type != "cpu":
+            return
+        self.dense = DenseLinear.from_weight(self.weight.detach().float())
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Route tokens. x: [N, hidden] → (weights [N, top_k] fp32, expert ids [N, top_k] int64)."""
         cfg = self.cfg
         e, g = cfg.n_routed_experts, cfg.n_group
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [N, E]
+        if self.dense is not None:  # batch-invariant (use_dense_kernel): see layers.row_exact
+            scores = row_exact(torch.sigmoid, self.dense(x.float()))  # [N, E]
+        else:
+            scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [N, E]
         choice = scores + self.e_score_correction_bias
         group_scores = choice.view(-1, g, e // g).topk(2, dim=-1).values.sum(-1)  # [N, n_group]
         top_groups = group_scores.topk(cfg.topk_group, dim=-1, sorted=False).indices
@@ -56,11 +75,26 @@ class RoutedExperts(nn.Module):
         self.num_experts, self.width = e, w
         self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * w, h))
         self.down_proj = nn.Parameter(torch.zeros(e, h, w))
+        #: Per expert, gate_up and down on nextn's batch-invariant dense kernel (`use_dense_kernel`).
+        self.dense: nn.ModuleList | None = None
+
+    def use_dense_kernel(self) -> None:
+        """Run every expert on nextn's batch-invariant dense CPU kernel over the capacity buffers, whatever the
+        number of tokens (the kernel must be available; the weights are packed: E × (2I·H + H·I) values). Weights
+        off the CPU or not bf16 / fp16 / fp32: no change."""
+        from nextn.plugins.dense_linear import DTYPES, DenseLinear
+
+        w = self.gate_up_proj
+        if w.device.type != "cpu" or w.dtype not in DTYPES or type(self) is not RoutedExperts:
+            return
+
+        self.dense = nn.ModuleList(nn.ModuleList([DenseLinear.from_weight(gu), DenseLinear.from_weight(d)])
+                                   for gu, d in zip(self.gate_up_proj.detach(), self.down_proj.detach()))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Σ_k weights[:, k] · Expert_{ids[:, k]}(x). x: [N, hidden]; weights, ids: [N, top_k] → [N, hidden]."""
         n, top_k = ids.shape
-        if n * top_k <= self.num_experts:
+        if self.dense is None and n * top_k <= self.num_experts:
             out = self._gathered(x, ids)
         else:
             out = self._capacity_buffers(x, ids)
@@ -82,10 +116,19 @@ class RoutedExperts(nn.Module):
         dest = flat * n + rank  # [A] into the [E·N] buffer
         tokens = torch.arange(n, device=x.device).repeat_interleave(top_k)
         buf = x.new_zeros(e * n, x.shape[-1]).index_copy_(0, dest, x[tokens]).view(e, n, -1)
+        if self.dense is not None:  # row by row the same arithmetic whatever N
+            out = torch.stack([down(_swiglu(gate_up(buf[i]), self.width, exact=True)) for i, (gate_up, down)
+                               in enumerate(self.dense)])  # [E, N, hidden]
+            return out.reshape(e * n, -1)[dest].view(n, top_k, -1)
         gate_up = torch.bmm(buf, self.gate_up_proj.transpose(1, 2))  # [E, N, 2I]
-        gate, up = gate_up.split(self.width, dim=-1)
-        out = torch.bmm(F.silu(gate) * up, self.down_proj.transpose(1, 2))  # [E, N, hidden]
+        out = torch.bmm(_swiglu(gate_up, self.width), self.down_proj.transpose(1, 2))  # [E, N, hidden]
         return out.reshape(e * n, -1)[dest].view(n, top_k, -1)
+
+
+def _swiglu(gate_up: torch.Tensor, width: int, exact: bool = False) -> torch.Tensor:
+    """[..., 2·width] (gate, then up) → silu(gate) · up [..., width]; `exact`: the silu by `layers.row_exact`."""
+    gate, up = gate_up.split(width, dim=-1)
+    return (row_exact(F.silu, gate) if exact else F.silu(gate)) * up
 
 
 class DeepseekMoE(nn.Module):
