@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from nextn.cli.checkpoint_options import QUANT_ALGOS
+from nextn.cli.threads import add_threads_argument, apply_threads
 from nextn.config.llm_args import MAX_BATCH_SIZE, MAX_INT
 
 PROG = "build-engine"
@@ -123,6 +124,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--allow_unused_tensors", action="store_true",
                    help="build even when the checkpoint stores tensors the engine would not read (named in a warning), "
                    "e.g. MTP layers a config with num_nextn_predict_layers: 0 leaves out; refused by default")
+    add_threads_argument(p)
     p.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
     return p
 
@@ -153,6 +155,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     start = time.perf_counter()
     try:
+        threads, threads_note = apply_threads(args.num_threads, PROG, announce=False)  # said in the summary
+    except ValueError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    try:
         _check_sizes(args)
         with signals_interrupt_build(), output_lock(args.output_dir):
             manifest = _build(args)
@@ -164,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"{PROG}: error: {e}", file=sys.stderr)
         sys.exit(1 if isinstance(e, OSError) and not isinstance(e, _user_errors()) else 2)
-    _report(args, manifest, time.perf_counter() - start)
+    _report(args, manifest, time.perf_counter() - start, threads, threads_note)
     return 0
 
 
@@ -196,7 +203,7 @@ def _build(args: argparse.Namespace):
         )  # fmt: skip
 
 
-def _report(args: argparse.Namespace, manifest, seconds: float) -> None:
+def _report(args: argparse.Namespace, manifest, seconds: float, threads: int, threads_note: str | None) -> None:
     from nextn.models.registry import WEIGHT_LAYOUTS
 
     spec = manifest.speculative
@@ -213,6 +220,7 @@ def _report(args: argparse.Namespace, manifest, seconds: float) -> None:
           f"size:       {_size(args.output_dir)}\n"
           f"tokenizer:  {', '.join(manifest.tokenizer_files) or 'none (token-id prompts only)'}\n"
           f"compiled:   {_compiled(manifest, args.compile_step)}\n"
+          f"threads:    {threads}{f' ({threads_note})' if threads_note else ''}\n"
           f"time:       {seconds:.1f} s")
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nextn.cli.checkpoint_options import add_checkpoint_options, checkpoint_llm_kwargs
+from nextn.cli.threads import add_threads_argument, apply_threads
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,6 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, help="sampling seed (same seed, same output)")
     p.add_argument("--ignore_eos", action="store_true", help="do not stop at EOS")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt (the summary on stderr)")
+    add_threads_argument(p)
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.chat and args.token_ids:
         print("nextn generate: error: --chat renders text prompts; it cannot take --token_ids", file=sys.stderr)
+        return 2
+    try:
+        apply_threads(args.num_threads, "nextn generate")
+    except ValueError as e:
+        print(f"nextn generate: error: {e}", file=sys.stderr)
         return 2
     prompts = [[int(t) for t in p.split(",") if t.strip()] for p in args.prompt] if args.token_ids else args.prompt
     llm = LLM(args.engine_dir or args.model, extra_llm_api_options=args.extra_llm_api_options,

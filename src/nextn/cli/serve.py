@@ -18,6 +18,8 @@ import os
 import sys
 from pathlib import Path
 
+from nextn.cli.threads import add_threads_argument, apply_threads
+
 logger = logging.getLogger(__name__)
 
 
@@ -116,6 +118,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat_template_timeout", type=_timeout, default=DEFAULT_CHAT_TEMPLATE_TIMEOUT_S,
                    help="seconds one chat-template render may take before it is stopped and the request gets a 400 "
                         f"(default {DEFAULT_CHAT_TEMPLATE_TIMEOUT_S:g}); renders run in worker processes")
+    add_threads_argument(p)
     p.add_argument("--log_level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default info)")
 
@@ -128,6 +131,11 @@ def run(args: argparse.Namespace) -> int:
     from nextn.cli.checkpoint_options import checkpoint_llm_kwargs
     from nextn.serving.openai_server import create_app
 
+    try:
+        apply_threads(args.num_threads, "nextn serve")
+    except ValueError as e:
+        print(f"nextn serve: error: {e}", file=sys.stderr)
+        return 2
     warning = exposure_warning(args.host, args.api_key)
     if warning:
         print(f"nextn serve: warning: {warning}", file=sys.stderr)
