@@ -171,7 +171,7 @@ def _staggered(llm, prompts: Sequence[list[int]], params, fillers: Sequence[list
     for j, f in enumerate(fillers):
         pending.insert(min(2 * j + 1, len(pending)), (-1 - j, f))
     tick = 0
-    while pending or llm.has_unfinished_requests():
+    while pending or llm.has_unfinished_requests:
         if pending and tick % 3 != 2:
             i, p = pending.pop(0)
             ids[llm.add_request(p, params)] = i
