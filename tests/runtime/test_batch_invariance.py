@@ -165,7 +165,7 @@ def llama_mtp(tmp_path_factory):
     """The tiny Llama with one MTP layer, by engine dtype."""
     work = tmp_path_factory.mktemp("llama_mtp_inv")
     ckpt = _llama_mtp_checkpoint(work / "ckpt")
-    return lambda fmt: bi.build_format(ckpt, fmt, work / fmt)
+    return lambda fmt: bi.build_format(ckpt, fmt, work / fmt, max_seq_len=256)
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "bf16"])
