@@ -128,3 +128,15 @@ def test_unaligned_weight_from_a_file_buffer_is_safe(w):
     layer = WeightOnlyLinear({**t, "weight": unaligned}, W8)
     x = torch.randn(20, 128)
     torch.testing.assert_close(layer(x), WeightOnlyLinear(t, W8)(x))
+
+
+@pytest.mark.parametrize("k", [172, 12])
+def test_a_w8a16_layer_whose_input_is_not_a_multiple_of_8_runs(k):
+    """PyTorch's `_weight_int8pack_mm` crashed the process (SIGSEGV) for K % 8 != 0 — stories260K's W8A16 down_proj,
+    K = 172: such a layer dequantizes on the fly and computes the dequantized product."""
+    torch.manual_seed(0)
+    w = torch.randn(64, k)
+    layer = WeightOnlyLinear(quantize(w, W8), W8)
+    x = torch.randn(3, k).to(torch.bfloat16)
+    ref = x.float() @ dequantize(quantize(w, W8), W8).float().T
+    torch.testing.assert_close(layer(x).float(), ref, rtol=2e-2, atol=2e-2)

@@ -44,6 +44,10 @@ class WeightOnlyLinear(nn.Module):
         if self.use_kernel and woq_linear.available() and woq_linear.takes(cfg.quant_algo, self.out_features,
                                                                            self.in_features):
             self.kernel = "nextn"
+        elif self.use_kernel and cfg.quant_algo == "W8A16" and self.in_features % 8:
+            # PyTorch's `_weight_int8pack_mm` reads past the row when K % 8 != 0 (a segmentation fault, e.g.
+            # stories260K's down_proj, K = 172): dequantize on the fly instead
+            self.use_kernel = False
         if cfg.quant_algo == "W8A16" and self.kernel == "nextn":
             # the kernel's layout, rows padded to a multiple of 16 (the output is cut back to N)
             self.register_buffer("qweight", woq_linear.pack_int8(w), persistent=False)
