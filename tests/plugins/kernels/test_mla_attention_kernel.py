@@ -126,3 +126,29 @@ def test_deepseek_layer_forward_with_kernels(kernels):
             meta = AttentionMetadata.create(positions, slots_for_positions(tables, positions, 4), tables, 4)
             outs.append(model(ids, kv, meta))
     torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+
+
+def test_each_request_is_computed_as_if_alone(kernels):
+    """Batch invariance (issue 38): one program per query token, keys walked BLOCK_N at a time from position 0, so a
+    request's output is bit for bit the same alone, in a batch of 5 at any position, and whatever the other requests'
+    lengths (a wider block table). Under the interpreter here; on a GPU the same program order holds, and
+    tests/plugins/kernels/test_kernels_gpu.py runs the kernel for real."""
+    from nextn.plugins.kernels.dispatch import forced_kernels
+    from nextn.plugins.kernels.mla_attention import mla_attention
+
+    gen = torch.Generator().manual_seed(38)
+    block_size, lora, rope, heads, k = 4, 16, 8, 3, 2
+    kv = _cache(gen, 64 * block_size, lora, rope)
+    tables = _tables(gen, 5, 12, 64)
+    kv_lens = torch.tensor([5, 0, 31, 17, 9])
+    positions = kv_lens[:, None] + torch.arange(k + 1)
+    q_lat = torch.randn(5, k + 1, heads, lora, generator=gen)
+    q_pe = torch.randn(5, k + 1, heads, rope, generator=gen)
+    with forced_kernels():
+        batch = mla_attention(q_lat, q_pe, kv, AttentionMetadata.create(positions, positions, tables, block_size), 0.3)
+        for i in range(5):
+            width = int(kv_lens[i] + k) // block_size + 1  # only the blocks this request uses
+            meta = AttentionMetadata.create(positions[i:i + 1], positions[i:i + 1], tables[i:i + 1, :width],
+                                            block_size)
+            alone = mla_attention(q_lat[i:i + 1], q_pe[i:i + 1], kv, meta, 0.3)
+            assert torch.equal(alone[0], batch[i]), f"request {i}"
