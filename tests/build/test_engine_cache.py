@@ -256,3 +256,18 @@ def test_a_draft_checkpoint_build_says_so(checkpoints, ckpt, tmp_path, monkeypat
                                         "speculative_model_dir": str(ckpt)})
     lines = [r.getMessage() for r in caplog.records if "building an engine" in r.getMessage()]
     assert len(lines) == 1 and lines[0].startswith("Draft_Target: the draft model: building an engine for")
+
+
+def test_auto_keeps_a_4bit_gguf_dense_where_the_int4_kernel_cannot_take_its_shapes(tmp_path, monkeypatch):
+    """W4A16 is chosen only where nextn's int4 kernel takes every decoder linear (in % 64, out % 16): otherwise the
+    build would be slow and not batch-invariant, or fail for want of a group size."""
+    from nextn.build.engine_settings import auto_quant_algo, open_checkpoint
+    from nextn.plugins import woq_linear
+
+    monkeypatch.setattr(woq_linear, "available", lambda: True)
+    path = write_q4_gguf(tmp_path / "m.gguf")
+    with open_checkpoint(path) as reader:
+        assert auto_quant_algo(reader, "cpu") == "W4A16"
+        monkeypatch.setattr(woq_linear, "takes", lambda algo, n, k: k % 128 == 0)  # 64-wide inputs not taken
+        assert auto_quant_algo(reader, "cpu") is None
+        assert auto_quant_algo(reader, "cuda") is None

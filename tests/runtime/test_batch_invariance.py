@@ -119,6 +119,24 @@ def test_stories260k_outputs_do_not_depend_on_the_batch(stories, fmt, drafter, s
     _assert_all_identical(bi.run_cell(eng, fmt, drafter, spec, prompts, ref, 24, scenarios))
 
 
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "W8A16", "W4A8"])
+def test_every_target_linear_runs_on_a_per_row_kernel(stories, fmt):
+    """The engine's own account (`Engine.batch_invariant`, said at load): every decoder linear and the lm_head of
+    the target run on nextn's per-row kernels — the dense kernel for fp32 / bf16 (the lm_head included), the int
+    kernels for W8A16 / W4A8, and the dequantized weight on the dense kernel where PyTorch's int8 kernel cannot run
+    (stories260K's down_proj, K = 172)."""
+    from nextn import LLM
+    from nextn.plugins import dense_linear
+
+    if not dense_linear.available():
+        pytest.skip(f"nextn's CPU kernels are unavailable here: {dense_linear.unavailable_reason()}")
+    engine, _, _ = stories
+    llm = LLM(engine(fmt)[0], speculative_config=None, device="cpu")
+    assert llm.engine.batch_invariant
+    if fmt in ("fp32", "bf16"):
+        assert isinstance(llm.engine.model.dense_lm_head, dense_linear.DenseLinear)
+
+
 @pytest.fixture(scope="module")
 def deepseek_mtp(checkpoints, tmp_path_factory):
     """The tiny DeepSeek-V3 with one distilled MTP module, by engine dtype."""

@@ -46,7 +46,8 @@ def auto_quant_algo(reader: CheckpointReader | GGUFCheckpoint, device_type: str 
     """What `quant_algo="auto"` (the default of `build-engine`, `LLM(checkpoint)` and `nextn generate --model`)
     builds: **W4A16** for a GGUF whose decoder matrices are mostly 4-bit (`GGUFCheckpoint.four_bit_share` ≥
     `AUTO_W4_MIN_SHARE`: Q4_0, Q4_1, Q4_K_M, ...) when the engine runs on a CPU where nextn's int4 kernels load
-    (`plugins/woq_linear.available()`: AVX-512 BF16), else None (the linears stay in the engine dtype).
+    (`plugins/woq_linear.available()`: AVX-512 BF16) and takes every decoder linear's shape, else None (the linears
+    stay in the engine dtype).
 
     Why W4A16: the file's 4-bit values are read as they are (one- or two-level scales, `quantization/weight_only.py`),
     nextn's kernels are the fast path on such a CPU, and they compute every row alone, so outputs do not depend on
@@ -63,6 +64,16 @@ def auto_quant_algo(reader: CheckpointReader | GGUFCheckpoint, device_type: str 
     if not woq_linear.available():
         logger.info("quant_algo auto: nextn's int4 CPU kernels are unavailable here (%s); the linears stay in the "
                     "engine dtype", woq_linear.unavailable_reason())
+        return None
+    cfg = reader.model_config
+    with torch.device("meta"):
+        model = MODEL_CLASSES[cfg.architecture](cfg, max_positions=1)
+    shapes = {(m.out_features, m.in_features) for name, m in model.named_modules()
+              if name.startswith("model.layers.") and isinstance(m, torch.nn.Linear)}
+    odd = sorted(s for s in shapes if not woq_linear.takes("W4A16", *s))
+    if odd:
+        logger.info("quant_algo auto: the int4 kernel does not take the [out, in] shapes %s; the linears stay in the "
+                    "engine dtype", odd)
         return None
     return "W4A16"
 

@@ -40,12 +40,13 @@ class SelfDraftingCausalLM(nn.Module):
     lm_head_quantized: bool = False
     #: Every decoder layer as one op call (`plugins.decoder_layer.install_fused_layers`, W4A16 / W4A8 on the CPU).
     fused_stack: FusedStack | None = None
-    #: The lm_head on nextn's batch-invariant dense kernel (`plugins.dense_linear.install_dense_linears`).
-    dense_lm_head: nn.Module | None = None
 
     def __init__(self) -> None:
         super().__init__()
         self.draft_head: nn.Module | None = None  # `cut_draft_head` of a quantized engine: the hot rows, W8A16
+        # The lm_head on nextn's batch-invariant dense kernel (`plugins.dense_linear.install_dense_linears`); an
+        # instance attribute, as a submodule assigned later must not be shadowed by a class attribute.
+        self.dense_lm_head: nn.Module | None = None
 
     @property
     def num_cache_layers(self) -> int:

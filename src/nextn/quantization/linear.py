@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nextn.plugins import woq_linear
+from nextn.plugins import dense_linear, woq_linear
 from nextn.quantization.weight_only import INT4_ALGOS, QuantConfig, dequantize, super_scales, unpack_int4
 
 
@@ -46,7 +46,7 @@ class WeightOnlyLinear(nn.Module):
             self.kernel = "nextn"
         elif self.use_kernel and cfg.quant_algo == "W8A16" and self.in_features % 8:
             # PyTorch's `_weight_int8pack_mm` reads past the row when K % 8 != 0 (a segmentation fault, e.g.
-            # stories260K's down_proj, K = 172): dequantize on the fly instead
+            # stories260K's down_proj, K = 172): the dequantized weight, on nextn's dense kernel where it loads
             self.use_kernel = False
         if cfg.quant_algo == "W8A16" and self.kernel == "nextn":
             # the kernel's layout, rows padded to a multiple of 16 (the output is cut back to N)
@@ -88,8 +88,12 @@ class WeightOnlyLinear(nn.Module):
             self.bias = self.bias.float()
             if self.qweight.shape[0] != self.out_features:  # int8 rows padded to 16
                 self.bias = torch.cat([self.bias, self.bias.new_zeros(self.qweight.shape[0] - self.out_features)])
+        self.dense_kernel: nn.Module | None = None  # the dequantized weight on nextn's batch-invariant dense kernel
         if not self.use_kernel:
             self.register_buffer("dense", dequantize(self._tensors, cfg), persistent=False)
+            if self.dense.device.type == "cpu" and dense_linear.available():
+                self.dense_kernel = dense_linear.DenseLinear.from_weight(self.dense.to(torch.bfloat16), self.bias)
+                self.kernel = "nextn"
         del self._tensors
 
     def _pack(self, w: torch.Tensor) -> torch.Tensor:
@@ -97,6 +101,8 @@ class WeightOnlyLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in_features] → [..., out_features] in x's dtype."""
+        if self.dense_kernel is not None:
+            return self.dense_kernel(x)
         if not self.use_kernel:
             return F.linear(x, self.dense.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         if self.kernel == "nextn":

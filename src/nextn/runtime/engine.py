@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch import nn
 from safetensors.torch import load_file
 
 from nextn.build.manifest import EngineError, EngineManifest, verify_engine_files
@@ -146,6 +147,27 @@ def prefix_cache_for(args: LlmArgs, manifest: EngineManifest, spec: object, draf
     return PrefixCache(block_size, salt, drafter.kv_lookahead)
 
 
+
+def batch_dependent_linear(model: nn.Module) -> str | None:
+    """The first of the target's linears (decoder layers and lm_head) whose rows are not computed alone — PyTorch's
+    dense or weight-only kernels, oneDNN's packed one — or None when all run on nextn's per-row CPU kernels (then a
+    request's greedy tokens do not depend on the batch: docs/RELIABILITY.md, README "Batch invariance")."""
+    from nextn.plugins.packed_linear import PackedLinear
+    from nextn.quantization.linear import WeightOnlyLinear
+
+    layers = [f"model.layers.{i}." for i in range(model.cfg.num_hidden_layers)]
+    for name, module in model.named_modules():
+        if not name.startswith(tuple(layers)):
+            continue
+        if isinstance(module, WeightOnlyLinear) and module.kernel != "nextn":
+            return name
+        if isinstance(module, (nn.Linear, PackedLinear)):
+            return name
+    head = getattr(model, "lm_head", None)
+    if getattr(model, "lm_head_quantized", False):
+        return None if head.kernel == "nextn" else "lm_head"
+    return None if getattr(model, "dense_lm_head", None) is not None else "lm_head"
+
 class Engine:
     """Loads an engine directory and runs requests to completion with in-flight batching."""
 
@@ -280,13 +302,16 @@ class Engine:
             raise EngineError(f"engine weights do not match its manifest: {e}") from e
         model.rope_table = model.rope_table_for(max_positions).to(self.device)
         # dense linears and lm_head on nextn's batch-invariant CPU kernel; else bf16 on oneDNN's pre-packed kernel
-        self.batch_invariant_linears = bool(install_dense_linears(model)) or self.manifest.quant_config is not None
-        if not self.batch_invariant_linears:
-            if self.device.type == "cpu":
-                logger.warning("this engine's %s linears are not batch-invariant on this CPU (nextn's dense kernel: "
-                               "%s): a request's greedy tokens may depend on what shares its batch",
-                               self.manifest.dtype, dense_linear_unavailable_reason())
+        if not install_dense_linears(model):
             install_packed_linears(model)
+        varying = batch_dependent_linear(model)
+        self.batch_invariant = varying is None
+        if varying is not None:
+            why = (f"nextn's dense CPU kernel: {dense_linear_unavailable_reason()}" if self.device.type == "cpu"
+                   else f"{self.device.type} GEMMs pick their reduction order by the batch")
+            logger.warning("this %s engine is not batch-invariant here (%s runs outside nextn's per-row kernels; %s): a "
+                           "request's greedy tokens may depend on what shares its batch", self.manifest.dtype,
+                           varying, why)
         install_paged_attention(model)  # nextn's CPU attention kernel where it applies
         install_fused_layers(model)  # W4A16 on the CPU: one op per decoder layer
         return model.eval().requires_grad_(False)
