@@ -4,7 +4,11 @@
 
 #include <ATen/ATen.h>
 
+#include <ATen/Parallel.h>
+
+#include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 namespace nextn_cpu {
 
@@ -40,5 +44,52 @@ Int4Scales int4_scales(const at::Tensor& scale, const at::Tensor& zero, int64_t 
 void paged_attention_bf16(const uint16_t* q, const uint16_t* kv_cache, const int64_t* context_slots,
                           const bool* visible, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t S, int64_t D,
                           float scale, float* out);
+
+
+// The linear kernels' row and block loops (woq_linear_cpu.cpp, dense_linear_cpu.cpp). Which path a row takes changes
+// nothing in its arithmetic: every row is computed alone (batch invariance).
+template <int V>
+using Int = std::integral_constant<int, V>;
+
+// Call f(Int<rows>{}) for a runtime row count 1..MAX (MAX: 4 or 8), the row count a compile-time constant.
+template <int MAX, typename F>
+inline void with_rows(int64_t rows, F&& f) {
+  switch (rows) {
+    case 1: f(Int<1>{}); return;
+    case 2: f(Int<2>{}); return;
+    case 3: f(Int<3>{}); return;
+    case 4: f(Int<4>{}); return;
+  }
+  if constexpr (MAX > 4) {
+    switch (rows) {
+      case 5: f(Int<5>{}); return;
+      case 6: f(Int<6>{}); return;
+      case 7: f(Int<7>{}); return;
+      default: f(Int<8>{}); return;
+    }
+  }
+}
+
+// Run `block(Int<MB>, Int<NB>, m0, n0)` over M rows and N units (output channels for int8, blocks of 16 channels
+// for int4): NB units at a time, split across threads (at least `grain` such steps a thread), the last < NB one
+// by one; within them, chunks of MAX rows reuse the units' weights from L1.
+template <int NB, int MAX, typename Block>
+void run_blocks(int64_t M, int64_t N, int64_t grain, Block& block) {
+  const int64_t blocks = (N + NB - 1) / NB;
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * NB;
+      for (int64_t m0 = 0; m0 < M; m0 += MAX) {
+        with_rows<MAX>(std::min<int64_t>(MAX, M - m0), [&](auto mb) {
+          if (n0 + NB <= N) {
+            block(mb, Int<NB>{}, m0, n0);
+          } else {
+            for (int64_t n = n0; n < N; ++n) block(mb, Int<1>{}, m0, n);
+          }
+        });
+      }
+    }
+  });
+}
 
 }  // namespace nextn_cpu

@@ -38,7 +38,13 @@
 #include <optional>
 #include <type_traits>
 
+#include "cpu_kernels.h"
+
 namespace {
+
+using nextn_cpu::Int;
+using nextn_cpu::run_blocks;
+using nextn_cpu::with_rows;
 
 constexpr int kRows = 8;  // rows per register block
 
@@ -106,50 +112,6 @@ inline void fma_block(const float* x, int64_t K, const T* w, const float* bias, 
     }
   }
   store<MB, NB>(acc, bias, out, out_stride, valid);
-}
-
-template <int V>
-using Int = std::integral_constant<int, V>;
-
-// Call f(Int<rows>{}) for a runtime row count 1..MAX (4 or 8), the row count a compile-time constant.
-template <int MAX, typename F>
-inline void with_rows(int64_t rows, F&& f) {
-  switch (rows) {
-    case 1: f(Int<1>{}); return;
-    case 2: f(Int<2>{}); return;
-    case 3: f(Int<3>{}); return;
-    case 4: f(Int<4>{}); return;
-  }
-  if constexpr (MAX > 4) {
-    switch (rows) {
-      case 5: f(Int<5>{}); return;
-      case 6: f(Int<6>{}); return;
-      case 7: f(Int<7>{}); return;
-      default: f(Int<8>{}); return;
-    }
-  }
-}
-
-// Run `block(Int<MB>, Int<NB>, m0, blk)` over M rows and `blocks` blocks of 16 channels: NB blocks at a time, split
-// across threads (at least `grain` such units a thread), the last < NB one by one; within a unit, chunks of MAX rows
-// re-read its weights from L1/L2. Which path a row takes changes nothing in its arithmetic.
-template <int NB, int MAX, typename Block>
-void run_blocks(int64_t M, int64_t blocks, int64_t grain, Block& block) {
-  const int64_t units = (blocks + NB - 1) / NB;
-  at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
-    for (int64_t u = u0; u < u1; ++u) {
-      const int64_t b0 = u * NB;
-      for (int64_t m0 = 0; m0 < M; m0 += MAX) {
-        with_rows<MAX>(std::min<int64_t>(MAX, M - m0), [&](auto mb) {
-          if (b0 + NB <= blocks) {
-            block(mb, Int<NB>{}, m0, b0);
-          } else {
-            for (int64_t b = b0; b < blocks; ++b) block(mb, Int<1>{}, m0, b);
-          }
-        });
-      }
-    }
-  });
 }
 
 // One row: 4 blocks at a time (4 independent chains); up to 4 rows: 2 blocks, one chunk; more: 2 blocks, 8 rows a

@@ -42,6 +42,10 @@
 
 namespace {
 
+using nextn_cpu::Int;
+using nextn_cpu::run_blocks;
+using nextn_cpu::with_rows;
+
 constexpr int kMaxRows = 8;  // rows per register block
 
 // Both kernels ask for every cache line of the next channel blocks into L2 while these compute: the weights stream
@@ -294,50 +298,6 @@ inline void int8_block(const uint16_t* x, int64_t K, const int8_t* w, const floa
       if (bias) y = _mm512_add_ps(y, _mm512_loadu_ps(bias + 16 * n));
       _mm512_storeu_ps(out + m * out_stride + 16 * n, y);
     }
-}
-
-template <int V>
-using Int = std::integral_constant<int, V>;
-
-// Call f(Int<rows>{}) for a runtime row count 1..MAX (MAX: 4 or 8), the row count a compile-time constant.
-template <int MAX, typename F>
-inline void with_rows(int64_t rows, F&& f) {
-  switch (rows) {
-    case 1: f(Int<1>{}); return;
-    case 2: f(Int<2>{}); return;
-    case 3: f(Int<3>{}); return;
-    case 4: f(Int<4>{}); return;
-  }
-  if constexpr (MAX > 4) {
-    switch (rows) {
-      case 5: f(Int<5>{}); return;
-      case 6: f(Int<6>{}); return;
-      case 7: f(Int<7>{}); return;
-      default: f(Int<8>{}); return;
-    }
-  }
-}
-
-// Run `block(Int<MB>, Int<NB>, m0, n0)` over M rows and N units (output channels for int8, blocks of 16 channels
-// for int4): NB units at a time, split across threads (at least `grain` such steps a thread), the last < NB one
-// by one; within them, chunks of MAX rows reuse the units' weights from L1.
-template <int NB, int MAX, typename Block>
-void run_blocks(int64_t M, int64_t N, int64_t grain, Block& block) {
-  const int64_t blocks = (N + NB - 1) / NB;
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * NB;
-      for (int64_t m0 = 0; m0 < M; m0 += MAX) {
-        with_rows<MAX>(std::min<int64_t>(MAX, M - m0), [&](auto mb) {
-          if (n0 + NB <= N) {
-            block(mb, Int<NB>{}, m0, n0);
-          } else {
-            for (int64_t n = n0; n < N; ++n) block(mb, Int<1>{}, m0, n);
-          }
-        });
-      }
-    }
-  });
 }
 
 // x checked and flattened to a contiguous [M, K] `as` tensor (the dtype the kernel reads it in).
