@@ -36,7 +36,7 @@ def check_model_split(cfg, mapping: Mapping, quantized: bool = False) -> None:
         return
     if quantized:
         raise MappingError("weight-only quantized engines run with tensor_parallel_size 1 for now: build the engine "
-                           "without --quant_algo to split it")
+                           "with --quant_algo none to split it")
     tp_name = "tensor_parallel_size"
     if hasattr(cfg, "num_key_value_heads"):  # Llama family: KV heads first, their split bounds the query heads'
         _divides(cfg.num_key_value_heads, tp, "num_key_value_heads", tp_name)
