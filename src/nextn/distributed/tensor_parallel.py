@@ -227,7 +227,7 @@ def shard_model(model: nn.Module, weights: Weights, comm: Communicator) -> Weigh
     """
     if any(isinstance(m, WeightOnlyLinear) for m in model.modules()):
         raise MappingError("weight-only quantized engines run with tensor_parallel_size 1 for now: build the engine "
-                           "without --quant_algo to split it")
+                           "with --quant_algo none to split it")
     s = _Sharder(dict(weights), comm)
     for i, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{i}."
