@@ -157,12 +157,13 @@ class DenseLinear(nn.Module):
                 f"batch-invariant {str(self.packed.dtype).removeprefix('torch.')}")
 
 
-def install_dense_linears(model: nn.Module, prefix: str = "model.layers.") -> list[str]:
+def install_dense_linears(model: nn.Module, prefix: str | tuple[str, ...] | None = None) -> list[str]:
     """Make a dense CPU engine batch-invariant: every bf16 / fp16 / fp32 CPU `nn.Linear` whose name starts with
-    `prefix` (the decoder and MTP layers) becomes a `DenseLinear`, except layers whose weight the model reads
-    directly (`model.weights_read_directly`, e.g. MLA's `kv_b_proj`); and the target's lm_head, unless quantized,
-    gets a `DenseLinear` copy as `model.dense_lm_head` (`SelfDraftingCausalLM.logits` uses it; a tied lm_head keeps
-    sharing the embedding's weight for lookups).
+    `prefix` becomes a `DenseLinear`, except layers whose weight the model reads directly
+    (`model.weights_read_directly`, e.g. MLA's `kv_b_proj`); and the target's lm_head, unless quantized, gets a
+    `DenseLinear` copy as `model.dense_lm_head` (`SelfDraftingCausalLM.logits` uses it; a tied lm_head keeps sharing
+    the embedding's weight for lookups). `prefix` defaults to the target's decoder layers (`model.layers.{i}.` for
+    i < num_hidden_layers): MTP layers only draft, so they keep their `nn.Linear`s.
 
     Returns:
         The names replaced ("lm_head" included); empty where the kernel is unavailable (`unavailable_reason()`),
@@ -170,6 +171,8 @@ def install_dense_linears(model: nn.Module, prefix: str = "model.layers.") -> li
     """
     if not any(isinstance(p, torch.Tensor) and p.device.type == "cpu" for p in model.parameters()) or not available():
         return []
+    if prefix is None:
+        prefix = tuple(f"model.layers.{i}." for i in range(model.cfg.num_hidden_layers))
     replaced = []
     keep = set(getattr(model, "weights_read_directly", ()))
     for name, module in list(model.named_modules()):

@@ -301,9 +301,10 @@ class Engine:
         except RuntimeError as e:
             raise EngineError(f"engine weights do not match its manifest: {e}") from e
         model.rope_table = model.rope_table_for(max_positions).to(self.device)
-        # dense linears and lm_head on nextn's batch-invariant CPU kernel; else bf16 on oneDNN's pre-packed kernel
-        if not install_dense_linears(model):
-            install_packed_linears(model)
+        # the target's dense linears and lm_head on nextn's batch-invariant CPU kernel; the bf16 linears left (MTP
+        # layers, which only draft, or every layer where that kernel cannot load) on oneDNN's pre-packed kernel
+        install_dense_linears(model)
+        install_packed_linears(model)
         varying = batch_dependent_linear(model)
         self.batch_invariant = varying is None
         if varying is not None:
