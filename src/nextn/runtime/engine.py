@@ -165,7 +165,7 @@ def batch_dependent_linear(model: nn.Module) -> str | None:
             return name
     head = getattr(model, "lm_head", None)
     if getattr(model, "lm_head_quantized", False):
-        return None if head.kernel == "nextn" else "lm_head"
+        return None if getattr(head, "kernel", None) == "nextn" else "lm_head"
     return None if getattr(model, "dense_lm_head", None) is not None else "lm_head"
 
 class Engine:
