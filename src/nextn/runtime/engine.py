@@ -148,6 +148,17 @@ def prefix_cache_for(args: LlmArgs, manifest: EngineManifest, spec: object, draf
 
 
 
+def batch_dependent_attention(model: nn.Module) -> str | None:
+    """The first of the target's attention modules that offers nextn's paged CPU kernel but does not run on it
+    (PyTorch's attention instead: head_dim % 16 != 0, or off the CPU), whose reductions span the batch's widest
+    context; None when every one that offers it does (the kernel computes each query row alone)."""
+    layers = tuple(f"model.layers.{i}." for i in range(model.cfg.num_hidden_layers))
+    for name, module in model.named_modules():
+        if name.startswith(layers) and getattr(module, "paged_attention_kernel", None) is False:
+            return name
+    return None
+
+
 def batch_dependent_linear(model: nn.Module) -> str | None:
     """The first of the target's linears (decoder layers and lm_head) whose rows are not computed alone — PyTorch's
     dense or weight-only kernels, oneDNN's packed one — or None when all run on nextn's per-row CPU kernels (then a
@@ -305,16 +316,17 @@ class Engine:
         # layers, which only draft, or every layer where that kernel cannot load) on oneDNN's pre-packed kernel
         install_dense_linears(model)
         install_packed_linears(model)
-        varying = batch_dependent_linear(model)
-        self.batch_invariant = varying is None
-        if varying is not None:
-            why = (f"nextn's dense CPU kernel: {dense_linear_unavailable_reason()}" if self.device.type == "cpu"
-                   else f"{self.device.type} GEMMs pick their reduction order by the batch")
-            logger.warning("this %s engine is not batch-invariant here (%s runs outside nextn's per-row kernels; %s): a "
-                           "request's greedy tokens may depend on what shares its batch", self.manifest.dtype,
-                           varying, why)
         install_paged_attention(model)  # nextn's CPU attention kernel where it applies
         install_fused_layers(model)  # W4A16 on the CPU: one op per decoder layer
+        varying = batch_dependent_linear(model) or batch_dependent_attention(model)
+        self.batch_invariant = varying is None
+        if varying is not None:
+            why = (f"{self.device.type} kernels pick their reduction order by the batch" if self.device.type != "cpu"
+                   else "PyTorch's attention over the batch's widest context (head_dim % 16 != 0)"
+                   if varying.endswith("self_attn") else f"nextn's dense CPU kernel: {dense_linear_unavailable_reason()}")
+            logger.warning("this %s engine is not batch-invariant here (%s runs outside nextn's per-row kernels: %s): "
+                           "a request's greedy tokens may depend on what shares its batch", self.manifest.dtype,
+                           varying, why)
         return model.eval().requires_grad_(False)
 
     # Requests ----------------------------------------------------------------------------------------
