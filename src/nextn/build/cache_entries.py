@@ -10,7 +10,6 @@ Removal takes the entry's lock without waiting: an entry another process holds (
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import math
 import os
@@ -22,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from nextn.build.file_lock import lock_file
 from nextn.build.manifest import MANIFEST_NAME, EngineError, EngineManifest
 
 logger = logging.getLogger(__name__)
@@ -60,22 +60,10 @@ def entry_lock(root: Path, key: str, wait: bool = True) -> Iterator[bool]:
     """Hold the exclusive lock of entry `key` (flock on `<root>/<key>.lock`, created when missing); yields True, or
     False without waiting when `wait` is false and another process holds it. Re-checks the file after locking, as
     removal unlinks it while held."""
-    path = lock_path(root, key)
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-        except BlockingIOError:
-            os.close(fd)
-            yield False
-            return
-        try:
-            same = os.path.samestat(os.fstat(fd), os.stat(path))
-        except FileNotFoundError:
-            same = False
-        if same:
-            break
-        os.close(fd)
+    fd = lock_file(lock_path(root, key), wait)
+    if fd is None:
+        yield False
+        return
     try:
         yield True
     finally:

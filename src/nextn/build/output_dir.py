@@ -16,7 +16,6 @@ SIGHUP into an exception like Ctrl-C (`signals_interrupt_build`), so those clean
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import shutil
@@ -28,6 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nextn.build.file_lock import lock_file
 from nextn.build.manifest import MANIFEST_NAME, EngineError, EngineManifest
 
 logger = logging.getLogger(__name__)
@@ -176,21 +176,10 @@ def output_lock(output_dir: Path) -> Iterator[None]:
     created = [p for p in (parent, *parent.parents) if not p.exists()]  # deepest first
     parent.mkdir(parents=True, exist_ok=True)
     lock_path = parent / f".{output_dir.name}.lock"
-    while True:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise EngineError(f"another build-engine is writing {output_dir} (it holds {lock_path}); wait for it to "
-                              "finish or choose another --output_dir") from None
-        try:  # the holder before us may have removed the file after we opened it: lock the current one
-            same = os.path.samestat(os.fstat(fd), os.stat(lock_path))
-        except FileNotFoundError:
-            same = False
-        if same:
-            break
-        os.close(fd)
+    fd = lock_file(lock_path, wait=False)
+    if fd is None:
+        raise EngineError(f"another build-engine is writing {output_dir} (it holds {lock_path}); wait for it to "
+                          "finish or choose another --output_dir")
     try:
         yield
     finally:
