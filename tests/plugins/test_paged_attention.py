@@ -33,7 +33,8 @@ def _case(b: int, t: int, nh: int, nkv: int, d: int, ctx: list[int], dtype: torc
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("b,t,nh,nkv,d,ctx", [(1, 1, 12, 2, 128, [37]), (3, 5, 9, 3, 64, [9, 21, 14]),
-                                              (2, 4, 4, 4, 32, [4, 30])])
+                                              (2, 4, 4, 4, 32, [4, 30]), (2, 3, 8, 4, 8, [5, 19]),
+                                              (1, 2, 6, 2, 40, [23])])
 def test_matches_the_reference(dtype, b, t, nh, nkv, d, ctx):
     q, kv, slots, visible = _case(b, t, nh, nkv, d, ctx, dtype)
     out = torch.ops.nextn.paged_attention(q, kv, slots, visible, d ** -0.5)
@@ -54,9 +55,11 @@ def test_a_tree_mask_is_honoured():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_every_query_row_is_computed_as_if_alone(dtype):
-    """Batch invariance, bit for bit: a verify step's rows (T > 1, B > 1) equal one-token steps'."""
-    q, kv, slots, visible = _case(2, 5, 6, 2, 64, [17, 29], dtype, seed=5)
+@pytest.mark.parametrize("d", [64, 8, 40])
+def test_every_query_row_is_computed_as_if_alone(dtype, d):
+    """Batch invariance, bit for bit: a verify step's rows (T > 1, B > 1) equal one-token steps' (head_dim 8 and 40
+    end in a masked chunk)."""
+    q, kv, slots, visible = _case(2, 5, 6, 2, d, [17, 29], dtype, seed=5)
     together = torch.ops.nextn.paged_attention(q, kv, slots, visible, 0.125)
     for i in range(2):
         for j in range(5):
@@ -67,7 +70,10 @@ def test_every_query_row_is_computed_as_if_alone(dtype):
 
 def test_bad_operands_are_named():
     q, kv, slots, visible = _case(1, 1, 4, 2, 64, [8], torch.float32)
-    with pytest.raises(RuntimeError, match="multiple of 16"):
+    big_q, big_kv, big_slots, big_visible = _case(1, 1, 2, 1, 264, [4], torch.float32)
+    with pytest.raises(RuntimeError, match="head_dim 264 must be in"):
+        torch.ops.nextn.paged_attention(big_q, big_kv, big_slots, big_visible, 1.0)
+    with pytest.raises(RuntimeError, match="kv_cache must be a contiguous"):
         torch.ops.nextn.paged_attention(q[..., :40], kv, slots, visible, 1.0)
     with pytest.raises(RuntimeError, match="bfloat16 or both float32"):
         torch.ops.nextn.paged_attention(q.bfloat16(), kv, slots, visible, 1.0)

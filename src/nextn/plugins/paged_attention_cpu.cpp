@@ -14,7 +14,8 @@
 // invariance: a verify step's rows equal plain steps'), which fused library kernels do not promise (SDPA broke
 // greedy identity here: docs/PERFORMANCE.md).
 //
-// Built with AVX-512 F/BW/VL + FMA; D % 16 == 0.
+// Built with AVX-512 F/BW/VL + FMA; any D <= kMaxD (a head_dim that is not a multiple of 16 ends in a masked chunk:
+// stories260K's 8, for one, so its bf16 engines are batch-invariant too).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -32,15 +33,15 @@ namespace {
 
 using nextn_cpu::kMaxD;
 
-// 16 values of a bf16 or f32 row as f32
+// Up to 16 values of a bf16 or f32 row as f32: the lanes set in `m` (the rest read as 0; a head_dim that is not a
+// multiple of 16 ends in a masked chunk, so nothing past the row is read)
 template <typename T>
-inline __m512 load16(const T* p);
+inline __m512 load16(const T* p, __mmask16 m);
 template <>
-inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16<float>(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 template <>
-inline __m512 load16<at::BFloat16>(const at::BFloat16* p) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+inline __m512 load16<at::BFloat16>(const at::BFloat16* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 
 // One (sequence, KV head): its `rows` query heads x T tokens against S cached keys.
@@ -49,23 +50,26 @@ void attend(const T* q, int64_t q_tok_stride, const T* kv, int64_t kv_row, const
             int64_t S, int64_t Tq, int64_t group, int64_t D, int64_t k_off, int64_t v_off, float scale, float* out,
             int64_t out_tok_stride) {
   const int64_t R = Tq * group;  // query rows: token-major, then head
-  std::vector<float> qf(R * D), scores(R * S), acc(R * D, 0.f);
+  const int64_t C = (D + 15) / 16, Dp = C * 16;  // 16-lane chunks of a head; rows padded to Dp with zeros
+  const __mmask16 tail = D % 16 ? __mmask16((1u << (D % 16)) - 1) : __mmask16(0xFFFF);
+  auto lanes = [&](int64_t c) { return c == C - 1 ? tail : __mmask16(0xFFFF); };
+  std::vector<float> qf(R * Dp), scores(R * S), acc(R * Dp, 0.f);
   for (int64_t t = 0; t < Tq; ++t)
     for (int64_t g = 0; g < group; ++g)
-      for (int64_t d = 0; d < D; d += 16)
-        _mm512_storeu_ps(&qf[(t * group + g) * D + d], load16(q + t * q_tok_stride + g * D + d));
+      for (int64_t c = 0; c < C; ++c)
+        _mm512_storeu_ps(&qf[(t * group + g) * Dp + c * 16], load16(q + t * q_tok_stride + g * D + c * 16, lanes(c)));
   std::vector<float> row_max(R, -std::numeric_limits<float>::infinity()), row_sum(R, 0.f);
   // scores
   for (int64_t j = 0; j < S; ++j) {
     const T* k = kv + slots[j] * kv_row + k_off;
     __m512 kj[kMaxD / 16];
-    for (int64_t c = 0; c < D / 16; ++c) kj[c] = load16(k + c * 16);
+    for (int64_t c = 0; c < C; ++c) kj[c] = load16(k + c * 16, lanes(c));
     for (int64_t t = 0; t < Tq; ++t) {
       if (!vis[t * S + j]) continue;
       for (int64_t g = 0; g < group; ++g) {
         const int64_t r = t * group + g;
-        __m512 a = _mm512_mul_ps(kj[0], _mm512_loadu_ps(&qf[r * D]));
-        for (int64_t c = 1; c < D / 16; ++c) a = _mm512_fmadd_ps(kj[c], _mm512_loadu_ps(&qf[r * D + c * 16]), a);
+        __m512 a = _mm512_mul_ps(kj[0], _mm512_loadu_ps(&qf[r * Dp]));
+        for (int64_t c = 1; c < C; ++c) a = _mm512_fmadd_ps(kj[c], _mm512_loadu_ps(&qf[r * Dp + c * 16]), a);
         const float s = _mm512_reduce_add_ps(a) * scale;
         scores[r * S + j] = s;
         row_max[r] = std::max(row_max[r], s);
@@ -87,14 +91,14 @@ void attend(const T* q, int64_t q_tok_stride, const T* kv, int64_t kv_row, const
   for (int64_t j = 0; j < S; ++j) {
     const T* v = kv + slots[j] * kv_row + v_off;
     __m512 vj[kMaxD / 16];
-    for (int64_t c = 0; c < D / 16; ++c) vj[c] = load16(v + c * 16);
+    for (int64_t c = 0; c < C; ++c) vj[c] = load16(v + c * 16, lanes(c));
     for (int64_t t = 0; t < Tq; ++t) {
       if (!vis[t * S + j]) continue;
       for (int64_t g = 0; g < group; ++g) {
         const int64_t r = t * group + g;
         const __m512 p = _mm512_set1_ps(scores[r * S + j]);
-        for (int64_t c = 0; c < D / 16; ++c)
-          _mm512_storeu_ps(&acc[r * D + c * 16], _mm512_fmadd_ps(p, vj[c], _mm512_loadu_ps(&acc[r * D + c * 16])));
+        for (int64_t c = 0; c < C; ++c)
+          _mm512_storeu_ps(&acc[r * Dp + c * 16], _mm512_fmadd_ps(p, vj[c], _mm512_loadu_ps(&acc[r * Dp + c * 16])));
       }
     }
   }
@@ -102,7 +106,7 @@ void attend(const T* q, int64_t q_tok_stride, const T* kv, int64_t kv_row, const
     for (int64_t g = 0; g < group; ++g) {
       const int64_t r = t * group + g;
       const float inv = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
-      for (int64_t d = 0; d < D; ++d) out[t * out_tok_stride + g * D + d] = acc[r * D + d] * inv;
+      for (int64_t d = 0; d < D; ++d) out[t * out_tok_stride + g * D + d] = acc[r * Dp + d] * inv;
     }
 }
 
@@ -139,8 +143,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
                            const at::Tensor& visible, double scale) {
   TORCH_CHECK(q.dim() == 4, "paged_attention: q must be [B, T, NH, D]");
   const int64_t B = q.size(0), Tq = q.size(1), NH = q.size(2), D = q.size(3);
-  TORCH_CHECK(D % 16 == 0 && D <= kMaxD, "paged_attention: head_dim ", D, " must be a multiple of 16, at most ",
-              kMaxD);
+  TORCH_CHECK(D >= 1 && D <= kMaxD, "paged_attention: head_dim ", D, " must be in [1, ", kMaxD, "]");
   TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() &&
                   (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat),
               "paged_attention: q and kv_cache must both be bfloat16 or both float32");
