@@ -51,8 +51,8 @@ def auto_quant_algo(reader: CheckpointReader | GGUFCheckpoint, device_type: str 
 
     Why W4A16: the file's 4-bit values are read as they are (one- or two-level scales, `quantization/weight_only.py`),
     nextn's kernels are the fast path on such a CPU, and they compute every row alone, so outputs do not depend on
-    what shares the batch (docs/PERFORMANCE.md, "Batch invariance"). W4A8 (int8 activations) is faster on larger
-    models but changes the numerics; it stays an explicit choice.
+    what shares the batch (docs/performance-history.md, "Batch invariance by default"). W4A8 (int8 activations) is
+    faster on larger models but changes the numerics; it stays an explicit choice.
     Args:
         device_type: "cpu" or "cuda" (None: CUDA when available), where the engine will run.
     """

@@ -3,10 +3,10 @@ collapse when the machine is busy.
 
 torch runs its CPU kernels on one OpenMP thread per core. A decode step is hundreds of short parallel regions; when
 another process holds a core, the thread sharing it finishes each region a scheduler slice late and the others wait
-at the barrier, so a step runs 4-8x slower than on one thread, and at random (docs/PERFORMANCE.md, "Threads"). So the
-default is the cores that are idle now: `/proc/stat` sampled over `SAMPLE_S` (the 1-minute load average lags a job
-that started seconds ago), a core counted when at least `IDLE_SHARE` of it is free, at least one. `-t N` sets it
-(1 ≤ N ≤ the cores this process may run on).
+at the barrier, so a step runs 4-8x slower than on one thread, and at random (docs/performance-history.md,
+"threads under load"). So the default is the cores that are idle now: `/proc/stat` sampled over `SAMPLE_S` (the
+1-minute load average lags a job that started seconds ago), a core counted when at least `IDLE_SHARE` of it is free,
+at least one. `-t N` sets it (1 ≤ N ≤ the cores this process may run on).
 """
 
 from __future__ import annotations
