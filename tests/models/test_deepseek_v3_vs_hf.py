@@ -8,9 +8,9 @@ from transformers import DeepseekV3ForCausalLM as HFDeepseekV3
 
 from nextn.testing import SMALL_VOCAB as SMALL
 from nextn.build.engine_builder import build_engine
-from nextn.runtime.acceptance_rules import StandardAcceptance, greedy_sampling
-from nextn.runtime.spec_step import prefill_step
-from nextn.runtime.drafters import NoDrafter
+from nextn.speculative.acceptance_rules import StandardAcceptance, greedy_sampling
+from nextn.speculative.chain_step import prefill_step
+from nextn.speculative.chain_step import NoDrafter
 from nextn.runtime.kv_cache import allocate_kv_cache
 
 CONFIGS = {
@@ -43,7 +43,7 @@ def test_logits_match_transformers(checkpoints, tmp_path, name):
     tables = torch.tensor([[1, 2, 3, 4, 5], [6, 7, 0, 0, 0], [8, 9, 10, 0, 0]])
     with torch.inference_mode():
         # Batched prefill over right-padded prompts, then the logits at every real position.
-        from nextn.runtime.attention_metadata import AttentionMetadata, slots_for_positions
+        from nextn.models.attention_metadata import AttentionMetadata, slots_for_positions
 
         pos = torch.arange(ids.shape[1]).expand(3, -1)
         valid = pos < torch.tensor(lens)[:, None]

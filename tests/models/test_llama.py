@@ -15,11 +15,11 @@ from nextn.build.checkpoint import CheckpointReader
 from nextn.build.gguf_reader import GGUFCheckpoint
 from nextn.models.config import ConfigError
 from nextn.models.llama import LlamaForCausalLM, LlamaModelConfig, to_runtime
-from nextn.runtime.acceptance_rules import StandardAcceptance, greedy_sampling
-from nextn.runtime.attention_metadata import AttentionMetadata, slots_for_positions
-from nextn.runtime.drafters import NoDrafter
+from nextn.speculative.acceptance_rules import StandardAcceptance, greedy_sampling
+from nextn.models.attention_metadata import AttentionMetadata, slots_for_positions
+from nextn.speculative.chain_step import NoDrafter
 from nextn.runtime.kv_cache import allocate_kv_cache
-from nextn.runtime.spec_step import prefill_step, verify_and_draft_step
+from nextn.speculative.chain_step import prefill_step, verify_and_draft_step
 
 STORIES = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "models" / "stories260K"
 GGUF_FILE = STORIES / "stories260K.gguf"

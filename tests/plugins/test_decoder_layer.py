@@ -10,7 +10,7 @@ from nextn import LLM, SamplingParams
 from nextn.build.engine_builder import build_engine
 from nextn.plugins import cpu_kernels
 from nextn.plugins.decoder_layer import fuse_layer, fuse_stack, fused_forward, stack_forward
-from nextn.runtime.attention_metadata import AttentionMetadata
+from nextn.models.attention_metadata import AttentionMetadata
 from nextn.testing.tiny_llama import tiny_hf_llama
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(),

@@ -12,7 +12,7 @@ import torch
 
 from nextn import LLM, SamplingParams
 from nextn.config.llm_args import CudaGraphConfig
-from nextn.runtime.acceptance_rules import greedy_sampling
+from nextn.speculative.acceptance_rules import greedy_sampling
 from nextn.runtime.cuda_graph_runner import (
     CudaGraphStep,
     EmulatedGraphBackend,
@@ -21,7 +21,7 @@ from nextn.runtime.cuda_graph_runner import (
     graph_batch_size,
     graph_decode_fn,
 )
-from nextn.runtime.spec_step import verify_and_draft_step
+from nextn.speculative.chain_step import verify_and_draft_step
 from nextn.testing import SMALL_VOCAB
 
 UP_TO_32 = list(range(1, 33))

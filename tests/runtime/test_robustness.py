@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-import nextn.runtime.acceptance_rules as acceptance_rules
+import nextn.speculative.acceptance_rules as acceptance_rules
 from nextn import LLM, SamplingParams
 from nextn.runtime.engine import RequestError
 from nextn.runtime.model_runner import ModelRunner

@@ -3,11 +3,11 @@ relaxed acceptance is strict outside the thinking phase."""
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 
 import pytest
 
+from nextn.testing.chi_square import chi_square_two_sample_pvalue
 from nextn import LLM, SamplingParams
 from nextn.testing import SMALL_VOCAB
 
@@ -18,24 +18,6 @@ PROMPT = [11, 12, 13, 14, 15]
 @pytest.fixture(scope="module")
 def engine(checkpoints):
     return checkpoints.engine(distill_steps=150, num_mtp_modules=1, **SMALL_VOCAB)
-
-
-def chi_square_two_sample_pvalue(a: Counter, b: Counter) -> float:
-    """p-value that two samples come from one categorical distribution (pooled expected counts; categories with
-    an expected count below 5 merged; Wilson–Hilferty approximation of the chi-square tail)."""
-    na, nb = sum(a.values()), sum(b.values())
-    cats = set(a) | set(b)
-    big = [c for c in cats if (a[c] + b[c]) * min(na, nb) / (na + nb) >= 5]
-    rest_a, rest_b = na - sum(a[c] for c in big), nb - sum(b[c] for c in big)
-    rows = [(a[c], b[c]) for c in big] + ([(rest_a, rest_b)] if rest_a + rest_b else [])
-    stat = 0.0
-    for x, y in rows:
-        tot = x + y
-        ea, eb = tot * na / (na + nb), tot * nb / (na + nb)
-        stat += (x - ea) ** 2 / ea + (y - eb) ** 2 / eb
-    df = max(len(rows) - 1, 1)
-    z = ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
-    return 0.5 * math.erfc(z / math.sqrt(2))
 
 
 def _positions(llm: LLM, n: int, params: dict) -> list[Counter]:
@@ -63,7 +45,7 @@ def test_mtp_keeps_the_token_distribution(engine, params):
 
 def test_always_accepting_drafts_would_fail_the_distribution_check(engine, monkeypatch):
     """The check above has power: emitting the drafts unverified changes the distribution detectably."""
-    import nextn.runtime.acceptance_rules as rules
+    import nextn.speculative.acceptance_rules as rules
     from nextn.testing.spec_checks import accept_every_draft
 
     n = 2000

@@ -8,8 +8,8 @@ import torch
 
 from nextn.testing import SMALL_VOCAB as SMALL
 from nextn import LLM
-from nextn.runtime.acceptance_rules import SamplingTensors
-from nextn.runtime.spec_step import verify_and_draft_step
+from nextn.speculative.protocol import SamplingTensors
+from nextn.speculative.chain_step import verify_and_draft_step
 
 
 @pytest.mark.parametrize("modules,k,backend,sampled,relaxed", [

@@ -52,7 +52,7 @@ def test_a_refused_build_leaves_no_parent_directory_it_made(tmp_path, capsys):
 
 
 def test_a_nextn_medusa_choices_file_that_is_not_a_regular_file_is_refused_not_skipped(tmp_path, monkeypatch):
-    from nextn.plugins.medusa_tree import TreeError, published_tree
+    from nextn.speculative.medusa_tree import TreeError, published_tree
 
     fifo = tmp_path / "trees.json"
     os.mkfifo(fifo)

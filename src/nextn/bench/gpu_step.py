@@ -24,11 +24,12 @@ from nextn.bench.outputs import check_report, write_report
 from nextn.config.llm_args import CudaGraphConfig
 from nextn.models.config import DeepseekV3ModelConfig
 from nextn.models.deepseek_v3.model import DeepseekV3ForCausalLM
-from nextn.runtime.acceptance_rules import StandardAcceptance, greedy_sampling
+from nextn.speculative.acceptance_rules import StandardAcceptance, greedy_sampling
 from nextn.runtime.cuda_graph_runner import CudaGraphBackend, CudaGraphStep, EmulatedGraphBackend
-from nextn.runtime.drafters import MtpEagleDrafter, NoDrafter
+from nextn.speculative.mtp import MtpEagleDrafter
+from nextn.speculative.chain_step import NoDrafter
 from nextn.runtime.kv_cache import allocate_kv_cache
-from nextn.runtime.spec_step import prefill_step, verify_and_draft_step
+from nextn.speculative.chain_step import prefill_step, verify_and_draft_step
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

@@ -34,7 +34,7 @@ def _tree(nodes: int, depth: int, topk: int) -> list[list[int]]:
     """A static tree of `nodes` rank paths, best-first by the product of assumed per-rank acceptance
     (0.5, 0.2, 0.1, 0.05, ... for ranks 0, 1, 2, 3 at every depth): Medusa's greedy tree construction with a prior
     (`draft_gain.prior_tree`)."""
-    from nextn.runtime.draft_gain import prior_tree
+    from nextn.speculative.draft_gain import prior_tree
 
     return prior_tree(depth, nodes, topk)
 
@@ -43,7 +43,7 @@ def configs(budgets: list[int], depth: int, acceptance: list[list[float]] | None
     """Per budget N (verified tokens with the root): the chain of N − 1 drafts, a static tree and a dynamic tree
     of N − 1 nodes at depth ≤ `depth`; with `acceptance` (the heads' measured per-rank acceptance, train_draft.json)
     also the static tree built from it (`static-cal-N`)."""
-    from nextn.runtime.draft_gain import best_first_tree
+    from nextn.speculative.draft_gain import best_first_tree
 
     out = {}
     for n in budgets:

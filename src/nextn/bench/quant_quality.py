@@ -59,7 +59,7 @@ def heldout_windows(tokenizer, num_tokens: int, window: int, data_dir: Path = SH
 def window_nll(llm, windows: list[list[int]]) -> tuple[float, int]:
     """(summed negative log-likelihood in nats, tokens scored) of every window token after the first, each window
     alone from position 0, through the engine's model and KV cache (no request may be running)."""
-    from nextn.runtime.attention_metadata import AttentionMetadata, slots_for_positions
+    from nextn.models.attention_metadata import AttentionMetadata, slots_for_positions
 
     engine = llm.engine
     model, kv, bs = engine.model, engine.runner.kv_cache, engine.block_size

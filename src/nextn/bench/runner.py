@@ -154,7 +154,7 @@ def describe_engine(llm) -> tuple[dict, dict, str, int, int]:
     k = eng.drafter.num_draft_tokens
     spec = eng.spec
     mode = spec.decoding_type if spec is not None else "none"
-    drafter = type(eng.drafter).__name__.removesuffix("Drafter")
+    drafter = eng.drafter.name
     kv_dtype = llm.args.kv_cache_config.dtype
     short, described = weight_format(m)
     name = Path(m.source.path).name

@@ -7,7 +7,7 @@ MODEL: a `.gguf` file, an engine directory or an HF checkpoint (only its tokeniz
 (read whole) and prompt files (MT-bench, Spec-Bench, HumanEval, GSM8K JSON lines, optionally gzipped: their
 prompt texts). Output: a JSON list of the token ids seen, the most frequent first (ties: the lower id first) —
 what `speculative_config: {decoding_type: Draft_Target, draft_vocab_size: N, draft_token_map: FILE}` reads
-(runtime/draft_vocab.py; FR-Spec, Zhao et al. 2025, ranks by corpus frequency the same way). Count text like the
+(speculative/draft_vocab.py; FR-Spec, Zhao et al. 2025, ranks by corpus frequency the same way). Count text like the
 requests the engine will serve: a code corpus for a code model. Ids the corpus never shows rank after it, lowest id
 first.
 

@@ -83,7 +83,7 @@ def check_nesting(data: Any, what: str) -> None:
 
 class DecodingBaseConfig(_Strict):
     """Fields every linear-draft speculative config shares (TensorRT-LLM `DecodingBaseConfig`): the draft-length
-    policy (runtime/draft_len_policy.py). A batch of B requests verifies the draft length of the smallest
+    policy (speculative/draft_len_policy.py). A batch of B requests verifies the draft length of the smallest
     threshold ≥ B; above the largest threshold speculation is off."""
 
     draft_len_schedule: dict[int, int] | None = None
@@ -103,10 +103,10 @@ class MTPDecodingConfig(DecodingBaseConfig):
     mtp_eagle_one_model: bool = True  # accepted for compatibility; nextn always runs one fused step
     use_relaxed_acceptance_for_thinking: bool = False  # relaxed acceptance inside <think>…</think> (issue 5)
     relaxed_topk: int = Field(default=1, ge=1)
-    relaxed_delta: float = Field(default=0.0, ge=0.0, le=1.0)  # a probability gap (plugins/acceptance.py)
+    relaxed_delta: float = Field(default=0.0, ge=0.0, le=1.0)  # a probability gap (speculative/acceptance_reference.py)
     begin_thinking_phase_token: int = 128798  # <think> in the DeepSeek-V3/R1 vocabulary
     end_thinking_phase_token: int = 128799  # </think>
-    # Tree drafting (MTP Eagle; runtime/mtp_tree_step.py, peer names in docs/ARCHITECTURE.md). A static tree: paths
+    # Tree drafting (MTP Eagle; speculative/mtp_tree.py, peer names in docs/ARCHITECTURE.md). A static tree: paths
     # of top-k ranks over the module's successive drafts, depth ≤ K (TensorRT-LLM's `eagle_choices`).
     eagle_choices: TreePaths | None = None
     # A dynamic tree (EAGLE-2): each depth expands the `dynamic_tree_max_topK` best nodes by cumulative draft
@@ -114,7 +114,7 @@ class MTPDecodingConfig(DecodingBaseConfig):
     use_dynamic_tree: bool = False
     dynamic_tree_max_topK: int = Field(default=4, ge=1, le=16)  # SGLang's speculative_eagle_topk
     max_total_draft_tokens: int | None = Field(default=None, ge=1, le=MAX_TREE_DRAFT_TOKENS)  # draft nodes, root excluded; null: 15
-    # The module's lm_head cut to its hot tokens, as Draft_Target's (runtime/draft_vocab.py): fewer bytes a draft.
+    # The module's lm_head cut to its hot tokens, as Draft_Target's (speculative/draft_vocab.py): fewer bytes a draft.
     draft_vocab_size: int | None = Field(default=None, ge=1)
     draft_token_map: str | None = None
 
@@ -144,7 +144,7 @@ class MedusaDecodingConfig(_Strict):
 class NGramDecodingConfig(DecodingBaseConfig):
     """N-gram (prompt lookup) drafting: drafts copied from the longest earlier match of the last n tokens in the
     request's own prompt and output — no draft model (TensorRT-LLM `NGramDecodingConfig`; Saxena 2023, "Prompt
-    Lookup Decoding"; runtime/ngram_drafter.py). Works on any engine."""
+    Lookup Decoding"; speculative/ngram.py). Works on any engine."""
 
     decoding_type: Literal["NGram"] = "NGram"
     max_draft_len: int = Field(ge=1, le=64)  # K: draft tokens per step (required, as in TensorRT-LLM)
@@ -157,7 +157,7 @@ class NGramDecodingConfig(DecodingBaseConfig):
 class DraftTargetDecodingConfig(DecodingBaseConfig):
     """Draft-target speculative decoding: a separate small draft model with the target's vocabulary proposes the
     drafts, sampled from its own distribution q and verified by rejection sampling (TensorRT-LLM
-    `DraftTargetDecodingConfig`; Leviathan et al. 2023; runtime/draft_model_drafter.py)."""
+    `DraftTargetDecodingConfig`; Leviathan et al. 2023; speculative/draft_model.py)."""
 
     decoding_type: Literal["Draft_Target"] = "Draft_Target"
     max_draft_len: int = Field(ge=1, le=64)  # K: draft tokens per step (required, as in TensorRT-LLM)
@@ -165,7 +165,7 @@ class DraftTargetDecodingConfig(DecodingBaseConfig):
     # the engine cache. TensorRT-LLM's field is `speculative_model`, with `speculative_model_dir` as its alias.
     speculative_model_dir: str = Field(validation_alias=AliasChoices("speculative_model_dir", "speculative_model"))
     # Keep only this many rows (the most frequent tokens) in the draft model's lm_head, fewer bytes a draft token;
-    # lossless (the target verifies). EAGLE-3's name in vLLM / TensorRT-LLM; FR-Spec (runtime/draft_vocab.py).
+    # lossless (the target verifies). EAGLE-3's name in vLLM / TensorRT-LLM; FR-Spec (speculative/draft_vocab.py).
     draft_vocab_size: int | None = Field(default=None, ge=1)
     # Which tokens are hot: a JSON list of token ids, most frequent first (`nextn token-map`; SGLang's
     # `speculative_token_map`); without it, the lowest ids (a BPE vocabulary's merge order).
@@ -231,8 +231,23 @@ class LlmArgs(_Strict):
     moe_expert_parallel_size: int | None = Field(default=None, ge=1, le=1024)  # routed experts split by id; null: 1
 
 
-_UNION_TAGS = {"MTP": MTPDecodingConfig, "Medusa": MedusaDecodingConfig, "NGram": NGramDecodingConfig,
-               "Draft_Target": DraftTargetDecodingConfig}
+#: speculative_config's members by decoding_type (the built-in four here; `nextn.speculative.registry` adds a
+#: registered method's config class through `register_decoding_config`).
+_UNION_TAGS: dict[str, type[BaseModel]] = {"MTP": MTPDecodingConfig, "Medusa": MedusaDecodingConfig,
+                                           "NGram": NGramDecodingConfig, "Draft_Target": DraftTargetDecodingConfig}
+
+
+def register_decoding_config(config: type[BaseModel]) -> None:
+    """Accept `config` as a `speculative_config` member, selected by its `decoding_type` default (the speculative
+    registry calls this for each method it registers; a no-op for a class already accepted)."""
+    tag = config.model_fields["decoding_type"].default
+    if _UNION_TAGS.get(tag) is config:
+        return
+    _UNION_TAGS[tag] = config
+    members = tuple(_UNION_TAGS.values())
+    LlmArgs.model_fields["speculative_config"].annotation = Annotated[Union[members], Field(
+        discriminator="decoding_type")] | None
+    LlmArgs.model_rebuild(force=True)
 
 
 def _owner_of(loc: tuple, model: type[BaseModel]) -> type[BaseModel]:

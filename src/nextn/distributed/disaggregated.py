@@ -43,8 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from nextn.config.llm_args import LlmArgs, LlmArgsError, parse_llm_args
 from nextn.distributed.comm import require_free_default_group
-from nextn.runtime.attention_metadata import AttentionMetadata, slots_for_positions
-from nextn.runtime.drafters import MtpEagleDrafter, NoDrafter
+from nextn.models.attention_metadata import AttentionMetadata, slots_for_positions
 from nextn.runtime.outputs import RequestOutput
 from nextn.runtime.sampling_params import SamplingParams
 
@@ -97,10 +96,10 @@ class KvTransfer:
 
 
 def _check_drafter(drafter: Any, mode: FirstMtpStep) -> None:
-    if not isinstance(drafter, (NoDrafter, MtpEagleDrafter)):
-        raise LlmArgsError(f"disaggregated serving moves KV, first token and drafts; {type(drafter).__name__} keeps "
+    if not drafter.supports_disaggregation:
+        raise LlmArgsError(f"disaggregated serving moves KV, first token and drafts; the {drafter.name} drafter keeps "
                            "per-request state outside the KV cache: use MTP Eagle or no speculation")
-    if mode != "drafts" and isinstance(drafter, NoDrafter):
+    if mode != "drafts" and drafter.num_draft_tokens == 0:
         raise LlmArgsError(f"first_mtp_step {mode!r} needs an MTP drafter")
 
 

@@ -28,7 +28,7 @@ class StepVolume:
 
 def decode_step_volume(hidden_size: int, num_layers: int, vocab_size: int, tp: int, batch: int, num_drafts: int,
                        num_mtp_layers: int = 1, act_bytes: int = 2, logit_bytes: int = 2) -> StepVolume:
-    """Per-rank bytes of one MTP Eagle verify-and-draft step (runtime/spec_step.py) for `batch` requests.
+    """Per-rank bytes of one MTP Eagle verify-and-draft step (speculative/chain_step.py) for `batch` requests.
 
     The target runs T = batch · (K + 1) rows; the MTP module runs batch · (K + 1) rows, then K − 1 one-row steps
     (K = num_drafts), each through `num_mtp_layers` decoder blocks, the embedding and the lm_head.

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from nextn.plugins.decoder_layer import FusedStack, stack_forward
-from nextn.runtime.attention_metadata import AttentionMetadata
+from nextn.models.attention_metadata import AttentionMetadata
 
 
 def vocab_projection(weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -94,7 +94,7 @@ class SelfDraftingCausalLM(nn.Module):
         return full.index_copy_(-1, self.draft_hot_tokens, logits)
 
     def cut_draft_head(self, hot: torch.Tensor, chunk: int = 256) -> None:
-        """Let drafters read only the lm_head rows of `hot` (sorted token ids [V'] int64; runtime/draft_vocab.py):
+        """Let drafters read only the lm_head rows of `hot` (sorted token ids [V'] int64; speculative/draft_vocab.py):
         `draft_head_weight` becomes those rows [V', hidden] (in `draft_head_weight`'s dtype when set, else the
         model's). A quantized head is dequantized by passing the identity through it, `chunk` rows at a time, and
         its rows quantized again as `draft_head`, W8A16 per row (exact for an int8 head, whose rows keep their

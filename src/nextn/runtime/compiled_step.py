@@ -47,7 +47,7 @@ except ImportError:  # pragma: no cover - other torch versions
 
 from nextn.build.manifest import CompiledStepInfo, EngineManifest
 from nextn.config.llm_args import TorchCompileConfig
-from nextn.runtime.spec_step import StepOutput
+from nextn.speculative.protocol import StepOutput
 
 logger = logging.getLogger(__name__)
 

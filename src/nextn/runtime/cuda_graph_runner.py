@@ -38,8 +38,8 @@ from typing import Any, Protocol
 import torch
 
 from nextn.config.llm_args import CudaGraphConfig
-from nextn.runtime.acceptance_rules import SamplingTensors
-from nextn.runtime.spec_step import StepOutput
+from nextn.speculative.protocol import SamplingTensors
+from nextn.speculative.protocol import StepOutput
 
 logger = logging.getLogger(__name__)
 

@@ -13,120 +13,40 @@ from torch import nn
 from safetensors.torch import load_file
 
 from nextn.build.manifest import EngineError, EngineManifest, verify_engine_files
-from nextn.config.llm_args import (DraftTargetDecodingConfig, LlmArgs, LlmArgsError, MedusaDecodingConfig,
-                                   MTPDecodingConfig, NGramDecodingConfig, parse_llm_args)
+from nextn.config.llm_args import LlmArgs, LlmArgsError, MTPDecodingConfig
 from nextn.distributed.mirror import PlanBroadcaster
 from nextn.distributed.tensor_parallel import local_kv_config, shard_model
 from nextn.models.medusa import MedusaHeads
 from nextn.models.registry import MODEL_CLASSES
-from nextn.plugins.medusa_tree import TreeError, build_tree, published_tree
+from nextn.plugins.decoder_layer import install_fused_layers
 from nextn.plugins.dense_linear import install_dense_linears
 from nextn.plugins.dense_linear import unavailable_reason as dense_linear_unavailable_reason
 from nextn.plugins.packed_linear import install_packed_linears
-from nextn.plugins.decoder_layer import install_fused_layers
 from nextn.plugins.paged_attention import install_paged_attention
 from nextn.quantization.linear import install_weight_only_linears
-from nextn.runtime.acceptance_rules import AcceptanceRule, RelaxedAcceptance, StandardAcceptance
-from nextn.runtime.draft_len_policy import choose_draft_len_policy
-from nextn.runtime.draft_model_drafter import DraftModelDrafter
 from nextn.runtime.compiled_step import compile_decode_fn
 from nextn.runtime.cuda_graph_runner import graph_decode_fn
-from nextn.runtime.drafters import Drafter, MtpEagleDrafter, MtpVanillaDrafter, NoDrafter
-from nextn.runtime.kv_cache import BlockPool, allocate_kv_cache
-from nextn.runtime.model_runner import ModelRunner
-from nextn.runtime.mtp_tree_step import MtpTreeAcceptance, tree_drafter, uses_tree
-from nextn.runtime.ngram_drafter import NGramDrafter
-from nextn.runtime.overlap import InflightStep
-from nextn.runtime.prefix_cache import PrefixCache
 from nextn.runtime.engine_sizes import check_sizes_against_model, plan_kv_cache
 from nextn.runtime.fault_isolation import recover_from_failed_step
+from nextn.runtime.kv_cache import BlockPool, allocate_kv_cache
+from nextn.runtime.model_runner import ModelRunner
+from nextn.runtime.overlap import InflightStep
+from nextn.runtime.prefix_cache import PrefixCache
 from nextn.runtime.request import Request
 from nextn.runtime.request_validation import RequestError, checked_sampling_params, prompt_token_ids
 from nextn.runtime.sampling_params import SamplingParams
 from nextn.runtime.scheduler import NeedsSync, Scheduler
 from nextn.runtime.tokenizer import EngineTokenizer, eos_token_ids
-from nextn.runtime.tree_step import MedusaDrafter, TreeAcceptance
+from nextn.speculative import registry
+from nextn.speculative.draft_len_policy import choose_draft_len_policy
+from nextn.speculative.method import LoadContext
+from nextn.speculative.protocol import Drafter
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-
-
 MEDUSA_PREFIX = "medusa_heads."
-
-
-def choose_drafter(manifest: EngineManifest, spec: MTPDecodingConfig | MedusaDecodingConfig | None,
-                   heads: MedusaHeads | None = None, device: torch.device | str = "cpu",
-                   max_seq_len: int | None = None, engine_dir: str | Path | None = None) -> Drafter:
-    """The drafter strategy for this engine and speculative config (chosen once, at load time).
-
-    `max_seq_len` (default: the engine's) sizes the n-gram drafter's per-request token history; `engine_dir` (the
-    target's) is where Draft_Target compares the tokenizers.
-
-    Raises:
-        LlmArgsError: MTP requested from an engine without MTP layers, Vanilla with more drafts than modules,
-            Medusa without heads, more heads than stored, or a malformed / unknown tree.
-    """
-    if spec is None:
-        return NoDrafter()
-    vocab = manifest.model.vocab_size  # a tree's ranks index a top-k over it
-    if isinstance(spec, NGramDecodingConfig):  # no weights needed: any engine
-        return NGramDrafter.from_config(spec, max_seq_len or manifest.build_options.max_seq_len)
-    if isinstance(spec, DraftTargetDecodingConfig):  # a second model with its own KV cache
-        return DraftModelDrafter.from_config(spec, Path(engine_dir or "."), manifest, torch.device(device))
-    if isinstance(spec, MedusaDecodingConfig):
-        if heads is None:
-            raise LlmArgsError("speculative_config asks for Medusa but this engine has no Medusa heads; rebuild "
-                               "with build-engine --medusa_model_dir HEADS")
-        n = spec.num_medusa_heads or len(heads)
-        if n > len(heads):
-            raise LlmArgsError(f"num_medusa_heads={n} but the engine holds {len(heads)} Medusa heads")
-        choices = spec.medusa_choices
-        try:
-            tree = build_tree(published_tree(choices) if isinstance(choices, str) else choices, vocab)
-            return MedusaDrafter(heads[:n] if n < len(heads) else heads, tree.to(device))
-        except (TreeError, ValueError) as e:
-            raise LlmArgsError(f"medusa_choices: {e}") from e
-    modules = manifest.speculative.num_mtp_modules
-    k = spec.num_nextn_predict_layers
-    if modules == 0:
-        raise LlmArgsError("speculative_config asks for MTP but this engine has no MTP layers; "
-                           "use speculative_config: null or build from a checkpoint with MTP weights")
-    if uses_tree(spec):  # MTP Eagle drafting a tree (eagle_choices / use_dynamic_tree)
-        return tree_drafter(spec, modules, device, vocab)
-    if spec.use_mtp_vanilla or modules > 1:
-        if k > modules:
-            raise LlmArgsError(f"MTP Vanilla drafts one token per module: num_nextn_predict_layers={k} exceeds the "
-                               f"engine's {modules} MTP modules")
-        return MtpVanillaDrafter(k)
-    return MtpEagleDrafter(k)
-
-
-def choose_acceptance(spec: MTPDecodingConfig | MedusaDecodingConfig | None) -> AcceptanceRule:
-    """The acceptance rule for this speculative config (chosen once, at load time)."""
-    if isinstance(spec, MedusaDecodingConfig):
-        return TreeAcceptance(spec.posterior_threshold, spec.posterior_alpha)
-    if uses_tree(spec):
-        return MtpTreeAcceptance()
-    if isinstance(spec, MTPDecodingConfig) and spec.use_relaxed_acceptance_for_thinking:
-        return RelaxedAcceptance(spec.relaxed_topk, spec.relaxed_delta, spec.begin_thinking_phase_token,
-                                 spec.end_thinking_phase_token)
-    return StandardAcceptance()
-
-
-def default_speculative_config(manifest: EngineManifest) -> MTPDecodingConfig | None:
-    """What the engine was built for: MTP with its max draft length, Medusa, the build YAML's NGram or Draft_Target
-    config, or none."""
-    s = manifest.speculative
-    built = (manifest.build_options.extra_llm_api_options or {}).get("speculative_config")
-    if s.method == "none" and isinstance(built, dict) and built.get("decoding_type") in ("NGram", "Draft_Target"):
-        return parse_llm_args({"speculative_config": built}).speculative_config
-    if s.method == "medusa":
-        return MedusaDecodingConfig(num_medusa_heads=s.max_draft_len or None)
-    if s.method != "mtp":
-        return None
-    return MTPDecodingConfig(num_nextn_predict_layers=s.max_draft_len or s.num_mtp_modules, use_mtp_vanilla=s.use_mtp_vanilla)
 
 
 def fast_bf16(device: torch.device) -> bool:
@@ -142,7 +62,7 @@ def prefix_cache_for(args: LlmArgs, manifest: EngineManifest, spec: object, draf
     changes KV content besides the tokens (checkpoint, KV dtype, drafter and K), and the drafter's look-ahead."""
     if not args.kv_cache_config.enable_block_reuse:
         return None
-    salt = "|".join([manifest.source.fingerprint, manifest.dtype, str(kv_dtype), type(drafter).__name__,
+    salt = "|".join([manifest.source.fingerprint, manifest.dtype, str(kv_dtype), drafter.name,
                      str(drafter.num_draft_tokens), repr(spec)])
     return PrefixCache(block_size, salt, drafter.kv_lookahead)
 
@@ -198,8 +118,8 @@ class Engine:
         self.block_size = args.kv_cache_config.tokens_per_block
         check_sizes_against_model(args, cfg, manifest.build_options.max_seq_len, self.max_batch_size, self.max_seq_len)
         weights = self._read_weights(args.verify_weights)
-        heads = self._medusa_heads(weights)
-        self.drafter = choose_drafter(manifest, spec, heads, self.device, self.max_seq_len, self.engine_dir)
+        ctx = LoadContext(manifest, self.engine_dir, self.device, self.max_seq_len, self._medusa_heads(weights))
+        self.drafter, self.acceptance = registry.build(spec, ctx)  # the method's strategies, chosen once
         k = self.drafter.num_draft_tokens
         # KV positions past max_seq_len a step may touch: K+1 in flight (overlap) + the decode look-ahead 2K+1.
         lookahead = (k + 1) + (2 * k + 1)
@@ -230,7 +150,6 @@ class Engine:
             raise LlmArgsError(str(e)) from e
         self.overlap = not args.disable_overlap_scheduler
         self._inflight: InflightStep | None = None  # launched, not yet processed (overlap scheduler)
-        self.acceptance = choose_acceptance(spec)
         decode_fn = self.drafter.decode_fn  # verify_and_draft_step, or Medusa's tree step
         if args.torch_compile_config is not None:
             decode_fn = compile_decode_fn(decode_fn, self.engine_dir, self.device, args.torch_compile_config, manifest)
@@ -252,7 +171,7 @@ class Engine:
         self.print_iter_log = args.print_iter_log
         self.iteration_log: list[dict] | None = None  # set to [] to record one dict per iteration
         logger.info("loaded %s in %.2fs: %s, drafter %s (K=%d), %d KV blocks of %d tokens", engine_dir,
-                    time.perf_counter() - t0, manifest.dtype, type(self.drafter).__name__, k, num_blocks, self.block_size)
+                    time.perf_counter() - t0, manifest.dtype, self.drafter.name, k, num_blocks, self.block_size)
 
     def _read_weights(self, verify: str) -> dict[str, torch.Tensor]:
         # Presence, sizes, headers and SHA-256 of every listed file, as `verify` (LlmArgs.verify_weights) says.
@@ -266,12 +185,12 @@ class Engine:
         return weights
 
     def _cut_draft_head(self, size: int | None, token_map: str | None, vocab: int, tensor_parallel: bool) -> None:
-        """The drafters' lm_head cut to its hot tokens (`draft_vocab_size`, `draft_token_map`: runtime/draft_vocab.py).
+        """The drafters' lm_head cut to its hot tokens (`draft_vocab_size`, `draft_token_map`: speculative/draft_vocab.py).
 
         Raises:
             LlmArgsError: an unreadable token map, or tensor parallelism (the head is split by vocabulary there).
         """
-        from nextn.runtime.draft_vocab import resolve_hot_tokens
+        from nextn.speculative.draft_vocab import resolve_hot_tokens
 
         if tensor_parallel:
             raise LlmArgsError("draft_vocab_size / draft_token_map are not supported with tensor parallelism (the "

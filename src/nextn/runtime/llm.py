@@ -14,7 +14,8 @@ import torch
 from nextn.progress import progress_bar
 from nextn.config.llm_args import LlmArgs, load_llm_args_yaml, parse_llm_args
 from nextn.distributed.launcher import start_engine
-from nextn.runtime.engine import RequestError, default_speculative_config
+from nextn.runtime.engine import RequestError
+from nextn.speculative.registry import default_config as default_speculative_config
 from nextn.runtime.engine_loop import EngineLoop, LoopStopped
 from nextn.runtime.fault_isolation import fail_all
 from nextn.runtime.outputs import CompletionOutput, RequestOutput

@@ -14,13 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
-from nextn.models.deepseek_v3.model import DeepseekV3ForCausalLM
-from nextn.runtime.acceptance_rules import AcceptanceRule, SamplingTensors
-from nextn.runtime.drafters import Drafter, NoDrafter
+from nextn.models.causal_lm import SelfDraftingCausalLM
+from nextn.speculative.protocol import AcceptanceRule, SamplingTensors
+from nextn.speculative.protocol import Drafter
+from nextn.speculative.chain_step import NoDrafter
 from nextn.runtime.overlap import InflightStep, decode_inputs
 from nextn.runtime.request import Request
 from nextn.runtime.scheduler import ScheduledBatch
-from nextn.runtime.spec_step import StepOutput, prefill_step, verify_and_draft_step
+from nextn.speculative.protocol import StepOutput
+from nextn.speculative.chain_step import prefill_step, verify_and_draft_step
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,7 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekV3ForCausalLM, drafter: Drafter, acceptance: AcceptanceRule,
+    def __init__(self, model: SelfDraftingCausalLM, drafter: Drafter, acceptance: AcceptanceRule,
                  kv_cache: torch.Tensor, block_size: int, max_batch_size: int,
                  decode_fn: Callable[..., StepOutput] = verify_and_draft_step) -> None:
         self.model = model

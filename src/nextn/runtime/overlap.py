@@ -28,7 +28,7 @@ import torch
 
 from nextn.runtime.request import Request
 from nextn.runtime.scheduler import ScheduledBatch
-from nextn.runtime.spec_step import StepOutput
+from nextn.speculative.protocol import StepOutput
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
-from nextn.runtime.draft_len_policy import DraftLenPolicy, StaticDraftLen
+from nextn.speculative.draft_len_policy import DraftLenPolicy, StaticDraftLen
 from nextn.runtime.kv_cache import BlockPool
 from nextn.runtime.request import Request, RequestStatus
 

@@ -220,8 +220,8 @@ def _readers() -> list[tuple[str, int, tuple[str, ...], str | None, Any, tuple[t
     from nextn.cli.token_map import MAX_CORPUS_BYTES, TokenMapError, corpus_texts
     from nextn.config.llm_args import MAX_YAML_BYTES, LlmArgsError, load_llm_args_yaml
     from nextn.config.user_files import MAX_USER_FILE_BYTES
-    from nextn.plugins.medusa_tree import MAX_TREE_FILE_BYTES, TreeError, published_tree
-    from nextn.runtime.draft_vocab import load_token_map
+    from nextn.speculative.medusa_tree import MAX_TREE_FILE_BYTES, TreeError, published_tree
+    from nextn.speculative.draft_vocab import load_token_map
     from nextn.train.prompts import read_prompts
 
     def medusa(path: Path):
@@ -342,7 +342,7 @@ class TreesCase(_Case):
         if engine is None:
             return
         if medusa:  # the load-time check (a Medusa engine's loader calls it with the engine's vocabulary)
-            from nextn.plugins.medusa_tree import TreeError, build_tree
+            from nextn.speculative.medusa_tree import TreeError, build_tree
 
             load = lambda: build_tree(parsed, TINY_VOCAB)  # noqa: E731
             named: tuple[type[BaseException], ...] = (TreeError,)

@@ -255,7 +255,7 @@ class _Fuzzer:
 @contextlib.contextmanager
 def poison_fault() -> Iterator[None]:
     """Make sampling raise whenever a request with POISON_SEED is in the batch (an injected engine fault)."""
-    import nextn.runtime.acceptance_rules as acceptance_rules
+    import nextn.speculative.acceptance_rules as acceptance_rules
 
     real = acceptance_rules.counter_uniform
 

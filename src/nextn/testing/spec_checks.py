@@ -15,10 +15,10 @@ def accept_every_draft(target_probs: torch.Tensor, draft_tokens: torch.Tensor, a
                        sample_u: torch.Tensor, draft_probs: torch.Tensor | None = None):
     """A wrong rule with `rejection_sampling`'s signature: emits all K drafts unverified plus a token from p.
 
-    Monkeypatched over `nextn.runtime.acceptance_rules.rejection_sampling`, it must make a chi-square test of the
+    Monkeypatched over `nextn.speculative.acceptance_rules.rejection_sampling`, it must make a chi-square test of the
     output distribution fail; otherwise that test could not detect a lossy rule.
     """
-    from nextn.plugins.acceptance import _emit
+    from nextn.speculative.acceptance_reference import _emit
     from nextn.plugins.sampling import sample_from_probs
 
     k = draft_tokens.shape[1]
@@ -56,9 +56,9 @@ def check_drafts_against_fresh_prefill(engine, num_draft_tokens: int, check_draf
     Raises:
         AssertionError: a token, a draft or (with `check_drafter_state`) a state row differs from the fresh prefill's.
     """
-    from nextn.runtime.acceptance_rules import StandardAcceptance, greedy_sampling
+    from nextn.speculative.acceptance_rules import StandardAcceptance, greedy_sampling
     from nextn.runtime.kv_cache import allocate_kv_cache
-    from nextn.runtime.spec_step import prefill_step
+    from nextn.speculative.chain_step import prefill_step
 
     checked = 0
     while engine.has_work:

@@ -4,7 +4,7 @@ The module is DeepSeek's: x = eh_proj([enorm(embed(t)); hnorm(h)]), one decoder 
 (`transformers`' `LlamaDecoderLayer`, or `Qwen2DecoderLayer` with its q/k/v biases: `DECODER_LAYERS`),
 logits = lm_head(shared_head.norm(x)), with the base's embedding and lm_head shared and frozen. Targets are the
 base's own greedy continuations (`train/data.py`), so the module learns the base's distribution. Two shapes, as
-the runtime drafters use them (`runtime/drafters.py`):
+the runtime drafters use them (`speculative/mtp.py`):
 
 - Vanilla (K modules): module k at position i reads embed(t_{i+k}) and module k−1's output at i (the base's
   final-normed hidden state for k = 1) and predicts t_{i+k+1}; causal attention over its own outputs.

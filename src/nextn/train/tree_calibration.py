@@ -5,7 +5,7 @@ accuracies measured on held-out data: under the assumption that depths are indep
 [r1, .., rd] is accepted with probability Π_i acc[i][r_i], the expected tokens a tree adds per step are the sum of
 its nodes' probabilities, and the best tree of N nodes keeps the N most probable paths. Sequoia (Chen et al. 2024)
 optimises the same objective with dynamic programming. Written from those descriptions; the construction itself
-(`best_first_tree`, `path_probability`, `expected_acceptance_length`) lives in runtime/draft_gain.py, which the
+(`best_first_tree`, `path_probability`, `expected_acceptance_length`) lives in speculative/draft_gain.py, which the
 draft-length policy shares.
 
 Here the accuracies come from the trained MTP module itself, teacher-forced on held-out sequences of the base's own
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from nextn.runtime.draft_gain import best_first_tree, expected_acceptance_length, path_probability
+from nextn.speculative.draft_gain import best_first_tree, expected_acceptance_length, path_probability
 
 __all__ = ["rank_acceptance", "best_first_tree", "expected_acceptance_length", "path_probability"]
 

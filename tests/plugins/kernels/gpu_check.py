@@ -8,14 +8,13 @@ import os
 
 import torch
 
-from nextn.plugins.kernels import acceptance as A
+from nextn.speculative import acceptance_kernels as A
 from nextn.plugins.kernels import dispatch
 from nextn.plugins.kernels import medusa_tree as T
-from nextn.plugins.kernels import mtp_inputs as M
 from nextn.plugins.kernels.mla_attention import mla_attention, mla_attention_reference
-from nextn.plugins.medusa_tree import build_tree
+from nextn.speculative.medusa_tree import build_tree
 from nextn.plugins.sampling import STREAM_ACCEPT, STREAM_SAMPLE, counter_uniform
-from nextn.runtime.attention_metadata import AttentionMetadata, slots_for_positions
+from nextn.models.attention_metadata import AttentionMetadata, slots_for_positions
 
 DEV = "cuda"
 
@@ -42,11 +41,6 @@ def check_against_references() -> None:
     _same(A.rejection_sampling(*cuda(probs, drafts, au, su)), A.rejection_sampling_reference(probs, drafts, au, su))
     tokens, n = A.strict_acceptance_reference(logits, drafts)
     kv_lens = torch.tensor([0, 5, 17, 30, 31])
-    _same(M.next_step_inputs(*cuda(tokens, n, drafts, kv_lens)),
-          M.next_step_inputs_reference(tokens, n, drafts, kv_lens))
-    h = torch.randn(b, k + 1, 7168, generator=gen).bfloat16()
-    args = (tokens, h, tokens.flip(1), h.flip(1), n, kv_lens)
-    _same(M.mtp_vanilla_window(*cuda(*args)), M.mtp_vanilla_window_reference(*args))
     tree = build_tree([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
     _same([T.tree_visibility(*cuda(kv_lens, tree.mask), 64)], [T.tree_visibility_reference(kv_lens, tree.mask, 64)])
     topk = torch.randint(0, 1000, (3, b, 2), generator=gen)
@@ -64,13 +58,12 @@ def check_against_references() -> None:
 
 
 def step(logits, drafts, kv_lens, tables, q_lat, q_pe, kv):
-    """A miniature verify step: slots, attention, acceptance, the next inputs."""
+    """A miniature verify step: slots, attention, acceptance, the next KV lengths."""
     positions = kv_lens[:, None] + torch.arange(drafts.shape[1] + 1, device=drafts.device)
     meta = AttentionMetadata.create(positions, slots_for_positions(tables, positions, 16), tables, 16)
     o = mla_attention(q_lat, q_pe, kv, meta, 0.1)
     tokens, n = A.strict_acceptance(logits, drafts)
-    ids, next_positions, next_kv_lens = M.next_step_inputs(tokens, n, drafts, kv_lens)
-    return o, tokens, n, ids, next_positions, next_kv_lens
+    return o, tokens, n, kv_lens + n
 
 
 def check_compile_and_graph() -> None:

@@ -11,11 +11,12 @@ import torch
 
 def test_launchers_register_as_triton_ops_and_run(kernels):
     # Importing the kernel modules registers their launchers in dispatch.OPS.
-    from nextn.plugins.kernels import acceptance, medusa_tree, mla_attention, mtp_inputs, slot_mapping  # noqa: F401
+    from nextn.plugins.kernels import medusa_tree, mla_attention, slot_mapping  # noqa: F401
+    from nextn.speculative import acceptance_kernels  # noqa: F401
     from nextn.plugins.kernels import dispatch
 
     expected = {"strict_acceptance", "relaxed_acceptance", "rejection_sampling", "rejection_sampling_draft_probs",
-                "next_step_inputs", "mtp_vanilla_window", "slot_mapping", "slot_mapping_valid", "rewind_kv_lens",
+                "slot_mapping", "slot_mapping_valid", "rewind_kv_lens",
                 "tree_visibility", "tree_candidates", "mla_attention", "mla_tree_attention"}
     assert set(dispatch.OPS) == expected
     ops = {name: torch.library.triton_op(f"nextn_test::{name}", fn, mutates_args=mut)
@@ -33,7 +34,7 @@ def test_package_imports_without_triton():
     code = ("import sys; sys.modules['triton'] = None\n"
             "import torch\n"
             "from nextn.plugins.kernels import dispatch, slot_mapping\n"
-            "import nextn.runtime.tree_step, nextn.models.deepseek_v3.model\n"
+            "import nextn.speculative.medusa, nextn.models.deepseek_v3.model\n"
             "assert not dispatch.HAS_TRITON\n"
             "t = torch.tensor([[2, 3]])\n"
             "assert slot_mapping.slot_mapping(t, torch.tensor([[1, 4]]), 4).tolist() == [[9, 12]]\n")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nextn.plugins.medusa_tree import build_tree
+from nextn.speculative.medusa_tree import build_tree
 
 TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]  # REFERENCE.md §5's worked example: L = 7, depth 3, topk 2
 

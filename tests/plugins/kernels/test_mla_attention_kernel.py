@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nextn.runtime.attention_metadata import AttentionMetadata
+from nextn.models.attention_metadata import AttentionMetadata
 
 
 def _cache(gen, num_slots, c, r):
@@ -69,7 +69,7 @@ def test_single_visible_key_returns_its_latent(kernels):
 
 @pytest.mark.parametrize("batch,block_size", [(1, 4), (3, 8)])
 def test_tree_matches_reference(kernels, batch, block_size):
-    from nextn.plugins.medusa_tree import build_tree
+    from nextn.speculative.medusa_tree import build_tree
 
     tree = build_tree([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
     n = tree.num_tokens
@@ -109,7 +109,7 @@ def test_deepseek_layer_forward_with_kernels(kernels):
     from nextn.models.config import DeepseekV3ModelConfig
     from nextn.models.deepseek_v3.model import DeepseekV3ForCausalLM
     from nextn.plugins.kernels.dispatch import forced_kernels
-    from nextn.runtime.attention_metadata import slots_for_positions
+    from nextn.models.attention_metadata import slots_for_positions
 
     cfg = DeepseekV3ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
                                 num_hidden_layers=1, num_attention_heads=3, kv_lora_rank=16, qk_nope_head_dim=8,

@@ -18,7 +18,7 @@ from nextn.models.deepseek_v3.rope import apply_rope
 from nextn.models.layers import RMSNorm
 from nextn.plugins.kernels.mla_attention import mla_attention
 from nextn.plugins.kv_cache_write import kv_cache_write
-from nextn.runtime.attention_metadata import AttentionMetadata
+from nextn.models.attention_metadata import AttentionMetadata
 
 
 class MLAttention(nn.Module):

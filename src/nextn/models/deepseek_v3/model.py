@@ -17,7 +17,7 @@ from nextn.models.deepseek_v3.mla import MLAttention
 from nextn.models.deepseek_v3.moe import DeepseekMoE
 from nextn.models.deepseek_v3.rope import rope_cache
 from nextn.models.layers import GatedMLP, PreNormDecoderLayer, RMSNorm
-from nextn.runtime.attention_metadata import AttentionMetadata
+from nextn.models.attention_metadata import AttentionMetadata
 
 
 class DecoderLayer(PreNormDecoderLayer):

@@ -25,7 +25,7 @@ from nextn.models.llama.config import LlamaModelConfig
 from nextn.models.llama.rope import apply_rope, rope_cache
 from nextn.plugins.decoder_layer import FusedLayerWeights, fused_forward
 from nextn.plugins.kv_cache_write import kv_cache_write
-from nextn.runtime.attention_metadata import AttentionMetadata
+from nextn.models.attention_metadata import AttentionMetadata
 
 
 class LlamaAttention(nn.Module):

@@ -1,13 +1,13 @@
 """Medusa tree kernels: the tree attention mask over the paged context, and the candidate gather.
 
 Source: Cai et al. 2024 ("Medusa") §2.1.2 (tree attention, candidates from the heads' top-k); tree buffers from
-`nextn.plugins.medusa_tree`. References: `tree_visibility_reference` (the mask `AttentionMetadata.create_tree`
+`nextn.speculative.medusa_tree`. References: `tree_visibility_reference` (the mask `AttentionMetadata.create_tree`
 builds) and `tree_candidates_reference` (`MedusaDrafter.tree_from`'s gather).
 
 Tree tokens sit at cache positions kv_len..kv_len+L−1 (by token index); token i sees every key before kv_len and
 the tree tokens j with tree_mask[i, j] (its ancestors and itself), nothing else. The mask is one tree for the
 batch ([L, L], Medusa) or one per request and possibly rectangular ([B, Q, L]: Q query tokens over L tree keys —
-an MTP tree's per-request dynamic tree, or the queries of one depth; runtime/mtp_tree_step.py). The next tree's
+an MTP tree's per-request dynamic tree, or the queries of one depth; speculative/mtp_tree.py). The next tree's
 tokens are [root, head 0 top-k, head 1 top-k, ...] picked by the tree's candidate index.
 """
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from nextn.config.llm_args import DecodingBaseConfig, LlmArgsError, MedusaDecodingConfig
-from nextn.runtime.draft_gain import Gain, alpha_for_gain, expected_tokens
+from nextn.speculative.draft_gain import Gain, alpha_for_gain, expected_tokens
 
 __all__ = ["AdaptiveDraftLen", "DraftLenPolicy", "acceptance_from_rate", "choose_draft_len_policy", "expected_tokens"]
 
@@ -141,7 +141,7 @@ class AdaptiveDraftLen:
     """Wraps a policy; picks each step's draft length k in [0, the inner policy's] to maximise the batch's expected
     tokens per second, Σ_r E(α_r, k) / t(k), from each request's own recent acceptance and measured step times.
 
-    E(α, k) = `gain`(α, k), the expected tokens per request of a step verifying k drafts (runtime/draft_gain.py: a
+    E(α, k) = `gain`(α, k), the expected tokens per request of a step verifying k drafts (speculative/draft_gain.py: a
     chain's `expected_tokens`; a tree's `TreeGain` over its first k nodes, k counting nodes); α_r is request r's
     top-1 acceptance: the α at which E(α, n) − 1 equals the EMAs (weight `acceptance_smoothing`) of its accepted
     drafts per step, n the EMA of its verified drafts per step, over the speculating steps it took part in (a

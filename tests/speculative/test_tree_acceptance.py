@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from nextn.plugins.acceptance import tree_greedy_acceptance, tree_typical_acceptance
-from nextn.plugins.medusa_tree import build_tree
+from nextn.speculative.acceptance_reference import tree_greedy_acceptance, tree_typical_acceptance
+from nextn.speculative.medusa_tree import build_tree
 
 TREE = build_tree([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])  # tokens: 0 root, 1 [0], 2 [1], 3 [0,0], 4 [0,1], 5 [1,0], 6 [0,0,0]
 

@@ -1,4 +1,5 @@
-"""The fused verify-and-draft step, and the prefill step that starts it.
+"""The fused verify-and-draft step over a chain of drafts, the prefill step that starts it, and the chain drafters'
+defaults (`LinearDrafter`; `NoDrafter`: plain decoding).
 
 Both are pure functions of fixed-shape device tensors: no `.item()`, no Python branching on tensor values, no
 boolean-mask indexing (the MoE dispatch included), so the decode step can run under
@@ -12,36 +13,19 @@ boolean-mask indexing (the MoE dispatch included), so the decode step can run un
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 
-from nextn.models.deepseek_v3.model import DeepseekV3ForCausalLM
-from nextn.runtime.acceptance_rules import AcceptanceRule, AcceptState, SamplingTensors, sample_tokens
-from nextn.runtime.attention_metadata import AttentionMetadata, slots_for_positions
-from nextn.runtime.drafters import Drafter, DrafterState, _at
+from nextn.models.attention_metadata import AttentionMetadata, slots_for_positions
+from nextn.models.causal_lm import SelfDraftingCausalLM
+from nextn.speculative.acceptance_rules import sample_tokens
+from nextn.speculative.draft_gain import expected_tokens
+from nextn.speculative.protocol import (AcceptanceRule, AcceptState, Drafter, DrafterState, SamplingTensors, StepOutput,
+                                        rows_at)
 
 
-@dataclass(frozen=True)
-class StepOutput:
-    """What one step leaves on the device for the host.
-
-    Attributes:
-        tokens: [B, K+1] int64; the emitted tokens of request b are tokens[b, :num_emitted[b]].
-        num_emitted: [B] int64 in [1, K+1] (prefill: 1).
-        draft_tokens: [B, K] int64 drafts for the next step.
-        drafter_state: the drafter's per-request state for the next step.
-        accept_state: the acceptance rule's per-request state (the thinking delta) for the next step.
-    """
-
-    tokens: torch.Tensor
-    num_emitted: torch.Tensor
-    draft_tokens: torch.Tensor
-    drafter_state: DrafterState
-    accept_state: AcceptState = ()
-
-
-def prefill_step(model: DeepseekV3ForCausalLM, drafter: Drafter, acceptance: AcceptanceRule, kv_cache: torch.Tensor,
+def prefill_step(model: SelfDraftingCausalLM, drafter: Drafter, acceptance: AcceptanceRule, kv_cache: torch.Tensor,
                  input_ids: torch.Tensor, prompt_lens: torch.Tensor, block_tables: torch.Tensor,
                  sampling: SamplingTensors, accept_state: AcceptState, block_size: int,
                  start_positions: torch.Tensor | None = None, next_tokens: torch.Tensor | None = None,
@@ -77,7 +61,7 @@ def prefill_step(model: DeepseekV3ForCausalLM, drafter: Drafter, acceptance: Acc
                              block_tables, block_size)
     hidden = model(input_ids, kv_cache, meta)  # [B, T, H]
     last_idx = prompt_lens - 1
-    first = sample_tokens(model.logits(_at(hidden, last_idx)), (start + prompt_lens)[:, None], sampling)  # [B, 1]
+    first = sample_tokens(model.logits(rows_at(hidden, last_idx)), (start + prompt_lens)[:, None], sampling)  # [B, 1]
     if next_tokens is not None:
         first = torch.where(next_tokens[:, None] >= 0, next_tokens[:, None], first)
     # The token one position ahead of each row: the prompt shifted left, the new token after the last row.
@@ -88,7 +72,7 @@ def prefill_step(model: DeepseekV3ForCausalLM, drafter: Drafter, acceptance: Acc
     return StepOutput(first, ones, drafts, state, acceptance.observe(first, ones, accept_state))
 
 
-def verify_and_draft_step(model: DeepseekV3ForCausalLM, drafter: Drafter, acceptance: AcceptanceRule,
+def verify_and_draft_step(model: SelfDraftingCausalLM, drafter: Drafter, acceptance: AcceptanceRule,
                           kv_cache: torch.Tensor, input_ids: torch.Tensor, kv_lens: torch.Tensor,
                           block_tables: torch.Tensor, sampling: SamplingTensors, drafter_state: DrafterState,
                           accept_state: AcceptState, block_size: int) -> StepOutput:
@@ -111,3 +95,45 @@ def verify_and_draft_step(model: DeepseekV3ForCausalLM, drafter: Drafter, accept
                                                           sampling, accept_state)
     drafts, state = drafter.after_verify(model, kv_cache, meta, hidden, tokens, num_emitted, drafter_state)
     return StepOutput(tokens, num_emitted, drafts, state, accept_state)
+
+
+class LinearDrafter:
+    """The protocol's defaults for drafters whose K drafts form one chain, verified by `verify_and_draft_step`."""
+
+    prefill_overlap = 0
+    uses_draft_head = False
+    kv_lookahead = 0
+    kv_in_cache = False
+
+    def load_prefix(self, state: DrafterState, slot: int, token_ids: list[int]) -> None:
+        return None
+
+    supports_disaggregation = False
+
+    @property
+    def decode_fn(self) -> Callable:
+        return verify_and_draft_step
+
+    def stat_draft_len(self, draft_len: int) -> int:
+        return draft_len
+
+    def expected_tokens(self, alpha: float, draft_len: float) -> float:
+        return expected_tokens(alpha, draft_len)  # one chain of draft_len drafts
+
+
+class NoDrafter(LinearDrafter):
+    """Plain decoding: no drafts (K = 0)."""
+
+    name = "none"
+    supports_disaggregation = True
+    num_draft_tokens = max_draft_depth = 0
+
+    def initial_state(self, batch, hidden_size, device, dtype):
+        return ()
+
+    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state, sampling=None,
+                      draft=True):
+        return next_tokens.new_zeros(next_tokens.shape[0], 0), ()
+
+    def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state):
+        return target_tokens.new_zeros(target_tokens.shape[0], 0), ()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nextn.plugins.medusa_tree import TreeError, build_tree
+from nextn.speculative.medusa_tree import TreeError, build_tree
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ def tree_accept(target: torch.Tensor, tree_tokens: torch.Tensor, parents: torch.
     deterministic drafts: SpecInfer's recursive rejection over the children with one-hot draft distributions
     accepts child j with probability p_j(x_j) (p with the earlier siblings removed and renormalised), and on
     rejecting every child draws from p without them — exactly "draw y ~ p; descend to the child whose token is y,
-    else emit y". Every emitted token is thus distributed as the target's (tests/plugins/test_draft_tree.py).
+    else emit y". Every emitted token is thus distributed as the target's (tests/speculative/test_draft_tree.py).
 
     Args:
         target: [B, N] int64 the target's token at each node (argmax or sampled).

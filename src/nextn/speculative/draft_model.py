@@ -50,10 +50,14 @@ from nextn.plugins.decoder_layer import install_fused_layers
 from nextn.plugins.paged_attention import install_paged_attention
 from nextn.quantization.linear import install_weight_only_linears
 from nextn.quantization.weight_only import INT4_ALGOS
-from nextn.runtime.acceptance_rules import AcceptanceRule, AcceptState, SamplingTensors
-from nextn.runtime.attention_metadata import AttentionMetadata, slots_for_positions
-from nextn.runtime.draft_vocab import restrict_dense_head, restrict_quantized_head, resolve_hot_tokens
-from nextn.runtime.drafters import DrafterState, LinearDrafter, _at
+from nextn.speculative.protocol import AcceptanceRule, AcceptState, SamplingTensors
+from nextn.models.attention_metadata import AttentionMetadata, slots_for_positions
+from nextn.speculative.draft_vocab import restrict_dense_head, restrict_quantized_head, resolve_hot_tokens
+from nextn.speculative.protocol import DrafterState, rows_at
+from nextn.speculative.acceptance_rules import StandardAcceptance
+from nextn.speculative.chain_step import LinearDrafter
+from nextn.speculative.method import LoadContext, Method, from_build_yaml
+from nextn.speculative.protocol import Drafter
 from nextn.runtime.kv_cache import allocate_kv_cache
 
 logger = logging.getLogger(__name__)
@@ -131,6 +135,7 @@ class DraftModelDrafter(LinearDrafter):
             whole vocabulary; the head's row i proposes token hot_tokens[i].
     """
 
+    name = "Draft_Target"
     kv_in_cache = True  # its KV at p depends on tokens ≤ p only (look-ahead 0), in the target's block ids
 
     def __init__(self, draft_model: torch.nn.Module, num_draft_tokens: int,
@@ -215,8 +220,8 @@ class DraftModelDrafter(LinearDrafter):
         Returns drafts [B, K] int64 and the state (q [B, K, V]; `state` passed on when no request samples).
         """
         step_meta = lambda pos: meta.with_tokens(pos, slots_for_positions(meta.block_tables, pos, meta.block_size))  # noqa: E731
-        hidden = _at(self.draft(tokens, kv, step_meta(positions)), last_idx)  # [B, 1, H]
-        position = _at(positions, last_idx) + 1  # [B, 1] where the next draft lands
+        hidden = rows_at(self.draft(tokens, kv, step_meta(positions)), last_idx)  # [B, 1, H]
+        position = rows_at(positions, last_idx) + 1  # [B, 1] where the next draft lands
         drafts, qs = [], []
         for i in range(self.num_draft_tokens):
             token, q = self._sample(hidden, position, sampling)
@@ -235,7 +240,7 @@ class DraftModelDrafter(LinearDrafter):
         kv = self._bind(model, kv_cache)
         self.draft(input_ids, kv, meta)  # the prompt rows fill the draft KV (pads write into the null block)
         first = next_tokens.gather(1, last_idx[:, None])  # [B, 1] the token after the chunk
-        position = _at(meta.positions, last_idx) + 1  # [B, 1]
+        position = rows_at(meta.positions, last_idx) + 1  # [B, 1]
         zero = torch.zeros_like(last_idx)
         return self._draft(kv, meta, first, position, zero, sampling, state)
 
@@ -258,7 +263,8 @@ def draft_target_step(model, drafter: DraftModelDrafter, acceptance: AcceptanceR
         drafter_state: (q [B, K, V],) from the step that drafted d1..dK; () with speculation off (the runner then
             hands over the plain-decoding drafter and this is plain `verify_and_draft_step`).
     """
-    from nextn.runtime.spec_step import StepOutput, verify_and_draft_step
+    from nextn.speculative.protocol import StepOutput
+    from nextn.speculative.chain_step import verify_and_draft_step
 
     if not drafter_state:
         return verify_and_draft_step(model, drafter, acceptance, kv_cache, input_ids, kv_lens, block_tables, sampling,
@@ -274,3 +280,16 @@ def draft_target_step(model, drafter: DraftModelDrafter, acceptance: AcceptanceR
     drafts, state = drafter.after_verify(model, kv_cache, meta, hidden, tokens, num_emitted, drafter_state,
                                          sampling=sampling)
     return StepOutput(tokens, num_emitted, drafts, state, accept_state)
+
+
+def build(spec: DraftTargetDecodingConfig, ctx: LoadContext) -> tuple[Drafter, AcceptanceRule]:
+    """A second, smaller model with its own KV cache drafting a chain (`speculative_model_dir`), verified strictly /
+    by rejection sampling against its own draft distribution.
+
+    Raises:
+        LlmArgsError: different vocabularies; EngineError / build errors for an unusable draft path.
+    """
+    return DraftModelDrafter.from_config(spec, ctx.engine_dir, ctx.manifest, ctx.device), StandardAcceptance()
+
+
+METHOD = Method("Draft_Target", DraftTargetDecodingConfig, build, from_build_yaml("Draft_Target"))

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from nextn.plugins.draft_tree import ancestor_mask, select_dynamic_tree, static_tree, tree_accept
-from nextn.plugins.medusa_tree import TreeError
+from nextn.speculative.draft_tree import ancestor_mask, select_dynamic_tree, static_tree, tree_accept
+from nextn.speculative.medusa_tree import TreeError
 from nextn.plugins.sampling import STREAM_SAMPLE, counter_uniform, sample_from_probs
 
 TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]  # REFERENCE.md §5's example
@@ -112,8 +112,8 @@ def test_a_static_tree_takes_the_same_caps_and_vocabulary_check():
     # issue 32: eagle_choices of 2,000 nodes gave a raw OSError; a rank ≥ the vocabulary failed every request
     import pytest as _pytest
 
-    from nextn.plugins.draft_tree import static_tree
-    from nextn.plugins.medusa_tree import TreeError
+    from nextn.speculative.draft_tree import static_tree
+    from nextn.speculative.medusa_tree import TreeError
 
     with _pytest.raises(TreeError, match="2000 nodes, more than the 255"):
         static_tree([[i] for i in range(2000)])

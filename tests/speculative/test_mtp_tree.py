@@ -11,7 +11,7 @@ import pytest
 
 from nextn import LLM, SamplingParams
 from nextn.config.llm_args import LlmArgsError
-from nextn.plugins.draft_tree import chain_choices
+from nextn.speculative.draft_tree import chain_choices
 from nextn.testing import SMALL_VOCAB
 
 DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
@@ -80,7 +80,7 @@ def test_a_dynamic_tree_with_every_candidate_is_the_full_static_tree(eagle):
 @pytest.mark.parametrize("spec", [STATIC, DYNAMIC], ids=["static", "dynamic"])
 def test_sampled_requests_draw_what_plain_decoding_draws(eagle, spec):
     """Sampling: one position-keyed draw per depth, descending while it is a child — the same draws as plain
-    decoding (the distribution test is tests/plugins/test_draft_tree.py)."""
+    decoding (the distribution test is tests/speculative/test_draft_tree.py)."""
     sp = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=3, ignore_eos=True)
     plain = _run(eagle, None, sp=sp)
     tree = _run(eagle, spec, sp=sp)
@@ -186,8 +186,8 @@ def test_tree_step_compiles_fullgraph(eagle, spec):
     batch: no host synchronisation, no data-dependent branching in the tree expansion or the selection."""
     import torch
 
-    from nextn.runtime.acceptance_rules import SamplingTensors
-    from nextn.runtime.mtp_tree_step import mtp_tree_verify_and_draft_step
+    from nextn.speculative.protocol import SamplingTensors
+    from nextn.speculative.mtp_tree import mtp_tree_verify_and_draft_step
 
     eng = LLM(eagle, speculative_config=spec).engine
     torch._dynamo.reset()

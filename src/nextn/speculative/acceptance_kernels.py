@@ -1,6 +1,6 @@
 """Acceptance kernels: strict, relaxed and rejection-sampling verification of the drafts, one row per program.
 
-References (bit-identical integers): `nextn.plugins.acceptance` (`strict_acceptance`, `relaxed_acceptance`,
+References (bit-identical integers): `nextn.speculative.acceptance_reference` (`strict_acceptance`, `relaxed_acceptance`,
 `rejection_sampling` with argmax or explicit drafts). Sources: Leviathan et al. 2023 §2.3 and Chen et al. 2023
 Alg. 2 (rejection sampling), REFERENCE.md §2–3 (TensorRT-LLM's strict and relaxed acceptance).
 
@@ -21,9 +21,9 @@ import functools
 
 import torch
 
-from nextn.plugins.acceptance import relaxed_acceptance as relaxed_acceptance_reference
-from nextn.plugins.acceptance import rejection_sampling as rejection_sampling_reference
-from nextn.plugins.acceptance import strict_acceptance as strict_acceptance_reference
+from nextn.speculative.acceptance_reference import relaxed_acceptance as relaxed_acceptance_reference
+from nextn.speculative.acceptance_reference import rejection_sampling as rejection_sampling_reference
+from nextn.speculative.acceptance_reference import strict_acceptance as strict_acceptance_reference
 from nextn.plugins.kernels.dispatch import launch, next_pow2, register_op, use_kernel
 
 __all__ = ["strict_acceptance", "relaxed_acceptance", "rejection_sampling", "strict_acceptance_triton",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nextn.plugins.acceptance import relaxed_acceptance, strict_acceptance
+from nextn.speculative.acceptance_reference import relaxed_acceptance, strict_acceptance
 
 # Vocab 6, K = 3: one distribution per verified position (the last one is the bonus position).
 # Ranked: A: id1 .45, id2 .25, id3 .15, id4 .06, id0 .05, id5 .04

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from nextn.plugins.acceptance import strict_acceptance
+from nextn.speculative.acceptance_reference import strict_acceptance
 
 
 def _logits_for(top1: list[list[int]], vocab: int = 8) -> torch.Tensor:

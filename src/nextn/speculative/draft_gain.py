@@ -6,7 +6,7 @@ et al. 2023, eq. 1). A tree's node [r1, .., rd] (the rank-rd candidate after the
 with probability Π_i acc[i][r_i] when depths are independent, and a tree emits 1 + Σ over its nodes of those
 probabilities (Medusa, Cai et al. 2024, §2.1.2; Sequoia, Chen et al. 2024). The tree of N nodes with the largest
 expected length keeps the N most probable paths (`best_first_tree`), listed best first so that its first n nodes
-are the best n-node tree — which is how a draft-length policy turns a tree down (runtime/draft_len_policy.py).
+are the best n-node tree — which is how a draft-length policy turns a tree down (speculative/draft_len_policy.py).
 
 `TreeGain` ties the two together for the draft-length policy: from one number, the top-1 acceptance α, it predicts
 a tree's gain at any node count, rank r being accepted with α · `RANK_PRIOR`[r] (a chain is the tree of rank-0

@@ -200,7 +200,7 @@ def test_sampling_keeps_the_token_distribution(engines, params):
 @pytest.mark.slow
 def test_accepting_every_draft_fails_the_distribution_check(engines, monkeypatch):
     """The check above has power: emitting the sampled drafts unverified changes the distribution detectably."""
-    import nextn.runtime.acceptance_rules as rules
+    import nextn.speculative.acceptance_rules as rules
     from nextn.testing.spec_checks import accept_every_draft
 
     target, draft, _ = engines
@@ -239,7 +239,7 @@ def test_a_checkpoint_draft_is_built_like_a_quantized_target(engines, tmp_path, 
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# A draft head cut to its hot tokens (`draft_vocab_size`, `draft_token_map`: runtime/draft_vocab.py).
+# A draft head cut to its hot tokens (`draft_vocab_size`, `draft_token_map`: speculative/draft_vocab.py).
 def _record_drafts(llm: LLM) -> list[torch.Tensor]:
     """Wrap the drafter's sampling to keep every draft token it proposes."""
     drafter, seen = llm.engine.drafter, []

@@ -2,7 +2,7 @@
 
 Sources: Li et al. 2024, "EAGLE-2" §4 (dynamic trees: expand the top-k nodes by cumulative draft probability,
 rerank to a node budget); Miao et al. 2024, "SpecInfer" §4 (tree verification, multi-step speculative sampling);
-the Medusa tree step (runtime/tree_step.py) for the paged-cache layout and KV compaction; TensorRT-LLM's
+the Medusa tree step (speculative/medusa.py) for the paged-cache layout and KV compaction; TensorRT-LLM's
 `eagle_choices` / `use_dynamic_tree` / `dynamic_tree_max_topK` / `max_total_draft_tokens` for the names. TensorRT-LLM's
 MTP is chain-only; here MTP Eagle (one module applied once per depth) drafts a tree, on MLA and Llama-family
 targets alike. Fixed shapes per (batch, tree width), no host synchronisation.
@@ -36,14 +36,16 @@ from __future__ import annotations
 import torch
 
 from nextn.config.llm_args import LlmArgsError, MTPDecodingConfig
-from nextn.plugins.draft_tree import (StaticTree, ancestor_mask, check_tree_fits, select_dynamic_tree, static_tree,
+from nextn.speculative.draft_tree import (StaticTree, ancestor_mask, check_tree_fits, select_dynamic_tree, static_tree,
                                       tree_accept)
-from nextn.plugins.medusa_tree import TreeError
-from nextn.runtime.acceptance_rules import SamplingTensors, StandardAcceptance, sample_tokens
-from nextn.runtime.attention_metadata import AttentionMetadata, slots_for_positions
-from nextn.runtime.draft_gain import TreeGain, prior_tree
-from nextn.runtime.drafters import DrafterState, _at
-from nextn.runtime.spec_step import StepOutput, verify_and_draft_step
+from nextn.speculative.medusa_tree import TreeError
+from nextn.speculative.protocol import SamplingTensors
+from nextn.speculative.acceptance_rules import StandardAcceptance, sample_tokens
+from nextn.models.attention_metadata import AttentionMetadata, slots_for_positions
+from nextn.speculative.draft_gain import TreeGain, prior_tree
+from nextn.speculative.protocol import DrafterState, rows_at
+from nextn.speculative.protocol import StepOutput
+from nextn.speculative.chain_step import verify_and_draft_step
 
 DEFAULT_TREE_NODES = 15  # max_total_draft_tokens when null: 16 verified tokens per request with the root
 
@@ -66,6 +68,8 @@ class MtpTreeAcceptance(StandardAcceptance):
 class MtpTreeDrafter:
     """MTP Eagle drafting a tree: module 1's first pass over the accepted rows, then one pass per tree depth."""
 
+    name = "MTP tree"
+    supports_disaggregation = False
     prefill_overlap = 0
     uses_draft_head = True
     kv_lookahead = 1  # module 1's KV at p pairs embed(x_{p+1}) with h_p
@@ -94,7 +98,7 @@ class MtpTreeDrafter:
         """Module 1 over the rows (its KV at their positions); (h at the last row [B, 1, H], the root's module-row
         position R − 1 [B])."""
         h = model.forward_mtp(0, next_tokens, hidden, kv_cache, meta)
-        return _at(h, last_idx), _at(meta.positions, last_idx)[:, 0]
+        return rows_at(h, last_idx), rows_at(meta.positions, last_idx)[:, 0]
 
     def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state, sampling=None,
                       draft=True):

@@ -5,47 +5,16 @@ rejection sampling as soon as one request samples — which is exactly strict on
 `RelaxedAcceptance` (TensorRT-LLM's relaxed acceptance for greedy requests inside `<think>…</think>`, rejection
 sampling for sampling requests). Each holds per-request state as device tensors (the thinking delta), so the step
 stays a pure function of fixed-shape tensors. The math lives in `nextn.plugins` (PyTorch references), dispatched
-through `nextn.plugins.kernels.acceptance` (Triton kernels on CUDA, the references elsewhere).
+through `nextn.speculative.acceptance_kernels` (Triton kernels on CUDA, the references elsewhere).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
-
 import torch
 
-from nextn.plugins.kernels.acceptance import rejection_sampling, relaxed_acceptance, strict_acceptance
-from nextn.plugins.sampling import STREAM_ACCEPT, STREAM_SAMPLE, counter_uniform, filtered_probs
-
-AcceptState = tuple[torch.Tensor, ...]
-
-
-@dataclass(frozen=True)
-class SamplingTensors:
-    """Per-request sampling parameters of one batch, on the device.
-
-    Attributes:
-        temperature: [B] fp32 (0 = greedy); top_k: [B] int64 (0 = off); top_p: [B] fp32; seed: [B] int64.
-        any_sampled: whether some request has temperature > 0 (host-known: picks the computation, not a value).
-        use_filters: whether some sampling request uses top-k or top-p (host-known: skips the sort when not).
-    """
-
-    temperature: torch.Tensor
-    top_k: torch.Tensor
-    top_p: torch.Tensor
-    seed: torch.Tensor
-    any_sampled: bool
-    use_filters: bool
-
-    def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """Sampling distributions for logits [B, T, V] → [B, T, V] (each request's parameters on all its rows)."""
-        b, t, v = logits.shape
-        rep = lambda x: x.repeat_interleave(t)  # noqa: E731
-        flat = filtered_probs(logits.reshape(b * t, v), rep(self.temperature), rep(self.top_k), rep(self.top_p),
-                              self.use_filters)
-        return flat.view(b, t, v)
-
+from nextn.speculative.acceptance_kernels import rejection_sampling, relaxed_acceptance, strict_acceptance
+from nextn.plugins.sampling import STREAM_ACCEPT, STREAM_SAMPLE, counter_uniform
+from nextn.speculative.protocol import AcceptanceRule, AcceptState, SamplingTensors  # noqa: F401 (re-exported)
 
 def sample_tokens(logits: torch.Tensor, positions: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
     """One token per row of logits [B, T, V] at token positions [B, T] (greedy rows: argmax) → [B, T] int64."""
@@ -55,24 +24,6 @@ def sample_tokens(logits: torch.Tensor, positions: torch.Tensor, sampling: Sampl
 
     u = counter_uniform(sampling.seed, positions, STREAM_SAMPLE)
     return sample_from_probs(sampling.probs(logits), u)
-
-
-class AcceptanceRule(Protocol):
-    def initial_state(self, batch: int, device: torch.device) -> AcceptState:
-        """Per-request state for `batch` requests (empty when stateless)."""
-
-    def prompt_state(self, token_ids: list[int]) -> tuple[float, ...]:
-        """Host-side initial state of one request from its prompt (+ output after a preemption)."""
-
-    def accept(self, logits: torch.Tensor, draft_tokens: torch.Tensor, first_position: torch.Tensor,
-               sampling: SamplingTensors, state: AcceptState, draft_probs: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor, AcceptState]:
-        """(tokens [B, K+1], num_emitted [B], new state) for logits [B, K+1, V] and drafts [B, K];
-        first_position [B] is the position of the first token this step can emit (kv_len + 1); draft_probs
-        [B, K, V] fp32 the distributions sampled drafts were drawn from (None: deterministic drafts, one-hot q)."""
-
-    def observe(self, tokens: torch.Tensor, num_emitted: torch.Tensor, state: AcceptState) -> AcceptState:
-        """The state after tokens emitted outside `accept` (the prefill's first token)."""
 
 
 def _rejection(logits: torch.Tensor, draft_tokens: torch.Tensor, first_position: torch.Tensor,

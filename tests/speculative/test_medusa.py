@@ -16,9 +16,9 @@ from nextn import LLM, SamplingParams
 from nextn.build.engine_builder import build_engine
 from nextn.build.medusa_heads import MedusaHeadsError, read_medusa_heads
 from nextn.models.medusa import MedusaHeads
-from nextn.plugins.medusa_tree import chain
+from nextn.speculative.medusa_tree import chain
 from nextn.testing import SMALL_VOCAB
-from nextn.runtime.tree_step import tree_verify_and_draft_step
+from nextn.speculative.medusa import tree_verify_and_draft_step
 
 DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 STORIES = DATA / "models" / "stories260K" / "stories260K.gguf"
@@ -129,7 +129,7 @@ def test_tree_step_compiles_fullgraph(checkpoints, tmp_path):
     b, n = 2, eng.drafter.tree.num_tokens
     ids = torch.randint(0, 512, (b, n), generator=torch.Generator().manual_seed(0))
     args = (eng.model, eng.drafter, eng.acceptance)
-    from nextn.runtime.acceptance_rules import greedy_sampling
+    from nextn.speculative.acceptance_rules import greedy_sampling
 
     rest = (ids, torch.tensor([4, 9]), torch.tensor([[1, 2], [3, 4]]), greedy_sampling(b), (), (), eng.block_size)
     kv = eng.runner.kv_cache.normal_()

@@ -15,9 +15,10 @@ import math
 import pytest
 import torch
 
-from nextn.plugins.acceptance import rejection_sampling, strict_acceptance
+from nextn.speculative.acceptance_reference import rejection_sampling, strict_acceptance
 from nextn.plugins.sampling import STREAM_ACCEPT, STREAM_SAMPLE, counter_uniform, filtered_probs, sample_from_probs
-from nextn.runtime.acceptance_rules import SamplingTensors, StandardAcceptance
+from nextn.speculative.protocol import SamplingTensors
+from nextn.speculative.acceptance_rules import StandardAcceptance
 
 V = 10
 SIZES = (100, 1_000, 10_000, 100_000)

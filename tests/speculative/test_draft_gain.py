@@ -1,15 +1,15 @@
-"""Expected tokens per verify step (runtime/draft_gain.py): chains, trees, the α inversion, and the drafters' gains."""
+"""Expected tokens per verify step (speculative/draft_gain.py): chains, trees, the α inversion, and the drafters' gains."""
 
 import itertools
 import random
 
 import pytest
 
-from nextn.plugins.draft_tree import static_tree
-from nextn.runtime.draft_gain import (RANK_PRIOR, TreeGain, alpha_for_gain, best_first_tree, expected_tokens,
+from nextn.speculative.draft_tree import static_tree
+from nextn.speculative.draft_gain import (RANK_PRIOR, TreeGain, alpha_for_gain, best_first_tree, expected_tokens,
                                       path_probability, prior_tree)
-from nextn.runtime.draft_len_policy import AdaptiveDraftLen, StaticDraftLen
-from nextn.runtime.mtp_tree_step import DynamicTreeDrafter, StaticTreeDrafter
+from nextn.speculative.draft_len_policy import AdaptiveDraftLen, StaticDraftLen
+from nextn.speculative.mtp_tree import DynamicTreeDrafter, StaticTreeDrafter
 
 
 def test_a_chain_tree_gains_what_leviathans_formula_says():

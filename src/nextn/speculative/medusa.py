@@ -16,16 +16,19 @@ from __future__ import annotations
 
 import torch
 
+from nextn.build.manifest import EngineManifest
+from nextn.config.llm_args import LlmArgsError, MedusaDecodingConfig
 from nextn.models.medusa import MedusaHeads
-from nextn.plugins.acceptance import tree_greedy_acceptance, tree_typical_acceptance
+from nextn.speculative.acceptance_reference import tree_greedy_acceptance, tree_typical_acceptance
 from nextn.plugins.kernels.medusa_tree import tree_candidates
-from nextn.plugins.medusa_tree import TreeBuffers
+from nextn.speculative.medusa_tree import TreeBuffers, TreeError, build_tree, published_tree
+from nextn.speculative.method import LoadContext, Method
 from nextn.plugins.sampling import STREAM_SAMPLE, counter_uniform, sample_from_probs
-from nextn.runtime.acceptance_rules import AcceptanceRule, AcceptState, SamplingTensors
-from nextn.runtime.attention_metadata import AttentionMetadata, slots_for_positions
-from nextn.runtime.draft_gain import TreeGain
-from nextn.runtime.drafters import DrafterState, _at
-from nextn.runtime.spec_step import StepOutput
+from nextn.speculative.protocol import AcceptanceRule, AcceptState, Drafter, SamplingTensors
+from nextn.models.attention_metadata import AttentionMetadata, slots_for_positions
+from nextn.speculative.draft_gain import TreeGain
+from nextn.speculative.protocol import DrafterState, rows_at
+from nextn.speculative.protocol import StepOutput
 
 
 class TreeAcceptance:
@@ -70,6 +73,9 @@ class TreeAcceptance:
 class MedusaDrafter:
     """Drafts a whole candidate tree (L − 1 tokens) from the Medusa heads at the last accepted position."""
 
+    name = "Medusa"
+    supports_disaggregation = False
+
     def __init__(self, heads: MedusaHeads, tree: TreeBuffers) -> None:
         if tree.max_depth > len(heads):
             raise ValueError(f"the Medusa tree is {tree.max_depth} deep but the engine has {len(heads)} heads")
@@ -111,7 +117,7 @@ class MedusaDrafter:
 
     def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state, sampling=None,
                       draft=True):
-        tree = self.tree_from(_at(hidden, last_idx), next_tokens.gather(1, last_idx[:, None]))
+        tree = self.tree_from(rows_at(hidden, last_idx), next_tokens.gather(1, last_idx[:, None]))
         return tree[:, 1:], ()
 
 
@@ -143,5 +149,38 @@ def tree_verify_and_draft_step(model, drafter: MedusaDrafter, acceptance: Accept
                               valid=steps[None, :] <= num_accepted[:, None])
     kv_cache.index_copy_(1, dst.reshape(-1), kv_cache[:, src.reshape(-1)])
     last_node = path.gather(1, num_accepted[:, None])  # [B, 1]
-    next_tree = drafter.tree_from(_at(hidden, last_node[:, 0]), tokens.gather(1, num_accepted[:, None]))
+    next_tree = drafter.tree_from(rows_at(hidden, last_node[:, 0]), tokens.gather(1, num_accepted[:, None]))
     return StepOutput(tokens, num_accepted + 1, next_tree[:, 1:], drafter_state, accept_state)
+
+
+def build(spec: MedusaDecodingConfig, ctx: LoadContext) -> tuple[Drafter, AcceptanceRule]:
+    """The engine's Medusa heads drafting `medusa_choices`, with Medusa's tree acceptance (typical acceptance for
+    sampling requests).
+
+    Raises:
+        LlmArgsError: an engine without heads, more heads asked for than stored, a malformed or unknown tree.
+    """
+    heads = ctx.medusa_heads
+    if heads is None:
+        raise LlmArgsError("speculative_config asks for Medusa but this engine has no Medusa heads; rebuild "
+                           "with build-engine --medusa_model_dir HEADS")
+    n = spec.num_medusa_heads or len(heads)
+    if n > len(heads):
+        raise LlmArgsError(f"num_medusa_heads={n} but the engine holds {len(heads)} Medusa heads")
+    choices = spec.medusa_choices
+    try:  # a tree's ranks index a top-k over the vocabulary
+        tree = build_tree(published_tree(choices) if isinstance(choices, str) else choices,
+                          ctx.manifest.model.vocab_size)
+        drafter = MedusaDrafter(heads[:n] if n < len(heads) else heads, tree.to(ctx.device))
+    except (TreeError, ValueError) as e:
+        raise LlmArgsError(f"medusa_choices: {e}") from e
+    return drafter, TreeAcceptance(spec.posterior_threshold, spec.posterior_alpha)
+
+
+def built_for(manifest: EngineManifest) -> MedusaDecodingConfig | None:
+    """An engine with Medusa heads decodes with them by default."""
+    s = manifest.speculative
+    return MedusaDecodingConfig(num_medusa_heads=s.max_draft_len or None) if s.method == "medusa" else None
+
+
+METHOD = Method("Medusa", MedusaDecodingConfig, build, built_for)

@@ -8,7 +8,7 @@ import pytest
 
 from nextn import LLM, SamplingParams
 from nextn.config.llm_args import LlmArgsError, MTPDecodingConfig
-from nextn.runtime.draft_len_policy import AcceptanceGate, BatchSizeDraftLen, StaticDraftLen, choose_draft_len_policy
+from nextn.speculative.draft_len_policy import AcceptanceGate, BatchSizeDraftLen, StaticDraftLen, choose_draft_len_policy
 from nextn.testing import SMALL_VOCAB
 
 PROMPTS = [[11, 12, 13, 14, 15], [30, 31, 32], [7, 8, 9, 10], [40, 41], [50, 51, 52, 53]]
@@ -120,9 +120,9 @@ def test_drafts_stay_equal_to_drafts_from_scratch_while_k_changes(checkpoints, m
     prefill over the accepted sequence, so raising the draft length again stays lossless."""
     import torch
 
-    from nextn.runtime.acceptance_rules import StandardAcceptance, greedy_sampling
+    from nextn.speculative.acceptance_rules import StandardAcceptance, greedy_sampling
     from nextn.runtime.kv_cache import allocate_kv_cache
-    from nextn.runtime.spec_step import prefill_step
+    from nextn.speculative.chain_step import prefill_step
 
     engine = checkpoints.engine(num_mtp_modules=modules, **SMALL_VOCAB)
     k = 3 if modules == 1 else modules  # Eagle applies its one module K times; Vanilla has one per draft
@@ -177,7 +177,7 @@ def test_speculation_off_runs_no_drafter_and_comes_back(eagle, plain, overlap):
 
 
 def test_adaptive_draft_len_follows_acceptance_and_measured_cost():
-    from nextn.runtime.draft_len_policy import AdaptiveDraftLen, acceptance_from_rate, expected_tokens
+    from nextn.speculative.draft_len_policy import AdaptiveDraftLen, acceptance_from_rate, expected_tokens
 
     assert expected_tokens(0.8, 3) == pytest.approx(1 + 0.8 + 0.64 + 0.512)
     for alpha in (0.1, 0.5, 0.9):  # the rate → α inversion round-trips
@@ -236,7 +236,7 @@ def test_adaptive_draft_len_follows_acceptance_and_measured_cost():
 def test_adaptive_draft_len_probes_a_hopeless_batch_size_rarely():
     """A speculating step at 6 plain steps with K = 4: no acceptance could pay (5 tokens at most), so the bucket
     probes every idle_probe_every steps instead of doubling from probe_every."""
-    from nextn.runtime.draft_len_policy import AdaptiveDraftLen
+    from nextn.speculative.draft_len_policy import AdaptiveDraftLen
 
     for cost, hopeless in ((0.060, True), (0.030, False)):
         p = AdaptiveDraftLen(StaticDraftLen(4), probe_every=4, max_probe_every=16, idle_probe_every=50)
@@ -259,7 +259,7 @@ def test_adaptive_draft_len_probes_a_hopeless_batch_size_rarely():
 
 
 def test_adaptive_draft_len_follows_each_requests_own_acceptance():
-    from nextn.runtime.draft_len_policy import AdaptiveDraftLen
+    from nextn.speculative.draft_len_policy import AdaptiveDraftLen
 
     p = AdaptiveDraftLen(StaticDraftLen(4), probe_every=1000)
     for _ in range(30):  # request 1's drafts all hit, request 2's all miss; each extra draft costs 10 % of a step

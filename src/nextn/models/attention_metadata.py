@@ -59,7 +59,7 @@ class AttentionMetadata:
         """Metadata for tree verification: the L tree tokens sit at cache positions kv_len..kv_len+L−1 (by token
         index) with rope positions kv_len + depth; token i sees the cached prefix and its tree ancestors
         (tree_mask [L, L] bool), nothing else. A per-request mask [B, T, L] gives T query tokens (positions and
-        slots [B, T]) their own view of the L tree keys (an MTP tree: runtime/mtp_tree_step.py)."""
+        slots [B, T]) their own view of the L tree keys (an MTP tree: speculative/mtp_tree.py)."""
         b, max_blocks = block_tables.shape
         s = max_blocks * block_size
         offsets = torch.arange(block_size, device=block_tables.device)

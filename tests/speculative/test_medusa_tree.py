@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from nextn.plugins.medusa_tree import TreeError, build_tree, chain
+from nextn.speculative.medusa_tree import TreeError, build_tree, chain
 
 
 def test_reference_worked_example():
@@ -70,7 +70,7 @@ def _wide_tree(n: int) -> list[list[int]]:
 
 def test_a_tree_is_capped_like_the_dynamic_one_before_any_buffer_is_built():
     # issue 32: 5,000 nodes ran for minutes, 20,000 tried to allocate 25.6 GB a step
-    from nextn.plugins.medusa_tree import MAX_TREE_NODES
+    from nextn.speculative.medusa_tree import MAX_TREE_NODES
 
     assert MAX_TREE_NODES == 255
     build_tree(_wide_tree(255))

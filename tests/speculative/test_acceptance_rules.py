@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nextn.plugins.acceptance import rejection_sampling, relaxed_acceptance, strict_acceptance
+from nextn.speculative.acceptance_reference import rejection_sampling, relaxed_acceptance, strict_acceptance
 from nextn.plugins.sampling import STREAM_ACCEPT, STREAM_SAMPLE, counter_uniform, filtered_probs
-from nextn.runtime.acceptance_rules import RelaxedAcceptance, SamplingTensors, StandardAcceptance, greedy_sampling
+from nextn.speculative.acceptance_rules import RelaxedAcceptance, StandardAcceptance, greedy_sampling
+from nextn.speculative.protocol import SamplingTensors
 
 V, BEGIN, END = 8, 6, 7  # tiny vocab; <think> = 6, </think> = 7
 DELTA = 0.4

@@ -28,7 +28,11 @@ import logging
 import torch
 
 from nextn.config.llm_args import NGramDecodingConfig
-from nextn.runtime.drafters import DrafterState, LinearDrafter
+from nextn.speculative.protocol import DrafterState
+from nextn.speculative.acceptance_rules import StandardAcceptance
+from nextn.speculative.chain_step import LinearDrafter
+from nextn.speculative.method import LoadContext, Method, from_build_yaml
+from nextn.speculative.protocol import AcceptanceRule, Drafter
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +91,8 @@ class NGramDrafter(LinearDrafter):
     output exact).
     """
 
+    name = "NGram"
+
     def __init__(self, num_draft_tokens: int, max_matching_ngram_size: int, max_seq_len: int,
                  is_use_oldest: bool = True) -> None:
         self.num_draft_tokens = self.max_draft_depth = num_draft_tokens
@@ -141,3 +147,12 @@ class NGramDrafter(LinearDrafter):
         steps = torch.arange(target_tokens.shape[1], device=target_tokens.device)
         history = self._write(history, first + steps, target_tokens)  # rejected columns land past the new length
         return self._draft(history, first[:, 0] + num_emitted), (history,)
+
+
+def build(spec: NGramDecodingConfig, ctx: LoadContext) -> tuple[Drafter, AcceptanceRule]:
+    """Prompt-lookup drafts from each request's own tokens (no weights: any engine), verified strictly / by
+    rejection sampling over the deterministic drafts."""
+    return NGramDrafter.from_config(spec, ctx.max_seq_len), StandardAcceptance()
+
+
+METHOD = Method("NGram", NGramDecodingConfig, build, from_build_yaml("NGram"))

@@ -1,4 +1,4 @@
-"""The draft head cut to its hot tokens (runtime/draft_vocab.py): which ids are kept, the token-map file's errors,
+"""The draft head cut to its hot tokens (speculative/draft_vocab.py): which ids are kept, the token-map file's errors,
 and a cut quantized head computing exactly the full head's hot rows."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from nextn.quantization.linear import WeightOnlyLinear
 from nextn.quantization.weight_only import QuantConfig, quantize
-from nextn.runtime.draft_vocab import (always_kept_ids, hot_token_ids, load_token_map, restrict_dense_head,
+from nextn.speculative.draft_vocab import (always_kept_ids, hot_token_ids, load_token_map, restrict_dense_head,
                                        restrict_quantized_head)
 
 

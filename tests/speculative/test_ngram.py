@@ -18,11 +18,11 @@ from nextn import LLM, SamplingParams
 from nextn.build.engine_builder import build_engine
 from nextn.testing.tiny_llama import tiny_hf_llama
 from nextn.config.llm_args import CudaGraphConfig, LlmArgsError, load_llm_args_yaml, parse_llm_args
-from nextn.runtime.acceptance_rules import SamplingTensors
+from nextn.speculative.protocol import SamplingTensors
 from nextn.runtime.cuda_graph_runner import CudaGraphStep, EmulatedGraphBackend
-from nextn.runtime.ngram_drafter import ngram_drafts
+from nextn.speculative.ngram import ngram_drafts
 from nextn.testing import SMALL_VOCAB
-from test_sampling_e2e import chi_square_two_sample_pvalue  # tests/runtime is on sys.path (pytest's rootdir mode)
+from nextn.testing.chi_square import chi_square_two_sample_pvalue
 
 NGRAM = {"decoding_type": "NGram", "max_draft_len": 4, "max_matching_ngram_size": 3}
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9], list(range(20, 47)), [3, 4, 3, 4, 3]]
@@ -105,7 +105,7 @@ def test_config_uses_tensorrt_llm_names_and_defaults():
 
 
 def test_options_not_honoured_are_logged(deepseek_plain, caplog):
-    with caplog.at_level(logging.INFO, logger="nextn.runtime.ngram_drafter"):
+    with caplog.at_level(logging.INFO, logger="nextn.speculative.ngram"):
         LLM(deepseek_plain, speculative_config={**NGRAM, "is_public_pool": True, "is_keep_all": False})
     warned = {r.getMessage() for r in caplog.records if r.levelno == logging.WARNING}
     assert any("is_public_pool" in m for m in warned) and any("is_keep_all" in m for m in warned)
@@ -251,7 +251,7 @@ def test_ngram_keeps_the_token_distribution(llama_engine, params):
 @pytest.mark.slow
 def test_accepting_every_draft_would_fail_the_distribution_check(llama_engine, monkeypatch):
     """The check above has power: emitting the n-gram drafts unverified changes the distribution detectably."""
-    import nextn.runtime.acceptance_rules as rules
+    import nextn.speculative.acceptance_rules as rules
     from nextn.testing.spec_checks import accept_every_draft
 
     n = 400
@@ -274,7 +274,7 @@ def test_engine_built_with_an_ngram_yaml_drafts_by_default(tmp_path):
 
     from nextn import LLM, SamplingParams
     from nextn.build.engine_builder import build_engine
-    from nextn.runtime.ngram_drafter import NGramDrafter
+    from nextn.speculative.ngram import NGramDrafter
     from nextn.testing import TinyDeepseekSpec, make_tiny_checkpoint
 
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt", TinyDeepseekSpec(num_mtp_modules=1))

@@ -1,0 +1,162 @@
+"""The contracts between speculative decoding and the engine: `Drafter`, `AcceptanceRule` (chain and tree
+variants), the per-step `StepOutput` and the batch's `SamplingTensors`.
+
+A method (registry.py) builds one drafter and one acceptance rule; the model runner hands them fixed-shape device
+tensors and gets fixed-shape device tensors back, so the whole step can be compiled and captured in one CUDA graph.
+
+Row convention: the drafter is handed "rows", one per target input position, with
+- `hidden` [B, T, H]: the target's final hidden state at each row's position p;
+- `input_ids` [B, T] (prefill only): the token at p;
+- `next_tokens` [B, T]: the token at p + 1 (for the last accepted row: the token just emitted);
+- `last_idx` [B]: the row of the last accepted position; rows after it hold rejected or padded inputs.
+Sources: REFERENCE.md §2 (TensorRT-LLM's MTP semantics); Leviathan et al. 2023 (acceptance).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from nextn.models.attention_metadata import AttentionMetadata
+from nextn.models.causal_lm import SelfDraftingCausalLM
+from nextn.plugins.sampling import filtered_probs
+
+AcceptState = tuple[torch.Tensor, ...]
+DrafterState = tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True)
+class SamplingTensors:
+    """Per-request sampling parameters of one batch, on the device.
+
+    Attributes:
+        temperature: [B] fp32 (0 = greedy); top_k: [B] int64 (0 = off); top_p: [B] fp32; seed: [B] int64.
+        any_sampled: whether some request has temperature > 0 (host-known: picks the computation, not a value).
+        use_filters: whether some sampling request uses top-k or top-p (host-known: skips the sort when not).
+    """
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    seed: torch.Tensor
+    any_sampled: bool
+    use_filters: bool
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Sampling distributions for logits [B, T, V] → [B, T, V] (each request's parameters on all its rows)."""
+        b, t, v = logits.shape
+        rep = lambda x: x.repeat_interleave(t)  # noqa: E731
+        flat = filtered_probs(logits.reshape(b * t, v), rep(self.temperature), rep(self.top_k), rep(self.top_p),
+                              self.use_filters)
+        return flat.view(b, t, v)
+
+
+class AcceptanceRule(Protocol):
+    def initial_state(self, batch: int, device: torch.device) -> AcceptState:
+        """Per-request state for `batch` requests (empty when stateless)."""
+
+    def prompt_state(self, token_ids: list[int]) -> tuple[float, ...]:
+        """Host-side initial state of one request from its prompt (+ output after a preemption)."""
+
+    def accept(self, logits: torch.Tensor, draft_tokens: torch.Tensor, first_position: torch.Tensor,
+               sampling: SamplingTensors, state: AcceptState, draft_probs: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, AcceptState]:
+        """(tokens [B, K+1], num_emitted [B], new state) for logits [B, K+1, V] and drafts [B, K];
+        first_position [B] is the position of the first token this step can emit (kv_len + 1); draft_probs
+        [B, K, V] fp32 the distributions sampled drafts were drawn from (None: deterministic drafts, one-hot q)."""
+
+    def observe(self, tokens: torch.Tensor, num_emitted: torch.Tensor, state: AcceptState) -> AcceptState:
+        """The state after tokens emitted outside `accept` (the prefill's first token)."""
+
+
+class TreeAcceptanceRule(AcceptanceRule, Protocol):
+    """An acceptance rule over a tree of drafts (Medusa, MTP trees): the rows are tree nodes, and the emitted tokens
+    follow the longest accepted root-to-leaf path (`accept_tree` in medusa.py and mtp_tree.py; its arguments are
+    the tree's own buffers)."""
+
+    def accept_tree(self, *args, **kwargs) -> tuple[torch.Tensor, ...]:
+        """(tokens, num_emitted, best path, new state) for the tree's logits and tokens."""
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one step leaves on the device for the host.
+
+    Attributes:
+        tokens: [B, K+1] int64; the emitted tokens of request b are tokens[b, :num_emitted[b]].
+        num_emitted: [B] int64 in [1, K+1] (prefill: 1).
+        draft_tokens: [B, K] int64 drafts for the next step.
+        drafter_state: the drafter's per-request state for the next step.
+        accept_state: the acceptance rule's per-request state (the thinking delta) for the next step.
+    """
+
+    tokens: torch.Tensor
+    num_emitted: torch.Tensor
+    draft_tokens: torch.Tensor
+    drafter_state: DrafterState
+    accept_state: AcceptState = ()
+
+
+def rows_at(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x[b, idx[b]] for x [B, T, ...] and idx [B] → [B, 1, ...]."""
+    index = idx.view(-1, 1, *([1] * (x.dim() - 2))).expand(-1, 1, *x.shape[2:])
+    return x.gather(1, index)
+
+
+class Drafter(Protocol):
+    """A drafter strategy: proposes the next step's drafts from the target's hidden states (row convention above).
+
+    Everything the engine, the scheduler, the prefix cache, disaggregated serving and the benchmarks need to know
+    about a drafter is an attribute here; nothing outside `nextn.speculative` checks which class runs.
+    """
+
+    name: str  # what logs, benchmarks and the prefix cache's key call it ("MTP Eagle", "NGram", ...)
+    # whether disaggregated serving can hand a request to a decode server with only its KV, first token and drafts
+    # (no per-request drafter state, no second KV cache)
+    supports_disaggregation: bool
+    num_draft_tokens: int  # draft tokens verified per step (K; a Medusa tree's node count)
+    max_draft_depth: int  # the most drafts one step can accept (K; a Medusa tree's depth)
+    prefill_overlap: int  # rows a prefill chunk re-runs from the previous chunk's end (MTP Vanilla: K)
+    uses_draft_head: bool  # drafts from the model's lm_head (MTP): the engine may give it a cheaper bf16 copy
+    # Prefix caching (runtime/prefix_cache.py): tokens after a position that its drafter KV there depends on (MTP
+    # Eagle 1, Vanilla K: part of a cached block's key), and whether it keeps KV that a step run without the drafter
+    # (speculation off) leaves unwritten (MTP, draft model: such blocks are not cached).
+    kv_lookahead: int
+    kv_in_cache: bool
+
+    @property
+    def decode_fn(self) -> Callable:
+        """The decode step that verifies this drafter's drafts (`verify_and_draft_step`, or Medusa's tree step)."""
+
+    def stat_draft_len(self, draft_len: int) -> int:
+        """Drafts counted per request for a decode step run with `draft_len` (statistics: DT, DAR, AL)."""
+
+    def expected_tokens(self, alpha: float, draft_len: float) -> float:
+        """Tokens a request is expected to emit in a decode step run with `draft_len` when each top-1 draft is
+        accepted with probability α (speculative/draft_gain.py; the adaptive draft-length policy's model)."""
+
+    def initial_state(self, batch: int, hidden_size: int, device: torch.device, dtype: torch.dtype) -> DrafterState:
+        """Per-request state for `batch` fresh requests (empty tuple when stateless)."""
+
+    def after_prefill(self, model: SelfDraftingCausalLM, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                      hidden: torch.Tensor, next_tokens: torch.Tensor, last_idx: torch.Tensor,
+                      input_ids: torch.Tensor, state: DrafterState, sampling: SamplingTensors | None = None,
+                      draft: bool = True) -> tuple[torch.Tensor, DrafterState]:
+        """Drafts [B, K] after a prefill over the prompt rows, and the state for the first decode step (`state`:
+        the rows' state before this chunk — stale for a request's first chunk; `sampling`: the requests' sampling
+        parameters, for drafters that sample their drafts). `draft` False: the next decode step will not speculate
+        (the draft-length policy is off at that batch size), so a drafter may only write its KV / state for the
+        prompt rows and return zeros: the step that turns speculation back on drafts first."""
+
+    def after_verify(self, model: SelfDraftingCausalLM, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                     hidden: torch.Tensor, target_tokens: torch.Tensor, num_emitted: torch.Tensor,
+                     state: DrafterState) -> tuple[torch.Tensor, DrafterState]:
+        """Drafts [B, K] after verifying [last, d1..dK]: rows are the K+1 verified positions, last_idx = num_emitted − 1."""
+
+    def load_prefix(self, state: DrafterState, slot: int, token_ids: list[int]) -> None:
+        """Before a prefill that starts after a prefix-cache hit: rebuild, in place, the per-request state of batch
+        slot `slot` that the reused tokens `token_ids` (positions 0..n−1) would have left (no-op when the drafter's
+        state lives in the KV cache or is rebuilt by the prefill)."""
