@@ -154,6 +154,22 @@ class NGramDecodingConfig(DecodingBaseConfig):
     is_public_pool: bool = True  # accepted; nextn searches each request's own tokens only (logged)
 
 
+class SuffixDecodingConfig(DecodingBaseConfig):
+    """Suffix decoding: drafts from suffix trees over the request's own prompt and output and over earlier
+    requests' outputs — no draft model (Oliaro et al. 2025, arXiv 2411.04975; vLLM's `method: suffix`, whose
+    option names these are; speculative/suffix.py). Drafts on the host: CPU engines."""
+
+    decoding_type: Literal["Suffix"] = "Suffix"
+    max_draft_len: int = Field(ge=1, le=64)  # K: the most draft tokens verified per step (required, as NGram's)
+    suffix_decoding_max_tree_depth: int = Field(default=24, ge=1, le=64)  # D: longest context suffix matched
+    # earlier requests' outputs kept in the global tree, the oldest evicted first; 0: no global tree
+    suffix_decoding_max_cached_requests: int = Field(default=1000, ge=0, le=1_000_000)
+    # a match of m tokens drafts at most max_spec_factor * m tokens (short matches speculate little)
+    suffix_decoding_max_spec_factor: float = Field(default=1.0, gt=0.0, le=64.0)
+    # drafting stops where the path's estimated probability (product of child/parent counts) falls below this
+    suffix_decoding_min_token_prob: float = Field(default=0.1, ge=0.0, le=1.0)
+
+
 class DraftTargetDecodingConfig(DecodingBaseConfig):
     """Draft-target speculative decoding: a separate small draft model with the target's vocabulary proposes the
     drafts, sampled from its own distribution q and verified by rejection sampling (TensorRT-LLM
@@ -173,7 +189,7 @@ class DraftTargetDecodingConfig(DecodingBaseConfig):
 
 
 SpeculativeConfig = Annotated[Union[MTPDecodingConfig, MedusaDecodingConfig, NGramDecodingConfig,
-                                    DraftTargetDecodingConfig],
+                                    DraftTargetDecodingConfig, SuffixDecodingConfig],
                               Field(discriminator="decoding_type")]
 
 
@@ -231,10 +247,11 @@ class LlmArgs(_Strict):
     moe_expert_parallel_size: int | None = Field(default=None, ge=1, le=1024)  # routed experts split by id; null: 1
 
 
-#: speculative_config's members by decoding_type (the built-in four here; `nextn.speculative.registry` adds a
+#: speculative_config's members by decoding_type (the built-in ones here; `nextn.speculative.registry` adds a
 #: registered method's config class through `register_decoding_config`).
 _UNION_TAGS: dict[str, type[BaseModel]] = {"MTP": MTPDecodingConfig, "Medusa": MedusaDecodingConfig,
-                                           "NGram": NGramDecodingConfig, "Draft_Target": DraftTargetDecodingConfig}
+                                           "NGram": NGramDecodingConfig, "Draft_Target": DraftTargetDecodingConfig,
+                                           "Suffix": SuffixDecodingConfig}
 
 
 def register_decoding_config(config: type[BaseModel]) -> None:

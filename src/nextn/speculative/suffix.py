@@ -1,0 +1,218 @@
+"""Suffix decoding: the next K tokens are guessed from suffix trees — one over the request's own prompt and output,
+one over earlier requests' outputs — by following the most frequent continuation of the longest matching context
+suffix. No draft model, no training: it pays off where outputs repeat (agent loops, code edits, structured output).
+
+Sources: Oliaro et al., "SuffixDecoding: Extreme Speculative Decoding for Emerging AI Applications", NeurIPS 2025
+(arXiv 2411.04975); Snowflake Arctic Inference's suffix decoding (the algorithm, not the code) and vLLM's
+`method: suffix` (the option names). The trees and the proposal rule are in suffix_tree.py.
+
+    per request  a tree over its prompt + output (tokens by absolute position, per batch slot)
+    global       a tree over earlier requests' outputs (prompts excluded, as in Arctic), at most
+                 suffix_decoding_max_cached_requests of them, the oldest evicted first
+    each step    the emitted tokens go into the request's tree; both trees propose (suffix_tree.propose) and the
+                 higher score — the expected number of accepted drafts — wins (Arctic's rule; ties: the request's)
+    short        a proposal under K tokens is padded with its last token (the sequence's last token when empty):
+                 padded drafts are rejected harmlessly
+
+The drafter runs on the host: `after_prefill` / `after_verify` read the step's tokens back (`.tolist()`), so the
+step cannot be captured in a CUDA graph or compiled with fullgraph, and `build` accepts CPU engines only.
+Drafts are deterministic: the acceptance rule sees one-hot q (strict for greedy requests, rejection sampling for
+sampling ones), so greedy output is token-identical to plain decoding and sampled output keeps its distribution.
+
+Rows map to requests through the drafter state: `initial_state` is the slot ids (arange), which the runner gathers
+per row. Each slot's tokens are written by absolute position (prefill chunks at their positions, emitted tokens
+after the verified position L), so re-runs are idempotent; an unknown gap (steps run with speculation off) starts
+a new segment of the request's tree, and a rewrite of a known position rebuilds it.
+
+A request's end is not signalled to drafters: a slot's previous sequence goes to the global tree when the slot
+starts a new one (a prefill at position 0, or `load_prefix`). Its output is then complete — plus, under the
+overlap scheduler, the up to K + 1 tokens a step in flight emitted past its stop, and after a preemption a
+partial output (both are the target's own continuations, so at worst they add likely-wrong counts). An output
+reaches the global tree only when its slot is reused.
+
+Threading: the trees are mutated only inside the engine's step (after_prefill, after_verify, load_prefix), which
+one engine thread drives; nothing here is safe to call concurrently.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from nextn.config.llm_args import LlmArgsError, SuffixDecodingConfig
+from nextn.speculative.acceptance_rules import StandardAcceptance
+from nextn.speculative.chain_step import LinearDrafter
+from nextn.speculative.method import LoadContext, Method, from_build_yaml
+from nextn.speculative.protocol import AcceptanceRule, Drafter, DrafterState, rows_at
+from nextn.speculative.suffix_tree import Node, OutputCache, SuffixTree, propose
+
+logger = logging.getLogger(__name__)
+
+_UNKNOWN = -1  # a position whose token the drafter did not see (never a token id)
+
+
+class _Slot:
+    """One batch slot's request: its tokens by position, its own tree, its matches in both trees."""
+
+    __slots__ = ("tokens", "prompt_len", "tree", "segment", "segment_start", "ends", "global_ends", "global_version")
+
+    def __init__(self, depth: int) -> None:
+        self.tokens: list[int] = []
+        self.prompt_len = 0  # positions written as prefill inputs; the output follows
+        self.tree = SuffixTree(depth)
+        self.segment = 0  # the tree's sequence id for the tokens since the last gap
+        self.segment_start = 0
+        self.ends: list[Node] = []  # matches of the context in `tree`
+        self.global_ends: list[Node] = []  # ... and in the global tree, valid at its `global_version`
+        self.global_version = -1
+
+    def output_segments(self) -> list[list[int]]:
+        """The output's runs of known tokens."""
+        runs, run = [], []
+        for t in self.tokens[self.prompt_len:]:
+            if t == _UNKNOWN:
+                runs.append(run)
+                run = []
+            else:
+                run.append(t)
+        return [r for r in runs + [run] if r]
+
+
+class SuffixDrafter(LinearDrafter):
+    """Suffix-tree drafting over each request's prompt and output and earlier outputs (module docstring).
+
+    Host-side state: `slots` (batch slot → its request's tokens and tree) and `outputs` (the global tree). The
+    device state is only the slot ids [max_batch_size] int64.
+    """
+
+    name = "Suffix"
+
+    def __init__(self, num_draft_tokens: int, max_tree_depth: int = 24, max_cached_requests: int = 1000,
+                 max_spec_factor: float = 1.0, min_token_prob: float = 0.1) -> None:
+        self.num_draft_tokens = self.max_draft_depth = num_draft_tokens
+        self.depth = max_tree_depth
+        self.spec_factor = max_spec_factor
+        self.min_token_prob = min_token_prob
+        self.outputs = OutputCache(max_tree_depth, max_cached_requests)
+        self.slots: dict[int, _Slot] = {}
+
+    @classmethod
+    def from_config(cls, spec: SuffixDecodingConfig) -> "SuffixDrafter":
+        return cls(spec.max_draft_len, spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_max_cached_requests,
+                   spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob)
+
+    def initial_state(self, batch: int, hidden_size: int, device: torch.device, dtype: torch.dtype) -> DrafterState:
+        return (torch.arange(batch, dtype=torch.int64, device=device),)
+
+    def load_prefix(self, state: DrafterState, slot: int, token_ids: list[int]) -> None:
+        """A prefix-cache hit starts a request in `slot` with the reused tokens (positions 0..n−1)."""
+        s = self._start(slot)
+        self._write(s, 0, token_ids)
+        s.prompt_len = len(token_ids)
+
+    # Host-side updates ------------------------------------------------------------------------------------------
+    def _start(self, slot: int) -> _Slot:
+        """A new request in `slot`: the previous one's output goes to the global tree."""
+        old = self.slots.get(slot)
+        if old is not None:
+            self.outputs.add(old.output_segments())
+        s = self.slots[slot] = _Slot(self.depth)
+        return s
+
+    def _write(self, s: _Slot, pos: int, tokens: list[int]) -> None:
+        """tokens[i] at position pos + i: known equal ones skipped, a differing one rebuilds from there, a gap
+        before `pos` starts a new segment."""
+        glob = self.outputs.tree
+        for i, t in enumerate(tokens):
+            p, n = pos + i, len(s.tokens)
+            if p < n:
+                if s.tokens[p] == t:
+                    continue
+                self._rebuild(s, p)
+                n = p
+            if p > n:
+                s.tokens += [_UNKNOWN] * (p - n)
+                s.segment += 1
+                s.segment_start, s.ends, s.global_ends = p, [], []
+            s.tokens.append(t)
+            s.ends = s.tree.extend(s.segment, (t,))
+            s.global_ends = glob.extend_match(s.global_ends, t)
+
+    def _rebuild(self, s: _Slot, end: int) -> None:
+        """The slot's tree from its tokens before `end` (a known position rewritten: rare)."""
+        tokens, prompt_len = s.tokens[:end], min(s.prompt_len, end)
+        s.__init__(self.depth)
+        start = 0
+        while start < len(tokens):
+            while start < len(tokens) and tokens[start] == _UNKNOWN:
+                start += 1
+            stop = start
+            while stop < len(tokens) and tokens[stop] != _UNKNOWN:
+                stop += 1
+            self._write(s, start, tokens[start:stop])
+            start = stop
+        if len(s.tokens) < end:  # it ended in a gap
+            s.tokens += [_UNKNOWN] * (end - len(s.tokens))
+            s.segment += 1
+            s.segment_start, s.ends, s.global_ends = end, [], []
+        s.prompt_len = prompt_len
+
+    def _draft(self, s: _Slot) -> list[int]:
+        """K drafts for the slot's request: the better proposal of its own tree and the global tree, padded."""
+        glob = self.outputs.tree
+        if s.global_version != glob.version:  # evictions may have dropped matched nodes
+            s.global_ends = glob.match(s.tokens[max(s.segment_start, len(s.tokens) - self.depth):])
+            s.global_version = glob.version
+        k = self.num_draft_tokens
+        best = propose(s.ends, k, self.spec_factor, self.min_token_prob)
+        if s.global_ends:
+            other = propose(s.global_ends, k, self.spec_factor, self.min_token_prob)
+            if other.score > best.score:
+                best = other
+        drafts = best.tokens
+        pad = drafts[-1] if drafts else s.tokens[-1]
+        return drafts + [pad] * (k - len(drafts))
+
+    # The protocol -----------------------------------------------------------------------------------------------
+    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state, sampling=None,
+                      draft=True):
+        b = input_ids.shape[0]
+        slots = state[0].tolist() if state else list(range(b))
+        starts = meta.positions[:, 0].tolist()
+        lens = (last_idx + 1).tolist()
+        after = rows_at(next_tokens, last_idx)[:, 0].tolist()  # the token after each chunk
+        rows = []
+        for slot, start, n, ids, nxt in zip(slots, starts, lens, input_ids.tolist(), after):
+            s = self._start(slot) if start == 0 or slot not in self.slots else self.slots[slot]
+            self._write(s, start, ids[:n] + [nxt])
+            s.prompt_len = start + n
+            rows.append(self._draft(s) if draft else [0] * self.num_draft_tokens)
+        return torch.tensor(rows, dtype=torch.int64, device=input_ids.device).view(b, -1), state
+
+    def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state):
+        b = target_tokens.shape[0]
+        slots = state[0].tolist() if state else list(range(b))
+        firsts = (meta.positions[:, 0] + 1).tolist()  # where each row's first emitted token lands (L + 1)
+        rows = []
+        for slot, first, tokens, n in zip(slots, firsts, target_tokens.tolist(), num_emitted.tolist()):
+            s = self.slots.get(slot) or self._start(slot)
+            self._write(s, first, tokens[:n])
+            rows.append(self._draft(s))
+        return torch.tensor(rows, dtype=torch.int64, device=target_tokens.device).view(b, -1), state
+
+
+def build(spec: SuffixDecodingConfig, ctx: LoadContext) -> tuple[Drafter, AcceptanceRule]:
+    """Suffix-tree drafts (no weights: any CPU engine), verified strictly / by rejection sampling over the
+    deterministic drafts.
+
+    Raises:
+        LlmArgsError: the engine runs on a GPU (the drafter reads every step's tokens on the host).
+    """
+    if ctx.device.type != "cpu":
+        raise LlmArgsError(f"speculative_config.decoding_type 'Suffix' drafts on the host and runs on CPU engines "
+                           f"only; this engine runs on {ctx.device}: use 'NGram' (prompt lookup on the device)")
+    return SuffixDrafter.from_config(spec), StandardAcceptance()
+
+
+METHOD = Method("Suffix", SuffixDecodingConfig, build, from_build_yaml("Suffix"))
