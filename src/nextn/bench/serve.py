@@ -1,0 +1,284 @@
+"""A serving benchmark in the shape of `vllm bench serve`: nextn serve's configs and llama.cpp's llama-server on the
+same GGUF, threads and prompts, each started, measured at every concurrency level and stopped in one invocation.
+
+    python -m nextn.bench.serve --model M.gguf --nextn_configs none configs/ngram.yaml --llama_cpp plain ngram-mod \\
+        --concurrency 1 2 4 8 16 --dataset mt_bench --max_tokens 128 --output_dir runs/serve_bench
+
+Each server config in turn: start it on a free loopback port (only one server runs at a time), wait for /health,
+send one warm-up request, then for each `--concurrency` level `--runs` passes of `--num_requests` streamed greedy
+requests (EOS ignored; Poisson arrivals with `--request_rate`), keep the fastest pass by output tokens/s, read AL
+from the server's /metrics counters, and stop the server (SIGTERM, then SIGKILL). `--url` measures servers already
+running instead (nothing started or stopped). The client runs in this process: on a small machine it takes CPU
+from the server, the same for every config.
+
+`--output_dir` (new, empty, or written by an earlier run of this benchmark) receives serve.md (the table),
+serve.json (every number, every pass), serve.png (tokens/s and TPOT p50 against concurrency) and logs/ (each
+server's output). Greedy outputs of each speculative nextn config are compared with nextn plain's, prompt by
+prompt (llama.cpp's are not: other numerics); a mismatch is reported and makes the exit status 1, as does a
+failed request or server. Metric definitions: bench/serve_client.py; counters: bench/serve_servers.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from nextn.bench import llama_cpp
+from nextn.bench.dataset import DatasetError, read_prompt_file
+from nextn.bench.outputs import write_report
+from nextn.bench.passes import load_average
+from nextn.bench.serve_client import (DEFAULT_REQUEST_TIMEOUT_S, level_metrics, open_client, run_level, send_request,
+                                      served_model)
+from nextn.bench.serve_report import (ConfigResult, LevelResult, lossless_mismatches, lossless_text, markdown_table,
+                                      plot)
+from nextn.bench.serve_servers import (LLAMA_CPP_MODES, ServerError, ServerSpec, llama_cpp_spec, nextn_spec, running,
+                                       spec_counters)
+from nextn.build.output_files import OutputPathError, claim_output_dir, write_output_file
+
+PROG = "python -m nextn.bench.serve"
+MODULE = "serve"
+#: `--dataset` names: files of ../shared/data/prompts (MT-bench's first turns, HumanEval, the code-edit set).
+DATASETS = {"mt_bench": "mt_bench.jsonl", "humaneval": "humaneval.jsonl.gz", "code_edit": "code_edit.jsonl"}
+DEFAULT_PROMPTS_DIR = Path("../shared/data/prompts")
+MAX_CONCURRENCY = 256
+MAX_PROMPTS = 1024
+MAX_REQUESTS = 4096  # per level and pass
+MAX_TOKENS = 8192
+MAX_RUNS = 20
+MAX_CONFIGS = 16
+MD_MARK = "<!-- written by nextn bench.serve -->"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, help="the GGUF every started server serves (not needed with --url alone)")
+    p.add_argument("--nextn_configs", nargs="*", default=["none"], metavar="YAML",
+                   help="nextn serve configs: `none` (plain) or an --extra_llm_api_options YAML each, e.g. none "
+                        "configs/ngram.yaml configs/draft_target.yaml (default: none; no value: no nextn server)")
+    p.add_argument("--llama_cpp", nargs="*", default=["plain"], choices=LLAMA_CPP_MODES, metavar="MODE",
+                   help=f"llama-server modes: {', '.join(LLAMA_CPP_MODES)} (default: plain; no value: none)")
+    p.add_argument("--draft_model", type=Path, help="the draft GGUF of llama.cpp's `draft` mode (-md)")
+    p.add_argument("--spec_draft_n_max", type=int, default=3, help="llama.cpp draft tokens per step (default 3)")
+    p.add_argument("--llama_cpp_bin", help="llama.cpp build/bin (default: $LLAMA_CPP_BIN_DIR or runs/peers/...)")
+    p.add_argument("--llama_cpp_args", default="", help="extra llama-server arguments, one string (e.g. "
+                                                        "'--spec-ngram-mod-n-min 8')")
+    p.add_argument("--ctx_per_slot", type=int, default=2048,
+                   help="llama-server context per slot, tokens (-c = slots × this; default 2048)")
+    p.add_argument("--url", nargs="*", default=[], metavar="URL",
+                   help="OpenAI-compatible servers already running (e.g. http://127.0.0.1:8000), measured as is")
+    p.add_argument("--dataset", default="mt_bench",
+                   help=f"prompts: {', '.join(DATASETS)} (in --prompts_dir) or a prompt file (default mt_bench)")
+    p.add_argument("--prompts_dir", type=Path, default=DEFAULT_PROMPTS_DIR,
+                   help=f"where the named datasets are (default {DEFAULT_PROMPTS_DIR})")
+    p.add_argument("--num_prompts", type=int, default=8, help=f"first N prompts (1..{MAX_PROMPTS}, default 8)")
+    p.add_argument("--num_requests", type=int, default=0,
+                   help=f"requests per level and pass, prompts reused in turn (0 = max(num_prompts, 2 × concurrency);"
+                        f" at most {MAX_REQUESTS})")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16],
+                   help=f"levels of requests in flight, each measured (1..{MAX_CONCURRENCY}; default 1 2 4 8 16)")
+    p.add_argument("--request_rate", type=float, default=math.inf,
+                   help="requests/s arriving as a Poisson process (default inf: all at once, so each level is "
+                        "`concurrency` clients back to back)")
+    p.add_argument("--max_tokens", type=int, default=128, help=f"tokens per request (1..{MAX_TOKENS}, default 128)")
+    p.add_argument("--endpoint", choices=["chat", "completions"], default="chat",
+                   help="/v1/chat/completions (the prompt as one user message; default) or /v1/completions")
+    p.add_argument("--runs", type=int, default=3, help=f"passes per level, fastest kept (1..{MAX_RUNS}, default 3)")
+    p.add_argument("-t", "--threads", type=int, default=_cores(),
+                   help="threads of every started server (default: the cores this process may use)")
+    p.add_argument("--startup_timeout", type=float, default=900.0,
+                   help="seconds a server may take to become healthy (a first nextn start builds the engine; "
+                        "default 900)")
+    p.add_argument("--request_timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
+                   help=f"seconds one request may take before it counts as failed (default "
+                        f"{DEFAULT_REQUEST_TIMEOUT_S:g})")
+    p.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals (default 0)")
+    p.add_argument("--output_dir", type=Path, required=True,
+                   help="serve.md, serve.json, serve.png and logs/ (new, empty, or this benchmark's earlier output)")
+    return p
+
+
+def _cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every count bounded and every input present before any server starts; a refusal is `p.error` (exit 2)."""
+    bounds = [("--num_prompts", args.num_prompts, 1, MAX_PROMPTS), ("--num_requests", args.num_requests, 0,
+              MAX_REQUESTS), ("--max_tokens", args.max_tokens, 1, MAX_TOKENS), ("--runs", args.runs, 1, MAX_RUNS),
+              ("--spec_draft_n_max", args.spec_draft_n_max, 1, 64), ("--ctx_per_slot", args.ctx_per_slot, 16, 1 << 20),
+              ("--threads", args.threads, 1, _cores())]
+    bounds += [("--concurrency", c, 1, MAX_CONCURRENCY) for c in args.concurrency]
+    for flag, value, low, high in bounds:
+        if not low <= value <= high:
+            p.error(f"{flag} must be in {low}..{high}, got {value}")
+    if len(set(args.concurrency)) != len(args.concurrency):
+        p.error(f"--concurrency repeats a level: {args.concurrency}")
+    if not args.request_rate > 0:  # also refuses NaN
+        p.error(f"--request_rate must be > 0 requests/s (inf: all at once), got {args.request_rate}")
+    for flag, value in (("--startup_timeout", args.startup_timeout), ("--request_timeout", args.request_timeout)):
+        if not 0 < value < math.inf:
+            p.error(f"{flag} must be a positive number of seconds, got {value}")
+    num_configs = len(args.nextn_configs) + len(args.llama_cpp) + len(args.url)
+    if num_configs == 0:
+        p.error("nothing to measure: give --nextn_configs, --llama_cpp or --url")
+    if num_configs > MAX_CONFIGS:
+        p.error(f"at most {MAX_CONFIGS} server configs, got {num_configs}")
+    if len(set(args.nextn_configs)) != len(args.nextn_configs) or len(set(args.llama_cpp)) != len(args.llama_cpp):
+        p.error("a server config is given twice")
+    if args.nextn_configs or args.llama_cpp:
+        if args.model is None:
+            p.error("--model GGUF is needed to start servers (or measure running ones with --url alone)")
+        if not args.model.is_file():
+            p.error(f"--model {args.model} is not a file")
+    for config in args.nextn_configs:
+        if config != "none" and not Path(config).is_file():
+            p.error(f"--nextn_configs {config} is not a file (give `none` for plain decoding)")
+    if "draft" in args.llama_cpp and (args.draft_model is None or not args.draft_model.is_file()):
+        p.error("llama.cpp mode `draft` needs --draft_model, an existing GGUF")
+    for url in args.url:
+        if not url.startswith(("http://", "https://")):
+            p.error(f"--url {url} is not an http(s) URL")
+    try:
+        shlex.split(args.llama_cpp_args)
+    except ValueError as e:
+        p.error(f"--llama_cpp_args cannot be split into arguments: {e}")
+    try:
+        claim_output_dir(args.output_dir, f"bench.{MODULE}", _inputs(args), check_only=True)
+    except OutputPathError as e:
+        p.error(str(e))
+
+
+def _inputs(args) -> list[Path]:
+    configs = [Path(c) for c in args.nextn_configs if c != "none"]
+    return [x for x in (args.model, args.draft_model, *configs) if x is not None]
+
+
+def load_prompts(dataset: str, prompts_dir: Path, num_prompts: int) -> tuple[str, list[str]]:
+    """(format, the first `num_prompts` prompts) of a named dataset in `prompts_dir` or a prompt file.
+
+    Raises:
+        DatasetError: the file is missing or unreadable (bench/dataset.py).
+    """
+    path = prompts_dir / DATASETS[dataset] if dataset in DATASETS else Path(dataset)
+    fmt, prompts = read_prompt_file(path)
+    return fmt, prompts[:num_prompts]
+
+
+def server_specs(args, bin_dir: Path | None) -> list[ServerSpec]:
+    """The servers to start, in order: nextn's configs, then llama.cpp's modes (none when its build is absent)."""
+    specs = [nextn_spec(args.model, args.threads, None if c == "none" else c) for c in args.nextn_configs]
+    if args.llama_cpp and bin_dir is not None:
+        specs += [llama_cpp_spec(bin_dir / "llama-server", args.model, args.threads, mode, max(args.concurrency),
+                                 args.ctx_per_slot, args.draft_model, args.spec_draft_n_max,
+                                 tuple(shlex.split(args.llama_cpp_args))) for mode in args.llama_cpp]
+    return specs
+
+
+async def measure(url: str, result: ConfigResult, args, prompts: list[str]) -> None:
+    """Warm up the server at `url`, then measure each concurrency level (`args.runs` passes) into `result`."""
+    client = open_client(f"{url.rstrip('/')}/v1", args.request_timeout)
+    chat = args.endpoint == "chat"
+    try:
+        model = await served_model(client)
+        warm = await send_request(client, model, prompts[0], 0, min(args.max_tokens, 16), chat)
+        if not warm.ok:
+            raise ServerError(f"the warm-up request failed: {warm.error}")
+        for c in args.concurrency:
+            num_requests = args.num_requests or min(MAX_REQUESTS, max(len(prompts), 2 * c))
+            before = await asyncio.to_thread(spec_counters, url)
+            passes, texts = [], {}
+            for _ in range(args.runs):
+                results, wall = await run_level(client, model, prompts, num_requests, c, args.max_tokens,
+                                                args.request_rate, chat, args.seed)
+                passes.append(level_metrics(results, wall))
+                for r in results:
+                    if r.ok:
+                        texts.setdefault(r.prompt_index, r.text)
+            after = await asyncio.to_thread(spec_counters, url)
+            delta = after - before if after is not None and before is not None else None
+            best = max(passes, key=lambda m: m.output_tok_s)
+            level = LevelResult(c, best, [m.output_tok_s for m in passes], sum(m.num_failed for m in passes),
+                                delta.acceptance_length if delta else None,
+                                delta.draft_acceptance_rate if delta else None, texts)
+            result.levels.append(level)
+            al = f", AL {level.acceptance_length:.2f}" if level.acceptance_length else ""
+            print(f"{result.label} c={c}: {best.output_tok_s:.1f} tok/s (passes "
+                  f"{' / '.join(f'{t:.1f}' for t in level.passes_tok_s)}), TTFT p50 {best.ttft_ms_p50:.0f} ms, "
+                  f"TPOT p50 {best.tpot_ms_p50:.1f} ms{al}, {level.failed_requests} failed", file=sys.stderr, flush=True)
+    finally:
+        await client.close()
+
+
+def run_config(spec: ServerSpec | None, url: str | None, args, prompts: list[str], logs: Path) -> ConfigResult:
+    """Start `spec` (or use the running `url`), measure it, stop it; a failure is recorded in the result."""
+    if spec is not None:
+        result = ConfigResult(spec.label, spec.family, spec.speculative, list(spec.argv))
+    else:
+        result = ConfigResult(f"url {url}", "url", False, [])
+    print(f"{PROG}: {result.label}", file=sys.stderr, flush=True)
+    try:
+        if spec is None:
+            asyncio.run(measure(url, result, args, prompts))
+        else:
+            log = logs / f"{spec.label.replace(' ', '_').replace('/', '_')}.log"
+            with running(spec, log, args.startup_timeout) as server_url:
+                asyncio.run(measure(server_url, result, args, prompts))
+    except (ServerError, RuntimeError, OSError) as e:
+        result.error = str(e)
+        print(f"{PROG}: error: {result.label}: {e}", file=sys.stderr, flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    check_args(p, args)
+    try:
+        fmt, prompts = load_prompts(args.dataset, args.prompts_dir, args.num_prompts)
+    except DatasetError as e:
+        p.error(str(e))
+    bin_dir = None
+    if args.llama_cpp:
+        bin_dir = llama_cpp.find_bin_dir(args.llama_cpp_bin)
+        if bin_dir is None or not (bin_dir / "llama-server").is_file():
+            print(f"{PROG}: llama.cpp skipped: no llama-server found (../shared/PEERS.md says how to build it; or "
+                  "set --llama_cpp_bin / LLAMA_CPP_BIN_DIR)", file=sys.stderr)
+            bin_dir = None
+    out = claim_output_dir(args.output_dir, f"bench.{MODULE}", _inputs(args))
+    logs = out / "logs"
+    logs.mkdir(exist_ok=True)
+    load_before, started = load_average(), time.time()
+    results = [run_config(spec, None, args, prompts, logs) for spec in server_specs(args, bin_dir)]
+    results += [run_config(None, url, args, prompts, logs) for url in args.url]
+    mismatches, compared = lossless_mismatches(results)
+    title = (f"{args.model.name if args.model else 'running servers'}: {args.dataset} ({len(prompts)} prompts, "
+             f"{fmt}), {args.max_tokens} tokens, greedy, {args.threads} threads, {args.endpoint}")
+    table = markdown_table(results, args.concurrency)
+    lossless = lossless_text(mismatches, compared)
+    text = f"{MD_MARK}\n# Serving benchmark\n\n{title}; best of {args.runs} passes.\n\n{table}\n{lossless}"
+    write_output_file(out / "serve.md", text, "--output_dir", lambda head: head.startswith(MD_MARK.encode()))
+    write_report(out / "serve.json", MODULE, {
+        "title": title, "argv": sys.argv if argv is None else argv, "dataset": args.dataset, "format": fmt,
+        "num_prompts": len(prompts), "max_tokens": args.max_tokens, "threads": args.threads,
+        "endpoint": args.endpoint, "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
+        "runs": args.runs, "concurrency": args.concurrency, "started_unix_s": started, "load_before": load_before,
+        "load_after": load_average(), "cpu_count": os.cpu_count(), "configs": [r.to_dict() for r in results],
+        "lossless": {"compared": compared, "mismatches": [m.to_dict() for m in mismatches]}}, flag="--output_dir")
+    if any(r.levels for r in results):
+        plot(results, out / "serve.png", title)
+    print(table + "\n" + lossless + f"{PROG}: wrote {out}/serve.md, serve.json, serve.png", flush=True)
+    failed = any(r.error or any(lv.failed_requests for lv in r.levels) for r in results)
+    return 1 if failed or mismatches else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
