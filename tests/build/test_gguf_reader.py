@@ -15,7 +15,7 @@ from nextn.build.engine_builder import build_engine
 from nextn.build.gguf_reader import GGUFCheckpoint, hf_name, supported_ggml_types, unpermute_rope_rows
 from nextn.models.llama import LlamaModelConfig, to_runtime
 from nextn.models.llama.weights import WeightError
-from nextn.runtime.engine import fast_bf16
+from nextn.plugins.cpu_features import fast_bf16
 
 Q = gguf.GGMLQuantizationType
 

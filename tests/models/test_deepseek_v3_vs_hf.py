@@ -11,7 +11,7 @@ from nextn.build.engine_builder import build_engine
 from nextn.speculative.acceptance_rules import StandardAcceptance, greedy_sampling
 from nextn.speculative.chain_step import prefill_step
 from nextn.speculative.chain_step import NoDrafter
-from nextn.runtime.kv_cache import allocate_kv_cache
+from nextn.models.kv_cache import allocate_kv_cache
 
 CONFIGS = {
     "q_lora+yarn+groups": dict(),

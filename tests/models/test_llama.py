@@ -18,7 +18,7 @@ from nextn.models.llama import LlamaForCausalLM, LlamaModelConfig, to_runtime
 from nextn.speculative.acceptance_rules import StandardAcceptance, greedy_sampling
 from nextn.models.attention_metadata import AttentionMetadata, slots_for_positions
 from nextn.speculative.chain_step import NoDrafter
-from nextn.runtime.kv_cache import allocate_kv_cache
+from nextn.models.kv_cache import allocate_kv_cache
 from nextn.speculative.chain_step import prefill_step, verify_and_draft_step
 
 STORIES = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "models" / "stories260K"

@@ -15,7 +15,7 @@ from nextn import LLM, SamplingParams
 from nextn.build.engine_builder import build_engine
 from nextn.models.llama import LlamaForCausalLM, LlamaModelConfig, runtime_weight_specs, to_runtime
 from nextn.models.attention_metadata import AttentionMetadata, slots_for_positions
-from nextn.runtime.kv_cache import allocate_kv_cache
+from nextn.models.kv_cache import allocate_kv_cache
 from nextn.testing.tiny_llama import tiny_hf_llama
 from nextn.train.mtp import MtpContext, mtp_module
 

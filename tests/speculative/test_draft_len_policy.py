@@ -121,7 +121,7 @@ def test_drafts_stay_equal_to_drafts_from_scratch_while_k_changes(checkpoints, m
     import torch
 
     from nextn.speculative.acceptance_rules import StandardAcceptance, greedy_sampling
-    from nextn.runtime.kv_cache import allocate_kv_cache
+    from nextn.models.kv_cache import allocate_kv_cache
     from nextn.speculative.chain_step import prefill_step
 
     engine = checkpoints.engine(num_mtp_modules=modules, **SMALL_VOCAB)

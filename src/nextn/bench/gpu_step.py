@@ -28,7 +28,7 @@ from nextn.speculative.acceptance_rules import StandardAcceptance, greedy_sampli
 from nextn.runtime.cuda_graph_runner import CudaGraphBackend, CudaGraphStep, EmulatedGraphBackend
 from nextn.speculative.mtp import MtpEagleDrafter
 from nextn.speculative.chain_step import NoDrafter
-from nextn.runtime.kv_cache import allocate_kv_cache
+from nextn.models.kv_cache import allocate_kv_cache
 from nextn.speculative.chain_step import prefill_step, verify_and_draft_step
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

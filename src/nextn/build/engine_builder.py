@@ -117,7 +117,7 @@ def build_engine(
         progress: show a tqdm bar over the tensors (and the compile warm-up) on stderr.
         compile_step: after writing the weights, load the engine, compile its decode step with torch.compile
             (warm-up requests at each batch size) and store the artifacts under `compiled/`, recorded in
-            `manifest.compiled_step` with the torch version and device type (runtime/compiled_step.py).
+            `manifest.compiled_step` with the torch version and device type (build/compile_step.py).
         compile_batch_sizes: warm-up batch sizes; None: the YAML's cuda_graph_config.batch_sizes, else
             1, 2, 4, … up to max_batch_size.
         compile_device: device to compile for ("cpu", "cuda"); None: CUDA when available. Artifacts only serve
@@ -275,7 +275,8 @@ def with_lm_head_copy(tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[t
 def _compile_step(engine_dir: Path, manifest: EngineManifest, llm_args: LlmArgs | None,
                   batch_sizes: list[int] | None, device: str | None, progress: bool) -> EngineManifest:
     """Compile the decode step of the engine being built and record its artifacts in the manifest (saved)."""
-    from nextn.runtime.compiled_step import compile_engine_step, default_warmup_batch_sizes
+    from nextn.build.compile_step import compile_engine_step
+    from nextn.runtime.compiled_step import default_warmup_batch_sizes
 
     if batch_sizes is not None and any(b <= 0 or b > manifest.build_options.max_batch_size for b in batch_sizes):
         raise EngineError(f"--compile_batch_sizes {batch_sizes} must lie in [1, max_batch_size "

@@ -20,6 +20,7 @@ from nextn.build.medusa_heads import MedusaHeadsCheckpoint
 from nextn.config.llm_args import LlmArgs
 from nextn.models.deepseek_v3.weights import layer_prefix
 from nextn.models.registry import MODEL_CLASSES, ModelConfig
+from nextn.plugins.cpu_features import fast_bf16
 from nextn.quantization.weight_only import (
     INT4_ALGOS, QUANT_ALGOS, QuantConfig, QuantError, default_group_size, linear_weight_names, quantized_specs,
 )  # fmt: skip
@@ -93,14 +94,12 @@ def medusa_speculative(heads: MedusaHeadsCheckpoint, llm_args: LlmArgs | None) -
 def resolve_dtype(dtype: str, cfg: ModelConfig, is_fp8: bool, is_quantized: bool = False) -> str:
     """The engine dtype: `dtype` unless "auto"; auto = checkpoint `torch_dtype`, FP8 checkpoints → bfloat16,
     block-quantized GGUFs (no float dtype to keep) → bfloat16 where bf16 matmuls are fast here (CUDA, or a CPU with
-    bf16 instructions: `runtime.engine.fast_bf16`), else float32."""
+    bf16 instructions: `plugins.cpu_features.fast_bf16`), else float32."""
     if dtype != "auto":
         return dtype
     if is_fp8:
         return "bfloat16"
     if is_quantized:
-        from nextn.runtime.engine import fast_bf16
-
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return "bfloat16" if fast_bf16(device) else "float32"
     if cfg.torch_dtype not in DTYPES:

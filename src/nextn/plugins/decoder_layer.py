@@ -28,7 +28,6 @@ import torch
 from torch import nn
 
 from nextn.plugins import cpu_kernels
-from nextn.quantization.weight_only import INT4_ALGOS
 
 
 @dataclass(frozen=True)
@@ -51,7 +50,7 @@ def _int4_linears(*linears: nn.Module) -> tuple[int, bool] | None:
     nextn's kernel, else None."""
     kinds = set()
     for lin in linears:
-        if getattr(lin, "kernel", None) != "nextn" or lin.cfg.quant_algo not in INT4_ALGOS:
+        if getattr(lin, "kernel", None) != "nextn" or not getattr(lin, "int4", False):
             return None
         kinds.add((lin.group_size, lin.int8_activations))
     return kinds.pop() if len(kinds) == 1 else None

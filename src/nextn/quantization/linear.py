@@ -34,7 +34,8 @@ class WeightOnlyLinear(nn.Module):
         self.cfg = cfg
         w = tensors["weight"]
         self.out_features = w.shape[0]
-        self.in_features = w.shape[1] * (2 if cfg.quant_algo in INT4_ALGOS else 1)
+        self.int4 = cfg.quant_algo in INT4_ALGOS  # W4A16 / W4A8: two 4-bit values a byte
+        self.in_features = w.shape[1] * (2 if self.int4 else 1)
         # W4A8 on nextn's kernel: activations quantized to int8 per group, the weight in the `vpdpbusd` layout
         self.int8_activations = cfg.quant_algo == "W4A8"
         self.register_buffer("bias", tensors.get("bias"), persistent=False)

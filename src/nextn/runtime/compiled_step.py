@@ -16,7 +16,7 @@ The artifacts are PyTorch's "mega-cache" (`torch.compiler.save_cache_artifacts`:
 cache entries of every compile in the process) plus, on CPU, the C++ kernel libraries inductor built (the
 mega-cache holds their sources only, and the C++ compiler is most of a CPU compile: measured, the mega-cache
 alone saves nothing on CPU). `build-engine --compile_step` writes them after warm-up steps over the engine's
-batch sizes (`compile_engine_step`, in a private inductor cache directory); the manifest records the torch
+batch sizes (`build/compile_step.py`, in a private inductor cache directory); the manifest records the torch
 version, device type and (CPU) thread count they were made with, and a loader that differs in any of them
 ignores them with a logged reason (its step then compiles from scratch; nothing fails).
 Not used: `mode="reduce-overhead"` (CUDA graphs belong to the CUDA-graph runner) and AOTInductor (it needs
@@ -25,7 +25,6 @@ Not used: `mode="reduce-overhead"` (CUDA graphs belong to the CUDA-graph runner)
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import io
@@ -265,42 +264,3 @@ def default_warmup_batch_sizes(max_batch_size: int, cuda_graph_batch_sizes: list
         sizes.add(b)
         b *= 2
     return sorted(sizes)
-
-
-def compile_engine_step(engine_dir: str | Path, batch_sizes: list[int] | None = None, device: str = "cpu",
-                        config: TorchCompileConfig | None = None, progress: bool = True) -> CompiledStepInfo | None:
-    """Compile the decode step of the engine in `engine_dir` and store the artifacts there (not the manifest).
-
-    Loads the engine as the runtime would (its default speculative config), runs greedy warm-up requests at each
-    batch size (a prefill and a few decode steps each), then saves the compile artifacts of this process.
-
-    Args:
-        batch_sizes: batch sizes to warm up (≤ the engine's max_batch_size); None: `default_warmup_batch_sizes`.
-        progress: show a tqdm bar over the batch sizes (stderr).
-    Returns:
-        The manifest entry to record, or None when torch could not store artifacts (logged).
-    """
-    from nextn.progress import progress_bar
-
-    from nextn.runtime.llm import LLM
-    from nextn.runtime.sampling_params import SamplingParams
-
-    config = config or TorchCompileConfig()
-    llm = LLM(engine_dir, device=device, disable_overlap_scheduler=True)
-    engine = llm.engine
-    sizes = batch_sizes or default_warmup_batch_sizes(engine.max_batch_size)
-    if max(sizes) > engine.max_batch_size:
-        raise ValueError(f"warm-up batch size {max(sizes)} exceeds the engine's max_batch_size {engine.max_batch_size}")
-    runner = engine.runner
-    k = engine.drafter.num_draft_tokens
-    params = SamplingParams(max_tokens=2 * (k + 1) + 2, ignore_eos=True)  # a prefill and ≥ 2 decode steps
-    vocab = engine.cfg.vocab_size
-    # A private inductor cache directory: every kernel this warm-up needs is built (not found in a shared
-    # cache) and can be packed; the step is compiled inside it.
-    with fresh_cache() if fresh_cache is not None else contextlib.nullcontext():
-        runner.decode_fn = compile_decode_fn(runner.decode_fn, None, device, config)
-        for b in progress_bar(sizes, enabled=progress, desc="compile step", unit="batch size"):
-            prompts = [[(7 * i + j) % vocab for j in range(4 + i)] for i in range(b)]
-            llm.generate(prompts, params)
-        kernels_dir = Path(cache_dir()) if fresh_cache is not None else None
-        return save_compile_artifacts(engine_dir, device, sizes, k, config, kernels_dir)

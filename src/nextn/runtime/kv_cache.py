@@ -12,12 +12,11 @@ forgotten) only when an allocation finds the free list empty.
 
 from __future__ import annotations
 
-import math
-import mmap
 from collections import deque
 
 import torch
 
+from nextn.models.kv_cache import allocate_kv_cache  # noqa: F401 - the engine's cache, re-exported
 from nextn.runtime.prefix_cache import PrefixCache
 
 NULL_BLOCK = 0
@@ -116,21 +115,3 @@ class BlockPool:
             else:
                 self._free.append(block)
         table.clear()
-
-
-def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, kv_dim: int, dtype: torch.dtype,
-                      device: torch.device | str = "cpu") -> torch.Tensor:
-    """The device cache: [num_layers, num_blocks · block_size, kv_dim] zeros (MLA: kv_dim = kv_lora_rank + rope).
-
-    On the CPU the zeros come from an anonymous memory map: the kernel hands out zero pages on first touch, so the
-    cache costs resident memory only for the blocks requests have written (`torch.zeros` writes every byte: a
-    Qwen2.5-1.5B engine's default pool of 8 × 25,088 tokens would be 5.7 GiB resident before the first request).
-    Zeros matter: attention reads whole blocks, masks the positions past a sequence's end, and 0 · NaN would not
-    be 0, so never-written slots must hold finite values.
-    """
-    shape = (num_layers, num_blocks * block_size, kv_dim)
-    if torch.device(device).type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    count = math.prod(shape)
-    buf = mmap.mmap(-1, max(count * torch.empty((), dtype=dtype).element_size(), 1))
-    return torch.frombuffer(buf, dtype=dtype, count=count).view(shape)  # the tensor keeps `buf` alive

@@ -89,6 +89,7 @@ class LLM:
         manifest = EngineManifest.load(engine_dir)
         spec_given = "speculative_config" in overrides or "speculative_config" in data
         spec = self.args.speculative_config if spec_given else default_speculative_config(manifest)
+        spec = draft_engine_spec(spec, manifest)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         # tensor_parallel_size > 1: worker ranks spawned here (or given by torchrun), rank 0's engine drives them
         self.engine, self._workers = start_engine(engine_dir, self.args, spec, device)
@@ -103,6 +104,68 @@ class LLM:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    # What the engine is (read-only views for servers and benchmarks) ------------------------------------
+    @property
+    def engine_dir(self) -> Path:
+        """The engine directory loaded (a checkpoint's engine-cache entry when a checkpoint was given)."""
+        return Path(self.engine.engine_dir)
+
+    @property
+    def manifest(self):
+        """The engine's `EngineManifest` (build/manifest.py): architecture, dtype, source, quantization."""
+        return self.engine.manifest
+
+    @property
+    def max_seq_len(self) -> int:
+        """The most tokens (prompt + generated) one request may hold."""
+        return self.engine.max_seq_len
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary size: token ids lie in [0, vocab_size)."""
+        return self.engine.cfg.vocab_size
+
+    @property
+    def speculative_config(self):
+        """The speculative config in force (a `*DecodingConfig`), or None for plain decoding."""
+        return self.engine.spec
+
+    @property
+    def drafter_name(self) -> str:
+        """The drafter's name (e.g. "mtp_eagle", "medusa", "draft_target", "none")."""
+        return self.engine.drafter.name
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """K: the draft tokens proposed per request and step (0 for plain decoding)."""
+        return self.engine.drafter.num_draft_tokens
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """The KV blocks requests can hold (the null block excluded)."""
+        return self.engine.pool.num_blocks - 1
+
+    @property
+    def num_free_kv_blocks(self) -> int:
+        """The KV blocks free now (a snapshot; cached prefix blocks are counted as free)."""
+        return self.engine.pool.num_free
+
+    @property
+    def prefix_cache_stats(self):
+        """The prefix cache's counters (queries, hits in tokens), or None without block reuse."""
+        cache = self.engine.pool.cache
+        return cache.stats if cache is not None else None
+
+    @property
+    def iteration_log(self) -> list[dict] | None:
+        """Per-step records (`kind` "prefill" / "decode", `latency_ms`, ...) while recording, else None; assign
+        [] to start recording and None to stop."""
+        return self.engine.iteration_log
+
+    @iteration_log.setter
+    def iteration_log(self, log: list[dict] | None) -> None:
+        self.engine.iteration_log = log
 
     # Request-level API (in-flight batching driven by the caller: benchmarks, servers) ---------------------
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> int:
@@ -297,6 +360,32 @@ class LLM:
                 outputs[i] = out or _rejected(plist[i], RuntimeError("the request was lost by the engine"))
             bar.close()
         return outputs  # type: ignore[return-value]
+
+
+def draft_engine_spec(spec: Any, target: Any) -> Any:
+    """`spec` with a Draft_Target draft model given as a checkpoint replaced by its engine: built once into the engine
+    cache like `LLM(path)` builds one, in the target's dtype and weight-only quantization (drafting reads the
+    draft's weights K times a step, so its bytes matter as much as the target's), except that a W4A16 draft's
+    lm_head is 4-bit too: drafts only propose (the target verifies every token), and the head is ~40 % of a small
+    draft model's bytes (Qwen2.5-0.5B: 136 MB at 8 bits of 360 MB). Other specs are returned unchanged.
+
+    Args:
+        target: the target engine's `EngineManifest`.
+    Raises:
+        EngineError / build errors: an unusable draft path.
+    """
+    from nextn.build.engine_cache import resolve_engine_dir
+    from nextn.quantization.weight_only import INT4_ALGOS
+
+    draft = getattr(spec, "speculative_model_dir", None)
+    if draft is None:
+        return spec
+    quant = target.quant_config.model_dump(exclude_defaults=True) if target.quant_config else {"quant_algo": None}
+    if quant.get("quant_algo") in INT4_ALGOS:
+        quant["lm_head_quant_algo"] = "W4A16"
+    draft_dir = resolve_engine_dir(draft, what="Draft_Target: the draft model", progress=True, dtype=target.dtype,
+                                   **quant)
+    return spec.model_copy(update={"speculative_model_dir": str(draft_dir)})
 
 
 def _is_single_prompt(prompts: Any) -> bool:

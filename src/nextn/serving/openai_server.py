@@ -86,12 +86,10 @@ class OpenAIServer:
                  chat_template_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.llm, self.model_name, self.max_request_bytes = llm, model_name, max_request_bytes
         self.tokenizer = llm.tokenizer
-        self.max_seq_len = llm.engine.max_seq_len
-        self.vocab_size = llm.engine.cfg.vocab_size
+        self.max_seq_len = llm.max_seq_len
+        self.vocab_size = llm.vocab_size
         self.max_prompt_chars = PROMPT_CHARS_PER_TOKEN * self.max_seq_len
-        pool = llm.engine.pool
-        self.metrics = ServerMetrics(lambda: pool.num_free, pool.num_blocks - 1,
-                                     lambda: pool.cache.stats if pool.cache is not None else None)
+        self.metrics = ServerMetrics(lambda: llm.num_free_kv_blocks, llm.num_kv_blocks, lambda: llm.prefix_cache_stats)
         self.chat_template: str | None = None
         if self.tokenizer is not None and not getattr(self.tokenizer.tok, "chat_template", None):
             self.chat_template = FALLBACK_CHAT_TEMPLATE
@@ -389,7 +387,7 @@ def create_app(llm: LLM, served_model_name: str | None = None, api_key: str | No
         raise ValueError(f"max_request_bytes must be ≥ 1, got {max_request_bytes}")
     if api_key is not None and not api_key:
         raise ValueError("the API key is empty: give a non-empty key, or None to serve without one")
-    server = OpenAIServer(llm, served_model_name or Path(llm.engine.engine_dir).resolve().name, max_request_bytes,
+    server = OpenAIServer(llm, served_model_name or llm.engine_dir.resolve().name, max_request_bytes,
                           chat_template_timeout_s)
     # No redirects for a trailing slash: a 307 has no error body, and clients that do not follow it see nothing.
     app = FastAPI(title="nextn", summary="OpenAI-compatible server of an nextn engine", redirect_slashes=False)

@@ -47,8 +47,8 @@ class TritonPythonModel:
         try:
             inputs = {name: t.as_numpy() for name in triton_io.INPUT_NAMES
                       if (t := pb_utils.get_input_tensor_by_name(request, name)) is not None}
-            parsed = triton_io.parse_request(inputs, self.decoupled, self.llm.engine.cfg.vocab_size,
-                                             self.llm.engine.max_seq_len)
+            parsed = triton_io.parse_request(inputs, self.decoupled, self.llm.vocab_size,
+                                             self.llm.max_seq_len)
             prompt = triton_io.render_prompt(parsed, self.llm.tokenizer)  # the chat template, when asked
             handle = self.llm.generate_async(prompt, parsed.sampling_params, streaming=parsed.streaming)
         except Exception as e:  # RequestError, TritonRequestError: the client's mistake, said plainly
@@ -67,7 +67,7 @@ class TritonPythonModel:
                     code = getattr(pb_utils.TritonError, "CANCELLED", None) if c.finish_reason == "cancelled" else None
                     sender.send(_error(c.error or "request cancelled", code), flags=_FINAL)
                     break
-                kv = self.llm.engine.pool.num_free if want_kv else None  # a snapshot; finished requests are freed
+                kv = self.llm.num_free_kv_blocks if want_kv else None  # a snapshot; finished requests are freed
                 tensors = triton_io.response_tensors(out, delta=parsed.streaming, kv_free_blocks=kv)
                 response = pb_utils.InferenceResponse(
                     output_tensors=[pb_utils.Tensor(k, v) for k, v in tensors.items()])

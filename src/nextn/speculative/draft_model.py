@@ -49,7 +49,6 @@ from nextn.plugins.packed_linear import install_packed_linears
 from nextn.plugins.decoder_layer import install_fused_layers
 from nextn.plugins.paged_attention import install_paged_attention
 from nextn.quantization.linear import install_weight_only_linears
-from nextn.quantization.weight_only import INT4_ALGOS
 from nextn.speculative.protocol import AcceptanceRule, AcceptState, SamplingTensors
 from nextn.models.attention_metadata import AttentionMetadata, slots_for_positions
 from nextn.speculative.draft_vocab import restrict_dense_head, restrict_quantized_head, resolve_hot_tokens
@@ -58,7 +57,7 @@ from nextn.speculative.acceptance_rules import StandardAcceptance
 from nextn.speculative.chain_step import LinearDrafter
 from nextn.speculative.method import LoadContext, Method, from_build_yaml
 from nextn.speculative.protocol import Drafter
-from nextn.runtime.kv_cache import allocate_kv_cache
+from nextn.models.kv_cache import allocate_kv_cache
 
 logger = logging.getLogger(__name__)
 
@@ -149,24 +148,13 @@ class DraftModelDrafter(LinearDrafter):
     @classmethod
     def from_config(cls, spec: DraftTargetDecodingConfig, target_dir: Path, target: EngineManifest,
                     device: torch.device) -> "DraftModelDrafter":
-        """Resolve `spec.speculative_model_dir` (an engine, or a checkpoint built once into the engine cache as
-        `LLM(path)` builds it, in the target's dtype and weight-only quantization), check the vocabularies and load
-        the draft model.
+        """Check the vocabularies of the draft engine in `spec.speculative_model_dir` and load it (a checkpoint
+        there was built into an engine by the LLM API before: `runtime/llm.py`, `draft_engine_dir`).
 
         Raises:
-            LlmArgsError: different vocabularies; EngineError / build errors for an unusable draft path.
+            LlmArgsError: different vocabularies; EngineError: `speculative_model_dir` is not an engine directory.
         """
-        from nextn.build.engine_cache import resolve_engine_dir
-
-        # A checkpoint is built like the target: same dtype and weight-only quantization (drafting reads the draft's
-        # weights K times a step, so its bytes matter as much as the target's), except that a W4A16 draft's lm_head is
-        # 4-bit too: drafts only propose (the target verifies every token), and the head is ~40 % of a small draft
-        # model's bytes (Qwen2.5-0.5B: 136 MB at 8 bits of 360 MB)
-        quant = target.quant_config.model_dump(exclude_defaults=True) if target.quant_config else {"quant_algo": None}
-        if quant.get("quant_algo") in INT4_ALGOS:
-            quant["lm_head_quant_algo"] = "W4A16"
-        draft_dir = resolve_engine_dir(spec.speculative_model_dir, what="Draft_Target: the draft model", progress=True,
-                                       dtype=target.dtype, **quant)
+        draft_dir = Path(spec.speculative_model_dir)
         draft = EngineManifest.load(draft_dir)
         check_vocabularies(Path(target_dir), target, draft_dir, draft)
         vocab = draft.model.vocab_size

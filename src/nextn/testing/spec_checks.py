@@ -57,15 +57,15 @@ def check_drafts_against_fresh_prefill(engine, num_draft_tokens: int, check_draf
         AssertionError: a token, a draft or (with `check_drafter_state`) a state row differs from the fresh prefill's.
     """
     from nextn.speculative.acceptance_rules import StandardAcceptance, greedy_sampling
-    from nextn.runtime.kv_cache import allocate_kv_cache
+    from nextn.models.kv_cache import allocate_kv_cache
     from nextn.speculative.chain_step import prefill_step
 
     checked = 0
     while engine.has_work:
-        batch = engine.scheduler.schedule()
-        slots = [r.batch_slot for r in batch.requests]
-        result = engine.runner.run(batch)
-        for req, slot, emitted, drafts in zip(batch.requests, slots, result.emitted, result.drafts):
+        plan = engine.scheduler.schedule()
+        reqs = engine.scheduler.requests_of(plan)
+        result = engine.runner.run(plan)
+        for req, slot, emitted, drafts in zip(reqs, plan.batch_slots, result.emitted, result.drafts):
             req.append(emitted, engine.max_seq_len)
             req.draft_tokens = drafts
             if req.finished:
@@ -83,5 +83,6 @@ def check_drafts_against_fresh_prefill(engine, num_draft_tokens: int, check_draf
                 for buf, fresh in zip(engine.runner.state, ref.drafter_state):
                     assert buf[slot].tolist() == fresh[0].tolist()
             checked += 1
+        engine.scheduler.forget_scheduled()  # applied here by hand
         engine.scheduler.finish_done()
     return checked

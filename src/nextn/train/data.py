@@ -406,7 +406,7 @@ def make_self_distill_data(model_dir: str | Path, base_model, cfg: DataConfig, *
     seqs = [ids + cont for (_, ids), cont in zip(rows, continuations)]
     tokens = _pad(seqs)
     lengths = torch.tensor([len(s) for s in seqs])
-    from nextn.runtime.engine import fast_bf16
+    from nextn.plugins.cpu_features import fast_bf16
 
     hidden, base_next = final_hidden(base_model, tokens, lengths, progress=progress,
                                      dtype=torch.bfloat16 if fast_bf16(torch.device("cpu")) else torch.float32)
