@@ -1,0 +1,373 @@
+"""The serving benchmark (`python -m nextn.bench.serve`): metrics on synthetic timings, the client against an
+in-process fake OpenAI endpoint and the real nextn app on stories260K, server start/stop, the lossless check, the
+report files, and argument refusals. No timed assertion."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("openai", reason="the serving benchmark's client is the `openai` package (nextn's test extra)")
+
+import uvicorn  # noqa: E402
+from fastapi import FastAPI, Request  # noqa: E402
+from fastapi.responses import PlainTextResponse, StreamingResponse  # noqa: E402
+
+from nextn.bench import serve  # noqa: E402
+from nextn.bench.serve_client import (LevelMetrics, RequestResult, level_metrics, open_client, percentile,  # noqa: E402
+                                      run_level, send_request)
+from nextn.bench.serve_report import ConfigResult, LevelResult, lossless_mismatches, markdown_table  # noqa: E402
+from nextn.bench.serve_servers import (ServerError, ServerSpec, llama_cpp_spec, nextn_spec,  # noqa: E402
+                                       parse_spec_counters, running, SpecCounters)
+
+STORIES = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "models" / "stories260K" / "stories260K.gguf"
+
+
+# Metrics on synthetic timings ------------------------------------------------------------------------------------
+def test_percentile_is_nearest_rank():
+    assert percentile([], 0.5) == 0.0
+    assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert percentile(list(map(float, range(1, 101))), 0.99) == 100.0  # sorted[int(100 · 0.99)] = sorted[99]
+    assert percentile([5.0], 0.99) == 5.0
+
+
+def test_request_tpot_and_itl():
+    r = RequestResult(0, ok=True, e2e_s=1.0, output_tokens=11, ttft_s=0.2, chunk_times_s=(0.2, 0.3, 0.6))
+    assert r.tpot_s == pytest.approx(0.08)  # (1.0 − 0.2) / (11 − 1)
+    assert r.itl_s == pytest.approx([0.1, 0.3])
+    assert RequestResult(0, ok=True, e2e_s=1.0, output_tokens=1, ttft_s=0.2).tpot_s is None
+    assert RequestResult(0, ok=False, e2e_s=1.0, error="x").tpot_s is None
+
+
+def test_level_metrics_counts_only_successful_requests():
+    ok1 = RequestResult(0, ok=True, e2e_s=1.0, output_tokens=11, ttft_s=0.1, chunk_times_s=(0.1, 0.2, 0.4))
+    ok2 = RequestResult(1, ok=True, e2e_s=2.0, output_tokens=21, ttft_s=0.3, chunk_times_s=(0.3, 0.5))
+    bad = RequestResult(2, ok=False, e2e_s=0.5, error="APIError: boom")
+    m = level_metrics([ok1, ok2, bad], wall_s=4.0)
+    assert (m.num_requests, m.num_failed, m.output_tokens) == (3, 1, 32)
+    assert m.output_tok_s == pytest.approx(8.0) and m.requests_per_s == pytest.approx(0.5)
+    assert (m.ttft_ms_p50, m.ttft_ms_p99) == (pytest.approx(300.0), pytest.approx(300.0))  # sorted [100, 300][1]
+    assert m.ttft_ms_mean == pytest.approx(200.0)
+    assert m.tpot_ms_p50 == pytest.approx(90.0)  # TPOTs 90 ms, 85 ms → sorted [85, 90][1]
+    assert m.tpot_ms_mean == pytest.approx(87.5)
+    assert m.itl_ms_p50 == pytest.approx(200.0)  # ITLs 100, 200, 200 ms
+    assert m.errors == ("APIError: boom",)
+    assert level_metrics([bad], wall_s=1.0).output_tok_s == 0.0
+
+
+def test_spec_counters_of_both_servers_and_their_al():
+    nextn_text = ("# HELP nextn_spec_decode_num_drafts_total x\nnextn_spec_decode_num_drafts_total 10.0\n"
+                  "nextn_spec_decode_num_draft_tokens_total 30.0\nnextn_spec_decode_num_accepted_tokens_total 15.0\n"
+                  'nextn_spec_decode_num_accepted_tokens_per_pos_total{position="0"} 9.0\n')
+    llama_text = ("llamacpp:spec_decode_num_drafts_total 4\nllamacpp:spec_decode_num_draft_tokens_total 12\n"
+                  "llamacpp:spec_decode_num_accepted_tokens_total 6\n")
+    assert parse_spec_counters(nextn_text) == SpecCounters(10, 30, 15)
+    assert parse_spec_counters(llama_text) == SpecCounters(4, 12, 6)
+    delta = parse_spec_counters(nextn_text) - SpecCounters(2, 6, 3)
+    assert delta.acceptance_length == pytest.approx(1 + 12 / 8)
+    assert delta.draft_acceptance_rate == pytest.approx(0.5)
+    assert SpecCounters().acceptance_length is None and SpecCounters().draft_acceptance_rate is None
+    assert parse_spec_counters("") == SpecCounters()
+
+
+# Server command lines, start and stop ------------------------------------------------------------------------
+def test_server_command_lines(tmp_path):
+    plain = nextn_spec(Path("m.gguf"), 2, None)
+    assert (plain.label, plain.speculative) == ("nextn plain", False)
+    assert plain.argv[-6:] == ("-t", "2", "--host", "127.0.0.1", "--log_level", "warning")
+    ngram = nextn_spec(Path("m.gguf"), 2, "configs/ngram.yaml")
+    assert ngram.label == "nextn ngram" and ngram.argv[-2:] == ("--extra_llm_api_options", "configs/ngram.yaml")
+    bin_ = Path("bin/llama-server")
+    lp = llama_cpp_spec(bin_, Path("m.gguf"), 2, "plain", parallel=4, ctx_per_slot=512)
+    assert lp.argv[lp.argv.index("-np") + 1] == "4" and lp.argv[lp.argv.index("-c") + 1] == "2048"
+    assert "--metrics" in lp.argv and "--spec-type" not in lp.argv and not lp.speculative
+    mod = llama_cpp_spec(bin_, Path("m.gguf"), 2, "ngram-mod", 1, 512, extra_args=("--spec-ngram-mod-n-min", "8"))
+    assert mod.argv[mod.argv.index("--spec-type") + 1] == "ngram-mod" and mod.argv[-1] == "8"
+    draft = llama_cpp_spec(bin_, Path("m.gguf"), 2, "draft", 1, 512, draft_model=Path("d.gguf"), draft_max=4)
+    assert draft.argv[draft.argv.index("-md") + 1] == "d.gguf"
+    assert draft.argv[draft.argv.index("--spec-draft-n-max") + 1] == "4"
+    with pytest.raises(ValueError, match="needs --draft_model"):
+        llama_cpp_spec(bin_, Path("m.gguf"), 2, "draft", 1, 512)
+    with pytest.raises(ValueError, match="not one of"):
+        llama_cpp_spec(bin_, Path("m.gguf"), 2, "lookahead", 1, 512)
+
+
+_HEALTH_SERVER = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404); self.end_headers(); self.wfile.write(b"ok")
+    def log_message(self, *a): pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[sys.argv.index("--port") + 1])), H).serve_forever()
+"""
+
+
+def test_running_waits_for_health_and_stops_the_server(tmp_path):
+    spec = ServerSpec("fake", "url", (sys.executable, "-c", _HEALTH_SERVER), speculative=False)
+    with running(spec, tmp_path / "fake.log", startup_timeout_s=60) as url:
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass
+    with pytest.raises(OSError):  # stopped: nothing listens any more
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
+
+def test_running_reports_a_server_that_exits(tmp_path):
+    spec = ServerSpec("broken", "url", (sys.executable, "-c", "print('no model here'); raise SystemExit(3)"), False)
+    with pytest.raises(ServerError, match=r"exited with 3[\s\S]*no model here"):
+        with running(spec, tmp_path / "broken.log", startup_timeout_s=60):
+            pass
+
+
+# The client against a fake OpenAI endpoint -------------------------------------------------------------------------
+class _Fake:
+    """A fake OpenAI server: one word a chunk, `usage` last; records request bodies and the most requests in flight."""
+
+    def __init__(self, usage: bool = True) -> None:
+        self.usage, self.bodies, self.in_flight, self.max_in_flight, self.drafts = usage, [], 0, 0, 0
+        self.app = app = FastAPI()
+        app.get("/health")(lambda: {"status": "ok"})
+        app.get("/v1/models")(lambda: {"object": "list", "data": [{"id": "fake", "object": "model", "created": 0,
+                                                                    "owned_by": "test"}]})
+        app.get("/metrics")(lambda: PlainTextResponse(
+            f"fake_spec_decode_num_drafts_total {self.drafts}\nfake_spec_decode_num_draft_tokens_total "
+            f"{3 * self.drafts}\nfake_spec_decode_num_accepted_tokens_total {self.drafts}\n"))
+        app.post("/v1/chat/completions")(self.handle)
+        app.post("/v1/completions")(self.handle)
+
+    async def handle(self, request: Request):
+        body = await request.json()
+        self.bodies.append(body)
+        chat = "messages" in body
+        prompt = body["messages"][0]["content"] if chat else body["prompt"]
+
+        def event(piece: str | None) -> str:
+            if piece is None:
+                payload = {"id": "x", "object": "chunk", "created": 0, "model": "fake", "choices": [],
+                           "usage": {"prompt_tokens": 1, "completion_tokens": body["max_tokens"],
+                                     "total_tokens": 1 + body["max_tokens"]}}
+            elif chat:
+                payload = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "fake",
+                           "choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]}
+            else:
+                payload = {"id": "x", "object": "text_completion", "created": 0, "model": "fake",
+                           "choices": [{"index": 0, "text": piece, "finish_reason": None}]}
+            return f"data: {json.dumps(payload)}\n\n"
+
+        async def events():
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            try:
+                for i in range(body["max_tokens"]):
+                    await asyncio.sleep(0.002)
+                    yield event(f"{prompt[:4]}{i} ")
+                self.drafts += 1
+                if self.usage:
+                    yield event(None)
+                yield "data: [DONE]\n\n"
+            finally:
+                self.in_flight -= 1
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _serve_in_thread(app):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    return server, thread, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def fake():
+    f = _Fake()
+    server, thread, url = _serve_in_thread(f.app)
+    yield f, url
+    server.should_exit = True
+    thread.join(30)
+
+
+async def _level(url: str, **kw):
+    client = open_client(url + "/v1", timeout_s=60)
+    try:
+        return await run_level(client, "fake", **kw)
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_client_sends_greedy_streamed_requests_and_counts_usage(fake, chat):
+    f, url = fake
+    f.bodies.clear()
+    results, wall = asyncio.run(_level(url, prompts=["alpha", "beta"], num_requests=3, concurrency=2, max_tokens=5,
+                                       chat=chat))
+    assert wall > 0 and [r.prompt_index for r in results] == [0, 1, 0]
+    assert all(r.ok and r.output_tokens == 5 and len(r.chunk_times_s) == 5 for r in results)
+    assert results[0].text == "alph0 alph1 alph2 alph3 alph4 " and results[1].text.startswith("beta0 ")
+    assert all(r.ttft_s is not None and r.ttft_s <= r.e2e_s for r in results)
+    for body in f.bodies:
+        assert body["temperature"] == 0 and body["stream"] is True and body["ignore_eos"] is True
+        assert body["stream_options"] == {"include_usage": True} and body["max_tokens"] == 5
+
+
+def test_client_keeps_concurrency_and_poisson_arrivals(fake):
+    f, url = fake
+    f.max_in_flight = 0
+    results, _ = asyncio.run(_level(url, prompts=["p"], num_requests=8, concurrency=3, max_tokens=3))
+    assert len(results) == 8 and all(r.ok for r in results) and 1 <= f.max_in_flight <= 3
+    f.max_in_flight = 0
+    results, _ = asyncio.run(_level(url, prompts=["p"], num_requests=4, concurrency=4, max_tokens=2,
+                                    request_rate=1000.0, seed=1))
+    assert all(r.ok for r in results) and f.max_in_flight <= 4
+
+
+def test_a_stream_without_usage_fails_the_request():
+    f = _Fake(usage=False)
+    server, thread, url = _serve_in_thread(f.app)
+    try:
+        async def one():
+            client = open_client(url + "/v1", timeout_s=60)
+            try:
+                return await send_request(client, "fake", "hi", 0, 3)
+            finally:
+                await client.close()
+        r = asyncio.run(one())
+        assert not r.ok and "no usage" in r.error and r.text == "hi0 hi1 hi2 "
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def test_an_unreachable_server_is_a_failed_request():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results, _ = asyncio.run(_level(f"http://127.0.0.1:{port}", prompts=["p"], num_requests=1, concurrency=1,
+                                    max_tokens=2))
+    assert not results[0].ok and results[0].error
+
+
+def _prompt_file(tmp_path: Path) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("Once upon a time", "The little dog", "Lily")))
+    return path
+
+
+def test_cli_measures_running_servers_and_writes_the_report(fake, tmp_path, capsys):
+    f, url = fake
+    out = tmp_path / "out"
+    argv = ["--url", url, "--nextn_configs", "--llama_cpp", "--dataset", str(_prompt_file(tmp_path)),
+            "--num_prompts", "2", "--concurrency", "1", "2", "--max_tokens", "4", "--runs", "2", "--output_dir",
+            str(out)]
+    assert serve.main(argv) == 0
+    report = json.loads((out / "serve.json").read_text())
+    assert report["written_by"] == "nextn bench.serve" and report["concurrency"] == [1, 2]
+    (config,) = report["configs"]
+    assert config["label"] == f"url {url}" and config["error"] is None
+    for level, c in zip(config["levels"], (1, 2)):
+        assert level["concurrency"] == c and len(level["passes_output_tok_s"]) == 2
+        assert level["num_requests"] == max(2, 2 * c) and level["output_tokens"] == 4 * level["num_requests"]
+        assert level["failed_requests_all_passes"] == 0
+        assert level["acceptance_length"] == pytest.approx(1 + 1 / 1)  # the fake's counters: accepted = drafts
+    md = (out / "serve.md").read_text()
+    assert md.startswith(serve.MD_MARK) and f"| url {url} |" in md and "Lossless check: nothing compared" in md
+    assert (out / "serve.png").read_bytes().startswith(b"\x89PNG")
+    assert serve.main(argv) == 0  # its own output directory is reused
+
+
+# The lossless check and the table ----------------------------------------------------------------------------------
+def _level_result(c: int, texts: dict[int, str]) -> LevelResult:
+    m = LevelMetrics(2, 0, 1.0, 8, 8.0, 2.0, 10.0, 12.0, 5.0, 6.0, 4.0, 7.0, 10.5, 5.2)
+    return LevelResult(c, m, [8.0], 0, 1.5 if c else None, 0.5, texts)
+
+
+def test_lossless_check_compares_speculative_nextn_configs_with_plain():
+    plain = ConfigResult("nextn plain", "nextn", False, [], [_level_result(1, {0: "abc", 1: "xyz"}),
+                                                              _level_result(2, {0: "abc"})])
+    ngram = ConfigResult("nextn ngram", "nextn", True, [], [_level_result(1, {0: "abc", 1: "xYz"}),
+                                                             _level_result(2, {0: "abc"})])
+    llama = ConfigResult("llama.cpp draft", "llama.cpp", True, [], [_level_result(1, {0: "other"})])
+    mismatches, compared = lossless_mismatches([plain, ngram, llama])
+    assert compared == 3 and [(m.label, m.concurrency, m.prompt_index, m.offset) for m in mismatches] == [
+        ("nextn ngram", 1, 1, 1)]
+    assert lossless_mismatches([ngram, llama]) == ([], 0)
+    table = markdown_table([plain, ngram, ConfigResult("llama.cpp plain", "llama.cpp", False, [], error="boom")],
+                           [1, 2])
+    assert "| nextn plain | 8.0 | 10 / 5.0 | 8.0 | 10 / 5.0 |" in table
+    assert "| llama.cpp plain | failed | – | failed | – |" in table and "- llama.cpp plain: boom" in table
+
+
+# Argument refusals -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("extra, message", [
+    (["--concurrency", "0"], "--concurrency must be in 1..256"),
+    (["--concurrency", "257"], "--concurrency must be in 1..256"),
+    (["--concurrency", "2", "2"], "repeats a level"),
+    (["--runs", "0"], "--runs must be in 1..20"),
+    (["--max_tokens", "100000"], "--max_tokens must be in 1..8192"),
+    (["--num_prompts", "0"], "--num_prompts must be in 1..1024"),
+    (["--request_rate", "0"], "--request_rate must be > 0"),
+    (["--request_rate", "nan"], "--request_rate must be > 0"),
+    (["--llama_cpp", "draft"], "needs --draft_model"),
+    (["--nextn_configs", "missing.yaml"], "is not a file"),
+    (["--model", "missing.gguf"], "is not a file"),
+    (["--nextn_configs", "--llama_cpp"], "nothing to measure"),
+    (["--url", "127.0.0.1:8000"], "not an http(s) URL"),
+])
+def test_bad_arguments_are_refused_before_any_server_starts(tmp_path, capsys, extra, message):
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    argv = ["--model", str(model), "--output_dir", str(tmp_path / "out"), *extra]
+    with pytest.raises(SystemExit) as e:
+        serve.main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_directory_it_did_not_write_is_refused(tmp_path, capsys):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit) as e:
+        serve.main(["--url", "http://127.0.0.1:1", "--nextn_configs", "--llama_cpp", "--output_dir",
+                    str(tmp_path / "out")])
+    assert e.value.code == 2 and "was not written by nextn bench.serve" in capsys.readouterr().err
+    assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
+
+
+# The real nextn app on stories260K ---------------------------------------------------------------------------------
+def test_real_nextn_app_on_stories260k(tmp_path):
+    if not STORIES.is_file():
+        pytest.skip(f"{STORIES} is absent (../shared/data): the real stories260K model is not available")
+    from nextn import LLM
+    from nextn.build.engine_builder import build_engine
+    from nextn.serving.openai_server import create_app
+
+    engine = tmp_path / "engine"
+    build_engine(STORIES, engine, max_seq_len=256, progress=False)
+    llm = LLM(engine, device="cpu")
+    server, thread, url = _serve_in_thread(create_app(llm, "stories"))
+    try:
+        out = tmp_path / "out"
+        assert serve.main(["--url", url, "--nextn_configs", "--llama_cpp", "--dataset", str(_prompt_file(tmp_path)),
+                           "--num_prompts", "2", "--concurrency", "1", "2", "--max_tokens", "8", "--runs", "1",
+                           "--endpoint", "completions", "--output_dir", str(out)]) == 0
+        levels = json.loads((out / "serve.json").read_text())["configs"][0]["levels"]
+        for level in levels:  # EOS ignored: every request ran max_tokens tokens, counted from usage
+            assert level["output_tokens"] == 8 * level["num_requests"] and level["num_failed"] == 0
+            assert level["ttft_ms_p50"] > 0 and level["tpot_ms_p50"] > 0
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        llm.shutdown()
