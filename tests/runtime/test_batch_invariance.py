@@ -129,7 +129,7 @@ def test_every_target_linear_runs_on_a_per_row_kernel(stories, fmt):
     runs: bf16 31/32 identical)."""
     from nextn import LLM
     from nextn.plugins import dense_linear
-    from nextn.runtime.engine import batch_dependent_attention, batch_dependent_linear
+    from nextn.runtime.model_loader import batch_dependent_attention, batch_dependent_linear
 
     if not dense_linear.available():
         pytest.skip(f"nextn's CPU kernels are unavailable here: {dense_linear.unavailable_reason()}")

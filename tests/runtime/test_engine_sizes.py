@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-import nextn.runtime.engine as engine_mod
+import nextn.runtime.engine_loader as engine_mod
 import nextn.runtime.engine_sizes as engine_sizes
 from nextn import LLM
 from nextn.build.manifest import EngineError

@@ -128,7 +128,7 @@ def _run_prefill(sched: Scheduler, req: Request) -> None:
     """Schedule and 'process' whole prefills (as the engine does after a step): computed = the chunk end."""
     batch = sched.schedule()
     assert batch is not None and batch.kind == "prefill"
-    for r, end in zip(batch.requests, batch.chunk_ends):
+    for r, end in zip(sched.requests_of(batch), batch.chunk_ends):
         r.num_computed_tokens = end
         sched.cache_blocks(r)
 

@@ -148,7 +148,7 @@ def test_a_fault_after_several_decode_steps_keeps_the_others_exact(llm, solo, mo
     seen = {"decode": 0}
 
     def faulty(self, step):
-        if step.batch.kind == "decode" and any(r.params.seed == BAD_SEED for r in step.batch.requests):
+        if step.plan.kind == "decode" and BAD_SEED in step.plan.seeds:
             seen["decode"] += 1
             if seen["decode"] >= 3:
                 raise RuntimeError("injected read-back fault")
@@ -183,7 +183,7 @@ def test_a_persistent_batch_fault_ends_with_errors_not_a_loop(small_engine, monk
     real = ModelRunner.launch
 
     def pair(self, batch, prev=None):
-        if len(batch.requests) > 1:
+        if batch.num_requests > 1:
             raise RuntimeError("needs the batch")
         return real(self, batch, prev)
 

@@ -114,21 +114,21 @@ class ContextSide:
     def __init__(self, engine: Any, mode: FirstMtpStep) -> None:
         _check_drafter(engine.drafter, mode)
         self.engine, self.mode = engine, mode
-        self._batch = None
+        self._plan = None
         self.hidden: dict[int, torch.Tensor] = {}  # request id → final hidden state of its last prompt row [H]
         engine.runner.on_launch = self._on_launch
         engine.model.model.norm.register_forward_hook(self._on_norm)
 
-    def _on_launch(self, batch, from_previous: bool) -> None:
-        self._batch = batch
+    def _on_launch(self, plan, from_previous: bool) -> None:
+        self._plan = plan
 
     def _on_norm(self, module, inputs, output) -> None:
-        batch = self._batch
-        if batch is None or batch.kind != "prefill" or output.shape[0] != len(batch.requests):
+        plan = self._plan
+        if plan is None or plan.kind != "prefill" or output.shape[0] != plan.num_requests:
             return
-        for i, req in enumerate(batch.requests):
-            if batch.is_last_chunk(i):
-                self.hidden[req.request_id] = output[i, batch.chunk_ends[i] - batch.chunk_starts[i] - 1].clone()
+        for i, rid in enumerate(plan.request_ids):
+            if plan.is_last_chunk(i):
+                self.hidden[rid] = output[i, plan.chunk_ends[i] - plan.chunk_starts[i] - 1].clone()
 
     def prefill(self, prompts: list, params: list[SamplingParams]) -> list[tuple[KvTransfer, torch.Tensor, Any]]:
         """Prefill every prompt; per prompt (transfer, KV rows [layers, L, kv dim], hidden [H] or None).

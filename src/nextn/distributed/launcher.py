@@ -30,10 +30,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nextn.build.manifest import EngineManifest
 from nextn.distributed.comm import Communicator, RankFailure, init_communicator, require_free_default_group
 from nextn.distributed.mapping import Mapping
 from nextn.distributed.mirror import PlanBroadcaster, serve_steps
 from nextn.distributed.preflight import check_machine, check_model_split
+from nextn.distributed.tensor_parallel import TensorParallelSharding
+from nextn.runtime.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -71,12 +74,10 @@ def run_worker(engine_dir: str | Path, args: Any, spec: Any, device: str, mappin
     Raises:
         RankFailure: rank 0 died or stopped answering; any load error (after reporting it to rank 0).
     """
-    from nextn.runtime.engine import Engine  # the engine imports this package
-
     comm = init_communicator(mapping, device_for(device, mapping.rank), init_method)
     try:
         try:
-            engine = Engine(engine_dir, args, spec, device_for(device, mapping.rank), comm)
+            engine = Engine(engine_dir, args, spec, device_for(device, mapping.rank), TensorParallelSharding(comm))
         except Exception as e:
             comm.all_gather_object(f"{type(e).__name__}: {e}")
             raise
@@ -121,15 +122,15 @@ class WorkerGroup:
             raise RankFailure("; ".join(f"worker rank {rank} could not load the engine: {r}" for rank, r in failed))
 
     def attach(self, engine: Any) -> None:
-        """Rank 0's engine broadcasts each step to the workers, after checking that they are alive."""
-        self.broadcaster = broadcaster = engine.runner.on_launch
+        """Rank 0's engine broadcasts each step's plan to the workers, after checking that they are alive."""
+        self.broadcaster = broadcaster = PlanBroadcaster(self.comm)
 
-        def launch_hook(batch, from_previous: bool) -> None:
+        def launch_hook(plan, from_previous: bool) -> None:
             if self.closed:
                 raise RankFailure("this tensor-parallel LLM was shut down: its worker ranks and process group are "
                                   "released; create a new LLM")
             self.check_alive()
-            broadcaster(batch, from_previous)
+            broadcaster(plan, from_previous)
 
         engine.runner.on_launch = launch_hook
 
@@ -206,9 +207,6 @@ def start_engine(engine_dir: str | Path, args: Any, spec: Any, device: str) -> t
             other, all checked before any process starts; RankFailure: a rank failed to start or load;
         EngineError / LlmArgsError: as `Engine`.
     """
-    from nextn.build.manifest import EngineManifest
-    from nextn.runtime.engine import Engine  # the engine imports this package
-
     launched = torchrun_rank()
     mapping = mapping_from_args(args, 0 if launched is None else launched[0])  # sizes that fit each other
     if args.tensor_parallel_size == 1 and launched is None:
@@ -230,7 +228,7 @@ def start_engine(engine_dir: str | Path, args: Any, spec: Any, device: str) -> t
     engine = error = None
     try:
         try:
-            engine = Engine(engine_dir, args, spec, device_for(device, 0), group.comm)
+            engine = Engine(engine_dir, args, spec, device_for(device, 0), TensorParallelSharding(group.comm))
         except Exception as e:  # noqa: BLE001 - told to the workers, then raised
             error = e
         group.wait_ready(error)

@@ -244,3 +244,18 @@ def shard_model(model: nn.Module, weights: Weights, comm: Communicator) -> Weigh
     model.lm_head_quantized = True  # logits come from calling the (vocab-parallel) head
     s.out.update(s.src)  # norms, routers' biases, eh_proj, ...: replicated
     return s.out
+
+
+class TensorParallelSharding:
+    """One rank's share of a tensor-parallel engine, as the engine's loader takes it (`engine_loader.Sharding`)."""
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+
+    def kv_config(self, cfg):
+        """`local_kv_config` for this rank."""
+        return local_kv_config(cfg, self.comm.mapping)
+
+    def shard(self, model: nn.Module, weights: Weights) -> Weights:
+        """`shard_model` for this rank."""
+        return shard_model(model, weights, self.comm)

@@ -47,7 +47,7 @@ def describe(error: BaseException) -> str:
 
 
 def recover_from_failed_step(engine: Engine, error: Exception, running_before: list[Request]) -> list[Request]:
-    """Isolate the request at fault after `engine._step()` raised `error` (see the module docstring).
+    """Isolate the request at fault after `engine.step_unisolated()` raised `error` (see the module docstring).
 
     Args:
         running_before: the scheduler's running requests when the failed step began (those it may have finished).
@@ -57,7 +57,7 @@ def recover_from_failed_step(engine: Engine, error: Exception, running_before: l
     """
     logger.error("engine step failed (%s); isolating the request at fault", describe(error), exc_info=error)
     sched = engine.scheduler
-    engine._inflight = None
+    engine.drop_step_in_flight()
     reported = _collect_finished(engine, running_before)
     suspects = [r for r in sched.running if not r.finished]
     if not suspects and sched.waiting:  # it failed while admitting: the head of the queue
@@ -88,7 +88,7 @@ def recover_from_failed_step(engine: Engine, error: Exception, running_before: l
 def _collect_finished(engine: Engine, running_before: list[Request]) -> list[Request]:
     """Requests finished by the scheduler or by the failed step before it raised: released and detokenized."""
     sched = engine.scheduler
-    aborted, sched.aborted = sched.aborted, []
+    aborted = sched.take_aborted()
     done = sched.finish_done()
     for req in done + [r for r in running_before if r.finished and r not in done]:
         detokenize(engine, req)
@@ -131,13 +131,13 @@ def _probe(engine: Engine, suspects: list[Request], error: Exception) -> tuple[b
                     back.remove(req)
                 _make_room(engine, req, (resuming, parked), back)
                 sched.waiting.append(req)
-            sched._last_kind = None
+            sched.restart_alternation()
             decode_steps = req.num_decode_steps
             for _ in range(3 + -(-req.num_tokens // max(1, sched.max_num_tokens))):
                 try:
-                    finished += [r for r in engine._step() if r.finished]
+                    finished += [r for r in engine.step_unisolated() if r.finished]
                 except Exception as e:  # noqa: BLE001 - alone in the step: this request is at fault
-                    engine._inflight = None
+                    engine.drop_step_in_flight()
                     logger.error("request %d fails alone: %s", req.request_id, describe(e))
                     sched.fail(req, f"the engine step failed on this request ({describe(e)}); run alone it fails "
                                     "again, and the other requests of its batch continue. If its prompt and "
@@ -159,7 +159,7 @@ def _probe(engine: Engine, suspects: list[Request], error: Exception) -> tuple[b
         engine.overlap = overlap
         sched.running = parked + resuming + [r for r in sched.running if r not in parked]
         sched.waiting = deque(back + list(sched.waiting) + list(others))
-        sched._last_kind = None
+        sched.restart_alternation()
     return found, finished
 
 
@@ -185,8 +185,8 @@ def fail_all(engine: Engine, error: BaseException) -> list[Request]:
     """
     logger.error("engine recovery failed (%s); failing every request", describe(error), exc_info=error)
     sched = engine.scheduler
-    engine._inflight = None
-    sched.aborted = []
+    engine.drop_step_in_flight()
+    sched.take_aborted()
     failed = []
     for req in list(sched.running) + list(sched.waiting):
         sched.fail(req, f"the engine step failed ({describe(error)}) and the request at fault could not be isolated")

@@ -26,8 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nextn.runtime.request import Request
-from nextn.runtime.scheduler import ScheduledBatch
+from nextn.runtime.step_plan import StepPlan
 from nextn.speculative.protocol import StepOutput
 
 
@@ -36,16 +35,16 @@ class InflightStep:
     """A launched step whose results are still on the device.
 
     Attributes:
-        batch: what was scheduled.
+        plan: what was scheduled.
         out: the step's outputs (owned copies: a CUDA-graph replay reuses its static output buffers).
         next_last: [B] int64 each row's last emitted token (prefill: the first token; an earlier chunk: garbage).
         next_kv_lens: [B] int64 each row's KV length after the step (the next decode step's kv_lens).
-        rows: request → row in this batch.
+        rows: request id → row in this batch.
         launch_time: perf_counter seconds when the step was scheduled.
         launch_seconds: seconds its launch took (on a CPU: the step's whole computation; on a GPU: the enqueueing).
     """
 
-    batch: ScheduledBatch
+    plan: StepPlan
     out: StepOutput
     next_last: torch.Tensor
     next_kv_lens: torch.Tensor
@@ -54,30 +53,36 @@ class InflightStep:
     launch_seconds: float = 0.0
 
     @classmethod
-    def create(cls, batch: ScheduledBatch, out: StepOutput, kv_lens: torch.Tensor,
+    def create(cls, plan: StepPlan, out: StepOutput, kv_lens: torch.Tensor,
                launch_time: float) -> "InflightStep":
         """From a step's outputs and its input kv_lens [B] (prefill: each chunk's end − 1), on the device."""
         out = StepOutput(out.tokens.clone(), out.num_emitted.clone(), out.draft_tokens.clone(), out.drafter_state,
                          out.accept_state)
         last = out.tokens.gather(1, (out.num_emitted - 1)[:, None])[:, 0]
-        rows = {id(r): i for i, r in enumerate(batch.requests)}
-        return cls(batch, out, last, kv_lens + out.num_emitted, rows, launch_time,
+        rows = {rid: i for i, rid in enumerate(plan.request_ids)}
+        return cls(plan, out, last, kv_lens + out.num_emitted, rows, launch_time,
                    time.perf_counter() - launch_time)
 
+    @property
+    def max_emitted(self) -> int:
+        """The most tokens a row of this step can emit (host-known: the width of its token output)."""
+        return self.out.tokens.shape[1]
 
-def decode_inputs(reqs: tuple[Request, ...], draft_len: int, prev: InflightStep | None,
+
+def decode_inputs(plan: StepPlan, prev: InflightStep | None,
                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The decode step's inputs: ids [B, draft_len + 1] = [last emitted, d1..d_draft_len] and kv_lens [B].
 
     Rows whose request ran in `prev` (not yet read back) are gathered from its device outputs; the others come
-    from the host. Drafts beyond `draft_len` are dropped (draft-length policy).
+    from the host (the plan). Drafts beyond `draft_len` are dropped (draft-length policy).
     """
-    host_ids = [[r.all_token_ids[-1], *(r.draft_tokens + [0] * draft_len)[:draft_len]] for r in reqs]
-    ids = torch.tensor(host_ids, dtype=torch.int64, device=device).view(len(reqs), draft_len + 1)
-    kv_lens = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64, device=device)
+    draft_len = plan.draft_len
+    ids = torch.tensor(plan.input_ids, dtype=torch.int64, device=device).view(plan.num_requests, draft_len + 1)
+    kv_lens = torch.tensor(plan.kv_lens, dtype=torch.int64, device=device)
     if prev is None:
         return ids, kv_lens
-    pairs = [(i, prev.rows[id(r)]) for i, r in enumerate(reqs) if id(r) in prev.rows]
+    rows = prev.rows
+    pairs = [(i, rows[rid]) for i, rid in enumerate(plan.request_ids) if rid in rows]
     if not pairs:
         return ids, kv_lens
     dst = torch.tensor([i for i, _ in pairs], dtype=torch.int64, device=device)

@@ -28,56 +28,28 @@ drafter's rewrite lag, and reuse starts no lower than that.
 
 from __future__ import annotations
 
+import sys
 from collections import deque
-from dataclasses import dataclass
-from typing import Literal
+from typing import Protocol
 
-from nextn.speculative.draft_len_policy import DraftLenPolicy, StaticDraftLen
 from nextn.runtime.kv_cache import BlockPool
 from nextn.runtime.request import Request, RequestStatus
+from nextn.runtime.step_plan import StepPlan
+from nextn.speculative.draft_len_policy import DraftLenPolicy, StaticDraftLen
 
 
 class NeedsSync(Exception):
     """The next decision (preemption, or an abort for lack of KV) needs the in-flight step's results first."""
 
 
-@dataclass(frozen=True)
-class ScheduledBatch:
-    """The scheduler → runner contract for one step.
+class StepOutput(Protocol):
+    """What `update_from_output` reads of a step's host results (`model_runner.StepResult`), one entry per row."""
 
-    Attributes:
-        kind: "prefill" (prompt chunks) or "decode" (one verify-and-draft step per request).
-        requests: the batch, in row order.
-        chunk_starts, chunk_ends: prefill only: each request runs its tokens [start, end); the chunk with
-            end == `Request.prefill_len` is its last and emits the first token.
-        num_reused: prefill only: tokens each row reuses from the prefix cache when this chunk is the first of its
-            admission (its start), else 0; the drafter's per-request state is rebuilt for them
-            (`Drafter.load_prefix`).
-        draft_len: decode only: drafts each request verifies this step (the draft-length policy's choice, ≤ K).
-        drafting: whether the step drafts for the next one. Decode: False when speculation is off (draft_len 0):
-            the step is plain decoding and costs no more. When speculation comes back on, a request whose last
-            step did not draft first runs one step with draft_len 0 and drafting on (it has no drafts to verify).
-            Prefill: False when the policy would not speculate at the running batch's size
-            (`DraftLenPolicy.would_draft`): the drafter writes its KV for the prompt but drafts nothing.
-    """
-
-    kind: Literal["prefill", "decode"]
-    requests: tuple[Request, ...]
-    chunk_starts: tuple[int, ...] = ()
-    chunk_ends: tuple[int, ...] = ()
-    num_reused: tuple[int, ...] = ()
-    draft_len: int = 0
-    drafting: bool = True
-
-    def __post_init__(self) -> None:
-        if self.kind == "prefill" and not self.chunk_ends:  # whole prompts (tests build batches by hand)
-            object.__setattr__(self, "chunk_starts", (0,) * len(self.requests))
-            object.__setattr__(self, "chunk_ends", tuple(r.num_tokens for r in self.requests))
-        if self.kind == "prefill" and not self.num_reused:
-            object.__setattr__(self, "num_reused", (0,) * len(self.requests))
-
-    def is_last_chunk(self, row: int) -> bool:
-        return self.chunk_ends[row] >= self.requests[row].prefill_len
+    emitted: list[list[int]]  # tokens each row emits (before stop checks); [] for an earlier prefill chunk
+    drafts: list[list[int]]  # its drafts for the next step
+    num_accepted: list[int]  # drafts the target accepted (decode)
+    num_draft: int  # drafts counted per row (decode statistics: `Drafter.stat_draft_len`)
+    seconds: float  # the step's own time: its launch plus waiting for its results
 
 
 class Scheduler:
@@ -93,13 +65,15 @@ class Scheduler:
         draft_len_policy: the per-batch draft length (default: always K).
         drafter_kv: the drafter keeps KV that steps with speculation off leave unwritten (MTP, draft model): blocks
             past such a step are not registered in the prefix cache.
+        max_seq_len: a request ends ("length") at this many tokens (default: only its max_tokens ends it).
     Raises:
         ValueError: chunked prefill with a budget that cannot make progress past the overlap.
     """
 
     def __init__(self, pool: BlockPool, max_batch_size: int, max_num_tokens: int, num_draft_tokens: int,
                  enable_chunked_prefill: bool = False, prefill_overlap: int = 0,
-                 draft_len_policy: DraftLenPolicy | None = None, drafter_kv: bool = False) -> None:
+                 draft_len_policy: DraftLenPolicy | None = None, drafter_kv: bool = False,
+                 max_seq_len: int | None = None) -> None:
         if enable_chunked_prefill and max_num_tokens <= prefill_overlap:
             raise ValueError(f"max_num_tokens={max_num_tokens} must exceed the {prefill_overlap} rows a prefill "
                              "chunk re-runs for MTP Vanilla")
@@ -111,12 +85,15 @@ class Scheduler:
         self.prefill_overlap = prefill_overlap
         self.draft_len_policy = draft_len_policy or StaticDraftLen(num_draft_tokens)
         self.drafter_kv = drafter_kv
+        self.max_seq_len = sys.maxsize if max_seq_len is None else max_seq_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._free_slots = list(range(max_batch_size - 1, -1, -1))
         self._last_kind: str | None = None
         self.num_preemptions = 0
         self.aborted: list[Request] = []  # finished with an error by the scheduler, for the engine to report
+        self._num_plans = 0
+        self._scheduled: dict[int, tuple[Request, ...]] = {}  # step id → its requests, until its output is applied
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -125,8 +102,8 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, in_flight: bool = False) -> ScheduledBatch | None:
-        """The next step's batch, or None when nothing can run.
+    def schedule(self, in_flight: bool = False) -> StepPlan | None:
+        """The next step's plan, or None when nothing can run.
 
         Args:
             in_flight: a launched step has not been processed yet (overlap scheduler): host state lags.
@@ -135,14 +112,32 @@ class Scheduler:
         """
         prefill, decode = self._schedule_prefill, lambda: self._schedule_decode(in_flight)
         for attempt in ((decode, prefill) if self._last_kind == "prefill" else (prefill, decode)):
-            batch = attempt()
-            if batch is not None:
-                self._last_kind = batch.kind
-                return batch
+            plan = attempt()
+            if plan is not None:
+                self._last_kind = plan.kind
+                return plan
         self._last_kind = None
         return None
 
-    def _schedule_prefill(self) -> ScheduledBatch | None:
+    def _new_plan(self, reqs: tuple[Request, ...], make, *args) -> StepPlan:
+        """`make(step_id, reqs, *args)`, its requests kept until `update_from_output`."""
+        self._num_plans += 1
+        self._scheduled[self._num_plans] = reqs
+        return make(self._num_plans, reqs, *args)
+
+    def requests_of(self, plan: StepPlan) -> tuple[Request, ...]:
+        """The requests of a plan not yet applied (`update_from_output`), in row order."""
+        return self._scheduled[plan.step_id]
+
+    def forget_scheduled(self) -> None:
+        """Drop the plans not yet applied: their steps were lost (failure isolation, runtime/fault_isolation.py)."""
+        self._scheduled.clear()
+
+    def restart_alternation(self) -> None:
+        """The next `schedule` tries a prefill first, as after an idle step."""
+        self._last_kind = None
+
+    def _schedule_prefill(self) -> StepPlan | None:
         budget = self.max_num_tokens
         chunks: list[tuple[Request, int, int, int]] = []  # (request, start, end, reused)
         for req in self.running:  # the next chunks of prompts being prefilled, oldest first
@@ -186,7 +181,7 @@ class Scheduler:
             req.num_prefilled_tokens = end
             req.has_drafts = drafting
         reqs, starts, ends, num_reused = zip(*chunks)
-        return ScheduledBatch("prefill", reqs, starts, ends, num_reused, drafting=drafting)
+        return self._new_plan(reqs, StepPlan.prefill, starts, ends, num_reused, drafting)
 
     def admit_prefilled(self, req: Request) -> bool:
         """Admit a request whose prompt was prefilled by another engine (disaggregated serving,
@@ -240,7 +235,7 @@ class Scheduler:
         req.num_committed_blocks = n
         return done
 
-    def _schedule_decode(self, in_flight: bool) -> ScheduledBatch | None:
+    def _schedule_decode(self, in_flight: bool) -> StepPlan | None:
         for req in [r for r in self.running if r.is_decoding and not r.finishes_in_flight]:
             need = req.kv_len + req.num_inflight_tokens + self.lookahead
             while req in self.running and not self.pool.grow(req.block_table, need):
@@ -262,7 +257,52 @@ class Scheduler:
             req.has_drafts = drafting
             if not drafting and self.drafter_kv and req.drafter_gap is None:
                 req.drafter_gap = req.kv_len  # (host kv_len: with a step in flight the gap starts later)
-        return ScheduledBatch("decode", reqs, draft_len=k, drafting=drafting)
+        return self._new_plan(reqs, StepPlan.decode, k, drafting)
+
+    def mark_in_flight(self, plan: StepPlan, max_emitted: int) -> None:
+        """The plan's step was launched and is not read back yet (overlap scheduler): its rows that emit tokens may
+        each emit up to `max_emitted` (the step's token width), which block growth reserves meanwhile."""
+        decode = plan.kind == "decode"
+        for i, req in enumerate(self._scheduled[plan.step_id]):
+            req.num_inflight_tokens = max_emitted if decode or plan.is_last_chunk(i) else 0
+
+    def update_from_output(self, plan: StepPlan, output: StepOutput) -> tuple[list[Request], list[Request]]:
+        """Apply a step's host results to its requests: append tokens (stop checks), the drafts for the next step,
+        computed lengths and prefix-cache blocks, decode statistics; the draft-length policy observes the step;
+        finished requests release their blocks and slots. Rows of requests finished (or cancelled) since the step
+        was launched are dropped.
+
+        Returns:
+            (updated, finished): the requests that emitted tokens (finished or not), and those released now.
+        """
+        reqs = self._scheduled.pop(plan.step_id)
+        decode = plan.kind == "decode"
+        k = output.num_draft
+        updated = []
+        num_draft = num_accepted = 0
+        per_request: dict[int, int] = {}
+        for i, (req, emitted, drafts, accepted) in enumerate(zip(reqs, output.emitted, output.drafts,
+                                                                 output.num_accepted)):
+            req.num_inflight_tokens = 0
+            if req.finished:  # finished (or cancelled) before this step ran
+                continue
+            if not emitted:  # an earlier prefill chunk
+                req.num_computed_tokens = plan.chunk_ends[i]
+                self.cache_blocks(req)
+                continue
+            if decode:
+                req.record_step(k, accepted)
+                num_draft, num_accepted = num_draft + k, num_accepted + accepted
+                per_request[req.request_id] = accepted
+            req.append(emitted, self.max_seq_len)
+            req.draft_tokens = drafts
+            req.num_computed_tokens = req.kv_len
+            self.cache_blocks(req)
+            updated.append(req)
+        if decode:  # timed only when the step is plain or fully speculating (not re-priming drafts)
+            seconds = output.seconds if plan.drafting == (plan.draft_len > 0) else 0.0
+            self.draft_len_policy.observe(num_draft, num_accepted, plan.draft_len, len(reqs), seconds, per_request)
+        return updated, self.finish_done()
 
     def cancel(self, request_id: int) -> Request | None:
         """Remove a waiting or running request, free its KV blocks and batch slot, finish it "cancelled".
@@ -320,6 +360,11 @@ class Scheduler:
         self.running.remove(req)
         self._free_slots.append(req.batch_slot)
         req.batch_slot = -1
+
+    def take_aborted(self) -> list[Request]:
+        """The requests the scheduler finished with an error since the last call (for the engine to report)."""
+        aborted, self.aborted = self.aborted, []
+        return aborted
 
     def finish_done(self) -> list[Request]:
         """Release the finished requests' blocks and slots; return them."""

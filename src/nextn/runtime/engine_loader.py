@@ -1,0 +1,148 @@
+"""Loading an engine directory for decoding: sizes checked, the speculative method's strategies chosen, the target
+model loaded (runtime/model_loader.py), the KV cache sized and allocated, the decode step layered (torch.compile,
+CUDA graphs), and the scheduler and model runner built over them. `Engine` (runtime/engine.py) runs what this
+returns.
+
+Tensor parallelism reaches the load only through a `Sharding` (distributed/tensor_parallel.py implements it), so
+the engine does not depend on the distributed package.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from nextn.build.manifest import EngineError, EngineManifest
+from nextn.config.llm_args import LlmArgs, LlmArgsError, MTPDecodingConfig
+from nextn.plugins.cpu_features import fast_bf16
+from nextn.runtime.compiled_step import compile_decode_fn
+from nextn.runtime.cuda_graph_runner import graph_decode_fn
+from nextn.runtime.engine_sizes import check_sizes_against_model, plan_kv_cache
+from nextn.runtime.kv_cache import BlockPool, allocate_kv_cache
+from nextn.runtime.model_loader import cut_draft_head, load_model, pop_medusa_heads, read_weights
+from nextn.runtime.model_runner import ModelRunner
+from nextn.runtime.prefix_cache import PrefixCache
+from nextn.runtime.scheduler import Scheduler
+from nextn.runtime.tokenizer import EngineTokenizer, eos_token_ids
+from nextn.speculative import registry
+from nextn.speculative.draft_len_policy import choose_draft_len_policy
+from nextn.speculative.method import LoadContext
+from nextn.speculative.protocol import AcceptanceRule, Drafter
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Sharding(Protocol):
+    """This process's share of a tensor-parallel engine (`distributed.tensor_parallel.TensorParallelSharding`)."""
+
+    def kv_config(self, cfg: Any) -> Any:
+        """The model config as this rank's KV cache sees it (its KV heads only)."""
+
+    def shard(self, model: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's share of `model` (modules replaced on the meta device) and of the engine weights."""
+
+
+@dataclass
+class LoadedEngine:
+    """What `load_engine` builds; `Engine` exposes each part under the same name."""
+
+    manifest: EngineManifest
+    max_batch_size: int
+    max_seq_len: int
+    block_size: int
+    model: nn.Module
+    batch_invariant: bool  # every linear and attention of the target computes each row alone (model_loader.py)
+    drafter: Drafter
+    acceptance: AcceptanceRule
+    pool: BlockPool
+    scheduler: Scheduler
+    runner: ModelRunner
+    tokenizer: EngineTokenizer | None
+    eos_ids: frozenset[int]  # the model config's EOS and generation_config.json's
+
+
+def prefix_cache_for(args: LlmArgs, manifest: EngineManifest, spec: object, drafter: Drafter,
+                     kv_dtype: torch.dtype, block_size: int) -> PrefixCache | None:
+    """The prefix cache when `kv_cache_config.enable_block_reuse` is on (None otherwise): keys salted with what
+    changes KV content besides the tokens (checkpoint, KV dtype, drafter and K), and the drafter's look-ahead."""
+    if not args.kv_cache_config.enable_block_reuse:
+        return None
+    salt = "|".join([manifest.source.fingerprint, manifest.dtype, str(kv_dtype), drafter.name,
+                     str(drafter.num_draft_tokens), repr(spec)])
+    return PrefixCache(block_size, salt, drafter.kv_lookahead)
+
+
+def load_engine(engine_dir: str | Path, args: LlmArgs, spec: MTPDecodingConfig | None, device: torch.device,
+                sharding: Sharding | None = None) -> LoadedEngine:
+    """Load `engine_dir` for decoding on `device`.
+
+    Args:
+        sharding: this rank's share when the process is one rank of a tensor-parallel engine.
+    Raises:
+        EngineError: a missing or corrupt engine file, weights that do not match the manifest, unreadable
+            tokenizer files; EngineSizeError: sizes that do not fit the model or the memory; LlmArgsError: settings
+            that do not fit this engine or each other.
+    """
+    t0 = time.perf_counter()
+    engine_dir = Path(engine_dir)
+    manifest = EngineManifest.load(engine_dir)
+    cfg = manifest.model
+    max_batch_size = args.max_batch_size or manifest.build_options.max_batch_size
+    max_seq_len = args.max_seq_len or manifest.build_options.max_seq_len
+    block_size = args.kv_cache_config.tokens_per_block
+    check_sizes_against_model(args, cfg, manifest.build_options.max_seq_len, max_batch_size, max_seq_len)
+    weights = read_weights(engine_dir, manifest, args.verify_weights, device)
+    ctx = LoadContext(manifest, engine_dir, device, max_seq_len, pop_medusa_heads(weights, manifest))
+    drafter, acceptance = registry.build(spec, ctx)  # the method's strategies, chosen once
+    k = drafter.num_draft_tokens
+    # KV positions past max_seq_len a step may touch: K+1 in flight (overlap) + the decode look-ahead 2K+1.
+    lookahead = (k + 1) + (2 * k + 1)
+    kv_dtype = DTYPES.get(args.kv_cache_config.dtype, DTYPES[manifest.dtype])
+    # Checked against the memory there is before the rope table, drafter state and KV cache are allocated.
+    kv_cfg = cfg if sharding is None else sharding.kv_config(cfg)  # a rank caches its KV heads only
+    plan = plan_kv_cache(args, kv_cfg, device, max_batch_size, max_seq_len, lookahead, kv_dtype,
+                         DTYPES[manifest.dtype], drafter)
+    model, batch_invariant = load_model(manifest, weights, device, max_seq_len + lookahead + block_size,
+                                        None if sharding is None else sharding.shard)
+    if drafter.uses_draft_head and fast_bf16(device):
+        model.use_bf16_draft_head()  # drafts only propose: a cheaper head cannot change the output
+    cut = (getattr(spec, "draft_vocab_size", None), getattr(spec, "draft_token_map", None))
+    if drafter.uses_draft_head and cut != (None, None):  # MTP's head (a Draft_Target drafter cuts its own)
+        cut_draft_head(model, engine_dir, device, *cut, cfg.vocab_size, sharding is not None)
+    kv = allocate_kv_cache(model.num_cache_layers, plan.num_blocks, block_size, kv_cfg.kv_cache_dim, kv_dtype,
+                           device)  # num_blocks counts the null block
+    pool = BlockPool(plan.num_blocks, block_size, prefix_cache_for(args, manifest, spec, drafter, kv_dtype,
+                                                                   block_size))
+    draft_len_policy = choose_draft_len_policy(spec, k, drafter.expected_tokens)
+    try:
+        scheduler = Scheduler(pool, max_batch_size, args.max_num_tokens, k,
+                              enable_chunked_prefill=args.enable_chunked_prefill,
+                              prefill_overlap=drafter.prefill_overlap, draft_len_policy=draft_len_policy,
+                              drafter_kv=drafter.kv_in_cache, max_seq_len=max_seq_len)
+    except ValueError as e:
+        raise LlmArgsError(str(e)) from e
+    decode_fn = drafter.decode_fn  # verify_and_draft_step, or Medusa's tree step
+    if args.torch_compile_config is not None:
+        decode_fn = compile_decode_fn(decode_fn, engine_dir, device, args.torch_compile_config, manifest)
+    elif manifest.compiled_step is not None:
+        logger.info("%s stores torch.compile artifacts; torch_compile_config: {} uses them", engine_dir)
+    decode_fn = graph_decode_fn(decode_fn, args.cuda_graph_config, device, max_batch_size, plan.per_seq)
+    runner = ModelRunner(model, drafter, acceptance, kv, block_size, max_batch_size, decode_fn=decode_fn)
+    try:
+        tokenizer = EngineTokenizer.load(engine_dir, manifest.tokenizer_files)
+    except Exception as e:  # transformers raises many kinds for a corrupt tokenizer file
+        raise EngineError(f"the tokenizer files {manifest.tokenizer_files} of {engine_dir} cannot be loaded "
+                          f"({type(e).__name__}: {e}); rebuild the engine") from e
+    eos_ids = eos_token_ids(engine_dir, cfg.eos_token_id)
+    logger.info("loaded %s in %.2fs: %s, drafter %s (K=%d), %d KV blocks of %d tokens", engine_dir,
+                time.perf_counter() - t0, manifest.dtype, drafter.name, k, plan.num_blocks, block_size)
+    return LoadedEngine(manifest, max_batch_size, max_seq_len, block_size, model, batch_invariant, drafter,
+                        acceptance, pool, scheduler, runner, tokenizer, eos_ids)

@@ -1,0 +1,92 @@
+"""`StepPlan`: the scheduler → runner contract for one step, data only (vLLM's `SchedulerOutput`).
+
+The scheduler builds one per step from its requests; the model runner reads nothing else. The same object is what
+rank 0 of a tensor-parallel engine broadcasts to the other ranks (distributed/mirror.py), so every rank launches
+exactly the same step. It holds plain ints, floats and tuples: no live `Request`, nothing mutable, picklable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from nextn.runtime.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """One step: its kind, and per row (request, in batch order) what the runner reads.
+
+    Attributes:
+        step_id: the scheduler's count of the plans it has made (it keys the plan's requests there).
+        kind: "prefill" (prompt chunks) or "decode" (one verify-and-draft step per request).
+        request_ids: [B] each row's request id (the overlap scheduler matches rows of consecutive steps by it).
+        batch_slots: [B] each row's batch slot (its row in the drafter and acceptance state buffers).
+        block_tables: [B] each row's KV block ids (unpadded).
+        temperature, top_k, top_p, seeds: [B] each row's sampling parameters and seed.
+        draft_len: decode only: drafts each row verifies (the draft-length policy's choice, ≤ K).
+        drafting: whether the step drafts for the next one. Decode: False when speculation is off (draft_len 0):
+            plain decoding, at no more cost. A request whose last step did not draft first runs one step with
+            draft_len 0 and drafting on when speculation comes back on (it has no drafts to verify). Prefill: False
+            when the policy would not speculate at the running batch's size: the drafter writes its KV but drafts
+            nothing.
+        kv_lens: decode only: [B] each row's KV length on the host (the step writes at kv_len..kv_len+draft_len).
+        input_ids: decode only: [B, draft_len + 1] each row's `[last emitted, d1..d_draft_len]` (missing drafts 0).
+        token_ids: prefill only: [B] each row's whole sequence (its chunk, the token after it, a reused prefix).
+        prefill_lens: prefill only: [B] tokens the row's admission prefills (`Request.prefill_len`).
+        chunk_starts, chunk_ends: prefill only: [B] each row runs its tokens [start, end); the chunk with
+            end ≥ prefill_len is its last and emits the first token.
+        num_reused: prefill only: [B] tokens the row reuses from the prefix cache when this chunk is the first of
+            its admission, else 0; the drafter's per-request state is rebuilt for them (`Drafter.load_prefix`).
+    """
+
+    step_id: int
+    kind: Literal["prefill", "decode"]
+    request_ids: tuple[int, ...]
+    batch_slots: tuple[int, ...]
+    block_tables: tuple[tuple[int, ...], ...]
+    temperature: tuple[float, ...]
+    top_k: tuple[int, ...]
+    top_p: tuple[float, ...]
+    seeds: tuple[int, ...]
+    draft_len: int = 0
+    drafting: bool = True
+    kv_lens: tuple[int, ...] = ()
+    input_ids: tuple[tuple[int, ...], ...] = ()
+    token_ids: tuple[tuple[int, ...], ...] = ()
+    prefill_lens: tuple[int, ...] = ()
+    chunk_starts: tuple[int, ...] = ()
+    chunk_ends: tuple[int, ...] = ()
+    num_reused: tuple[int, ...] = ()
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.request_ids)
+
+    def is_last_chunk(self, row: int) -> bool:
+        return self.chunk_ends[row] >= self.prefill_lens[row]
+
+    @classmethod
+    def prefill(cls, step_id: int, reqs: tuple[Request, ...], starts: tuple[int, ...], ends: tuple[int, ...],
+                num_reused: tuple[int, ...], drafting: bool) -> StepPlan:
+        """Prompt chunks [starts[i], ends[i]) of `reqs`."""
+        return cls(step_id, "prefill", *_rows(reqs), drafting=drafting,
+                   token_ids=tuple(tuple(r.all_token_ids) for r in reqs),
+                   prefill_lens=tuple(r.prefill_len for r in reqs), chunk_starts=starts, chunk_ends=ends,
+                   num_reused=num_reused)
+
+    @classmethod
+    def decode(cls, step_id: int, reqs: tuple[Request, ...], draft_len: int, drafting: bool) -> StepPlan:
+        """One verify-and-draft step of `reqs`, verifying `draft_len` of each one's drafts."""
+        pad = [0] * draft_len
+        return cls(step_id, "decode", *_rows(reqs), draft_len=draft_len, drafting=drafting,
+                   kv_lens=tuple(r.kv_len for r in reqs),
+                   input_ids=tuple((r.last_token_id, *(r.draft_tokens + pad)[:draft_len]) for r in reqs))
+
+
+def _rows(reqs: tuple[Request, ...]) -> tuple[tuple, ...]:
+    """The per-row fields every plan has, from request_ids to seeds."""
+    ps = [r.params for r in reqs]
+    return (tuple(r.request_id for r in reqs), tuple(r.batch_slot for r in reqs),
+            tuple(tuple(r.block_table) for r in reqs), tuple(p.temperature for p in ps), tuple(p.top_k for p in ps),
+            tuple(p.top_p for p in ps), tuple(r.seed for r in reqs))
