@@ -4,54 +4,25 @@ entry point users reach, and checks the rule of its class; `close()` releases wh
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import os
 import random
 import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from nextn.testing import fuzz_inputs_gen as gen
-from nextn.testing.fuzz_inputs import Harness
+from nextn.testing.fuzz_harness import BUILD_BOUND_S, Case, Harness, fresh_dir, quiet
 
 TEMPLATE_SLACK_S = 2.5  # past a render's budget: killing the worker, a loaded 2-core machine
 READ_BOUND_S = 5.0  # a user-named file is refused within seconds (PyYAML takes ~2 s to refuse a deep 1 MiB file)
-BUILD_BOUND_S = 20.0  # a tiny build (about 0.02 s once imported) or its refusal
 BOMB_CAP = 4 << 20  # the gzip bombs run against the prompt readers' cap lowered to 4 MiB (theirs: 1 GiB)
 TINY_VOCAB = 512  # the tree class's engine (SMALL_VOCAB)
 
 
-def make_cases(harness: Harness, root: Path, classes: tuple[str, ...]) -> dict[str, Any]:
-    from nextn.testing.fuzz_inputs_outputs import OutputsCase
-
-    kinds = {"templates": TemplatesCase, "counts": CountsCase, "user_files": UserFilesCase, "trees": TreesCase,
-             "outputs": OutputsCase}
-    return {name: kinds[name](harness, root / name) for name in classes}
-
-
-def fresh_dir(root: Path) -> Path:
-    d = root / uuid.uuid4().hex[:12]
-    d.mkdir(parents=True)
-    return d
-
-
-class _Case:
-    name = ""
-
-    def __init__(self, harness: Harness, root: Path) -> None:
-        self.h, self.root = harness, root
-        root.mkdir(parents=True, exist_ok=True)
-
-    def close(self) -> None:
-        pass
-
-
 # 1. chat templates ----------------------------------------------------------------------------------------------
-class TemplatesCase(_Case):
+class TemplatesCase(Case):
     name = "templates"
     GOOD = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
 
@@ -91,7 +62,7 @@ class TemplatesCase(_Case):
 
 
 # 2. counts: LLM arguments and GGUF headers ------------------------------------------------------------------------
-class CountsCase(_Case):
+class CountsCase(Case):
     name = "counts"
 
     def one(self, rng: random.Random, tag: str) -> None:
@@ -160,7 +131,7 @@ class CountsCase(_Case):
                 return f"main returned {code!r}"
             return None if (Path(argv[3]) / "manifest.json").is_file() else "no manifest.json after a build"
 
-        outcome, _ = self.h.attempt(self.name, label, lambda: _quiet(cli.main, argv),
+        outcome, _ = self.h.attempt(self.name, label, lambda: quiet(cli.main, argv),
                                     (), BUILD_BOUND_S, exit_2_is_named=True, check=built)
         after = sorted(p.name for p in (d / "out").iterdir())
         expected = before if outcome != "accepted" else sorted({*before, Path(argv[3]).relative_to(d / "out").parts[0]})
@@ -170,11 +141,6 @@ class CountsCase(_Case):
         if model.read_bytes() != model_bytes:
             self.h.fail(self.name, label, "the checkpoint changed")
         shutil.rmtree(d)
-
-
-def _quiet(fn, *args):
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        return fn(*args)
 
 
 def _llm_args_within_caps(args: Any) -> str | None:
@@ -256,7 +222,7 @@ def _readers() -> list[tuple[str, int, tuple[str, ...], str | None, Any, tuple[t
     ]
 
 
-class UserFilesCase(_Case):
+class UserFilesCase(Case):
     name = "user_files"
 
     def __init__(self, harness: Harness, root: Path) -> None:
@@ -278,7 +244,7 @@ class UserFilesCase(_Case):
         if bomb:
             dataset.MAX_PROMPT_FILE_BYTES = BOMB_CAP
         try:
-            outcome, _ = self.h.attempt(self.name, f"{tag} {what} given {kind} ({path.name})", lambda: _quiet(
+            outcome, _ = self.h.attempt(self.name, f"{tag} {what} given {kind} ({path.name})", lambda: quiet(
                 read, path), named, READ_BOUND_S, exit_2_is_named=exit_2)
         finally:
             dataset.MAX_PROMPT_FILE_BYTES = old_cap
@@ -289,7 +255,7 @@ class UserFilesCase(_Case):
 
 
 # 4. trees -----------------------------------------------------------------------------------------------------------
-class TreesCase(_Case):
+class TreesCase(Case):
     name = "trees"
 
     def __init__(self, harness: Harness, root: Path) -> None:

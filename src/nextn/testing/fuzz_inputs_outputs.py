@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from nextn.testing import fuzz_inputs_gen as gen
-from nextn.testing.fuzz_inputs import Harness
-from nextn.testing.fuzz_inputs_cases import BUILD_BOUND_S, _Case, _quiet, fresh_dir
+from nextn.testing.fuzz_harness import BUILD_BOUND_S, Case, Harness, fresh_dir, quiet
 
 BOUND_S = 5.0
 #: Contents of a user's files: none is in any command's own format (a token map, a `written_by` report, a PNG).
@@ -105,7 +104,7 @@ def hostile_output_file(rng: random.Random, path: Path, outside: Path) -> str:
     return kind
 
 
-class OutputsCase(_Case):
+class OutputsCase(Case):
     name = "outputs"
 
     def __init__(self, harness: Harness, root: Path) -> None:
@@ -131,7 +130,7 @@ class OutputsCase(_Case):
         run, named, exit_2, what = getattr(self, "_" + command.replace("-", "_").replace(" ", "_"))(rng, d, outside)
         before = listing(d)
         label = f"{tag} {command}: {what}"
-        outcome, _ = self.h.attempt(self.name, label, lambda: _quiet(run), named, BOUND_S if command != "build-engine"
+        outcome, _ = self.h.attempt(self.name, label, lambda: quiet(run), named, BOUND_S if command != "build-engine"
                                     else BUILD_BOUND_S, exit_2_is_named=exit_2)
         after = listing(d)
         changed = sorted(k for k in before if after.get(k) != before[k])
