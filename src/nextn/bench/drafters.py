@@ -31,12 +31,12 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from nextn.bench import llama_cpp
+from nextn.bench.decode_pass import run_nextn
 from nextn.bench.outputs import check_report, write_report
 from nextn.bench.real_models import load_prompt_texts
 
@@ -72,27 +72,6 @@ def _llm(target: Path, fmt: str, spec: dict | None, cache: Path | None, max_batc
 
     return LLM(target, speculative_config=spec, dtype="float32" if fmt == "fp32" else "bfloat16",
                quant_config=FORMATS[fmt], engine_cache_dir=cache, max_batch_size=max_batch, max_seq_len=2048)
-
-
-def run_nextn(llm, prompts: list[list[int]], max_tokens: int, batch: int) -> dict:
-    """One pass over the prompts: decode tokens/s (batch 1) or throughput (batch > 1), AL and acceptance rate."""
-    from nextn import SamplingParams
-
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, detokenize=False)
-    t0 = time.perf_counter()
-    if batch == 1:
-        outs = [llm.generate([p], params)[0].outputs[0] for p in prompts]
-        seconds = sum(o.finished_time - o.first_token_time for o in outs)
-        tokens = sum(len(o.token_ids) - 1 for o in outs)
-    else:
-        outs = [r.outputs[0] for r in llm.generate(prompts, params)]
-        seconds, tokens = time.perf_counter() - t0, sum(len(o.token_ids) for o in outs)
-    steps = sum(o.num_decode_steps for o in outs)
-    drafts = sum(o.num_draft_tokens for o in outs)
-    accepted = sum(o.num_accepted_draft_tokens for o in outs)
-    return {"tps": tokens / seconds, "al": 1 + accepted / steps if steps else 1.0,
-            "acceptance_rate": accepted / drafts if drafts else 0.0,
-            "tokens": [list(o.token_ids) for o in outs]}
 
 
 def run_llama_cpp(bin_dir: Path, target: Path, draft: Path | None, texts: list[str], max_tokens: int, k: int,

@@ -178,7 +178,7 @@ def _all_configs(args) -> dict[str, dict]:
 def _speed(engine: Path, prompts: list[list[int]], args, names: list[str]) -> dict[str, dict]:
     """Batch-1 tokens/s of plain decoding and each named config, alternating, best of `args.speed` passes."""
     from nextn import LLM
-    from nextn.bench.drafters import run_nextn
+    from nextn.bench.decode_pass import run_nextn
 
     control = {"plain (a second engine: the noise)": None} if getattr(args, "compare_policies", False) else {}
     specs = {"plain": None, **control, **{n: s for n, s in _all_configs(args).items() if n in names}}
