@@ -154,7 +154,7 @@ def test_prepare_dataset_synthetic(checkpoints, tmp_path, capsys):
 
 
 def test_a_gzipped_dataset_is_bounded_after_decompression_and_a_device_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr("nextn.bench.dataset.MAX_PROMPT_FILE_BYTES", 4096)
+    monkeypatch.setattr("nextn.config.prompt_files.MAX_PROMPT_FILE_BYTES", 4096)
     rows = "".join(json.dumps({"prompt": "x" * 100, "output_tokens": 1}) + "\n" for _ in range(100))
     small = tmp_path / "d.jsonl.gz"
     with gzip.open(small, "wt") as f:
@@ -181,7 +181,7 @@ def test_the_benchmarks_prompt_sets_are_read_bounded(tmp_path, monkeypatch):
         f.write(json.dumps({"task_id": "HumanEval/0", "prompt": "def f():"}) + "\n")
     assert load_prompt_texts(1, 1, tmp_path) == ["One?", "def f():"]
     assert load_conversations(1, tmp_path) == [("One?", "Two?")]
-    monkeypatch.setattr("nextn.bench.dataset.MAX_PROMPT_FILE_BYTES", len(row) * 10)
+    monkeypatch.setattr("nextn.config.prompt_files.MAX_PROMPT_FILE_BYTES", len(row) * 10)
     with pytest.raises(DatasetError, match="mt_bench.jsonl is larger than"):
         load_prompt_texts(1, 1, tmp_path)
     with pytest.raises(DatasetError, match="mt_bench.jsonl is larger than"):

@@ -68,7 +68,7 @@ def test_a_gzip_bomb_stops_at_the_decompressed_cap(tmp_path, monkeypatch):
     import time
 
     import nextn.train.prompts as prompts
-    from nextn.bench.dataset import DatasetError
+    from nextn.config.prompt_files import DatasetError
 
     bomb = tmp_path / "bomb.jsonl.gz"
     with gzip.open(bomb, "wb", compresslevel=9) as f:  # 50 MB of zeros in a ~50 KB file
@@ -76,7 +76,7 @@ def test_a_gzip_bomb_stops_at_the_decompressed_cap(tmp_path, monkeypatch):
             f.write(b"\0" * (1 << 20))
     assert bomb.stat().st_size < 1 << 20
     monkeypatch.setattr(prompts, "MAX_PROMPT_FILE_BYTES", 1 << 20, raising=True)
-    monkeypatch.setattr("nextn.bench.dataset.MAX_PROMPT_FILE_BYTES", 1 << 20)
+    monkeypatch.setattr("nextn.config.prompt_files.MAX_PROMPT_FILE_BYTES", 1 << 20)
     start = time.perf_counter()
     with pytest.raises(DatasetError, match=r"bomb.jsonl.gz decompresses to more than 1048576 bytes"):
         read_prompts([bomb], chat=True)
@@ -87,7 +87,7 @@ def test_a_corpus_over_the_cap_a_device_and_a_fifo_are_refused_unread(tmp_path, 
     import os
     import threading
 
-    from nextn.bench.dataset import DatasetError
+    from nextn.config.prompt_files import DatasetError
 
     monkeypatch.setattr("nextn.train.prompts.MAX_PROMPT_FILE_BYTES", 1000)
     big = tmp_path / "big.txt"

@@ -7,7 +7,7 @@ Sources:
 - real prompt files (JSONL, optionally gzipped), recognised by their fields: MT-bench and Spec-Bench (`turns`: the
   first turn is the prompt; Spec-Bench adds categories such as `translation`), HumanEval (`prompt`), GSM8K (`question`).
 
-Every file is read through `config/user_files.open_user_text`: a regular file only (a device, FIFO or directory is
+Every file is read through `config/prompt_files.json_lines`: a regular file only (a device, FIFO or directory is
 refused unread), at most `MAX_PROMPT_FILE_BYTES` on disk and, for a gzip, after decompression (counted as it streams).
 """
 
@@ -20,18 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from nextn.config.user_files import open_user_text
+from nextn.config.prompt_files import DatasetError, detect_format, json_lines
 
 #: The fields of a trtllm-bench dataset line.
 VALID_FIELDS = ("task_id", "prompt", "input_ids", "output_tokens")
-#: MT-bench's eight categories; a `turns` file with others is Spec-Bench.
-MT_BENCH_CATEGORIES = frozenset({"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"})
-#: Most bytes of one dataset, prompt file or corpus, on disk and decompressed (Spec-Bench is 0.7 MB, GSM8K 0.75 MB).
-MAX_PROMPT_FILE_BYTES = 1 << 30
-
-
-class DatasetError(ValueError):
-    """A dataset or prompt file that cannot be read; the message names the file, the line and the fix."""
 
 
 @dataclass(frozen=True)
@@ -48,32 +40,6 @@ class DatasetEntry:
         row.update({"input_ids": self.input_ids} if self.input_ids is not None else {"prompt": self.prompt})
         row["output_tokens"] = self.output_tokens
         return json.dumps(row, ensure_ascii=False)
-
-
-def _json_lines(path: str | Path, what: str = "dataset") -> Iterable[tuple[int, dict]]:
-    """(line number, object) for each non-blank line of a JSON-lines file (gzipped when its name ends with .gz).
-
-    Raises:
-        DatasetError: missing, not a regular file, over `MAX_PROMPT_FILE_BYTES` (on disk or decompressed), a corrupt
-            gzip, not UTF-8, bad JSON, not an object (the line named).
-    """
-    path = Path(path)
-    try:
-        with open_user_text(path, what, DatasetError, MAX_PROMPT_FILE_BYTES) as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DatasetError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-                except (ValueError, RecursionError) as e:  # an int of over 4300 digits, nesting past the stack
-                    raise DatasetError(f"{path}:{lineno}: not valid JSON ({str(e) or type(e).__name__})") from None
-                if not isinstance(row, dict):
-                    raise DatasetError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-                yield lineno, row
-    except (OSError, UnicodeDecodeError, EOFError) as e:
-        raise DatasetError(f"{path}: cannot be read ({e})") from None
 
 
 def _entry(row: dict, where: str, index: int) -> DatasetEntry:
@@ -103,7 +69,7 @@ def load_dataset(path: str | Path) -> list[DatasetEntry]:
         DatasetError: a missing or empty file, a line that is not a JSON object, unknown fields, neither or both of
             `prompt`/`input_ids`, or `output_tokens` missing or < 1 (the message gives the line).
     """
-    entries = [_entry(row, f"{path}:{lineno}", i) for i, (lineno, row) in enumerate(_json_lines(path))]
+    entries = [_entry(row, f"{path}:{lineno}", i) for i, (lineno, row) in enumerate(json_lines(path))]
     if not entries:
         raise DatasetError(f"dataset {path} has no requests")
     return entries
@@ -141,22 +107,6 @@ def synthetic_dataset(input_lens: list[int], output_lens: list[int], vocab_size:
 
 
 # Real prompt sets ------------------------------------------------------------------------------------------------
-def detect_format(row: dict) -> str:
-    """The prompt-file format of one row: "mt_bench", "spec_bench", "humaneval" or "gsm8k".
-
-    Raises:
-        DatasetError: no field that says which (the message lists the recognised ones).
-    """
-    if isinstance(row.get("turns"), list):
-        return "mt_bench" if row.get("category", "writing") in MT_BENCH_CATEGORIES else "spec_bench"
-    if isinstance(row.get("prompt"), str):
-        return "humaneval"
-    if isinstance(row.get("question"), str):
-        return "gsm8k"
-    raise DatasetError(f"unrecognised prompt file row with fields {sorted(row)}: expected 'turns' (MT-bench, "
-                       "Spec-Bench), 'prompt' (HumanEval) or 'question' (GSM8K)")
-
-
 def _prompt_text(row: dict, fmt: str, where: str) -> str:
     if fmt in ("mt_bench", "spec_bench"):
         turns = row.get("turns")
@@ -175,7 +125,7 @@ def read_prompt_file(path: str | Path) -> tuple[str, list[str]]:
     The format is detected from the fields of every row; a Spec-Bench file is one whose categories go beyond
     MT-bench's eight. Raises DatasetError: missing file, bad JSON, rows of no or of mixed formats.
     """
-    rows = list(_json_lines(path, "prompt file"))
+    rows = list(json_lines(path, "prompt file"))
     if not rows:
         raise DatasetError(f"prompt file {path} is empty")
     formats = {detect_format(row) for _, row in rows}

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from nextn.bench.dataset import _json_lines
+from nextn.config.prompt_files import json_lines
 from nextn.bench.outputs import check_report, write_report
 from nextn.bench.real_models import DEFAULT_WORK_DIR, SHARED_DATA, build_cached_engine
 
@@ -56,7 +56,7 @@ def load_conversations(num: int, data_dir: Path = SHARED_DATA) -> list[tuple[str
     Raises:
         DatasetError: ../shared/data/prompts/mt_bench.jsonl is absent or unreadable (bench/dataset.py's bounds).
     """
-    rows = [row for _, row in _json_lines(data_dir / "prompts" / "mt_bench.jsonl", "prompt file")]
+    rows = [row for _, row in json_lines(data_dir / "prompts" / "mt_bench.jsonl", "prompt file")]
     return [(r["turns"][0], r["turns"][1]) for r in rows[:num]]
 
 

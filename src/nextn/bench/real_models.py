@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from nextn.bench.dataset import _json_lines
+from nextn.config.prompt_files import json_lines
 from nextn.bench.outputs import check_report, write_report
 
 SHARED_DATA = Path(__file__).resolve().parents[3].parent / "shared" / "data"
@@ -47,8 +47,8 @@ def load_prompt_texts(num_mt_bench: int, num_humaneval: int, data_dir: Path = SH
             not JSON lines (bench/dataset.py).
     """
     prompts = data_dir / "prompts"
-    mt = [row["turns"][0] for _, row in _json_lines(prompts / "mt_bench.jsonl", "prompt file")][:num_mt_bench]
-    he = [row["prompt"] for _, row in _json_lines(prompts / "humaneval.jsonl.gz", "prompt file")][:num_humaneval]
+    mt = [row["turns"][0] for _, row in json_lines(prompts / "mt_bench.jsonl", "prompt file")][:num_mt_bench]
+    he = [row["prompt"] for _, row in json_lines(prompts / "humaneval.jsonl.gz", "prompt file")][:num_humaneval]
     return mt + he
 
 

@@ -201,7 +201,7 @@ def _run(args: argparse.Namespace) -> int:
     missing = [str(f) for f in args.data if not f.exists()]
     if missing:
         raise ValueError(f"data file(s) not found: {', '.join(missing)}")
-    from nextn.bench.dataset import MAX_PROMPT_FILE_BYTES
+    from nextn.config.prompt_files import MAX_PROMPT_FILE_BYTES
 
     for f in args.data:
         check_user_file(f, "data file", max_bytes=MAX_PROMPT_FILE_BYTES)

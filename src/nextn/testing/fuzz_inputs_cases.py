@@ -180,11 +180,12 @@ def _llm_args_within_caps(args: Any) -> str | None:
 # 3. user-named files ------------------------------------------------------------------------------------------------
 def _readers() -> list[tuple[str, int, tuple[str, ...], str | None, Any, tuple[type[BaseException], ...], bool]]:
     """(what, size cap, file suffixes, fixed file name or None, read(path), named errors, exit 2 named)."""
-    from nextn.bench.dataset import MAX_PROMPT_FILE_BYTES, DatasetError, load_dataset, read_prompt_file
+    from nextn.bench.dataset import DatasetError, load_dataset, read_prompt_file
     from nextn.bench.mtp_tree_al import read_train_record
     from nextn.cli import train_draft
     from nextn.cli.token_map import MAX_CORPUS_BYTES, TokenMapError, corpus_texts
     from nextn.config.llm_args import MAX_YAML_BYTES, LlmArgsError, load_llm_args_yaml
+    from nextn.config.prompt_files import MAX_PROMPT_FILE_BYTES
     from nextn.config.user_files import MAX_USER_FILE_BYTES
     from nextn.speculative.medusa_tree import MAX_TREE_FILE_BYTES, TreeError, published_tree
     from nextn.speculative.draft_vocab import load_token_map
@@ -230,7 +231,7 @@ class UserFilesCase(Case):
         self.readers = _readers()
 
     def one(self, rng: random.Random, tag: str) -> None:
-        import nextn.bench.dataset as dataset
+        import nextn.config.prompt_files as prompt_files
 
         what, cap, suffixes, fixed, read, named, exit_2 = rng.choice(self.readers)
         kind = rng.choice(gen.FILE_KINDS)
@@ -240,14 +241,14 @@ class UserFilesCase(Case):
             name = "input.jsonl.gz"
         path = gen.hostile_file(rng, d / name, kind, cap, 3 * BOMB_CAP // 2, fixed_name=fixed is not None)
         bomb = kind == "gzip_bomb" and path.name.endswith(".gz")
-        old_cap = dataset.MAX_PROMPT_FILE_BYTES
+        old_cap = prompt_files.MAX_PROMPT_FILE_BYTES
         if bomb:
-            dataset.MAX_PROMPT_FILE_BYTES = BOMB_CAP
+            prompt_files.MAX_PROMPT_FILE_BYTES = BOMB_CAP
         try:
             outcome, _ = self.h.attempt(self.name, f"{tag} {what} given {kind} ({path.name})", lambda: quiet(
                 read, path), named, READ_BOUND_S, exit_2_is_named=exit_2)
         finally:
-            dataset.MAX_PROMPT_FILE_BYTES = old_cap
+            prompt_files.MAX_PROMPT_FILE_BYTES = old_cap
         if outcome == "accepted" and kind not in ("junk", "bad_utf8", "deep_json"):
             self.h.fail(self.name, f"{tag} {what} given {kind}", "accepted: a file that is not a small regular file "
                                                                 "was read or silently ignored")

@@ -1,7 +1,7 @@
 """Training prompts for self-distillation: where they come from, their ids, and the seeded train / held-out split.
 
 Sources (`read_prompts`), each prompt with a stable id:
-- prompt files (JSON lines, optionally gzipped; formats as `nextn.bench.dataset` detects them): MT-bench and
+- prompt files (JSON lines, optionally gzipped; formats as `nextn.config.prompt_files` detects them): MT-bench and
   Spec-Bench first turns (`mt_bench/81`, `spec_bench/81`), HumanEval (`humaneval/HumanEval/0`), GSM8K
   (`gsm8k/12`, the row number);
 - text corpora (any other file): paragraphs (blocks between blank lines, joined, at most `MAX_PARAGRAPH_CHARS`),
@@ -13,7 +13,7 @@ normalised text falls under the fraction. A text that occurs in several files (S
 questions) is therefore on the same side everywhere, so a held-out MT-bench question id is never trained on, by
 construction; the held-out ids are recorded in `train_draft.json`.
 
-Every file is read bounded (`nextn.bench.dataset.MAX_PROMPT_FILE_BYTES`, on disk and, for a gzipped prompt file,
+Every file is read bounded (`nextn.config.prompt_files.MAX_PROMPT_FILE_BYTES`, on disk and, for a gzipped prompt file,
 decompressed as it streams); a device, FIFO or directory is refused unread (`DatasetError`).
 """
 
@@ -24,7 +24,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from nextn.bench.dataset import MAX_PROMPT_FILE_BYTES, DatasetError, _json_lines, detect_format
+from nextn.config.prompt_files import MAX_PROMPT_FILE_BYTES, DatasetError, detect_format, json_lines
 from nextn.config.user_files import read_user_text
 
 #: Sources whose prompts are benchmark questions (the figures are measured on their held-out part).
@@ -57,7 +57,7 @@ class TrainPrompt:
 
 
 def _corpus_lines(path: Path) -> list[str]:
-    """The lines of a text corpus (bytes that are not UTF-8 replaced). Raises DatasetError: as `_json_lines`."""
+    """The lines of a text corpus (bytes that are not UTF-8 replaced). Raises DatasetError: as `json_lines`."""
     return read_user_text(path, "corpus file", DatasetError, MAX_PROMPT_FILE_BYTES, errors="replace").splitlines()
 
 
@@ -99,7 +99,7 @@ def read_prompts(files: list[str | Path], *, chat: bool) -> list[TrainPrompt]:
     for f in map(Path, files):
         name = f.name.removesuffix(".gz")
         if name.endswith((".jsonl", ".json")):
-            rows = list(_json_lines(f, "prompt file"))
+            rows = list(json_lines(f, "prompt file"))
             formats = {detect_format(row) for _, row in rows}
             fmt = "spec_bench" if "spec_bench" in formats else formats.pop() if len(formats) == 1 else None
             if fmt is None:
