@@ -9,7 +9,7 @@ Sources: Oliaro et al., "SuffixDecoding: Extreme Speculative Decoding for Emergi
     per request  a tree over its prompt + output (tokens by absolute position, per batch slot)
     global       a tree over earlier requests' outputs (prompts excluded, as in Arctic), at most
                  suffix_decoding_max_cached_requests of them, the oldest evicted first
-    each step    the emitted tokens go into the request's tree; both trees propose (suffix_tree.propose) and the
+    each step    the emitted tokens go into the request's tree; both trees propose (SuffixTree.propose) and the
                  higher score — the expected number of accepted drafts — wins (Arctic's rule; ties: the request's)
     short        a proposal under K tokens is padded with its last token (the sequence's last token when empty):
                  padded drafts are rejected harmlessly
@@ -45,7 +45,7 @@ from nextn.speculative.acceptance_rules import StandardAcceptance
 from nextn.speculative.chain_step import LinearDrafter
 from nextn.speculative.method import LoadContext, Method, from_build_yaml
 from nextn.speculative.protocol import AcceptanceRule, Drafter, DrafterState, rows_at
-from nextn.speculative.suffix_tree import Node, OutputCache, SuffixTree, propose
+from nextn.speculative.suffix_tree import OutputCache, SuffixTree
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +63,8 @@ class _Slot:
         self.tree = SuffixTree(depth)
         self.segment = 0  # the tree's sequence id for the tokens since the last gap
         self.segment_start = 0
-        self.ends: list[Node] = []  # matches of the context in `tree`
-        self.global_ends: list[Node] = []  # ... and in the global tree, valid at its `global_version`
+        self.ends: list[int] = []  # matches of the context in `tree`
+        self.global_ends: list[int] = []  # ... and in the global tree, valid at its `global_version`
         self.global_version = -1
 
     def output_segments(self) -> list[list[int]]:
@@ -165,9 +165,9 @@ class SuffixDrafter(LinearDrafter):
             s.global_ends = glob.match(s.tokens[max(s.segment_start, len(s.tokens) - self.depth):])
             s.global_version = glob.version
         k = self.num_draft_tokens
-        best = propose(s.ends, k, self.spec_factor, self.min_token_prob)
+        best = s.tree.propose(s.ends, k, self.spec_factor, self.min_token_prob)
         if s.global_ends:
-            other = propose(s.global_ends, k, self.spec_factor, self.min_token_prob)
+            other = glob.propose(s.global_ends, k, self.spec_factor, self.min_token_prob)
             if other.score > best.score:
                 best = other
         drafts = best.tokens

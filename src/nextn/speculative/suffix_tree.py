@@ -28,34 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 MAX_DEPTH = 64  # the deepest tree: bounds the nodes a token adds (D) and the work of each append and match
-
-
-class Node:
-    """One path of the trie: its last token, its occurrence count, its children by token and the most frequent
-    child (the largest (count, −token); `_STALE` after a removal until it is looked up again)."""
-
-    __slots__ = ("token", "count", "children", "best")
-
-    def __init__(self, token: int) -> None:
-        self.token = token
-        self.count = 0
-        self.children: dict[int, Node] | None = None
-        self.best: Node | None = None
-
-
-_STALE = Node(-1)
-
-
-def best_child(node: Node) -> Node | None:
-    """The child with the largest count (the smallest token among equal counts), or None for a leaf."""
-    best = node.best
-    if best is _STALE:
-        best = None
-        for c in (node.children or {}).values():
-            if best is None or c.count > best.count or (c.count == best.count and c.token < best.token):
-                best = c
-        node.best = best
-    return best
+ROOT = 0  # the node id of the empty path
+_NONE, _STALE = -1, -2  # `best` of a leaf; `best` after a removal changed a child's count, until looked up again
 
 
 @dataclass(frozen=True)
@@ -68,86 +42,91 @@ class Proposal:
     match_len: int = 0
 
 
-def propose(ends: Sequence[Node], max_tokens: int, spec_factor: float, min_token_prob: float) -> Proposal:
-    """The best speculation from matched nodes `ends` (ends[m − 1]: the node of the context's last m tokens).
-
-    Greedy by frequency: from each node, the most frequent child while the path probability stays ≥
-    min_token_prob, at most min(max_tokens, ⌊spec_factor · m⌋) tokens. Longest match first; a shorter match must
-    score strictly better, and one whose budget cannot stops the search.
-    """
-    best = Proposal()
-    for m in range(len(ends), 0, -1):
-        budget = min(max_tokens, int(m * spec_factor + 1e-6))
-        if budget <= best.score:  # a score is at most its budget, and budgets shrink with m
-            break
-        node, prob, score, tokens = ends[m - 1], 1.0, 0.0, []
-        while len(tokens) < budget and node.children:
-            child = best_child(node)
-            if child is None:
-                break
-            prob *= child.count / node.count
-            if prob < min_token_prob:
-                break
-            tokens.append(child.token)
-            score += prob
-            node = child
-        if score > best.score:
-            best = Proposal(tokens, score, m)
-    return best
-
-
 class SuffixTree:
     """Sequences by id in one depth-bounded suffix trie (module docstring).
 
+    Nodes are ids into flat lists of ints — its token, its count, its children (a dict token → id, None for a
+    leaf) and its most frequent child (the largest (count, −token)) — so the garbage collector has no per-node
+    objects to scan (a tree of objects made a batch of 16 requests several times slower).
+
     Attributes:
         max_depth: D, the longest path (1 ≤ D ≤ MAX_DEPTH).
-        root: the empty path; root.count = the tokens held.
         num_nodes: nodes besides the root (≤ tokens held × D).
-        version: bumped by `remove` (nodes may be dropped: matches taken before it must be redone).
+        version: bumped by `remove` (node ids may be dropped and reused: matches taken before must be redone).
     """
 
     def __init__(self, max_depth: int) -> None:
         if not 1 <= max_depth <= MAX_DEPTH:
             raise ValueError(f"max_depth must be in [1, {MAX_DEPTH}], got {max_depth}")
         self.max_depth = max_depth
-        self.root = Node(-1)
-        self.num_nodes = 0
         self.version = 0
+        self.token: list[int] = [-1]
+        self.count: list[int] = [0]  # count[ROOT] = the tokens held
+        self.children: list[dict[int, int] | None] = [None]
+        self.best: list[int] = [_NONE]
+        self._free: list[int] = []  # ids of dropped nodes, reused first
         self._seqs: dict[int, list[int]] = {}
-        self._ends: dict[int, list[Node]] = {}  # each sequence's suffix nodes, lengths 1..min(D, n)
+        self._ends: dict[int, list[int]] = {}  # each sequence's suffix nodes, lengths 1..min(D, n)
 
-    def __contains__(self, seq_id: int) -> bool:
-        return seq_id in self._seqs
+    @property
+    def num_nodes(self) -> int:
+        return len(self.count) - 1 - len(self._free)
 
-    def _child(self, node: Node, token: int) -> Node:
-        """node's child for `token` (created when new), its count + 1."""
-        children = node.children
-        if children is None:
-            children = node.children = {}
-        child = children.get(token)
-        if child is None:
-            child = children[token] = Node(token)
-            self.num_nodes += 1
-        child.count += 1
-        b = node.best
-        if b is not _STALE and (b is None or child.count > b.count or (child.count == b.count and token < b.token)):
-            node.best = child
-        return child
+    def _new(self, token: int) -> int:
+        if self._free:
+            i = self._free.pop()
+            self.token[i], self.count[i], self.children[i], self.best[i] = token, 0, None, _NONE
+            return i
+        self.token.append(token)
+        self.count.append(0)
+        self.children.append(None)
+        self.best.append(_NONE)
+        return len(self.count) - 1
 
-    def extend(self, seq_id: int, tokens: Sequence[int]) -> list[Node]:
+    def best_child(self, node: int) -> int:
+        """The child with the largest count (the smallest token among equal counts), or -1 for a leaf."""
+        b = self.best[node]
+        if b == _STALE:
+            b, count, token = _NONE, self.count, self.token
+            for c in (self.children[node] or {}).values():
+                if b == _NONE or count[c] > count[b] or (count[c] == count[b] and token[c] < token[b]):
+                    b = c
+            self.best[node] = b
+        return b
+
+    def extend(self, seq_id: int, tokens: Sequence[int]) -> list[int]:
         """Append `tokens` to sequence `seq_id` (a new one when unseen).
 
         Returns:
             the nodes of the sequence's suffixes of length 1..min(D, n), shortest first: its matches in this tree
             (the tree's own list, replaced by the next call; do not modify it).
         """
-        root, keep = self.root, self.max_depth - 1
+        keep = self.max_depth - 1
+        count, token, children, best = self.count, self.token, self.children, self.best
         ends = self._ends.get(seq_id, [])
         for t in tokens:
-            new = [self._child(root, t)]
-            new += [self._child(node, t) for node in ends[:keep]]
+            new = []
+            for node in (ROOT, *ends[:keep]):  # each suffix of length 0..D−1 gets child t (the hot loop, inlined)
+                kids = children[node]
+                if kids is None:
+                    kids = children[node] = {}
+                child = kids.get(t)
+                if child is None:
+                    if self._free:
+                        child = kids[t] = self._new(t)
+                    else:
+                        child = kids[t] = len(count)
+                        token.append(t)
+                        count.append(0)
+                        children.append(None)
+                        best.append(_NONE)
+                c = count[child] = count[child] + 1
+                b = best[node]
+                if b != child and b != _STALE and (b == _NONE or c > count[b] or (c == count[b] and t < token[b])):
+                    best[node] = child
+                new.append(child)
             ends = new
-        root.count += len(tokens)
+        count[ROOT] += len(tokens)
         self._seqs.setdefault(seq_id, []).extend(tokens)
         self._ends[seq_id] = ends
         return ends
@@ -165,46 +144,80 @@ class SuffixTree:
         seq = self._seqs.pop(seq_id)
         self._ends.pop(seq_id, None)
         self.version += 1
-        self.root.count -= len(seq)
+        count, children, best = self.count, self.children, self.best
+        count[ROOT] -= len(seq)
         for start in range(len(seq)):
-            node = self.root
+            node = ROOT
             for t in seq[start:start + self.max_depth]:
-                child = node.children[t]
-                child.count -= 1
-                if node.best is child:
-                    node.best = _STALE
-                if child.count == 0:
+                child = children[node][t]
+                count[child] -= 1
+                if best[node] == child:
+                    best[node] = _STALE
+                if count[child] == 0:
                     # Its only occurrence was this one, so its subtree is a chain of count-1 nodes: all dropped.
-                    del node.children[t]
-                    while child is not None:
-                        self.num_nodes -= 1
-                        child = next(iter(child.children.values())) if child.children else None
+                    del children[node][t]
+                    while child != _NONE:
+                        kids = children[child]
+                        self._free.append(child)
+                        children[child] = None
+                        child = next(iter(kids.values())) if kids else _NONE
                     break
                 node = child
 
-    def match(self, context: Sequence[int]) -> list[Node]:
+    def match(self, context: Sequence[int]) -> list[int]:
         """The nodes of context's suffixes of length 1..M, shortest first; M ≤ D the longest present (O(M²))."""
-        ends: list[Node] = []
-        n = len(context)
+        ends: list[int] = []
+        n, children = len(context), self.children
         for m in range(1, min(self.max_depth, n) + 1):
-            node: Node | None = self.root
+            node = ROOT
             for t in context[n - m:]:
-                node = node.children.get(t) if node.children else None
-                if node is None:
+                kids = children[node]
+                node = kids.get(t, _NONE) if kids else _NONE
+                if node == _NONE:
                     return ends
             ends.append(node)
         return ends
 
-    def extend_match(self, ends: list[Node], token: int) -> list[Node]:
+    def extend_match(self, ends: list[int], token: int) -> list[int]:
         """`match(context + [token])` from `ends` = `match(context)` in O(D) (valid while `version` is unchanged;
         a match taken before sequences were added may come out shorter than the longest present)."""
-        new: list[Node] = []
-        for node in (self.root, *ends[:self.max_depth - 1]):
-            child = node.children.get(token) if node.children else None
-            if child is None:
+        new: list[int] = []
+        children = self.children
+        for node in (ROOT, *ends[:self.max_depth - 1]):
+            kids = children[node]
+            child = kids.get(token, _NONE) if kids else _NONE
+            if child == _NONE:
                 break
             new.append(child)
         return new
+
+    def propose(self, ends: Sequence[int], max_tokens: int, spec_factor: float, min_token_prob: float) -> Proposal:
+        """The best speculation from matched nodes `ends` (ends[m − 1]: the node of the context's last m tokens).
+
+        Greedy by frequency: from each node, the most frequent child while the path probability stays ≥
+        min_token_prob, at most min(max_tokens, ⌊spec_factor · m⌋) tokens. Longest match first; a shorter match
+        must score strictly better, and one whose budget cannot stops the search.
+        """
+        best = Proposal()
+        count, token, children = self.count, self.token, self.children
+        for m in range(len(ends), 0, -1):
+            budget = min(max_tokens, int(m * spec_factor + 1e-6))
+            if budget <= best.score:  # a score is at most its budget, and budgets shrink with m
+                break
+            node, prob, score, tokens = ends[m - 1], 1.0, 0.0, []
+            while len(tokens) < budget and children[node]:
+                child = self.best_child(node)
+                if child == _NONE:
+                    break
+                prob *= count[child] / count[node]
+                if prob < min_token_prob:
+                    break
+                tokens.append(token[child])
+                score += prob
+                node = child
+            if score > best.score:
+                best = Proposal(tokens, score, m)
+        return best
 
 
 class OutputCache:

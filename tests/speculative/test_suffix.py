@@ -1,0 +1,255 @@
+"""Suffix decoding (vLLM's `method: suffix`; speculative/suffix.py): the drafter keeps each slot's tokens by position
+(chunks, re-runs, gaps, slot reuse, prefix-cache hits) and drafts from the request's own tree and earlier outputs;
+greedy outputs are token-identical to plain decoding at batch 1 and 5, staggered, with preemption, chunked prefill,
+prefix-cache hits and the overlap scheduler on or off; copying pays (AL > 1, more on a repeated request); sampling
+keeps the target's distribution."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from nextn import LLM, SamplingParams
+from nextn.build.engine_builder import build_engine
+from nextn.config.llm_args import LlmArgsError, load_llm_args_yaml, parse_llm_args
+from nextn.speculative.method import LoadContext
+from nextn.speculative.suffix import SuffixDrafter, build
+from nextn.testing.chi_square import chi_square_two_sample_pvalue
+from nextn.testing.tiny_llama import tiny_hf_llama
+
+SUFFIX = {"decoding_type": "Suffix", "max_draft_len": 4}
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9], list(range(20, 47)), [3, 4, 3, 4, 3], [17, 42, 99, 5, 61, 8] * 3]
+STORIES = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "models" / "stories260K" / "stories260K.gguf"
+
+
+def outputs(llm: LLM, prompts, sp) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+
+
+def staggered(llm: LLM, prompts, params) -> list[list[int]]:
+    """One request joins before each step until all have; steps until all finish."""
+    pending, ids, outs = list(zip(prompts, params)), [], {}
+    while pending or llm.has_unfinished_requests:
+        if pending:
+            ids.append(llm.add_request(*pending.pop(0)))
+        outs.update({o.request_id: o for o in llm.step()})
+    return [outs[i].outputs[0].token_ids for i in ids]
+
+
+@pytest.fixture(scope="module")
+def llama_engine(tmp_path_factory):
+    """A tiny HF Llama built into an engine (no draft weights: suffix decoding needs none)."""
+    tmp = tmp_path_factory.mktemp("llama_suffix")
+    tiny_hf_llama().save_pretrained(tmp / "ckpt")
+    build_engine(tmp / "ckpt", tmp / "engine", progress=False, max_seq_len=128)
+    return tmp / "engine"
+
+
+# The drafter on its own: rows, slots, positions ------------------------------------------------------------------
+def prefill(d: SuffixDrafter, slots: list[int], starts: list[int], chunks: list[list[int]], nexts: list[int]):
+    """after_prefill for right-padded chunks at `starts`, each followed by `nexts` (the row convention)."""
+    width = max(map(len, chunks))
+    ids = torch.tensor([c + [0] * (width - len(c)) for c in chunks])
+    lens = torch.tensor([len(c) for c in chunks])
+    shifted = torch.cat([ids[:, 1:], ids[:, :1]], 1).scatter(1, (lens - 1)[:, None], torch.tensor(nexts)[:, None])
+    meta = SimpleNamespace(positions=torch.tensor(starts)[:, None] + torch.arange(width))
+    drafts, _ = d.after_prefill(None, None, meta, None, shifted, lens - 1, ids, (torch.tensor(slots),))
+    return drafts.tolist()
+
+
+def verify(d: SuffixDrafter, slots: list[int], last_pos: list[int], tokens: list[list[int]], counts: list[int]):
+    """after_verify for rows whose last token sat at `last_pos`, emitting tokens[b][:counts[b]]."""
+    meta = SimpleNamespace(positions=torch.tensor(last_pos)[:, None] + torch.arange(len(tokens[0])))
+    drafts, _ = d.after_verify(None, None, meta, None, torch.tensor(tokens), torch.tensor(counts),
+                               (torch.tensor(slots),))
+    return drafts.tolist()
+
+
+def test_rows_write_their_slots_by_position_idempotently():
+    d = SuffixDrafter(3, max_tree_depth=8)
+    assert d.initial_state(4, 16, torch.device("cpu"), torch.float32)[0].tolist() == [0, 1, 2, 3]
+    # Two requests in slots 2 and 0; the first prefilled in two chunks, the second whole.
+    prefill(d, [2, 0], [0, 0], [[1, 2, 3], [7, 8]], [4, 9])  # row 0's next token 4 is the next chunk's first
+    prefill(d, [2], [3], [[4, 5, 1, 2]], [3])
+    assert d.slots[2].tokens == [1, 2, 3, 4, 5, 1, 2, 3] and d.slots[2].prompt_len == 7
+    assert d.slots[0].tokens == [7, 8, 9] and d.slots[0].prompt_len == 2
+    nodes = d.slots[2].tree.num_nodes
+    assert prefill(d, [2], [3], [[4, 5, 1, 2]], [3]) == [[4, 5, 1]]  # a re-run changes nothing; "1 2 3" → 4 5 1
+    assert d.slots[2].tree.num_nodes == nodes
+    # Verify: L = 7 holds the last token; two of four columns emitted (the rest rejected, never written).
+    verify(d, [2, 0], [7, 2], [[4, 5, 77, 77], [9, 9, 9, 9]], [2, 1])
+    assert d.slots[2].tokens == [1, 2, 3, 4, 5, 1, 2, 3, 4, 5] and d.slots[0].tokens == [7, 8, 9, 9]
+
+
+def test_a_gap_starts_a_new_segment_and_a_rewrite_rebuilds():
+    d = SuffixDrafter(2, max_tree_depth=4)
+    prefill(d, [0], [0], [[1, 2, 3, 1, 2]], [3])
+    verify(d, [0], [9], [[5, 6, 0]], [2])  # positions 6..9 were decoded with speculation off: unknown
+    s = d.slots[0]
+    assert s.tokens == [1, 2, 3, 1, 2, 3, -1, -1, -1, -1, 5, 6] and s.segment == 1 and len(s.ends) == 2
+    assert verify(d, [0], [11], [[1, 2, 0]], [2]) == [[3, 1]]  # drafts still come from before the gap
+    verify(d, [0], [3], [[7, 8, 0]], [1])  # position 4 rewritten (7, not 2): the tree is rebuilt from position 4
+    assert s.tokens == [1, 2, 3, 1, 7] and s.tree.num_nodes == 4 + 4 + 3 + 2  # the distinct paths of "1 2 3 1 7" (D 4)
+    want = SuffixDrafter(2, max_tree_depth=4)
+    prefill(want, [0], [0], [[1, 2, 3, 1]], [7])
+    assert verify(d, [0], [4], [[9, 0, 0]], [1]) == verify(want, [0], [4], [[9, 0, 0]], [1])
+
+
+def test_a_reused_slot_sends_the_previous_output_to_the_global_tree():
+    d = SuffixDrafter(3, max_tree_depth=8, max_cached_requests=2)
+    prefill(d, [1], [0], [[50, 51, 52]], [10])
+    verify(d, [1], [3], [[11, 12, 13, 14]], [4])
+    verify(d, [1], [7], [[15, 0, 0, 0]], [1])
+    assert len(d.outputs) == 0  # the end of a request is only known when its slot starts another
+    # A new request in slot 1 (prefill at position 0): the output 10..15 (prompt excluded) is cached.
+    assert prefill(d, [1], [0], [[60, 11, 12]], [13]) == [[14, 15, 15]]  # from the global tree, padded
+    assert len(d.outputs) == 1 and d.outputs.tree.count[0] == 6
+    # A prefix-cache hit starts a request too; the global tree keeps max_cached_requests outputs.
+    d.load_prefix((), 1, [70, 71])
+    assert d.slots[1].tokens == [70, 71] and len(d.outputs) == 2
+    prefill(d, [1], [2], [[72]], [73])
+    d.load_prefix((), 1, [80])
+    assert len(d.outputs) == 2 and d.outputs.tree.count[0] == 2  # the oldest (10..15) evicted: [13] and [73]
+    assert verify(d, [1], [0], [[90, 0, 0, 0]], [1]) == [[90, 90, 90]]  # no match anywhere: the last token
+
+
+def test_only_cpu_engines_and_the_config():
+    with pytest.raises(LlmArgsError, match="Suffix.*CPU engines only"):
+        build(parse_llm_args({"speculative_config": SUFFIX}).speculative_config,
+              LoadContext(None, Path("."), torch.device("cuda"), 128))
+    spec = parse_llm_args({"speculative_config": SUFFIX}).speculative_config
+    assert (spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_max_cached_requests,
+            spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob) == (24, 1000, 1.0, 0.1)
+    with pytest.raises(LlmArgsError, match="suffix_decoding_max_tree_depth"):
+        parse_llm_args({"speculative_config": {**SUFFIX, "suffix_decoding_max_tree_depth": 65}})
+    with pytest.raises(LlmArgsError, match="unknown key 'speculative_config.method'"):
+        parse_llm_args({"speculative_config": {**SUFFIX, "method": "suffix"}})
+    args = parse_llm_args(load_llm_args_yaml(Path(__file__).parents[2] / "configs" / "suffix.yaml"))
+    assert args.speculative_config.decoding_type == "Suffix" and args.speculative_config.max_draft_len == 4
+
+
+# Greedy: lossless -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("overlap", [False, True])
+def test_greedy_suffix_equals_plain_decoding_alone_and_in_a_batch(llama_engine, overlap):
+    sp = SamplingParams(max_tokens=32, ignore_eos=True)
+    args = {"disable_overlap_scheduler": not overlap}
+    plain = outputs(LLM(llama_engine, speculative_config=None, **args), PROMPTS, sp)
+    llm = LLM(llama_engine, speculative_config=SUFFIX, **args)
+    assert isinstance(llm.engine.drafter, SuffixDrafter)
+    assert outputs(llm, PROMPTS, sp) == plain  # batch of 5
+    assert [outputs(llm, [p], sp)[0] for p in PROMPTS] == plain  # one at a time, drafting from earlier outputs too
+    assert len(llm.engine.drafter.outputs) >= len(PROMPTS)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_staggered_arrivals_preemption_and_chunked_prefill_stay_lossless(llama_engine, overlap):
+    prompts = PROMPTS + [[i, i + 1, i + 2, i] * 3 for i in range(30, 60, 10)]
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = LLM(llama_engine, speculative_config=None)
+    alone = [outputs(plain, [p], sp)[0] for p in prompts]
+    tight = LLM(llama_engine, speculative_config={**SUFFIX, "suffix_decoding_max_tree_depth": 6},
+                kv_cache_config={"max_tokens": 112, "tokens_per_block": 8}, enable_chunked_prefill=True,
+                max_num_tokens=8, disable_overlap_scheduler=not overlap)
+    assert staggered(tight, prompts, [sp] * len(prompts)) == alone
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert tight.engine.pool.num_free == tight.engine.pool.num_blocks - 1
+
+
+def test_speculation_switched_off_and_on_by_the_draft_len_policy_stays_lossless(llama_engine):
+    """Above max_concurrency the step runs without the drafter: the slots' sequences get gaps, drafting resumes."""
+    sp = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (12, 40, 20, 36, 8)]
+    plain = outputs(LLM(llama_engine, speculative_config=None), PROMPTS, sp)
+    llm = LLM(llama_engine, speculative_config={**SUFFIX, "max_concurrency": 2})
+    llm.engine.iteration_log = []
+    assert staggered(llm, PROMPTS, sp) == plain
+    drafting = [e["drafting"] for e in llm.engine.iteration_log if e["kind"] == "decode"]
+    assert False in drafting and drafting[-1]
+
+
+def test_copying_pays_and_earlier_outputs_are_drafted_from(llama_engine):
+    llm = LLM(llama_engine, speculative_config=SUFFIX)
+    sp = SamplingParams(max_tokens=48, ignore_eos=True)
+    c = llm.generate([17, 42, 99, 5, 61, 8] * 5, sp).outputs[0]
+    assert c.num_accepted_draft_tokens > 0 and len(c.token_ids) / (c.num_decode_steps + 1) > 1.5
+    prompt = list(range(100, 127))  # no repetition in the prompt: the second run copies the first's output
+    first = llm.generate(prompt, sp).outputs[0]
+    second = llm.generate(prompt, sp).outputs[0]
+    assert second.token_ids == first.token_ids
+    assert second.num_decode_steps < first.num_decode_steps and len(second.token_ids) / (second.num_decode_steps + 1) > 3
+
+
+@pytest.fixture(scope="module")
+def stories_engine(tmp_path_factory):
+    if not STORIES.is_file():
+        pytest.skip(f"{STORIES} is absent (../shared/data): the real stories260K model is not available")
+    out = tmp_path_factory.mktemp("suffix_stories") / "engine"
+    build_engine(STORIES, out, max_seq_len=256, progress=False)
+    return out
+
+
+def test_prefix_cache_hits_stay_lossless_on_stories260k(stories_engine):
+    story = ("Once upon a time, there was a little girl named Lily. She loved to play in the park with her dog. "
+             "One day, Lily and her dog went to the park to play. They ran and jumped and had lots of fun. ")
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    plain = LLM(stories_engine, speculative_config=None)
+    prompts = [plain.tokenizer.encode(story + e) for e in ["Then", "The little dog ran", "Lily and Ben went to the"]]
+    want = outputs(plain, prompts, params)
+    plain.shutdown()
+    llm = LLM(stories_engine, speculative_config=SUFFIX)
+    assert outputs(llm, prompts, params) == want
+    calls = []
+    drafter = llm.engine.drafter
+    load = drafter.load_prefix
+    drafter.load_prefix = lambda state, slot, ids: (calls.append(len(ids)), load(state, slot, ids))
+    alone = [outputs(llm, [p], params)[0] for p in prompts]  # each again: prefix-cache hits
+    assert alone == want and calls and llm.engine.pool.cache.stats.hit_rate > 0
+    c = llm.generate(prompts[0], params).outputs[0]
+    assert len(c.token_ids) / (c.num_decode_steps + 1) > 2  # the same story again: its earlier outputs are copied
+    llm.shutdown()
+
+
+def test_engine_built_with_the_suffix_yaml_drafts_by_default(tmp_path):
+    from nextn.testing import TinyDeepseekSpec, make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", TinyDeepseekSpec(num_mtp_modules=0))
+    yaml = Path(__file__).resolve().parents[2] / "configs" / "suffix.yaml"
+    build_engine(ckpt, tmp_path / "engine", max_seq_len=128, progress=False, extra_llm_api_options=yaml)
+    assert isinstance(LLM(tmp_path / "engine").engine.drafter, SuffixDrafter)
+
+
+# Sampling ---------------------------------------------------------------------------------------------------------
+# The tiny Llama's own greedy continuation of [17, 42, 99, 5, 61, 8] * 5 (test_ngram.py's LOOPING): it loops, so
+# the drafts predict what it samples at temperature 1 about half the time, while the next tokens stay spread.
+LOOPING = [17, 42, 99, 5, 61, 8] * 5 + [231, 111, 101, 298, 272, 73, 42, 254, 297] * 2 + [111, 101] + [66, 106, 200, 28] * 3
+
+
+def _positions(llm: LLM, n: int, params: dict) -> list[Counter]:
+    sps = [SamplingParams(max_tokens=3, ignore_eos=True, seed=s, **params) for s in range(n)]
+    outs = llm.generate([LOOPING] * n, sps)
+    return [Counter(o.outputs[0].token_ids[j] for o in outs) for j in range(3)]
+
+
+@pytest.mark.slow
+def test_suffix_keeps_the_token_distribution_and_the_check_has_power(llama_engine, monkeypatch):
+    n, params = 400, dict(temperature=1.0)
+    plain = _positions(LLM(llama_engine, speculative_config=None, max_batch_size=64), n, params)
+    llm = LLM(llama_engine, speculative_config=SUFFIX, max_batch_size=64)
+    got = _positions(llm, n, params)
+    for j in (1, 2):  # the second and third tokens come out of the verify-and-draft step
+        assert chi_square_two_sample_pvalue(plain[j], got[j]) > 1e-3, (j, plain[j].most_common(5), got[j].most_common(5))
+    assert len(plain[1]) > 5, "the test needs a spread distribution to mean anything"
+    stats = llm.generate([LOOPING] * 64, [SamplingParams(max_tokens=8, seed=s, ignore_eos=True, **params)
+                                          for s in range(64)])
+    assert sum(o.outputs[0].num_accepted_draft_tokens for o in stats) > 50  # drafts really were accepted
+
+    import nextn.speculative.acceptance_rules as rules
+    from nextn.testing.spec_checks import accept_every_draft
+
+    monkeypatch.setattr(rules, "rejection_sampling", accept_every_draft)  # lossy: the drafts emitted unverified
+    broken = _positions(LLM(llama_engine, speculative_config=SUFFIX, max_batch_size=64), n, params)
+    assert chi_square_two_sample_pvalue(plain[1], broken[1]) < 1e-6
