@@ -67,7 +67,7 @@ def checkpoints(tmp_path_factory) -> Checkpoints:
 @pytest.fixture(scope="session")
 def eagle(checkpoints):
     """A tiny DeepSeek-V3 engine (small vocabulary) with one MTP module distilled for 150 steps: drafts get accepted."""
-    from nextn.testing.tiny_checkpoint import SMALL_VOCAB
+    from nextn.testing import SMALL_VOCAB
 
     return checkpoints.engine(distill_steps=150, num_mtp_modules=1, **SMALL_VOCAB)
 
@@ -75,7 +75,7 @@ def eagle(checkpoints):
 @pytest.fixture(scope="session")
 def vanilla(checkpoints):
     """The same with two undistilled MTP modules (MTP Vanilla)."""
-    from nextn.testing.tiny_checkpoint import SMALL_VOCAB
+    from nextn.testing import SMALL_VOCAB
 
     return checkpoints.engine(num_mtp_modules=2, **SMALL_VOCAB)
 
@@ -90,7 +90,7 @@ def medusa_engine(checkpoints, tmp_path_factory):
 
     from nextn.build.engine_builder import build_engine
     from nextn.models.medusa import MedusaHeads
-    from nextn.testing.tiny_checkpoint import SMALL_VOCAB
+    from nextn.testing import SMALL_VOCAB
 
     tmp = tmp_path_factory.mktemp("medusa")
     torch.manual_seed(0)

@@ -10,7 +10,7 @@ from nextn import LLM, SamplingParams
 from nextn.config.llm_args import parse_llm_args
 from nextn.distributed.disaggregated import ContextSide, DisaggregatedLLM, GenerationSide, _slots
 from nextn.runtime.engine import Engine
-from nextn.testing.tiny_checkpoint import SMALL_VOCAB
+from nextn.testing import SMALL_VOCAB
 
 MTP = {"decoding_type": "MTP", "num_nextn_predict_layers": 2}
 SP = SamplingParams(max_tokens=10, ignore_eos=True)

@@ -12,7 +12,7 @@ from nextn.build.manifest import EngineManifest
 from nextn.distributed import launcher, preflight
 from nextn.distributed.mapping import Mapping, MappingError
 from nextn.distributed.preflight import check_model_split
-from nextn.testing.tiny_checkpoint import SMALL_VOCAB
+from nextn.testing import SMALL_VOCAB
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import contextlib
 import pytest
 
 from nextn import LLM, SamplingParams
-from nextn.testing.tiny_checkpoint import SMALL_VOCAB
+from nextn.testing import SMALL_VOCAB
 
 SP = SamplingParams(max_tokens=12, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9], list(range(20, 50))]

@@ -7,7 +7,7 @@ import pytest
 
 from nextn.config.llm_args import LlmArgsError
 from nextn.runtime.llm import LLM
-from nextn.testing.tiny_checkpoint import SMALL_VOCAB
+from nextn.testing import SMALL_VOCAB
 
 
 @pytest.fixture(scope="module")

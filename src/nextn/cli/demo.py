@@ -42,7 +42,8 @@ def add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:
 def make_checkpoint(out: Path, num_mtp_modules: int, distill_steps: int, seed: int, fp8: bool = False,
                     prompts: list[str] | None = None) -> dict | None:
     """Write the tiny checkpoint to `out` and distill its MTP modules; returns the distillation metrics."""
-    from nextn.testing import TinyDeepseekSpec, distill_mtp, make_tiny_checkpoint
+    from nextn.train.mtp_distill import distill_mtp
+    from nextn.train.tiny_checkpoint import TinyDeepseekSpec, make_tiny_checkpoint
 
     make_tiny_checkpoint(out, TinyDeepseekSpec(num_mtp_modules=num_mtp_modules, seed=seed, fp8=fp8))
     if distill_steps <= 0 or num_mtp_modules == 0:
@@ -207,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
         # (in bfloat16 on library kernels greedy outputs can part at near-ties: docs/PERFORMANCE.md)
         fmt = {"dtype": "bfloat16", "quant_config": {"quant_algo": "W4A16"}} if model.quantize else {"dtype": "float32"}
         plain_llm = LLM(source, speculative_config=None, engine_cache_dir=cache, **fmt)
-        spec_llm = LLM(plain_llm.engine.engine_dir, speculative_config=model.spec)
+        spec_llm = LLM(plain_llm.engine_dir, speculative_config=model.spec)
         print(f"2/3 engine ready in {time.perf_counter() - t0:.1f}s (built once, then reused from the cache)")
         prompts = chat_prompts(plain_llm, model.prompts)
         print(f"3/3 decode {len(prompts)} prompts ({model.prompt_source}), up to {args.max_tokens} tokens each, "

@@ -88,7 +88,7 @@ class MtpModule(nn.Module):
     def warm_start(self, final_norm: torch.Tensor) -> None:
         """shared_head.norm = the base's final norm; the rest keeps its default init.
 
-        (The bigram start of `testing/mtp_distill.py`, eh_proj = [I, 0], was measured worse on stories260K: after
+        (The bigram start of `train/mtp_distill.py`, eh_proj = [I, 0], was measured worse on stories260K: after
         150 steps top-1 0.53 against 0.73, as it starts from confidently wrong predictions, CE ≈ 22.)
         """
         with torch.no_grad():

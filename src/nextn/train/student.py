@@ -7,7 +7,7 @@ from scratch on those sequences, as DeepSeek trains (report §2.2): L = L_main +
 next-token cross-entropy over every position and L_MTP the MTP module's loss. The MTP module is trained unrolled
 `num_draft_steps` times on its own hidden states (`MtpContext.eagle`, the Eagle use of one module, K = 3 by
 default) and backpropagates into the shared trunk, embedding and head. Written as a DeepSeek-V3 release is
-(`testing/tiny_checkpoint.py`): `save_pretrained` for the main model, the MTP layer at `model.layers.{N}` in the
+(`train/tiny_checkpoint.py`): `save_pretrained` for the main model, the MTP layer at `model.layers.{N}` in the
 per-expert layout in `model-mtp.safetensors`, the index, `num_nextn_predict_layers: 1`, the tokenizer files.
 """
 
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from nextn.testing.tiny_checkpoint import (
+from nextn.train.tiny_checkpoint import (
     INDEX_FILE, MTP_SHARD, TinyDeepseekSpec, _tensor_bytes, hf_config, quiet_transformers, split_experts,
 )  # fmt: skip
 from nextn.train.data import DataConfig

@@ -11,13 +11,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from nextn.testing import TinyDeepseekSpec, distill_mtp, make_tiny_checkpoint
-from nextn.testing.tiny_checkpoint import (
+from nextn.train.mtp_distill import distill_mtp
+from nextn.train.tiny_checkpoint import (
     FP8_WEIGHT,
     INDEX_FILE,
     MTP_SHARD,
     TOKENIZER_SIZE,
+    TinyDeepseekSpec,
     dequantize_fp8_block,
+    make_tiny_checkpoint,
     quantize_fp8_block,
     quiet_transformers,
 )

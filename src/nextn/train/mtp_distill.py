@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from nextn.progress import progress_bar
 
-from nextn.testing.tiny_checkpoint import (
+from nextn.train.tiny_checkpoint import (
     checkpoint_files,
     dequantize_fp8_state,
     fuse_experts,
