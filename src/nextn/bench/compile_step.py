@@ -56,7 +56,7 @@ def worker(engine: str, mode: str, batch_sizes: list[int], repeats: int, max_tok
     if mode != "eager":
         runner.decode_fn = compile_decode_fn(runner.decode_fn, engine if mode == "artifacts" else None, "cpu")
     load_s = time.perf_counter() - t0
-    vocab = llm.engine.cfg.vocab_size
+    vocab = llm.vocab_size
     warm = {}
     for b in batch_sizes:
         t = time.perf_counter()
@@ -66,11 +66,11 @@ def worker(engine: str, mode: str, batch_sizes: list[int], repeats: int, max_tok
     digest = hashlib.sha256()
     for _ in range(repeats):
         for b in batch_sizes:
-            llm.engine.iteration_log = []
+            llm.iteration_log = []
             t = time.perf_counter()
             outs = llm.generate(_prompts(b, prompt_len, vocab), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
             wall = time.perf_counter() - t
-            decode = [e["latency_ms"] for e in llm.engine.iteration_log if e["kind"] == "decode"]
+            decode = [e["latency_ms"] for e in llm.iteration_log if e["kind"] == "decode"]
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             digest.update(json.dumps([o.outputs[0].token_ids for o in outs]).encode())
             runs[b].append({"step_ms": statistics.median(decode), "tok_s": tokens / wall,

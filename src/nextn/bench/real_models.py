@@ -158,7 +158,7 @@ def agreement(gguf_file: Path, num_prompts: int, max_tokens: int, work_dir: Path
         llm = load_llm(build_cached_engine(gguf_file, dtype, work_dir),
                        max_seq_len=fitting_max_seq_len(prompts, max_tokens))
         outputs[dtype] = nextn_greedy(llm, prompts, max_tokens)
-        eos = set(llm.engine.eos_ids)
+        eos = set(llm.eos_ids)
         del llm
         gc.collect()
     result = {"model": gguf_file.name, "max_tokens": max_tokens,

@@ -149,45 +149,43 @@ def describe_engine(llm) -> tuple[dict, dict, str, int, int]:
     """(engine info, world info, decoding mode, K, draft positions) of a loaded `LLM`, for the report."""
     import nextn
 
-    eng = llm.engine
-    m = eng.manifest
-    k = eng.drafter.num_draft_tokens
-    spec = eng.spec
+    m = llm.manifest
+    k = llm.num_draft_tokens
+    spec = llm.speculative_config
     mode = spec.decoding_type if spec is not None else "none"
-    drafter = eng.drafter.name
+    drafter = llm.drafter_name
     kv_dtype = llm.args.kv_cache_config.dtype
     short, described = weight_format(m)
     name = Path(m.source.path).name
     engine = {"model": m.architecture, "model_name": name.removesuffix(".gguf") if name else m.architecture,
-              "model_path": m.source.path, "engine_dir": str(eng.engine_dir), "version": nextn.__version__,
+              "model_path": m.source.path, "engine_dir": str(llm.engine_dir), "version": nextn.__version__,
               "dtype": m.dtype, "kv_cache_dtype": m.dtype if kv_dtype == "auto" else kv_dtype,
               "quantization": described, "weight_format": short,
               "quant_config": m.quant_config.model_dump() if m.quant_config is not None else None,
-              "backend": "pytorch", "device": str(eng.device),
+              "backend": "pytorch", "device": str(llm.device),
               "speculative_decoding": f"{mode} ({drafter}, K={k})" if spec is not None else None}
-    world = {"tp_size": 1, "pp_size": 1, "ep_size": None, "max_batch_size": eng.max_batch_size,
-             "max_num_tokens": llm.args.max_num_tokens, "max_seq_len": eng.max_seq_len,
+    world = {"tp_size": 1, "pp_size": 1, "ep_size": None, "max_batch_size": llm.max_batch_size,
+             "max_num_tokens": llm.args.max_num_tokens, "max_seq_len": llm.max_seq_len,
              "scheduling_policy": ("fcfs, prefill steps (chunked) alternating with decode, preempt by recompute"
                                    + ("" if llm.args.disable_overlap_scheduler else ", overlap scheduler")),
-             "kv_cache_tokens": eng.pool.capacity_tokens, "tokens_per_block": eng.block_size}
-    depth = getattr(getattr(eng.drafter, "tree", None), "max_depth", k)  # a tree drafter accepts one path
-    return engine, world, mode, k, depth
+             "kv_cache_tokens": llm.num_kv_blocks * llm.tokens_per_block, "tokens_per_block": llm.tokens_per_block}
+    return engine, world, mode, k, llm.num_draft_positions  # a tree drafter accepts one path: its depth
 
 
 def _timed_pass(llm, prompts: list[list[int]], params: list[SamplingParams], concurrency: int, record: bool,
                 bar: tqdm | None) -> tuple[list[CompletionOutput], float, float, tuple[int, int] | None, list[dict]]:
     """One timed pass over every prompt from an empty prefix cache: (outputs, start, end perf_counter seconds,
     (queried, reused) prompt tokens or None without block reuse, iteration log)."""
-    engine = llm.engine
-    engine.iteration_log = [] if record else None
+    llm.iteration_log = [] if record else None
     llm.reset_prefix_cache()  # the warm-up's (or the previous pass's) prompts must not hit
-    cache = engine.pool.cache
-    before = (cache.stats.queries, cache.stats.hits) if cache is not None else (0, 0)
+    stats = llm.prefix_cache_stats
+    before = (stats.queries, stats.hits) if stats is not None else (0, 0)
     start = time.perf_counter()
     results = _drive(llm, prompts, params, concurrency, bar)
     end = time.perf_counter()
-    reuse = None if cache is None else (cache.stats.queries - before[0], cache.stats.hits - before[1])
-    log, engine.iteration_log = engine.iteration_log or [], None
+    stats = llm.prefix_cache_stats
+    reuse = None if stats is None else (stats.queries - before[0], stats.hits - before[1])
+    log, llm.iteration_log = llm.iteration_log or [], None
     return results, start, end, reuse, log
 
 

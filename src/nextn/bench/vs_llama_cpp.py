@@ -63,11 +63,11 @@ def verify_step_seconds(llm, prompt_ids: list[int], num_tokens: int) -> float:
     from nextn import SamplingParams
 
     def run(n: int) -> tuple[float, int]:
-        llm.engine.iteration_log = []
+        llm.iteration_log = []
         t0 = time.perf_counter()
         llm.generate([prompt_ids], SamplingParams(max_tokens=n, ignore_eos=True))
         dt = time.perf_counter() - t0
-        return dt, sum(e["kind"] == "decode" for e in llm.engine.iteration_log)
+        return dt, sum(e["kind"] == "decode" for e in llm.iteration_log)
 
     (t1, s1), (tn, sn) = run(1), run(num_tokens)
     return max(tn - t1, 1e-9) / max(sn - s1, 1)
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, dict] = {}
     for fmt, llm in llms.items():  # warm-up
         nextn_decode_tps(llm, prompt_ids, 8, 1)
-        step_bytes, _ = decode_step_bytes(llm.engine.engine_dir)
+        step_bytes, _ = decode_step_bytes(llm.engine_dir)
         rows[fmt] = {"tps": {b: 0.0 for b in args.batch}, "step_s": float("inf"), "step_bytes": step_bytes,
                      "verify_s": float("inf")}
     spec = {"decoding_type": "NGram", "max_draft_len": args.verify_k, "max_matching_ngram_size": 2}

@@ -229,7 +229,7 @@ def _run(args) -> int:
         return LLM(args.engine_dir, extra_llm_api_options=args.extra_llm_api_options, **kw, **overrides)
 
     llm, current = (load(CONFIGURED), CONFIGURED) if args.draft_lens else (None, None)
-    plan = _plan(args, llm.engine.spec if llm is not None else None)
+    plan = _plan(args, llm.speculative_config if llm is not None else None)
     results, failed = [], 0
     for i, spec in enumerate(plan):
         if llm is None or spec != current:
@@ -239,7 +239,7 @@ def _run(args) -> int:
                             warmup=args.warmup, eos_id=args.eos_id, streaming=getattr(args, "streaming", True),
                             num_requests=args.num_requests, record_iterations=bool(args.iteration_log),
                             progress=not args.no_progress, dataset_path=args.dataset,
-                            desc=f"{args.command} K={llm.engine.drafter.num_draft_tokens}", passes=args.passes)
+                            desc=f"{args.command} K={llm.num_draft_tokens}", passes=args.passes)
         for err in run.errors:
             print(f"{PROG}: error: {err}", file=sys.stderr)
         failed += len(run.errors)

@@ -142,6 +142,32 @@ class LLM:
         return self.engine.drafter.num_draft_tokens
 
     @property
+    def num_draft_positions(self) -> int:
+        """The most draft tokens one step can accept: a tree drafter's depth, else K (0 for plain decoding)."""
+        tree = getattr(self.engine.drafter, "tree", None)
+        return getattr(tree, "max_depth", self.num_draft_tokens)
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        """The token ids that end a request (the tokenizer's EOS and the model's end-of-turn ids)."""
+        return frozenset(self.engine.eos_ids)
+
+    @property
+    def device(self) -> torch.device:
+        """The device the model runs on."""
+        return self.engine.device
+
+    @property
+    def max_batch_size(self) -> int:
+        """The most requests one step runs (as resolved when the engine loaded)."""
+        return self.engine.max_batch_size
+
+    @property
+    def tokens_per_block(self) -> int:
+        """Tokens per KV block (the KV cache holds `num_kv_blocks` × `tokens_per_block` tokens)."""
+        return self.engine.block_size
+
+    @property
     def num_kv_blocks(self) -> int:
         """The KV blocks requests can hold (the null block excluded)."""
         return self.engine.pool.num_blocks - 1
