@@ -157,6 +157,10 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(str(e))
 
 
+def _load(x: float | None) -> str:
+    return "unknown" if x is None else f"{x:.2f}"
+
+
 def _inputs(args) -> list[Path]:
     configs = [Path(c) for c in args.nextn_configs if c != "none"]
     return [x for x in (args.model, args.draft_model, *configs) if x is not None]
@@ -175,9 +179,10 @@ def load_prompts(dataset: str, prompts_dir: Path, num_prompts: int) -> tuple[str
 
 def server_specs(args, bin_dir: Path | None) -> list[ServerSpec]:
     """The servers to start, in order: nextn's configs, then llama.cpp's modes (none when its build is absent)."""
-    specs = [nextn_spec(args.model, args.threads, None if c == "none" else c) for c in args.nextn_configs]
+    most = max(args.concurrency)
+    specs = [nextn_spec(args.model, args.threads, None if c == "none" else c, most) for c in args.nextn_configs]
     if args.llama_cpp and bin_dir is not None:
-        specs += [llama_cpp_spec(bin_dir / "llama-server", args.model, args.threads, mode, max(args.concurrency),
+        specs += [llama_cpp_spec(bin_dir / "llama-server", args.model, args.threads, mode, most,
                                  args.ctx_per_slot, args.draft_model, args.spec_draft_n_max,
                                  tuple(shlex.split(args.llama_cpp_args))) for mode in args.llama_cpp]
     return specs
@@ -259,19 +264,22 @@ def main(argv: list[str] | None = None) -> int:
     load_before, started = load_average(), time.time()
     results = [run_config(spec, None, args, prompts, logs) for spec in server_specs(args, bin_dir)]
     results += [run_config(None, url, args, prompts, logs) for url in args.url]
+    load_after = load_average()
     mismatches, compared = lossless_mismatches(results)
     title = (f"{args.model.name if args.model else 'running servers'}: {args.dataset} ({len(prompts)} prompts, "
              f"{fmt}), {args.max_tokens} tokens, greedy, {args.threads} threads, {args.endpoint}")
     table = markdown_table(results, args.concurrency)
     lossless = lossless_text(mismatches, compared)
-    text = f"{MD_MARK}\n# Serving benchmark\n\n{title}; best of {args.runs} passes.\n\n{table}\n{lossless}"
+    load = f"load average {_load(load_before)} before, {_load(load_after)} after, on {os.cpu_count()} cores"
+    text = (f"{MD_MARK}\n# Serving benchmark\n\n{title}; best of {args.runs} passes; {load}.\n\n{table}\n"
+            f"{lossless}")
     write_output_file(out / "serve.md", text, "--output_dir", lambda head: head.startswith(MD_MARK.encode()))
     write_report(out / "serve.json", MODULE, {
         "title": title, "argv": sys.argv if argv is None else argv, "dataset": args.dataset, "format": fmt,
         "num_prompts": len(prompts), "max_tokens": args.max_tokens, "threads": args.threads,
         "endpoint": args.endpoint, "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
         "runs": args.runs, "concurrency": args.concurrency, "started_unix_s": started, "load_before": load_before,
-        "load_after": load_average(), "cpu_count": os.cpu_count(), "configs": [r.to_dict() for r in results],
+        "load_after": load_after, "cpu_count": os.cpu_count(), "configs": [r.to_dict() for r in results],
         "lossless": {"compared": compared, "mismatches": [m.to_dict() for m in mismatches]}}, flag="--output_dir")
     if any(r.levels for r in results):
         plot(results, out / "serve.png", title)

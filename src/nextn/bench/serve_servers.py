@@ -1,8 +1,9 @@
 """The servers `python -m nextn.bench.serve` compares: their command lines, start (a free loopback port, /health),
 stop (SIGTERM, then SIGKILL) and speculative-decoding counters (/metrics).
 
-- `nextn serve --model GGUF -t T [--extra_llm_api_options YAML]` (src/nextn/cli/serve.py), one per config, `none`
-  for plain decoding;
+- `nextn serve --model GGUF -t T --max_batch_size N [--extra_llm_api_options YAML]` (src/nextn/cli/serve.py), one
+  per config, `none` for plain decoding; N, the most requests in one step, is the highest concurrency level (as
+  llama-server's `-np` slots), not the engine's build default (8);
 - llama.cpp's `llama-server -m GGUF -t T -tb T -np N -c N·CTX --cont-batching --metrics` (b11434's `--help`;
   ../shared/PEERS.md), plain, with a draft model (`-md DRAFT --spec-draft-n-max K`) or an n-gram mode
   (`--spec-type ngram-simple|ngram-map-k|ngram-map-k4v|ngram-mod|ngram-cache`).
@@ -49,10 +50,13 @@ class ServerSpec:
     speculative: bool
 
 
-def nextn_spec(model: Path, threads: int, config: str | None) -> ServerSpec:
-    """`nextn serve` on `model` with `threads` threads; `config` is a YAML of LLM arguments or None (plain)."""
+def nextn_spec(model: Path, threads: int, config: str | None, max_batch_size: int | None = None) -> ServerSpec:
+    """`nextn serve` on `model` with `threads` threads; `config` is a YAML of LLM arguments or None (plain);
+    `max_batch_size` None keeps the engine's."""
     argv = [sys.executable, "-m", "nextn.cli.main", "serve", "--model", str(model), "-t", str(threads),
             "--host", "127.0.0.1", "--log_level", "warning"]
+    if max_batch_size is not None:
+        argv += ["--max_batch_size", str(max_batch_size)]
     if config is not None:
         argv += ["--extra_llm_api_options", str(config)]
     label = "nextn plain" if config is None else f"nextn {Path(config).stem}"
