@@ -218,7 +218,8 @@ async def measure(url: str, result: ConfigResult, args, prompts: list[str]) -> N
             al = f", AL {level.acceptance_length:.2f}" if level.acceptance_length else ""
             print(f"{result.label} c={c}: {best.output_tok_s:.1f} tok/s (passes "
                   f"{' / '.join(f'{t:.1f}' for t in level.passes_tok_s)}), TTFT p50 {best.ttft_ms_p50:.0f} ms, "
-                  f"TPOT p50 {best.tpot_ms_p50:.1f} ms{al}, {level.failed_requests} failed", file=sys.stderr, flush=True)
+                  f"TPOT p50 {best.tpot_ms_p50:.1f} ms{al}, {level.failed_requests} failed",
+                  file=sys.stderr, flush=True)
     finally:
         await client.close()
 

@@ -4,7 +4,8 @@ serving metrics of one measured level (`vllm bench serve`'s definitions).
 One request is a streamed chat completion (or completion) of `max_tokens` tokens, greedy (`temperature: 0`), with
 `ignore_eos` (an extra field that nextn serve, vLLM and llama-server accept) and `stream_options.include_usage`,
 so the output token count is the server's `usage.completion_tokens`, not the number of chunks (a speculative step
-may stream several tokens in one chunk). Times are `time.perf_counter` seconds from the request's send:
+may stream several tokens in one chunk). Each request opens its own connection (no keep-alive). Times are
+`time.perf_counter` seconds from the request's send:
 - TTFT: the first chunk that carries text;
 - ITL (inter-token latency): the gaps between successive chunks that carry text;
 - TPOT: (e2e − TTFT) / (output tokens − 1), for requests of at least 2 tokens;
@@ -122,7 +123,11 @@ def open_client(base_url: str, timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S):
     except ImportError:
         raise RuntimeError("the serving benchmark drives servers with the `openai` client: pip install "
                            "'openai==3.54.0' (nextn's `test` extra)") from None
-    return openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=timeout_s)
+    # A new connection per request: llama-server closes an idle keep-alive connection after 5 s, httpx keeps one
+    # for 5 s, and a request sent on a connection the server is closing fails. A loopback connect costs tens of µs.
+    limits = type(openai.DEFAULT_CONNECTION_LIMITS)(max_connections=None, max_keepalive_connections=0)
+    return openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=timeout_s,
+                              http_client=openai.DefaultAsyncHttpxClient(limits=limits, timeout=timeout_s))
 
 
 async def send_request(client, model: str, prompt: str, prompt_index: int, max_tokens: int,
