@@ -47,7 +47,7 @@ def _nextn_llm(model: Path, fmt: str, cache: Path | None, speculative_config: di
     base, _, extra = fmt.partition("+")
     quant = FORMATS[base]
     dtype = "float32" if base == "fp32" else "bfloat16"
-    with mock.patch("nextn.runtime.engine.install_dense_linears", lambda model: []) if extra == "packed" \
+    with mock.patch("nextn.runtime.model_loader.install_dense_linears", lambda model: []) if extra == "packed" \
             else contextlib.nullcontext():
         llm = LLM(model, speculative_config=speculative_config, dtype=dtype, quant_config=quant,
                   engine_cache_dir=cache, max_batch_size=8, max_seq_len=1024,

@@ -28,16 +28,30 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
+from nextn.runtime.model_runner import ModelRunner
 from nextn.runtime.request import Request
-
-if TYPE_CHECKING:
-    from nextn.runtime.engine import Engine
+from nextn.runtime.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
 MAX_UNEXPLAINED_FAILURES = 3
+
+
+class Engine(Protocol):
+    """What failure isolation drives: the engine's public step and parts (runtime/engine.py `Engine`)."""
+
+    scheduler: Scheduler
+    runner: ModelRunner
+    tokenizer: Any  # EngineTokenizer | None
+    overlap: bool  # the overlap scheduler is on (turned off while suspects are probed alone)
+
+    def step_unisolated(self) -> list[Request]:
+        """One step; an exception inside it propagates."""
+
+    def drop_step_in_flight(self) -> None:
+        """Forget the step in flight and the plans not yet applied."""
 
 
 def describe(error: BaseException) -> str:

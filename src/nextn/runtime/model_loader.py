@@ -105,7 +105,7 @@ def load_model(manifest: EngineManifest, weights: Weights, device: torch.device,
     varying = batch_dependent_linear(model) or batch_dependent_attention(model)
     if varying is not None:
         why = (f"{device.type} kernels pick their reduction order by the batch" if device.type != "cpu"
-               else "PyTorch's attention over the batch's widest context (head_dim % 16 != 0)"
+               else "PyTorch's attention over the batch's widest context (head_dim > 256)"
                if varying.endswith("self_attn") else f"nextn's dense CPU kernel: {dense_linear_unavailable_reason()}")
         logger.warning("this %s engine is not batch-invariant here (%s runs outside nextn's per-row kernels: %s): "
                        "a request's greedy tokens may depend on what shares its batch", manifest.dtype, varying, why)
@@ -135,7 +135,7 @@ def cut_draft_head(model: nn.Module, engine_dir: Path, device: torch.device, siz
 
 def batch_dependent_attention(model: nn.Module) -> str | None:
     """The first of the target's attention modules that offers nextn's paged CPU kernel but does not run on it
-    (PyTorch's attention instead: head_dim % 16 != 0, or off the CPU), whose reductions span the batch's widest
+    (PyTorch's attention instead: head_dim > 256, or off the CPU), whose reductions span the batch's widest
     context; None when every one that offers it does (the kernel computes each query row alone)."""
     layers = tuple(f"model.layers.{i}." for i in range(model.cfg.num_hidden_layers))
     for name, module in model.named_modules():
