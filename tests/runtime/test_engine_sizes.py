@@ -82,7 +82,7 @@ def test_available_memory_reads_the_host():
 def test_cpu_kv_cache_is_resident_only_where_written():
     import torch
 
-    from nextn.runtime.kv_cache import allocate_kv_cache
+    from nextn.models.kv_cache import allocate_kv_cache
 
     def rss_bytes() -> int:
         with open("/proc/self/statm") as f:

@@ -1,4 +1,4 @@
-"""MTP chain vs MTP trees at the same number of verified tokens per step: greedy acceptance length (issue 18).
+"""MTP chain vs MTP trees at the same number of verified tokens per step: greedy acceptance length.
 
 AL does not depend on the machine or its load (only on the model, the heads and the prompts), so it is measured
 here on trained heads of `nextn train-draft` (their held-out prompts, recorded in train_draft.json) with the public

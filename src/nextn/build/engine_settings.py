@@ -128,7 +128,7 @@ def resolve_speculative(
         return SpeculativeInfo(method="none", num_mtp_modules=modules)
     if spec.decoding_type not in ("MTP",):
         # drafters that need no weights in this engine (NGram, Draft_Target): chosen at load time from the YAML
-        # kept in build_options (runtime/engine.py default_speculative_config)
+        # kept in build_options (speculative/registry.py default_config)
         return SpeculativeInfo(method="none", num_mtp_modules=modules)
     if modules == 0:
         raise EngineError(f"speculative_config asks for decoding_type {spec.decoding_type} but checkpoint {model_dir} "

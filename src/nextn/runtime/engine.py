@@ -14,8 +14,9 @@ from pathlib import Path
 
 import torch
 
-from nextn.config.llm_args import LlmArgs, MTPDecodingConfig
-from nextn.plugins.cpu_features import fast_bf16  # noqa: F401 - re-exported for its former importers
+from pydantic import BaseModel
+
+from nextn.config.llm_args import LlmArgs
 from nextn.runtime.engine_loader import Sharding, load_engine
 from nextn.runtime.fault_isolation import recover_from_failed_step
 from nextn.runtime.iteration_log import iteration_entry
@@ -25,7 +26,7 @@ from nextn.runtime.request_validation import RequestError, checked_sampling_para
 from nextn.runtime.sampling_params import SamplingParams
 from nextn.runtime.scheduler import NeedsSync
 
-__all__ = ["Engine", "RequestError", "fast_bf16"]
+__all__ = ["Engine", "RequestError"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ class Engine:
         EngineError, EngineSizeError, LlmArgsError: as `load_engine`.
     """
 
-    def __init__(self, engine_dir: str | Path, args: LlmArgs, spec: MTPDecodingConfig | None,
+    def __init__(self, engine_dir: str | Path, args: LlmArgs, spec: BaseModel | None,
                  device: str | torch.device = "cpu", sharding: Sharding | None = None) -> None:
         self.engine_dir, self.spec, self.device = Path(engine_dir), spec, torch.device(device)
         parts = load_engine(engine_dir, args, spec, self.device, sharding)

@@ -19,12 +19,15 @@ import torch
 from torch import nn
 
 from nextn.build.manifest import EngineError, EngineManifest
-from nextn.config.llm_args import LlmArgs, LlmArgsError, MTPDecodingConfig
+from pydantic import BaseModel
+
+from nextn.config.llm_args import LlmArgs, LlmArgsError
 from nextn.plugins.cpu_features import fast_bf16
 from nextn.runtime.compiled_step import compile_decode_fn
 from nextn.runtime.cuda_graph_runner import graph_decode_fn
 from nextn.runtime.engine_sizes import check_sizes_against_model, plan_kv_cache
-from nextn.runtime.kv_cache import BlockPool, allocate_kv_cache
+from nextn.models.kv_cache import allocate_kv_cache
+from nextn.runtime.kv_cache import BlockPool
 from nextn.runtime.model_loader import cut_draft_head, load_model, pop_medusa_heads, read_weights
 from nextn.runtime.model_runner import ModelRunner
 from nextn.runtime.prefix_cache import PrefixCache
@@ -80,7 +83,7 @@ def prefix_cache_for(args: LlmArgs, manifest: EngineManifest, spec: object, draf
     return PrefixCache(block_size, salt, drafter.kv_lookahead)
 
 
-def load_engine(engine_dir: str | Path, args: LlmArgs, spec: MTPDecodingConfig | None, device: torch.device,
+def load_engine(engine_dir: str | Path, args: LlmArgs, spec: BaseModel | None, device: torch.device,
                 sharding: Sharding | None = None) -> LoadedEngine:
     """Load `engine_dir` for decoding on `device`.
 

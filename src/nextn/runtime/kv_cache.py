@@ -16,7 +16,6 @@ from collections import deque
 
 import torch
 
-from nextn.models.kv_cache import allocate_kv_cache  # noqa: F401 - the engine's cache, re-exported
 from nextn.runtime.prefix_cache import PrefixCache
 
 NULL_BLOCK = 0

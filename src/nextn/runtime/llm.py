@@ -212,7 +212,7 @@ class LLM:
             return req.request_id
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine iteration (schedule → verify-and-draft → postprocess); the requests it finished.
+        """Run one engine iteration (schedule → launch → update); the requests it finished.
 
         A request that makes the step fail finishes with finish_reason "error" (runtime/fault_isolation.py); the
         others continue. Requests added here that a `generate` call (on any thread) finished are returned by the

@@ -4,7 +4,7 @@ Chosen once from the speculative config (STYLE.md §4): `StandardAcceptance` (st
 rejection sampling as soon as one request samples — which is exactly strict on its greedy rows) or
 `RelaxedAcceptance` (TensorRT-LLM's relaxed acceptance for greedy requests inside `<think>…</think>`, rejection
 sampling for sampling requests). Each holds per-request state as device tensors (the thinking delta), so the step
-stays a pure function of fixed-shape tensors. The math lives in `nextn.plugins` (PyTorch references), dispatched
+stays a pure function of fixed-shape tensors. The math lives in `acceptance_reference` (PyTorch references), dispatched
 through `nextn.speculative.acceptance_kernels` (Triton kernels on CUDA, the references elsewhere).
 """
 

@@ -4,7 +4,7 @@ Speculative sampling (Leviathan et al. 2023, §2.3; Chen et al. 2023, Alg. 2): t
 after another, each sampled from its distribution q (the argmax for greedy requests) at the request's temperature /
 top-k / top-p, and keeps the whole q; the target scores all K in one forward (p) and the acceptance rule accepts
 each draft with probability min(1, p/q), draws the first rejected position from normalize(max(0, p − q)) and, when
-all K pass, a bonus token from p (`plugins/acceptance.rejection_sampling` with `draft_probs = q`). Greedy requests
+all K pass, a bonus token from p (`speculative/acceptance_reference.rejection_sampling` with `draft_probs = q`). Greedy requests
 get argmax drafts and strict acceptance. TensorRT-LLM's name: `DraftTargetDecodingConfig` (decoding_type
 `Draft_Target`).
 
@@ -134,7 +134,7 @@ class DraftModelDrafter(LinearDrafter):
             whole vocabulary; the head's row i proposes token hot_tokens[i].
     """
 
-    name = "Draft_Target"
+    name = "DraftModel"
     kv_in_cache = True  # its KV at p depends on tokens ≤ p only (look-ahead 0), in the target's block ids
 
     def __init__(self, draft_model: torch.nn.Module, num_draft_tokens: int,

@@ -30,7 +30,7 @@ class MtpEagleDrafter(LinearDrafter):
     the previous draft with the module's own previous output, at the next position.
     """
 
-    name = "MTP Eagle"
+    name = "MtpEagle"
     supports_disaggregation = True  # its only state is its KV, which moves with the target's
     uses_draft_head = True
     kv_lookahead = 1  # module 1's KV at p pairs embed(x_{p+1}) with h_p
@@ -77,7 +77,7 @@ class MtpVanillaDrafter(LinearDrafter):
     (`pool_tokens` [B, K+1], `pool_hidden` [B, K+1, H]), slid after each verification.
     """
 
-    name = "MTP Vanilla"
+    name = "MtpVanilla"
     uses_draft_head = True
     kv_in_cache = True
 

@@ -1,4 +1,4 @@
-"""MTP with a draft tree: the module's top-k drafts expanded into a tree and verified in one batched step (issue 18).
+"""MTP with a draft tree: the module's top-k drafts expanded into a tree and verified in one batched step.
 
 Sources: Li et al. 2024, "EAGLE-2" §4 (dynamic trees: expand the top-k nodes by cumulative draft probability,
 rerank to a node budget); Miao et al. 2024, "SpecInfer" §4 (tree verification, multi-step speculative sampling);
@@ -10,7 +10,7 @@ targets alike. Fixed shapes per (batch, tree width), no host synchronisation.
 One decode step for B requests, a tree of N tokens (root = the last emitted token at position L = kv_len):
 
     target(tree tokens at cache positions L..L+N−1, rope positions L + depth, tree attention)      [B, N, H]
-    target token per node (argmax, or one draw from p per depth) → longest accepted path           plugins/draft_tree
+    target token per node (argmax, or one draw from p per depth) → longest accepted path       speculative/draft_tree
     KV of the path's nodes copied to L..L+a (a = accepted drafts); the rest is dead
     module 1 over the path rows at L..L+D (as MTP Eagle's first pass: its KV at the accepted positions from the
       target's hidden states) → h at the last accepted row, the new root's expansion
@@ -53,7 +53,7 @@ DEFAULT_TREE_NODES = 15  # max_total_draft_tokens when null: 16 verified tokens 
 class MtpTreeAcceptance(StandardAcceptance):
     """Lossless tree acceptance: greedy requests keep the longest path the target's argmax accepts; sampling
     requests draw one token per depth from the target (counter-based, position-keyed: the draws plain decoding
-    makes) and descend while it is a child (`plugins.draft_tree.tree_accept`). Steps without a tree (width 1) use
+    makes) and descend while it is a child (`speculative.draft_tree.tree_accept`). Steps without a tree (width 1) use
     `StandardAcceptance`."""
 
     def accept_tree(self, logits: torch.Tensor, tree_tokens: torch.Tensor, parents: torch.Tensor,
@@ -68,7 +68,7 @@ class MtpTreeAcceptance(StandardAcceptance):
 class MtpTreeDrafter:
     """MTP Eagle drafting a tree: module 1's first pass over the accepted rows, then one pass per tree depth."""
 
-    name = "MTP tree"
+    name = "MtpTree"
     supports_disaggregation = False
     prefill_overlap = 0
     uses_draft_head = True
@@ -127,6 +127,8 @@ class MtpTreeDrafter:
 class StaticTreeDrafter(MtpTreeDrafter):
     """A fixed tree of rank paths (`eagle_choices`): node [r1, .., rd] is the rank-rd draft after [r1, .., rd−1]."""
 
+    name = "StaticTree"
+
     def __init__(self, tree: StaticTree) -> None:
         super().__init__(tree.max_depth, tree.num_tokens - 1)
         self.tree = tree
@@ -170,6 +172,8 @@ class DynamicTreeDrafter(MtpTreeDrafter):
     The beam's module KV sits in a scratch layout at cache positions R − 1 + s, s = 1 + (d−1)·k + j for beam node
     j of depth d (s = 0: the root's row); per request, each beam node sees the root, its ancestors and itself.
     """
+
+    name = "DynamicTree"
 
     def __init__(self, topk: int, max_depth: int, num_nodes: int) -> None:
         super().__init__(max_depth, num_nodes)

@@ -113,7 +113,7 @@ class Drafter(Protocol):
     about a drafter is an attribute here; nothing outside `nextn.speculative` checks which class runs.
     """
 
-    name: str  # what logs, benchmarks and the prefix cache's key call it ("MTP Eagle", "NGram", ...)
+    name: str  # what logs, benchmarks and the prefix cache's key call it ("MtpEagle", "NGram", "DraftModel", ...)
     # whether disaggregated serving can hand a request to a decode server with only its KV, first token and drafts
     # (no per-request drafter state, no second KV cache)
     supports_disaggregation: bool
