@@ -253,3 +253,26 @@ def test_suffix_keeps_the_token_distribution_and_the_check_has_power(llama_engin
     monkeypatch.setattr(rules, "rejection_sampling", accept_every_draft)  # lossy: the drafts emitted unverified
     broken = _positions(LLM(llama_engine, speculative_config=SUFFIX, max_batch_size=64), n, params)
     assert chi_square_two_sample_pvalue(plain[1], broken[1]) < 1e-6
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_draft_length_follows_the_match(llama_engine, overlap):
+    """With a large K each step verifies only as many drafts as the longest proposal (`draft_len_hint`): a repeated
+    request copies its earlier output in long steps, a fresh one verifies short ones — lossless either way."""
+    sp = SamplingParams(max_tokens=48, ignore_eos=True)
+    args = {"disable_overlap_scheduler": not overlap}
+    plain = LLM(llama_engine, speculative_config=None, **args)
+    prompt = list(range(100, 127))
+    want = plain.generate(prompt, sp).outputs[0].token_ids
+    plain.shutdown()
+    llm = LLM(llama_engine, speculative_config={"decoding_type": "Suffix", "max_draft_len": 16}, **args)
+    llm.iteration_log = []
+    first = llm.generate(prompt, sp).outputs[0]
+    fresh = [e["draft_len"] for e in llm.iteration_log if e["kind"] == "decode"]
+    llm.iteration_log = []
+    second = llm.generate(prompt, sp).outputs[0]
+    repeat = [e["draft_len"] for e in llm.iteration_log if e["kind"] == "decode"]
+    assert first.token_ids == want and second.token_ids == want
+    assert min(fresh) < 16 and all(1 <= k <= 16 for k in fresh + repeat)
+    assert max(repeat) > 8 and second.num_decode_steps * 4 < len(want)  # the copy goes in long steps
+    llm.shutdown()

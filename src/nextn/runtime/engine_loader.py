@@ -129,7 +129,8 @@ def load_engine(engine_dir: str | Path, args: LlmArgs, spec: BaseModel | None, d
         scheduler = Scheduler(pool, max_batch_size, args.max_num_tokens, k,
                               enable_chunked_prefill=args.enable_chunked_prefill,
                               prefill_overlap=drafter.prefill_overlap, draft_len_policy=draft_len_policy,
-                              drafter_kv=drafter.kv_in_cache, max_seq_len=max_seq_len)
+                              drafter_kv=drafter.kv_in_cache, max_seq_len=max_seq_len,
+                              draft_len_hint=drafter.draft_len_hint)
     except ValueError as e:
         raise LlmArgsError(str(e)) from e
     decode_fn = drafter.decode_fn  # verify_and_draft_step, or Medusa's tree step

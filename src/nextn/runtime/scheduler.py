@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import sys
 from collections import deque
+from collections.abc import Callable
 from typing import Protocol
 
 from nextn.runtime.kv_cache import BlockPool
@@ -66,6 +67,8 @@ class Scheduler:
         drafter_kv: the drafter keeps KV that steps with speculation off leave unwritten (MTP, draft model): blocks
             past such a step are not registered in the prefix cache.
         max_seq_len: a request ends ("length") at this many tokens (default: only its max_tokens ends it).
+        draft_len_hint: the drafter's useful draft length for the requests in these batch slots
+            (`Drafter.draft_len_hint`; None: every step verifies what the policy chooses).
     Raises:
         ValueError: chunked prefill with a budget that cannot make progress past the overlap.
     """
@@ -73,7 +76,8 @@ class Scheduler:
     def __init__(self, pool: BlockPool, max_batch_size: int, max_num_tokens: int, num_draft_tokens: int,
                  enable_chunked_prefill: bool = False, prefill_overlap: int = 0,
                  draft_len_policy: DraftLenPolicy | None = None, drafter_kv: bool = False,
-                 max_seq_len: int | None = None) -> None:
+                 max_seq_len: int | None = None,
+                 draft_len_hint: Callable[[list[int]], int] | None = None) -> None:
         if enable_chunked_prefill and max_num_tokens <= prefill_overlap:
             raise ValueError(f"max_num_tokens={max_num_tokens} must exceed the {prefill_overlap} rows a prefill "
                              "chunk re-runs for MTP Vanilla")
@@ -85,6 +89,7 @@ class Scheduler:
         self.prefill_overlap = prefill_overlap
         self.draft_len_policy = draft_len_policy or StaticDraftLen(num_draft_tokens)
         self.drafter_kv = drafter_kv
+        self.draft_len_hint = draft_len_hint
         self.max_seq_len = sys.maxsize if max_seq_len is None else max_seq_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -251,6 +256,8 @@ class Scheduler:
             return None
         k = self.draft_len_policy.draft_len(len(reqs), [r.request_id for r in reqs])
         drafting = k > 0 or self.draft_len_policy.max_draft_len == 0
+        if k > 0 and self.draft_len_hint is not None:  # no wider than the longest useful draft (≥ 1: keep drafting)
+            k = max(1, min(k, self.draft_len_hint([r.batch_slot for r in reqs])))
         if k > 0 and not all(r.has_drafts for r in reqs):
             k = 0  # speculation back on: draft first (drafts are not kept while it is off)
         for req in reqs:

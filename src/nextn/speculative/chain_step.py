@@ -109,6 +109,7 @@ class LinearDrafter:
         return None
 
     supports_disaggregation = False
+    draft_len_hint = None
 
     @property
     def decode_fn(self) -> Callable:

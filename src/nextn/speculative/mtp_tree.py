@@ -70,6 +70,7 @@ class MtpTreeDrafter:
 
     name = "MtpTree"
     supports_disaggregation = False
+    draft_len_hint = None
     prefill_overlap = 0
     uses_draft_head = True
     kv_lookahead = 1  # module 1's KV at p pairs embed(x_{p+1}) with h_p

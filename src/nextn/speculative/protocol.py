@@ -126,6 +126,10 @@ class Drafter(Protocol):
     # (speculation off) leaves unwritten (MTP, draft model: such blocks are not cached).
     kv_lookahead: int
     kv_in_cache: bool
+    # Drafters that know on the host, before a step, how many of a request's drafts are worth verifying (a suffix
+    # tree's match): (batch slots) → the longest useful draft length among them, which caps the step's draft
+    # length; None: the policy's draft length stands.
+    draft_len_hint: Callable[[list[int]], int] | None
 
     @property
     def decode_fn(self) -> Callable:

@@ -13,6 +13,9 @@ Sources: Oliaro et al., "SuffixDecoding: Extreme Speculative Decoding for Emergi
                  higher score — the expected number of accepted drafts — wins (Arctic's rule; ties: the request's)
     short        a proposal under K tokens is padded with its last token (the sequence's last token when empty):
                  padded drafts are rejected harmlessly
+    how many     the step verifies as many drafts as the longest proposal in the batch (`draft_len_hint`, ≥ 1),
+                 so K can be large: a long copied stretch is verified in a few steps, a step with nothing to copy
+                 verifies one draft
 
 The drafter runs on the host: `after_prefill` / `after_verify` read the step's tokens back (`.tolist()`), so the
 step cannot be captured in a CUDA graph or compiled with fullgraph, and `build` accepts CPU engines only.
@@ -55,7 +58,8 @@ _UNKNOWN = -1  # a position whose token the drafter did not see (never a token i
 class _Slot:
     """One batch slot's request: its tokens by position, its own tree, its matches in both trees."""
 
-    __slots__ = ("tokens", "prompt_len", "tree", "segment", "segment_start", "ends", "global_ends", "global_version")
+    __slots__ = ("tokens", "prompt_len", "tree", "segment", "segment_start", "ends", "global_ends", "global_version",
+                 "useful")
 
     def __init__(self, depth: int) -> None:
         self.tokens: list[int] = []
@@ -66,6 +70,7 @@ class _Slot:
         self.ends: list[int] = []  # matches of the context in `tree`
         self.global_ends: list[int] = []  # ... and in the global tree, valid at its `global_version`
         self.global_version = -1
+        self.useful = 0  # drafts of the last proposal (the rest of the K are padding)
 
     def output_segments(self) -> list[list[int]]:
         """The output's runs of known tokens."""
@@ -110,6 +115,12 @@ class SuffixDrafter(LinearDrafter):
         s = self._start(slot)
         self._write(s, 0, token_ids)
         s.prompt_len = len(token_ids)
+
+    def draft_len_hint(self, slots: list[int]) -> int:
+        """The longest proposal among these slots' requests (their drafts past it are padding), at least 1 so that
+        the drafter keeps seeing every step: a copied stretch is verified as far as the trees predict it, a step
+        with nothing to copy verifies one draft."""
+        return max(1, max((self.slots[s].useful for s in slots if s in self.slots), default=self.num_draft_tokens))
 
     # Host-side updates ------------------------------------------------------------------------------------------
     def _start(self, slot: int) -> _Slot:
@@ -171,6 +182,7 @@ class SuffixDrafter(LinearDrafter):
             if other.score > best.score:
                 best = other
         drafts = best.tokens
+        s.useful = len(drafts)
         pad = drafts[-1] if drafts else s.tokens[-1]
         return drafts + [pad] * (k - len(drafts))
 
