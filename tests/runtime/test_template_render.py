@@ -31,8 +31,10 @@ HOSTILE = {
     "squaring loop": ("{% set ns = namespace(n=3) %}{% for i in range(40) %}{% set ns.n = ns.n * ns.n %}{% endfor %}"
                       "{{ ns.n }}", "bits"),
     "center(2e9)": ("{{ 'x'|center(2000000000) }}", "memory cap"),
-    "output flood": ("{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
-                     "cap of 1048576"),
+    "output flood": ("{% for i in range(100000) %}{% for j in range(100000) %}{{ 'x' * 1000 }}{% endfor %}"
+                     "{% endfor %}", "output passed the cap of 1048576"),
+    "31 string joins (~)": ("{% set ns = namespace(s='x') %}{% for i in range(31) %}{% set ns.s = ns.s ~ ns.s %}"
+                            "{% endfor %}{{ ns.s }}", "concatenation of 2097152 characters would exceed the cap"),
 }
 
 

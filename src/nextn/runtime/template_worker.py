@@ -117,7 +117,28 @@ def _bounded_compile(source: str):
     env.intercepted_binops = frozenset({"*", "+", "**"})
     env.call_binop = call_binop
     env.template_class = BoundedTemplate
-    return env.from_string(source)
+    template = env.from_string(source)
+    # `a ~ b` (jinja's Concat) is not a binop the sandbox intercepts: the compiled code joins through the module's
+    # str_join / markup_join, which are bounded here like `+`
+    names = template.root_render_func.__globals__
+    for name in ("str_join", "markup_join"):
+        if name in names:
+            names[name] = _bounded_join(names[name])
+    return template
+
+
+def _bounded_join(join):
+    """`join` (jinja's str_join / markup_join over an iterable) refusing a result past the cap."""
+
+    def bounded(seq):
+        parts = list(seq)
+        size = sum(len(p) for p in parts if isinstance(p, str))
+        if size > _Caps.max_chars:
+            raise TemplateTooLarge(f"a concatenation of {size} characters would exceed the cap of "
+                                   f"{_Caps.max_chars} characters")
+        return join(parts)
+
+    return bounded
 
 
 def _render(request: dict) -> dict:
