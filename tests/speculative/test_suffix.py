@@ -130,7 +130,7 @@ def test_only_cpu_engines_and_the_config():
     with pytest.raises(LlmArgsError, match="unknown key 'speculative_config.method'"):
         parse_llm_args({"speculative_config": {**SUFFIX, "method": "suffix"}})
     args = parse_llm_args(load_llm_args_yaml(Path(__file__).parents[2] / "configs" / "suffix.yaml"))
-    assert args.speculative_config.decoding_type == "Suffix" and args.speculative_config.max_draft_len == 4
+    assert args.speculative_config.decoding_type == "Suffix" and args.speculative_config.max_draft_len == 16
 
 
 # Greedy: lossless -------------------------------------------------------------------------------------------------
