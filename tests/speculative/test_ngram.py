@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from nextn.testing.spec_checks import greedy_outputs as outputs
+from nextn.testing.spec_checks import staggered_outputs as staggered
 from nextn import LLM, SamplingParams
 from nextn.build.engine_builder import build_engine
-from nextn.testing.tiny_llama import tiny_hf_llama
 from nextn.config.llm_args import CudaGraphConfig, LlmArgsError, load_llm_args_yaml, parse_llm_args
 from nextn.speculative.protocol import SamplingTensors
 from nextn.runtime.cuda_graph_runner import CudaGraphStep, EmulatedGraphBackend
@@ -38,29 +39,6 @@ def lookup(seq: list[int], max_ngram: int, k: int, use_oldest: bool = True) -> l
             after = seq[(ends[0] if use_oldest else ends[-1]) + 1:]
             return [after[i % len(after)] for i in range(k)]
     return [seq[-1]] * k
-
-
-def outputs(llm: LLM, prompts, sp) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
-
-
-def staggered(llm: LLM, prompts, params) -> list[list[int]]:
-    """One request joins before each step until all have; steps until all finish."""
-    pending, ids, outs = list(zip(prompts, params)), [], {}
-    while pending or llm.has_unfinished_requests:
-        if pending:
-            ids.append(llm.add_request(*pending.pop(0)))
-        outs.update({o.request_id: o for o in llm.step()})
-    return [outs[i].outputs[0].token_ids for i in ids]
-
-
-@pytest.fixture(scope="module")
-def llama_engine(tmp_path_factory):
-    """A tiny HF Llama (no MTP, no Medusa weights) built into an engine."""
-    tmp = tmp_path_factory.mktemp("llama_ngram")
-    tiny_hf_llama().save_pretrained(tmp / "ckpt")
-    build_engine(tmp / "ckpt", tmp / "engine", progress=False, max_seq_len=128)
-    return tmp / "engine"
 
 
 @pytest.fixture(scope="module")

@@ -14,40 +14,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from nextn.testing.spec_checks import greedy_outputs as outputs
+from nextn.testing.spec_checks import staggered_outputs as staggered
 from nextn import LLM, SamplingParams
 from nextn.build.engine_builder import build_engine
 from nextn.config.llm_args import LlmArgsError, load_llm_args_yaml, parse_llm_args
 from nextn.speculative.method import LoadContext
 from nextn.speculative.suffix import SuffixDrafter, build
 from nextn.testing.chi_square import chi_square_two_sample_pvalue
-from nextn.testing.tiny_llama import tiny_hf_llama
 
 SUFFIX = {"decoding_type": "Suffix", "max_draft_len": 4}
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9], list(range(20, 47)), [3, 4, 3, 4, 3], [17, 42, 99, 5, 61, 8] * 3]
 STORIES = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "models" / "stories260K" / "stories260K.gguf"
-
-
-def outputs(llm: LLM, prompts, sp) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
-
-
-def staggered(llm: LLM, prompts, params) -> list[list[int]]:
-    """One request joins before each step until all have; steps until all finish."""
-    pending, ids, outs = list(zip(prompts, params)), [], {}
-    while pending or llm.has_unfinished_requests:
-        if pending:
-            ids.append(llm.add_request(*pending.pop(0)))
-        outs.update({o.request_id: o for o in llm.step()})
-    return [outs[i].outputs[0].token_ids for i in ids]
-
-
-@pytest.fixture(scope="module")
-def llama_engine(tmp_path_factory):
-    """A tiny HF Llama built into an engine (no draft weights: suffix decoding needs none)."""
-    tmp = tmp_path_factory.mktemp("llama_suffix")
-    tiny_hf_llama().save_pretrained(tmp / "ckpt")
-    build_engine(tmp / "ckpt", tmp / "engine", progress=False, max_seq_len=128)
-    return tmp / "engine"
 
 
 # The drafter on its own: rows, slots, positions ------------------------------------------------------------------

@@ -86,3 +86,18 @@ def check_drafts_against_fresh_prefill(engine, num_draft_tokens: int, check_draf
         engine.scheduler.forget_scheduled()  # applied here by hand
         engine.scheduler.finish_done()
     return checked
+
+
+def greedy_outputs(llm, prompts, params) -> list[list[int]]:
+    """Each prompt's output token ids from one `generate` over all of them (a batch)."""
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def staggered_outputs(llm, prompts, params) -> list[list[int]]:
+    """Output token ids when one request joins before each step until all have, then steps until all finish."""
+    pending, ids, outs = list(zip(prompts, params)), [], {}
+    while pending or llm.has_unfinished_requests:
+        if pending:
+            ids.append(llm.add_request(*pending.pop(0)))
+        outs.update({o.request_id: o for o in llm.step()})
+    return [outs[i].outputs[0].token_ids for i in ids]
