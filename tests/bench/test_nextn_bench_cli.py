@@ -191,7 +191,7 @@ def _slowed_baseline(monkeypatch, factor: float, spread: tuple[float, ...] | Non
 
 def test_a_speed_up_above_the_al_is_not_printed_as_a_result(small_engine, dataset, tmp_path, capsys, monkeypatch):
     # issue 33: `Speed-up over no speculation (NGram K=4): 15.010x (AL 1.006)` was printed as a result
-    _slowed_baseline(monkeypatch, 15.0)
+    _slowed_baseline(monkeypatch, 40.0)  # far beyond any AL here, even if MTP's steps cost 4x plain ones
     cfg = tmp_path / "mtp.yaml"
     cfg.write_text("speculative_config: {decoding_type: MTP, num_nextn_predict_layers: 2}\n")
     report = tmp_path / "r.json"
@@ -200,7 +200,7 @@ def test_a_speed_up_above_the_al_is_not_printed_as_a_result(small_engine, datase
     out = capsys.readouterr().out
     table = out[out.rindex("speed-up/AL"):]
     al = json.loads(report.read_text())["decoding_stats"]["acceptance_length_percentiles"]["maximum"]
-    assert al < 15 / 1.05  # the fake speed-up is impossible for this engine
+    assert al < 40 / 1.05  # the fake speed-up is impossible for this engine
     line = next(x for x in table.splitlines() if x.startswith("Speed-up over no speculation (MTP K=2)"))
     assert "not measured reliably" in line and "exceeds the AL" in line and "which speculation cannot do" in line
     assert "n/a" in table.splitlines()[2] and not re.search(r"K=2\): [0-9.]+x", line)  # no ratio as the result
