@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import random
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,8 @@ import torch
 
 from nextn.testing.spec_checks import greedy_outputs as outputs
 from nextn.testing.spec_checks import staggered_outputs as staggered
+from nextn.testing.spec_checks import LOOPING
+from nextn.testing.spec_checks import sampled_token_counts as _positions
 from nextn import LLM, SamplingParams
 from nextn.build.engine_builder import build_engine
 from nextn.config.llm_args import CudaGraphConfig, LlmArgsError, load_llm_args_yaml, parse_llm_args
@@ -201,15 +202,7 @@ def test_a_repetitive_prompt_gets_drafts_accepted(llama_engine):
 
 
 # Sampling ---------------------------------------------------------------------------------------------------------
-# The tiny Llama's own greedy continuation of [17, 42, 99, 5, 61, 8] * 5: it loops, so the n-gram drafts predict
-# what it samples at temperature 1 about half the time, while the second and third tokens stay spread (top-1 ~0.4).
-LOOPING = [17, 42, 99, 5, 61, 8] * 5 + [231, 111, 101, 298, 272, 73, 42, 254, 297] * 2 + [111, 101] + [66, 106, 200, 28] * 3
-
-
-def _positions(llm: LLM, n: int, params: dict) -> list[Counter]:
-    sps = [SamplingParams(max_tokens=3, ignore_eos=True, seed=s, **params) for s in range(n)]
-    outs = llm.generate([LOOPING] * n, sps)
-    return [Counter(o.outputs[0].token_ids[j] for o in outs) for j in range(3)]
+# LOOPING and sampled_token_counts: nextn.testing.spec_checks (a prompt where the drafts hit about half the time).
 
 
 @pytest.mark.slow

@@ -101,3 +101,18 @@ def staggered_outputs(llm, prompts, params) -> list[list[int]]:
             ids.append(llm.add_request(*pending.pop(0)))
         outs.update({o.request_id: o for o in llm.step()})
     return [outs[i].outputs[0].token_ids for i in ids]
+
+
+#: The tiny Llama's own greedy continuation of [17, 42, 99, 5, 61, 8] * 5 (`testing.tiny_llama`): it loops, so copying
+#: drafters (n-gram, suffix) predict what it samples at temperature 1 about half the time, while the next tokens
+#: stay spread (top-1 ~0.4) — a prompt on which a distribution test of those drafters has power.
+LOOPING = [17, 42, 99, 5, 61, 8] * 5 + [231, 111, 101, 298, 272, 73, 42, 254, 297] * 2 + [111, 101] + [66, 106, 200, 28] * 3
+
+
+def sampled_token_counts(llm, n: int, params: dict, prompt: list[int] = LOOPING) -> list:
+    """Counts of the first three sampled tokens over `n` seeds (seed = 0..n−1) of `prompt`: [Counter] × 3."""
+    from collections import Counter
+
+    sps = [SamplingParams(max_tokens=3, ignore_eos=True, seed=s, **params) for s in range(n)]
+    outs = llm.generate([prompt] * n, sps)
+    return [Counter(o.outputs[0].token_ids[j] for o in outs) for j in range(3)]
