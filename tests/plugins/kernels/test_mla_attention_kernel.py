@@ -152,3 +152,34 @@ def test_each_request_is_computed_as_if_alone(kernels):
                                             block_size)
             alone = mla_attention(q_lat[i:i + 1], q_pe[i:i + 1], kv, meta, 0.3)
             assert torch.equal(alone[0], batch[i]), f"request {i}"
+
+
+def test_non_contiguous_queries(kernels):
+    """The model's absorbed query is an einsum's output, often a permuted view: the kernel's output is row-major
+    whatever q_lat's strides (an output allocated like q_lat once scrambled every multi-token step on CUDA)."""
+    gen = torch.Generator().manual_seed(5)
+    batch, t, heads, lora, rope, block_size = 2, 4, 3, 16, 8, 4
+    kv = _cache(gen, 64 * block_size, lora, rope)
+    tables = _tables(gen, batch, 8, 64)
+    positions = torch.tensor([[5], [11]]) + torch.arange(t)
+    meta = AttentionMetadata.create(positions, positions, tables, block_size)
+    q_lat = torch.randn(batch, heads, t, lora, generator=gen).transpose(1, 2)  # [B, T, nh, C], not contiguous
+    q_pe = torch.randn(batch, t, heads, rope, generator=gen)
+    assert not q_lat.is_contiguous()
+    got, want = _run_both(q_lat, q_pe, kv, meta, 0.3)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_mtp_engine_step_through_the_kernels_equals_plain_decoding(kernels, tmp_path):
+    """What a CUDA machine runs, on CPU: every dispatcher through its Triton kernel (interpreter), a tiny
+    DeepSeek-V3 with an MTP module, greedy tokens of plain and MTP Eagle (K = 3) steps, eager and through the graph
+    runner (emulated capture), identical."""
+    import json
+
+    from nextn.bench.gpu_step import main
+
+    out = tmp_path / "r.json"
+    assert main(["--tiny", "--device", "cpu", "--batch_sizes", "1,2", "--gen_tokens", "6", "--warmup", "0",
+                 "--json", str(out)]) == 0
+    identity = json.loads(out.read_text())["greedy_identity"]
+    assert all(v["identical"] for v in identity.values()), identity

@@ -75,7 +75,8 @@ def _build():
             pe = tl.load(kv_ptr + slot[:, None] * kv_stride + C + r[None, :], mask=k_in[:, None] & r_in[None, :],
                          other=0.0).to(q.dtype)
             s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)
-            s = (s + tl.dot(qp, tl.trans(pe), input_precision=DOT_PRECISION)) * scale  # [BLOCK_H, BLOCK_N] fp32
+            # fp32 even where the scale arrives as fp64 (a Python float under torch.compile's Triton launcher)
+            s = ((s + tl.dot(qp, tl.trans(pe), input_precision=DOT_PRECISION)) * scale).to(tl.float32)
             vis = k_in
             if IS_TREE:
                 rel = keys - start
@@ -134,7 +135,9 @@ def _attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
     r = q_pe.shape[-1]
     if is_tree and tree_mask.dim() == 2:  # one tree for the batch: [L, L] → [B, L, L]
         tree_mask = tree_mask.expand(b, *tree_mask.shape)
-    out = torch.empty_like(q_lat)
+    # Row-major [B, T, nh, C] as the kernel writes it (empty_like would copy q_lat's strides: an einsum's
+    # output is often a permuted view)
+    out = torch.empty(q_lat.shape, dtype=q_lat.dtype, device=q_lat.device)
     block_h = min(_BLOCK_H, next_pow2(nh, 16))
     precision = "ieee" if q_lat.dtype == torch.float32 else "tf32"
     launch(_build()[0])[(b * t, cdiv(nh, block_h))](
