@@ -8,10 +8,14 @@ import time is early enough even when other test folders have imported `nextn` a
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# Not on a GPU machine: there the kernels compile for real, and a kernel built under the interpreter here would be
+# one the CUDA graph tests of the same session cannot launch (wrap_triton refuses an interpreted function).
+if not os.environ.get("CUDA_VISIBLE_DEVICES") and not Path("/dev/nvidia0").exists():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture
