@@ -9,7 +9,7 @@ function on its share of the model, its own KV cache (its KV heads) and its own 
 state; the model's collectives (all-reduce, logits all-gather) meet inside the step. Since the gathered logits are
 the same on every rank, so are the accepted tokens and drafts: the workers' device state stays in step without ever
 being read back. With the overlap scheduler a worker keeps its own previous step on its device for the rows whose
-inputs come from it (overlap.py), as rank 0 does. (TensorRT-LLM's LLM API: rank 0's executor broadcasts each
+inputs come from it (model_runner.py), as rank 0 does. (TensorRT-LLM's LLM API: rank 0's executor broadcasts each
 iteration's requests to the MPI workers; vLLM's `broadcast_tensor_dict` of the step inputs.)
 
 What rank 0 decides from timing (the adaptive draft length) or from randomness (seeds) reaches the workers as

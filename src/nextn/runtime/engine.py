@@ -2,7 +2,7 @@
 
 One step is schedule → launch → update: the scheduler turns its requests into a data-only `StepPlan`, the model
 runner launches it on the device, and the scheduler applies the read-back results to its requests. With the
-overlap scheduler (overlap.py) a step launches step n before reading back step n−1.
+overlap scheduler (model_runner.py's `InflightStep`) a step launches step n before reading back step n−1.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from nextn.config.llm_args import LlmArgs
 from nextn.runtime.engine_loader import Sharding, load_engine
 from nextn.runtime.fault_isolation import recover_from_failed_step
 from nextn.runtime.iteration_log import iteration_entry
-from nextn.runtime.overlap import InflightStep
+from nextn.runtime.model_runner import InflightStep
 from nextn.runtime.request import Request
 from nextn.runtime.request_validation import RequestError, checked_sampling_params, prompt_token_ids
 from nextn.runtime.sampling_params import SamplingParams
@@ -110,7 +110,7 @@ class Engine:
 
         Synchronous (`disable_overlap_scheduler: true`): the step launched here is read back and applied here.
         Overlap scheduler: this call launches step n from step n−1's device outputs, then reads back and applies
-        step n−1 (stop checks, detokenization, freeing blocks) and leaves step n in flight (overlap.py).
+        step n−1 (stop checks, detokenization, freeing blocks) and leaves step n in flight (model_runner.py).
 
         Returns:
             The requests this call updated: those that emitted tokens (finished or not) and those the scheduler

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import time
 
-from nextn.runtime.model_runner import StepResult
-from nextn.runtime.overlap import InflightStep
+from nextn.runtime.model_runner import InflightStep, StepResult
 from nextn.runtime.scheduler import Scheduler
 
 
