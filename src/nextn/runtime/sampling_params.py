@@ -21,6 +21,10 @@ MIN_TEMPERATURE = 1e-6  # below (and above 0): logits / temperature overflows fp
 MAX_TEMPERATURE = 1e6  # above: the distribution is uniform in fp32 anyway
 MIN_TOP_P = 1e-6  # below: fp32 rounds the nucleus to nothing
 MAX_STOP_TOKEN_IDS = 1024
+MAX_N = 16  # sequences per request (each its own request in the engine)
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+MAX_GRAMMAR_CHARS = 65536  # a JSON schema, regex or EBNF grammar, as text
 
 
 class SamplingParamsError(ValueError):
@@ -60,6 +64,53 @@ def _check_float(name: str, v: Any, lo: float, hi: float) -> float:
     return f
 
 
+class GuidedDecodingParams(BaseModel):
+    """A grammar every output token must keep to (TensorRT-LLM's `GuidedDecodingParams`); exactly one field set.
+
+    Attributes:
+        json_schema (`json=` when made): a JSON Schema (dict, or its JSON text): the output is one JSON value that validates against it.
+        json_object: True: the output is one JSON object (OpenAI's `response_format: {"type": "json_object"}`).
+        regex: the output matches this regular expression.
+        grammar: an EBNF grammar (GBNF/xgrammar syntax, start rule `root`).
+        choice: the output is exactly one of these strings (vLLM's `guided_choice`).
+    Compiled by xgrammar (runtime/guided_decoding.py); a grammar it cannot compile is a `SamplingParamsError` when
+    the request is made. Each text is at most 65,536 characters, `choice` at most 256 strings.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    json_schema: dict | str | None = Field(default=None, alias="json")  # `json=` as TensorRT-LLM spells it
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
+
+    def __init__(self, **kwargs) -> None:
+        try:
+            super().__init__(**kwargs)
+        except ValidationError as e:
+            raise SamplingParamsError(f"invalid GuidedDecodingParams: {e.errors()[0]['msg']}") from None
+        import json as _json
+
+        set_ = [n for n in ("json_schema", "regex", "grammar", "choice") if getattr(self, n) is not None]
+        set_ += ["json_object"] if self.json_object else []
+        if len(set_) != 1:
+            raise SamplingParamsError(f"GuidedDecodingParams takes exactly one of json (json_schema), json_object, regex, grammar, "
+                                      f"choice; got {set_ or 'none'}")
+        schema = self.json_schema
+        text = (_json.dumps(schema) if isinstance(schema, dict) else schema or self.regex or self.grammar
+                or "".join(self.choice or []))
+        if len(text) > MAX_GRAMMAR_CHARS:
+            raise SamplingParamsError(f"the guided-decoding {set_[0]} is {len(text)} characters; at most "
+                                      f"{MAX_GRAMMAR_CHARS} are allowed")
+        if self.choice is not None and not 1 <= len(self.choice) <= 256:
+            raise SamplingParamsError("guided-decoding choice takes 1 to 256 strings")
+
+    def key(self) -> str:
+        """A canonical text of the grammar (the compiled-grammar cache key)."""
+        return self.model_dump_json()
+
+
 class SamplingParams(BaseModel):
     """How to decode one request.
 
@@ -77,6 +128,21 @@ class SamplingParams(BaseModel):
         stop_token_ids: more tokens that end the request (emitted, then stop); at most 1024, each in the vocabulary.
         ignore_eos: keep going past EOS (benchmarks: exactly `max_tokens` tokens).
         detokenize: fill `.text` when the engine has a tokenizer.
+        n: sequences to generate for the prompt, in [1, 16]; each is its own request sharing the prompt's KV blocks
+            through the prefix cache, sequence i seeded `seed + i` (one drawn seed when `seed` is None).
+        presence_penalty, frequency_penalty: in [−2, 2], OpenAI's: a logit minus presence · [token already
+            generated] minus frequency · (times generated). 0 = off.
+        repetition_penalty: in [0.01, 100] (1 = off): a token already in the prompt or output has its logit divided
+            by it when positive, multiplied when not (HF / vLLM).
+        min_tokens: the end-of-sequence and stop tokens are masked until this many tokens are generated (≤
+            max_tokens).
+        logit_bias: {token id: bias in [−100, 100]} added to the logits, at most 1,024 entries.
+        logprobs: None = off; k in [0, 20]: each output token's log-probability and the k most likely tokens'
+            (`CompletionOutput.logprobs`), from the processed distribution (penalties, bias, grammar and
+            temperature applied; before top-k / top-p).
+        guided_decoding: a `GuidedDecodingParams` grammar the output keeps to.
+        Every one of these is applied at each verified position from the state before it (drafts included), so
+        speculative decoding stays lossless with them (speculative/logits_processing.py).
     Raises:
         SamplingParamsError (a ValueError): a field of the wrong type or out of range, or an unknown field; the
             message names each and its valid range.
@@ -93,6 +159,14 @@ class SamplingParams(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     detokenize: bool = True
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] = Field(default_factory=dict)
+    logprobs: int | None = None
+    guided_decoding: GuidedDecodingParams | None = None
 
     def __init__(self, **kwargs) -> None:
         try:
@@ -145,6 +219,58 @@ class SamplingParams(BaseModel):
             raise ValueError(f"stop_token_ids holds {len(v)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
         return [check_int(f"stop_token_ids[{i}]", t, 0, MAX_INT32) for i, t in enumerate(v)]
 
+    @field_validator("n", mode="before")
+    @classmethod
+    def _n(cls, v: Any) -> int:
+        return check_int("n", v, 1, MAX_N)
+
+    @field_validator("presence_penalty", "frequency_penalty", mode="before")
+    @classmethod
+    def _penalty(cls, v: Any, info) -> float:
+        return _check_float(info.field_name, v, -2.0, 2.0)
+
+    @field_validator("repetition_penalty", mode="before")
+    @classmethod
+    def _repetition(cls, v: Any) -> float:
+        return _check_float("repetition_penalty (1 = off)", v, 0.01, 100.0)
+
+    @field_validator("min_tokens", mode="before")
+    @classmethod
+    def _min_tokens(cls, v: Any) -> int:
+        return check_int("min_tokens", v, 0, MAX_INT32)
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _logprobs(cls, v: Any) -> int | None:
+        return None if v is None else check_int("logprobs (top tokens per position)", v, 0, MAX_LOGPROBS)
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias(cls, v: Any) -> dict[int, float]:
+        if v is None:
+            return {}
+        if not isinstance(v, dict):
+            raise ValueError(f"logit_bias must be a dict {{token id: bias}}, got {_type_name(v)}")
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias holds {len(v)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+        return {check_int("logit_bias token id", k, 0, MAX_INT32): _check_float(f"logit_bias[{k}]", b, -100.0, 100.0)
+                for k, b in v.items()}
+
+    @field_validator("guided_decoding", mode="before")
+    @classmethod
+    def _guided(cls, v: Any) -> GuidedDecodingParams | None:
+        if v is None or isinstance(v, GuidedDecodingParams):
+            return v
+        if isinstance(v, dict):
+            return GuidedDecodingParams(**v)
+        raise ValueError(f"guided_decoding must be a GuidedDecodingParams or a dict, got {_type_name(v)}")
+
+    @property
+    def needs_processing(self) -> bool:
+        """Whether the step must process this request's logits (penalties, bias, min_tokens or a grammar)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.min_tokens or self.logit_bias or self.guided_decoding is not None)
+
     @field_validator("ignore_eos", "detokenize", mode="before")
     @classmethod
     def _bool(cls, v: Any, info) -> bool:
@@ -172,6 +298,11 @@ class SamplingParams(BaseModel):
         bad = [t for t in again.stop_token_ids if t >= vocab_size]
         if bad:
             problems.append(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+        bad = [t for t in again.logit_bias if t >= vocab_size]
+        if bad:
+            problems.append(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+        if again.min_tokens > again.max_tokens:
+            problems.append(f"min_tokens={again.min_tokens} exceeds max_tokens={again.max_tokens}")
         if again.max_tokens > max_seq_len:
             problems.append(f"max_tokens={again.max_tokens} exceeds max_seq_len {max_seq_len} (prompt plus output): "
                             f"lower max_tokens to at most {max_seq_len} minus the prompt length")

@@ -1,0 +1,108 @@
+"""The host side of logit processing: each request's penalty counts and grammar state, and the batch's
+`LogitsProcessing` built from them for one step (speculative/logits_processing.py applies it).
+
+A step verifies [last, d1..dk] for a request; position j is processed with the state after d1..dj: the counts of
+the tokens generated so far plus d1..dj (frequency / presence penalties), the prompt's and those tokens' set
+(repetition penalty), the output length + j (min_tokens) and the grammar matcher advanced over d1..dj and rolled
+back after. A draft the grammar rejects ends the walk: the positions after it cannot be reached this step (the
+acceptance rule stops at the first rejected draft), so their masks are left all-allowed.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+import torch
+
+from nextn.runtime.sampling_params import SamplingParams
+from nextn.speculative.logits_processing import LogitsProcessing
+
+__all__ = ["RequestProcessor", "build_processing"]
+
+
+class RequestProcessor:
+    """One request's processing state on the host.
+
+    Args:
+        params: the request's sampling parameters (`needs_processing`); prompt_ids: its prompt (repetition penalty);
+        stop_ids: the tokens that end it (masked before `min_tokens`); matcher: its xgrammar `GrammarMatcher`, or
+        None without a grammar.
+    """
+
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], stop_ids: Sequence[int],
+                 matcher=None) -> None:
+        self.params = params
+        self.stop_ids = sorted(set(stop_ids))
+        self.prompt_set = frozenset(prompt_ids) if params.repetition_penalty != 1.0 else frozenset()
+        self.counts: Counter[int] = Counter()
+        self.num_generated = 0
+        self.matcher = matcher
+
+    def advance(self, tokens: Sequence[int]) -> None:
+        """The request emitted `tokens` (in order)."""
+        self.counts.update(tokens)
+        self.num_generated += len(tokens)
+        if self.matcher is not None:
+            for t in tokens:
+                if self.matcher.is_terminated() or not self.matcher.accept_token(t):
+                    break  # only a stop token past the grammar's end (the request ends on it)
+
+    def positions(self, drafts: Sequence[int], width: int, vocab_size: int):
+        """Per position j < width (state after drafts[:j]): (mult [(j, token, r)], add [(j, token, value)],
+        bitmask [width, ceil(V/32)] int32 or None)."""
+        p = self.params
+        mult, add = [], []
+        counts = Counter(self.counts)
+        for j in range(width):
+            if j:
+                counts[drafts[j - 1]] += 1
+            if p.repetition_penalty != 1.0:
+                mult += [(j, t, p.repetition_penalty) for t in self.prompt_set.union(counts)]
+            if p.frequency_penalty or p.presence_penalty:
+                add += [(j, t, -(p.frequency_penalty * c + p.presence_penalty)) for t, c in counts.items()]
+            add += [(j, t, b) for t, b in p.logit_bias.items()]
+            if self.num_generated + j < p.min_tokens:
+                add += [(j, t, float("-inf")) for t in self.stop_ids]
+        return mult, add, self._masks(drafts, width, vocab_size)
+
+    def _masks(self, drafts: Sequence[int], width: int, vocab_size: int) -> torch.Tensor | None:
+        if self.matcher is None:
+            return None
+        masks = torch.full((width, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+        accepted = 0
+        for j in range(width):
+            if self.matcher.is_terminated():
+                break
+            self.matcher.fill_next_token_bitmask(masks, j)
+            if j == width - 1 or not self.matcher.accept_token(drafts[j]):
+                break
+            accepted += 1
+        if accepted:
+            self.matcher.rollback(accepted)
+        return masks
+
+
+def build_processing(rows: Sequence[tuple[int, RequestProcessor, Sequence[int]]], width: int, vocab_size: int,
+                     device: torch.device | str = "cpu") -> LogitsProcessing | None:
+    """The batch's processing for one step: rows (batch row, processor, drafts d1..d{width−1}); None when no row
+    needs any (the step then runs as without processing)."""
+    mult, add, mask_rows, masks = [], [], [], []
+    for row, proc, drafts in rows:
+        m, a, bitmask = proc.positions(drafts, width, vocab_size)
+        mult += [(row, j, t, r) for j, t, r in m]
+        add += [(row, j, t, v) for j, t, v in a]
+        if bitmask is not None:
+            mask_rows.append(row)
+            masks.append(bitmask)
+    if not (mult or add or mask_rows):
+        return None
+
+    def index(entries):
+        idx = torch.tensor([e[:3] for e in entries], dtype=torch.int64).view(-1, 3)
+        return idx, torch.tensor([e[3] for e in entries], dtype=torch.float32)
+
+    words = (vocab_size + 31) // 32
+    out = LogitsProcessing(*index(mult), *index(add), torch.tensor(mask_rows, dtype=torch.int64),
+                           torch.stack(masks) if masks else torch.zeros(0, width, words, dtype=torch.int32))
+    return out if torch.device(device).type == "cpu" else out.to(device)

@@ -1,0 +1,71 @@
+"""Per-position logit processing inside a verify step: penalties, logit bias, min_tokens and grammar masks.
+
+Speculation stays lossless under processing because each verified position j of a request is processed with the
+state that plain decoding would have there: the tokens emitted before the step plus the drafts d1..dj before it
+(token counts for the penalties, the output length for min_tokens, the grammar state after d1..dj). The acceptance
+rule then sees the processed target distribution: a draft the grammar forbids has probability 0 and is rejected
+like any other, and the bonus token is drawn from the processed (masked) distribution.
+
+Applied in this order, as vLLM's sampler does (`v1/sample/sampler.py`): repetition penalty (HF/CTRL, Keskar et al.
+2019: a seen token's logit is divided by r when positive, multiplied by r when not), then the additive terms
+(frequency and presence penalties as OpenAI defines them, `logit_bias`, −inf on stop tokens before `min_tokens`),
+then the grammar's token bitmask (xgrammar's layout: bit v of word v // 32 set = token v allowed). Temperature,
+top-k and top-p come after, in the acceptance rule.
+
+The host builds a `LogitsProcessing` from each request's state (runtime/logits_processors.py); everything here is
+sparse index work on the logits, so a batch whose requests use none of it pays nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["LogitsProcessing", "apply_bitmask"]
+
+
+@dataclass(frozen=True)
+class LogitsProcessing:
+    """What to do to a step's target logits [B, T, V] (T = K+1 verified positions, or 1 for a prefill's last row).
+
+    Attributes:
+        mult_index: [M, 3] int64 (batch row, position, token) of tokens under the repetition penalty;
+            mult_value: [M] fp32 the penalty r > 0 of each.
+        add_index: [N, 3] int64 (batch row, position, token); add_value: [N] fp32 added (−inf masks a token).
+            Indices may repeat: the values add up.
+        mask_rows: [R] int64 batch rows under a grammar; bitmask: [R, T, ceil(V / 32)] int32 (bit set = allowed).
+    """
+
+    mult_index: torch.Tensor
+    mult_value: torch.Tensor
+    add_index: torch.Tensor
+    add_value: torch.Tensor
+    mask_rows: torch.Tensor
+    bitmask: torch.Tensor
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """The processed logits [B, T, V] fp32 (a new tensor; `logits` is left as it was)."""
+        out = logits.float().clone()
+        if self.mult_index.numel():
+            b, t, v = self.mult_index.unbind(1)
+            x = out[b, t, v]
+            out[b, t, v] = torch.where(x > 0, x / self.mult_value, x * self.mult_value)
+        if self.add_index.numel():
+            b, t, v = self.add_index.unbind(1)
+            out.index_put_((b, t, v), self.add_value, accumulate=True)
+        if self.mask_rows.numel():
+            rows = out[self.mask_rows]  # [R, T, V]
+            out[self.mask_rows] = apply_bitmask(rows, self.bitmask)
+        return out
+
+    def to(self, device: torch.device | str) -> LogitsProcessing:
+        return LogitsProcessing(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits [..., V] with every token whose bit is clear in bitmask [..., ceil(V / 32)] int32 set to −inf."""
+    v = logits.shape[-1]
+    bits = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).flatten(-2)[..., :v].bool()
+    return logits.masked_fill(~allowed, float("-inf"))
