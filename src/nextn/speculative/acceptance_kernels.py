@@ -1,12 +1,13 @@
 """Acceptance kernels: strict, relaxed and rejection-sampling verification of the drafts, one row per program.
 
-References (bit-identical integers): `nextn.speculative.acceptance_reference` (`strict_acceptance`, `relaxed_acceptance`,
-`rejection_sampling` with argmax or explicit drafts). Sources: Leviathan et al. 2023 §2.3 and Chen et al. 2023
-Alg. 2 (rejection sampling), REFERENCE.md §2–3 (TensorRT-LLM's strict and relaxed acceptance).
+References (bit-identical integers): `nextn.speculative.acceptance_reference` (`strict_acceptance`,
+`relaxed_acceptance`, `rejection_sampling` with argmax or explicit drafts). Sources: Leviathan et al. 2023 §2.3 and
+Chen et al. 2023 Alg. 2 (rejection sampling), REFERENCE.md §2–3 (TensorRT-LLM's strict and relaxed acceptance).
 
 Two launches per rule, both fixed-grid: a row kernel over [B, K+1] (one program per target position: a pass over
 the vocabulary in `BLOCK_V` chunks) writes the fallback token of each position and whether its draft passes; an
 emit kernel over [B] turns those into tokens and num_emitted (accepted = the leading run of passes).
+`acceptance_rules` calls these launchers on CUDA tensors and the references elsewhere (`dispatch.use_kernel`).
 
 Exactness notes. Strict: the first index of the maximum (torch's argmax). Relaxed: a draft d is in the top-k when
 fewer than k tokens rank before it (a larger logit, or an equal logit at a smaller id: the reference's topk on
@@ -21,14 +22,9 @@ import functools
 
 import torch
 
-from nextn.speculative.acceptance_reference import relaxed_acceptance as relaxed_acceptance_reference
-from nextn.speculative.acceptance_reference import rejection_sampling as rejection_sampling_reference
-from nextn.speculative.acceptance_reference import strict_acceptance as strict_acceptance_reference
-from nextn.plugins.kernels.dispatch import launch, next_pow2, register_op, use_kernel
+from nextn.plugins.kernels.dispatch import launch, next_pow2, register_op
 
-__all__ = ["strict_acceptance", "relaxed_acceptance", "rejection_sampling", "strict_acceptance_triton",
-           "relaxed_acceptance_triton", "rejection_sampling_triton", "strict_acceptance_reference",
-           "relaxed_acceptance_reference", "rejection_sampling_reference"]
+__all__ = ["strict_acceptance_triton", "relaxed_acceptance_triton", "rejection_sampling_triton"]
 
 _BLOCK_V = 1024
 
@@ -229,15 +225,15 @@ _rejection_q_op = register_op("rejection_sampling_draft_probs", _rejection_q_tri
 
 def strict_acceptance_triton(target_logits: torch.Tensor, draft_tokens: torch.Tensor
                              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launcher of strict acceptance, as `strict_acceptance_reference`: logits [B, K+1, V] float, drafts [B, K]
-    int64 → (target tokens [B, K+1] int64, the argmax at every position; num_emitted [B] int64 in [1, K+1])."""
+    """Launcher of strict acceptance, as `acceptance_reference.strict_acceptance`: logits [B, K+1, V] float, drafts
+    [B, K] int64 → (target tokens [B, K+1] int64, the argmax at every position; num_emitted [B] int64 in [1, K+1])."""
     return _strict_op(target_logits, draft_tokens)
 
 
 def relaxed_acceptance_triton(target_logits: torch.Tensor, draft_tokens: torch.Tensor, delta: torch.Tensor,
                               topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher of relaxed acceptance: logits [B, K+1, V], drafts [B, K] int64, delta [B] fp32, topk ≥ 1 →
-    (tokens [B, K+1] int64, num_emitted [B] int64), as `relaxed_acceptance_reference`."""
+    (tokens [B, K+1] int64, num_emitted [B] int64), as `acceptance_reference.relaxed_acceptance`."""
     return _relaxed_op(target_logits, draft_tokens, delta, topk)
 
 
@@ -246,31 +242,8 @@ def rejection_sampling_triton(target_probs: torch.Tensor, draft_tokens: torch.Te
                               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher of rejection sampling: probs [B, K+1, V] fp32, drafts [B, K] int64, accept_u [B, K] and sample_u
     [B, K+1] fp32 uniforms (`counter_uniform`), draft_probs [B, K, V] or None (argmax drafts) → (tokens [B, K+1]
-    int64, num_emitted [B] int64), as `rejection_sampling_reference`."""
+    int64, num_emitted [B] int64), as `acceptance_reference.rejection_sampling`."""
     if draft_probs is None:
         return _rejection_argmax_op(target_probs, draft_tokens, accept_u, sample_u)
     return _rejection_q_op(target_probs, draft_tokens, accept_u, sample_u, draft_probs)
 
-
-def strict_acceptance(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Strict acceptance: the kernel where it can run (`dispatch.use_kernel`), else the reference."""
-    if use_kernel(target_logits, draft_tokens):
-        return strict_acceptance_triton(target_logits, draft_tokens)
-    return strict_acceptance_reference(target_logits, draft_tokens)
-
-
-def relaxed_acceptance(target_logits: torch.Tensor, draft_tokens: torch.Tensor, delta: torch.Tensor,
-                       topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Relaxed acceptance: the kernel where it can run, else the reference."""
-    if use_kernel(target_logits, draft_tokens, delta):
-        return relaxed_acceptance_triton(target_logits, draft_tokens, delta, topk)
-    return relaxed_acceptance_reference(target_logits, draft_tokens, delta, topk)
-
-
-def rejection_sampling(target_probs: torch.Tensor, draft_tokens: torch.Tensor, accept_u: torch.Tensor,
-                       sample_u: torch.Tensor, draft_probs: torch.Tensor | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rejection sampling: the kernel where it can run, else the reference."""
-    if use_kernel(target_probs, draft_tokens, accept_u, sample_u):
-        return rejection_sampling_triton(target_probs, draft_tokens, accept_u, sample_u, draft_probs)
-    return rejection_sampling_reference(target_probs, draft_tokens, accept_u, sample_u, draft_probs)

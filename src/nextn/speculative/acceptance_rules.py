@@ -4,17 +4,51 @@ Chosen once from the speculative config (STYLE.md §4): `StandardAcceptance` (st
 rejection sampling as soon as one request samples — which is exactly strict on its greedy rows) or
 `RelaxedAcceptance` (TensorRT-LLM's relaxed acceptance for greedy requests inside `<think>…</think>`, rejection
 sampling for sampling requests). Each holds per-request state as device tensors (the thinking delta), so the step
-stays a pure function of fixed-shape tensors. The math lives in `acceptance_reference` (PyTorch references), dispatched
-through `nextn.speculative.acceptance_kernels` (Triton kernels on CUDA, the references elsewhere).
+stays a pure function of fixed-shape tensors. The math is `strict_acceptance`, `relaxed_acceptance` and
+`rejection_sampling` below: each calls its Triton launcher (`acceptance_kernels`) on CUDA tensors and its PyTorch
+reference (`acceptance_reference`) elsewhere (`dispatch.use_kernel`), so CPU behaviour is the reference's exactly.
 """
 
 from __future__ import annotations
 
 import torch
 
-from nextn.speculative.acceptance_kernels import rejection_sampling, relaxed_acceptance, strict_acceptance
+from nextn.plugins.kernels.dispatch import use_kernel
 from nextn.plugins.sampling import STREAM_ACCEPT, STREAM_SAMPLE, counter_uniform
+from nextn.speculative import acceptance_reference as reference
+from nextn.speculative.acceptance_kernels import (rejection_sampling_triton, relaxed_acceptance_triton,
+                                                  strict_acceptance_triton)
 from nextn.speculative.protocol import AcceptanceRule, AcceptState, SamplingTensors  # noqa: F401 (re-exported)
+
+
+def strict_acceptance(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Strict acceptance (`acceptance_reference.strict_acceptance`): logits [B, K+1, V], drafts [B, K] int64 →
+    (tokens [B, K+1] int64, num_emitted [B] int64); the Triton kernel where it can run, else the reference."""
+    if use_kernel(target_logits, draft_tokens):
+        return strict_acceptance_triton(target_logits, draft_tokens)
+    return reference.strict_acceptance(target_logits, draft_tokens)
+
+
+def relaxed_acceptance(target_logits: torch.Tensor, draft_tokens: torch.Tensor, delta: torch.Tensor,
+                       topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Relaxed acceptance (`acceptance_reference.relaxed_acceptance`): logits [B, K+1, V], drafts [B, K] int64,
+    delta [B] fp32, topk ≥ 1 → (tokens [B, K+1] int64, num_emitted [B] int64); the kernel where it can run, else
+    the reference."""
+    if use_kernel(target_logits, draft_tokens, delta):
+        return relaxed_acceptance_triton(target_logits, draft_tokens, delta, topk)
+    return reference.relaxed_acceptance(target_logits, draft_tokens, delta, topk)
+
+
+def rejection_sampling(target_probs: torch.Tensor, draft_tokens: torch.Tensor, accept_u: torch.Tensor,
+                       sample_u: torch.Tensor, draft_probs: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rejection sampling (`acceptance_reference.rejection_sampling`): probs [B, K+1, V] fp32, drafts [B, K],
+    uniforms accept_u [B, K] and sample_u [B, K+1], draft_probs [B, K, V] or None (argmax drafts) → (tokens
+    [B, K+1] int64, num_emitted [B] int64); the kernel where it can run, else the reference."""
+    if use_kernel(target_probs, draft_tokens, accept_u, sample_u):
+        return rejection_sampling_triton(target_probs, draft_tokens, accept_u, sample_u, draft_probs)
+    return reference.rejection_sampling(target_probs, draft_tokens, accept_u, sample_u, draft_probs)
+
 
 def sample_tokens(logits: torch.Tensor, positions: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
     """One token per row of logits [B, T, V] at token positions [B, T] (greedy rows: argmax) → [B, T] int64."""

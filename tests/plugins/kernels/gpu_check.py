@@ -8,7 +8,8 @@ import os
 
 import torch
 
-from nextn.speculative import acceptance_kernels as A
+from nextn.speculative import acceptance_reference as R
+from nextn.speculative import acceptance_rules as A
 from nextn.plugins.kernels import dispatch
 from nextn.plugins.kernels import medusa_tree as T
 from nextn.plugins.kernels.mla_attention import mla_attention, mla_attention_reference
@@ -30,16 +31,16 @@ def check_against_references() -> None:
     logits = torch.randn(b, k + 1, v, generator=gen)
     drafts = torch.where(torch.rand(b, k, generator=gen) < 0.7, logits.argmax(-1)[:, :k], 3)
     cuda = lambda *xs: [x.to(DEV) for x in xs]  # noqa: E731
-    _same(A.strict_acceptance(*cuda(logits, drafts)), A.strict_acceptance_reference(logits, drafts))
+    _same(A.strict_acceptance(*cuda(logits, drafts)), R.strict_acceptance(logits, drafts))
     delta = torch.tensor([0.0, 0.1, 0.3, 0.5, 1.0])
     _same(A.relaxed_acceptance(*cuda(logits, drafts, delta), 3),
-          A.relaxed_acceptance_reference(logits, drafts, delta, 3))
+          R.relaxed_acceptance(logits, drafts, delta, 3))
     probs = torch.softmax(logits, -1)
     seed, positions = torch.arange(b) * 7919, torch.arange(k + 1).expand(b, -1) + 100
     au, su = counter_uniform(seed, positions[:, :k], STREAM_ACCEPT), counter_uniform(seed, positions, STREAM_SAMPLE)
     # The CPU reference accumulates its CDF in fp64 like the kernel (torch's CUDA cumsum does not).
-    _same(A.rejection_sampling(*cuda(probs, drafts, au, su)), A.rejection_sampling_reference(probs, drafts, au, su))
-    tokens, n = A.strict_acceptance_reference(logits, drafts)
+    _same(A.rejection_sampling(*cuda(probs, drafts, au, su)), R.rejection_sampling(probs, drafts, au, su))
+    tokens, n = R.strict_acceptance(logits, drafts)
     kv_lens = torch.tensor([0, 5, 17, 30, 31])
     tree = build_tree([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
     _same([T.tree_visibility(*cuda(kv_lens, tree.mask), 64)], [T.tree_visibility_reference(kv_lens, tree.mask, 64)])

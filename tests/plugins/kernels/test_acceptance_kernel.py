@@ -19,7 +19,7 @@ def _drafts(target: torch.Tensor, k: int, gen: torch.Generator, vocab: int, p_ma
 
 
 def test_strict_hand_worked_all_some_none_accepted(kernels):
-    from nextn.speculative.acceptance_kernels import strict_acceptance
+    from nextn.speculative.acceptance_rules import strict_acceptance
 
     logits = torch.nn.functional.one_hot(torch.tensor([[1, 3, 2, 4]] * 3), 8).float()
     drafts = torch.tensor([[1, 3, 4], [1, 3, 2], [0, 3, 2]])
@@ -29,7 +29,7 @@ def test_strict_hand_worked_all_some_none_accepted(kernels):
 
 
 def test_strict_ties_take_the_first_index(kernels):
-    from nextn.speculative.acceptance_kernels import strict_acceptance
+    from nextn.speculative.acceptance_rules import strict_acceptance
 
     logits = torch.zeros(1, 2, 1100)
     logits[0, 0, [5, 1030]] = 2.0  # tie across the chunk boundary: the first index wins
@@ -40,7 +40,8 @@ def test_strict_ties_take_the_first_index(kernels):
 
 @pytest.mark.parametrize("b,k,v", SHAPES)
 def test_strict_matches_reference(kernels, b, k, v):
-    from nextn.speculative.acceptance_kernels import strict_acceptance, strict_acceptance_reference
+    from nextn.speculative.acceptance_rules import strict_acceptance
+    from nextn.speculative.acceptance_reference import strict_acceptance as strict_acceptance_reference
 
     gen = torch.Generator().manual_seed(b * 1000 + k * 10 + v)
     logits = torch.randn(b, k + 1, v, generator=gen)
@@ -50,7 +51,7 @@ def test_strict_matches_reference(kernels, b, k, v):
 
 
 def test_plain_decoding_k0(kernels):
-    from nextn.speculative.acceptance_kernels import relaxed_acceptance, rejection_sampling, strict_acceptance
+    from nextn.speculative.acceptance_rules import relaxed_acceptance, rejection_sampling, strict_acceptance
 
     logits = torch.randn(3, 1, 40, generator=torch.Generator().manual_seed(0))
     none = torch.zeros(3, 0, dtype=torch.int64)
@@ -66,7 +67,7 @@ def test_plain_decoding_k0(kernels):
 
 
 def test_relaxed_hand_worked(kernels):
-    from nextn.speculative.acceptance_kernels import relaxed_acceptance
+    from nextn.speculative.acceptance_rules import relaxed_acceptance
 
     # Position 0: p ≈ [0.5, 0.3, 0.2]; the draft is token 1 (second best, 0.2 below the top).
     logits = torch.log(torch.tensor([[[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]]]))
@@ -79,7 +80,8 @@ def test_relaxed_hand_worked(kernels):
 
 @pytest.mark.parametrize("b,k,v", SHAPES)
 def test_relaxed_matches_reference(kernels, b, k, v):
-    from nextn.speculative.acceptance_kernels import relaxed_acceptance, relaxed_acceptance_reference
+    from nextn.speculative.acceptance_rules import relaxed_acceptance
+    from nextn.speculative.acceptance_reference import relaxed_acceptance as relaxed_acceptance_reference
 
     gen = torch.Generator().manual_seed(b * 1000 + k * 10 + v)
     logits = torch.randn(b, k + 1, v, generator=gen) * 2
@@ -94,7 +96,8 @@ def test_relaxed_matches_reference(kernels, b, k, v):
 
 
 def test_rejection_greedy_rows_are_strict(kernels):
-    from nextn.speculative.acceptance_kernels import rejection_sampling, strict_acceptance_reference
+    from nextn.speculative.acceptance_rules import rejection_sampling
+    from nextn.speculative.acceptance_reference import strict_acceptance as strict_acceptance_reference
 
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(4, 4, 50, generator=gen)
@@ -108,7 +111,7 @@ def test_rejection_greedy_rows_are_strict(kernels):
 
 
 def test_rejection_hand_worked(kernels):
-    from nextn.speculative.acceptance_kernels import rejection_sampling
+    from nextn.speculative.acceptance_rules import rejection_sampling
 
     p = torch.tensor([[[0.5, 0.25, 0.25], [0.0, 0.0, 1.0]]])
     drafts = torch.tensor([[0]])
@@ -126,7 +129,8 @@ def test_rejection_hand_worked(kernels):
 
 @pytest.mark.parametrize("b,k,v", SHAPES)
 def test_rejection_matches_reference(kernels, b, k, v):
-    from nextn.speculative.acceptance_kernels import rejection_sampling, rejection_sampling_reference
+    from nextn.speculative.acceptance_rules import rejection_sampling
+    from nextn.speculative.acceptance_reference import rejection_sampling as rejection_sampling_reference
 
     gen = torch.Generator().manual_seed(b * 1000 + k * 10 + v)
     logits = torch.randn(b, k + 1, v, generator=gen) * 3
