@@ -105,9 +105,10 @@ def decode_inputs(plan: StepPlan, prev: InflightStep | None,
 
 @dataclass(frozen=True)
 class StepResult:
-    """Host-side results, one entry per scheduled request (in batch order)."""
+    """Host-side results, one entry per scheduled request (in batch order): what `Scheduler.update_from_output`
+    applies to the requests."""
 
-    emitted: list[list[int]]  # tokens each request emits this step (before stop checks)
+    emitted: list[list[int]]  # tokens each request emits this step (before stop checks); [] for an earlier chunk
     drafts: list[list[int]]  # its drafts for the next step
     num_accepted: list[int]  # drafts the target accepted (decode), 0 for prefill
     num_draft: int = 0  # drafts counted per request (decode statistics: `Drafter.stat_draft_len(draft_len)`)

@@ -31,26 +31,19 @@ from __future__ import annotations
 import sys
 from collections import deque
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from nextn.runtime.kv_cache import BlockPool
 from nextn.runtime.request import Request, RequestStatus
 from nextn.runtime.step_plan import StepPlan
 from nextn.speculative.draft_len_policy import DraftLenPolicy, StaticDraftLen
 
+if TYPE_CHECKING:  # the runner's host results: only their type is read here
+    from nextn.runtime.model_runner import StepResult
+
 
 class NeedsSync(Exception):
     """The next decision (preemption, or an abort for lack of KV) needs the in-flight step's results first."""
-
-
-class StepOutput(Protocol):
-    """What `update_from_output` reads of a step's host results (`model_runner.StepResult`), one entry per row."""
-
-    emitted: list[list[int]]  # tokens each row emits (before stop checks); [] for an earlier prefill chunk
-    drafts: list[list[int]]  # its drafts for the next step
-    num_accepted: list[int]  # drafts the target accepted (decode)
-    num_draft: int  # drafts counted per row (decode statistics: `Drafter.stat_draft_len`)
-    seconds: float  # the step's own time: its launch plus waiting for its results
 
 
 class Scheduler:
@@ -273,7 +266,7 @@ class Scheduler:
         for i, req in enumerate(self._scheduled[plan.step_id]):
             req.num_inflight_tokens = max_emitted if decode or plan.is_last_chunk(i) else 0
 
-    def update_from_output(self, plan: StepPlan, output: StepOutput) -> tuple[list[Request], list[Request]]:
+    def update_from_output(self, plan: StepPlan, output: StepResult) -> tuple[list[Request], list[Request]]:
         """Apply a step's host results to its requests: append tokens (stop checks), the drafts for the next step,
         computed lengths and prefix-cache blocks, decode statistics; the draft-length policy observes the step;
         finished requests release their blocks and slots. Rows of requests finished (or cancelled) since the step
