@@ -154,3 +154,25 @@ def test_a_token_map_larger_than_the_cap_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(user_files, "MAX_USER_FILE_BYTES", 100)
     with pytest.raises(ValueError, match="larger than"):
         load_token_map(path, 10)
+
+
+def test_mtp_cuts_the_draft_head_through_its_prepare_model_hook_and_never_under_tensor_parallelism(tmp_path):
+    """The engine calls `registry.prepare_model` once on the loaded target; MTP's hook cuts the head only when a
+    draft vocabulary is asked for, and refuses under tensor parallelism (the lm_head is split by vocabulary)."""
+    from pathlib import Path
+
+    from nextn.config.llm_args import LlmArgsError, MTPDecodingConfig
+    from nextn.speculative import mtp, registry
+    from nextn.speculative.method import LoadContext
+
+    assert registry.METHODS["MTP"].prepare_model is mtp.prepare_model
+
+    class Untouchable:  # any call on the model is an error: nothing to prepare
+        def __getattr__(self, name):
+            raise AssertionError(f"model.{name} touched")
+
+    ctx = LoadContext(None, Path(tmp_path), torch.device("cpu"), 128, tensor_parallel=True)
+    registry.prepare_model(Untouchable(), None, ctx)  # plain decoding
+    registry.prepare_model(Untouchable(), MTPDecodingConfig(num_nextn_predict_layers=1), ctx)  # no draft vocabulary
+    with pytest.raises(LlmArgsError, match="tensor parallelism"):
+        registry.prepare_model(Untouchable(), MTPDecodingConfig(num_nextn_predict_layers=1, draft_vocab_size=32), ctx)

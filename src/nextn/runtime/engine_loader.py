@@ -28,7 +28,7 @@ from nextn.runtime.cuda_graph_runner import graph_decode_fn
 from nextn.runtime.engine_sizes import check_sizes_against_model, plan_kv_cache
 from nextn.models.kv_cache import allocate_kv_cache
 from nextn.runtime.kv_cache import BlockPool
-from nextn.runtime.model_loader import cut_draft_head, load_model, pop_medusa_heads, read_weights
+from nextn.runtime.model_loader import load_model, pop_medusa_heads, read_weights
 from nextn.runtime.model_runner import ModelRunner
 from nextn.runtime.prefix_cache import PrefixCache
 from nextn.runtime.scheduler import Scheduler
@@ -103,7 +103,8 @@ def load_engine(engine_dir: str | Path, args: LlmArgs, spec: BaseModel | None, d
     block_size = args.kv_cache_config.tokens_per_block
     check_sizes_against_model(args, cfg, manifest.build_options.max_seq_len, max_batch_size, max_seq_len)
     weights = read_weights(engine_dir, manifest, args.verify_weights, device)
-    ctx = LoadContext(manifest, engine_dir, device, max_seq_len, pop_medusa_heads(weights, manifest))
+    ctx = LoadContext(manifest, engine_dir, device, max_seq_len, pop_medusa_heads(weights, manifest),
+                      tensor_parallel=sharding is not None)
     drafter, acceptance = registry.build(spec, ctx)  # the method's strategies, chosen once
     k = drafter.num_draft_tokens
     # KV positions past max_seq_len a step may touch: K+1 in flight (overlap) + the decode look-ahead 2K+1.
@@ -117,9 +118,7 @@ def load_engine(engine_dir: str | Path, args: LlmArgs, spec: BaseModel | None, d
                                         None if sharding is None else sharding.shard)
     if drafter.uses_draft_head and fast_bf16(device):
         model.use_bf16_draft_head()  # drafts only propose: a cheaper head cannot change the output
-    cut = (getattr(spec, "draft_vocab_size", None), getattr(spec, "draft_token_map", None))
-    if drafter.uses_draft_head and cut != (None, None):  # MTP's head (a Draft_Target drafter cuts its own)
-        cut_draft_head(model, engine_dir, device, *cut, cfg.vocab_size, sharding is not None)
+    registry.prepare_model(model, spec, ctx)  # what the method changes in the target (MTP: its draft head cut)
     kv = allocate_kv_cache(model.num_cache_layers, plan.num_blocks, block_size, kv_cfg.kv_cache_dim, kv_dtype,
                            device)  # num_blocks counts the null block
     pool = BlockPool(plan.num_blocks, block_size, prefix_cache_for(args, manifest, spec, drafter, kv_dtype,

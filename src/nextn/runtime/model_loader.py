@@ -17,7 +17,6 @@ from safetensors.torch import load_file
 from torch import nn
 
 from nextn.build.manifest import EngineError, EngineManifest, verify_engine_files
-from nextn.config.llm_args import LlmArgsError
 from nextn.models.medusa import MedusaHeads
 from nextn.models.registry import MODEL_CLASSES
 from nextn.plugins.decoder_layer import install_fused_layers
@@ -110,27 +109,6 @@ def load_model(manifest: EngineManifest, weights: Weights, device: torch.device,
         logger.warning("this %s engine is not batch-invariant here (%s runs outside nextn's per-row kernels: %s): "
                        "a request's greedy tokens may depend on what shares its batch", manifest.dtype, varying, why)
     return model.eval().requires_grad_(False), varying is None
-
-
-def cut_draft_head(model: nn.Module, engine_dir: Path, device: torch.device, size: int | None, token_map: str | None,
-                   vocab: int, tensor_parallel: bool) -> None:
-    """The drafters' lm_head cut to its hot tokens (`draft_vocab_size`, `draft_token_map`: speculative/draft_vocab.py).
-
-    Raises:
-        LlmArgsError: an unreadable token map, or tensor parallelism (the head is split by vocabulary there).
-    """
-    from nextn.speculative.draft_vocab import resolve_hot_tokens
-
-    if tensor_parallel:
-        raise LlmArgsError("draft_vocab_size / draft_token_map are not supported with tensor parallelism (the "
-                           "lm_head is split by vocabulary there): drop them")
-    try:
-        hot = resolve_hot_tokens(engine_dir, vocab, size, token_map)
-    except ValueError as e:
-        raise LlmArgsError(f"draft head: {e}") from e
-    if hot is not None:
-        model.cut_draft_head(hot.to(device))
-        logger.info("draft head: %d of %d token ids", hot.numel(), vocab)
 
 
 def batch_dependent_attention(model: nn.Module) -> str | None:

@@ -1,4 +1,5 @@
-"""A speculative method's record (`Method`) and what its `build` may read (`LoadContext`): the registry's entries."""
+"""A speculative method's record (`Method`) and what its `build` and `prepare_model` may read (`LoadContext`): the
+registry's entries."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 import torch
 from pydantic import BaseModel
+from torch import nn
 
 from nextn.build.manifest import EngineManifest
 from nextn.config.llm_args import parse_llm_args
@@ -24,6 +26,7 @@ class LoadContext:
         manifest: the target engine's manifest; engine_dir: its directory (a Draft_Target compares tokenizers there).
         device: where the target runs; max_seq_len: the engine's longest request (sizes per-request histories).
         medusa_heads: the engine's Medusa heads (None when it has none).
+        tensor_parallel: whether this process holds one rank's share of a tensor-parallel model.
     """
 
     manifest: EngineManifest
@@ -31,9 +34,11 @@ class LoadContext:
     device: torch.device
     max_seq_len: int
     medusa_heads: MedusaHeads | None = None
+    tensor_parallel: bool = False
 
 
 Build = Callable[[Any, LoadContext], tuple[Drafter, AcceptanceRule]]
+PrepareModel = Callable[[nn.Module, Any, LoadContext], None]
 
 
 @dataclass(frozen=True)
@@ -46,12 +51,16 @@ class Method:
         build: (config, LoadContext) → (drafter, acceptance rule); raises LlmArgsError for a config this engine
             cannot run.
         built_for: the config an engine built for this method decodes with by default (None: not built for it).
+        prepare_model: (target model, config, LoadContext) → None, called once on the loaded target model before
+            the first step, for what the method changes in it (MTP: its draft head cut to the hot tokens); raises
+            LlmArgsError for a config the loaded model cannot run. None: the model is used as loaded.
     """
 
     decoding_type: str
     config: type[BaseModel]
     build: Build
     built_for: Callable[[EngineManifest], BaseModel | None] | None = None
+    prepare_model: PrepareModel | None = None
 
 
 def from_build_yaml(decoding_type: str) -> Callable[[EngineManifest], BaseModel | None]:

@@ -10,6 +10,8 @@ MTP module 1 at position p pairs embed(x_{p+1}) with h_p and predicts x_{p+2}.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from nextn.build.manifest import EngineManifest
@@ -18,9 +20,12 @@ from nextn.models.attention_metadata import AttentionMetadata, slots_for_positio
 from nextn.models.causal_lm import SelfDraftingCausalLM
 from nextn.speculative.acceptance_rules import RelaxedAcceptance, StandardAcceptance
 from nextn.speculative.chain_step import LinearDrafter
+from nextn.speculative.draft_vocab import resolve_hot_tokens
 from nextn.speculative.method import LoadContext, Method
 from nextn.speculative.mtp_tree import MtpTreeAcceptance, tree_drafter, uses_tree
 from nextn.speculative.protocol import AcceptanceRule, Drafter, DrafterState, rows_at
+
+logger = logging.getLogger(__name__)
 
 class MtpEagleDrafter(LinearDrafter):
     """MTP Eagle: module 1 applied K times with a shared KV (TensorRT-LLM's default for one-module checkpoints).
@@ -167,4 +172,26 @@ def built_for(manifest: EngineManifest) -> MTPDecodingConfig | None:
                              use_mtp_vanilla=s.use_mtp_vanilla)
 
 
-METHOD = Method("MTP", MTPDecodingConfig, build, built_for)
+def prepare_model(model: SelfDraftingCausalLM, spec: MTPDecodingConfig, ctx: LoadContext) -> None:
+    """The draft head cut to its hot tokens when `draft_vocab_size` / `draft_token_map` are set
+    (speculative/draft_vocab.py; `SelfDraftingCausalLM.cut_draft_head`): the MTP modules then score only those rows.
+
+    Raises:
+        LlmArgsError: an unreadable token map, or tensor parallelism (the head is split by vocabulary there).
+    """
+    if spec.draft_vocab_size is None and spec.draft_token_map is None:
+        return
+    if ctx.tensor_parallel:
+        raise LlmArgsError("draft_vocab_size / draft_token_map are not supported with tensor parallelism (the "
+                           "lm_head is split by vocabulary there): drop them")
+    vocab = ctx.manifest.model.vocab_size
+    try:
+        hot = resolve_hot_tokens(ctx.engine_dir, vocab, spec.draft_vocab_size, spec.draft_token_map)
+    except ValueError as e:
+        raise LlmArgsError(f"draft head: {e}") from e
+    if hot is not None:
+        model.cut_draft_head(hot.to(ctx.device))
+        logger.info("draft head: %d of %d token ids", hot.numel(), vocab)
+
+
+METHOD = Method("MTP", MTPDecodingConfig, build, built_for, prepare_model)

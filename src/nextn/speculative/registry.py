@@ -14,6 +14,7 @@ the drafter's protocol attributes.
 from __future__ import annotations
 
 from pydantic import BaseModel
+from torch import nn
 
 from nextn.build.manifest import EngineManifest
 from nextn.config.llm_args import LlmArgsError, register_decoding_config
@@ -23,7 +24,7 @@ from nextn.speculative.chain_step import NoDrafter
 from nextn.speculative.method import LoadContext, Method
 from nextn.speculative.protocol import AcceptanceRule, Drafter
 
-__all__ = ["METHODS", "LoadContext", "Method", "build", "default_config", "register"]
+__all__ = ["METHODS", "LoadContext", "Method", "build", "default_config", "prepare_model", "register"]
 
 
 METHODS: dict[str, Method] = {}
@@ -60,6 +61,18 @@ def build(spec: BaseModel | None, ctx: LoadContext) -> tuple[Drafter, Acceptance
         raise LlmArgsError(f"speculative_config.decoding_type {getattr(spec, 'decoding_type', None)!r} is not one "
                            f"of {', '.join(METHODS)}")
     return method.build(spec, ctx)
+
+
+def prepare_model(model: nn.Module, spec: BaseModel | None, ctx: LoadContext) -> None:
+    """The method's changes to the loaded target model (`Method.prepare_model`), if it has any; nothing for plain
+    decoding.
+
+    Raises:
+        LlmArgsError: a config the loaded model cannot run (the method's own checks).
+    """
+    method = None if spec is None else METHODS.get(getattr(spec, "decoding_type", None))
+    if method is not None and method.prepare_model is not None:
+        method.prepare_model(model, spec, ctx)
 
 
 def default_config(manifest: EngineManifest) -> BaseModel | None:
