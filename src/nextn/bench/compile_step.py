@@ -48,13 +48,11 @@ def worker(engine: str, mode: str, batch_sizes: list[int], repeats: int, max_tok
         torch.set_num_threads(num_threads)  # also the OpenMP threads of inductor's CPU kernels
 
     from nextn import LLM, SamplingParams
-    from nextn.runtime.compiled_step import compile_decode_fn
 
     t0 = time.perf_counter()
     llm = LLM(engine, device="cpu", disable_overlap_scheduler=True, max_batch_size=max(batch_sizes))
-    runner = llm.engine.runner
     if mode != "eager":
-        runner.decode_fn = compile_decode_fn(runner.decode_fn, engine if mode == "artifacts" else None, "cpu")
+        llm.compile_decode_step(use_artifacts=mode == "artifacts")
     load_s = time.perf_counter() - t0
     vocab = llm.vocab_size
     warm = {}

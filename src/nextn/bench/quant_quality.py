@@ -55,23 +55,14 @@ def heldout_windows(tokenizer, num_tokens: int, window: int, data_dir: Path = SH
     return out
 
 
-@torch.inference_mode()
 def window_nll(llm, windows: list[list[int]]) -> tuple[float, int]:
     """(summed negative log-likelihood in nats, tokens scored) of every window token after the first, each window
-    alone from position 0, through the engine's model and KV cache (no request may be running)."""
-    from nextn.models.attention_metadata import AttentionMetadata, slots_for_positions
-
-    engine = llm.engine
-    model, kv, bs = engine.model, engine.runner.kv_cache, engine.block_size
+    alone from position 0 (`LLM.prompt_logits`; no request may be running)."""
     total, count = 0.0, 0
     for ids in windows:
-        t = len(ids)
-        tables = torch.arange(1, 1 + -(-t // bs), dtype=torch.int64)[None]  # blocks 1.. (the pool is idle)
-        positions = torch.arange(t, dtype=torch.int64)[None]
-        meta = AttentionMetadata.create(positions, slots_for_positions(tables, positions, bs), tables, bs)
-        logits = model.logits(model(torch.tensor([ids]), kv, meta))[0, :-1]  # [t − 1, vocab] fp32
+        logits = llm.prompt_logits(ids)[:-1].cpu()  # [t − 1, vocab] fp32
         nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum")
-        total, count = total + float(nll), count + t - 1
+        total, count = total + float(nll), count + len(ids) - 1
     return total, count
 
 

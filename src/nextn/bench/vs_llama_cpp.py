@@ -53,7 +53,7 @@ def _nextn_llm(model: Path, fmt: str, cache: Path | None, speculative_config: di
                   engine_cache_dir=cache, max_batch_size=8, max_seq_len=1024,
                   torch_compile_config={} if extra == "compile" else None)
     if extra == "layers":
-        llm.engine.model.fused_stack = None
+        llm.disable_fused_decoder_stack()
     return llm
 
 

@@ -258,6 +258,69 @@ class LLM:
             self._no_loop("reset_prefix_cache")
             self.engine.pool.reset_prefix_cache()
 
+    # Measurement hooks (perplexity and A/B benchmarks; generated tokens are unchanged) ---------------------
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """The target model's logits after each token of `token_ids`, computed alone from position 0 (no drafts,
+        no sampling): [len(token_ids), vocab_size] fp32 on `device`, row i scoring the token that follows
+        token_ids[:i + 1] (perplexity: the cross-entropy of rows [:-1] against token_ids[1:]). Its KV blocks are
+        taken from the pool and returned to it.
+
+        Raises:
+            RequestError: empty, longer than max_seq_len or than the free KV cache, or ids outside the vocabulary.
+            EngineBusyError: requests are unfinished, or the background loop owns the engine.
+            RuntimeError: a tensor-parallel LLM (its model is split over processes).
+        """
+        with self._lock:
+            self._no_loop("prompt_logits")
+            self._single_process_and_idle("prompt_logits")
+            if not 0 < len(token_ids) <= self.max_seq_len or not all(0 <= t < self.vocab_size for t in token_ids):
+                raise RequestError(f"prompt_logits needs 1 to max_seq_len={self.max_seq_len} token ids in "
+                                   f"[0, {self.vocab_size}); got {len(token_ids)} ids")
+            table: list[int] = []
+            if not self.engine.pool.grow(table, len(token_ids)):
+                raise RequestError(f"prompt_logits: {len(token_ids)} tokens do not fit the free KV cache")
+            try:
+                return self.engine.runner.prompt_logits(list(token_ids), table)
+            finally:
+                self.engine.pool.free(table)
+
+    def compile_decode_step(self, use_artifacts: bool = True) -> None:
+        """Compile the decode step with `torch.compile` now, as `torch_compile_config={}` does at load, loading the
+        engine's stored compile artifacts (`build-engine --compile_step`) only when `use_artifacts` (False: a
+        compile from scratch, what a benchmark of compile time measures). Compilation happens at the next steps.
+
+        Raises:
+            RuntimeError: the step is compiled already (`torch_compile_config`, or a previous call), is captured in
+                CUDA graphs (set `torch_compile_config` at load instead), or the LLM is tensor-parallel.
+            EngineBusyError: requests are unfinished, or the background loop owns the engine.
+        """
+        from nextn.runtime.compiled_step import compile_decode_fn
+
+        with self._lock:
+            self._no_loop("compile_decode_step")
+            self._single_process_and_idle("compile_decode_step")
+            runner = self.engine.runner
+            if getattr(runner.decode_fn, "compiled", None) is not None:
+                raise RuntimeError("LLM.compile_decode_step: the decode step is compiled already")
+            if self.args.cuda_graph_config is not None and self.device.type == "cuda":
+                raise RuntimeError("LLM.compile_decode_step: the decode step is captured in CUDA graphs; set "
+                                   "torch_compile_config when creating the LLM instead")
+            runner.decode_fn = compile_decode_fn(runner.decode_fn, self.engine_dir if use_artifacts else None,
+                                                 self.device)
+
+    def disable_fused_decoder_stack(self) -> None:
+        """Run the target's fused decoder layers one op call each instead of all in one `llama_decoder_stack` call
+        (bf16 Llama-family engines on a CPU; the A/B of that op, bit for bit the same outputs). No-op elsewhere."""
+        with self._lock:
+            self.engine.model.fused_stack = None
+
+    def _single_process_and_idle(self, what: str) -> None:
+        if self._workers is not None:
+            raise RuntimeError(f"LLM.{what}: not available for a tensor-parallel LLM (its model is split over "
+                               "processes)")
+        if self.has_unfinished_requests:
+            raise EngineBusyError(f"LLM.{what}: requests are unfinished; step them to completion or abort them first")
+
     def _no_loop(self, what: str) -> None:
         if self._loop is not None:
             raise EngineBusyError(f"LLM.{what}: the background engine loop started by generate_async owns the "

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nextn.models.attention_metadata import AttentionMetadata, slots_for_positions
 from nextn.models.causal_lm import SelfDraftingCausalLM
 from nextn.runtime.step_plan import StepPlan
 from nextn.speculative.chain_step import NoDrafter, prefill_step, verify_and_draft_step
@@ -209,6 +210,18 @@ class ModelRunner:
                            drafter_state=tuple(s[slots] for s in self.state),  # e.g. n-gram token history
                            draft=plan.drafting)
         return out, starts + lens - 1  # so that kv_lens + num_emitted is the chunk's end
+
+    @torch.inference_mode()
+    def prompt_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
+        """The target's logits [T, vocab] fp32 after each of the T `token_ids`, computed alone from position 0, its
+        KV written to the blocks of `block_table` (enough for T tokens, reserved by the caller); no step in flight."""
+        dev = self.device
+        positions = torch.arange(len(token_ids), dtype=torch.int64, device=dev)[None]  # [1, T]
+        tables = torch.tensor([block_table], dtype=torch.int64, device=dev)  # [1, W]
+        meta = AttentionMetadata.create(positions, slots_for_positions(tables, positions, self.block_size), tables,
+                                        self.block_size)
+        hidden = self.model(torch.tensor([token_ids], dtype=torch.int64, device=dev), self.kv_cache, meta)
+        return self.model.logits(hidden)[0]  # [T, vocab]
 
     def read_back(self, step: InflightStep) -> StepResult:
         """The one host synchronisation of a step: its tokens, counts and drafts as lists, and its time."""
