@@ -18,7 +18,7 @@ from nextn.build.medusa_heads import MedusaHeadsError, read_medusa_heads
 from nextn.models.medusa import MedusaHeads
 from nextn.speculative.medusa_tree import chain
 from nextn.testing import SMALL_VOCAB
-from nextn.speculative.medusa import tree_verify_and_draft_step
+from nextn.speculative.tree_step import tree_verify_and_draft_step
 
 DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 STORIES = DATA / "models" / "stories260K" / "stories260K.gguf"

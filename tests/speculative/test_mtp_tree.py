@@ -187,7 +187,7 @@ def test_tree_step_compiles_fullgraph(eagle, spec):
     import torch
 
     from nextn.speculative.protocol import SamplingTensors
-    from nextn.speculative.mtp_tree import mtp_tree_verify_and_draft_step
+    from nextn.speculative.tree_step import tree_verify_and_draft_step
 
     eng = LLM(eagle, speculative_config=spec).engine
     torch._dynamo.reset()
@@ -203,9 +203,9 @@ def test_tree_step_compiles_fullgraph(eagle, spec):
     kv.normal_(generator=gen)
     args = (eng.model, eng.drafter, eng.acceptance)
     with torch.inference_mode():
-        ref = mtp_tree_verify_and_draft_step(*args, kv.clone(), ids, kv_lens, tables, sampling, state, (),
-                                             eng.block_size)
-        step = torch.compile(mtp_tree_verify_and_draft_step, fullgraph=True, dynamic=False, backend="aot_eager")
+        ref = tree_verify_and_draft_step(*args, kv.clone(), ids, kv_lens, tables, sampling, state, (),
+                                         eng.block_size)
+        step = torch.compile(tree_verify_and_draft_step, fullgraph=True, dynamic=False, backend="aot_eager")
         out = step(*args, kv.clone(), ids, kv_lens, tables, sampling, state, (), eng.block_size)
     assert torch.equal(out.tokens, ref.tokens) and torch.equal(out.num_emitted, ref.num_emitted)
     assert torch.equal(out.draft_tokens, ref.draft_tokens)

@@ -86,14 +86,21 @@ def verify_and_draft_step(model: SelfDraftingCausalLM, drafter: Drafter, accepta
         drafter_state, accept_state: per-request states from the previous step.
     Returns:
         StepOutput; the new KV length is kv_lens + num_emitted (the rewind: rejected entries are dead).
+
+    A drafter with `samples_drafts` (a draft model) drew its drafts from its own q: the acceptance rule gets q
+    (rejection sampling with `draft_probs`; Leviathan et al. 2023 §2.3) and the drafter the sampling parameters.
     """
     b, w = input_ids.shape
     positions = kv_lens[:, None] + torch.arange(w, device=input_ids.device)
     meta = AttentionMetadata.create(positions, slots_for_positions(block_tables, positions, block_size), block_tables, block_size)
     hidden = model(input_ids, kv_cache, meta)  # [B, K+1, H]
+    sampled = drafter.samples_drafts  # host-known: picks the calls, not a value
+    q = {"draft_probs": drafter.draft_probs(drafter_state, w - 1, sampling)} if sampled else {}  # [B, K, V] | None
+    with_sampling = {"sampling": sampling} if sampled else {}
     tokens, num_emitted, accept_state = acceptance.accept(model.logits(hidden), input_ids[:, 1:], kv_lens + 1,
-                                                          sampling, accept_state)
-    drafts, state = drafter.after_verify(model, kv_cache, meta, hidden, tokens, num_emitted, drafter_state)
+                                                          sampling, accept_state, **q)
+    drafts, state = drafter.after_verify(model, kv_cache, meta, hidden, tokens, num_emitted, drafter_state,
+                                         **with_sampling)
     return StepOutput(tokens, num_emitted, drafts, state, accept_state)
 
 
@@ -102,6 +109,7 @@ class LinearDrafter:
 
     prefill_overlap = 0
     uses_draft_head = False
+    samples_drafts = False
     kv_lookahead = 0
     kv_in_cache = False
 
@@ -114,6 +122,9 @@ class LinearDrafter:
     @property
     def decode_fn(self) -> Callable:
         return verify_and_draft_step
+
+    def draft_probs(self, state: DrafterState, num_drafts: int, sampling: SamplingTensors) -> torch.Tensor | None:
+        return None  # deterministic drafts: one-hot q
 
     def stat_draft_len(self, draft_len: int) -> int:
         return draft_len

@@ -30,7 +30,9 @@ While the draft-length policy turns speculation off, steps run without the draft
 then have no draft KV; drafting over them can only lower acceptance (verification keeps the output exact).
 
 Per-request state: q [max_batch, K, V] fp32 (kept only when a batch samples; greedy rows never read it: with a
-one-hot p rejection sampling is strict acceptance whatever q holds).
+one-hot p rejection sampling is strict acceptance whatever q holds). The decode step is the chain step
+(`chain_step.verify_and_draft_step`); `samples_drafts` has it hand q (`draft_probs`) to the acceptance rule and the
+sampling parameters to `after_verify`.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from nextn.plugins.packed_linear import install_packed_linears
 from nextn.plugins.decoder_layer import install_fused_layers
 from nextn.plugins.paged_attention import install_paged_attention
 from nextn.quantization.linear import install_weight_only_linears
-from nextn.speculative.protocol import AcceptanceRule, AcceptState, SamplingTensors
+from nextn.speculative.protocol import AcceptanceRule, SamplingTensors
 from nextn.models.attention_metadata import AttentionMetadata, slots_for_positions
 from nextn.speculative.draft_vocab import restrict_dense_head, restrict_quantized_head, resolve_hot_tokens
 from nextn.speculative.protocol import DrafterState, rows_at
@@ -135,6 +137,7 @@ class DraftModelDrafter(LinearDrafter):
     """
 
     name = "DraftModel"
+    samples_drafts = True  # the chain step hands q to the acceptance rule and the sampling parameters to after_verify
     kv_in_cache = True  # its KV at p depends on tokens ≤ p only (look-ahead 0), in the target's block ids
 
     def __init__(self, draft_model: torch.nn.Module, num_draft_tokens: int,
@@ -168,9 +171,9 @@ class DraftModelDrafter(LinearDrafter):
         hot = None if hot is None else hot.to(device)
         return cls(load_draft_model(draft_dir, draft, device, hot), spec.max_draft_len, hot)
 
-    @property
-    def decode_fn(self):
-        return draft_target_step
+    def draft_probs(self, state: DrafterState, num_drafts: int, sampling: SamplingTensors) -> torch.Tensor | None:
+        """q [B, k, V] of the k verified drafts from the state (None: a greedy batch, or speculation was off)."""
+        return state[0][:, :num_drafts] if state and sampling.any_sampled else None
 
     def initial_state(self, batch: int, hidden_size: int, device: torch.device, dtype: torch.dtype) -> DrafterState:
         return (torch.zeros(batch, self.num_draft_tokens, self.vocab_size, dtype=torch.float32, device=device),)
@@ -237,37 +240,6 @@ class DraftModelDrafter(LinearDrafter):
         # Verified row j (input at L + j) emitted target_tokens[:, j], the token at L + j + 1.
         positions = meta.positions[:, :1] + 1 + torch.arange(target_tokens.shape[1], device=target_tokens.device)
         return self._draft(kv, meta, target_tokens, positions, num_emitted - 1, sampling, state)
-
-
-def draft_target_step(model, drafter: DraftModelDrafter, acceptance: AcceptanceRule, kv_cache: torch.Tensor,
-                      input_ids: torch.Tensor, kv_lens: torch.Tensor, block_tables: torch.Tensor,
-                      sampling: SamplingTensors, drafter_state: DrafterState, accept_state: AcceptState,
-                      block_size: int):
-    """`verify_and_draft_step` with the drafts' distributions q handed to the acceptance rule and the sampling
-    parameters handed to the draft model (same arguments and result; `spec_step.verify_and_draft_step`).
-
-    Args:
-        input_ids: [B, k+1] int64 [last, d1..dk] (k ≤ K: the draft-length policy may verify fewer).
-        drafter_state: (q [B, K, V],) from the step that drafted d1..dK; () with speculation off (the runner then
-            hands over the plain-decoding drafter and this is plain `verify_and_draft_step`).
-    """
-    from nextn.speculative.protocol import StepOutput
-    from nextn.speculative.chain_step import verify_and_draft_step
-
-    if not drafter_state:
-        return verify_and_draft_step(model, drafter, acceptance, kv_cache, input_ids, kv_lens, block_tables, sampling,
-                                     drafter_state, accept_state, block_size)
-    b, w = input_ids.shape
-    positions = kv_lens[:, None] + torch.arange(w, device=input_ids.device)
-    meta = AttentionMetadata.create(positions, slots_for_positions(block_tables, positions, block_size), block_tables,
-                                    block_size)
-    hidden = model(input_ids, kv_cache, meta)  # [B, k+1, H]
-    q = drafter_state[0][:, : w - 1] if sampling.any_sampled else None  # [B, k, V]
-    tokens, num_emitted, accept_state = acceptance.accept(model.logits(hidden), input_ids[:, 1:], kv_lens + 1,
-                                                          sampling, accept_state, draft_probs=q)
-    drafts, state = drafter.after_verify(model, kv_cache, meta, hidden, tokens, num_emitted, drafter_state,
-                                         sampling=sampling)
-    return StepOutput(tokens, num_emitted, drafts, state, accept_state)
 
 
 def build(spec: DraftTargetDecodingConfig, ctx: LoadContext) -> tuple[Drafter, AcceptanceRule]:

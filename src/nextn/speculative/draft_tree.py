@@ -70,17 +70,16 @@ def static_tree(choices: list[list[int]], vocab_size: int | None = None) -> Stat
         TreeError: empty, more than 255 nodes or 64 deep, a negative rank or one ≥ `vocab_size` (when given), a
             duplicate, or a node whose parent path is missing (`build_tree`).
     """
-    buffers = build_tree(choices, vocab_size)  # validates; the same node order (depth, path) and mask
+    buffers = build_tree(choices, vocab_size)  # validates; the same node order (depth, path), parents and mask
     nodes = sorted({tuple(int(r) for r in c) for c in choices}, key=lambda p: (len(p), p))
     index = {p: i + 1 for i, p in enumerate(nodes)}
-    parents = [0] + [index.get(p[:-1], 0) for p in nodes]
     ranks = [0] + [p[-1] for p in nodes]
     depth = buffers.depth.tolist()
     starts = tuple(depth.index(d) for d in range(max(depth) + 1)) + (len(depth),)
     listed = [tuple(int(r) for r in c) for c in choices]
     parents_first = all(len(p) == 1 or p[:-1] in listed[:i] for i, p in enumerate(listed))
     order = [0] + ([index[p] for p in listed] if parents_first else list(range(1, len(depth))))
-    return StaticTree(torch.tensor(parents), torch.tensor(ranks), buffers.depth, buffers.mask, starts, buffers.topk,
+    return StaticTree(buffers.parents, torch.tensor(ranks), buffers.depth, buffers.mask, starts, buffers.topk,
                       torch.tensor(order))
 
 

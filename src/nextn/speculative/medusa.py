@@ -1,15 +1,13 @@
-"""Medusa: the drafter that builds candidate trees from the heads, and the batched tree verify-and-draft step.
+"""Medusa: the drafter that builds candidate trees from the heads, and its tree acceptance rule.
 
 Source: Cai et al. 2024 ("Medusa", §2.1.2 tree attention, §2.3.1 greedy/typical acceptance); REFERENCE.md §5.
-Unlike the Medusa repository the step is batched (every request verifies the same tree shape) and runs over the
-paged KV cache. Fixed shapes per (batch, tree), no host synchronisation:
+The step is the batched tree step (speculative/tree_step.py: every request verifies the same tree shape, over the
+paged KV cache). Per step, for a tree of L tokens whose root (the last emitted token) sits at L0 = kv_len:
 
-    tree tokens [B, L] at cache positions L0..L0+L−1, rope positions L0 + depth       (L0 = kv_len)
-    hidden = target(tree tokens, tree attention mask over the prefix + ancestors)
     per path: accepted = longest prefix with candidate[j+1] == argmax at node j; best path per request
     emitted = argmax along the best path up to its last accepted node (accepted drafts + the correction)
-    KV of the best path's accepted nodes is moved to consecutive positions L0..L0+a; the rest is dead
-    next tree = candidates [emitted last, head_0 top-k, head_1 top-k, ...] gathered by the tree's candidate index
+    next tree = candidates [emitted last, head_0 top-k, head_1 top-k, ...] gathered by the tree's candidate index,
+      the heads applied to the hidden state at the last accepted node
 """
 
 from __future__ import annotations
@@ -24,19 +22,20 @@ from nextn.plugins.kernels.medusa_tree import tree_candidates
 from nextn.speculative.medusa_tree import TreeBuffers, TreeError, build_tree, published_tree
 from nextn.speculative.method import LoadContext, Method
 from nextn.plugins.sampling import STREAM_SAMPLE, counter_uniform, sample_from_probs
-from nextn.speculative.protocol import AcceptanceRule, AcceptState, Drafter, SamplingTensors
-from nextn.models.attention_metadata import AttentionMetadata, slots_for_positions
+from nextn.speculative.protocol import AcceptanceRule, AcceptState, Drafter, SamplingTensors, TreeLayout
 from nextn.speculative.draft_gain import TreeGain
 from nextn.speculative.protocol import DrafterState, rows_at
-from nextn.speculative.protocol import StepOutput
+from nextn.speculative.tree_step import tree_verify_and_draft_step
 
 
 class TreeAcceptance:
-    """Medusa's acceptance rule: greedy path matching (lossless) for greedy requests, typical acceptance
-    (`posterior_threshold`, `posterior_alpha`; lossy, Medusa-2) for sampling requests, whose token at the last
-    accepted node is then drawn from the target. Chosen from the Medusa speculative config."""
+    """Medusa's acceptance rule over the root-to-leaf paths of `tree` (the drafter's): greedy path matching
+    (lossless) for greedy requests, typical acceptance (`posterior_threshold`, `posterior_alpha`; lossy, Medusa-2)
+    for sampling requests, whose token at the last accepted node is then drawn from the target. Chosen from the
+    Medusa speculative config."""
 
-    def __init__(self, posterior_threshold: float = 0.09, posterior_alpha: float = 0.3) -> None:
+    def __init__(self, tree: TreeBuffers, posterior_threshold: float = 0.09, posterior_alpha: float = 0.3) -> None:
+        self.tree = tree
         self.posterior_threshold, self.posterior_alpha = posterior_threshold, posterior_alpha
 
     def initial_state(self, batch, device) -> AcceptState:
@@ -48,14 +47,16 @@ class TreeAcceptance:
     def observe(self, tokens, num_emitted, state):
         return state
 
-    def accept_tree(self, logits: torch.Tensor, tree_tokens: torch.Tensor, tree: TreeBuffers, kv_lens: torch.Tensor,
+    def accept_tree(self, logits: torch.Tensor, tree_tokens: torch.Tensor, layout: TreeLayout, kv_lens: torch.Tensor,
                     sampling: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(best path [B], num_accepted [B], emitted tokens along it [B, D+1]) for logits [B, L, V]."""
+        """(path [B, D+1], num_accepted [B], emitted tokens along it [B, D+1]) for logits [B, L, V] over the whole
+        tree (`TreeAcceptanceRule.accept_tree`); the path is the best of the tree's paths, padded with 0."""
+        tree = self.tree
         target = logits.argmax(dim=-1)  # [B, L]
         best, n = tree_greedy_acceptance(target, tree_tokens, tree.paths, tree.path_valid)
         tokens = target[:, tree.paths].gather(1, best[:, None, None].expand(-1, 1, tree.paths.shape[1])).squeeze(1)
         if not sampling.any_sampled:
-            return best, n, tokens
+            return tree.paths[best], n, tokens
         probs = sampling.probs(logits)  # [B, L, V]
         t_best, t_n = tree_typical_acceptance(probs, tree_tokens, tree.paths, tree.path_valid,
                                               self.posterior_threshold, self.posterior_alpha)
@@ -66,7 +67,7 @@ class TreeAcceptance:
         drawn = sample_from_probs(probs.gather(1, t_path[..., None].expand(-1, -1, probs.shape[-1])), u)  # [B, D+1]
         t_tokens = torch.where(steps[None, :] < t_n[:, None], torch.roll(accepted, -1, dims=1), drawn)
         greedy = sampling.temperature <= 0
-        return (torch.where(greedy, best, t_best), torch.where(greedy, n, t_n),
+        return (tree.paths[torch.where(greedy, best, t_best)], torch.where(greedy, n, t_n),
                 torch.where(greedy[:, None], tokens, t_tokens))
 
 
@@ -82,6 +83,7 @@ class MedusaDrafter:
             raise ValueError(f"the Medusa tree is {tree.max_depth} deep but the engine has {len(heads)} heads")
         self.heads = heads
         self.tree = tree
+        self._layout = TreeLayout(tree.parents, tree.depth, tree.mask, tree.max_depth)
         self.num_draft_tokens = tree.num_tokens - 1
         self.max_draft_depth = tree.max_depth
         depth, mask = tree.depth.tolist(), tree.mask.tolist()
@@ -91,6 +93,7 @@ class MedusaDrafter:
 
     prefill_overlap = 0
     uses_draft_head = False  # its heads have their own vocabulary projection
+    samples_drafts = False
     kv_lookahead = 0  # no KV of its own: a cached block is the target's
     kv_in_cache = False
 
@@ -116,42 +119,20 @@ class MedusaDrafter:
         topk = self.heads(hidden_last)[: self.tree.max_depth, :, 0].topk(self.tree.topk, dim=-1).indices  # [D, B, k]
         return tree_candidates(root, topk, self.tree.candidate_index)
 
+    def tree_layout(self, state: DrafterState, width: int) -> TreeLayout:
+        """The whole tree, shared by the batch (every step verifies all of it)."""
+        return self._layout
+
     def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state, sampling=None,
                       draft=True):
         tree = self.tree_from(rows_at(hidden, last_idx), next_tokens.gather(1, last_idx[:, None]))
         return tree[:, 1:], ()
 
-
-def tree_verify_and_draft_step(model, drafter: MedusaDrafter, acceptance: AcceptanceRule, kv_cache: torch.Tensor,
-                               input_ids: torch.Tensor, kv_lens: torch.Tensor, block_tables: torch.Tensor,
-                               sampling: SamplingTensors, drafter_state: DrafterState, accept_state: AcceptState,
-                               block_size: int) -> StepOutput:
-    """One Medusa step for a batch (greedy requests: lossless; sampling requests: typical acceptance).
-
-    Args:
-        input_ids: [B, L] tree tokens (the last emitted token, then the L − 1 candidates from the previous step).
-        kv_lens: [B] int64 cached tokens; block_tables: [B, max_blocks] covering positions kv_len..kv_len+L−1.
-    Returns:
-        StepOutput with tokens [B, D+1] (emitted: the first num_emitted) and the next tree's candidates [B, L−1].
-    """
-    tree = drafter.tree
-    b, n = input_ids.shape
-    ar = torch.arange(n, device=input_ids.device)
-    slots = slots_for_positions(block_tables, kv_lens[:, None] + ar, block_size)
-    meta = AttentionMetadata.create_tree(kv_lens[:, None] + tree.depth, slots, block_tables, block_size, kv_lens,
-                                         tree.mask)
-    hidden = model(input_ids, kv_cache, meta)  # [B, L, H]
-    best, num_accepted, tokens = acceptance.accept_tree(model.logits(hidden), input_ids, tree, kv_lens, sampling)
-    path = tree.paths[best]  # [B, D+1] token indices of the best path
-    # Compact: the best path's node t (cache position kv_len + path[t]) moves to kv_len + t, for t ≤ num_accepted.
-    steps = torch.arange(path.shape[1], device=path.device)
-    src = slots_for_positions(block_tables, kv_lens[:, None] + path, block_size)
-    dst = slots_for_positions(block_tables, kv_lens[:, None] + steps, block_size,
-                              valid=steps[None, :] <= num_accepted[:, None])
-    kv_cache.index_copy_(1, dst.reshape(-1), kv_cache[:, src.reshape(-1)])
-    last_node = path.gather(1, num_accepted[:, None])  # [B, 1]
-    next_tree = drafter.tree_from(rows_at(hidden, last_node[:, 0]), tokens.gather(1, num_accepted[:, None]))
-    return StepOutput(tokens, num_accepted + 1, next_tree[:, 1:], drafter_state, accept_state)
+    def after_verify_tree(self, model, kv_cache, meta, hidden, path, tokens, num_accepted, state):
+        """The next tree's candidates [B, L−1] from the heads at the last accepted node, rooted at its token."""
+        last_node = path.gather(1, num_accepted[:, None])  # [B, 1]
+        tree = self.tree_from(rows_at(hidden, last_node[:, 0]), tokens.gather(1, num_accepted[:, None]))
+        return tree[:, 1:], state
 
 
 def build(spec: MedusaDecodingConfig, ctx: LoadContext) -> tuple[Drafter, AcceptanceRule]:
@@ -175,7 +156,7 @@ def build(spec: MedusaDecodingConfig, ctx: LoadContext) -> tuple[Drafter, Accept
         drafter = MedusaDrafter(heads[:n] if n < len(heads) else heads, tree.to(ctx.device))
     except (TreeError, ValueError) as e:
         raise LlmArgsError(f"medusa_choices: {e}") from e
-    return drafter, TreeAcceptance(spec.posterior_threshold, spec.posterior_alpha)
+    return drafter, TreeAcceptance(drafter.tree, spec.posterior_threshold, spec.posterior_alpha)
 
 
 def built_for(manifest: EngineManifest) -> MedusaDecodingConfig | None:

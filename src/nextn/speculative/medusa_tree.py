@@ -34,6 +34,7 @@ class TreeBuffers:
     Attributes:
         mask: [L, L] bool; mask[i, j]: token i sees token j (the root, its ancestors and itself).
         depth: [L] int64 position offset of each token from the root (root 0).
+        parents: [L] int64 token index of each token's parent (the root: 0).
         candidate_index: [L] int64 index of each token in the flattened candidates
             [root, head 0 top-k (topk entries), head 1 top-k, ...]: 1 + (depth − 1)·topk + last rank (root: 0).
         paths: [P, D + 1] int64 token indices of each root-to-leaf path, padded with 0 past its end.
@@ -44,6 +45,7 @@ class TreeBuffers:
 
     mask: torch.Tensor
     depth: torch.Tensor
+    parents: torch.Tensor
     candidate_index: torch.Tensor
     paths: torch.Tensor
     path_valid: torch.Tensor
@@ -59,8 +61,9 @@ class TreeBuffers:
         return len(self.depth_counts)
 
     def to(self, device: torch.device | str) -> "TreeBuffers":
-        return TreeBuffers(self.mask.to(device), self.depth.to(device), self.candidate_index.to(device),
-                           self.paths.to(device), self.path_valid.to(device), self.depth_counts, self.topk)
+        return TreeBuffers(self.mask.to(device), self.depth.to(device), self.parents.to(device),
+                           self.candidate_index.to(device), self.paths.to(device), self.path_valid.to(device),
+                           self.depth_counts, self.topk)
 
 
 def check_tree_size(choices: list[list[int]] | list[Path], vocab_size: int | None = None) -> None:
@@ -115,9 +118,11 @@ def build_tree(choices: list[list[int]] | list[Path], vocab_size: int | None = N
     mask = torch.eye(n, dtype=torch.bool)
     mask[:, 0] = True
     depth = torch.zeros(n, dtype=torch.int64)
+    parents = torch.zeros(n, dtype=torch.int64)
     candidate_index = torch.zeros(n, dtype=torch.int64)
     for p, i in index.items():
         depth[i] = len(p)
+        parents[i] = index.get(p[:-1], 0)
         candidate_index[i] = 1 + (len(p) - 1) * topk + p[-1]
         for d in range(1, len(p)):
             mask[i, index[p[:d]]] = True
@@ -132,7 +137,7 @@ def build_tree(choices: list[list[int]] | list[Path], vocab_size: int | None = N
     padded = torch.tensor([x + [0] * (width - len(x)) for x in paths], dtype=torch.int64)
     valid = torch.tensor([[True] * len(x) + [False] * (width - len(x)) for x in paths])
     counts = tuple(sum(1 for p in nodes if len(p) == d) for d in range(1, width))
-    return TreeBuffers(mask, depth, candidate_index, padded, valid, counts, topk)
+    return TreeBuffers(mask, depth, parents, candidate_index, padded, valid, counts, topk)
 
 
 def chain(depth: int) -> list[list[int]]:

@@ -28,7 +28,7 @@ the tree `chain_choices(K)` the drafts are exactly MTP Eagle's chain (tested).
 
 A step verifying w < N tokens (draft-length policy) verifies the tree's first w tokens, a tree itself (the dynamic
 tree's best w; a static tree's first w in `eagle_choices`' order, so list it best first); w = 1 (off, or
-re-priming the drafts) is the chain step with no drafts.
+re-priming the drafts) is the chain step with no drafts. The step is the tree step (speculative/tree_step.py).
 """
 
 from __future__ import annotations
@@ -39,13 +39,12 @@ from nextn.config.llm_args import LlmArgsError, MTPDecodingConfig
 from nextn.speculative.draft_tree import (StaticTree, ancestor_mask, check_tree_fits, select_dynamic_tree, static_tree,
                                       tree_accept)
 from nextn.speculative.medusa_tree import TreeError
-from nextn.speculative.protocol import SamplingTensors
+from nextn.speculative.protocol import SamplingTensors, TreeLayout
 from nextn.speculative.acceptance_rules import StandardAcceptance, sample_tokens
 from nextn.models.attention_metadata import AttentionMetadata, slots_for_positions
 from nextn.speculative.draft_gain import TreeGain, prior_tree
 from nextn.speculative.protocol import DrafterState, rows_at
-from nextn.speculative.protocol import StepOutput
-from nextn.speculative.chain_step import verify_and_draft_step
+from nextn.speculative.tree_step import tree_verify_and_draft_step
 
 DEFAULT_TREE_NODES = 15  # max_total_draft_tokens when null: 16 verified tokens per request with the root
 
@@ -56,13 +55,12 @@ class MtpTreeAcceptance(StandardAcceptance):
     makes) and descend while it is a child (`speculative.draft_tree.tree_accept`). Steps without a tree (width 1) use
     `StandardAcceptance`."""
 
-    def accept_tree(self, logits: torch.Tensor, tree_tokens: torch.Tensor, parents: torch.Tensor,
-                    depth: torch.Tensor, kv_lens: torch.Tensor, sampling: SamplingTensors, max_depth: int
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def accept_tree(self, logits: torch.Tensor, tree_tokens: torch.Tensor, layout: TreeLayout, kv_lens: torch.Tensor,
+                    sampling: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(path [B, D+1], num_accepted [B], tokens [B, D+1]) for logits [B, N, V] fp32 over the tree tokens
         [B, N]; the token drawn at a node of depth t lands at position kv_len + 1 + t."""
-        target = sample_tokens(logits, kv_lens[:, None] + 1 + depth.expand_as(tree_tokens), sampling)
-        return tree_accept(target, tree_tokens, parents, depth, max_depth)
+        target = sample_tokens(logits, kv_lens[:, None] + 1 + layout.depth.expand_as(tree_tokens), sampling)
+        return tree_accept(target, tree_tokens, layout.parents, layout.depth, layout.max_depth)
 
 
 class MtpTreeDrafter:
@@ -73,6 +71,7 @@ class MtpTreeDrafter:
     draft_len_hint = None
     prefill_overlap = 0
     uses_draft_head = True
+    samples_drafts = False
     kv_lookahead = 1  # module 1's KV at p pairs embed(x_{p+1}) with h_p
     kv_in_cache = True
 
@@ -85,7 +84,7 @@ class MtpTreeDrafter:
 
     @property
     def decode_fn(self):
-        return mtp_tree_verify_and_draft_step
+        return tree_verify_and_draft_step
 
     def stat_draft_len(self, draft_len: int) -> int:
         return min(self.max_draft_depth, draft_len)  # one path of the verified tree can be accepted
@@ -115,6 +114,15 @@ class MtpTreeDrafter:
         h_root, base = self._root(model, kv_cache, meta, hidden, target_tokens, num_emitted - 1)
         return self.expand(model, kv_cache, meta, h_root, base)
 
+    def after_verify_tree(self, model, kv_cache, meta, hidden, path, tokens, num_accepted, state):
+        """`after_verify` over the accepted path's rows, compacted to positions kv_len..kv_len + D."""
+        positions = meta.tree_start[:, None] + torch.arange(path.shape[1], device=path.device)  # [B, D+1]
+        path_meta = AttentionMetadata.create(positions, slots_for_positions(meta.block_tables, positions,
+                                                                            meta.block_size),
+                                             meta.block_tables, meta.block_size)
+        path_hidden = hidden.gather(1, path[..., None].expand(-1, -1, hidden.shape[-1]))  # [B, D+1, H]
+        return self.after_verify(model, kv_cache, path_meta, path_hidden, tokens, num_accepted + 1, state)
+
     def _depth_meta(self, meta: AttentionMetadata, base: torch.Tensor, depth: int, cols: torch.Tensor,
                     mask: torch.Tensor) -> AttentionMetadata:
         """Queries of one depth: rope position base + depth, module KV at cache positions base + cols [B or 1, n],
@@ -137,14 +145,14 @@ class StaticTreeDrafter(MtpTreeDrafter):
         for parent, rank in zip(tree.parents.tolist()[1:], tree.ranks.tolist()[1:]):
             paths.append(paths[parent] + (rank,))
         self.gain = TreeGain([paths[i] for i in tree.order.tolist()[1:]])
-        self._layouts = {w: tree.verify_layout(w) for w in range(2, tree.num_tokens + 1)}
+        self._layouts = {w: TreeLayout(*tree.verify_layout(w), tree.max_depth) for w in range(2, tree.num_tokens + 1)}
 
     def initial_state(self, batch, hidden_size, device, dtype) -> DrafterState:
         return ()
 
-    def layout(self, state: DrafterState, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(parents [w], depth [w], mask [w, w]) of the first w tokens in verification order (`eagle_choices`'
-        order when parents come first: list it best first), shared by the batch."""
+    def tree_layout(self, state: DrafterState, width: int) -> TreeLayout:
+        """The first w tokens in verification order (`eagle_choices`' order when parents come first: list it best
+        first), shared by the batch: parents [w], depth [w], mask [w, w]."""
         return self._layouts[width]
 
     def expand(self, model, kv_cache, meta, h_root: torch.Tensor, base: torch.Tensor):
@@ -188,10 +196,10 @@ class DynamicTreeDrafter(MtpTreeDrafter):
         depth[:, 0] = 0
         return torch.zeros(batch, n, dtype=torch.int64, device=device), depth
 
-    def layout(self, state: DrafterState, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(parents [B, w], depth [B, w], mask [B, w, w]) of each request's best w-token tree."""
+    def tree_layout(self, state: DrafterState, width: int) -> TreeLayout:
+        """Each request's best w-token tree: parents [B, w], depth [B, w], mask [B, w, w]."""
         parents, depth = state[0][:, :width], state[1][:, :width]
-        return parents, depth, ancestor_mask(parents, self.max_draft_depth)
+        return TreeLayout(parents, depth, ancestor_mask(parents, self.max_draft_depth), self.max_draft_depth)
 
     def expand(self, model, kv_cache, meta, h_root: torch.Tensor, base: torch.Tensor):
         """Drafts [B, N−1] (best first) and the tree's (parents [B, N], depth [B, N]) from h_root [B, 1, H]."""
@@ -227,43 +235,6 @@ class DynamicTreeDrafter(MtpTreeDrafter):
                                                           torch.cat(parents, 1), self.cand_depth.to(dev),
                                                           self.num_draft_tokens)
         return drafts, (tree_parents, depth)
-
-
-def mtp_tree_verify_and_draft_step(model, drafter: MtpTreeDrafter, acceptance: MtpTreeAcceptance,
-                                   kv_cache: torch.Tensor, input_ids: torch.Tensor, kv_lens: torch.Tensor,
-                                   block_tables: torch.Tensor, sampling: SamplingTensors,
-                                   drafter_state: DrafterState, accept_state, block_size: int) -> StepOutput:
-    """One MTP tree step: verify the tree, keep the longest accepted path, compact its KV, draft the next tree.
-
-    Args:
-        input_ids: [B, w] tree tokens (the last emitted token, then the first w − 1 draft nodes); w = 1: no tree.
-        kv_lens: [B] int64 cached tokens; block_tables: [B, max_blocks] covering kv_len + 2(N − 1) + 1 positions.
-        drafter_state: the dynamic tree's (parents [B, N], depth [B, N]); () for a static tree.
-    Returns:
-        StepOutput with tokens [B, D+1] (emitted: the first num_emitted) and the next tree's drafts [B, N−1].
-    """
-    b, w = input_ids.shape
-    if w == 1:  # speculation off (no drafter) or re-priming the drafts: the chain step with no drafts
-        return verify_and_draft_step(model, drafter, acceptance, kv_cache, input_ids, kv_lens, block_tables,
-                                     sampling, drafter_state, accept_state, block_size)
-    parents, depth, mask = drafter.layout(drafter_state, w)
-    slots = slots_for_positions(block_tables, kv_lens[:, None] + torch.arange(w, device=input_ids.device), block_size)
-    meta = AttentionMetadata.create_tree(kv_lens[:, None] + depth, slots, block_tables, block_size, kv_lens, mask)
-    hidden = model(input_ids, kv_cache, meta)  # [B, w, H]
-    path, num_accepted, tokens = acceptance.accept_tree(model.logits(hidden), input_ids, parents, depth, kv_lens,
-                                                        sampling, drafter.max_draft_depth)
-    # Compact: the path's node at depth t (cache position kv_len + path[t]) moves to kv_len + t, t ≤ num_accepted.
-    steps = torch.arange(path.shape[1], device=path.device)
-    positions = kv_lens[:, None] + steps  # [B, D+1]
-    src = slots_for_positions(block_tables, kv_lens[:, None] + path, block_size)
-    dst = slots_for_positions(block_tables, positions, block_size, valid=steps[None, :] <= num_accepted[:, None])
-    kv_cache.index_copy_(1, dst.reshape(-1), kv_cache[:, src.reshape(-1)])
-    path_meta = AttentionMetadata.create(positions, slots_for_positions(block_tables, positions, block_size),
-                                         block_tables, block_size)
-    path_hidden = hidden.gather(1, path[..., None].expand(-1, -1, hidden.shape[-1]))  # [B, D+1, H]
-    drafts, state = drafter.after_verify(model, kv_cache, path_meta, path_hidden, tokens, num_accepted + 1,
-                                         drafter_state)
-    return StepOutput(tokens, num_accepted + 1, drafts, state, accept_state)
 
 
 def uses_tree(spec: object) -> bool:

@@ -1,5 +1,6 @@
-"""The contracts between speculative decoding and the engine: `Drafter`, `AcceptanceRule` (chain and tree
-variants), the per-step `StepOutput` and the batch's `SamplingTensors`.
+"""The contracts between speculative decoding and the engine: `Drafter` and `AcceptanceRule` (chain and tree
+variants: `TreeDrafter`, `TreeAcceptanceRule` over a `TreeLayout`), the per-step `StepOutput` and the batch's
+`SamplingTensors`.
 
 A method (registry.py) builds one drafter and one acceptance rule; the model runner hands them fixed-shape device
 tensors and gets fixed-shape device tensors back, so the whole step can be compiled and captured in one CUDA graph.
@@ -72,13 +73,37 @@ class AcceptanceRule(Protocol):
         """The state after tokens emitted outside `accept` (the prefill's first token)."""
 
 
+@dataclass(frozen=True)
+class TreeLayout:
+    """The draft tree one tree step verifies: w tokens, token 0 the root (the last emitted token), then w − 1 draft
+    nodes, every parent before its children. One tree for the batch ([w] / [w, w]) or one per request ([B, w] /
+    [B, w, w]).
+
+    Attributes:
+        parents: [w] or [B, w] int64 parent token index (the root is its own parent, 0).
+        depth: [w] or [B, w] int64 (root 0): token i is verified at rope position kv_len + depth[i].
+        mask: [w, w] or [B, w, w] bool, mask[.., i, j]: token i sees token j (its ancestors and itself).
+        max_depth: D, the deepest a node may be (host int): accepted paths are [B, D+1].
+    """
+
+    parents: torch.Tensor
+    depth: torch.Tensor
+    mask: torch.Tensor
+    max_depth: int
+
+
 class TreeAcceptanceRule(AcceptanceRule, Protocol):
     """An acceptance rule over a tree of drafts (Medusa, MTP trees): the rows are tree nodes, and the emitted tokens
-    follow the longest accepted root-to-leaf path (`accept_tree` in medusa.py and mtp_tree.py; its arguments are
-    the tree's own buffers)."""
+    follow the longest accepted root-to-node path. A step without a tree (width 1) uses `accept`."""
 
-    def accept_tree(self, *args, **kwargs) -> tuple[torch.Tensor, ...]:
-        """(tokens, num_emitted, best path, new state) for the tree's logits and tokens."""
+    def accept_tree(self, logits: torch.Tensor, tree_tokens: torch.Tensor, layout: TreeLayout,
+                    kv_lens: torch.Tensor, sampling: SamplingTensors
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(path [B, D+1] int64, num_accepted [B] int64 in [0, D], tokens [B, D+1] int64) for logits [B, w, V] fp32
+        over the tree tokens [B, w] laid out by `layout` (kv_lens [B]: the root's position). path[:, t] is the token
+        index of the accepted path's node at depth t for t ≤ num_accepted (entries past it: any valid index);
+        tokens are the target's along the path: the accepted drafts, then the correction or bonus token (the
+        first num_accepted + 1 are emitted). A token drawn at depth t lands at position kv_len + 1 + t."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +146,9 @@ class Drafter(Protocol):
     max_draft_depth: int  # the most drafts one step can accept (K; a Medusa tree's depth)
     prefill_overlap: int  # rows a prefill chunk re-runs from the previous chunk's end (MTP Vanilla: K)
     uses_draft_head: bool  # drafts from the model's lm_head (MTP): the engine may give it a cheaper bf16 copy
+    # Drafts drawn from the drafter's own distribution q (a draft model): the chain step hands the acceptance rule
+    # q (`draft_probs`) and `after_verify` the sampling parameters; False: deterministic drafts (one-hot q).
+    samples_drafts: bool
     # Prefix caching (runtime/prefix_cache.py): tokens after a position that its drafter KV there depends on (MTP
     # Eagle 1, Vanilla K: part of a cached block's key), and whether it keeps KV that a step run without the drafter
     # (speculation off) leaves unwritten (MTP, draft model: such blocks are not cached).
@@ -133,7 +161,8 @@ class Drafter(Protocol):
 
     @property
     def decode_fn(self) -> Callable:
-        """The decode step that verifies this drafter's drafts (`verify_and_draft_step`, or Medusa's tree step)."""
+        """The decode step that verifies this drafter's drafts: `chain_step.verify_and_draft_step`, or
+        `tree_step.tree_verify_and_draft_step` for a `TreeDrafter`."""
 
     def stat_draft_len(self, draft_len: int) -> int:
         """Drafts counted per request for a decode step run with `draft_len` (statistics: DT, DAR, AL)."""
@@ -157,10 +186,38 @@ class Drafter(Protocol):
 
     def after_verify(self, model: SelfDraftingCausalLM, kv_cache: torch.Tensor, meta: AttentionMetadata,
                      hidden: torch.Tensor, target_tokens: torch.Tensor, num_emitted: torch.Tensor,
-                     state: DrafterState) -> tuple[torch.Tensor, DrafterState]:
-        """Drafts [B, K] after verifying [last, d1..dK]: rows are the K+1 verified positions, last_idx = num_emitted − 1."""
+                     state: DrafterState, sampling: SamplingTensors | None = None
+                     ) -> tuple[torch.Tensor, DrafterState]:
+        """Drafts [B, K] after verifying [last, d1..dK]: rows are the K+1 verified positions, last_idx = num_emitted − 1.
+        `sampling` (the requests' sampling parameters) is passed only to drafters with `samples_drafts`."""
+
+    def draft_probs(self, state: DrafterState, num_drafts: int, sampling: SamplingTensors) -> torch.Tensor | None:
+        """For drafters with `samples_drafts`: q [B, num_drafts, V] fp32, the distributions this step's first
+        `num_drafts` drafts were drawn from (the acceptance rule's `draft_probs`), read from `state`; None when no
+        request samples or the state is empty (speculation was off): one-hot q."""
 
     def load_prefix(self, state: DrafterState, slot: int, token_ids: list[int]) -> None:
         """Before a prefill that starts after a prefix-cache hit: rebuild, in place, the per-request state of batch
         slot `slot` that the reused tokens `token_ids` (positions 0..n−1) would have left (no-op when the drafter's
         state lives in the KV cache or is rebuilt by the prefill)."""
+
+
+class TreeDrafter(Drafter, Protocol):
+    """A drafter whose drafts form a tree (Medusa, MTP trees), verified by `tree_step.tree_verify_and_draft_step`:
+    its draft tokens [B, N−1] are the tree's nodes after the root, and a step verifies the first w tokens."""
+
+    def tree_layout(self, state: DrafterState, width: int) -> TreeLayout:
+        """The tree of the first `width` tokens (root included) that this step verifies, from the drafter's
+        per-request state (a dynamic tree's shape) or its own buffers (a static tree)."""
+
+    def after_verify_tree(self, model: SelfDraftingCausalLM, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                          hidden: torch.Tensor, path: torch.Tensor, tokens: torch.Tensor, num_accepted: torch.Tensor,
+                          state: DrafterState) -> tuple[torch.Tensor, DrafterState]:
+        """The next tree's drafts [B, N−1] and state after a verified tree.
+
+        Args:
+            meta: the verified tree's metadata (`meta.tree_start` [B] = kv_len, the root's position).
+            hidden: [B, w, H] the target's hidden states at the tree's tokens.
+            path, tokens, num_accepted: `TreeAcceptanceRule.accept_tree`'s result. The path's KV has been moved
+                to the consecutive positions kv_len..kv_len + num_accepted (the rest is dead).
+        """
