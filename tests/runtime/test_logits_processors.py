@@ -21,10 +21,10 @@ PENALTIES = SamplingParams(presence_penalty=0.7, frequency_penalty=0.3, repetiti
 
 def _plain(params, prompt, emitted, logits_row, matcher_factory=None):
     """Plain decoding's processed logits [V] after `emitted` tokens: a fresh processor advanced token by token."""
-    proc = RequestProcessor(params, prompt, [0], matcher_factory() if matcher_factory else None)
+    proc = RequestProcessor(params, prompt, [0], V, matcher_factory() if matcher_factory else None)
     for t in emitted:
         proc.advance([t])
-    out = build_processing([(0, proc, [])], 1, V)
+    out = build_processing([(0, proc, [])], 1)
     return logits_row[None, None] if out is None else out.apply(logits_row[None, None])[0, 0]
 
 
@@ -32,9 +32,9 @@ def test_each_position_is_processed_as_plain_decoding_would():
     gen = torch.Generator().manual_seed(0)
     prompt, generated, drafts = [3, 4, 5, 5], [7, 5], [9, 7, 2]
     logits = torch.randn(1, 4, V, generator=gen)
-    proc = RequestProcessor(PENALTIES, prompt, [0])
+    proc = RequestProcessor(PENALTIES, prompt, [0], V)
     proc.advance(generated)
-    got = build_processing([(0, proc, drafts)], 4, V).apply(logits)[0]
+    got = build_processing([(0, proc, drafts)], 4).apply(logits)[0]
     for j in range(4):
         want = _plain(PENALTIES, prompt, generated + drafts[:j], logits[0, j])
         torch.testing.assert_close(got[j], want)
@@ -46,24 +46,24 @@ def test_each_position_is_processed_as_plain_decoding_would():
 def test_each_term_does_what_its_definition_says():
     logits = torch.linspace(-2, 2, V).view(1, 1, V)
     p = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)
-    proc = RequestProcessor(p, [1], [0])
+    proc = RequestProcessor(p, [1], [0], V)
     proc.advance([10, 10, 60])
-    out = build_processing([(0, proc, [])], 1, V).apply(logits)[0, 0]
+    out = build_processing([(0, proc, [])], 1).apply(logits)[0, 0]
     assert out[10] == pytest.approx(logits[0, 0, 10] - 2 * 0.5 - 0.25)
     assert out[60] == pytest.approx(logits[0, 0, 60] - 0.5 - 0.25)
     assert torch.equal(out[11:60], logits[0, 0, 11:60])
-    r = RequestProcessor(SamplingParams(repetition_penalty=2.0), [3, 60], [0])  # 3: negative logit, 60: positive
-    out = build_processing([(0, r, [])], 1, V).apply(logits)[0, 0]
+    r = RequestProcessor(SamplingParams(repetition_penalty=2.0), [3, 60], [0], V)  # 3: negative logit, 60: positive
+    out = build_processing([(0, r, [])], 1).apply(logits)[0, 0]
     assert out[3] == pytest.approx(2 * logits[0, 0, 3]) and out[60] == pytest.approx(logits[0, 0, 60] / 2)
-    assert build_processing([(0, RequestProcessor(SamplingParams(), [1], [0]), [])], 1, V) is None
+    assert build_processing([(0, RequestProcessor(SamplingParams(), [1], [0], V), [])], 1) is None
 
 
 def test_rows_of_a_batch_are_processed_independently():
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(3, 2, V, generator=gen)
-    a = RequestProcessor(PENALTIES, [1, 2], [0])
+    a = RequestProcessor(PENALTIES, [1, 2], [0], V)
     a.advance([4, 4, 4])
-    out = build_processing([(2, a, [6])], 2, V).apply(logits)
+    out = build_processing([(2, a, [6])], 2).apply(logits)
     assert torch.equal(out[:2], logits[:2])  # rows without processing untouched
     for j, emitted in enumerate([[4, 4, 4], [4, 4, 4, 6]]):
         torch.testing.assert_close(out[2, j], _plain(PENALTIES, [1, 2], emitted, logits[2, j]))
@@ -100,25 +100,26 @@ def test_grammar_masks_of_a_step_equal_the_masks_after_emitting_its_drafts(compi
     text_ids = _encode(compiler, '{"name": "Ada", "n": 36}')
     v = compiler.vocab_size
     params = SamplingParams(guided_decoding=guided)
-    step = RequestProcessor(params, [], [1], compiler.matcher(guided))
+    step = RequestProcessor(params, [], [1], v, compiler.matcher(guided))
     step.advance(text_ids[:2])
     drafts = text_ids[2:5]
-    _, _, masks = step.positions(drafts, 4, v)
+    _, _, masks = step.positions(drafts, 4)
     for j in range(4):
-        plain = RequestProcessor(params, [], [1], compiler.matcher(guided))
+        plain = RequestProcessor(params, [], [1], v, compiler.matcher(guided))
         plain.advance(text_ids[:2 + j])
-        _, _, want = plain.positions([], 1, v)
+        _, _, want = plain.positions([], 1)
         assert torch.equal(masks[j], want[0]), j
     # the step left the matcher where it was: the next step sees the same state
-    _, _, again = step.positions(drafts, 4, v)
+    _, _, again = step.positions(drafts, 4)
     assert torch.equal(again, masks)
 
 
 def test_a_forbidden_draft_is_masked_and_ends_the_walk(compiler):
     guided = GuidedDecodingParams(choice=["yes", "no"])
-    proc = RequestProcessor(SamplingParams(guided_decoding=guided), [], [1], compiler.matcher(guided))
+    proc = RequestProcessor(SamplingParams(guided_decoding=guided), [], [1], compiler.vocab_size,
+                            compiler.matcher(guided))
     bad = _encode(compiler, "maybe")[0]
-    _, _, masks = proc.positions([bad, bad], 3, compiler.vocab_size)
+    _, _, masks = proc.positions([bad, bad], 3)
     logits = torch.zeros(1, 3, compiler.vocab_size)
     first = apply_bitmask(logits[0, :1], masks[:1])[0]
     assert first[bad] == float("-inf") and torch.isfinite(first).sum() >= 2

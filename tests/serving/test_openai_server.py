@@ -181,7 +181,7 @@ def test_bad_requests_get_4xx_while_a_request_runs(server, client, reference):
     worker.start()
     cases = [
         (dict(model="gpt-4", prompt="x"), openai.NotFoundError, "does not exist"),
-        (dict(model="tiny-dsv3", prompt="x", n=2), openai.BadRequestError, "n=2 is not supported"),
+        (dict(model="tiny-dsv3", prompt="x", n=17), openai.BadRequestError, "n: Input should be less than or equal to 16"),
         (dict(model="tiny-dsv3", prompt="x", max_tokens=10**6), openai.BadRequestError, "lower max_tokens"),
         (dict(model="tiny-dsv3", prompt=[1] * 5000), openai.BadRequestError, "max_seq_len"),
         (dict(model="tiny-dsv3", prompt="x", extra_body={"max_tokens": "5"}), openai.BadRequestError,

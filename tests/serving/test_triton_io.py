@@ -65,15 +65,21 @@ def test_bad_requests_name_the_problem(inputs, match):
         parse_request(inputs, decoupled=False)
 
 
-def _output(token_ids, diff, text, text_diff, finished):
+def _output(token_ids, diff, text, text_diff, finished, logprobs=None):
     c = CompletionOutput(token_ids=token_ids, text=text, num_draft_tokens=6, num_accepted_draft_tokens=3,
-                         token_ids_diff=diff, text_diff=text_diff, finish_reason="length" if finished else None)
+                         token_ids_diff=diff, text_diff=text_diff, finish_reason="length" if finished else None,
+                         logprobs=logprobs)
     return RequestOutput(0, None, [1], [c], finished=finished)
 
 
 def test_response_tensors_final_and_delta():
-    out = _output([4, 5, 6], [5, 6], "abc", "bc", True)  # a step that accepted a draft emits two tokens
+    from nextn.runtime.outputs import TokenLogprob
+
+    lps = [TokenLogprob(4, -0.5), TokenLogprob(5, -0.25), TokenLogprob(6, -2.0)]
+    out = _output([4, 5, 6], [5, 6], "abc", "bc", True, lps)  # a step that accepted a draft emits two tokens
     full = response_tensors(out, delta=False)
+    assert full["output_log_probs"].dtype == np.float32 and full["output_log_probs"].tolist() == [[[-0.5, -0.25, -2.0]]]
+    assert "output_log_probs" not in response_tensors(_output([4], [4], "a", "a", False), delta=False)
     assert full["output_ids"].dtype == np.int32 and full["output_ids"].tolist() == [[[4, 5, 6]]]
     assert full["sequence_length"].tolist() == [[3]] and full["text_output"].tolist() == [[b"abc"]]
     assert full["acceptance_rate"].dtype == np.float32 and full["acceptance_rate"].tolist() == [[0.5]]
@@ -82,7 +88,30 @@ def test_response_tensors_final_and_delta():
     delta = response_tensors(out, delta=True, kv_free_blocks=17)
     assert delta["output_ids"].tolist() == [[[5, 6]]] and delta["sequence_length"].tolist() == [[2]]
     assert delta["text_output"].tolist() == [[b"bc"]] and delta[triton_io.KV_FREE_BLOCKS].tolist() == [[17]]
+    assert delta["output_log_probs"].tolist() == [[[-0.25, -2.0]]]
     assert set(delta) == {s.name for s in triton_io.OUTPUTS}  # every declared output is produced
+
+
+def test_penalties_log_probs_and_guided_decoding_inputs():
+    def req(**extra):
+        base = dict(input_ids=np.array([[5, 6]], np.int32), request_output_len=np.array([[4]], np.int32))
+        return parse_request({**base, **extra}, decoupled=False)
+
+    sp = req(presence_penalty=np.array([[0.5]], np.float32), frequency_penalty=np.array([[0.25]], np.float32),
+             repetition_penalty=np.array([[1.5]], np.float32), min_tokens=np.array([[2]], np.int32),
+             return_log_probs=np.array([[True]])).sampling_params
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty, sp.min_tokens, sp.logprobs) == (
+        0.5, 0.25, 1.5, 2, 0)
+    guided = req(guided_decoding_guide_type=np.array([[b"json_schema"]], np.object_),
+                 guided_decoding_guide=np.array([[b'{"type": "object"}']], np.object_)).sampling_params
+    assert guided.guided_decoding.json_schema == '{"type": "object"}'
+    assert req(guided_decoding_guide_type=np.array([[b"json"]], np.object_)).sampling_params.guided_decoding.json_object
+    with pytest.raises(TritonRequestError, match="is not one of"):
+        req(guided_decoding_guide_type=np.array([[b"xml"]], np.object_))
+    with pytest.raises(TritonRequestError, match="needs guided_decoding_guide_type"):
+        req(guided_decoding_guide=np.array([[b"a"]], np.object_))
+    with pytest.raises(TritonRequestError, match="presence_penalty"):
+        req(presence_penalty=np.array([[5.0]], np.float32))
 
 
 def test_config_pbtxt_declares_tensorrt_llm_names():

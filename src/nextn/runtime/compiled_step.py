@@ -91,6 +91,9 @@ def compile_decode_fn(decode_fn: Callable[..., StepOutput], engine_dir: str | Pa
     @functools.wraps(decode_fn)
     def step(model, drafter, acceptance, kv_cache, input_ids, kv_lens, block_tables, sampling, drafter_state,
              accept_state, block_size):
+        if sampling.host_work:  # logit processing / log-probabilities: eager (their sparse indices vary per step)
+            return decode_fn(model, drafter, acceptance, kv_cache, input_ids, kv_lens, block_tables, sampling,
+                             drafter_state, accept_state, block_size)
         if block_tables.shape[1] < MIN_TABLE_WIDTH:  # one graph for every width (dynamo specialises width 1)
             block_tables = torch.nn.functional.pad(block_tables, (0, MIN_TABLE_WIDTH - block_tables.shape[1]))
         mark_dynamic_dims(input_ids, kv_lens, block_tables, sampling, drafter_state, accept_state)

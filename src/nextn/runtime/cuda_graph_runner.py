@@ -276,7 +276,9 @@ class CudaGraphStep:
         states = [*drafter_state, *accept_state]
         rows = graph_batch_size(b, self.batch_sizes, self.enable_padding)
         variant = (sampling.any_sampled, sampling.use_filters)
-        if rows is None:
+        if sampling.host_work:
+            reason = "a request asks for logit processing or log-probabilities (such steps run eagerly)"
+        elif rows is None:
             reason = f"batch {b} has no captured size ({'above' if self.enable_padding else 'not in'} {self.batch_sizes})"
         elif variant in self._failed:
             reason = f"capture failed for variant any_sampled={variant[0]}, use_filters={variant[1]}"

@@ -21,9 +21,12 @@ from nextn.runtime.engine_loader import Sharding, load_engine
 from nextn.runtime.fault_isolation import recover_from_failed_step
 from nextn.runtime.iteration_log import iteration_entry
 from nextn.runtime.model_runner import InflightStep
+from nextn.runtime.guided_decoding import GrammarCompiler
+from nextn.runtime.logits_processors import RequestProcessor
 from nextn.runtime.request import Request
-from nextn.runtime.request_validation import RequestError, checked_sampling_params, prompt_token_ids
-from nextn.runtime.sampling_params import SamplingParams
+from nextn.runtime.request_validation import (RequestError, RequestSamplingParamsError, checked_sampling_params,
+                                              prompt_token_ids)
+from nextn.runtime.sampling_params import SamplingParams, SamplingParamsError
 from nextn.runtime.scheduler import NeedsSync
 
 __all__ = ["Engine", "RequestError"]
@@ -59,6 +62,7 @@ class Engine:
         self._seed_rng = random.Random()  # seeds for requests that give none
         self.print_iter_log = args.print_iter_log
         self.iteration_log: list[dict] | None = None  # set to [] to record one dict per iteration
+        self._grammars: GrammarCompiler | None = None  # built with the first guided-decoding request
 
     # Requests ----------------------------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
@@ -78,7 +82,26 @@ class Engine:
                                "raise kv_cache_config.max_tokens")
         eos = self.eos_ids if params.end_id is None else frozenset([params.end_id])
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        return Request(next(self._ids), text, ids, params, eos, seed=seed)
+        return Request(next(self._ids), text, ids, params, eos, seed=seed, processor=self._processor(ids, params, eos),
+                       logprobs=None if params.logprobs is None else [])
+
+    def _processor(self, ids: list[int], params: SamplingParams, eos: frozenset[int]) -> RequestProcessor | None:
+        """The request's logit-processing state (penalties, bias, min_tokens, its grammar's matcher), or None."""
+        if not params.needs_processing:
+            return None
+        stops = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos)))
+        matcher = None
+        if params.guided_decoding is not None:
+            if self.tokenizer is None:
+                raise RequestSamplingParamsError("guided decoding needs the engine's tokenizer and this engine has "
+                                                 "none (its checkpoint had none)")
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer.tok, self.cfg.vocab_size, sorted(self.eos_ids))
+            try:
+                matcher = self._grammars.matcher(params.guided_decoding, stops or sorted(self.eos_ids))
+            except SamplingParamsError as e:
+                raise RequestSamplingParamsError(str(e)) from None
+        return RequestProcessor(params, ids, stops, self.cfg.vocab_size, matcher)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add(request)
@@ -129,6 +152,9 @@ class Engine:
         call `drop_step_in_flight`)."""
         prev, self._inflight = self._inflight, None
         updated: list[Request] = []
+        if prev is not None and any(r.processor is not None for r in self.scheduler.running):
+            # logit processing reads each request's exact tokens and drafts on the host: no step in flight
+            updated, prev = self._update(prev), None
         try:
             plan = self.scheduler.schedule(in_flight=prev is not None)
         except NeedsSync:  # a preemption needs exact host state: apply the step in flight first

@@ -26,13 +26,14 @@ class RequestProcessor:
 
     Args:
         params: the request's sampling parameters (`needs_processing`); prompt_ids: its prompt (repetition penalty);
-        stop_ids: the tokens that end it (masked before `min_tokens`); matcher: its xgrammar `GrammarMatcher`, or
-        None without a grammar.
+        stop_ids: the tokens that end it (masked before `min_tokens`); vocab_size: the model's vocabulary (the
+        logits' last dimension); matcher: its xgrammar `GrammarMatcher`, or None without a grammar.
     """
 
-    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], stop_ids: Sequence[int],
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], stop_ids: Sequence[int], vocab_size: int,
                  matcher=None) -> None:
         self.params = params
+        self.vocab_size = vocab_size
         self.stop_ids = sorted(set(stop_ids))
         self.prompt_set = frozenset(prompt_ids) if params.repetition_penalty != 1.0 else frozenset()
         self.counts: Counter[int] = Counter()
@@ -48,7 +49,7 @@ class RequestProcessor:
                 if self.matcher.is_terminated() or not self.matcher.accept_token(t):
                     break  # only a stop token past the grammar's end (the request ends on it)
 
-    def positions(self, drafts: Sequence[int], width: int, vocab_size: int):
+    def positions(self, drafts: Sequence[int], width: int):
         """Per position j < width (state after drafts[:j]): (mult [(j, token, r)], add [(j, token, value)],
         bitmask [width, ceil(V/32)] int32 or None)."""
         p = self.params
@@ -64,12 +65,12 @@ class RequestProcessor:
             add += [(j, t, b) for t, b in p.logit_bias.items()]
             if self.num_generated + j < p.min_tokens:
                 add += [(j, t, float("-inf")) for t in self.stop_ids]
-        return mult, add, self._masks(drafts, width, vocab_size)
+        return mult, add, self._masks(drafts, width)
 
-    def _masks(self, drafts: Sequence[int], width: int, vocab_size: int) -> torch.Tensor | None:
+    def _masks(self, drafts: Sequence[int], width: int) -> torch.Tensor | None:
         if self.matcher is None:
             return None
-        masks = torch.full((width, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+        masks = torch.full((width, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
         accepted = 0
         for j in range(width):
             if self.matcher.is_terminated():
@@ -83,13 +84,14 @@ class RequestProcessor:
         return masks
 
 
-def build_processing(rows: Sequence[tuple[int, RequestProcessor, Sequence[int]]], width: int, vocab_size: int,
-                     device: torch.device | str = "cpu") -> LogitsProcessing | None:
-    """The batch's processing for one step: rows (batch row, processor, drafts d1..d{width−1}); None when no row
-    needs any (the step then runs as without processing)."""
+def build_processing(rows: Sequence[tuple[int, RequestProcessor, Sequence[int]]], width: int
+                     ) -> LogitsProcessing | None:
+    """The batch's processing for one step, on the CPU: rows (batch row, processor, drafts d1..d{width−1}); None
+    when no row needs any (the step then runs as without processing)."""
     mult, add, mask_rows, masks = [], [], [], []
+    vocab_size = rows[0][1].vocab_size if rows else 0
     for row, proc, drafts in rows:
-        m, a, bitmask = proc.positions(drafts, width, vocab_size)
+        m, a, bitmask = proc.positions(drafts, width)
         mult += [(row, j, t, r) for j, t, r in m]
         add += [(row, j, t, v) for j, t, v in a]
         if bitmask is not None:
@@ -103,6 +105,5 @@ def build_processing(rows: Sequence[tuple[int, RequestProcessor, Sequence[int]]]
         return idx, torch.tensor([e[3] for e in entries], dtype=torch.float32)
 
     words = (vocab_size + 31) // 32
-    out = LogitsProcessing(*index(mult), *index(add), torch.tensor(mask_rows, dtype=torch.int64),
-                           torch.stack(masks) if masks else torch.zeros(0, width, words, dtype=torch.int32))
-    return out if torch.device(device).type == "cpu" else out.to(device)
+    return LogitsProcessing(*index(mult), *index(add), torch.tensor(mask_rows, dtype=torch.int64),
+                            torch.stack(masks) if masks else torch.zeros(0, width, words, dtype=torch.int32))

@@ -38,6 +38,7 @@ import torch
 
 from nextn.models.attention_metadata import AttentionMetadata, slots_for_positions
 from nextn.models.causal_lm import SelfDraftingCausalLM
+from nextn.runtime.outputs import TokenLogprob
 from nextn.runtime.step_plan import StepPlan
 from nextn.speculative.chain_step import NoDrafter, prefill_step, verify_and_draft_step
 from nextn.speculative.protocol import AcceptanceRule, Drafter, SamplingTensors, StepOutput
@@ -70,7 +71,7 @@ class InflightStep:
                launch_time: float) -> "InflightStep":
         """From a step's outputs and its input kv_lens [B] (prefill: each chunk's end − 1), on the device."""
         out = StepOutput(out.tokens.clone(), out.num_emitted.clone(), out.draft_tokens.clone(), out.drafter_state,
-                         out.accept_state)
+                         out.accept_state, out.logprobs)
         last = out.tokens.gather(1, (out.num_emitted - 1)[:, None])[:, 0]
         rows = {rid: i for i, rid in enumerate(plan.request_ids)}
         return cls(plan, out, last, kv_lens + out.num_emitted, rows, launch_time,
@@ -113,6 +114,7 @@ class StepResult:
     drafts: list[list[int]]  # its drafts for the next step
     num_accepted: list[int]  # drafts the target accepted (decode), 0 for prefill
     num_draft: int = 0  # drafts counted per request (decode statistics: `Drafter.stat_draft_len(draft_len)`)
+    logprobs: list[list[TokenLogprob]] | None = None  # per request, one per emitted token (when a request asks)
     seconds: float = 0.0  # the step's own time: its launch (on a CPU all of it) plus waiting for its results
 
 
@@ -145,6 +147,8 @@ class ModelRunner:
             seed=torch.tensor(plan.seeds, dtype=torch.int64, device=dev),
             any_sampled=any(sampled),
             use_filters=any(s and (k > 0 or p < 1.0) for s, k, p in zip(sampled, plan.top_k, plan.top_p)),
+            processing=None if plan.processing is None else plan.processing.to(dev),
+            num_logprobs=plan.num_logprobs,
         )
 
     def _block_tables(self, plan: StepPlan) -> torch.Tensor:
@@ -234,9 +238,17 @@ class ModelRunner:
             emitted = [row[:n] for row, n in zip(tokens, counts)]
         return StepResult(
             emitted=emitted,
+            logprobs=None if out.logprobs is None else _logprobs(out.logprobs, emitted),
             drafts=drafts,
             num_accepted=[n - 1 for n in counts] if plan.kind == "decode" else [0] * len(tokens),
             num_draft=self.drafter.stat_draft_len(plan.draft_len),
             # not launch → now: with the overlap scheduler that would also hold the next step's launch
             seconds=step.launch_seconds + time.perf_counter() - read_start,
         )
+
+
+def _logprobs(logprobs: tuple[torch.Tensor, ...], emitted: list[list[int]]) -> list[list[TokenLogprob]]:
+    """The step's (logprob [B, T], top_logprobs [B, T, k], top_ids [B, T, k]) as `TokenLogprob`s per emitted token."""
+    chosen, top_lp, top_ids = (x.tolist() for x in logprobs)
+    return [[TokenLogprob(tok, chosen[b][j], list(zip(top_ids[b][j], top_lp[b][j]))) for j, tok in enumerate(row)]
+            for b, row in enumerate(emitted)]

@@ -8,6 +8,17 @@ from typing import Literal
 FinishReason = Literal["stop", "length", "error", "cancelled"] | None
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One emitted token's log-probability under the distribution it was decoded from (penalties, bias, grammar
+    and temperature applied; before top-k / top-p), and the `SamplingParams.logprobs` most likely tokens'
+    (token id, log-probability), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
 @dataclass
 class CompletionOutput:
     """One completion, with speculative-decoding statistics.
@@ -29,6 +40,7 @@ class CompletionOutput:
         arrival_time, first_token_time, finished_time: `time.perf_counter()` seconds at submission, at the first
             emitted token and at completion (for TTFT = first − arrival, TPOT = (finished − first) / (n − 1)).
         error: why the request failed (finish_reason "error").
+        logprobs: with `SamplingParams.logprobs` set, one `TokenLogprob` per token of `token_ids`; else None.
     """
 
     index: int = 0
@@ -46,6 +58,7 @@ class CompletionOutput:
     error: str | None = None
     token_ids_diff: list[int] | None = None
     text_diff: str | None = None
+    logprobs: list[TokenLogprob] | None = None
 
     def __post_init__(self) -> None:
         if self.token_ids_diff is None:

@@ -6,7 +6,8 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
-from nextn.runtime.outputs import CompletionOutput, RequestOutput
+from nextn.runtime.logits_processors import RequestProcessor
+from nextn.runtime.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from nextn.runtime.sampling_params import SamplingParams
 
 
@@ -59,6 +60,8 @@ class Request:
     arrival_time: float = field(default_factory=time.perf_counter)  # perf_counter seconds at submission
     first_token_time: float | None = None
     finished_time: float | None = None
+    processor: RequestProcessor | None = None  # penalties / bias / min_tokens / grammar state (needs_processing)
+    logprobs: list[TokenLogprob] | None = None  # one per output token when params.logprobs is set
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -101,20 +104,29 @@ class Request:
         self.draft_tokens = []
         self.has_drafts = True  # the prefill drafts
 
-    def append(self, tokens: list[int], max_seq_len: int) -> None:
-        """Append emitted tokens, cutting at EOS / stop tokens / max_tokens / max_seq_len and finishing if so."""
+    def append(self, tokens: list[int], max_seq_len: int, logprobs: list[TokenLogprob] | None = None) -> None:
+        """Append emitted tokens, cutting at EOS / stop tokens / max_tokens / max_seq_len and finishing if so;
+        `logprobs` (one per token) are kept with them when the request asked for them."""
         if self.first_token_time is None and tokens:
             self.first_token_time = time.perf_counter()
         self.prefill_done = True
         stops = set(self.params.stop_token_ids) | (set() if self.params.ignore_eos else set(self.eos_ids))
-        for tok in tokens:
+        kept = len(tokens)
+        for i, tok in enumerate(tokens):
             self.output_token_ids.append(tok)
             if tok in stops:
                 self.finish("stop")
-                return
-            if len(self.output_token_ids) >= self.params.max_tokens or self.num_tokens >= max_seq_len:
+            elif len(self.output_token_ids) >= self.params.max_tokens or self.num_tokens >= max_seq_len:
                 self.finish("length")
-                return
+            if self.finished:
+                kept = i + 1
+                break
+        if self.processor is not None:
+            self.processor.advance(tokens[:kept])
+        if self.logprobs is not None and logprobs is not None:  # the batch computes the most any row asks for
+            k = self.params.logprobs
+            self.logprobs.extend(e if len(e.top) == k else TokenLogprob(e.token_id, e.logprob, e.top[:k])
+                                 for e in logprobs[:kept])
 
     def record_step(self, num_draft: int, num_accepted: int) -> None:
         """Count one verify-and-draft step that accepted `num_accepted` of `num_draft` drafts."""
@@ -141,6 +153,7 @@ class Request:
             accepted_per_position=list(self.accepted_per_position),
             steps_per_draft_len=dict(self.steps_per_draft_len),
             arrival_time=self.arrival_time, first_token_time=self.first_token_time, finished_time=self.finished_time,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
         )
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [completion], self.finished,
                              num_cached_tokens=max(0, self.num_cached_tokens))

@@ -294,7 +294,7 @@ class Scheduler:
                 req.record_step(k, accepted)
                 num_draft, num_accepted = num_draft + k, num_accepted + accepted
                 per_request[req.request_id] = accepted
-            req.append(emitted, self.max_seq_len)
+            req.append(emitted, self.max_seq_len, None if output.logprobs is None else output.logprobs[i])
             req.draft_tokens = drafts
             req.num_computed_tokens = req.kv_len
             self.cache_blocks(req)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Literal, NamedTuple
 
+from nextn.runtime.logits_processors import build_processing
 from nextn.runtime.request import Request
+from nextn.speculative.logits_processing import LogitsProcessing
 
 
 class StepPlan(NamedTuple):
@@ -37,6 +39,10 @@ class StepPlan(NamedTuple):
             end ≥ prefill_len is its last and emits the first token.
         num_reused: prefill only: [B] tokens the row reuses from the prefix cache when this chunk is the first of
             its admission, else 0; the drafter's per-request state is rebuilt for them (`Drafter.load_prefix`).
+        processing: the rows' logit processing (penalties, bias, min_tokens, grammar masks) for each verified
+            position, built from their state after the drafts before it (runtime/logits_processors.py); None when
+            no row needs any. Tensors: still data only.
+        num_logprobs: the most top log-probabilities a row asks for; −1 when none asks for log-probabilities.
     """
 
     step_id: int
@@ -57,6 +63,8 @@ class StepPlan(NamedTuple):
     chunk_starts: tuple[int, ...] = ()
     chunk_ends: tuple[int, ...] = ()
     num_reused: tuple[int, ...] = ()
+    processing: LogitsProcessing | None = None
+    num_logprobs: int = -1
 
     @property
     def num_requests(self) -> int:
@@ -72,7 +80,7 @@ class StepPlan(NamedTuple):
         return cls(step_id, "prefill", *_rows(reqs), drafting=drafting,
                    token_ids=tuple(tuple(r.all_token_ids) for r in reqs),
                    prefill_lens=tuple(r.prefill_len for r in reqs), chunk_starts=starts, chunk_ends=ends,
-                   num_reused=num_reused)
+                   num_reused=num_reused, processing=_processing(reqs, 0), num_logprobs=_num_logprobs(reqs))
 
     @classmethod
     def decode(cls, step_id: int, reqs: tuple[Request, ...], draft_len: int, drafting: bool) -> StepPlan:
@@ -81,7 +89,19 @@ class StepPlan(NamedTuple):
         *rows, kv_lens, input_ids = zip(*[
             (r.request_id, r.batch_slot, tuple(r.block_table), p.temperature, p.top_k, p.top_p, r.seed, r.kv_len,
              (r.last_token_id, *(r.draft_tokens + pad)[:draft_len])) for r in reqs for p in (r.params,)])
-        return cls(step_id, "decode", *rows, draft_len, drafting, kv_lens, input_ids)
+        return cls(step_id, "decode", *rows, draft_len, drafting, kv_lens, input_ids,
+                   processing=_processing(reqs, draft_len, input_ids), num_logprobs=_num_logprobs(reqs))
+
+
+def _processing(reqs: tuple[Request, ...], draft_len: int, input_ids: tuple = ()) -> LogitsProcessing | None:
+    """The processed rows' `LogitsProcessing` over draft_len + 1 positions (a prefill: its last row only)."""
+    rows = [(i, r.processor, input_ids[i][1:] if input_ids else ()) for i, r in enumerate(reqs)
+            if r.processor is not None]
+    return build_processing(rows, draft_len + 1) if rows else None
+
+
+def _num_logprobs(reqs: tuple[Request, ...]) -> int:
+    return max((r.params.logprobs for r in reqs if r.params.logprobs is not None), default=-1)
 
 
 def _rows(reqs: tuple[Request, ...]) -> tuple[tuple, ...]:

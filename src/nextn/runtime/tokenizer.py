@@ -54,7 +54,8 @@ class EngineTokenizer:
         return self.tok.decode(ids, skip_special_tokens=True)
 
     def render_chat(self, messages: Sequence[dict], chat_template: str | None = None, *,
-                    limits: RenderLimits | None = None, cancel: "threading.Event | None" = None) -> str:
+                    limits: RenderLimits | None = None, cancel: "threading.Event | None" = None,
+                    tools: Sequence[dict] | None = None) -> str:
         """`messages` rendered as text for the assistant's next turn, in a bounded worker process.
 
         Equal to `transformers`' `tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)`
@@ -64,6 +65,8 @@ class EngineTokenizer:
             chat_template: Jinja source (or a template name of the model's) to use instead of the model's default.
             limits: the render's time and size budget (default `RenderLimits()`: 5 s, 16 Mi characters).
             cancel: set it to stop the render (`RenderCancelled`).
+            tools: OpenAI-style function definitions ({"type": "function", "function": {...}}) handed to the
+                template as `tools`, as transformers' `apply_chat_template(tools=...)` does.
         Raises:
             ChatTemplateError: no messages, no template, or the template raised (the message quotes it).
             ChatTemplateLimitError: the template passed the time, size or memory budget and was stopped.
@@ -78,8 +81,9 @@ class EngineTokenizer:
         except ValueError as e:  # several named templates and no default
             raise ChatTemplateError(str(e)) from None
         conversation = [{k: v for k, v in m.items() if v is not None} for m in messages]
-        return shared_renderer().render(template, conversation, dict(self.tok.special_tokens_map),
-                                        add_generation_prompt=True, limits=limits, cancel=cancel)
+        kwargs = dict(self.tok.special_tokens_map) | ({"tools": list(tools)} if tools else {})
+        return shared_renderer().render(template, conversation, kwargs, add_generation_prompt=True, limits=limits,
+                                        cancel=cancel)
 
     def apply_chat_template(self, messages: Sequence[dict], chat_template: str | None = None) -> list[int]:
         """Token ids of `messages` rendered for the assistant's next turn (`render_chat`, default budget).

@@ -3,8 +3,9 @@
 Shapes follow the OpenAI API reference (completions, chat completions, models, streaming chunks) and
 TensorRT-LLM's `trtllm-serve` protocol module. Requests are strict: an unknown field is an error that names it,
 scalars are not coerced from other JSON types ("5" is not a number), and features nextn does not implement
-(n > 1, logprobs, penalties, tools, ...) are refused with a message instead of being silently ignored.
-Extras beyond OpenAI's fields, as in vLLM and TensorRT-LLM: `top_k`, `ignore_eos`, `stop_token_ids`.
+(`echo`, `best_of` > 1, `suffix`, images) are refused with a message instead of being silently ignored.
+Extras beyond OpenAI's fields, as in vLLM and TensorRT-LLM: `top_k`, `ignore_eos`, `stop_token_ids`,
+`repetition_penalty`, `min_tokens`, `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`.
 Every field is bounded before it reaches the engine: integers to their range (token ids and counts to int32,
 `seed` to [0, 2**63)), floats finite, token-id prompts lists of real integers (not floats or bools), text valid
 Unicode (no lone surrogates such as "\\ud800", which no tokenizer can encode), names and stop strings short.
@@ -22,11 +23,15 @@ from typing import Annotated, Any, Literal
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator,
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator,
                       model_serializer)
 
+from nextn.serving.openai_tools import MAX_TOOLS, Tool, ToolCall, ToolChoice
 from nextn.serving.request_fields import (INT32_MAX, MAX_STOP_TOKEN_IDS, Finite, Name, StopText, Text, TokenCount,
                                           TokenId, check_prompt, short)
+
+MAX_N = 16  # choices per request (each its own engine request)
+Penalty = Annotated[Finite, Field(ge=-2, le=2)]
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -34,6 +39,20 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: StrictBool = False  # one more chunk before [DONE]: empty choices, the request's usage
+
+
+class JsonSchemaFormat(_Request):
+    name: Name = "response"
+    description: Text | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")  # {}: any JSON value
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Request):
+    """`response_format`: free text, one JSON object, or JSON that validates against `json_schema.schema`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _SamplingRequest(_Request):
@@ -48,34 +67,27 @@ class _SamplingRequest(_Request):
     stop: list[StopText] = Field(default_factory=list)  # ≤ 4; a string, a list, or null in the request
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)  # extra: end tokens
     ignore_eos: StrictBool = False  # extra: keep going past EOS (benchmarks)
-    n: StrictInt = 1  # choices per prompt: only 1
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1  # choices per prompt, each its own seed stream
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: Name | None = None  # accepted and ignored
-    presence_penalty: Finite = 0.0  # only 0: penalties are not implemented
-    frequency_penalty: Finite = 0.0
-    logit_bias: dict[str, Any] | None = None  # only empty
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError(f"n={short(v)} is not supported: nextn serve returns one choice per prompt; send n "
-                             "separate requests (with different seeds) instead")
-        return v
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, v: float) -> float:
-        if v != 0:
-            raise ValueError("penalties are not supported by nextn serve: omit the field or set it to 0")
-        return v
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: Annotated[Finite, Field(ge=0.01, le=100)] | None = None  # extra (vLLM): 1 = off
+    min_tokens: Annotated[StrictInt, Field(ge=0, le=INT32_MAX)] = 0  # extra (vLLM)
+    logit_bias: dict[str, Annotated[Finite, Field(ge=-100, le=100)]] | None = Field(default=None, max_length=1024)
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None  # extras (vLLM): one grammar at most
+    guided_regex: StrictStr | None = None
+    guided_choice: list[Text] | None = Field(default=None, min_length=1, max_length=256)
+    guided_grammar: StrictStr | None = None
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_bias(cls, v: dict | None) -> dict | None:
-        if v:
-            raise ValueError("logit_bias is not supported by nextn serve: omit it")
+    def _bias_keys(cls, v: dict | None) -> dict | None:
+        for k in v or {}:
+            if not k.isdigit() or int(k) > INT32_MAX:
+                raise ValueError(f"logit_bias keys are token ids as strings (\"42\"), got {short(k)}")
         return v
 
     @field_validator("stop", mode="before")
@@ -92,11 +104,11 @@ class _SamplingRequest(_Request):
 
 
 class CompletionRequest(_SamplingRequest):
-    """POST /v1/completions: a prompt as text, token ids, or a list of either (one choice each)."""
+    """POST /v1/completions: a prompt as text, token ids, or a list of either (n choices each)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]  # checked by `_prompt` (one clear message)
     echo: Literal[False] = False  # echoing the prompt is not supported
-    logprobs: None = None  # log probabilities are not supported
+    logprobs: Annotated[StrictInt, Field(ge=0, le=5)] | None = None  # OpenAI's legacy bound: top 5
     best_of: Literal[1] | None = None
     suffix: None = None
 
@@ -115,6 +127,8 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None  # text parts are joined; images are not supported
     name: Name | None = None
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=MAX_TOOLS)  # an assistant's earlier calls
+    tool_call_id: Name | None = None  # a tool result: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -127,8 +141,11 @@ class ChatCompletionRequest(_SamplingRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: TokenCount | None = None  # OpenAI's newer name for max_tokens
-    logprobs: Literal[False] = False
-    top_logprobs: None = None
+    logprobs: StrictBool = False
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None  # with logprobs: true
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, "none" without
+    parallel_tool_calls: StrictBool = True
 
 
 # Responses ------------------------------------------------------------------------------------------------------
@@ -142,11 +159,37 @@ class UsageInfo(BaseModel):
     total_tokens: int
 
 
+FinishReason = Literal["stop", "length", "tool_calls"]
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: per token its text, log-probability, the top tokens and the text offset."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -160,14 +203,22 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer
+    def _set_fields(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        return out
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -184,17 +235,19 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's streamed calls: index, id, type, function
 
     @model_serializer
     def _set_fields(self) -> dict[str, Any]:
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        return {k: v for k, v in (("role", self.role), ("content", self.content), ("tool_calls", self.tool_calls))
+                if v is not None}
 
 
 class ChatStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -233,7 +286,7 @@ class ErrorResponse(BaseModel):
 
 
 # Errors ---------------------------------------------------------------------------------------------------------
-UNSUPPORTED_FIELDS = {"echo", "logprobs", "best_of", "suffix", "top_logprobs"}
+UNSUPPORTED_FIELDS = {"echo", "best_of", "suffix"}
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|function-.*)$")  # pydantic union members
 
 

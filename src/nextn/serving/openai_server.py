@@ -43,6 +43,10 @@ from nextn.runtime.template_render import DEFAULT_TIMEOUT_S, RenderLimits
 from nextn.serving import PROMPT_CHARS_PER_TOKEN
 from nextn.serving import openai_protocol as p
 from nextn.serving.chat_render import ServerChatRenderer
+from nextn.serving.choice_streams import merge_pieces
+from nextn.serving.openai_chat import chat_response
+from nextn.serving.openai_sampling import chat_logprobs, completion_logprobs, sampling_fields
+from nextn.serving.openai_tools import message_for_template
 from nextn.serving.http_edge import (DEFAULT_MAX_REQUEST_BYTES, OFFLOAD_BYTES, ApiKeyMiddleware, parse_json,
                                      read_body)
 from nextn.serving.metrics import CountRequests, ServerMetrics
@@ -64,6 +68,13 @@ class _Job:
     handle: RequestHandle
     num_prompt_tokens: int
     stops: list[str]
+    index: int = 0  # the choice it answers
+    n: int = 1  # choices of its prompt
+
+
+def _tool_dicts(tools: list | None) -> list[dict] | None:
+    """OpenAI tool definitions as the chat template receives them (plain dicts, unset fields dropped)."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
 
 
 def _cut(text: str, stops: list[str]) -> tuple[str, bool]:
@@ -136,16 +147,16 @@ class OpenAIServer:
         self._check_chars(len(text), param)
         return list(self.tokenizer.tok.encode(text, add_special_tokens=add_special_tokens))
 
-    def chat_ids(self, messages: list[p.ChatMessage]) -> list[int]:
+    def chat_ids(self, messages: list[p.ChatMessage], tools: list | None = None) -> list[int]:
         """The prompt ids of `messages` as a chat request renders them (same checks, template and budget; no client
         to watch): for tools and tests. Raises APIError as a request would."""
         msgs = self._chat_messages(messages)
         text = self.chat_renderer.tokenizer.render_chat(msgs, self.chat_renderer.chat_template,
-                                                        limits=self.chat_renderer.limits)
+                                                        limits=self.chat_renderer.limits, tools=_tool_dicts(tools))
         return self._encode(text, "messages", self.chat_template is not None)
 
-    async def _chat_ids(self, messages: list[p.ChatMessage], raw: Request) -> list[int]:
-        text = await self.chat_renderer.render(self._chat_messages(messages), raw)
+    async def _chat_ids(self, messages: list[p.ChatMessage], raw: Request, tools: list | None = None) -> list[int]:
+        text = await self.chat_renderer.render(self._chat_messages(messages), raw, tools=_tool_dicts(tools))
         # A model's template writes its own BOS; the fallback does not, so the tokenizer adds it.
         return await self._off_loop(self._encode, text, "messages", self.chat_template is not None)
 
@@ -156,12 +167,13 @@ class OpenAIServer:
         if len(messages) > self.max_seq_len:  # every message renders to at least one token
             raise p.APIError(400, f"{len(messages)} messages cannot fit max_seq_len {self.max_seq_len} tokens: send "
                              "fewer messages", "messages", "context_length_exceeded")
-        msgs = [{"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {}) for m in messages]
-        self._check_chars(sum(len(m["content"]) for m in msgs), "messages")
+        msgs = [message_for_template(m.role, m.text() if m.content is not None or not m.tool_calls else None,
+                                     m.tool_calls, m.tool_call_id, m.name) for m in messages]
+        self._check_chars(sum(len(m["content"] or "") for m in msgs), "messages")
         return msgs
 
     def _params(self, req: p._SamplingRequest, num_prompt_tokens: int, max_tokens: int | None, param: str,
-                max_tokens_param: str = "max_tokens") -> SamplingParams:
+                max_tokens_param: str = "max_tokens", num_top: int | None = None) -> SamplingParams:
         room = self.max_seq_len - num_prompt_tokens
         if room < 1:
             raise p.APIError(400, f"the prompt has {num_prompt_tokens} tokens but max_seq_len is {self.max_seq_len} "
@@ -182,20 +194,31 @@ class OpenAIServer:
                              "give token ids of this model", "stop_token_ids")
         if req.stop and self.tokenizer is None:
             raise p.APIError(400, "stop strings need a tokenizer and this engine has none: use stop_token_ids", "stop")
+        bad = [int(k) for k in req.logit_bias or {} if int(k) >= self.vocab_size]
+        if bad:
+            raise p.APIError(400, f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})",
+                             "logit_bias")
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=req.temperature or 0.0, top_k=req.top_k or 0,
                                   top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
-                                  stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos)
+                                  stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
+                                  **sampling_fields(req, num_top))
         except SamplingParamsError as e:  # the runtime's own ranges (e.g. the smallest temperature)
-            fields = ("temperature", "top_p", "top_k", "seed", "stop_token_ids", "max_tokens")
+            fields = ("temperature", "top_p", "top_k", "seed", "stop_token_ids", "max_tokens", "min_tokens")
             named = [f for f in fields if f in str(e)]
             raise p.APIError(400, str(e), min(named, key=str(e).index) if named else None) from None
 
-    def _submit(self, prompts: list[list[int]], params: list[SamplingParams], stops: list[str]) -> list[_Job]:
+    def _submit(self, prompts: list[list[int]], params: list[SamplingParams], stops: list[str], n: int = 1
+                ) -> list[_Job]:
+        """n jobs per prompt (choice index prompt · n + i), choice i seeded `seed + i` when the request gave a seed
+        (each its own seed stream; their prompts share KV blocks through the prefix cache)."""
         jobs: list[_Job] = []
         try:
-            for ids, sp in zip(prompts, params):
-                jobs.append(_Job(self.llm.generate_async(ids, sp, streaming=True), len(ids), stops))
+            for k, (ids, sp) in enumerate(zip(prompts, params)):
+                for i in range(n):
+                    one = sp if sp.seed is None or i == 0 else sp.model_copy(update={"seed": (sp.seed + i) % 2**63})
+                    jobs.append(_Job(self.llm.generate_async(ids, one, streaming=True), len(ids), stops, k * n + i,
+                                     n))
         except RequestError as e:
             for job in jobs:
                 job.handle.abort()
@@ -210,20 +233,23 @@ class OpenAIServer:
         return await anyio.to_thread.run_sync(fn, *args)
 
     # Running requests -----------------------------------------------------------------------------------------
-    async def _pieces(self, job: _Job) -> AsyncIterator[tuple[str, str | None, CompletionOutput | None]]:
-        """Per engine step: (new text, finish_reason on the last, final output on the last).
+    async def _pieces(self, job: _Job) -> AsyncIterator[tuple[str, str | None, CompletionOutput | None, list]]:
+        """Per engine step: (new text, finish_reason on the last, final output on the last, the new tokens'
+        `TokenLogprob`s when the request asked for them).
 
         Leaving early (client gone: the consumer is cancelled) aborts the request, freeing its KV blocks.
         Raises:
             p.APIError: 500 when the engine failed the request.
         """
-        sent, finish, final = "", None, None
+        sent, finish, final, num_lp = "", None, None, 0
         hold = max(map(len, job.stops), default=1) - 1
         self.metrics.running.inc()
         try:
             async for out in job.handle:
                 c = out.outputs[0]
-                delta = ""
+                delta, lps = "", []
+                if c.logprobs is not None and finish is None:
+                    lps, num_lp = c.logprobs[num_lp:], len(c.logprobs)
                 if finish is None:  # not yet cut by a stop string
                     text, hit = _cut(c.text, job.stops)
                     if hit:
@@ -240,9 +266,9 @@ class OpenAIServer:
                     if finish not in ("stop", "length"):
                         raise p.APIError(500, f"the engine failed the request: {c.error or finish}",
                                          type_="server_error", code=finish)
-                    yield delta, finish, c
-                elif delta:
-                    yield delta, None, None
+                    yield delta, finish, c, lps
+                elif delta or lps:
+                    yield delta, None, None, lps
         finally:
             self.metrics.running.dec()
             if final is None:
@@ -255,7 +281,7 @@ class OpenAIServer:
         """Run every job to completion; aborts them all if the client disconnects first."""
         async def one(job: _Job) -> tuple[str, str, CompletionOutput]:
             text = ""
-            async for delta, finish, final in self._pieces(job):
+            async for delta, finish, final, _ in self._pieces(job):
                 text += delta
                 if final is not None:
                     return text, finish, final
@@ -299,54 +325,44 @@ class OpenAIServer:
         if req.stream and len(prompts) > 1:
             raise p.APIError(400, "streaming takes one prompt per request: send the prompts as separate requests",
                              "prompt")
-        params = [self._params(req, len(ids), req.max_tokens, "prompt") for ids in prompts]
-        jobs = self._submit(prompts, params, req.stop)
+        params = [self._params(req, len(ids), req.max_tokens, "prompt", num_top=req.logprobs) for ids in prompts]
+        jobs = self._submit(prompts, params, req.stop, req.n)
         base = p.CompletionResponse(model=self.model_name, choices=[])
+        tok = None if self.tokenizer is None else self.tokenizer.tok
+
+        def logprobs(entries: list, offset: int = 0) -> p.CompletionLogprobs | None:
+            return None if req.logprobs is None else completion_logprobs(entries, tok, req.logprobs, offset)
+
         if not req.stream:
             results = await self._collect(jobs, raw)
-            base.choices = [p.CompletionChoice(index=i, text=t, finish_reason=f) for i, (t, f, _) in enumerate(results)]
-            usages = [self._usage(j.num_prompt_tokens, r[2]) for j, r in zip(jobs, results)]
-            base.usage = p.UsageInfo(**{k: sum(getattr(u, k) for u in usages) for k in p.UsageInfo.model_fields})
+            base.choices = [p.CompletionChoice(index=j.index, text=t, finish_reason=f,
+                                               logprobs=logprobs(c.logprobs or []))
+                            for j, (t, f, c) in zip(jobs, results)]
+            base.usage = self._total_usage(jobs, [r[2] for r in results])
             return JSONResponse(base.model_dump())
 
         async def chunks() -> AsyncIterator[str]:
-            async for delta, finish, final in self._pieces(jobs[0]):
-                yield base.model_copy(update={"choices": [p.CompletionChoice(index=0, text=delta,
-                                                                             finish_reason=finish)]}).model_dump_json()
-                if final is not None and req.stream_options and req.stream_options.include_usage:
-                    usage = self._usage(jobs[0].num_prompt_tokens, final)
-                    yield base.model_copy(update={"usage": usage}).model_dump_json()
+            finals, offsets = [], [0] * len(jobs)
+            async for job, (delta, finish, final, lps) in merge_pieces(self._pieces, jobs):
+                choice = p.CompletionChoice(index=job.index, text=delta, finish_reason=finish,
+                                            logprobs=logprobs(lps, offsets[job.index]))
+                offsets[job.index] += len(delta)
+                yield base.model_copy(update={"choices": [choice]}).model_dump_json()
+                if final is not None:
+                    finals.append(final)
+            if req.stream_options and req.stream_options.include_usage:
+                yield base.model_copy(update={"usage": self._total_usage(jobs, finals)}).model_dump_json()
         return self._sse(chunks(), jobs)
 
     async def chat(self, req: p.ChatCompletionRequest, raw: Request) -> Response:
-        self._check_model(req.model)
-        ids = await self._chat_ids(req.messages, raw)
-        limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = self._params(req, len(ids), limit, "messages", limit_param)
-        jobs = self._submit([ids], [params], req.stop)
-        if not req.stream:
-            [(text, finish, final)] = await self._collect(jobs, raw)
-            return JSONResponse(p.ChatCompletionResponse(
-                model=self.model_name, usage=self._usage(len(ids), final),
-                choices=[p.ChatChoice(index=0, message=p.AssistantMessage(content=text), finish_reason=finish)],
-            ).model_dump())
-        base = p.ChatCompletionChunk(id=p._id("chatcmpl"), created=int(time.time()), model=self.model_name, choices=[])
+        return await chat_response(self, req, raw)
 
-        def chunk(delta: p.DeltaMessage, finish: str | None = None) -> str:
-            choice = p.ChatStreamChoice(index=0, delta=delta, finish_reason=finish)
-            return base.model_copy(update={"choices": [choice]}).model_dump_json()
-
-        async def chunks() -> AsyncIterator[str]:
-            yield chunk(p.DeltaMessage(role="assistant", content=""))
-            async for delta, finish, final in self._pieces(jobs[0]):
-                if delta:
-                    yield chunk(p.DeltaMessage(content=delta))
-                if final is not None:
-                    yield chunk(p.DeltaMessage(), finish)
-                    if req.stream_options and req.stream_options.include_usage:
-                        yield base.model_copy(update={"usage": self._usage(len(ids), final)}).model_dump_json()
-        return self._sse(chunks(), jobs)
+    @staticmethod
+    def _total_usage(jobs: list[_Job], finals: list[CompletionOutput]) -> p.UsageInfo:
+        """Usage over every choice: each prompt counted once (its n choices share it), every choice's tokens."""
+        prompt = sum(j.num_prompt_tokens for j in jobs if j.index % j.n == 0)
+        completion = sum(len(f.token_ids) for f in finals)
+        return p.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
     def models(self) -> p.ModelList:
         return p.ModelList(data=[p.ModelCard(id=self.model_name, max_model_len=self.max_seq_len)])

@@ -60,6 +60,15 @@ INPUTS = (
     TensorSpec("runtime_top_p", "TYPE_FP32", (1,), True),
     TensorSpec("seed", "TYPE_UINT64", (1,), True),
     TensorSpec("end_id", "TYPE_INT32", (1,), True),
+    TensorSpec("presence_penalty", "TYPE_FP32", (1,), True),
+    TensorSpec("frequency_penalty", "TYPE_FP32", (1,), True),
+    TensorSpec("repetition_penalty", "TYPE_FP32", (1,), True),
+    TensorSpec("min_tokens", "TYPE_INT32", (1,), True),
+    TensorSpec("return_log_probs", "TYPE_BOOL", (1,), True),
+    # TensorRT-LLM's guided decoding: guide type "json" (any JSON object), "json_schema", "regex" or "ebnf_grammar",
+    # and the guide text
+    TensorSpec("guided_decoding_guide_type", "TYPE_STRING", (1,), True),
+    TensorSpec("guided_decoding_guide", "TYPE_STRING", (1,), True),
     # nextn's extension (TensorRT-LLM's ensemble has none): text_input is one user message, rendered with the chat
     # template the engine stores (the GGUF's tokenizer.chat_template, or the HF tokenizer's).
     TensorSpec("apply_chat_template", "TYPE_BOOL", (1,), True),
@@ -72,8 +81,10 @@ OUTPUTS = (
     TensorSpec("acceptance_rate", "TYPE_FP32", (1,)),
     TensorSpec("total_accepted_draft_tokens", "TYPE_INT32", (1,)),
     TensorSpec("total_draft_tokens", "TYPE_INT32", (1,)),
+    TensorSpec("output_log_probs", "TYPE_FP32", (-1, -1)),  # [beams = 1, tokens], with return_log_probs
     TensorSpec(KV_FREE_BLOCKS, "TYPE_INT32", (1,)),
 )
+_GUIDE_TYPES = {"json": "json_object", "json_schema": "json", "regex": "regex", "ebnf_grammar": "grammar"}
 INPUT_NAMES = tuple(s.name for s in INPUTS)
 
 # Two spellings of one parameter: the ensemble's (text) name first, then the tensorrt_llm model's.
@@ -138,7 +149,14 @@ def parse_request(inputs: Mapping[str, np.ndarray], decoupled: bool, vocab_size:
     for key in ("top_k", "top_p"):
         if args[key] is not None:
             params[key] = args[key]
-    params = {k: (float(v) if k in ("temperature", "top_p") else int(v)) for k, v in params.items()}
+    for key in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"):
+        if key in inputs:
+            params[key] = _scalar(inputs, key)
+    floats = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+    params = {k: (float(v) if k in floats else int(v)) for k, v in params.items()}
+    if "return_log_probs" in inputs and bool(_scalar(inputs, "return_log_probs")):
+        params["logprobs"] = 0
+    params.update(_guided(inputs))
     if params.get("end_id") == -1:  # TensorRT-LLM's convention: end_id -1 = no end token, stop at max_tokens only
         del params["end_id"]
         params["ignore_eos"] = True
@@ -157,6 +175,32 @@ def parse_request(inputs: Mapping[str, np.ndarray], decoupled: bool, vocab_size:
     if chat and not isinstance(prompt, str):
         raise TritonRequestError("apply_chat_template renders text_input; input_ids are sent to the model as they are")
     return ParsedRequest(prompt, sampling_params, streaming, chat)
+
+
+def _guided(inputs: Mapping[str, np.ndarray]) -> dict:
+    """{"guided_decoding": {...}} from TensorRT-LLM's guide type and guide, or {}."""
+    if "guided_decoding_guide_type" not in inputs:
+        if "guided_decoding_guide" in inputs:
+            raise TritonRequestError("guided_decoding_guide needs guided_decoding_guide_type (json, json_schema, "
+                                     "regex or ebnf_grammar)")
+        return {}
+    kind = _text(inputs, "guided_decoding_guide_type")
+    if kind not in _GUIDE_TYPES:
+        raise TritonRequestError(f"guided_decoding_guide_type {kind[:40]!r} is not one of {sorted(_GUIDE_TYPES)}")
+    if kind == "json":
+        return {"guided_decoding": {"json_object": True}}
+    if "guided_decoding_guide" not in inputs:
+        raise TritonRequestError(f"guided_decoding_guide_type {kind} needs guided_decoding_guide (the schema, regex "
+                                 "or grammar text)")
+    return {"guided_decoding": {_GUIDE_TYPES[kind]: _text(inputs, "guided_decoding_guide")}}
+
+
+def _text(inputs: Mapping[str, np.ndarray], name: str) -> str:
+    value = _scalar(inputs, name)
+    try:
+        return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+    except UnicodeDecodeError:
+        raise TritonRequestError(f"{name} is not valid UTF-8") from None
 
 
 def render_prompt(parsed: ParsedRequest, tokenizer: EngineTokenizer | None) -> str | list[int]:
@@ -187,7 +231,7 @@ def response_tensors(output: RequestOutput, delta: bool, kv_free_blocks: int | N
     Returns:
         text_output [1, 1] (bytes), output_ids [1, 1, T] int32, sequence_length [1, 1] int32 (= T),
         acceptance_rate [1, 1] fp32 (accepted / proposed drafts so far), total_accepted_draft_tokens and
-        total_draft_tokens [1, 1] int32.
+        total_draft_tokens [1, 1] int32; with `return_log_probs`, output_log_probs [1, 1, T] fp32.
     """
     c = output.outputs[0]
     ids = c.token_ids_diff if delta else c.token_ids
@@ -200,6 +244,9 @@ def response_tensors(output: RequestOutput, delta: bool, kv_free_blocks: int | N
         "total_accepted_draft_tokens": np.array([[c.num_accepted_draft_tokens]], dtype=np.int32),
         "total_draft_tokens": np.array([[c.num_draft_tokens]], dtype=np.int32),
     }
+    if c.logprobs is not None:
+        lps = c.logprobs[len(c.token_ids) - len(ids):] if delta else c.logprobs
+        tensors["output_log_probs"] = np.array([e.logprob for e in lps], dtype=np.float32).reshape(1, 1, -1)
     if kv_free_blocks is not None:
         tensors[KV_FREE_BLOCKS] = np.array([[kv_free_blocks]], dtype=np.int32)
     return tensors

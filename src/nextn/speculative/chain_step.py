@@ -61,7 +61,8 @@ def prefill_step(model: SelfDraftingCausalLM, drafter: Drafter, acceptance: Acce
                              block_tables, block_size)
     hidden = model(input_ids, kv_cache, meta)  # [B, T, H]
     last_idx = prompt_lens - 1
-    first = sample_tokens(model.logits(rows_at(hidden, last_idx)), (start + prompt_lens)[:, None], sampling)  # [B, 1]
+    logits = sampling.process(model.logits(rows_at(hidden, last_idx)))  # [B, 1, V]
+    first = sample_tokens(logits, (start + prompt_lens)[:, None], sampling)  # [B, 1]
     if next_tokens is not None:
         first = torch.where(next_tokens[:, None] >= 0, next_tokens[:, None], first)
     # The token one position ahead of each row: the prompt shifted left, the new token after the last row.
@@ -69,7 +70,8 @@ def prefill_step(model: SelfDraftingCausalLM, drafter: Drafter, acceptance: Acce
     drafts, state = drafter.after_prefill(model, kv_cache, meta, hidden, shifted, last_idx, input_ids=input_ids,
                                           state=drafter_state, sampling=sampling, draft=draft)
     ones = torch.ones_like(prompt_lens)
-    return StepOutput(first, ones, drafts, state, acceptance.observe(first, ones, accept_state))
+    return StepOutput(first, ones, drafts, state, acceptance.observe(first, ones, accept_state),
+                      sampling.logprobs(logits, first))
 
 
 def verify_and_draft_step(model: SelfDraftingCausalLM, drafter: Drafter, acceptance: AcceptanceRule,
@@ -97,11 +99,12 @@ def verify_and_draft_step(model: SelfDraftingCausalLM, drafter: Drafter, accepta
     sampled = drafter.samples_drafts  # host-known: picks the calls, not a value
     q = {"draft_probs": drafter.draft_probs(drafter_state, w - 1, sampling)} if sampled else {}  # [B, K, V] | None
     with_sampling = {"sampling": sampling} if sampled else {}
-    tokens, num_emitted, accept_state = acceptance.accept(model.logits(hidden), input_ids[:, 1:], kv_lens + 1,
-                                                          sampling, accept_state, **q)
+    logits = sampling.process(model.logits(hidden))  # penalties, bias, grammar: each position after its drafts
+    tokens, num_emitted, accept_state = acceptance.accept(logits, input_ids[:, 1:], kv_lens + 1, sampling,
+                                                          accept_state, **q)
     drafts, state = drafter.after_verify(model, kv_cache, meta, hidden, tokens, num_emitted, drafter_state,
                                          **with_sampling)
-    return StepOutput(tokens, num_emitted, drafts, state, accept_state)
+    return StepOutput(tokens, num_emitted, drafts, state, accept_state, sampling.logprobs(logits, tokens))
 
 
 class LinearDrafter:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LogitsProcessing", "apply_bitmask"]
+__all__ = ["LogitsProcessing", "apply_bitmask", "token_logprobs"]
 
 
 @dataclass(frozen=True)
@@ -45,18 +45,22 @@ class LogitsProcessing:
     bitmask: torch.Tensor
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """The processed logits [B, T, V] fp32 (a new tensor; `logits` is left as it was)."""
+        """The processed logits [B, T, V] fp32 (a new tensor; `logits` is left as it was). Entries for positions ≥ T
+        are ignored (a step that verifies fewer positions than it was planned for)."""
         out = logits.float().clone()
+        t_max = out.shape[1]
         if self.mult_index.numel():
-            b, t, v = self.mult_index.unbind(1)
+            b, t, v = self.mult_index[self.mult_index[:, 1] < t_max].unbind(1)
+            r = self.mult_value[self.mult_index[:, 1] < t_max]
             x = out[b, t, v]
-            out[b, t, v] = torch.where(x > 0, x / self.mult_value, x * self.mult_value)
+            out[b, t, v] = torch.where(x > 0, x / r, x * r)
         if self.add_index.numel():
-            b, t, v = self.add_index.unbind(1)
-            out.index_put_((b, t, v), self.add_value, accumulate=True)
+            keep = self.add_index[:, 1] < t_max
+            b, t, v = self.add_index[keep].unbind(1)
+            out.index_put_((b, t, v), self.add_value[keep], accumulate=True)
         if self.mask_rows.numel():
             rows = out[self.mask_rows]  # [R, T, V]
-            out[self.mask_rows] = apply_bitmask(rows, self.bitmask)
+            out[self.mask_rows] = apply_bitmask(rows, self.bitmask[:, :t_max])
         return out
 
     def to(self, device: torch.device | str) -> LogitsProcessing:
@@ -69,3 +73,20 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     bits = torch.arange(32, device=bitmask.device, dtype=torch.int32)
     allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).flatten(-2)[..., :v].bool()
     return logits.masked_fill(~allowed, float("-inf"))
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: torch.Tensor, k: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-probabilities of emitted tokens under the processed distribution softmax(logits / temperature)
+    (temperature 0: the logits as they are), and the k most likely tokens'.
+
+    Args:
+        logits: [B, T, V] processed logits of the positions that emitted `tokens` [B, T] int64; temperature: [B].
+    Returns:
+        (logprob [B, T] fp32, top_logprobs [B, T, k] fp32, top_ids [B, T, k] int64), most likely first.
+    """
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).float()
+    logp = torch.log_softmax(logits.float() / t[:, None, None], dim=-1)
+    chosen = logp.gather(-1, tokens[..., None].clamp(min=0))[..., 0]
+    top_lp, top_ids = logp.topk(k, dim=-1) if k > 0 else (logp[..., :0], tokens[..., None][..., :0])
+    return chosen, top_lp, top_ids

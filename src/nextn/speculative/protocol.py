@@ -24,6 +24,7 @@ import torch
 from nextn.models.attention_metadata import AttentionMetadata
 from nextn.models.causal_lm import SelfDraftingCausalLM
 from nextn.plugins.sampling import filtered_probs
+from nextn.speculative.logits_processing import LogitsProcessing, token_logprobs
 
 AcceptState = tuple[torch.Tensor, ...]
 DrafterState = tuple[torch.Tensor, ...]
@@ -37,6 +38,10 @@ class SamplingTensors:
         temperature: [B] fp32 (0 = greedy); top_k: [B] int64 (0 = off); top_p: [B] fp32; seed: [B] int64.
         any_sampled: whether some request has temperature > 0 (host-known: picks the computation, not a value).
         use_filters: whether some sampling request uses top-k or top-p (host-known: skips the sort when not).
+        processing: the rows' penalties, bias, min_tokens and grammar masks per verified position (None: none;
+            speculative/logits_processing.py); a step applies it to the target's logits before the acceptance rule.
+        num_logprobs: −1 (no row asks) or the most top log-probabilities a row asks for: the step then returns
+            each emitted token's log-probability and the top ones (`StepOutput.logprobs`).
     """
 
     temperature: torch.Tensor
@@ -45,6 +50,23 @@ class SamplingTensors:
     seed: torch.Tensor
     any_sampled: bool
     use_filters: bool
+    processing: LogitsProcessing | None = None
+    num_logprobs: int = -1
+
+    @property
+    def host_work(self) -> bool:
+        """Whether the step needs logit processing or log-probabilities (steps that do run eagerly, as a chain)."""
+        return self.processing is not None or self.num_logprobs >= 0
+
+    def process(self, logits: torch.Tensor) -> torch.Tensor:
+        """The target's logits [B, T, V] with the rows' processing applied (the same tensor when there is none)."""
+        return logits if self.processing is None else self.processing.apply(logits)
+
+    def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """`token_logprobs` of `tokens` [B, T] under processed logits [B, T, V], or None when no row asks."""
+        if self.num_logprobs < 0:
+            return None
+        return token_logprobs(logits, tokens, self.temperature, self.num_logprobs)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """Sampling distributions for logits [B, T, V] → [B, T, V] (each request's parameters on all its rows)."""
@@ -116,6 +138,8 @@ class StepOutput:
         draft_tokens: [B, K] int64 drafts for the next step.
         drafter_state: the drafter's per-request state for the next step.
         accept_state: the acceptance rule's per-request state (the thinking delta) for the next step.
+        logprobs: with `SamplingTensors.num_logprobs` ≥ 0, (logprob [B, K+1] fp32 of each token in `tokens`,
+            top_logprobs [B, K+1, k] fp32, top_ids [B, K+1, k] int64); else None.
     """
 
     tokens: torch.Tensor
@@ -123,6 +147,7 @@ class StepOutput:
     draft_tokens: torch.Tensor
     drafter_state: DrafterState
     accept_state: AcceptState = ()
+    logprobs: tuple[torch.Tensor, ...] | None = None
 
 
 def rows_at(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

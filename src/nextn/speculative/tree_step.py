@@ -22,6 +22,7 @@ import torch
 
 from nextn.models.attention_metadata import AttentionMetadata, slots_for_positions
 from nextn.models.causal_lm import SelfDraftingCausalLM
+from nextn.speculative.acceptance_rules import sample_tokens
 from nextn.speculative.chain_step import verify_and_draft_step
 from nextn.speculative.protocol import (AcceptState, DrafterState, SamplingTensors, StepOutput, TreeAcceptanceRule,
                                         TreeDrafter)
@@ -55,6 +56,8 @@ def tree_verify_and_draft_step(model: SelfDraftingCausalLM, drafter: TreeDrafter
             tree (the chain step).
         kv_lens: [B] int64 cached tokens; block_tables: [B, max_blocks] int64 covering the drafter's look-ahead
             (Medusa: kv_len + w − 1; MTP trees: kv_len + 2(N − 1) + 1).
+        sampling: with logit processing or log-probabilities asked for (`host_work`), the step verifies the root
+            alone (the chain step with no drafts: lossless, one token per request) and the drafter drafts again.
         drafter_state: the drafter's per-request state (a dynamic tree's parents and depth; () for a static tree).
     Returns:
         StepOutput with tokens [B, D+1] (emitted: the first num_emitted = num_accepted + 1) and the next tree's
@@ -64,6 +67,9 @@ def tree_verify_and_draft_step(model: SelfDraftingCausalLM, drafter: TreeDrafter
     if w == 1:
         return verify_and_draft_step(model, drafter, acceptance, kv_cache, input_ids, kv_lens, block_tables,
                                      sampling, drafter_state, accept_state, block_size)
+    if sampling.host_work:  # processing and log-probabilities are per chain position: verify the root alone
+        return _root_step(model, drafter, kv_cache, input_ids[:, :1], kv_lens, block_tables, sampling,
+                          drafter_state, accept_state, block_size)
     layout = drafter.tree_layout(drafter_state, w)
     slots = slots_for_positions(block_tables, kv_lens[:, None] + torch.arange(w, device=input_ids.device), block_size)
     meta = AttentionMetadata.create_tree(kv_lens[:, None] + layout.depth, slots, block_tables, block_size, kv_lens,
@@ -74,3 +80,20 @@ def tree_verify_and_draft_step(model: SelfDraftingCausalLM, drafter: TreeDrafter
     drafts, state = drafter.after_verify_tree(model, kv_cache, meta, hidden, path, tokens, num_accepted,
                                               drafter_state)
     return StepOutput(tokens, num_accepted + 1, drafts, state, accept_state)
+
+
+def _root_step(model: SelfDraftingCausalLM, drafter: TreeDrafter, kv_cache: torch.Tensor, root: torch.Tensor,
+               kv_lens: torch.Tensor, block_tables: torch.Tensor, sampling: SamplingTensors,
+               drafter_state: DrafterState, accept_state: AcceptState, block_size: int) -> StepOutput:
+    """A tree of the root alone [B, 1]: its next token from the processed logits (as plain decoding draws it), then
+    the drafter's next tree from it."""
+    slots = slots_for_positions(block_tables, kv_lens[:, None], block_size)
+    mask = torch.ones(1, 1, dtype=torch.bool, device=root.device)
+    meta = AttentionMetadata.create_tree(kv_lens[:, None], slots, block_tables, block_size, kv_lens, mask)
+    hidden = model(root, kv_cache, meta)  # [B, 1, H]
+    logits = sampling.process(model.logits(hidden))
+    tokens = sample_tokens(logits, kv_lens[:, None] + 1, sampling)  # [B, 1]
+    zeros = torch.zeros_like(kv_lens)
+    drafts, state = drafter.after_verify_tree(model, kv_cache, meta, hidden, zeros[:, None], tokens, zeros,
+                                              drafter_state)
+    return StepOutput(tokens, zeros + 1, drafts, state, accept_state, sampling.logprobs(logits, tokens))
