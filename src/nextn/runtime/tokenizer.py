@@ -80,7 +80,9 @@ class EngineTokenizer:
             template = self.tok.get_chat_template(chat_template)
         except ValueError as e:  # several named templates and no default
             raise ChatTemplateError(str(e)) from None
-        conversation = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        # None values dropped, except an assistant's content beside its tool calls (templates test it for none)
+        conversation = [{k: v for k, v in m.items() if v is not None or (k == "content" and m.get("tool_calls"))}
+                        for m in messages]
         kwargs = dict(self.tok.special_tokens_map) | ({"tools": list(tools)} if tools else {})
         return shared_renderer().render(template, conversation, kwargs, add_generation_prompt=True, limits=limits,
                                         cancel=cancel)

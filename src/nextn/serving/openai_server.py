@@ -156,11 +156,20 @@ class OpenAIServer:
         return self._encode(text, "messages", self.chat_template is not None)
 
     async def _chat_ids(self, messages: list[p.ChatMessage], raw: Request, tools: list | None = None) -> list[int]:
-        text = await self.chat_renderer.render(self._chat_messages(messages), raw, tools=_tool_dicts(tools))
+        try:
+            text = await self.chat_renderer.render(self._chat_messages(messages), raw, tools=_tool_dicts(tools))
+        except p.APIError as e:  # a template that writes a call's arguments as text (DeepSeek-V3's): JSON text
+            if not (any(m.tool_calls for m in messages) and "concatenate str" in str(e)):
+                raise
+            text = await self.chat_renderer.render(self._chat_messages(messages, arguments_as_text=True), raw,
+                                                   tools=_tool_dicts(tools))
         # A model's template writes its own BOS; the fallback does not, so the tokenizer adds it.
         return await self._off_loop(self._encode, text, "messages", self.chat_template is not None)
 
-    def _chat_messages(self, messages: list[p.ChatMessage]) -> list[dict]:
+    def _chat_messages(self, messages: list[p.ChatMessage], arguments_as_text: bool = False) -> list[dict]:
+        """The messages as the chat template gets them: an assistant's tool-call arguments as objects
+        (transformers' convention, Qwen2.5's and Hermes' templates), or as JSON text for templates that concatenate
+        them."""
         if self.tokenizer is None:
             raise p.APIError(400, "this engine has no tokenizer, so it cannot render chat messages: use "
                              "/v1/completions with token-id prompts", "messages")
@@ -168,7 +177,7 @@ class OpenAIServer:
             raise p.APIError(400, f"{len(messages)} messages cannot fit max_seq_len {self.max_seq_len} tokens: send "
                              "fewer messages", "messages", "context_length_exceeded")
         msgs = [message_for_template(m.role, m.text() if m.content is not None or not m.tool_calls else None,
-                                     m.tool_calls, m.tool_call_id, m.name) for m in messages]
+                                     m.tool_calls, m.tool_call_id, m.name, arguments_as_text) for m in messages]
         self._check_chars(sum(len(m["content"] or "") for m in msgs), "messages")
         return msgs
 

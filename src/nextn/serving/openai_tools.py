@@ -140,13 +140,15 @@ def open_tool_call(text: str) -> int:
 
 
 def message_for_template(role: str, content: str | None, tool_calls: list[ToolCall] | None,
-                         tool_call_id: str | None, name: str | None) -> dict:
+                         tool_call_id: str | None, name: str | None, arguments_as_text: bool = False) -> dict:
     """A chat message as chat templates expect it: an assistant's calls with their arguments as objects
-    (transformers' convention), a tool result with its call id."""
+    (transformers' convention; as the JSON text with `arguments_as_text`), a tool result with its call id."""
     msg: dict[str, Any] = {"role": role, "content": content}
     if tool_calls:
         msg["tool_calls"] = [{"type": "function", "id": c.id, "function": {
-            "name": c.function.name, "arguments": _loads_or_text(c.function.arguments)}} for c in tool_calls]
+            "name": c.function.name,
+            "arguments": c.function.arguments if arguments_as_text else _loads_or_text(c.function.arguments)}}
+            for c in tool_calls]
     if tool_call_id:
         msg["tool_call_id"] = tool_call_id
     if name:

@@ -1,0 +1,201 @@
+"""`nextn serve` with speculation on (MTP), through the official `openai` client: n choices, log-probabilities,
+penalties and logit_bias, JSON-schema output, tool calls (streamed and not, a tool result fed back) — each equal
+to plain decoding of the same request in `LLM.generate`, and an agent-style client loop that runs unchanged."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import openai
+import pytest
+import uvicorn
+
+from nextn import LLM, SamplingParams
+from nextn.runtime.sampling_params import GuidedDecodingParams
+from nextn.serving.openai_server import create_app
+
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("xgrammar")
+
+MTP = {"decoding_type": "MTP", "num_nextn_predict_layers": 1}
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
+                                                    "unit": {"enum": ["C", "F"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+ANSWER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "sunny": {"type": "boolean"}},
+          "required": ["city", "sunny"], "additionalProperties": False}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def engine_dir(checkpoints):
+    return checkpoints.engine(distill_steps=0)  # tiny DeepSeek-V3, one MTP module, the DeepSeek-V3 tokenizer
+
+
+@pytest.fixture(scope="module")
+def client(engine_dir):
+    llm = LLM(engine_dir, speculative_config=MTP, device="cpu")
+    server = uvicorn.Server(uvicorn.Config(create_app(llm, "tiny"), host="127.0.0.1", port=_free_port(),
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    yield openai.OpenAI(base_url=f"http://127.0.0.1:{server.config.port}/v1", api_key="x", max_retries=0, timeout=120)
+    server.should_exit = True
+    thread.join(timeout=30)
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def plain(engine_dir):
+    """The same engine without speculation, in this process: the references."""
+    return LLM(engine_dir, speculative_config=None, device="cpu")
+
+
+def _chat_ids(plain, messages, tools=None):
+    from nextn.serving.openai_server import OpenAIServer
+    from nextn.serving import openai_protocol as p
+
+    server = OpenAIServer(plain, "ref")
+    return server.chat_ids([p.ChatMessage.model_validate(m) for m in messages],
+                           [p.Tool.model_validate(t) for t in tools] if tools else None)
+
+
+def _stream_text(stream) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            out[c.index] = out.get(c.index, "") + (c.delta.content or "")
+    return out
+
+
+def test_n_choices(client, plain):
+    prompt = "Once upon a time"
+    kw = dict(model="tiny", prompt=prompt, max_tokens=8, extra_body={"ignore_eos": True})
+    greedy = client.completions.create(n=2, **kw)
+    [ref] = plain.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert [c.index for c in greedy.choices] == [0, 1] and {c.text for c in greedy.choices} == {ref.outputs[0].text}
+    assert greedy.usage.prompt_tokens == len(ref.prompt_token_ids) and greedy.usage.completion_tokens == 16
+    sampled = client.completions.create(n=3, seed=11, temperature=1.0, **kw)
+    again = client.completions.create(n=3, seed=11, temperature=1.0, **kw)
+    assert [c.index for c in sampled.choices] == [0, 1, 2] and len({c.text for c in sampled.choices}) > 1
+    assert [c.text for c in sampled.choices] == [c.text for c in again.choices]  # one seed stream per choice
+    stream = client.completions.create(n=3, seed=11, temperature=1.0, stream=True, **kw)
+    assert _stream_text_completions(stream) == {c.index: c.text for c in sampled.choices}
+
+
+def _stream_text_completions(stream) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            out[c.index] = out.get(c.index, "") + c.text
+    return out
+
+
+def test_logprobs_penalties_and_bias_equal_plain_decoding(client, plain):
+    kw = dict(presence_penalty=1.2, frequency_penalty=0.4, logit_bias={"100": 3.0, "200": 2.5})
+    out = client.chat.completions.create(model="tiny", messages=USER, max_tokens=12, logprobs=True, top_logprobs=2,
+                                         extra_body={"ignore_eos": True, "min_tokens": 4}, **kw)
+    ids = _chat_ids(plain, USER)
+    [ref] = plain.generate([ids], SamplingParams(max_tokens=12, ignore_eos=True, min_tokens=4, logprobs=2,
+                                                 presence_penalty=1.2, frequency_penalty=0.4,
+                                                 logit_bias={100: 3.0, 200: 2.5}))
+    c = out.choices[0]
+    assert c.message.content == ref.outputs[0].text
+    got = [(t.logprob, [x.logprob for x in t.top_logprobs]) for t in c.logprobs.content]
+    want = [(e.logprob, [lp for _, lp in e.top]) for e in ref.outputs[0].logprobs]
+    assert len(got) == len(want) == 12
+    for (a, ta), (b, tb) in zip(got, want):
+        assert a == pytest.approx(b, abs=1e-4) and ta == pytest.approx(tb, abs=1e-4)
+    stream = client.chat.completions.create(model="tiny", messages=USER, max_tokens=12, logprobs=True,
+                                            top_logprobs=2, stream=True,
+                                            extra_body={"ignore_eos": True, "min_tokens": 4}, **kw)
+    text, lps = "", []
+    for chunk in stream:
+        for ch in chunk.choices:
+            text += ch.delta.content or ""
+            lps += [t.logprob for t in (ch.logprobs.content if ch.logprobs else [])]
+    assert text == c.message.content and lps == pytest.approx([a for a, _ in got], abs=1e-6)
+
+
+def test_json_schema_output_validates(client, plain):
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}
+    out = client.chat.completions.create(model="tiny", messages=USER, max_tokens=40, response_format=fmt)
+    data = json.loads(out.choices[0].message.content)
+    jsonschema.validate(data, ANSWER)
+    [ref] = plain.generate([_chat_ids(plain, USER)], SamplingParams(
+        max_tokens=40, guided_decoding=GuidedDecodingParams(json=ANSWER)))
+    assert out.choices[0].message.content == ref.outputs[0].text
+    stream = client.chat.completions.create(model="tiny", messages=USER, max_tokens=40, response_format=fmt,
+                                            stream=True)
+    assert _stream_text(stream)[0] == out.choices[0].message.content
+    obj = client.chat.completions.create(model="tiny", messages=USER, max_tokens=60,
+                                         response_format={"type": "json_object"})
+    if obj.choices[0].finish_reason == "stop":  # a random model may still be inside a string at max_tokens
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    assert obj.choices[0].message.content.startswith("{")
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_tool_calls_parsed_streamed_and_valid(client, choice):
+    tools = [WEATHER, TIME]
+    out = client.chat.completions.create(model="tiny", messages=USER, tools=tools, tool_choice=choice,
+                                         max_tokens=60)
+    c = out.choices[0]
+    assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
+    call = c.message.tool_calls[0]
+    schema = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    jsonschema.validate(json.loads(call.function.arguments), schema[call.function.name])
+    if isinstance(choice, dict):
+        assert call.function.name == "get_time"
+    stream = client.chat.completions.create(model="tiny", messages=USER, tools=tools, tool_choice=choice,
+                                            max_tokens=60, stream=True)
+    calls, finish = [], None
+    for chunk in stream:
+        for ch in chunk.choices:
+            calls += ch.delta.tool_calls or []
+            finish = ch.finish_reason or finish
+    assert finish == "tool_calls" and [(x.function.name, x.function.arguments) for x in calls] == [
+        (call.function.name, call.function.arguments)]
+
+
+def test_an_agent_loop_runs_unchanged(client):
+    """What an agent framework does: a JSON-schema call, a tool call, the tool's result fed back, a streamed
+    answer — with the openai client as it is."""
+    plan = client.chat.completions.create(
+        model="tiny", messages=USER, max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}})
+    jsonschema.validate(json.loads(plan.choices[0].message.content), ANSWER)
+    messages = list(USER)
+    first = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER], tool_choice="required",
+                                           max_tokens=60)
+    call = first.choices[0].message.tool_calls[0]
+    messages += [first.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temp": 21, "sky": "clear"})}]
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
+        model="tiny", messages=messages, tools=[WEATHER], max_tokens=16, stream=True) if chunk.choices)
+    assert isinstance(text, str)
+
+
+def test_bad_tool_choice_and_two_constraints_are_400(client):
+    with pytest.raises(openai.BadRequestError, match="not among the tools"):
+        client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER], max_tokens=4,
+                                       tool_choice={"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(openai.BadRequestError, match="one output constraint at a time"):
+        client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER], tool_choice="required",
+                                       response_format={"type": "json_object"}, max_tokens=4)
