@@ -76,6 +76,10 @@ class Engine:
         """
         text, ids = prompt_token_ids(prompt, self.tokenizer, self.cfg.vocab_size, self.max_seq_len)
         params = checked_sampling_params(params, self.cfg.vocab_size, self.max_seq_len)
+        if params.n != 1:
+            raise RequestSamplingParamsError(f"n={params.n}: one request is one sequence; LLM.generate expands n into "
+                                             "n requests (add_request / generate_async: submit n requests with "
+                                             "seeds seed + i)")
         need = len(ids) + self.scheduler.lookahead
         if need > self.pool.capacity_tokens:
             raise RequestError(f"prompt needs {need} KV slots but the cache holds {self.pool.capacity_tokens}: "
