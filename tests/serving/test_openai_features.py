@@ -199,3 +199,22 @@ def test_bad_tool_choice_and_two_constraints_are_400(client):
     with pytest.raises(openai.BadRequestError, match="one output constraint at a time"):
         client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER], tool_choice="required",
                                        response_format={"type": "json_object"}, max_tokens=4)
+
+
+def test_tool_call_parsing_and_holding_back():
+    from nextn.serving import openai_protocol as p
+    from nextn.serving.openai_tools import open_tool_call, parse_tool_calls
+
+    tools = [p.Tool.model_validate(WEATHER)]
+    block = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>'
+    content, calls = parse_tool_calls("Let me check. " + block, tools)
+    assert content == "Let me check." and [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "unit": "C"})]
+    fenced = '```json\n{"name": "get_weather", "arguments": {"city": "Rome", "unit": "F"}}\n```'
+    assert parse_tool_calls(fenced, tools)[0] is None and len(parse_tool_calls(fenced, tools)[1]) == 1
+    assert parse_tool_calls('{"name": "other", "arguments": {}}', tools) == ('{"name": "other", "arguments": {}}', [])
+    assert parse_tool_calls("<tool_call>\nnot json\n</tool_call>", tools)[1] == []
+    # streamed text is held back from where a call may begin: a tag (closed or not), a tag's prefix, or a bare call
+    assert open_tool_call("Let me check. " + block + " more") == len("Let me check. ")
+    assert open_tool_call("Hello <tool_") == len("Hello ")
+    assert open_tool_call("```js") == 0 and open_tool_call("Plain answer.") == len("Plain answer.")

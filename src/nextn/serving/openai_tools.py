@@ -104,35 +104,57 @@ def tool_call_grammar(tools: list[Tool], choice: ToolChoice | None) -> str | Non
     return str(xgr.Grammar.concat(open_, body, close))
 
 
+_FENCED = re.compile(r"^\s*(?:```(?:json)?\s*)?(\{.*\})\s*(?:```)?\s*$", re.S)
+
+
 def parse_tool_calls(text: str, tools: list[Tool]) -> tuple[str | None, list[ToolCall]]:
     """(the text outside the calls, or None when nothing but calls; the calls) of a model's answer. A block that is
-    not JSON {"name": <one of the tools>, "arguments": {...}} is kept as text."""
+    not JSON {"name": <one of the tools>, "arguments": {...}} is kept as text. An answer that is nothing but one
+    such JSON object (bare or in a ```json fence, as small Qwen2.5 models write a call) is a call too."""
     names = {t.function.name for t in tools}
+    if TOOL_CALL_OPEN not in text:
+        m = _FENCED.match(text)
+        obj = _call_object(m.group(1), names) if m else None
+        if obj is not None:
+            return None, [_tool_call(obj)]
+        return text, []
     calls, kept, last = [], [], 0
     for m in _BLOCK.finditer(text):
-        try:
-            obj = json.loads(m.group(1))
-            ok = isinstance(obj, dict) and obj.get("name") in names and isinstance(obj.get("arguments", {}), dict)
-        except json.JSONDecodeError:
-            ok = False
-        if not ok:
+        obj = _call_object(m.group(1), names)
+        if obj is None:
             continue
         kept.append(text[last:m.start()])
         last = m.end()
-        calls.append(ToolCall(function=FunctionCall(name=obj["name"],
-                                                    arguments=json.dumps(obj.get("arguments", {}),
-                                                                         ensure_ascii=False))))
+        calls.append(_tool_call(obj))
     kept.append(text[last:])
     content = "".join(kept).strip()
     return (content or None) if calls else text, calls
 
 
+def _call_object(raw: str, names: set[str]) -> dict | None:
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError:
+        return None
+    ok = isinstance(obj, dict) and obj.get("name") in names and isinstance(obj.get("arguments", {}), dict)
+    return obj if ok else None
+
+
+def _tool_call(obj: dict) -> ToolCall:
+    return ToolCall(function=FunctionCall(name=obj["name"], arguments=json.dumps(obj.get("arguments", {}),
+                                                                                 ensure_ascii=False)))
+
+
 def open_tool_call(text: str) -> int:
-    """Where a tool call may begin in streamed text: the index of an unclosed `<tool_call>` or of a suffix that
-    could grow into one (text from there is held back); len(text) when none."""
-    i = text.rfind(TOOL_CALL_OPEN)
-    if i >= 0 and text.find(TOOL_CALL_CLOSE, i) < 0:
+    """Where tool calls may begin in streamed text: the index of the first `<tool_call>`, or of a suffix that could
+    grow into one (text from there is held back until the choice ends); len(text) when none. An answer that opens
+    with `{` or a code fence may be a bare call (`parse_tool_calls`): all of it is held back."""
+    i = text.find(TOOL_CALL_OPEN)
+    if i >= 0:
         return i
+    head = text.lstrip()
+    if head.startswith(("{", "```")) or (head and "```".startswith(head)):
+        return 0
     for k in range(min(len(TOOL_CALL_OPEN) - 1, len(text)), 0, -1):
         if TOOL_CALL_OPEN.startswith(text[-k:]):
             return len(text) - k
