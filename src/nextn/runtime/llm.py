@@ -19,6 +19,7 @@ from nextn.speculative.registry import default_config as default_speculative_con
 from nextn.runtime.engine_loop import EngineLoop, LoopStopped
 from nextn.runtime.fault_isolation import fail_all
 from nextn.runtime.outputs import CompletionOutput, RequestOutput
+from nextn.runtime.parallel_sampling import expand_n, merge_n
 from nextn.runtime.request_handle import RequestHandle
 from nextn.runtime.sampling_params import SamplingParams
 
@@ -400,7 +401,7 @@ class LLM:
         plist_params = list(params) if isinstance(params, (list, tuple)) else [params] * len(plist)
         if len(plist_params) != len(plist):
             raise ValueError(f"got {len(plist_params)} SamplingParams for {len(plist)} prompts")
-        owners, expanded = _expand_n(plist, plist_params)  # n > 1: one request per sequence
+        owners, expanded = expand_n(plist, plist_params)  # n > 1: one request per sequence
         prompts_n, params_n = [p for p, _ in expanded], [sp for _, sp in expanded]
         outputs = None
         with self._lock:
@@ -408,7 +409,7 @@ class LLM:
                 outputs = self._generate_here(prompts_n, params_n, use_tqdm)
         if outputs is None:
             outputs = self._generate_through_loop(prompts_n, params_n)  # the loop owns the engine
-        outputs = _merge_n(owners, outputs, len(plist))
+        outputs = merge_n(owners, outputs, len(plist))
         return outputs[0] if single else outputs
 
     def _generate_through_loop(self, plist: list[Prompt], plist_params: list[SamplingParams]) -> list[RequestOutput]:
@@ -488,33 +489,6 @@ def _is_single_prompt(prompts: Any) -> bool:
     if isinstance(prompts, (list, tuple)):
         return bool(prompts) and not isinstance(prompts[0], str) and not hasattr(prompts[0], "__len__")
     return True
-
-
-def _expand_n(plist: list, params: list[SamplingParams]) -> tuple[list[int], list[tuple]]:
-    """(owner prompt index, (prompt, params)) per sequence: a prompt with n > 1 becomes n requests, sequence j seeded
-    seed + j (its own draw when seed is None); their prompts share KV blocks through the prefix cache."""
-    owners, out = [], []
-    for i, (prompt, sp) in enumerate(zip(plist, params)):
-        for j in range(sp.n):
-            one = sp if sp.n == 1 else sp.model_copy(
-                update={"n": 1, "seed": None if sp.seed is None else (sp.seed + j) % 2**63})
-            owners.append(i)
-            out.append((prompt, one))
-    return owners, out
-
-
-def _merge_n(owners: list[int], outputs: list[RequestOutput], num_prompts: int) -> list[RequestOutput]:
-    """One RequestOutput per prompt, its sequences in `.outputs` (index 0..n−1)."""
-    merged: list[RequestOutput | None] = [None] * num_prompts
-    for owner, out in zip(owners, outputs):
-        if merged[owner] is None:
-            merged[owner] = out
-        else:
-            extra = out.outputs[0]
-            extra.index = len(merged[owner].outputs)
-            merged[owner].outputs.append(extra)
-            merged[owner].finished = merged[owner].finished and out.finished
-    return merged  # type: ignore[return-value]
 
 
 def _rejected(prompt: Any, error: Exception) -> RequestOutput:
