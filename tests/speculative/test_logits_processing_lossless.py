@@ -145,27 +145,34 @@ def test_a_bad_grammar_fails_its_request_only(tokenized):
 
 
 # Sampling ---------------------------------------------------------------------------------------------------------
-BIASED = dict(temperature=1.0, logit_bias={17: 2.0, 42: 2.0, 99: 1.5, 5: -3.0}, presence_penalty=0.8)
+# The token that most often continues the looping prompt (so the n-gram drafts propose it) is banned (bias −100):
+# processed correctly it never appears; a rule that leaves the later verified positions unprocessed lets it through.
+POSITIONS = range(1, 6)
 
 
 def _counts(llm, n, params):
-    sps = [SamplingParams(max_tokens=3, ignore_eos=True, seed=s, **params) for s in range(n)]
+    sps = [SamplingParams(max_tokens=6, ignore_eos=True, seed=s, **params) for s in range(n)]
     outs = llm.generate([LOOPING] * n, sps)
-    return [Counter(o.outputs[0].token_ids[j] for o in outs) for j in range(3)], outs
+    return [Counter(o.outputs[0].token_ids[j] for o in outs) for j in range(6)], outs
 
 
 @pytest.mark.slow
 def test_sampling_with_processing_keeps_the_processed_distribution(llama_engine, monkeypatch):
-    n = 800
+    n = 600
     ngram = {"decoding_type": "NGram", "max_draft_len": 3, "max_matching_ngram_size": 3}
-    plain, _ = _counts(LLM(llama_engine, speculative_config=None, max_batch_size=64), n, BIASED)
-    spec, outs = _counts(LLM(llama_engine, speculative_config=ngram, max_batch_size=64), n, BIASED)
-    assert sum(o.outputs[0].num_accepted_draft_tokens for o in outs) > 50  # positions 1, 2 come from verify steps
-    for j in (1, 2):
+    unbanned, _ = _counts(LLM(llama_engine, speculative_config=None, max_batch_size=64), 200, dict(temperature=1.0))
+    ban, seen = sum(unbanned[1:], Counter()).most_common(1)[0]
+    assert seen > 100, "the ban must matter for the control to mean anything"
+    biased = dict(temperature=1.0, logit_bias={ban: -100.0, 17: 2.0, 42: 2.0}, presence_penalty=0.8)
+    plain, _ = _counts(LLM(llama_engine, speculative_config=None, max_batch_size=64), n, biased)
+    spec, outs = _counts(LLM(llama_engine, speculative_config=ngram, max_batch_size=64), n, biased)
+    assert sum(o.outputs[0].num_accepted_draft_tokens for o in outs) > 100  # later positions come from verify steps
+    for j in POSITIONS:
         assert chi_square_two_sample_pvalue(plain[j], spec[j]) > 1e-3, (j, plain[j].most_common(5),
                                                                         spec[j].most_common(5))
+    assert all(c[ban] == 0 for c in plain + spec)
     # The control: processing only the first verified position (the later ones as the raw model has them) is lossy,
-    # and the same check sees it.
+    # and these checks see it.
     import nextn.runtime.logits_processors as lp
 
     original = lp.RequestProcessor.positions
@@ -175,5 +182,50 @@ def test_sampling_with_processing_keeps_the_processed_distribution(llama_engine,
         return [e for e in mult if e[0] == 0], [e for e in add if e[0] == 0], masks
 
     monkeypatch.setattr(lp.RequestProcessor, "positions", first_only)
-    lossy, _ = _counts(LLM(llama_engine, speculative_config=ngram, max_batch_size=64), n, BIASED)
-    assert min(chi_square_two_sample_pvalue(plain[j], lossy[j]) for j in (1, 2)) < 1e-3
+    lossy, _ = _counts(LLM(llama_engine, speculative_config=ngram, max_batch_size=64), n, biased)
+    assert sum(c[ban] for c in lossy) > 0 or min(chi_square_two_sample_pvalue(plain[j], lossy[j])
+                                                 for j in POSITIONS) < 1e-3
+
+
+@pytest.mark.slow
+def test_sampling_under_a_grammar_keeps_the_masked_distribution(tokenized, monkeypatch):
+    """Sampled outputs of a regex grammar over the letters a-d, the prompt the letters' cycle (so n-gram drafts are
+    grammatical and get accepted: the later tokens come out of verify steps), against plain decoding per position;
+    then a lossy control that masks only the first verified position and fails the same checks."""
+    import re
+
+    n, regex = 400, r"[a-d]{6}"
+    prompt = [67, 68, 69, 70] * 16  # "abcd" × 16, one token per letter in the DeepSeek-V3 tokenizer
+    ngram = {"decoding_type": "NGram", "max_draft_len": 3, "max_matching_ngram_size": 2}
+    sps = [SamplingParams(max_tokens=8, temperature=1.0, seed=s, guided_decoding=GuidedDecodingParams(regex=regex))
+           for s in range(n)]
+
+    def counts(llm):
+        outs = llm.generate([prompt] * n, sps)
+        per_pos = [Counter(o.outputs[0].token_ids[j] for o in outs if len(o.outputs[0].token_ids) > j)
+                   for j in range(4)]
+        return per_pos, outs
+
+    plain, _ = counts(LLM(tokenized, speculative_config=None, max_batch_size=64))
+    got, outs = counts(LLM(tokenized, speculative_config=ngram, max_batch_size=64))
+    assert all(re.fullmatch(regex, o.outputs[0].text) for o in outs)
+    # the model prefers multi-letter tokens, so single-letter drafts are accepted now and then: enough for verify
+    # steps to emit later tokens (and for the control below to be caught)
+    assert sum(o.outputs[0].num_accepted_draft_tokens for o in outs) > 10
+    for j in (1, 2, 3):
+        assert chi_square_two_sample_pvalue(plain[j], got[j]) > 1e-3, (j, plain[j].most_common(5),
+                                                                      got[j].most_common(5))
+    import nextn.runtime.logits_processors as lp
+
+    original = lp.RequestProcessor._masks
+
+    def first_only(self, drafts, width):
+        masks = original(self, drafts, width)
+        if masks is not None:
+            masks[1:] = -1  # later positions unmasked: lossy
+        return masks
+
+    monkeypatch.setattr(lp.RequestProcessor, "_masks", first_only)
+    lossy, outs = counts(LLM(tokenized, speculative_config=ngram, max_batch_size=64))
+    assert (not all(re.fullmatch(regex, o.outputs[0].text) for o in outs)
+            or min(chi_square_two_sample_pvalue(plain[j], lossy[j]) for j in (1, 2, 3)) < 1e-3)

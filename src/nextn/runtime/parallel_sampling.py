@@ -18,8 +18,9 @@ def expand_n(plist: list, params: list[SamplingParams]) -> tuple[list[int], list
     seed + j (its own draw when seed is None); their prompts share KV blocks through the prefix cache."""
     owners, out = [], []
     for i, (prompt, sp) in enumerate(zip(plist, params)):
-        for j in range(sp.n):
-            one = sp if sp.n == 1 else sp.model_copy(
+        n = sp.n if isinstance(sp, SamplingParams) else 1  # anything else is refused by name when made a request
+        for j in range(n):
+            one = sp if n == 1 else sp.model_copy(
                 update={"n": 1, "seed": None if sp.seed is None else (sp.seed + j) % 2**63})
             owners.append(i)
             out.append((prompt, one))
