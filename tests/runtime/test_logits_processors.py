@@ -135,3 +135,30 @@ def test_a_grammar_that_cannot_compile_is_a_named_error(compiler):
 
 def _encode(compiler, text):
     return compiler.hf_tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("schema, found", [
+    ({"type": "string", "anyOf": [{"maxLength": 2}, {"minLength": 4}]}, "anyOf beside ['type'] at /"),
+    ({"allOf": [{"type": "number"}]}, "allOf at /"),
+    ({"type": "object", "properties": {"a": {"oneOf": [{"type": "string"}]}}}, "oneOf at /properties/a"),
+    ({"required": ["__proto__"]}, "required ['__proto__'] not in properties at /"),
+    ({"$ref": "urn:uuid:deadbeef", "$defs": {}}, "non-local $ref 'urn:uuid:deadbeef' at /"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems at /"),
+])
+def test_schemas_the_grammar_would_under_enforce_are_refused_by_name(compiler, schema, found):
+    from nextn.runtime.guided_decoding import unenforced_keywords
+    from nextn.runtime.sampling_params import SamplingParamsError
+
+    assert found in unenforced_keywords(schema)
+    with pytest.raises(SamplingParamsError, match="cannot enforce"):
+        compiler.compile(GuidedDecodingParams(json=schema))
+
+
+def test_enforced_schemas_pass_the_check():
+    from nextn.runtime.guided_decoding import unenforced_keywords
+
+    ok = {"type": "object", "properties": {"allOf": {"type": "string"}, "tags": {"type": "array", "items": {
+        "anyOf": [{"type": "string"}, {"type": "integer"}]}}, "kind": {"enum": [{"oneOf": 1}]}},
+          "required": ["allOf", "tags"], "$defs": {"x": {"type": "integer"}}}
+    assert unenforced_keywords(ok) == []
+    assert any("nesting deeper" in f for f in unenforced_keywords(json.loads("[" * 70 + "]" * 70)))

@@ -22,13 +22,64 @@ from nextn.runtime.sampling_params import GuidedDecodingParams, SamplingParamsEr
 if TYPE_CHECKING:
     import xgrammar
 
-__all__ = ["GrammarCompiler"]
+__all__ = ["GrammarCompiler", "unenforced_keywords"]
 
 _CACHE_SIZE = 64
+#: JSON Schema keywords xgrammar's grammar does not enforce (measured on the JSON-Schema-Test-Suite; OpenAI's strict
+#: structured outputs refuse the same kind): refused by name rather than silently under-enforced.
+_UNENFORCED = ("allOf", "oneOf", "not", "if", "then", "else", "dependentRequired", "dependentSchemas",
+               "unevaluatedProperties", "unevaluatedItems", "patternProperties", "propertyNames", "contains",
+               "minContains", "maxContains", "uniqueItems", "multipleOf", "minProperties", "maxProperties",
+               "dependencies", "$dynamicRef", "$recursiveRef")
+#: Keywords that only describe a schema: beside them a combinator is alone.
+_ANNOTATIONS = {"$schema", "$id", "$defs", "definitions", "$comment", "title", "description", "default", "examples",
+                "deprecated", "readOnly", "writeOnly"}
+_MAX_DEPTH = 64
 
 
 def _choice_ebnf(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+def unenforced_keywords(schema: object) -> list[str]:
+    """The places in a JSON Schema that xgrammar's JSON-schema grammar would not enforce, as "keyword at /path":
+    the keywords of `_UNENFORCED`, `anyOf` beside validation keywords, `$ref`s that are not local ("#..."), and
+    `required` names an object does not declare in its `properties`. [] when the grammar enforces all of it.
+    Nesting deeper than 64 levels is reported too (bounded walk)."""
+    found: list[str] = []
+
+    def walk(node: object, path: str, depth: int) -> None:
+        if depth > _MAX_DEPTH:
+            found.append(f"nesting deeper than {_MAX_DEPTH} at {path or '/'}")
+            return
+        if isinstance(node, list):
+            for i, item in enumerate(node):
+                walk(item, f"{path}/{i}", depth + 1)
+            return
+        if not isinstance(node, dict):
+            return
+        where = path or "/"
+        found.extend(f"{k} at {where}" for k in _UNENFORCED if k in node)
+        if "anyOf" in node and set(node) - _ANNOTATIONS - {"anyOf"}:
+            found.append(f"anyOf beside {sorted(set(node) - _ANNOTATIONS - {'anyOf'})} at {where}")
+        ref = node.get("$ref")
+        if isinstance(ref, str) and not ref.startswith("#"):
+            found.append(f"non-local $ref {ref[:60]!r} at {where}")
+        required = node.get("required")
+        if isinstance(required, list):
+            declared = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+            missing = [r for r in required if r not in declared]
+            if missing:
+                found.append(f"required {missing[:3]} not in properties at {where}")
+        for key, value in node.items():
+            if key in ("properties", "$defs", "definitions") and isinstance(value, dict):  # name → schema
+                for name, sub in value.items():
+                    walk(sub, f"{path}/{key}/{name}", depth + 1)
+            elif key not in ("enum", "const", "default", "examples", "required"):  # values, not schemas
+                walk(value, f"{path}/{key}", depth + 1)
+
+    walk(schema, "", 0)
+    return found
 
 
 class GrammarCompiler:
@@ -63,14 +114,25 @@ class GrammarCompiler:
             if params.json_object:
                 compiled = c.compile_builtin_json_grammar()
             elif params.json_schema is not None:
+                schema = params.json_schema
+                schema = json.loads(schema) if isinstance(schema, str) else schema
+                unenforced = unenforced_keywords(schema)
+                if unenforced:
+                    raise SamplingParamsError(
+                        "the JSON schema uses what the grammar cannot enforce: " + "; ".join(unenforced[:5])
+                        + (f" (and {len(unenforced) - 5} more)" if len(unenforced) > 5 else "")
+                        + ". Supported: type, properties, required (of declared properties), items, prefixItems, "
+                        "enum, const, anyOf (alone), local $ref/$defs, string/number/array bounds, pattern")
                 # Compact separators and no free whitespace: a small model cannot loop on blanks inside the value.
-                compiled = c.compile_json_schema(params.json_schema, any_whitespace=False)
+                compiled = c.compile_json_schema(schema, any_whitespace=False)
             elif params.regex is not None:
                 compiled = c.compile_regex(params.regex)
             elif params.grammar is not None:
                 compiled = c.compile_grammar(params.grammar)
             else:
                 compiled = c.compile_grammar(_choice_ebnf(params.choice or []))
+        except SamplingParamsError:
+            raise
         except Exception as e:  # xgrammar raises RuntimeError/ValueError with the parser's message
             raise SamplingParamsError(f"the guided-decoding grammar cannot be compiled: {str(e)[:500]}") from None
         with self._lock:

@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
+from nextn.runtime.guided_decoding import unenforced_keywords
 from nextn.serving.request_fields import Name, Text
 
 __all__ = ["Tool", "ToolChoice", "ToolCall", "parse_tool_calls", "tool_call_grammar", "TOOL_CALL_OPEN"]
@@ -81,7 +82,8 @@ def tool_call_grammar(tools: list[Tool], choice: ToolChoice | None) -> str | Non
     function — one call of it; None for "auto" / "none" / no tools.
 
     Raises:
-        ValueError: a named function that is not among `tools`; a tool whose parameters xgrammar cannot compile.
+        ValueError: a named function that is not among `tools`; a tool whose parameters xgrammar cannot compile or
+            would not enforce (`unenforced_keywords`).
     """
     if not tools or choice is None or choice in ("auto", "none"):
         return None
@@ -95,6 +97,9 @@ def tool_call_grammar(tools: list[Tool], choice: ToolChoice | None) -> str | Non
     else:
         chosen = [t.function for t in tools]
     schema = _call_schema(chosen[0]) if len(chosen) == 1 else {"anyOf": [_call_schema(f) for f in chosen]}
+    unenforced = unenforced_keywords(schema)
+    if unenforced:
+        raise ValueError("the tools' parameters use what the grammar cannot enforce: " + "; ".join(unenforced[:5]))
     try:
         body = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
     except Exception as e:  # the tool's parameters are not a schema xgrammar accepts
