@@ -1,4 +1,4 @@
-"""`nextn serve` with speculation on (MTP), through the official `openai` client: n choices, log-probabilities,
+"""`nextn serve` with speculation on (MTP, and NGram), through the official `openai` client: n choices, log-probabilities,
 penalties and logit_bias, JSON-schema output, tool calls (streamed and not, a tool result fed back) — each equal
 to plain decoding of the same request in `LLM.generate`, and an agent-style client loop that runs unchanged."""
 
@@ -45,9 +45,10 @@ def engine_dir(checkpoints):
     return checkpoints.engine(distill_steps=0)  # tiny DeepSeek-V3, one MTP module, the DeepSeek-V3 tokenizer
 
 
-@pytest.fixture(scope="module")
-def client(engine_dir):
-    llm = LLM(engine_dir, speculative_config=MTP, device="cpu")
+@pytest.fixture(scope="module", params=["mtp", "ngram"])
+def client(engine_dir, request):
+    spec = MTP if request.param == "mtp" else {"decoding_type": "NGram", "max_draft_len": 3}
+    llm = LLM(engine_dir, speculative_config=spec, device="cpu")
     server = uvicorn.Server(uvicorn.Config(create_app(llm, "tiny"), host="127.0.0.1", port=_free_port(),
                                            log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
