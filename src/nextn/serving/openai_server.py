@@ -39,7 +39,7 @@ from nextn.runtime.engine import RequestError
 from nextn.runtime.outputs import CompletionOutput
 from nextn.runtime.request_handle import RequestHandle
 from nextn.runtime.sampling_params import SamplingParamsError
-from nextn.runtime.template_render import DEFAULT_TIMEOUT_S, RenderLimits
+from nextn.runtime.template_render import DEFAULT_TIMEOUT_S, RendererClosed, RenderLimits
 from nextn.serving import PROMPT_CHARS_PER_TOKEN
 from nextn.serving import openai_protocol as p
 from nextn.serving.chat_render import ServerChatRenderer
@@ -47,6 +47,7 @@ from nextn.serving.choice_streams import merge_pieces
 from nextn.serving.openai_chat import chat_response
 from nextn.serving.openai_sampling import chat_logprobs, completion_logprobs, sampling_fields
 from nextn.serving.openai_tools import message_for_template
+from nextn.serving.template_probe import TemplateProbe
 from nextn.serving.http_edge import (DEFAULT_MAX_REQUEST_BYTES, OFFLOAD_BYTES, ApiKeyMiddleware, parse_json,
                                      read_body)
 from nextn.serving.metrics import CountRequests, ServerMetrics
@@ -110,6 +111,8 @@ class OpenAIServer:
         limits = RenderLimits(timeout_s=chat_template_timeout_s, max_chars=self.max_prompt_chars)
         self.chat_renderer = (None if self.tokenizer is None else
                               ServerChatRenderer(self.tokenizer, self.chat_template, limits))
+        # How the template takes an assistant's earlier tool calls: probed once, by the first request that has them.
+        self.template_probe = TemplateProbe(self._render_probe)
 
     # Requests, prompts and sampling parameters --------------------------------------------------------------
     async def parse(self, raw: Request, model: type[_Model]) -> _Model:
@@ -148,28 +151,38 @@ class OpenAIServer:
         return list(self.tokenizer.tok.encode(text, add_special_tokens=add_special_tokens))
 
     def chat_ids(self, messages: list[p.ChatMessage], tools: list | None = None) -> list[int]:
-        """The prompt ids of `messages` as a chat request renders them (same checks, template and budget; no client
-        to watch): for tools and tests. Raises APIError as a request would."""
-        msgs = self._chat_messages(messages)
+        """The prompt ids of `messages` as a chat request renders them (same checks, template, tool-call form and
+        budget; no client to watch): for tools and tests. Raises APIError as a request would."""
+        msgs = self._chat_messages(messages, self._arguments_as_text(messages))
         text = self.chat_renderer.tokenizer.render_chat(msgs, self.chat_renderer.chat_template,
                                                         limits=self.chat_renderer.limits, tools=_tool_dicts(tools))
         return self._encode(text, "messages", self.chat_template is not None)
 
     async def _chat_ids(self, messages: list[p.ChatMessage], raw: Request, tools: list | None = None) -> list[int]:
-        try:
-            text = await self.chat_renderer.render(self._chat_messages(messages), raw, tools=_tool_dicts(tools))
-        except p.APIError as e:  # a template that writes a call's arguments as text (DeepSeek-V3's): JSON text
-            if not (any(m.tool_calls for m in messages) and "concatenate str" in str(e)):
-                raise
-            text = await self.chat_renderer.render(self._chat_messages(messages, arguments_as_text=True), raw,
-                                                   tools=_tool_dicts(tools))
+        as_text = any(m.tool_calls for m in messages) and await self._off_loop(self._arguments_as_text, messages)
+        text = await self.chat_renderer.render(self._chat_messages(messages, as_text), raw, tools=_tool_dicts(tools))
         # A model's template writes its own BOS; the fallback does not, so the tokenizer adds it.
         return await self._off_loop(self._encode, text, "messages", self.chat_template is not None)
+
+    def _render_probe(self, messages: list[dict], tools: list[dict]) -> str:
+        """The template probe's render: the server's template and budget (`serving/template_probe.py`)."""
+        return self.chat_renderer.tokenizer.render_chat(messages, self.chat_renderer.chat_template,
+                                                        limits=self.chat_renderer.limits, tools=tools)
+
+    def _arguments_as_text(self, messages: list[p.ChatMessage]) -> bool:
+        """Whether the template gets an assistant's tool-call arguments as JSON text rather than objects: the
+        template probe's answer (run once, by the first request whose messages carry tool calls; it blocks)."""
+        if self.tokenizer is None or not any(m.tool_calls for m in messages):
+            return False
+        try:
+            return self.template_probe.tool_call_form().arguments_as_text
+        except RendererClosed as e:
+            raise p.APIError(503, str(e), type_="server_error") from None
 
     def _chat_messages(self, messages: list[p.ChatMessage], arguments_as_text: bool = False) -> list[dict]:
         """The messages as the chat template gets them: an assistant's tool-call arguments as objects
         (transformers' convention, Qwen2.5's and Hermes' templates), or as JSON text for templates that concatenate
-        them."""
+        them (DeepSeek-V3's; the template probe decides)."""
         if self.tokenizer is None:
             raise p.APIError(400, "this engine has no tokenizer, so it cannot render chat messages: use "
                              "/v1/completions with token-id prompts", "messages")
