@@ -1,6 +1,7 @@
 """The serving benchmark (`python -m nextn.bench.serve`): metrics on synthetic timings, the client against an
-in-process fake OpenAI endpoint and the real nextn app on stories260K, server start/stop, the lossless check, the
-report files, and argument refusals. No timed assertion."""
+in-process fake OpenAI endpoint and the real nextn app on stories260K, server start/stop, the workloads (dataset
+names and categories, multi-turn conversations, repeated passes), the lossless check, the report files, and argument
+refusals. No timed assertion."""
 
 from __future__ import annotations
 
@@ -21,11 +22,13 @@ from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.responses import PlainTextResponse, StreamingResponse  # noqa: E402
 
 from nextn.bench import serve  # noqa: E402
+from nextn.bench.dataset import DatasetError, read_prompt_rows  # noqa: E402
 from nextn.bench.serve_client import (LevelMetrics, RequestResult, level_metrics, open_client, percentile,  # noqa: E402
                                       run_level, send_request)
 from nextn.bench.serve_report import ConfigResult, LevelResult, lossless_mismatches, markdown_table  # noqa: E402
 from nextn.bench.serve_servers import (ServerError, ServerSpec, llama_cpp_spec, nextn_spec,  # noqa: E402
                                        parse_spec_counters, running, SpecCounters)
+from nextn.bench.serve_workload import level_phases, load_workload  # noqa: E402
 
 STORIES = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "models" / "stories260K" / "stories260K.gguf"
 
@@ -146,7 +149,7 @@ class _Fake:
         body = await request.json()
         self.bodies.append(body)
         chat = "messages" in body
-        prompt = body["messages"][0]["content"] if chat else body["prompt"]
+        prompt = body["messages"][-1]["content"] if chat else body["prompt"]
 
         def event(piece: str | None) -> str:
             if piece is None:
@@ -288,6 +291,123 @@ def test_cli_measures_running_servers_and_writes_the_report(fake, tmp_path, caps
     assert serve.main(argv) == 0  # its own output directory is reused
 
 
+# Workloads: dataset names and categories, conversations, repeated passes ------------------------------------------
+_MT = [{"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Rewrite it in French."]},
+       {"question_id": 82, "category": "math", "turns": ["Add 2 and 2.", "Now multiply them."]}]
+_SPEC = _MT + [{"question_id": 100 + i, "category": c, "turns": [f"{c} task {i}"]}
+               for i, c in enumerate(["summarization", "rag", "translation", "summarization", "rag"])]
+
+
+def _prompts_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "prompts"
+    d.mkdir(exist_ok=True)
+    for name, rows in (("mt_bench.jsonl", _MT), ("spec_bench.jsonl", _SPEC), ("code_edit.jsonl", [{"prompt": "x"}])):
+        (d / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return d
+
+
+def test_prompt_rows_keep_every_turn_and_the_category(tmp_path):
+    fmt, rows = read_prompt_rows(_prompts_dir(tmp_path) / "spec_bench.jsonl")
+    assert fmt == "spec_bench" and rows[0].turns == ("Write a poem.", "Rewrite it in French.")
+    assert [r.category for r in rows[1:4]] == ["math", "summarization", "rag"]
+    assert rows[2].turns == ("summarization task 0",)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"category": "writing", "turns": ["a", 3]}) + "\n")
+    with pytest.raises(DatasetError, match=r"bad.jsonl:1: 'turns' must be a non-empty list of strings"):
+        read_prompt_rows(bad)
+
+
+def test_dataset_names_pick_only_their_category(tmp_path):
+    d = _prompts_dir(tmp_path)
+    for name in ("spec_bench_summarization", "spec_bench:summarization"):
+        w = load_workload(name, d, 10)
+        assert w.category == "summarization"
+        assert w.conversations == (("summarization task 0",), ("summarization task 3",))
+    assert load_workload("spec_bench_rag", d, 1).conversations == (("rag task 1",),)
+    assert load_workload("mt_bench:math", d, 10).conversations == (("Add 2 and 2.",),)
+    assert len(load_workload("spec_bench", d, 100).conversations) == len(_SPEC)
+    with pytest.raises(DatasetError, match=r"no category 'poetry'; its categories are math \(1 rows\), rag \(2 "):
+        load_workload("spec_bench:poetry", d, 10)
+    with pytest.raises(DatasetError, match="has no categories"):
+        load_workload("code_edit:edits", d, 10)
+    with pytest.raises(DatasetError, match=r"neither a prompt file nor a named set; valid names: mt_bench, "
+                       r"spec_bench, humaneval, code_edit, spec_bench_summarization, spec_bench_rag, NAME:CATEGORY"):
+        load_workload("spec_bench_poetry", d, 10)
+
+
+def test_turns_keep_conversations_and_refuse_single_turn_rows(tmp_path):
+    d = _prompts_dir(tmp_path)
+    w = load_workload("mt_bench", d, 10, turns=2)
+    assert w.turns == 2 and w.prompts(2) == ["Rewrite it in French.", "Now multiply them."]
+    with pytest.raises(DatasetError, match=r"--turns 2: 2 of the 2 prompts of spec_bench_rag have fewer turns"):
+        load_workload("spec_bench_rag", d, 10, turns=2)
+    assert [p.label for p in level_phases(1, 1)] == [""]
+    assert [(p.turn, p.repetition, p.label) for p in level_phases(2, 2)] == [
+        (1, 1, "pass 1, turn 1"), (2, 1, "pass 1, turn 2"), (1, 2, "pass 2, turn 1"), (2, 2, "pass 2, turn 2")]
+
+
+def test_real_spec_bench_categories(shared_data):
+    path = shared_data / "prompts" / "spec_bench.jsonl"
+    if not path.is_file():
+        pytest.skip(f"{path} is absent: the real Spec-Bench set is not available")
+    _, rows = read_prompt_rows(path)
+    for category in ("summarization", "rag"):
+        w = load_workload(f"spec_bench_{category}", shared_data / "prompts", 1024)
+        expected = tuple(r.turns for r in rows if r.category == category)
+        assert len(expected) == 80 and w.conversations == expected
+
+
+def test_a_failed_turn_leaves_its_conversation_unsent(fake):
+    f, url = fake
+    f.bodies.clear()
+    history = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello!"}]
+    results, _ = asyncio.run(_level(url, prompts=["And then?"], num_requests=2, concurrency=2, max_tokens=2,
+                                    histories=[None, history]))
+    assert not results[0].ok and "not sent" in results[0].error and results[1].ok
+    assert [b["messages"] for b in f.bodies] == [history + [{"role": "user", "content": "And then?"}]]
+    with pytest.raises(ValueError, match="1 histories for 2 requests"):
+        asyncio.run(_level(url, prompts=["p"], num_requests=2, concurrency=1, max_tokens=2, histories=[history]))
+
+
+def test_cli_sends_turn_2_with_turn_1s_answer_and_reports_each_turn(fake, tmp_path):
+    f, url = fake
+    f.bodies.clear()
+    out = tmp_path / "out"
+    assert serve.main(["--url", url, "--nextn_configs", "--llama_cpp", "--dataset", "mt_bench", "--prompts_dir",
+                       str(_prompts_dir(tmp_path)), "--turns", "2", "--concurrency", "1", "--max_tokens", "3",
+                       "--runs", "1", "--output_dir", str(out)]) == 0
+    turn2 = [b["messages"] for b in f.bodies if len(b["messages"]) > 1]
+    user = [{"role": "user", "content": t} for t in ("Write a poem.", "Rewrite it in French.", "Add 2 and 2.",
+                                                    "Now multiply them.")]
+    answers = [{"role": "assistant", "content": t} for t in ("Writ0 Writ1 Writ2 ", "Add 0 Add 1 Add 2 ")]
+    assert turn2 == [[user[0], answers[0], user[1]], [user[2], answers[1], user[3]]]  # the fake's turn-1 answers
+    report = json.loads((out / "serve.json").read_text())
+    assert report["turns"] == 2 and report["format"] == "mt_bench"
+    levels = report["configs"][0]["levels"]
+    assert [(lv["phase"], lv["turn"], lv["num_requests"], lv["num_failed"]) for lv in levels] == [
+        ("turn 1", 1, 2, 0), ("turn 2", 2, 2, 0)]
+    md = (out / "serve.md").read_text()
+    assert f"| url {url} (turn 1) |" in md and f"| url {url} (turn 2) |" in md and "2 turns" in md
+
+
+def test_cli_repeat_sends_the_same_prompts_every_pass_and_reports_each(fake, tmp_path):
+    f, url = fake
+    f.bodies.clear()
+    out = tmp_path / "out"
+    assert serve.main(["--url", url, "--nextn_configs", "--llama_cpp", "--dataset", "spec_bench_summarization",
+                       "--prompts_dir", str(_prompts_dir(tmp_path)), "--repeat", "3", "--concurrency", "1",
+                       "--max_tokens", "2", "--endpoint", "completions", "--output_dir", str(out)]) == 0
+    sent = [b["prompt"] for b in f.bodies[1:]]  # after the warm-up
+    assert f.bodies[0]["prompt"] == serve.WARMUP_PROMPT
+    assert sent == ["summarization task 0", "summarization task 3"] * 3
+    report = json.loads((out / "serve.json").read_text())
+    assert report["repeat"] == 3 and report["runs"] == 1 and report["category"] == "summarization"
+    levels = report["configs"][0]["levels"]
+    assert [(lv["phase"], lv["repetition"], len(lv["passes_output_tok_s"])) for lv in levels] == [
+        ("pass 1", 1, 1), ("pass 2", 2, 1), ("pass 3", 3, 1)]
+    assert f"| url {url} (pass 3) | 1 |" in (out / "serve.md").read_text()
+
+
 # The lossless check and the table ----------------------------------------------------------------------------------
 def _level_result(c: int, texts: dict[int, str]) -> LevelResult:
     m = LevelMetrics(2, 0, 1.0, 8, 8.0, 2.0, 10.0, 12.0, 5.0, 6.0, 4.0, 7.0, 10.5, 5.2)
@@ -310,6 +430,17 @@ def test_lossless_check_compares_speculative_nextn_configs_with_plain():
     assert "| llama.cpp plain | failed | – | failed | – |" in table and "- llama.cpp plain: boom" in table
 
 
+def test_lossless_check_and_table_keep_phases_apart():
+    def lv(phase: str, text: str) -> LevelResult:
+        return LevelResult(**{**_level_result(1, {0: text}).__dict__, "phase": phase})
+    plain = ConfigResult("nextn plain", "nextn", False, [], [lv("turn 1", "abc"), lv("turn 2", "xyz")])
+    suffix = ConfigResult("nextn suffix", "nextn", True, [], [lv("turn 1", "abc"), lv("turn 2", "abc")])
+    mismatches, compared = lossless_mismatches([plain, suffix])
+    assert compared == 2 and [(m.phase, m.offset) for m in mismatches] == [("turn 2", 0)]
+    table = markdown_table([plain, suffix], [1])
+    assert "| nextn suffix (turn 1) | 8.0 | 10 / 5.0 |" in table and "| nextn suffix (turn 2) | 1 | 8.0 |" in table
+
+
 # Argument refusals -----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("extra, message", [
     (["--concurrency", "0"], "--concurrency must be in 1..256"),
@@ -325,6 +456,11 @@ def test_lossless_check_compares_speculative_nextn_configs_with_plain():
     (["--model", "missing.gguf"], "is not a file"),
     (["--nextn_configs", "--llama_cpp"], "nothing to measure"),
     (["--url", "127.0.0.1:8000"], "not an http(s) URL"),
+    (["--turns", "5"], "--turns must be in 1..4"),
+    (["--repeat", "11"], "--repeat must be in 1..10"),
+    (["--repeat", "2", "--runs", "2"], "give --runs 1 with --repeat"),
+    (["--turns", "2", "--endpoint", "completions"], "needs --endpoint chat"),
+    (["--dataset", "spec_bench_poetry"], "valid names: mt_bench, spec_bench"),
 ])
 def test_bad_arguments_are_refused_before_any_server_starts(tmp_path, capsys, extra, message):
     model = tmp_path / "m.gguf"

@@ -6,6 +6,8 @@ Sources:
   [min, max]); token ids uniform over the engine's vocabulary (TensorRT-LLM's `prepare_dataset.py` does the same);
 - real prompt files (JSONL, optionally gzipped), recognised by their fields: MT-bench and Spec-Bench (`turns`: the
   first turn is the prompt; Spec-Bench adds categories such as `translation`), HumanEval (`prompt`), GSM8K (`question`).
+  `read_prompt_rows` keeps every turn and the category of each row (the serving benchmark's conversations and
+  category filters).
 
 Every file is read through `config/prompt_files.json_lines`: a regular file only (a device, FIFO or directory is
 refused unread), at most `MAX_PROMPT_FILE_BYTES` on disk and, for a gzip, after decompression (counted as it streams).
@@ -119,12 +121,16 @@ def _prompt_text(row: dict, fmt: str, where: str) -> str:
     return row[key]
 
 
-def read_prompt_file(path: str | Path) -> tuple[str, list[str]]:
-    """The format of a prompt file and its prompts (first turns for MT-bench/Spec-Bench), in file order.
+@dataclass(frozen=True)
+class PromptRow:
+    """One row of a prompt file: its user turns in file order (MT-bench's rows have two; a HumanEval, GSM8K or
+    single-turn Spec-Bench row one) and its `category` (MT-bench's and Spec-Bench's; None where the row has none)."""
 
-    The format is detected from the fields of every row; a Spec-Bench file is one whose categories go beyond
-    MT-bench's eight. Raises DatasetError: missing file, bad JSON, rows of no or of mixed formats.
-    """
+    turns: tuple[str, ...]
+    category: str | None = None
+
+
+def _rows_and_format(path: str | Path) -> tuple[str, list[tuple[int, dict]]]:
     rows = list(json_lines(path, "prompt file"))
     if not rows:
         raise DatasetError(f"prompt file {path} is empty")
@@ -133,8 +139,35 @@ def read_prompt_file(path: str | Path) -> tuple[str, list[str]]:
         formats = {"spec_bench"}
     if len(formats) > 1:
         raise DatasetError(f"{path}: rows of several formats {sorted(formats)}")
-    fmt = formats.pop()
+    return formats.pop(), rows
+
+
+def read_prompt_file(path: str | Path) -> tuple[str, list[str]]:
+    """The format of a prompt file and its prompts (first turns for MT-bench/Spec-Bench), in file order.
+
+    The format is detected from the fields of every row; a Spec-Bench file is one whose categories go beyond
+    MT-bench's eight. Raises DatasetError: missing file, bad JSON, rows of no or of mixed formats.
+    """
+    fmt, rows = _rows_and_format(path)
     return fmt, [_prompt_text(row, fmt, f"{path}:{lineno}") for lineno, row in rows]
+
+
+def read_prompt_rows(path: str | Path) -> tuple[str, list[PromptRow]]:
+    """The format of a prompt file and its rows, every turn and the category kept, in file order.
+
+    Raises:
+        DatasetError: as `read_prompt_file`, and a `turns` entry that is not a string (the line named).
+    """
+    fmt, rows = _rows_and_format(path)
+    out = []
+    for lineno, row in rows:
+        first = _prompt_text(row, fmt, f"{path}:{lineno}")
+        later = row["turns"][1:] if fmt in ("mt_bench", "spec_bench") else []
+        if not all(isinstance(t, str) for t in later):
+            raise DatasetError(f"{path}:{lineno}: 'turns' must be a non-empty list of strings")
+        category = row.get("category")
+        out.append(PromptRow((first, *later), category if isinstance(category, str) else None))
+    return fmt, out
 
 
 def prompt_dataset(prompts: list[str], output_lens: list[int], tokenizer=None,

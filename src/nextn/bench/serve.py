@@ -5,11 +5,17 @@ same GGUF, threads and prompts, each started, measured at every concurrency leve
         --concurrency 1 2 4 8 16 --dataset mt_bench --max_tokens 128 --output_dir runs/serve_bench
 
 Each server config in turn: start it on a free loopback port (only one server runs at a time), wait for /health,
-send one warm-up request, then for each `--concurrency` level `--runs` passes of `--num_requests` streamed greedy
-requests (EOS ignored; Poisson arrivals with `--request_rate`), keep the fastest pass by output tokens/s, read AL
-from the server's /metrics counters, and stop the server (SIGTERM, then SIGKILL). `--url` measures servers already
-running instead (nothing started or stopped). The client runs in this process: on a small machine it takes CPU
-from the server, the same for every config.
+send one warm-up request (a fixed prompt, none of the dataset's), then for each `--concurrency` level `--runs`
+passes of `--num_requests` streamed greedy requests (EOS ignored; Poisson arrivals with `--request_rate`), keep the
+fastest pass by output tokens/s, read AL from the server's /metrics counters, and stop the server (SIGTERM, then
+SIGKILL). `--url` measures servers already running instead (nothing started or stopped). The client runs in this
+process: on a small machine it takes CPU from the server, the same for every config.
+
+Workloads (bench/serve_workload.py): `--dataset spec_bench:CATEGORY` (or spec_bench_summarization, spec_bench_rag)
+sends one Spec-Bench task; `--turns 2` sends MT-bench's two turns as a conversation, turn 2 carrying turn 1's
+answer, and reports each turn as its own row; `--repeat N` sends the same requests N times in a row and reports
+every pass as its own row (pass 1 sees the prompts first, unless an earlier level sent them: a drafter that learns
+from past outputs, as suffix decoding's global tree does, is cold in pass 1 of the first level only).
 
 `--output_dir` (new, empty, or written by an earlier run of this benchmark) receives serve.md (the table),
 serve.json (every number, every pass), serve.png (tokens/s and TPOT p50 against concurrency) and logs/ (each
@@ -30,21 +36,21 @@ import time
 from pathlib import Path
 
 from nextn.bench import llama_cpp
-from nextn.bench.dataset import DatasetError, read_prompt_file
+from nextn.bench.dataset import DatasetError
 from nextn.bench.outputs import write_report
 from nextn.bench.passes import load_average
 from nextn.bench.serve_client import (DEFAULT_REQUEST_TIMEOUT_S, level_metrics, open_client, run_level, send_request,
                                       served_model)
 from nextn.bench.serve_report import (ConfigResult, LevelResult, lossless_mismatches, lossless_text, markdown_table,
-                                      plot)
-from nextn.bench.serve_servers import (LLAMA_CPP_MODES, ServerError, ServerSpec, llama_cpp_spec, nextn_spec, running,
-                                       spec_counters)
+                                      plot, row_label)
+from nextn.bench.serve_servers import (LLAMA_CPP_MODES, ServerError, ServerSpec, SpecCounters, llama_cpp_spec,
+                                       nextn_spec, running, spec_counters)
+from nextn.bench.serve_workload import (MAX_REPEAT, MAX_TURNS, Phase, Workload, dataset_names, level_phases,
+                                        load_workload)
 from nextn.build.output_files import OutputPathError, claim_output_dir, write_output_file
 
 PROG = "python -m nextn.bench.serve"
 MODULE = "serve"
-#: `--dataset` names: files of ../shared/data/prompts (MT-bench's first turns, HumanEval, the code-edit set).
-DATASETS = {"mt_bench": "mt_bench.jsonl", "humaneval": "humaneval.jsonl.gz", "code_edit": "code_edit.jsonl"}
 DEFAULT_PROMPTS_DIR = Path("../shared/data/prompts")
 MAX_CONCURRENCY = 256
 MAX_PROMPTS = 1024
@@ -53,6 +59,8 @@ MAX_TOKENS = 8192
 MAX_RUNS = 20
 MAX_CONFIGS = 16
 MD_MARK = "<!-- written by nextn bench.serve -->"
+#: The warm-up request's prompt: none of a dataset's, so no measured prompt's answer is in a drafter's history.
+WARMUP_PROMPT = "Say hello."
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,13 +81,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", nargs="*", default=[], metavar="URL",
                    help="OpenAI-compatible servers already running (e.g. http://127.0.0.1:8000), measured as is")
     p.add_argument("--dataset", default="mt_bench",
-                   help=f"prompts: {', '.join(DATASETS)} (in --prompts_dir) or a prompt file (default mt_bench)")
+                   help=f"prompts: {', '.join(dataset_names())} (in --prompts_dir; CATEGORY one of the set's, e.g. "
+                        "spec_bench:translation) or a prompt file (default mt_bench)")
+    p.add_argument("--turns", type=int, default=1,
+                   help=f"user turns of each row sent as one conversation, turn k carrying the answers to turns "
+                        f"1..k-1, each turn reported as its own row (1..{MAX_TURNS}; chat endpoint; default 1: the "
+                        f"first turn alone; 2 with mt_bench)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help=f"passes over the same requests in each level, each reported as its own row: pass 1 cold "
+                        f"(at the first level), the later ones warm (1..{MAX_REPEAT}, default 1; takes --runs 1)")
     p.add_argument("--prompts_dir", type=Path, default=DEFAULT_PROMPTS_DIR,
                    help=f"where the named datasets are (default {DEFAULT_PROMPTS_DIR})")
     p.add_argument("--num_prompts", type=int, default=8, help=f"first N prompts (1..{MAX_PROMPTS}, default 8)")
     p.add_argument("--num_requests", type=int, default=0,
-                   help=f"requests per level and pass, prompts reused in turn (0 = max(num_prompts, 2 × concurrency);"
-                        f" at most {MAX_REQUESTS})")
+                   help=f"requests per level, pass and turn, prompts reused in turn (0 = max(num_prompts, 2 × "
+                        f"concurrency); at most {MAX_REQUESTS})")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16],
                    help=f"levels of requests in flight, each measured (1..{MAX_CONCURRENCY}; default 1 2 4 8 16)")
     p.add_argument("--request_rate", type=float, default=math.inf,
@@ -87,8 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "`concurrency` clients back to back)")
     p.add_argument("--max_tokens", type=int, default=128, help=f"tokens per request (1..{MAX_TOKENS}, default 128)")
     p.add_argument("--endpoint", choices=["chat", "completions"], default="chat",
-                   help="/v1/chat/completions (the prompt as one user message; default) or /v1/completions")
-    p.add_argument("--runs", type=int, default=3, help=f"passes per level, fastest kept (1..{MAX_RUNS}, default 3)")
+                   help="/v1/chat/completions (the prompt as one user message, after the conversation so far with "
+                        "--turns; default) or /v1/completions")
+    p.add_argument("--runs", type=int, help=f"passes per level, fastest kept (1..{MAX_RUNS}; default 3, or 1 with "
+                                            "--repeat)")
     p.add_argument("-t", "--threads", type=int, default=_cores(),
                    help="threads of every started server (default: the cores this process may use)")
     p.add_argument("--startup_timeout", type=float, default=900.0,
@@ -111,15 +129,24 @@ def _cores() -> int:
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Every count bounded and every input present before any server starts; a refusal is `p.error` (exit 2)."""
+    """Every count bounded and every input present before any server starts; a refusal is `p.error` (exit 2).
+    Sets `args.runs` when it was not given."""
+    if args.runs is None:
+        args.runs = 1 if args.repeat > 1 else 3
     bounds = [("--num_prompts", args.num_prompts, 1, MAX_PROMPTS), ("--num_requests", args.num_requests, 0,
               MAX_REQUESTS), ("--max_tokens", args.max_tokens, 1, MAX_TOKENS), ("--runs", args.runs, 1, MAX_RUNS),
+              ("--turns", args.turns, 1, MAX_TURNS), ("--repeat", args.repeat, 1, MAX_REPEAT),
               ("--spec_draft_n_max", args.spec_draft_n_max, 1, 64), ("--ctx_per_slot", args.ctx_per_slot, 16, 1 << 20),
               ("--threads", args.threads, 1, _cores())]
     bounds += [("--concurrency", c, 1, MAX_CONCURRENCY) for c in args.concurrency]
     for flag, value, low, high in bounds:
         if not low <= value <= high:
             p.error(f"{flag} must be in {low}..{high}, got {value}")
+    if args.repeat > 1 and args.runs > 1:
+        p.error(f"--repeat reports every pass, --runs keeps the fastest: give --runs 1 with --repeat (got --runs "
+                f"{args.runs})")
+    if args.turns > 1 and args.endpoint != "chat":
+        p.error("--turns > 1 sends conversations: it needs --endpoint chat")
     if len(set(args.concurrency)) != len(args.concurrency):
         p.error(f"--concurrency repeats a level: {args.concurrency}")
     if not args.request_rate > 0:  # also refuses NaN
@@ -166,17 +193,6 @@ def _inputs(args) -> list[Path]:
     return [x for x in (args.model, args.draft_model, *configs) if x is not None]
 
 
-def load_prompts(dataset: str, prompts_dir: Path, num_prompts: int) -> tuple[str, list[str]]:
-    """(format, the first `num_prompts` prompts) of a named dataset in `prompts_dir` or a prompt file.
-
-    Raises:
-        DatasetError: the file is missing or unreadable (bench/dataset.py).
-    """
-    path = prompts_dir / DATASETS[dataset] if dataset in DATASETS else Path(dataset)
-    fmt, prompts = read_prompt_file(path)
-    return fmt, prompts[:num_prompts]
-
-
 def server_specs(args, bin_dir: Path | None) -> list[ServerSpec]:
     """The servers to start, in order: nextn's configs, then llama.cpp's modes (none when its build is absent)."""
     most = max(args.concurrency)
@@ -188,43 +204,83 @@ def server_specs(args, bin_dir: Path | None) -> list[ServerSpec]:
     return specs
 
 
-async def measure(url: str, result: ConfigResult, args, prompts: list[str]) -> None:
-    """Warm up the server at `url`, then measure each concurrency level (`args.runs` passes) into `result`."""
-    client = open_client(f"{url.rstrip('/')}/v1", args.request_timeout)
+def _histories(workload: Workload, turn: int, num_requests: int,
+               answers: dict[int, list[str | None]]) -> list[list[dict[str, str]] | None] | None:
+    """Request i's conversation before its turn-`turn` prompt: [user 1, answer 1, ...]; None where an answer failed."""
+    if turn == 1:
+        return None
+    out = []
+    for i in range(num_requests):
+        turns = workload.conversations[i % len(workload.conversations)]
+        said = [answers[k][i] for k in range(1, turn)]
+        out.append(None if None in said else [m for k, a in enumerate(said) for m in (
+            {"role": "user", "content": turns[k]}, {"role": "assistant", "content": a})])
+    return out
+
+
+def _add(a: SpecCounters | None, b: SpecCounters | None) -> SpecCounters | None:
+    if a is None or b is None:
+        return b if a is None else a
+    return SpecCounters(a.drafts + b.drafts, a.draft_tokens + b.draft_tokens, a.accepted_tokens + b.accepted_tokens)
+
+
+async def measure_level(client, model: str, url: str, c: int, args, workload: Workload,
+                        phases: list[Phase]) -> list[LevelResult]:
+    """One concurrency level: `args.runs` runs of every phase in order, each phase's fastest run kept."""
+    num_requests = args.num_requests or min(MAX_REQUESTS, max(len(workload.conversations), 2 * c))
     chat = args.endpoint == "chat"
+    passes: dict[Phase, list] = {ph: [] for ph in phases}
+    texts: dict[Phase, dict[int, str]] = {ph: {} for ph in phases}
+    counters: dict[Phase, SpecCounters | None] = dict.fromkeys(phases)
+    for _ in range(args.runs):
+        answers: dict[int, list[str | None]] = {}  # turn → each request's answer in this pass
+        for ph in phases:
+            before = await asyncio.to_thread(spec_counters, url)
+            results, wall = await run_level(client, model, workload.prompts(ph.turn), num_requests, c,
+                                            args.max_tokens, args.request_rate, chat, args.seed,
+                                            _histories(workload, ph.turn, num_requests, answers))
+            after = await asyncio.to_thread(spec_counters, url)
+            if after is not None and before is not None:
+                counters[ph] = _add(counters[ph], after - before)
+            answers[ph.turn] = [r.text if r.ok else None for r in results]
+            passes[ph].append(level_metrics(results, wall))
+            for r in results:
+                if r.ok:
+                    texts[ph].setdefault(r.prompt_index, r.text)
+    levels = []
+    for ph in phases:
+        best, delta = max(passes[ph], key=lambda m: m.output_tok_s), counters[ph]
+        levels.append(LevelResult(c, best, [m.output_tok_s for m in passes[ph]], sum(m.num_failed for m in passes[ph]),
+                                  delta.acceptance_length if delta else None,
+                                  delta.draft_acceptance_rate if delta else None, texts[ph], ph.label, ph.turn,
+                                  ph.repetition))
+    return levels
+
+
+async def measure(url: str, result: ConfigResult, args, workload: Workload) -> None:
+    """Warm up the server at `url`, then measure each concurrency level (every phase, `args.runs` runs) into
+    `result`."""
+    client = open_client(f"{url.rstrip('/')}/v1", args.request_timeout)
     try:
         model = await served_model(client)
-        warm = await send_request(client, model, prompts[0], 0, min(args.max_tokens, 16), chat)
+        warm = await send_request(client, model, WARMUP_PROMPT, 0, min(args.max_tokens, 16), args.endpoint == "chat")
         if not warm.ok:
             raise ServerError(f"the warm-up request failed: {warm.error}")
+        phases = level_phases(workload.turns, args.repeat)
         for c in args.concurrency:
-            num_requests = args.num_requests or min(MAX_REQUESTS, max(len(prompts), 2 * c))
-            before = await asyncio.to_thread(spec_counters, url)
-            passes, texts = [], {}
-            for _ in range(args.runs):
-                results, wall = await run_level(client, model, prompts, num_requests, c, args.max_tokens,
-                                                args.request_rate, chat, args.seed)
-                passes.append(level_metrics(results, wall))
-                for r in results:
-                    if r.ok:
-                        texts.setdefault(r.prompt_index, r.text)
-            after = await asyncio.to_thread(spec_counters, url)
-            delta = after - before if after is not None and before is not None else None
-            best = max(passes, key=lambda m: m.output_tok_s)
-            level = LevelResult(c, best, [m.output_tok_s for m in passes], sum(m.num_failed for m in passes),
-                                delta.acceptance_length if delta else None,
-                                delta.draft_acceptance_rate if delta else None, texts)
-            result.levels.append(level)
-            al = f", AL {level.acceptance_length:.2f}" if level.acceptance_length else ""
-            print(f"{result.label} c={c}: {best.output_tok_s:.1f} tok/s (passes "
-                  f"{' / '.join(f'{t:.1f}' for t in level.passes_tok_s)}), TTFT p50 {best.ttft_ms_p50:.0f} ms, "
-                  f"TPOT p50 {best.tpot_ms_p50:.1f} ms{al}, {level.failed_requests} failed",
-                  file=sys.stderr, flush=True)
+            for level in await measure_level(client, model, url, c, args, workload, phases):
+                result.levels.append(level)
+                best = level.best
+                al = f", AL {level.acceptance_length:.2f}" if level.acceptance_length else ""
+                print(f"{row_label(result.label, level.phase)} c={c}: {best.output_tok_s:.1f} tok/s (passes "
+                      f"{' / '.join(f'{t:.1f}' for t in level.passes_tok_s)}), TTFT p50 {best.ttft_ms_p50:.0f} ms, "
+                      f"TPOT p50 {best.tpot_ms_p50:.1f} ms{al}, {level.failed_requests} failed",
+                      file=sys.stderr, flush=True)
     finally:
         await client.close()
 
 
-def run_config(spec: ServerSpec | None, url: str | None, args, prompts: list[str], logs: Path) -> ConfigResult:
+def run_config(spec: ServerSpec | None, url: str | None, args, workload: Workload, logs: Path) -> ConfigResult:
     """Start `spec` (or use the running `url`), measure it, stop it; a failure is recorded in the result."""
     if spec is not None:
         result = ConfigResult(spec.label, spec.family, spec.speculative, list(spec.argv))
@@ -233,11 +289,11 @@ def run_config(spec: ServerSpec | None, url: str | None, args, prompts: list[str
     print(f"{PROG}: {result.label}", file=sys.stderr, flush=True)
     try:
         if spec is None:
-            asyncio.run(measure(url, result, args, prompts))
+            asyncio.run(measure(url, result, args, workload))
         else:
             log = logs / f"{spec.label.replace(' ', '_').replace('/', '_')}.log"
             with running(spec, log, args.startup_timeout) as server_url:
-                asyncio.run(measure(server_url, result, args, prompts))
+                asyncio.run(measure(server_url, result, args, workload))
     except (ServerError, RuntimeError, OSError) as e:
         result.error = str(e)
         print(f"{PROG}: error: {result.label}: {e}", file=sys.stderr, flush=True)
@@ -249,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     check_args(p, args)
     try:
-        fmt, prompts = load_prompts(args.dataset, args.prompts_dir, args.num_prompts)
+        workload = load_workload(args.dataset, args.prompts_dir, args.num_prompts, args.turns)
     except DatasetError as e:
         p.error(str(e))
     bin_dir = None
@@ -263,12 +319,14 @@ def main(argv: list[str] | None = None) -> int:
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
     load_before, started = load_average(), time.time()
-    results = [run_config(spec, None, args, prompts, logs) for spec in server_specs(args, bin_dir)]
-    results += [run_config(None, url, args, prompts, logs) for url in args.url]
+    results = [run_config(spec, None, args, workload, logs) for spec in server_specs(args, bin_dir)]
+    results += [run_config(None, url, args, workload, logs) for url in args.url]
     load_after = load_average()
     mismatches, compared = lossless_mismatches(results)
-    title = (f"{args.model.name if args.model else 'running servers'}: {args.dataset} ({len(prompts)} prompts, "
-             f"{fmt}), {args.max_tokens} tokens, greedy, {args.threads} threads, {args.endpoint}")
+    shape = (f", {args.turns} turns" if args.turns > 1 else "") + (f", {args.repeat} passes" if args.repeat > 1 else "")
+    title = (f"{args.model.name if args.model else 'running servers'}: {args.dataset} ({len(workload.conversations)} "
+             f"prompts, {workload.format}{shape}), {args.max_tokens} tokens, greedy, {args.threads} threads, "
+             f"{args.endpoint}")
     table = markdown_table(results, args.concurrency)
     lossless = lossless_text(mismatches, compared)
     load = f"load average {_load(load_before)} before, {_load(load_after)} after, on {os.cpu_count()} cores"
@@ -276,8 +334,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{lossless}")
     write_output_file(out / "serve.md", text, "--output_dir", lambda head: head.startswith(MD_MARK.encode()))
     write_report(out / "serve.json", MODULE, {
-        "title": title, "argv": sys.argv if argv is None else argv, "dataset": args.dataset, "format": fmt,
-        "num_prompts": len(prompts), "max_tokens": args.max_tokens, "threads": args.threads,
+        "title": title, "argv": sys.argv if argv is None else argv, "dataset": args.dataset, "format": workload.format,
+        "category": workload.category, "turns": args.turns, "repeat": args.repeat,
+        "num_prompts": len(workload.conversations), "max_tokens": args.max_tokens, "threads": args.threads,
         "endpoint": args.endpoint, "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
         "runs": args.runs, "concurrency": args.concurrency, "started_unix_s": started, "load_before": load_before,
         "load_after": load_after, "cpu_count": os.cpu_count(), "configs": [r.to_dict() for r in results],

@@ -14,7 +14,8 @@ Percentiles are nearest-rank on the sorted values (`sorted[int(n·q)]`, as trtll
 
 A level sends `num_requests` requests, prompt i mod len(prompts) each, at most `concurrency` in flight; with a
 finite `request_rate` they arrive as a Poisson process of that rate (exponential gaps, seeded), else all at once
-(then `concurrency` is the number of clients, each sending its next request when the last one finished).
+(then `concurrency` is the number of clients, each sending its next request when the last one finished). A chat
+request may carry the conversation before its prompt (`history`: earlier user turns and the server's answers).
 """
 
 from __future__ import annotations
@@ -22,11 +23,14 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 #: Seconds one request may take before it is counted as failed (a server that hangs does not hang the benchmark).
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
+#: A chat message: {"role": "user" | "assistant", "content": text}.
+Message = dict[str, str]
 
 
 @dataclass(frozen=True)
@@ -131,16 +135,24 @@ def open_client(base_url: str, timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S):
 
 
 async def send_request(client, model: str, prompt: str, prompt_index: int, max_tokens: int,
-                       chat: bool = True) -> RequestResult:
+                       chat: bool = True, history: Sequence[Message] = ()) -> RequestResult:
     """Stream one greedy request of `max_tokens` tokens (EOS ignored) and time its chunks; never raises for a
-    failed request (it is returned with ok=False and the error)."""
+    failed request (it is returned with ok=False and the error). A chat request's messages are `history`, then
+    `prompt` as the last user message.
+
+    Raises:
+        ValueError: a `history` for a completions request (`chat` False).
+    """
+    if history and not chat:
+        raise ValueError("a conversation history needs the chat endpoint")
     kwargs = dict(model=model, max_tokens=max_tokens, temperature=0.0, stream=True,
                   stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
     t0 = time.perf_counter()
     times, parts, tokens = [], [], None
     try:
         if chat:
-            stream = await client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **kwargs)
+            messages = [*history, {"role": "user", "content": prompt}]
+            stream = await client.chat.completions.create(messages=messages, **kwargs)
         else:
             stream = await client.completions.create(prompt=prompt, **kwargs)
         async for chunk in stream:
@@ -164,11 +176,21 @@ async def send_request(client, model: str, prompt: str, prompt_index: int, max_t
 
 
 async def run_level(client, model: str, prompts: list[str], num_requests: int, concurrency: int, max_tokens: int,
-                    request_rate: float = float("inf"), chat: bool = True, seed: int = 0
+                    request_rate: float = float("inf"), chat: bool = True, seed: int = 0,
+                    histories: Sequence[Sequence[Message] | None] | None = None
                     ) -> tuple[list[RequestResult], float]:
     """Send `num_requests` requests (prompt i mod len(prompts)), at most `concurrency` in flight, arriving at
     `request_rate` per second (Poisson; inf = all at once). Returns the results in send order and the wall time
-    in seconds from the first send to the last response."""
+    in seconds from the first send to the last response.
+
+    `histories[i]` (chat only; `num_requests` entries) is the conversation before request i's prompt; None there
+    fails request i unsent (an earlier turn of its conversation failed).
+
+    Raises:
+        ValueError: `histories` of another length than `num_requests`.
+    """
+    if histories is not None and len(histories) != num_requests:
+        raise ValueError(f"{len(histories)} histories for {num_requests} requests")
     gate = asyncio.Semaphore(concurrency)
     rng = random.Random(seed)
     arrivals, t = [], 0.0
@@ -181,8 +203,13 @@ async def run_level(client, model: str, prompts: list[str], num_requests: int, c
         delay = start - (time.perf_counter() - t0)
         if delay > 0:
             await asyncio.sleep(delay)
+        history = () if histories is None else histories[i]
+        if history is None:
+            return RequestResult(i % len(prompts), ok=False, e2e_s=0.0,
+                                 error="not sent: an earlier turn of its conversation failed")
         async with gate:
-            return await send_request(client, model, prompts[i % len(prompts)], i % len(prompts), max_tokens, chat)
+            return await send_request(client, model, prompts[i % len(prompts)], i % len(prompts), max_tokens, chat,
+                                      history)
 
     t0 = time.perf_counter()
     results = await asyncio.gather(*(one(i, a) for i, a in enumerate(arrivals)))
