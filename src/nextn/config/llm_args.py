@@ -92,6 +92,10 @@ class DecodingBaseConfig(_Strict):
     acceptance_rate_threshold: float | None = Field(default=None, ge=0.0, le=1.0)  # ... below this DAR: off for good
     # nextn's own: each step's draft length from recent acceptance and measured step times (0 when none pays)
     adaptive_draft_len: bool = False
+    # With adaptive_draft_len: "auto" reads the step times from a profile of this engine on this machine, measured at
+    # the first load (seconds; runtime/step_profiler.py) and cached in step_profile_dir; "off" measures them online.
+    step_profile: Literal["auto", "off"] = "off"
+    step_profile_dir: str | None = Field(default=None, max_length=4096)  # null: ~/.cache/nextn/step_profiles
 
 
 class MTPDecodingConfig(DecodingBaseConfig):
@@ -154,22 +158,6 @@ class NGramDecodingConfig(DecodingBaseConfig):
     is_public_pool: bool = True  # accepted; nextn searches each request's own tokens only (logged)
 
 
-class SuffixDecodingConfig(DecodingBaseConfig):
-    """Suffix decoding: drafts from suffix trees over the request's own prompt and output and over earlier
-    requests' outputs — no draft model (Oliaro et al. 2025, arXiv 2411.04975; vLLM's `method: suffix`, whose
-    option names these are; speculative/suffix.py). Drafts on the host: CPU engines."""
-
-    decoding_type: Literal["Suffix"] = "Suffix"
-    max_draft_len: int = Field(ge=1, le=64)  # K: the most draft tokens verified per step (required, as NGram's)
-    suffix_decoding_max_tree_depth: int = Field(default=24, ge=1, le=64)  # D: longest context suffix matched
-    # earlier requests' outputs kept in the global tree, the oldest evicted first; 0: no global tree
-    suffix_decoding_max_cached_requests: int = Field(default=1000, ge=0, le=1_000_000)
-    # a match of m tokens drafts at most max_spec_factor * m tokens (short matches speculate little)
-    suffix_decoding_max_spec_factor: float = Field(default=1.0, gt=0.0, le=64.0)
-    # drafting stops where the path's estimated probability (product of child/parent counts) falls below this
-    suffix_decoding_min_token_prob: float = Field(default=0.1, ge=0.0, le=1.0)
-
-
 class DraftTargetDecodingConfig(DecodingBaseConfig):
     """Draft-target speculative decoding: a separate small draft model with the target's vocabulary proposes the
     drafts, sampled from its own distribution q and verified by rejection sampling (TensorRT-LLM
@@ -186,6 +174,44 @@ class DraftTargetDecodingConfig(DecodingBaseConfig):
     # Which tokens are hot: a JSON list of token ids, most frequent first (`nextn token-map`; SGLang's
     # `speculative_token_map`); without it, the lowest ids (a BPE vocabulary's merge order).
     draft_token_map: str | None = None
+
+
+class SuffixDecodingConfig(DecodingBaseConfig):
+    """Suffix decoding: drafts from suffix trees over the request's own prompt and output and over earlier
+    requests' outputs — no draft model (Oliaro et al. 2025, arXiv 2411.04975; vLLM's `method: suffix`, whose
+    option names these are; speculative/suffix.py). Drafts on the host: CPU engines."""
+
+    decoding_type: Literal["Suffix"] = "Suffix"
+    max_draft_len: int = Field(ge=1, le=64)  # K: the most draft tokens verified per step (required, as NGram's)
+    suffix_decoding_max_tree_depth: int = Field(default=24, ge=1, le=64)  # D: longest context suffix matched
+    # earlier requests' outputs kept in the global tree, the oldest evicted first; 0: no global tree
+    suffix_decoding_max_cached_requests: int = Field(default=1000, ge=0, le=1_000_000)
+    # a match of m tokens drafts at most max_spec_factor * m tokens (short matches speculate little)
+    suffix_decoding_max_spec_factor: float = Field(default=1.0, gt=0.0, le=64.0)
+    # drafting stops where the path's estimated probability (product of child/parent counts) falls below this
+    suffix_decoding_min_token_prob: float = Field(default=0.1, ge=0.0, le=1.0)
+    # Combined drafting (Arctic Inference's "Arctic + Suffix"; TensorRT-LLM's suffix automaton beside MTP/Eagle):
+    # a chain drafter with its own model (Draft_Target, or MTP as a chain) drafts where the suffix trees expect
+    # fewer than `suffix_decoding_min_score` accepted drafts; decided per request per step
+    # (speculative/suffix_combined.py). Its max_draft_len must not exceed this config's.
+    combine_with: Annotated[Union[MTPDecodingConfig, DraftTargetDecodingConfig],
+                            Field(discriminator="decoding_type")] | None = None
+    # a suffix proposal drafts for its request when its score (expected accepted drafts) reaches this; None: the
+    # combined drafter's max_draft_len (the most it could give)
+    suffix_decoding_min_score: float | None = Field(default=None, ge=0.0, le=64.0)
+
+    @model_validator(mode="after")
+    def _combined_fits(self):
+        inner = self.combine_with
+        k = getattr(inner, "max_draft_len", None) or getattr(inner, "num_nextn_predict_layers", 0)
+        if inner is not None and k > self.max_draft_len:
+            raise ValueError(f"combine_with's draft length {k} exceeds the suffix drafter's "
+                             f"max_draft_len {self.max_draft_len}: the combined step verifies at most that many")
+        if inner is not None and (getattr(inner, "use_dynamic_tree", False)
+                                  or getattr(inner, "eagle_choices", None) is not None):
+            raise ValueError("combine_with: MTP drafts a tree here (use_dynamic_tree / eagle_choices); combined "
+                             "drafting takes a chain drafter")
+        return self
 
 
 SpeculativeConfig = Annotated[Union[MTPDecodingConfig, MedusaDecodingConfig, NGramDecodingConfig,
@@ -387,6 +413,9 @@ def resolve_yaml_paths(data: dict[str, Any], yaml_path: Path) -> dict[str, Any]:
     if not isinstance(spec, dict):
         return data
     spec = dict(spec)
+    if isinstance(spec.get("combine_with"), dict):  # a combined drafter's model drafter (its draft model's path)
+        spec["combine_with"] = resolve_yaml_paths({"speculative_config": spec["combine_with"]},
+                                                  yaml_path)["speculative_config"]
     for key in PATH_KEYS:
         value = spec.get(key)
         if not isinstance(value, str) or not value:

@@ -472,6 +472,8 @@ def draft_engine_spec(spec: Any, target: Any) -> Any:
     from nextn.build.engine_cache import resolve_engine_dir
     from nextn.quantization.weight_only import INT4_ALGOS
 
+    if (inner := getattr(spec, "combine_with", None)) is not None:  # a combined drafter's model drafter
+        spec = spec.model_copy(update={"combine_with": draft_engine_spec(inner, target)})
     draft = getattr(spec, "speculative_model_dir", None)
     if draft is None:
         return spec

@@ -27,6 +27,8 @@ class LoadContext:
         device: where the target runs; max_seq_len: the engine's longest request (sizes per-request histories).
         medusa_heads: the engine's Medusa heads (None when it has none).
         tensor_parallel: whether this process holds one rank's share of a tensor-parallel model.
+        build_method, prepare_method: the registry's `build` / `prepare_model` for another config (a method that
+            combines drafters builds the one it wraps through them; set by the registry).
     """
 
     manifest: EngineManifest
@@ -35,6 +37,8 @@ class LoadContext:
     max_seq_len: int
     medusa_heads: MedusaHeads | None = None
     tensor_parallel: bool = False
+    build_method: Callable[[Any], tuple[Drafter, AcceptanceRule]] | None = None
+    prepare_method: Callable[[nn.Module, Any], None] | None = None
 
 
 Build = Callable[[Any, LoadContext], tuple[Drafter, AcceptanceRule]]

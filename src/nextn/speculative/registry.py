@@ -13,6 +13,8 @@ the drafter's protocol attributes.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from pydantic import BaseModel
 from torch import nn
 
@@ -60,7 +62,13 @@ def build(spec: BaseModel | None, ctx: LoadContext) -> tuple[Drafter, Acceptance
     if method is None:
         raise LlmArgsError(f"speculative_config.decoding_type {getattr(spec, 'decoding_type', None)!r} is not one "
                            f"of {', '.join(METHODS)}")
-    return method.build(spec, ctx)
+    return method.build(spec, _with_registry(ctx))
+
+
+def _with_registry(ctx: LoadContext) -> LoadContext:
+    """`ctx` with the registry's build / prepare_model for the configs a combining method wraps."""
+    return replace(ctx, build_method=lambda inner: build(inner, ctx),
+                   prepare_method=lambda model, inner: prepare_model(model, inner, ctx))
 
 
 def prepare_model(model: nn.Module, spec: BaseModel | None, ctx: LoadContext) -> None:
@@ -72,7 +80,7 @@ def prepare_model(model: nn.Module, spec: BaseModel | None, ctx: LoadContext) ->
     """
     method = None if spec is None else METHODS.get(getattr(spec, "decoding_type", None))
     if method is not None and method.prepare_model is not None:
-        method.prepare_model(model, spec, ctx)
+        method.prepare_model(model, spec, _with_registry(ctx))
 
 
 def default_config(manifest: EngineManifest) -> BaseModel | None:

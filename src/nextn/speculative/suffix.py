@@ -48,6 +48,7 @@ from nextn.speculative.acceptance_rules import StandardAcceptance
 from nextn.speculative.chain_step import LinearDrafter
 from nextn.speculative.method import LoadContext, Method, from_build_yaml
 from nextn.speculative.protocol import AcceptanceRule, Drafter, DrafterState, rows_at
+from nextn.speculative.suffix_combined import CombinedDrafter
 from nextn.speculative.suffix_tree import OutputCache, SuffixTree
 
 logger = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ class _Slot:
     """One batch slot's request: its tokens by position, its own tree, its matches in both trees."""
 
     __slots__ = ("tokens", "prompt_len", "tree", "segment", "segment_start", "ends", "global_ends", "global_version",
-                 "useful")
+                 "useful", "score")
 
     def __init__(self, depth: int) -> None:
         self.tokens: list[int] = []
@@ -71,6 +72,7 @@ class _Slot:
         self.global_ends: list[int] = []  # ... and in the global tree, valid at its `global_version`
         self.global_version = -1
         self.useful = 0  # drafts of the last proposal (the rest of the K are padding)
+        self.score = 0.0  # its score: the expected number of accepted drafts
 
     def output_segments(self) -> list[list[int]]:
         """The output's runs of known tokens."""
@@ -182,7 +184,7 @@ class SuffixDrafter(LinearDrafter):
             if other.score > best.score:
                 best = other
         drafts = best.tokens
-        s.useful = len(drafts)
+        s.useful, s.score = len(drafts), best.score
         pad = drafts[-1] if drafts else s.tokens[-1]
         return drafts + [pad] * (k - len(drafts))
 
@@ -224,7 +226,17 @@ def build(spec: SuffixDecodingConfig, ctx: LoadContext) -> tuple[Drafter, Accept
     if ctx.device.type != "cpu":
         raise LlmArgsError(f"speculative_config.decoding_type 'Suffix' drafts on the host and runs on CPU engines "
                            f"only; this engine runs on {ctx.device}: use 'NGram' (prompt lookup on the device)")
-    return SuffixDrafter.from_config(spec), StandardAcceptance()
+    drafter = SuffixDrafter.from_config(spec)
+    if spec.combine_with is None:
+        return drafter, StandardAcceptance()
+    inner, rule = ctx.build_method(spec.combine_with)
+    return CombinedDrafter(drafter, inner, spec.suffix_decoding_min_score), rule
 
 
-METHOD = Method("Suffix", SuffixDecodingConfig, build, from_build_yaml("Suffix"))
+def prepare_model(model, spec: SuffixDecodingConfig, ctx: LoadContext) -> None:
+    """The combined drafter's model drafter's changes to the target (MTP: its draft head cut), if any."""
+    if spec.combine_with is not None:
+        ctx.prepare_method(model, spec.combine_with)
+
+
+METHOD = Method("Suffix", SuffixDecodingConfig, build, from_build_yaml("Suffix"), prepare_model)

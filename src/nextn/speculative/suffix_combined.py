@@ -1,0 +1,133 @@
+"""Combined drafting: suffix drafts where the suffix trees expect enough accepted drafts, a model drafter's
+elsewhere — decided per request, per step (Snowflake Arctic Inference's "Arctic + Suffix": suffix speculation when
+its score clears a threshold, the learned speculator otherwise; TensorRT-LLM combines its suffix automaton with
+MTP / Eagle the same way). One chain step verifies either kind: every row carries K drafts.
+
+    each step     both drafters see the verified rows (the model drafter keeps its KV and state whole, so its
+                  drafts are always ready), both propose; row b takes the suffix proposal when its score — the
+                  expected number of accepted drafts (speculative/suffix_tree.py) — is at least `min_score`,
+                  else the model drafter's K_m drafts, padded to K with their last token
+    how many      the step verifies as many drafts as the longest useful proposal in the batch (`draft_len_hint`:
+                  a suffix row's match length, a model row's K_m)
+    sampling      the model drafter's q for its rows (a draft model samples its drafts), one-hot q for suffix
+                  rows and for the padding (a function of the drafts before it): rejection sampling stays exact
+                  (Leviathan et al. 2023, §2.3, with q the distribution each draft was drawn from)
+
+Lossless by construction: which drafts a row verifies never changes what the acceptance rule emits for them.
+The suffix drafter reads tokens on the host, so the combination runs on CPU engines only (suffix.py's `build`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nextn.speculative.chain_step import LinearDrafter
+from nextn.speculative.protocol import Drafter, DrafterState, SamplingTensors
+
+__all__ = ["CombinedDrafter"]
+
+
+class CombinedDrafter(LinearDrafter):
+    """A suffix drafter and a chain model drafter (Draft_Target, MTP as a chain) behind one `Drafter`.
+
+    Args:
+        suffix: the `SuffixDrafter` (K drafts a step; its per-slot proposals carry `useful` and `score`).
+        model: the model drafter; its draft count K_m ≤ K.
+        min_score: a suffix proposal wins its row when its score is ≥ this (None: K_m, the most accepted drafts the
+            model drafter could give in one step).
+    Raises:
+        ValueError: K_m > K, or a tree drafter (it verifies a tree, not a chain).
+    Attributes:
+        rows_from_suffix, rows_from_model: rows drafted by each so far (statistics).
+    """
+
+    supports_disaggregation = False
+
+    def __init__(self, suffix: Drafter, model: Drafter, min_score: float | None = None) -> None:
+        if model.num_draft_tokens > suffix.num_draft_tokens:
+            raise ValueError(f"the model drafter's {model.num_draft_tokens} drafts exceed the suffix drafter's "
+                             f"{suffix.num_draft_tokens}")
+        if hasattr(model, "tree_layout"):
+            raise ValueError(f"{model.name} drafts a tree; combined drafting takes a chain drafter")
+        self.suffix, self.model = suffix, model
+        self.name = f"Suffix+{model.name}"
+        self.num_draft_tokens = self.max_draft_depth = suffix.num_draft_tokens
+        self.model_drafts = model.num_draft_tokens
+        self.min_score = float(self.model_drafts if min_score is None else min_score)
+        # the model drafter's KV and state are what the engine must keep for it
+        self.prefill_overlap, self.uses_draft_head = model.prefill_overlap, model.uses_draft_head
+        self.samples_drafts, self.kv_lookahead, self.kv_in_cache = (model.samples_drafts, model.kv_lookahead,
+                                                                    model.kv_in_cache)
+        self._from_suffix: dict[int, bool] = {}  # batch slot → whether its last drafts came from the suffix trees
+        self.rows_from_suffix = self.rows_from_model = 0
+
+    # State: (suffix's slot ids [B], *the model drafter's state, drafts [B, K] int64, from_suffix [B] bool) --------
+    def initial_state(self, batch: int, hidden_size: int, device: torch.device, dtype: torch.dtype) -> DrafterState:
+        return (*self.suffix.initial_state(batch, hidden_size, device, dtype),
+                *self.model.initial_state(batch, hidden_size, device, dtype),
+                torch.zeros(batch, self.num_draft_tokens, dtype=torch.int64, device=device),
+                torch.zeros(batch, dtype=torch.bool, device=device))
+
+    def _split(self, state: DrafterState) -> tuple[DrafterState, DrafterState]:
+        return state[:1], state[1:-2]
+
+    def load_prefix(self, state: DrafterState, slot: int, token_ids: list[int]) -> None:
+        suffix_state, model_state = self._split(state)
+        self.suffix.load_prefix(suffix_state, slot, token_ids)
+        self.model.load_prefix(model_state, slot, token_ids)
+
+    def draft_len_hint(self, slots: list[int]) -> int:
+        """The longest useful proposal among `slots`: a suffix row's match, a model row's K_m."""
+        known = self.suffix.slots
+        return max(1, max(((known[s].useful if self._from_suffix.get(s) else self.model_drafts)
+                           for s in slots if s in known), default=self.num_draft_tokens))
+
+    def _choose(self, suffix_drafts: torch.Tensor, model_drafts: torch.Tensor, suffix_state: DrafterState,
+                model_state: DrafterState, draft: bool = True) -> tuple[torch.Tensor, DrafterState]:
+        """Per row: the suffix proposal when its score is ≥ min_score, else the model's drafts padded to K."""
+        slots = suffix_state[0].tolist()
+        known = self.suffix.slots
+        pick = [draft and s in known and known[s].score >= self.min_score for s in slots]
+        for s, p in zip(slots, pick):
+            self._from_suffix[s] = p
+        n = sum(pick)
+        self.rows_from_suffix += n
+        self.rows_from_model += len(pick) - n
+        k, km = self.num_draft_tokens, model_drafts.shape[1]
+        padded = model_drafts if km == k else torch.cat(
+            [model_drafts, (model_drafts[:, -1:] if km else suffix_drafts[:, :1]).expand(-1, k - km)], dim=1)
+        from_suffix = torch.tensor(pick, dtype=torch.bool, device=suffix_drafts.device)
+        drafts = torch.where(from_suffix[:, None], suffix_drafts, padded)
+        return drafts, (*suffix_state, *model_state, drafts, from_suffix)
+
+    # The protocol -------------------------------------------------------------------------------------------------
+    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state, sampling=None,
+                      draft=True):
+        suffix_state, model_state = self._split(state)
+        s_drafts, suffix_state = self.suffix.after_prefill(model, kv_cache, meta, hidden, next_tokens, last_idx,
+                                                           input_ids, suffix_state, sampling, draft)
+        m_drafts, model_state = self.model.after_prefill(model, kv_cache, meta, hidden, next_tokens, last_idx,
+                                                         input_ids, model_state, sampling, draft)
+        return self._choose(s_drafts, m_drafts, suffix_state, model_state, draft)
+
+    def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state, sampling=None):
+        suffix_state, model_state = self._split(state)
+        s_drafts, suffix_state = self.suffix.after_verify(model, kv_cache, meta, hidden, target_tokens, num_emitted,
+                                                          suffix_state)
+        with_sampling = {"sampling": sampling} if self.model.samples_drafts else {}
+        m_drafts, model_state = self.model.after_verify(model, kv_cache, meta, hidden, target_tokens, num_emitted,
+                                                        model_state, **with_sampling)
+        return self._choose(s_drafts, m_drafts, suffix_state, model_state)
+
+    def draft_probs(self, state: DrafterState, num_drafts: int, sampling: SamplingTensors) -> torch.Tensor | None:
+        """q [B, num_drafts, V] fp32: the model drafter's q on its rows' first K_m drafts, one-hot elsewhere (suffix
+        rows, padding); None when the model drafter's drafts are deterministic too (one-hot q for every row)."""
+        _, model_state = self._split(state)
+        drafts, from_suffix = state[-2], state[-1]
+        km = min(num_drafts, self.model_drafts)
+        q_model = self.model.draft_probs(model_state, km, sampling) if self.samples_drafts else None
+        if q_model is None:
+            return None
+        q = torch.nn.functional.one_hot(drafts[:, :num_drafts], q_model.shape[-1]).to(q_model.dtype)
+        q[:, :km] = torch.where(from_suffix[:, None, None], q[:, :km], q_model)
+        return q
