@@ -1,6 +1,11 @@
-"""`nextn serve` with speculation on (MTP, and NGram), through the official `openai` client: n choices, log-probabilities,
-penalties and logit_bias, JSON-schema output, tool calls (streamed and not, a tool result fed back) — each equal
-to plain decoding of the same request in `LLM.generate`, and an agent-style client loop that runs unchanged."""
+"""`nextn serve` with speculation on, through the official `openai` client: n choices, log-probabilities, penalties
+and logit_bias, JSON-schema output, tool calls (streamed and not, a tool result fed back) — each equal to plain
+decoding of the same request in `LLM.generate`, and an agent-style client loop that runs unchanged.
+
+Every feature runs with MTP and NGram; Draft_Target (the engine drafting for itself), Medusa (heads over the same
+checkpoint) and Suffix run a compact subset — n > 1, log-probabilities under penalties and bias, JSON-schema output,
+a tool call. A request and its streamed twin are sent at once, so they share the engine's batch (n > 1 does too).
+One server per drafter, shared by the module's tests."""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import json
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -15,7 +21,9 @@ import uvicorn
 
 from nextn import LLM, SamplingParams
 from nextn.runtime.sampling_params import GuidedDecodingParams
-from nextn.serving.openai_server import create_app
+from nextn.serving import openai_protocol as p
+from nextn.serving.openai_server import OpenAIServer, create_app
+from nextn.serving.openai_tools import parse_tool_calls, tool_call_grammar
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
@@ -45,10 +53,53 @@ def engine_dir(checkpoints):
     return checkpoints.engine(distill_steps=0)  # tiny DeepSeek-V3, one MTP module, the DeepSeek-V3 tokenizer
 
 
-@pytest.fixture(scope="module", params=["mtp", "ngram"])
+MEDUSA_CHOICES = [[0], [1], [0, 0], [0, 1], [1, 0]]
+ALL = ["mtp", "ngram", "draft_target", "medusa", "suffix"]
+FULL = ["mtp", "ngram"]  # every test; the other drafters run the compact subset (the tests parametrized with ALL)
+
+
+@pytest.fixture(scope="module")
+def medusa_engine_dir(checkpoints, tmp_path_factory):
+    """The same checkpoint with 2 Medusa heads of 1 layer that start as copies of the model's output head (the
+    ResBlocks add SiLU(0) = 0): each head guesses the next token again, so drafts are accepted where the output
+    repeats a token."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from nextn.build.engine_builder import build_engine
+
+    ckpt = checkpoints.checkpoint(distill_steps=0)
+    lm_head = next(w for shard in ckpt.glob("model*.safetensors") for k, w in load_file(shard).items()
+                   if k == "lm_head.weight")
+    hidden = lm_head.shape[1]
+    heads = {}
+    for i in range(2):
+        heads[f"{i}.0.linear.weight"] = torch.zeros(hidden, hidden)
+        heads[f"{i}.0.linear.bias"] = torch.zeros(hidden)
+        heads[f"{i}.1.weight"] = lm_head.clone()
+    tmp = tmp_path_factory.mktemp("medusa_serve")
+    (tmp / "heads").mkdir()
+    save_file(heads, str(tmp / "heads" / "medusa_lm_head.safetensors"))
+    (tmp / "heads" / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "medusa_num_layers": 1}))
+    build_engine(ckpt, tmp / "engine", progress=False, medusa_model_dir=tmp / "heads")
+    return tmp / "engine"
+
+
+def _drafter(name: str, engine_dir, request) -> tuple[object, dict]:
+    """(the engine directory, the speculative config) of a drafter."""
+    if name == "medusa":
+        return request.getfixturevalue("medusa_engine_dir"), {"decoding_type": "Medusa",
+                                                               "medusa_choices": MEDUSA_CHOICES}
+    return engine_dir, {"mtp": MTP, "ngram": {"decoding_type": "NGram", "max_draft_len": 3},
+                        "draft_target": {"decoding_type": "Draft_Target", "max_draft_len": 3,
+                                         "speculative_model_dir": str(engine_dir)},  # drafts for itself
+                        "suffix": {"decoding_type": "Suffix", "max_draft_len": 6}}[name]
+
+
+@pytest.fixture(scope="module", params=ALL)
 def client(engine_dir, request):
-    spec = MTP if request.param == "mtp" else {"decoding_type": "NGram", "max_draft_len": 3}
-    llm = LLM(engine_dir, speculative_config=spec, device="cpu")
+    path, spec = _drafter(request.param, engine_dir, request)
+    llm = LLM(path, speculative_config=spec, device="cpu")
     server = uvicorn.Server(uvicorn.Config(create_app(llm, "tiny"), host="127.0.0.1", port=_free_port(),
                                            log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -69,12 +120,15 @@ def plain(engine_dir):
 
 
 def _chat_ids(plain, messages, tools=None):
-    from nextn.serving.openai_server import OpenAIServer
-    from nextn.serving import openai_protocol as p
-
     server = OpenAIServer(plain, "ref")
     return server.chat_ids([p.ChatMessage.model_validate(m) for m in messages],
                            [p.Tool.model_validate(t) for t in tools] if tools else None)
+
+
+def _together(*calls):
+    """The calls' results, the calls made at once (their requests share the engine's batch)."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result() for f in [pool.submit(c) for c in calls]]
 
 
 def _stream_text(stream) -> dict[int, str]:
@@ -85,6 +139,7 @@ def _stream_text(stream) -> dict[int, str]:
     return out
 
 
+@pytest.mark.parametrize("client", [c for c in ALL if c != "suffix"], indirect=True)
 def test_n_choices(client, plain):
     prompt = "Once upon a time"
     kw = dict(model="tiny", prompt=prompt, max_tokens=8, extra_body={"ignore_eos": True})
@@ -100,6 +155,23 @@ def test_n_choices(client, plain):
     assert _stream_text_completions(stream) == {c.index: c.text for c in sampled.choices}
 
 
+@pytest.mark.parametrize("client", ["suffix"], indirect=True)
+def test_n_choices_with_suffix(client, plain):
+    """As test_n_choices, but a seed does not repeat a sampled output across requests here: Suffix's global tree
+    learns from every request, and other drafts draw other random numbers (the same distribution, another draw)."""
+    prompt = "Once upon a time"
+    kw = dict(model="tiny", prompt=prompt, max_tokens=8, extra_body={"ignore_eos": True})
+    greedy = client.completions.create(n=2, **kw)
+    [ref] = plain.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert [c.index for c in greedy.choices] == [0, 1] and {c.text for c in greedy.choices} == {ref.outputs[0].text}
+    assert greedy.usage.prompt_tokens == len(ref.prompt_token_ids) and greedy.usage.completion_tokens == 16
+    sampled = client.completions.create(n=3, seed=11, temperature=1.0, **kw)
+    assert [c.index for c in sampled.choices] == [0, 1, 2] and len({c.text for c in sampled.choices}) > 1
+    assert sampled.usage.completion_tokens == 24
+    stream = client.completions.create(n=3, stream=True, **kw)
+    assert _stream_text_completions(stream) == {i: ref.outputs[0].text for i in range(3)}
+
+
 def _stream_text_completions(stream) -> dict[int, str]:
     out: dict[int, str] = {}
     for chunk in stream:
@@ -109,9 +181,19 @@ def _stream_text_completions(stream) -> dict[int, str]:
 
 
 def test_logprobs_penalties_and_bias_equal_plain_decoding(client, plain):
-    kw = dict(presence_penalty=1.2, frequency_penalty=0.4, logit_bias={"100": 3.0, "200": 2.5})
-    out = client.chat.completions.create(model="tiny", messages=USER, max_tokens=12, logprobs=True, top_logprobs=2,
-                                         extra_body={"ignore_eos": True, "min_tokens": 4}, **kw)
+    kw = dict(model="tiny", messages=USER, max_tokens=12, logprobs=True, top_logprobs=2,
+              extra_body={"ignore_eos": True, "min_tokens": 4}, presence_penalty=1.2, frequency_penalty=0.4,
+              logit_bias={"100": 3.0, "200": 2.5})
+
+    def streamed() -> tuple[str, list[float]]:
+        text, lps = "", []
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            for ch in chunk.choices:
+                text += ch.delta.content or ""
+                lps += [t.logprob for t in (ch.logprobs.content if ch.logprobs else [])]
+        return text, lps
+
+    out, (text, lps) = _together(lambda: client.chat.completions.create(**kw), streamed)
     ids = _chat_ids(plain, USER)
     [ref] = plain.generate([ids], SamplingParams(max_tokens=12, ignore_eos=True, min_tokens=4, logprobs=2,
                                                  presence_penalty=1.2, frequency_penalty=0.4,
@@ -123,28 +205,20 @@ def test_logprobs_penalties_and_bias_equal_plain_decoding(client, plain):
     assert len(got) == len(want) == 12
     for (a, ta), (b, tb) in zip(got, want):
         assert a == pytest.approx(b, abs=1e-4) and ta == pytest.approx(tb, abs=1e-4)
-    stream = client.chat.completions.create(model="tiny", messages=USER, max_tokens=12, logprobs=True,
-                                            top_logprobs=2, stream=True,
-                                            extra_body={"ignore_eos": True, "min_tokens": 4}, **kw)
-    text, lps = "", []
-    for chunk in stream:
-        for ch in chunk.choices:
-            text += ch.delta.content or ""
-            lps += [t.logprob for t in (ch.logprobs.content if ch.logprobs else [])]
     assert text == c.message.content and lps == pytest.approx([a for a, _ in got], abs=1e-6)
 
 
 def test_json_schema_output_validates(client, plain):
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}
-    out = client.chat.completions.create(model="tiny", messages=USER, max_tokens=40, response_format=fmt)
+    kw = dict(model="tiny", messages=USER, max_tokens=40, response_format=fmt)
+    out, streamed = _together(lambda: client.chat.completions.create(**kw),
+                              lambda: _stream_text(client.chat.completions.create(stream=True, **kw)))
     data = json.loads(out.choices[0].message.content)
     jsonschema.validate(data, ANSWER)
     [ref] = plain.generate([_chat_ids(plain, USER)], SamplingParams(
         max_tokens=40, guided_decoding=GuidedDecodingParams(json=ANSWER)))
     assert out.choices[0].message.content == ref.outputs[0].text
-    stream = client.chat.completions.create(model="tiny", messages=USER, max_tokens=40, response_format=fmt,
-                                            stream=True)
-    assert _stream_text(stream)[0] == out.choices[0].message.content
+    assert streamed[0] == out.choices[0].message.content
     obj = client.chat.completions.create(model="tiny", messages=USER, max_tokens=60,
                                          response_format={"type": "json_object"})
     if obj.choices[0].finish_reason == "stop":  # a random model may still be inside a string at max_tokens
@@ -152,11 +226,28 @@ def test_json_schema_output_validates(client, plain):
     assert obj.choices[0].message.content.startswith("{")
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
-def test_tool_calls_parsed_streamed_and_valid(client, choice):
+def test_tool_calls_parsed_streamed_and_valid(client, plain):
+    _check_tool_call(client, plain, "required")
+
+
+@pytest.mark.parametrize("client", FULL, indirect=True)
+def test_a_named_tool_call_parsed_streamed_and_valid(client, plain):
+    _check_tool_call(client, plain, {"type": "function", "function": {"name": "get_time"}})
+
+
+def _check_tool_call(client, plain, choice):
     tools = [WEATHER, TIME]
-    out = client.chat.completions.create(model="tiny", messages=USER, tools=tools, tool_choice=choice,
-                                         max_tokens=60)
+    kw = dict(model="tiny", messages=USER, tools=tools, tool_choice=choice, max_tokens=60)
+
+    def streamed() -> tuple[list, str | None]:
+        calls, finish = [], None
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            for ch in chunk.choices:
+                calls += ch.delta.tool_calls or []
+                finish = ch.finish_reason or finish
+        return calls, finish
+
+    out, (calls, finish) = _together(lambda: client.chat.completions.create(**kw), streamed)
     c = out.choices[0]
     assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
     call = c.message.tool_calls[0]
@@ -164,17 +255,19 @@ def test_tool_calls_parsed_streamed_and_valid(client, choice):
     jsonschema.validate(json.loads(call.function.arguments), schema[call.function.name])
     if isinstance(choice, dict):
         assert call.function.name == "get_time"
-    stream = client.chat.completions.create(model="tiny", messages=USER, tools=tools, tool_choice=choice,
-                                            max_tokens=60, stream=True)
-    calls, finish = [], None
-    for chunk in stream:
-        for ch in chunk.choices:
-            calls += ch.delta.tool_calls or []
-            finish = ch.finish_reason or finish
     assert finish == "tool_calls" and [(x.function.name, x.function.arguments) for x in calls] == [
         (call.function.name, call.function.arguments)]
+    # the call plain decoding writes under the same grammar
+    parsed = [p.Tool.model_validate(t) for t in tools]
+    grammar = tool_call_grammar(parsed, p.ChatCompletionRequest.model_validate(
+        {"messages": USER, "tools": tools, "tool_choice": choice}).tool_choice)
+    [ref] = plain.generate([_chat_ids(plain, USER, tools)], SamplingParams(
+        max_tokens=60, guided_decoding=GuidedDecodingParams(grammar=grammar)))
+    [want] = parse_tool_calls(ref.outputs[0].text, parsed)[1]
+    assert (call.function.name, call.function.arguments) == (want.function.name, want.function.arguments)
 
 
+@pytest.mark.parametrize("client", FULL, indirect=True)
 def test_an_agent_loop_runs_unchanged(client):
     """What an agent framework does: a JSON-schema call, a tool call, the tool's result fed back, a streamed
     answer — with the openai client as it is."""
@@ -193,6 +286,7 @@ def test_an_agent_loop_runs_unchanged(client):
     assert isinstance(text, str)
 
 
+@pytest.mark.parametrize("client", FULL, indirect=True)
 def test_bad_tool_choice_and_two_constraints_are_400(client):
     with pytest.raises(openai.BadRequestError, match="not among the tools"):
         client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER], max_tokens=4,
@@ -219,3 +313,4 @@ def test_tool_call_parsing_and_holding_back():
     assert open_tool_call("Let me check. " + block + " more") == len("Let me check. ")
     assert open_tool_call("Hello <tool_") == len("Hello ")
     assert open_tool_call("```js") == 0 and open_tool_call("Plain answer.") == len("Plain answer.")
+
