@@ -12,7 +12,9 @@ TensorRT-LLM's speculative-config fields (`DecodingBaseConfig`):
   good.
 - `adaptive_draft_len: true` (nextn's own): each step verifies the draft length k ≤ the schedule's that maximises
   expected tokens per second, Σ_r E_r(k) / t(k), from each request's own recent acceptance and the step times
-  measured on this machine at each k (`AdaptiveDraftLen`); k = 0 (plain decoding) when no k pays.
+  measured on this machine at each k (`AdaptiveDraftLen`); k = 0 (plain decoding) when no k pays. With
+  `step_profile: auto` the step times come from a profile measured once per engine and machine and cached
+  (speculative/step_profile.py, runtime/step_profiler.py), so only acceptance is learnt while serving.
 
 A step with draft length 0 < k < K runs the same verify-and-draft step with k draft columns ([last, d1..dk]); the
 drafter still drafts K tokens (its KV and pools stay exactly as after a K-draft step, so raising k again later
@@ -168,7 +170,14 @@ class AdaptiveDraftLen:
     and a speculating one), or `idle_probe_every` at once when the bucket is hopeless — no k would pay even if
     every draft were accepted (max_k E(1, k) / (t(k) / t(0)) < 1: a compute-bound batch, or a drafter costlier
     than the tokens it could add; measured on this CPU at batch 8, where one probe costs ~17 plain steps); while
-    on, every `probe_every` speculating steps one plain step refreshes t(0). Lossless by construction: only the
+    on, every `probe_every` speculating steps one plain step refreshes t(0).
+
+    With a step profile (`profile`, speculative/step_profile.py: t(k) per bucket measured once for this engine on this
+    machine) the profiled buckets explore nothing for step times: their t(k) are the profile's from the first step,
+    never replaced online (a profiled bucket times no plain steps, so online speculating times alone would skew
+    t(k) / t(0)), no warm-up plain step, no plain probes while on; a hopeless bucket runs k = 0 from its first step
+    and never probes (no acceptance could change that); a paying bucket speculates from its first step, and while
+    off still probes to refresh α. Buckets the profile lacks behave as above. Lossless by construction: only the
     number of verified drafts changes, never the acceptance rule. The step's shape is one draft length for the whole
     batch ([B, k+1], graph-capturable), so per-request acceptance chooses the batch's k rather than giving each row
     its own width (a row's extra verified drafts cost nothing more once the step runs).
@@ -179,7 +188,8 @@ class AdaptiveDraftLen:
     def __init__(self, inner: DraftLenPolicy, prior_cost: float = 0.1, smoothing: float = 0.2,
                  acceptance_smoothing: float = 0.1,
                  probe_every: int = 32, warmup_steps: int = 2, max_probe_every: int = 256,
-                 idle_probe_every: int = 1024, gain: Gain = expected_tokens) -> None:
+                 idle_probe_every: int = 1024, gain: Gain = expected_tokens,
+                 profile: Mapping[int, Mapping[int, float]] | None = None) -> None:
         self.inner, self.max_draft_len, self.gain = inner, inner.max_draft_len, gain
         self.prior_cost, self.smoothing, self.probe_every = prior_cost, smoothing, probe_every
         self.warmup_steps, self.max_probe_every = warmup_steps, max_probe_every
@@ -189,7 +199,9 @@ class AdaptiveDraftLen:
         self._pooled: tuple[float, float, float] | None = None  # `_acceptance_ema` of a request's mean step
         # request id → the same for each recently observed request (least recent first)
         self._request_stats: OrderedDict[int, tuple[float, float, float]] = OrderedDict()
-        self.step_time: dict[int, dict[int, float]] = {}  # batch-size bucket → {k: EMA seconds of a step at k}
+        # batch-size bucket → {k: EMA seconds of a step at k}; a step profile's buckets: its seconds, kept as they are
+        self.step_time: dict[int, dict[int, float]] = {b: dict(times) for b, times in (profile or {}).items()}
+        self._profiled = frozenset(self.step_time)
         self._timed_at: dict[int, dict[int, int]] = {}  # bucket → {k: `_timed_steps` when t(k) was last timed}
         self._timed_steps = 0  # timed steps observed
         self._spec_steps: dict[int, int] = {}  # bucket → speculating steps observed (for the first plain timing)
@@ -270,6 +282,9 @@ class AdaptiveDraftLen:
         if limit == 0:
             return 0
         bucket = self._bucket(batch_size)
+        profiled = bucket in self._profiled
+        if profiled and self.hopeless(batch_size, limit):  # the profile says no acceptance could pay: never explore
+            return 0
         if 0 not in self.step_time.get(bucket, {}) and self._spec_steps.get(bucket, 0) >= self.warmup_steps:
             self._spec_steps[bucket] = 0  # time a plain step of this bucket (again, if it was not timed)
             return 0
@@ -281,6 +296,8 @@ class AdaptiveDraftLen:
             probe.off, probe.since_switch, probe.interval = k == 0, 0, self.probe_every
         if k == 0 and probe.interval < self.idle_probe_every and self.hopeless(batch_size, limit):
             probe.interval = self.idle_probe_every
+        if profiled and not probe.off:  # t(0) is the profile's: no plain step to time
+            return k
         probe.since_switch += 1
         if probe.since_switch >= probe.interval:  # probe the other side (see the class docstring)
             probe.since_switch = 0
@@ -313,6 +330,8 @@ class AdaptiveDraftLen:
         if seconds <= 0.0 or batch_size <= 0:
             return
         bucket = self._bucket(batch_size)
+        if bucket in self._profiled:
+            return
         times, seen = self.step_time.setdefault(bucket, {}), self._timed_at.setdefault(bucket, {})
         self._timed_steps += 1
         stale = self._timed_steps - seen.get(draft_len, self._timed_steps) > self.probe_every
@@ -324,9 +343,12 @@ class AdaptiveDraftLen:
 
 
 def choose_draft_len_policy(spec: DecodingBaseConfig | MedusaDecodingConfig | None, num_draft_tokens: int,
-                            gain: Gain = expected_tokens) -> DraftLenPolicy:
+                            gain: Gain = expected_tokens,
+                            step_profile: Mapping[int, Mapping[int, float]] | None = None) -> DraftLenPolicy:
     """The draft-length policy for this speculative config (chosen once, at load time); `gain` is the drafter's
-    expected tokens per step at (α, draft length) (`Drafter.expected_tokens`), the adaptive policy's model.
+    expected tokens per step at (α, draft length) (`Drafter.expected_tokens`), the adaptive policy's model;
+    `step_profile` the engine's measured step times {bucket: {k: seconds}} (speculative/step_profile.py), which the
+    adaptive policy starts from instead of measuring them.
 
     Medusa verifies its whole tree every step (its width is the tree's, not a draft length): static.
 
@@ -346,5 +368,5 @@ def choose_draft_len_policy(spec: DecodingBaseConfig | MedusaDecodingConfig | No
     if spec.acceptance_rate_window_size and spec.acceptance_rate_threshold is not None:
         policy = AcceptanceGate(policy, spec.acceptance_rate_window_size, spec.acceptance_rate_threshold)
     if spec.adaptive_draft_len:
-        policy = AdaptiveDraftLen(policy, gain=gain)
+        policy = AdaptiveDraftLen(policy, gain=gain, profile=step_profile)
     return policy
