@@ -1,6 +1,7 @@
 """Step profiles (speculative/step_profile.py, runtime/step_profiler.py): the file round-trips, is refused when
 malformed or oversized and never replaces a file it did not write; another machine's profile is measured again with
-one line saying so; a policy seeded from a profile makes at once the decision a measuring one converges to."""
+one line saying so; a policy seeded from a profile makes at once the decision a measuring one converges to; profiling
+a tiny engine covers the batch sizes × draft lengths, is cached for the next load, and stays lossless."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import logging
 import pytest
 import torch
 
+from nextn import LLM, SamplingParams
+from nextn.runtime import step_profiler
 from nextn.speculative.draft_len_policy import AdaptiveDraftLen, StaticDraftLen
 from nextn.speculative.step_profile import (MAX_PROFILE_BYTES, ProfileKey, StepProfile, StepProfileError,
                                             cached_step_profile, engine_digest, load_step_profile, profile_path,
@@ -42,8 +45,8 @@ def test_another_machine_re_profiles_with_one_line(tmp_path, caplog):
     with caplog.at_level(logging.INFO):
         assert cached_step_profile(tmp_path, here, "tiny") is None
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and lines[0].startswith(
-        f"step profile for tiny was measured on Some Other CPU/{here.threads + 3} threads") and "re-profiling" in lines[0]
+    assert len(lines) == 1 and "re-profiling" in lines[0]
+    assert lines[0].startswith(f"step profile for tiny was measured on Some Other CPU/{here.threads + 3} threads")
     save_step_profile(profile(here), tmp_path)  # a profile of ours: replaced
     assert load_step_profile(profile_path(tmp_path, DIGEST)).key == here
 
@@ -129,3 +132,46 @@ def test_a_seeded_policy_still_probes_acceptance_while_off_and_measures_unprofil
     seeded.observe(8, 8, 4, 2, 0.012)  # batch 2 is not in the profile: measured as without one
     seeded.observe(8, 8, 4, 2, 0.012)
     assert seeded.step_time[2] == {4: 0.012} and seeded.draft_len(2) == 0  # its warm-up plain step
+
+
+PROMPTS = [[11, 12, 13, 14, 15], [30, 31, 32], [7, 8, 9, 10], [40, 41], [50, 51, 52, 53]]
+SP = SamplingParams(max_tokens=16, ignore_eos=True)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_profiling_a_tiny_engine_is_cached_and_lossless(eagle, tmp_path, caplog, monkeypatch, overlap):
+    spec = {"decoding_type": "MTP", "num_nextn_predict_layers": 3, "adaptive_draft_len": True,
+            "step_profile": "auto", "step_profile_dir": str(tmp_path)}
+    with caplog.at_level(logging.INFO, logger="nextn.runtime.step_profiler"):
+        llm = LLM(eagle, speculative_config=spec, max_batch_size=8, disable_overlap_scheduler=not overlap)
+    assert "measured the step profile" in caplog.text
+    (path,) = tmp_path.iterdir()
+    saved = load_step_profile(path)
+    assert set(saved.step_time) == {1, 2, 4, 8} and all(set(t) == {0, 1, 2, 3} for t in saved.step_time.values())
+    assert saved.key.threads == torch.get_num_threads() and saved.measure_seconds > 0
+    policy = llm.engine.draft_len_policy
+    assert policy.step_time == saved.step_time
+    plain = LLM(eagle, speculative_config=None, max_batch_size=8)
+    ref = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, SP)]
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SP)] == ref
+    assert llm.engine.pool.num_free == plain.engine.pool.num_free  # profiling left no block behind
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("the cached profile should have been read")
+
+    with monkeypatch.context() as m:
+        m.setattr(step_profiler, "measure_step_time", no_measuring)
+        again = LLM(eagle, speculative_config=spec, max_batch_size=8, disable_overlap_scheduler=not overlap)
+    assert again.engine.draft_len_policy.step_time == saved.step_time
+    assert [o.outputs[0].token_ids for o in again.generate(PROMPTS, SP)] == ref
+    other = saved.model_copy(update={"key": saved.key.model_copy(update={"threads": saved.key.threads + 1})})
+    path.write_text(other.model_dump_json())  # measured with another thread count: measured again, one line says so
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="nextn"):
+        LLM(eagle, speculative_config=spec, max_batch_size=8)
+    assert [r.getMessage() for r in caplog.records if "re-profiling" in r.getMessage()] == [
+        f"step profile for {eagle.name} was measured on {other.key.machine()}, this is {saved.key.machine()}; "
+        "re-profiling"]
+    assert "measured the step profile" in caplog.text and load_step_profile(path).key == saved.key
+    off = LLM(eagle, speculative_config={**spec, "step_profile": "off"}, max_batch_size=8)
+    assert off.engine.draft_len_policy.step_time == {}  # "off": measured online, as without a profile

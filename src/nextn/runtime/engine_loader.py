@@ -1,7 +1,8 @@
 """Loading an engine directory for decoding: sizes checked, the speculative method's strategies chosen, the target
 model loaded (runtime/model_loader.py), the KV cache sized and allocated, the decode step layered (torch.compile,
-CUDA graphs), and the scheduler and model runner built over them. `Engine` (runtime/engine.py) runs what this
-returns.
+CUDA graphs), and the scheduler and model runner built over them — the draft-length policy starting, with
+`step_profile: auto`, from the engine's measured step times (runtime/step_profiler.py). `Engine`
+(runtime/engine.py) runs what this returns.
 
 Tensor parallelism reaches the load only through a `Sharding` (distributed/tensor_parallel.py implements it), so
 the engine does not depend on the distributed package.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -34,7 +36,8 @@ from nextn.runtime.prefix_cache import PrefixCache
 from nextn.runtime.scheduler import Scheduler
 from nextn.runtime.tokenizer import EngineTokenizer, eos_token_ids
 from nextn.speculative import registry
-from nextn.speculative.draft_len_policy import choose_draft_len_policy
+from nextn.runtime.step_profiler import ProfileTarget, step_profile_for
+from nextn.speculative.draft_len_policy import DraftLenPolicy, StaticDraftLen, choose_draft_len_policy
 from nextn.speculative.method import LoadContext
 from nextn.speculative.protocol import AcceptanceRule, Drafter
 
@@ -123,15 +126,17 @@ def load_engine(engine_dir: str | Path, args: LlmArgs, spec: BaseModel | None, d
                            device)  # num_blocks counts the null block
     pool = BlockPool(plan.num_blocks, block_size, prefix_cache_for(args, manifest, spec, drafter, kv_dtype,
                                                                    block_size))
-    draft_len_policy = choose_draft_len_policy(spec, k, drafter.expected_tokens)
-    try:
-        scheduler = Scheduler(pool, max_batch_size, args.max_num_tokens, k,
-                              enable_chunked_prefill=args.enable_chunked_prefill,
-                              prefill_overlap=drafter.prefill_overlap, draft_len_policy=draft_len_policy,
-                              drafter_kv=drafter.kv_in_cache, max_seq_len=max_seq_len,
-                              draft_len_hint=drafter.draft_len_hint)
-    except ValueError as e:
-        raise LlmArgsError(str(e)) from e
+
+    def new_scheduler(pool: BlockPool, policy: DraftLenPolicy, hint: Callable[[list[int]], int] | None) -> Scheduler:
+        try:
+            return Scheduler(pool, max_batch_size, args.max_num_tokens, k,
+                             enable_chunked_prefill=args.enable_chunked_prefill,
+                             prefill_overlap=drafter.prefill_overlap, draft_len_policy=policy,
+                             drafter_kv=drafter.kv_in_cache, max_seq_len=max_seq_len, draft_len_hint=hint)
+        except ValueError as e:
+            raise LlmArgsError(str(e)) from e
+
+    new_scheduler(pool, StaticDraftLen(k), drafter.draft_len_hint)  # the settings checked before anything runs
     decode_fn = drafter.decode_fn  # verify_and_draft_step, or Medusa's tree step
     if args.torch_compile_config is not None:
         decode_fn = compile_decode_fn(decode_fn, engine_dir, device, args.torch_compile_config, manifest)
@@ -139,6 +144,11 @@ def load_engine(engine_dir: str | Path, args: LlmArgs, spec: BaseModel | None, d
         logger.info("%s stores torch.compile artifacts; torch_compile_config: {} uses them", engine_dir)
     decode_fn = graph_decode_fn(decode_fn, args.cuda_graph_config, device, max_batch_size, plan.per_seq)
     runner = ModelRunner(model, drafter, acceptance, kv, block_size, max_batch_size, decode_fn=decode_fn)
+    profile = step_profile_for(spec, args, manifest, engine_dir, device, ProfileTarget(
+        runner, new_scheduler, plan.num_blocks, block_size, max_batch_size, max_seq_len, k, cfg.vocab_size),
+        sharded=sharding is not None)  # the measured step times, when the config asks for them
+    draft_len_policy = choose_draft_len_policy(spec, k, drafter.expected_tokens, profile)
+    scheduler = new_scheduler(pool, draft_len_policy, drafter.draft_len_hint)
     try:
         tokenizer = EngineTokenizer.load(engine_dir, manifest.tokenizer_files)
     except Exception as e:  # transformers raises many kinds for a corrupt tokenizer file
