@@ -10,17 +10,17 @@ step instead of exploring (speculative/draft_len_policy.py).
 A profile lives in `<cache dir>/step-profile-<engine digest[:32]>.json` (default cache dir
 `~/.cache/nextn/step_profiles`): one file per engine identity, so a run on another CPU, thread count or version
 finds it, logs one line naming what it was measured on, and measures again (`cached_step_profile`). Reading is
-bounded (`MAX_PROFILE_BYTES`) and validated; writing is atomic (a temporary file renamed over the old one), inside
-the cache dir, under that name pattern only, and never replaces a file that is not a valid step profile.
+bounded (config/user_files.py, `MAX_PROFILE_BYTES`; a symbolic link is refused) and validated; writing is atomic
+and never replaces a file that is not in the step-profile format (build/output_files.py, nextn's rule for every
+file it writes), only ever at that name in the cache dir.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import platform
-import tempfile
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -28,6 +28,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 import nextn
+from nextn.build.output_files import OutputPathError, write_output_file
+from nextn.config.user_files import read_user_bytes
 
 __all__ = ["DEFAULT_PROFILE_DIR", "MAX_PROFILE_BYTES", "ProfileKey", "StepProfile", "StepProfileError",
            "cached_step_profile", "engine_digest", "load_step_profile", "profile_path", "save_step_profile"]
@@ -40,6 +42,7 @@ MAX_BUCKET = 1 << 16  # = config.llm_args.MAX_BATCH_SIZE
 MAX_DRAFT_LEN = 255  # = config.llm_args.MAX_TREE_DRAFT_TOKENS (a tree's k counts its nodes)
 MAX_STEP_SECONDS = 3600.0
 _FORMAT = "nextn.step_profile"
+_OURS = re.compile(rb'^\s*\{\s*"format"\s*:\s*"nextn\.step_profile"')  # how a profile file starts (`StepProfile`)
 
 
 class StepProfileError(ValueError):
@@ -131,19 +134,13 @@ def load_step_profile(path: str | Path) -> StepProfile:
     """Read and validate a step-profile file.
 
     Raises:
-        StepProfileError: not a regular file (a symbolic link included), over `MAX_PROFILE_BYTES`, not UTF-8 JSON
-            of a step profile (the message names the path and the first bad field).
+        StepProfileError: a symbolic link or not a regular file, over `MAX_PROFILE_BYTES`, or not the JSON of a
+            step profile (the message names the path and the first bad field).
     """
     path = Path(path)
-    if path.is_symlink() or not path.is_file():
-        raise StepProfileError(f"{path} is not a regular file: a step profile is a JSON file nextn writes")
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_PROFILE_BYTES + 1)
-    except OSError as e:
-        raise StepProfileError(f"{path} cannot be read: {e}") from e
-    if len(data) > MAX_PROFILE_BYTES:
-        raise StepProfileError(f"{path} is over {MAX_PROFILE_BYTES} bytes: not a step profile")
+    if path.is_symlink():
+        raise StepProfileError(f"the step profile {path} is a symbolic link: a step profile is a file nextn writes")
+    data = read_user_bytes(path, "the step profile", StepProfileError, MAX_PROFILE_BYTES)
     try:
         return StepProfile.model_validate_json(data)
     except ValidationError as e:
@@ -158,25 +155,15 @@ def save_step_profile(profile: StepProfile, cache_dir: str | Path) -> Path:
     Returns:
         The file written.
     Raises:
-        StepProfileError: a file is there that is not a valid step profile (a user's file is never replaced), or
-            the directory cannot be written.
+        StepProfileError: a file is there that is not in the step-profile format (never replaced), a symbolic link,
+            or the directory cannot be written.
     """
     path = profile_path(cache_dir, profile.key.engine)
-    if path.exists() or path.is_symlink():
-        load_step_profile(path)  # raises unless it is one of ours
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".step-profile-", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(profile.model_dump_json(indent=1) + "\n")
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-    except OSError as e:
-        raise StepProfileError(f"cannot write the step profile {path}: {e}") from e
-    return path
+        return write_output_file(path, profile.model_dump_json(indent=1) + "\n", "the step profile",
+                                 is_ours=lambda head: bool(_OURS.match(head)))
+    except (OutputPathError, OSError) as e:
+        raise StepProfileError(f"cannot write the step profile {path}: {e}") from None
 
 
 def cached_step_profile(cache_dir: str | Path, key: ProfileKey, engine_name: str) -> StepProfile | None:
