@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nextn.speculative.acceptance_reference import rejection_sampling, relaxed_acceptance, strict_acceptance
+from nextn.speculative.acceptance_reference import coupled_acceptance, relaxed_acceptance, strict_acceptance
 from nextn.plugins.sampling import STREAM_ACCEPT, STREAM_SAMPLE, counter_uniform, filtered_probs
 from nextn.speculative.acceptance_rules import RelaxedAcceptance, StandardAcceptance, greedy_sampling
 from nextn.speculative.protocol import SamplingTensors
@@ -102,8 +102,9 @@ def _sampling(temperature: list[float], top_k: list[int], top_p: list[float], se
 
 
 def _expected_rejection(logits, drafts, first_position, sampling: SamplingTensors, rows: list[int]):
-    """What rejection sampling gives on `rows`, with the uniforms keyed as the runtime keys them: per request
-    seed, the position each token would land at (first_position + j), STREAM_ACCEPT / STREAM_SAMPLE."""
+    """What speculative sampling of deterministic drafts gives on `rows` (`coupled_acceptance`), with the uniforms
+    keyed as the runtime keys them: per request seed, the position each token would land at (first_position + j),
+    STREAM_SAMPLE."""
     r = torch.tensor(rows)
     k = drafts.shape[1]
     positions = first_position[r, None] + torch.arange(k + 1)  # [R, K+1]
@@ -112,7 +113,8 @@ def _expected_rejection(logits, drafts, first_position, sampling: SamplingTensor
     rep = lambda x: x[r].repeat_interleave(k + 1)  # noqa: E731
     probs = filtered_probs(logits[r].reshape(-1, V), rep(sampling.temperature), rep(sampling.top_k),
                            rep(sampling.top_p), sampling.use_filters).view(len(rows), k + 1, V)
-    return rejection_sampling(probs, drafts[r], accept_u, sample_u)
+    assert accept_u.shape == (len(rows), k)  # keyed as the runtime keys them (unused by deterministic drafts)
+    return coupled_acceptance(probs, drafts[r], sample_u)  # deterministic drafts: the coupled rule
 
 
 def test_relaxed_rule_mixed_batch():
@@ -190,7 +192,7 @@ def test_standard_one_sampling_row_keeps_greedy_rows_strict(use_filters):
     tokens, n, _ = StandardAcceptance().accept(logits, drafts, first_position, sampling, ())
     greedy = torch.tensor([i for i in range(b) if i != 5])
     s_tokens, s_n = strict_acceptance(logits[greedy], drafts[greedy])
-    # Rejection sampling on a one-hot p is exactly strict acceptance: emitted tokens, counts, and even the unused tail.
+    # The coupled rule on a one-hot p is exactly strict acceptance: emitted tokens, counts, and even the unused tail.
     assert torch.equal(n[greedy], s_n) and torch.equal(tokens[greedy], s_tokens)
     r_tokens, r_n = _expected_rejection(logits, drafts, first_position, sampling, [5])
     assert torch.equal(n[5:6], r_n) and torch.equal(tokens[5:6], r_tokens)
@@ -226,3 +228,20 @@ def test_greedy_sampling():
     assert not s.any_sampled and not s.use_filters
     assert s.temperature.tolist() == [0.0] * 3 and s.top_k.tolist() == [0] * 3 and s.top_p.tolist() == [1.0] * 3
     assert s.top_k.dtype == torch.int64 and s.seed.dtype == torch.int64
+
+
+def test_coupled_acceptance_emits_the_draws_and_keeps_the_matching_prefix():
+    """Deterministic drafts: the emitted tokens are the target's draws with the positions' uniforms whatever the
+    drafts (so plain decoding's tokens with the same seed); drafts count only up to the first mismatch."""
+    torch.manual_seed(0)
+    probs = torch.softmax(torch.randn(6, 4, V), -1)
+    u = torch.rand(6, 4)
+    draws = coupled_acceptance(probs, torch.zeros(6, 3, dtype=torch.int64), u)[0]
+    drafts = draws[:, :3].clone()
+    drafts[1, 0] += 1  # mismatch first: 0 accepted
+    drafts[2, 1] += 1  # second: 1
+    drafts[3, 2] += 1  # third: 2
+    drafts[4, 0] += 1  # a later match after a mismatch does not count
+    tokens, n = coupled_acceptance(probs, drafts % V, u)
+    assert torch.equal(tokens, draws)
+    assert n.tolist() == [4, 1, 2, 3, 1, 4]

@@ -247,3 +247,22 @@ def test_the_draft_length_follows_the_match(llama_engine, overlap):
     assert min(fresh) < 16 and all(1 <= k <= 16 for k in fresh + repeat)
     assert max(repeat) > 8 and second.num_decode_steps * 4 < len(want)  # the copy goes in long steps
     llm.shutdown()
+
+
+@pytest.mark.parametrize("spec", [SUFFIX, {"decoding_type": "NGram", "max_draft_len": 3}], ids=["Suffix", "NGram"])
+def test_seeded_sampling_equals_plain_decoding_token_for_token(llama_engine, spec):
+    """Deterministic drafts are verified by the coupled rule (acceptance_reference.coupled_acceptance): each emitted
+    token is the one plain decoding draws there with the same seed, so sampled output is plain's exactly — again
+    when the request repeats (a warm global tree proposes other drafts), and in a batch."""
+    prompts = [LOOPING, PROMPTS[0], PROMPTS[4]]
+    sps = [SamplingParams(max_tokens=32, ignore_eos=True, temperature=t, top_p=p, seed=s)
+           for t, p, s in ((1.0, 1.0, 3), (0.8, 0.9, 11), (1.2, 1.0, 5))]
+    plain = LLM(llama_engine, speculative_config=None)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, sps)]
+    plain.shutdown()
+    llm = LLM(llama_engine, speculative_config=spec)
+    for _ in range(2):  # the second round drafts from the first round's outputs too
+        outs = llm.generate(prompts, sps)
+        assert [o.outputs[0].token_ids for o in outs] == want
+    assert sum(o.outputs[0].num_accepted_draft_tokens for o in outs) > 0
+    assert [llm.generate(p, sp).outputs[0].token_ids for p, sp in zip(prompts, sps)] == want

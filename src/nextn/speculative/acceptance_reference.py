@@ -95,6 +95,33 @@ def rejection_sampling(target_probs: torch.Tensor, draft_tokens: torch.Tensor, a
     return _emit(draft_tokens, drawn, num_accepted)
 
 
+def coupled_acceptance(target_probs: torch.Tensor, draft_tokens: torch.Tensor, sample_u: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling for deterministic drafts: draw the target's token at every verified position with that
+    position's uniform, then accept the drafts that equal the draws (strict acceptance over sampled targets).
+
+    Lossless, and more: each emitted token is the token plain decoding draws at that position with the same
+    uniform (same seed, same position), whatever the drafts were — the emitted prefix always equals plain
+    decoding's, and a draft is accepted with probability p(d), as rejection sampling with one-hot q accepts it
+    (Leviathan et al. 2023, §2.3: the coupling that makes their rule lossless, realised with shared randomness).
+    So seeded sampling reproduces plain decoding's output token for token with any drafter whose drafts do not
+    depend on the sampling (n-gram and suffix matches, argmax MTP and Medusa heads).
+
+    Args:
+        target_probs: [B, K+1, V] the target's sampling distributions (greedy rows: one-hot at the argmax).
+        draft_tokens: [B, K] int64.
+        sample_u: [B, K+1] uniforms in [0, 1), one per position (`counter_uniform(seed, position, STREAM_SAMPLE)`).
+    Returns:
+        tokens [B, K+1] int64 (the draws), num_emitted [B] int64 in [1, K+1] = 1 + the matching prefix's length.
+    """
+    from nextn.plugins.sampling import sample_from_probs
+
+    drawn = sample_from_probs(target_probs, sample_u)  # [B, K+1]
+    k = draft_tokens.shape[1]
+    matched = (draft_tokens == drawn[:, :k]).to(torch.int64).cumprod(dim=1).sum(dim=1)
+    return drawn, matched + 1
+
+
 def _emit(draft_tokens: torch.Tensor, fallback: torch.Tensor, num_accepted: torch.Tensor
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """tokens[:, j] = draft j for j < num_accepted, else fallback[:, j]; returns (tokens [B, K+1], num_accepted + 1)."""

@@ -1,7 +1,8 @@
 """Acceptance rules: the strategies that turn the target's logits and the drafts into emitted tokens.
 
 Chosen once from the speculative config (STYLE.md §4): `StandardAcceptance` (strict for greedy batches, lossless
-rejection sampling as soon as one request samples — which is exactly strict on its greedy rows) or
+speculative sampling as soon as one request samples — which is exactly strict on its greedy rows: rejection sampling
+for drafts drawn from q, the coupled rule for deterministic drafts) or
 `RelaxedAcceptance` (TensorRT-LLM's relaxed acceptance for greedy requests inside `<think>…</think>`, rejection
 sampling for sampling requests). Each holds per-request state as device tensors (the thinking delta), so the step
 stays a pure function of fixed-shape tensors. The math is `strict_acceptance`, `relaxed_acceptance` and
@@ -42,9 +43,15 @@ def relaxed_acceptance(target_logits: torch.Tensor, draft_tokens: torch.Tensor, 
 def rejection_sampling(target_probs: torch.Tensor, draft_tokens: torch.Tensor, accept_u: torch.Tensor,
                        sample_u: torch.Tensor, draft_probs: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rejection sampling (`acceptance_reference.rejection_sampling`): probs [B, K+1, V] fp32, drafts [B, K],
-    uniforms accept_u [B, K] and sample_u [B, K+1], draft_probs [B, K, V] or None (argmax drafts) → (tokens
-    [B, K+1] int64, num_emitted [B] int64); the kernel where it can run, else the reference."""
+    """Speculative sampling: probs [B, K+1, V] fp32, drafts [B, K], uniforms accept_u [B, K] and sample_u [B, K+1],
+    draft_probs [B, K, V] or None (deterministic drafts) → (tokens [B, K+1] int64, num_emitted [B] int64).
+
+    Drafts drawn from q (`draft_probs`): rejection sampling (`acceptance_reference.rejection_sampling`), the kernel
+    where it can run, else the reference. Deterministic drafts: `acceptance_reference.coupled_acceptance` — the
+    target's tokens drawn with each position's uniform and the matching drafts kept, so the output is plain
+    decoding's with the same seed, token for token (accept_u unused)."""
+    if draft_probs is None:  # deterministic drafts: draw the target, keep matching drafts (plain's exact tokens)
+        return reference.coupled_acceptance(target_probs, draft_tokens, sample_u)
     if use_kernel(target_probs, draft_tokens, accept_u, sample_u):
         return rejection_sampling_triton(target_probs, draft_tokens, accept_u, sample_u, draft_probs)
     return reference.rejection_sampling(target_probs, draft_tokens, accept_u, sample_u, draft_probs)

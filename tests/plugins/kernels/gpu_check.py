@@ -9,6 +9,7 @@ import os
 import torch
 
 from nextn.speculative import acceptance_reference as R
+from nextn.speculative import acceptance_kernels as K
 from nextn.speculative import acceptance_rules as A
 from nextn.plugins.kernels import dispatch
 from nextn.plugins.kernels import medusa_tree as T
@@ -39,7 +40,7 @@ def check_against_references() -> None:
     seed, positions = torch.arange(b) * 7919, torch.arange(k + 1).expand(b, -1) + 100
     au, su = counter_uniform(seed, positions[:, :k], STREAM_ACCEPT), counter_uniform(seed, positions, STREAM_SAMPLE)
     # The CPU reference accumulates its CDF in fp64 like the kernel (torch's CUDA cumsum does not).
-    _same(A.rejection_sampling(*cuda(probs, drafts, au, su)), R.rejection_sampling(probs, drafts, au, su))
+    _same(K.rejection_sampling_triton(*cuda(probs, drafts, au, su)), R.rejection_sampling(probs, drafts, au, su))
     tokens, n = R.strict_acceptance(logits, drafts)
     kv_lens = torch.tensor([0, 5, 17, 30, 31])
     tree = build_tree([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])

@@ -96,7 +96,7 @@ def test_relaxed_matches_reference(kernels, b, k, v):
 
 
 def test_rejection_greedy_rows_are_strict(kernels):
-    from nextn.speculative.acceptance_rules import rejection_sampling
+    from nextn.speculative.acceptance_kernels import rejection_sampling_triton as rejection_sampling
     from nextn.speculative.acceptance_reference import strict_acceptance as strict_acceptance_reference
 
     gen = torch.Generator().manual_seed(1)
@@ -111,7 +111,7 @@ def test_rejection_greedy_rows_are_strict(kernels):
 
 
 def test_rejection_hand_worked(kernels):
-    from nextn.speculative.acceptance_rules import rejection_sampling
+    from nextn.speculative.acceptance_kernels import rejection_sampling_triton as rejection_sampling
 
     p = torch.tensor([[[0.5, 0.25, 0.25], [0.0, 0.0, 1.0]]])
     drafts = torch.tensor([[0]])
@@ -129,7 +129,8 @@ def test_rejection_hand_worked(kernels):
 
 @pytest.mark.parametrize("b,k,v", SHAPES)
 def test_rejection_matches_reference(kernels, b, k, v):
-    from nextn.speculative.acceptance_rules import rejection_sampling
+    # the launcher itself: the rules' dispatcher sends deterministic drafts (None) to the coupled rule instead
+    from nextn.speculative.acceptance_kernels import rejection_sampling_triton as rejection_sampling
     from nextn.speculative.acceptance_reference import rejection_sampling as rejection_sampling_reference
 
     gen = torch.Generator().manual_seed(b * 1000 + k * 10 + v)
