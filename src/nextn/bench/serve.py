@@ -66,6 +66,9 @@ WARMUP_PROMPT = "Say hello."
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, help="the GGUF every started server serves (not needed with --url alone)")
+    p.add_argument("--nextn_model", type=Path,
+                   help="what nextn serve loads instead of --model: an engine directory built from the same GGUF "
+                        "(e.g. W4A8 by `nextn build-engine --quant_algo W4A8`) or a checkpoint (default: --model)")
     p.add_argument("--nextn_configs", nargs="*", default=["none"], metavar="YAML",
                    help="nextn serve configs: `none` (plain) or an --extra_llm_api_options YAML each, e.g. none "
                         "configs/ngram.yaml configs/draft_target.yaml (default: none; no value: no nextn server)")
@@ -166,6 +169,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error("--model GGUF is needed to start servers (or measure running ones with --url alone)")
         if not args.model.is_file():
             p.error(f"--model {args.model} is not a file")
+    if args.nextn_model is not None and not args.nextn_model.exists():
+        p.error(f"--nextn_model {args.nextn_model} does not exist")
     for config in args.nextn_configs:
         if config != "none" and not Path(config).is_file():
             p.error(f"--nextn_configs {config} is not a file (give `none` for plain decoding)")
@@ -190,13 +195,14 @@ def _load(x: float | None) -> str:
 
 def _inputs(args) -> list[Path]:
     configs = [Path(c) for c in args.nextn_configs if c != "none"]
-    return [x for x in (args.model, args.draft_model, *configs) if x is not None]
+    return [x for x in (args.model, args.nextn_model, args.draft_model, *configs) if x is not None]
 
 
 def server_specs(args, bin_dir: Path | None) -> list[ServerSpec]:
     """The servers to start, in order: nextn's configs, then llama.cpp's modes (none when its build is absent)."""
     most = max(args.concurrency)
-    specs = [nextn_spec(args.model, args.threads, None if c == "none" else c, most) for c in args.nextn_configs]
+    nextn_model = args.nextn_model or args.model
+    specs = [nextn_spec(nextn_model, args.threads, None if c == "none" else c, most) for c in args.nextn_configs]
     if args.llama_cpp and bin_dir is not None:
         specs += [llama_cpp_spec(bin_dir / "llama-server", args.model, args.threads, mode, most,
                                  args.ctx_per_slot, args.draft_model, args.spec_draft_n_max,
