@@ -121,6 +121,7 @@ class LinearDrafter:
 
     supports_disaggregation = False
     draft_len_hint = None
+    skips_drafting = False
 
     @property
     def decode_fn(self) -> Callable:

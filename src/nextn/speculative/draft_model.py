@@ -139,6 +139,7 @@ class DraftModelDrafter(LinearDrafter):
     name = "DraftModel"
     samples_drafts = True  # the chain step hands q to the acceptance rule and the sampling parameters to after_verify
     kv_in_cache = True  # its KV at p depends on tokens ≤ p only (look-ahead 0), in the target's block ids
+    skips_drafting = True
 
     def __init__(self, draft_model: torch.nn.Module, num_draft_tokens: int,
                  hot_tokens: torch.Tensor | None = None) -> None:
@@ -235,10 +236,15 @@ class DraftModelDrafter(LinearDrafter):
         zero = torch.zeros_like(last_idx)
         return self._draft(kv, meta, first, position, zero, sampling, state)
 
-    def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state, sampling=None):
+    def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state, sampling=None,
+                     draft=True):
         kv = self._bind(model, kv_cache)
         # Verified row j (input at L + j) emitted target_tokens[:, j], the token at L + j + 1.
         positions = meta.positions[:, :1] + 1 + torch.arange(target_tokens.shape[1], device=target_tokens.device)
+        if not draft:  # the draft KV of the emitted tokens only (`Drafter.skips_drafting`): no draft passes
+            self.draft(target_tokens, kv, meta.with_tokens(positions, slots_for_positions(
+                meta.block_tables, positions, meta.block_size)))
+            return target_tokens.new_zeros(target_tokens.shape[0], self.num_draft_tokens), state
         return self._draft(kv, meta, target_tokens, positions, num_emitted - 1, sampling, state)
 
 

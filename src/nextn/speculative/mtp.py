@@ -40,6 +40,7 @@ class MtpEagleDrafter(LinearDrafter):
     uses_draft_head = True
     kv_lookahead = 1  # module 1's KV at p pairs embed(x_{p+1}) with h_p
     kv_in_cache = True
+    skips_drafting = True
 
     def __init__(self, num_draft_tokens: int) -> None:
         self.num_draft_tokens = self.max_draft_depth = num_draft_tokens
@@ -68,7 +69,10 @@ class MtpEagleDrafter(LinearDrafter):
             return next_tokens.new_zeros(next_tokens.shape[0], self.num_draft_tokens), ()
         return self._draft(model, kv_cache, meta, hidden, next_tokens, last_idx), ()
 
-    def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state):
+    def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state, draft=True):
+        if not draft:  # the module's KV over the verified rows only (`Drafter.skips_drafting`)
+            model.forward_mtp(0, target_tokens, hidden, kv_cache, meta)
+            return target_tokens.new_zeros(target_tokens.shape[0], self.num_draft_tokens), ()
         return self._draft(model, kv_cache, meta, hidden, target_tokens, num_emitted - 1), ()
 
 

@@ -183,6 +183,10 @@ class Drafter(Protocol):
     # tree's match): (batch slots) → the longest useful draft length among them, which caps the step's draft
     # length; None: the policy's draft length stands.
     draft_len_hint: Callable[[list[int]], int] | None
+    # Whether `after_verify` takes `draft=False`: write the drafter's KV / state for the verified rows and skip the
+    # draft passes (zeros come back). A drafter that wraps it (combined drafting) uses it on the steps where another
+    # source drafts every row.
+    skips_drafting: bool
 
     @property
     def decode_fn(self) -> Callable:

@@ -3,10 +3,11 @@ elsewhere — decided per request, per step (Snowflake Arctic Inference's "Arcti
 its score clears a threshold, the learned speculator otherwise; TensorRT-LLM combines its suffix automaton with
 MTP / Eagle the same way). One chain step verifies either kind: every row carries K drafts.
 
-    each step     both drafters see the verified rows (the model drafter keeps its KV and state whole, so its
-                  drafts are always ready), both propose; row b takes the suffix proposal when its score — the
-                  expected number of accepted drafts (speculative/suffix_tree.py) — is at least `min_score`,
-                  else the model drafter's K_m drafts, padded to K with their last token
+    each step     both drafters see the verified rows (the model drafter keeps its KV and state whole); the
+                  suffix trees propose first; row b takes the suffix proposal when its score — the expected
+                  number of accepted drafts (speculative/suffix_tree.py) — is at least `min_score`, else the
+                  model drafter's K_m drafts, padded to K with their last token; when every row takes the suffix
+                  proposal the model drafter only writes its KV (`skips_drafting`: no draft passes)
     how many      the step verifies as many drafts as the longest useful proposal in the batch (`draft_len_hint`:
                   a suffix row's match length, a model row's K_m)
     sampling      the model drafter's q for its rows (a draft model samples its drafts), one-hot q for suffix
@@ -39,6 +40,8 @@ class CombinedDrafter(LinearDrafter):
         ValueError: K_m > K, or a tree drafter (it verifies a tree, not a chain).
     Attributes:
         rows_from_suffix, rows_from_model: rows drafted by each so far (statistics).
+        steps_without_model_drafts: steps in which every row took the suffix proposal, so a model drafter that
+            `skips_drafting` only wrote its KV (no draft passes: such a step costs what Suffix alone costs).
     """
 
     supports_disaggregation = False
@@ -60,6 +63,7 @@ class CombinedDrafter(LinearDrafter):
                                                                     model.kv_in_cache)
         self._from_suffix: dict[int, bool] = {}  # batch slot → whether its last drafts came from the suffix trees
         self.rows_from_suffix = self.rows_from_model = 0
+        self.steps_without_model_drafts = 0  # steps where every row copied and the model drafter only kept its KV
 
     # State: (suffix's slot ids [B], *the model drafter's state, drafts [B, K] int64, from_suffix [B] bool) --------
     def initial_state(self, batch: int, hidden_size: int, device: torch.device, dtype: torch.dtype) -> DrafterState:
@@ -82,13 +86,15 @@ class CombinedDrafter(LinearDrafter):
         return max(1, max(((known[s].useful if self._from_suffix.get(s) else self.model_drafts)
                            for s in slots if s in known), default=self.num_draft_tokens))
 
-    def _choose(self, suffix_drafts: torch.Tensor, model_drafts: torch.Tensor, suffix_state: DrafterState,
-                model_state: DrafterState, draft: bool = True) -> tuple[torch.Tensor, DrafterState]:
-        """Per row: the suffix proposal when its score is ≥ min_score, else the model's drafts padded to K."""
-        slots = suffix_state[0].tolist()
+    def _picks(self, suffix_state: DrafterState, draft: bool = True) -> list[bool]:
+        """Per row: whether the suffix proposal (score ≥ min_score) drafts it."""
         known = self.suffix.slots
-        pick = [draft and s in known and known[s].score >= self.min_score for s in slots]
-        for s, p in zip(slots, pick):
+        return [draft and s in known and known[s].score >= self.min_score for s in suffix_state[0].tolist()]
+
+    def _choose(self, pick: list[bool], suffix_drafts: torch.Tensor, model_drafts: torch.Tensor,
+                suffix_state: DrafterState, model_state: DrafterState) -> tuple[torch.Tensor, DrafterState]:
+        """Per row: the suffix proposal where `pick`, else the model's drafts padded to K."""
+        for s, p in zip(suffix_state[0].tolist(), pick):
             self._from_suffix[s] = p
         n = sum(pick)
         self.rows_from_suffix += n
@@ -108,16 +114,20 @@ class CombinedDrafter(LinearDrafter):
                                                            input_ids, suffix_state, sampling, draft)
         m_drafts, model_state = self.model.after_prefill(model, kv_cache, meta, hidden, next_tokens, last_idx,
                                                          input_ids, model_state, sampling, draft)
-        return self._choose(s_drafts, m_drafts, suffix_state, model_state, draft)
+        return self._choose(self._picks(suffix_state, draft), s_drafts, m_drafts, suffix_state, model_state)
 
     def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state, sampling=None):
         suffix_state, model_state = self._split(state)
         s_drafts, suffix_state = self.suffix.after_verify(model, kv_cache, meta, hidden, target_tokens, num_emitted,
                                                           suffix_state)
-        with_sampling = {"sampling": sampling} if self.model.samples_drafts else {}
+        pick = self._picks(suffix_state)
+        kw = {"sampling": sampling} if self.model.samples_drafts else {}
+        if all(pick) and self.model.skips_drafting:  # every row copies: the model drafter keeps its KV, no passes
+            kw["draft"] = False
+            self.steps_without_model_drafts += 1
         m_drafts, model_state = self.model.after_verify(model, kv_cache, meta, hidden, target_tokens, num_emitted,
-                                                        model_state, **with_sampling)
-        return self._choose(s_drafts, m_drafts, suffix_state, model_state)
+                                                        model_state, **kw)
+        return self._choose(pick, s_drafts, m_drafts, suffix_state, model_state)
 
     def draft_probs(self, state: DrafterState, num_drafts: int, sampling: SamplingTensors) -> torch.Tensor | None:
         """q [B, num_drafts, V] fp32: the model drafter's q on its rows' first K_m drafts, one-hot elsewhere (suffix
