@@ -58,9 +58,12 @@ class LogitsProcessing:
             keep = self.add_index[:, 1] < t_max
             b, t, v = self.add_index[keep].unbind(1)
             out.index_put_((b, t, v), self.add_value[keep], accumulate=True)
-        if self.mask_rows.numel():
-            rows = out[self.mask_rows]  # [R, T, V]
-            out[self.mask_rows] = apply_bitmask(rows, self.bitmask[:, :t_max])
+        if self.mask_rows.numel():  # in place, through xgrammar's kernel, on the masked rows' positions only
+            b, t, v = out.shape
+            full = torch.full((b, t, self.bitmask.shape[-1]), -1, dtype=torch.int32, device=out.device)
+            full[self.mask_rows] = self.bitmask[:, :t_max].to(out.device)
+            flat = (self.mask_rows[:, None] * t + torch.arange(t, device=self.mask_rows.device)).flatten()
+            _apply_inplace(out.view(b * t, v), full.view(b * t, -1), flat.tolist())
         return out
 
     def to(self, device: torch.device | str) -> LogitsProcessing:
@@ -68,11 +71,20 @@ class LogitsProcessing:
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """logits [..., V] with every token whose bit is clear in bitmask [..., ceil(V / 32)] int32 set to −inf."""
+    """logits [..., V] with every token whose bit is clear in bitmask [..., ceil(V / 32)] int32 set to −inf (a new
+    fp32 tensor)."""
     v = logits.shape[-1]
-    bits = torch.arange(32, device=bitmask.device, dtype=torch.int32)
-    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).flatten(-2)[..., :v].bool()
-    return logits.masked_fill(~allowed, float("-inf"))
+    out = logits.float().contiguous().clone()
+    _apply_inplace(out.view(-1, v), bitmask.reshape(-1, bitmask.shape[-1]).contiguous(), None)
+    return out
+
+
+def _apply_inplace(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None) -> None:
+    """xgrammar's `apply_token_bitmask_inplace` (its CPU kernel on the host, its CUDA / Triton kernel on a GPU):
+    logits [N, V] fp32, bitmask [N, ceil(V / 32)] int32; only `rows` (None: all)."""
+    import xgrammar
+
+    xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: torch.Tensor, k: int
