@@ -102,6 +102,25 @@ def test_server_command_lines(tmp_path):
         llama_cpp_spec(bin_, Path("m.gguf"), 2, "lookahead", 1, 512)
 
 
+def test_nextn_model_serves_an_engine_beside_the_gguf(tmp_path, capsys):
+    """--nextn_model: nextn serve loads the engine (e.g. W4A8), llama-server the GGUF; a missing one is refused."""
+    gguf, engine = tmp_path / "m.gguf", tmp_path / "engine"
+    gguf.write_bytes(b"GGUF")
+    engine.mkdir()
+    p = serve.build_parser()
+    args = p.parse_args(["--model", str(gguf), "--nextn_model", str(engine), "--llama_cpp", "plain",
+                         "--output_dir", str(tmp_path / "out")])
+    specs = serve.server_specs(args, Path("bin"))
+    nextn = specs[0].argv
+    assert nextn[nextn.index("--model") + 1] == str(engine)
+    assert specs[1].argv[specs[1].argv.index("-m") + 1] == str(gguf)
+    with pytest.raises(SystemExit):
+        serve.main(["--model", str(gguf), "--nextn_model", str(tmp_path / "absent"), "--output_dir",
+                    str(tmp_path / "out2")])
+    err = capsys.readouterr().err
+    assert "--nextn_model" in err and "does not exist" in err
+
+
 _HEALTH_SERVER = """
 import http.server, sys
 class H(http.server.BaseHTTPRequestHandler):
