@@ -302,3 +302,55 @@ def test_sampling_with_a_cut_draft_head_keeps_the_token_distribution(engines):
                                                                        spec[j].most_common(5))
         off = sum(n for t, n in plain[j].items() if t not in hot)
         assert off > 0.1 * N, "the test needs target mass off the hot set to mean anything"
+
+
+def _count_draft_rows(llm: LLM) -> list[int]:
+    """Rows the draft model runs, counted per forward (it wraps the draft model's forward)."""
+    drafter = llm.engine.runner.drafter
+    inner, rows = drafter.draft.forward, []
+
+    def forward(input_ids, *args, **kwargs):
+        rows.append(input_ids.numel())
+        return inner(input_ids, *args, **kwargs)
+
+    drafter.draft.forward = forward
+    return rows
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunked"])
+def test_speculation_off_skips_the_draft_prefill_and_catches_up_exactly(engines, plain, overlap, chunked):
+    """Admitted while the batch is too big to speculate, the prompts are prefilled by the target alone (the draft
+    model does not run at all); when two requests finish and speculation turns on, the remaining ones catch their
+    draft KV up (prompt and the tokens decoded meanwhile). With draft = target every later draft must then be
+    accepted — which holds only if the caught-up KV is exactly what a drafting prefill and drafting steps write."""
+    target, _, _ = engines
+    spec = {**_spec(target, 3), "draft_len_schedule": {2: 3}}  # 3-4 requests: off; ≤ 2: K = 3
+    llm = LLM(target, speculative_config=spec, disable_overlap_scheduler=not overlap,
+              enable_chunked_prefill=chunked, max_num_tokens=16 if chunked else 8192)
+    rows = _count_draft_rows(llm)
+    lens = [40, 40, 8, 8]
+    outs = llm.generate(PROMPTS, [SamplingParams(max_tokens=n, ignore_eos=True) for n in lens])
+    assert _ids(outs) == [ids[:n] for ids, n in zip(plain, lens)]
+    for o in outs[:2]:
+        c = o.outputs[0]
+        assert c.steps_per_draft_len.get(0) and c.steps_per_draft_len.get(3), c.steps_per_draft_len
+        assert c.num_accepted_draft_tokens == c.num_draft_tokens > 0, (c.num_accepted_draft_tokens, c.num_draft_tokens)
+    for o in outs[2:]:
+        assert o.outputs[0].num_draft_tokens == 0
+    if chunked:  # (the two short prompts decode while the long one is prefilled: speculation turns on early)
+        return
+    # the draft model first ran when speculation turned on: one catch-up pass per long request over its prompt
+    # and the ≥ 8 tokens decoded before (never over the short requests' prompts)
+    assert rows[0] >= len(PROMPTS[0]) + 8 and rows[1] >= len(PROMPTS[1]) + 8, rows[:4]
+    assert rows[0] - len(PROMPTS[0]) == rows[1] - len(PROMPTS[1]), rows[:4]  # both at the same step
+
+
+def test_a_batch_that_never_speculates_never_runs_the_draft_model(engines, plain):
+    target, draft, _ = engines
+    spec = {**_spec(draft, 3), "draft_len_schedule": {1: 3}}  # a batch of 4 that finishes together: never on
+    llm = LLM(target, speculative_config=spec)
+    rows = _count_draft_rows(llm)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert _ids(outs) == plain
+    assert rows == []

@@ -120,7 +120,7 @@ def test_draft_probs_are_the_model_q_on_its_rows_and_one_hot_elsewhere():
     class Model:
         name, num_draft_tokens, samples_drafts = "M", 2, True
         prefill_overlap = kv_lookahead = 0
-        uses_draft_head = kv_in_cache = False
+        uses_draft_head = kv_in_cache = catches_up = False
 
         def draft_probs(self, state, num, sampling):
             return state[0][:, :num]

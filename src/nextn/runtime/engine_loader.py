@@ -132,7 +132,8 @@ def load_engine(engine_dir: str | Path, args: LlmArgs, spec: BaseModel | None, d
             return Scheduler(pool, max_batch_size, args.max_num_tokens, k,
                              enable_chunked_prefill=args.enable_chunked_prefill,
                              prefill_overlap=drafter.prefill_overlap, draft_len_policy=policy,
-                             drafter_kv=drafter.kv_in_cache, max_seq_len=max_seq_len, draft_len_hint=hint)
+                             drafter_kv=drafter.kv_in_cache, drafter_catches_up=drafter.catches_up,
+                             max_seq_len=max_seq_len, draft_len_hint=hint)
         except ValueError as e:
             raise LlmArgsError(str(e)) from e
 

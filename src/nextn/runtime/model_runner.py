@@ -118,6 +118,10 @@ class StepResult:
     seconds: float = 0.0  # the step's own time: its launch (on a CPU all of it) plus waiting for its results
 
 
+#: The most tokens one pass of a drafter's catch-up runs (`ModelRunner._catch_up`): a prefill chunk's worth.
+CATCH_UP_CHUNK = 512
+
+
 class ModelRunner:
     def __init__(self, model: SelfDraftingCausalLM, drafter: Drafter, acceptance: AcceptanceRule,
                  kv_cache: torch.Tensor, block_size: int, max_batch_size: int,
@@ -179,6 +183,8 @@ class ModelRunner:
             out, kv_lens = self._prefill(plan, slots, block_tables, sampling)
         else:
             ids, kv_lens = decode_inputs(plan, prev, self.device)
+            if plan.catch_up_starts:
+                self._catch_up(plan, ids[:, 0], block_tables)
             state = tuple(s[slots] for s in self.state)
             accept_state = tuple(s[slots] for s in self.accept_state)
             drafter = self.drafter if plan.drafting else self.no_drafter  # speculation off: plain decoding
@@ -189,6 +195,23 @@ class ModelRunner:
         for buf, new in zip(self.accept_state, out.accept_state):
             buf[slots] = new
         return InflightStep.create(plan, out, kv_lens, t0)
+
+    def _catch_up(self, plan: StepPlan, last_ids: torch.Tensor, block_tables: torch.Tensor) -> None:
+        """The drafter's KV for the positions rows missed while speculation was off (`StepPlan.catch_up_starts`):
+        each such row's host tokens then its input token last_ids [B] (device: maybe from the step in flight),
+        one row at a time in chunks of at most `CATCH_UP_CHUNK` tokens, so the work is bounded whatever the gap."""
+        dev = self.device
+        for row, (start, host_ids) in enumerate(zip(plan.catch_up_starts, plan.catch_up_ids)):
+            if start < 0:
+                continue
+            tokens = torch.cat([torch.tensor(host_ids, dtype=torch.int64, device=dev), last_ids[row:row + 1]])
+            table = block_tables[row:row + 1]
+            for lo in range(0, tokens.numel(), CATCH_UP_CHUNK):
+                chunk = tokens[lo:lo + CATCH_UP_CHUNK][None]  # [1, T]
+                positions = start + lo + torch.arange(chunk.shape[1], dtype=torch.int64, device=dev)[None]
+                meta = AttentionMetadata.create(positions, slots_for_positions(table, positions, self.block_size),
+                                                table, self.block_size)
+                self.drafter.catch_up(self.kv_cache, meta, chunk)
 
     def _prefill(self, plan: StepPlan, slots: torch.Tensor, block_tables: torch.Tensor,
                  sampling: SamplingTensors) -> tuple[StepOutput, torch.Tensor]:

@@ -59,6 +59,8 @@ class Scheduler:
         draft_len_policy: the per-batch draft length (default: always K).
         drafter_kv: the drafter keeps KV that steps with speculation off leave unwritten (MTP, draft model): blocks
             past such a step are not registered in the prefix cache.
+        drafter_catches_up: the drafter writes such a gap later (`Drafter.catches_up`, a draft model): prefills
+            that will not speculate skip it, and a request's first drafting step after a gap catches it up.
         max_seq_len: a request ends ("length") at this many tokens (default: only its max_tokens ends it).
         draft_len_hint: the drafter's useful draft length for the requests in these batch slots
             (`Drafter.draft_len_hint`; None: every step verifies what the policy chooses).
@@ -69,7 +71,7 @@ class Scheduler:
     def __init__(self, pool: BlockPool, max_batch_size: int, max_num_tokens: int, num_draft_tokens: int,
                  enable_chunked_prefill: bool = False, prefill_overlap: int = 0,
                  draft_len_policy: DraftLenPolicy | None = None, drafter_kv: bool = False,
-                 max_seq_len: int | None = None,
+                 drafter_catches_up: bool = False, max_seq_len: int | None = None,
                  draft_len_hint: Callable[[list[int]], int] | None = None) -> None:
         if enable_chunked_prefill and max_num_tokens <= prefill_overlap:
             raise ValueError(f"max_num_tokens={max_num_tokens} must exceed the {prefill_overlap} rows a prefill "
@@ -82,6 +84,7 @@ class Scheduler:
         self.prefill_overlap = prefill_overlap
         self.draft_len_policy = draft_len_policy or StaticDraftLen(num_draft_tokens)
         self.drafter_kv = drafter_kv
+        self.drafter_catches_up = drafter_catches_up
         self.draft_len_hint = draft_len_hint
         self.max_seq_len = sys.maxsize if max_seq_len is None else max_seq_len
         self.waiting: deque[Request] = deque()
@@ -175,9 +178,13 @@ class Scheduler:
         if not chunks:
             return None
         drafting = self.draft_len_policy.max_draft_len == 0 or self.draft_len_policy.would_draft(len(self.running))
-        for req, _, end, _ in chunks:
+        if self.drafter_catches_up and any(r.drafter_gap is not None for r, *_ in chunks):
+            drafting = False  # an earlier chunk skipped the drafter: its first decode step catches the whole gap up
+        for req, start, end, _ in chunks:
             req.num_prefilled_tokens = end
             req.has_drafts = drafting
+            if not drafting and self.drafter_catches_up and req.drafter_gap is None:
+                req.drafter_gap = start  # the drafter skips this prefill (`Drafter.catches_up`)
         reqs, starts, ends, num_reused = zip(*chunks)
         return self._new_plan(reqs, StepPlan.prefill, starts, ends, num_reused, drafting)
 
@@ -253,11 +260,15 @@ class Scheduler:
             k = max(1, min(k, self.draft_len_hint([r.batch_slot for r in reqs])))
         if k > 0 and not all(r.has_drafts for r in reqs):
             k = 0  # speculation back on: draft first (drafts are not kept while it is off)
+        catch_up = drafting and self.drafter_catches_up and any(r.drafter_gap is not None for r in reqs)
+        plan = self._new_plan(reqs, StepPlan.decode, k, drafting, catch_up)
         for req in reqs:
             req.has_drafts = drafting
             if not drafting and self.drafter_kv and req.drafter_gap is None:
                 req.drafter_gap = req.kv_len  # (host kv_len: with a step in flight the gap starts later)
-        return self._new_plan(reqs, StepPlan.decode, k, drafting)
+            elif catch_up:
+                req.drafter_gap = None  # the step writes it first
+        return plan
 
     def mark_in_flight(self, plan: StepPlan, max_emitted: int) -> None:
         """The plan's step was launched and is not read back yet (overlap scheduler): its rows that emit tokens may

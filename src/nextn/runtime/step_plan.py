@@ -43,6 +43,11 @@ class StepPlan(NamedTuple):
             position, built from their state after the drafts before it (runtime/logits_processors.py); None when
             no row needs any. Tensors: still data only.
         num_logprobs: the most top log-probabilities a row asks for; −1 when none asks for log-probabilities.
+        catch_up_starts: decode only, () when no row catches up: [B] the first position whose drafter KV a row
+            lacks (prefilled or decoded while speculation was off, `Drafter.catches_up`), −1 for a row that lacks
+            none. The runner has the drafter write positions catch_up_starts[b] .. the row's kv_len before the step.
+        catch_up_ids: [B] the tokens at those positions that the host knows (all but the last: the step's input
+            token, which with the overlap scheduler may still be in flight; the runner takes it from the inputs).
     """
 
     step_id: int
@@ -65,6 +70,8 @@ class StepPlan(NamedTuple):
     num_reused: tuple[int, ...] = ()
     processing: LogitsProcessing | None = None
     num_logprobs: int = -1
+    catch_up_starts: tuple[int, ...] = ()
+    catch_up_ids: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_requests(self) -> int:
@@ -83,14 +90,30 @@ class StepPlan(NamedTuple):
                    num_reused=num_reused, processing=_processing(reqs, 0), num_logprobs=_num_logprobs(reqs))
 
     @classmethod
-    def decode(cls, step_id: int, reqs: tuple[Request, ...], draft_len: int, drafting: bool) -> StepPlan:
-        """One verify-and-draft step of `reqs`, verifying `draft_len` of each one's drafts."""
+    def decode(cls, step_id: int, reqs: tuple[Request, ...], draft_len: int, drafting: bool,
+               catch_up: bool = False) -> StepPlan:
+        """One verify-and-draft step of `reqs`, verifying `draft_len` of each one's drafts; with `catch_up`, the
+        rows whose drafter KV has a gap (`Request.drafter_gap`) have the drafter write it first."""
+        starts, ids = (zip(*[_catch_up(r) for r in reqs])) if catch_up else ((), ())
         pad = [0] * draft_len
         *rows, kv_lens, input_ids = zip(*[
             (r.request_id, r.batch_slot, tuple(r.block_table), p.temperature, p.top_k, p.top_p, r.seed, r.kv_len,
              (r.last_token_id, *(r.draft_tokens + pad)[:draft_len])) for r in reqs for p in (r.params,)])
         return cls(step_id, "decode", *rows, draft_len, drafting, kv_lens, input_ids,
-                   processing=_processing(reqs, draft_len, input_ids), num_logprobs=_num_logprobs(reqs))
+                   processing=_processing(reqs, draft_len, input_ids), num_logprobs=_num_logprobs(reqs),
+                   catch_up_starts=tuple(starts), catch_up_ids=tuple(ids))
+
+
+def _catch_up(req: Request) -> tuple[int, tuple[int, ...]]:
+    """(first position without drafter KV or −1, the host's tokens from there up to the step's input token).
+
+    The step's input token sits at position kv_len, or kv_len + 1 while a step that emits it is in flight (a
+    step that does not draft emits exactly one token)."""
+    gap = req.drafter_gap
+    if gap is None:
+        return -1, ()
+    end = req.kv_len + (1 if req.num_inflight_tokens else 0)
+    return gap, tuple(req.all_token_ids[gap:end])
 
 
 def _processing(reqs: tuple[Request, ...], draft_len: int, input_ids: tuple = ()) -> LogitsProcessing | None:

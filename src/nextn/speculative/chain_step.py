@@ -122,6 +122,10 @@ class LinearDrafter:
     supports_disaggregation = False
     draft_len_hint = None
     skips_drafting = False
+    catches_up = False
+
+    def catch_up(self, kv_cache: torch.Tensor, meta: AttentionMetadata, input_ids: torch.Tensor) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not catch up (catches_up is False)")
 
     @property
     def decode_fn(self) -> Callable:

@@ -26,8 +26,11 @@ previous step's pass). After a prefill, the draft model runs over the same promp
 metadata), then drafts from the first token at the prompt's end. Drafts are sampled with the counter-based RNG on
 their own stream (`STREAM_DRAFT`), so a request's output does not depend on its batch.
 
-While the draft-length policy turns speculation off, steps run without the draft model, so the positions decoded
-then have no draft KV; drafting over them can only lower acceptance (verification keeps the output exact).
+While the draft-length policy turns speculation off, steps run without the draft model: a prefill then skips the
+draft model's pass over the prompt and a decode step runs the target alone, so the positions they cover have no
+draft KV. When speculation comes back on, the scheduler has the drafter `catch_up` over each request's missing
+positions (one draft-model prefill over them) before its first drafting step, so a server whose load keeps
+speculation off pays nothing for the draft model, and one that turns it back on drafts from complete KV.
 
 Per-request state: q [max_batch, K, V] fp32 (kept only when a batch samples; greedy rows never read it: with a
 one-hot p rejection sampling is strict acceptance whatever q holds). The decode step is the chain step
@@ -140,6 +143,7 @@ class DraftModelDrafter(LinearDrafter):
     samples_drafts = True  # the chain step hands q to the acceptance rule and the sampling parameters to after_verify
     kv_in_cache = True  # its KV at p depends on tokens ≤ p only (look-ahead 0), in the target's block ids
     skips_drafting = True
+    catches_up = True  # its KV depends on the tokens only: a prefill that will not speculate skips it
 
     def __init__(self, draft_model: torch.nn.Module, num_draft_tokens: int,
                  hot_tokens: torch.Tensor | None = None) -> None:
@@ -230,11 +234,20 @@ class DraftModelDrafter(LinearDrafter):
     def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state, sampling=None,
                       draft=True):
         kv = self._bind(model, kv_cache)
+        if not draft:  # speculation is off: no second prefill now, `catch_up` writes it if speculation comes back
+            return next_tokens.new_zeros(next_tokens.shape[0], self.num_draft_tokens), state
         self.draft(input_ids, kv, meta)  # the prompt rows fill the draft KV (pads write into the null block)
         first = next_tokens.gather(1, last_idx[:, None])  # [B, 1] the token after the chunk
         position = rows_at(meta.positions, last_idx) + 1  # [B, 1]
         zero = torch.zeros_like(last_idx)
         return self._draft(kv, meta, first, position, zero, sampling, state)
+
+    def catch_up(self, kv_cache: torch.Tensor, meta: AttentionMetadata, input_ids: torch.Tensor) -> None:
+        """Write the draft KV of tokens input_ids [B, T] at `meta`'s positions (the draft model's prefill over
+        them), for positions decoded or prefilled while speculation was off."""
+        if self.kv_cache is None:
+            raise RuntimeError("the draft KV cache is allocated at the first prefill; catch_up came before it")
+        self.draft(input_ids, self.kv_cache, meta)
 
     def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state, sampling=None,
                      draft=True):

@@ -96,6 +96,7 @@ class MedusaDrafter:
     samples_drafts = False
     kv_lookahead = 0  # no KV of its own: a cached block is the target's
     kv_in_cache = False
+    catches_up = False  # (`Drafter.catches_up`)
 
     def load_prefix(self, state: DrafterState, slot: int, token_ids: list[int]) -> None:
         return None

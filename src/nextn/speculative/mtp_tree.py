@@ -74,6 +74,7 @@ class MtpTreeDrafter:
     samples_drafts = False
     kv_lookahead = 1  # module 1's KV at p pairs embed(x_{p+1}) with h_p
     kv_in_cache = True
+    catches_up = False  # (`Drafter.catches_up`)
 
     def __init__(self, max_depth: int, num_nodes: int) -> None:
         self.max_draft_depth = max_depth  # D: the most drafts one step can accept

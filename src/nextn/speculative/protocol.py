@@ -187,6 +187,15 @@ class Drafter(Protocol):
     # draft passes (zeros come back). A drafter that wraps it (combined drafting) uses it on the steps where another
     # source drafts every row.
     skips_drafting: bool
+    # Whether its KV can be written after the fact from the tokens alone (a draft model: its KV depends on the
+    # tokens only, not on the target's hidden states). Such a drafter skips a prefill run with `draft=False`
+    # entirely (a second prefill of the prompt, paid for nothing while speculation is off); the scheduler has it
+    # `catch_up` over the positions it missed when speculation comes back on for the request.
+    catches_up: bool
+
+    def catch_up(self, kv_cache: torch.Tensor, meta: AttentionMetadata, input_ids: torch.Tensor) -> None:
+        """(`catches_up` drafters) write the drafter's KV for tokens input_ids [B, T] int64 at `meta`'s positions
+        (pads: slots of the null block), nothing else; drafters that do not catch up never see it."""
 
     @property
     def decode_fn(self) -> Callable:

@@ -61,6 +61,7 @@ class CombinedDrafter(LinearDrafter):
         self.prefill_overlap, self.uses_draft_head = model.prefill_overlap, model.uses_draft_head
         self.samples_drafts, self.kv_lookahead, self.kv_in_cache = (model.samples_drafts, model.kv_lookahead,
                                                                     model.kv_in_cache)
+        self.catches_up = model.catches_up  # (the suffix trees are host state: only the model drafter's KV lags)
         self._from_suffix: dict[int, bool] = {}  # batch slot → whether its last drafts came from the suffix trees
         self.rows_from_suffix = self.rows_from_model = 0
         self.steps_without_model_drafts = 0  # steps where every row copied and the model drafter only kept its KV
@@ -107,6 +108,9 @@ class CombinedDrafter(LinearDrafter):
         return drafts, (*suffix_state, *model_state, drafts, from_suffix)
 
     # The protocol -------------------------------------------------------------------------------------------------
+    def catch_up(self, kv_cache, meta, input_ids):
+        self.model.catch_up(kv_cache, meta, input_ids)
+
     def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state, sampling=None,
                       draft=True):
         suffix_state, model_state = self._split(state)
