@@ -25,6 +25,7 @@
 #include "cpu_kernels.h"
 
 #include <cmath>
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -44,70 +45,93 @@ inline __m512 load16<at::BFloat16>(const at::BFloat16* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 
-// One (sequence, KV head): its `rows` query heads x T tokens against S cached keys.
+// Query tokens per tile of `attend`: a tile's rows share each key and value load (a verify step's K+1 tokens are
+// one tile), and its scores and accumulators (kTile x group x S and kTile x group x D floats) stay in cache however
+// long the prompt, so a prefill of T tokens never builds a T x S score matrix.
+constexpr int64_t kTile = 8;
+
+// One (sequence, KV head): its `group` query heads x Tq tokens against S cached keys, kTile tokens at a time. Per
+// query row the arithmetic is fixed whatever the tiling: each score is one dot product in 16-lane chunks then a lane
+// reduction; the softmax and the weighted sum run over the keys in order.
 template <typename T>
 void attend(const T* q, int64_t q_tok_stride, const T* kv, int64_t kv_row, const int64_t* slots, const bool* vis,
             int64_t S, int64_t Tq, int64_t group, int64_t D, int64_t k_off, int64_t v_off, float scale, float* out,
             int64_t out_tok_stride) {
-  const int64_t R = Tq * group;  // query rows: token-major, then head
   const int64_t C = (D + 15) / 16, Dp = C * 16;  // 16-lane chunks of a head; rows padded to Dp with zeros
   const __mmask16 tail = D % 16 ? __mmask16((1u << (D % 16)) - 1) : __mmask16(0xFFFF);
   auto lanes = [&](int64_t c) { return c == C - 1 ? tail : __mmask16(0xFFFF); };
-  std::vector<float> qf(R * Dp), scores(R * S), acc(R * Dp, 0.f);
-  for (int64_t t = 0; t < Tq; ++t)
-    for (int64_t g = 0; g < group; ++g)
-      for (int64_t c = 0; c < C; ++c)
-        _mm512_storeu_ps(&qf[(t * group + g) * Dp + c * 16], load16(q + t * q_tok_stride + g * D + c * 16, lanes(c)));
-  std::vector<float> row_max(R, -std::numeric_limits<float>::infinity()), row_sum(R, 0.f);
-  // scores
-  for (int64_t j = 0; j < S; ++j) {
-    const T* k = kv + slots[j] * kv_row + k_off;
-    __m512 kj[kMaxD / 16];
-    for (int64_t c = 0; c < C; ++c) kj[c] = load16(k + c * 16, lanes(c));
-    for (int64_t t = 0; t < Tq; ++t) {
-      if (!vis[t * S + j]) continue;
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t r = t * group + g;
-        __m512 a = _mm512_mul_ps(kj[0], _mm512_loadu_ps(&qf[r * Dp]));
-        for (int64_t c = 1; c < C; ++c) a = _mm512_fmadd_ps(kj[c], _mm512_loadu_ps(&qf[r * Dp + c * 16]), a);
-        const float s = _mm512_reduce_add_ps(a) * scale;
-        scores[r * S + j] = s;
-        row_max[r] = std::max(row_max[r], s);
-      }
-    }
-  }
-  // probabilities (unnormalised), in key order
-  for (int64_t t = 0; t < Tq; ++t)
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t r = t * group + g;
-      for (int64_t j = 0; j < S; ++j) {
-        if (!vis[t * S + j]) continue;
-        const float p = std::exp(scores[r * S + j] - row_max[r]);
-        scores[r * S + j] = p;
-        row_sum[r] += p;
-      }
-    }
-  // weighted values
-  for (int64_t j = 0; j < S; ++j) {
-    const T* v = kv + slots[j] * kv_row + v_off;
-    __m512 vj[kMaxD / 16];
-    for (int64_t c = 0; c < C; ++c) vj[c] = load16(v + c * 16, lanes(c));
-    for (int64_t t = 0; t < Tq; ++t) {
-      if (!vis[t * S + j]) continue;
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t r = t * group + g;
-        const __m512 p = _mm512_set1_ps(scores[r * S + j]);
+  const int64_t tile = std::min(Tq, kTile), R = tile * group;  // query rows of a tile: token-major, then head
+  std::vector<float> qf(R * Dp), scores(R * S), acc(R * Dp), row_max(R), row_sum(R);
+  for (int64_t t0 = 0; t0 < Tq; t0 += tile) {
+    const int64_t nt = std::min(tile, Tq - t0);
+    const bool* tv = vis + t0 * S;
+    for (int64_t t = 0; t < nt; ++t)
+      for (int64_t g = 0; g < group; ++g)
         for (int64_t c = 0; c < C; ++c)
-          _mm512_storeu_ps(&acc[r * Dp + c * 16], _mm512_fmadd_ps(p, vj[c], _mm512_loadu_ps(&acc[r * Dp + c * 16])));
+          _mm512_storeu_ps(&qf[(t * group + g) * Dp + c * 16],
+                           load16(q + (t0 + t) * q_tok_stride + g * D + c * 16, lanes(c)));
+    std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
+    std::fill(row_sum.begin(), row_sum.end(), 0.f);
+    std::fill(acc.begin(), acc.end(), 0.f);
+    // scores
+    for (int64_t j = 0; j < S; ++j) {
+      const T* k = kv + slots[j] * kv_row + k_off;
+      __m512 kj[kMaxD / 16];
+      bool loaded = false;
+      for (int64_t t = 0; t < nt; ++t) {
+        if (!tv[t * S + j]) continue;
+        if (!loaded) {
+          for (int64_t c = 0; c < C; ++c) kj[c] = load16(k + c * 16, lanes(c));
+          loaded = true;
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t r = t * group + g;
+          __m512 a = _mm512_mul_ps(kj[0], _mm512_loadu_ps(&qf[r * Dp]));
+          for (int64_t c = 1; c < C; ++c) a = _mm512_fmadd_ps(kj[c], _mm512_loadu_ps(&qf[r * Dp + c * 16]), a);
+          const float sc = _mm512_reduce_add_ps(a) * scale;
+          scores[r * S + j] = sc;
+          row_max[r] = std::max(row_max[r], sc);
+        }
       }
     }
-  }
-  for (int64_t t = 0; t < Tq; ++t)
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t r = t * group + g;
-      const float inv = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
-      for (int64_t d = 0; d < D; ++d) out[t * out_tok_stride + g * D + d] = acc[r * Dp + d] * inv;
+    // probabilities (unnormalised), in key order
+    for (int64_t t = 0; t < nt; ++t)
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t r = t * group + g;
+        for (int64_t j = 0; j < S; ++j) {
+          if (!tv[t * S + j]) continue;
+          const float pr = std::exp(scores[r * S + j] - row_max[r]);
+          scores[r * S + j] = pr;
+          row_sum[r] += pr;
+        }
+      }
+    // weighted values
+    for (int64_t j = 0; j < S; ++j) {
+      const T* v = kv + slots[j] * kv_row + v_off;
+      __m512 vj[kMaxD / 16];
+      bool loaded = false;
+      for (int64_t t = 0; t < nt; ++t) {
+        if (!tv[t * S + j]) continue;
+        if (!loaded) {
+          for (int64_t c = 0; c < C; ++c) vj[c] = load16(v + c * 16, lanes(c));
+          loaded = true;
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t r = t * group + g;
+          const __m512 pr = _mm512_set1_ps(scores[r * S + j]);
+          float* a = &acc[r * Dp];
+          for (int64_t c = 0; c < C; ++c)
+            _mm512_storeu_ps(a + c * 16, _mm512_fmadd_ps(pr, vj[c], _mm512_loadu_ps(a + c * 16)));
+        }
+      }
     }
+    for (int64_t t = 0; t < nt; ++t)
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t r = t * group + g;
+        const float inv = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
+        for (int64_t d = 0; d < D; ++d) out[(t0 + t) * out_tok_stride + g * D + d] = acc[r * Dp + d] * inv;
+      }
+  }
 }
 
 // Every (sequence, KV head) is one task; tasks split across threads.
