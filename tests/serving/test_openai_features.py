@@ -296,3 +296,31 @@ def test_tool_call_parsing_and_holding_back():
     assert open_tool_call("Hello <tool_") == len("Hello ")
     assert open_tool_call("```js") == 0 and open_tool_call("Plain answer.") == len("Plain answer.")
 
+
+
+@pytest.mark.parametrize("client", ["ngram"], indirect=True)
+def test_a_new_schema_compiles_off_the_event_loop(client, monkeypatch):
+    """A new JSON schema's compile (up to about a second) runs in a worker thread, never on the server's event loop
+    (which would stall every other stream and /health meanwhile); the request's output still validates."""
+    import asyncio
+
+    from nextn.runtime.guided_decoding import GrammarCompiler
+
+    on_loop, compile_ = [], GrammarCompiler.compile
+
+    def recording(self, params):  # each real compile (a cache miss): on an event loop's thread or not
+        if params.key() not in self._cache:
+            try:
+                asyncio.get_running_loop()
+                on_loop.append(True)
+            except RuntimeError:
+                on_loop.append(False)
+        return compile_(self, params)
+
+    monkeypatch.setattr(GrammarCompiler, "compile", recording)
+    schema = {"type": "object", "properties": {"town": {"enum": ["Oslo", "Bergen"]}}, "required": ["town"],
+              "additionalProperties": False}
+    out = client.chat.completions.create(model="tiny", messages=USER, max_tokens=30, response_format={
+        "type": "json_schema", "json_schema": {"name": "town", "schema": schema}})
+    jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+    assert on_loop and not any(on_loop), on_loop

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import threading
 from pathlib import Path
 
 import torch
@@ -63,6 +64,7 @@ class Engine:
         self.print_iter_log = args.print_iter_log
         self.iteration_log: list[dict] | None = None  # set to [] to record one dict per iteration
         self._grammars: GrammarCompiler | None = None  # built with the first guided-decoding request
+        self._grammars_lock = threading.Lock()
 
     # Requests ----------------------------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
@@ -96,16 +98,32 @@ class Engine:
         stops = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos)))
         matcher = None
         if params.guided_decoding is not None:
-            if self.tokenizer is None:
-                raise RequestSamplingParamsError("guided decoding needs the engine's tokenizer and this engine has "
-                                                 "none (its checkpoint had none)")
-            if self._grammars is None:
-                self._grammars = GrammarCompiler(self.tokenizer.tok, self.cfg.vocab_size, sorted(self.eos_ids))
             try:
-                matcher = self._grammars.matcher(params.guided_decoding, stops or sorted(self.eos_ids))
+                matcher = self._grammar_compiler().matcher(params.guided_decoding, stops or sorted(self.eos_ids))
             except SamplingParamsError as e:
                 raise RequestSamplingParamsError(str(e)) from None
         return RequestProcessor(params, ids, stops, self.cfg.vocab_size, matcher)
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        """The engine's grammar compiler, built with the first guided-decoding request (once, whatever thread)."""
+        if self.tokenizer is None:
+            raise RequestSamplingParamsError("guided decoding needs the engine's tokenizer and this engine has none "
+                                             "(its checkpoint had none)")
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer.tok, self.cfg.vocab_size, sorted(self.eos_ids))
+            return self._grammars
+
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile `params`' guided-decoding grammar into the compiler's cache now, on the calling thread (a server
+        calls it from a worker thread, so that a new schema's compile — up to about a second — does not stall its
+        event loop); a no-op without one. Errors are left to `make_request`, which raises them as today."""
+        if params.guided_decoding is None or self.tokenizer is None:
+            return
+        try:
+            self._grammar_compiler().compile(params.guided_decoding)
+        except SamplingParamsError:
+            pass  # make_request raises it, with the request's context
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add(request)

@@ -249,6 +249,13 @@ class OpenAIServer:
             raise p.APIError(503, f"the server is shutting down: {e}", type_="server_error") from None
         return jobs
 
+    async def _compile_grammars(self, params: list[SamplingParams]) -> None:
+        """Compile the requests' grammars in a worker thread before `_submit` (a new JSON schema takes up to about
+        a second to compile; on the event loop that would stall every stream and /health)."""
+        for sp in params:
+            if sp.guided_decoding is not None:
+                await self._off_loop(self.llm.compile_grammar, sp)
+
     @staticmethod
     async def _off_loop(fn: Callable, *args):
         """`fn(*args)` in a worker thread: tokenizing a long prompt must not stall the event loop (/health, streams)."""
@@ -348,6 +355,7 @@ class OpenAIServer:
             raise p.APIError(400, "streaming takes one prompt per request: send the prompts as separate requests",
                              "prompt")
         params = [self._params(req, len(ids), req.max_tokens, "prompt", num_top=req.logprobs) for ids in prompts]
+        await self._compile_grammars(params)
         jobs = self._submit(prompts, params, req.stop, req.n)
         base = p.CompletionResponse(model=self.model_name, choices=[])
         tok = None if self.tokenizer is None else self.tokenizer.tok
