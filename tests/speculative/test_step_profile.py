@@ -130,6 +130,19 @@ def test_a_seeded_policy_decides_at_once_what_a_measuring_one_converges_to():
                 [converged.relative_step_time(b, j) for j in range(5)])
 
 
+def test_a_seeded_policy_tells_a_prefill_whether_its_batch_will_speculate():
+    """`would_draft` (asked at prefill: a draft model skips its prompt pass when False) follows the profile: never in
+    a hopeless bucket, in a paying one only while the acceptance makes some k pay; an unprofiled bucket explores."""
+    seeded = AdaptiveDraftLen(StaticDraftLen(4), probe_every=8, profile=TABLE)
+    assert not seeded.would_draft(8) and seeded.would_draft(1)  # α unknown: the batch-1 bucket would speculate
+    seeded.alpha = 0.0  # drafts that never hit: no k pays even at batch 1
+    assert not seeded.would_draft(1)
+    seeded.alpha = 0.9
+    assert seeded.would_draft(1) and seeded.draft_len(1) > 0  # the prefill's answer is the decode step's
+    assert seeded.would_draft(2)  # not in the profile: explores, as without one
+    assert not AdaptiveDraftLen(StaticDraftLen(0), profile=TABLE).would_draft(1)
+
+
 def test_a_seeded_policy_still_probes_acceptance_while_off_and_measures_unprofiled_buckets():
     seeded = AdaptiveDraftLen(StaticDraftLen(4), probe_every=3, profile={1: TABLE[1]})
     seeded.observe(4, 0, 4, 1, 0.0)  # nothing accepted: off at batch 1 ...

@@ -266,8 +266,15 @@ class AdaptiveDraftLen:
         return max(range(lowest, limit + 1), key=lambda k: (rates[k] - 1e-9 * k))
 
     def would_draft(self, batch_size: int) -> bool:
-        """The wrapped policy's answer (this one explores: it may speculate wherever that one allows)."""
-        return self.inner.would_draft(batch_size)
+        """Where the step profile covers the batch size: whether the draft length this policy would pick there now
+        (the pooled α for a new request) is > 0 — so a prefill admitted into a batch that decodes plainly skips
+        its drafter (a draft model: no second prefill). Elsewhere the wrapped policy's answer (this one explores)."""
+        if not self.inner.would_draft(batch_size):
+            return False
+        if self._bucket(batch_size) not in self._profiled:
+            return True
+        limit = self.inner.draft_len(batch_size)
+        return limit > 0 and not self.hopeless(batch_size, limit) and self.best_draft_len(batch_size, limit) > 0
 
     def hopeless(self, batch_size: int, limit: int) -> bool:
         """No draft length in [1, limit] would pay at this batch size's measured step times even with every draft

@@ -1,0 +1,28 @@
+"""The attention-kernel benchmark runs at small shapes, prints one line per shape, and refuses bad shapes."""
+
+from __future__ import annotations
+
+import pytest
+
+from nextn.bench import attention_kernel
+from nextn.plugins import cpu_kernels
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=f"nextn's CPU kernels are unavailable here: "
+                                f"{cpu_kernels.unavailable_reason()}")
+
+
+def test_prints_a_line_per_shape(capsys):
+    assert attention_kernel.main(["--shapes", "1x16", "9x40", "--heads", "4", "2", "8", "--iters", "2",
+                                  "--layers", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("4 query heads, 2 KV heads, head_dim 8")
+    assert len(lines) == 3 and lines[1].startswith("T=    1") and lines[2].startswith("T=    9")
+    assert "S=   16" in lines[1] and "S=   40" in lines[2] and "for 3 layers" in lines[2]
+
+
+@pytest.mark.parametrize("shape", ["7x3", "ax4", "0x5", "1x40000"])
+def test_bad_shapes_are_refused(shape, capsys):
+    with pytest.raises(SystemExit):
+        attention_kernel.main(["--shapes", shape])
+    err = capsys.readouterr().err
+    assert "--shapes takes TxS pairs" in err or "need 1 ≤ T ≤ S ≤ 32768" in err
