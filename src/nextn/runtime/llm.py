@@ -328,12 +328,6 @@ class LLM:
                                   "engine; use generate / generate_async / RequestHandle.abort, or call shutdown() "
                                   "first")
 
-    def compile_grammar(self, sampling_params: SamplingParams) -> None:
-        """Compile the request's guided-decoding grammar (if any) into the engine's cache on this thread, so that
-        submitting it later does not compile on the submitting thread (a server's event loop). Never raises for a
-        bad grammar: submitting the request does, with the usual error."""
-        self.engine.compile_grammar(sampling_params)
-
     # Asynchronous API (a background engine loop; servers share one engine this way) ----------------------
     def generate_async(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                        streaming: bool = False) -> RequestHandle:

@@ -254,7 +254,7 @@ class OpenAIServer:
         a second to compile; on the event loop that would stall every stream and /health)."""
         for sp in params:
             if sp.guided_decoding is not None:
-                await self._off_loop(self.llm.compile_grammar, sp)
+                await self._off_loop(self.llm.engine.compile_grammar, sp)  # (the engine's cache)
 
     @staticmethod
     async def _off_loop(fn: Callable, *args):
