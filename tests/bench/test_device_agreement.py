@@ -14,7 +14,11 @@ STORIES = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "mode
 
 def test_graph_cases_only_on_cuda():
     assert [name for name, _, _ in cases("cpu")] == ["plain", "ngram"]
-    assert [name for name, _, g in cases("cuda") if g is not None] == ["plain_graph", "ngram_graph"]
+    cuda = {name: extra for name, _, extra in cases("cuda")}
+    assert [name for name, extra in cuda.items() if "cuda_graph_config" in extra] == [
+        "plain_graph", "ngram_graph", "plain_graph_sync", "ngram_graph_sync"]
+    assert [name for name, extra in cuda.items() if extra.get("disable_overlap_scheduler")] == [
+        "plain_graph_sync", "ngram_graph_sync"]
 
 
 @pytest.mark.skipif(not STORIES.is_file(), reason=f"{STORIES} is absent (../shared/data/models)")

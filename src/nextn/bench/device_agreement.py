@@ -1,6 +1,7 @@
 """One checkpoint end to end through `LLM` on each device: greedy tokens of plain decoding and of an NGram drafter,
-eager and with the decode step captured in CUDA graphs (on CUDA), each against the first device's plain decoding,
-and decode tokens/s of a fixed batch (best of `--repeats` after a warm-up).
+eager and with the decode step captured in CUDA graphs (on CUDA, with the overlap scheduler and without it:
+`disable_overlap_scheduler`), each against the first device's plain decoding, and decode tokens/s of a fixed batch
+(best of `--repeats` after a warm-up).
 
     python -m nextn.bench.device_agreement --model stories260K.gguf --devices cuda,cpu --json $OUT/agreement.json
 
@@ -22,11 +23,15 @@ PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park"
 NGRAM = {"decoding_type": "NGram", "max_draft_len": 4}
 
 
-def cases(device: str) -> list[tuple[str, dict | None, dict | None]]:
-    """(name, speculative_config, cuda_graph_config) for one device: graphs only on CUDA."""
-    out = [("plain", None, None), ("ngram", NGRAM, None)]
+def cases(device: str) -> list[tuple[str, dict | None, dict]]:
+    """(name, speculative_config, extra `LLM` arguments) for one device: CUDA graphs, and the synchronous scheduler
+    beside the overlap scheduler (the default), only on CUDA."""
+    out = [("plain", None, {}), ("ngram", NGRAM, {})]
     if device == "cuda":
-        out += [("plain_graph", None, {}), ("ngram_graph", NGRAM, {})]
+        graphs = {"cuda_graph_config": {}}
+        sync = {**graphs, "disable_overlap_scheduler": True}
+        out += [("plain_graph", None, graphs), ("ngram_graph", NGRAM, graphs),
+                ("plain_graph_sync", None, sync), ("ngram_graph_sync", NGRAM, sync)]
     return out
 
 
@@ -35,8 +40,7 @@ def run(args: argparse.Namespace) -> dict:
     prompts = (PROMPTS * -(-args.batch // len(PROMPTS)))[:args.batch]
     results, reference = {}, None
     for device in args.devices.split(","):
-        for name, spec, graphs in cases(device):
-            extra = {} if graphs is None else {"cuda_graph_config": graphs}
+        for name, spec, extra in cases(device):
             llm = LLM(args.model, speculative_config=spec, device=device, engine_cache_dir=args.engine_cache_dir,
                       max_batch_size=args.batch, **extra)
             llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up (and graph capture)
@@ -53,6 +57,10 @@ def run(args: argparse.Namespace) -> dict:
             print(f"{device:>5} {name:<12} {results[f'{device}_{name}']['tokens_per_s']:>9.0f} tok/s   "
                   f"identical to {args.devices.split(',')[0]} plain: {same}/{len(tokens)}", flush=True)
             del llm
+    for name in ("plain_graph", "ngram_graph"):
+        on, off = results.get(f"cuda_{name}"), results.get(f"cuda_{name}_sync")
+        if on and off:
+            print(f"overlap scheduler speed-up, {name}: {on['tokens_per_s'] / off['tokens_per_s']:.2f}x", flush=True)
     return {"config": vars(args), "results": results}
 
 
