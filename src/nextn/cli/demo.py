@@ -52,10 +52,8 @@ def make_checkpoint(out: Path, num_mtp_modules: int, distill_steps: int, seed: i
 
 
 def make_checkpoint_cmd(args: argparse.Namespace) -> int:
+    """The directory is claimed first (cli/main.py: new, empty, or an earlier make-checkpoint's)."""
     out = Path(args.output_dir)
-    if out.exists() and any(out.iterdir()):
-        print(f"nextn make-checkpoint: error: {out} exists and is not empty; choose another --output_dir")
-        return 2
     prompts, _ = load_prompts(32)
     metrics = make_checkpoint(out, args.num_mtp_modules, args.distill_steps, args.seed, args.fp8, prompts)
     print(f"wrote {out}" + (f"; MTP top-1 (held out) {metrics['top1_before']} -> {metrics['top1_after']}" if metrics else ""))
