@@ -21,6 +21,20 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES") and not Path("/dev/nvidia0").exist
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _step_profiles_in_a_temporary_dir(tmp_path_factory):
+    """Configs with `step_profile: auto` and no `step_profile_dir` (configs/*.yaml) cache their profiles here, not
+    in the user's ~/.cache/nextn."""
+    from nextn.runtime import step_profiler
+    from nextn.speculative import step_profile
+
+    path = tmp_path_factory.mktemp("step_profiles")
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(step_profile, "DEFAULT_PROFILE_DIR", path)
+        m.setattr(step_profiler, "DEFAULT_PROFILE_DIR", path)
+        yield
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     if not (SHARED_DATA / "prompts" / "mt_bench.jsonl").is_file():

@@ -194,3 +194,21 @@ def test_profiling_a_tiny_engine_is_cached_and_lossless(eagle, tmp_path, caplog,
     assert "measured the step profile" in caplog.text and load_step_profile(path).key == saved.key
     off = LLM(eagle, speculative_config={**spec, "step_profile": "off"}, max_batch_size=8)
     assert off.engine.draft_len_policy.step_time == {}  # "off": measured online, as without a profile
+
+
+def test_a_profile_measured_for_smaller_batches_is_measured_again_for_larger_ones(eagle, tmp_path, monkeypatch):
+    spec = {"decoding_type": "MTP", "num_nextn_predict_layers": 2, "adaptive_draft_len": True,
+            "step_profile": "auto", "step_profile_dir": str(tmp_path)}
+    measured = []
+    real = step_profiler.measure_step_time
+    monkeypatch.setattr(step_profiler, "measure_step_time", lambda target: measured.append(1) or real(target, False))
+    small = LLM(eagle, speculative_config=spec, max_batch_size=2)
+    assert set(small.engine.draft_len_policy.step_time) == {1, 2} and len(measured) == 1
+    LLM(eagle, speculative_config=spec, max_batch_size=2)
+    assert len(measured) == 1  # the same sizes: read from the cache
+    big = LLM(eagle, speculative_config=spec, max_batch_size=8)  # a server with more slots: buckets 4 and 8 missing
+    assert len(measured) == 2 and set(big.engine.draft_len_policy.step_time) == {1, 2, 4, 8}
+    (path,) = tmp_path.iterdir()
+    assert set(load_step_profile(path).step_time) == {1, 2, 4, 8}  # the larger profile replaced the smaller
+    LLM(eagle, speculative_config=spec, max_batch_size=4)
+    assert len(measured) == 2  # a subset of what is cached: read

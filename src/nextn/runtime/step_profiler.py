@@ -46,7 +46,7 @@ from nextn.speculative.draft_len_policy import DraftLenPolicy
 from nextn.speculative.step_profile import (DEFAULT_PROFILE_DIR, ProfileKey, StepProfile, StepProfileError,
                                             cached_step_profile, engine_digest, save_step_profile)
 
-__all__ = ["ForcedDraftLen", "ProfileTarget", "measure_step_time", "step_profile_for"]
+__all__ = ["ForcedDraftLen", "ProfileTarget", "measure_step_time", "step_profile_for", "wanted_buckets"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,10 +108,9 @@ def _bucket(batch_size: int) -> int:
     return 1 << max(batch_size - 1, 0).bit_length()
 
 
-def measure_step_time(target: ProfileTarget, progress: bool = True) -> dict[int, dict[int, float]]:
-    """The step-time table {bucket: {k: seconds}} of the engine behind `target` (see the module docstring). A draft
-    length not timed before the requests run out of room (a short max_seq_len) is left out (`AdaptiveDraftLen`
-    interpolates a missing k); so is a batch size without a plain and a speculating time."""
+def _plan(target: ProfileTarget) -> tuple[list[int], int, int]:
+    """(the batch sizes timed, the synthetic prompts' length, new tokens per request): BATCH_SIZES capped by
+    max_batch_size and by what the KV cache holds at once."""
     K = target.num_draft_tokens
     rounds = WARMUP_ROUNDS + TIMED_ROUNDS
     per_round = sum(k + 1 for k in draft_lens(K)) + 1  # tokens a round may emit per request (+1: re-priming)
@@ -120,7 +119,21 @@ def measure_step_time(target: ProfileTarget, progress: bool = True) -> dict[int,
     max_tokens = max(1, min(rounds * per_round + 1, target.max_seq_len - prompt_len))
     per_request = -(-(prompt_len + max_tokens + lookahead + K + 1) // target.block_size)  # KV blocks
     fits = max(1, (target.num_blocks - 1) // per_request)
-    sizes = sorted({min(b, target.max_batch_size, fits) for b in BATCH_SIZES})
+    return sorted({min(b, target.max_batch_size, fits) for b in BATCH_SIZES}), prompt_len, max_tokens
+
+
+def wanted_buckets(target: ProfileTarget) -> set[int]:
+    """The batch-size buckets a profile of this engine, as loaded now, should hold: a cached profile measured with
+    a smaller max_batch_size (or KV cache) lacks the larger ones and is measured again."""
+    return {_bucket(b) for b in _plan(target)[0]}
+
+
+def measure_step_time(target: ProfileTarget, progress: bool = True) -> dict[int, dict[int, float]]:
+    """The step-time table {bucket: {k: seconds}} of the engine behind `target` (see the module docstring). A draft
+    length not timed before the requests run out of room (a short max_seq_len) is left out (`AdaptiveDraftLen`
+    interpolates a missing k); so is a batch size without a plain and a speculating time."""
+    sizes, prompt_len, max_tokens = _plan(target)
+    rounds = WARMUP_ROUNDS + TIMED_ROUNDS
     rng = random.Random(0)
     prompts = [[rng.randrange(target.vocab_size) for _ in range(prompt_len)] for _ in range(max(sizes))]
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -190,8 +203,12 @@ def step_profile_for(spec: BaseModel | None, args: LlmArgs, manifest: EngineMani
     name = engine_dir.name
     profile = cached_step_profile(cache_dir, key, name)
     if profile is not None:
-        logger.info("step profile of %s read from %s", name, cache_dir)
-        return profile.step_time
+        missing = sorted(wanted_buckets(target) - set(profile.step_time))
+        if not missing or sharded:
+            logger.info("step profile of %s read from %s", name, cache_dir)
+            return profile.step_time
+        logger.info("the cached step profile of %s lacks batch sizes %s (measured with a smaller max_batch_size or "
+                    "KV cache): measuring it again", name, missing)
     if sharded:
         logger.info("no step profile of %s cached in %s: tensor-parallel ranks measure step times online", name,
                     cache_dir)
