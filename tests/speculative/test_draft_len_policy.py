@@ -220,7 +220,7 @@ def test_adaptive_draft_len_follows_acceptance_and_measured_cost():
     assert cold.draft_len(1) == 0  # 4 tokens per 5 steps
     cold.observe(3, 3, 3, 1, 0.012)  # a probe 20 steps later: the stale cold time is replaced, not blended
     assert cold.relative_step_time(1, 3) == pytest.approx(1.2) and cold.draft_len(1) == 3
-    r = AdaptiveDraftLen(StaticDraftLen(4), probe_every=3)
+    r = AdaptiveDraftLen(StaticDraftLen(4), probe_every=3, probe_budget=0)  # the schedule alone
     r.observe(8, 0, 4, 1, 0.0)  # nothing accepted: off ...
     ks = []  # ... with a speculating probe after 3 steps, then 6, then 12
     for _ in range(24):
@@ -239,7 +239,8 @@ def test_adaptive_draft_len_probes_a_hopeless_batch_size_rarely():
     from nextn.speculative.draft_len_policy import AdaptiveDraftLen
 
     for cost, hopeless in ((0.060, True), (0.030, False)):
-        p = AdaptiveDraftLen(StaticDraftLen(4), probe_every=4, max_probe_every=16, idle_probe_every=50)
+        p = AdaptiveDraftLen(StaticDraftLen(4), probe_every=4, max_probe_every=16, idle_probe_every=50,
+                             probe_budget=0)
         p.observe(8 * 4, 8 * 4, 4, 8, cost)  # two warm-up steps at k = 4, all accepted ...
         p.observe(8 * 4, 8 * 4, 4, 8, cost)
         p.observe(0, 0, 0, 8, 0.010)  # ... a plain one ...
@@ -295,3 +296,21 @@ def test_adaptive_draft_len_is_lossless(eagle, plain, overlap):
     assert llm.engine.draft_len_policy.alpha is not None  # it observed the speculating steps
     assert len(llm.engine.draft_len_policy.request_alpha) > 1  # and each request's own acceptance
     assert {e["draft_len"] for e in llm.engine.iteration_log if e["kind"] == "decode"} - {0, 1, 2, 3} == set()
+
+
+def test_an_expensive_probe_waits_until_it_fits_the_probe_budget():
+    """A step profile where a speculating step costs ~4 plain steps (MTP drafting over a 129k vocabulary on the
+    CPU): drafts that miss switch speculation off, and a probe at k = 1 — 2 · 3.7 − 2 = 5.4 plain steps lost —
+    waits 5.4 / 0.02 = 270 steps, not probe_every (the control: without a budget it probes after probe_every)."""
+    from nextn.speculative.draft_len_policy import AdaptiveDraftLen
+
+    profile = {1: {0: 0.010, 1: 0.037, 4: 0.040}}
+    for budget, first_probe in ((0.02, 269), (0.0, 7)):
+        p = AdaptiveDraftLen(StaticDraftLen(4), probe_every=8, profile=profile, probe_budget=budget)
+        p.observe(4, 0, 4, 1, 0.040)  # nothing accepted: α ≈ 0, off (not hopeless: 5 tokens at α = 1 > 4 steps)
+        ks = [p.draft_len(1) for _ in range(300)]
+        assert [i for i, k in enumerate(ks) if k][:1] == [first_probe] and ks[first_probe] == 1
+        assert p.probe_wait(1, 1) == pytest.approx(270 if budget else 0.0, rel=0.02)
+    cheap = AdaptiveDraftLen(StaticDraftLen(4), probe_every=8, profile={1: {0: 0.010, 1: 0.0101, 4: 0.0105}})
+    cheap.observe(4, 0, 4, 1, 0.0105)
+    assert cheap.probe_wait(1, 1) < 8  # a probe that costs little keeps the probe_every schedule

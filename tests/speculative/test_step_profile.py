@@ -144,7 +144,7 @@ def test_a_seeded_policy_tells_a_prefill_whether_its_batch_will_speculate():
 
 
 def test_a_seeded_policy_still_probes_acceptance_while_off_and_measures_unprofiled_buckets():
-    seeded = AdaptiveDraftLen(StaticDraftLen(4), probe_every=3, profile={1: TABLE[1]})
+    seeded = AdaptiveDraftLen(StaticDraftLen(4), probe_every=3, profile={1: TABLE[1]}, probe_budget=0)
     seeded.observe(4, 0, 4, 1, 0.0)  # nothing accepted: off at batch 1 ...
     ks = [seeded.draft_len(1) for _ in range(3)]
     assert ks[:2] == [0, 0] and ks[2] > 0  # ... with a probe that refreshes α after probe_every steps

@@ -170,7 +170,12 @@ class AdaptiveDraftLen:
     and a speculating one), or `idle_probe_every` at once when the bucket is hopeless — no k would pay even if
     every draft were accepted (max_k E(1, k) / (t(k) / t(0)) < 1: a compute-bound batch, or a drafter costlier
     than the tokens it could add; measured on this CPU at batch 8, where one probe costs ~17 plain steps); while
-    on, every `probe_every` speculating steps one plain step refreshes t(0).
+    on, every `probe_every` speculating steps one plain step refreshes t(0). A probe from off is also held back
+    until it fits `probe_budget`, the share of decode time probes may cost: a probe's loss, in plain steps, is
+    2 · t(k) / t(0) − (1 + E(α, k)) (its priming and speculating steps against two plain steps), so a probe that
+    costs c plain steps waits at least c / probe_budget steps — where drafting costs many plain steps (a tree over
+    a large vocabulary on a CPU: 6–18 plain steps a probe), probing stays within budget instead of costing a
+    tenth of the throughput.
 
     With a step profile (`profile`, speculative/step_profile.py: t(k) per bucket measured once for this engine on this
     machine) the profiled buckets explore nothing for step times: their t(k) are the profile's from the first step,
@@ -189,11 +194,11 @@ class AdaptiveDraftLen:
                  acceptance_smoothing: float = 0.1,
                  probe_every: int = 32, warmup_steps: int = 2, max_probe_every: int = 256,
                  idle_probe_every: int = 1024, gain: Gain = expected_tokens,
-                 profile: Mapping[int, Mapping[int, float]] | None = None) -> None:
+                 profile: Mapping[int, Mapping[int, float]] | None = None, probe_budget: float = 0.02) -> None:
         self.inner, self.max_draft_len, self.gain = inner, inner.max_draft_len, gain
         self.prior_cost, self.smoothing, self.probe_every = prior_cost, smoothing, probe_every
         self.warmup_steps, self.max_probe_every = warmup_steps, max_probe_every
-        self.idle_probe_every = idle_probe_every
+        self.idle_probe_every, self.probe_budget = idle_probe_every, probe_budget
         self.acceptance_smoothing = acceptance_smoothing
         self.alpha: float | None = None  # pooled over all requests; unknown until a speculating step was observed
         self._pooled: tuple[float, float, float] | None = None  # `_acceptance_ema` of a request's mean step
@@ -307,13 +312,29 @@ class AdaptiveDraftLen:
             return k
         probe.since_switch += 1
         if probe.since_switch >= probe.interval:  # probe the other side (see the class docstring)
-            probe.since_switch = 0
             if probe.off:  # each probe that leaves speculation off doubles the wait for the next one
+                probe_len = self.best_draft_len(batch_size, limit, request_ids, lowest=1)
+                if probe.since_switch < self.probe_wait(batch_size, probe_len, request_ids):
+                    return 0  # not yet within the probe budget
+                probe.since_switch = 0
                 probe.interval = min(2 * probe.interval, self.max_probe_every)
-                probe.probing, probe.probe_len = True, self.best_draft_len(batch_size, limit, request_ids, lowest=1)
+                probe.probing, probe.probe_len = True, probe_len
                 return probe.probe_len
+            probe.since_switch = 0
             return 0
         return k
+
+    def probe_wait(self, batch_size: int, k: int, request_ids: Sequence[int] = ()) -> float:
+        """Plain steps a probe at draft length k must follow so that probes cost at most `probe_budget` of the
+        decode time: its loss in plain steps, 2 · t(k) / t(0) − (1 + mean E(α_r, k)), over the budget (0 where it
+        costs nothing or there is no budget)."""
+        if self.probe_budget <= 0 or k <= 0:
+            return 0.0
+        stats = self._request_stats
+        alphas = [stats[r][2] if r in stats else self.alpha for r in request_ids] or [self.alpha]
+        gain = sum(self.gain(a if a is not None else 0.0, k) for a in alphas) / len(alphas)
+        loss = 2.0 * self.relative_step_time(batch_size, k) - (1.0 + gain)
+        return max(loss, 0.0) / self.probe_budget
 
     def observe(self, num_draft_tokens: int, num_accepted_draft_tokens: int, draft_len: int = 0,
                 batch_size: int = 0, seconds: float = 0.0, per_request: Mapping[int, int] | None = None) -> None:
