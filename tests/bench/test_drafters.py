@@ -29,3 +29,22 @@ def test_with_a_draft_model_every_config_is_valid_as_written():
     for spec in out.values():
         if spec is not None:
             KINDS[spec["decoding_type"]](**spec)
+
+
+def test_a_batch_pass_runs_the_prompts_in_waves_of_the_batch_size():
+    """`--batch B` means B requests in flight: the engine's max_batch_size is the largest B of the invocation, so
+    the pass must not hand it every prompt at once."""
+    from types import SimpleNamespace
+
+    from nextn.bench.decode_pass import run_nextn
+
+    seen = []
+
+    def generate(prompts, params):
+        seen.append(len(prompts))
+        out = SimpleNamespace(token_ids=[1] * params.max_tokens, num_decode_steps=params.max_tokens - 1,
+                              num_draft_tokens=0, num_accepted_draft_tokens=0)
+        return [SimpleNamespace(outputs=[out]) for _ in prompts]
+
+    r = run_nextn(SimpleNamespace(generate=generate), [[1, 2]] * 7, 4, 3)
+    assert seen == [3, 3, 1] and len(r["tokens"]) == 7 and r["al"] == 1.0

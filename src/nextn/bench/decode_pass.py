@@ -13,7 +13,8 @@ def run_nextn(llm, prompts: list[list[int]], max_tokens: int, batch: int) -> dic
     """One pass over `prompts` (token ids) on `llm`, greedy, `max_tokens` new tokens each with EOS ignored.
 
     Batch 1: the prompts one after another, `tps` = decode tokens/s (tokens after the first over first-token →
-    finish time, summed). Batch > 1: all submitted at once, `tps` = new tokens over the wall time.
+    finish time, summed). Batch B > 1: the prompts in waves of B submitted together (every request emits
+    `max_tokens`, so each wave decodes at batch B throughout), `tps` = new tokens over the wall time.
     Returns {"tps": float, "al": float (1 + accepted drafts / decode steps), "acceptance_rate": float (accepted /
     drafted, 0 without drafts), "tokens": list[list[int]] (each prompt's output ids)}.
     """
@@ -26,7 +27,7 @@ def run_nextn(llm, prompts: list[list[int]], max_tokens: int, batch: int) -> dic
         seconds = sum(o.finished_time - o.first_token_time for o in outs)
         tokens = sum(len(o.token_ids) - 1 for o in outs)
     else:
-        outs = [r.outputs[0] for r in llm.generate(prompts, params)]
+        outs = [r.outputs[0] for i in range(0, len(prompts), batch) for r in llm.generate(prompts[i:i + batch], params)]
         seconds, tokens = time.perf_counter() - t0, sum(len(o.token_ids) for o in outs)
     steps = sum(o.num_decode_steps for o in outs)
     drafts = sum(o.num_draft_tokens for o in outs)

@@ -16,7 +16,7 @@ the same machine:
 
 Batch 1: the prompts one after another; tokens/s is decode only on both sides (nextn: tokens after the first over
 first-token → finish time, summed over prompts; llama.cpp: its "decoded N tokens in S seconds"). Batch B > 1
-(nextn only): all prompts submitted at once, B in flight, total new tokens over the wall time. AL = tokens per
+(nextn only): the prompts in waves of B submitted together, total new tokens over the wall time. AL = tokens per
 decode step per request (1 + accepted drafts / steps); a speed-up above the AL would be a measurement bug and is
 flagged.
 
@@ -124,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--format", choices=list(FORMATS), default="W4A16", help="nextn weight format (default W4A16)")
     p.add_argument("--batch", type=int, nargs="+", default=[1], help="nextn batch sizes (default 1)")
     p.add_argument("--configs", nargs="+", help="subset of nextn configurations (default all)")
+    p.add_argument("--config_files", type=Path, nargs="+", default=[],
+                   help="also run the speculative_config of each of these YAML files (e.g. configs/mtp_tree.yaml), "
+                        "named by the file")
     p.add_argument("--runs", type=int, default=2, help="timed passes after a warm-up; best counts (default 2)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no_llama_cpp", action="store_true", help="skip llama.cpp")
@@ -144,6 +147,13 @@ def main(argv: list[str] | None = None) -> int:
     configs = _configs(args.draft, args.draft_len, args.draft_vocab_sizes, args.draft_token_map, args.mtp_len)
     if args.configs:
         configs = {name: c for name, c in configs.items() if any(name.startswith(s) for s in args.configs)}
+    for path in args.config_files:
+        from nextn.config.llm_args import LlmArgsError, load_llm_args_yaml
+
+        try:
+            configs[path.name] = load_llm_args_yaml(path).get("speculative_config")
+        except (LlmArgsError, OSError) as e:
+            p.error(f"--config_files {path}: {e}")
     llms = {name: _llm(args.target, args.format, spec, args.engine_cache_dir, max(args.batch))
             for name, spec in configs.items()}
     tok = next(iter(llms.values())).tokenizer

@@ -173,9 +173,10 @@ class AdaptiveDraftLen:
     on, every `probe_every` speculating steps one plain step refreshes t(0). A probe from off is also held back
     until it fits `probe_budget`, the share of decode time probes may cost: a probe's loss, in plain steps, is
     2 · t(k) / t(0) − (1 + E(α, k)) (its priming and speculating steps against two plain steps), so a probe that
-    costs c plain steps waits at least c / probe_budget steps — where drafting costs many plain steps (a tree over
-    a large vocabulary on a CPU: 6–18 plain steps a probe), probing stays within budget instead of costing a
-    tenth of the throughput.
+    costs c plain steps waits at least c / probe_budget steps (default 0.5 %) — where drafting costs many plain
+    steps (a 16-node MTP tree over a 129k vocabulary on a CPU: ~10 plain steps a probe), probing stays within
+    budget: on the demo checkpoint at batch 1, probes every 32–256 steps cost 22 % of the throughput, at 0.5 % two
+    probes in 2,000 steps cost 2 % (docs/performance-history.md).
 
     With a step profile (`profile`, speculative/step_profile.py: t(k) per bucket measured once for this engine on this
     machine) the profiled buckets explore nothing for step times: their t(k) are the profile's from the first step,
@@ -194,7 +195,7 @@ class AdaptiveDraftLen:
                  acceptance_smoothing: float = 0.1,
                  probe_every: int = 32, warmup_steps: int = 2, max_probe_every: int = 256,
                  idle_probe_every: int = 1024, gain: Gain = expected_tokens,
-                 profile: Mapping[int, Mapping[int, float]] | None = None, probe_budget: float = 0.02) -> None:
+                 profile: Mapping[int, Mapping[int, float]] | None = None, probe_budget: float = 0.005) -> None:
         self.inner, self.max_draft_len, self.gain = inner, inner.max_draft_len, gain
         self.prior_cost, self.smoothing, self.probe_every = prior_cost, smoothing, probe_every
         self.warmup_steps, self.max_probe_every = warmup_steps, max_probe_every
