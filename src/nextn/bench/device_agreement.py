@@ -12,8 +12,8 @@ runs plain and NGram only.
 from __future__ import annotations
 
 import argparse
-import time
 
+from nextn.bench.decode_pass import best_of
 from nextn.bench.outputs import check_report, write_report
 from nextn.runtime.llm import LLM
 from nextn.runtime.sampling_params import SamplingParams
@@ -44,12 +44,7 @@ def run(args: argparse.Namespace) -> dict:
             llm = LLM(args.model, speculative_config=spec, device=device, engine_cache_dir=args.engine_cache_dir,
                       max_batch_size=args.batch, **extra)
             llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up (and graph capture)
-            best, outputs = float("inf"), None
-            for _ in range(args.repeats):
-                t0 = time.perf_counter()
-                outputs = llm.generate(prompts, params)
-                best = min(best, time.perf_counter() - t0)
-            tokens = [list(o.outputs[0].token_ids) for o in outputs]
+            best, tokens = best_of(llm, prompts, params, args.repeats)
             reference = reference or tokens
             same = sum(a == b for a, b in zip(tokens, reference))
             results[f"{device}_{name}"] = {"tokens_per_s": sum(map(len, tokens)) / best,

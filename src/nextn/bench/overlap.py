@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 from pathlib import Path
 
+from nextn.bench.decode_pass import best_of
 from nextn.bench.outputs import check_report, write_report
 
 # transformers `LlamaConfig` fields of each shape (tied embeddings; the published models' sizes).
@@ -61,12 +61,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
                 llm = LLM(str(ckpt), device=args.device, max_batch_size=batch, disable_overlap_scheduler=not overlap,
                           engine_cache_dir=str(workdir / "engines"), **graphs)
                 llm.generate(prompts[:2], warm)
-                best, outputs = float("inf"), None
-                for _ in range(args.repeats):
-                    t0 = time.perf_counter()
-                    outputs = llm.generate(prompts, params)
-                    best = min(best, time.perf_counter() - t0)
-                tokens = [list(o.outputs[0].token_ids) for o in outputs]
+                best, tokens = best_of(llm, prompts, params, args.repeats)
                 reference = reference or tokens
                 passes.append({"overlap": overlap, "tokens_per_s": sum(map(len, tokens)) / best,
                                "identical": sum(a == b for a, b in zip(tokens, reference))})
