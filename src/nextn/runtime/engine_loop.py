@@ -16,6 +16,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from nextn.runtime.fault_isolation import describe, fail_all
+from nextn.runtime.openmp_pool import release_thread_pool
 from nextn.runtime.outputs import CompletionOutput, RequestOutput
 from nextn.runtime.request import Request
 from nextn.runtime.request_handle import RequestHandle
@@ -44,7 +45,8 @@ class EngineLoop:
     """Runs `engine.step()` on a daemon thread; thread-safe `submit` / `abort` / `shutdown`.
 
     Args:
-        engine: the loaded engine; from now on only the loop thread may call its methods.
+        engine: the loaded engine; from now on only the loop thread may call its methods. The creating thread's
+            OpenMP workers are freed first (`release_thread_pool`), so the loop steps as fast as that thread did.
     """
 
     def __init__(self, engine: Engine) -> None:
@@ -53,6 +55,7 @@ class EngineLoop:
         self._streams: dict[int, _Stream] = {}
         self._stopped = False
         self._submit_lock = threading.Lock()  # no command is queued after "stop": every handle gets a final output
+        release_thread_pool()  # the loop thread's OpenMP pool is then the only one (runtime/openmp_pool.py)
         self._thread = threading.Thread(target=self._run, name="nextn-engine-loop", daemon=True)
         self._thread.start()
 

@@ -1,0 +1,59 @@
+"""release_thread_pool frees the calling thread's OpenMP workers, and the engine loop calls it."""
+
+import os
+import sys
+import threading
+
+import pytest
+import torch
+
+from nextn.runtime import engine_loop
+from nextn.runtime.openmp_pool import release_thread_pool
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads through /proc")
+
+
+def _num_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _parallel_work() -> None:
+    a = torch.randn(256, 512)
+    for _ in range(3):
+        a @ a.T  # an OpenMP parallel region on the calling thread
+
+
+def test_release_frees_the_calling_threads_openmp_workers_and_the_next_region_starts_them_again():
+    if torch.get_num_threads() < 2:
+        pytest.skip("one torch thread: OpenMP starts no workers to free")
+    out: dict[str, int | bool] = {}
+
+    def run():  # a fresh thread: its pool is its own, whatever the test process did before
+        out["before"] = _num_threads()
+        _parallel_work()
+        out["with_pool"] = _num_threads()
+        out["released"] = release_thread_pool()
+        out["after"] = _num_threads()
+        _parallel_work()
+        out["again"] = _num_threads()
+        release_thread_pool()
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert out["with_pool"] > out["before"], out
+    assert out["released"] is True
+    assert out["after"] == out["before"], out  # the workers have exited
+    assert out["again"] == out["with_pool"], out  # and come back on demand
+
+
+def test_the_engine_loop_releases_its_creators_pool_before_it_starts(monkeypatch):
+    calls = []
+    monkeypatch.setattr(engine_loop, "release_thread_pool", lambda: calls.append(threading.get_ident()))
+
+    class _Idle:
+        has_work = False
+
+    loop = engine_loop.EngineLoop(_Idle())  # type: ignore[arg-type]
+    loop.shutdown()
+    assert calls == [threading.get_ident()]
