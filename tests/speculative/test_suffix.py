@@ -65,6 +65,33 @@ def test_rows_write_their_slots_by_position_idempotently():
     assert d.slots[2].tokens == [1, 2, 3, 4, 5, 1, 2, 3, 4, 5] and d.slots[0].tokens == [7, 8, 9, 9]
 
 
+def test_with_step_times_the_hint_verifies_what_pays_and_calibrates_from_what_was_accepted():
+    """`use_step_times`: argmax_k (B + c · G(k)) / t(B, k) over the proposals; without step times the longest."""
+    seq = list(range(10, 30))
+    def drafter(step_time=None) -> SuffixDrafter:
+        d = SuffixDrafter(16, max_tree_depth=24)
+        if step_time is not None:
+            d.use_step_times(step_time)
+        prefill(d, [0], [0], [seq + seq[:12]], [seq[12]])  # the prompt repeats: the trees expect the copy
+        return d
+    longest = drafter().slots[0].useful
+    assert longest >= 8 and drafter().slots[0].gains == sorted(drafter().slots[0].gains)
+    assert drafter().draft_len_hint([0]) == longest  # no step times: the longest proposal (control)
+    assert drafter(lambda b, k: 1 + 0.01 * k).draft_len_hint([0]) == longest  # rows nearly free: all of it
+    assert drafter(lambda b, k: 1 + 1.5 * k).draft_len_hint([0]) == 0  # each row dearer than a token: none
+    stepped = drafter(lambda b, k: 1.0 + 0.3 * k * (k > 4))  # up to 4 drafts free, then dear
+    assert stepped.draft_len_hint([0]) == 4
+    # Calibration: the verified proposal expected ~4 accepted drafts; none were, so c drops and the hint shrinks.
+    d = drafter(lambda b, k: 1 + 0.2 * k)
+    k = d.draft_len_hint([0])
+    assert k > 0
+    for _ in range(30):
+        last = len(d.slots[0].tokens) - 1
+        verify(d, [0], [last], [[999] * (k + 1)], [1])  # every draft rejected: an unseen token instead
+        k = max(d.draft_len_hint([0]), 1)
+    assert d.calibration < 0.2 and d.draft_len_hint([0]) == 0
+
+
 def test_a_gap_starts_a_new_segment_and_a_rewrite_rebuilds():
     d = SuffixDrafter(2, max_tree_depth=4)
     prefill(d, [0], [0], [[1, 2, 3, 1, 2]], [3])
@@ -246,6 +273,22 @@ def test_the_draft_length_follows_the_match(llama_engine, overlap):
     assert first.token_ids == want and second.token_ids == want
     assert min(fresh) < 16 and all(1 <= k <= 16 for k in fresh + repeat)
     assert max(repeat) > 8 and second.num_decode_steps * 4 < len(want)  # the copy goes in long steps
+    llm.shutdown()
+
+
+def test_adaptive_suffix_picks_lengths_from_its_proposals_and_stays_lossless(llama_engine):
+    """`adaptive_draft_len` on Suffix: ProposalDraftLen keeps the cap, the drafter picks k in 0..K per step (0: a
+    step that verifies nothing but still drafts, so the trees see every token: no gaps)."""
+    sp = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (12, 40, 20, 36, 8)]
+    plain = outputs(LLM(llama_engine, speculative_config=None), PROMPTS, sp)
+    llm = LLM(llama_engine, speculative_config={**SUFFIX, "max_draft_len": 8, "adaptive_draft_len": True})
+    assert llm.engine.drafter.step_time is not None
+    llm.engine.iteration_log = []
+    assert staggered(llm, PROMPTS, sp) == plain
+    assert outputs(llm, PROMPTS, sp) == plain  # again: the outputs are in the global tree now
+    decode = [e for e in llm.engine.iteration_log if e["kind"] == "decode"]
+    assert all(e["drafting"] for e in decode)  # the drafter saw every step
+    assert {e["draft_len"] for e in decode} - {0}  # it verified drafts where they paid
     llm.shutdown()
 
 

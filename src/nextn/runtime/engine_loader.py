@@ -37,7 +37,8 @@ from nextn.runtime.scheduler import Scheduler
 from nextn.runtime.tokenizer import EngineTokenizer, eos_token_ids
 from nextn.speculative import registry
 from nextn.runtime.step_profiler import ProfileTarget, step_profile_for
-from nextn.speculative.draft_len_policy import DraftLenPolicy, StaticDraftLen, choose_draft_len_policy
+from nextn.speculative.draft_len_policy import (DraftLenPolicy, ProposalDraftLen, StaticDraftLen,
+                                                choose_draft_len_policy)
 from nextn.speculative.method import LoadContext
 from nextn.speculative.protocol import AcceptanceRule, Drafter
 
@@ -148,7 +149,10 @@ def load_engine(engine_dir: str | Path, args: LlmArgs, spec: BaseModel | None, d
     profile = step_profile_for(spec, args, manifest, engine_dir, device, ProfileTarget(
         runner, new_scheduler, plan.num_blocks, block_size, max_batch_size, max_seq_len, k, cfg.vocab_size),
         sharded=sharding is not None)  # the measured step times, when the config asks for them
-    draft_len_policy = choose_draft_len_policy(spec, k, drafter.expected_tokens, profile)
+    draft_len_policy = choose_draft_len_policy(spec, k, drafter.expected_tokens, profile,
+                                               proposes=drafter.use_step_times is not None)
+    if isinstance(draft_len_policy, ProposalDraftLen):
+        drafter.use_step_times(draft_len_policy.relative_step_time)  # it picks each step's length from them
     scheduler = new_scheduler(pool, draft_len_policy, drafter.draft_len_hint)
     try:
         tokenizer = EngineTokenizer.load(engine_dir, manifest.tokenizer_files)

@@ -256,8 +256,8 @@ class Scheduler:
             return None
         k = self.draft_len_policy.draft_len(len(reqs), [r.request_id for r in reqs])
         drafting = k > 0 or self.draft_len_policy.max_draft_len == 0
-        if k > 0 and self.draft_len_hint is not None:  # no wider than the longest useful draft (≥ 1: keep drafting)
-            k = max(1, min(k, self.draft_len_hint([r.batch_slot for r in reqs])))
+        if k > 0 and self.draft_len_hint is not None:  # no wider than the drafter says pays (0: it still drafts)
+            k = max(0, min(k, self.draft_len_hint([r.batch_slot for r in reqs])))
         if k > 0 and not all(r.has_drafts for r in reqs):
             k = 0  # speculation back on: draft first (drafts are not kept while it is off)
         catch_up = drafting and self.drafter_catches_up and any(r.drafter_gap is not None for r in reqs)

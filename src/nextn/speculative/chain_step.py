@@ -121,6 +121,7 @@ class LinearDrafter:
 
     supports_disaggregation = False
     draft_len_hint = None
+    use_step_times = None
     skips_drafting = False
     catches_up = False
 

@@ -371,13 +371,28 @@ class AdaptiveDraftLen:
             self._spec_steps[bucket] = self._spec_steps.get(bucket, 0) + 1
 
 
+class ProposalDraftLen(AdaptiveDraftLen):
+    """`adaptive_draft_len` for a drafter that knows each step's proposals and their expected acceptance (Suffix:
+    `use_step_times`): the draft length is the wrapped policy's cap, and the drafter's `draft_len_hint` picks the
+    step's k in [0, cap] from its proposals and `relative_step_time` (the step profile's times, else timed online as
+    `AdaptiveDraftLen` does) — no α estimate, no probes: the proposals are known before every step at no cost."""
+
+    def draft_len(self, batch_size: int, request_ids: Sequence[int] = ()) -> int:
+        return self.inner.draft_len(batch_size, request_ids)
+
+    def would_draft(self, batch_size: int) -> bool:
+        return self.inner.would_draft(batch_size)
+
+
 def choose_draft_len_policy(spec: DecodingBaseConfig | MedusaDecodingConfig | None, num_draft_tokens: int,
                             gain: Gain = expected_tokens,
-                            step_profile: Mapping[int, Mapping[int, float]] | None = None) -> DraftLenPolicy:
+                            step_profile: Mapping[int, Mapping[int, float]] | None = None,
+                            proposes: bool = False) -> DraftLenPolicy:
     """The draft-length policy for this speculative config (chosen once, at load time); `gain` is the drafter's
     expected tokens per step at (α, draft length) (`Drafter.expected_tokens`), the adaptive policy's model;
     `step_profile` the engine's measured step times {bucket: {k: seconds}} (speculative/step_profile.py), which the
-    adaptive policy starts from instead of measuring them.
+    adaptive policy starts from instead of measuring them; `proposes`: the drafter chooses each step's length from
+    its own proposals given step times (`Drafter.use_step_times`), so `adaptive_draft_len` is a `ProposalDraftLen`.
 
     Medusa verifies its whole tree every step (its width is the tree's, not a draft length): static.
 
@@ -397,5 +412,5 @@ def choose_draft_len_policy(spec: DecodingBaseConfig | MedusaDecodingConfig | No
     if spec.acceptance_rate_window_size and spec.acceptance_rate_threshold is not None:
         policy = AcceptanceGate(policy, spec.acceptance_rate_window_size, spec.acceptance_rate_threshold)
     if spec.adaptive_draft_len:
-        policy = AdaptiveDraftLen(policy, gain=gain, profile=step_profile)
+        policy = (ProposalDraftLen if proposes else AdaptiveDraftLen)(policy, gain=gain, profile=step_profile)
     return policy

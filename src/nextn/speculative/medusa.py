@@ -77,6 +77,7 @@ class MedusaDrafter:
     name = "Medusa"
     supports_disaggregation = False
     draft_len_hint = None
+    use_step_times = None
 
     def __init__(self, heads: MedusaHeads, tree: TreeBuffers) -> None:
         if tree.max_depth > len(heads):

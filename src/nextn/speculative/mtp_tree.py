@@ -69,6 +69,7 @@ class MtpTreeDrafter:
     name = "MtpTree"
     supports_disaggregation = False
     draft_len_hint = None
+    use_step_times = None
     prefill_overlap = 0
     uses_draft_head = True
     samples_drafts = False

@@ -180,9 +180,13 @@ class Drafter(Protocol):
     kv_lookahead: int
     kv_in_cache: bool
     # Drafters that know on the host, before a step, how many of a request's drafts are worth verifying (a suffix
-    # tree's match): (batch slots) → the longest useful draft length among them, which caps the step's draft
-    # length; None: the policy's draft length stands.
+    # tree's match): (batch slots) → the draft length worth verifying for them, which caps the step's draft length
+    # (0: verify none, the drafter still runs and sees the step's tokens); None: the policy's draft length stands.
     draft_len_hint: Callable[[list[int]], int] | None
+    # Such a drafter may also take the engine's step times (`ProposalDraftLen.relative_step_time`: (batch size,
+    # draft length k) → a step's time over a plain step's) and then hint the k of the most expected tokens per
+    # second rather than its longest proposal; None: it does not.
+    use_step_times: Callable[[Callable[[int, int], float]], None] | None
     # Whether `after_verify` takes `draft=False`: write the drafter's KV / state for the verified rows and skip the
     # draft passes (zeros come back). A drafter that wraps it (combined drafting) uses it on the steps where another
     # source drafts every row.

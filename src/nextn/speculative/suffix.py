@@ -15,7 +15,11 @@ Sources: Oliaro et al., "SuffixDecoding: Extreme Speculative Decoding for Emergi
                  padded drafts are rejected harmlessly
     how many     the step verifies as many drafts as the longest proposal in the batch (`draft_len_hint`, ≥ 1),
                  so K can be large: a long copied stretch is verified in a few steps, a step with nothing to copy
-                 verifies one draft
+                 verifies one draft. Given the engine's step times (`use_step_times`: `adaptive_draft_len`, best
+                 with a step profile) it verifies instead the k in 0..K of the most expected tokens per second,
+                 Σ_r (1 + c · G_r(k)) / t(B, k) — G_r(k) the sum of row r's first k path probabilities, c their
+                 calibration (an EMA of accepted over predicted drafts) — so a batch whose rows cost a plain step
+                 each (a CPU at batch 8) verifies only what pays, down to none (the trees still see every token)
 
 The drafter runs on the host: `after_prefill` / `after_verify` read the step's tokens back (`.tolist()`), so the
 step cannot be captured in a CUDA graph or compiled with fullgraph, and `build` accepts CPU engines only.
@@ -40,6 +44,7 @@ one engine thread drives; nothing here is safe to call concurrently.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -60,7 +65,7 @@ class _Slot:
     """One batch slot's request: its tokens by position, its own tree, its matches in both trees."""
 
     __slots__ = ("tokens", "prompt_len", "tree", "segment", "segment_start", "ends", "global_ends", "global_version",
-                 "useful", "score")
+                 "useful", "score", "gains")
 
     def __init__(self, depth: int) -> None:
         self.tokens: list[int] = []
@@ -73,6 +78,7 @@ class _Slot:
         self.global_version = -1
         self.useful = 0  # drafts of the last proposal (the rest of the K are padding)
         self.score = 0.0  # its score: the expected number of accepted drafts
+        self.gains: list[float] = []  # gains[j]: the expected accepted drafts of verifying its first j + 1
 
     def output_segments(self) -> list[list[int]]:
         """The output's runs of known tokens."""
@@ -103,6 +109,8 @@ class SuffixDrafter(LinearDrafter):
         self.min_token_prob = min_token_prob
         self.outputs = OutputCache(max_tree_depth, max_cached_requests)
         self.slots: dict[int, _Slot] = {}
+        self.step_time: Callable[[int, int], float] | None = None  # (batch, k) → t(k) / t(0); None: longest
+        self.calibration = 1.0  # accepted drafts per predicted one (EMA over steps)
 
     @classmethod
     def from_config(cls, spec: SuffixDecodingConfig) -> "SuffixDrafter":
@@ -118,11 +126,36 @@ class SuffixDrafter(LinearDrafter):
         self._write(s, 0, token_ids)
         s.prompt_len = len(token_ids)
 
+    calibration_smoothing = 0.1
+
+    def use_step_times(self, step_time: Callable[[int, int], float]) -> None:
+        """Hint by expected tokens per second from now on; `step_time(batch, k)`: a step's time over a plain one."""
+        self.step_time = step_time
+
     def draft_len_hint(self, slots: list[int]) -> int:
-        """The longest proposal among these slots' requests (their drafts past it are padding), at least 1 so that
-        the drafter keeps seeing every step: a copied stretch is verified as far as the trees predict it, a step
-        with nothing to copy verifies one draft."""
-        return max(1, max((self.slots[s].useful for s in slots if s in self.slots), default=self.num_draft_tokens))
+        """Without step times: the longest proposal among these slots' requests (their drafts past it are padding),
+        at least 1: a copied stretch is verified as far as the trees predict it, a step with nothing to copy verifies
+        one draft. With them: argmax over k in 0..longest of Σ_r (1 + c · G_r(k)) / t(B, k) (module docstring;
+        ties: the shorter)."""
+        rows = [self.slots[s] for s in slots if s in self.slots]
+        if not rows:
+            return self.num_draft_tokens
+        longest = max(r.useful for r in rows)
+        if self.step_time is None:
+            return max(1, longest)
+        c, batch = self.calibration, len(slots)
+
+        def rate(k: int) -> float:
+            drafts = sum(r.gains[min(k, r.useful) - 1] for r in rows if r.useful) if k else 0.0
+            return (batch + c * drafts) / self.step_time(batch, k)
+
+        return max(range(longest + 1), key=lambda k: (rate(k), -k))
+
+    def _calibrate(self, predicted: float, accepted: int) -> None:
+        """One step's accepted drafts against the proposals' expectation at the verified length."""
+        if predicted > 0:
+            ratio = min(max(accepted / predicted, 0.05), 2.0)
+            self.calibration += self.calibration_smoothing * (ratio - self.calibration)
 
     # Host-side updates ------------------------------------------------------------------------------------------
     def _start(self, slot: int) -> _Slot:
@@ -184,7 +217,7 @@ class SuffixDrafter(LinearDrafter):
             if other.score > best.score:
                 best = other
         drafts = best.tokens
-        s.useful, s.score = len(drafts), best.score
+        s.useful, s.score, s.gains = len(drafts), best.score, best.gains
         pad = drafts[-1] if drafts else s.tokens[-1]
         return drafts + [pad] * (k - len(drafts))
 
@@ -208,11 +241,17 @@ class SuffixDrafter(LinearDrafter):
         b = target_tokens.shape[0]
         slots = state[0].tolist() if state else list(range(b))
         firsts = (meta.positions[:, 0] + 1).tolist()  # where each row's first emitted token lands (L + 1)
-        rows = []
+        k = target_tokens.shape[1] - 1  # the drafts this step verified
+        rows, predicted, accepted = [], 0.0, 0
         for slot, first, tokens, n in zip(slots, firsts, target_tokens.tolist(), num_emitted.tolist()):
             s = self.slots.get(slot) or self._start(slot)
+            if k and s.useful:  # what the proposal this step verified expected
+                predicted += s.gains[min(k, s.useful) - 1]
+                accepted += min(n - 1, s.useful)
             self._write(s, first, tokens[:n])
             rows.append(self._draft(s))
+        if self.step_time is not None:
+            self._calibrate(predicted, accepted)
         return torch.tensor(rows, dtype=torch.int64, device=target_tokens.device).view(b, -1), state
 
 

@@ -35,11 +35,13 @@ _NONE, _STALE = -1, -2  # `best` of a leaf; `best` after a removal changed a chi
 @dataclass(frozen=True)
 class Proposal:
     """A speculation: `tokens` (≤ K), `score` = the sum of their path probabilities (expected accepted drafts),
-    `match_len` = the length of the context suffix it continues (0: none)."""
+    `match_len` = the length of the context suffix it continues (0: none), `gains[j]` = the sum of the first j + 1
+    path probabilities (the expected accepted drafts of verifying j + 1 of them; gains[-1] == score)."""
 
     tokens: list[int] = field(default_factory=list)
     score: float = 0.0
     match_len: int = 0
+    gains: list[float] = field(default_factory=list)
 
 
 class SuffixTree:
@@ -204,7 +206,7 @@ class SuffixTree:
             budget = min(max_tokens, int(m * spec_factor + 1e-6))
             if budget <= best.score:  # a score is at most its budget, and budgets shrink with m
                 break
-            node, prob, score, tokens = ends[m - 1], 1.0, 0.0, []
+            node, prob, score, tokens, gains = ends[m - 1], 1.0, 0.0, [], []
             while len(tokens) < budget and children[node]:
                 child = self.best_child(node)
                 if child == _NONE:
@@ -214,9 +216,10 @@ class SuffixTree:
                     break
                 tokens.append(token[child])
                 score += prob
+                gains.append(score)
                 node = child
             if score > best.score:
-                best = Proposal(tokens, score, m)
+                best = Proposal(tokens, score, m, gains)
         return best
 
 
