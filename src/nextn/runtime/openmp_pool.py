@@ -35,7 +35,8 @@ def _pause_fn():
     except OSError:
         return None
     for line in lines:
-        path = line.split()[-1] if len(line.split()) >= 6 else ""
+        fields = line.split()  # address, perms, offset, dev, inode[, path]
+        path = fields[5] if len(fields) >= 6 else ""
         if any(Path(path).name.startswith(name) for name in _RUNTIMES):
             try:
                 fn = ctypes.CDLL(path).omp_pause_resource_all
