@@ -89,7 +89,15 @@ def test_with_step_times_the_hint_verifies_what_pays_and_calibrates_from_what_wa
         last = len(d.slots[0].tokens) - 1
         verify(d, [0], [last], [[999] * (k + 1)], [1])  # every draft rejected: an unseen token instead
         k = max(d.draft_len_hint([0]), 1)
-    assert d.calibration < 0.2 and d.draft_len_hint([0]) == 0
+    c = d.slots[0].calibration
+    assert c < 0.2 and d.draft_len_hint([0]) == 0
+    # Not locked out: unverified steps move c back toward 1, and another request starts from 1, not from c.
+    for _ in range(5):
+        last = len(d.slots[0].tokens) - 1
+        verify(d, [0], [last], [[seq[(last + 1) % 20]]], [1])
+    assert c < d.slots[0].calibration < 1
+    prefill(d, [1], [0], [seq + seq[:12]], [seq[12]])
+    assert d.slots[1].calibration == 1.0 and d.draft_len_hint([1]) > 0
 
 
 def test_a_gap_starts_a_new_segment_and_a_rewrite_rebuilds():
@@ -309,3 +317,27 @@ def test_seeded_sampling_equals_plain_decoding_token_for_token(llama_engine, spe
         assert [o.outputs[0].token_ids for o in outs] == want
     assert sum(o.outputs[0].num_accepted_draft_tokens for o in outs) > 0
     assert [llm.generate(p, sp).outputs[0].token_ids for p, sp in zip(prompts, sps)] == want
+
+
+def test_the_offline_replay_reproduces_the_engine_step_for_step(llama_engine):
+    """bench/suffix_replay.py replays recorded greedy outputs through the drafter's host methods instead of running
+    the model: its steps and verified rows must be the engine's own, cold and warm (the global tree). Without the
+    overlap scheduler, whose step in flight past a request's end is not a replayed step."""
+    from nextn.bench.suffix_replay import accepted_tree, replay_nextn
+
+    sp = SamplingParams(max_tokens=48, ignore_eos=True)
+    prompt = list(range(100, 127))
+    llm = LLM(llama_engine, speculative_config={"decoding_type": "Suffix", "max_draft_len": 16},
+              disable_overlap_scheduler=True)
+    engine = []
+    for _ in range(2):
+        llm.iteration_log = []
+        out = llm.generate(prompt, sp).outputs[0].token_ids
+        decode = [e for e in llm.iteration_log if e["kind"] == "decode"]
+        engine.append((len(decode), sum(e["draft_len"] for e in decode)))
+    llm.shutdown()
+    replay = replay_nextn([(prompt, list(out))], SuffixDrafter(16), passes=2, step_time=None)
+    assert [(r.steps, r.rows) for r in replay] == engine and replay[1].al > 3
+    assert replay[0].tokens == replay[1].tokens == len(out) - 1
+    # a tree verifies along the path that matches: root children 5 and 7, then 7's child 8
+    assert accepted_tree([5, 7, 8, 9], [-1, -1, 1, 1], [7, 8, 3]) == 2 and accepted_tree([5], [-1], [6]) == 0

@@ -17,9 +17,13 @@ Sources: Oliaro et al., "SuffixDecoding: Extreme Speculative Decoding for Emergi
                  so K can be large: a long copied stretch is verified in a few steps, a step with nothing to copy
                  verifies one draft. Given the engine's step times (`use_step_times`: `adaptive_draft_len`, best
                  with a step profile) it verifies instead the k in 0..K of the most expected tokens per second,
-                 Σ_r (1 + c · G_r(k)) / t(B, k) — G_r(k) the sum of row r's first k path probabilities, c their
-                 calibration (an EMA of accepted over predicted drafts) — so a batch whose rows cost a plain step
-                 each (a CPU at batch 8) verifies only what pays, down to none (the trees still see every token)
+                 Σ_r (1 + c_r · G_r(k)) / t(B, k) — G_r(k) the sum of row r's first k path probabilities, c_r
+                 their calibration for that request — so a batch whose rows cost a plain step each (a CPU at
+                 batch 8) verifies only what pays, down to none (the trees still see every token)
+    calibration  c_r starts at 1 (the trees' own estimate) with each request and follows an EMA of its accepted
+                 over predicted drafts on the steps that verified its proposal; on a step that did not (k = 0)
+                 it moves back toward 1, so a request (or a workload change) whose proposals once missed is
+                 tried again and never locked out of speculation by stale evidence
 
 The drafter runs on the host: `after_prefill` / `after_verify` read the step's tokens back (`.tolist()`), so the
 step cannot be captured in a CUDA graph or compiled with fullgraph, and `build` accepts CPU engines only.
@@ -65,7 +69,7 @@ class _Slot:
     """One batch slot's request: its tokens by position, its own tree, its matches in both trees."""
 
     __slots__ = ("tokens", "prompt_len", "tree", "segment", "segment_start", "ends", "global_ends", "global_version",
-                 "useful", "score", "gains")
+                 "useful", "score", "gains", "calibration")
 
     def __init__(self, depth: int) -> None:
         self.tokens: list[int] = []
@@ -79,6 +83,7 @@ class _Slot:
         self.useful = 0  # drafts of the last proposal (the rest of the K are padding)
         self.score = 0.0  # its score: the expected number of accepted drafts
         self.gains: list[float] = []  # gains[j]: the expected accepted drafts of verifying its first j + 1
+        self.calibration = 1.0  # accepted drafts per predicted one for this request (module docstring)
 
     def output_segments(self) -> list[list[int]]:
         """The output's runs of known tokens."""
@@ -110,7 +115,6 @@ class SuffixDrafter(LinearDrafter):
         self.outputs = OutputCache(max_tree_depth, max_cached_requests)
         self.slots: dict[int, _Slot] = {}
         self.step_time: Callable[[int, int], float] | None = None  # (batch, k) → t(k) / t(0); None: longest
-        self.calibration = 1.0  # accepted drafts per predicted one (EMA over steps)
 
     @classmethod
     def from_config(cls, spec: SuffixDecodingConfig) -> "SuffixDrafter":
@@ -126,7 +130,8 @@ class SuffixDrafter(LinearDrafter):
         self._write(s, 0, token_ids)
         s.prompt_len = len(token_ids)
 
-    calibration_smoothing = 0.1
+    calibration_smoothing = 0.1  # the EMA's weight of a verified step
+    calibration_recovery = 0.05  # how far c_r moves back toward 1 on a step that did not verify its proposal
 
     def use_step_times(self, step_time: Callable[[int, int], float]) -> None:
         """Hint by expected tokens per second from now on; `step_time(batch, k)`: a step's time over a plain one."""
@@ -135,7 +140,7 @@ class SuffixDrafter(LinearDrafter):
     def draft_len_hint(self, slots: list[int]) -> int:
         """Without step times: the longest proposal among these slots' requests (their drafts past it are padding),
         at least 1: a copied stretch is verified as far as the trees predict it, a step with nothing to copy verifies
-        one draft. With them: argmax over k in 0..longest of Σ_r (1 + c · G_r(k)) / t(B, k) (module docstring;
+        one draft. With them: argmax over k in 0..longest of Σ_r (1 + c_r · G_r(k)) / t(B, k) (module docstring;
         ties: the shorter)."""
         rows = [self.slots[s] for s in slots if s in self.slots]
         if not rows:
@@ -143,19 +148,27 @@ class SuffixDrafter(LinearDrafter):
         longest = max(r.useful for r in rows)
         if self.step_time is None:
             return max(1, longest)
-        c, batch = self.calibration, len(slots)
+        batch = len(slots)
 
         def rate(k: int) -> float:
-            drafts = sum(r.gains[min(k, r.useful) - 1] for r in rows if r.useful) if k else 0.0
-            return (batch + c * drafts) / self.step_time(batch, k)
+            drafts = sum(r.calibration * r.gains[min(k, r.useful) - 1] for r in rows if r.useful) if k else 0.0
+            return (batch + drafts) / self.step_time(batch, k)
 
         return max(range(longest + 1), key=lambda k: (rate(k), -k))
 
-    def _calibrate(self, predicted: float, accepted: int) -> None:
-        """One step's accepted drafts against the proposals' expectation at the verified length."""
+    def _calibrate(self, s: _Slot, k: int, emitted: int) -> None:
+        """The request's calibration after a step that verified k drafts and emitted `emitted` tokens (before its
+        proposal is replaced): an EMA of accepted / predicted drafts when k > 0, a step back toward 1 when its
+        proposal went unverified."""
+        if not s.useful:
+            return
+        if k == 0:
+            s.calibration += self.calibration_recovery * (1.0 - s.calibration)
+            return
+        predicted = s.gains[min(k, s.useful) - 1]
         if predicted > 0:
-            ratio = min(max(accepted / predicted, 0.05), 2.0)
-            self.calibration += self.calibration_smoothing * (ratio - self.calibration)
+            ratio = min(max(min(emitted - 1, s.useful) / predicted, 0.05), 2.0)
+            s.calibration += self.calibration_smoothing * (ratio - s.calibration)
 
     # Host-side updates ------------------------------------------------------------------------------------------
     def _start(self, slot: int) -> _Slot:
@@ -187,8 +200,9 @@ class SuffixDrafter(LinearDrafter):
 
     def _rebuild(self, s: _Slot, end: int) -> None:
         """The slot's tree from its tokens before `end` (a known position rewritten: rare)."""
-        tokens, prompt_len = s.tokens[:end], min(s.prompt_len, end)
+        tokens, prompt_len, calibration = s.tokens[:end], min(s.prompt_len, end), s.calibration
         s.__init__(self.depth)
+        s.calibration = calibration
         start = 0
         while start < len(tokens):
             while start < len(tokens) and tokens[start] == _UNKNOWN:
@@ -226,33 +240,48 @@ class SuffixDrafter(LinearDrafter):
                       draft=True):
         b = input_ids.shape[0]
         slots = state[0].tolist() if state else list(range(b))
-        starts = meta.positions[:, 0].tolist()
         lens = (last_idx + 1).tolist()
         after = rows_at(next_tokens, last_idx)[:, 0].tolist()  # the token after each chunk
-        rows = []
-        for slot, start, n, ids, nxt in zip(slots, starts, lens, input_ids.tolist(), after):
-            s = self._start(slot) if start == 0 or slot not in self.slots else self.slots[slot]
-            self._write(s, start, ids[:n] + [nxt])
-            s.prompt_len = start + n
-            rows.append(self._draft(s) if draft else [0] * self.num_draft_tokens)
+        chunks = [ids[:n] + [nxt] for ids, n, nxt in zip(input_ids.tolist(), lens, after)]
+        rows = self.prefilled(slots, meta.positions[:, 0].tolist(), chunks, draft)
         return torch.tensor(rows, dtype=torch.int64, device=input_ids.device).view(b, -1), state
 
     def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state):
         b = target_tokens.shape[0]
         slots = state[0].tolist() if state else list(range(b))
         firsts = (meta.positions[:, 0] + 1).tolist()  # where each row's first emitted token lands (L + 1)
-        k = target_tokens.shape[1] - 1  # the drafts this step verified
-        rows, predicted, accepted = [], 0.0, 0
-        for slot, first, tokens, n in zip(slots, firsts, target_tokens.tolist(), num_emitted.tolist()):
-            s = self.slots.get(slot) or self._start(slot)
-            if k and s.useful:  # what the proposal this step verified expected
-                predicted += s.gains[min(k, s.useful) - 1]
-                accepted += min(n - 1, s.useful)
-            self._write(s, first, tokens[:n])
-            rows.append(self._draft(s))
-        if self.step_time is not None:
-            self._calibrate(predicted, accepted)
+        emitted = [t[:n] for t, n in zip(target_tokens.tolist(), num_emitted.tolist())]
+        rows = self.verified(slots, firsts, emitted, target_tokens.shape[1] - 1)
         return torch.tensor(rows, dtype=torch.int64, device=target_tokens.device).view(b, -1), state
+
+    # The same on host lists (the protocol methods above; offline replays, bench/suffix_replay.py) -----------------
+    def prefilled(self, slots: list[int], starts: list[int], chunks: list[list[int]], draft: bool = True
+                  ) -> list[list[int]]:
+        """Prefill chunks: slot i's prompt tokens from position starts[i] followed by the token sampled after them
+        (a chunk at position 0 starts a new request). Returns each slot's K drafts (zeros when not `draft`)."""
+        rows = []
+        for slot, start, chunk in zip(slots, starts, chunks):
+            s = self._start(slot) if start == 0 or slot not in self.slots else self.slots[slot]
+            self._write(s, start, chunk)
+            s.prompt_len = start + len(chunk) - 1
+            rows.append(self._draft(s) if draft else [0] * self.num_draft_tokens)
+        return rows
+
+    def verified(self, slots: list[int], firsts: list[int], emitted: list[list[int]], k: int) -> list[list[int]]:
+        """A step that verified `k` drafts: slot i emitted `emitted[i]` (accepted drafts + one) from position
+        firsts[i]. Updates each request's calibration and returns each slot's next K drafts."""
+        rows = []
+        for slot, first, tokens in zip(slots, firsts, emitted):
+            s = self.slots.get(slot) or self._start(slot)
+            self._calibrate(s, k, len(tokens))
+            self._write(s, first, tokens)
+            rows.append(self._draft(s))
+        return rows
+
+    def useful_drafts(self, slot: int) -> int:
+        """How many of the slot's last K drafts the trees proposed (the rest are padding)."""
+        s = self.slots.get(slot)
+        return s.useful if s is not None else 0
 
 
 def build(spec: SuffixDecodingConfig, ctx: LoadContext) -> tuple[Drafter, AcceptanceRule]:
