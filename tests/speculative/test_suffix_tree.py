@@ -1,6 +1,7 @@
 """The suffix trie of suffix decoding against a brute-force reference on random sequences: every path's count, the
 longest context match (from scratch and incrementally), the proposals (Arctic's rule: every match length tried,
-the best score, ties to the longer match), removal and the output cache's FIFO eviction; sizes stay bounded."""
+the best score, ties to the longer match), removal and the output cache's FIFO eviction; sizes stay bounded. The C++ trie (plugins/suffix_tree_cpu.cpp) against
+the Python one, operation for operation."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from nextn.speculative.suffix_tree import MAX_DEPTH, ROOT, OutputCache, SuffixTree
+from nextn.speculative.suffix_tree import MAX_DEPTH, ROOT, NativeSuffixTree, OutputCache, SuffixTree, new_suffix_tree
 
 
 def ref_counts(seqs: list[list[int]], depth: int) -> Counter:
@@ -195,3 +196,47 @@ def test_depth_is_bounded():
         SuffixTree(MAX_DEPTH + 1)
     with pytest.raises(ValueError, match="max_depth"):
         SuffixTree(0)
+
+
+def test_the_cpp_trie_equals_the_python_one_operation_for_operation():
+    """Random extends, closes, removals (node ids freed and reused), matches, extended matches and proposals at
+    several depths, spec factors and probability floors: identical results, node ids, counts, sizes, versions."""
+    from nextn.plugins.suffix_tree_native import native_module, unavailable_reason
+
+    if native_module() is None:
+        pytest.skip(f"the C++ suffix tree did not build here: {unavailable_reason()}")
+    rng = random.Random(0)
+    for trial in range(12):
+        depth = rng.choice([1, 2, 4, 8, 24])
+        ref, cpp = SuffixTree(depth), NativeSuffixTree(depth)
+        live, done = [], set()
+        for _ in range(150):
+            r = rng.random()
+            if r < 0.6 or not live:
+                sid = rng.randrange(12)
+                if sid not in done:
+                    tokens = [rng.randrange(6) for _ in range(rng.randint(1, 10))]
+                    assert ref.extend(sid, tokens) == cpp.extend(sid, tokens)
+                    live += [sid] if sid not in live else []
+            else:
+                sid = live.pop(rng.randrange(len(live)))
+                done.add(sid)
+                (ref.remove if r < 0.85 else ref.close)(sid)
+                (cpp.remove if r < 0.85 else cpp.close)(sid)
+            context = [rng.randrange(6) for _ in range(rng.randint(0, 30))]
+            ends = ref.match(context)
+            assert cpp.match(context) == ends
+            token = rng.randrange(6)
+            assert cpp.extend_match(ends, token) == ref.extend_match(ends, token)
+            args = (rng.randint(1, 16), rng.choice([0.5, 1.0, 2.0]), rng.choice([0.0, 0.1, 0.3]))
+            assert cpp.propose(ends, *args) == ref.propose(ends, *args)
+            assert (cpp.num_nodes, cpp.version) == (ref.num_nodes, ref.version)
+            assert [cpp.count[n] for n in (ROOT, *ends)] == [ref.count[n] for n in (ROOT, *ends)]
+    assert isinstance(new_suffix_tree(4), NativeSuffixTree)
+
+
+def test_without_the_extension_the_python_trie_is_used(monkeypatch):
+    import nextn.plugins.suffix_tree_native as native
+
+    monkeypatch.setattr(native, "native_module", lambda: None)
+    assert type(new_suffix_tree(4)) is SuffixTree and type(OutputCache(4, 2).tree) is SuffixTree

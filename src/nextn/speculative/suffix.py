@@ -25,7 +25,8 @@ Sources: Oliaro et al., "SuffixDecoding: Extreme Speculative Decoding for Emergi
                  it moves back toward 1, so a request (or a workload change) whose proposals once missed is
                  tried again and never locked out of speculation by stale evidence
 
-The drafter runs on the host: `after_prefill` / `after_verify` read the step's tokens back (`.tolist()`), so the
+The drafter runs on the host, its tries in nextn's C++ where the extension builds (suffix_tree.py's
+`new_suffix_tree`): `after_prefill` / `after_verify` read the step's tokens back (`.tolist()`), so the
 step cannot be captured in a CUDA graph or compiled with fullgraph, and `build` accepts CPU engines only.
 Drafts are deterministic: the acceptance rule sees one-hot q (strict for greedy requests, rejection sampling for
 sampling ones), so greedy output is token-identical to plain decoding and sampled output keeps its distribution.
@@ -58,7 +59,7 @@ from nextn.speculative.chain_step import LinearDrafter
 from nextn.speculative.method import LoadContext, Method, from_build_yaml
 from nextn.speculative.protocol import AcceptanceRule, Drafter, DrafterState, rows_at
 from nextn.speculative.suffix_combined import CombinedDrafter
-from nextn.speculative.suffix_tree import OutputCache, SuffixTree
+from nextn.speculative.suffix_tree import OutputCache, new_suffix_tree
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ class _Slot:
     def __init__(self, depth: int) -> None:
         self.tokens: list[int] = []
         self.prompt_len = 0  # positions written as prefill inputs; the output follows
-        self.tree = SuffixTree(depth)
+        self.tree = new_suffix_tree(depth)
         self.segment = 0  # the tree's sequence id for the tokens since the last gap
         self.segment_start = 0
         self.ends: list[int] = []  # matches of the context in `tree`
@@ -183,6 +184,11 @@ class SuffixDrafter(LinearDrafter):
         """tokens[i] at position pos + i: known equal ones skipped, a differing one rebuilds from there, a gap
         before `pos` starts a new segment."""
         glob = self.outputs.tree
+        if tokens and pos == len(s.tokens):  # the common case, appending: one call per tree
+            s.tokens += tokens
+            s.ends = s.tree.extend(s.segment, tokens)
+            s.global_ends = glob.extend_match_all(s.global_ends, tokens)
+            return
         for i, t in enumerate(tokens):
             p, n = pos + i, len(s.tokens)
             if p < n:

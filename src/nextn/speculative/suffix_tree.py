@@ -193,6 +193,12 @@ class SuffixTree:
             new.append(child)
         return new
 
+    def extend_match_all(self, ends: list[int], tokens: Sequence[int]) -> list[int]:
+        """`extend_match` over each of `tokens` in turn."""
+        for t in tokens:
+            ends = self.extend_match(ends, t)
+        return ends
+
     def propose(self, ends: Sequence[int], max_tokens: int, spec_factor: float, min_token_prob: float) -> Proposal:
         """The best speculation from matched nodes `ends` (ends[m − 1]: the node of the context's last m tokens).
 
@@ -223,6 +229,84 @@ class SuffixTree:
         return best
 
 
+class _View:
+    """Read-only `view[node]` over the C++ trie (its `count`, `token` and `children` lists, as the reference has
+    them)."""
+
+    __slots__ = ("_get",)
+
+    def __init__(self, get) -> None:
+        self._get = get
+
+    def __getitem__(self, node: int):
+        return self._get(node)
+
+
+class NativeSuffixTree:
+    """`SuffixTree`'s interface over nextn's C++ trie (plugins/suffix_tree_cpu.cpp): the same node ids, counts,
+    matches and proposals for the same calls, at a fraction of the host time.
+
+    Raises:
+        ValueError: max_depth outside [1, MAX_DEPTH]; RuntimeError: the extension is unavailable
+            (`plugins.suffix_tree_native.unavailable_reason()`).
+    """
+
+    __slots__ = ("_t", "extend", "close", "remove", "match", "extend_match", "extend_match_all", "best_child")
+
+    def __init__(self, max_depth: int) -> None:
+        from nextn.plugins.suffix_tree_native import native_module, unavailable_reason
+
+        if not 1 <= max_depth <= MAX_DEPTH:
+            raise ValueError(f"max_depth must be in [1, {MAX_DEPTH}], got {max_depth}")
+        module = native_module()
+        if module is None:
+            raise RuntimeError(f"the C++ suffix tree is unavailable: {unavailable_reason()}")
+        t = self._t = module.SuffixTreeCpu(max_depth)
+        # the extension's bound methods as attributes: no Python frame on the drafter's per-token calls
+        self.extend, self.close, self.remove = t.extend, t.close, t.remove
+        self.match, self.extend_match, self.best_child = t.match, t.extend_match, t.best_child
+        self.extend_match_all = t.extend_match_all
+
+    @property
+    def max_depth(self) -> int:
+        return self._t.max_depth
+
+    @property
+    def version(self) -> int:
+        return self._t.version
+
+    @property
+    def num_nodes(self) -> int:
+        return self._t.num_nodes
+
+    @property
+    def count(self) -> _View:
+        """count[node]: the node's count, as the reference's list (read-only; the root's: the tokens held)."""
+        return _View(self._t.count)
+
+    @property
+    def token(self) -> _View:
+        """token[node]: the token on the edge into the node, as the reference's list (read-only)."""
+        return _View(self._t.token)
+
+    @property
+    def children(self) -> _View:
+        """children[node]: {token: child} or None for a leaf, as the reference's list (a copy, read-only)."""
+        return _View(lambda node: dict(self._t.children(node)) or None)
+
+    def propose(self, ends: Sequence[int], max_tokens: int, spec_factor: float, min_token_prob: float) -> Proposal:
+        tokens, score, match_len, gains = self._t.propose(ends, max_tokens, spec_factor, min_token_prob)
+        return Proposal(tokens, score, match_len, gains)
+
+
+def new_suffix_tree(max_depth: int) -> SuffixTree | NativeSuffixTree:
+    """A trie of depth `max_depth`: the C++ one where its extension builds here (chosen once per process), else
+    the Python reference."""
+    from nextn.plugins.suffix_tree_native import native_module
+
+    return NativeSuffixTree(max_depth) if native_module() is not None else SuffixTree(max_depth)
+
+
 class OutputCache:
     """Earlier requests' outputs in one SuffixTree, first in first out: at most `max_requests` outputs and, past
     `max_nodes` nodes, the oldest evicted down to the newest one (0 requests: off, nothing is kept).
@@ -232,7 +316,7 @@ class OutputCache:
     """
 
     def __init__(self, max_depth: int, max_requests: int, max_nodes: int = 1 << 20) -> None:
-        self.tree = SuffixTree(max_depth)
+        self.tree = new_suffix_tree(max_depth)
         self.max_requests = max_requests
         self.max_nodes = max_nodes
         self._outputs: deque[list[int]] = deque()  # the sequence ids of each output, oldest first
