@@ -75,6 +75,40 @@ def test_bitmask_masks_exactly_the_clear_bits():
     mask[0, 1] = 1  # token 32
     out = apply_bitmask(torch.zeros(1, 40), mask)
     assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [3, 31, 32]
+    # clear bits past V in one row's last word do not reach the next row (xgrammar's CPU kernel alone masks its
+    # token 0)
+    rows = torch.tensor([[-1, -1, -1, 15], [-1, -1, -1, -1]], dtype=torch.int32)
+    assert torch.isfinite(apply_bitmask(torch.zeros(2, 100), rows)).all()
+
+
+def test_greedy_rows_keep_the_masked_argmax_without_masking_where_it_is_allowed():
+    """A greedy row without log-probabilities needs only the argmax: where the unmasked argmax is allowed the mask is
+    skipped, where it is forbidden (and on exact rows: sampling, logprobs) the mask is applied. Control: every
+    position's argmax equals that of the fully masked logits, and exact rows equal them exactly."""
+    from nextn.speculative.logits_processing import LogitsProcessing
+
+    g = torch.Generator().manual_seed(0)
+    b, t, v = 4, 3, 100
+    logits = torch.randn(b, t, v, generator=g)
+    bits = torch.randint(0, 2, (b, t, v), generator=g, dtype=torch.int64)
+    bits[0] = 1  # row 0 allows everything: its unmasked argmax always stands
+    top = logits.argmax(-1)
+    bits[1].scatter_(-1, top[1][:, None], 0)  # row 1 forbids its argmax everywhere: it must be masked
+    words = (v + 31) // 32
+    packed = torch.zeros(b, t, words * 32, dtype=torch.int64)
+    packed[..., :v] = bits
+    bitmask = (packed.view(b, t, words, 32) << torch.arange(32)).sum(-1).to(torch.int32)  # wraps into int32
+    empty = torch.zeros(0, 3, dtype=torch.int64), torch.zeros(0)
+    rows = torch.arange(b)
+    full = logits.masked_fill(bits == 0, float("-inf"))
+    assert torch.equal(apply_bitmask(logits, bitmask), full)
+    for exact in ([False] * b, [False, False, True, True], [True] * b):
+        proc = LogitsProcessing(*empty, *empty, rows, bitmask, torch.tensor(exact))
+        out = proc.apply(logits)
+        assert torch.equal(out.argmax(-1), full.argmax(-1))
+        for r in range(b):
+            assert torch.equal(out[r], full[r]) == (exact[r] or r == 1) or torch.equal(full[r], logits[r])
+    assert not torch.equal(full[1], logits[1])
 
 
 @pytest.fixture(scope="module")

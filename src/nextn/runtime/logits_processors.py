@@ -88,7 +88,7 @@ def build_processing(rows: Sequence[tuple[int, RequestProcessor, Sequence[int]]]
                      ) -> LogitsProcessing | None:
     """The batch's processing for one step, on the CPU: rows (batch row, processor, drafts d1..d{width−1}); None
     when no row needs any (the step then runs as without processing)."""
-    mult, add, mask_rows, masks = [], [], [], []
+    mult, add, mask_rows, masks, exact = [], [], [], [], []
     vocab_size = rows[0][1].vocab_size if rows else 0
     for row, proc, drafts in rows:
         m, a, bitmask = proc.positions(drafts, width)
@@ -97,6 +97,7 @@ def build_processing(rows: Sequence[tuple[int, RequestProcessor, Sequence[int]]]
         if bitmask is not None:
             mask_rows.append(row)
             masks.append(bitmask)
+            exact.append(proc.params.temperature > 0 or proc.params.logprobs is not None)
     if not (mult or add or mask_rows):
         return None
 
@@ -106,4 +107,5 @@ def build_processing(rows: Sequence[tuple[int, RequestProcessor, Sequence[int]]]
 
     words = (vocab_size + 31) // 32
     return LogitsProcessing(*index(mult), *index(add), torch.tensor(mask_rows, dtype=torch.int64),
-                            torch.stack(masks) if masks else torch.zeros(0, width, words, dtype=torch.int32))
+                            torch.stack(masks) if masks else torch.zeros(0, width, words, dtype=torch.int32),
+                            torch.tensor(exact, dtype=torch.bool))

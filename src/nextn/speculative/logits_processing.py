@@ -35,6 +35,9 @@ class LogitsProcessing:
         add_index: [N, 3] int64 (batch row, position, token); add_value: [N] fp32 added (−inf masks a token).
             Indices may repeat: the values add up.
         mask_rows: [R] int64 batch rows under a grammar; bitmask: [R, T, ceil(V / 32)] int32 (bit set = allowed).
+        mask_exact: [R] bool, True where the row needs its whole masked distribution (it samples, or returns
+            log-probabilities). A greedy row needs only the argmax, and where the unmasked argmax is a token the
+            grammar allows it is the masked argmax too: those (row, position)s are left unmasked (empty: all exact).
     """
 
     mult_index: torch.Tensor
@@ -43,6 +46,7 @@ class LogitsProcessing:
     add_value: torch.Tensor
     mask_rows: torch.Tensor
     bitmask: torch.Tensor
+    mask_exact: torch.Tensor = torch.zeros(0, dtype=torch.bool)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """The processed logits [B, T, V] fp32 (a new tensor; `logits` is left as it was). Entries for positions ≥ T
@@ -63,8 +67,19 @@ class LogitsProcessing:
             full = torch.full((b, t, self.bitmask.shape[-1]), -1, dtype=torch.int32, device=out.device)
             full[self.mask_rows] = self.bitmask[:, :t_max].to(out.device)
             flat = (self.mask_rows[:, None] * t + torch.arange(t, device=self.mask_rows.device)).flatten()
-            _apply_inplace(out.view(b * t, v), full.view(b * t, -1), flat.tolist())
+            if self.mask_exact.numel() and not bool(self.mask_exact.all()):
+                flat = flat[self._needs_mask(out.view(b * t, v), full.view(b * t, -1), flat, t)]
+            if flat.numel():
+                _apply_inplace(out.view(b * t, v), full.view(b * t, -1), flat.tolist())
         return out
+
+    def _needs_mask(self, logits: torch.Tensor, bitmask: torch.Tensor, flat: torch.Tensor, t: int) -> torch.Tensor:
+        """[R·T] bool over `flat` (the masked rows' positions): exact rows, and greedy positions whose unmasked
+        argmax the grammar forbids."""
+        top = logits.argmax(-1)[flat]
+        word = bitmask[flat].gather(1, (top // 32)[:, None])[:, 0]
+        allowed = ((word >> (top % 32)) & 1).bool()
+        return self.mask_exact.to(flat.device).repeat_interleave(t) | ~allowed
 
     def to(self, device: torch.device | str) -> LogitsProcessing:
         return LogitsProcessing(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
@@ -81,8 +96,16 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
 
 def _apply_inplace(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None) -> None:
     """xgrammar's `apply_token_bitmask_inplace` (its CPU kernel on the host, its CUDA / Triton kernel on a GPU):
-    logits [N, V] fp32, bitmask [N, ceil(V / 32)] int32; only `rows` (None: all)."""
+    logits [N, V] fp32, bitmask [N, ceil(V / 32)] int32; only `rows` (None: all).
+
+    Where V is not a multiple of 32 the last word's bits past V are set first: xgrammar's CPU kernel (0.2.8) masks
+    the next row's token 0 when they are clear (a row [-1, -1, -1, 15] over V = 100 masks row + 1's token 0)."""
     import xgrammar
+
+    v = logits.shape[-1]
+    if v % 32:
+        bitmask = bitmask.clone()
+        bitmask[:, v // 32] |= -(1 << (v % 32))
 
     xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
 
