@@ -81,10 +81,10 @@ def test_bitmask_masks_exactly_the_clear_bits():
     assert torch.isfinite(apply_bitmask(torch.zeros(2, 100), rows)).all()
 
 
-def test_greedy_rows_keep_the_masked_argmax_without_masking_where_it_is_allowed():
-    """A greedy row without log-probabilities needs only the argmax: where the unmasked argmax is allowed the mask is
-    skipped, where it is forbidden (and on exact rows: sampling, logprobs) the mask is applied. Control: every
-    position's argmax equals that of the fully masked logits, and exact rows equal them exactly."""
+def test_lazy_rows_keep_the_masked_argmax_and_are_masked_only_where_it_is_refused():
+    """A greedy row without log-probabilities needs only the argmax: its masks are asked for after the logits, given
+    the unmasked argmax, and applied where returned. Control: every position's argmax equals that of the fully
+    masked logits; a row whose argmax is refused everywhere ends up fully masked, one whose argmax stands unmasked."""
     from nextn.speculative.logits_processing import LogitsProcessing
 
     g = torch.Generator().manual_seed(0)
@@ -92,23 +92,32 @@ def test_greedy_rows_keep_the_masked_argmax_without_masking_where_it_is_allowed(
     logits = torch.randn(b, t, v, generator=g)
     bits = torch.randint(0, 2, (b, t, v), generator=g, dtype=torch.int64)
     bits[0] = 1  # row 0 allows everything: its unmasked argmax always stands
-    top = logits.argmax(-1)
-    bits[1].scatter_(-1, top[1][:, None], 0)  # row 1 forbids its argmax everywhere: it must be masked
+    bits[1].scatter_(-1, logits[1].argmax(-1)[:, None], 0)  # row 1 refuses its argmax everywhere
     words = (v + 31) // 32
     packed = torch.zeros(b, t, words * 32, dtype=torch.int64)
     packed[..., :v] = bits
     bitmask = (packed.view(b, t, words, 32) << torch.arange(32)).sum(-1).to(torch.int32)  # wraps into int32
-    empty = torch.zeros(0, 3, dtype=torch.int64), torch.zeros(0)
-    rows = torch.arange(b)
     full = logits.masked_fill(bits == 0, float("-inf"))
     assert torch.equal(apply_bitmask(logits, bitmask), full)
-    for exact in ([False] * b, [False, False, True, True], [True] * b):
-        proc = LogitsProcessing(*empty, *empty, rows, bitmask, torch.tensor(exact))
-        out = proc.apply(logits)
-        assert torch.equal(out.argmax(-1), full.argmax(-1))
-        for r in range(b):
-            assert torch.equal(out[r], full[r]) == (exact[r] or r == 1) or torch.equal(full[r], logits[r])
-    assert not torch.equal(full[1], logits[1])
+    asked = {}
+
+    def masks_for(row):
+        def fn(top):
+            asked[row] = top
+            refused = [j for j in range(len(top)) if bits[row, j, top[j]] == 0]
+            if not refused:
+                return None
+            out = torch.full((t, words), -1, dtype=torch.int32)
+            out[refused] = bitmask[row, refused]
+            return out
+        return fn
+
+    empty = torch.zeros(0, 3, dtype=torch.int64), torch.zeros(0)
+    proc = LogitsProcessing(*empty, *empty, torch.zeros(0, dtype=torch.int64), torch.zeros(0, t, words, dtype=torch.int32),
+                            tuple((r, masks_for(r)) for r in range(b)))
+    out = proc.apply(logits)
+    assert torch.equal(out.argmax(-1), full.argmax(-1)) and asked[1] == logits[1].argmax(-1).tolist()
+    assert torch.equal(out[1], full[1]) and torch.equal(out[0], logits[0]) and not torch.equal(full[1], logits[1])
 
 
 @pytest.fixture(scope="module")
@@ -196,3 +205,26 @@ def test_enforced_schemas_pass_the_check():
           "required": ["allOf", "tags"], "$defs": {"x": {"type": "integer"}}}
     assert unenforced_keywords(ok) == []
     assert any("nesting deeper" in f for f in unenforced_keywords(json.loads("[" * 70 + "]" * 70)))
+
+
+def test_lazy_masks_are_the_step_masks_where_the_argmax_is_refused(compiler):
+    """`masks_where_refused` walks the states `positions` does: where a position's argmax is refused its mask is the
+    eager one, elsewhere all allowed; the matcher is left where it was."""
+    guided = GuidedDecodingParams(json=SCHEMA)
+    text_ids = _encode(compiler, '{"name": "Ada", "n": 36}')
+    proc = RequestProcessor(SamplingParams(guided_decoding=guided), [], [1], compiler.vocab_size,
+                            compiler.matcher(guided))
+    assert proc.argmax_only
+    proc.advance(text_ids[:2])
+    drafts = text_ids[2:5]
+    _, _, eager = proc.positions(drafts, 4)
+    bad = _encode(compiler, "}")[0]  # refused inside the string
+    top = [text_ids[2], bad, text_ids[4], bad]
+    allowed = [bool((eager[j, tok // 32] >> (tok % 32)) & 1) for j, tok in enumerate(top)]
+    assert allowed[0] and not all(allowed)
+    lazy = proc.masks_where_refused(drafts, 4, top)
+    for j in range(4):
+        assert torch.equal(lazy[j], torch.full_like(lazy[j], -1) if allowed[j] else eager[j]), j
+    assert proc.masks_where_refused(drafts, 4, list(text_ids[2:6])) is None  # the text itself: nothing refused
+    _, _, again = proc.positions(drafts, 4)
+    assert torch.equal(again, eager)

@@ -177,8 +177,8 @@ def test_sampling_with_processing_keeps_the_processed_distribution(llama_engine,
 
     original = lp.RequestProcessor.positions
 
-    def first_only(self, drafts, width):
-        mult, add, masks = original(self, drafts, width)
+    def first_only(self, drafts, width, **kw):
+        mult, add, masks = original(self, drafts, width, **kw)
         return [e for e in mult if e[0] == 0], [e for e in add if e[0] == 0], masks
 
     monkeypatch.setattr(lp.RequestProcessor, "positions", first_only)

@@ -10,6 +10,7 @@ acceptance rule stops at the first rejected draft), so their masks are left all-
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Sequence
 
@@ -49,9 +50,15 @@ class RequestProcessor:
                 if self.matcher.is_terminated() or not self.matcher.accept_token(t):
                     break  # only a stop token past the grammar's end (the request ends on it)
 
-    def positions(self, drafts: Sequence[int], width: int):
+    @property
+    def argmax_only(self) -> bool:
+        """Whether the request needs only the argmax of its processed logits under a grammar (greedy, no
+        log-probabilities): its masks can wait for the step's logits (`masks_where_refused`)."""
+        return self.matcher is not None and self.params.temperature == 0 and self.params.logprobs is None
+
+    def positions(self, drafts: Sequence[int], width: int, with_masks: bool = True):
         """Per position j < width (state after drafts[:j]): (mult [(j, token, r)], add [(j, token, value)],
-        bitmask [width, ceil(V/32)] int32 or None)."""
+        bitmask [width, ceil(V/32)] int32 or None (always None without `with_masks`))."""
         p = self.params
         mult, add = [], []
         counts = Counter(self.counts)
@@ -65,7 +72,30 @@ class RequestProcessor:
             add += [(j, t, b) for t, b in p.logit_bias.items()]
             if self.num_generated + j < p.min_tokens:
                 add += [(j, t, float("-inf")) for t in self.stop_ids]
-        return mult, add, self._masks(drafts, width)
+        return mult, add, self._masks(drafts, width) if with_masks else None
+
+    def masks_where_refused(self, drafts: Sequence[int], width: int, top: Sequence[int]) -> torch.Tensor | None:
+        """The lazy form of the masks for an `argmax_only` request: walking the same states as `positions` (after
+        drafts[:j]), the matcher tries each position's unmasked argmax top[j] and rolls it back; only where it is
+        refused is the mask filled. Returns [width, ceil(V/32)] int32 (−1 = all allowed where not filled), or None
+        when every argmax is allowed. The matcher is left where it was."""
+        m, masks, accepted = self.matcher, None, 0
+        width = min(width, len(top))  # a step may verify fewer positions than planned
+        for j in range(width):
+            if m.is_terminated():
+                break
+            if m.accept_token(top[j]):
+                m.rollback(1)
+            else:
+                if masks is None:
+                    masks = torch.full((width, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+                m.fill_next_token_bitmask(masks, j)
+            if j == width - 1 or not m.accept_token(drafts[j]):
+                break
+            accepted += 1
+        if accepted:
+            m.rollback(accepted)
+        return masks
 
     def _masks(self, drafts: Sequence[int], width: int) -> torch.Tensor | None:
         if self.matcher is None:
@@ -88,17 +118,18 @@ def build_processing(rows: Sequence[tuple[int, RequestProcessor, Sequence[int]]]
                      ) -> LogitsProcessing | None:
     """The batch's processing for one step, on the CPU: rows (batch row, processor, drafts d1..d{width−1}); None
     when no row needs any (the step then runs as without processing)."""
-    mult, add, mask_rows, masks, exact = [], [], [], [], []
+    mult, add, mask_rows, masks, lazy = [], [], [], [], []
     vocab_size = rows[0][1].vocab_size if rows else 0
     for row, proc, drafts in rows:
-        m, a, bitmask = proc.positions(drafts, width)
+        m, a, bitmask = proc.positions(drafts, width, with_masks=not proc.argmax_only)
+        if proc.argmax_only:
+            lazy.append((row, functools.partial(proc.masks_where_refused, tuple(drafts), width)))
         mult += [(row, j, t, r) for j, t, r in m]
         add += [(row, j, t, v) for j, t, v in a]
         if bitmask is not None:
             mask_rows.append(row)
             masks.append(bitmask)
-            exact.append(proc.params.temperature > 0 or proc.params.logprobs is not None)
-    if not (mult or add or mask_rows):
+    if not (mult or add or mask_rows or lazy):
         return None
 
     def index(entries):
@@ -108,4 +139,4 @@ def build_processing(rows: Sequence[tuple[int, RequestProcessor, Sequence[int]]]
     words = (vocab_size + 31) // 32
     return LogitsProcessing(*index(mult), *index(add), torch.tensor(mask_rows, dtype=torch.int64),
                             torch.stack(masks) if masks else torch.zeros(0, width, words, dtype=torch.int32),
-                            torch.tensor(exact, dtype=torch.bool))
+                            tuple(lazy))

@@ -35,9 +35,11 @@ class LogitsProcessing:
         add_index: [N, 3] int64 (batch row, position, token); add_value: [N] fp32 added (−inf masks a token).
             Indices may repeat: the values add up.
         mask_rows: [R] int64 batch rows under a grammar; bitmask: [R, T, ceil(V / 32)] int32 (bit set = allowed).
-        mask_exact: [R] bool, True where the row needs its whole masked distribution (it samples, or returns
-            log-probabilities). A greedy row needs only the argmax, and where the unmasked argmax is a token the
-            grammar allows it is the masked argmax too: those (row, position)s are left unmasked (empty: all exact).
+        lazy: (batch row, masks_for(top)) for greedy grammar rows without log-probabilities, which need only the
+            argmax of their masked logits — the unmasked argmax wherever the grammar allows it. Given the row's
+            unmasked argmax per position (a list), `masks_for` returns [T, ceil(V / 32)] int32 masks filled only
+            where the grammar refuses it (−1 elsewhere), or None (runtime/logits_processors.py
+            `masks_where_refused`). A host call inside the step: such steps run eagerly.
     """
 
     mult_index: torch.Tensor
@@ -46,7 +48,7 @@ class LogitsProcessing:
     add_value: torch.Tensor
     mask_rows: torch.Tensor
     bitmask: torch.Tensor
-    mask_exact: torch.Tensor = torch.zeros(0, dtype=torch.bool)
+    lazy: tuple = ()
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """The processed logits [B, T, V] fp32 (a new tensor; `logits` is left as it was). Entries for positions ≥ T
@@ -67,22 +69,31 @@ class LogitsProcessing:
             full = torch.full((b, t, self.bitmask.shape[-1]), -1, dtype=torch.int32, device=out.device)
             full[self.mask_rows] = self.bitmask[:, :t_max].to(out.device)
             flat = (self.mask_rows[:, None] * t + torch.arange(t, device=self.mask_rows.device)).flatten()
-            if self.mask_exact.numel() and not bool(self.mask_exact.all()):
-                flat = flat[self._needs_mask(out.view(b * t, v), full.view(b * t, -1), flat, t)]
-            if flat.numel():
-                _apply_inplace(out.view(b * t, v), full.view(b * t, -1), flat.tolist())
+            _apply_inplace(out.view(b * t, v), full.view(b * t, -1), flat.tolist())
+        if self.lazy:
+            self._apply_lazy(out)
         return out
 
-    def _needs_mask(self, logits: torch.Tensor, bitmask: torch.Tensor, flat: torch.Tensor, t: int) -> torch.Tensor:
-        """[R·T] bool over `flat` (the masked rows' positions): exact rows, and greedy positions whose unmasked
-        argmax the grammar forbids."""
-        top = logits.argmax(-1)[flat]
-        word = bitmask[flat].gather(1, (top // 32)[:, None])[:, 0]
-        allowed = ((word >> (top % 32)) & 1).bool()
-        return self.mask_exact.to(flat.device).repeat_interleave(t) | ~allowed
+    def _apply_lazy(self, out: torch.Tensor) -> None:
+        """The lazy rows' masks, in place: their unmasked argmax read back, masks filled where it is refused."""
+        b, t, v = out.shape
+        rows = [row for row, _ in self.lazy]
+        tops = out[rows].argmax(-1).tolist()
+        masked, masks = [], []
+        for (row, masks_for), top in zip(self.lazy, tops):
+            m = masks_for(top)
+            if m is not None:
+                masked.append(row)
+                masks.append(m[:t])
+        if masked:
+            idx = torch.tensor(masked, dtype=torch.int64)
+            block = out[idx].view(len(masked) * t, v)
+            _apply_inplace(block, torch.stack(masks).view(len(masked) * t, -1).to(out.device), None)
+            out[idx] = block.view(len(masked), t, v)
 
     def to(self, device: torch.device | str) -> LogitsProcessing:
-        return LogitsProcessing(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+        return LogitsProcessing(*(getattr(self, f).to(device) for f in self.__dataclass_fields__ if f != "lazy"),
+                                self.lazy)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
