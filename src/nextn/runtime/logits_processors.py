@@ -85,6 +85,9 @@ class RequestProcessor:
             if m.is_terminated():
                 break
             if m.accept_token(top[j]):
+                if j < width - 1 and drafts[j] == top[j]:  # the draft is the argmax: already advanced over it
+                    accepted += 1
+                    continue
                 m.rollback(1)
             else:
                 if masks is None:
