@@ -35,7 +35,8 @@ def _case(b: int, t: int, nh: int, nkv: int, d: int, ctx: list[int], dtype: torc
 @pytest.mark.parametrize("b,t,nh,nkv,d,ctx", [(1, 1, 12, 2, 128, [37]), (3, 5, 9, 3, 64, [9, 21, 14]),
                                               (2, 4, 4, 4, 32, [4, 30]), (2, 3, 8, 4, 8, [5, 19]),
                                               (1, 2, 6, 2, 40, [23]),
-                                              (2, 19, 12, 2, 128, [40, 61])])  # 3 query tiles, the last partial
+                                              (2, 19, 12, 2, 128, [40, 61]),  # a verify step's one tile
+                                              (2, 37, 12, 2, 128, [40, 61])])  # 5 query tiles, the last partial
 def test_matches_the_reference(dtype, b, t, nh, nkv, d, ctx):
     q, kv, slots, visible = _case(b, t, nh, nkv, d, ctx, dtype)
     out = torch.ops.nextn.paged_attention(q, kv, slots, visible, d ** -0.5)
@@ -58,12 +59,14 @@ def test_a_tree_mask_is_honoured():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("d", [64, 8, 40])
 def test_every_query_row_is_computed_as_if_alone(dtype, d):
-    """Batch invariance, bit for bit: a verify step's or a prefill chunk's rows (T > 1 over several query tiles,
-    B > 1) equal one-token steps' (head_dim 8 and 40 end in a masked chunk)."""
-    q, kv, slots, visible = _case(2, 19, 6, 2, d, [27, 39], dtype, seed=5)
+    """Batch invariance, bit for bit: a verify step's or a prefill chunk's rows (T > 1 in one query tile and over
+    several, B > 1) equal one-token steps' (head_dim 8 and 40 end in a masked chunk)."""
+    q, kv, slots, visible = _case(2, 37, 6, 2, d, [45, 39], dtype, seed=5)
     together = torch.ops.nextn.paged_attention(q, kv, slots, visible, 0.125)
+    verify = torch.ops.nextn.paged_attention(q[:, -17:], kv, slots, visible[:, :, -17:], 0.125)
+    assert torch.equal(verify, together[:, -17:])
     for i in range(2):
-        for j in range(19):
+        for j in range(37):
             alone = torch.ops.nextn.paged_attention(q[i:i + 1, j:j + 1], kv, slots[i:i + 1],
                                                     visible[i:i + 1, :, j:j + 1], 0.125)
             assert torch.equal(alone[0, 0], together[i, j])

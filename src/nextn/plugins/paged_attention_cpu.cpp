@@ -46,13 +46,72 @@ inline __m512 load16<at::BFloat16>(const at::BFloat16* p, __mmask16 m) {
 }
 
 // Query tokens per tile of `attend`: a tile's rows share each key and value load (a verify step's K+1 tokens are
-// one tile), and its scores and accumulators (kTile x group x S and kTile x group x D floats) stay in cache however
-// long the prompt, so a prefill of T tokens never builds a T x S score matrix.
+// one tile), and its scores and accumulators (kTile x group x S floats) stay in cache however long the prompt, so a
+// prefill of T tokens never builds a T x S score matrix.
 constexpr int64_t kTile = 8;
+constexpr int64_t kOneTile = 32;  // up to this many query tokens (a verify step's K + 1) in one tile
+
+// 16 keys' dot-product vectors a[0..15] (16 lanes each) -> their 16 lane sums in key order, each summed in exactly
+// the tree of `_mm512_reduce_add_ps` (lanes i + 8, then i + 4, then i + 2, then i + 1; GCC's avx512fintrin.h), so a
+// score is bit-for-bit the one a lone reduction gives: 4 levels of two in-register shuffles and an add per pair of
+// vectors instead of a reduction per key. Float addition is commutative, so each pair's order is immaterial.
+inline __m512 sum16(const __m512 (&a)[16]) {
+  __m512 y[8], z[4], w[2];
+  for (int p = 0; p < 8; ++p)  // y[p]: lanes 0-7 key 2p's a[i] + a[i + 8], lanes 8-15 key 2p + 1's
+    y[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0xEE));
+  for (int p = 0; p < 4; ++p)  // z[p]: 128-bit block b = key 4p + b's (i, i + 4) sums
+    z[p] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * p], y[2 * p + 1], 0x88),
+                         _mm512_shuffle_f32x4(y[2 * p], y[2 * p + 1], 0xDD));
+  for (int p = 0; p < 2; ++p)  // w[p], block b: keys 8p + b and 8p + 4 + b, their (i, i + 2) sums, two lanes each
+    w[p] = _mm512_add_ps(_mm512_shuffle_ps(z[2 * p], z[2 * p + 1], 0x44), _mm512_shuffle_ps(z[2 * p], z[2 * p + 1], 0xEE));
+  // lane 4b + e: the sum of key b + 4e
+  const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD));
+  const __m512i key_order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(key_order, f);
+}
+
+// Scores of one query row (its C chunks in `qr`, f32, zero-padded) against 16 keys (`kb`: 16 rows of Dp f32): per
+// key the chunk products summed chunk by chunk (a mul, then C - 1 FMAs), then `sum16`, times scale.
+inline __m512 scores16(const float* qr, const float* kb, int64_t C, int64_t Dp, float scale) {
+  __m512 a[16];
+  for (int k = 0; k < 16; ++k) a[k] = _mm512_mul_ps(_mm512_loadu_ps(kb + k * Dp), _mm512_loadu_ps(qr));
+  for (int64_t c = 1; c < C; ++c) {
+    const __m512 qc = _mm512_loadu_ps(qr + c * 16);
+    for (int k = 0; k < 16; ++k) a[k] = _mm512_fmadd_ps(_mm512_loadu_ps(kb + k * Dp + c * 16), qc, a[k]);
+  }
+  return _mm512_mul_ps(sum16(a), _mm512_set1_ps(scale));
+}
+
+// acc[r][c] += p[j][r] * v[j][c] for RB rows (p: probabilities [keys][R] from row r0, R apart) and NC chunks of 16
+// starting at chunk c0, over keys [j0, j1) in order, the accumulators in registers; then stored to acc (Dp apart).
+template <int RB, int NC, typename T>
+inline void weigh_values(const T* kv, int64_t kv_row, int64_t v_off, const int64_t* slots, const float* p, int64_t R,
+                         int64_t j0, int64_t j1, int64_t c0, float* acc, int64_t Dp) {
+  __m512 s[RB][NC];
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < NC; ++c) s[r][c] = _mm512_loadu_ps(acc + r * Dp + (c0 + c) * 16);
+  for (int64_t j = j0; j < j1; ++j) {
+    const T* v = kv + slots[j] * kv_row + v_off + c0 * 16;
+    const float* pj = p + j * R;
+    __m512 vj[NC];
+    for (int c = 0; c < NC; ++c) vj[c] = load16(v + c * 16, __mmask16(0xFFFF));
+    for (int r = 0; r < RB; ++r) {
+      const __m512 pr = _mm512_set1_ps(pj[r]);
+      for (int c = 0; c < NC; ++c) s[r][c] = _mm512_fmadd_ps(pr, vj[c], s[r][c]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + r * Dp + (c0 + c) * 16, s[r][c]);
+}
 
 // One (sequence, KV head): its `group` query heads x Tq tokens against S cached keys, kTile tokens at a time. Per
 // query row the arithmetic is fixed whatever the tiling: each score is one dot product in 16-lane chunks then a lane
-// reduction; the softmax and the weighted sum run over the keys in order.
+// reduction in `_mm512_reduce_add_ps`'s order; the softmax and the weighted sum run over the visible keys in order
+// (an FMA per key and chunk, the probability broadcast). Scores are computed 16 keys at a time for every key up to
+// the tile's last visible one (a key no row sees is computed and ignored); the weighted sum runs over the keys every
+// row of the tile sees with its accumulators in registers, then over the rest (a verify step's or a tree's last
+// keys) row by row, skipping the keys a row does not see.
 template <typename T>
 void attend(const T* q, int64_t q_tok_stride, const T* kv, int64_t kv_row, const int64_t* slots, const bool* vis,
             int64_t S, int64_t Tq, int64_t group, int64_t D, int64_t k_off, int64_t v_off, float scale, float* out,
@@ -60,65 +119,101 @@ void attend(const T* q, int64_t q_tok_stride, const T* kv, int64_t kv_row, const
   const int64_t C = (D + 15) / 16, Dp = C * 16;  // 16-lane chunks of a head; rows padded to Dp with zeros
   const __mmask16 tail = D % 16 ? __mmask16((1u << (D % 16)) - 1) : __mmask16(0xFFFF);
   auto lanes = [&](int64_t c) { return c == C - 1 ? tail : __mmask16(0xFFFF); };
-  const int64_t tile = std::min(Tq, kTile), R = tile * group;  // query rows of a tile: token-major, then head
-  std::vector<float> qf(R * Dp), scores(R * S), acc(R * Dp), row_max(R), row_sum(R);
+  // query rows of a tile: token-major, then head; a verify step's tokens (up to kOneTile) are one tile
+  const int64_t tile = Tq <= kOneTile ? Tq : kTile, R = tile * group;
+  const int64_t S16 = (S + 15) / 16 * 16;
+  std::vector<float> qf(R * Dp), scores(R * S16), probs(S16 * R), acc(R * Dp), row_sum(R), kb(16 * Dp);
+  std::vector<float> vf;  // a head_dim that is not a multiple of 16: V rows padded to Dp (f32) for the last chunk
   for (int64_t t0 = 0; t0 < Tq; t0 += tile) {
-    const int64_t nt = std::min(tile, Tq - t0);
+    const int64_t nt = std::min(tile, Tq - t0), nr = nt * group;
     const bool* tv = vis + t0 * S;
+    // keys [0, shared) are visible to every token of the tile; none at or past `end`
+    int64_t shared = S, end = 0;
+    for (int64_t t = 0; t < nt; ++t) {
+      const bool* row = tv + t * S;
+      int64_t j = 0;
+      while (j < S && row[j]) ++j;
+      shared = std::min(shared, j);
+      int64_t last = S;
+      while (last > 0 && !row[last - 1]) --last;
+      end = std::max(end, last);
+    }
+    shared = std::min(shared, end);
     for (int64_t t = 0; t < nt; ++t)
       for (int64_t g = 0; g < group; ++g)
         for (int64_t c = 0; c < C; ++c)
           _mm512_storeu_ps(&qf[(t * group + g) * Dp + c * 16],
                            load16(q + (t0 + t) * q_tok_stride + g * D + c * 16, lanes(c)));
-    std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
-    std::fill(row_sum.begin(), row_sum.end(), 0.f);
-    std::fill(acc.begin(), acc.end(), 0.f);
-    // scores
-    for (int64_t j = 0; j < S; ++j) {
-      const T* k = kv + slots[j] * kv_row + k_off;
-      __m512 kj[kMaxD / 16];
-      bool loaded = false;
-      for (int64_t t = 0; t < nt; ++t) {
-        if (!tv[t * S + j]) continue;
-        if (!loaded) {
-          for (int64_t c = 0; c < C; ++c) kj[c] = load16(k + c * 16, lanes(c));
-          loaded = true;
-        }
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t r = t * group + g;
-          __m512 a = _mm512_mul_ps(kj[0], _mm512_loadu_ps(&qf[r * Dp]));
-          for (int64_t c = 1; c < C; ++c) a = _mm512_fmadd_ps(kj[c], _mm512_loadu_ps(&qf[r * Dp + c * 16]), a);
-          const float sc = _mm512_reduce_add_ps(a) * scale;
-          scores[r * S + j] = sc;
-          row_max[r] = std::max(row_max[r], sc);
-        }
-      }
+    // scores, 16 keys at a time (a last partial block reads zero keys)
+    for (int64_t j0 = 0; j0 < end; j0 += 16) {
+      const int64_t nk = std::min<int64_t>(16, end - j0);
+      for (int64_t k = 0; k < 16; ++k)
+        for (int64_t c = 0; c < C; ++c)
+          _mm512_storeu_ps(&kb[k * Dp + c * 16],
+                           k < nk ? load16(kv + slots[j0 + k] * kv_row + k_off + c * 16, lanes(c)) : _mm512_setzero_ps());
+      for (int64_t r = 0; r < nr; ++r) _mm512_storeu_ps(&scores[r * S16 + j0], scores16(&qf[r * Dp], kb.data(), C, Dp, scale));
     }
-    // probabilities (unnormalised), in key order
+    // probabilities (unnormalised), in key order; transposed for the weighted sum
     for (int64_t t = 0; t < nt; ++t)
       for (int64_t g = 0; g < group; ++g) {
         const int64_t r = t * group + g;
-        for (int64_t j = 0; j < S; ++j) {
-          if (!tv[t * S + j]) continue;
-          const float pr = std::exp(scores[r * S + j] - row_max[r]);
-          scores[r * S + j] = pr;
-          row_sum[r] += pr;
+        float mx = -std::numeric_limits<float>::infinity(), sum = 0.f;
+        for (int64_t j = 0; j < end; ++j)
+          if (tv[t * S + j]) mx = std::max(mx, scores[r * S16 + j]);
+        for (int64_t j = 0; j < end; ++j) {
+          float pr = 0.f;
+          if (tv[t * S + j]) {
+            pr = std::exp(scores[r * S16 + j] - mx);
+            sum += pr;
+          }
+          probs[j * nr + r] = pr;
+        }
+        row_sum[r] = sum;
+      }
+    // weighted values: the keys every row sees, rows in register blocks; a head_dim not a multiple of 16 reads
+    // its V rows through a zero-padded copy
+    std::fill(acc.begin(), acc.end(), 0.f);
+    const T* vbase = kv;
+    int64_t vrow = kv_row, voff = v_off;
+    const int64_t* vslots = slots;
+    std::vector<int64_t> ids;
+    if (D % 16) {
+      vf.assign(end * Dp, 0.f);
+      for (int64_t j = 0; j < end; ++j)
+        for (int64_t c = 0; c < C; ++c)
+          _mm512_storeu_ps(&vf[j * Dp + c * 16], load16(kv + slots[j] * kv_row + v_off + c * 16, lanes(c)));
+      ids.resize(end);
+      for (int64_t j = 0; j < end; ++j) ids[j] = j;
+    }
+    auto block = [&](auto rb, int64_t r0) {
+      constexpr int RB = decltype(rb)::value;
+      for (int64_t c0 = 0; c0 < C; c0 += 2) {
+        if (D % 16 == 0) {
+          if (c0 + 1 < C)
+            weigh_values<RB, 2>(vbase, vrow, voff, vslots, probs.data() + r0, nr, 0, shared, c0, &acc[r0 * Dp], Dp);
+          else
+            weigh_values<RB, 1>(vbase, vrow, voff, vslots, probs.data() + r0, nr, 0, shared, c0, &acc[r0 * Dp], Dp);
+        } else {
+          if (c0 + 1 < C)
+            weigh_values<RB, 2>(vf.data(), Dp, 0, ids.data(), probs.data() + r0, nr, 0, shared, c0, &acc[r0 * Dp], Dp);
+          else
+            weigh_values<RB, 1>(vf.data(), Dp, 0, ids.data(), probs.data() + r0, nr, 0, shared, c0, &acc[r0 * Dp], Dp);
         }
       }
-    // weighted values
-    for (int64_t j = 0; j < S; ++j) {
-      const T* v = kv + slots[j] * kv_row + v_off;
+    };
+    int64_t r0 = 0;
+    for (; r0 + 12 <= nr; r0 += 12) block(std::integral_constant<int, 12>{}, r0);
+    for (; r0 + 4 <= nr; r0 += 4) block(std::integral_constant<int, 4>{}, r0);
+    for (; r0 < nr; ++r0) block(std::integral_constant<int, 1>{}, r0);
+    // ... then the keys some rows do not see, row by row
+    for (int64_t j = shared; j < end; ++j) {
       __m512 vj[kMaxD / 16];
-      bool loaded = false;
+      for (int64_t c = 0; c < C; ++c) vj[c] = load16(kv + slots[j] * kv_row + v_off + c * 16, lanes(c));
       for (int64_t t = 0; t < nt; ++t) {
         if (!tv[t * S + j]) continue;
-        if (!loaded) {
-          for (int64_t c = 0; c < C; ++c) vj[c] = load16(v + c * 16, lanes(c));
-          loaded = true;
-        }
         for (int64_t g = 0; g < group; ++g) {
           const int64_t r = t * group + g;
-          const __m512 pr = _mm512_set1_ps(scores[r * S + j]);
+          const __m512 pr = _mm512_set1_ps(probs[j * nr + r]);
           float* a = &acc[r * Dp];
           for (int64_t c = 0; c < C; ++c)
             _mm512_storeu_ps(a + c * 16, _mm512_fmadd_ps(pr, vj[c], _mm512_loadu_ps(a + c * 16)));
