@@ -341,3 +341,23 @@ def test_the_offline_replay_reproduces_the_engine_step_for_step(llama_engine):
     assert replay[0].tokens == replay[1].tokens == len(out) - 1
     # a tree verifies along the path that matches: root children 5 and 7, then 7's child 8
     assert accepted_tree([5, 7, 8, 9], [-1, -1, 1, 1], [7, 8, 3]) == 2 and accepted_tree([5], [-1], [6]) == 0
+
+
+def test_the_copy_oracle_verifies_exactly_the_copyable_stretch():
+    """bench/suffix_replay.py's copy oracle (the bound quoted for copying drafters) finds the longest stretch of the
+    output to come in the request's context or an earlier output — at token boundaries only — and verifies that."""
+    from nextn.bench.suffix_replay import _Haystack, replay_copy_oracle
+
+    h = _Haystack()
+    h.add([1, 23, 4])
+    h.add([7, 8], separate=True)
+    assert h.longest_run([23, 4, 9]) == 2 and h.longest_run([2, 3]) == 0 and h.longest_run([3, 4]) == 0
+    assert h.longest_run([4, 7]) == 1 and h.longest_run([7, 8]) == 2 and h.longest_run([4]) == 1
+    # the output copies the prompt: after the prefill's token 10 one step verifies 11..16 (6 drafts) and emits 99
+    # too; 98 occurs nowhere: a step of no drafts
+    prompt, output = [10, 11, 12, 13, 14, 15, 16], [10, 11, 12, 13, 14, 15, 16, 99, 98]
+    cold = replay_copy_oracle([(prompt, output)], passes=1, step_time=None, max_draft_len=16)[0]
+    assert (cold.steps, cold.rows, cold.tokens) == (2, 6, 8)
+    # capped at K = 4 ([11..14] + 15, [16] + 99, [] + 98); a second pass copies [16, 99, 98] from the first's output
+    two = replay_copy_oracle([(prompt, output)], passes=2, step_time=lambda k: 1.0 + 0.1 * k, max_draft_len=4)
+    assert [(r.steps, r.rows) for r in two] == [(3, 5), (2, 7)]

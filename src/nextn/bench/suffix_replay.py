@@ -15,6 +15,9 @@ replay reproduces what the engine emits at batch 1 without running the model:
                    calls vLLM's `method: suffix` makes; every draft it returns is verified (vLLM's rule); chains,
                    and with `--arctic_tree` its speculation trees (accepted: the deepest path of the tree that
                    equals the output)
+    copy oracle    an upper bound for every copying drafter: each step verifies exactly the longest stretch of the
+                   output to come (≤ K) found in the request's context or an earlier output (with a step
+                   profile, its prefix of the most tokens per second); it reads the output before it is decoded
     passes         `--passes 2`: the same requests again, the global trees warm with pass 1's outputs (an
                    agent's retries); each pass reported apart
 
@@ -168,6 +171,58 @@ def replay_arctic(streams: Sequence[Stream], passes: int, step_time: StepTime | 
     return out
 
 
+class _Haystack:
+    """Token sequences searchable for a contiguous run (each token as " id" in one string, so `str.find` matches
+    only at token boundaries)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def add(self, tokens: Sequence[int], separate: bool = False) -> None:
+        self.text += (" |" if separate else "") + "".join(f" {t}" for t in tokens)
+
+    def longest_run(self, wanted: Sequence[int]) -> int:
+        """The longest prefix of `wanted` that occurs here (binary search: a run's prefixes occur too)."""
+        lo, hi = 0, len(wanted)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.text.find("".join(f" {t}" for t in wanted[:mid]) + " ") >= 0 or \
+                    self.text.endswith("".join(f" {t}" for t in wanted[:mid])):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+
+def replay_copy_oracle(streams: Sequence[Stream], passes: int, step_time: StepTime | None,
+                       max_draft_len: int) -> list[PassResult]:
+    """The most any drafter that copies could give: each step the oracle knows the longest stretch (≤ K tokens)
+    of the recorded output still to come that occurs in the request's own context (prompt and output so far) or in
+    an earlier request's output (the sources a suffix tree holds), and verifies exactly that many drafts — with a
+    step profile, the prefix of it with the most tokens per second, (1 + k) / t(1, k). An upper bound, not a
+    drafter: it reads the output before it is decoded."""
+    earlier = _Haystack()
+    out = []
+    for passno in range(1, passes + 1):
+        res = PassResult("copy oracle (upper bound)", passno)
+        for prompt, output in streams:
+            own = _Haystack()
+            own.add(list(prompt) + output[:1])
+            i = 1
+            while i < len(output):
+                wanted = output[i:i + max_draft_len]
+                run = max(own.longest_run(wanted), earlier.longest_run(wanted))
+                k = run if step_time is None else max(range(run + 1), key=lambda j: ((1 + j) / step_time(j), -j))
+                emitted = output[i:i + k + 1]
+                own.add(emitted)
+                res.tokens, res.steps, res.rows = res.tokens + len(emitted), res.steps + 1, res.rows + k
+                res.step_s += step_time(k) if step_time else 0.0
+                i += len(emitted)
+            earlier.add(output, separate=True)
+        out.append(res)
+    return out
+
+
 def record_streams(engine: Path, dataset: str, prompts_dir: Path, num_prompts: int, max_tokens: int, turn: int,
                    path: Path) -> list[Stream]:
     """Greedy plain outputs of `engine` on the dataset's user turn `turn` (turn 2: after turn 1 and its greedy
@@ -264,6 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      args.max_spec_factor, args.min_token_prob, tree)
     except ImportError as e:
         print(f"arctic_inference not importable ({e}): nextn only")
+    results += replay_copy_oracle(streams, args.passes, step_time, args.max_draft_len)
     rows = [r.row(plain_step) for r in results]
     header = f"{'system':28s} pass     AL  rows/step  host µs/step  predicted ×plain"
     print(header)
