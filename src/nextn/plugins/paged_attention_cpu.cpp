@@ -6,7 +6,7 @@
 //
 // Each query (b, t, head h) attends to the keys j of its sequence with visible[b, 0, t, j]: the cache row
 // context_slots[b, j] holds K (NKV x D) then V (NKV x D); query head h reads KV head h / (NH / NKV) (GQA).
-// f32 throughout: scores = scale * q.k, softmax (max-subtracted exp, `exp16`), o = sum_j p_j v_j / sum_j p_j.
+// f32 throughout: scores = scale * q.k, softmax (max-subtracted `nextn_cpu::exp16`), o = sum_j p_j v_j / sum_j p_j.
 //
 // Why our own kernel: the PyTorch path gathers every sequence's context out of the cache, then runs two einsums, a
 // mask and a softmax per layer, ~10 dispatches of microseconds each on a few hundred keys; this is one, reading the
@@ -104,25 +104,6 @@ inline void weigh_values(const T* kv, int64_t kv_row, int64_t v_off, const int64
     for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + r * Dp + (c0 + c) * 16, s[r][c]);
 }
 
-// exp(x) for x <= 0 (a score minus its row's max), 16 lanes: x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts,
-// Cody and Waite), exp(r) by a degree-7 polynomial (Cephes' expf coefficients, about 1 ulp), times 2^n
-// (`vscalefps`, which flushes to 0 past the smallest subnormal). The same for every lane whatever the tile.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // exp(-104) is below the smallest float: 0 either way
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));  // p r^2 + r + 1
-  return _mm512_scalef_ps(p, n);
-}
-
 // The visibility of up to 16 keys (`left` of them still in the row) as a lane mask
 inline __mmask16 visible16(const bool* v, int64_t left) {
   const __mmask16 in = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
@@ -195,7 +176,7 @@ void attend(const T* q, int64_t q_tok_stride, const T* kv, int64_t kv_row, const
         alignas(64) float e[16];
         for (int64_t j = 0; j < end; j += 16) {
           const __mmask16 m = visible16(vr + j, end - j);
-          const __m512 pr = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + j), row_mx)));
+          const __m512 pr = _mm512_maskz_mov_ps(m, nextn_cpu::exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + j), row_mx)));
           sum = _mm512_add_ps(sum, pr);
           _mm512_store_ps(e, pr);
           for (int64_t i = 0, n = std::min<int64_t>(16, end - j); i < n; ++i) probs[(j + i) * nr + r] = e[i];
