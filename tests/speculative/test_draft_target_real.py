@@ -1,5 +1,6 @@
 """Draft_Target on a real model: SmolLM2-135M-Instruct (GGUF, from ../shared/data) verified by itself, drafted by
-its own first 6 of 30 layers (a truncated target: it agrees often, not always), both as W4A16 engines on nextn's
+the same weights dequantized to bf16 and quantized again (its W4A16 groups are not the GGUF's Q4_1 blocks: it agrees
+often, not always — about 80 % of drafts on these prompts), both as W4A16 engines on nextn's
 CPU kernels — greedy output token-identical to the same engine's plain decoding, batched and with staggered
 arrivals, overlap scheduler on and off, with `adaptive_draft_len` switching speculation on and off."""
 
@@ -17,7 +18,6 @@ from nextn.build.gguf_reader import GGUFCheckpoint
 from nextn.plugins import cpu_kernels
 
 SMOLLM2 = SHARED_DATA / "models" / "smollm2-135m-instruct"
-DRAFT_LAYERS = 6
 W4A16 = {"quant_algo": "W4A16"}
 
 pytestmark = pytest.mark.slow
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
-    """(target GGUF, truncated draft checkpoint dir, engine cache dir, prompt texts)."""
+    """(target GGUF, bf16 draft checkpoint dir, engine cache dir, prompt texts)."""
     found = sorted(SMOLLM2.glob("*.gguf"))
     if not found or not (SHARED_DATA / "prompts" / "mt_bench.jsonl").is_file():
         pytest.skip(f"SmolLM2 GGUF or the prompt sets are absent ({SMOLLM2}): ../shared/data is not checked out")
@@ -35,9 +35,10 @@ def smollm2(tmp_path_factory):
     draft = tmp / "draft_ckpt"
     draft.mkdir()
     with GGUFCheckpoint(found[0]) as ck:
-        cfg = dict(ck.hf_config, num_hidden_layers=DRAFT_LAYERS, torch_dtype="bfloat16")
-        keep = [n for n in ck.names() if not n.startswith("model.layers.") or int(n.split(".")[2]) < DRAFT_LAYERS]
-        save_file({n: ck.get(n).to(torch.bfloat16).contiguous() for n in keep}, str(draft / "model.safetensors"))
+        # not a truncated target: one with its first layers only agrees with it on ~1 % of drafts, so whether a
+        # request's first drafts hit (and the adaptive policy keeps measuring it) hangs on rounding
+        cfg = dict(ck.hf_config, torch_dtype="bfloat16")
+        save_file({n: ck.get(n).to(torch.bfloat16).contiguous() for n in ck.names()}, str(draft / "model.safetensors"))
         ck.write_tokenizer_files(draft)
     (draft / "config.json").write_text(json.dumps(cfg))
     return found[0], draft, tmp / "engines", load_prompt_texts(2, 2)
@@ -82,5 +83,8 @@ def test_adaptive_draft_len_on_smollm2_is_lossless(smollm2, plain):
         for out in llm.step():
             outs[out.request_id] = out
     assert [outs[i].outputs[0].token_ids for i in ids] == plain
-    assert len(llm.engine.draft_len_policy.request_alpha) == len(prompts)  # each request's own acceptance
-    assert {e["draft_len"] for e in llm.engine.iteration_log if e["kind"] == "decode"} - {0, 1, 2, 3} == set()
+    assert llm.engine.draft_len_policy.alpha is not None  # it observed speculating steps
+    # how long it speculates hangs on whether the first request's first drafts hit (a step of misses switches it
+    # off until a probe: tests/speculative/test_draft_len_policy.py); it must start speculating and stay in [0, K]
+    lengths = [e["draft_len"] for e in llm.engine.iteration_log if e["kind"] == "decode"]
+    assert lengths[0] == 3 and set(lengths) <= {0, 1, 2, 3}

@@ -44,21 +44,6 @@ inline __m256i narrow(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
 inline __m512 round_bf16(__m512 v) { return widen(narrow(v)); }
 inline void store_bf16(uint16_t* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), narrow(v)); }
 
-// exp(v) for v in f32 (|error| ~1 ulp): 2^n * p(r), r = v - n ln 2, a degree-6 polynomial
-inline __m512 exp16(__m512 v) {
-  v = _mm512_max_ps(_mm512_min_ps(v, _mm512_set1_ps(88.f)), _mm512_set1_ps(-88.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), v);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.3981999507e-3f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
 
 // out = w * bf16(x * rsqrt(mean(x^2) + eps)), one row of H (H % 16 == 0)
 inline void rms_norm(const uint16_t* x, const uint16_t* w, int64_t H, float eps, uint16_t* out) {
@@ -214,7 +199,7 @@ at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& cos_sin, a
     const float* g = f.data() + m * 2 * I;
     for (int64_t i = 0; i < I; i += 16) {
       const __m512 gv = round_bf16(_mm512_loadu_ps(g + i)), uv = round_bf16(_mm512_loadu_ps(g + I + i));
-      const __m512 a = round_bf16(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(
+      const __m512 a = round_bf16(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), nextn_cpu::exp16(_mm512_sub_ps(
                                                                        _mm512_setzero_ps(), gv)))));
       store_bf16(h.data() + m * I + i, _mm512_mul_ps(a, uv));
     }

@@ -6,7 +6,7 @@
 //
 // Each query (b, t, head h) attends to the keys j of its sequence with visible[b, 0, t, j]: the cache row
 // context_slots[b, j] holds K (NKV x D) then V (NKV x D); query head h reads KV head h / (NH / NKV) (GQA).
-// f32 throughout: scores = scale * q.k, softmax (max-subtracted exp), o = sum_j p_j v_j / sum_j p_j.
+// f32 throughout: scores = scale * q.k, softmax (max-subtracted `nextn_cpu::exp16`), o = sum_j p_j v_j / sum_j p_j.
 //
 // Why our own kernel: the PyTorch path gathers every sequence's context out of the cache, then runs two einsums, a
 // mask and a softmax per layer, ~10 dispatches of microseconds each on a few hundred keys; this is one, reading the
@@ -24,7 +24,6 @@
 
 #include "cpu_kernels.h"
 
-#include <cmath>
 #include <algorithm>
 #include <cstdint>
 #include <limits>
@@ -105,10 +104,17 @@ inline void weigh_values(const T* kv, int64_t kv_row, int64_t v_off, const int64
     for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + r * Dp + (c0 + c) * 16, s[r][c]);
 }
 
+// The visibility of up to 16 keys (`left` of them still in the row) as a lane mask
+inline __mmask16 visible16(const bool* v, int64_t left) {
+  const __mmask16 in = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+  return _mm_mask_cmpneq_epi8_mask(in, _mm_maskz_loadu_epi8(in, v), _mm_setzero_si128());
+}
+
 // One (sequence, KV head): its `group` query heads x Tq tokens against S cached keys, kTile tokens at a time. Per
 // query row the arithmetic is fixed whatever the tiling: each score is one dot product in 16-lane chunks then a lane
-// reduction in `_mm512_reduce_add_ps`'s order; the softmax and the weighted sum run over the visible keys in order
-// (an FMA per key and chunk, the probability broadcast). Scores are computed 16 keys at a time for every key up to
+// reduction in `_mm512_reduce_add_ps`'s order; the softmax runs over the keys 16 at a time (the sum in 16 lanes,
+// then reduced) and the weighted sum over the visible keys in order (an FMA per key and chunk, the probability
+// broadcast). Scores are computed 16 keys at a time for every key up to
 // the tile's last visible one (a key no row sees is computed and ignored); the weighted sum runs over the keys every
 // row of the tile sees with its accumulators in registers, then over the rest (a verify step's or a tree's last
 // keys) row by row, skipping the keys a row does not see.
@@ -153,22 +159,29 @@ void attend(const T* q, int64_t q_tok_stride, const T* kv, int64_t kv_row, const
                            k < nk ? load16(kv + slots[j0 + k] * kv_row + k_off + c * 16, lanes(c)) : _mm512_setzero_ps());
       for (int64_t r = 0; r < nr; ++r) _mm512_storeu_ps(&scores[r * S16 + j0], scores16(&qf[r * Dp], kb.data(), C, Dp, scale));
     }
-    // probabilities (unnormalised), in key order; transposed for the weighted sum
+    // probabilities (unnormalised), 16 keys at a time: the row's max over the keys it sees, exp(score - max)
+    // (0 where it does not see the key), their sum; transposed for the weighted sum
     for (int64_t t = 0; t < nt; ++t)
       for (int64_t g = 0; g < group; ++g) {
         const int64_t r = t * group + g;
-        float mx = -std::numeric_limits<float>::infinity(), sum = 0.f;
-        for (int64_t j = 0; j < end; ++j)
-          if (tv[t * S + j]) mx = std::max(mx, scores[r * S16 + j]);
-        for (int64_t j = 0; j < end; ++j) {
-          float pr = 0.f;
-          if (tv[t * S + j]) {
-            pr = std::exp(scores[r * S16 + j] - mx);
-            sum += pr;
-          }
-          probs[j * nr + r] = pr;
+        const float* sr = &scores[r * S16];
+        const bool* vr = tv + t * S;
+        __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        for (int64_t j = 0; j < end; j += 16) {
+          const __mmask16 m = visible16(vr + j, end - j);
+          mx = _mm512_mask_max_ps(mx, m, mx, _mm512_loadu_ps(sr + j));
         }
-        row_sum[r] = sum;
+        const __m512 row_mx = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        __m512 sum = _mm512_setzero_ps();
+        alignas(64) float e[16];
+        for (int64_t j = 0; j < end; j += 16) {
+          const __mmask16 m = visible16(vr + j, end - j);
+          const __m512 pr = _mm512_maskz_mov_ps(m, nextn_cpu::exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + j), row_mx)));
+          sum = _mm512_add_ps(sum, pr);
+          _mm512_store_ps(e, pr);
+          for (int64_t i = 0, n = std::min<int64_t>(16, end - j); i < n; ++i) probs[(j + i) * nr + r] = e[i];
+        }
+        row_sum[r] = _mm512_reduce_add_ps(sum);
       }
     // weighted values: the keys every row sees, rows in register blocks; a head_dim not a multiple of 16 reads
     // its V rows through a zero-padded copy
