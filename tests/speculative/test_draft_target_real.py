@@ -57,7 +57,7 @@ def plain(smollm2):
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_truncated_smollm2_drafter_is_lossless(smollm2, plain, overlap):
+def test_requantized_smollm2_drafter_is_lossless(smollm2, plain, overlap):
     (target, draft, cache, _), (prompts, plain) = smollm2, plain
     spec = {"decoding_type": "Draft_Target", "max_draft_len": 3, "speculative_model_dir": str(draft)}
     llm = LLM(target, speculative_config=spec, quant_config=W4A16, engine_cache_dir=cache, max_batch_size=4,
