@@ -300,6 +300,69 @@ def test_adaptive_suffix_picks_lengths_from_its_proposals_and_stays_lossless(lla
     llm.shutdown()
 
 
+def test_each_row_gets_its_own_draft_length_where_it_pays():
+    """`draft_lens_hint`: the drafts of the highest calibrated gain first, the total of the most expected tokens
+    per second — a copying row verifies its proposal, a row with nothing to copy none, in the same step."""
+    seq = list(range(10, 30))
+    d = SuffixDrafter(16, max_tree_depth=24)
+    assert d.draft_lens_hint([0], 16) is None  # no step times: one length per step (`draft_len_hint`)
+    prefill(d, [0, 1], [0, 0], [seq + seq[:12], [7, 8, 9]], [seq[12], 5])
+    useful = d.slots[0].useful
+    assert useful >= 8 and d.slots[1].useful == 0
+    d.use_step_times(lambda b, k: 1 + 0.01 * k)  # rows nearly free
+    assert d.draft_lens_hint([0, 1], 16) == [useful, 0]
+    assert d.draft_lens_hint([0, 1], 3) == [3, 0]  # the policy's cap
+    assert d.draft_lens_hint([1, 0], 16) == [0, useful]
+    d.use_step_times(lambda b, k: 1 + 1.5 * k)  # each row dearer than a token: none
+    assert d.draft_lens_hint([0, 1], 16) == [0, 0]
+    # A row's drafts cost what a uniform step with as many rows costs: t(B, Σk / B). Cheap up to 2 rows a request
+    # (4 in all at batch 2), dear after: the copying row takes 4.
+    d.use_step_times(lambda b, k: 1.0 + 0.3 * max(0.0, k - 2) * b)
+    assert d.draft_lens_hint([0, 1], 16) == [4, 0]
+    # Calibration per row: row 0 rejected everything it verified (k = 3) and its calibration drops; a row that
+    # verified none moves back toward 1.
+    last = len(d.slots[0].tokens) - 1
+    verify_ragged = d.after_verify(None, None, SimpleNamespace(positions=torch.tensor([[last], [3]]) + torch.arange(4)),
+                                   None, torch.tensor([[999] * 4, [5] * 4]), torch.tensor([1, 1]),
+                                   (torch.tensor([0, 1]),), draft_lens=torch.tensor([3, 0]))
+    assert verify_ragged[0].shape == (2, 16) and d.slots[0].calibration < 1.0
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_ragged_steps_verify_each_rows_own_length_losslessly(llama_engine, overlap):
+    """With step times the scheduler asks for each row's length (`StepPlan.draft_lens`) and the chain step verifies
+    each row's own positions only (`chain_step.verify_ragged`): greedy outputs token-identical to plain decoding,
+    staggered, with a repeated request copying long stretches beside fresh ones; a batch with a sampling request
+    (or one asking for log-probabilities) verifies one length (control: no ragged step there)."""
+    prompts = PROMPTS + [list(range(100, 127))]
+    sp = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (12, 40, 20, 36, 8, 32)]
+    args = {"disable_overlap_scheduler": not overlap}
+    plain_llm = LLM(llama_engine, speculative_config=None, **args)
+    plain = outputs(plain_llm, prompts, sp)
+    llm = LLM(llama_engine, speculative_config={**SUFFIX, "max_draft_len": 16, "adaptive_draft_len": True}, **args)
+    llm.engine.drafter.use_step_times(lambda b, k: 1 + 0.05 * k)  # rows cheap: each row verifies its proposal
+    assert llm.engine.scheduler.draft_lens_hint is not None
+    outputs(llm, [prompts[-1]], [sp[-1]])  # its output goes to the global tree: that request copies in long steps
+    llm.engine.iteration_log = []
+    assert staggered(llm, prompts, sp) == plain
+    assert outputs(llm, prompts, sp) == plain
+    lens = [e["draft_lens"] for e in llm.engine.iteration_log if "draft_lens" in e]
+    assert lens and any(max(x) > 8 and min(x) < max(x) for x in lens)  # long and short rows in one step
+    # A sampling row (or log-probabilities) in the batch: one length for every row, greedy rows still exact.
+    llm.engine.iteration_log = []
+    mixed = sp[:-1] + [SamplingParams(max_tokens=32, ignore_eos=True, temperature=1.0, seed=3)]
+    got = outputs(llm, prompts, mixed)
+    want = outputs(plain_llm, prompts, mixed)
+    assert got[:-1] == plain[:-1] and got[-1] == want[-1]
+    assert not [e for e in llm.engine.iteration_log if "draft_lens" in e and e["num_requests"] == len(prompts)]
+    llm.engine.iteration_log = []
+    with_logprobs = sp[:-1] + [SamplingParams(max_tokens=32, ignore_eos=True, logprobs=2)]
+    assert outputs(llm, prompts, with_logprobs) == plain
+    assert not [e for e in llm.engine.iteration_log if "draft_lens" in e and e["num_requests"] == len(prompts)]
+    llm.shutdown()
+    plain_llm.shutdown()
+
+
 @pytest.mark.parametrize("spec", [SUFFIX, {"decoding_type": "NGram", "max_draft_len": 3}], ids=["Suffix", "NGram"])
 def test_seeded_sampling_equals_plain_decoding_token_for_token(llama_engine, spec):
     """Deterministic drafts are verified by the coupled rule (acceptance_reference.coupled_acceptance): each emitted

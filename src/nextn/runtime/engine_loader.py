@@ -39,6 +39,8 @@ from nextn.speculative import registry
 from nextn.runtime.step_profiler import ProfileTarget, step_profile_for
 from nextn.speculative.draft_len_policy import (DraftLenPolicy, ProposalDraftLen, StaticDraftLen,
                                                 choose_draft_len_policy)
+from nextn.speculative.acceptance_rules import StandardAcceptance
+from nextn.speculative.chain_step import verify_and_draft_step
 from nextn.speculative.method import LoadContext
 from nextn.speculative.protocol import AcceptanceRule, Drafter
 
@@ -128,18 +130,20 @@ def load_engine(engine_dir: str | Path, args: LlmArgs, spec: BaseModel | None, d
     pool = BlockPool(plan.num_blocks, block_size, prefix_cache_for(args, manifest, spec, drafter, kv_dtype,
                                                                    block_size))
 
-    def new_scheduler(pool: BlockPool, policy: DraftLenPolicy, hint: Callable[[list[int]], int] | None) -> Scheduler:
+    def new_scheduler(pool: BlockPool, policy: DraftLenPolicy, hint: Callable[[list[int]], int] | None,
+                      lens_hint: Callable[[list[int], int], list[int] | None] | None = None) -> Scheduler:
         try:
             return Scheduler(pool, max_batch_size, args.max_num_tokens, k,
                              enable_chunked_prefill=args.enable_chunked_prefill,
                              prefill_overlap=drafter.prefill_overlap, draft_len_policy=policy,
                              drafter_kv=drafter.kv_in_cache, drafter_catches_up=drafter.catches_up,
-                             max_seq_len=max_seq_len, draft_len_hint=hint)
+                             max_seq_len=max_seq_len, draft_len_hint=hint, draft_lens_hint=lens_hint)
         except ValueError as e:
             raise LlmArgsError(str(e)) from e
 
     new_scheduler(pool, StaticDraftLen(k), drafter.draft_len_hint)  # the settings checked before anything runs
     decode_fn = drafter.decode_fn  # verify_and_draft_step, or Medusa's tree step
+    eager = decode_fn
     if args.torch_compile_config is not None:
         decode_fn = compile_decode_fn(decode_fn, engine_dir, device, args.torch_compile_config, manifest)
     elif manifest.compiled_step is not None:
@@ -153,7 +157,11 @@ def load_engine(engine_dir: str | Path, args: LlmArgs, spec: BaseModel | None, d
                                                proposes=drafter.use_step_times is not None)
     if isinstance(draft_len_policy, ProposalDraftLen):
         drafter.use_step_times(draft_len_policy.relative_step_time)  # it picks each step's length from them
-    scheduler = new_scheduler(pool, draft_len_policy, drafter.draft_len_hint)
+    # Ragged steps (each row its own draft length): the eager chain step with strict acceptance of greedy rows.
+    ragged = (drafter.draft_lens_hint is not None and decode_fn is eager and eager is verify_and_draft_step
+              and type(acceptance) is StandardAcceptance)
+    scheduler = new_scheduler(pool, draft_len_policy, drafter.draft_len_hint,
+                              drafter.draft_lens_hint if ragged else None)
     try:
         tokenizer = EngineTokenizer.load(engine_dir, manifest.tokenizer_files)
     except Exception as e:  # transformers raises many kinds for a corrupt tokenizer file

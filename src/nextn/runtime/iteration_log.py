@@ -1,7 +1,8 @@
 """The per-iteration statistics an engine logs (`print_iter_log`) or records (`Engine.iteration_log`).
 
 One dict per applied step: its kind and size, tokens emitted, requests finished, free KV blocks, waiting requests,
-latency from launch to applied (ms), and for a decode step its draft length, for a prefill step the tokens computed
+latency from launch to applied (ms), and for a decode step its draft length (a ragged step: also each row's,
+`draft_lens`), for a prefill step the tokens computed
 and reused (prefix cache), and the prefix cache's cumulative hit rate (vLLM's).
 """
 
@@ -21,6 +22,8 @@ def iteration_entry(step: InflightStep, result: StepResult, num_finished: int, s
              "num_waiting": len(scheduler.waiting), "latency_ms": (time.perf_counter() - step.launch_time) * 1e3}
     if plan.kind == "decode":
         entry["draft_len"], entry["drafting"] = result.num_draft, plan.drafting
+        if plan.draft_lens:
+            entry["draft_lens"] = list(plan.draft_lens)
     else:
         entry["num_prefill_tokens"] = sum(e - s for s, e in zip(plan.chunk_starts, plan.chunk_ends))
         entry["num_reused_tokens"] = sum(plan.num_reused)

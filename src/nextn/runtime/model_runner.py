@@ -188,8 +188,10 @@ class ModelRunner:
             state = tuple(s[slots] for s in self.state)
             accept_state = tuple(s[slots] for s in self.accept_state)
             drafter = self.drafter if plan.drafting else self.no_drafter  # speculation off: plain decoding
+            ragged = {"draft_lens": torch.tensor(plan.draft_lens, dtype=torch.int64, device=self.device)
+                      } if plan.draft_lens else {}  # each row its own draft length (chain_step.verify_ragged)
             out = self.decode_fn(self.model, drafter, self.acceptance, self.kv_cache, ids, kv_lens, block_tables,
-                                 sampling, state if plan.drafting else (), accept_state, self.block_size)
+                                 sampling, state if plan.drafting else (), accept_state, self.block_size, **ragged)
         for buf, new in zip(self.state, out.drafter_state):
             buf[slots] = new
         for buf, new in zip(self.accept_state, out.accept_state):

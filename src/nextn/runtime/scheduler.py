@@ -64,6 +64,9 @@ class Scheduler:
         max_seq_len: a request ends ("length") at this many tokens (default: only its max_tokens ends it).
         draft_len_hint: the drafter's useful draft length for the requests in these batch slots
             (`Drafter.draft_len_hint`; None: every step verifies what the policy chooses).
+        draft_lens_hint: each row's own draft length for these slots under a cap (`Drafter.draft_lens_hint`; the
+            engine passes it only where the decode step verifies ragged batches): an all-greedy decode batch with
+            no logits processing or log-probabilities then verifies each row's own k (`StepPlan.draft_lens`).
     Raises:
         ValueError: chunked prefill with a budget that cannot make progress past the overlap.
     """
@@ -72,7 +75,8 @@ class Scheduler:
                  enable_chunked_prefill: bool = False, prefill_overlap: int = 0,
                  draft_len_policy: DraftLenPolicy | None = None, drafter_kv: bool = False,
                  drafter_catches_up: bool = False, max_seq_len: int | None = None,
-                 draft_len_hint: Callable[[list[int]], int] | None = None) -> None:
+                 draft_len_hint: Callable[[list[int]], int] | None = None,
+                 draft_lens_hint: Callable[[list[int], int], list[int] | None] | None = None) -> None:
         if enable_chunked_prefill and max_num_tokens <= prefill_overlap:
             raise ValueError(f"max_num_tokens={max_num_tokens} must exceed the {prefill_overlap} rows a prefill "
                              "chunk re-runs for MTP Vanilla")
@@ -86,6 +90,7 @@ class Scheduler:
         self.drafter_kv = drafter_kv
         self.drafter_catches_up = drafter_catches_up
         self.draft_len_hint = draft_len_hint
+        self.draft_lens_hint = draft_lens_hint
         self.max_seq_len = sys.maxsize if max_seq_len is None else max_seq_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -256,12 +261,16 @@ class Scheduler:
             return None
         k = self.draft_len_policy.draft_len(len(reqs), [r.request_id for r in reqs])
         drafting = k > 0 or self.draft_len_policy.max_draft_len == 0
-        if k > 0 and self.draft_len_hint is not None:  # no wider than the drafter says pays (0: it still drafts)
+        lens = self._ragged_lens(reqs, k)
+        if lens is not None:  # each row its own length, at most the policy's
+            k = max(lens)
+            lens = lens if k > 0 and min(lens) < k else ()
+        elif k > 0 and self.draft_len_hint is not None:  # no wider than the drafter says pays (0: it still drafts)
             k = max(0, min(k, self.draft_len_hint([r.batch_slot for r in reqs])))
         if k > 0 and not all(r.has_drafts for r in reqs):
-            k = 0  # speculation back on: draft first (drafts are not kept while it is off)
+            k, lens = 0, ()  # speculation back on: draft first (drafts are not kept while it is off)
         catch_up = drafting and self.drafter_catches_up and any(r.drafter_gap is not None for r in reqs)
-        plan = self._new_plan(reqs, StepPlan.decode, k, drafting, catch_up)
+        plan = self._new_plan(reqs, StepPlan.decode, k, drafting, catch_up, tuple(lens or ()))
         for req in reqs:
             req.has_drafts = drafting
             if not drafting and self.drafter_kv and req.drafter_gap is None:
@@ -269,6 +278,16 @@ class Scheduler:
             elif catch_up:
                 req.drafter_gap = None  # the step writes it first
         return plan
+
+    def _ragged_lens(self, reqs: tuple[Request, ...], k: int) -> list[int] | None:
+        """The drafter's per-row draft lengths under the policy's k, where a ragged step can verify them: k > 0,
+        every row greedy with no logits processing and no log-probabilities (`chain_step.verify_ragged`); None
+        elsewhere (one length for the step)."""
+        if k <= 0 or self.draft_lens_hint is None:
+            return None
+        if any(r.params.temperature > 0 or r.processor is not None or r.params.logprobs is not None for r in reqs):
+            return None
+        return self.draft_lens_hint([r.batch_slot for r in reqs], k)
 
     def mark_in_flight(self, plan: StepPlan, max_emitted: int) -> None:
         """The plan's step was launched and is not read back yet (overlap scheduler): its rows that emit tokens may
@@ -302,8 +321,9 @@ class Scheduler:
                 self.cache_blocks(req)
                 continue
             if decode:
-                req.record_step(k, accepted)
-                num_draft, num_accepted = num_draft + k, num_accepted + accepted
+                k_row = plan.draft_lens[i] if plan.draft_lens else k
+                req.record_step(k_row, accepted)
+                num_draft, num_accepted = num_draft + k_row, num_accepted + accepted
                 per_request[req.request_id] = accepted
             req.append(emitted, self.max_seq_len, None if output.logprobs is None else output.logprobs[i])
             req.draft_tokens = drafts
@@ -311,7 +331,7 @@ class Scheduler:
             self.cache_blocks(req)
             updated.append(req)
         if decode:  # timed only when the step is plain or fully speculating (not re-priming drafts)
-            seconds = output.seconds if plan.drafting == (plan.draft_len > 0) else 0.0
+            seconds = output.seconds if plan.drafting == (plan.draft_len > 0) and not plan.draft_lens else 0.0
             self.draft_len_policy.observe(num_draft, num_accepted, plan.draft_len, len(reqs), seconds, per_request)
         return updated, self.finish_done()
 

@@ -77,7 +77,8 @@ def prefill_step(model: SelfDraftingCausalLM, drafter: Drafter, acceptance: Acce
 def verify_and_draft_step(model: SelfDraftingCausalLM, drafter: Drafter, acceptance: AcceptanceRule,
                           kv_cache: torch.Tensor, input_ids: torch.Tensor, kv_lens: torch.Tensor,
                           block_tables: torch.Tensor, sampling: SamplingTensors, drafter_state: DrafterState,
-                          accept_state: AcceptState, block_size: int) -> StepOutput:
+                          accept_state: AcceptState, block_size: int,
+                          draft_lens: torch.Tensor | None = None) -> StepOutput:
     """One decode step for a batch: verify the drafts, accept, rewind, draft again.
 
     Args:
@@ -86,6 +87,9 @@ def verify_and_draft_step(model: SelfDraftingCausalLM, drafter: Drafter, accepta
         block_tables: [B, max_blocks] int64 covering positions up to L + 2K (the drafter's look-ahead).
         sampling: the requests' sampling parameters (greedy rows: temperature 0).
         drafter_state, accept_state: per-request states from the previous step.
+        draft_lens: [B] int64 ≤ K, a ragged step (`verify_ragged`): row b verifies only its first draft_lens[b]
+            drafts. Only for all-greedy batches with no logits processing or log-probabilities, a drafter with
+            `draft_lens_hint` and an acceptance rule that is strict for greedy rows (the scheduler's `ragged`).
     Returns:
         StepOutput; the new KV length is kv_lens + num_emitted (the rewind: rejected entries are dead).
 
@@ -95,6 +99,9 @@ def verify_and_draft_step(model: SelfDraftingCausalLM, drafter: Drafter, accepta
     b, w = input_ids.shape
     positions = kv_lens[:, None] + torch.arange(w, device=input_ids.device)
     meta = AttentionMetadata.create(positions, slots_for_positions(block_tables, positions, block_size), block_tables, block_size)
+    if draft_lens is not None:
+        return verify_ragged(model, drafter, kv_cache, input_ids, meta, draft_lens, drafter_state, accept_state,
+                             block_size)
     hidden = model(input_ids, kv_cache, meta)  # [B, K+1, H]
     sampled = drafter.samples_drafts  # host-known: picks the calls, not a value
     q = {"draft_probs": drafter.draft_probs(drafter_state, w - 1, sampling)} if sampled else {}  # [B, K, V] | None
@@ -105,6 +112,42 @@ def verify_and_draft_step(model: SelfDraftingCausalLM, drafter: Drafter, accepta
     drafts, state = drafter.after_verify(model, kv_cache, meta, hidden, tokens, num_emitted, drafter_state,
                                          **with_sampling)
     return StepOutput(tokens, num_emitted, drafts, state, accept_state, sampling.logprobs(logits, tokens))
+
+
+def verify_ragged(model: SelfDraftingCausalLM, drafter: Drafter, kv_cache: torch.Tensor, input_ids: torch.Tensor,
+                  meta: AttentionMetadata, draft_lens: torch.Tensor, drafter_state: DrafterState,
+                  accept_state: AcceptState, block_size: int) -> StepOutput:
+    """A greedy step in which row b verifies only its first draft_lens[b] drafts (ragged verification).
+
+    The target runs on the verified positions alone, each as a one-token row of its request — Σ_b (k_b + 1) rows,
+    not B · (K + 1) — the way vLLM's batch expansion laid out verification: every row attends to its request's
+    cache up to its own position, and the keys a forward writes are stored before any row reads them, so a row sees
+    the drafts before it. Strict acceptance over the verified positions: row b emits its drafts while they equal
+    the target's argmax, then the target's token (never past position k_b); the hidden states of the unverified
+    positions are zeros, which no drafter reads (it reads rows < num_emitted).
+
+    Args:
+        input_ids: [B, K+1] int64, [last, d1..dK]; meta: the grid's metadata (positions kv_len..kv_len+K).
+        draft_lens: [B] int64 in [0, K].
+    Returns:
+        StepOutput as `verify_and_draft_step`'s (tokens [B, K+1], num_emitted [B] ≤ draft_lens + 1); no logprobs.
+    """
+    b, w = input_ids.shape
+    j = torch.arange(w, device=input_ids.device)
+    verified = j[None, :] <= draft_lens[:, None]  # [B, K+1]
+    rows, cols = verified.nonzero(as_tuple=True)  # row-major: each request's positions in order
+    positions = meta.positions[rows, cols][:, None]  # [N, 1]
+    tables = meta.block_tables[rows]
+    flat = AttentionMetadata.create(positions, slots_for_positions(tables, positions, block_size), tables, block_size)
+    hidden_flat = model(input_ids[rows, cols][:, None], kv_cache, flat)  # [N, 1, H]
+    argmax = model.logits(hidden_flat)[:, 0].argmax(dim=-1)  # [N]
+    target = torch.zeros_like(input_ids).index_put_((rows, cols), argmax)  # [B, K+1]
+    match = (input_ids[:, 1:] == target[:, :-1]) & verified[:, 1:]
+    num_emitted = match.long().cumprod(dim=1).sum(dim=1) + 1
+    hidden = hidden_flat.new_zeros(b, w, hidden_flat.shape[-1]).index_put_((rows, cols), hidden_flat[:, 0])
+    drafts, state = drafter.after_verify(model, kv_cache, meta, hidden, target, num_emitted, drafter_state,
+                                         draft_lens=draft_lens)
+    return StepOutput(target, num_emitted, drafts, state, accept_state)
 
 
 class LinearDrafter:
@@ -122,6 +165,7 @@ class LinearDrafter:
     supports_disaggregation = False
     draft_len_hint = None
     use_step_times = None
+    draft_lens_hint = None
     skips_drafting = False
     catches_up = False
 

@@ -78,6 +78,7 @@ class MedusaDrafter:
     supports_disaggregation = False
     draft_len_hint = None
     use_step_times = None
+    draft_lens_hint = None
 
     def __init__(self, heads: MedusaHeads, tree: TreeBuffers) -> None:
         if tree.max_depth > len(heads):

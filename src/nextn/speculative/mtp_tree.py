@@ -70,6 +70,7 @@ class MtpTreeDrafter:
     supports_disaggregation = False
     draft_len_hint = None
     use_step_times = None
+    draft_lens_hint = None
     prefill_overlap = 0
     uses_draft_head = True
     samples_drafts = False

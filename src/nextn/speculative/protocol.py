@@ -187,6 +187,10 @@ class Drafter(Protocol):
     # draft length k) → a step's time over a plain step's) and then hint the k of the most expected tokens per
     # second rather than its longest proposal; None: it does not.
     use_step_times: Callable[[Callable[[int, int], float]], None] | None
+    # Such a drafter may also choose each row's own draft length (ragged verification, `chain_step`): (batch slots,
+    # cap) → [k_r ≤ cap] per row, or None when it has no step times; its `after_verify` then takes `draft_lens`
+    # ([B] int64, the k_r each row verified). None: every row of a step verifies the same length.
+    draft_lens_hint: Callable[[list[int], int], list[int] | None] | None
     # Whether `after_verify` takes `draft=False`: write the drafter's KV / state for the verified rows and skip the
     # draft passes (zeros come back). A drafter that wraps it (combined drafting) uses it on the steps where another
     # source drafts every row.
@@ -231,7 +235,8 @@ class Drafter(Protocol):
                      state: DrafterState, sampling: SamplingTensors | None = None
                      ) -> tuple[torch.Tensor, DrafterState]:
         """Drafts [B, K] after verifying [last, d1..dK]: rows are the K+1 verified positions, last_idx = num_emitted − 1.
-        `sampling` (the requests' sampling parameters) is passed only to drafters with `samples_drafts`."""
+        `sampling` (the requests' sampling parameters) is passed only to drafters with `samples_drafts`; on a ragged
+        step, `draft_lens` ([B] int64, each row's verified drafts) only to drafters with `draft_lens_hint`."""
 
     def draft_probs(self, state: DrafterState, num_drafts: int, sampling: SamplingTensors) -> torch.Tensor | None:
         """For drafters with `samples_drafts`: q [B, num_drafts, V] fp32, the distributions this step's first

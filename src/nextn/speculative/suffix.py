@@ -157,6 +157,31 @@ class SuffixDrafter(LinearDrafter):
 
         return max(range(longest + 1), key=lambda k: (rate(k), -k))
 
+    def draft_lens_hint(self, slots: list[int], cap: int) -> list[int] | None:
+        """With step times: each row's own draft length k_r ≤ min(cap, its proposal) (ragged verification), the
+        argmax of (B + Σ_r c_r · G_r(k_r)) / t(B, Σ_r k_r / B) — a ragged step priced as a uniform one with as many
+        verified rows. Drafts are added one at a time where the calibrated gain of the next one is highest (a
+        proposal's gains are concave: its path probabilities fall along the chain), and the best total is kept
+        (ties: fewer rows). Without step times: None (the step verifies one length, `draft_len_hint`)."""
+        if self.step_time is None:
+            return None
+        batch = len(slots)
+        rows = [self.slots.get(s) for s in slots]
+        limits = [min(cap, r.useful) if r is not None else 0 for r in rows]
+        # every row's next marginal gain, best first: (−gain, row, its index in the row's gains)
+        steps = sorted((-(r.calibration * (r.gains[j] - (r.gains[j - 1] if j else 0.0))), i, j)
+                       for i, (r, n) in enumerate(zip(rows, limits)) for j in range(n))
+        lens = [0] * batch
+        best_rate, best_n, gained = 1.0 * batch / self.step_time(batch, 0), 0, 0.0
+        for n, (neg_gain, i, j) in enumerate(steps, 1):
+            gained -= neg_gain
+            rate = (batch + gained) / self.step_time(batch, n / batch)
+            if rate > best_rate:
+                best_rate, best_n = rate, n
+        for _, i, _ in steps[:best_n]:
+            lens[i] += 1
+        return lens
+
     def _calibrate(self, s: _Slot, k: int, emitted: int) -> None:
         """The request's calibration after a step that verified k drafts and emitted `emitted` tokens (before its
         proposal is replaced): an EMA of accepted / predicted drafts when k > 0, a step back toward 1 when its
@@ -252,12 +277,13 @@ class SuffixDrafter(LinearDrafter):
         rows = self.prefilled(slots, meta.positions[:, 0].tolist(), chunks, draft)
         return torch.tensor(rows, dtype=torch.int64, device=input_ids.device).view(b, -1), state
 
-    def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state):
+    def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state, draft_lens=None):
         b = target_tokens.shape[0]
         slots = state[0].tolist() if state else list(range(b))
         firsts = (meta.positions[:, 0] + 1).tolist()  # where each row's first emitted token lands (L + 1)
         emitted = [t[:n] for t, n in zip(target_tokens.tolist(), num_emitted.tolist())]
-        rows = self.verified(slots, firsts, emitted, target_tokens.shape[1] - 1)
+        k = target_tokens.shape[1] - 1 if draft_lens is None else draft_lens.tolist()
+        rows = self.verified(slots, firsts, emitted, k)
         return torch.tensor(rows, dtype=torch.int64, device=target_tokens.device).view(b, -1), state
 
     # The same on host lists (the protocol methods above; offline replays, bench/suffix_replay.py) -----------------
@@ -273,13 +299,16 @@ class SuffixDrafter(LinearDrafter):
             rows.append(self._draft(s) if draft else [0] * self.num_draft_tokens)
         return rows
 
-    def verified(self, slots: list[int], firsts: list[int], emitted: list[list[int]], k: int) -> list[list[int]]:
-        """A step that verified `k` drafts: slot i emitted `emitted[i]` (accepted drafts + one) from position
-        firsts[i]. Updates each request's calibration and returns each slot's next K drafts."""
+    def verified(self, slots: list[int], firsts: list[int], emitted: list[list[int]], k: int | list[int]
+                 ) -> list[list[int]]:
+        """A step that verified `k` drafts of each row (a list: row i's own k[i], a ragged step): slot i emitted
+        `emitted[i]` (accepted drafts + one) from position firsts[i]. Updates each request's calibration and returns
+        each slot's next K drafts."""
         rows = []
-        for slot, first, tokens in zip(slots, firsts, emitted):
+        ks = k if isinstance(k, list) else [k] * len(slots)
+        for slot, first, tokens, k_row in zip(slots, firsts, emitted, ks):
             s = self.slots.get(slot) or self._start(slot)
-            self._calibrate(s, k, len(tokens))
+            self._calibrate(s, k_row, len(tokens))
             self._write(s, first, tokens)
             rows.append(self._draft(s))
         return rows
