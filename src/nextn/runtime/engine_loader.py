@@ -143,7 +143,6 @@ def load_engine(engine_dir: str | Path, args: LlmArgs, spec: BaseModel | None, d
 
     new_scheduler(pool, StaticDraftLen(k), drafter.draft_len_hint)  # the settings checked before anything runs
     decode_fn = drafter.decode_fn  # verify_and_draft_step, or Medusa's tree step
-    eager = decode_fn
     if args.torch_compile_config is not None:
         decode_fn = compile_decode_fn(decode_fn, engine_dir, device, args.torch_compile_config, manifest)
     elif manifest.compiled_step is not None:
@@ -158,7 +157,7 @@ def load_engine(engine_dir: str | Path, args: LlmArgs, spec: BaseModel | None, d
     if isinstance(draft_len_policy, ProposalDraftLen):
         drafter.use_step_times(draft_len_policy.relative_step_time)  # it picks each step's length from them
     # Ragged steps (each row its own draft length): the eager chain step with strict acceptance of greedy rows.
-    ragged = (drafter.draft_lens_hint is not None and decode_fn is eager and eager is verify_and_draft_step
+    ragged = (drafter.draft_lens_hint is not None and decode_fn is verify_and_draft_step
               and type(acceptance) is StandardAcceptance)
     scheduler = new_scheduler(pool, draft_len_policy, drafter.draft_len_hint,
                               drafter.draft_lens_hint if ragged else None)

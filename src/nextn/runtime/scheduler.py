@@ -261,8 +261,8 @@ class Scheduler:
             return None
         k = self.draft_len_policy.draft_len(len(reqs), [r.request_id for r in reqs])
         drafting = k > 0 or self.draft_len_policy.max_draft_len == 0
-        lens = self._ragged_lens(reqs, k)
-        if lens is not None:  # each row its own length, at most the policy's
+        lens = self._ragged_lens(reqs, k) or ()
+        if lens:  # each row its own length, at most the policy's
             k = max(lens)
             lens = lens if k > 0 and min(lens) < k else ()
         elif k > 0 and self.draft_len_hint is not None:  # no wider than the drafter says pays (0: it still drafts)
@@ -270,7 +270,7 @@ class Scheduler:
         if k > 0 and not all(r.has_drafts for r in reqs):
             k, lens = 0, ()  # speculation back on: draft first (drafts are not kept while it is off)
         catch_up = drafting and self.drafter_catches_up and any(r.drafter_gap is not None for r in reqs)
-        plan = self._new_plan(reqs, StepPlan.decode, k, drafting, catch_up, tuple(lens or ()))
+        plan = self._new_plan(reqs, StepPlan.decode, k, drafting, catch_up, tuple(lens))
         for req in reqs:
             req.has_drafts = drafting
             if not drafting and self.drafter_kv and req.drafter_gap is None:
