@@ -172,10 +172,13 @@ class SuffixDrafter(LinearDrafter):
         steps = sorted((-(r.calibration * (r.gains[j] - (r.gains[j - 1] if j else 0.0))), i, j)
                        for i, (r, n) in enumerate(zip(rows, limits)) for j in range(n))
         lens = [0] * batch
-        best_rate, best_n, gained = 1.0 * batch / self.step_time(batch, 0), 0, 0.0
+        # t at each whole k once; between them linear (as the policy interpolates between timed lengths)
+        times = [self.step_time(batch, k) for k in range(max(limits, default=0) + 2)]
+        best_rate, best_n, gained = batch / times[0], 0, 0.0
         for n, (neg_gain, i, j) in enumerate(steps, 1):
             gained -= neg_gain
-            rate = (batch + gained) / self.step_time(batch, n / batch)
+            q, r = divmod(n, batch)
+            rate = (batch + gained) / (times[q] + (times[q + 1] - times[q]) * r / batch)
             if rate > best_rate:
                 best_rate, best_n = rate, n
         for _, i, _ in steps[:best_n]:
