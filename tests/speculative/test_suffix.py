@@ -261,6 +261,43 @@ def test_suffix_keeps_the_token_distribution_and_the_check_has_power(llama_engin
     assert chi_square_two_sample_pvalue(plain[1], broken[1]) < 1e-6
 
 
+def _lossy_ragged_acceptance(draft_tokens, draws, draft_lens):
+    """A wrong rule with `ragged_acceptance`'s signature: emits every verified draft unchecked, then a draw."""
+    k = draft_tokens.shape[1]
+    j = torch.arange(k + 1)[None, :]
+    padded = torch.cat([draft_tokens, draws[:, -1:]], dim=1)
+    return torch.where(j < draft_lens[:, None], padded, draws.gather(1, draft_lens[:, None]).expand_as(draws)), \
+        draft_lens + 1
+
+
+@pytest.mark.slow
+def test_ragged_sampling_keeps_the_token_distribution_and_the_check_has_power(llama_engine, monkeypatch):
+    """Sampled rows in ragged steps (each row verifies its own draft length, `chain_step.verify_ragged`): the
+    distribution of the tokens the step emits is plain decoding's (chi-square), and the same check rejects a rule
+    that emits the verified drafts unchecked."""
+    import nextn.speculative.acceptance_rules as rules
+
+    n, params = 400, dict(temperature=1.0)
+    ragged = {**SUFFIX, "max_draft_len": 8, "adaptive_draft_len": True}
+
+    def ragged_llm():
+        llm = LLM(llama_engine, speculative_config=ragged, max_batch_size=64)
+        llm.engine.drafter.use_step_times(lambda b, k: 1 + 0.01 * k)  # rows cheap: each row verifies its proposal
+        llm.engine.iteration_log = []
+        return llm
+
+    plain = _positions(LLM(llama_engine, speculative_config=None, max_batch_size=64), n, params)
+    llm = ragged_llm()
+    got = _positions(llm, n, params)
+    lens = [e["draft_lens"] for e in llm.engine.iteration_log if "draft_lens" in e]
+    assert lens and sum(map(sum, lens)) > 100, "the check needs ragged steps that verify drafts"
+    for j in (1, 2):
+        assert chi_square_two_sample_pvalue(plain[j], got[j]) > 1e-3, (j, plain[j].most_common(5), got[j].most_common(5))
+    monkeypatch.setattr(rules, "ragged_acceptance", _lossy_ragged_acceptance)
+    broken = _positions(ragged_llm(), n, params)
+    assert chi_square_two_sample_pvalue(plain[1], broken[1]) < 1e-6
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_the_draft_length_follows_the_match(llama_engine, overlap):
     """With a large K each step verifies only as many drafts as the longest proposal (`draft_len_hint`): a repeated
@@ -332,8 +369,9 @@ def test_each_row_gets_its_own_draft_length_where_it_pays():
 def test_ragged_steps_verify_each_rows_own_length_losslessly(llama_engine, overlap):
     """With step times the scheduler asks for each row's length (`StepPlan.draft_lens`) and the chain step verifies
     each row's own positions only (`chain_step.verify_ragged`): greedy outputs token-identical to plain decoding,
-    staggered, with a repeated request copying long stretches beside fresh ones; a batch with a sampling request
-    (or one asking for log-probabilities) verifies one length (control: no ragged step there)."""
+    staggered, with a repeated request copying long stretches beside fresh ones; a seeded sampling row and a row
+    asking for log-probabilities ride in ragged steps too (the sampled row is plain decoding's with the same seed,
+    the log-probabilities plain's); a row with logits processing makes the step verify one length (control)."""
     prompts = PROMPTS + [list(range(100, 127))]
     sp = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (12, 40, 20, 36, 8, 32)]
     args = {"disable_overlap_scheduler": not overlap}
@@ -348,17 +386,27 @@ def test_ragged_steps_verify_each_rows_own_length_losslessly(llama_engine, overl
     assert outputs(llm, prompts, sp) == plain
     lens = [e["draft_lens"] for e in llm.engine.iteration_log if "draft_lens" in e]
     assert lens and any(max(x) > 8 and min(x) < max(x) for x in lens)  # long and short rows in one step
-    # A sampling row (or log-probabilities) in the batch: one length for every row, greedy rows still exact.
+
+    def ragged_full_batches() -> int:
+        return len([e for e in llm.engine.iteration_log if "draft_lens" in e and e["num_requests"] == len(prompts)])
+
+    # Sampled and log-probability rows beside greedy ones, in ragged steps.
+    mixed = sp[:-2] + [SamplingParams(max_tokens=24, ignore_eos=True, temperature=1.0, top_p=0.9, seed=3),
+                       SamplingParams(max_tokens=32, ignore_eos=True, logprobs=2)]
+    want = [o.outputs[0] for o in plain_llm.generate(prompts, mixed)]
     llm.engine.iteration_log = []
-    mixed = sp[:-1] + [SamplingParams(max_tokens=32, ignore_eos=True, temperature=1.0, seed=3)]
-    got = outputs(llm, prompts, mixed)
-    want = outputs(plain_llm, prompts, mixed)
-    assert got[:-1] == plain[:-1] and got[-1] == want[-1]
-    assert not [e for e in llm.engine.iteration_log if "draft_lens" in e and e["num_requests"] == len(prompts)]
+    got = [o.outputs[0] for o in llm.generate(prompts, mixed)]
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert ragged_full_batches() > 0
+    assert got[-1].num_accepted_draft_tokens > 8  # the copying row: drafts accepted in the ragged steps
+    for x, y in zip(want[-1].logprobs, got[-1].logprobs, strict=True):
+        assert x.token_id == y.token_id and x.logprob == pytest.approx(y.logprob, abs=1e-4)
+        assert [t for t, _ in x.top] == [t for t, _ in y.top]
+    # Control: a row with a penalty (logits processing) in the batch: one length for every row, still exact.
     llm.engine.iteration_log = []
-    with_logprobs = sp[:-1] + [SamplingParams(max_tokens=32, ignore_eos=True, logprobs=2)]
-    assert outputs(llm, prompts, with_logprobs) == plain
-    assert not [e for e in llm.engine.iteration_log if "draft_lens" in e and e["num_requests"] == len(prompts)]
+    penalised = sp[:-1] + [SamplingParams(max_tokens=32, ignore_eos=True, repetition_penalty=1.3)]
+    assert outputs(llm, prompts, penalised) == outputs(plain_llm, prompts, penalised)
+    assert ragged_full_batches() == 0
     llm.shutdown()
     plain_llm.shutdown()
 

@@ -156,9 +156,10 @@ def load_engine(engine_dir: str | Path, args: LlmArgs, spec: BaseModel | None, d
                                                proposes=drafter.use_step_times is not None)
     if isinstance(draft_len_policy, ProposalDraftLen):
         drafter.use_step_times(draft_len_policy.relative_step_time)  # it picks each step's length from them
-    # Ragged steps (each row its own draft length): the eager chain step with strict acceptance of greedy rows.
+    # Ragged steps (each row its own draft length): the eager chain step, deterministic drafts, strict acceptance
+    # of greedy rows and the coupled rule of sampled ones (`chain_step.verify_ragged`).
     ragged = (drafter.draft_lens_hint is not None and decode_fn is verify_and_draft_step
-              and type(acceptance) is StandardAcceptance)
+              and not drafter.samples_drafts and type(acceptance) is StandardAcceptance)
     scheduler = new_scheduler(pool, draft_len_policy, drafter.draft_len_hint,
                               drafter.draft_lens_hint if ragged else None)
     try:

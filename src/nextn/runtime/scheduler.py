@@ -65,8 +65,8 @@ class Scheduler:
         draft_len_hint: the drafter's useful draft length for the requests in these batch slots
             (`Drafter.draft_len_hint`; None: every step verifies what the policy chooses).
         draft_lens_hint: each row's own draft length for these slots under a cap (`Drafter.draft_lens_hint`; the
-            engine passes it only where the decode step verifies ragged batches): an all-greedy decode batch with
-            no logits processing or log-probabilities then verifies each row's own k (`StepPlan.draft_lens`).
+            engine passes it only where the decode step verifies ragged batches): a decode batch with no logits
+            processing then verifies each row's own k (`StepPlan.draft_lens`).
     Raises:
         ValueError: chunked prefill with a budget that cannot make progress past the overlap.
     """
@@ -280,12 +280,11 @@ class Scheduler:
         return plan
 
     def _ragged_lens(self, reqs: tuple[Request, ...], k: int) -> list[int] | None:
-        """The drafter's per-row draft lengths under the policy's k, where a ragged step can verify them: k > 0,
-        every row greedy with no logits processing and no log-probabilities (`chain_step.verify_ragged`); None
-        elsewhere (one length for the step)."""
+        """The drafter's per-row draft lengths under the policy's k, where a ragged step can verify them: k > 0 and
+        no row with logits processing (`chain_step.verify_ragged`); None elsewhere (one length for the step)."""
         if k <= 0 or self.draft_lens_hint is None:
             return None
-        if any(r.params.temperature > 0 or r.processor is not None or r.params.logprobs is not None for r in reqs):
+        if any(r.processor is not None for r in reqs):
             return None
         return self.draft_lens_hint([r.batch_slot for r in reqs], k)
 

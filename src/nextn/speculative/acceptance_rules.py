@@ -57,6 +57,24 @@ def rejection_sampling(target_probs: torch.Tensor, draft_tokens: torch.Tensor, a
     return reference.rejection_sampling(target_probs, draft_tokens, accept_u, sample_u, draft_probs)
 
 
+def ragged_acceptance(draft_tokens: torch.Tensor, draws: torch.Tensor, draft_lens: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Acceptance of a ragged step (`chain_step.verify_ragged`): row b keeps its drafts while they equal the
+    target's draws (argmax for greedy rows, the seeded draw plain decoding makes there for sampled ones: the coupled
+    rule), never past its draft_lens[b] verified drafts, then emits the draw.
+
+    Args:
+        draft_tokens: [B, K] int64; draws: [B, K+1] int64 (columns past a row's draft_lens + 1 are never emitted);
+        draft_lens: [B] int64 in [0, K].
+    Returns:
+        tokens [B, K+1] int64 (the draws), num_emitted [B] int64 in [1, draft_lens + 1].
+    """
+    k = draft_tokens.shape[1]
+    verified = torch.arange(k, device=draft_tokens.device)[None, :] < draft_lens[:, None]
+    match = (draft_tokens == draws[:, :k]) & verified
+    return draws, match.long().cumprod(dim=1).sum(dim=1) + 1
+
+
 def sample_tokens(logits: torch.Tensor, positions: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
     """One token per row of logits [B, T, V] at token positions [B, T] (greedy rows: argmax) → [B, T] int64."""
     if not sampling.any_sampled:

@@ -19,6 +19,7 @@ import torch
 
 from nextn.models.attention_metadata import AttentionMetadata, slots_for_positions
 from nextn.models.causal_lm import SelfDraftingCausalLM
+from nextn.speculative import acceptance_rules
 from nextn.speculative.acceptance_rules import sample_tokens
 from nextn.speculative.draft_gain import expected_tokens
 from nextn.speculative.protocol import (AcceptanceRule, AcceptState, Drafter, DrafterState, SamplingTensors, StepOutput,
@@ -88,8 +89,8 @@ def verify_and_draft_step(model: SelfDraftingCausalLM, drafter: Drafter, accepta
         sampling: the requests' sampling parameters (greedy rows: temperature 0).
         drafter_state, accept_state: per-request states from the previous step.
         draft_lens: [B] int64 ≤ K, a ragged step (`verify_ragged`): row b verifies only its first draft_lens[b]
-            drafts. Only for all-greedy batches with no logits processing or log-probabilities, a drafter with
-            `draft_lens_hint` and an acceptance rule that is strict for greedy rows (the scheduler's `ragged`).
+            drafts. Only for batches with no logits processing, a drafter with `draft_lens_hint` whose drafts are
+            deterministic, and `StandardAcceptance` (the engine loader's `ragged`).
     Returns:
         StepOutput; the new KV length is kv_lens + num_emitted (the rewind: rejected entries are dead).
 
@@ -101,7 +102,7 @@ def verify_and_draft_step(model: SelfDraftingCausalLM, drafter: Drafter, accepta
     meta = AttentionMetadata.create(positions, slots_for_positions(block_tables, positions, block_size), block_tables, block_size)
     if draft_lens is not None:
         return verify_ragged(model, drafter, kv_cache, input_ids, meta, draft_lens, drafter_state, accept_state,
-                             block_size)
+                             block_size, sampling)
     hidden = model(input_ids, kv_cache, meta)  # [B, K+1, H]
     sampled = drafter.samples_drafts  # host-known: picks the calls, not a value
     q = {"draft_probs": drafter.draft_probs(drafter_state, w - 1, sampling)} if sampled else {}  # [B, K, V] | None
@@ -116,21 +117,27 @@ def verify_and_draft_step(model: SelfDraftingCausalLM, drafter: Drafter, accepta
 
 def verify_ragged(model: SelfDraftingCausalLM, drafter: Drafter, kv_cache: torch.Tensor, input_ids: torch.Tensor,
                   meta: AttentionMetadata, draft_lens: torch.Tensor, drafter_state: DrafterState,
-                  accept_state: AcceptState, block_size: int) -> StepOutput:
-    """A greedy step in which row b verifies only its first draft_lens[b] drafts (ragged verification).
+                  accept_state: AcceptState, block_size: int, sampling: SamplingTensors) -> StepOutput:
+    """A step in which row b verifies only its first draft_lens[b] drafts (ragged verification), for deterministic
+    drafts (a drafter without `samples_drafts`) and a batch without logits processing.
 
     The target runs on the verified positions alone, each as a one-token row of its request — Σ_b (k_b + 1) rows,
     not B · (K + 1) — the way vLLM's batch expansion laid out verification: every row attends to its request's
     cache up to its own position, and the keys a forward writes are stored before any row reads them, so a row sees
-    the drafts before it. Strict acceptance over the verified positions: row b emits its drafts while they equal
-    the target's argmax, then the target's token (never past position k_b); the hidden states of the unverified
-    positions are zeros, which no drafter reads (it reads rows < num_emitted).
+    the drafts before it. Each verified position draws the target's token — the argmax for a greedy request, else a
+    draw with the uniform of (seed, position) that plain decoding uses there — and row b emits its drafts while they
+    equal the draws, then the draw (never past position k_b): strict acceptance, and for sampled requests the
+    coupled rule (`acceptance_reference.coupled_acceptance`), whose emitted tokens are plain decoding's with the
+    same seed whatever k_b is, so cutting a row's chain short keeps the target distribution. The hidden states of
+    the unverified positions are zeros, which no drafter reads (it reads rows < num_emitted).
 
     Args:
         input_ids: [B, K+1] int64, [last, d1..dK]; meta: the grid's metadata (positions kv_len..kv_len+K).
         draft_lens: [B] int64 in [0, K].
+        sampling: the requests' parameters (no logits processing: `SamplingTensors.rows` raises ValueError).
     Returns:
-        StepOutput as `verify_and_draft_step`'s (tokens [B, K+1], num_emitted [B] ≤ draft_lens + 1); no logprobs.
+        StepOutput as `verify_and_draft_step`'s (tokens [B, K+1], num_emitted [B] ≤ draft_lens + 1); log-probabilities
+        where a request asks ([B, K+1] positions, zeros past each row's verified ones).
     """
     b, w = input_ids.shape
     j = torch.arange(w, device=input_ids.device)
@@ -140,14 +147,18 @@ def verify_ragged(model: SelfDraftingCausalLM, drafter: Drafter, kv_cache: torch
     tables = meta.block_tables[rows]
     flat = AttentionMetadata.create(positions, slots_for_positions(tables, positions, block_size), tables, block_size)
     hidden_flat = model(input_ids[rows, cols][:, None], kv_cache, flat)  # [N, 1, H]
-    argmax = model.logits(hidden_flat)[:, 0].argmax(dim=-1)  # [N]
-    target = torch.zeros_like(input_ids).index_put_((rows, cols), argmax)  # [B, K+1]
-    match = (input_ids[:, 1:] == target[:, :-1]) & verified[:, 1:]
-    num_emitted = match.long().cumprod(dim=1).sum(dim=1) + 1
+    per_row = sampling.rows(rows)
+    logits = model.logits(hidden_flat)  # [N, 1, V]
+    drawn = sample_tokens(logits, positions + 1, per_row)  # [N, 1]: where each emitted token lands
+    draws = torch.zeros_like(input_ids).index_put_((rows, cols), drawn[:, 0])  # [B, K+1]
+    target, num_emitted = acceptance_rules.ragged_acceptance(input_ids[:, 1:], draws, draft_lens)
     hidden = hidden_flat.new_zeros(b, w, hidden_flat.shape[-1]).index_put_((rows, cols), hidden_flat[:, 0])
     drafts, state = drafter.after_verify(model, kv_cache, meta, hidden, target, num_emitted, drafter_state,
                                          draft_lens=draft_lens)
-    return StepOutput(target, num_emitted, drafts, state, accept_state)
+    flat_logprobs = per_row.logprobs(logits, drawn)  # ([N, 1], [N, 1, k], [N, 1, k]) | None
+    logprobs = None if flat_logprobs is None else tuple(
+        x.new_zeros((b, w) + x.shape[2:]).index_put_((rows, cols), x[:, 0]) for x in flat_logprobs)
+    return StepOutput(target, num_emitted, drafts, state, accept_state, logprobs)
 
 
 class LinearDrafter:

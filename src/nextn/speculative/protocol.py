@@ -68,6 +68,15 @@ class SamplingTensors:
             return None
         return token_logprobs(logits, tokens, self.temperature, self.num_logprobs)
 
+    def rows(self, index: torch.Tensor) -> SamplingTensors:
+        """The parameters of the requests `index` [N] int64 (a request may repeat: one row per verified position of
+        a ragged step). Raises ValueError when the batch has logits processing (its state is per request and
+        position, not per row)."""
+        if self.processing is not None:
+            raise ValueError("logits processing cannot be split into rows; verify one draft length for this batch")
+        return SamplingTensors(self.temperature[index], self.top_k[index], self.top_p[index], self.seed[index],
+                               self.any_sampled, self.use_filters, None, self.num_logprobs)
+
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """Sampling distributions for logits [B, T, V] → [B, T, V] (each request's parameters on all its rows)."""
         b, t, v = logits.shape
