@@ -17,13 +17,16 @@ Sources: Oliaro et al., "SuffixDecoding: Extreme Speculative Decoding for Emergi
                  so K can be large: a long copied stretch is verified in a few steps, a step with nothing to copy
                  verifies one draft. Given the engine's step times (`use_step_times`: `adaptive_draft_len`, best
                  with a step profile) it verifies instead the k in 0..K of the most expected tokens per second,
-                 Σ_r (1 + c_r · G_r(k)) / t(B, k) — G_r(k) the sum of row r's first k path probabilities, c_r
-                 their calibration for that request — so a batch whose rows cost a plain step each (a CPU at
-                 batch 8) verifies only what pays, down to none (the trees still see every token)
-    calibration  c_r starts at 1 (the trees' own estimate) with each request and follows an EMA of its accepted
-                 over predicted drafts on the steps that verified its proposal; on a step that did not (k = 0)
-                 it moves back toward 1, so a request (or a workload change) whose proposals once missed is
-                 tried again and never locked out of speculation by stale evidence
+                 Σ_r (1 + G_r(k)) / t(B, k) — G_r(k) row r's calibrated expected accepted drafts among its first k —
+                 or, in a ragged step, each row's own k_r (`draft_lens_hint`), so a batch whose rows cost a plain
+                 step each (a CPU at batch 8) verifies only what pays, down to none (the trees still see every token)
+    calibration  G_r from the tree's path probabilities through a calibration pooled over the engine's requests
+                 by match length and draft index (suffix_calibration.py: a short match's drafts miss more than
+                 the counts say, a long match's less, deep drafts much more), times the request's own factor c_r:
+                 c_r starts at 1 with each request and follows an EMA of its accepted over pooled-predicted drafts
+                 on the steps that verified its proposal; on a step that did not (k = 0) it moves back toward 1, and
+                 the pooled evidence of an unverified proposal fades, so a request (or a workload change) whose
+                 proposals once missed is tried again and never locked out of speculation by stale evidence
 
 The drafter runs on the host, its tries in nextn's C++ where the extension builds (suffix_tree.py's
 `new_suffix_tree`): `after_prefill` / `after_verify` read the step's tokens back (`.tolist()`), so the
@@ -58,6 +61,7 @@ from nextn.speculative.acceptance_rules import StandardAcceptance
 from nextn.speculative.chain_step import LinearDrafter
 from nextn.speculative.method import LoadContext, Method, from_build_yaml
 from nextn.speculative.protocol import AcceptanceRule, Drafter, DrafterState, rows_at
+from nextn.speculative.suffix_calibration import AcceptanceCalibration
 from nextn.speculative.suffix_combined import CombinedDrafter
 from nextn.speculative.suffix_tree import OutputCache, new_suffix_tree
 
@@ -70,7 +74,7 @@ class _Slot:
     """One batch slot's request: its tokens by position, its own tree, its matches in both trees."""
 
     __slots__ = ("tokens", "prompt_len", "tree", "segment", "segment_start", "ends", "global_ends", "global_version",
-                 "useful", "score", "gains", "calibration")
+                 "useful", "score", "probs", "match_len", "gains", "calibration")
 
     def __init__(self, depth: int) -> None:
         self.tokens: list[int] = []
@@ -82,9 +86,11 @@ class _Slot:
         self.global_ends: list[int] = []  # ... and in the global tree, valid at its `global_version`
         self.global_version = -1
         self.useful = 0  # drafts of the last proposal (the rest of the K are padding)
-        self.score = 0.0  # its score: the expected number of accepted drafts
-        self.gains: list[float] = []  # gains[j]: the expected accepted drafts of verifying its first j + 1
-        self.calibration = 1.0  # accepted drafts per predicted one for this request (module docstring)
+        self.score = 0.0  # its score: the trees' expected number of accepted drafts
+        self.probs: list[float] = []  # each draft's path probability in its tree
+        self.match_len = 0  # the context match it continues
+        self.gains: list[float] = []  # gains[j]: the calibrated expected accepted drafts of verifying its first j + 1
+        self.calibration = 1.0  # this request's accepted drafts per pooled prediction (module docstring)
 
     def output_segments(self) -> list[list[int]]:
         """The output's runs of known tokens."""
@@ -114,6 +120,7 @@ class SuffixDrafter(LinearDrafter):
         self.spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
         self.outputs = OutputCache(max_tree_depth, max_cached_requests)
+        self.pooled = AcceptanceCalibration()  # every request's verified drafts, by match length and draft index
         self.slots: dict[int, _Slot] = {}
         self.step_time: Callable[[int, int], float] | None = None  # (batch, k) → t(k) / t(0); None: longest
 
@@ -141,8 +148,8 @@ class SuffixDrafter(LinearDrafter):
     def draft_len_hint(self, slots: list[int]) -> int:
         """Without step times: the longest proposal among these slots' requests (their drafts past it are padding),
         at least 1: a copied stretch is verified as far as the trees predict it, a step with nothing to copy verifies
-        one draft. With them: argmax over k in 0..longest of Σ_r (1 + c_r · G_r(k)) / t(B, k) (module docstring;
-        ties: the shorter)."""
+        one draft. With them: argmax over k in 0..longest of Σ_r (1 + G_r(k)) / t(B, k), G_r calibrated (module
+        docstring; ties: the shorter)."""
         rows = [self.slots[s] for s in slots if s in self.slots]
         if not rows:
             return self.num_draft_tokens
@@ -152,14 +159,14 @@ class SuffixDrafter(LinearDrafter):
         batch = len(slots)
 
         def rate(k: int) -> float:
-            drafts = sum(r.calibration * r.gains[min(k, r.useful) - 1] for r in rows if r.useful) if k else 0.0
+            drafts = sum(r.gains[min(k, r.useful) - 1] for r in rows if r.useful) if k else 0.0
             return (batch + drafts) / self.step_time(batch, k)
 
         return max(range(longest + 1), key=lambda k: (rate(k), -k))
 
     def draft_lens_hint(self, slots: list[int], cap: int) -> list[int] | None:
         """With step times: each row's own draft length k_r ≤ min(cap, its proposal) (ragged verification), the
-        argmax of (B + Σ_r c_r · G_r(k_r)) / t(B, Σ_r k_r / B) — a ragged step priced as a uniform one with as many
+        argmax of (B + Σ_r G_r(k_r)) / t(B, Σ_r k_r / B) — a ragged step priced as a uniform one with as many
         verified rows. Drafts are added one at a time where the calibrated gain of the next one is highest (a
         proposal's gains are concave: its path probabilities fall along the chain), and the best total is kept
         (ties: fewer rows). Without step times: None (the step verifies one length, `draft_len_hint`)."""
@@ -169,7 +176,7 @@ class SuffixDrafter(LinearDrafter):
         rows = [self.slots.get(s) for s in slots]
         limits = [min(cap, r.useful) if r is not None else 0 for r in rows]
         # every row's next marginal gain, best first: (−gain, row, its index in the row's gains)
-        steps = sorted((-(r.calibration * (r.gains[j] - (r.gains[j - 1] if j else 0.0))), i, j)
+        steps = sorted((-(r.gains[j] - (r.gains[j - 1] if j else 0.0)), i, j)
                        for i, (r, n) in enumerate(zip(rows, limits)) for j in range(n))
         lens = [0] * batch
         # t at each whole k once; between them linear (as the policy interpolates between timed lengths)
@@ -186,17 +193,19 @@ class SuffixDrafter(LinearDrafter):
         return lens
 
     def _calibrate(self, s: _Slot, k: int, emitted: int) -> None:
-        """The request's calibration after a step that verified k drafts and emitted `emitted` tokens (before its
-        proposal is replaced): an EMA of accepted / predicted drafts when k > 0, a step back toward 1 when its
-        proposal went unverified."""
+        """The pooled calibration and the request's factor after a step that verified k drafts and emitted
+        `emitted` tokens (before its proposal is replaced): the factor follows an EMA of accepted over pooled-
+        predicted drafts when k > 0 and steps back toward 1 when its proposal went unverified."""
         if not s.useful:
             return
+        k = min(k, s.useful)
+        accepted = min(emitted - 1, k)
+        predicted = self.pooled.expected(s.probs, s.match_len, k)
+        self.pooled.observe(s.probs, s.match_len, k, accepted)
         if k == 0:
             s.calibration += self.calibration_recovery * (1.0 - s.calibration)
-            return
-        predicted = s.gains[min(k, s.useful) - 1]
-        if predicted > 0:
-            ratio = min(max(min(emitted - 1, s.useful) / predicted, 0.05), 2.0)
+        elif predicted > 0:
+            ratio = min(max(accepted / predicted, 0.05), 2.0)
             s.calibration += self.calibration_smoothing * (ratio - s.calibration)
 
     # Host-side updates ------------------------------------------------------------------------------------------
@@ -265,7 +274,9 @@ class SuffixDrafter(LinearDrafter):
             if other.score > best.score:
                 best = other
         drafts = best.tokens
-        s.useful, s.score, s.gains = len(drafts), best.score, best.gains
+        s.useful, s.score, s.match_len = len(drafts), best.score, best.match_len
+        s.probs = [g - (best.gains[j - 1] if j else 0.0) for j, g in enumerate(best.gains)]
+        s.gains = self.pooled.gains(s.probs, best.match_len, s.calibration)
         pad = drafts[-1] if drafts else s.tokens[-1]
         return drafts + [pad] * (k - len(drafts))
 
