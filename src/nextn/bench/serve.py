@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     bin_dir = None
     if args.llama_cpp:
-        bin_dir = llama_cpp.find_bin_dir(args.llama_cpp_bin)
+        bin_dir = llama_cpp.find_bin_dir(args.llama_cpp_bin, tool="llama-server")
         if bin_dir is None or not (bin_dir / "llama-server").is_file():
             print(f"{PROG}: llama.cpp skipped: no llama-server found (../shared/PEERS.md says how to build it; or "
                   "set --llama_cpp_bin / LLAMA_CPP_BIN_DIR)", file=sys.stderr)
