@@ -200,11 +200,13 @@ class SuffixDrafter(LinearDrafter):
             return
         k = min(k, s.useful)
         accepted = min(emitted - 1, k)
-        predicted = self.pooled.expected(s.probs, s.match_len, k)
-        self.pooled.observe(s.probs, s.match_len, k, accepted)
         if k == 0:
+            self.pooled.observe(s.probs, s.match_len, 0, 0)
             s.calibration += self.calibration_recovery * (1.0 - s.calibration)
-        elif predicted > 0:
+            return
+        predicted = self.pooled.expected(s.probs, s.match_len, k)  # before this step's evidence
+        self.pooled.observe(s.probs, s.match_len, k, accepted)
+        if predicted > 0:
             ratio = min(max(accepted / predicted, 0.05), 2.0)
             s.calibration += self.calibration_smoothing * (ratio - s.calibration)
 
