@@ -310,6 +310,45 @@ def test_cli_measures_running_servers_and_writes_the_report(fake, tmp_path, caps
     assert serve.main(argv) == 0  # its own output directory is reused
 
 
+def test_restart_per_pass_gives_every_pass_of_every_level_a_fresh_warmed_server(fake, tmp_path, monkeypatch):
+    """--restart_per_pass: one server start per (level, pass), each followed by the warm-up and exactly one pass of
+    the level's requests; the passes of a level are kept together (best of them) and each start has its own log."""
+    import contextlib
+
+    f, url = fake
+    f.bodies.clear()
+    starts: list[str] = []
+
+    @contextlib.contextmanager
+    def fake_running(spec, log, timeout):
+        starts.append(log.name)
+        log.write_text("started")
+        yield url
+
+    monkeypatch.setattr(serve, "running", fake_running)
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    out = tmp_path / "out"
+    assert serve.main(["--model", str(model), "--llama_cpp", "--dataset", str(_prompt_file(tmp_path)),
+                       "--num_prompts", "2", "--concurrency", "1", "2", "--max_tokens", "2", "--runs", "3",
+                       "--restart_per_pass", "--endpoint", "completions", "--output_dir", str(out)]) == 0
+    assert starts == [f"nextn_plain.c{c}.pass{i}.log" for c in (1, 2) for i in (1, 2, 3)]
+    prompts = [b["prompt"] for b in f.bodies]
+    per_pass = {1: 2, 2: 4}  # requests of a pass: max(num_prompts, 2 × concurrency)
+    i = 0
+    for c in (1, 2):
+        for _ in range(3):  # each start: the warm-up, then one pass
+            assert prompts[i] == serve.WARMUP_PROMPT
+            assert serve.WARMUP_PROMPT not in prompts[i + 1:i + 1 + per_pass[c]]
+            i += 1 + per_pass[c]
+    assert i == len(prompts)
+    report = json.loads((out / "serve.json").read_text())
+    assert report["restart_per_pass"] is True
+    levels = report["configs"][0]["levels"]
+    assert [(lv["concurrency"], len(lv["passes_output_tok_s"])) for lv in levels] == [(1, 3), (2, 3)]
+    assert "each on a freshly started server" in (out / "serve.md").read_text()
+
+
 # Workloads: dataset names and categories, conversations, repeated passes ------------------------------------------
 _MT = [{"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Rewrite it in French."]},
        {"question_id": 82, "category": "math", "turns": ["Add 2 and 2.", "Now multiply them."]}]
@@ -480,6 +519,7 @@ def test_lossless_check_and_table_keep_phases_apart():
     (["--repeat", "2", "--runs", "2"], "give --runs 1 with --repeat"),
     (["--turns", "2", "--endpoint", "completions"], "needs --endpoint chat"),
     (["--dataset", "spec_bench_poetry"], "valid names: mt_bench, spec_bench"),
+    (["--url", "http://127.0.0.1:1", "--restart_per_pass"], "cannot restart --url servers"),
 ])
 def test_bad_arguments_are_refused_before_any_server_starts(tmp_path, capsys, extra, message):
     model = tmp_path / "m.gguf"

@@ -8,8 +8,10 @@ Each server config in turn: start it on a free loopback port (only one server ru
 send one warm-up request (a fixed prompt, none of the dataset's), then for each `--concurrency` level `--runs`
 passes of `--num_requests` streamed greedy requests (EOS ignored; Poisson arrivals with `--request_rate`), keep the
 fastest pass by output tokens/s, read AL from the server's /metrics counters, and stop the server (SIGTERM, then
-SIGKILL). `--url` measures servers already running instead (nothing started or stopped). The client runs in this
-process: on a small machine it takes CPU from the server, the same for every config.
+SIGKILL). `--restart_per_pass` starts a fresh server (and warm-up) for every pass of every level instead, so a
+drafter that learns from what it served (suffix trees, acceptance statistics) is equally cold in each pass and the
+fastest of `--runs` passes is a fair best. `--url` measures servers already running instead (nothing started or
+stopped). The client runs in this process: on a small machine it takes CPU from the server, the same for every config.
 
 Workloads (bench/serve_workload.py): `--dataset spec_bench:CATEGORY` (or spec_bench_summarization, spec_bench_rag)
 sends one Spec-Bench task; `--turns 2` sends MT-bench's two turns as a conversation, turn 2 carrying turn 1's
@@ -110,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "--turns; default) or /v1/completions")
     p.add_argument("--runs", type=int, help=f"passes per level, fastest kept (1..{MAX_RUNS}; default 3, or 1 with "
                                             "--repeat)")
+    p.add_argument("--restart_per_pass", action="store_true",
+                   help="start each server afresh for every pass of every level, so each pass is cold (no suffix "
+                        "tree, learned acceptance or prefix cache from earlier passes): --runs then keeps the "
+                        "fastest of equal passes for drafters that learn (not with --url)")
     p.add_argument("-t", "--threads", type=int, default=_cores(),
                    help="threads of every started server (default: the cores this process may use)")
     p.add_argument("--startup_timeout", type=float, default=900.0,
@@ -148,6 +154,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.repeat > 1 and args.runs > 1:
         p.error(f"--repeat reports every pass, --runs keeps the fastest: give --runs 1 with --repeat (got --runs "
                 f"{args.runs})")
+    if args.restart_per_pass and args.url:
+        p.error("--restart_per_pass starts the servers it measures: it cannot restart --url servers")
     if args.turns > 1 and args.endpoint != "chat":
         p.error("--turns > 1 sends conversations: it needs --endpoint chat")
     if len(set(args.concurrency)) != len(args.concurrency):
@@ -230,80 +238,111 @@ def _add(a: SpecCounters | None, b: SpecCounters | None) -> SpecCounters | None:
     return SpecCounters(a.drafts + b.drafts, a.draft_tokens + b.draft_tokens, a.accepted_tokens + b.accepted_tokens)
 
 
-async def measure_level(client, model: str, url: str, c: int, args, workload: Workload,
-                        phases: list[Phase]) -> list[LevelResult]:
-    """One concurrency level: `args.runs` runs of every phase in order, each phase's fastest run kept."""
-    num_requests = args.num_requests or min(MAX_REQUESTS, max(len(workload.conversations), 2 * c))
-    chat = args.endpoint == "chat"
-    passes: dict[Phase, list] = {ph: [] for ph in phases}
-    texts: dict[Phase, dict[int, str]] = {ph: {} for ph in phases}
-    counters: dict[Phase, SpecCounters | None] = dict.fromkeys(phases)
-    for _ in range(args.runs):
-        answers: dict[int, list[str | None]] = {}  # turn → each request's answer in this pass
-        for ph in phases:
-            before = await asyncio.to_thread(spec_counters, url)
-            results, wall = await run_level(client, model, workload.prompts(ph.turn), num_requests, c,
-                                            args.max_tokens, args.request_rate, chat, args.seed,
-                                            _histories(workload, ph.turn, num_requests, answers))
-            after = await asyncio.to_thread(spec_counters, url)
-            if after is not None and before is not None:
-                counters[ph] = _add(counters[ph], after - before)
-            answers[ph.turn] = [r.text if r.ok else None for r in results]
-            passes[ph].append(level_metrics(results, wall))
-            for r in results:
-                if r.ok:
-                    texts[ph].setdefault(r.prompt_index, r.text)
-    levels = []
-    for ph in phases:
-        best, delta = max(passes[ph], key=lambda m: m.output_tok_s), counters[ph]
-        levels.append(LevelResult(c, best, [m.output_tok_s for m in passes[ph]], sum(m.num_failed for m in passes[ph]),
-                                  delta.acceptance_length if delta else None,
-                                  delta.draft_acceptance_rate if delta else None, texts[ph], ph.label, ph.turn,
-                                  ph.repetition))
-    return levels
+class _LevelPasses:
+    """One concurrency level's passes so far, per phase: each pass's metrics, the speculative counters summed over
+    passes, and each prompt's first text."""
+
+    def __init__(self, c: int, phases: list[Phase]):
+        self.c, self.phases = c, phases
+        self.passes: dict[Phase, list] = {ph: [] for ph in phases}
+        self.texts: dict[Phase, dict[int, str]] = {ph: {} for ph in phases}
+        self.counters: dict[Phase, SpecCounters | None] = dict.fromkeys(phases)
+
+    def results(self) -> list[LevelResult]:
+        """Each phase's LevelResult: its fastest pass, every pass's tokens/s, the summed AL counters."""
+        levels = []
+        for ph in self.phases:
+            best, delta = max(self.passes[ph], key=lambda m: m.output_tok_s), self.counters[ph]
+            levels.append(LevelResult(self.c, best, [m.output_tok_s for m in self.passes[ph]],
+                                      sum(m.num_failed for m in self.passes[ph]),
+                                      delta.acceptance_length if delta else None,
+                                      delta.draft_acceptance_rate if delta else None, self.texts[ph], ph.label,
+                                      ph.turn, ph.repetition))
+        return levels
 
 
-async def measure(url: str, result: ConfigResult, args, workload: Workload) -> None:
-    """Warm up the server at `url`, then measure each concurrency level (every phase, `args.runs` runs) into
-    `result`."""
+async def measure_pass(client, model: str, url: str, args, workload: Workload, level: _LevelPasses) -> None:
+    """One pass of every phase of `level` in order (turn k after turn k-1's answers), added to `level`."""
+    num_requests = args.num_requests or min(MAX_REQUESTS, max(len(workload.conversations), 2 * level.c))
+    answers: dict[int, list[str | None]] = {}  # turn → each request's answer in this pass
+    for ph in level.phases:
+        before = await asyncio.to_thread(spec_counters, url)
+        results, wall = await run_level(client, model, workload.prompts(ph.turn), num_requests, level.c,
+                                        args.max_tokens, args.request_rate, args.endpoint == "chat", args.seed,
+                                        _histories(workload, ph.turn, num_requests, answers))
+        after = await asyncio.to_thread(spec_counters, url)
+        if after is not None and before is not None:
+            level.counters[ph] = _add(level.counters[ph], after - before)
+        answers[ph.turn] = [r.text if r.ok else None for r in results]
+        level.passes[ph].append(level_metrics(results, wall))
+        for r in results:
+            if r.ok:
+                level.texts[ph].setdefault(r.prompt_index, r.text)
+
+
+def _report(result: ConfigResult, levels: list[LevelResult]) -> None:
+    for level in levels:
+        result.levels.append(level)
+        best = level.best
+        al = f", AL {level.acceptance_length:.2f}" if level.acceptance_length else ""
+        print(f"{row_label(result.label, level.phase)} c={level.concurrency}: {best.output_tok_s:.1f} tok/s (passes "
+              f"{' / '.join(f'{t:.1f}' for t in level.passes_tok_s)}), TTFT p50 {best.ttft_ms_p50:.0f} ms, "
+              f"TPOT p50 {best.tpot_ms_p50:.1f} ms{al}, {level.failed_requests} failed", file=sys.stderr, flush=True)
+
+
+async def measure(url: str, args, workload: Workload, levels: list[_LevelPasses], runs: int,
+                  result: ConfigResult | None = None) -> None:
+    """Warm up the server at `url`, then `runs` passes of each level in turn, added to `levels`; with `result`, each
+    level's rows are reported into it as it completes."""
     client = open_client(f"{url.rstrip('/')}/v1", args.request_timeout)
     try:
         model = await served_model(client)
         warm = await send_request(client, model, WARMUP_PROMPT, 0, min(args.max_tokens, 16), args.endpoint == "chat")
         if not warm.ok:
             raise ServerError(f"the warm-up request failed: {warm.error}")
-        phases = level_phases(workload.turns, args.repeat)
-        for c in args.concurrency:
-            for level in await measure_level(client, model, url, c, args, workload, phases):
-                result.levels.append(level)
-                best = level.best
-                al = f", AL {level.acceptance_length:.2f}" if level.acceptance_length else ""
-                print(f"{row_label(result.label, level.phase)} c={c}: {best.output_tok_s:.1f} tok/s (passes "
-                      f"{' / '.join(f'{t:.1f}' for t in level.passes_tok_s)}), TTFT p50 {best.ttft_ms_p50:.0f} ms, "
-                      f"TPOT p50 {best.tpot_ms_p50:.1f} ms{al}, {level.failed_requests} failed",
-                      file=sys.stderr, flush=True)
+        for level in levels:
+            for _ in range(runs):
+                await measure_pass(client, model, url, args, workload, level)
+            if result is not None:
+                _report(result, level.results())
     finally:
         await client.close()
 
 
 def run_config(spec: ServerSpec | None, url: str | None, args, workload: Workload, logs: Path) -> ConfigResult:
-    """Start `spec` (or use the running `url`), measure it, stop it; a failure is recorded in the result."""
+    """Start `spec` (or use the running `url`), measure it, stop it; a failure is recorded in the result. With
+    `--restart_per_pass` each pass of each level has a server of its own, started cold."""
     if spec is not None:
         result = ConfigResult(spec.label, spec.family, spec.speculative, list(spec.argv))
     else:
         result = ConfigResult(f"url {url}", "url", False, [])
     print(f"{PROG}: {result.label}", file=sys.stderr, flush=True)
+    phases = level_phases(workload.turns, args.repeat)
     try:
         if spec is None:
-            asyncio.run(measure(url, result, args, workload))
-        else:
-            log = logs / f"{spec.label.replace(' ', '_').replace('/', '_')}.log"
+            asyncio.run(measure(url, args, workload, [_LevelPasses(c, phases) for c in args.concurrency], args.runs,
+                                result))
+        elif not args.restart_per_pass:
+            log = logs / f"{_slug(spec.label)}.log"
             with running(spec, log, args.startup_timeout) as server_url:
-                asyncio.run(measure(server_url, result, args, workload))
+                asyncio.run(measure(server_url, args, workload,
+                                    [_LevelPasses(c, phases) for c in args.concurrency], args.runs, result))
+        else:
+            for c in args.concurrency:
+                level = _LevelPasses(c, phases)
+                for i in range(args.runs):
+                    log = logs / f"{_slug(spec.label)}.c{c}.pass{i + 1}.log"
+                    with running(spec, log, args.startup_timeout) as server_url:
+                        asyncio.run(measure(server_url, args, workload, [level], 1))
+                _report(result, level.results())
     except (ServerError, RuntimeError, OSError) as e:
         result.error = str(e)
         print(f"{PROG}: error: {result.label}: {e}", file=sys.stderr, flush=True)
     return result
+
+
+def _slug(label: str) -> str:
+    return label.replace(" ", "_").replace("/", "_")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -336,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown_table(results, args.concurrency)
     lossless = lossless_text(mismatches, compared)
     load = f"load average {_load(load_before)} before, {_load(load_after)} after, on {os.cpu_count()} cores"
-    text = (f"{MD_MARK}\n# Serving benchmark\n\n{title}; best of {args.runs} passes; {load}.\n\n{table}\n"
+    cold = ", each on a freshly started server" if args.restart_per_pass else ""
+    text = (f"{MD_MARK}\n# Serving benchmark\n\n{title}; best of {args.runs} passes{cold}; {load}.\n\n{table}\n"
             f"{lossless}")
     write_output_file(out / "serve.md", text, "--output_dir", lambda head: head.startswith(MD_MARK.encode()))
     write_report(out / "serve.json", MODULE, {
@@ -344,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         "category": workload.category, "turns": args.turns, "repeat": args.repeat,
         "num_prompts": len(workload.conversations), "max_tokens": args.max_tokens, "threads": args.threads,
         "endpoint": args.endpoint, "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
-        "runs": args.runs, "concurrency": args.concurrency, "started_unix_s": started, "load_before": load_before,
+        "runs": args.runs, "restart_per_pass": args.restart_per_pass, "concurrency": args.concurrency, "started_unix_s": started, "load_before": load_before,
         "load_after": load_after, "cpu_count": os.cpu_count(), "configs": [r.to_dict() for r in results],
         "lossless": {"compared": compared, "mismatches": [m.to_dict() for m in mismatches]}}, flag="--output_dir")
     if any(r.levels for r in results):
