@@ -34,7 +34,7 @@ def _int4_operands(n: int, k: int, g: int, seed: int = 0, super_block: int | Non
                                       (48, 1536, 128, None), (16, 64, 32, None), (16, 18944, 32, None),
                                       (80, 576, 32, 192), (48, 1536, 32, 256), (16, 18944, 32, 256),
                                       (32, 896, 32, 224), (16, 64, 32, 32)])
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 17])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 12, 13, 16, 17])
 @pytest.mark.parametrize("a8", [False, True], ids=["bf16-x", "int8-x"])
 def test_int4_matches_the_reference(n, k, g, sb, rows, a8):
     """An odd number of 16-channel blocks (80, 48: one row runs two blocks at a time; W4A8 four), one block, 18
@@ -90,7 +90,7 @@ def _int8_operands(n: int, k: int, seed: int = 0):
 
 
 @pytest.mark.parametrize("n", [80, 48, 16, 144])
-@pytest.mark.parametrize("rows", [1, 2, 4, 5, 9])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 9, 16, 17])
 def test_int8_matches_the_reference(n, rows):
     """4, 2 and 1 blocks of 16 channels at a time and the rest one by one (80 = 4 + 1, 48 = 2 + 1), every chunking."""
     gen = torch.Generator().manual_seed(1)
@@ -113,7 +113,7 @@ def test_int8_rows_are_padded_to_16_and_cut_back():
     torch.testing.assert_close(layer(x), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
-@pytest.mark.parametrize("rows", [2, 4, 5, 8, 13])
+@pytest.mark.parametrize("rows", [2, 4, 5, 8, 9, 12, 13, 17])
 def test_every_row_is_computed_as_if_alone(rows):
     """Batch invariance, bit for bit: what keeps a verify step's logits equal to plain decoding's."""
     _, packed, scale, zero8 = _int4_operands(80, 576, 32, seed=2)

@@ -47,6 +47,12 @@ using nextn_cpu::run_blocks;
 using nextn_cpu::with_rows;
 
 constexpr int kMaxRows = 8;  // rows per register block
+// Up to this many rows share one unpacking of a block's weights where the registers allow (W4A8: a row's int32 and
+// f32 sums, 12 rows; int8: a row's f32 sums, one block, 16 rows). A second chunk unpacks the weights again: past 8
+// rows, the ninth row of a verify step at batch 8 cost ~2.5x a row of the chunk (Qwen2.5-1.5B W4A8, 2 Zen 4 cores:
+// 9 rows' linears 10 ms slower than 8 rows', 3 ms with one chunk).
+constexpr int kMaxRowsA8 = 12;
+constexpr int kMaxRows8 = 16;
 
 // Both kernels ask for every cache line of the next channel blocks into L2 while these compute: the weights stream
 // from DRAM once per step, and without it loads and arithmetic do not overlap (measured: a [151936, 1536] int8
@@ -384,8 +390,10 @@ void int4_linear(const uint16_t* xp, int64_t M, int64_t K, const uint8_t* wp, in
         run_blocks<2, 1>(M, N / 16, 2, block);
       } else if (M <= 4) {
         run_blocks<2, 4>(M, N / 16, 2, block);
-      } else {
+      } else if (M <= kMaxRows || M > kMaxRowsA8) {
         run_blocks<1, kMaxRows>(M, N / 16, 4, block);
+      } else {  // 9-12 rows (a batch of 8 verifying a few drafts): one chunk, the weights unpacked once
+        run_blocks<1, kMaxRowsA8>(M, N / 16, 4, block);
       }
     };
     with_block_scales(scales, G, run8);
@@ -473,8 +481,10 @@ at::Tensor woq_int8_linear(const at::Tensor& x, const at::Tensor& w, const at::T
     run_blocks<4, 1>(M, N / 16, 4, block);
   } else if (M <= 4) {
     run_blocks<2, 4>(M, N / 16, 4, block);
-  } else {
+  } else if (M <= kMaxRows) {
     run_blocks<2, kMaxRows>(M, N / 16, 4, block);
+  } else {  // one block at a time, up to 16 rows a chunk: each block's weights widened once for them
+    run_blocks<1, kMaxRows8>(M, N / 16, 4, block);
   }
   return finish(out, x);
 }
