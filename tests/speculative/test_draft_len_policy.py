@@ -8,7 +8,8 @@ import pytest
 
 from nextn import LLM, SamplingParams
 from nextn.config.llm_args import LlmArgsError, MTPDecodingConfig
-from nextn.speculative.draft_len_policy import AcceptanceGate, BatchSizeDraftLen, StaticDraftLen, choose_draft_len_policy
+from nextn.speculative.draft_len_policy import (AcceptanceGate, BatchSizeDraftLen, ProposalDraftLen, StaticDraftLen,
+                                               choose_draft_len_policy)
 from nextn.testing import SMALL_VOCAB
 
 PROMPTS = [[11, 12, 13, 14, 15], [30, 31, 32], [7, 8, 9, 10], [40, 41], [50, 51, 52, 53]]
@@ -314,3 +315,21 @@ def test_an_expensive_probe_waits_until_it_fits_the_probe_budget():
     cheap = AdaptiveDraftLen(StaticDraftLen(4), probe_every=8, profile={1: {0: 0.010, 1: 0.0101, 4: 0.0105}})
     cheap.observe(4, 0, 4, 1, 0.0105)
     assert cheap.probe_wait(1, 1) < 8  # a probe that costs little keeps the probe_every schedule
+
+
+def test_ragged_step_times_price_rows_by_the_batch_one_times_below_one_a_row():
+    """`ProposalDraftLen.ragged_step_times`: n < B drafts in all cost what n more token rows cost at batch 1 (a kernel
+    whose 9th row is dear makes batch 8's first verified row dear); from B on, linear between the uniform lengths."""
+    ones = {0: 30.0, 1: 31.0, 2: 32.0, 4: 34.0, 7: 37.0, 8: 47.0, 16: 55.0}  # rows 8 → 9: +10 (a second chunk)
+    policy = ProposalDraftLen(StaticDraftLen(16), profile={1: ones, 8: {0: 70.0, 1: 126.0, 2: 182.0}})
+    times = policy.ragged_step_times(8, 20)
+    assert times[0] == 1.0
+    assert times[1] == pytest.approx(1 + (47.0 - 37.0) / 70.0)  # t₁(8) − t₁(7): the 9th token row
+    assert times[3] == pytest.approx(1 + (49.0 - 37.0) / 70.0)  # t₁(10) between the timed 8 and 16
+    assert times[8] == pytest.approx(126.0 / 70.0) and times[12] == pytest.approx((126.0 + 28.0) / 70.0)
+    assert times[16] == pytest.approx(182.0 / 70.0)
+    # without batch-1 times: linear between the uniform lengths from the first draft on
+    plain = ProposalDraftLen(StaticDraftLen(16), profile={8: {0: 70.0, 1: 126.0}}).ragged_step_times(8, 4)
+    assert plain[1] == pytest.approx(1 + 56.0 / 8 / 70.0) and plain[4] == pytest.approx(1 + 28.0 / 70.0)
+    # batch 1: its own times
+    assert policy.ragged_step_times(1, 2) == pytest.approx([1.0, 31.0 / 30.0, 32.0 / 30.0])

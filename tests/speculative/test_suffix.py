@@ -356,6 +356,12 @@ def test_each_row_gets_its_own_draft_length_where_it_pays():
     # (4 in all at batch 2), dear after: the copying row takes 4.
     d.use_step_times(lambda b, k: 1.0 + 0.3 * max(0.0, k - 2) * b)
     assert d.draft_lens_hint([0, 1], 16) == [4, 0]
+    # Priced by drafts in all (`ragged_step_times`): a first row dearer than a token, the next ones cheap — a
+    # proposal pays only where it is long enough to carry the first row's cost, whatever the uniform times say.
+    d.use_step_times(lambda b, k: 1 + 0.01 * k, lambda b, most: [1.0] + [1.6 + 0.01 * n for n in range(1, most + 1)])
+    assert d.draft_lens_hint([0, 1], 16) == [useful, 0]  # its many drafts carry the first row's cost
+    d.use_step_times(lambda b, k: 1 + 0.01 * k, lambda b, most: [1.0] + [20.0 + 0.01 * n for n in range(1, most + 1)])
+    assert d.draft_lens_hint([0, 1], 16) == [0, 0]  # no proposal here carries a first row that dear: none
     # Calibration per row: row 0 rejected everything it verified (k = 3) and its calibration drops; a row that
     # verified none moves back toward 1.
     last = len(d.slots[0].tokens) - 1

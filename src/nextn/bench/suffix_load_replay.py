@@ -7,7 +7,8 @@ server's noise (a benchmark, not a test).
                  the drafter, as a prefill), the streams in order; prefill time is not counted (the same for both)
     a step       the B running requests' k_r from `draft_lens_hint(slots, K)`; row r accepts the longest prefix of
                  its first k_r drafts equal to the recorded output, emits it plus one token (the engine's greedy
-                 step exactly) and costs t(B, Σ k_r / B) from the profile (interpolated between measured k and B)
+                 step exactly) and costs the profile's ragged-step time of Σ k_r drafts at batch B
+                 (`ProposalDraftLen.ragged_step_times`; t(B, 0) interpolated between measured B)
     plain        the same clients decoding one token per step at t(B, 0)
     reported     per C and pass: predicted output speed over plain, verified rows per step, and the accepted over
                  the calibrated predicted drafts of the rows verified (1.0: the calibration is right where it acts)
@@ -30,20 +31,22 @@ from nextn.speculative.suffix import SuffixDrafter
 
 MAX_CONCURRENCY = 64
 StepTime = Callable[[int, float], float]  # (batch, mean verified drafts per row) → seconds
+RaggedTimes = Callable[[int, int], list[float]]  # (batch, most) → t / t(B, 0) verifying n = 0..most drafts in all
 
 
-def profile_step_time(profile_file: Path, max_draft_len: int) -> StepTime:
+def profile_step_time(profile_file: Path, max_draft_len: int) -> tuple[StepTime, RaggedTimes]:
     """t(B, k) seconds from a step profile: the adaptive policy's interpolation between measured k (relative to
-    t(B, 0)), t(B, 0) linear between measured batch sizes (the nearest beyond them).
+    t(B, 0)), t(B, 0) linear between measured batch sizes (the nearest beyond them); and the engine's relative
+    times of ragged steps (`ProposalDraftLen.ragged_step_times`).
 
     Raises:
         StepProfileError: not a step profile (speculative/step_profile.py).
     """
-    from nextn.speculative.draft_len_policy import AdaptiveDraftLen, StaticDraftLen
+    from nextn.speculative.draft_len_policy import ProposalDraftLen, StaticDraftLen
     from nextn.speculative.step_profile import load_step_profile
 
     times = load_step_profile(profile_file).step_time
-    policy = AdaptiveDraftLen(StaticDraftLen(max_draft_len), profile=times)
+    policy = ProposalDraftLen(StaticDraftLen(max_draft_len), profile=times)
     batches = sorted(times)
 
     def base(b: int) -> float:
@@ -59,13 +62,14 @@ def profile_step_time(profile_file: Path, max_draft_len: int) -> StepTime:
         r = r0 if k == whole else r0 + (policy.relative_step_time(b, whole + 1) - r0) * (k - whole)
         return base(b) * r
 
-    return t
+    return t, policy.ragged_step_times
 
 
 def replay_under_load(streams: Sequence[Stream], drafter: SuffixDrafter, concurrency: int, passes: int,
-                      step_time: StepTime) -> list[dict]:
+                      step_time: StepTime, ragged: RaggedTimes | None = None) -> list[dict]:
     """The streams through `drafter` by `concurrency` closed-loop clients, `passes` times (module docstring); the
-    drafter must have step times (`use_step_times`). Returns one dict per pass."""
+    drafter must have step times (`use_step_times`); `ragged` prices a step by its drafts in all (else t(B, mean k)).
+    Returns one dict per pass."""
     k_max = drafter.num_draft_tokens
     out = []
     for passno in range(1, passes + 1):
@@ -91,7 +95,9 @@ def replay_under_load(streams: Sequence[Stream], drafter: SuffixDrafter, concurr
                 firsts.append(len(prompt) + i)
                 emitted.append(output[i:i + a + 1])
                 accepted += len(emitted[-1]) - 1
-            spec_s += step_time(len(slots), sum(lens) / len(slots))
+            n = sum(lens)
+            spec_s += (step_time(len(slots), 0.0) * ragged(len(slots), n)[n] if ragged is not None
+                       else step_time(len(slots), n / len(slots)))
             steps, rows = steps + 1, rows + sum(lens)
             for slot, tok, drafts in zip(slots, emitted, drafter.verified(slots, firsts, emitted, lens)):
                 active[slot][1] += len(tok)
@@ -138,12 +144,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         streams = [(list(a), list(b)) for a, b in json.loads(args.streams.read_text())["streams"]]
     except (OSError, ValueError, KeyError, TypeError) as e:
         p.error(f"--streams {args.streams} is not a streams.json of bench.suffix_replay ({e})")
-    step_time = profile_step_time(args.step_profile, args.max_draft_len)
+    step_time, ragged = profile_step_time(args.step_profile, args.max_draft_len)
     print("concurrency pass  predicted ×plain  verified rows/step  accepted/predicted")
     for c in args.concurrency:
         drafter = SuffixDrafter(args.max_draft_len)
-        drafter.use_step_times(lambda b, k: step_time(b, k) / step_time(b, 0.0))
-        for r in replay_under_load(streams, drafter, c, args.passes, step_time):
+        drafter.use_step_times(lambda b, k: step_time(b, k) / step_time(b, 0.0), ragged)
+        for r in replay_under_load(streams, drafter, c, args.passes, step_time, ragged):
             ratio = "—" if r["accepted_over_predicted"] is None else f"{r['accepted_over_predicted']:.2f}"
             print(f"{c:11d} {r['pass']:4d} {r['predicted_speedup']:16.3f} {r['verified_rows_per_step']:19.2f} "
                   f"{ratio:>19s}")

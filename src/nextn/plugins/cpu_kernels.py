@@ -46,6 +46,16 @@ def _cpu_flags() -> set[str]:
 
 
 @functools.cache
+def source_digest() -> str:
+    """SHA-256 (hex) of the kernels' C++ sources and header: what a measurement of their speed depends on (a step
+    profile is measured again when it changes)."""
+    h = hashlib.sha256()
+    for path in (*SOURCES, HEADER):
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+@functools.cache
 def _load() -> str | None:
     """Compile and load the kernels once; returns None on success, else why they are unavailable."""
     if platform.machine() not in ("x86_64", "AMD64"):

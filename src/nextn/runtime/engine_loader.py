@@ -155,7 +155,8 @@ def load_engine(engine_dir: str | Path, args: LlmArgs, spec: BaseModel | None, d
     draft_len_policy = choose_draft_len_policy(spec, k, drafter.expected_tokens, profile,
                                                proposes=drafter.use_step_times is not None)
     if isinstance(draft_len_policy, ProposalDraftLen):
-        drafter.use_step_times(draft_len_policy.relative_step_time)  # it picks each step's length from them
+        drafter.use_step_times(draft_len_policy.relative_step_time,  # it picks each step's length from them
+                               draft_len_policy.ragged_step_times)
     # Ragged steps (each row its own draft length): the eager chain step, deterministic drafts, strict acceptance
     # of greedy rows and the coupled rule of sampled ones (`chain_step.verify_ragged`).
     ragged = (drafter.draft_lens_hint is not None and decode_fn is verify_and_draft_step

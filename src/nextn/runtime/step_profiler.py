@@ -36,6 +36,7 @@ from pydantic import BaseModel
 
 from nextn.build.manifest import EngineManifest
 from nextn.config.llm_args import DecodingBaseConfig, LlmArgs
+from nextn.plugins import cpu_kernels
 from nextn.progress import progress_bar
 from nextn.runtime.kv_cache import BlockPool
 from nextn.runtime.model_runner import ModelRunner
@@ -180,9 +181,12 @@ def _measure_batch(target: ProfileTarget, batch_size: int, prompts: list[list[in
 def _engine_identity(manifest: EngineManifest, spec: BaseModel, args: LlmArgs, device: torch.device) -> str:
     """`engine_digest` of what makes this engine's steps what they are: the engine, the drafter's config (its
     draft-length policy fields excluded: they choose k, the profile times every k), the KV dtype, the compiled /
-    graphed step settings, the device type, the measuring scheme."""
+    graphed step settings, the device type (on a CPU, nextn's kernel sources too: a faster kernel changes the
+    times), the measuring scheme."""
     drafter = spec.model_dump_json(exclude=set(DecodingBaseConfig.model_fields))
     step = [args.kv_cache_config.dtype, args.torch_compile_config, args.cuda_graph_config, device.type]
+    if device.type == "cpu":
+        step.append(cpu_kernels.source_digest())
     return engine_digest(manifest.model_dump_json(), drafter, repr(step), SCHEME)
 
 

@@ -383,6 +383,25 @@ class ProposalDraftLen(AdaptiveDraftLen):
     def would_draft(self, batch_size: int) -> bool:
         return self.inner.would_draft(batch_size)
 
+    def ragged_step_times(self, batch_size: int, most: int) -> list[float]:
+        """t / t(0) of a ragged step (`chain_step.verify_ragged`) at this batch size verifying n drafts in all (each
+        row its own k), for n = 0..most. Fewer than one a row: the plain step plus what n more token rows cost the
+        batch-1 steps of the profile, t(B, 0) + t₁(B − 1 + n) − t₁(B − 1) (t₁(j): batch 1 verifying j drafts; B + n
+        token rows either way), which keeps the linear kernels' cost per row count — a CPU kernel that unpacks the
+        weights once per chunk of rows makes the first row past a chunk dearer than the next ones, which the uniform
+        times between k = 0 and k = 1 underprice. Elsewhere (or without those batch-1 times): linear between the
+        uniform draft lengths around n / B (`relative_step_time`)."""
+        b = batch_size
+        uniform = [self.relative_step_time(b, k) for k in range(most // b + 2)]
+        out = [uniform[q] + (uniform[q + 1] - uniform[q]) * r / b for q, r in (divmod(n, b) for n in range(most + 1))]
+        t0, ones = self.step_time.get(self._bucket(b), {}).get(0), self.step_time.get(1, {})
+        if t0 and 0 in ones:
+            reach = min(most, b - 1, max(ones) - (b - 1))  # n < B, and t₁ timed that far
+            if reach > 0:
+                t1 = [self.relative_step_time(1, j) * ones[0] for j in range(b - 1, b + reach)]
+                out[1:reach + 1] = [1.0 + (t - t1[0]) / t0 for t in t1[1:]]
+        return out
+
 
 def choose_draft_len_policy(spec: DecodingBaseConfig | MedusaDecodingConfig | None, num_draft_tokens: int,
                             gain: Gain = expected_tokens,

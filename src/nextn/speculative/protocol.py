@@ -193,9 +193,10 @@ class Drafter(Protocol):
     # (0: verify none, the drafter still runs and sees the step's tokens); None: the policy's draft length stands.
     draft_len_hint: Callable[[list[int]], int] | None
     # Such a drafter may also take the engine's step times (`ProposalDraftLen.relative_step_time`: (batch size,
-    # draft length k) → a step's time over a plain step's) and then hint the k of the most expected tokens per
-    # second rather than its longest proposal; None: it does not.
-    use_step_times: Callable[[Callable[[int, int], float]], None] | None
+    # draft length k) → a step's time over a plain step's; and `ProposalDraftLen.ragged_step_times`: (batch size,
+    # most) → a ragged step's verifying n = 0..most drafts in all, or None) and then hint the k of the most expected
+    # tokens per second rather than its longest proposal; None: it does not.
+    use_step_times: Callable[[Callable[[int, int], float], Callable[[int, int], list[float]] | None], None] | None
     # Such a drafter may also choose each row's own draft length (ragged verification, `chain_step`): (batch slots,
     # cap) → [k_r ≤ cap] per row, or None when it has no step times; its `after_verify` then takes `draft_lens`
     # ([B] int64, the k_r each row verified). None: every row of a step verifies the same length.

@@ -123,6 +123,7 @@ class SuffixDrafter(LinearDrafter):
         self.pooled = AcceptanceCalibration()  # every request's verified drafts, by match length and draft index
         self.slots: dict[int, _Slot] = {}
         self.step_time: Callable[[int, int], float] | None = None  # (batch, k) → t(k) / t(0); None: longest
+        self.ragged_step_times: Callable[[int, int], list[float]] | None = None  # (batch, most) → t / t(0) by Σ k_r
 
     @classmethod
     def from_config(cls, spec: SuffixDecodingConfig) -> "SuffixDrafter":
@@ -141,9 +142,12 @@ class SuffixDrafter(LinearDrafter):
     calibration_smoothing = 0.1  # the EMA's weight of a verified step
     calibration_recovery = 0.05  # how far c_r moves back toward 1 on a step that did not verify its proposal
 
-    def use_step_times(self, step_time: Callable[[int, int], float]) -> None:
-        """Hint by expected tokens per second from now on; `step_time(batch, k)`: a step's time over a plain one."""
-        self.step_time = step_time
+    def use_step_times(self, step_time: Callable[[int, int], float],
+                       ragged_step_times: Callable[[int, int], list[float]] | None = None) -> None:
+        """Hint by expected tokens per second from now on; `step_time(batch, k)`: a step's time over a plain one;
+        `ragged_step_times(batch, most)`: a ragged step's verifying n = 0..most drafts in all (None: linear between
+        the uniform step times around n / batch)."""
+        self.step_time, self.ragged_step_times = step_time, ragged_step_times
 
     def draft_len_hint(self, slots: list[int]) -> int:
         """Without step times: the longest proposal among these slots' requests (their drafts past it are padding),
@@ -166,8 +170,8 @@ class SuffixDrafter(LinearDrafter):
 
     def draft_lens_hint(self, slots: list[int], cap: int) -> list[int] | None:
         """With step times: each row's own draft length k_r ≤ min(cap, its proposal) (ragged verification), the
-        argmax of (B + Σ_r G_r(k_r)) / t(B, Σ_r k_r / B) — a ragged step priced as a uniform one with as many
-        verified rows. Drafts are added one at a time where the calibrated gain of the next one is highest (a
+        argmax of (B + Σ_r G_r(k_r)) / t(B, Σ_r k_r) — a ragged step priced by `ragged_step_times` (given), else as
+        a uniform one with as many verified rows. Drafts are added one at a time where the calibrated gain of the next one is highest (a
         proposal's gains are concave: its path probabilities fall along the chain), and the best total is kept
         (ties: fewer rows). Without step times: None (the step verifies one length, `draft_len_hint`)."""
         if self.step_time is None:
@@ -179,13 +183,16 @@ class SuffixDrafter(LinearDrafter):
         steps = sorted((-(r.gains[j] - (r.gains[j - 1] if j else 0.0)), i, j)
                        for i, (r, n) in enumerate(zip(rows, limits)) for j in range(n))
         lens = [0] * batch
-        # t at each whole k once; between them linear (as the policy interpolates between timed lengths)
-        times = [self.step_time(batch, k) for k in range(max(limits, default=0) + 2)]
+        if self.ragged_step_times is not None:
+            times = self.ragged_step_times(batch, len(steps))
+        else:  # t at each whole k once; between them linear (as the policy interpolates between timed lengths)
+            whole = [self.step_time(batch, k) for k in range(max(limits, default=0) + 2)]
+            times = [whole[q] + (whole[q + 1] - whole[q]) * r / batch
+                     for q, r in (divmod(n, batch) for n in range(len(steps) + 1))]
         best_rate, best_n, gained = batch / times[0], 0, 0.0
         for n, (neg_gain, i, j) in enumerate(steps, 1):
             gained -= neg_gain
-            q, r = divmod(n, batch)
-            rate = (batch + gained) / (times[q] + (times[q + 1] - times[q]) * r / batch)
+            rate = (batch + gained) / times[n]
             if rate > best_rate:
                 best_rate, best_n = rate, n
         for _, i, _ in steps[:best_n]:
