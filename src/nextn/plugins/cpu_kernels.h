@@ -83,10 +83,10 @@ inline void with_rows(int64_t rows, F&& f) {
 
 // Run `block(Int<MB>, Int<NB>, m0, n0)` over M rows and N units (output channels for int8, blocks of 16 channels
 // for int4): NB units at a time, split across threads (at least `grain` such steps a thread), the last < NB one
-// by one; within them, chunks of at most MAX rows reuse the units' weights from L1. The chunks are as even as their
-// number allows (9 rows: 5 + 4, not 8 + 1): a one-row chunk runs as few independent multiply-add chains as a row
-// has and costs a verify step's extra row ~2.6x a row of a full chunk (Qwen2.5-1.5B W4A8, 2 Zen 4 cores). Each
-// row's arithmetic is the same whatever chunk it is in: batch-invariant.
+// by one; within them, chunks of at most MAX rows reuse the units' weights from L1, each chunk unpacking them again
+// (so callers pick the largest MAX their registers allow). The chunks are as even as their number allows (9 rows
+// at MAX 8: 5 + 4, not 8 + 1; the same unpacking work, no chunk left with a single multiply-add chain). Each row's
+// arithmetic is the same whatever chunk it is in: batch-invariant.
 template <int NB, int MAX, typename Block>
 void run_blocks(int64_t M, int64_t N, int64_t grain, Block& block) {
   const int64_t blocks = (N + NB - 1) / NB;

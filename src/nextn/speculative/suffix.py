@@ -171,8 +171,9 @@ class SuffixDrafter(LinearDrafter):
     def draft_lens_hint(self, slots: list[int], cap: int) -> list[int] | None:
         """With step times: each row's own draft length k_r ≤ min(cap, its proposal) (ragged verification), the
         argmax of (B + Σ_r G_r(k_r)) / t(B, Σ_r k_r) — a ragged step priced by `ragged_step_times` (given), else as
-        a uniform one with as many verified rows. Drafts are added one at a time where the calibrated gain of the next one is highest (a
-        proposal's gains are concave: its path probabilities fall along the chain), and the best total is kept
+        a uniform one with as many verified rows. Drafts are added one at a time where the calibrated gain of the
+        next one is highest (a proposal's gains are concave: its path probabilities fall along the chain), and the
+        best total is kept
         (ties: fewer rows). Without step times: None (the step verifies one length, `draft_len_hint`)."""
         if self.step_time is None:
             return None
