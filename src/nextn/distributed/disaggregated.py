@@ -46,6 +46,7 @@ from nextn.distributed.comm import require_free_default_group
 from nextn.models.attention_metadata import AttentionMetadata, slots_for_positions
 from nextn.runtime.outputs import RequestOutput
 from nextn.runtime.sampling_params import SamplingParams
+from nextn.speculative.chain_step import prefill_groups
 
 FirstMtpStep = Literal["drafts", "hidden_state", "zero_hidden"]
 SHUTDOWN = "shutdown"
@@ -115,20 +116,28 @@ class ContextSide:
         _check_drafter(engine.drafter, mode)
         self.engine, self.mode = engine, mode
         self._plan = None
+        self._groups: list[tuple[list[int], int]] = []
         self.hidden: dict[int, torch.Tensor] = {}  # request id → final hidden state of its last prompt row [H]
         engine.runner.on_launch = self._on_launch
         engine.model.model.norm.register_forward_hook(self._on_norm)
 
     def _on_launch(self, plan, from_previous: bool) -> None:
         self._plan = plan
+        # a prefill's target forwards, one per group of rows (model_runner: `prefill_groups` of the chunk lengths)
+        self._groups = (prefill_groups([e - s for s, e in zip(plan.chunk_starts, plan.chunk_ends)])
+                        if plan.kind == "prefill" else [])
 
     def _on_norm(self, module, inputs, output) -> None:
         plan = self._plan
-        if plan is None or plan.kind != "prefill" or output.shape[0] != plan.num_requests:
+        if plan is None or plan.kind != "prefill" or not self._groups:
             return
-        for i, rid in enumerate(plan.request_ids):
+        rows, width = self._groups.pop(0)
+        if tuple(output.shape[:2]) != (len(rows), width):
+            raise RuntimeError(f"a prefill forward of {tuple(output.shape[:2])} rows × tokens where its group is "
+                               f"{(len(rows), width)}: the context side cannot tell whose hidden states these are")
+        for j, i in enumerate(rows):
             if plan.is_last_chunk(i):
-                self.hidden[rid] = output[i, plan.chunk_ends[i] - plan.chunk_starts[i] - 1].clone()
+                self.hidden[plan.request_ids[i]] = output[j, plan.chunk_ends[i] - plan.chunk_starts[i] - 1].clone()
 
     def prefill(self, prompts: list, params: list[SamplingParams]) -> list[tuple[KvTransfer, torch.Tensor, Any]]:
         """Prefill every prompt; per prompt (transfer, KV rows [layers, L, kv dim], hidden [H] or None).

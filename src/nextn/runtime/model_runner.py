@@ -40,7 +40,7 @@ from nextn.models.attention_metadata import AttentionMetadata, slots_for_positio
 from nextn.models.causal_lm import SelfDraftingCausalLM
 from nextn.runtime.outputs import TokenLogprob
 from nextn.runtime.step_plan import StepPlan
-from nextn.speculative.chain_step import NoDrafter, prefill_step, verify_and_draft_step
+from nextn.speculative.chain_step import NoDrafter, prefill_groups, prefill_step, verify_and_draft_step
 from nextn.speculative.protocol import AcceptanceRule, Drafter, SamplingTensors, StepOutput
 
 
@@ -237,7 +237,7 @@ class ModelRunner:
                            sampling, accept_state, self.block_size, starts,
                            torch.tensor(nexts, dtype=torch.int64, device=dev),
                            drafter_state=tuple(s[slots] for s in self.state),  # e.g. n-gram token history
-                           draft=plan.drafting)
+                           draft=plan.drafting, row_groups=prefill_groups([len(s) for s in seqs]))
         return out, starts + lens - 1  # so that kv_lens + num_emitted is the chunk's end
 
     @torch.inference_mode()
