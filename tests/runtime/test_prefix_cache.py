@@ -94,7 +94,8 @@ class FrozenCachedBlocks:
         sl = slice(block * BLOCK, (block + 1) * BLOCK)
         tensors = [self.engine.runner.kv_cache]
         draft_kv = getattr(self.engine.drafter, "kv_cache", None)  # Draft_Target: its own tensor, same block ids
-        tensors += [draft_kv] if draft_kv is not None else []
+        if draft_kv is not None and not self.engine.pool.cache.lacks_drafter_kv(block):
+            tensors.append(draft_kv)  # (a block registered without the draft model's KV: its hits catch it up)
         return [t[:, sl].clone() for t in tensors]
 
     def check(self) -> None:
@@ -151,7 +152,11 @@ def test_greedy_outputs_and_acceptance_equal_without_reuse(request, name):
     llm.engine.iteration_log = []
     checker = FrozenCachedBlocks(llm)
     outs = conversation(llm, checker)
-    assert [_key(o) for o in outs] == [_key(o) for o in ref]  # tokens, steps, drafts, accepted drafts: AL equal
+    if name == "draft_target_policy_off_on":  # a hit on blocks prefilled while speculation was off: the draft
+        # model catches them up in the request's first decode step, so it drafts a step later than without reuse
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    else:
+        assert [_key(o) for o in outs] == [_key(o) for o in ref]  # tokens, steps, drafts, accepted drafts: AL equal
     assert all(o.num_cached_tokens == 0 for o in ref)
     cached = [o.num_cached_tokens for o in outs]
     assert cached[0] == 0 and all(c > 0 and c % BLOCK == 0 for c in cached[1:]), cached
@@ -206,6 +211,47 @@ def test_kv_after_a_hit_equals_a_fresh_prefill(request, name):
         assert miss == 0
         for with_reuse, without in zip(rows, fresh):
             torch.testing.assert_close(with_reuse, without, atol=2e-5, rtol=1e-4)
+
+
+def _run_alone(llm: LLM, prompt: list[int]) -> tuple[RequestOutput, list[torch.Tensor]]:
+    """Run `prompt` alone to the end (sync steps); also the draft model's KV rows of its prompt positions, read
+    after its first decode step (where a catch-up writes them)."""
+    eng = llm.engine
+    req = eng.make_request(prompt, GREEDY)
+    eng.add_request(req)
+    rows = None
+    while eng.has_work:
+        eng.step()
+        if rows is None and len(req.output_token_ids) >= 2:
+            slots = torch.tensor([req.block_table[p // BLOCK] * BLOCK + p % BLOCK for p in range(len(prompt))])
+            rows = eng.drafter.kv_cache[:, slots].clone()
+    return req.to_output(), rows
+
+
+def test_a_draft_model_off_under_load_still_shares_its_prefix_and_catches_it_up(request):
+    """Draft_Target with speculation off while two requests run (`max_concurrency` 1): their prefill skips the
+    draft model, yet their blocks are registered for the target's KV (marked as lacking the draft model's). A later
+    lone request extending one of them reuses that prefix, its draft model catches the reused positions up before
+    it drafts, and it decodes exactly as without reuse, with drafts accepted and the draft KV of a fresh prefill."""
+    results = {}
+    for reuse in (True, False):
+        llm = make_llm(request, "draft_target_policy_off_on", reuse=reuse, disable_overlap_scheduler=True)
+        checker = FrozenCachedBlocks(llm) if reuse else None
+        first = llm.generate(TURN1[:2], GREEDY)
+        assert all(o.outputs[0].num_draft_tokens == 0 for o in first)  # two running: no drafts, no draft prefill
+        if reuse:
+            cache = llm.engine.pool.cache
+            assert cache.cached_blocks and all(cache.lacks_drafter_kv(b) for b in cache.cached_blocks)
+            checker.check()
+        prompt = TURN1[0] + first[0].outputs[0].token_ids + [240, 241, 9]
+        results[reuse] = _run_alone(llm, prompt)
+        if reuse:
+            checker.check()
+    (hit, rows_hit), (fresh, rows_fresh) = results[True], results[False]
+    assert fresh.num_cached_tokens == 0 and hit.num_cached_tokens >= 4 * BLOCK
+    assert hit.outputs[0].token_ids == fresh.outputs[0].token_ids
+    assert hit.outputs[0].num_accepted_draft_tokens > 0  # it speculated after catching up
+    torch.testing.assert_close(rows_hit, rows_fresh, atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])

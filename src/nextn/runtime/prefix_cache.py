@@ -98,6 +98,7 @@ class PrefixCache:
         self._block_of: dict[BlockHash, int] = {}
         self._hash_of: dict[int, BlockHash] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # unreferenced cached blocks, least recently used first
+        self._no_drafter_kv: set[int] = set()  # cached blocks whose drafter KV was never written (`register`)
 
     # Keys ----------------------------------------------------------------------------------------------------
     def num_keyed_blocks(self, num_tokens: int) -> int:
@@ -130,8 +131,10 @@ class PrefixCache:
             blocks.append(block)
         return blocks
 
-    def register(self, block: int, key: BlockHash) -> bool:
-        """Record that `block` (referenced, its content final) holds `key`.
+    def register(self, block: int, key: BlockHash, drafter_kv: bool = True) -> bool:
+        """Record that `block` (referenced, its content final) holds `key`; `drafter_kv` False: its target KV is
+        final but its drafter's KV was never written (a draft model that skipped these positions while speculation
+        was off; a hit must have the drafter catch them up, `lacks_drafter_kv`).
 
         Returns:
             False when the key is already held by another block (two requests computed the same prefix at once:
@@ -141,7 +144,13 @@ class PrefixCache:
             return False
         self._block_of[key] = block
         self._hash_of[block] = key
+        if not drafter_kv:
+            self._no_drafter_kv.add(block)
         return True
+
+    def lacks_drafter_kv(self, block: int) -> bool:
+        """Whether cached `block` was registered without its drafter's KV."""
+        return block in self._no_drafter_kv
 
     def is_cached(self, block: int) -> bool:
         return block in self._hash_of
@@ -175,6 +184,7 @@ class PrefixCache:
         """
         block, _ = self._lru.popitem(last=False)
         del self._block_of[self._hash_of.pop(block)]
+        self._no_drafter_kv.discard(block)
         self.stats.evicted_blocks += 1
         return block
 
@@ -185,6 +195,7 @@ class PrefixCache:
         self._lru.clear()
         self._block_of.clear()
         self._hash_of.clear()
+        self._no_drafter_kv.clear()
         return parked
 
     def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:

@@ -158,7 +158,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             req = self.waiting[0]
             n = req.num_tokens
-            hits = self._prefix_hits(req)
+            hits, missing = self._prefix_hits(req)
             reused = len(hits) * self.pool.block_size
             if chunks and not self.enable_chunked_prefill and n - reused > budget:
                 break
@@ -176,6 +176,9 @@ class Scheduler:
                 self.pool.cache.record_query(n, reused)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = reused
+            if missing is not None:  # reused blocks without the draft model's KV: it catches them up first
+                gap = missing * self.pool.block_size
+                req.drafter_gap = gap if req.drafter_gap is None else min(req.drafter_gap, gap)
             self.running.append(req)
             end = min(n, reused + budget) if self.enable_chunked_prefill else n
             chunks.append((req, reused, end, reused))
@@ -207,27 +210,40 @@ class Scheduler:
         self.running.append(req)
         return True
 
-    def _prefix_hits(self, req: Request) -> list[int]:
-        """The cached blocks of the longest prefix of `req`'s tokens (none without a prefix cache).
+    def _prefix_hits(self, req: Request) -> tuple[list[int], int | None]:
+        """The cached blocks of the longest prefix of `req`'s tokens (none without a prefix cache), and the index
+        of the first of them lacking the drafter's KV (None: none lacks it).
 
         At most the blocks that leave the last `1 + prefill_overlap` positions to compute: the first token needs
-        the last position's logits, and MTP Vanilla's pools need the target's hidden states of the last K+1.
+        the last position's logits, and MTP Vanilla's pools need the target's hidden states of the last K+1. Past a
+        block lacking the drafter's KV, only blocks lacking it too: the drafter catches up everything from the
+        first (`drafter_gap`), and must not rewrite a shared block whose drafter KV others read.
         """
         cache = self.pool.cache
         if cache is None:
-            return []
+            return [], None
         n = req.num_tokens
         most = min((n - 1 - self.prefill_overlap) // self.pool.block_size, cache.num_keyed_blocks(n))
         if most <= 0:
-            return []
-        return cache.lookup(cache.extend_hashes(req.block_hashes, req.all_token_ids, most)[:most])
+            return [], None
+        hits = cache.lookup(cache.extend_hashes(req.block_hashes, req.all_token_ids, most)[:most])
+        missing = next((i for i, b in enumerate(hits) if cache.lacks_drafter_kv(b)), None)
+        if missing is not None:
+            end = missing
+            while end < len(hits) and cache.lacks_drafter_kv(hits[end]):
+                end += 1
+            hits = hits[:end]
+        return hits, missing
 
     def cache_blocks(self, req: Request) -> int:
         """Register `req`'s blocks whose every KV row is final in the prefix cache (after a processed step).
 
         Final: below its computed length minus the drafter's rewrite lag (`prefill_overlap`: MTP Vanilla re-runs
         its modules over the last K positions), below the first position decoded without the drafter (its KV
-        there was never written), and with the look-ahead tokens of the block's key known.
+        there was never written), and with the look-ahead tokens of the block's key known. A drafter that catches
+        up (a draft model) is not waited for: blocks past that position are registered for their target KV, marked
+        as lacking the drafter's (`PrefixCache.register`), so a request prefilled while speculation is off still
+        shares its prefix.
 
         Returns:
             Blocks registered now.
@@ -235,13 +251,16 @@ class Scheduler:
         cache = self.pool.cache
         if cache is None or not req.block_table:
             return 0
-        final = req.num_computed_tokens if req.drafter_gap is None else min(req.num_computed_tokens, req.drafter_gap)
+        gap = req.drafter_gap
+        final = req.num_computed_tokens if gap is None or self.drafter_catches_up else min(req.num_computed_tokens, gap)
         n = min((final - self.prefill_overlap) // self.pool.block_size, cache.num_keyed_blocks(req.num_tokens),
                 len(req.block_table))
         if n <= req.num_committed_blocks:
             return 0
         hashes = cache.extend_hashes(req.block_hashes, req.all_token_ids, n)
-        done = sum(cache.register(req.block_table[i], hashes[i]) for i in range(req.num_committed_blocks, n))
+        bs = self.pool.block_size
+        done = sum(cache.register(req.block_table[i], hashes[i], drafter_kv=gap is None or (i + 1) * bs <= gap)
+                   for i in range(req.num_committed_blocks, n))
         req.num_committed_blocks = n
         return done
 
