@@ -55,12 +55,10 @@ def prefill_groups(lens: Sequence[int], slack: float = PREFILL_PADDING_SLACK) ->
     groups: list[tuple[list[int], int]] = []
     rows: list[int] = []
     width = total = 0
-    for i in sorted(range(n), key=lambda r: -lens[r]):
+    for i in sorted(range(n), key=lambda r: -lens[r]):  # longest first: a group's first row sets its width
         if rows and (len(rows) + 1) * width > bound * (total + lens[i]):
             groups.append((sorted(rows), width))
-            rows = []
-        if not rows:
-            width = total = 0
+            rows, width, total = [], 0, 0
         rows.append(i)
         width, total = max(width, lens[i]), total + lens[i]
     groups.append((sorted(rows), width))
