@@ -198,6 +198,20 @@ def test_sampling_keeps_the_token_distribution(engines, params):
 
 
 @pytest.mark.slow
+def test_sampling_with_drafts_on_demand_keeps_the_token_distribution(engines):
+    """Every step verifying k = 1 of K = 3 (a schedule): the drafter then drafts one token a step, its q padded
+    to K, and the second and third tokens come from such drafts."""
+    target, draft, _ = engines
+    plain = _plain_positions(target, TEMPERATURE)
+    llm = LLM(target, speculative_config={**_spec(draft), "draft_len_schedule": {N: 1}}, max_batch_size=N)
+    assert llm.engine.scheduler.drafts_on_demand
+    spec = _positions(llm, N, TEMPERATURE)
+    for j in (1, 2):
+        assert chi_square_two_sample_pvalue(plain[j], spec[j]) > 1e-3, (j, plain[j].most_common(5),
+                                                                       spec[j].most_common(5))
+
+
+@pytest.mark.slow
 def test_accepting_every_draft_fails_the_distribution_check(engines, monkeypatch):
     """The check above has power: emitting the sampled drafts unverified changes the distribution detectably."""
     import nextn.speculative.acceptance_rules as rules
@@ -354,3 +368,42 @@ def test_a_batch_that_never_speculates_never_runs_the_draft_model(engines, plain
     outs = llm.generate(PROMPTS, GREEDY)
     assert _ids(outs) == plain
     assert rows == []
+
+
+def _draft_forwards(llm: LLM) -> list[tuple[int, int]]:
+    """(batch, tokens) of every draft model forward (it wraps the draft model's forward)."""
+    drafter = llm.engine.runner.drafter
+    inner, shapes = drafter.draft.forward, []
+
+    def forward(input_ids, *args, **kwargs):
+        shapes.append(tuple(input_ids.shape))
+        return inner(input_ids, *args, **kwargs)
+
+    drafter.draft.forward = forward
+    return shapes
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_a_step_drafts_only_the_draft_length_it_verifies(engines, plain, overlap):
+    """A draft model drafts on demand: a step the policy runs at k = 1 of K = 3 runs one draft forward (over the
+    emitted tokens, its first draft from there), not three. Growing back to k = 3 (the batch shrinks), the first
+    step verifies the one draft there is and drafts three. With draft = target every draft is still accepted
+    (the draft KV and drafts are what full drafting writes) and the output is plain decoding's."""
+    target, _, _ = engines
+    spec = {**_spec(target, 3), "draft_len_schedule": {2: 3, 3: 1}}  # 3 requests: k = 1; ≤ 2: k = 3
+    llm = LLM(target, speculative_config=spec, disable_overlap_scheduler=not overlap)
+    assert llm.engine.scheduler.drafts_on_demand
+    shapes = _draft_forwards(llm)
+    lens = [40, 40, 12]
+    outs = llm.generate(PROMPTS[:3], [SamplingParams(max_tokens=n, ignore_eos=True) for n in lens])
+    assert _ids(outs) == [ids[:n] for ids, n in zip(plain, lens)]
+    for o in outs:
+        c = o.outputs[0]
+        assert c.num_accepted_draft_tokens == c.num_draft_tokens > 0, (c.num_draft_tokens, c.steps_per_draft_len)
+    assert outs[0].outputs[0].steps_per_draft_len.get(1) and outs[0].outputs[0].steps_per_draft_len.get(3)
+    # Batch-3 steps draft at k = 1: their one forward runs the k + 1 = 2 verified rows, no one-token pass follows
+    # (the prefill drafts K: the prompts [3, T], then K one-token passes from the first token).
+    batch3 = [s for s in shapes if s[0] == 3]
+    assert batch3[:4] == [(3, max(len(p) for p in PROMPTS[:3])), (3, 1), (3, 1), (3, 1)], batch3[:4]
+    assert batch3[4:] and all(s == (3, 2) for s in batch3[4:]), batch3
+    assert (2, 1) in shapes  # at batch 2 drafting is K = 3 again (two one-token passes after the first)

@@ -130,6 +130,16 @@ def load_engine(engine_dir: str | Path, args: LlmArgs, spec: BaseModel | None, d
     pool = BlockPool(plan.num_blocks, block_size, prefix_cache_for(args, manifest, spec, drafter, kv_dtype,
                                                                    block_size))
 
+    decode_fn = drafter.decode_fn  # verify_and_draft_step, or Medusa's tree step
+    if args.torch_compile_config is not None:
+        decode_fn = compile_decode_fn(decode_fn, engine_dir, device, args.torch_compile_config, manifest)
+    elif manifest.compiled_step is not None:
+        logger.info("%s stores torch.compile artifacts; torch_compile_config: {} uses them", engine_dir)
+    decode_fn = graph_decode_fn(decode_fn, args.cuda_graph_config, device, max_batch_size, plan.per_seq)
+    # A draft model drafts each step's own draft length where the step is the eager one (a compiled or graphed
+    # step is traced with K draft passes).
+    on_demand = drafter.drafts_on_demand and decode_fn is verify_and_draft_step
+
     def new_scheduler(pool: BlockPool, policy: DraftLenPolicy, hint: Callable[[list[int]], int] | None,
                       lens_hint: Callable[[list[int], int], list[int] | None] | None = None) -> Scheduler:
         try:
@@ -137,20 +147,16 @@ def load_engine(engine_dir: str | Path, args: LlmArgs, spec: BaseModel | None, d
                              enable_chunked_prefill=args.enable_chunked_prefill,
                              prefill_overlap=drafter.prefill_overlap, draft_len_policy=policy,
                              drafter_kv=drafter.kv_in_cache, drafter_catches_up=drafter.catches_up,
-                             max_seq_len=max_seq_len, draft_len_hint=hint, draft_lens_hint=lens_hint)
+                             max_seq_len=max_seq_len, draft_len_hint=hint, draft_lens_hint=lens_hint,
+                             drafts_on_demand=on_demand)
         except ValueError as e:
             raise LlmArgsError(str(e)) from e
 
     new_scheduler(pool, StaticDraftLen(k), drafter.draft_len_hint)  # the settings checked before anything runs
-    decode_fn = drafter.decode_fn  # verify_and_draft_step, or Medusa's tree step
-    if args.torch_compile_config is not None:
-        decode_fn = compile_decode_fn(decode_fn, engine_dir, device, args.torch_compile_config, manifest)
-    elif manifest.compiled_step is not None:
-        logger.info("%s stores torch.compile artifacts; torch_compile_config: {} uses them", engine_dir)
-    decode_fn = graph_decode_fn(decode_fn, args.cuda_graph_config, device, max_batch_size, plan.per_seq)
     runner = ModelRunner(model, drafter, acceptance, kv, block_size, max_batch_size, decode_fn=decode_fn)
     profile = step_profile_for(spec, args, manifest, engine_dir, device, ProfileTarget(
-        runner, new_scheduler, plan.num_blocks, block_size, max_batch_size, max_seq_len, k, cfg.vocab_size),
+        runner, new_scheduler, plan.num_blocks, block_size, max_batch_size, max_seq_len, k, cfg.vocab_size,
+        on_demand),
         sharded=sharding is not None)  # the measured step times, when the config asks for them
     draft_len_policy = choose_draft_len_policy(spec, k, drafter.expected_tokens, profile,
                                                proposes=drafter.use_step_times is not None)

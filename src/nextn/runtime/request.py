@@ -47,7 +47,7 @@ class Request:
     num_cached_tokens: int = -1  # prompt tokens reused from the prefix cache at its first admission (-1: not yet)
     num_inflight_tokens: int = 0  # most tokens a launched, not yet processed step may emit (overlap scheduler)
     prefill_done: bool = False  # this admission's last prefill chunk has been processed (its first token appended)
-    has_drafts: bool = True  # its last launched step drafted (False after a step with speculation off)
+    num_drafts: int = 0  # drafts its last launched step made for the next (0: it did not draft; a prefill: K)
     finish_reason: str | None = None
     error: str | None = None
     num_failed_steps: int = 0  # engine steps that failed with it in the batch and no request found at fault
@@ -102,7 +102,6 @@ class Request:
         self.drafter_gap = None
         self.prefill_done = False
         self.draft_tokens = []
-        self.has_drafts = True  # the prefill drafts
 
     def append(self, tokens: list[int], max_seq_len: int, logprobs: list[TokenLogprob] | None = None) -> None:
         """Append emitted tokens, cutting at EOS / stop tokens / max_tokens / max_seq_len and finishing if so;

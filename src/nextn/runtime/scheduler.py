@@ -67,6 +67,10 @@ class Scheduler:
         draft_lens_hint: each row's own draft length for these slots under a cap (`Drafter.draft_lens_hint`; the
             engine passes it only where the decode step verifies ragged batches): a decode batch with no logits
             processing then verifies each row's own k (`StepPlan.draft_lens`).
+        drafts_on_demand: a decode step drafts only the draft length the policy chose for it, not K
+            (`Drafter.drafts_on_demand`, a draft model, whose every draft is a forward: `StepPlan.num_new_drafts`);
+            a step then verifies at most the drafts its rows' last step made, so a longer length takes one step
+            to come into effect.
     Raises:
         ValueError: chunked prefill with a budget that cannot make progress past the overlap.
     """
@@ -76,7 +80,8 @@ class Scheduler:
                  draft_len_policy: DraftLenPolicy | None = None, drafter_kv: bool = False,
                  drafter_catches_up: bool = False, max_seq_len: int | None = None,
                  draft_len_hint: Callable[[list[int]], int] | None = None,
-                 draft_lens_hint: Callable[[list[int], int], list[int] | None] | None = None) -> None:
+                 draft_lens_hint: Callable[[list[int], int], list[int] | None] | None = None,
+                 drafts_on_demand: bool = False) -> None:
         if enable_chunked_prefill and max_num_tokens <= prefill_overlap:
             raise ValueError(f"max_num_tokens={max_num_tokens} must exceed the {prefill_overlap} rows a prefill "
                              "chunk re-runs for MTP Vanilla")
@@ -91,6 +96,7 @@ class Scheduler:
         self.drafter_catches_up = drafter_catches_up
         self.draft_len_hint = draft_len_hint
         self.draft_lens_hint = draft_lens_hint
+        self.num_draft_tokens, self.drafts_on_demand = num_draft_tokens, drafts_on_demand
         self.max_seq_len = sys.maxsize if max_seq_len is None else max_seq_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -190,7 +196,7 @@ class Scheduler:
             drafting = False  # an earlier chunk skipped the drafter: its first decode step catches the whole gap up
         for req, start, end, _ in chunks:
             req.num_prefilled_tokens = end
-            req.has_drafts = drafting
+            req.num_drafts = self.num_draft_tokens if drafting else 0
             if not drafting and self.drafter_catches_up and req.drafter_gap is None:
                 req.drafter_gap = start  # the drafter skips this prefill (`Drafter.catches_up`)
         reqs, starts, ends, num_reused = zip(*chunks)
@@ -207,6 +213,7 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         req.batch_slot = self._free_slots.pop()
         req.prefill_len = req.num_prefilled_tokens = req.num_computed_tokens = n
+        req.num_drafts = self.num_draft_tokens  # (the context side's prefill drafted K)
         self.running.append(req)
         return True
 
@@ -280,18 +287,20 @@ class Scheduler:
             return None
         k = self.draft_len_policy.draft_len(len(reqs), [r.request_id for r in reqs])
         drafting = k > 0 or self.draft_len_policy.max_draft_len == 0
+        new_drafts = k if self.drafts_on_demand and k > 0 else self.num_draft_tokens  # what the next step may verify
         lens = self._ragged_lens(reqs, k) or ()
         if lens:  # each row its own length, at most the policy's
             k = max(lens)
             lens = lens if k > 0 and min(lens) < k else ()
         elif k > 0 and self.draft_len_hint is not None:  # no wider than the drafter says pays (0: it still drafts)
             k = max(0, min(k, self.draft_len_hint([r.batch_slot for r in reqs])))
-        if k > 0 and not all(r.has_drafts for r in reqs):
-            k, lens = 0, ()  # speculation back on: draft first (drafts are not kept while it is off)
+        if k > (ready := min(r.num_drafts for r in reqs)):  # 0: speculation back on, draft first (drafts are
+            k, lens = ready, ()  # not kept while it is off); else a longer length than the last step drafted
         catch_up = drafting and self.drafter_catches_up and any(r.drafter_gap is not None for r in reqs)
-        plan = self._new_plan(reqs, StepPlan.decode, k, drafting, catch_up, tuple(lens))
+        plan = self._new_plan(reqs, StepPlan.decode, k, drafting, catch_up, tuple(lens),
+                              new_drafts if self.drafts_on_demand and drafting else None)
         for req in reqs:
-            req.has_drafts = drafting
+            req.num_drafts = new_drafts if drafting else 0
             if not drafting and self.drafter_kv and req.drafter_gap is None:
                 req.drafter_gap = req.kv_len  # (host kv_len: with a step in flight the gap starts later)
             elif catch_up:
@@ -348,8 +357,10 @@ class Scheduler:
             req.num_computed_tokens = req.kv_len
             self.cache_blocks(req)
             updated.append(req)
-        if decode:  # timed only when the step is plain or fully speculating (not re-priming drafts)
-            seconds = output.seconds if plan.drafting == (plan.draft_len > 0) and not plan.draft_lens else 0.0
+        if decode:  # timed only when the step is plain or fully speculating (not re-priming drafts) and, drafting
+            # on demand, drafts as many as it verified (a step profile's t(k): verify k, draft k)
+            seconds = output.seconds if plan.drafting == (plan.draft_len > 0) and not plan.draft_lens and (
+                plan.num_new_drafts in (None, plan.draft_len)) else 0.0
             self.draft_len_policy.observe(num_draft, num_accepted, plan.draft_len, len(reqs), seconds, per_request)
         return updated, self.finish_done()
 

@@ -50,6 +50,8 @@ class StepPlan(NamedTuple):
             token, which with the overlap scheduler may still be in flight; the runner takes it from the inputs).
         draft_lens: decode only, () when every row verifies draft_len: [B] the drafts each row verifies, ≤ draft_len
             = their maximum (a ragged step: `chain_step.verify_ragged`; input_ids keep draft_len + 1 columns).
+        num_new_drafts: decode only: the drafts the step makes for the next one, in [1, K], for a drafter that
+            drafts on demand (`Drafter.drafts_on_demand`; the policy's draft length); None: the drafter's K.
     """
 
     step_id: int
@@ -75,6 +77,7 @@ class StepPlan(NamedTuple):
     catch_up_starts: tuple[int, ...] = ()
     catch_up_ids: tuple[tuple[int, ...], ...] = ()
     draft_lens: tuple[int, ...] = ()
+    num_new_drafts: int | None = None
 
     @property
     def num_requests(self) -> int:
@@ -94,10 +97,11 @@ class StepPlan(NamedTuple):
 
     @classmethod
     def decode(cls, step_id: int, reqs: tuple[Request, ...], draft_len: int, drafting: bool,
-               catch_up: bool = False, draft_lens: tuple[int, ...] = ()) -> StepPlan:
+               catch_up: bool = False, draft_lens: tuple[int, ...] = (),
+               num_new_drafts: int | None = None) -> StepPlan:
         """One verify-and-draft step of `reqs`, verifying `draft_len` of each one's drafts (`draft_lens`: row i
-        only its first draft_lens[i], draft_len their maximum); with `catch_up`, the rows whose drafter KV has a gap
-        (`Request.drafter_gap`) have the drafter write it first."""
+        only its first draft_lens[i], draft_len their maximum) and drafting `num_new_drafts` (None: K); with
+        `catch_up`, the rows whose drafter KV has a gap (`Request.drafter_gap`) have the drafter write it first."""
         starts, ids = (zip(*[_catch_up(r) for r in reqs])) if catch_up else ((), ())
         pad = [0] * draft_len
         *rows, kv_lens, input_ids = zip(*[
@@ -105,7 +109,8 @@ class StepPlan(NamedTuple):
              (r.last_token_id, *(r.draft_tokens + pad)[:draft_len])) for r in reqs for p in (r.params,)])
         return cls(step_id, "decode", *rows, draft_len, drafting, kv_lens, input_ids,
                    processing=_processing(reqs, draft_len, input_ids), num_logprobs=_num_logprobs(reqs),
-                   catch_up_starts=tuple(starts), catch_up_ids=tuple(ids), draft_lens=draft_lens)
+                   catch_up_starts=tuple(starts), catch_up_ids=tuple(ids), draft_lens=draft_lens,
+                   num_new_drafts=num_new_drafts)
 
 
 def _catch_up(req: Request) -> tuple[int, tuple[int, ...]]:

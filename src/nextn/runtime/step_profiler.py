@@ -96,6 +96,7 @@ class ProfileTarget:
     max_seq_len: int
     num_draft_tokens: int  # K
     vocab_size: int
+    drafts_on_demand: bool = False  # the scheduler's: a step at k drafts k, not K (its times differ)
 
 
 def draft_lens(max_draft_len: int) -> list[int]:
@@ -178,13 +179,16 @@ def _measure_batch(target: ProfileTarget, batch_size: int, prompts: list[list[in
     return {k: min(seconds[WARMUP_ROUNDS:] or seconds[-1:]) for k, seconds in policy.seconds.items()}
 
 
-def _engine_identity(manifest: EngineManifest, spec: BaseModel, args: LlmArgs, device: torch.device) -> str:
+def _engine_identity(manifest: EngineManifest, spec: BaseModel, args: LlmArgs, device: torch.device,
+                     drafts_on_demand: bool = False) -> str:
     """`engine_digest` of what makes this engine's steps what they are: the engine, the drafter's config (its
-    draft-length policy fields excluded: they choose k, the profile times every k), the KV dtype, the compiled /
-    graphed step settings, the device type (on a CPU, nextn's kernel sources too: a faster kernel changes the
-    times), the measuring scheme."""
+    draft-length policy fields excluded: they choose k, the profile times every k), whether a step drafts only its
+    k, the KV dtype, the compiled / graphed step settings, the device type (on a CPU, nextn's kernel sources too: a
+    faster kernel changes the times), the measuring scheme."""
     drafter = spec.model_dump_json(exclude=set(DecodingBaseConfig.model_fields))
     step = [args.kv_cache_config.dtype, args.torch_compile_config, args.cuda_graph_config, device.type]
+    if drafts_on_demand:
+        step.append("drafts on demand")
     if device.type == "cpu":
         step.append(cpu_kernels.source_digest())
     return engine_digest(manifest.model_dump_json(), drafter, repr(step), SCHEME)
@@ -203,7 +207,7 @@ def step_profile_for(spec: BaseModel | None, args: LlmArgs, manifest: EngineMani
             and target.num_draft_tokens > 0):
         return None
     cache_dir = Path(spec.step_profile_dir).expanduser() if spec.step_profile_dir else DEFAULT_PROFILE_DIR
-    key = ProfileKey.current(_engine_identity(manifest, spec, args, device), device)
+    key = ProfileKey.current(_engine_identity(manifest, spec, args, device, target.drafts_on_demand), device)
     name = engine_dir.name
     profile = cached_step_profile(cache_dir, key, name)
     if profile is not None:

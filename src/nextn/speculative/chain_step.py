@@ -142,7 +142,7 @@ def verify_and_draft_step(model: SelfDraftingCausalLM, drafter: Drafter, accepta
                           kv_cache: torch.Tensor, input_ids: torch.Tensor, kv_lens: torch.Tensor,
                           block_tables: torch.Tensor, sampling: SamplingTensors, drafter_state: DrafterState,
                           accept_state: AcceptState, block_size: int,
-                          draft_lens: torch.Tensor | None = None) -> StepOutput:
+                          draft_lens: torch.Tensor | None = None, num_drafts: int | None = None) -> StepOutput:
     """One decode step for a batch: verify the drafts, accept, rewind, draft again.
 
     Args:
@@ -154,6 +154,8 @@ def verify_and_draft_step(model: SelfDraftingCausalLM, drafter: Drafter, accepta
         draft_lens: [B] int64 ≤ K, a ragged step (`verify_ragged`): row b verifies only its first draft_lens[b]
             drafts. Only for batches with no logits processing, a drafter with `draft_lens_hint` whose drafts are
             deterministic, and `StandardAcceptance` (the engine loader's `ragged`).
+        num_drafts: drafts to make for the next step, in [1, K], for a drafter with `drafts_on_demand` (the rest
+            of the [B, K] drafts are zeros, never verified); None: K.
     Returns:
         StepOutput; the new KV length is kv_lens + num_emitted (the rewind: rejected entries are dead).
 
@@ -170,6 +172,8 @@ def verify_and_draft_step(model: SelfDraftingCausalLM, drafter: Drafter, accepta
     sampled = drafter.samples_drafts  # host-known: picks the calls, not a value
     q = {"draft_probs": drafter.draft_probs(drafter_state, w - 1, sampling)} if sampled else {}  # [B, K, V] | None
     with_sampling = {"sampling": sampling} if sampled else {}
+    if num_drafts is not None:
+        with_sampling["num_drafts"] = num_drafts
     logits = sampling.process(model.logits(hidden))  # penalties, bias, grammar: each position after its drafts
     tokens, num_emitted, accept_state = acceptance.accept(logits, input_ids[:, 1:], kv_lens + 1, sampling,
                                                           accept_state, **q)
@@ -230,6 +234,7 @@ class LinearDrafter:
     prefill_overlap = 0
     uses_draft_head = False
     samples_drafts = False
+    drafts_on_demand = False
     kv_lookahead = 0
     kv_in_cache = False
 

@@ -18,7 +18,9 @@ TensorRT-LLM's speculative-config fields (`DecodingBaseConfig`):
 
 A step with draft length 0 < k < K runs the same verify-and-draft step with k draft columns ([last, d1..dk]); the
 drafter still drafts K tokens (its KV and pools stay exactly as after a K-draft step, so raising k again later
-keeps the drafts equal to drafts from scratch), and the unused drafts are dropped. With speculation off (k = 0)
+keeps the drafts equal to drafts from scratch), and the unused drafts are dropped — except a drafter whose every
+draft is a forward of its own (a draft model, `Drafter.drafts_on_demand`), which drafts the k it was given, so
+that a longer k takes effect one step later (runtime/scheduler.py). With speculation off (k = 0)
 the step is plain decoding with no drafter at all, so it costs what plain decoding costs; when speculation comes
 back on, one step with k = 0 and the drafter on re-primes the drafts (the drafter's KV / pools for the positions
 decoded while off are missing, which can only lower acceptance: verification keeps the output lossless).
@@ -158,10 +160,9 @@ class AdaptiveDraftLen:
     decide for a long time). A k not yet measured is interpolated between the measured lengths around it, else
     extrapolated from the nearest measured k' > 0 as t(k') + (k − k') · v · t(0), v = `prior_cost` per verified row
     (below k': at most (t(k') / t(0) − 1) / k', so that no estimate undercuts a plain step), or as t(0) · (1 +
-    `prior_cost` · k) when no speculating step was timed. Measuring each length matters because the drafter drafts K
-    tokens whatever k the step verifies (its KV stays as after a full step): a short k saves verify rows only, not
-    draft work, so no per-draft linear model fits both a draft model (a large fixed drafting cost) and heads (almost
-    none). A bucket whose plain step is not yet timed times one after `warmup_steps` speculating steps, so a drafter
+    `prior_cost` · k) when no speculating step was timed. Measuring each length matters because most drafters draft K
+    tokens whatever k the step verifies (their KV stays as after a full step): a short k saves verify rows only, not
+    draft work, while a draft model drafts k (each draft a forward), so no per-draft linear model fits both. A bucket whose plain step is not yet timed times one after `warmup_steps` speculating steps, so a drafter
     that does not pay is found out within a few steps. Afterwards it probes (each bucket on its own): while off,
     after `probe_every` plain steps it speculates until one speculating step was observed (the drafter's first step
     back only primes the drafts; this one refreshes α and t(k)) at the k ≥ 1 of the best predicted rate — the

@@ -22,7 +22,10 @@ L cached tokens that emits n tokens t0..t(n−1) at positions L+1..L+n:
     d1 ~ q1 from the row at L+n; d2..dK: K−1 one-token steps at L+n+1.. (the whole batch at once)
 
 so drafting costs K draft forwards per step, whatever was accepted (the position L itself was written by the
-previous step's pass). After a prefill, the draft model runs over the same prompt rows (the same attention
+previous step's pass) — or, since each draft is a forward of its own (`drafts_on_demand`), the k forwards of the
+draft length k the draft-length policy chose for the step: with the eager chain step the scheduler asks for that many
+(`StepPlan.num_new_drafts`) and lets the next step verify at most them, so a policy that verifies k < K at a batch
+size where verification rows cost (batch 2 on a CPU) does not pay K − k draft passes it then drops. After a prefill, the draft model runs over the same prompt rows (the same attention
 metadata), then drafts from the first token at the prompt's end. Drafts are sampled with the counter-based RNG on
 their own stream (`STREAM_DRAFT`), so a request's output does not depend on its batch.
 
@@ -141,6 +144,7 @@ class DraftModelDrafter(LinearDrafter):
 
     name = "DraftModel"
     samples_drafts = True  # the chain step hands q to the acceptance rule and the sampling parameters to after_verify
+    drafts_on_demand = True  # each draft is a forward of the draft model: a step drafts the length it will verify
     kv_in_cache = True  # its KV at p depends on tokens ≤ p only (look-ahead 0), in the target's block ids
     skips_drafting = True
     catches_up = True  # its KV depends on the tokens only: a prefill that will not speculate skips it
@@ -209,27 +213,31 @@ class DraftModelDrafter(LinearDrafter):
         return sample_from_probs(q, counter_uniform(sampling.seed, positions, STREAM_DRAFT)), q
 
     def _draft(self, kv: torch.Tensor, meta: AttentionMetadata, tokens: torch.Tensor, positions: torch.Tensor,
-               last_idx: torch.Tensor, sampling: SamplingTensors | None, state: DrafterState
-               ) -> tuple[torch.Tensor, DrafterState]:
-        """Run the draft model over tokens [B, T] at positions [B, T], then K drafts from row last_idx [B] on.
+               last_idx: torch.Tensor, sampling: SamplingTensors | None, state: DrafterState,
+               num_drafts: int | None = None) -> tuple[torch.Tensor, DrafterState]:
+        """Run the draft model over tokens [B, T] at positions [B, T], then n = `num_drafts` (None: K) drafts
+        from row last_idx [B] on: n forwards in all, the first over the T tokens.
 
-        Returns drafts [B, K] int64 and the state (q [B, K, V]; `state` passed on when no request samples).
+        Returns drafts [B, K] int64 (zeros past the n drafted) and the state (q [B, K, V], zeros past n; `state`
+        passed on when no request samples).
         """
+        n = self.num_draft_tokens if num_drafts is None else num_drafts
         step_meta = lambda pos: meta.with_tokens(pos, slots_for_positions(meta.block_tables, pos, meta.block_size))  # noqa: E731
         hidden = rows_at(self.draft(tokens, kv, step_meta(positions)), last_idx)  # [B, 1, H]
         position = rows_at(positions, last_idx) + 1  # [B, 1] where the next draft lands
         drafts, qs = [], []
-        for i in range(self.num_draft_tokens):
+        for i in range(n):
             token, q = self._sample(hidden, position, sampling)
             drafts.append(token)
             qs.append(q)
-            if i + 1 < self.num_draft_tokens:
+            if i + 1 < n:
                 hidden = self.draft(token, kv, step_meta(position))
                 position = position + 1
-        drafts_t = torch.cat(drafts, dim=1)
+        missing = self.num_draft_tokens - n
+        drafts_t = torch.nn.functional.pad(torch.cat(drafts, dim=1), (0, missing))
         if qs[0] is None:
             return drafts_t, state if state else self.initial_state(tokens.shape[0], 0, tokens.device, kv.dtype)
-        return drafts_t, (torch.cat(qs, dim=1),)
+        return drafts_t, (torch.nn.functional.pad(torch.cat(qs, dim=1), (0, 0, 0, missing)),)
 
     def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state, sampling=None,
                       draft=True):
@@ -250,7 +258,7 @@ class DraftModelDrafter(LinearDrafter):
         self.draft(input_ids, self.kv_cache, meta)
 
     def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state, sampling=None,
-                     draft=True):
+                     draft=True, num_drafts=None):
         kv = self._bind(model, kv_cache)
         # Verified row j (input at L + j) emitted target_tokens[:, j], the token at L + j + 1.
         positions = meta.positions[:, :1] + 1 + torch.arange(target_tokens.shape[1], device=target_tokens.device)
@@ -258,7 +266,7 @@ class DraftModelDrafter(LinearDrafter):
             self.draft(target_tokens, kv, meta.with_tokens(positions, slots_for_positions(
                 meta.block_tables, positions, meta.block_size)))
             return target_tokens.new_zeros(target_tokens.shape[0], self.num_draft_tokens), state
-        return self._draft(kv, meta, target_tokens, positions, num_emitted - 1, sampling, state)
+        return self._draft(kv, meta, target_tokens, positions, num_emitted - 1, sampling, state, num_drafts)
 
 
 def build(spec: DraftTargetDecodingConfig, ctx: LoadContext) -> tuple[Drafter, AcceptanceRule]:

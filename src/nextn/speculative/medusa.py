@@ -96,6 +96,7 @@ class MedusaDrafter:
     prefill_overlap = 0
     uses_draft_head = False  # its heads have their own vocabulary projection
     samples_drafts = False
+    drafts_on_demand = False
     kv_lookahead = 0  # no KV of its own: a cached block is the target's
     kv_in_cache = False
     catches_up = False  # (`Drafter.catches_up`)

@@ -74,6 +74,7 @@ class MtpTreeDrafter:
     prefill_overlap = 0
     uses_draft_head = True
     samples_drafts = False
+    drafts_on_demand = False
     kv_lookahead = 1  # module 1's KV at p pairs embed(x_{p+1}) with h_p
     kv_in_cache = True
     catches_up = False  # (`Drafter.catches_up`)

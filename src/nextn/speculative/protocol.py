@@ -183,6 +183,11 @@ class Drafter(Protocol):
     # Drafts drawn from the drafter's own distribution q (a draft model): the chain step hands the acceptance rule
     # q (`draft_probs`) and `after_verify` the sampling parameters; False: deterministic drafts (one-hot q).
     samples_drafts: bool
+    # Whether each draft costs the drafter a forward of its own (a draft model), so that a step should draft only
+    # the draft length the policy chose, not K: the eager chain step then passes `num_drafts` (1..K) to
+    # `after_verify`, which drafts that many ([B, K] still, zeros past them); a step verifies at most the drafts its
+    # rows' last step made (runtime/scheduler.py). False: every step drafts K (their cost hardly depends on k).
+    drafts_on_demand: bool
     # Prefix caching (runtime/prefix_cache.py): tokens after a position that its drafter KV there depends on (MTP
     # Eagle 1, Vanilla K: part of a cached block's key), and whether it keeps KV that a step run without the drafter
     # (speculation off) leaves unwritten (MTP, draft model: such blocks are not cached).
@@ -246,7 +251,9 @@ class Drafter(Protocol):
                      ) -> tuple[torch.Tensor, DrafterState]:
         """Drafts [B, K] after verifying [last, d1..dK]: rows are the K+1 verified positions, last_idx = num_emitted − 1.
         `sampling` (the requests' sampling parameters) is passed only to drafters with `samples_drafts`; on a ragged
-        step, `draft_lens` ([B] int64, each row's verified drafts) only to drafters with `draft_lens_hint`."""
+        step, `draft_lens` ([B] int64, each row's verified drafts) only to drafters with `draft_lens_hint`;
+        `num_drafts` (the drafts to make, 1..K) only to drafters with `drafts_on_demand`, and only by the eager
+        chain step (a compiled or graphed step drafts K)."""
 
     def draft_probs(self, state: DrafterState, num_drafts: int, sampling: SamplingTensors) -> torch.Tensor | None:
         """For drafters with `samples_drafts`: q [B, num_drafts, V] fp32, the distributions this step's first
