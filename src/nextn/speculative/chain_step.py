@@ -171,14 +171,13 @@ def verify_and_draft_step(model: SelfDraftingCausalLM, drafter: Drafter, accepta
     hidden = model(input_ids, kv_cache, meta)  # [B, K+1, H]
     sampled = drafter.samples_drafts  # host-known: picks the calls, not a value
     q = {"draft_probs": drafter.draft_probs(drafter_state, w - 1, sampling)} if sampled else {}  # [B, K, V] | None
-    with_sampling = {"sampling": sampling} if sampled else {}
-    if num_drafts is not None:
-        with_sampling["num_drafts"] = num_drafts
+    extra = {"sampling": sampling} if sampled else {}  # the sampling parameters, the drafts to make: for drafters
+    if num_drafts is not None:  # that take them
+        extra["num_drafts"] = num_drafts
     logits = sampling.process(model.logits(hidden))  # penalties, bias, grammar: each position after its drafts
     tokens, num_emitted, accept_state = acceptance.accept(logits, input_ids[:, 1:], kv_lens + 1, sampling,
                                                           accept_state, **q)
-    drafts, state = drafter.after_verify(model, kv_cache, meta, hidden, tokens, num_emitted, drafter_state,
-                                         **with_sampling)
+    drafts, state = drafter.after_verify(model, kv_cache, meta, hidden, tokens, num_emitted, drafter_state, **extra)
     return StepOutput(tokens, num_emitted, drafts, state, accept_state, sampling.logprobs(logits, tokens))
 
 

@@ -25,9 +25,10 @@ so drafting costs K draft forwards per step, whatever was accepted (the position
 previous step's pass) — or, since each draft is a forward of its own (`drafts_on_demand`), the k forwards of the
 draft length k the draft-length policy chose for the step: with the eager chain step the scheduler asks for that many
 (`StepPlan.num_new_drafts`) and lets the next step verify at most them, so a policy that verifies k < K at a batch
-size where verification rows cost (batch 2 on a CPU) does not pay K − k draft passes it then drops. After a prefill, the draft model runs over the same prompt rows (the same attention
-metadata), then drafts from the first token at the prompt's end. Drafts are sampled with the counter-based RNG on
-their own stream (`STREAM_DRAFT`), so a request's output does not depend on its batch.
+size where verification rows cost (batch 2 on a CPU) does not pay K − k draft passes it then drops. After a
+prefill, the draft model runs over the same prompt rows (the same attention metadata), then drafts from the first
+token at the prompt's end. Drafts are sampled with the counter-based RNG on their own stream (`STREAM_DRAFT`), so
+a request's output does not depend on its batch.
 
 While the draft-length policy turns speculation off, steps run without the draft model: a prefill then skips the
 draft model's pass over the prompt and a decode step runs the target alone, so the positions they cover have no
