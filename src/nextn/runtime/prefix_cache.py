@@ -31,7 +31,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 BlockHash = bytes  # SHA-256 digest (32 bytes)
@@ -147,6 +147,14 @@ class PrefixCache:
         if not drafter_kv:
             self._no_drafter_kv.add(block)
         return True
+
+    def caught_up(self, blocks: Iterable[int]) -> int:
+        """The drafter's KV of these cached `blocks` is written now (a step catching a request's drafter up over
+        them was planned; steps run in order, so any later hit reads it after it is written): hits no longer catch
+        them up again. Blocks not cached or not lacking it are skipped. Returns how many were marked."""
+        marked = [b for b in blocks if b in self._no_drafter_kv]
+        self._no_drafter_kv.difference_update(marked)
+        return len(marked)
 
     def lacks_drafter_kv(self, block: int) -> bool:
         """Whether cached `block` was registered without its drafter's KV."""

@@ -304,8 +304,16 @@ class Scheduler:
             if not drafting and self.drafter_kv and req.drafter_gap is None:
                 req.drafter_gap = req.kv_len  # (host kv_len: with a step in flight the gap starts later)
             elif catch_up:
+                self._caught_up(req)
                 req.drafter_gap = None  # the step writes it first
         return plan
+
+    def _caught_up(self, req: Request) -> None:
+        """A planned step catches `req`'s drafter up from its gap: the cached blocks it covers (hits registered
+        without the drafter's KV, `_prefix_hits`) have it once that step ran, so later hits skip the catch-up."""
+        if self.pool.cache is not None and req.drafter_gap is not None:
+            first = req.drafter_gap // self.pool.block_size
+            self.pool.cache.caught_up(req.block_table[first:req.num_committed_blocks])
 
     def _ragged_lens(self, reqs: tuple[Request, ...], k: int) -> list[int] | None:
         """The drafter's per-row draft lengths under the policy's k, where a ragged step can verify them: k > 0 and
