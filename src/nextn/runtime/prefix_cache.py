@@ -151,7 +151,7 @@ class PrefixCache:
     def caught_up(self, blocks: Iterable[int]) -> int:
         """The drafter's KV of these cached `blocks` is written now (a step catching a request's drafter up over
         them was planned; steps run in order, so any later hit reads it after it is written): hits no longer catch
-        them up again. Blocks not cached or not lacking it are skipped. Returns how many were marked."""
+        them up again. Blocks not cached or not lacking it are skipped. Returns how many marks were cleared."""
         marked = [b for b in blocks if b in self._no_drafter_kv]
         self._no_drafter_kv.difference_update(marked)
         return len(marked)
