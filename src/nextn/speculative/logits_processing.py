@@ -51,9 +51,13 @@ class LogitsProcessing:
     lazy: tuple = ()
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """The processed logits [B, T, V] fp32 (a new tensor; `logits` is left as it was). Entries for positions ≥ T
-        are ignored (a step that verifies fewer positions than it was planned for)."""
-        out = logits.float().clone()
+        """The processed logits [B, T, V] fp32 (a new, row-contiguous tensor; `logits` is left as it was). Entries for
+        positions ≥ T are ignored (a step that verifies fewer positions than it was planned for).
+
+        `logits` may have any strides (a batch's logits are not row-contiguous when another request shares the step,
+        e.g. [B, T, V] with strides (1, B·V, B)): the copy is made row-contiguous here, the layout xgrammar's mask
+        kernels take (`_apply_inplace` checks it)."""
+        out = logits.float().clone(memory_format=torch.contiguous_format)
         t_max = out.shape[1]
         if self.mult_index.numel():
             b, t, v = self.mult_index[self.mult_index[:, 1] < t_max].unbind(1)
@@ -87,7 +91,7 @@ class LogitsProcessing:
                 masks.append(m[:t])
         if masked:
             idx = torch.tensor(masked, dtype=torch.int64)
-            block = out[idx].view(len(masked) * t, v)
+            block = out[idx].contiguous().view(len(masked) * t, v)
             _apply_inplace(block, torch.stack(masks).view(len(masked) * t, -1).to(out.device), None)
             out[idx] = block.view(len(masked), t, v)
 
@@ -98,9 +102,9 @@ class LogitsProcessing:
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """logits [..., V] with every token whose bit is clear in bitmask [..., ceil(V / 32)] int32 set to −inf (a new
-    fp32 tensor)."""
+    fp32 tensor, row-contiguous whatever the strides of `logits`)."""
     v = logits.shape[-1]
-    out = logits.float().contiguous().clone()
+    out = logits.float().clone(memory_format=torch.contiguous_format)
     _apply_inplace(out.view(-1, v), bitmask.reshape(-1, bitmask.shape[-1]).contiguous(), None)
     return out
 
@@ -109,16 +113,31 @@ def _apply_inplace(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] 
     """xgrammar's `apply_token_bitmask_inplace` (its CPU kernel on the host, its CUDA / Triton kernel on a GPU):
     logits [N, V] fp32, bitmask [N, ceil(V / 32)] int32; only `rows` (None: all).
 
+    Both must be 2-D with contiguous rows: xgrammar's CPU kernel reads row i at i · stride(0) and assumes unit
+    stride within it, so a column-strided tensor would have one row's mask land on the next (ValueError instead).
+
     Where V is not a multiple of 32 the last word's bits past V are set first: xgrammar's CPU kernel (0.2.8) masks
     the next row's token 0 when they are clear (a row [-1, -1, -1, 15] over V = 100 masks row + 1's token 0)."""
     import xgrammar
 
+    _check_rows(logits, "logits", torch.float32)
+    _check_rows(bitmask, "bitmask", torch.int32)
+    if bitmask.shape[0] != logits.shape[0] and rows is None:
+        raise ValueError(f"bitmask rows {bitmask.shape[0]} != logits rows {logits.shape[0]}")
     v = logits.shape[-1]
     if v % 32:
         bitmask = bitmask.clone()
         bitmask[:, v // 32] |= -(1 << (v % 32))
 
     xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
+
+
+def _check_rows(x: torch.Tensor, name: str, dtype: torch.dtype) -> None:
+    """ValueError unless `x` is a 2-D `dtype` tensor whose rows are contiguous (unit stride along the last dim,
+    rows `shape[1]` elements apart: what `_apply_inplace`'s kernels assume)."""
+    if x.dim() != 2 or x.dtype != dtype or not x.is_contiguous():
+        raise ValueError(f"{name} must be 2-D contiguous rows of {dtype}; got shape {tuple(x.shape)}, "
+                         f"strides {x.stride()}, {x.dtype}")
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: torch.Tensor, k: int
