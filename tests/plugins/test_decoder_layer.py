@@ -13,8 +13,9 @@ from nextn.plugins.decoder_layer import fuse_layer, fuse_stack, fused_forward, s
 from nextn.models.attention_metadata import AttentionMetadata
 from nextn.testing.tiny_llama import tiny_hf_llama
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
-                                reason=f"nextn's CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
+pytestmark = [pytest.mark.skipif(not cpu_kernels.available(),
+                                 reason=f"nextn's CPU kernels unavailable: {cpu_kernels.unavailable_reason()}"),
+              pytest.mark.usefixtures("kernel_variant")]
 
 BLOCK = 4
 
@@ -234,7 +235,7 @@ def test_fake_implementation_lets_torch_compile_trace_the_op(llm):
     args = (x, cos_sin, kv, meta.slot_mapping.reshape(-1), meta.context_slots, meta.visible,
             f.input_norm, f.post_norm, f.qkv, f.o, f.gate_up, f.down, attn.num_heads, attn.num_kv_heads,
             f.group_size, layer.input_layernorm.eps, attn.scale)
-    torch.library.opcheck(torch.ops.nextn.llama_decoder_layer.default, args,
+    torch.library.opcheck(cpu_kernels.ops().llama_decoder_layer.default, args,
                           test_utils=("test_schema", "test_faketensor"))
 
 
@@ -245,5 +246,5 @@ def test_fake_implementation_lets_torch_compile_trace_the_stack(llm):
     args = (x, cos_sin, torch.stack([kv, kv]), meta.slot_mapping.reshape(-1), meta.context_slots, meta.visible,
             st.norms, st.qkv, st.o, st.gate_up, st.down, st.arity, st.num_heads, st.num_kv_heads, st.group_size,
             st.eps, st.scale, st.int8_activations)
-    torch.library.opcheck(torch.ops.nextn.llama_decoder_stack.default, args,
+    torch.library.opcheck(cpu_kernels.ops().llama_decoder_stack.default, args,
                           test_utils=("test_schema", "test_faketensor"))

@@ -7,11 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nextn.plugins import dense_linear
+from nextn.plugins import cpu_kernels, dense_linear
 from nextn.plugins.dense_linear import DenseLinear, pack, unpack
 
-pytestmark = pytest.mark.skipif(not dense_linear.available(),
-                                reason=f"nextn's CPU kernels unavailable: {dense_linear.unavailable_reason()}")
+pytestmark = [pytest.mark.skipif(not dense_linear.available(),
+                                 reason=f"nextn's CPU kernels unavailable: {dense_linear.unavailable_reason()}"),
+              pytest.mark.usefixtures("kernel_variant")]
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 IDS = ["bf16", "fp16", "fp32"]
@@ -119,7 +120,7 @@ def test_pack_lays_out_blocks_of_16_channels(dtype):
 
 def test_bad_operands_are_named():
     _, packed, bias = _operands(40, 64, torch.bfloat16)
-    op = torch.ops.nextn.dense_linear
+    op = cpu_kernels.ops().dense_linear
     with pytest.raises(RuntimeError, match="x has 32 input channels"):
         op(torch.randn(1, 32), packed, None, 40)
     with pytest.raises(RuntimeError, match="out_features = 50"):
@@ -163,5 +164,5 @@ def test_reference_rows_alone_is_batch_invariant():
 def test_fake_implementation_lets_torch_compile_trace_the_op():
     for dtype in DTYPES:
         _, packed, bias = _operands(40, 64, dtype)
-        torch.library.opcheck(torch.ops.nextn.dense_linear.default, (torch.randn(3, 64).to(dtype), packed, bias, 40),
+        torch.library.opcheck(cpu_kernels.ops().dense_linear.default, (torch.randn(3, 64).to(dtype), packed, bias, 40),
                               test_utils=("test_schema", "test_faketensor"))

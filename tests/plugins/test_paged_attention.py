@@ -8,8 +8,9 @@ import torch
 
 from nextn.plugins import cpu_kernels, paged_attention
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
-                                reason=f"nextn's CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
+pytestmark = [pytest.mark.skipif(not cpu_kernels.available(),
+                                 reason=f"nextn's CPU kernels unavailable: {cpu_kernels.unavailable_reason()}"),
+              pytest.mark.usefixtures("kernel_variant")]
 
 
 def _case(b: int, t: int, nh: int, nkv: int, d: int, ctx: list[int], dtype: torch.dtype, seed: int = 0,
@@ -39,7 +40,7 @@ def _case(b: int, t: int, nh: int, nkv: int, d: int, ctx: list[int], dtype: torc
                                               (2, 37, 12, 2, 128, [40, 61])])  # 5 query tiles, the last partial
 def test_matches_the_reference(dtype, b, t, nh, nkv, d, ctx):
     q, kv, slots, visible = _case(b, t, nh, nkv, d, ctx, dtype)
-    out = torch.ops.nextn.paged_attention(q, kv, slots, visible, d ** -0.5)
+    out = cpu_kernels.ops().paged_attention(q, kv, slots, visible, d ** -0.5)
     ref = paged_attention.reference(q, kv, slots, visible, d ** -0.5)
     assert out.shape == (b, t, nh * d) and out.dtype == dtype
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
@@ -52,7 +53,7 @@ def test_a_tree_mask_is_honoured():
     gen = torch.Generator().manual_seed(4)
     visible = torch.rand(1, 1, 6, slots.shape[1], generator=gen) < 0.5
     visible[..., 0] = True
-    out = torch.ops.nextn.paged_attention(q, kv, slots, visible, 0.125)
+    out = cpu_kernels.ops().paged_attention(q, kv, slots, visible, 0.125)
     torch.testing.assert_close(out, paged_attention.reference(q, kv, slots, visible, 0.125), rtol=1e-5, atol=1e-5)
 
 
@@ -62,12 +63,12 @@ def test_every_query_row_is_computed_as_if_alone(dtype, d):
     """Batch invariance, bit for bit: a verify step's or a prefill chunk's rows (T > 1 in one query tile and over
     several, B > 1) equal one-token steps' (head_dim 8 and 40 end in a masked chunk)."""
     q, kv, slots, visible = _case(2, 37, 6, 2, d, [45, 39], dtype, seed=5)
-    together = torch.ops.nextn.paged_attention(q, kv, slots, visible, 0.125)
-    verify = torch.ops.nextn.paged_attention(q[:, -17:], kv, slots, visible[:, :, -17:], 0.125)
+    together = cpu_kernels.ops().paged_attention(q, kv, slots, visible, 0.125)
+    verify = cpu_kernels.ops().paged_attention(q[:, -17:], kv, slots, visible[:, :, -17:], 0.125)
     assert torch.equal(verify, together[:, -17:])
     for i in range(2):
         for j in range(37):
-            alone = torch.ops.nextn.paged_attention(q[i:i + 1, j:j + 1], kv, slots[i:i + 1],
+            alone = cpu_kernels.ops().paged_attention(q[i:i + 1, j:j + 1], kv, slots[i:i + 1],
                                                     visible[i:i + 1, :, j:j + 1], 0.125)
             assert torch.equal(alone[0, 0], together[i, j])
 
@@ -76,18 +77,18 @@ def test_bad_operands_are_named():
     q, kv, slots, visible = _case(1, 1, 4, 2, 64, [8], torch.float32)
     big_q, big_kv, big_slots, big_visible = _case(1, 1, 2, 1, 264, [4], torch.float32)
     with pytest.raises(RuntimeError, match="head_dim 264 must be in"):
-        torch.ops.nextn.paged_attention(big_q, big_kv, big_slots, big_visible, 1.0)
+        cpu_kernels.ops().paged_attention(big_q, big_kv, big_slots, big_visible, 1.0)
     with pytest.raises(RuntimeError, match="kv_cache must be a contiguous"):
-        torch.ops.nextn.paged_attention(q[..., :40], kv, slots, visible, 1.0)
+        cpu_kernels.ops().paged_attention(q[..., :40], kv, slots, visible, 1.0)
     with pytest.raises(RuntimeError, match="bfloat16 or both float32"):
-        torch.ops.nextn.paged_attention(q.bfloat16(), kv, slots, visible, 1.0)
+        cpu_kernels.ops().paged_attention(q.bfloat16(), kv, slots, visible, 1.0)
     with pytest.raises(RuntimeError, match="visible"):
-        torch.ops.nextn.paged_attention(q, kv, slots, visible[..., :3], 1.0)
+        cpu_kernels.ops().paged_attention(q, kv, slots, visible[..., :3], 1.0)
 
 
 def test_fake_implementation_lets_torch_compile_trace_the_op():
     q, kv, slots, visible = _case(1, 2, 4, 2, 64, [8], torch.float32)
-    torch.library.opcheck(torch.ops.nextn.paged_attention.default, (q, kv, slots, visible, 0.125),
+    torch.library.opcheck(cpu_kernels.ops().paged_attention.default, (q, kv, slots, visible, 0.125),
                           test_utils=("test_schema", "test_faketensor"))
 
 

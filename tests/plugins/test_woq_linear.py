@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nextn.plugins import woq_linear
+from nextn.plugins import cpu_kernels, woq_linear
 from nextn.quantization import QuantConfig, dequantize, quantize
 from nextn.quantization.linear import WeightOnlyLinear
 
-pytestmark = pytest.mark.skipif(not woq_linear.available(),
-                                reason=f"nextn's CPU kernels unavailable: {woq_linear.unavailable_reason()}")
+pytestmark = [pytest.mark.skipif(not woq_linear.available(),
+                                 reason=f"nextn's CPU kernels unavailable: {woq_linear.unavailable_reason()}"),
+              pytest.mark.usefixtures("kernel_variant")]
 
 W4 = QuantConfig(quant_algo="W4A16", group_size=32)
 W8 = QuantConfig(quant_algo="W8A16")
@@ -44,7 +45,7 @@ def test_int4_matches_the_reference(n, k, g, sb, rows, a8):
     x = torch.randn(rows, k).bfloat16()
     x[0, :g] = 0  # an all-zero group (W4A8: scale 0)
     bias = torch.randn(n)
-    out = torch.ops.nextn.woq_int4_linear(x, packed, scale, zero8, g, bias, a8)
+    out = cpu_kernels.ops().woq_int4_linear(x, packed, scale, zero8, g, bias, a8)
     ref = woq_linear.int4_linear_reference(x.float(), packed, scale, zero8, g, bias, int8_activations=a8)
     assert out.shape == (rows, n) and out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
@@ -75,7 +76,7 @@ def test_pack_int4_keeps_every_value():
         got = woq_linear.int4_linear_reference(x, packed, scale, zero8, 32)
         torch.testing.assert_close(got.T, dequantize(t, cfg))
         # and the kernel reads the same values
-        torch.testing.assert_close(torch.ops.nextn.woq_int4_linear(x.bfloat16(), packed, scale, zero8, 32, None)
+        torch.testing.assert_close(cpu_kernels.ops().woq_int4_linear(x.bfloat16(), packed, scale, zero8, 32, None)
                                    .float().T, dequantize(t, cfg), rtol=1e-2, atol=1e-2)
     with pytest.raises(ValueError, match="K % 64"):
         woq_linear.pack_int4(torch.zeros(16, 24, dtype=torch.uint8))
@@ -96,7 +97,7 @@ def test_int8_matches_the_reference(n, rows):
     gen = torch.Generator().manual_seed(1)
     t, packed, scale = _int8_operands(n, 576, seed=1)
     x, bias = torch.randn(rows, 576, generator=gen), torch.randn(n, generator=gen)
-    out = torch.ops.nextn.woq_int8_linear(x, packed, scale, bias)
+    out = cpu_kernels.ops().woq_int8_linear(x, packed, scale, bias)
     ref = woq_linear.int8_linear_reference(x, packed, scale, bias)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
@@ -122,11 +123,11 @@ def test_every_row_is_computed_as_if_alone(rows):
     a8_two = _int4_operands(80, 576, 32, seed=2, super_block=192, a8=True)[1:]
     _, q8, s8 = _int8_operands(80, 576)
     x = torch.randn(rows, 576).bfloat16()
-    ops = [lambda a: torch.ops.nextn.woq_int4_linear(a, packed, scale, zero8, 32, None),
-           lambda a: torch.ops.nextn.woq_int4_linear(a, *two, 32, None),
-           lambda a: torch.ops.nextn.woq_int4_linear(a, *a8, 32, None, True),
-           lambda a: torch.ops.nextn.woq_int4_linear(a, *a8_two, 32, None, True),
-           lambda a: torch.ops.nextn.woq_int8_linear(a, q8, s8, None)]
+    ops = [lambda a: cpu_kernels.ops().woq_int4_linear(a, packed, scale, zero8, 32, None),
+           lambda a: cpu_kernels.ops().woq_int4_linear(a, *two, 32, None),
+           lambda a: cpu_kernels.ops().woq_int4_linear(a, *a8, 32, None, True),
+           lambda a: cpu_kernels.ops().woq_int4_linear(a, *a8_two, 32, None, True),
+           lambda a: cpu_kernels.ops().woq_int8_linear(a, q8, s8, None)]
     for op in ops:
         together = op(x)
         alone = torch.cat([op(x[i:i + 1]) for i in range(rows)])
@@ -136,35 +137,35 @@ def test_every_row_is_computed_as_if_alone(rows):
 def test_bad_operands_are_named():
     _, packed, scale, zero8 = _int4_operands(16, 128, 32)
     with pytest.raises(RuntimeError, match="output channels"):
-        torch.ops.nextn.woq_int4_linear(torch.randn(1, 128), packed[:8], scale, zero8, 32, None)
+        cpu_kernels.ops().woq_int4_linear(torch.randn(1, 128), packed[:8], scale, zero8, 32, None)
     with pytest.raises(RuntimeError, match="input channels"):
-        torch.ops.nextn.woq_int4_linear(torch.randn(1, 64), packed, scale, zero8, 32, None)
+        cpu_kernels.ops().woq_int4_linear(torch.randn(1, 64), packed, scale, zero8, 32, None)
     with pytest.raises(RuntimeError, match="bfloat16"):
-        torch.ops.nextn.woq_int4_linear(torch.randn(1, 128), packed, scale.float(), zero8, 32, None)
+        cpu_kernels.ops().woq_int4_linear(torch.randn(1, 128), packed, scale.float(), zero8, 32, None)
     _, packed, pairs, sup = _int4_operands(16, 128, 32, super_block=64)
     with pytest.raises(RuntimeError, match="two-level scales"):
-        torch.ops.nextn.woq_int4_linear(torch.randn(1, 128), packed, pairs, sup.float(), 32, None)
+        cpu_kernels.ops().woq_int4_linear(torch.randn(1, 128), packed, pairs, sup.float(), 32, None)
     with pytest.raises(RuntimeError, match="super-blocks do not divide"):  # 3 super-blocks for 4 groups
-        torch.ops.nextn.woq_int4_linear(torch.randn(1, 128), packed, pairs, torch.cat([sup, sup[:, :1]], 1), 32, None)
+        cpu_kernels.ops().woq_int4_linear(torch.randn(1, 128), packed, pairs, torch.cat([sup, sup[:, :1]], 1), 32, None)
     with pytest.raises(RuntimeError, match="K = 40 must be a multiple of 16"):
-        torch.ops.nextn.woq_int8_linear(torch.randn(1, 40), torch.zeros(16, 40, dtype=torch.int8), torch.ones(16), None)
+        cpu_kernels.ops().woq_int8_linear(torch.randn(1, 40), torch.zeros(16, 40, dtype=torch.int8), torch.ones(16), None)
     with pytest.raises(RuntimeError, match="N = 4 output channels must be a multiple of 16"):
-        torch.ops.nextn.woq_int8_linear(torch.randn(1, 32), torch.zeros(4, 32, dtype=torch.int8), torch.ones(4), None)
+        cpu_kernels.ops().woq_int8_linear(torch.randn(1, 32), torch.zeros(4, 32, dtype=torch.int8), torch.ones(4), None)
 
 
 def test_fake_implementations_let_torch_compile_trace_the_ops():
     _, packed, scale, zero8 = _int4_operands(16, 128, 32)
     x = torch.randn(3, 128).bfloat16()
-    torch.library.opcheck(torch.ops.nextn.woq_int4_linear.default, (x, packed, scale, zero8, 32, None),
+    torch.library.opcheck(cpu_kernels.ops().woq_int4_linear.default, (x, packed, scale, zero8, 32, None),
                           test_utils=("test_schema", "test_faketensor"))
     _, packed, pairs, sup = _int4_operands(16, 128, 32, super_block=64)
-    torch.library.opcheck(torch.ops.nextn.woq_int4_linear.default, (x, packed, pairs, sup, 32, None),
+    torch.library.opcheck(cpu_kernels.ops().woq_int4_linear.default, (x, packed, pairs, sup, 32, None),
                           test_utils=("test_schema", "test_faketensor"))
     _, packed, scale, zero8 = _int4_operands(16, 128, 32, a8=True)
-    torch.library.opcheck(torch.ops.nextn.woq_int4_linear.default, (x, packed, scale, zero8, 32, None, True),
+    torch.library.opcheck(cpu_kernels.ops().woq_int4_linear.default, (x, packed, scale, zero8, 32, None, True),
                           test_utils=("test_schema", "test_faketensor"))
     _, q8, s8 = _int8_operands(16, 128)
-    torch.library.opcheck(torch.ops.nextn.woq_int8_linear.default, (x, q8, s8, None),
+    torch.library.opcheck(cpu_kernels.ops().woq_int8_linear.default, (x, q8, s8, None),
                           test_utils=("test_schema", "test_faketensor"))
 
 

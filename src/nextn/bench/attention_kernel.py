@@ -19,7 +19,7 @@ import torch
 
 
 def time_attention(t: int, s: int, heads: int, kv_heads: int, head_dim: int, iters: int) -> float:
-    """Median ms of one `torch.ops.nextn.paged_attention` call over T = t queries and S = s keys (bf16).
+    """Median ms of one `paged_attention` kernel call over T = t queries and S = s keys (bf16).
 
     Raises:
         RuntimeError: the CPU kernels are unavailable here (`plugins.cpu_kernels.unavailable_reason`).
@@ -34,7 +34,7 @@ def time_attention(t: int, s: int, heads: int, kv_heads: int, head_dim: int, ite
     slots = torch.arange(s)[None]
     visible = torch.ones(t, s, dtype=torch.bool).tril(s - t)[None, None].contiguous()
     scale = head_dim ** -0.5
-    op = torch.ops.nextn.paged_attention
+    op = cpu_kernels.ops().paged_attention
     op(q, kv, slots, visible, scale)
     times = []
     for _ in range(iters):

@@ -34,7 +34,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from nextn.plugins import dense_linear, woq_linear
+from nextn.plugins import cpu_kernels, dense_linear, woq_linear
 from nextn.plugins.packed_linear import packed_linear, packing_supported
 from nextn.quantization.weight_only import super_block
 
@@ -80,19 +80,19 @@ def kernels(n: int, k: int, group: int = 32, copies: int = 1
 
         def nextn_int8(x):
             turn["int8"] = (turn["int8"] + 1) % copies
-            return torch.ops.nextn.woq_int8_linear(x, *int8[turn["int8"]], None)
+            return cpu_kernels.ops().woq_int8_linear(x, *int8[turn["int8"]], None)
 
         def nextn_int4(x):
             turn["int4"] = (turn["int4"] + 1) % copies
-            return torch.ops.nextn.woq_int4_linear(x, *int4[turn["int4"]], group, None)
+            return cpu_kernels.ops().woq_int4_linear(x, *int4[turn["int4"]], group, None)
 
         def nextn_int4k(x):
             turn["int4k"] = (turn["int4k"] + 1) % copies
-            return torch.ops.nextn.woq_int4_linear(x, *int4k[turn["int4k"]], group, None)
+            return cpu_kernels.ops().woq_int4_linear(x, *int4k[turn["int4k"]], group, None)
 
         def nextn_int4a8(x):  # W4A8 (the same bytes; the vpdpbusd layout is a permutation of them)
             turn["int4k"] = (turn["int4k"] + 1) % copies
-            return torch.ops.nextn.woq_int4_linear(x, *int4k[turn["int4k"]], group, None, True)
+            return cpu_kernels.ops().woq_int4_linear(x, *int4k[turn["int4k"]], group, None, True)
 
         out["nextn int8"] = (nextn_int8, n * k + 4 * n)
         out[f"nextn int4 g{group}"] = (nextn_int4, n * k // 2 + 4 * n * (k // group))

@@ -1,11 +1,12 @@
-// What nextn's CPU kernels share between their translation units (one extension: cpu_kernels.py). Raw-pointer
-// entry points, no checks: the ops that call them check their tensors.
+// What nextn's CPU kernels share between their translation units (one extension per ISA variant: cpu_kernels.py).
+// Raw-pointer entry points, no checks: the ops that call them check their tensors. SIMD: simd.h.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <ATen/Parallel.h>
-#include <immintrin.h>
+
+#include "simd.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -47,25 +48,6 @@ void paged_attention_bf16(const uint16_t* q, const uint16_t* kv_cache, const int
                           const bool* visible, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t S, int64_t D,
                           float scale, float* out);
 
-
-// exp(v), 16 lanes of f32 (|error| ~1 ulp): 2^n * p(r), r = v - n ln 2 in two parts (Cody and Waite), p a degree-6
-// polynomial (Cephes' expf coefficients); v clamped to [-104, 88] (below -104 the result is 0 either way: 1 + exp(v)
-// is 1 for SiLU long before, and a softmax weight that small is no subnormal to slow the sums). The same for every
-// lane whatever the batch. SiLU in decoder_layer_cpu.cpp, the softmax in paged_attention_cpu.cpp.
-inline __m512 exp16(__m512 v) {
-  v = _mm512_max_ps(_mm512_min_ps(v, _mm512_set1_ps(88.f)), _mm512_set1_ps(-104.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), v);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.3981999507e-3f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
 
 // The linear kernels' row and block loops (woq_linear_cpu.cpp, dense_linear_cpu.cpp). Which path a row takes changes
 // nothing in its arithmetic: every row is computed alone (batch invariance).

@@ -1,24 +1,40 @@
-"""Builds and loads nextn's C++ CPU kernels (`*_cpu.cpp` in this folder) as one PyTorch extension, once.
+"""Builds nextn's C++ CPU kernels (`*_cpu.cpp` in this folder) for the CPU's best ISA variant and loads them, once.
 
 Kernels: `woq_linear_cpu.cpp` (weight-only int4 / int8 linears, `woq_linear.py`), `paged_attention_cpu.cpp`
 (`paged_attention.py`), `decoder_layer_cpu.cpp` (a whole Llama decoder layer over the first two,
 `decoder_layer.py`) and `dense_linear_cpu.cpp` (batch-invariant bf16 / fp16 / fp32 linears, `dense_linear.py`);
-`cpu_kernels.h` declares what they share. They are compiled on first use with `torch.utils.cpp_extension` (g++ with OpenMP, ~30–60 s
-once per machine; cached under `TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`, and rebuilt when a
-source changes) and only on x86-64 CPUs with AVX-512 F/BW/VL, AVX512-BF16 and FMA. Where that is not possible
-(another CPU, no compiler), `available()` is False with the reason in `unavailable_reason()`, one warning is logged,
-and every caller keeps its PyTorch path. The ops get fake (meta) implementations here, so `torch.compile` traces
-them as opaque calls.
+`cpu_kernels.h` declares what they share, `simd.h` is the SIMD layer they are written over (ATen's `at::vec` plus a
+few primitives per ISA), so each kernel is one source for every variant:
+
+| variant       | CPUs                                                     | needs (/proc/cpuinfo flags)                   |
+|---------------|----------------------------------------------------------|-----------------------------------------------|
+| `avx512_bf16` | AMD Zen 4/5, Intel Sapphire Rapids and later             | AVX-512 F/BW/VL/DQ, VNNI, AVX512-BF16, FMA, F16C |
+| `avx512`      | Intel Cascade Lake / Ice Lake, cloud VMs that mask BF16  | AVX-512 F/BW/VL/DQ, VNNI, FMA, F16C             |
+| `avx2`        | Intel Haswell and later (Core 12th gen+), AMD Zen 1-3    | AVX2, FMA, F16C                                |
+| `neon`        | ARM64 (Apple M, Graviton, Ampere)                        | an aarch64 CPU                                 |
+| `generic`     | any other CPU                                            | a C++ compiler                                 |
+
+The best variant the CPU runs is chosen at the first use; `NEXTN_CPU_ISA=<variant>` forces a lower one (`none`:
+nextn's kernels off, PyTorch's per-op paths), and a variant the CPU cannot run, or an unknown name, is refused by
+name (`ValueError`). Each variant compiles on first use with `torch.utils.cpp_extension` (g++ with OpenMP, ~30-60 s
+once per machine and variant; cached under `TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`, rebuilt
+when a source changes) as its own library whose ops are `torch.ops.nextn_<variant>.*`: `ops()` is the chosen
+variant's namespace, and several variants can be loaded in one process (the tests compare them). Where no variant
+can load (no compiler), `available()` is False with the reason in `unavailable_reason()`, one warning is logged,
+and every caller keeps its PyTorch path. The ops get fake (meta) implementations, so `torch.compile` traces them
+as opaque calls.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import logging
 import os
 import platform
+import shutil
 import sys
 from pathlib import Path
 
@@ -26,61 +42,214 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_NAME = "nextn_cpu_kernels"
+ENV = "NEXTN_CPU_ISA"
 SOURCES = [Path(__file__).with_name(n) for n in ("woq_linear_cpu.cpp", "paged_attention_cpu.cpp",
                                                 "decoder_layer_cpu.cpp", "dense_linear_cpu.cpp")]
-HEADER = Path(__file__).with_name("cpu_kernels.h")
-_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "fma")
-_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-fopenmp"]
+HEADERS = [Path(__file__).with_name(n) for n in ("cpu_kernels.h", "simd.h")]
 
 
-def _cpu_flags() -> set[str]:
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One ISA level the kernels are compiled for: its name, the CPU flags it needs (as /proc/cpuinfo spells them),
+    the machine it runs on, and the compiler flags (including ATen's `CPU_CAPABILITY` for `at::vec`)."""
+
+    name: str
+    machines: tuple[str, ...]
+    cpu_flags: tuple[str, ...]
+    cflags: tuple[str, ...]
+
+
+_X86 = ("x86_64", "AMD64")
+#: best first: the first one the CPU runs is the default
+VARIANTS = (
+    Variant("avx512_bf16", _X86,
+            ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16", "fma", "f16c"),
+            ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512bf16", "-mfma", "-mf16c",
+             "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512")),
+    Variant("avx512", _X86, ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma", "f16c"),
+            ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-mf16c",
+             "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512")),
+    Variant("avx2", _X86, ("avx2", "fma", "f16c"),
+            ("-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2")),
+    Variant("neon", ("aarch64", "arm64"), (), ("-DCPU_CAPABILITY=DEFAULT",)),
+    Variant("generic", (), (), ("-DCPU_CAPABILITY=DEFAULT",)),
+)
+_BY_NAME = {v.name: v for v in VARIANTS}
+_COMMON_CFLAGS = ("-O3", "-fopenmp", "-fvisibility=hidden")
+
+
+@functools.cache
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo spells them (x86 `flags`, ARM `Features`); empty where unreadable."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return set()
     for line in text.splitlines():
-        if line.startswith("flags"):
+        if line.startswith(("flags", "Features")):
             return set(line.partition(":")[2].split())
     return set()
 
 
+def missing(variant: Variant) -> list[str]:
+    """What this machine lacks to run `variant` (empty: it runs it)."""
+    if variant.machines and platform.machine() not in variant.machines:
+        return [f"a {'/'.join(variant.machines[:1])} CPU (this is {platform.machine()})"]
+    flags = cpu_flags()
+    return [f for f in variant.cpu_flags if f not in flags]
+
+
+def runnable() -> list[str]:
+    """The variants this CPU runs, best first."""
+    return [v.name for v in VARIANTS if not missing(v)]
+
+
+def _requested() -> str | None:
+    """The variant to use: NEXTN_CPU_ISA when set (validated), else the CPU's best; None for `none`.
+
+    Raises:
+        ValueError: NEXTN_CPU_ISA names no variant, or one this CPU cannot run."""
+    want = os.environ.get(ENV, "").strip().lower()
+    if not want:
+        return runnable()[0]
+    if want == "none":
+        return None
+    if want not in _BY_NAME:
+        raise ValueError(f"{ENV}={want!r} is not a kernel variant; choose one of "
+                         f"{', '.join(_BY_NAME)} or none")
+    lacks = missing(_BY_NAME[want])
+    if lacks:
+        raise ValueError(f"{ENV}={want}: this CPU cannot run it (it lacks {', '.join(lacks)}); it runs "
+                         f"{', '.join(runnable())}")
+    return want
+
+
 @functools.cache
 def source_digest() -> str:
-    """SHA-256 (hex) of the kernels' C++ sources and header: what a measurement of their speed depends on (a step
-    profile is measured again when it changes)."""
+    """SHA-256 (hex) of the kernels' C++ sources and headers: what a measurement of their speed depends on (a step
+    profile is measured again when it changes; the variant is part of its key too)."""
     h = hashlib.sha256()
-    for path in (*SOURCES, HEADER):
+    for path in (*SOURCES, *HEADERS):
         h.update(path.read_bytes())
     return h.hexdigest()
 
 
+def _module_name(variant: str) -> str:
+    return f"nextn_cpu_kernels_{variant}"
+
+
+def namespace(variant: str) -> str:
+    """The torch op namespace of a variant's kernels (`torch.ops.<namespace>.woq_int4_linear`, ...)."""
+    return f"nextn_{variant}"
+
+
 @functools.cache
-def _load() -> str | None:
-    """Compile and load the kernels once; returns None on success, else why they are unavailable."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return f"needs an x86-64 CPU (this is {platform.machine()})"
-    missing = [f for f in _CPU_FLAGS if f not in _cpu_flags()]
-    if missing:
-        return f"the CPU lacks {', '.join(missing)}"
+def build(variant: str) -> str | None:
+    """Compile (first use) and load one variant's kernels; returns None on success, else why they are unavailable.
+    Does not check that the CPU runs the variant (`missing`): loading is safe, calling is not."""
+    v = _BY_NAME[variant]
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        reason = ("no C++ compiler on PATH (install g++: `apt-get install g++`, `dnf install gcc-c++`; macOS: "
+                  "`xcode-select --install`); without nextn's kernels decoding runs PyTorch's per-op paths, several "
+                  "times slower, and batch invariance is not guaranteed")
+        logger.warning("nextn: CPU kernels unavailable: %s", reason)
+        return reason
     try:
         from torch.utils import cpp_extension
 
-        if not _built_before(cpp_extension):
-            print("compiling nextn's CPU kernels for this machine (once, ~30-60 s)", file=sys.stderr, flush=True)
-        with _ninja_on_path():
-            # torch rebuilds when a source or a flag changes, not a header: the header's hash goes in as a flag
-            header = hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16]
-            cpp_extension.load(name=_NAME, sources=[str(s) for s in SOURCES],
-                               extra_cflags=[*_CFLAGS, f"-DNEXTN_HEADER_HASH={header}"],
+        name = _module_name(variant)
+        if not _built_before(cpp_extension, name):
+            print(f"compiling nextn's CPU kernels ({variant}) for this machine (once, ~30-60 s)", file=sys.stderr,
+                  flush=True)
+        with _ninja_on_path(), _build_lock(Path(cpp_extension._get_build_directory(name, verbose=False))):
+            # torch rebuilds when a source or a flag changes, not a header: the headers' hash goes in as a flag
+            headers = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
+            cpp_extension.load(name=name, sources=[str(s) for s in SOURCES],
+                               extra_cflags=[*_COMMON_CFLAGS, *v.cflags, f"-DNEXTN_OPS={namespace(variant)}",
+                                             f"-DNEXTN_HEADER_HASH={headers}"],
                                extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-    except Exception as e:  # no compiler, no headers, a failed build: callers keep PyTorch's paths
+    except Exception as e:  # no headers, a failed build: callers keep PyTorch's paths
         first = str(e).splitlines()[0] if str(e) else ""
-        reason = f"building {', '.join(s.name for s in SOURCES)} failed ({type(e).__name__}: {first})"
+        reason = f"building {', '.join(s.name for s in SOURCES)} ({variant}) failed ({type(e).__name__}: {first})"
         logger.warning("nextn: CPU kernels unavailable, using PyTorch's (slower): %s", reason)
         return reason
-    _register_fakes()
+    ran = getattr(torch.ops, namespace(variant)).isa()
+    if ran != variant:  # the flags and the sources disagree on the variant: never run a kernel under a wrong name
+        raise RuntimeError(f"nextn's {variant} kernels report being compiled as {ran!r}")
+    _register_fakes(namespace(variant))
     return None
+
+
+_active: list[str | None] = []  # the variant in use once chosen ([None]: none), so `use` can switch it
+
+
+def _load() -> str | None:
+    """Choose (NEXTN_CPU_ISA or the CPU's best) and load the kernels once; None on success, else why unavailable."""
+    if not _active:
+        _active.append(_requested())
+    if _active[0] is None:
+        return f"{ENV}=none: nextn's CPU kernels are off"
+    return build(_active[0])
+
+
+def available() -> bool:
+    """Whether nextn's CPU kernels are loaded (compiling them on the first call).
+
+    Raises:
+        ValueError: NEXTN_CPU_ISA names no variant, or one this CPU cannot run."""
+    return _load() is None
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernels are unavailable (None when they are)."""
+    return _load()
+
+
+def variant() -> str | None:
+    """The ISA variant of the kernels in use (`avx512_bf16`, `avx512`, `avx2`, `neon`, `generic`), None where they
+    are unavailable."""
+    return _active[0] if available() else None
+
+
+def ops():
+    """The ops of the kernels in use (`torch.ops.nextn_<variant>`); call only where `available()`."""
+    return getattr(torch.ops, namespace(_active[0]))
+
+
+def describe() -> str:
+    """One line: which variant runs and which the CPU offers (what `nextn` prints and the benchmarks record)."""
+    try:
+        v = variant()
+    except ValueError as e:
+        return str(e)
+    offered = ", ".join(runnable())
+    if v is None:
+        return f"nextn CPU kernels: off ({unavailable_reason()}); this CPU runs {offered}"
+    return f"nextn CPU kernels: {v} (this CPU runs {offered}; {ENV} forces a lower one)"
+
+
+@contextlib.contextmanager
+def use(name: str | None):
+    """Run the block with the kernels of variant `name` (None: off), then restore the previous choice (tests and
+    benchmarks comparing variants in one process).
+
+    Raises:
+        ValueError: an unknown variant or one this CPU cannot run; RuntimeError: it does not build here."""
+    if name is not None:
+        if name not in _BY_NAME:
+            raise ValueError(f"unknown kernel variant {name!r}; choose one of {', '.join(_BY_NAME)}")
+        if missing(_BY_NAME[name]):
+            raise ValueError(f"this CPU cannot run the {name} kernels (it lacks {', '.join(missing(_BY_NAME[name]))})")
+        reason = build(name)
+        if reason is not None:
+            raise RuntimeError(reason)
+    _load()
+    before = _active[0]
+    _active[0] = name
+    try:
+        yield
+    finally:
+        _active[0] = before
 
 
 @contextlib.contextmanager
@@ -100,48 +269,71 @@ def _ninja_on_path():
         os.environ["PATH"] = old
 
 
-def _built_before(cpp_extension) -> bool:
+@contextlib.contextmanager
+def _build_lock(build_dir: Path):
+    """Hold an exclusive lock on the build folder while torch builds or loads in it, and clear a stale `lock` file
+    first: torch marks a build in progress with that file and waits, forever, for it to go away, so a build that was
+    killed (Ctrl-C, a time-out) would hang every later load. A live build holds this lock (the OS drops it with its
+    process), so a `lock` file seen while holding it is stale."""
+    import fcntl
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "nextn.flock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                logger.warning("nextn: removing %s left by a build that did not finish", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _built_before(cpp_extension, name: str) -> bool:
     """Whether a build of the kernels already lies in torch's extension cache (best effort)."""
     try:
-        return any(Path(cpp_extension._get_build_directory(_NAME, verbose=False)).glob(f"{_NAME}*.so"))
+        return any(Path(cpp_extension._get_build_directory(name, verbose=False)).glob(f"{name}*.so"))
     except Exception:
         return False
 
 
-def available() -> bool:
-    """Whether nextn's CPU kernels are loaded (compiling them on the first call)."""
-    return _load() is None
-
-
-def unavailable_reason() -> str | None:
-    """Why the kernels are unavailable (None when they are)."""
-    return _load()
-
-
-def _register_fakes() -> None:
-    @torch.library.register_fake("nextn::woq_int4_linear")
+def _register_fakes(ns: str) -> None:
+    @torch.library.register_fake(f"{ns}::woq_int4_linear")
     def _(x, w, scale, zero8, group_size, bias, int8_activations=False):
         return x.new_empty((*x.shape[:-1], w.shape[0]))
 
-    @torch.library.register_fake("nextn::woq_int8_linear")
+    @torch.library.register_fake(f"{ns}::woq_int8_linear")
     def _(x, w, scale, bias):
         return x.new_empty((*x.shape[:-1], w.shape[0]))
 
-    @torch.library.register_fake("nextn::dense_linear")
+    @torch.library.register_fake(f"{ns}::dense_linear")
     def _(x, w, bias, out_features):
         return x.new_empty((*x.shape[:-1], out_features))
 
-    @torch.library.register_fake("nextn::llama_decoder_layer")
+    @torch.library.register_fake(f"{ns}::llama_decoder_layer")
     def _(x, cos_sin, kv_cache, slot_mapping, context_slots, visible, input_norm, post_norm, qkv, o, gate_up, down,
           num_heads, num_kv_heads, group_size, eps, scale, int8_activations=False):
         return torch.empty_like(x)
 
-    @torch.library.register_fake("nextn::llama_decoder_stack")
+    @torch.library.register_fake(f"{ns}::llama_decoder_stack")
     def _(x, cos_sin, kv_cache, slot_mapping, context_slots, visible, norms, qkv, o, gate_up, down, arity, num_heads,
           num_kv_heads, group_size, eps, scale, int8_activations=False):
         return torch.empty_like(x)
 
-    @torch.library.register_fake("nextn::paged_attention")
+    @torch.library.register_fake(f"{ns}::paged_attention")
     def _(q, kv_cache, context_slots, visible, scale):
         b, t, nh, d = q.shape
         return q.new_empty((b, t, nh * d))
+
+
+def main() -> int:
+    """`python -m nextn.plugins.cpu_kernels`: build (first use) and name the variant in use, and the ones the CPU runs."""
+    from nextn.plugins import cpu_kernels  # this module imported under its package name, not as __main__
+
+    print(cpu_kernels.describe())
+    return 0 if cpu_kernels.variant() is not None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

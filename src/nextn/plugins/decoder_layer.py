@@ -8,7 +8,7 @@ one matmul and gate/up as one (their weights concatenated at load, the modules' 
 concatenation: no extra memory). `llama_decoder_stack` runs every layer of a model in one call (`FusedStack`, the
 same layer function in a C++ loop), so a small model's step pays the Python and dispatch of one call, not ~30.
 
-`torch.ops.nextn.llama_decoder_layer(x [B, T, H] bf16, cos_sin [B, T, 2, D/2] f32, kv_cache [slots, 2·NKV·D]
+`cpu_kernels.ops().llama_decoder_layer(x [B, T, H] bf16, cos_sin [B, T, 2, D/2] f32, kv_cache [slots, 2·NKV·D]
 bf16 (written), slot_mapping [B·T] int64, context_slots [B, S] int64, visible [B, 1, T, S] bool, input_norm [H]
 bf16, post_norm [H] bf16, qkv, o, gate_up, down ([w, scale, zero8(, bias)] each, `woq_linear`'s int4 layout),
 num_heads, num_kv_heads, group_size, eps, scale) → [B, T, H] bf16.`
@@ -163,7 +163,7 @@ def fused_forward(layer: nn.Module, x: torch.Tensor, cos_sin: torch.Tensor, kv_c
     """Run `layer` (with `layer.fused` set) through the op: shapes as `PreNormDecoderLayer.forward`'s."""
     f: FusedLayerWeights = layer.fused
     attn = layer.self_attn
-    return torch.ops.nextn.llama_decoder_layer(
+    return cpu_kernels.ops().llama_decoder_layer(
         x, cos_sin, kv_cache, meta.slot_mapping.reshape(-1), meta.context_slots, meta.visible, f.input_norm,
         f.post_norm, f.qkv, f.o, f.gate_up, f.down, attn.num_heads, attn.num_kv_heads, f.group_size,
         layer.input_layernorm.eps, attn.scale, f.int8_activations)
@@ -173,7 +173,7 @@ def stack_forward(stack: FusedStack, x: torch.Tensor, cos_sin: torch.Tensor, kv_
                   meta) -> torch.Tensor:
     """All the decoder layers of `stack` in one op call: x [B, T, H] bf16 → [B, T, H] bf16; kv_cache: the model's
     whole cache [layers, slots, kv dim] (layer i writes kv_cache[i])."""
-    return torch.ops.nextn.llama_decoder_stack(
+    return cpu_kernels.ops().llama_decoder_stack(
         x, cos_sin, kv_cache, meta.slot_mapping.reshape(-1), meta.context_slots, meta.visible, stack.norms, stack.qkv,
         stack.o, stack.gate_up, stack.down, stack.arity, stack.num_heads, stack.num_kv_heads, stack.group_size,
         stack.eps, stack.scale, stack.int8_activations)

@@ -27,7 +27,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
-#include <immintrin.h>
 
 #include <cmath>
 #include <cstdint>
@@ -37,24 +36,21 @@
 
 namespace {
 
-// bf16 <-> f32, 16 lanes; the rounding is to nearest even, as PyTorch's
-inline __m512 widen(__m256i b) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)); }
-inline __m512 load_bf16(const uint16_t* p) { return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-inline __m256i narrow(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
-inline __m512 round_bf16(__m512 v) { return widen(narrow(v)); }
-inline void store_bf16(uint16_t* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), narrow(v)); }
-
+namespace simd = nextn_cpu::simd;
+using simd::V16;
+using simd::load_bf16;
+using simd::round_bf16;
+using simd::store_bf16;
 
 // out = w * bf16(x * rsqrt(mean(x^2) + eps)), one row of H (H % 16 == 0)
 inline void rms_norm(const uint16_t* x, const uint16_t* w, int64_t H, float eps, uint16_t* out) {
-  __m512 ss = _mm512_setzero_ps();
+  V16 ss = simd::zero();
   for (int64_t i = 0; i < H; i += 16) {
-    const __m512 v = load_bf16(x + i);
-    ss = _mm512_fmadd_ps(v, v, ss);
+    const V16 v = load_bf16(x + i);
+    ss = simd::fmadd(v, v, ss);
   }
-  const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / float(H) + eps));
-  for (int64_t i = 0; i < H; i += 16)
-    store_bf16(out + i, _mm512_mul_ps(load_bf16(w + i), round_bf16(_mm512_mul_ps(load_bf16(x + i), inv))));
+  const V16 inv = simd::set1(1.f / std::sqrt(simd::reduce_add(ss) / float(H) + eps));
+  for (int64_t i = 0; i < H; i += 16) store_bf16(out + i, load_bf16(w + i) * round_bf16(load_bf16(x + i) * inv));
 }
 
 // One head of D values (f32, already rounded to bf16) rotated in HF's rotate-half layout -> bf16:
@@ -62,17 +58,16 @@ inline void rms_norm(const uint16_t* x, const uint16_t* w, int64_t H, float eps,
 inline void rope_head(const float* x, const float* cs, int64_t D, uint16_t* out) {
   const int64_t half = D / 2;
   for (int64_t i = 0; i < half; i += 16) {
-    const __m512 c = round_bf16(_mm512_loadu_ps(cs + i)), s = round_bf16(_mm512_loadu_ps(cs + half + i));
-    const __m512 x1 = _mm512_loadu_ps(x + i), x2 = _mm512_loadu_ps(x + half + i);
-    store_bf16(out + i, _mm512_sub_ps(round_bf16(_mm512_mul_ps(x1, c)), round_bf16(_mm512_mul_ps(x2, s))));
-    store_bf16(out + half + i, _mm512_add_ps(round_bf16(_mm512_mul_ps(x2, c)), round_bf16(_mm512_mul_ps(x1, s))));
+    const V16 c = round_bf16(simd::load(cs + i)), s = round_bf16(simd::load(cs + half + i));
+    const V16 x1 = simd::load(x + i), x2 = simd::load(x + half + i);
+    store_bf16(out + i, round_bf16(x1 * c) - round_bf16(x2 * s));
+    store_bf16(out + half + i, round_bf16(x2 * c) + round_bf16(x1 * s));
   }
 }
 
 // out[i] = bf16(a[i] + bf16(b[i])): a residual add (a bf16, b the f32 matmul output)
 inline void residual_add(const uint16_t* a, const float* b, int64_t n, uint16_t* out) {
-  for (int64_t i = 0; i < n; i += 16)
-    store_bf16(out + i, _mm512_add_ps(load_bf16(a + i), round_bf16(_mm512_loadu_ps(b + i))));
+  for (int64_t i = 0; i < n; i += 16) store_bf16(out + i, load_bf16(a + i) + round_bf16(simd::load(b + i)));
 }
 
 // One int4 linear's tensors: [w, scale, zero] (one- or two-level scales: cpu_kernels.h) and an optional f32 bias
@@ -174,18 +169,18 @@ at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& cos_sin, a
   matmul(qkv, h.data(), M, group_size, f.data());
   for_rows(M, [&](int64_t m) {
     float* row = f.data() + m * NQKV;
-    for (int64_t i = 0; i < NQKV; i += 16) _mm512_storeu_ps(row + i, round_bf16(_mm512_loadu_ps(row + i)));
+    for (int64_t i = 0; i < NQKV; i += 16) simd::store(row + i, round_bf16(simd::load(row + i)));
     const float* c = cs.data_ptr<float>() + m * D;  // [cos (D/2), sin (D/2)]
     uint16_t* kv = cache + slot[m] * kv_row;
     for (int64_t hd = 0; hd < NH; ++hd) rope_head(row + hd * D, c, D, q.data() + m * NH * D + hd * D);
     for (int64_t hd = 0; hd < NKV; ++hd) rope_head(row + (NH + hd) * D, c, D, kv + hd * D);
-    for (int64_t i = 0; i < NKV * D; i += 16) store_bf16(kv + NKV * D + i, _mm512_loadu_ps(row + (NH + NKV) * D + i));
+    for (int64_t i = 0; i < NKV * D; i += 16) store_bf16(kv + NKV * D + i, simd::load(row + (NH + NKV) * D + i));
   });
   nextn_cpu::paged_attention_bf16(q.data(), cache, ctx.data_ptr<int64_t>(), vis.data_ptr<bool>(), B, T, NH, NKV, S,
                                   D, float(scale), f.data());
   for_rows(M, [&](int64_t m) {
     const int64_t row = m * NH * D;
-    for (int64_t i = 0; i < NH * D; i += 16) store_bf16(q.data() + row + i, _mm512_loadu_ps(f.data() + row + i));
+    for (int64_t i = 0; i < NH * D; i += 16) store_bf16(q.data() + row + i, simd::load(f.data() + row + i));
   });
   matmul(o, q.data(), M, group_size, f.data());
   for_rows(M, [&](int64_t m) {
@@ -198,10 +193,9 @@ at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& cos_sin, a
   for_rows(M, [&](int64_t m) {
     const float* g = f.data() + m * 2 * I;
     for (int64_t i = 0; i < I; i += 16) {
-      const __m512 gv = round_bf16(_mm512_loadu_ps(g + i)), uv = round_bf16(_mm512_loadu_ps(g + I + i));
-      const __m512 a = round_bf16(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), nextn_cpu::exp16(_mm512_sub_ps(
-                                                                       _mm512_setzero_ps(), gv)))));
-      store_bf16(h.data() + m * I + i, _mm512_mul_ps(a, uv));
+      const V16 gv = round_bf16(simd::load(g + i)), uv = round_bf16(simd::load(g + I + i));
+      const V16 a = round_bf16(gv / (simd::set1(1.f) + simd::exp(simd::zero() - gv)));
+      store_bf16(h.data() + m * I + i, a * uv);
     }
   });
   matmul(down, h.data(), M, group_size, f.data());
@@ -242,7 +236,7 @@ at::Tensor llama_decoder_stack(const at::Tensor& x, const at::Tensor& cos_sin, a
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(nextn, m) {
+TORCH_LIBRARY_FRAGMENT(NEXTN_OPS, m) {
   m.def("llama_decoder_layer(Tensor x, Tensor cos_sin, Tensor(a!) kv_cache, Tensor slot_mapping, "
         "Tensor context_slots, Tensor visible, Tensor input_norm, Tensor post_norm, Tensor[] qkv, Tensor[] o, "
         "Tensor[] gate_up, Tensor[] down, int num_heads, int num_kv_heads, int group_size, float eps, "
@@ -253,7 +247,7 @@ TORCH_LIBRARY_FRAGMENT(nextn, m) {
         "bool int8_activations=False) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(nextn, CPU, m) {
+TORCH_LIBRARY_IMPL(NEXTN_OPS, CPU, m) {
   m.impl("llama_decoder_layer", &llama_decoder_layer);
   m.impl("llama_decoder_stack", &llama_decoder_stack);
 }

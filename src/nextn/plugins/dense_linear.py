@@ -16,12 +16,12 @@ The math, by the weight's dtype (the output is rounded to x's dtype):
 It stays memory-bound at 1–8 rows like the int kernels (`woq_linear.py`): a block of 16 output channels is read
 once and multiplied against up to 8 rows from registers (more rows: chunks of 8), the next blocks prefetched.
 
-The C++ source is compiled on first use with nextn's other CPU kernels (`cpu_kernels.py`: x86-64 with AVX-512
-F/BW/VL and AVX512-BF16). Where that is not possible, `available()` is False with the reason in
+The C++ source is compiled on first use with nextn's other CPU kernels for the CPU's ISA variant (`cpu_kernels.py`).
+Where that is not possible, `available()` is False with the reason in
 `unavailable_reason()`; `dense_linear_reference` computes the same math in PyTorch (its summation order is
 PyTorch's, so it is not batch-invariant unless `rows_alone`).
 
-Op (`torch.ops.nextn.dense_linear`, usable under `torch.compile` through the fake implementation in
+Op (`cpu_kernels.ops().dense_linear`, usable under `torch.compile` through the fake implementation in
 `cpu_kernels.py`): `dense_linear(x [..., K] bf16|fp16|f32, w [N', K'] (`pack`'s layout), bias [N] | None,
 out_features N) → [..., N] in x's dtype`.
 """
@@ -98,7 +98,7 @@ def dense_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
 
     The op exists once the kernels are loaded: call `available()` first.
     """
-    return torch.ops.nextn.dense_linear(x, packed, bias, out_features)
+    return cpu_kernels.ops().dense_linear(x, packed, bias, out_features)
 
 
 def dense_linear_reference(x: torch.Tensor, packed: torch.Tensor, out_features: int,

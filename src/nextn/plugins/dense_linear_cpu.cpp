@@ -4,7 +4,7 @@
 //   nextn::dense_linear(x [M, K], w [N', K'] (`pack` layout), bias [N] | None, N) -> [M, N] in x's dtype
 //
 // N' = N rounded up to 16 (the extra channels are zeros and never stored); x is bf16, fp16 or f32.
-//  - bf16 w: x rounded to bf16, `vdpbf16ps` (exact products, f32 sums; K' = K rounded up to 2, x padded with a 0);
+//  - bf16 w: x rounded to bf16, `simd::dot` (exact products, f32 sums; K' = K rounded up to 2, x padded with a 0);
 //  - fp16 w: converted to f32 (exactly), x in f32, f32 FMA;
 //  - fp32 w: x in f32, f32 FMA (an fp32 engine stays within fp32 tolerance of transformers' float32).
 // y = sum + bias (f32), rounded to x's dtype.
@@ -26,13 +26,12 @@
 // NB blocks at a time for independent accumulator chains, and the lines of the next blocks prefetched into L2 so that
 // loads from DRAM overlap the arithmetic (the weights are read once a step: memory-bound at 1-8 rows).
 //
-// Built with AVX-512 F/BW/VL/BF16 + FMA + OpenMP (at::parallel_for); loaded only on CPUs with those
-// (cpu_kernels.py).
+// One source for every ISA variant over simd.h (cpu_kernels.py builds and picks the variant); OpenMP threads through
+// at::parallel_for.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
-#include <immintrin.h>
 
 #include <cstdint>
 #include <optional>
@@ -42,55 +41,48 @@
 
 namespace {
 
+namespace simd = nextn_cpu::simd;
 using nextn_cpu::Int;
 using nextn_cpu::run_blocks;
 using nextn_cpu::with_rows;
 
 constexpr int kRows = 8;  // rows per register block
 
+using simd::V16;
+
 // rows [0, MB) x NB blocks of 16 channels = acc (+ bias); lanes past `valid` channels (the padding) are not stored
 template <int MB, int NB>
-inline void store(const __m512 (&acc)[MB][NB], const float* bias, float* out, int64_t out_stride, int64_t valid) {
+inline void store(const V16 (&acc)[MB][NB], const float* bias, float* out, int64_t out_stride, int64_t valid) {
   for (int n = 0; n < NB; ++n) {
     const int64_t left = valid - 16 * n;
     if (left <= 0) return;
-    const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * n) : _mm512_setzero_ps();
-    for (int m = 0; m < MB; ++m) {
-      const __m512 y = bias ? _mm512_add_ps(acc[m][n], b) : acc[m][n];
-      _mm512_mask_storeu_ps(out + m * out_stride + 16 * n, mask, y);
-    }
+    const V16 b = bias ? simd::load(bias + 16 * n, left) : simd::zero();
+    for (int m = 0; m < MB; ++m) simd::store(out + m * out_stride + 16 * n, bias ? acc[m][n] + b : acc[m][n], left);
   }
 }
 
 // NB blocks of 16 channels of a bf16 weight (starting at w, 16 * K elements a block) against rows [0, MB) of x (bf16
-// bits, row stride K, K even): per 2 input channels one 64-byte load per block, one vdpbf16ps per row with x's pair
-// broadcast (acc += w[k] x[k] + w[k+1] x[k+1], exact products, f32 sums).
+// bits, row stride K, K even): per 2 input channels one 64-byte load per block, one `simd::dot` per row with x's
+// pair (acc += w[k] x[k] + w[k+1] x[k+1], exact products, f32 sums: vdpbf16ps on AVX512-BF16, two FMAs elsewhere).
 template <int MB, int NB>
 inline void bf16_block(const uint16_t* x, int64_t K, const uint16_t* w, const float* bias, float* out,
                        int64_t out_stride, int64_t valid) {
   const int64_t block = 16 * K;
-  __m512 acc[MB][NB];
+  V16 acc[MB][NB];
   for (int m = 0; m < MB; ++m)
-    for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
+    for (int n = 0; n < NB; ++n) acc[m][n] = simd::zero();
   for (int64_t k = 0; k < K; k += 2) {
-    for (int n = 0; n < NB; ++n)
-      _mm_prefetch(reinterpret_cast<const char*>(w + (n + NB) * block + 16 * k), _MM_HINT_T1);
+    for (int n = 0; n < NB; ++n) simd::prefetch_l2(w + (n + NB) * block + 16 * k);
     for (int n = 0; n < NB; ++n) {
-      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + n * block + 16 * k);
-      for (int m = 0; m < MB; ++m) {
-        const uint32_t* xm = reinterpret_cast<const uint32_t*>(x + m * K + k);
-        acc[m][n] = _mm512_dpbf16_ps(acc[m][n], wv, (__m512bh)_mm512_set1_epi32(int(xm[0])));
-      }
+      const simd::Pairs wv = simd::pairs_bf16(w + n * block + 16 * k);
+      for (int m = 0; m < MB; ++m) acc[m][n] = simd::dot(acc[m][n], wv, simd::xpair(x + m * K + k));
     }
   }
   store<MB, NB>(acc, bias, out, out_stride, valid);
 }
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {  // fp16 bits -> f32, exact
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+inline V16 load16(const float* p) { return simd::load(p); }
+inline V16 load16(const uint16_t* p) { return simd::load_f16(p); }  // fp16 bits -> f32, exact
 
 // NB blocks of 16 channels of an fp32 or fp16 (T = uint16_t: its bits) weight against rows [0, MB) of x (f32, row
 // stride K): per input channel one load per block (widened to f32), one FMA per row with x[k] broadcast.
@@ -99,16 +91,15 @@ inline void fma_block(const float* x, int64_t K, const T* w, const float* bias, 
                       int64_t valid) {
   constexpr int64_t kPerLine = 64 / (16 * sizeof(T));  // input channels a 64-byte line of a block holds
   const int64_t block = 16 * K;
-  __m512 acc[MB][NB];
+  V16 acc[MB][NB];
   for (int m = 0; m < MB; ++m)
-    for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
+    for (int n = 0; n < NB; ++n) acc[m][n] = simd::zero();
   for (int64_t k = 0; k < K; ++k) {
     if (k % kPerLine == 0)
-      for (int n = 0; n < NB; ++n)
-        _mm_prefetch(reinterpret_cast<const char*>(w + (n + NB) * block + 16 * k), _MM_HINT_T1);
+      for (int n = 0; n < NB; ++n) simd::prefetch_l2(w + (n + NB) * block + 16 * k);
     for (int n = 0; n < NB; ++n) {
-      const __m512 wv = load16(w + n * block + 16 * k);
-      for (int m = 0; m < MB; ++m) acc[m][n] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[m * K + k]), acc[m][n]);
+      const V16 wv = load16(w + n * block + 16 * k);
+      for (int m = 0; m < MB; ++m) acc[m][n] = simd::fmadd(wv, simd::set1(x[m * K + k]), acc[m][n]);
     }
   }
   store<MB, NB>(acc, bias, out, out_stride, valid);
@@ -190,10 +181,10 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(nextn, m) {
+TORCH_LIBRARY_FRAGMENT(NEXTN_OPS, m) {
   m.def("dense_linear(Tensor x, Tensor w, Tensor? bias, int out_features) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(nextn, CPU, m) {
+TORCH_LIBRARY_IMPL(NEXTN_OPS, CPU, m) {
   m.impl("dense_linear", &dense_linear);
 }

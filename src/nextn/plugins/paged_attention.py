@@ -1,7 +1,7 @@
 """nextn's CPU paged attention (`paged_attention_cpu.cpp`): one op per layer in place of a gather, two einsums, a
 mask and a softmax, reading the KV cache through the block tables in place.
 
-`torch.ops.nextn.paged_attention(q [B, T, NH, D], kv_cache [slots, 2·NKV·D], context_slots [B, S] int64,
+`cpu_kernels.ops().paged_attention(q [B, T, NH, D], kv_cache [slots, 2·NKV·D], context_slots [B, S] int64,
 visible [B, 1, T, S] bool, scale) → [B, T, NH·D]` in q's dtype; q and kv_cache both bf16 or both f32, 1 ≤ D ≤ 256.
 f32 scores, softmax and weighted sum; every query row computed alone (batch-invariant: a verify step's rows equal
 plain steps' bit for bit, `tests/plugins/test_paged_attention.py`). The attention of Vaswani et al. 2017 with GQA

@@ -6,7 +6,7 @@
 //
 // Each query (b, t, head h) attends to the keys j of its sequence with visible[b, 0, t, j]: the cache row
 // context_slots[b, j] holds K (NKV x D) then V (NKV x D); query head h reads KV head h / (NH / NKV) (GQA).
-// f32 throughout: scores = scale * q.k, softmax (max-subtracted `nextn_cpu::exp16`), o = sum_j p_j v_j / sum_j p_j.
+// f32 throughout: scores = scale * q.k, softmax (max-subtracted `simd::exp`), o = sum_j p_j v_j / sum_j p_j.
 //
 // Why our own kernel: the PyTorch path gathers every sequence's context out of the cache, then runs two einsums, a
 // mask and a softmax per layer, ~10 dispatches of microseconds each on a few hundred keys; this is one, reading the
@@ -14,13 +14,12 @@
 // invariance: a verify step's rows equal plain steps'), which fused library kernels do not promise (SDPA broke
 // greedy identity here: docs/PERFORMANCE.md).
 //
-// Built with AVX-512 F/BW/VL + FMA; any D <= kMaxD (a head_dim that is not a multiple of 16 ends in a masked chunk:
-// stories260K's 8, for one, so its bf16 engines are batch-invariant too).
+// One source for every ISA variant over simd.h; any D <= kMaxD (a head_dim that is not a multiple of 16 ends in a
+// partial chunk: stories260K's 8, for one, so its bf16 engines are batch-invariant too).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
-#include <immintrin.h>
 
 #include "cpu_kernels.h"
 
@@ -31,18 +30,15 @@
 
 namespace {
 
+namespace simd = nextn_cpu::simd;
 using nextn_cpu::kMaxD;
 
-// Up to 16 values of a bf16 or f32 row as f32: the lanes set in `m` (the rest read as 0; a head_dim that is not a
-// multiple of 16 ends in a masked chunk, so nothing past the row is read)
-template <typename T>
-inline __m512 load16(const T* p, __mmask16 m);
-template <>
-inline __m512 load16<float>(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-template <>
-inline __m512 load16<at::BFloat16>(const at::BFloat16* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
+using simd::V16;
+
+// Up to 16 values of a bf16 or f32 row as f32: the first n (the rest read as 0; a head_dim that is not a multiple of
+// 16 ends in a partial chunk, so nothing past the row is read)
+inline V16 load16(const float* p, int64_t n) { return simd::load(p, n); }
+inline V16 load16(const at::BFloat16* p, int64_t n) { return simd::load_bf16(reinterpret_cast<const uint16_t*>(p), n); }
 
 // Query tokens per tile of `attend`: a tile's rows share each key and value load (a verify step's K+1 tokens are
 // one tile), and its scores and accumulators (kTile x group x S floats) stay in cache however long the prompt, so a
@@ -50,36 +46,18 @@ inline __m512 load16<at::BFloat16>(const at::BFloat16* p, __mmask16 m) {
 constexpr int64_t kTile = 8;
 constexpr int64_t kOneTile = 32;  // up to this many query tokens (a verify step's K + 1) in one tile
 
-// 16 keys' dot-product vectors a[0..15] (16 lanes each) -> their 16 lane sums in key order, each summed in exactly
-// the tree of `_mm512_reduce_add_ps` (lanes i + 8, then i + 4, then i + 2, then i + 1; GCC's avx512fintrin.h), so a
-// score is bit-for-bit the one a lone reduction gives: 4 levels of two in-register shuffles and an add per pair of
-// vectors instead of a reduction per key. Float addition is commutative, so each pair's order is immaterial.
-inline __m512 sum16(const __m512 (&a)[16]) {
-  __m512 y[8], z[4], w[2];
-  for (int p = 0; p < 8; ++p)  // y[p]: lanes 0-7 key 2p's a[i] + a[i + 8], lanes 8-15 key 2p + 1's
-    y[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0x44),
-                         _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0xEE));
-  for (int p = 0; p < 4; ++p)  // z[p]: 128-bit block b = key 4p + b's (i, i + 4) sums
-    z[p] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * p], y[2 * p + 1], 0x88),
-                         _mm512_shuffle_f32x4(y[2 * p], y[2 * p + 1], 0xDD));
-  for (int p = 0; p < 2; ++p)  // w[p], block b: keys 8p + b and 8p + 4 + b, their (i, i + 2) sums, two lanes each
-    w[p] = _mm512_add_ps(_mm512_shuffle_ps(z[2 * p], z[2 * p + 1], 0x44), _mm512_shuffle_ps(z[2 * p], z[2 * p + 1], 0xEE));
-  // lane 4b + e: the sum of key b + 4e
-  const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD));
-  const __m512i key_order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_permutexvar_ps(key_order, f);
-}
-
 // Scores of one query row (its C chunks in `qr`, f32, zero-padded) against 16 keys (`kb`: 16 rows of Dp f32): per
-// key the chunk products summed chunk by chunk (a mul, then C - 1 FMAs), then `sum16`, times scale.
-inline __m512 scores16(const float* qr, const float* kb, int64_t C, int64_t Dp, float scale) {
-  __m512 a[16];
-  for (int k = 0; k < 16; ++k) a[k] = _mm512_mul_ps(_mm512_loadu_ps(kb + k * Dp), _mm512_loadu_ps(qr));
+// key the chunk products summed chunk by chunk (a mul, then C - 1 FMAs), then each key's lanes summed
+// (`simd::reduce_add16`: the variant's fixed lane order), times scale.
+inline V16 scores16(const float* qr, const float* kb, int64_t C, int64_t Dp, float scale) {
+  V16 a[16];
+  const V16 q0 = simd::load(qr);
+  for (int k = 0; k < 16; ++k) a[k] = simd::load(kb + k * Dp) * q0;
   for (int64_t c = 1; c < C; ++c) {
-    const __m512 qc = _mm512_loadu_ps(qr + c * 16);
-    for (int k = 0; k < 16; ++k) a[k] = _mm512_fmadd_ps(_mm512_loadu_ps(kb + k * Dp + c * 16), qc, a[k]);
+    const V16 qc = simd::load(qr + c * 16);
+    for (int k = 0; k < 16; ++k) a[k] = simd::fmadd(simd::load(kb + k * Dp + c * 16), qc, a[k]);
   }
-  return _mm512_mul_ps(sum16(a), _mm512_set1_ps(scale));
+  return simd::reduce_add16(a) * simd::set1(scale);
 }
 
 // acc[r][c] += p[j][r] * v[j][c] for RB rows (p: probabilities [keys][R] from row r0, R apart) and NC chunks of 16
@@ -87,49 +65,48 @@ inline __m512 scores16(const float* qr, const float* kb, int64_t C, int64_t Dp, 
 template <int RB, int NC, typename T>
 inline void weigh_values(const T* kv, int64_t kv_row, int64_t v_off, const int64_t* slots, const float* p, int64_t R,
                          int64_t j0, int64_t j1, int64_t c0, float* acc, int64_t Dp) {
-  __m512 s[RB][NC];
+  V16 s[RB][NC];
   for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < NC; ++c) s[r][c] = _mm512_loadu_ps(acc + r * Dp + (c0 + c) * 16);
+    for (int c = 0; c < NC; ++c) s[r][c] = simd::load(acc + r * Dp + (c0 + c) * 16);
   for (int64_t j = j0; j < j1; ++j) {
     const T* v = kv + slots[j] * kv_row + v_off + c0 * 16;
     const float* pj = p + j * R;
-    __m512 vj[NC];
-    for (int c = 0; c < NC; ++c) vj[c] = load16(v + c * 16, __mmask16(0xFFFF));
+    V16 vj[NC];
+    for (int c = 0; c < NC; ++c) vj[c] = load16(v + c * 16, 16);
     for (int r = 0; r < RB; ++r) {
-      const __m512 pr = _mm512_set1_ps(pj[r]);
-      for (int c = 0; c < NC; ++c) s[r][c] = _mm512_fmadd_ps(pr, vj[c], s[r][c]);
+      const V16 pr = simd::set1(pj[r]);
+      for (int c = 0; c < NC; ++c) s[r][c] = simd::fmadd(pr, vj[c], s[r][c]);
     }
   }
   for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + r * Dp + (c0 + c) * 16, s[r][c]);
+    for (int c = 0; c < NC; ++c) simd::store(acc + r * Dp + (c0 + c) * 16, s[r][c]);
 }
 
-// The visibility of up to 16 keys (`left` of them still in the row) as a lane mask
-inline __mmask16 visible16(const bool* v, int64_t left) {
-  const __mmask16 in = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-  return _mm_mask_cmpneq_epi8_mask(in, _mm_maskz_loadu_epi8(in, v), _mm_setzero_si128());
+// The visibility of up to 16 keys (`left` of them still in the row) as 1.0 / 0.0 lanes (bool is one byte, 0 or 1)
+inline V16 visible16(const bool* v, int64_t left) {
+  return simd::load_int8(reinterpret_cast<const uint8_t*>(v), left);
 }
 
 // One (sequence, KV head): its `group` query heads x Tq tokens against S cached keys, kTile tokens at a time. Per
 // query row the arithmetic is fixed whatever the tiling: each score is one dot product in 16-lane chunks then a lane
-// reduction in `_mm512_reduce_add_ps`'s order; the softmax runs over the keys 16 at a time (the sum in 16 lanes,
-// then reduced) and the weighted sum over the visible keys in order (an FMA per key and chunk, the probability
-// broadcast). Scores are computed 16 keys at a time for every key up to
-// the tile's last visible one (a key no row sees is computed and ignored); the weighted sum runs over the keys every
-// row of the tile sees with its accumulators in registers, then over the rest (a verify step's or a tree's last
-// keys) row by row, skipping the keys a row does not see.
+// reduction in the variant's order; the softmax runs over the keys 16 at a time (the sum in 16 lanes, then reduced)
+// and the weighted sum over the visible keys in order (an FMA per key and chunk, the probability broadcast). Scores
+// are computed 16 keys at a time for every key up to the tile's last visible one (a key no row sees is computed and
+// ignored); the weighted sum runs over the keys every row of the tile sees with its accumulators in registers, then
+// over the rest (a verify step's or a tree's last keys) row by row, skipping the keys a row does not see.
 template <typename T>
 void attend(const T* q, int64_t q_tok_stride, const T* kv, int64_t kv_row, const int64_t* slots, const bool* vis,
             int64_t S, int64_t Tq, int64_t group, int64_t D, int64_t k_off, int64_t v_off, float scale, float* out,
             int64_t out_tok_stride) {
   const int64_t C = (D + 15) / 16, Dp = C * 16;  // 16-lane chunks of a head; rows padded to Dp with zeros
-  const __mmask16 tail = D % 16 ? __mmask16((1u << (D % 16)) - 1) : __mmask16(0xFFFF);
-  auto lanes = [&](int64_t c) { return c == C - 1 ? tail : __mmask16(0xFFFF); };
+  auto lanes = [&](int64_t c) { return c == C - 1 ? D - c * 16 : int64_t(16); };
   // query rows of a tile: token-major, then head; a verify step's tokens (up to kOneTile) are one tile
   const int64_t tile = Tq <= kOneTile ? Tq : kTile, R = tile * group;
   const int64_t S16 = (S + 15) / 16 * 16;
   std::vector<float> qf(R * Dp), scores(R * S16), probs(S16 * R), acc(R * Dp), row_sum(R), kb(16 * Dp);
   std::vector<float> vf;  // a head_dim that is not a multiple of 16: V rows padded to Dp (f32) for the last chunk
+  // an invisible key's score is pushed this far down before the row's max (its probability is then zeroed)
+  const V16 hidden = simd::set1(-3.0e38f);
   for (int64_t t0 = 0; t0 < Tq; t0 += tile) {
     const int64_t nt = std::min(tile, Tq - t0), nr = nt * group;
     const bool* tv = vis + t0 * S;
@@ -148,16 +125,15 @@ void attend(const T* q, int64_t q_tok_stride, const T* kv, int64_t kv_row, const
     for (int64_t t = 0; t < nt; ++t)
       for (int64_t g = 0; g < group; ++g)
         for (int64_t c = 0; c < C; ++c)
-          _mm512_storeu_ps(&qf[(t * group + g) * Dp + c * 16],
-                           load16(q + (t0 + t) * q_tok_stride + g * D + c * 16, lanes(c)));
+          simd::store(&qf[(t * group + g) * Dp + c * 16], load16(q + (t0 + t) * q_tok_stride + g * D + c * 16, lanes(c)));
     // scores, 16 keys at a time (a last partial block reads zero keys)
     for (int64_t j0 = 0; j0 < end; j0 += 16) {
       const int64_t nk = std::min<int64_t>(16, end - j0);
       for (int64_t k = 0; k < 16; ++k)
         for (int64_t c = 0; c < C; ++c)
-          _mm512_storeu_ps(&kb[k * Dp + c * 16],
-                           k < nk ? load16(kv + slots[j0 + k] * kv_row + k_off + c * 16, lanes(c)) : _mm512_setzero_ps());
-      for (int64_t r = 0; r < nr; ++r) _mm512_storeu_ps(&scores[r * S16 + j0], scores16(&qf[r * Dp], kb.data(), C, Dp, scale));
+          simd::store(&kb[k * Dp + c * 16],
+                      k < nk ? load16(kv + slots[j0 + k] * kv_row + k_off + c * 16, lanes(c)) : simd::zero());
+      for (int64_t r = 0; r < nr; ++r) simd::store(&scores[r * S16 + j0], scores16(&qf[r * Dp], kb.data(), C, Dp, scale));
     }
     // probabilities (unnormalised), 16 keys at a time: the row's max over the keys it sees, exp(score - max)
     // (0 where it does not see the key), their sum; transposed for the weighted sum
@@ -166,22 +142,21 @@ void attend(const T* q, int64_t q_tok_stride, const T* kv, int64_t kv_row, const
         const int64_t r = t * group + g;
         const float* sr = &scores[r * S16];
         const bool* vr = tv + t * S;
-        __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        V16 mx = simd::set1(-std::numeric_limits<float>::infinity());
         for (int64_t j = 0; j < end; j += 16) {
-          const __mmask16 m = visible16(vr + j, end - j);
-          mx = _mm512_mask_max_ps(mx, m, mx, _mm512_loadu_ps(sr + j));
+          const V16 seen = visible16(vr + j, end - j);
+          mx = simd::max(mx, simd::fmadd(simd::set1(1.f) - seen, hidden, simd::load(sr + j)));
         }
-        const __m512 row_mx = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-        __m512 sum = _mm512_setzero_ps();
+        const V16 row_mx = simd::set1(simd::reduce_max(mx));
+        V16 sum = simd::zero();
         alignas(64) float e[16];
         for (int64_t j = 0; j < end; j += 16) {
-          const __mmask16 m = visible16(vr + j, end - j);
-          const __m512 pr = _mm512_maskz_mov_ps(m, nextn_cpu::exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + j), row_mx)));
-          sum = _mm512_add_ps(sum, pr);
-          _mm512_store_ps(e, pr);
+          const V16 pr = simd::exp(simd::load(sr + j) - row_mx) * visible16(vr + j, end - j);
+          sum = sum + pr;
+          simd::store(e, pr);
           for (int64_t i = 0, n = std::min<int64_t>(16, end - j); i < n; ++i) probs[(j + i) * nr + r] = e[i];
         }
-        row_sum[r] = _mm512_reduce_add_ps(sum);
+        row_sum[r] = simd::reduce_add(sum);
       }
     // weighted values: the keys every row sees, rows in register blocks; a head_dim not a multiple of 16 reads
     // its V rows through a zero-padded copy
@@ -194,7 +169,7 @@ void attend(const T* q, int64_t q_tok_stride, const T* kv, int64_t kv_row, const
       vf.assign(end * Dp, 0.f);
       for (int64_t j = 0; j < end; ++j)
         for (int64_t c = 0; c < C; ++c)
-          _mm512_storeu_ps(&vf[j * Dp + c * 16], load16(kv + slots[j] * kv_row + v_off + c * 16, lanes(c)));
+          simd::store(&vf[j * Dp + c * 16], load16(kv + slots[j] * kv_row + v_off + c * 16, lanes(c)));
       ids.resize(end);
       for (int64_t j = 0; j < end; ++j) ids[j] = j;
     }
@@ -220,16 +195,15 @@ void attend(const T* q, int64_t q_tok_stride, const T* kv, int64_t kv_row, const
     for (; r0 < nr; ++r0) block(std::integral_constant<int, 1>{}, r0);
     // ... then the keys some rows do not see, row by row
     for (int64_t j = shared; j < end; ++j) {
-      __m512 vj[kMaxD / 16];
+      V16 vj[kMaxD / 16];
       for (int64_t c = 0; c < C; ++c) vj[c] = load16(kv + slots[j] * kv_row + v_off + c * 16, lanes(c));
       for (int64_t t = 0; t < nt; ++t) {
         if (!tv[t * S + j]) continue;
         for (int64_t g = 0; g < group; ++g) {
           const int64_t r = t * group + g;
-          const __m512 pr = _mm512_set1_ps(probs[j * nr + r]);
+          const V16 pr = simd::set1(probs[j * nr + r]);
           float* a = &acc[r * Dp];
-          for (int64_t c = 0; c < C; ++c)
-            _mm512_storeu_ps(a + c * 16, _mm512_fmadd_ps(pr, vj[c], _mm512_loadu_ps(a + c * 16)));
+          for (int64_t c = 0; c < C; ++c) simd::store(a + c * 16, simd::fmadd(pr, vj[c], simd::load(a + c * 16)));
         }
       }
     }
@@ -304,8 +278,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(nextn, m) {
+TORCH_LIBRARY_FRAGMENT(NEXTN_OPS, m) {
   m.def("paged_attention(Tensor q, Tensor kv_cache, Tensor context_slots, Tensor visible, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(nextn, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(NEXTN_OPS, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -3,17 +3,17 @@
 The decode step multiplies one row per request (plain decoding) or K + 1 (a verify step) by every weight.
 PyTorch's own weight-only CPU kernels (`aten._weight_int4pack_mm_for_cpu`, `aten._weight_int8pack_mm`) are
 compute-bound at one row and fall off a cliff past four rows (docs/PERFORMANCE.md); ours unpack a block of
-weights into registers once and use it for up to 8 rows (int4: a nibble q → the bf16 128 + q by an OR, `vdpbf16ps`
-with exact products and f32 sums, a vector lane per output channel so that one FMA scales a group of 16
+weights into registers once and use it for up to 8 rows (int4: a nibble q → 128 + q by an OR, `vdpbf16ps` on
+AVX512-BF16 and two f32 FMAs elsewhere, with exact products and f32 sums, a vector lane per output channel so that one FMA scales a group of 16
 channels; int8: the same lanes, int8 → bf16 exactly, one scale per channel). Every output is
 the same sequence of f32 operations whatever the row count (batch invariance: a verify step's logits equal a
 plain step's, bit for bit), which `tests/plugins/test_woq_linear.py` checks.
 
-The C++ source is compiled on first use with nextn's other CPU kernels (`cpu_kernels.py`: x86-64 with AVX-512
-F/BW/VL and AVX512-BF16). Where that is not possible, `available()` is False with the reason in
+The C++ source is compiled on first use with nextn's other CPU kernels for the CPU's ISA variant (`cpu_kernels.py`:
+AVX512-BF16, AVX-512, AVX2, NEON or generic). Where that is not possible, `available()` is False with the reason in
 `unavailable_reason()`, and callers keep PyTorch's kernels.
 
-Ops (`torch.ops.nextn.*`, usable under `torch.compile` through the fake implementations in `cpu_kernels.py`):
+Ops (`cpu_kernels.ops().*`, the chosen ISA variant's `torch.ops.nextn_<variant>.*`, usable under `torch.compile` through the fake implementations in `cpu_kernels.py`):
 - `woq_int4_linear(x [M, K] bf16|f32, w [N, K/2] uint8 (`pack_int4` layout), scale [N/16, K/g, 16] bf16,
   zero8 [N/16, K/g, 16] bf16 (`block_scales` layout), g, bias [N] f32 | None) → [M, N] in x's dtype`,
   w = (q − 8)·scale + zero8 (the engine's W4A16 format, `quantization/weight_only.py`); or two-level scales
@@ -21,8 +21,8 @@ Ops (`torch.ops.nextn.*`, usable under `torch.compile` through the fake implemen
   group), zero8 → [N/16, S, 2, 16] fp16 (d, dmin per super-block), w = q·(d·scale) + dmin·zero. K % 64 == 0,
   N % 16 == 0, g % 32 == 0.
 - `woq_int8_linear(x [M, K] bf16|f32, w [N, K] int8 (`pack_int8` layout), scale [N] f32, bias | None) → [M, N]`,
-  w = q·scale (W8A16); x rounded to bf16, int8 → bf16 exactly, `vdpbf16ps` (32 multiply-adds an instruction, so the
-  rows of a verify step stay memory-bound). K % 16 == 0, N % 16 == 0.
+  w = q·scale (W8A16); x rounded to bf16, int8 → bf16 exactly, `vdpbf16ps` on AVX512-BF16 (32 multiply-adds an
+  instruction, so the rows of a verify step stay memory-bound), f32 FMAs elsewhere. K % 16 == 0, N % 16 == 0.
 """
 
 from __future__ import annotations

@@ -26,22 +26,23 @@
 // (`block_scales`: [N/16, G, 16]) apply to 16 channels with one FMA. An earlier layout put 32 input channels of
 // one output channel in a vector: one scale FMA per 32 weights and row, which bounded the verify step's rows.
 //
-// Built with AVX-512 F/BW/VL/BF16 + FMA + OpenMP (at::parallel_for); loaded only on CPUs with those
-// (woq_linear.py).
+// One source for every ISA variant over simd.h (cpu_kernels.py builds and picks the variant); OpenMP threads through
+// at::parallel_for.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
-#include <immintrin.h>
 
 #include "cpu_kernels.h"
 
 #include <cstdint>
-#include <vector>
 #include <optional>
+#include <string>
+#include <vector>
 
 namespace {
 
+namespace simd = nextn_cpu::simd;
 using nextn_cpu::Int;
 using nextn_cpu::run_blocks;
 using nextn_cpu::with_rows;
@@ -58,9 +59,7 @@ constexpr int kMaxRows8 = 16;
 // from DRAM once per step, and without it loads and arithmetic do not overlap (measured: a [151936, 1536] int8
 // matrix, one row, 14.5 -> 5.9-7.9 ms; an L1 hint gained less).
 
-inline __m512 bf16x16_to_f32(__m256i b) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-}
+using simd::V16;
 
 // A block's group scales, one-level: bf16 scale and zero8 [NB][G][16] (16 channels a group). `get(n, gi, si)` (si:
 // the super-block, unused here) gives the group's scale and the coefficient of its x sum for weights read as
@@ -72,15 +71,14 @@ struct Bf16Scales {
   static constexpr bool kTwoLevel = false;
   inline void prefetch_next(int NB, int64_t gi, int64_t) const {
     if (gi % 4 == 0) {  // a 64-byte line holds 4 groups' scales (and zero8s)
-      _mm_prefetch(reinterpret_cast<const char*>(s + (NB * G + gi) * 16), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(z + (NB * G + gi) * 16), _MM_HINT_T1);
+      simd::prefetch_l2(s + (NB * G + gi) * 16);
+      simd::prefetch_l2(z + (NB * G + gi) * 16);
     }
   }
-  inline void get(int n, int64_t gi, int64_t, __m512& sv, __m512& zv) const {
+  inline void get(int n, int64_t gi, int64_t, V16& sv, V16& zv) const {
     const int64_t at = (n * G + gi) * 16;
-    sv = bf16x16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + at)));
-    zv = _mm512_fnmadd_ps(_mm512_set1_ps(136.f), sv,
-                          bf16x16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(z + at))));
+    sv = simd::load_bf16(s + at);
+    zv = simd::fnmadd(simd::set1(136.f), sv, simd::load_bf16(z + at));
   }
 };
 
@@ -94,32 +92,28 @@ struct KScales {
   int64_t G, S, gps;
   static constexpr bool kTwoLevel = true;
   inline void prefetch_next(int NB, int64_t gi, int64_t si) const {
-    if (gi % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(g8 + (NB * G + gi) * 32), _MM_HINT_T1);
-    if (gi % gps == 0) _mm_prefetch(reinterpret_cast<const char*>(sup + (NB * S + si) * 32), _MM_HINT_T1);
+    if (gi % 2 == 0) simd::prefetch_l2(g8 + (NB * G + gi) * 32);
+    if (gi % gps == 0) simd::prefetch_l2(sup + (NB * S + si) * 32);
   }
   // d and dmin are re-read (from L1) for every group rather than held in registers across the group: with 8 rows
   // the accumulators leave no registers for them (measured: held, batch 8 spilled and ran 15 % slower)
-  inline void get(int n, int64_t gi, int64_t si, __m512& sv, __m512& zv) const {
+  inline void get(int n, int64_t gi, int64_t si, V16& sv, V16& zv) const {
     const uint8_t* p = g8 + (n * G + gi) * 32;
     const uint16_t* ds = sup + (n * S + si) * 32;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ds)));
-    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ds + 16)));
-    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-    const __m512 zc =
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
-    sv = _mm512_mul_ps(sc, d);
-    zv = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), sv, _mm512_mul_ps(zc, dmin));
+    const V16 d = simd::load_f16(ds), dmin = simd::load_f16(ds + 16);
+    sv = simd::load_int8(p) * d;
+    zv = simd::fnmadd(simd::set1(128.f), sv, simd::load_int8(reinterpret_cast<const int8_t*>(p + 16)) * dmin);
   }
 };
 
 // out rows [0, MB) x NB blocks of 16 channels = acc (+ bias)
 template <int MB, int NB>
-inline void store_rows(const __m512 (&acc)[MB][NB], const float* bias, float* out, int64_t out_stride) {
+inline void store_rows(const V16 (&acc)[MB][NB], const float* bias, float* out, int64_t out_stride) {
   for (int m = 0; m < MB; ++m)
     for (int n = 0; n < NB; ++n) {
-      __m512 y = acc[m][n];
-      if (bias) y = _mm512_add_ps(y, _mm512_loadu_ps(bias + 16 * n));
-      _mm512_storeu_ps(out + m * out_stride + 16 * n, y);
+      V16 y = acc[m][n];
+      if (bias) y = y + simd::load(bias + 16 * n);
+      simd::store(out + m * out_stride + 16 * n, y);
     }
 }
 
@@ -133,50 +127,45 @@ inline void next_group(const Scales& sc, int64_t& si, int64_t& in_super) {
 
 // NB blocks of 16 output channels (int4, `pack_int4` layout, starting at w; 8 K bytes a block) against rows
 // [0, MB) of x (bf16, row stride K). A vector lane is an output channel: per 4 input channels, one 32-byte load
-// widens to two vectors of 16 channels x (k, k+1) and (k+2, k+3) bf16 pairs (a nibble q -> the bf16 128 + q by
-// an OR, exact; the 128 comes back out through the group sum of x), and one vdpbf16ps per vector and row multiplies them with x's pair, broadcast (exact products,
-// f32 sums, two chains: lo and hi pairs). At the end of a group of g input channels each row's sums are scaled by
-// the group's 16 scales (one FMA for 16 channels) and the zero points enter through the group sum of x:
+// widens to 16 channels x (k, k+1) and (k+2, k+3) pairs (`simd::pairs_int4`: a nibble q -> 128 + q, exact; the 128
+// comes back out through the group sum of x), and one `simd::dot` per pair and row multiplies them with x's pair
+// (vdpbf16ps on AVX512-BF16, two FMAs elsewhere: exact products, f32 sums, two chains: lo and hi pairs). At the end
+// of a group of g input channels each row's sums are scaled by the group's 16 scales (one FMA for 16 channels) and
+// the zero points enter through the group sum of x:
 //   y = sum_g [ s_g * sum_{k in g} (128 + q_k) x_k + z_g * xs_g ] + bias     (Scales::get gives s_g, z_g)
 // Every channel's result is this sequence of f32 operations whatever MB, NB or the thread: batch-invariant.
 // xs: [MB][G] f32 group sums of x.
 template <int MB, int NB, typename Scales>
 inline void int4_block(const uint16_t* x, int64_t K, const uint8_t* w, const Scales& sc, int64_t G, int64_t g,
                        const float* xs, float* out, int64_t out_stride, const float* bias) {
-  const __m512i low4 = _mm512_set1_epi16(0x0F);
-  const __m512i b128 = _mm512_set1_epi16(0x4300);  // bf16 128.0: 0x4300 | q is 128 + q exactly (7-bit mantissa)
   const int64_t block_bytes = 8 * K;
   int64_t si = 0, in_super = 0;  // two-level: the super-block of group gi (counted, not divided), gi's place in it
-  __m512 acc[MB][NB];
+  V16 acc[MB][NB];
   for (int m = 0; m < MB; ++m)
-    for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
+    for (int n = 0; n < NB; ++n) acc[m][n] = simd::zero();
   for (int64_t gi = 0; gi < G; ++gi) {
-    __m512 lo[MB][NB], hi[MB][NB];
+    V16 lo[MB][NB], hi[MB][NB];
     for (int m = 0; m < MB; ++m)
-      for (int n = 0; n < NB; ++n) lo[m][n] = hi[m][n] = _mm512_setzero_ps();
+      for (int n = 0; n < NB; ++n) lo[m][n] = hi[m][n] = simd::zero();
     sc.prefetch_next(NB, gi, si);
     for (int64_t k = gi * g; k < (gi + 1) * g; k += 4) {
       if ((k & 7) == 0)
-        for (int n = 0; n < NB; ++n)
-          _mm_prefetch(reinterpret_cast<const char*>(w + (n + NB) * block_bytes + 8 * k), _MM_HINT_T1);
+        for (int n = 0; n < NB; ++n) simd::prefetch_l2(w + (n + NB) * block_bytes + 8 * k);
       for (int n = 0; n < NB; ++n) {
-        const __m512i q = _mm512_cvtepu8_epi16(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + n * block_bytes + 8 * k)));
-        const __m512bh wl = (__m512bh)_mm512_ternarylogic_epi32(q, low4, b128, 0xEA);  // (q & 0x0F) | 0x4300
-        const __m512bh wh = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(q, 4), b128);
+        simd::Pairs wl, wh;
+        simd::pairs_int4(w + n * block_bytes + 8 * k, wl, wh);
         for (int m = 0; m < MB; ++m) {
-          const uint32_t* xm = reinterpret_cast<const uint32_t*>(x + m * K + k);
-          lo[m][n] = _mm512_dpbf16_ps(lo[m][n], wl, (__m512bh)_mm512_set1_epi32(int(xm[0])));
-          hi[m][n] = _mm512_dpbf16_ps(hi[m][n], wh, (__m512bh)_mm512_set1_epi32(int(xm[1])));
+          lo[m][n] = simd::dot(lo[m][n], wl, simd::xpair(x + m * K + k));
+          hi[m][n] = simd::dot(hi[m][n], wh, simd::xpair(x + m * K + k + 2));
         }
       }
     }
     for (int n = 0; n < NB; ++n) {
-      __m512 sv, zv;
+      V16 sv, zv;
       sc.get(n, gi, si, sv, zv);
       for (int m = 0; m < MB; ++m) {
-        acc[m][n] = _mm512_fmadd_ps(_mm512_add_ps(lo[m][n], hi[m][n]), sv, acc[m][n]);
-        acc[m][n] = _mm512_fmadd_ps(zv, _mm512_set1_ps(xs[m * G + gi]), acc[m][n]);
+        acc[m][n] = simd::fmadd(lo[m][n] + hi[m][n], sv, acc[m][n]);
+        acc[m][n] = simd::fmadd(zv, simd::set1(xs[m * G + gi]), acc[m][n]);
       }
     }
     next_group(sc, si, in_super);
@@ -187,8 +176,9 @@ inline void int4_block(const uint16_t* x, int64_t K, const uint8_t* w, const Sca
 // W4A8: NB blocks of 16 output channels (int4, `pack_int4_vnni` layout: per 8 input channels k..k+7 of a block, 64
 // bytes, byte 4c + j = q[c][k + j] | q[c][k + 4 + j] << 4) against rows [0, MB) of xq, x quantized per group of g
 // to int8 (xq = round(x / sx), sx = max|x| / 127: `quantize_rows`). Per 8 input channels one 64-byte load gives, by
-// an AND and a shift, 16 channels x 4 input channels of unsigned bytes twice, and one vpdpbusd per half and row
-// (64 multiply-adds an instruction, exact in int32) takes x's 4 bytes, broadcast. At the end of a group:
+// an AND and a shift, 16 channels x 4 input channels of unsigned bytes twice, and one `simd::dot4` per half and row
+// (vpdpbusd where the CPU has VNNI, vpmaddubsw + vpmaddwd elsewhere: exact in int32 either way) takes x's 4 bytes,
+// broadcast. At the end of a group:
 //   y += (s_g * sx) * sum_{k in g} q_k xq_k + z_g * (sx * sum_{k in g} xq_k)
 // with the group's weight scale s_g and zero z_g (w = q * s_g + z_g), in f32 — the same for a row whatever MB, NB
 // or the thread: batch-invariant. sx, xs: [MB][G] the rows' group scales and sx * sum xq.
@@ -196,48 +186,44 @@ template <int MB, int NB, typename Scales>
 inline void int4a8_block(const int8_t* xq, int64_t K, const uint8_t* w, const Scales& sc, int64_t G, int64_t g,
                          const float* sx, const float* xs, float* out, int64_t out_stride, const float* bias) {
   constexpr bool kSplit = MB == 1;  // two int32 chains (low / high nibbles) for one row
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
   const int64_t block_bytes = 8 * K;
   int64_t si = 0, in_super = 0;
-  __m512 acc[MB][NB];
+  V16 acc[MB][NB];
   for (int m = 0; m < MB; ++m)
-    for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
+    for (int n = 0; n < NB; ++n) acc[m][n] = simd::zero();
   for (int64_t gi = 0; gi < G; ++gi) {
-    __m512i lo[MB][NB], hi[MB][kSplit ? NB : 1];
+    simd::I16 lo[MB][NB], hi[MB][kSplit ? NB : 1];
     for (int m = 0; m < MB; ++m)
       for (int n = 0; n < NB; ++n) {
-        lo[m][n] = _mm512_setzero_si512();
-        if constexpr (kSplit) hi[m][n] = _mm512_setzero_si512();
+        lo[m][n] = simd::izero();
+        if constexpr (kSplit) hi[m][n] = simd::izero();
       }
     sc.prefetch_next(NB, gi, si);
     for (int64_t k = gi * g; k < (gi + 1) * g; k += 8) {
-      for (int n = 0; n < NB; ++n)
-        _mm_prefetch(reinterpret_cast<const char*>(w + (n + NB) * block_bytes + 8 * k), _MM_HINT_T1);
+      for (int n = 0; n < NB; ++n) simd::prefetch_l2(w + (n + NB) * block_bytes + 8 * k);
       for (int n = 0; n < NB; ++n) {
-        const __m512i v = _mm512_loadu_si512(w + n * block_bytes + 8 * k);
-        const __m512i wl = _mm512_and_si512(v, low4);
-        const __m512i wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        simd::U8x64 wl, wh;
+        simd::nibbles(w + n * block_bytes + 8 * k, wl, wh);
         for (int m = 0; m < MB; ++m) {
-          const int32_t* xm = reinterpret_cast<const int32_t*>(xq + m * K + k);
-          lo[m][n] = _mm512_dpbusd_epi32(lo[m][n], wl, _mm512_set1_epi32(xm[0]));
+          const int8_t* xm = xq + m * K + k;
+          lo[m][n] = simd::dot4(lo[m][n], wl, xm);
           if constexpr (kSplit) {
-            hi[m][n] = _mm512_dpbusd_epi32(hi[m][n], wh, _mm512_set1_epi32(xm[1]));
+            hi[m][n] = simd::dot4(hi[m][n], wh, xm + 4);
           } else {
-            lo[m][n] = _mm512_dpbusd_epi32(lo[m][n], wh, _mm512_set1_epi32(xm[1]));
+            lo[m][n] = simd::dot4(lo[m][n], wh, xm + 4);
           }
         }
       }
     }
     for (int n = 0; n < NB; ++n) {
-      __m512 sv, zv;
+      V16 sv, zv;
       sc.get(n, gi, si, sv, zv);
-      zv = _mm512_fmadd_ps(_mm512_set1_ps(128.f), sv, zv);  // get's zero is for weights read as 128 + q
+      zv = simd::fmadd(simd::set1(128.f), sv, zv);  // get's zero is for weights read as 128 + q
       for (int m = 0; m < MB; ++m) {
-        __m512i d = lo[m][n];
-        if constexpr (kSplit) d = _mm512_add_epi32(d, hi[m][n]);
-        acc[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(sv, _mm512_set1_ps(sx[m * G + gi])),
-                                    acc[m][n]);
-        acc[m][n] = _mm512_fmadd_ps(zv, _mm512_set1_ps(xs[m * G + gi]), acc[m][n]);
+        simd::I16 d = lo[m][n];
+        if constexpr (kSplit) d = simd::iadd(d, hi[m][n]);
+        acc[m][n] = simd::fmadd(simd::to_float(d), sv * simd::set1(sx[m * G + gi]), acc[m][n]);
+        acc[m][n] = simd::fmadd(zv, simd::set1(xs[m * G + gi]), acc[m][n]);
       }
     }
     next_group(sc, si, in_super);
@@ -252,57 +238,44 @@ void quantize_rows(const uint16_t* x, int64_t M, int64_t K, int64_t g, int8_t* x
   for (int64_t m = 0; m < M; ++m)
     for (int64_t gi = 0; gi < G; ++gi) {
       const uint16_t* p = x + m * K + gi * g;
-      __m512 amax = _mm512_setzero_ps();
+      V16 amax = simd::zero();
+      for (int64_t k = 0; k < g; k += 16) amax = simd::max(amax, simd::abs(simd::load_bf16(p + k)));
+      const float s = simd::reduce_max(amax) / 127.f;
+      const V16 inv = simd::set1(s > 0.f ? 1.f / s : 0.f);  // a multiply per element, not a division
+      int32_t sum = 0;
       for (int64_t k = 0; k < g; k += 16)
-        amax = _mm512_max_ps(amax, _mm512_abs_ps(bf16x16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + k)))));
-      const float s = _mm512_reduce_max_ps(amax) / 127.f;
-      const __m512 inv = _mm512_set1_ps(s > 0.f ? 1.f / s : 0.f);  // a multiply per element, not a division
-      __m512i sum = _mm512_setzero_si512();
-      for (int64_t k = 0; k < g; k += 16) {
-        const __m512 v = bf16x16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + k)));
-        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));
-        sum = _mm512_add_epi32(sum, q);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + m * K + gi * g + k), _mm512_cvtsepi32_epi8(q));
-      }
+        sum += simd::store_int8_rne(xq + m * K + gi * g + k, simd::load_bf16(p + k) * inv);
       sx[m * G + gi] = s;
-      xs[m * G + gi] = s * float(_mm512_reduce_add_epi32(sum));
+      xs[m * G + gi] = s * float(sum);
     }
 }
 
 // NB blocks of 16 output channels (int8, `pack_int8` layout: per 2 input channels k, k+1 of a block, 32 bytes, byte
 // 2c + j = q[c][k + j]) against rows [0, MB) of x (bf16, row stride K). Per 2 input channels one 32-byte load
-// widens to 32 f32 and packs into 16 channels x (k, k+1) bf16 pairs (exact: |q| <= 127 fits bf16's 8-bit
-// significand), and one vdpbf16ps per row multiplies them with x's pair, broadcast: 32 multiply-adds an
-// instruction, twice an f32 FMA's, so a verify step's rows stay memory-bound. y = scale * sum + bias, f32.
+// widens to 16 channels x (k, k+1) pairs (`simd::pairs_int8`: exact, |q| <= 127 fits bf16's 8-bit significand), and
+// one `simd::dot` per row multiplies them with x's pair (on AVX512-BF16 a vdpbf16ps: 32 multiply-adds an
+// instruction, twice an f32 FMA's, so a verify step's rows stay memory-bound). y = scale * sum + bias, f32.
 // Every channel's result is the same sequence of operations whatever MB, NB or the thread: batch-invariant.
 template <int MB, int NB>
 inline void int8_block(const uint16_t* x, int64_t K, const int8_t* w, const float* scale, float* out,
                        int64_t out_stride, const float* bias) {
   const int64_t block_bytes = 16 * K;
-  __m512 acc[MB][NB];
+  V16 acc[MB][NB];
   for (int m = 0; m < MB; ++m)
-    for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
+    for (int n = 0; n < NB; ++n) acc[m][n] = simd::zero();
   for (int64_t k = 0; k < K; k += 2) {
     if ((k & 3) == 0)
-      for (int n = 0; n < NB; ++n)
-        _mm_prefetch(reinterpret_cast<const char*>(w + (n + NB) * block_bytes + 16 * k), _MM_HINT_T1);
+      for (int n = 0; n < NB; ++n) simd::prefetch_l2(w + (n + NB) * block_bytes + 16 * k);
     for (int n = 0; n < NB; ++n) {
-      const int8_t* p = w + n * block_bytes + 16 * k;
-      const __m512 c0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-      const __m512 c8 =
-          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
-      const __m512bh wv = _mm512_cvtne2ps_pbh(c8, c0);  // bf16 lanes 0-15 from c0 (channels 0-7), 16-31 from c8
-      for (int m = 0; m < MB; ++m) {
-        const uint32_t* xm = reinterpret_cast<const uint32_t*>(x + m * K + k);
-        acc[m][n] = _mm512_dpbf16_ps(acc[m][n], wv, (__m512bh)_mm512_set1_epi32(int(xm[0])));
-      }
+      const simd::Pairs wv = simd::pairs_int8(w + n * block_bytes + 16 * k);
+      for (int m = 0; m < MB; ++m) acc[m][n] = simd::dot(acc[m][n], wv, simd::xpair(x + m * K + k));
     }
   }
   for (int m = 0; m < MB; ++m)
     for (int n = 0; n < NB; ++n) {
-      __m512 y = _mm512_mul_ps(acc[m][n], _mm512_loadu_ps(scale + 16 * n));
-      if (bias) y = _mm512_add_ps(y, _mm512_loadu_ps(bias + 16 * n));
-      _mm512_storeu_ps(out + m * out_stride + 16 * n, y);
+      V16 y = acc[m][n] * simd::load(scale + 16 * n);
+      if (bias) y = y + simd::load(bias + 16 * n);
+      simd::store(out + m * out_stride + 16 * n, y);
     }
 }
 
@@ -352,10 +325,9 @@ void int4_linear(const uint16_t* xp, int64_t M, int64_t K, const uint8_t* wp, in
   std::vector<float> xs(M * G);
   for (int64_t m = 0; m < M && !scales.int8_activations; ++m)
     for (int64_t gi = 0; gi < G; ++gi) {
-      __m512 a = _mm512_setzero_ps();
-      for (int64_t k = gi * group_size; k < (gi + 1) * group_size; k += 16)
-        a = _mm512_add_ps(a, bf16x16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + m * K + k))));
-      xs[m * G + gi] = _mm512_reduce_add_ps(a);
+      V16 a = simd::zero();
+      for (int64_t k = gi * group_size; k < (gi + 1) * group_size; k += 16) a = a + simd::load_bf16(xp + m * K + k);
+      xs[m * G + gi] = simd::reduce_add(a);
     }
   // blocks of 16 channels split across threads; one row: 2 blocks at a time (4 independent vdpbf16ps chains);
   // more: 1 block, up to 8 rows a chunk re-reading the block's weights from L1/L2
@@ -491,13 +463,15 @@ at::Tensor woq_int8_linear(const at::Tensor& x, const at::Tensor& w, const at::T
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(nextn, m) {
+TORCH_LIBRARY_FRAGMENT(NEXTN_OPS, m) {
+  // the ISA variant these kernels were compiled for (simd.h): what cpu_kernels.py checks after loading
+  m.def("isa() -> str", []() { return std::string(nextn_cpu::simd::kVariant); });
   m.def("woq_int4_linear(Tensor x, Tensor w, Tensor scale, Tensor zero, int group_size, Tensor? bias, "
         "bool int8_activations=False) -> Tensor");
   m.def("woq_int8_linear(Tensor x, Tensor w, Tensor scale, Tensor? bias) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(nextn, CPU, m) {
+TORCH_LIBRARY_IMPL(NEXTN_OPS, CPU, m) {
   m.impl("woq_int4_linear", &woq_int4_linear);
   m.impl("woq_int8_linear", &woq_int8_linear);
 }

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nextn.plugins import dense_linear, woq_linear
+from nextn.plugins import cpu_kernels, dense_linear, woq_linear
 from nextn.quantization.weight_only import INT4_ALGOS, QuantConfig, dequantize, super_scales, unpack_int4
 
 
@@ -108,9 +108,9 @@ class WeightOnlyLinear(nn.Module):
             return F.linear(x, self.dense.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         if self.kernel == "nextn":
             if self.cfg.quant_algo == "W8A16":
-                y = torch.ops.nextn.woq_int8_linear(x, self.qweight, self.scales, self.bias)
+                y = cpu_kernels.ops().woq_int8_linear(x, self.qweight, self.scales, self.bias)
                 return y if y.shape[-1] == self.out_features else y[..., :self.out_features].contiguous()
-            return torch.ops.nextn.woq_int4_linear(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias,
+            return cpu_kernels.ops().woq_int4_linear(x, self.qweight, self.scales, self.zeros, self.group_size, self.bias,
                                                    self.int8_activations)
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)

@@ -23,6 +23,7 @@ from nextn.models.causal_lm import SelfDraftingCausalLM
 from nextn.models.layers import GatedMLP, PreNormDecoderLayer, RMSNorm
 from nextn.models.llama.config import LlamaModelConfig
 from nextn.models.llama.rope import apply_rope, rope_cache
+from nextn.plugins import cpu_kernels
 from nextn.plugins.decoder_layer import FusedLayerWeights, fused_forward
 from nextn.plugins.kv_cache_write import kv_cache_write
 from nextn.models.attention_metadata import AttentionMetadata
@@ -69,7 +70,7 @@ class LlamaAttention(nn.Module):
         new_kv = torch.cat([k.reshape(b, t, nkv * d), v], dim=-1).to(kv_cache.dtype)  # [B, T, 2 · nkv · d]
         kv_cache_write(kv_cache, meta.slot_mapping.reshape(-1), new_kv.reshape(b * t, -1))
         if self.paged_attention_kernel and kv_cache.dtype == q.dtype:
-            o = torch.ops.nextn.paged_attention(q, kv_cache, meta.context_slots, meta.visible, self.scale)
+            o = cpu_kernels.ops().paged_attention(q, kv_cache, meta.context_slots, meta.visible, self.scale)
             return self.o_proj(o)
 
         # Each sequence's context through its block table: [B, S, 2, nkv, d], S = max_blocks · block_size.

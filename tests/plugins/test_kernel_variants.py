@@ -1,0 +1,96 @@
+"""Choosing the ISA variant of nextn's CPU kernels (plugins/cpu_kernels.py): the CPU's best by default,
+NEXTN_CPU_ISA forcing a lower one, bad names refused by name, the variant reported; the ARM64 variant compiled with a
+cross compiler where one is installed (.ci/run installs Debian's g++-aarch64-linux-gnu)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from nextn.plugins import cpu_kernels
+
+
+def test_the_default_is_the_best_variant_the_cpu_runs(monkeypatch):
+    monkeypatch.delenv(cpu_kernels.ENV, raising=False)
+    assert cpu_kernels._requested() == cpu_kernels.runnable()[0]
+    assert cpu_kernels.runnable()[-1] == "generic"  # every CPU runs the portable one
+
+
+@pytest.mark.parametrize("name", cpu_kernels.runnable())
+def test_nextn_cpu_isa_forces_a_variant_the_cpu_runs(monkeypatch, name):
+    monkeypatch.setenv(cpu_kernels.ENV, name.upper())
+    assert cpu_kernels._requested() == name
+
+
+def test_nextn_cpu_isa_refuses_unknown_names_and_variants_the_cpu_lacks(monkeypatch):
+    monkeypatch.setenv(cpu_kernels.ENV, "avx1024")
+    with pytest.raises(ValueError, match="'avx1024' is not a kernel variant; choose one of avx512_bf16, .*none"):
+        cpu_kernels._requested()
+    lacking = [v.name for v in cpu_kernels.VARIANTS if cpu_kernels.missing(v)]
+    assert lacking  # an x86 CPU lacks neon, an ARM one avx2
+    monkeypatch.setenv(cpu_kernels.ENV, lacking[0])
+    with pytest.raises(ValueError, match=f"{lacking[0]}: this CPU cannot run it \\(it lacks .*\\); it runs"):
+        cpu_kernels._requested()
+    monkeypatch.setenv(cpu_kernels.ENV, "none")
+    assert cpu_kernels._requested() is None
+
+
+def test_use_refuses_what_the_cpu_cannot_run():
+    lacking = [v.name for v in cpu_kernels.VARIANTS if cpu_kernels.missing(v)]
+    with pytest.raises(ValueError, match="cannot run"):
+        with cpu_kernels.use(lacking[0]):
+            pass
+    with pytest.raises(ValueError, match="unknown kernel variant"):
+        with cpu_kernels.use("sse9"):
+            pass
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["avx2", "none"])
+def test_a_forced_variant_is_the_one_that_runs_and_is_reported(name):
+    """A fresh process with NEXTN_CPU_ISA set: `python -m nextn.plugins.cpu_kernels` names it (the build is cached by
+    the kernel tests)."""
+    if name != "none" and name not in cpu_kernels.runnable():
+        pytest.skip(f"this CPU does not run {name}")
+    env = {**os.environ, cpu_kernels.ENV: name}
+    r = subprocess.run([sys.executable, "-m", "nextn.plugins.cpu_kernels"], env=env, capture_output=True, text=True,
+                       timeout=600)
+    if name == "none":
+        assert r.returncode == 1 and "off (NEXTN_CPU_ISA=none" in r.stdout
+    else:
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.startswith(f"nextn CPU kernels: {name} (this CPU runs ")
+    bad = subprocess.run([sys.executable, "-m", "nextn.plugins.cpu_kernels"], capture_output=True, text=True,
+                         env={**os.environ, cpu_kernels.ENV: "avx9000"}, timeout=120)
+    assert bad.returncode == 1 and "'avx9000' is not a kernel variant" in bad.stdout
+
+
+def test_no_compiler_gives_one_line_saying_how_to_get_one(monkeypatch):
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    reason = cpu_kernels.build.__wrapped__("generic")
+    assert "no C++ compiler" in reason and "apt-get install g++" in reason and "slower" in reason
+
+
+@pytest.mark.slow
+def test_the_arm64_variant_compiles_with_a_cross_compiler(tmp_path):
+    """Each kernel source compiled for aarch64 as the neon variant (at::vec's NEON vectors), against torch's headers;
+    the object holds the variant's name (`isa()`)."""
+    cxx = shutil.which("aarch64-linux-gnu-g++")
+    if cxx is None:
+        pytest.skip("no aarch64 cross compiler (Debian: apt-get install g++-aarch64-linux-gnu; .ci/run installs it)")
+    from torch.utils import cpp_extension
+
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    neon = next(v for v in cpu_kernels.VARIANTS if v.name == "neon")
+    for src in cpu_kernels.SOURCES:
+        obj = tmp_path / (src.stem + ".o")
+        r = subprocess.run([cxx, "-std=c++20", "-O0", "-c", "-fPIC", "-fopenmp", *neon.cflags,
+                            f"-DNEXTN_OPS={cpu_kernels.namespace('neon')}", *includes, str(src), "-o", str(obj)],
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert obj.stat().st_size > 0
+    assert b"neon" in (tmp_path / "woq_linear_cpu.o").read_bytes()
