@@ -11,6 +11,8 @@ it in full: 32 prompts × 128 tokens, every format × drafter × scenario). Here
   bf16, as `build-engine --exclude_modules` does.)
 - MTP: the tiny DeepSeek-V3 (MLA, MoE; one distilled MTP module) and a tiny Llama with 1 MTP layer, fp32 and bf16.
 - SmolLM2-135M (Q4_1 GGUF): bf16 and W4A16, none and NGram, 4 prompts × 64 tokens, alone vs a batch of 12.
+- Every lower ISA variant of nextn's CPU kernels the CPU runs (`NEXTN_CPU_ISA`): stories260K in each format with
+  one drafter, scenarios batch, staggered, chunked, against that variant's own reference.
 Real models are skipped with the reason when ../shared/data is absent.
 """
 
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from nextn.plugins import cpu_kernels
 from nextn.testing import SMALL_VOCAB
 from nextn.testing import batch_invariance as bi
 
@@ -117,6 +120,21 @@ def test_stories260k_outputs_do_not_depend_on_the_batch(stories, fmt, drafter, s
     eng, ref = engine(fmt)
     spec = bi.speculative_config(drafter, draft)
     _assert_all_identical(bi.run_cell(eng, fmt, drafter, spec, prompts, ref, 24, scenarios))
+
+
+@pytest.mark.parametrize("variant", cpu_kernels.runnable()[1:])  # the best variant runs every test above
+@pytest.mark.parametrize("fmt,drafter", [("bf16", "NGram"), ("W4A16", "Draft_Target"), ("fp32", "NGram"),
+                                         ("W8A16", "none"), ("W4A8", "NGram")])
+def test_stories260k_outputs_do_not_depend_on_the_batch_on_every_kernel_variant(stories, variant, fmt, drafter):
+    """The same within every lower ISA variant the CPU runs (NEXTN_CPU_ISA=avx512, avx2, generic): each variant's
+    own plain, alone decoding is the reference (two variants may differ in the last bits, never one with itself)."""
+    engine, draft, prompts = stories
+    eng, _ = engine(fmt)
+    with cpu_kernels.use(variant):
+        ref = bi.Reference(eng, prompts, 24)
+        results = bi.run_cell(eng, fmt, drafter, bi.speculative_config(drafter, draft), prompts, ref, 24, BASIC)
+        assert cpu_kernels.ops().isa() == variant
+    _assert_all_identical(results)
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "W8A16", "W4A8"])

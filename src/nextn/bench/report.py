@@ -186,6 +186,7 @@ def format_report(run: BenchRun, stats: BenchStatistics | None = None) -> str:
     lines = _section("PYTORCH BACKEND") + _fields([
         ("Model", e.get("model_name") or e.get("model")), ("Architecture", e.get("model")), ("Model Path", e.get("model_path")), ("Engine Directory", e.get("engine_dir")),
         ("nextn Version", e.get("version")), ("Dtype", e.get("dtype")), ("KV Cache Dtype", e.get("kv_cache_dtype")),
+        ("CPU Kernels", e.get("cpu_kernels")),
         ("Quantization", e.get("quantization")), ("Device", e.get("device")),
         ("Speculative Decoding", e.get("speculative_decoding"))])
     machine = f"{m['cpu']}, {m['cpu_cores']} cores ({m['torch_threads']} torch threads)"

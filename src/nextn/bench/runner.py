@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from nextn.bench.dataset import DatasetEntry, DatasetError
 from nextn.bench.passes import PassSpread, load_average
+from nextn.plugins import cpu_kernels
 from nextn.progress import progress_bar
 from nextn.runtime.engine import RequestError
 from nextn.runtime.outputs import CompletionOutput
@@ -163,6 +164,7 @@ def describe_engine(llm) -> tuple[dict, dict, str, int, int]:
               "quantization": described, "weight_format": short,
               "quant_config": m.quant_config.model_dump() if m.quant_config is not None else None,
               "backend": "pytorch", "device": str(llm.device),
+              "cpu_kernels": cpu_kernels.variant() if llm.device.type == "cpu" else None,
               "speculative_decoding": f"{mode} ({drafter}, K={k})" if spec is not None else None}
     world = {"tp_size": 1, "pp_size": 1, "ep_size": None, "max_batch_size": llm.max_batch_size,
              "max_num_tokens": llm.args.max_num_tokens, "max_seq_len": llm.max_seq_len,

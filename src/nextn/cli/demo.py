@@ -101,7 +101,8 @@ def choose_model(args: argparse.Namespace) -> Model:
             from nextn.plugins import cpu_kernels
 
             fast = cpu_kernels.available()
-            return Model("SmolLM2-135M-Instruct (Q4_1 GGUF" + (", W4A16 on nextn's CPU kernels)" if fast else ")"),
+            kernels = f", W4A16 on nextn's {cpu_kernels.variant()} CPU kernels)" if fast else ")"
+            return Model("SmolLM2-135M-Instruct (Q4_1 GGUF" + kernels,
                          found, chat, chat_source + ", chat template", ngram, f"n-gram K={args.num_draft_tokens}",
                          quantize=fast)
         if found is not None:
@@ -207,7 +208,10 @@ def run(args: argparse.Namespace) -> int:
         fmt = {"dtype": "bfloat16", "quant_config": {"quant_algo": "W4A16"}} if model.quantize else {"dtype": "float32"}
         plain_llm = LLM(source, speculative_config=None, engine_cache_dir=cache, **fmt)
         spec_llm = LLM(plain_llm.engine_dir, speculative_config=model.spec)
-        print(f"2/3 engine ready in {time.perf_counter() - t0:.1f}s (built once, then reused from the cache)")
+        from nextn.plugins import cpu_kernels
+
+        print(f"2/3 engine ready in {time.perf_counter() - t0:.1f}s (built once, then reused from the cache); "
+              f"{cpu_kernels.describe()}")
         prompts = chat_prompts(plain_llm, model.prompts)
         print(f"3/3 decode {len(prompts)} prompts ({model.prompt_source}), up to {args.max_tokens} tokens each, "
               f"greedy, batch 1, best of {args.runs} after a warm-up")

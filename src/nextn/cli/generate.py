@@ -3,7 +3,8 @@
 After the completions, one line sums the run up: decode tokens/s over all prompts (tokens after each prompt's first,
 over the span from the first request's first token to the last request's end: prompts run batched), mean time to
 first token and the overall acceptance length. `--json` prints one object per prompt with the same per-prompt
-figures (`tokens_per_s`, `ttft_ms`, `tpot_ms`, `acceptance_length`) and the summary as one JSON object on stderr.
+figures (`tokens_per_s`, `ttft_ms`, `tpot_ms`, `acceptance_length`) and the summary as one JSON object on stderr
+(with `cpu_kernels`: the ISA variant of nextn's CPU kernels that ran).
 """
 
 from __future__ import annotations
@@ -143,7 +144,17 @@ def run(args: argparse.Namespace) -> int:
     if done:
         summary = RunStats.of(done)
         if args.json:
-            print(json.dumps({"summary": {"num_prompts": len(done), **summary.as_dict()}}), file=sys.stderr)
+            print(json.dumps({"summary": {"num_prompts": len(done), **summary.as_dict(),
+                                          "cpu_kernels": _kernels(llm)}}), file=sys.stderr)
         else:
             print(f"overall: {summary.line(len(done))}")
     return 1 if len(done) < len(outputs) else 0
+
+
+def _kernels(llm) -> str | None:
+    """The ISA variant of nextn's CPU kernels the engine runs (`plugins.cpu_kernels`), None on a GPU or without them."""
+    if llm.engine.device.type != "cpu":
+        return None
+    from nextn.plugins import cpu_kernels
+
+    return cpu_kernels.variant()

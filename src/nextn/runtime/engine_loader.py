@@ -24,6 +24,7 @@ from nextn.build.manifest import EngineError, EngineManifest
 from pydantic import BaseModel
 
 from nextn.config.llm_args import LlmArgs, LlmArgsError
+from nextn.plugins import cpu_kernels
 from nextn.plugins.cpu_features import fast_bf16
 from nextn.runtime.compiled_step import compile_decode_fn
 from nextn.runtime.cuda_graph_runner import graph_decode_fn
@@ -175,7 +176,8 @@ def load_engine(engine_dir: str | Path, args: LlmArgs, spec: BaseModel | None, d
         raise EngineError(f"the tokenizer files {manifest.tokenizer_files} of {engine_dir} cannot be loaded "
                           f"({type(e).__name__}: {e}); rebuild the engine") from e
     eos_ids = eos_token_ids(engine_dir, cfg.eos_token_id)
-    logger.info("loaded %s in %.2fs: %s, drafter %s (K=%d), %d KV blocks of %d tokens", engine_dir,
-                time.perf_counter() - t0, manifest.dtype, drafter.name, k, plan.num_blocks, block_size)
+    logger.info("loaded %s in %.2fs: %s, drafter %s (K=%d), %d KV blocks of %d tokens, CPU kernels %s", engine_dir,
+                time.perf_counter() - t0, manifest.dtype, drafter.name, k, plan.num_blocks, block_size,
+                cpu_kernels.variant() if device.type == "cpu" else "unused")
     return LoadedEngine(manifest, max_batch_size, max_seq_len, block_size, model, batch_invariant, drafter,
                         acceptance, pool, scheduler, runner, tokenizer, eos_ids)

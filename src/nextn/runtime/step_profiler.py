@@ -183,14 +183,15 @@ def _engine_identity(manifest: EngineManifest, spec: BaseModel, args: LlmArgs, d
                      drafts_on_demand: bool = False) -> str:
     """`engine_digest` of what makes this engine's steps what they are: the engine, the drafter's config (its
     draft-length policy fields excluded: they choose k, the profile times every k), whether a step drafts only its
-    k, the KV dtype, the compiled / graphed step settings, the device type (on a CPU, nextn's kernel sources too: a
-    faster kernel changes the times), the measuring scheme."""
+    k, the KV dtype, the compiled / graphed step settings, the device type (on a CPU, nextn's kernel sources and ISA
+    variant too: a faster kernel changes the times), the measuring scheme."""
     drafter = spec.model_dump_json(exclude=set(DecodingBaseConfig.model_fields))
     step = [args.kv_cache_config.dtype, args.torch_compile_config, args.cuda_graph_config, device.type]
     if drafts_on_demand:
         step.append("drafts on demand")
     if device.type == "cpu":
         step.append(cpu_kernels.source_digest())
+        step.append(str(cpu_kernels.variant()))  # the ISA variant running them (NEXTN_CPU_ISA can force another)
     return engine_digest(manifest.model_dump_json(), drafter, repr(step), SCHEME)
 
 

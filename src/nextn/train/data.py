@@ -406,10 +406,10 @@ def make_self_distill_data(model_dir: str | Path, base_model, cfg: DataConfig, *
     seqs = [ids + cont for (_, ids), cont in zip(rows, continuations)]
     tokens = _pad(seqs)
     lengths = torch.tensor([len(s) for s in seqs])
-    from nextn.plugins.cpu_features import fast_bf16
+    from nextn.plugins.cpu_features import native_bf16
 
     hidden, base_next = final_hidden(base_model, tokens, lengths, progress=progress,
-                                     dtype=torch.bfloat16 if fast_bf16(torch.device("cpu")) else torch.float32)
+                                     dtype=torch.bfloat16 if native_bf16(torch.device("cpu")) else torch.float32)
     data = SelfDistillData(tokens, hidden, torch.tensor([len(ids) for _, ids in rows]), lengths,
                            len(train_rendered) + len(text_rendered), [p.id for p, _ in rows], [p.id for p in held],
                            {p.id: ids for p, ids in eval_rendered}, base_next=base_next, chat=chat,
