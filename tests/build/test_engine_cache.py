@@ -113,21 +113,30 @@ def write_q4_gguf(path, quantized: bool = True):
     return path
 
 
-def test_a_4bit_gguf_builds_w4a16_by_default_and_every_path_shares_one_engine(tmp_path):
-    """quant_algo "auto" (the default): a mostly 4-bit GGUF on a CPU with nextn's int4 kernels builds W4A16 in bf16
-    — the fast, batch-invariant format — and the options are resolved before the cache key, so the default, an
-    explicit W4A16 / bfloat16 (the demo's) and `nextn generate --model`'s "auto" reach one engine; float32 asks for
-    an exact engine and gets no quantization."""
-    from nextn.plugins import woq_linear
+@pytest.mark.parametrize("variant,algo", [("avx512_bf16", "W4A16"), ("avx2", "W4A8")])
+def test_a_4bit_gguf_builds_int4_by_default_and_every_path_shares_one_engine(tmp_path, variant, algo):
+    """quant_algo "auto" (the default): a mostly 4-bit GGUF on a CPU with nextn's int4 kernels builds the fastest
+    int4 format of its kernel variant in bf16 — W4A16 with AVX512-BF16, W4A8 elsewhere: fast and batch-invariant —
+    and the options are resolved before the cache key, so the default, the same format asked explicitly (the
+    demo's) and `nextn generate --model`'s "auto" reach one engine; float32 asks for an exact engine and gets no
+    quantization."""
+    from nextn.plugins import cpu_kernels, woq_linear
 
     if not woq_linear.available():
         pytest.skip(f"nextn's int4 CPU kernels are unavailable here: {woq_linear.unavailable_reason()}")
+    if variant not in cpu_kernels.runnable():
+        pytest.skip(f"this CPU does not run the {variant} kernels")
+    with cpu_kernels.use(variant):
+        _default_engine_is_shared(tmp_path, algo)
+
+
+def _default_engine_is_shared(tmp_path, algo):
     gguf_file, cache = write_q4_gguf(tmp_path / "m.gguf"), tmp_path / "cache"
     default = resolve_engine_dir(gguf_file, cache_dir=cache, progress=False)
     manifest = EngineManifest.load(default)
-    assert manifest.quant_config is not None and manifest.quant_config.quant_algo == "W4A16"
+    assert manifest.quant_config is not None and manifest.quant_config.quant_algo == algo
     assert manifest.dtype == "bfloat16"
-    explicit = resolve_engine_dir(gguf_file, cache_dir=cache, progress=False, dtype="bfloat16", quant_algo="W4A16")
+    explicit = resolve_engine_dir(gguf_file, cache_dir=cache, progress=False, dtype="bfloat16", quant_algo=algo)
     auto = resolve_engine_dir(gguf_file, cache_dir=cache, progress=False, dtype="auto", quant_algo="auto")
     assert explicit == default == auto
     exact = resolve_engine_dir(gguf_file, cache_dir=cache, progress=False, dtype="float32")
@@ -267,7 +276,7 @@ def test_auto_keeps_a_4bit_gguf_dense_where_the_int4_kernel_cannot_take_its_shap
     monkeypatch.setattr(woq_linear, "available", lambda: True)
     path = write_q4_gguf(tmp_path / "m.gguf")
     with open_checkpoint(path) as reader:
-        assert auto_quant_algo(reader, "cpu") == "W4A16"
+        assert auto_quant_algo(reader, "cpu") == woq_linear.fastest_int4_algo()  # W4A16 on AVX512-BF16, else W4A8
         monkeypatch.setattr(woq_linear, "takes", lambda algo, n, k: k % 128 == 0)  # 64-wide inputs not taken
         assert auto_quant_algo(reader, "cpu") is None
         assert auto_quant_algo(reader, "cuda") is None

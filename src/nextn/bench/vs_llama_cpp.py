@@ -9,6 +9,12 @@ t(N) − t(1); llama.cpp's is `llama-bench -p 0 -n N`'s. The step's memory floor
 
     python -m nextn.bench.vs_llama_cpp --model ../shared/data/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
     python -m nextn.bench.vs_llama_cpp --model runs/models/qwen2.5-coder-1.5b/*.gguf --formats W8A16 W4A16 --batch 8
+    python -m nextn.bench.vs_llama_cpp --model M.gguf --formats W4A16 W4A8 --batch 1 8 --variants avx512_bf16 avx2 \
+        --llama_cpp_bin native=runs/peers/.../build/bin avx2=runs/peers/.../build-avx2/bin
+
+`--variants` measures nextn's CPU kernels of each ISA variant in the same run (NEXTN_CPU_ISA's names), beside each
+llama.cpp build; pair a variant with the build of the same ISA level. llama.cpp's batch > 1 is `llama-batched-bench`'s
+decode tokens/s over that many sequences of the prompt's length.
 """
 
 from __future__ import annotations
@@ -103,63 +109,115 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=3, help="timed runs per system after a warm-up; best is kept")
     p.add_argument("--batch", type=int, nargs="*", default=[1], help="nextn batch sizes (default 1; e.g. 1 8)")
     p.add_argument("--threads", type=int, default=2, help="threads for both (default 2: this machine's cores)")
-    p.add_argument("--llama_cpp_bin", help="llama.cpp build/bin (default: $LLAMA_CPP_BIN_DIR or runs/peers/...)")
+    p.add_argument("--llama_cpp_bin", nargs="*", default=[], metavar="[LABEL=]DIR",
+                   help="llama.cpp build/bin folders, each labelled (e.g. native=.../build/bin avx2=.../build-avx2/bin; "
+                   "default: $LLAMA_CPP_BIN_DIR or runs/peers/...); batch > 1 needs their llama-batched-bench")
+    p.add_argument("--variants", nargs="+", metavar="ISA",
+                   help="nextn CPU kernel variants to measure in this run (e.g. avx512_bf16 avx512 avx2; default: the "
+                   "one in use, `python -m nextn.plugins.cpu_kernels`)")
     p.add_argument("--engine_cache_dir", type=Path, default=Path("runs/engines"))
     p.add_argument("--json", type=Path,
                    help="also write the figures here (an existing file only when a run of this benchmark wrote it)")
     args = p.parse_args(argv)
     check_report(p, args.json, "vs_llama_cpp")
 
+    from nextn.plugins import cpu_kernels
+
     torch.set_num_threads(args.threads)
-    bin_dir = llama_cpp.find_bin_dir(args.llama_cpp_bin)
-    if bin_dir is None:
+    variants = args.variants or [cpu_kernels.variant()]
+    bins = _peer_bins(args.llama_cpp_bin)
+    if not bins:
         print("llama.cpp: skipped (no build found; ../shared/PEERS.md says how to build it, or set "
               "--llama_cpp_bin / LLAMA_CPP_BIN_DIR)", file=sys.stderr)
     bandwidth = read_bandwidth_gbs()
     llms = {fmt: _nextn_llm(args.model, fmt, args.engine_cache_dir) for fmt in args.formats}
     prompt_ids = next(iter(llms.values())).tokenizer.encode(PROMPT)
     rows: dict[str, dict] = {}
-    for fmt, llm in llms.items():  # warm-up
-        nextn_decode_tps(llm, prompt_ids, 8, 1)
-        step_bytes, _ = decode_step_bytes(llm.engine_dir)
-        rows[fmt] = {"tps": {b: 0.0 for b in args.batch}, "step_s": float("inf"), "step_bytes": step_bytes,
-                     "verify_s": float("inf")}
+    for v in variants:
+        for fmt, llm in llms.items():  # warm-up
+            with _variant(v):
+                nextn_decode_tps(llm, prompt_ids, 8, 1)
+            step_bytes, _ = decode_step_bytes(llm.engine_dir)
+            rows[f"{v} {fmt}"] = {"variant": v, "format": fmt, "tps": {b: 0.0 for b in args.batch},
+                                  "step_s": float("inf"), "step_bytes": step_bytes, "verify_s": float("inf")}
     spec = {"decoding_type": "NGram", "max_draft_len": args.verify_k, "max_matching_ngram_size": 2}
     verifiers = {fmt: _nextn_llm(args.model, fmt, args.engine_cache_dir, spec) for fmt in args.formats} \
         if args.verify_k else {}
-    for llm in verifiers.values():
-        verify_step_seconds(llm, prompt_ids, 8)
-    peer = 0.0
+    peers: dict[str, dict[int, float]] = {label: {b: 0.0 for b in args.batch} for label in bins}
     for _ in range(max(1, args.runs)):
-        for fmt, llm in llms.items():
-            for b in args.batch:
-                tps, step = nextn_decode_tps(llm, prompt_ids, args.max_tokens, b)
-                rows[fmt]["tps"][b] = max(rows[fmt]["tps"][b], tps)
-                if b == 1:
-                    rows[fmt]["step_s"] = min(rows[fmt]["step_s"], step)
-            if fmt in verifiers:
-                rows[fmt]["verify_s"] = min(rows[fmt]["verify_s"],
+        for v in variants:
+            with _variant(v):
+                for fmt, llm in llms.items():
+                    r = rows[f"{v} {fmt}"]
+                    for b in args.batch:
+                        tps, step = nextn_decode_tps(llm, prompt_ids, args.max_tokens, b)
+                        r["tps"][b] = max(r["tps"][b], tps)
+                        if b == 1:
+                            r["step_s"] = min(r["step_s"], step)
+                    if fmt in verifiers:
+                        r["verify_s"] = min(r["verify_s"],
                                             verify_step_seconds(verifiers[fmt], prompt_ids, args.max_tokens))
-        if bin_dir is not None:
-            peer = max(peer, llama_cpp.bench_decode(bin_dir, args.model, args.max_tokens, args.threads, 1).tokens_per_s)
+        for label, bin_dir in bins.items():
+            for b in args.batch:
+                got = (llama_cpp.bench_decode(bin_dir, args.model, args.max_tokens, args.threads, 1) if b == 1 else
+                       llama_cpp.bench_batched_decode(bin_dir, args.model, args.max_tokens, b, args.threads,
+                                                      len(prompt_ids)))
+                peers[label][b] = max(peers[label][b], got.tokens_per_s)
 
     print(f"model: {args.model.name}; {args.max_tokens} new tokens, greedy, {args.threads} threads; "
-          f"read bandwidth {bandwidth:.1f} GB/s (measured now)")
-    head = f"{'system':28}" + "".join(f"{f'batch {b} tok/s':>16}" for b in args.batch)
+          f"read bandwidth {bandwidth:.1f} GB/s (measured now); CPU: {_cpu_name()}")
+    head = f"{'system':34}" + "".join(f"{f'batch {b} tok/s':>16}" for b in args.batch)
     verify = f"{f'verify K={args.verify_k} ms':>17}{'/ plain':>9}" if args.verify_k else ""
-    print(head + f"{'step ms':>10}{'MB/step':>10}{'floor ratio':>13}{'vs llama.cpp':>14}" + verify)
-    for fmt, r in rows.items():
+    vs = "".join(f"{f'b{b} vs {label}':>16}" for label in bins for b in args.batch)
+    print(head + f"{'step ms':>10}{'MB/step':>10}{'floor ratio':>13}" + vs + verify)
+    for name, r in rows.items():
         floor_s = r["step_bytes"] / (bandwidth * 1e9)
-        ratio = f"{r['tps'][args.batch[0]] / peer:>13.2f}x" if peer and args.batch[0] == 1 else f"{'':>14}"
-        print(f"{'nextn ' + fmt:28}" + "".join(f"{r['tps'][b]:>16.1f}" for b in args.batch)
-              + f"{r['step_s'] * 1e3:>10.2f}{r['step_bytes'] / 1e6:>10.1f}{r['step_s'] / floor_s:>13.2f}" + ratio
+        ratios = "".join(f"{r['tps'][b] / peers[label][b]:>15.2f}x" if peers[label][b] else f"{'':>16}"
+                         for label in bins for b in args.batch)
+        print(f"{'nextn ' + name:34}" + "".join(f"{r['tps'][b]:>16.1f}" for b in args.batch)
+              + f"{r['step_s'] * 1e3:>10.2f}{r['step_bytes'] / 1e6:>10.1f}{r['step_s'] / floor_s:>13.2f}" + ratios
               + (f"{r['verify_s'] * 1e3:>17.2f}{r['verify_s'] / r['step_s']:>9.2f}" if args.verify_k else ""))
-    if peer:
-        print(f"{'llama.cpp (GGUF as is)':28}{peer:>16.1f}")
+    for label in bins:
+        print(f"{'llama.cpp ' + label:34}" + "".join(f"{peers[label][b]:>16.1f}" for b in args.batch))
     if args.json:
         write_report(args.json, "vs_llama_cpp", {"model": str(args.model), "bandwidth_gbs": bandwidth,
-                                                 "llama_cpp_tps": peer, "nextn": rows}, indent=2)
+                                                 "cpu": _cpu_name(), "llama_cpp_tps": peers, "nextn": rows},
+                     indent=2)
     return 0
+
+
+def _peer_bins(entries: list[str]) -> dict[str, Path]:
+    """{label: llama.cpp bin dir} from `LABEL=DIR` / `DIR` entries (none given: the default build, if any)."""
+    if not entries:
+        found = llama_cpp.find_bin_dir(None)
+        return {"llama.cpp": found} if found is not None else {}
+    bins = {}
+    for i, entry in enumerate(entries):
+        label, _, path = entry.rpartition("=")
+        found = llama_cpp.find_bin_dir(path)
+        if found is None:
+            raise SystemExit(f"vs_llama_cpp: error: no llama-bench in {path}")
+        bins[label or f"build{i}"] = found
+    return bins
+
+
+@contextlib.contextmanager
+def _variant(name: str | None):
+    """nextn's CPU kernels of variant `name` for the block (None: as they are)."""
+    from nextn.plugins import cpu_kernels
+
+    with cpu_kernels.use(name) if name else contextlib.nullcontext():
+        yield
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from nextn.build.medusa_heads import MedusaHeadsCheckpoint
 from nextn.config.llm_args import LlmArgs
 from nextn.models.deepseek_v3.weights import layer_prefix
 from nextn.models.registry import MODEL_CLASSES, ModelConfig
+from nextn.plugins import cpu_kernels
 from nextn.plugins.cpu_features import fast_bf16
 from nextn.quantization.weight_only import (
     INT4_ALGOS, QUANT_ALGOS, QuantConfig, QuantError, default_group_size, linear_weight_names, quantized_specs,
@@ -45,15 +46,17 @@ AUTO_W4_MIN_SHARE = 0.5
 
 def auto_quant_algo(reader: CheckpointReader | GGUFCheckpoint, device_type: str | None = None) -> str | None:
     """What `quant_algo="auto"` (the default of `build-engine`, `LLM(checkpoint)` and `nextn generate --model`)
-    builds: **W4A16** for a GGUF whose decoder matrices are mostly 4-bit (`GGUFCheckpoint.four_bit_share` ≥
-    `AUTO_W4_MIN_SHARE`: Q4_0, Q4_1, Q4_K_M, ...) when the engine runs on a CPU where nextn's int4 kernels load
-    (`plugins/woq_linear.available()`: AVX-512 BF16) and takes every decoder linear's shape, else None (the linears
-    stay in the engine dtype).
+    builds: the int4 format fastest on this CPU's kernels (`woq_linear.fastest_int4_algo`: **W4A16** on
+    `avx512_bf16`, **W4A8** on the variants without bf16 dot products) for a GGUF whose decoder matrices are mostly
+    4-bit (`GGUFCheckpoint.four_bit_share` ≥ `AUTO_W4_MIN_SHARE`: Q4_0, Q4_1, Q4_K_M, ...) when the engine runs on a
+    CPU where nextn's int4 kernels load (`plugins/woq_linear.available()`) and takes every decoder linear's shape,
+    else None (the linears stay in the engine dtype).
 
-    Why W4A16: the file's 4-bit values are read as they are (one- or two-level scales, `quantization/weight_only.py`),
-    nextn's kernels are the fast path on such a CPU, and they compute every row alone, so outputs do not depend on
-    what shares the batch (docs/performance-history.md, "Batch invariance by default"). W4A8 (int8 activations) is
-    faster on larger models but changes the numerics; it stays an explicit choice.
+    Why: the file's 4-bit values are read as they are (one- or two-level scales, `quantization/weight_only.py`),
+    nextn's kernels are the fast path, and they compute every row alone, so outputs do not depend on what shares the
+    batch (docs/performance-history.md, "Batch invariance by default"). W4A16 keeps bf16 activations where bf16 pairs
+    multiply natively; elsewhere W4A8's integer dot products (activations quantized per group of 32, llama.cpp's CPU
+    numerics) are ~2x faster than bf16 widened to f32.
     Args:
         device_type: "cpu" or "cuda" (None: CUDA when available), where the engine will run.
     """
@@ -76,7 +79,9 @@ def auto_quant_algo(reader: CheckpointReader | GGUFCheckpoint, device_type: str 
         logger.info("quant_algo auto: the int4 kernel does not take the [out, in] shapes %s; the linears stay in the "
                     "engine dtype", odd)
         return None
-    return "W4A16"
+    algo = woq_linear.fastest_int4_algo()
+    logger.info("quant_algo auto: %s (nextn's %s CPU kernels)", algo, cpu_kernels.variant())
+    return algo
 
 
 def medusa_speculative(heads: MedusaHeadsCheckpoint, llm_args: LlmArgs | None) -> SpeculativeInfo:

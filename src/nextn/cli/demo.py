@@ -82,7 +82,7 @@ class Model:
     prompt_source: str
     spec: dict
     spec_label: str
-    quantize: bool = False  # W4A16 where nextn's CPU kernels run every layer (batch-invariant: outputs stay identical)
+    quantize: bool = False  # int4 (W4A16 / W4A8) where nextn's CPU kernels run every layer (batch-invariant: outputs stay identical)
 
 
 def choose_model(args: argparse.Namespace) -> Model:
@@ -98,10 +98,10 @@ def choose_model(args: argparse.Namespace) -> Model:
     for rel in wanted[choice]:
         found = find_shared(rel)
         if found is not None and rel == SMOLLM2:
-            from nextn.plugins import cpu_kernels
+            from nextn.plugins import cpu_kernels, woq_linear
 
             fast = cpu_kernels.available()
-            kernels = f", W4A16 on nextn's {cpu_kernels.variant()} CPU kernels)" if fast else ")"
+            kernels = f", {woq_linear.fastest_int4_algo()} on nextn's {cpu_kernels.variant()} CPU kernels)" if fast else ")"
             return Model("SmolLM2-135M-Instruct (Q4_1 GGUF" + kernels,
                          found, chat, chat_source + ", chat template", ngram, f"n-gram K={args.num_draft_tokens}",
                          quantize=fast)
@@ -203,9 +203,12 @@ def run(args: argparse.Namespace) -> int:
             source = model.path
         t0 = time.perf_counter()
         # The demo checks identity token for token, so the engine computes a K+1-row verify step's rows exactly as
-        # 1-row steps: W4A16 on nextn's batch-invariant CPU kernels (SmolLM2: every layer one op), else float32
+        # 1-row steps: W4A16 / W4A8 on nextn's batch-invariant CPU kernels (SmolLM2: every layer one op), else float32
         # (in bfloat16 on library kernels greedy outputs can part at near-ties: docs/PERFORMANCE.md)
-        fmt = {"dtype": "bfloat16", "quant_config": {"quant_algo": "W4A16"}} if model.quantize else {"dtype": "float32"}
+        from nextn.plugins import woq_linear
+
+        algo = woq_linear.fastest_int4_algo() if model.quantize else None  # W4A16 on AVX512-BF16, else W4A8
+        fmt = {"dtype": "bfloat16", "quant_config": {"quant_algo": algo}} if model.quantize else {"dtype": "float32"}
         plain_llm = LLM(source, speculative_config=None, engine_cache_dir=cache, **fmt)
         spec_llm = LLM(plain_llm.engine_dir, speculative_config=model.spec)
         from nextn.plugins import cpu_kernels

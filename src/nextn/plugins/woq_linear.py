@@ -42,6 +42,14 @@ def unavailable_reason() -> str | None:
     return cpu_kernels.unavailable_reason()
 
 
+def fastest_int4_algo() -> str:
+    """The int4 format that runs fastest on the kernels in use: W4A16 where they multiply bf16 pairs natively
+    (`avx512_bf16`: `vdpbf16ps`), else W4A8, whose int8 dot products (VNNI, `vpmaddubsw`) beat bf16 widened to f32
+    by ~2x (an [8960, 1536] matrix, 1 thread, AMD EPYC Zen 4: avx2 W4A16 938-975 µs against W4A8 437-440 µs at one
+    row; 4.8 against 1.7-1.8 ms at 8 rows; docs/PERFORMANCE.md)."""
+    return "W4A16" if cpu_kernels.variant() == "avx512_bf16" else "W4A8"
+
+
 def takes(quant_algo: str, out_features: int, in_features: int) -> bool:
     """Whether the kernels take a layer of this shape: int4 K % 64 == 0 and N % 16 == 0; int8 K % 16 == 0 (its N is
     padded to a multiple of 16 by `pack_int8`)."""
