@@ -506,6 +506,39 @@ inline I16 dot4(const I16& acc, const U8x64& w, const int8_t* x) {
 #endif
 }
 
+// A run of int8 dot products before they are widened to int32: AVX2 keeps `vpmaddubsw`'s int16 pair sums (each at
+// most 2 * 15 * 127 in magnitude, so kDotsPerWiden = 8 of them stay below 2^15) and widens them with one `vpmaddwd`
+// per run instead of one per product; elsewhere it is an I16 (`vpdpbusd` widens as it goes). Exact either way.
+#if defined(NEXTN_AVX2)
+struct P16 {
+  __m256i v[2];
+};
+constexpr int kDotsPerWiden = 8;
+inline P16 pzero() { return {{_mm256_setzero_si256(), _mm256_setzero_si256()}}; }
+inline P16 pdot4(const P16& acc, const U8x64& w, const int8_t* x) {
+  int32_t x4;
+  std::memcpy(&x4, x, 4);
+  const __m256i xb = _mm256_set1_epi32(x4);
+  return {{_mm256_add_epi16(acc.v[0], _mm256_maddubs_epi16(w.v[0], xb)),
+           _mm256_add_epi16(acc.v[1], _mm256_maddubs_epi16(w.v[1], xb))}};
+}
+inline I16 widen(const I16& acc, const P16& p) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  return {{_mm256_add_epi32(acc.v[0], _mm256_madd_epi16(p.v[0], ones)),
+           _mm256_add_epi32(acc.v[1], _mm256_madd_epi16(p.v[1], ones))}};
+}
+#else
+using P16 = I16;
+constexpr int kDotsPerWiden = 1 << 30;
+inline P16 pzero() { return izero(); }
+inline P16 pdot4(const P16& acc, const U8x64& w, const int8_t* x) { return dot4(acc, w, x); }
+inline I16 widen(const I16& acc, const P16& p) { return iadd(acc, p); }
+#endif
+
+// How many rows of a linear's row chunk the kernels keep in registers: AVX-512's 32 vector registers hold a V16
+// each; AVX2's 16 hold one V16 per two, NEON's 32 one per four
+constexpr int kRegisterShare = kParts;
+
 // 16 f32 -> int32 rounded to nearest even, stored as int8 (|v| <= 127 here); returns their int32 sum added to `sum`
 inline int32_t store_int8_rne(int8_t* p, const V16& v) {
   alignas(64) float b[16];

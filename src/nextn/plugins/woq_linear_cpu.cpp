@@ -54,6 +54,15 @@ constexpr int kMaxRows = 8;  // rows per register block
 // 9 rows' linears 10 ms slower than 8 rows', 3 ms with one chunk).
 constexpr int kMaxRowsA8 = 12;
 constexpr int kMaxRows8 = 16;
+// Where a V16 takes two or four vector registers (AVX2's 16, NEON): W4A8's blocks at a time for one row, rows a chunk
+#ifndef NEXTN_NARROW_BLOCKS1
+#define NEXTN_NARROW_BLOCKS1 1
+#endif
+#ifndef NEXTN_NARROW_ROWS
+#define NEXTN_NARROW_ROWS 4
+#endif
+constexpr int kNarrowBlocks1 = NEXTN_NARROW_BLOCKS1;
+constexpr int kNarrowRows = NEXTN_NARROW_ROWS;
 
 // Both kernels ask for every cache line of the next channel blocks into L2 while these compute: the weights stream
 // from DRAM once per step, and without it loads and arithmetic do not overlap (measured: a [151936, 1536] int8
@@ -191,6 +200,8 @@ inline void int4a8_block(const int8_t* xq, int64_t K, const uint8_t* w, const Sc
   V16 acc[MB][NB];
   for (int m = 0; m < MB; ++m)
     for (int n = 0; n < NB; ++n) acc[m][n] = simd::zero();
+  // input channels a run of products spans before it is widened (8 products a lane: simd::kDotsPerWiden)
+  const int64_t span = simd::kDotsPerWiden >= g / 4 ? g : 4 * simd::kDotsPerWiden;
   for (int64_t gi = 0; gi < G; ++gi) {
     simd::I16 lo[MB][NB], hi[MB][kSplit ? NB : 1];
     for (int m = 0; m < MB; ++m)
@@ -199,21 +210,34 @@ inline void int4a8_block(const int8_t* xq, int64_t K, const uint8_t* w, const Sc
         if constexpr (kSplit) hi[m][n] = simd::izero();
       }
     sc.prefetch_next(NB, gi, si);
-    for (int64_t k = gi * g; k < (gi + 1) * g; k += 8) {
-      for (int n = 0; n < NB; ++n) simd::prefetch_l2(w + (n + NB) * block_bytes + 8 * k);
-      for (int n = 0; n < NB; ++n) {
-        simd::U8x64 wl, wh;
-        simd::nibbles(w + n * block_bytes + 8 * k, wl, wh);
-        for (int m = 0; m < MB; ++m) {
-          const int8_t* xm = xq + m * K + k;
-          lo[m][n] = simd::dot4(lo[m][n], wl, xm);
-          if constexpr (kSplit) {
-            hi[m][n] = simd::dot4(hi[m][n], wh, xm + 4);
-          } else {
-            lo[m][n] = simd::dot4(lo[m][n], wh, xm + 4);
+    for (int64_t k0 = gi * g; k0 < (gi + 1) * g; k0 += span) {
+      simd::P16 plo[MB][NB], phi[MB][kSplit ? NB : 1];
+      for (int m = 0; m < MB; ++m)
+        for (int n = 0; n < NB; ++n) {
+          plo[m][n] = simd::pzero();
+          if constexpr (kSplit) phi[m][n] = simd::pzero();
+        }
+      for (int64_t k = k0; k < k0 + span; k += 8) {
+        for (int n = 0; n < NB; ++n) simd::prefetch_l2(w + (n + NB) * block_bytes + 8 * k);
+        for (int n = 0; n < NB; ++n) {
+          simd::U8x64 wl, wh;
+          simd::nibbles(w + n * block_bytes + 8 * k, wl, wh);
+          for (int m = 0; m < MB; ++m) {
+            const int8_t* xm = xq + m * K + k;
+            plo[m][n] = simd::pdot4(plo[m][n], wl, xm);
+            if constexpr (kSplit) {
+              phi[m][n] = simd::pdot4(phi[m][n], wh, xm + 4);
+            } else {
+              plo[m][n] = simd::pdot4(plo[m][n], wh, xm + 4);
+            }
           }
         }
       }
+      for (int m = 0; m < MB; ++m)
+        for (int n = 0; n < NB; ++n) {
+          lo[m][n] = simd::widen(lo[m][n], plo[m][n]);
+          if constexpr (kSplit) hi[m][n] = simd::widen(hi[m][n], phi[m][n]);
+        }
     }
     for (int n = 0; n < NB; ++n) {
       V16 sv, zv;
@@ -356,7 +380,13 @@ void int4_linear(const uint16_t* xp, int64_t M, int64_t K, const uint8_t* wp, in
                              sx.data() + m0 * G, xs.data() + m0 * G, op + m0 * N + blk * 16, N,
                              b ? b + blk * 16 : nullptr);
       };
-      if (M == 1 && N >= 2048) {
+      if constexpr (simd::kRegisterShare > 1) {  // AVX2 / NEON: a V16 takes 2 or 4 of the vector registers
+        if (M == 1) {
+          run_blocks<kNarrowBlocks1, 1>(M, N / 16, 2, block);
+        } else {
+          run_blocks<1, kNarrowRows>(M, N / 16, 4, block);
+        }
+      } else if (M == 1 && N >= 2048) {
         run_blocks<4, 1>(M, N / 16, 2, block);
       } else if (M == 1) {  // a small matrix: 2 blocks a unit, enough units to share between the threads
         run_blocks<2, 1>(M, N / 16, 2, block);
