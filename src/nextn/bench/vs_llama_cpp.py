@@ -211,13 +211,18 @@ def _variant(name: str | None):
 
 
 def _cpu_name() -> str:
+    """The CPU's model name and the kernel variants it runs (a VM's model name can hide its generation)."""
+    from nextn.plugins import cpu_kernels
+
+    name = "unknown CPU"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                return line.partition(":")[2].strip()
+                name = line.partition(":")[2].strip()
+                break
     except OSError:
         pass
-    return "unknown CPU"
+    return f"{name}, runs {', '.join(cpu_kernels.runnable())}"
 
 
 if __name__ == "__main__":
