@@ -111,11 +111,16 @@ def parse_speculative(text: str) -> PeerResult:
 
 
 def bench_decode(bin_dir: Path, model: Path, num_tokens: int, threads: int = 2, repeats: int = 3,
-                 timeout_s: float = 900) -> PeerResult:
-    """llama-bench's decode tokens/s at batch 1 (no prompt, `num_tokens` generated, mean of `repeats`)."""
-    out = _run([str(bin_dir / "llama-bench"), "-m", str(model), "-t", str(threads), "-p", "0", "-n", str(num_tokens),
-                "-r", str(repeats), "-o", "json"], timeout_s)
-    return parse_bench_json(out)
+                 timeout_s: float = 900, depth: int = 0, flash_attn: bool | None = None) -> PeerResult:
+    """llama-bench's decode tokens/s at batch 1 (no prompt, `num_tokens` generated, mean of `repeats`), after
+    `depth` tokens of context (`-d`), flash attention on or off (`-fa 1|0`; None: llama-bench's default)."""
+    cmd = [str(bin_dir / "llama-bench"), "-m", str(model), "-t", str(threads), "-p", "0", "-n", str(num_tokens),
+           "-r", str(repeats), "-o", "json"]
+    if depth:
+        cmd += ["-d", str(depth)]
+    if flash_attn is not None:
+        cmd += ["-fa", "1" if flash_attn else "0"]
+    return parse_bench_json(_run(cmd, timeout_s))
 
 
 def bench_batched_decode(bin_dir: Path, model: Path, num_tokens: int, batch: int, threads: int = 2,

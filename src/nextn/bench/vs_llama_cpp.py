@@ -12,7 +12,8 @@ t(N) − t(1); llama.cpp's is `llama-bench -p 0 -n N`'s. The step's memory floor
     python -m nextn.bench.vs_llama_cpp --model M.gguf --formats W4A16 W4A8 --batch 1 8 --variants avx512_bf16 avx2 \
         --llama_cpp_bin native=runs/peers/.../build/bin avx2=runs/peers/.../build-avx2/bin
 
-`--variants` measures nextn's CPU kernels of each ISA variant in the same run (NEXTN_CPU_ISA's names), beside each
+`--depths 2048 8192` measures batch-1 decode after that much context instead (llama.cpp: `llama-bench -d`, flash
+attention off and on, the faster counts). `--variants` measures nextn's CPU kernels of each ISA variant in the same run (NEXTN_CPU_ISA's names), beside each
 llama.cpp build; pair a variant with the build of the same ISA level. llama.cpp's batch > 1 is `llama-batched-bench`'s
 decode tokens/s over that many sequences of the prompt's length.
 """
@@ -40,7 +41,8 @@ FORMATS: dict[str, dict | None] = {"bf16": None, "fp32": None, "W8A16": {"quant_
                                    "W4A8": {"quant_algo": "W4A8"}}
 
 
-def _nextn_llm(model: Path, fmt: str, cache: Path | None, speculative_config: dict | None = None):
+def _nextn_llm(model: Path, fmt: str, cache: Path | None, speculative_config: dict | None = None,
+               max_seq_len: int = 1024):
     """The LLM for a format name: `bf16`, `fp32`, `W8A16`, `W4A16`, `W4A16-lmhead4` (the lm_head 4-bit too), each
     optionally `+compile` (the decode step under `torch.compile`, `torch_compile_config: {}`), `+layers` (the
     fused decoder layers called one by one, not as one `llama_decoder_stack` call: the A/B of that op) or `+packed`
@@ -56,7 +58,7 @@ def _nextn_llm(model: Path, fmt: str, cache: Path | None, speculative_config: di
     with mock.patch("nextn.runtime.model_loader.install_dense_linears", lambda model: []) if extra == "packed" \
             else contextlib.nullcontext():
         llm = LLM(model, speculative_config=speculative_config, dtype=dtype, quant_config=quant,
-                  engine_cache_dir=cache, max_batch_size=8, max_seq_len=1024,
+                  engine_cache_dir=cache, max_batch_size=8, max_seq_len=max_seq_len,
                   torch_compile_config={} if extra == "compile" else None)
     if extra == "layers":
         llm.disable_fused_decoder_stack()
@@ -115,11 +117,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", nargs="+", metavar="ISA",
                    help="nextn CPU kernel variants to measure in this run (e.g. avx512_bf16 avx512 avx2; default: the "
                    "one in use, `python -m nextn.plugins.cpu_kernels`)")
+    p.add_argument("--depths", type=int, nargs="+", metavar="D",
+                   help="instead: batch-1 decode after D tokens of context (nextn: a D-token prompt, the decode "
+                   "timed past its prefill; llama.cpp: `llama-bench -d D`, flash attention off and on, the faster)")
+    p.add_argument("--flash_attn", type=int, nargs="+", default=[0, 1], choices=[0, 1],
+                   help="with --depths: llama.cpp's flash attention settings to run, the fastest counts (default 0 1)")
     p.add_argument("--engine_cache_dir", type=Path, default=Path("runs/engines"))
     p.add_argument("--json", type=Path,
                    help="also write the figures here (an existing file only when a run of this benchmark wrote it)")
     args = p.parse_args(argv)
     check_report(p, args.json, "vs_llama_cpp")
+    if args.depths:
+        return _long_context(args)
 
     from nextn.plugins import cpu_kernels
 
@@ -183,6 +192,55 @@ def main(argv: list[str] | None = None) -> int:
         write_report(args.json, "vs_llama_cpp", {"model": str(args.model), "bandwidth_gbs": bandwidth,
                                                  "cpu": _cpu_name(), "llama_cpp_tps": peers, "nextn": rows},
                      indent=2)
+    return 0
+
+
+def _long_context(args: argparse.Namespace) -> int:
+    """`--depths`: batch-1 decode tokens/s after each depth of context, per format and variant, beside llama.cpp."""
+    from nextn.plugins import cpu_kernels
+
+    torch.set_num_threads(args.threads)
+    variants = args.variants or [cpu_kernels.variant()]
+    bins = _peer_bins(args.llama_cpp_bin)
+    from nextn import SamplingParams
+
+    longest = max(args.depths) + args.max_tokens + 64
+    llms = {fmt: _nextn_llm(args.model, fmt, args.engine_cache_dir, max_seq_len=longest) for fmt in args.formats}
+    ids = next(iter(llms.values())).tokenizer.encode(PROMPT)
+    rows: dict[str, dict[int, float]] = {f"{v} {fmt}": {d: 0.0 for d in args.depths} for v in variants
+                                         for fmt in args.formats}
+    peers = {f"{label} fa={fa}": {d: 0.0 for d in args.depths} for label in bins for fa in args.flash_attn}
+    for d in args.depths:  # the prompt prefilled once: every timed run below hits the prefix cache alike
+        for llm in llms.values():
+            llm.generate([(ids * (d // len(ids) + 1))[:d]], SamplingParams(max_tokens=1, ignore_eos=True))
+    for _ in range(max(1, args.runs)):
+        for d in args.depths:
+            prompt = (ids * (d // len(ids) + 1))[:d]
+            for v in variants:
+                with _variant(v):
+                    for fmt, llm in llms.items():  # the prefix cache holds the prompt after the first call
+                        tps, _ = nextn_decode_tps(llm, prompt, args.max_tokens, 1)
+                        rows[f"{v} {fmt}"][d] = max(rows[f"{v} {fmt}"][d], tps)
+            for label, bin_dir in bins.items():
+                for fa in args.flash_attn:
+                    got = llama_cpp.bench_decode(bin_dir, args.model, args.max_tokens, args.threads, 1, depth=d,
+                                                 flash_attn=bool(fa), timeout_s=3600)
+                    peers[f"{label} fa={fa}"][d] = max(peers[f"{label} fa={fa}"][d], got.tokens_per_s)
+    print(f"model: {args.model.name}; batch 1, {args.max_tokens} new tokens after D tokens of context, greedy, "
+          f"{args.threads} threads; CPU: {_cpu_name()}")
+    print(f"{'system':34}" + "".join(f"{f'D={d} tok/s':>14}" for d in args.depths)
+          + "".join(f"{f'D={d} vs {label}':>20}" for label in bins for d in args.depths))
+    best = {label: {d: max(peers[f"{label} fa={fa}"][d] for fa in args.flash_attn) for d in args.depths}
+            for label in bins}
+    for name, r in rows.items():
+        ratios = "".join(f"{r[d] / best[label][d]:>19.2f}x" if best[label][d] else f"{'':>20}"
+                         for label in bins for d in args.depths)
+        print(f"{'nextn ' + name:34}" + "".join(f"{r[d]:>14.1f}" for d in args.depths) + ratios)
+    for name, r in peers.items():
+        print(f"{'llama.cpp ' + name:34}" + "".join(f"{r[d]:>14.1f}" for d in args.depths))
+    if args.json:
+        write_report(args.json, "vs_llama_cpp", {"model": str(args.model), "cpu": _cpu_name(), "depths": args.depths,
+                                                 "llama_cpp_tps": peers, "nextn": rows}, indent=2)
     return 0
 
 
