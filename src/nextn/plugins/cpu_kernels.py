@@ -173,7 +173,7 @@ def build(variant: str) -> str | None:
         reason = f"building {', '.join(s.name for s in SOURCES)} ({variant}) failed ({type(e).__name__}: {first})"
         logger.warning("nextn: CPU kernels unavailable, using PyTorch's (slower): %s", reason)
         return reason
-    ran = getattr(torch.ops, namespace(variant)).isa()
+    ran = _ops_of(variant).isa()
     if ran != variant:  # the flags and the sources disagree on the variant: never run a kernel under a wrong name
         raise RuntimeError(f"nextn's {variant} kernels report being compiled as {ran!r}")
     _register_fakes(namespace(variant))
@@ -212,8 +212,14 @@ def variant() -> str | None:
 
 
 def ops():
-    """The ops of the kernels in use (`torch.ops.nextn_<variant>`); call only where `available()`."""
-    return getattr(torch.ops, namespace(_active[0]))
+    """The ops of the kernels in use (`torch.ops.nextn_<variant>`); call only where `available()`. Called for every
+    kernel call: the namespace is looked up once per variant."""
+    return _ops_of(_active[0])
+
+
+@functools.cache
+def _ops_of(variant: str):
+    return getattr(torch.ops, namespace(variant))
 
 
 def describe() -> str:
