@@ -94,3 +94,16 @@ def test_the_arm64_variant_compiles_with_a_cross_compiler(tmp_path):
         assert r.returncode == 0, r.stderr[-3000:]
         assert obj.stat().st_size > 0
     assert b"neon" in (tmp_path / "woq_linear_cpu.o").read_bytes()
+
+
+def test_a_variant_that_does_not_build_falls_to_the_next(monkeypatch):
+    """The default choice is the best variant that builds (an old compiler may lack -mavx512bf16); a forced one that
+    does not build leaves the kernels off, with its reason."""
+    monkeypatch.delenv(cpu_kernels.ENV, raising=False)
+    monkeypatch.setattr(cpu_kernels, "_active", [])
+    best, *rest = cpu_kernels.runnable()
+    monkeypatch.setattr(cpu_kernels, "build", lambda v: "no such flag" if v == best else None)
+    assert cpu_kernels.variant() == rest[0]
+    monkeypatch.setattr(cpu_kernels, "_active", [])
+    monkeypatch.setenv(cpu_kernels.ENV, best)
+    assert cpu_kernels.variant() is None and cpu_kernels.unavailable_reason() == "no such flag"

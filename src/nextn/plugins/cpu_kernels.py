@@ -14,7 +14,7 @@ few primitives per ISA), so each kernel is one source for every variant:
 | `neon`        | ARM64 (Apple M, Graviton, Ampere)                        | an aarch64 CPU                                 |
 | `generic`     | any other CPU                                            | a C++ compiler                                 |
 
-The best variant the CPU runs is chosen at the first use; `NEXTN_CPU_ISA=<variant>` forces a lower one (`none`:
+The best variant the CPU runs (and the compiler builds) is chosen at the first use; `NEXTN_CPU_ISA=<variant>` forces a lower one (`none`:
 nextn's kernels off, PyTorch's per-op paths), and a variant the CPU cannot run, or an unknown name, is refused by
 name (`ValueError`). Each variant compiles on first use with `torch.utils.cpp_extension` (g++ with OpenMP, ~30-60 s
 once per machine and variant; cached under `TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`, rebuilt
@@ -186,7 +186,12 @@ _active: list[str | None] = []  # the variant in use once chosen ([None]: none),
 def _load() -> str | None:
     """Choose (NEXTN_CPU_ISA or the CPU's best) and load the kernels once; None on success, else why unavailable."""
     if not _active:
-        _active.append(_requested())
+        chosen = _requested()
+        if chosen is not None and not os.environ.get(ENV, "").strip():
+            # the best variant that builds: a compiler too old for one's flags (-mavx512bf16 needs GCC 10) falls to
+            # the next instead of to PyTorch's paths
+            chosen = next((v for v in runnable() if build(v) is None), chosen)
+        _active.append(chosen)
     if _active[0] is None:
         return f"{ENV}=none: nextn's CPU kernels are off"
     return build(_active[0])
