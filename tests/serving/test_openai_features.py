@@ -242,7 +242,7 @@ def _check_tool_call(client, plain, choice):
     # the call plain decoding writes under the same grammar
     parsed = [p.Tool.model_validate(t) for t in tools]
     grammar = tool_call_grammar(parsed, p.ChatCompletionRequest.model_validate(
-        {"messages": USER, "tools": tools, "tool_choice": choice}).tool_choice)
+        {"messages": USER, "tools": tools, "tool_choice": choice}).tool_choice, plain.engine.tool_call_ebnf)
     [ref] = plain.generate([_chat_ids(plain, USER, tools)], SamplingParams(
         max_tokens=60, guided_decoding=GuidedDecodingParams(grammar=grammar)))
     [want] = parse_tool_calls(ref.outputs[0].text, parsed)[1]

@@ -25,6 +25,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # = nextn.serving.http_edge's (not imported: keeps `--help` fast)
 DEFAULT_CHAT_TEMPLATE_TIMEOUT_S = 5.0  # = nextn.runtime.template_render's DEFAULT_TIMEOUT_S
+DEFAULT_GRAMMAR_TIMEOUT_S = 10.0  # = nextn.runtime.grammar_pool's DEFAULT_TIMEOUT_S
+DEFAULT_GRAMMAR_CACHE_MB = 256  # = nextn.runtime.grammar_pool's DEFAULT_CACHE_BYTES >> 20
+DEFAULT_MAX_SEQUENCES = 128  # = nextn.serving.openai_server's DEFAULT_MAX_SEQUENCES
 MAX_CHAT_TEMPLATE_TIMEOUT_S = 3600.0
 
 
@@ -118,6 +121,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat_template_timeout", type=_timeout, default=DEFAULT_CHAT_TEMPLATE_TIMEOUT_S,
                    help="seconds one chat-template render may take before it is stopped and the request gets a 400 "
                         f"(default {DEFAULT_CHAT_TEMPLATE_TIMEOUT_S:g}); renders run in worker processes")
+    p.add_argument("--grammar_timeout", type=_timeout, default=DEFAULT_GRAMMAR_TIMEOUT_S,
+                   help="seconds one guided-decoding grammar (response_format, guided_*, tool_choice) may take to "
+                        "convert and compile before it is stopped and the request gets a 400 "
+                        f"(default {DEFAULT_GRAMMAR_TIMEOUT_S:g}); compiles run in a worker process")
+    p.add_argument("--grammar_cache_mb", type=_positive, default=DEFAULT_GRAMMAR_CACHE_MB,
+                   help="MiB of compiled grammars kept for reuse, least recently used dropped first; a grammar that "
+                        f"alone compiles to more is refused (default {DEFAULT_GRAMMAR_CACHE_MB})")
+    p.add_argument("--max_sequences_per_request", type=_positive, default=DEFAULT_MAX_SEQUENCES,
+                   help="the most sequences one request may start, prompts × n; more get a 400 "
+                        f"(default {DEFAULT_MAX_SEQUENCES})")
     add_threads_argument(p)
     p.add_argument("--log_level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default info)")
@@ -129,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
     from nextn import LLM
     from nextn.cli.env_options import env_llm_overrides
     from nextn.cli.checkpoint_options import checkpoint_llm_kwargs
+    from nextn.runtime.grammar_pool import GrammarLimits
     from nextn.serving.openai_server import create_app
 
     try:
@@ -145,7 +159,9 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(source, extra_llm_api_options=args.extra_llm_api_options, device=args.device,
               **checkpoint_llm_kwargs(args), **overrides)
     app = create_app(llm, served_model_name(args), api_key=args.api_key, max_request_bytes=args.max_request_bytes,
-                     chat_template_timeout_s=args.chat_template_timeout)
+                     chat_template_timeout_s=args.chat_template_timeout,
+                     grammar_limits=GrammarLimits(args.grammar_timeout, args.grammar_cache_mb << 20),
+                     max_sequences=args.max_sequences_per_request)
     logging.getLogger("nextn").setLevel(min(logging.getLogger("nextn").getEffectiveLevel(), logging.INFO))
     logger.info("serving '%s' from %s on http://%s:%d", app.state.server.model_name, source, args.host,
                 args.port)
@@ -161,12 +177,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _renders_stopped_first(handle_exit):
-    """uvicorn's signal handler, preceded by closing the chat-template renderer: renders in flight stop at once (their
-    requests get 503), so a template that loops cannot hold the shutdown. Runs in the event-loop thread, which never
-    holds the renderer's lock."""
+    """uvicorn's signal handler, preceded by closing the chat-template renderer and the grammar workers: renders and
+    compiles in flight stop at once (their requests get an error), so a template that loops or a grammar that
+    expands cannot hold the shutdown. Runs in the event-loop thread, which never holds the pools' locks."""
     def handle(sig, frame) -> None:
+        from nextn.runtime.grammar_pool import shared_grammar_workers
         from nextn.runtime.template_render import shared_renderer
 
         shared_renderer().close()
+        shared_grammar_workers().close()
         handle_exit(sig, frame)
     return handle

@@ -22,6 +22,7 @@ from nextn.runtime.engine_loader import Sharding, load_engine
 from nextn.runtime.fault_isolation import recover_from_failed_step
 from nextn.runtime.iteration_log import iteration_entry
 from nextn.runtime.model_runner import InflightStep
+from nextn.runtime.grammar_pool import GrammarLimits
 from nextn.runtime.guided_decoding import GrammarCompiler
 from nextn.runtime.logits_processors import RequestProcessor
 from nextn.runtime.request import Request
@@ -64,6 +65,7 @@ class Engine:
         self.print_iter_log = args.print_iter_log
         self.iteration_log: list[dict] | None = None  # set to [] to record one dict per iteration
         self._grammars: GrammarCompiler | None = None  # built with the first guided-decoding request
+        self._grammar_limits = GrammarLimits()  # each grammar's budget (a server sets its own: `grammar_limits`)
         self._grammars_lock = threading.Lock()
 
     # Requests ----------------------------------------------------------------------------------------
@@ -111,19 +113,45 @@ class Engine:
                                              "(its checkpoint had none)")
         with self._grammars_lock:
             if self._grammars is None:
-                self._grammars = GrammarCompiler(self.tokenizer.tok, self.cfg.vocab_size, sorted(self.eos_ids))
+                self._grammars = GrammarCompiler(self.tokenizer.tok, self.cfg.vocab_size, sorted(self.eos_ids),
+                                                 self._grammar_limits)
             return self._grammars
+
+    @property
+    def grammar_limits(self) -> GrammarLimits:
+        """Each guided-decoding grammar's budget (time, compiled bytes kept; `grammar_pool.GrammarLimits`)."""
+        return self._grammar_limits
+
+    @grammar_limits.setter
+    def grammar_limits(self, limits: GrammarLimits) -> None:
+        with self._grammars_lock:
+            self._grammar_limits = limits
+            if self._grammars is not None:
+                self._grammars.limits = limits  # the next compile runs under it; the cache shrinks at its next insert
 
     def compile_grammar(self, params: SamplingParams) -> None:
         """Compile `params`' guided-decoding grammar into the compiler's cache now, on the calling thread (a server
-        calls it from a worker thread, so that a new schema's compile — up to about a second — does not stall its
-        event loop); a no-op without one. Errors are left to `make_request`, which raises them as today."""
-        if params.guided_decoding is None or self.tokenizer is None:
+        calls it from a worker thread, so that the wait for a grammar worker does not stall its event loop); a
+        no-op without one.
+
+        Raises:
+            RequestSamplingParamsError: the grammar cannot be compiled, passed its budget, or the grammar workers are
+                busy (`grammar_pool.GrammarBusyError` chained as the cause).
+        """
+        if params.guided_decoding is None:
             return
         try:
             self._grammar_compiler().compile(params.guided_decoding)
-        except SamplingParamsError:
-            pass  # make_request raises it, with the request's context
+        except SamplingParamsError as e:
+            raise RequestSamplingParamsError(str(e)) from e
+
+    def tool_call_ebnf(self, schema: dict, open_tag: str, close_tag: str) -> str:
+        """`GrammarCompiler.tool_call_ebnf` with the engine's compiler (in a grammar worker, under its budget).
+        Raises RequestSamplingParamsError as `compile_grammar`."""
+        try:
+            return self._grammar_compiler().tool_call_ebnf(schema, open_tag, close_tag)
+        except SamplingParamsError as e:
+            raise RequestSamplingParamsError(str(e)) from e
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add(request)

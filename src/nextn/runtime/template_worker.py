@@ -1,9 +1,10 @@
 """A chat-template render worker: a child process that renders Jinja chat templates under a memory cap.
 
 Run as a script (`python -P template_worker.py MEMORY_BYTES`) by `nextn.runtime.template_render`, never imported by
-the parent for its rendering: it imports only jinja2 and `transformers.utils.chat_template_utils` (not torch, not
-nextn), lowers its own CPU priority (nice 10, so a spinning template yields to the engine), caps its address space
-at what the imports took plus MEMORY_BYTES (`RLIMIT_AS`), then answers render requests one at a time on stdin/stdout.
+the parent for its rendering: it imports only jinja2, `transformers.utils.chat_template_utils` and nextn's
+`runtime/worker_frames.py` (not torch), lowers its own CPU priority (nice 10, so a spinning template yields to the
+engine), caps its address space at what the imports took plus MEMORY_BYTES (`RLIMIT_AS`), then answers render
+requests one at a time on stdin/stdout.
 
 Rendering is transformers' own `render_jinja_template` (the sandbox, filters and globals of `apply_chat_template`,
 so the text is identical to `tokenizer.apply_chat_template(..., tokenize=False)`), with two cheap bounds added to
@@ -22,43 +23,12 @@ the worker then exits, so the parent starts a fresh one). It exits at end of inp
 from __future__ import annotations
 
 import functools
-import json
-import os
-import struct
 import sys
-import threading
-import time
-from typing import Any, BinaryIO
+from typing import Any
 
-HEADER = struct.Struct(">Q")
+from nextn.runtime.worker_frames import become_worker, read_frame, write_frame
+
 MAX_INT_BITS = 1 << 16  # an int result beyond 65,536 bits (19,729 digits) is no chat-template arithmetic
-
-
-def write_frame(out: BinaryIO, obj: Any) -> None:
-    """Write `obj` as one frame (length, then UTF-8 JSON) and flush."""
-    data = json.dumps(obj, ensure_ascii=False).encode("utf-8", "surrogatepass")
-    out.write(HEADER.pack(len(data)) + data)
-    out.flush()
-
-
-def read_frame(inp: BinaryIO, max_bytes: int) -> Any:
-    """One frame's JSON value, or None at end of input.
-
-    Raises:
-        ValueError: a frame longer than `max_bytes`, cut short, or not UTF-8 JSON.
-    """
-    head = inp.read(HEADER.size)
-    if not head:
-        return None
-    if len(head) != HEADER.size:
-        raise ValueError("frame header cut short")
-    (size,) = HEADER.unpack(head)
-    if size > max_bytes:
-        raise ValueError(f"a frame of {size} bytes exceeds {max_bytes}")
-    data = inp.read(size)
-    if len(data) != size:
-        raise ValueError(f"frame cut short ({len(data)} of {size} bytes)")
-    return json.loads(data.decode("utf-8", "surrogatepass"))
 
 
 class TemplateTooLarge(Exception):
@@ -166,25 +136,10 @@ def _render(request: dict) -> dict:
 _compiled = functools.lru_cache(maxsize=8)(_bounded_compile)
 
 
-def _watch_parent(parent: int) -> None:
-    """Exit when the parent is gone (reparented), even in the middle of a render."""
-    while os.getppid() == parent:
-        time.sleep(1.0)
-    os._exit(0)
-
-
 def main(argv: list[str]) -> int:
-    parent = os.getppid()
-    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
-    os.nice(10)
-    import resource
-
     import transformers.utils.chat_template_utils  # noqa: F401  (the imports, before the cap)
 
-    memory = int(argv[1]) if len(argv) > 1 else 1 << 30
-    with open("/proc/self/statm") as f:
-        base = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    resource.setrlimit(resource.RLIMIT_AS, (base + memory, base + memory))
+    become_worker(int(argv[1]) if len(argv) > 1 else 1 << 30)
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # stray prints must not corrupt the frames
     write_frame(out, {"ready": True})

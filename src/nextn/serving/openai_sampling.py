@@ -13,13 +13,14 @@ from typing import Any
 from nextn.runtime.outputs import TokenLogprob
 from nextn.runtime.sampling_params import GuidedDecodingParams, SamplingParamsError
 from nextn.serving import openai_protocol as p
-from nextn.serving.openai_tools import tool_call_grammar
 
 __all__ = ["guided_decoding", "sampling_fields", "chat_logprobs", "completion_logprobs"]
 
 
-def guided_decoding(req: p._SamplingRequest) -> GuidedDecodingParams | None:
-    """The request's grammar, or None. Raises p.APIError (400) for two grammars at once or one that is invalid."""
+def guided_decoding(req: p._SamplingRequest, tool_grammar: str | None = None) -> GuidedDecodingParams | None:
+    """The request's grammar, or None. `tool_grammar`: the EBNF its `tool_choice` enforces (`tool_call_grammar`,
+    converted off the event loop by the caller). Raises p.APIError (400) for two grammars at once or one that is
+    invalid."""
     asked: dict[str, dict[str, Any]] = {}
     fmt = req.response_format
     if fmt is not None and fmt.type == "json_object":
@@ -34,14 +35,8 @@ def guided_decoding(req: p._SamplingRequest) -> GuidedDecodingParams | None:
                       ("guided_grammar", "grammar")):
         if getattr(req, name) is not None:
             asked[name] = {key: getattr(req, name)}
-    tools = getattr(req, "tools", None)
-    if tools:
-        try:
-            grammar = tool_call_grammar(tools, req.tool_choice)
-        except ValueError as e:
-            raise p.APIError(400, str(e), "tool_choice") from None
-        if grammar is not None:
-            asked["tool_choice"] = {"grammar": grammar}
+    if tool_grammar is not None:
+        asked["tool_choice"] = {"grammar": tool_grammar}
     if len(asked) > 1:
         raise p.APIError(400, f"one output constraint at a time: the request sets {' and '.join(asked)}",
                          next(iter(asked)))
@@ -54,11 +49,11 @@ def guided_decoding(req: p._SamplingRequest) -> GuidedDecodingParams | None:
         raise p.APIError(400, str(e), param) from None
 
 
-def sampling_fields(req: p._SamplingRequest, num_top: int | None) -> dict[str, Any]:
+def sampling_fields(req: p._SamplingRequest, num_top: int | None, tool_grammar: str | None = None) -> dict[str, Any]:
     """The SamplingParams fields beyond the basic ones: penalties, bias, min_tokens, logprobs, the grammar."""
     out: dict[str, Any] = {"presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
                            "min_tokens": req.min_tokens, "logprobs": num_top,
-                           "guided_decoding": guided_decoding(req)}
+                           "guided_decoding": guided_decoding(req, tool_grammar)}
     if req.repetition_penalty is not None:
         out["repetition_penalty"] = req.repetition_penalty
     if req.logit_bias:

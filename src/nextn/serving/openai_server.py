@@ -36,6 +36,8 @@ from starlette.exceptions import HTTPException
 
 from nextn import LLM, SamplingParams
 from nextn.runtime.engine import RequestError
+from nextn.runtime.request_validation import RequestSamplingParamsError
+from nextn.runtime.grammar_pool import GrammarBusyError, GrammarLimitError, GrammarLimits
 from nextn.runtime.outputs import CompletionOutput
 from nextn.runtime.request_handle import RequestHandle
 from nextn.runtime.sampling_params import SamplingParamsError
@@ -46,7 +48,7 @@ from nextn.serving.chat_render import ServerChatRenderer
 from nextn.serving.choice_streams import merge_pieces
 from nextn.serving.openai_chat import chat_response
 from nextn.serving.openai_sampling import chat_logprobs, completion_logprobs, sampling_fields
-from nextn.serving.openai_tools import message_for_template
+from nextn.serving.openai_tools import message_for_template, tool_call_grammar
 from nextn.serving.template_probe import TemplateProbe
 from nextn.serving.http_edge import (DEFAULT_MAX_REQUEST_BYTES, OFFLOAD_BYTES, ApiKeyMiddleware, parse_json,
                                      read_body)
@@ -58,6 +60,8 @@ logger = logging.getLogger(__name__)
 FALLBACK_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                           "{% if add_generation_prompt %}assistant:{% endif %}")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to max_seq_len
+#: sequences one request may start (prompts × n): 128 prompts of n=1 pass, 128 × 16 = 2,048 do not
+DEFAULT_MAX_SEQUENCES = 128
 ROUTES = ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health", "GET /metrics")
 _Model = TypeVar("_Model", bound=BaseModel)
 
@@ -92,11 +96,19 @@ class OpenAIServer:
         model_name: the name clients send as `model` (GET /v1/models lists it).
         max_request_bytes: the largest request body read (413 beyond).
         chat_template_timeout_s: the wall-clock budget of one chat-template render (400 beyond; the render is stopped).
+        grammar_limits: each guided-decoding grammar's budget (time, compiled bytes kept); default `GrammarLimits()`.
+        max_sequences: the most sequences one request may start (prompts × n; 400 beyond).
     """
 
     def __init__(self, llm: LLM, model_name: str, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-                 chat_template_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 chat_template_timeout_s: float = DEFAULT_TIMEOUT_S, grammar_limits: GrammarLimits | None = None,
+                 max_sequences: int = DEFAULT_MAX_SEQUENCES) -> None:
+        if max_sequences < 1:
+            raise ValueError(f"max_sequences must be ≥ 1, got {max_sequences}")
         self.llm, self.model_name, self.max_request_bytes = llm, model_name, max_request_bytes
+        self.max_sequences = max_sequences
+        if grammar_limits is not None:
+            llm.engine.grammar_limits = grammar_limits
         self.tokenizer = llm.tokenizer
         self.max_seq_len = llm.max_seq_len
         self.vocab_size = llm.vocab_size
@@ -195,7 +207,8 @@ class OpenAIServer:
         return msgs
 
     def _params(self, req: p._SamplingRequest, num_prompt_tokens: int, max_tokens: int | None, param: str,
-                max_tokens_param: str = "max_tokens", num_top: int | None = None) -> SamplingParams:
+                max_tokens_param: str = "max_tokens", num_top: int | None = None, tool_grammar: str | None = None
+                ) -> SamplingParams:
         room = self.max_seq_len - num_prompt_tokens
         if room < 1:
             raise p.APIError(400, f"the prompt has {num_prompt_tokens} tokens but max_seq_len is {self.max_seq_len} "
@@ -224,7 +237,7 @@ class OpenAIServer:
             return SamplingParams(max_tokens=max_tokens, temperature=req.temperature or 0.0, top_k=req.top_k or 0,
                                   top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
                                   stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
-                                  **sampling_fields(req, num_top))
+                                  **sampling_fields(req, num_top, tool_grammar))
         except SamplingParamsError as e:  # the runtime's own ranges (e.g. the smallest temperature)
             fields = ("temperature", "top_p", "top_k", "seed", "stop_token_ids", "max_tokens", "min_tokens")
             named = [f for f in fields if f in str(e)]
@@ -234,6 +247,7 @@ class OpenAIServer:
                 ) -> list[_Job]:
         """n jobs per prompt (choice index prompt · n + i), choice i seeded `seed + i` when the request gave a seed
         (each its own seed stream; their prompts share KV blocks through the prefix cache)."""
+        self._check_sequences(len(prompts), n)
         jobs: list[_Job] = []
         try:
             for k, (ids, sp) in enumerate(zip(prompts, params)):
@@ -249,12 +263,41 @@ class OpenAIServer:
             raise p.APIError(503, f"the server is shutting down: {e}", type_="server_error") from None
         return jobs
 
+    def _check_sequences(self, num_prompts: int, n: int) -> None:
+        """Raises p.APIError (400, code "too_many_sequences") when prompts × n passes `max_sequences`."""
+        if num_prompts * n > self.max_sequences:
+            raise p.APIError(400, f"the request asks for {num_prompts} prompt(s) × n={n} = {num_prompts * n} sequences; "
+                             f"at most {self.max_sequences} per request (nextn serve --max_sequences_per_request): "
+                             "send fewer prompts or a smaller n, or split the request", "n", "too_many_sequences")
+
     async def _compile_grammars(self, params: list[SamplingParams]) -> None:
-        """Compile the requests' grammars in a worker thread before `_submit` (a new JSON schema takes up to about
-        a second to compile; on the event loop that would stall every stream and /health)."""
+        """Compile the requests' grammars before `_submit`, waiting in a worker thread (each compiles in a grammar
+        worker process under its budget; on the event loop the wait would stall every stream and /health).
+
+        Raises:
+            p.APIError: 400 naming why the grammar cannot be used (including its budget, code "grammar_limit"); 503
+                when the grammar workers are all busy (code "grammar_busy").
+        """
         for sp in params:
             if sp.guided_decoding is not None:
-                await self._off_loop(self.llm.engine.compile_grammar, sp)  # (the engine's cache)
+                try:
+                    await self._off_loop(self.llm.engine.compile_grammar, sp)  # (the engine's cache)
+                except RequestSamplingParamsError as e:
+                    raise _grammar_error(e, None) from None
+
+    async def _tool_grammar(self, req: p._SamplingRequest) -> str | None:
+        """The EBNF grammar the request's `tool_choice` enforces (`tool_call_grammar`), converted in a grammar worker
+        under its budget while this waits in a worker thread; None without one. Raises p.APIError as
+        `_compile_grammars` (400 for a tool_choice that names no tool)."""
+        tools = getattr(req, "tools", None)
+        if not tools or req.tool_choice in (None, "auto", "none"):
+            return None
+        try:
+            return await self._off_loop(tool_call_grammar, tools, req.tool_choice, self.llm.engine.tool_call_ebnf)
+        except RequestSamplingParamsError as e:
+            raise _grammar_error(e, "tools") from None
+        except ValueError as e:
+            raise p.APIError(400, str(e), "tool_choice") from None
 
     @staticmethod
     async def _off_loop(fn: Callable, *args):
@@ -349,6 +392,7 @@ class OpenAIServer:
     async def completions(self, req: p.CompletionRequest, raw: Request) -> Response:
         self._check_model(req.model)
         items = [req.prompt] if isinstance(req.prompt, str) or isinstance(req.prompt[0], int) else req.prompt
+        self._check_sequences(len(items), req.n)
         prompts = await self._off_loop(lambda: [self._encode(x, "prompt") if isinstance(x, str) else list(x)
                                                 for x in items])
         if req.stream and len(prompts) > 1:
@@ -408,6 +452,14 @@ def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     return p.APIError(exc.status_code, message, code=str(exc.status_code)).response()
 
 
+def _grammar_error(e: Exception, param: str | None) -> p.APIError:
+    """The HTTP error of a grammar the engine refused: 503 when its workers are busy, else 400 naming why."""
+    if isinstance(e.__cause__, GrammarBusyError):
+        return p.APIError(503, str(e), param, "grammar_busy", type_="server_error")
+    code = "grammar_limit" if isinstance(e.__cause__, GrammarLimitError) else None
+    return p.APIError(400, str(e), param, code)
+
+
 def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     """Any other exception: a 500 in OpenAI's error shape (the traceback goes to the server's log)."""
     logger.error("%s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
@@ -417,7 +469,8 @@ def _internal_error(request: Request, exc: Exception) -> JSONResponse:
 
 def create_app(llm: LLM, served_model_name: str | None = None, api_key: str | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               chat_template_timeout_s: float = DEFAULT_TIMEOUT_S) -> FastAPI:
+               chat_template_timeout_s: float = DEFAULT_TIMEOUT_S, grammar_limits: GrammarLimits | None = None,
+               max_sequences: int = DEFAULT_MAX_SEQUENCES) -> FastAPI:
     """The FastAPI app serving `llm`.
 
     Args:
@@ -426,15 +479,18 @@ def create_app(llm: LLM, served_model_name: str | None = None, api_key: str | No
         api_key: when set, every endpoint but /health needs `Authorization: Bearer <api_key>` (401 otherwise).
         max_request_bytes: the largest request body accepted (413 beyond, before it is read).
         chat_template_timeout_s: seconds one chat-template render may take (its worker is killed beyond: 400).
+        grammar_limits: each guided-decoding grammar's budget (`GrammarLimits`: seconds, compiled bytes kept).
+        max_sequences: the most sequences one request may start, prompts × n (400 beyond).
     Raises:
-        ValueError: an empty `api_key`, a `max_request_bytes` < 1 or a `chat_template_timeout_s` not > 0.
+        ValueError: an empty `api_key`, a `max_request_bytes` or `max_sequences` < 1 or a `chat_template_timeout_s`
+            not > 0.
     """
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be ≥ 1, got {max_request_bytes}")
     if api_key is not None and not api_key:
         raise ValueError("the API key is empty: give a non-empty key, or None to serve without one")
     server = OpenAIServer(llm, served_model_name or llm.engine_dir.resolve().name, max_request_bytes,
-                          chat_template_timeout_s)
+                          chat_template_timeout_s, grammar_limits, max_sequences)
     # No redirects for a trailing slash: a 307 has no error body, and clients that do not follow it see nothing.
     app = FastAPI(title="nextn", summary="OpenAI-compatible server of an nextn engine", redirect_slashes=False)
     app.state.server = server

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
@@ -77,18 +78,21 @@ def _call_schema(fn: FunctionDef) -> dict:
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
-def tool_call_grammar(tools: list[Tool], choice: ToolChoice | None) -> str | None:
+def tool_call_grammar(tools: list[Tool], choice: ToolChoice | None,
+                      convert: Callable[[dict, str, str], str]) -> str | None:
     """The EBNF grammar (xgrammar syntax) that `choice` enforces: "required" — one call of any tool, a named
     function — one call of it; None for "auto" / "none" / no tools.
 
+    Args:
+        convert: (schema, open tag, close tag) → the EBNF of the tags around one compact JSON value valid against the
+            schema; the engine's `tool_call_ebnf`, which runs xgrammar's conversion in a grammar worker under its
+            time budget (a `pattern` such as `[a-z]{2000,10000}` takes seconds to minutes to convert).
     Raises:
-        ValueError: a named function that is not among `tools`; a tool whose parameters xgrammar cannot compile or
-            would not enforce (`unenforced_keywords`).
+        ValueError: a named function that is not among `tools`; a tool whose parameters the grammar would not enforce
+            (`unenforced_keywords`). Whatever `convert` raises (the engine: RequestSamplingParamsError).
     """
     if not tools or choice is None or choice in ("auto", "none"):
         return None
-    import xgrammar as xgr
-
     if isinstance(choice, NamedToolChoice):
         chosen = [t.function for t in tools if t.function.name == choice.function.name]
         if not chosen:
@@ -100,13 +104,7 @@ def tool_call_grammar(tools: list[Tool], choice: ToolChoice | None) -> str | Non
     unenforced = unenforced_keywords(schema)
     if unenforced:
         raise ValueError("the tools' parameters use what the grammar cannot enforce: " + "; ".join(unenforced[:5]))
-    try:
-        body = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
-    except Exception as e:  # the tool's parameters are not a schema xgrammar accepts
-        raise ValueError(f"the tools' parameters cannot be compiled into a grammar: {str(e)[:300]}") from None
-    open_, close = (xgr.Grammar.from_ebnf(f"root ::= {json.dumps(s)}")
-                    for s in (TOOL_CALL_OPEN + "\n", "\n" + TOOL_CALL_CLOSE))
-    return str(xgr.Grammar.concat(open_, body, close))
+    return convert(schema, TOOL_CALL_OPEN + "\n", "\n" + TOOL_CALL_CLOSE)
 
 
 _FENCED = re.compile(r"^\s*(?:```(?:json)?\s*)?(\{.*\})\s*(?:```)?\s*$", re.S)
