@@ -5,7 +5,8 @@ An entry is `<cache>/<key>/` (key: 20 hex characters, `engine_cache.cache_key`) 
 entry that *validates* is ever removed: a 20-hex-named real directory (not a link) whose manifest loads and which
 holds nothing but the files its manifest lists — then the directory and its lock file go, nothing else; anything
 else in the cache folder (a user's file, a build's staging directory, a broken entry) is listed and left alone.
-Removal takes the entry's lock without waiting: an entry another process holds (a build, a load) is kept.
+Removal takes the entry's lock without waiting: an entry another process holds (a build, a load) is kept. A
+symbolic link or a file where an entry belongs is listed with what it is and what to do, and never removed.
 """
 
 from __future__ import annotations
@@ -115,16 +116,28 @@ def _files(root: Path) -> tuple[list[str], list[str], int]:
                 dirs.append((rel / d).as_posix())
         for f in filenames:
             files.append((rel / f).as_posix())
-            size += (Path(dirpath) / f).lstat().st_size
+            try:
+                size += (Path(dirpath) / f).lstat().st_size
+            except OSError:  # removed meanwhile (a build swapping the entry, another `nextn cache clear`)
+                pass
     return files, dirs, size
 
 
 def read_entry(path: Path) -> CacheEntry:
-    """The entry at `path` (a directory of the cache), validated: see the module docstring."""
+    """The entry at `path` (a directory of the cache), validated: see the module docstring. Its `problem` says what
+    it is when the cache did not make it (a symbolic link, a file) and what to do."""
     files, dirs, size = _files(path) if path.is_dir() and not path.is_symlink() else ([], [], 0)
     manifest, problem = None, None
-    if path.is_symlink() or not path.is_dir():
-        problem = "not a directory"
+    if path.is_symlink():
+        try:
+            target = os.readlink(path)
+        except OSError:
+            target = "?"
+        problem = (f"a symbolic link (to {target}), not a directory this cache made; nextn never removes it: "
+                   f"remove the link yourself (rm {path}) if it is not wanted")
+    elif not path.is_dir():
+        problem = (f"a file, not an engine directory this cache made; nextn never removes it: move or remove it "
+                   f"yourself (rm {path}), the next load of its checkpoint rebuilds the engine there")
     elif not KEY_PATTERN.fullmatch(path.name):
         problem = "not named as a cache key"
     else:
@@ -148,14 +161,25 @@ def read_entry(path: Path) -> CacheEntry:
 
 
 def list_entries(root: Path) -> list[CacheEntry]:
-    """Every directory of the cache `root` (none when it does not exist), least recently used first. Lock files and
-    other files are not entries; a build's staging directory (a dot name) is skipped."""
+    """Every directory of the cache `root` (none when it does not exist), and every link or file named as a key
+    (where an entry belongs: listed, never removed), least recently used first. Lock files and other files are not
+    entries; a build's staging directory and a damaged entry being removed (dot names) are skipped.
+
+    Raises:
+        EngineError: `root` is not a directory, or cannot be read.
+    """
     root = Path(root)
-    if not root.is_dir():
+    if not root.exists():
         return []
-    entries = [read_entry(p) for p in root.iterdir() if not p.name.startswith(".") and (p.is_dir() or p.is_symlink())
-               and not p.name.endswith(".lock")]
-    return sorted(entries, key=lambda e: (e.last_used, e.key))
+    if not root.is_dir():
+        raise EngineError(f"the engine cache {root} is not a directory; pass the cache folder (--cache_dir, "
+                          "$NEXTN_CACHE_DIR)")
+    try:
+        paths = [p for p in root.iterdir() if not p.name.startswith(".") and not p.name.endswith(".lock")
+                 and (p.is_dir() or p.is_symlink() or KEY_PATTERN.fullmatch(p.name))]
+    except OSError as e:
+        raise EngineError(f"cannot read the engine cache {root}: {e.strerror or e}") from None
+    return sorted((read_entry(p) for p in paths), key=lambda e: (e.last_used, e.key))
 
 
 def remove_entry(entry: CacheEntry) -> bool:

@@ -12,6 +12,14 @@ options get a new one. Builds are serialised by an exclusive lock file per key, 
 build once; `build_engine` writes through a staging directory, so an interrupted build leaves no engine behind.
 Each use touches the entry's lock file (its last use); after a build, least-recently-used entries are evicted down
 to the cache's size cap (`build/cache_entries.py`, which also lists and clears entries for `nextn cache`).
+
+The cache owns its entries, so a damaged one is rebuilt, not reported: an entry whose manifest does not load, or
+whose files fail the size and header check made on every use (a truncated weights file), is rebuilt by
+`resolve_engine_dir`; one whose files fail the full SHA-256 check of the load (a flipped bit) is rebuilt by
+`load_through_cache`, which `LLM` loads through. Each rebuild logs a warning naming the key and why. Only what a
+build made is ever removed (a real directory holding a manifest.json, nothing its manifest does not list): a
+symbolic link, a file or a foreign directory where an entry belongs is refused by name and left alone, and an entry
+that cannot be removed or is damaged again after its rebuild is an EngineError naming `nextn cache clear KEY`.
 """
 
 from __future__ import annotations
@@ -19,15 +27,18 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
+import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import nextn
 from nextn.build.checkpoint import CONFIG_NAME
 from nextn.build.fingerprint import fingerprint
-from nextn.build.cache_entries import cache_cap_bytes, entry_lock, evict_lru, mark_used
-from nextn.build.manifest import MANIFEST_NAME, EngineError, EngineManifest
+from nextn.build.cache_entries import cache_cap_bytes, entry_lock, evict_lru, mark_used, read_entry
+from nextn.build.manifest import MANIFEST_NAME, EngineError, EngineFileError, EngineManifest, verify_engine_files
 
 logger = logging.getLogger(__name__)
 
@@ -115,10 +126,13 @@ def resolve_engine_dir(path: str | Path, cache_dir: str | Path | None = None, pr
         **build_options: `build_engine` keyword arguments (dtype, max_seq_len, ...); "auto" values are resolved
             and None values dropped (`normalized_build_options`); the result is the cache key's options.
     Returns:
-        An engine directory (built now if it was not cached).
+        An engine directory (built now if it was not cached, or rebuilt if its entry was damaged: a manifest that
+        does not load, a listed file missing or of another size or safetensors header than recorded).
     Raises:
-        EngineError: `path` is not an engine nor a checkpoint, a bad $NEXTN_CACHE_MAX_GB; the build's own errors (CheckpointError,
-            ConfigError, WeightError, EngineError) propagate unchanged.
+        EngineError: `path` is not an engine nor a checkpoint, a bad $NEXTN_CACHE_MAX_GB, a cache folder that is
+            not a directory, an entry the cache did not make where this one belongs (a symbolic link, a file: left
+            alone, named) or a damaged one it cannot remove (naming `nextn cache clear KEY`); the build's own errors
+            (CheckpointError, ConfigError, WeightError, EngineError) propagate unchanged.
     """
     path = Path(path)
     if is_engine_dir(path):
@@ -130,18 +144,18 @@ def resolve_engine_dir(path: str | Path, cache_dir: str | Path | None = None, pr
     root = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE_DIR
     cap = cache_cap_bytes() if max_cache_bytes is None else max_cache_bytes
     engine = root / cache_key(files, options)
+    if root.exists() and not root.is_dir():
+        raise EngineError(f"the engine cache {root} is not a directory; remove or move it, or choose another cache "
+                          "(engine_cache_dir, $NEXTN_CACHE_DIR)")
     root.mkdir(parents=True, exist_ok=True)
     with entry_lock(root, engine.name):
-        if is_engine_dir(engine):
-            try:
-                EngineManifest.load(engine)
-                logger.info("using the cached engine %s for %s", engine, path)
-                mark_used(root, engine.name)
-                return engine
-            except EngineError as e:
-                logger.warning("cached engine %s is unusable (%s); rebuilding it", engine, e)
-        if engine.exists():  # a broken or partial entry of our own cache (never a user's directory)
-            shutil.rmtree(engine)
+        problem = _entry_problem(engine)
+        if problem is None:
+            logger.info("using the cached engine %s for %s", engine, path)
+            mark_used(root, engine.name)
+            return engine
+        if engine.exists() or engine.is_symlink():  # a damaged entry: rebuilt when the cache made it
+            discard_entry(engine, problem)
         from nextn.build.engine_builder import build_engine
 
         logger.warning("%s: building an engine for %s into %s (once; later loads reuse it)", what, path, engine)
@@ -149,3 +163,124 @@ def resolve_engine_dir(path: str | Path, cache_dir: str | Path | None = None, pr
         mark_used(root, engine.name)
     evict_lru(root, cap, keep=engine.name)
     return engine
+
+
+def _entry_problem(engine: Path) -> str | None:
+    """Why the entry `engine` cannot be used as it is (None: usable): absent, its manifest does not load, or a file
+    it lists is missing or of another size or safetensors header than recorded — checked on every use, as it costs
+    a stat and a header read per file (the SHA-256 of the data is the load's, `load_through_cache`)."""
+    if not engine.exists() and not engine.is_symlink():
+        return "absent"
+    if not engine.is_dir():
+        return "a link to nothing" if engine.is_symlink() else "not a directory"
+    try:
+        manifest = EngineManifest.load(engine)
+        if manifest.checksums:  # an engine of this layout always has them
+            verify_engine_files(engine, manifest, "size")
+    except EngineError as e:
+        return _reason(e)
+    return None
+
+
+def _reason(e: EngineError) -> str:
+    """The error's finding without its advice to rebuild by hand (the cache rebuilds)."""
+    return str(e).split("; rebuild")[0]
+
+
+def discard_entry(engine: Path, why: str) -> None:
+    """Remove the damaged cache entry `engine` so that it is built again (the caller holds its lock); logs a warning
+    naming the key and why.
+
+    Only a directory a build made is removed: a real directory (not a link) holding a manifest.json and, when that
+    manifest loads, nothing it does not list (an empty directory goes too). It is renamed aside first and then
+    removed, so a failure leaves the whole entry or none of it.
+
+    Raises:
+        EngineError: `engine` is a symbolic link, a file or another directory (refused by name, left alone, saying
+            what to do), or it cannot be renamed away (naming `nextn cache clear KEY`).
+    """
+    key, root = engine.name, engine.parent
+    refused = ("it was not made by nextn's engine cache, so it was left alone: move or remove it yourself, then "
+               "load again to rebuild the engine there")
+    if engine.is_symlink():
+        raise EngineError(f"the engine cache entry {engine} is a symbolic link (to {os.readlink(engine)}) whose engine "
+                          f"is unusable ({why}); {refused} (or repair what it points to)")
+    if not engine.is_dir():
+        raise EngineError(f"the engine cache entry {engine} is a file, not an engine directory; {refused}")
+    if any(engine.iterdir()):
+        if not (engine / MANIFEST_NAME).is_file():
+            raise EngineError(f"the engine cache entry {engine} is a directory without {MANIFEST_NAME}; {refused}")
+        entry = read_entry(engine)
+        if entry.manifest is not None and not entry.removable:
+            raise EngineError(f"the engine cache entry {engine} is damaged ({why}) and {entry.problem}; it was left "
+                              f"alone: move those files out, then run `nextn cache clear {key} --cache_dir {root}` "
+                              "and load again")
+    logger.warning("engine cache entry %s is damaged (%s): removing it to rebuild it", key, why)
+    aside = root / f".{key}.damaged-{uuid.uuid4().hex[:8]}"
+    try:
+        os.rename(engine, aside)
+    except OSError as e:
+        raise EngineError(f"the engine cache entry {key} ({engine}) is damaged ({why}) and cannot be removed to be "
+                          f"rebuilt ({e.strerror or e}): run `nextn cache clear {key} --cache_dir {root}` as a user "
+                          "who may write there, then load again") from None
+    try:
+        shutil.rmtree(aside)
+    except OSError as e:
+        logger.warning("engine cache: could not remove the damaged entry %s renamed to %s (%s); remove it yourself",
+                       key, aside, e.strerror or e)
+
+
+T = TypeVar("T")
+
+
+def load_through_cache(load: Callable[[Callable[..., Path]], T]) -> T:
+    """`load(resolve)`, rebuilding a cache entry whose files the load finds damaged.
+
+    `resolve` is `resolve_engine_dir` noting the entries it returns from the cache. When `load` raises an
+    EngineFileError (`verify_engine_files`: a flipped bit the SHA-256 check finds, a file changed since
+    `resolve`) on a file of one of them, that entry is discarded (`discard_entry`, a warning naming its key and
+    why) and `load` runs again, rebuilding it: an `LLM(checkpoint)` whose cached engine was damaged loads and
+    generates as before. Entries another process rebuilt meanwhile are used as they are.
+
+    Returns:
+        What `load` returns.
+    Raises:
+        EngineError: an entry damaged again after its rebuild (a failing disk?) or one the cache cannot remove,
+            naming `nextn cache clear KEY`; anything else `load` raises, unchanged (an engine directory given by
+            the user is never rebuilt).
+    """
+    rebuilt: set[Path] = set()
+    while True:
+        entries: dict[Path, tuple[int, int]] = {}
+
+        def resolve(path: str | Path, **kwargs: Any) -> Path:
+            engine = resolve_engine_dir(path, **kwargs)
+            if engine != Path(path):
+                entries[Path(os.path.abspath(engine))] = _identity(engine)
+            return engine
+
+        try:
+            return load(resolve)
+        except EngineFileError as e:
+            damaged = Path(os.path.abspath(e.path))
+            entry = next((p for p in entries if p in damaged.parents), None)
+            if entry is None:
+                raise
+            key, root = entry.name, entry.parent
+            if entry in rebuilt:
+                raise EngineError(f"{e}\nThe engine cache rebuilt entry {key} once in this load and it is damaged "
+                                  f"again (a failing disk or memory?): check the machine, then run `nextn cache clear "
+                                  f"{key} --cache_dir {root}`") from e
+            with entry_lock(root, key):
+                if _identity(entry) == entries[entry]:  # not rebuilt by another process meanwhile
+                    discard_entry(entry, _reason(e))
+            rebuilt.add(entry)
+
+
+def _identity(engine: Path) -> tuple[int, int]:
+    """The (inode, mtime) of an entry's manifest: a rebuild writes a new one."""
+    try:
+        st = (engine / MANIFEST_NAME).stat()
+    except OSError:
+        return (0, 0)
+    return (st.st_ino, st.st_mtime_ns)

@@ -63,6 +63,16 @@ class EngineError(ValueError):
     """An engine directory is missing, unreadable, corrupt, or of an unsupported schema version."""
 
 
+class EngineFileError(EngineError):
+    """A file the manifest lists is damaged: missing, not a regular file, or of another size, safetensors header or
+    SHA-256 than recorded (`verify_engine_files`). The manifest itself loaded. `path` is the file; the engine cache
+    rebuilds an entry of its own that raises this (`build/engine_cache.py`)."""
+
+    def __init__(self, message: str, path: Path) -> None:
+        super().__init__(message)
+        self.path = Path(path)
+
+
 def check_relative_path(path: str, what: str) -> str:
     """`path` when it is a relative POSIX path inside its directory (no absolute path, no `..`, not empty).
 
@@ -365,8 +375,8 @@ def _verify_digest(path: Path, expected: FileChecksum, fix: str) -> None:
     if not expected.chunk_sha256:
         digest = sha256_file(path)
         if digest != expected.sha256:
-            raise EngineError(f"engine file {path} is corrupt: its SHA-256 is {digest[:16]}…, the manifest records "
-                              f"{expected.sha256[:16]}… (a changed byte); {fix}")
+            raise EngineFileError(f"engine file {path} is corrupt: its SHA-256 is {digest[:16]}…, the manifest "
+                                  f"records {expected.sha256[:16]}… (a changed byte); {fix}", path)
         return
     n, size = len(expected.chunk_sha256), expected.chunk_bytes
     # hashlib releases the GIL on large updates: threads hash on every core
@@ -375,8 +385,8 @@ def _verify_digest(path: Path, expected: FileChecksum, fix: str) -> None:
     for i, (got, want) in enumerate(zip(digests, expected.chunk_sha256)):
         if got != want:
             end = min((i + 1) * size, expected.num_bytes)
-            raise EngineError(f"engine file {path} is corrupt: bytes {i * size}–{end} have SHA-256 {got[:16]}…, the "
-                              f"manifest records {want[:16]}… (a changed byte); {fix}")
+            raise EngineFileError(f"engine file {path} is corrupt: bytes {i * size}–{end} have SHA-256 {got[:16]}…, "
+                                  f"the manifest records {want[:16]}… (a changed byte); {fix}", path)
 
 
 def verify_engine_files(engine_dir: str | Path, manifest: EngineManifest, mode: str = "full") -> None:
@@ -388,7 +398,7 @@ def verify_engine_files(engine_dir: str | Path, manifest: EngineManifest, mode: 
         mode: "full" (sizes, safetensors headers and SHA-256 of every file), "size" (sizes and headers), "off"
             (`LlmArgs.verify_weights`); every mode checks that the listed files are present and regular.
     Raises:
-        EngineError: a listed file is missing, not a regular file, of another size or SHA-256 than recorded
+        EngineFileError: a listed file is missing, not a regular file, of another size or SHA-256 than recorded
             (corrupt, truncated, edited), or a weights file whose safetensors header is inconsistent; the message
             names the file and says to rebuild.
     """
@@ -398,7 +408,7 @@ def verify_engine_files(engine_dir: str | Path, manifest: EngineManifest, mode: 
         p = root / name  # checked even with "off": a FIFO or device there would hang or exhaust the load
         if not p.is_file():
             what = "missing" if not p.exists() else "not a regular file"
-            raise EngineError(f"engine file {p} listed in {MANIFEST_NAME} is {what}; {fix}")
+            raise EngineFileError(f"engine file {p} listed in {MANIFEST_NAME} is {what}; {fix}", p)
     if mode == "off":
         return
     if not manifest.checksums:
@@ -407,8 +417,8 @@ def verify_engine_files(engine_dir: str | Path, manifest: EngineManifest, mode: 
     for name, expected in manifest.checksums.items():
         size = (root / name).stat().st_size
         if size != expected.num_bytes:
-            raise EngineError(f"engine file {root / name} is {size} bytes, the manifest records {expected.num_bytes}"
-                              f" (truncated or replaced); {fix}")
+            raise EngineFileError(f"engine file {root / name} is {size} bytes, the manifest records "
+                                  f"{expected.num_bytes} (truncated or replaced); {fix}", root / name)
     for name in manifest.weight_files:
         check_safetensors_header(root / name)
     if mode == "full":
@@ -427,7 +437,7 @@ def check_safetensors_header(path: Path) -> int:
     and the ranges must tile the data section exactly up to the end of the file.
 
     Raises:
-        EngineError: naming the file and the first inconsistency.
+        EngineFileError: naming the file and the first inconsistency.
     """
     fix = "rebuild the engine"
     size = path.stat().st_size
@@ -435,15 +445,16 @@ def check_safetensors_header(path: Path) -> int:
         with path.open("rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                raise EngineError(f"{path} is {size} bytes: too short for a safetensors file; {fix}")
+                raise EngineFileError(f"{path} is {size} bytes: too short for a safetensors file; {fix}", path)
             (n,) = struct.unpack("<Q", head)
             if n > min(size - 8, 100 << 20):
-                raise EngineError(f"{path}: safetensors header length {n} exceeds the file ({size} bytes); {fix}")
+                raise EngineFileError(f"{path}: safetensors header length {n} exceeds the file ({size} bytes); "
+                                      f"{fix}", path)
             header = json.loads(f.read(n).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise EngineError(f"{path}: unreadable safetensors header ({e}); {fix}") from e
+        raise EngineFileError(f"{path}: unreadable safetensors header ({e}); {fix}", path) from e
     if not isinstance(header, dict):
-        raise EngineError(f"{path}: safetensors header is not an object; {fix}")
+        raise EngineFileError(f"{path}: safetensors header is not an object; {fix}", path)
     ranges = []
     for name, info in header.items():
         if name == "__metadata__":
@@ -455,14 +466,16 @@ def check_safetensors_header(path: Path) -> int:
         except (KeyError, TypeError, ValueError):
             ok = False
         if not ok:
-            raise EngineError(f"{path}: tensor {name!r} has an inconsistent header entry {info!r}; {fix}")
+            raise EngineFileError(f"{path}: tensor {name!r} has an inconsistent header entry {info!r}; {fix}",
+                                  path)
         ranges.append((start, end, name))
     pos = 0
     for start, end, name in sorted(ranges):
         if start != pos:
-            raise EngineError(f"{path}: tensor {name!r} starts at byte {start} of the data, expected {pos}; {fix}")
+            raise EngineFileError(f"{path}: tensor {name!r} starts at byte {start} of the data, expected {pos}; "
+                                  f"{fix}", path)
         pos = end
     if 8 + n + pos != size:
-        raise EngineError(f"{path} is {size} bytes but its header describes {8 + n + pos} (truncated or extended); "
-                          f"{fix}")
+        raise EngineFileError(f"{path} is {size} bytes but its header describes {8 + n + pos} (truncated or "
+                              f"extended); {fix}", path)
     return len(ranges)

@@ -9,8 +9,9 @@ The cache is $NEXTN_CACHE_DIR, default ~/.cache/nextn/engines: one directory per
 name is the cache key), beside a lock file whose mtime is the entry's last use. `list` prints each entry's key,
 size, last use, dtype / quantization and the checkpoint it was built from (path, format, fingerprint). `clear`
 removes only entries that validate as engines of the cache (a manifest that loads, no files it does not list) and
-their lock files; anything else in the folder is left alone and named, and an entry another process holds (a
-build) is kept. After every build the cache is held under $NEXTN_CACHE_MAX_GB (default 20 GB) by evicting the
+their lock files; anything else in the folder is left alone and named — a symbolic link or a file where an entry
+belongs is listed with what it is and the command that removes it — and an entry another process holds (a build) is
+kept. After every build the cache is held under $NEXTN_CACHE_MAX_GB (default 20 GB) by evicting the
 least recently used engines.
 
 Exit status: 0 done; 2 an unknown key or a bad argument.
@@ -113,6 +114,7 @@ def _select(root: Path, entries: list, args: argparse.Namespace) -> list:
 
 def _clear(root: Path, args: argparse.Namespace) -> int:
     from nextn.build.cache_entries import format_bytes, list_entries, remove_entry
+    from nextn.build.manifest import EngineError
 
     entries = list_entries(root)
     chosen = _select(root, entries, args)
@@ -121,7 +123,16 @@ def _clear(root: Path, args: argparse.Namespace) -> int:
         if not e.removable:
             print(f"left alone: {e.path} ({e.problem})", file=sys.stderr)
             continue
-        if remove_entry(e):
+        try:
+            done = remove_entry(e)
+        except EngineError as err:  # it changed since it was listed: named by remove_entry
+            print(f"left alone: {err}", file=sys.stderr)
+            continue
+        except OSError as err:
+            print(f"could not remove {e.path} ({err.strerror or err}): check its permissions, or remove it as a "
+                  "user who may write there", file=sys.stderr)
+            continue
+        if done:
             removed, freed = removed + 1, freed + e.num_bytes
             print(f"removed {e.key} ({format_bytes(e.num_bytes)}, from {e.manifest.source.path})")
         else:

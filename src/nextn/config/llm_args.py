@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from nextn.config.user_files import read_user_text
 
@@ -81,6 +81,23 @@ def check_nesting(data: Any, what: str) -> None:
             stack.extend((v, depth + 1) for v in value)
 
 
+def expand_path(value: str, key: str) -> Path:
+    """`value` as a path with `~` / `~user` expanded, for the LLM-argument `key` that holds it.
+
+    Raises:
+        LlmArgsError (a ValueError, so a validation error of the config naming `key`): a NUL byte (no path holds
+            one), or a `~user` that names no user on this machine (or `~` without a home directory).
+    """
+    if "\0" in value:
+        raise LlmArgsError(f"{key} {value!r} holds a NUL byte, which no path can hold: give a directory path")
+    try:
+        return Path(value).expanduser()
+    except RuntimeError:  # pathlib: "Could not determine home directory."
+        raise LlmArgsError(f"{key} {value!r}: {value.split('/')[0]} names no user's home directory on this "
+                           "machine: give an absolute path, or one relative to the working directory (in a YAML "
+                           "file: to its folder)") from None
+
+
 class DecodingBaseConfig(_Strict):
     """Fields every linear-draft speculative config shares (TensorRT-LLM `DecodingBaseConfig`): the draft-length
     policy (speculative/draft_len_policy.py). A batch of B requests verifies the draft length of the smallest
@@ -96,6 +113,13 @@ class DecodingBaseConfig(_Strict):
     # the first load (seconds; runtime/step_profiler.py) and cached in step_profile_dir; "off" measures them online.
     step_profile: Literal["auto", "off"] = "off"
     step_profile_dir: str | None = Field(default=None, max_length=4096)  # null: ~/.cache/nextn/step_profiles
+
+    @field_validator("step_profile_dir")
+    @classmethod
+    def _a_usable_path(cls, value: str | None) -> str | None:
+        if value:
+            expand_path(value, "step_profile_dir")
+        return value
 
 
 class MTPDecodingConfig(DecodingBaseConfig):
@@ -398,16 +422,19 @@ def load_llm_args_yaml(path: str | Path) -> dict[str, Any]:
     return resolve_yaml_paths(data, p)
 
 
-#: The LLM-argument keys (under speculative_config) that hold a file or directory path.
+#: The LLM-argument keys (under speculative_config) that hold a file or directory path that must exist.
 PATH_KEYS = ("speculative_model_dir", "speculative_model", "draft_token_map")
+#: ... and those that name a directory nextn creates when it is missing (so need not exist yet).
+DIR_KEYS = ("step_profile_dir",)
 
 
 def resolve_yaml_paths(data: dict[str, Any], yaml_path: Path) -> dict[str, Any]:
-    """`data` with each relative path of `PATH_KEYS` made relative to the YAML file's folder (absolute), as a config
-    file's paths are read wherever the command runs; `~` is expanded.
+    """`data` with each relative path of `PATH_KEYS` and `DIR_KEYS` made relative to the YAML file's folder
+    (absolute), as a config file's paths are read wherever the command runs; `~` is expanded.
 
     Raises:
-        LlmArgsError: such a path does not exist (the message names the key, the YAML file and where it looked).
+        LlmArgsError: a `PATH_KEYS` path does not exist (the message names the key, the YAML file and where it
+            looked); a path with a NUL byte or an unknown `~user` (`expand_path`).
     """
     spec = data.get("speculative_config")
     if not isinstance(spec, dict):
@@ -416,13 +443,13 @@ def resolve_yaml_paths(data: dict[str, Any], yaml_path: Path) -> dict[str, Any]:
     if isinstance(spec.get("combine_with"), dict):  # a combined drafter's model drafter (its draft model's path)
         spec["combine_with"] = resolve_yaml_paths({"speculative_config": spec["combine_with"]},
                                                   yaml_path)["speculative_config"]
-    for key in PATH_KEYS:
+    for key in (*PATH_KEYS, *DIR_KEYS):
         value = spec.get(key)
         if not isinstance(value, str) or not value:
             continue
-        given = Path(value).expanduser()
+        given = expand_path(value, f"{key} in {yaml_path}:")
         resolved = given if given.is_absolute() else yaml_path.absolute().parent / given
-        if not resolved.exists():
+        if key in PATH_KEYS and not resolved.exists():
             where = "" if given.is_absolute() else f" (relative to the YAML's folder: {resolved})"
             raise LlmArgsError(f"{key} in {yaml_path}: {value}{where} does not exist; a relative path in a YAML "
                                "file is read from the YAML file's folder")

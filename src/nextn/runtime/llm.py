@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,8 @@ class LLM:
     Args:
         engine_dir: a directory written by `build-engine`, or a checkpoint (HF directory, `.gguf` file): built on
             first use into `engine_cache_dir` (default `~/.cache/nextn/engines`), keyed by its content fingerprint
-            and the build options, and reused after (`build/engine_cache.py`).
+            and the build options, and reused after (`build/engine_cache.py`); a cached engine found damaged when
+            it loads (truncated, a flipped bit) is rebuilt with a warning naming its key.
         dtype: engine dtype when building from a checkpoint ("auto", "float32", "bfloat16", "float16").
         quant_config: quantization when building from a checkpoint, TensorRT-LLM's
             `QuantConfig(quant_algo="W8A16" | "W4A16" | "W4A8", group_size=..., exclude_modules=["lm_head"],
@@ -69,31 +70,33 @@ class LLM:
                  extra_llm_api_options: str | Path | None = None, device: str | None = None,
                  dtype: str = "auto", quant_config: Any = _UNSET, engine_cache_dir: str | Path | None = None,
                  **overrides: Any) -> None:
-        from nextn.build.engine_cache import resolve_engine_dir
+        from nextn.build.engine_cache import load_through_cache
         from nextn.build.manifest import EngineManifest
 
         if quant_config is _UNSET:  # omitted: build_engine's "auto" (W4A16 for a 4-bit GGUF where nextn's kernels run)
             quant_config = {"quant_algo": "auto"}
         quant = quant_config.model_dump() if hasattr(quant_config, "model_dump") else dict(quant_config or {})
-        engine_dir = resolve_engine_dir(engine_dir, cache_dir=engine_cache_dir, dtype=dtype,
-                                        quant_algo=quant.get("quant_algo"), group_size=quant.get("group_size"),
-                                        exclude_modules=quant.get("exclude_modules") or None,
-                                        lm_head_quant_algo=quant.get("lm_head_quant_algo"),
-                                        super_block_size=quant.get("super_block_size"))
-
         data = load_llm_args_yaml(extra_llm_api_options) if extra_llm_api_options else {}
         if speculative_config is not _UNSET:
             sc = speculative_config.model_dump() if hasattr(speculative_config, "model_dump") else speculative_config
             overrides["speculative_config"] = sc
             data.pop("speculative_config", None)
         self.args: LlmArgs = parse_llm_args(data, **overrides)
-        manifest = EngineManifest.load(engine_dir)
         spec_given = "speculative_config" in overrides or "speculative_config" in data
-        spec = self.args.speculative_config if spec_given else default_speculative_config(manifest)
-        spec = draft_engine_spec(spec, manifest)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        # tensor_parallel_size > 1: worker ranks spawned here (or given by torchrun), rank 0's engine drives them
-        self.engine, self._workers = start_engine(engine_dir, self.args, spec, device)
+
+        def load(resolve):  # a checkpoint's engine (and a draft's) from the cache, rebuilt there if found damaged
+            engine = resolve(engine_dir, cache_dir=engine_cache_dir, dtype=dtype, quant_algo=quant.get("quant_algo"),
+                             group_size=quant.get("group_size"), exclude_modules=quant.get("exclude_modules") or None,
+                             lm_head_quant_algo=quant.get("lm_head_quant_algo"),
+                             super_block_size=quant.get("super_block_size"))
+            manifest = EngineManifest.load(engine)
+            spec = self.args.speculative_config if spec_given else default_speculative_config(manifest)
+            spec = draft_engine_spec(spec, manifest, resolve)
+            # tensor_parallel_size > 1: worker ranks spawned here (or given by torchrun), rank 0's engine drives them
+            return start_engine(engine, self.args, spec, device)
+
+        self.engine, self._workers = load_through_cache(load)
         if self._workers is not None:
             weakref.finalize(self, self._workers.close)
         self._loop: EngineLoop | None = None
@@ -457,7 +460,7 @@ class LLM:
         return outputs  # type: ignore[return-value]
 
 
-def draft_engine_spec(spec: Any, target: Any) -> Any:
+def draft_engine_spec(spec: Any, target: Any, resolve: Callable[..., Path] | None = None) -> Any:
     """`spec` with a Draft_Target draft model given as a checkpoint replaced by its engine: built once into the engine
     cache like `LLM(path)` builds one, in the target's dtype and weight-only quantization (drafting reads the
     draft's weights K times a step, so its bytes matter as much as the target's), except that a W4A16 draft's
@@ -466,22 +469,23 @@ def draft_engine_spec(spec: Any, target: Any) -> Any:
 
     Args:
         target: the target engine's `EngineManifest`.
+        resolve: `resolve_engine_dir` (default) or `load_through_cache`'s, which notes the entries it returns.
     Raises:
         EngineError / build errors: an unusable draft path.
     """
     from nextn.build.engine_cache import resolve_engine_dir
     from nextn.quantization.weight_only import INT4_ALGOS
 
+    resolve = resolve or resolve_engine_dir
     if (inner := getattr(spec, "combine_with", None)) is not None:  # a combined drafter's model drafter
-        spec = spec.model_copy(update={"combine_with": draft_engine_spec(inner, target)})
+        spec = spec.model_copy(update={"combine_with": draft_engine_spec(inner, target, resolve)})
     draft = getattr(spec, "speculative_model_dir", None)
     if draft is None:
         return spec
     quant = target.quant_config.model_dump(exclude_defaults=True) if target.quant_config else {"quant_algo": None}
     if quant.get("quant_algo") in INT4_ALGOS:
         quant["lm_head_quant_algo"] = "W4A16"
-    draft_dir = resolve_engine_dir(draft, what="Draft_Target: the draft model", progress=True, dtype=target.dtype,
-                                   **quant)
+    draft_dir = resolve(draft, what="Draft_Target: the draft model", progress=True, dtype=target.dtype, **quant)
     return spec.model_copy(update={"speculative_model_dir": str(draft_dir)})
 
 

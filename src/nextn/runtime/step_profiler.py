@@ -35,7 +35,7 @@ import torch
 from pydantic import BaseModel
 
 from nextn.build.manifest import EngineManifest
-from nextn.config.llm_args import DecodingBaseConfig, LlmArgs
+from nextn.config.llm_args import DecodingBaseConfig, LlmArgs, expand_path
 from nextn.plugins import cpu_kernels
 from nextn.progress import progress_bar
 from nextn.runtime.kv_cache import BlockPool
@@ -203,11 +203,15 @@ def step_profile_for(spec: BaseModel | None, args: LlmArgs, manifest: EngineMani
     this engine on this machine when there is one; else measured now (`measure_step_time` on `target`, a progress
     bar while it runs) and cached. A tensor-parallel rank (`sharded`) reads a cached profile but does not measure
     (its steps need every rank). A cache that cannot be written is logged and the table used all the same.
+
+    Raises:
+        LlmArgsError: `step_profile_dir` holds a NUL byte or an unknown `~user` (`expand_path`; a validated config
+            refuses them already).
     """
     if not (isinstance(spec, DecodingBaseConfig) and spec.adaptive_draft_len and spec.step_profile == "auto"
             and target.num_draft_tokens > 0):
         return None
-    cache_dir = Path(spec.step_profile_dir).expanduser() if spec.step_profile_dir else DEFAULT_PROFILE_DIR
+    cache_dir = expand_path(spec.step_profile_dir, "step_profile_dir") if spec.step_profile_dir else DEFAULT_PROFILE_DIR
     key = ProfileKey.current(_engine_identity(manifest, spec, args, device, target.drafts_on_demand), device)
     name = engine_dir.name
     profile = cached_step_profile(cache_dir, key, name)
