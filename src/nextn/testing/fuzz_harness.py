@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-CLASSES = ("templates", "counts", "user_files", "trees", "outputs")
+CLASSES = ("templates", "counts", "user_files", "trees", "outputs", "grammars")
 BUILD_BOUND_S = 20.0  # a tiny build (about 0.02 s once imported) or its refusal
 
 

@@ -1,4 +1,4 @@
-"""A seeded, time-bounded fuzzer of issue 32's input classes: random variants (not a fixed list) of
+"""A seeded, time-bounded fuzzer of issue 32's and 57's input classes: random variants (not a fixed list) of
 
 1. `templates`: hostile chat templates (nested loops of random sizes, string/list multiplication by huge ints,
    doubling loops, `**`, join/replace/center growth, self-calling macros, huge outputs) rendered by the bounded
@@ -13,7 +13,11 @@
    parents, wrong types): LlmArgsError or a tree within the caps, then the load-time rank check on a tiny engine;
 5. `outputs`: user files, links out of the folder and the inputs placed where every writing command writes
    (build-engine, train-draft, token-map, triton-repo, make-checkpoint, nextn-bench, bench modules): refused, every
-   file there byte-identical afterwards, nothing created, nothing followed out of the folder.
+   file there byte-identical afterwards, nothing created, nothing followed out of the folder;
+6. `grammars` (issue 57): guided requests batched with plain neighbours (greedy and sampled, log-probabilities on
+   and off, MTP drafts on), schemas that expand for seconds, floods of distinct schemas, grammars that match no
+   output: neighbours' tokens unchanged, grammars kept, slow ones stopped at their budget by name, compiled
+   grammars within the cache's bytes (`fuzz_inputs_grammars.py`).
 
 Every input runs under a watchdog (SIGALRM) so that a regression fails instead of hanging.
 
@@ -32,11 +36,12 @@ from pathlib import Path
 
 from nextn.testing.fuzz_harness import CLASSES, Case, Harness, InputsFuzzReport
 from nextn.testing.fuzz_inputs_cases import CountsCase, TemplatesCase, TreesCase, UserFilesCase
+from nextn.testing.fuzz_inputs_grammars import GrammarsCase
 from nextn.testing.fuzz_inputs_outputs import OutputsCase
 
 #: The case of each class, by name.
 CASES: dict[str, type[Case]] = {"templates": TemplatesCase, "counts": CountsCase, "user_files": UserFilesCase,
-                                "trees": TreesCase, "outputs": OutputsCase}
+                                "trees": TreesCase, "outputs": OutputsCase, "grammars": GrammarsCase}
 
 
 def make_cases(harness: Harness, root: Path, classes: tuple[str, ...]) -> dict[str, Case]:
