@@ -141,9 +141,10 @@ def test_an_engine_directory_given_by_the_user_is_never_rebuilt(ckpt, tmp_path):
     assert (engine / "model.safetensors").is_file()
 
 
-def test_a_truncated_draft_model_entry_is_rebuilt_too(checkpoints, ckpt, tmp_path, monkeypatch, caplog):
-    """A Draft_Target draft given as a checkpoint is a cache entry like the target's: rebuilt when damaged. (A flipped
-    bit in a draft goes unseen: the draft's load does not verify its SHA-256 yet, speculative/draft_model.py.)"""
+@pytest.mark.parametrize("damage", ["truncated", "corrupt"])
+def test_a_damaged_draft_model_entry_is_rebuilt_too(checkpoints, ckpt, tmp_path, monkeypatch, caplog, damage):
+    """A Draft_Target draft given as a checkpoint is a cache entry like the target's: rebuilt when damaged — cut
+    short (the size check) or a flipped bit (the draft's load verifies its SHA-256 as the target's does)."""
     from nextn import LLM
 
     cache = tmp_path / "cache"
@@ -153,12 +154,15 @@ def test_a_truncated_draft_model_entry_is_rebuilt_too(checkpoints, ckpt, tmp_pat
     LLM(target, speculative_config=spec)
     (entry,) = [p for p in cache.iterdir() if p.is_dir()]
     weights = entry / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:-4096])
+    if damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[:-4096])
+    else:
+        _flip_a_bit(weights)
     with caplog.at_level(logging.WARNING, logger="nextn.build.engine_cache"):
         llm = LLM(target, speculative_config=spec)
     assert llm.engine_dir == target
     (line,) = _warnings(caplog, "is damaged (")
-    assert entry.name in line and "truncated" in line
+    assert entry.name in line and damage in line
     verify_engine_files(entry, EngineManifest.load(entry), "full")
 
 

@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from nextn.build.manifest import EngineError, EngineManifest
+from nextn.build.manifest import EngineError, EngineManifest, verify_engine_files
 from nextn.config.llm_args import DraftTargetDecodingConfig, LlmArgsError
 from nextn.models.registry import MODEL_CLASSES
 from nextn.plugins.sampling import counter_uniform, sample_from_probs
@@ -84,12 +84,12 @@ def load_draft_model(engine_dir: Path, manifest: EngineManifest, device: torch.d
     `draft_vocab.hot_token_ids`), its lm_head keeps those rows only: `logits` gives [..., V'].
 
     Raises:
-        EngineError: weight files missing or not matching the draft engine's manifest.
+        EngineFileError (an EngineError): a file the manifest lists is missing, truncated or altered (sizes, headers
+            and SHA-256 checked, as the target's at its default `verify_weights: full`; a cached draft engine is then
+            rebuilt by `engine_cache.load_through_cache`). EngineError: weights not matching the manifest.
     """
+    verify_engine_files(engine_dir, manifest, "full")
     files = [engine_dir / f for f in manifest.weight_files]
-    missing = [str(f) for f in files if not f.is_file()]
-    if missing:
-        raise EngineError(f"draft engine weights missing: {missing}; rebuild the draft engine")
     weights: dict[str, torch.Tensor] = {}
     for f in files:
         weights.update(load_file(str(f), device=str(device)))
