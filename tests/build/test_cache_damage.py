@@ -45,6 +45,16 @@ def _generate(ckpt, cache):
     return llm.generate(PROMPT, SamplingParams(max_tokens=8, ignore_eos=True)).outputs[0].token_ids
 
 
+def _linked_broken_entry(ckpt, cache, tmp_path):
+    """A built entry moved elsewhere with a broken manifest, a symbolic link to it in its place: (link, target)."""
+    entry = _build(ckpt, cache)
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(entry, elsewhere)
+    (elsewhere / "manifest.json").write_text("{broken")
+    entry.symlink_to(elsewhere)
+    return entry, elsewhere
+
+
 def _warnings(caplog, *words):
     return [r.getMessage() for r in caplog.records
             if r.levelno == logging.WARNING and all(w in r.getMessage() for w in words)]
@@ -170,11 +180,7 @@ def test_a_damaged_draft_model_entry_is_rebuilt_too(checkpoints, ckpt, tmp_path,
 
 def test_a_symlinked_entry_with_a_broken_manifest_is_refused_by_name(ckpt, tmp_path):
     cache = tmp_path / "cache"
-    entry = _build(ckpt, cache)
-    elsewhere = tmp_path / "elsewhere"
-    shutil.move(entry, elsewhere)
-    (elsewhere / "manifest.json").write_text("{broken")
-    entry.symlink_to(elsewhere)
+    entry, elsewhere = _linked_broken_entry(ckpt, cache, tmp_path)
     with pytest.raises(EngineError, match=f"{entry} is a symbolic link \\(to {elsewhere}\\).*left alone"):
         _build(ckpt, cache)
     assert entry.is_symlink() and (elsewhere / "manifest.json").read_text() == "{broken"
@@ -237,11 +243,7 @@ def test_cache_list_and_clear_name_a_link_and_a_file_where_entries_belong(ckpt, 
     from nextn.cli.main import main
 
     cache = tmp_path / "cache"
-    entry = _build(ckpt, cache)
-    elsewhere = tmp_path / "elsewhere"
-    shutil.move(entry, elsewhere)
-    (elsewhere / "manifest.json").write_text("{broken")
-    entry.symlink_to(elsewhere)
+    entry, elsewhere = _linked_broken_entry(ckpt, cache, tmp_path)
     a_file = cache / ("d" * 20)
     a_file.write_text("mine")
     assert main(["cache", "list", "--cache_dir", str(cache)]) == 0

@@ -11,14 +11,13 @@ grammar comes back as xgrammar's own JSON serialization (`CompiledGrammar.serial
 from __future__ import annotations
 
 import atexit
-import math
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from nextn.runtime.sampling_params import SamplingParamsError
-from nextn.runtime.worker_pool import PoolBusy, PoolClosed, WorkerGone, WorkerPool, interpreter
+from nextn.runtime.worker_pool import PoolBusy, PoolClosed, WorkerGone, WorkerPool, check_timeout_s, interpreter
 
 WORKER_PATH = Path(__file__).with_name("grammar_worker.py")
 DEFAULT_TIMEOUT_S = 10.0  # a 5-property schema compiles in 0.1–0.6 s on a 2-core machine; generous under load
@@ -51,9 +50,7 @@ class GrammarLimits:
     cache_bytes: int = DEFAULT_CACHE_BYTES
 
     def __post_init__(self) -> None:
-        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
-                or not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {self.timeout_s!r}")
+        check_timeout_s(self.timeout_s)
         if isinstance(self.cache_bytes, bool) or not isinstance(self.cache_bytes, int) or self.cache_bytes < 1 << 20:
             raise ValueError(f"cache_bytes must be an int ≥ 1 MiB, got {self.cache_bytes!r}")
 

@@ -17,7 +17,6 @@ round trip (about a millisecond) plus the template.
 from __future__ import annotations
 
 import atexit
-import math
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -25,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nextn.runtime.worker_pool import (POLL_S, PoolClosed, WorkCancelled, WorkerGone,  # noqa: F401 (POLL_S: docs)
-                                       WorkerPool, interpreter)
+                                       WorkerPool, check_timeout_s, interpreter)
 
 WORKER_PATH = Path(__file__).with_name("template_worker.py")
 DEFAULT_TIMEOUT_S = 5.0  # normal templates render in milliseconds; generous for a loaded 2-core machine
@@ -63,9 +62,7 @@ class RenderLimits:
     max_chars: int = DEFAULT_MAX_CHARS
 
     def __post_init__(self) -> None:
-        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
-                or not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {self.timeout_s!r}")
+        check_timeout_s(self.timeout_s)
         if isinstance(self.max_chars, bool) or not isinstance(self.max_chars, int) or self.max_chars < 1:
             raise ValueError(f"max_chars must be an int ≥ 1, got {self.max_chars!r}")
 

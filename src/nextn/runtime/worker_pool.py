@@ -14,6 +14,7 @@ its two users.
 from __future__ import annotations
 
 import json
+import math
 import os
 import select
 import subprocess
@@ -43,6 +44,12 @@ class PoolClosed(Exception):
 
 class PoolBusy(Exception):
     """Every worker stayed busy for the caller's whole wait."""
+
+
+def check_timeout_s(value: object) -> None:
+    """Raises ValueError unless `value` is a finite number of seconds > 0 (a bool is not a number here)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {value!r}")
 
 
 def interpreter() -> str:
