@@ -83,3 +83,21 @@ def test_the_served_name_of_a_checkpoint_is_its_name():
     assert served_model_name(ns(model="/m/SmolLM2/")) == "SmolLM2"
     assert served_model_name(ns(model="/m/x.gguf", served_model_name="mine")) == "mine"
     assert served_model_name(ns(engine_dir="/e")) is None
+
+
+def test_a_taken_port_is_refused_before_anything_loads(tmp_path):
+    """The port is checked first: with an engine directory that does not exist, the error is still the port's."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = [sys.executable, "-m", "nextn.cli.main", "serve", "--engine_dir", str(tmp_path / "none"), "--port",
+               str(port)]
+        out = subprocess.run(run, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines() == [f"nextn serve: error: cannot listen on 127.0.0.1:{port}: Address "
+                                               "already in use (another server there?): stop it or give another "
+                                               "--port"]

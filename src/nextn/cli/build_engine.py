@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from nextn.cli.spellings import add_spellings, add_version, interrupted
 from nextn.cli.checkpoint_options import QUANT_ALGOS
 from nextn.cli.threads import add_threads_argument, apply_threads
 from nextn.config.llm_args import MAX_BATCH_SIZE, MAX_INT
@@ -126,7 +127,8 @@ def _parser() -> argparse.ArgumentParser:
                    "e.g. MTP layers a config with num_nextn_predict_layers: 0 leaves out; refused by default")
     add_threads_argument(p)
     p.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
-    return p
+    add_version(p)
+    return add_spellings(p)
 
 
 def _size(engine_dir: Path) -> str:
@@ -166,6 +168,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BuildInterrupted as e:
         print(f"{PROG}: {e}; nothing was written to {args.output_dir}", file=sys.stderr)
         sys.exit(128 + e.signum)
+    except KeyboardInterrupt:
+        sys.exit(interrupted(PROG, f"nothing was written to {args.output_dir}"))
     except Exception as e:
         if not isinstance(e, (*_user_errors(), OSError)):
             raise

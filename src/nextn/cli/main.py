@@ -14,6 +14,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from nextn.cli.spellings import add_spellings, add_version, interrupted
+
 #: The project errors a command reports as `nextn CMD: error: ...` with exit status 2 (loaded on first use).
 _USER_ERROR_NAMES = (("nextn.build.manifest", "EngineError"), ("nextn.config.llm_args", "LlmArgsError"),
                      ("nextn.runtime.sampling_params", "SamplingParamsError"),
@@ -125,12 +127,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                                      "Medusa, draft models, n-grams) in a fused verify-and-draft step; checkpoints "
                                      "(HF safetensors or GGUF) are built into engines once and cached.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine loading and iterations")
+    add_version(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (help_, add) in COMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)
         if command is None or command == name:
             add(p)
-    return parser
+    return add_spellings(parser)
 
 
 def _command_of(argv: list[str]) -> str | None:
@@ -145,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     try:
         return args.func(args)
+    except KeyboardInterrupt:
+        return interrupted(f"nextn {args.command}")
     except Exception as e:
         if isinstance(e, user_errors()):
             print(f"nextn {args.command}: error: {e}", file=sys.stderr)

@@ -27,6 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from nextn.cli.spellings import add_spellings, add_version, interrupted
 from nextn.bench.dataset import (DatasetError, load_dataset, normal_lengths, prompt_dataset, read_prompt_file,
                                  synthetic_dataset, uniform_lengths, write_dataset)
 from nextn.bench.passes import DEFAULT_MAX_SPREAD, speed_up, spread_warning
@@ -124,11 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_model_args(parser, top=True)
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine loading")
+    add_version(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_prepare(sub)
     _add_run(sub, "throughput")
     _add_run(sub, "latency")
-    return parser
+    return add_spellings(parser)
 
 
 # prepare-dataset -------------------------------------------------------------------------------------------------
@@ -375,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
                 build_engine(args.model_dir, Path(tmp) / "engine", progress=False)
                 args.engine_dir = str(Path(tmp) / "engine")
             return args.func(args)
+    except KeyboardInterrupt:
+        return interrupted(PROG)
     except (BenchError, DatasetError, *USER_ERRORS) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2

@@ -137,6 +137,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    problem = _cannot_listen(args.host, args.port)
+    if problem:  # before the imports and the model load: a taken port must not cost a load first
+        print(f"nextn serve: error: {problem}", file=sys.stderr)
+        return 2
     import uvicorn
 
     from nextn import LLM
@@ -174,6 +178,26 @@ def run(args: argparse.Namespace) -> int:
     finally:
         llm.shutdown()
     return 0 if server.started else 1  # uvicorn logged why it could not start (e.g. the port is in use)
+
+
+def _cannot_listen(host: str, port: int) -> str | None:
+    """Why the server could not listen on host:port (bound and released here, as uvicorn binds: SO_REUSEADDR), or
+    None."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        return f"cannot resolve --host {host!r}: {e}"
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as e:
+            return (f"cannot listen on {host}:{port}: {e.strerror or e} (another server there?): stop it or give "
+                    "another --port")
+    return None
 
 
 def _renders_stopped_first(handle_exit):
