@@ -236,3 +236,26 @@ def test_load_check_passes_with_the_api_key(server, capsys):
     assert load_check.main(["--url", server.url, "--requests", "8", "--max_tokens", "4", "--api_key", KEY]) == 0
     assert "load check: PASSED" in capsys.readouterr().out
     assert load_check.main(["--url", server.url, "--requests", "8", "--max_tokens", "4", "--api_key", "no"]) != 0
+
+
+@pytest.mark.parametrize("choice, limit", [("required", 30), ("required", 8), ("auto", 30)])
+def test_a_tool_call_cut_by_max_tokens_reads_the_same_streamed_and_not(server, choice, limit):
+    """A call cut short is not a call: both forms give its text as content and finish_reason "length", no
+    tool_calls (as vLLM's Hermes parser without a closed block). With "auto" a regex forces the call's text."""
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": [weather], "tool_choice": choice,
+            "max_tokens": limit}
+    if choice == "auto":
+        body["guided_regex"] = '<tool_call>\n\\{"name": "get_weather", "arguments": \\{"city": "[a-z]{40}"\\}\\}'
+    status, whole = post(server, body, "/v1/chat/completions")
+    assert status == 200, whole
+    [c] = whole["choices"]
+    assert c["finish_reason"] == "length" and not c["message"].get("tool_calls")
+    assert c["message"]["content"].startswith("<tool_ca"), c
+    status, raw = server.request("POST", "/v1/chat/completions", json.dumps({**body, "stream": True}).encode(), AUTH)
+    chunks = [json.loads(line[6:]) for line in raw.decode().splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    deltas = [ch["choices"][0] for ch in chunks if ch["choices"]]
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == c["message"]["content"]
+    assert not any(d["delta"].get("tool_calls") for d in deltas) and deltas[-1]["finish_reason"] == "length"
