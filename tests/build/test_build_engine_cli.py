@@ -178,3 +178,22 @@ def test_a_second_build_into_the_same_dir_is_refused_while_one_runs(make_ckpt, t
     assert "another build-engine is writing" in err and not out.exists()
     assert main(["--model_dir", str(make_ckpt().path), "--output_dir", str(out), "--no-progress"]) == 0
     assert not list(tmp_path.glob(".eng.lock"))
+
+
+def test_a_float16_engine_builds_and_generates(tmp_path, capsys):
+    """`--dtype float16`, as README and --quant_algo's help name it: built, loaded and decoded (the paged attention
+    kernel takes bf16 / f32 only, so a float16 engine keeps PyTorch's attention instead of failing its first step)."""
+    from pathlib import Path
+
+    from nextn import LLM, SamplingParams
+
+    stories = Path(__file__).resolve().parents[2].parent / "shared/data/models/stories260K/stories260K.gguf"
+    if not stories.is_file():
+        pytest.skip(f"{stories} is absent (../shared/data)")
+    assert main(["--model_dir", str(stories), "--output_dir", str(tmp_path / "e"), "--dtype", "float16",
+                 "--no-progress"]) == 0
+    assert "dtype:      float16" in capsys.readouterr().out
+    llm = LLM(tmp_path / "e", device="cpu")
+    out = llm.generate([1, 100, 200], SamplingParams(max_tokens=12, ignore_eos=True)).outputs[0]
+    llm.shutdown()
+    assert out.finish_reason == "length" and len(out.token_ids) == 12 and out.error is None

@@ -1,7 +1,7 @@
 """`build-engine`: compile a checkpoint (DeepSeek-V3 or Llama-family HF safetensors, or a GGUF) into an engine directory.
 
 Usage:
-    build-engine --model_dir CHECKPOINT --output_dir ENGINE [--dtype auto|bfloat16|float32]
+    build-engine --model_dir CHECKPOINT --output_dir ENGINE [--dtype auto|bfloat16|float16|float32]
                  [--quant_algo W8A16|W4A16|W4A8 [--group_size G] [--super_block_size S]]
                  [--max_batch_size N] [--max_seq_len N] [--extra_llm_api_options YAML] [--force]
                  [--allow_unused_tensors] [--no-progress]
@@ -79,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true",
                    help="replace an existing engine in --output_dir even when it also holds files its manifest does "
                    "not list (they are removed); a directory that is not an nextn engine is refused even so")
-    p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+    p.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
                    help="engine weight dtype; auto = the checkpoint's torch_dtype, bfloat16 for FP8 checkpoints, and "
                    "for a quantized GGUF bfloat16 where this machine has fast bf16 matmuls, else float32 (default: "
                    "%(default)s)")
@@ -108,8 +108,9 @@ def _parser() -> argparse.ArgumentParser:
                    "weights per output channel, W4A16 = 4-bit weights per group (both weight-only: bf16 activations), "
                    "W4A8 = W4A16's weights times activations quantized to int8 per group on nextn's CPU kernel "
                    "(llama.cpp's CPU numerics, faster); embedding and norms stay in --dtype; none = every linear in "
-                   "--dtype; auto (default) = W4A16 for a mostly 4-bit GGUF (Q4_0, Q4_1, Q4_K_M, ...) on a CPU with "
-                   "nextn's int4 kernels (AVX512-BF16) unless --dtype float32/float16, else none")
+                   "--dtype; auto (default) = for a mostly 4-bit GGUF (Q4_0, Q4_1, Q4_K_M, ...) the int4 format fastest on "
+                   "this CPU's kernel variant (W4A16 with AVX512-BF16, else W4A8) unless --dtype float32/float16, "
+                   "else none")
     p.add_argument("--group_size", type=int, metavar="G",
                    help="W4A16 input channels per scale (default: the first of 32, 64, 128 dividing every layer)")
     p.add_argument("--super_block_size", type=int, metavar="S",

@@ -18,7 +18,7 @@ CACHE_DIR_ENV = "NEXTN_CACHE_DIR"
 
 def add_checkpoint_options(p: argparse.ArgumentParser) -> None:
     """--dtype and --quant_algo: how a checkpoint given as --model is built (`nextn generate`, `nextn serve`)."""
-    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
                    help="engine dtype when --model is a checkpoint (default auto: the checkpoint's torch_dtype; "
                         "bfloat16 for FP8 checkpoints; for a quantized GGUF bfloat16 where this machine has fast bf16 "
                         "matmuls, else float32)")

@@ -36,7 +36,8 @@ def reference(q: torch.Tensor, kv_cache: torch.Tensor, context_slots: torch.Tens
 
 def install_paged_attention(model: nn.Module) -> int:
     """Switch every attention module of `model` that offers the kernel (a `paged_attention_kernel` attribute:
-    `LlamaAttention`) to it, where it applies: CPU weights, head_dim ≤ 256, the kernels built (`cpu_kernels`).
+    `LlamaAttention`) to it, where it applies: CPU weights in bfloat16 or float32 (a float16 engine keeps PyTorch's
+    attention), head_dim ≤ 256, the kernels built (`cpu_kernels`).
 
     Returns:
         How many modules use the kernel (0 where it does not apply).
@@ -48,6 +49,9 @@ def install_paged_attention(model: nn.Module) -> int:
         # quantized and packed linears hold their weights as buffers, not parameters
         tensor = next(itertools.chain(module.parameters(), module.buffers()), None)
         if tensor is None or tensor.device.type != "cpu" or not cpu_kernels.available():
+            continue
+        floats = (t.dtype for t in itertools.chain(module.parameters(), module.buffers()) if t.is_floating_point())
+        if next(floats, torch.float32) not in (torch.bfloat16, torch.float32):
             continue
         module.paged_attention_kernel = True
         count += 1

@@ -104,7 +104,7 @@ def load_model(manifest: EngineManifest, weights: Weights, device: torch.device,
     varying = batch_dependent_linear(model) or batch_dependent_attention(model)
     if varying is not None:
         why = (f"{device.type} kernels pick their reduction order by the batch" if device.type != "cpu"
-               else "PyTorch's attention over the batch's widest context (head_dim > 256)"
+               else "PyTorch's attention over the batch's widest context (head_dim > 256, or a float16 engine)"
                if varying.endswith("self_attn") else f"nextn's dense CPU kernel: {dense_linear_unavailable_reason()}")
         logger.warning("this %s engine is not batch-invariant here (%s runs outside nextn's per-row kernels: %s): "
                        "a request's greedy tokens may depend on what shares its batch", manifest.dtype, varying, why)
