@@ -39,6 +39,14 @@ def test_success_prints_a_summary(make_ckpt, tmp_path: Path, capsys: pytest.Capt
     assert (m.dtype, m.build_options.max_batch_size, m.build_options.max_seq_len) == ("bfloat16", 2, 512)
 
 
+def test_the_source_path_is_recorded_normalised(make_ckpt, tmp_path: Path, capsys) -> None:
+    """`nextn cache list` shows where an engine came from: the checkpoint's path with `..` folded."""
+    ck = make_ckpt(num_mtp=1, tokenizer=True)
+    roundabout = ck.path.parent / ".." / ck.path.parent.name / ck.path.name
+    assert main(["--model_dir", str(roundabout), "--output_dir", str(tmp_path / "e"), "--no-progress"]) == 0
+    assert EngineManifest.load(tmp_path / "e").source.path == str(ck.path.absolute())
+
+
 def test_config_alias_reads_the_yaml(make_ckpt, tmp_path: Path, write_yaml, capsys: pytest.CaptureFixture[str]) -> None:
     ck = make_ckpt(num_mtp=1)
     yaml = write_yaml("speculative_config:\n  decoding_type: MTP\n  num_nextn_predict_layers: 3\n")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import math
 import shutil
 from collections.abc import Iterator
@@ -208,12 +209,12 @@ def build_engine(
             if note:
                 logger.warning("%s", note)
         if isinstance(reader, GGUFCheckpoint):
-            source = SourceInfo(path=str(reader.path.absolute()), format="gguf",
+            source = SourceInfo(path=os.path.abspath(reader.path), format="gguf",  # `..` folded
                                 fingerprint=fingerprint([reader.path], root=reader.path.parent))
         else:
             extra_files = [p for p in (reader.index_file,) if p is not None]
             source = SourceInfo(
-                path=str(model_dir.absolute()),
+                path=os.path.abspath(model_dir),
                 format="safetensors-fp8" if reader.is_fp8 else "safetensors",
                 fingerprint=fingerprint([model_dir / CONFIG_NAME, *extra_files, *reader.files], root=model_dir),
             )
