@@ -159,6 +159,7 @@ SP = SamplingParams(max_tokens=16, ignore_eos=True)
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_profiling_a_tiny_engine_is_cached_and_lossless(eagle, tmp_path, caplog, monkeypatch, overlap):
+    monkeypatch.setattr(step_profiler, "BUDGET_S", 1e9)  # every batch size, however loaded the machine
     spec = {"decoding_type": "MTP", "num_nextn_predict_layers": 3, "adaptive_draft_len": True,
             "step_profile": "auto", "step_profile_dir": str(tmp_path)}
     with caplog.at_level(logging.INFO, logger="nextn.runtime.step_profiler"):
@@ -201,7 +202,7 @@ def test_a_profile_measured_for_smaller_batches_is_measured_again_for_larger_one
             "step_profile": "auto", "step_profile_dir": str(tmp_path)}
     measured = []
     real = step_profiler.measure_step_time
-    monkeypatch.setattr(step_profiler, "measure_step_time", lambda target: measured.append(1) or real(target, False))
+    monkeypatch.setattr(step_profiler, "measure_step_time", lambda target: measured.append(1) or real(target, False, 1e9))
     small = LLM(eagle, speculative_config=spec, max_batch_size=2)
     assert set(small.engine.draft_len_policy.step_time) == {1, 2} and len(measured) == 1
     LLM(eagle, speculative_config=spec, max_batch_size=2)
@@ -212,3 +213,25 @@ def test_a_profile_measured_for_smaller_batches_is_measured_again_for_larger_one
     assert set(load_step_profile(path).step_time) == {1, 2, 4, 8}  # the larger profile replaced the smaller
     LLM(eagle, speculative_config=spec, max_batch_size=4)
     assert len(measured) == 2  # a subset of what is cached: read
+
+
+def test_the_time_budget_leaves_larger_batches_to_online_timing_once(eagle, tmp_path, monkeypatch, caplog):
+    """Past `BUDGET_S` the larger batch sizes are not timed at load: the profile records them as left online, the
+    policy explores them as without a profile, later loads do not measure them, and the output is plain's."""
+    spec = {"decoding_type": "MTP", "num_nextn_predict_layers": 2, "adaptive_draft_len": True,
+            "step_profile": "auto", "step_profile_dir": str(tmp_path)}
+    monkeypatch.setattr(step_profiler, "BUDGET_S", 1e-6)  # only the first batch size fits
+    with caplog.at_level(logging.INFO, logger="nextn.runtime.step_profiler"):
+        llm = LLM(eagle, speculative_config=spec, max_batch_size=8)
+    assert "batch sizes [2, 4, 8] left to online timing" in caplog.text
+    (path,) = tmp_path.iterdir()
+    saved = load_step_profile(path)
+    assert set(saved.step_time) == {1} and saved.left_online == [2, 4, 8]
+    assert set(llm.engine.draft_len_policy.step_time) == {1}
+    ref = [o.outputs[0].token_ids for o in LLM(eagle, speculative_config=None, max_batch_size=8).generate(PROMPTS, SP)]
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SP)] == ref
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("the buckets left online should not be measured again")
+    monkeypatch.setattr(step_profiler, "measure_step_time", no_measuring)
+    LLM(eagle, speculative_config=spec, max_batch_size=8)

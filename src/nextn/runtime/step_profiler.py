@@ -14,8 +14,10 @@ on the machine and the growing context weigh on every k alike. A step's time is 
 `TIMED_ROUNDS` steps (timeit's rule: other work on the machine only ever adds time, and more of it to a cheap step
 than in proportion). Steps run synchronously (no step in flight), so a time is the step's own.
 
-Cost: per batch size one prefill and (WARMUP_ROUNDS + TIMED_ROUNDS) × (K + 2) decode steps for K ≤ 8 (the seconds
-for SmolLM2-135M are in docs/ARCHITECTURE.md, under the draft-length policy).
+Cost: per batch size one prefill and (WARMUP_ROUNDS + TIMED_ROUNDS) × (K + 2) decode steps for K ≤ 8, within
+`BUDGET_S` seconds: the batch sizes whose estimated time would pass it are left to the policy's online timing
+(`AdaptiveDraftLen` explores a bucket the profile lacks) and recorded as such, so later loads do not measure them
+(the seconds for SmolLM2-135M are in docs/ARCHITECTURE.md, under the draft-length policy).
 
 What it leaves behind: nothing in the engine's pool or prefix cache; the drafter's per-slot state is rebuilt by the
 next prefill of each slot (Suffix decoding moves a slot's previous sequence — here a synthetic one — into its global
@@ -56,6 +58,9 @@ PROMPT_LEN = 32  # tokens of each synthetic prompt (fewer when max_seq_len is sh
 WARMUP_ROUNDS = 2  # rounds (one step at each k) dropped before timing: first-use costs
 TIMED_ROUNDS = 5  # rounds timed (each k's fastest step over them is its time)
 MAX_EVERY_K = 8  # every draft length up to this is timed; above it powers of two and K (`draft_lens`)
+#: seconds a first load spends measuring: batch sizes are timed smallest first while the next one's estimated
+#: time (the last one's, scaled by the batch) still fits; the larger ones are left to the policy's online timing
+BUDGET_S = 6.0
 #: how the table is measured; part of the engine digest, so that a change of method measures again
 SCHEME = (f"batch {BATCH_SIZES}, k ≤ {MAX_EVERY_K} + powers, prompt {PROMPT_LEN}, "
           f"rounds {WARMUP_ROUNDS}+{TIMED_ROUNDS}, min")
@@ -130,22 +135,37 @@ def wanted_buckets(target: ProfileTarget) -> set[int]:
     return {_bucket(b) for b in _plan(target)[0]}
 
 
-def measure_step_time(target: ProfileTarget, progress: bool = True) -> dict[int, dict[int, float]]:
-    """The step-time table {bucket: {k: seconds}} of the engine behind `target` (see the module docstring). A draft
-    length not timed before the requests run out of room (a short max_seq_len) is left out (`AdaptiveDraftLen`
-    interpolates a missing k); so is a batch size without a plain and a speculating time."""
+def measure_step_time(target: ProfileTarget, progress: bool = True, budget_s: float | None = None
+                      ) -> tuple[dict[int, dict[int, float]], list[int]]:
+    """(the step-time table {bucket: {k: seconds}} of the engine behind `target`, the buckets left to online timing).
+
+    Batch sizes are timed smallest first while the elapsed time plus the next one's estimate (the last one's time
+    × the batch-size ratio) fits `budget_s`; the first is always timed. A draft length not timed before the requests
+    run out of room (a short max_seq_len) is left out (`AdaptiveDraftLen` interpolates a missing k); so is a batch
+    size without a plain and a speculating time. `budget_s` None: `BUDGET_S`. See the module docstring."""
+    budget_s = BUDGET_S if budget_s is None else budget_s
     sizes, prompt_len, max_tokens = _plan(target)
     rounds = WARMUP_ROUNDS + TIMED_ROUNDS
     rng = random.Random(0)
     prompts = [[rng.randrange(target.vocab_size) for _ in range(prompt_len)] for _ in range(max(sizes))]
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     table: dict[int, dict[int, float]] = {}
+    start, last = time.perf_counter(), None
     with progress_bar(total=len(sizes) * rounds, desc="step profile", unit="round", enabled=progress) as bar:
-        for b in sizes:
+        for i, b in enumerate(sizes):
+            if last is not None:
+                elapsed = time.perf_counter() - start
+                if elapsed + last[1] * b / last[0] > budget_s:
+                    left = sorted({_bucket(x) for x in sizes[i:]})
+                    logger.info("step profile: batch sizes %s left to online timing (a %.0f s budget)", left,
+                                budget_s)
+                    return table, left
+            began = time.perf_counter()
             times = _measure_batch(target, b, prompts[:b], params, bar.update)
+            last = (b, time.perf_counter() - began)
             if 0 in times and len(times) > 1:
                 table[_bucket(b)] = times
-    return table
+    return table, []
 
 
 def _measure_batch(target: ProfileTarget, batch_size: int, prompts: list[list[int]], params: SamplingParams,
@@ -216,7 +236,7 @@ def step_profile_for(spec: BaseModel | None, args: LlmArgs, manifest: EngineMani
     name = engine_dir.name
     profile = cached_step_profile(cache_dir, key, name)
     if profile is not None:
-        missing = sorted(wanted_buckets(target) - set(profile.step_time))
+        missing = sorted(wanted_buckets(target) - set(profile.step_time) - set(profile.left_online))
         if not missing or sharded:
             logger.info("step profile of %s read from %s", name, cache_dir)
             return profile.step_time
@@ -227,13 +247,14 @@ def step_profile_for(spec: BaseModel | None, args: LlmArgs, manifest: EngineMani
                     cache_dir)
         return None
     t0 = time.perf_counter()
-    table = measure_step_time(target)
+    table, left_online = measure_step_time(target)
     seconds = time.perf_counter() - t0
     if not table:
         logger.warning("the step profile of %s measured nothing (max_seq_len %d too short?): step times are measured "
                        "online", name, target.max_seq_len)
         return None
-    profile = StepProfile(key=key, engine_name=name[:256], measure_seconds=round(seconds, 3), step_time=table)
+    profile = StepProfile(key=key, engine_name=name[:256], measure_seconds=round(seconds, 3), step_time=table,
+                          left_online=left_online)
     try:
         path = save_step_profile(profile, cache_dir)
     except StepProfileError as e:

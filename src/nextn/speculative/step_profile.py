@@ -85,6 +85,16 @@ class StepProfile(_Frozen):
     engine_name: str = Field(max_length=256)  # the engine directory's name, for log lines
     measure_seconds: float = Field(ge=0.0)  # how long measuring took
     step_time: dict[int, dict[int, float]]  # bucket → {k: seconds}
+    #: buckets the measurement's time budget left to the policy's online timing (`runtime/step_profiler.py`)
+    left_online: list[int] = Field(default_factory=list, max_length=17)
+
+    @field_validator("left_online")
+    @classmethod
+    def _buckets(cls, buckets: list[int]) -> list[int]:
+        bad = [b for b in buckets if not 1 <= b <= MAX_BUCKET or b & (b - 1)]
+        if bad:
+            raise ValueError(f"left_online buckets {bad[:4]} are not powers of two in [1, {MAX_BUCKET}]")
+        return buckets
 
     @field_validator("step_time")
     @classmethod
