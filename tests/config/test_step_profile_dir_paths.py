@@ -71,7 +71,7 @@ def test_the_profile_of_a_yaml_with_a_relative_step_profile_dir_lands_beside_the
     cfg.write_text("speculative_config:\n  decoding_type: MTP\n  num_nextn_predict_layers: 1\n"
                    "  adaptive_draft_len: true\n  step_profile: auto\n  step_profile_dir: profiles\n")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(step_profiler, "measure_step_time", lambda target: {1: {0: 0.010, 1: 0.012}})
+    monkeypatch.setattr(step_profiler, "measure_step_time", lambda target: ({1: {0: 0.010, 1: 0.012}}, []))
     with caplog.at_level(logging.INFO, logger="nextn.runtime.step_profiler"):
         LLM(engine, extra_llm_api_options=cfg, max_batch_size=1)
     assert "measured the step profile" in caplog.text
