@@ -71,7 +71,7 @@ def test_a_bit_flipped_cached_engine_is_rebuilt_and_generates_as_before(ckpt, tm
     (line,) = _warnings(caplog, "is damaged (")
     assert entry.name in line and "corrupt" in line and "model.safetensors" in line
     verify_engine_files(entry, EngineManifest.load(entry), "full")  # the entry was rebuilt whole
-    assert [p.name for p in cache.iterdir() if p.name.startswith(".")] == []  # nothing left aside
+    assert [p.name for p in cache.iterdir() if p.name.startswith(".") and not p.name.startswith(".alias-")] == []
 
 
 def test_a_truncated_cached_engine_is_rebuilt_on_its_next_use(ckpt, tmp_path, caplog):

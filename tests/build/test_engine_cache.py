@@ -144,6 +144,32 @@ def _default_engine_is_shared(tmp_path, algo):
     assert len([p for p in cache.iterdir() if p.is_dir()]) == 2
 
 
+def test_auto_options_are_resolved_once_per_machine_and_the_checkpoint_stays_closed(tmp_path, monkeypatch):
+    """Resolving "auto" opens the checkpoint (a GGUF's metadata: seconds for a 49k-token vocabulary); the entry it
+    resolved to is remembered (`.alias-*`, keyed by the checkpoint, the options as given and what "auto" depends on
+    here), so later loads go straight to it — and to a fresh resolution when that entry is gone. An alias file that
+    is not one of ours is neither trusted nor overwritten."""
+    import shutil
+
+    from nextn.build import engine_settings
+
+    gguf_file, cache = write_q4_gguf(tmp_path / "m.gguf"), tmp_path / "cache"
+    first = resolve_engine_dir(gguf_file, cache_dir=cache, progress=False)
+
+    def no_open(*args, **kwargs):
+        raise AssertionError("the checkpoint was opened to resolve options resolved before")
+    with monkeypatch.context() as m:
+        m.setattr(engine_settings, "open_checkpoint", no_open)
+        assert resolve_engine_dir(gguf_file, cache_dir=cache, progress=False) == first
+    shutil.rmtree(first)
+    assert resolve_engine_dir(gguf_file, cache_dir=cache, progress=False) == first
+    assert (first / "manifest.json").is_file()
+    (alias,) = [p for p in cache.iterdir() if p.name.startswith(".alias-")]
+    alias.write_text("not a key")
+    assert resolve_engine_dir(gguf_file, cache_dir=cache, progress=False) == first
+    assert alias.read_text() == "not a key"
+
+
 def test_a_float_gguf_stays_unquantized_by_default(tmp_path):
     engine = resolve_engine_dir(write_q4_gguf(tmp_path / "m.gguf", quantized=False), cache_dir=tmp_path / "cache",
                                 progress=False)

@@ -28,6 +28,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Callable
@@ -140,14 +141,32 @@ def resolve_engine_dir(path: str | Path, cache_dir: str | Path | None = None, pr
     if not path.exists():
         raise EngineError(f"{path} does not exist; pass an engine directory, a checkpoint directory or a .gguf file")
     files = checkpoint_files(path)
-    options = normalized_build_options(files[0] if len(files) == 1 else path, build_options)
     root = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE_DIR
-    cap = cache_cap_bytes() if max_cache_bytes is None else max_cache_bytes
-    engine = root / cache_key(files, options)
     if root.exists() and not root.is_dir():
         raise EngineError(f"the engine cache {root} is not a directory; remove or move it, or choose another cache "
                           "(engine_cache_dir, $NEXTN_CACHE_DIR)")
+    alias = _alias_path(root, files, build_options)
+    known = _read_alias(alias)
+    if known is not None and (root / known).is_dir():  # "auto" resolved here before: the checkpoint stays closed
+        with entry_lock(root, known):
+            if _entry_problem(root / known) is None:
+                logger.info("using the cached engine %s for %s", root / known, path)
+                mark_used(root, known)
+                return root / known
+    options = normalized_build_options(files[0] if len(files) == 1 else path, build_options)
+    cap = cache_cap_bytes() if max_cache_bytes is None else max_cache_bytes
+    engine = root / cache_key(files, options)
     root.mkdir(parents=True, exist_ok=True)
+    _cached_or_built(path, root, engine, options, what, progress)
+    if alias is not None:
+        _write_alias(alias, engine.name)
+    evict_lru(root, cap, keep=engine.name)
+    return engine
+
+
+def _cached_or_built(path: Path, root: Path, engine: Path, options: dict[str, Any], what: str, progress: bool
+                     ) -> Path:
+    """`engine` (the entry of `options`), checked, or built now under its lock."""
     with entry_lock(root, engine.name):
         problem = _entry_problem(engine)
         if problem is None:
@@ -161,8 +180,55 @@ def resolve_engine_dir(path: str | Path, cache_dir: str | Path | None = None, pr
         logger.warning("%s: building an engine for %s into %s (once; later loads reuse it)", what, path, engine)
         build_engine(path, engine, progress=progress, **{"quant_algo": None, **options})
         mark_used(root, engine.name)
-    evict_lru(root, cap, keep=engine.name)
     return engine
+
+
+_KEY = re.compile(r"^[0-9a-f]{20}$")
+_ALIAS_PREFIX = ".alias-"
+
+
+def _alias_path(root: Path, files: list[Path], build_options: dict[str, Any]) -> Path | None:
+    """Where the entry key of these options with "auto" in them is remembered (`<root>/.alias-<key>`), or None when
+    nothing is "auto" (resolving them then opens nothing). The alias's key covers the checkpoint (its fingerprint),
+    the options as given and what "auto" depends on on this machine (the device, fast bf16, the int4 format)."""
+    raw = {k: v for k, v in build_options.items() if v is not None or k == "quant_algo"}
+    if raw.get("dtype", "auto") != "auto" and raw.get("quant_algo", "auto") != "auto":
+        return None
+    import torch
+
+    from nextn.plugins import woq_linear
+    from nextn.plugins.cpu_features import fast_bf16
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    facts = {"device": device.type, "fast_bf16": fast_bf16(device),
+             "int4": woq_linear.fastest_int4_algo() if woq_linear.available() else None}
+    return root / (_ALIAS_PREFIX + cache_key(files, {"as_given": raw, "machine": facts}))
+
+
+def _read_alias(alias: Path | None) -> str | None:
+    """The entry key an alias names, or None (no alias, a link, not one of ours)."""
+    if alias is None or alias.is_symlink() or not alias.is_file():
+        return None
+    try:
+        with open(alias, "rb") as f:
+            text = f.read(64).decode("ascii", "replace").strip()
+    except OSError:
+        return None
+    return text if _KEY.match(text) else None
+
+
+def _write_alias(alias: Path, key: str) -> None:
+    """Remember `key` at `alias`, atomically; never over a link or a file that is not an alias."""
+    if alias.is_symlink() or (alias.exists() and _read_alias(alias) is None):
+        return
+    tmp = alias.with_name(f"{alias.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "x") as f:
+            f.write(key + "\n")
+        os.replace(tmp, alias)
+    except OSError as e:
+        logger.info("engine cache: could not record %s (%s)", alias, e.strerror or e)
+        tmp.unlink(missing_ok=True)
 
 
 def _entry_problem(engine: Path) -> str | None:
