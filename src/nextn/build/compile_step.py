@@ -46,7 +46,7 @@ def compile_engine_step(engine_dir: str | Path, batch_sizes: list[int] | None = 
     k = engine.drafter.num_draft_tokens
     params = SamplingParams(max_tokens=2 * (k + 1) + 2, ignore_eos=True)  # a prefill and ≥ 2 decode steps
     vocab = engine.cfg.vocab_size
-    fresh_cache, cache_dir = compiled_step.fresh_cache, compiled_step.cache_dir
+    cache_dir, fresh_cache = compiled_step.inductor_cache()
     with fresh_cache() if fresh_cache is not None else contextlib.nullcontext():
         runner.decode_fn = compile_decode_fn(runner.decode_fn, None, device, config)
         for b in progress_bar(sizes, enabled=progress, desc="compile step", unit="batch size"):

@@ -38,11 +38,17 @@ from typing import Any
 
 import torch
 
-try:  # private inductor helpers: without them the kernels are neither packed nor unpacked (still correct)
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-    from torch._inductor.utils import fresh_cache
-except ImportError:  # pragma: no cover - other torch versions
-    cache_dir = fresh_cache = None
+
+def inductor_cache() -> tuple[Callable[[], str] | None, Callable[[], Any] | None]:
+    """(inductor's `cache_dir`, `fresh_cache`): private helpers, imported on first use (they import TorchDynamo,
+    ~1.5 s, which an engine without compile artifacts never needs); (None, None) where torch lacks them (the
+    kernels are then neither packed nor unpacked; still correct)."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+        from torch._inductor.utils import fresh_cache
+    except ImportError:  # pragma: no cover - other torch versions
+        return None, None
+    return cache_dir, fresh_cache
 
 from nextn.build.manifest import CompiledStepInfo, EngineManifest
 from nextn.config.llm_args import TorchCompileConfig
@@ -165,6 +171,7 @@ def load_compile_artifacts(engine_dir: str | Path, device: str | torch.device,
                        info.file)
         return False
     kernels = 0
+    cache_dir, _ = inductor_cache() if info.kernels_file else (None, None)
     if info.kernels_file and cache_dir is not None:
         blob = _read_checked(engine_dir, info.kernels_file, info.kernels_sha256)
         kernels = _unpack_kernels(blob, Path(cache_dir())) if blob is not None else 0
