@@ -306,3 +306,18 @@ def test_auto_keeps_a_4bit_gguf_dense_where_the_int4_kernel_cannot_take_its_shap
         monkeypatch.setattr(woq_linear, "takes", lambda algo, n, k: k % 128 == 0)  # 64-wide inputs not taken
         assert auto_quant_algo(reader, "cpu") is None
         assert auto_quant_algo(reader, "cuda") is None
+
+
+def test_cache_list_reads_manifests_without_importing_torch(ckpt, tmp_path):
+    """`nextn cache list` stays well under a second: manifests (their model and quantization configs) load without
+    torch, which alone takes about a second to import."""
+    import subprocess
+    import sys
+
+    cache = tmp_path / "cache"
+    entry = resolve_engine_dir(ckpt, cache_dir=cache, progress=False, dtype="float32")
+    code = ("import sys; from nextn.cli.main import main; rc = main(['cache', 'list', '--cache_dir', sys.argv[1]]); "
+            "print('torch imported' if 'torch' in sys.modules else 'no torch'); sys.exit(rc)")
+    out = subprocess.run([sys.executable, "-c", code, str(cache)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and entry.name in out.stdout, out
+    assert out.stdout.strip().endswith("no torch"), out.stdout

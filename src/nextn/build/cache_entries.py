@@ -25,6 +25,9 @@ from pathlib import Path
 from nextn.build.file_lock import lock_file
 from nextn.build.manifest import MANIFEST_NAME, EngineError, EngineManifest
 
+#: where built engines live unless a cache dir is given (`LLM(engine_cache_dir=...)`, $NEXTN_CACHE_DIR)
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "nextn" / "engines"
+
 logger = logging.getLogger(__name__)
 
 #: Size cap of the cache when $NEXTN_CACHE_MAX_GB is not set, GB (10^9 bytes).

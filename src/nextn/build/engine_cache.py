@@ -38,13 +38,11 @@ from typing import Any, TypeVar
 import nextn
 from nextn.build.checkpoint import CONFIG_NAME
 from nextn.build.fingerprint import fingerprint
-from nextn.build.cache_entries import cache_cap_bytes, entry_lock, evict_lru, mark_used, read_entry
+from nextn.build.cache_entries import (DEFAULT_CACHE_DIR, cache_cap_bytes, entry_lock, evict_lru, mark_used,
+                                       read_entry)
 from nextn.build.manifest import MANIFEST_NAME, EngineError, EngineFileError, EngineManifest, verify_engine_files
 
 logger = logging.getLogger(__name__)
-
-#: Default cache root (the CLI may pass another, e.g. from $NEXTN_CACHE_DIR).
-DEFAULT_CACHE_DIR = Path.home() / ".cache" / "nextn" / "engines"
 
 
 def is_engine_dir(path: Path) -> bool:

@@ -44,8 +44,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from nextn.models.registry import ModelConfig
-from nextn.quantization.weight_only import QuantConfig
+from nextn.models.model_config import ModelConfig
+from nextn.quantization.quant_config import QuantConfig
 
 logger = logging.getLogger(__name__)
 

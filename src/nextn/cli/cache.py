@@ -54,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cache_root(args: argparse.Namespace) -> Path:
-    from nextn.build.engine_cache import DEFAULT_CACHE_DIR
+    from nextn.build.cache_entries import DEFAULT_CACHE_DIR
 
     return args.cache_dir or Path(os.environ.get(CACHE_DIR_ENV) or DEFAULT_CACHE_DIR)
 

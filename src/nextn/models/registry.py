@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Annotated, Any, Union
-
-from pydantic import Field
+from typing import Any
 
 from nextn.models.config import ConfigError, DeepseekV3ModelConfig
 from nextn.models.deepseek_v3 import weights as deepseek_weights
@@ -13,9 +11,7 @@ from nextn.models.deepseek_v3.model import DeepseekV3ForCausalLM
 from nextn.models.llama import weights as llama_weights
 from nextn.models.llama.config import LLAMA_ARCHITECTURES, LlamaModelConfig
 from nextn.models.llama.model import LlamaForCausalLM
-
-#: A normalised model config; `architecture` tells which family.
-ModelConfig = Annotated[Union[DeepseekV3ModelConfig, LlamaModelConfig], Field(discriminator="architecture")]
+from nextn.models.model_config import ModelConfig  # noqa: F401 (re-exported: the registry's config type)
 
 #: Qwen2 is the Llama family with q/k/v biases: same module and weight layout, options in `LlamaModelConfig`.
 MODEL_CLASSES = {"DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
