@@ -139,3 +139,15 @@ def test_limits_are_checked():
                 {"cache_bytes": 2.0 * 2**20}):
         with pytest.raises(ValueError):
             GrammarLimits(**bad)
+
+
+def test_more_tokenizers_than_a_worker_keeps_are_sent_again(tokenizer, workers, monkeypatch):
+    """A worker keeps the last 4 tokenizers; a compile for one it dropped sends it again instead of failing."""
+    from nextn.runtime import grammar_worker
+
+    compilers = [_compiler(tokenizer, workers) for _ in range(grammar_worker.MAX_TOKENIZERS + 2)]
+    for i, c in enumerate(compilers):  # same tokenizer, distinct keys: each is a new tokenizer to the worker
+        c._info_key = f"tokenizer-{i}"
+    for round_ in range(2):
+        for i, c in enumerate(compilers):
+            assert c.compile(_schema(100 + 10 * round_ + i)) is not None

@@ -83,13 +83,17 @@ class GrammarWorkers(WorkerPool):
             GrammarBusyError: every worker busy and the waiting line full, or still busy after the budget.
             SamplingParamsError: xgrammar refused the grammar, or it matches no output (the message says which).
         """
+        request = {"op": "compile", "tokenizer": tokenizer_key, "form": form, "source": source,
+                   "max_bytes": limits.cache_bytes}
+
         def send(worker, deadline):
-            if tokenizer_key not in worker.state:
+            reply = self._call(worker, request, deadline, "compile") if tokenizer_key in worker.state else None
+            if reply is None or reply.get("kind") == "unknown_tokenizer":  # first time here, or dropped since
                 self._call(worker, {"op": "tokenizer", "key": tokenizer_key, "info": tokenizer_info},
                            time.monotonic() + limits.timeout_s + 30.0, "load the tokenizer")
                 worker.state[tokenizer_key] = True
-            return self._call(worker, {"op": "compile", "tokenizer": tokenizer_key, "form": form, "source": source,
-                                       "max_bytes": limits.cache_bytes}, deadline, "compile")
+                reply = self._call(worker, request, deadline, "compile")
+            return reply
 
         reply = self._run(send, limits)
         return reply["compiled"]

@@ -14,8 +14,9 @@ Frames (`worker_frames`: length-prefixed JSON, no pickle). First `{"ready": true
   "bytes"}` or `{"error", "kind"}`.
 - `{"op": "tool_call", "schema", "open", "close"}`: the EBNF of `open`, one JSON value valid against `schema`, then
   `close`; answers `{"ebnf"}` or `{"error", "kind"}`.
-Error kinds: "grammar" (xgrammar refused it), "empty" (the grammar matches no output at all: no first token and
-no end), "size" (the compiled grammar is over `max_bytes`), "memory" (MemoryError: the worker then exits).
+Error kinds: "unknown_tokenizer" (not sent yet, or dropped: a worker keeps the last 4), "grammar" (xgrammar
+refused it), "empty" (the grammar matches no output at all: no first token and no end), "size" (the compiled grammar
+is over `max_bytes`), "memory" (MemoryError: the worker then exits).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ MAX_TOKENIZERS = 4  # engines in one process rarely have more tokenizers; older 
 
 def _compile(xgr, compilers: dict, request: dict) -> dict:
     compiler = compilers.get(request["tokenizer"])
-    if compiler is None:
-        return {"error": "unknown tokenizer (send it first)", "kind": "protocol"}
+    if compiler is None:  # never sent, or dropped for newer ones: the parent sends it and asks again
+        return {"error": "unknown tokenizer (send it first)", "kind": "unknown_tokenizer"}
     form, source = request["form"], request.get("source")
     if form == "json_object":
         compiled = compiler.compile_builtin_json_grammar()

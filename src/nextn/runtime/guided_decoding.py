@@ -7,8 +7,9 @@ against 0.34 / 1.37 s. Both mask far inside a decode step (~5–35 ms here); xgr
 
 One `GrammarCompiler` per engine (its tokenizer's vocabulary and stop tokens); each conversion and compile runs in a
 grammar worker process under a time budget (runtime/grammar_pool.py), and compiled grammars are cached by their
-text, bounded by entries and bytes (least recently used evicted). A request gets its own `GrammarMatcher`, which the host advances with
-each emitted token and forks-and-rolls-back over the drafts of a step (runtime/logits_processors.py).
+text, bounded by entries and bytes (least recently used evicted). A request gets its own `GrammarMatcher`, which the
+host advances with each emitted token and forks-and-rolls-back over the drafts of a step
+(runtime/logits_processors.py).
 """
 
 from __future__ import annotations
