@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +70,7 @@ class LLM:
                  extra_llm_api_options: str | Path | None = None, device: str | None = None,
                  dtype: str = "auto", quant_config: Any = _UNSET, engine_cache_dir: str | Path | None = None,
                  **overrides: Any) -> None:
-        from nextn.build.engine_cache import load_through_cache
+        from nextn.build.engine_cache import draft_engine_spec, load_through_cache
         from nextn.build.manifest import EngineManifest
 
         if quant_config is _UNSET:  # omitted: build_engine's "auto" (W4A16 for a 4-bit GGUF where nextn's kernels run)
@@ -458,35 +458,6 @@ class LLM:
                 outputs[i] = out or _rejected(plist[i], RuntimeError("the request was lost by the engine"))
             bar.close()
         return outputs  # type: ignore[return-value]
-
-
-def draft_engine_spec(spec: Any, target: Any, resolve: Callable[..., Path] | None = None) -> Any:
-    """`spec` with a Draft_Target draft model given as a checkpoint replaced by its engine: built once into the engine
-    cache like `LLM(path)` builds one, in the target's dtype and weight-only quantization (drafting reads the
-    draft's weights K times a step, so its bytes matter as much as the target's), except that a W4A16 draft's
-    lm_head is 4-bit too: drafts only propose (the target verifies every token), and the head is ~40 % of a small
-    draft model's bytes (Qwen2.5-0.5B: 136 MB at 8 bits of 360 MB). Other specs are returned unchanged.
-
-    Args:
-        target: the target engine's `EngineManifest`.
-        resolve: `resolve_engine_dir` (default) or `load_through_cache`'s, which notes the entries it returns.
-    Raises:
-        EngineError / build errors: an unusable draft path.
-    """
-    from nextn.build.engine_cache import resolve_engine_dir
-    from nextn.quantization.weight_only import INT4_ALGOS
-
-    resolve = resolve or resolve_engine_dir
-    if (inner := getattr(spec, "combine_with", None)) is not None:  # a combined drafter's model drafter
-        spec = spec.model_copy(update={"combine_with": draft_engine_spec(inner, target, resolve)})
-    draft = getattr(spec, "speculative_model_dir", None)
-    if draft is None:
-        return spec
-    quant = target.quant_config.model_dump(exclude_defaults=True) if target.quant_config else {"quant_algo": None}
-    if quant.get("quant_algo") in INT4_ALGOS:
-        quant["lm_head_quant_algo"] = "W4A16"
-    draft_dir = resolve(draft, what="Draft_Target: the draft model", progress=True, dtype=target.dtype, **quant)
-    return spec.model_copy(update={"speculative_model_dir": str(draft_dir)})
 
 
 def _is_single_prompt(prompts: Any) -> bool:

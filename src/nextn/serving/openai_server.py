@@ -36,8 +36,7 @@ from starlette.exceptions import HTTPException
 
 from nextn import LLM, SamplingParams
 from nextn.runtime.engine import RequestError
-from nextn.runtime.request_validation import RequestSamplingParamsError
-from nextn.runtime.grammar_pool import GrammarBusyError, GrammarLimitError, GrammarLimits
+from nextn.runtime.grammar_pool import GrammarLimits
 from nextn.runtime.outputs import CompletionOutput
 from nextn.runtime.request_handle import RequestHandle
 from nextn.runtime.sampling_params import SamplingParamsError
@@ -48,7 +47,8 @@ from nextn.serving.chat_render import ServerChatRenderer
 from nextn.serving.choice_streams import merge_pieces
 from nextn.serving.openai_chat import chat_response
 from nextn.serving.openai_sampling import chat_logprobs, completion_logprobs, sampling_fields
-from nextn.serving.openai_tools import message_for_template, tool_call_grammar
+from nextn.serving.openai_grammars import compile_grammars, tool_grammar
+from nextn.serving.openai_tools import message_for_template
 from nextn.serving.template_probe import TemplateProbe
 from nextn.serving.http_edge import (DEFAULT_MAX_REQUEST_BYTES, OFFLOAD_BYTES, ApiKeyMiddleware, parse_json,
                                      read_body)
@@ -271,33 +271,12 @@ class OpenAIServer:
                              "send fewer prompts or a smaller n, or split the request", "n", "too_many_sequences")
 
     async def _compile_grammars(self, params: list[SamplingParams]) -> None:
-        """Compile the requests' grammars before `_submit`, waiting in a worker thread (each compiles in a grammar
-        worker process under its budget; on the event loop the wait would stall every stream and /health).
-
-        Raises:
-            p.APIError: 400 naming why the grammar cannot be used (including its budget, code "grammar_limit"); 503
-                when the grammar workers are all busy (code "grammar_busy").
-        """
-        for sp in params:
-            if sp.guided_decoding is not None:
-                try:
-                    await self._off_loop(self.llm.engine.compile_grammar, sp)  # (the engine's cache)
-                except RequestSamplingParamsError as e:
-                    raise _grammar_error(e, None) from None
+        """`openai_grammars.compile_grammars` for this server's engine."""
+        await compile_grammars(self.llm.engine, params)
 
     async def _tool_grammar(self, req: p._SamplingRequest) -> str | None:
-        """The EBNF grammar the request's `tool_choice` enforces (`tool_call_grammar`), converted in a grammar worker
-        under its budget while this waits in a worker thread; None without one. Raises p.APIError as
-        `_compile_grammars` (400 for a tool_choice that names no tool)."""
-        tools = getattr(req, "tools", None)
-        if not tools or req.tool_choice in (None, "auto", "none"):
-            return None
-        try:
-            return await self._off_loop(tool_call_grammar, tools, req.tool_choice, self.llm.engine.tool_call_ebnf)
-        except RequestSamplingParamsError as e:
-            raise _grammar_error(e, "tools") from None
-        except ValueError as e:
-            raise p.APIError(400, str(e), "tool_choice") from None
+        """`openai_grammars.tool_grammar` for this server's engine."""
+        return await tool_grammar(self.llm.engine, req)
 
     @staticmethod
     async def _off_loop(fn: Callable, *args):
@@ -450,14 +429,6 @@ def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     else:
         message = str(exc.detail)
     return p.APIError(exc.status_code, message, code=str(exc.status_code)).response()
-
-
-def _grammar_error(e: Exception, param: str | None) -> p.APIError:
-    """The HTTP error of a grammar the engine refused: 503 when its workers are busy, else 400 naming why."""
-    if isinstance(e.__cause__, GrammarBusyError):
-        return p.APIError(503, str(e), param, "grammar_busy", type_="server_error")
-    code = "grammar_limit" if isinstance(e.__cause__, GrammarLimitError) else None
-    return p.APIError(400, str(e), param, code)
 
 
 def _internal_error(request: Request, exc: Exception) -> JSONResponse:
