@@ -3,6 +3,8 @@ quantized types dequantized by `gguf.quants`, tokenizer, and clear errors (archi
 
 from __future__ import annotations
 
+import math
+
 from pathlib import Path
 
 import gguf
@@ -41,7 +43,8 @@ TYPES = [2, 3, 3, 6, 1, 1, 1, 1, 1]
 
 def write_tiny_gguf(path: Path, arch: str = "llama", drop: tuple[str, ...] = (), quant: dict[str, Q] | None = None,
                     extra: tuple[str, ...] = (), seed: int = 0, biases: bool = False,
-                    raw: dict[str, tuple[np.ndarray, Q]] | None = None, hidden: int = 64) -> dict[str, np.ndarray]:
+                    raw: dict[str, tuple[np.ndarray, Q]] | None = None, hidden: int = 64,
+                    rope_freqs: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """A 1-layer GQA Llama-family GGUF (hidden 64 (or `hidden`), 4 heads / 2 KV heads, ffn 256, vocab 9) written as llama.cpp's
     convert_hf_to_gguf.py would: q/k rows (and biases) permuted for arch "llama" (`LlamaModel`), not for "qwen2".
 
@@ -50,6 +53,7 @@ def write_tiny_gguf(path: Path, arch: str = "llama", drop: tuple[str, ...] = (),
         biases: add q/k/v biases (Qwen2's).
         raw: GGUF tensor name → (raw block bytes [rows, bytes], type), written as they are (K-quants, which gguf
             cannot quantize, and types it cannot dequantize).
+        rope_freqs: Llama-3 rope scaling as llama.cpp's converter stores it (`rope_freqs.weight`, F32).
     Returns:
         The HF-layout fp32 tensors by HF name that `GGUFCheckpoint.get` must give back (quantized ones as
         `gguf.quants.dequantize` reads them back).
@@ -113,6 +117,8 @@ def write_tiny_gguf(path: Path, arch: str = "llama", drop: tuple[str, ...] = (),
                 n = heads if ".attn_q." in name else kv_heads
                 t = unpermute_rope_rows(torch.from_numpy(t.copy()), n).numpy()
             hf[hf_name(name)] = t
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -271,9 +277,10 @@ def test_errors_name_the_file_or_tensor(tmp_path):
     with pytest.raises(CheckpointError, match=r"gpt2\.gguf: unsupported GGUF architecture 'gpt2'; nextn reads llama, qwen2"):
         GGUFCheckpoint(tmp_path / "gpt2.gguf")
 
-    write_tiny_gguf(tmp_path / "rf.gguf", extra=("rope_freqs.weight",))
-    with pytest.raises(CheckpointError, match="unexpected tensor 'rope_freqs.weight'.*rope_freqs"):
-        GGUFCheckpoint(tmp_path / "rf.gguf")
+    write_tiny_gguf(tmp_path / "rf.gguf", rope_freqs=np.zeros(4, np.float32))
+    with pytest.raises(CheckpointError, match=r"rope_freqs\.weight must be 8 positive F32 values \(head_dim // 2\), "
+                       "got 4"):
+        GGUFCheckpoint(tmp_path / "rf.gguf").model_config
 
     q81 = np.zeros((256, 64 // 32 * gguf.GGML_QUANT_SIZES[Q.Q8_1][1]), np.uint8)  # gguf cannot dequantize Q8_1
     write_tiny_gguf(tmp_path / "q81.gguf", raw={"blk.0.ffn_up.weight": (q81, Q.Q8_1)})
@@ -336,3 +343,57 @@ def test_q4_k_tensors_are_read_as_they_are(tmp_path, arch):
 
     out = LLM(tmp_path / "e").generate([[3, 4, 5]], SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+
+
+def llama3_rope_freqs(head_dim: int, theta: float, rope: dict) -> np.ndarray:
+    """`rope_freqs` as llama.cpp's converter computes it from `rope_scaling` (conversion/llama.py,
+    `LlamaModel.generate_extra_tensors`): per frequency 1 (short wavelengths), the factor (long ones), else
+    1 / ((1 - smooth) / factor + smooth)."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    old = rope["original_max_position_embeddings"]
+    low, high, factor = rope["low_freq_factor"], rope["high_freq_factor"], rope["factor"]
+    out = []
+    for f in freqs.tolist():
+        wavelen = 2 * math.pi / f
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, np.float32)
+
+
+def test_a_llama3_gguf_with_rope_freqs_decodes_as_transformers(tmp_path):
+    """Llama 3.1 / 3.2 GGUFs carry their rope scaling as a `rope_freqs` tensor: read as per-frequency divisors,
+    the engine decodes token for token as `transformers` does with the checkpoint's `rope_scaling: llama3`
+    (float32; positions past `original_max_position_embeddings`, where the scaling matters)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from nextn import LLM, SamplingParams
+    from nextn.build.engine_builder import build_engine
+
+    factors = llama3_rope_freqs(16, 10000.0, LLAMA3_ROPE)
+    assert 1.0 < factors.max() and factors.min() == 1.0 and len(set(factors.tolist())) > 2  # all three bands
+    hf = write_tiny_gguf(tmp_path / "l3.gguf", rope_freqs=factors)
+    cfg = GGUFCheckpoint(tmp_path / "l3.gguf").model_config
+    assert cfg.rope_freq_factors == tuple(factors.tolist()) and cfg.rope_scaling is None
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(TOKENS), hidden_size=64, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=256, rope_theta=10000.0,
+        rope_scaling=dict(LLAMA3_ROPE), tie_word_embeddings=False)).eval()
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in hf.items()}, strict=False)
+    prompt = [1] + [4 + (7 * i) % 5 for i in range(47)]
+    with torch.no_grad():
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0,
+                              eos_token_id=None)[0, len(prompt):].tolist()
+    build_engine(tmp_path / "l3.gguf", tmp_path / "engine", dtype="float32", quant_algo=None, progress=False)
+    llm = LLM(tmp_path / "engine", device="cpu")
+    got = llm.generate(prompt, SamplingParams(max_tokens=24, ignore_eos=True)).outputs[0].token_ids
+    llm.shutdown()
+    assert got == want

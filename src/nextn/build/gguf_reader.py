@@ -191,14 +191,15 @@ class GGUFCheckpoint:
             raise CheckpointError(f"{self.path}: unsupported GGUF architecture {self.architecture!r}; nextn reads "
                                   f"{', '.join(SUPPORTED_ARCHITECTURES)}")
         self._tensors: dict[str, Any] = {}
+        self._rope_freqs: Any = None  # Llama-3 rope scaling as llama.cpp's converter stores it (`rope_freq_factors`)
         supported = supported_ggml_types()
         for t in self._reader.tensors:
+            if t.name == "rope_freqs.weight" and self.architecture == "llama":
+                self._rope_freqs = t
+                continue
             name = hf_name(t.name)
             if name is None:
-                hint = (" (Llama-3 rope scaling stored as a rope_freqs tensor is not supported)"
-                        if t.name.startswith("rope_freqs") else "")
-                raise CheckpointError(f"{self.path}: unexpected tensor {t.name!r} for a {self.architecture} "
-                                      f"GGUF{hint}")
+                raise CheckpointError(f"{self.path}: unexpected tensor {t.name!r} for a {self.architecture} GGUF")
             if t.tensor_type.name not in supported:
                 raise CheckpointError(f"{self.path}: tensor {t.name!r} has ggml type {t.tensor_type.name}, which "
                                       f"gguf {_gguf_version()} cannot dequantize; nextn reads {', '.join(supported)}")
@@ -315,6 +316,7 @@ class GGUFCheckpoint:
             "rms_norm_eps": self._number(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
             "rope_theta": self._number(f"{arch}.rope.freq_base", 10000.0),
             "rope_scaling": None,
+            "rope_freq_factors": self._rope_freq_factors(head_dim),
             "max_position_embeddings": count("context_length", 2048),
             "tie_word_embeddings": "lm_head.weight" not in self._tensors,
             "attention_bias": o_bias,  # HF Llama's flag: q/k/v/o biased
@@ -324,6 +326,23 @@ class GGUFCheckpoint:
             # Dequantized values are exact in fp32; `build-engine --dtype auto` picks for quantized files.
             "torch_dtype": {"F16": "float16", "BF16": "bfloat16"}.get(first, "float32"),
         }
+
+    def _rope_freq_factors(self, head_dim: int) -> list[float] | None:
+        """The `rope_freqs` tensor's head_dim // 2 float32 values (Llama-3 scaling per frequency), or None.
+
+        Raises:
+            CheckpointError: a rope_freqs tensor that is not F32 or holds another count or a value that is not a
+                finite positive number.
+        """
+        t = self._rope_freqs
+        if t is None:
+            return None
+        values = np.asarray(t.data).reshape(-1)
+        if t.tensor_type.name != "F32" or values.size != head_dim // 2 or not np.all(np.isfinite(values)) \
+                or not np.all(values > 0):
+            raise CheckpointError(f"{self.path}: rope_freqs.weight must be {head_dim // 2} positive F32 values "
+                                  f"(head_dim // 2), got {values.size} of type {t.tensor_type.name}")
+        return [float(v) for v in values.astype(np.float32)]
 
     def _vocab_size(self) -> int:
         """The embedding's rows (a 2-D `token_embd.weight`, [hidden, vocab] in ggml order); without one, llama.cpp's

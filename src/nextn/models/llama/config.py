@@ -58,6 +58,9 @@ class LlamaModelConfig(BaseModel):
     rms_norm_eps: float = Field(default=1e-6, gt=0)
     rope_theta: float = Field(default=10000.0, gt=0)  # RoPE base
     rope_scaling: Llama3RopeScaling | None = None  # null: plain RoPE
+    #: per-frequency divisors of RoPE's inverse frequencies [head_dim // 2], as a GGUF carries Llama-3 scaling
+    #: (llama.cpp's `rope_freqs` tensor, which convert_hf_to_gguf.py computes from `rope_scaling`); None: none
+    rope_freq_factors: tuple[float, ...] | None = None
     max_position_embeddings: Size = 2048
     tie_word_embeddings: bool = False  # lm_head is embed_tokens (stored once in the engine)
     attention_bias: bool = False  # q/k/v/o projections carry biases (HF LlamaConfig)
@@ -88,6 +91,13 @@ class LlamaModelConfig(BaseModel):
                              f"num_key_value_heads={self.num_key_value_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
+        factors = self.rope_freq_factors
+        if factors is not None:
+            if len(factors) != self.head_dim // 2 or not all(f > 0 for f in factors):
+                raise ValueError(f"rope_freq_factors needs head_dim // 2 = {self.head_dim // 2} positive values, got "
+                                 f"{len(factors)}")
+            if self.rope_scaling is not None:
+                raise ValueError("rope_freq_factors and rope_scaling are two spellings of one scaling: give one")
         return self
 
     # Derived sizes -------------------------------------------------------------------------------

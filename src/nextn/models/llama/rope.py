@@ -14,9 +14,13 @@ from nextn.models.llama.config import LlamaModelConfig
 
 
 def inv_freq(cfg: LlamaModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] fp32, Llama-3-scaled when `cfg.rope_scaling` is set."""
+    """Inverse frequencies [head_dim // 2] fp32, Llama-3-scaled when `cfg.rope_scaling` is set (transformers'
+    `_compute_llama3_parameters`), or divided by `cfg.rope_freq_factors` (a GGUF's `rope_freqs`, as ggml's rope
+    divides theta by its freq_factors)."""
     dim = cfg.head_dim
     freqs = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if cfg.rope_freq_factors is not None:
+        return freqs / torch.tensor(cfg.rope_freq_factors, dtype=torch.float32)
     s = cfg.rope_scaling
     if s is None:
         return freqs
