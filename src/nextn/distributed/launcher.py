@@ -25,7 +25,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -63,6 +63,18 @@ def device_for(device: str | torch.device, rank: int) -> torch.device:
     """`cuda` → `cuda:<rank mod devices>` (one GPU per rank on a node); any other device as given."""
     d = torch.device(device)
     return torch.device("cuda", rank % torch.cuda.device_count()) if d.type == "cuda" and d.index is None else d
+
+
+def exit_now(status: int) -> NoReturn:
+    """End a worker rank that has served its last step: stdio flushed, then `os._exit` — not an interpreter
+    shutdown, whose C++ static destructors can find a library's thread still joinable (gloo's, OpenMP's) and abort
+    the process ("terminate called without an active exception", exit -6) after its work was done."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
 
 
 def run_worker(engine_dir: str | Path, args: Any, spec: Any, device: str, mapping: Mapping,
@@ -199,7 +211,7 @@ def start_workers(engine_dir: str | Path, args: Any, spec: Any, device: str) -> 
 def start_engine(engine_dir: str | Path, args: Any, spec: Any, device: str) -> tuple[Any, WorkerGroup | None]:
     """Rank 0's `Engine` and its worker group (None for tensor_parallel_size 1 outside torchrun).
 
-    Under `torchrun` a process of rank > 0 serves rank 0's steps here and then exits (`SystemExit(0)`): only rank 0
+    Under `torchrun` a process of rank > 0 serves rank 0's steps here and then exits (`exit_now(0)`): only rank 0
     returns, so a script written for one process runs unchanged under `torchrun --nproc_per_node N`.
 
     Raises:
@@ -220,7 +232,7 @@ def start_engine(engine_dir: str | Path, args: Any, spec: Any, device: str) -> t
                               f"{args.tensor_parallel_size}: use --nproc_per_node {args.tensor_parallel_size}")
         if rank != 0:
             run_worker(engine_dir, args, spec, device, mapping)
-            raise SystemExit(0)
+            exit_now(0)
         group = WorkerGroup(init_communicator(mapping, device_for(device, 0)), [])
     else:
         check_machine(mapping, device)

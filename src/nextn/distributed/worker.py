@@ -31,4 +31,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from nextn.distributed.launcher import exit_now
+
+    exit_now(main(sys.argv[1:]))
