@@ -402,10 +402,14 @@ def test_a_llama3_gguf_with_rope_freqs_decodes_as_transformers(tmp_path):
 def test_an_unsupported_architecture_is_refused_from_the_header_alone(tmp_path, monkeypatch):
     """The architecture is read from the header's first keys before `gguf.GGUFReader` parses the whole file (~20 s
     for a 262k-token vocabulary): a refused file is refused at once, naming what nextn reads."""
-    write_tiny_gguf(tmp_path / "g.gguf", arch="gemma3")
+    write_tiny_gguf(tmp_path / "f.gguf", arch="falcon")
+    write_tiny_gguf(tmp_path / "m.gguf", arch="qwen3moe")
 
     def no_full_parse(*args, **kwargs):
         raise AssertionError("the whole header was parsed for a refused architecture")
     monkeypatch.setattr(gguf, "GGUFReader", no_full_parse)
-    with pytest.raises(CheckpointError, match=r"unsupported GGUF architecture 'gemma3'; nextn reads llama, qwen2"):
-        GGUFCheckpoint(tmp_path / "g.gguf")
+    with pytest.raises(CheckpointError, match=r"unsupported GGUF architecture 'falcon'; nextn reads llama, qwen2, "
+                                              r"qwen3, gemma3"):
+        GGUFCheckpoint(tmp_path / "f.gguf")
+    with pytest.raises(CheckpointError, match=r"'qwen3moe' is a mixture-of-experts model, which nextn does not build"):
+        GGUFCheckpoint(tmp_path / "m.gguf")

@@ -1,7 +1,8 @@
 """Real quantized GGUFs: nextn in float32 is token-identical to `transformers` loading the same file in float32.
 
-SmolLM2-135M-Instruct (llama architecture, Q4_1 + a Q8_0 embedding, tied) from ../shared/data, and
-Qwen2.5-Coder-0.5B-Instruct (qwen2 architecture: q/k/v biases, Q4_K_M = Q5_0/Q8_0/Q4_K/Q6_K, untied) from
+SmolLM2-135M-Instruct (llama architecture, Q4_1 + a Q8_0 embedding, tied) from ../shared/data,
+Qwen2.5-Coder-0.5B-Instruct (qwen2 architecture: q/k/v biases, Q4_K_M = Q5_0/Q8_0/Q4_K/Q6_K, untied) and Gemma-3-270M
+(gemma3: sandwich norms stored as 1 + w, q/k norms, sliding-window layers, a 262k vocabulary, tied) from
 `runs/models` (fetched by ../shared/models/fetch_models.py; skipped when absent). Per model, `transformers` is loaded
 and the engine built once (module fixtures): the engine's tensors equal transformers' bit for bit (q/k rows
 un-permuted for llama, untouched for qwen2; a tied embedding stored once), and greedy outputs on chat-templated
@@ -30,6 +31,8 @@ MODELS = {
     "qwen2.5-coder-0.5b": (ROOT / "runs" / "models" / "qwen2.5-coder-0.5b",
                            "fetch it: python ../shared/models/fetch_models.py qwen2.5-coder-0.5b --dest runs/models",
                            1, 16),
+    "gemma-3-270m": (ROOT / "runs" / "models" / "gemma-3-270m",
+                     "fetch it: python ../shared/models/fetch_models.py gemma-3-270m --dest runs/models", 2, 24),
 }
 
 pytestmark = pytest.mark.slow

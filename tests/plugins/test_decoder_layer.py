@@ -36,12 +36,19 @@ def _tiny_qwen2(path):
     hf.save_pretrained(path)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen2-two-level", "llama-w4a8"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen2-two-level", "llama-w4a8", "qwen3", "gemma3"])
 def engine(request, tmp_path_factory):
     """A W4A16 engine whose layers take the op: hidden 128, FFN 128 / 192, head_dim 32; two-level scales (super-blocks
-    of 4 and 6 groups) on the Qwen2 model too; W4A8 (int8 activations) on the Llama model."""
+    of 4 and 6 groups) on the Qwen2 model too; W4A8 (int8 activations) on the Llama model; Qwen3 (q/k norms) and
+    Gemma 3 (sandwich unit-offset norms, q/k norms, GELU-tanh, sliding-window layers of 4 keys: 7 layers)."""
     root = tmp_path_factory.mktemp(request.param)
-    if request.param.startswith("llama"):
+    if request.param in ("qwen3", "gemma3"):
+        from nextn.testing.tiny_families import tiny_hf_model
+
+        extra = dict(sliding_window=4) if request.param == "gemma3" else {}
+        tiny_hf_model({"gemma3": "gemma3_text"}.get(request.param, request.param), seed=1, vocab_size=320,
+                      hidden_size=128, intermediate_size=128, head_dim=32, **extra).save_pretrained(root / "ckpt")
+    elif request.param.startswith("llama"):
         tiny_hf_llama(vocab_size=320, lm_head_scale=20.0, hidden_size=128, intermediate_size=128).save_pretrained(
             root / "ckpt")
     else:
@@ -101,7 +108,7 @@ def test_every_layer_of_a_w4a16_engine_takes_the_op(llm):
     attn = layers[0].self_attn
     assert attn.k_proj.qweight.untyped_storage().data_ptr() == layers[0].fused.qkv[0].untyped_storage().data_ptr()
     stack = llm.engine.model.fused_stack  # and the decoder layers as one op call
-    assert stack is not None and len(stack.norms) == 2 * len(layers)
+    assert stack is not None and len(stack.norms) == len(layers[0].fused.norms) * len(layers)
     assert stack.qkv[stack.arity[0]].data_ptr() == layers[1].fused.qkv[0].data_ptr()
 
 
@@ -110,17 +117,18 @@ def test_the_stack_is_its_layers_one_by_one(llm):
     model = llm.engine.model
     layers = list(model.model.layers)
     x, kv, meta = _inputs(layers[0], 2, 3, [7, 21], seed=5)
-    kv = torch.stack([kv, kv.flip(0)])  # [layers, slots, kv dim], layers' caches differ
-    cos_sin = model._cos_sin(meta.positions)
+    kv = torch.stack([kv.roll(i, 0) for i in range(len(layers))])  # [layers, slots, kv dim], layers' caches differ
+    inputs = model.attention_inputs(meta)  # Gemma's sliding layers: their own rope rows and windowed mask
     kv_stack, kv_one = kv.clone(), kv.clone()
-    out = stack_forward(model.fused_stack, x, cos_sin, kv_stack, meta)
+    out = stack_forward(model.fused_stack, x, inputs, kv_stack)
     ref = x
     for i, layer in enumerate(layers):
-        ref = fused_forward(layer, ref, cos_sin, kv_one[i], meta)
+        cos_sin, layer_meta = inputs[model.layer_types[i] if model.layer_types else "full_attention"]
+        ref = fused_forward(layer, ref, cos_sin, kv_one[i], layer_meta)
     assert torch.equal(out, ref)
     assert torch.equal(kv_stack, kv_one) and not torch.equal(kv_stack, kv)
     with pytest.raises(RuntimeError, match="kv_cache must be"):
-        stack_forward(model.fused_stack, x, cos_sin, kv_stack[:1], meta)
+        stack_forward(model.fused_stack, x, inputs, kv_stack[:1])
 
 
 def test_a_layer_without_the_op_leaves_no_stack(llm):
@@ -233,8 +241,9 @@ def test_fake_implementation_lets_torch_compile_trace_the_op(llm):
     layer, x, cos_sin, kv, meta = _small_case(llm)
     f, attn = layer.fused, layer.self_attn
     args = (x, cos_sin, kv, meta.slot_mapping.reshape(-1), meta.context_slots, meta.visible,
-            f.input_norm, f.post_norm, f.qkv, f.o, f.gate_up, f.down, attn.num_heads, attn.num_kv_heads,
-            f.group_size, layer.input_layernorm.eps, attn.scale)
+            f.norms, f.qkv, f.o, f.gate_up, f.down, attn.num_heads, attn.num_kv_heads,
+            f.group_size, layer.input_layernorm.eps, attn.scale, f.int8_activations, f.sandwich, f.qk_norm,
+            f.activation)
     torch.library.opcheck(cpu_kernels.ops().llama_decoder_layer.default, args,
                           test_utils=("test_schema", "test_faketensor"))
 
@@ -243,8 +252,10 @@ def test_fake_implementation_lets_torch_compile_trace_the_stack(llm):
     model = llm.engine.model
     layer, x, cos_sin, kv, meta = _small_case(llm)
     st = model.fused_stack
-    args = (x, cos_sin, torch.stack([kv, kv]), meta.slot_mapping.reshape(-1), meta.context_slots, meta.visible,
+    n = len(model.model.layers)
+    args = (x, cos_sin, torch.stack([kv] * n), meta.slot_mapping.reshape(-1), meta.context_slots, meta.visible,
             st.norms, st.qkv, st.o, st.gate_up, st.down, st.arity, st.num_heads, st.num_kv_heads, st.group_size,
-            st.eps, st.scale, st.int8_activations)
+            st.eps, st.scale, st.int8_activations, st.sandwich, st.qk_norm, st.activation,
+            cos_sin if st.sliding else None, meta.visible if st.sliding else None, list(st.sliding))
     torch.library.opcheck(cpu_kernels.ops().llama_decoder_stack.default, args,
                           test_utils=("test_schema", "test_faketensor"))

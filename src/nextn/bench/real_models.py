@@ -53,9 +53,13 @@ def load_prompt_texts(num_mt_bench: int, num_humaneval: int, data_dir: Path = SH
 
 
 def chat_prompt_ids(tokenizer, texts: Sequence[str]) -> list[list[int]]:
-    """Each text as one user turn through the tokenizer's chat template, generation prompt added → token ids."""
+    """Each text as one user turn through the tokenizer's chat template, generation prompt added → token ids; a base
+    model without a template (Gemma-3-270M's GGUF) gets the text itself after BOS."""
     out = []
     for text in texts:
+        if not getattr(tokenizer, "chat_template", None):
+            out.append([int(i) for i in tokenizer(text)["input_ids"]])
+            continue
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                             tokenize=True)
         ids = ids["input_ids"] if hasattr(ids, "keys") else ids

@@ -1,10 +1,11 @@
-"""Reader of a llama.cpp GGUF file (Llama or Qwen2 architecture, float or quantized) as an HF-named checkpoint.
+"""Reader of a llama.cpp GGUF file of a dense family (`gguf_families.py`: llama, qwen2, qwen3, gemma3), float or
+quantized, as an HF-named checkpoint.
 
 A GGUF holds the config as metadata under llama.cpp key names (`llama.embedding_length`, `qwen2.rope.freq_base`, ...),
 the tensors under llama.cpp names (`blk.N.attn_q.weight`, ...) in ggml types (F32/F16/BF16 or block-quantized: Q4_1,
 Q8_0, Q4_K, Q6_K, ...) and the tokenizer as arrays (`tokenizer.ggml.*`, rebuilt by `nextn.build.gguf_tokenizer`).
 `GGUFCheckpoint` reads it through the PyPI `gguf` library (`gguf.GGUFReader`, memory-mapped) and presents what
-`CheckpointReader` presents for safetensors: `hf_config` (a `LlamaForCausalLM` / `Qwen2ForCausalLM` config.json dict),
+`CheckpointReader` presents for safetensors: `hf_config` (an HF config.json dict of the family),
 `names`, `has`, `get` (fp32 tensors by HF name), so `nextn.models.llama.weights.to_runtime` builds an engine from
 either. Every ggml type is dequantized by `gguf.quants.dequantize` (llama.cpp's own Python reference, the function
 `transformers` uses for GGUFs), never by nextn code; `supported_ggml_types()` lists the types it implements.
@@ -15,7 +16,9 @@ q_proj and k_proj (weights and biases) within each head from HF's rotate-half Ro
 ggml's interleaved one (pairs (2i, 2i + 1)): `w.reshape(heads, 2, d // 2, ...).swapaxes(1, 2)`. `get` applies the
 inverse, `reshape(heads, d // 2, 2, ...).swapaxes(1, 2)`, as `transformers` does (`LlamaTensorProcessor`). Its
 `Qwen2Model` does not permute (llama.cpp runs qwen2 with NEOX-style rotate-half RoPE) and `transformers` reads qwen2
-tensors unchanged, so neither does `get`. Both checked against `transformers` in tests/build/test_gguf_reader.py.
+tensors unchanged, so neither does `get` (nor for Qwen3 and Gemma 3). Gemma's norm weights are stored as 1 + w
+(`gguf_families.norm_shift`). Checked against `transformers` in tests/build/test_gguf_reader.py and
+tests/models/test_families.py.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import numpy as np
 import torch
 
 from nextn.build.checkpoint import CheckpointError
+from nextn.build.ggml_blocks import q4_k_two_level, unpermute_rope_rows
 from nextn.build.gguf_header import peek_architecture
 from nextn.build.gguf_tokenizer import check_vocabulary
 from nextn.build.tensor_inventory import check_layer_counts
@@ -38,39 +42,32 @@ from nextn.models.llama.config import LlamaModelConfig
 if TYPE_CHECKING:
     from nextn.quantization.weight_only import QuantConfig
 
-#: GGUF `general.architecture` → the HF architecture nextn builds it as.
-SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-#: Architectures whose q/k rows llama.cpp permutes at conversion (convert_hf_to_gguf.py `LlamaModel.permute`).
-PERMUTED_ARCHITECTURES = ("llama",)
+from nextn.build.gguf_families import (BLOCK_NAMES, MOE_ARCHITECTURES, PERMUTED_ARCHITECTURES,
+                                       SUPPORTED_ARCHITECTURES, family_config, global_names, norm_shift)
+
 #: ggml float types (read as they are, widened to fp32).
 FLOAT_TYPES = ("F32", "F16", "BF16")
 #: ggml types of about 4 bits a weight: a file mostly in them builds W4A16 by default (`engine_settings.auto_quant_algo`)
 FOUR_BIT_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS"})
 #: llama.cpp writes 0xFFFFFFFF (-1 as uint32) for "no such token".
 NO_TOKEN = 2**32 - 1
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_BLOCK_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-}  # fmt: skip
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 #: GGUF value types read as integers (a BOOL is not a count) and as numbers.
 _INT_TYPES = frozenset({"UINT8", "INT8", "UINT16", "INT16", "UINT32", "INT32", "UINT64", "INT64"})
 _NUMBER_TYPES = _INT_TYPES | {"FLOAT32", "FLOAT64"}
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The HF name of a llama.cpp tensor name (`blk.3.attn_q.weight` → `model.layers.3.self_attn.q_proj.weight`)."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The HF name of a llama.cpp tensor name of an `arch` file (`blk.3.attn_q.weight` →
+    `model.layers.3.self_attn.q_proj.weight`; Gemma's `blk.3.ffn_norm.weight` → `...pre_feedforward_layernorm.weight`),
+    or None for a tensor the family does not have."""
+    names = global_names()
+    if gguf_name in names:
+        return names[gguf_name]
     m = _BLOCK_RE.fullmatch(gguf_name)
-    if m and m[2] in _BLOCK_NAMES:
-        return f"model.layers.{m[1]}.{_BLOCK_NAMES[m[2]]}.{m[3]}"
+    block = BLOCK_NAMES.get(arch, {})
+    if m and m[2] in block:
+        return f"model.layers.{m[1]}.{block[m[2]]}.{m[3]}"
     return None
 
 
@@ -92,43 +89,6 @@ def supported_ggml_types() -> tuple[str, ...]:
             continue
         names.append(qtype.name)
     return tuple(names)
-
-
-def unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's q/k row permutation: [heads · d, ...] interleaved-pair rows → HF rotate-half rows (weights
-    [heads · d, hidden] and biases [heads · d] alike)."""
-    d = w.shape[0] // num_heads
-    return w.reshape(num_heads, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def q4_k_two_level(blocks: np.ndarray, n: int, k: int) -> dict[str, torch.Tensor]:
-    """A Q4_K tensor's blocks as nextn's two-level W4A16 tensors, value for value (`quantization/weight_only.py`).
-
-    Q4_K (llama.cpp's `block_q4_K`, 144 bytes per 256 weights of a row): fp16 d and dmin, twelve bytes packing the
-    eight sub-blocks' 6-bit scales and mins (unpacked by `gguf.quants.Q4_K.get_scale_min`), 128 bytes of nibbles
-    (per 64 weights, 32 bytes: the first 32 weights in the low nibbles, the next 32 in the high ones);
-    w = d · scale · q − dmin · min. nextn's form w = q · (d · scale) + dmin' · zero holds it with zero = min and
-    dmin' = −dmin.
-
-    Args:
-        blocks: the tensor's raw bytes, [n, k / 256 · 144] uint8 (k % 256 == 0).
-    Returns:
-        {"weight" [n, k/2] uint8, "weight_scale" [n, k/32] uint8, "weight_zero" [n, k/32] int8,
-         "weight_scale_2" [n, k/256, 2] float16}.
-    """
-    import gguf
-
-    s = k // 256
-    b = np.ascontiguousarray(blocks).reshape(n, s, 144)
-    d = b[..., 0:2].copy().view(np.float16)[..., 0]
-    dmin = b[..., 2:4].copy().view(np.float16)[..., 0]
-    sc, mn = gguf.quants.Q4_K.get_scale_min(b[..., 4:16].reshape(n * s, 12))
-    qs = b[..., 16:].reshape(n, s, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
-    q = torch.from_numpy((qs & 0x0F).reshape(n, k).astype(np.uint8))
-    return {"weight": (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous(),
-            "weight_scale": torch.from_numpy(sc.reshape(n, 8 * s).astype(np.uint8)),
-            "weight_zero": torch.from_numpy(mn.reshape(n, 8 * s).astype(np.int8)),
-            "weight_scale_2": torch.from_numpy(np.stack([d, -dmin], axis=-1))}
 
 
 def _resolve_file(path: Path) -> Path:
@@ -165,6 +125,14 @@ def _open_reader(path: Path):
                               f"ends early; re-download or re-convert it) [gguf: {type(e).__name__}: {e}]") from e
 
 
+def _unsupported(path: Path, arch: str) -> str:
+    """The refusal of a GGUF of architecture `arch`: an MoE one says so."""
+    if arch in MOE_ARCHITECTURES:
+        return (f"{path}: GGUF architecture {arch!r} is a mixture-of-experts model, which nextn does not build yet; "
+                f"nextn reads the dense families {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return f"{path}: unsupported GGUF architecture {arch!r}; nextn reads {', '.join(SUPPORTED_ARCHITECTURES)}"
+
+
 class GGUFCheckpoint:
     """Reads a Llama or Qwen2 GGUF (float or quantized tensors) by HF tensor name.
 
@@ -188,13 +156,11 @@ class GGUFCheckpoint:
         self.model_dir = self.path.parent
         early = peek_architecture(self.path)
         if early is not None and early not in SUPPORTED_ARCHITECTURES:  # refused before the whole header is parsed
-            raise CheckpointError(f"{self.path}: unsupported GGUF architecture {early!r}; nextn reads "
-                                  f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+            raise CheckpointError(_unsupported(self.path, early))
         self._reader = _open_reader(self.path)
         self.architecture: str = self._scalar("general.architecture", {"STRING"}, "a string")  # e.g. "llama"
         if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise CheckpointError(f"{self.path}: unsupported GGUF architecture {self.architecture!r}; nextn reads "
-                                  f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+            raise CheckpointError(_unsupported(self.path, self.architecture))
         self._tensors: dict[str, Any] = {}
         self._rope_freqs: Any = None  # Llama-3 rope scaling as llama.cpp's converter stores it (`rope_freq_factors`)
         supported = supported_ggml_types()
@@ -202,7 +168,7 @@ class GGUFCheckpoint:
             if t.name == "rope_freqs.weight" and self.architecture == "llama":
                 self._rope_freqs = t
                 continue
-            name = hf_name(t.name)
+            name = hf_name(t.name, self.architecture)
             if name is None:
                 raise CheckpointError(f"{self.path}: unexpected tensor {t.name!r} for a {self.architecture} GGUF")
             if t.tensor_type.name not in supported:
@@ -301,26 +267,32 @@ class GGUFCheckpoint:
             raise CheckpointError(f"{self.path}: {arch}.rope.dimension_count {rope_dim} differs from the head size "
                                   f"{head_dim}; partial RoPE is not supported")
         scaling = self._scalar(f"{arch}.rope.scaling.type", {"STRING"}, "a string", "none")
-        if scaling != "none":
+        if scaling not in ("none", "linear"):
             raise CheckpointError(f"{self.path}: {arch}.rope.scaling.type {scaling!r} is not supported (nextn reads "
-                                  "GGUFs with plain RoPE)")
+                                  "GGUFs with plain or linear RoPE scaling, and Llama 3's rope_freqs)")
+        rope_scaling = None if scaling == "none" else {
+            "rope_type": "linear", "factor": self._number(f"{arch}.rope.scaling.factor", 1.0)}
         vocab = self._vocab_size()
         embed = self._tensors.get("model.embed_tokens.weight")
         first = embed.tensor_type.name if embed is not None else "F32"
         o_bias = "model.layers.0.self_attn.o_proj.bias" in self._tensors
+        layers = count("block_count")
+        kinds = {"count": lambda k, d: self._count(f"{arch}.{k}", d) if d else self._count(f"{arch}.{k}"),
+                 "number": lambda k, d: self._number(f"{arch}.{k}", d), "raw": lambda k, d: self._field(f"{arch}.{k}", d)}
+        options = family_config(arch, lambda k, kind, d: kinds[kind](k, d), layers, hidden, heads, head_dim)
         return {
             "architectures": [SUPPORTED_ARCHITECTURES[arch]],
-            "model_type": arch,
+            "model_type": {"gemma3": "gemma3_text"}.get(arch, arch),
             "vocab_size": vocab,
             "hidden_size": hidden,
             "intermediate_size": count("feed_forward_length"),
-            "num_hidden_layers": count("block_count"),
+            "num_hidden_layers": layers,
             "num_attention_heads": heads,
             "num_key_value_heads": count("attention.head_count_kv", heads),
             "head_dim": head_dim,
             "rms_norm_eps": self._number(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
             "rope_theta": self._number(f"{arch}.rope.freq_base", 10000.0),
-            "rope_scaling": None,
+            "rope_scaling": rope_scaling,
             "rope_freq_factors": self._rope_freq_factors(head_dim),
             "max_position_embeddings": count("context_length", 2048),
             "tie_word_embeddings": "lm_head.weight" not in self._tensors,
@@ -330,6 +302,7 @@ class GGUFCheckpoint:
             "eos_token_id": self._token_id("eos_token_id"),
             # Dequantized values are exact in fp32; `build-engine --dtype auto` picks for quantized files.
             "torch_dtype": {"F16": "float16", "BF16": "bfloat16"}.get(first, "float32"),
+            **options,
         }
 
     def _rope_freq_factors(self, head_dim: int) -> list[float] | None:
@@ -431,6 +404,8 @@ class GGUFCheckpoint:
         if not data.flags.writeable:  # F32 tensors come back as views of the read-only memory map
             data = data.copy()
         w = torch.from_numpy(data.reshape([int(n) for n in reversed(t.shape)]))
+        if shift := norm_shift(self.architecture, name):
+            w -= shift  # exact: 1 + (s − 1) rounds back to the stored s in fp32 for any s in [0.5, 2]
         if self.architecture in PERMUTED_ARCHITECTURES:
             if ".self_attn.q_proj." in name:
                 w = unpermute_rope_rows(w, self.hf_config["num_attention_heads"])

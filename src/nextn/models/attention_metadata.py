@@ -7,7 +7,7 @@ never given to a request) and are ignored by the caller.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -72,6 +72,16 @@ class AttentionMetadata:
     def max_context(self) -> int:
         """Keys gathered per sequence: max_blocks · block_size."""
         return self.context_slots.shape[1]
+
+    def windowed(self, window: int) -> "AttentionMetadata":
+        """The same forward for a sliding-window layer: a query at position p sees keys p − window + 1 .. p (HF's
+        `sliding_window_causal_mask`), tree keys (at tree_start and after) as the tree mask says — exact while a
+        tree is shallower than the window."""
+        keys = torch.arange(self.max_context, device=self.visible.device)
+        near = keys[None, None, :] > self.positions.clamp(min=0)[:, :, None] - window  # [B, T, S]
+        if self.tree_start is not None:
+            near = near | (keys[None, None, :] >= self.tree_start[:, None, None])
+        return replace(self, visible=self.visible & near[:, None])
 
     def with_tokens(self, positions: torch.Tensor, slot_mapping: torch.Tensor) -> "AttentionMetadata":
         """The same sequences with other query tokens (the drafter's steps)."""

@@ -40,6 +40,10 @@ class SelfDraftingCausalLM(nn.Module):
     lm_head_quantized: bool = False
     #: Every decoder layer as one op call (`plugins.decoder_layer.install_fused_layers`, W4A16 / W4A8 on the CPU).
     fused_stack: FusedStack | None = None
+    #: What each decoder layer attends to ("full_attention" / "sliding_attention"; None: every layer full) and the
+    #: sliding layers' window: plain attributes, set by a family with sliding layers (torch.compile traces them).
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -53,17 +57,30 @@ class SelfDraftingCausalLM(nn.Module):
         return self.cfg.num_hidden_layers + self.cfg.num_nextn_predict_layers
 
     def _cos_sin(self, positions: torch.Tensor) -> torch.Tensor:
-        return self.rope_table[positions.clamp(min=0)]  # [B, T, 2, rope_dim // 2]
+        """The full-attention layers' rope rows at `positions` [B, T]: [B, T, 2, rope_dim // 2]."""
+        return self.rope_table[positions.clamp(min=0)][..., :2, :]
+
+    def attention_inputs(self, meta: AttentionMetadata) -> dict[str, tuple[torch.Tensor, AttentionMetadata]]:
+        """(cos_sin [B, T, 2, rope_dim // 2], metadata) per layer type: `full_attention` always, `sliding_attention`
+        where the config has sliding layers (their rope rows: the table's second pair when it has one; their
+        metadata: `AttentionMetadata.windowed`)."""
+        table = self.rope_table[meta.positions.clamp(min=0)]  # [B, T, 2 or 4, rope_dim // 2]
+        inputs = {"full_attention": (table[..., :2, :], meta)}
+        if self.sliding_window is not None:
+            inputs["sliding_attention"] = (table[..., -2:, :], meta.windowed(self.sliding_window))
+        return inputs
 
     def forward(self, input_ids: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Target forward. input_ids: [B, T] int64 → hidden states after the final norm [B, T, hidden]; writes KV
         at the tokens' slots."""
         x = self.model.embed_tokens(input_ids)
-        cos_sin = self._cos_sin(meta.positions)
+        inputs = self.attention_inputs(meta)
         if self.fused_stack is not None and x.dtype == kv_cache.dtype == torch.bfloat16:
-            return self.model.norm(stack_forward(self.fused_stack, x, cos_sin, kv_cache, meta))
+            return self.model.norm(stack_forward(self.fused_stack, x, inputs, kv_cache))
+        types = self.layer_types
         for i in range(self.cfg.num_hidden_layers):
-            x = self.model.layers[i](x, cos_sin, kv_cache[i], meta)
+            cos_sin, layer_meta = inputs[types[i] if types is not None else "full_attention"]
+            x = self.model.layers[i](x, cos_sin, kv_cache[i], layer_meta)
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Small layers shared by model families: RMSNorm and the gated (SwiGLU) MLP."""
+"""Small layers shared by model families: RMSNorm (and Gemma's unit-offset form) and the gated MLP (SwiGLU,
+GeGLU)."""
 
 from __future__ import annotations
 
@@ -33,36 +34,71 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-class GatedMLP(nn.Module):
-    """down(silu(gate(x)) · up(x)): the dense MLP, and DeepSeek's shared experts."""
+class UnitOffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the fp32 normalised x times (1 + weight) in fp32, then cast (HF `Gemma3RMSNorm`; `weight`
+    is stored as HF stores it, zero-centred)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU, tanh approximation (HF's `gelu_pytorch_tanh`)."""
+    return F.gelu(x, approximate="tanh")
+
+
+#: The gate activations of the gated MLP, by HF `hidden_act` name.
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": gelu_tanh}
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) · up(x)): the dense MLP (SwiGLU; GeGLU with `act` "gelu_pytorch_tanh"), and DeepSeek's
+    shared experts."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu") -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.act_name = act
+        self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate = self.gate_proj(x)
-        # on the CPU the silu's ulp must not depend on the row count: row_exact (a GPU's kernels are per element)
-        return self.down_proj((row_exact(F.silu, gate) if gate.device.type == "cpu" else F.silu(gate)) * self.up_proj(x))
+        # on the CPU the activation's ulp must not depend on the row count: row_exact (a GPU's kernels are per element)
+        act = row_exact(self.act, gate) if gate.device.type == "cpu" else self.act(gate)
+        return self.down_proj(act * self.up_proj(x))
 
 
 class PreNormDecoderLayer(nn.Module):
-    """The pre-norm transformer block both families use: x + attn(norm(x)), then h + mlp(norm(h)).
+    """The pre-norm transformer block: x + attn(norm(x)), then h + mlp(norm(h)); with `sandwich` (Gemma 2/3) the
+    attention and MLP outputs are normalised too: h = x + post_attn_norm(attn(norm(x))), h + post_ff_norm(mlp(
+    pre_ff_norm(h))).
 
     `self_attn` takes (x, cos_sin, kv_cache, meta) and writes its KV into the paged cache; parameter names are HF's
-    (`self_attn`, `mlp`, `input_layernorm`, `post_attention_layernorm`).
+    (`self_attn`, `mlp`, `input_layernorm`, `post_attention_layernorm`, and for sandwich norms
+    `pre_feedforward_layernorm`, `post_feedforward_layernorm`: HF Gemma's `post_attention_layernorm` normalises the
+    attention output, where Llama's normalises the MLP input).
     """
 
-    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float) -> None:
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float, sandwich: bool = False,
+                 norm: type[RMSNorm] = RMSNorm) -> None:
         super().__init__()
         self.self_attn = self_attn
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(hidden_size, eps=eps)
-        self.post_attention_layernorm = RMSNorm(hidden_size, eps=eps)
+        self.sandwich = sandwich
+        self.input_layernorm = norm(hidden_size, eps=eps)
+        self.post_attention_layernorm = norm(hidden_size, eps=eps)
+        if sandwich:
+            self.pre_feedforward_layernorm = norm(hidden_size, eps=eps)
+            self.post_feedforward_layernorm = norm(hidden_size, eps=eps)
 
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor, meta) -> torch.Tensor:
         """x: [B, T, hidden] → [B, T, hidden]; writes this layer's KV (kv_cache: [num_slots, kv dim])."""
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))

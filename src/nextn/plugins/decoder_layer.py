@@ -1,5 +1,6 @@
-"""nextn's fused CPU decoder layer (`decoder_layer_cpu.cpp`): a whole Llama / Qwen2 layer of a W4A16 engine in one
-op call, for the decode and verify steps (and prefill: one numerical path for every step).
+"""nextn's fused CPU decoder layer (`decoder_layer_cpu.cpp`): a whole dense-family layer (Llama, Qwen2; Qwen3's q/k
+norms; Gemma 3's sandwich and unit-offset norms, GELU-tanh, sliding-window layers) of a W4A16 engine in one op call,
+for the decode and verify steps (and prefill: one numerical path for every step).
 
 A small model's decode step is dispatch, not arithmetic: the PyTorch path of one layer runs ~50 ops (RMSNorm,
 three projections, RoPE, the cache write, attention, the gated MLP, two residual adds, each a few µs from Python)
@@ -9,9 +10,10 @@ concatenation: no extra memory). `llama_decoder_stack` runs every layer of a mod
 same layer function in a C++ loop), so a small model's step pays the Python and dispatch of one call, not ~30.
 
 `cpu_kernels.ops().llama_decoder_layer(x [B, T, H] bf16, cos_sin [B, T, 2, D/2] f32, kv_cache [slots, 2·NKV·D]
-bf16 (written), slot_mapping [B·T] int64, context_slots [B, S] int64, visible [B, 1, T, S] bool, input_norm [H]
-bf16, post_norm [H] bf16, qkv, o, gate_up, down ([w, scale, zero8(, bias)] each, `woq_linear`'s int4 layout),
-num_heads, num_kv_heads, group_size, eps, scale) → [B, T, H] bf16.`
+bf16 (written), slot_mapping [B·T] int64, context_slots [B, S] int64, visible [B, 1, T, S] bool, norms (input,
+post, [pre_ff, post_ff], [q, k]: bf16 weights or f32 1 + w scales), qkv, o, gate_up, down ([w, scale, zero8(,
+bias)] each, `woq_linear`'s int4 layout), num_heads, num_kv_heads, group_size, eps, scale, int8_activations,
+sandwich, qk_norm, activation) → [B, T, H] bf16.`
 
 Numerics: the layer's PyTorch path (the reference: the same module with `fused = None`) with its bf16 roundings
 (RMSNorm output, projections, RoPE products, attention output, residual adds, silu and its product); only the
@@ -30,19 +32,26 @@ from torch import nn
 from nextn.plugins import cpu_kernels
 
 
+#: The op's activation codes.
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
+
+
 @dataclass(frozen=True)
 class FusedLayerWeights:
-    """One layer's operands for the op: each linear as [w, scale, zero8] (+ [bias]), q/k/v and gate/up concatenated
-    along the output channels (rows)."""
+    """One layer's operands for the op: its norms (input, post, [pre_ff, post_ff], [q, k]: bf16 weights, or f32
+    scales 1 + w for Gemma's unit-offset norms), each linear as [w, scale, zero8] (+ [bias]), q/k/v and gate/up
+    concatenated along the output channels (rows), and the layer options."""
 
-    input_norm: torch.Tensor
-    post_norm: torch.Tensor
+    norms: list[torch.Tensor]
     qkv: list[torch.Tensor]
     o: list[torch.Tensor]
     gate_up: list[torch.Tensor]
     down: list[torch.Tensor]
     group_size: int
     int8_activations: bool = False  # W4A8
+    sandwich: bool = False
+    qk_norm: bool = False
+    activation: int = 0  # ACTIVATIONS
 
 
 def _int4_linears(*linears: nn.Module) -> tuple[int, bool] | None:
@@ -78,29 +87,51 @@ def _one(lin: nn.Module) -> list[torch.Tensor]:
     return [lin.qweight, lin.scales, lin.zeros] + ([lin.bias] if lin.bias is not None else [])
 
 
+def _norm_operands(layer: nn.Module) -> list[torch.Tensor] | None:
+    """The layer's norms in the op's order — input, post, [pre_ff, post_ff], [q, k] — as bf16 weights (Llama's
+    RMSNorm), or as f32 scales 1 + w (Gemma's `UnitOffsetRMSNorm`, the product the module computes); None for other
+    dtypes or a mix of the two kinds."""
+    from nextn.models.layers import RMSNorm, UnitOffsetRMSNorm
+
+    mods = [layer.input_layernorm, layer.post_attention_layernorm]
+    if getattr(layer, "sandwich", False):
+        mods += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
+    if getattr(layer.self_attn, "qk_norm", False):
+        mods += [layer.self_attn.q_norm, layer.self_attn.k_norm]
+    kinds = {type(m) for m in mods}
+    if kinds == {UnitOffsetRMSNorm}:
+        return [(1.0 + m.weight.detach().float()).contiguous() for m in mods]
+    if kinds == {RMSNorm} and all(m.weight.dtype == torch.bfloat16 for m in mods):
+        return [m.weight.detach().contiguous() for m in mods]
+    return None
+
+
 def fuse_layer(layer: nn.Module) -> FusedLayerWeights | None:
     """The op's operands for a `LlamaDecoderLayer`, or None where the op does not apply: not every projection a
     W4A16 linear on nextn's kernel with one group size, q/k/v biases on some but not all, attention not on nextn's
-    paged kernel, norms not bf16, or shapes the op does not take (hidden / intermediate % 64, head_dim % 32)."""
+    paged kernel, norms not bf16 (or Gemma's, any dtype), an activation the op lacks, or shapes the op does not take
+    (hidden / intermediate % 64, head_dim % 32)."""
     attn, mlp = layer.self_attn, layer.mlp
     qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
     kind = _int4_linears(*qkv, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
     if kind is None or not attn.paged_attention_kernel or len({lin.bias is None for lin in qkv}) != 1:
         return None
-    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+    norms = _norm_operands(layer)
     hidden, inter = attn.o_proj.out_features, mlp.gate_proj.out_features
-    if (any(n.dtype != torch.bfloat16 for n in norms) or hidden % 64 or inter % 64 or attn.head_dim % 32
+    activation = ACTIVATIONS.get(getattr(mlp, "act_name", "silu"))
+    if (norms is None or activation is None or hidden % 64 or inter % 64 or attn.head_dim % 32
             or attn.head_dim > 256):
         return None
-    return FusedLayerWeights(norms[0].detach().contiguous(), norms[1].detach().contiguous(), _concat_rows(qkv),
-                             _one(attn.o_proj), _concat_rows([mlp.gate_proj, mlp.up_proj]), _one(mlp.down_proj),
-                             *kind)
+    return FusedLayerWeights(norms, _concat_rows(qkv), _one(attn.o_proj), _concat_rows([mlp.gate_proj, mlp.up_proj]),
+                             _one(mlp.down_proj), *kind, sandwich=getattr(layer, "sandwich", False),
+                             qk_norm=getattr(attn, "qk_norm", False), activation=activation)
 
 
 @dataclass(frozen=True)
 class FusedStack:
     """Every decoder layer's operands for `llama_decoder_stack` (all the layers in one op call), layer after layer:
-    `norms` 2 a layer, each linear kind `arity` tensors a layer."""
+    `norms` 2 a layer (4 with sandwich norms, + 2 with q/k norms), each linear kind `arity` tensors a layer; the
+    layer options, and which layers are sliding-window ones (`sliding`, empty when none)."""
 
     norms: list[torch.Tensor]
     qkv: list[torch.Tensor]
@@ -114,11 +145,16 @@ class FusedStack:
     eps: float
     scale: float
     int8_activations: bool
+    sandwich: bool = False
+    qk_norm: bool = False
+    activation: int = 0
+    sliding: list[int] = ()
 
 
-def fuse_stack(layers: list[nn.Module]) -> FusedStack | None:
-    """`FusedStack` of `layers` (each with its `fused` operands set), or None unless every layer takes the op with
-    the same group size, activations, biases, heads, eps and softmax scale (then the op calls run one by one)."""
+def fuse_stack(layers: list[nn.Module], layer_types: tuple[str, ...] | None = None) -> FusedStack | None:
+    """`FusedStack` of `layers` (each with its `fused` operands set; `layer_types` the model's, None: all full
+    attention), or None unless every layer takes the op with the same group size, activations, biases, heads, eps,
+    softmax scale and options (then the op calls run one by one)."""
     if not layers or any(getattr(layer, "fused", None) is None for layer in layers):
         return None
     fs: list[FusedLayerWeights] = [layer.fused for layer in layers]
@@ -126,15 +162,17 @@ def fuse_stack(layers: list[nn.Module]) -> FusedStack | None:
     def shape(layer: nn.Module, f: FusedLayerWeights) -> tuple:
         attn = layer.self_attn
         return (f.group_size, f.int8_activations, len(f.qkv), len(f.o), len(f.gate_up), len(f.down), attn.num_heads,
-                attn.num_kv_heads, float(layer.input_layernorm.eps), float(attn.scale))
+                attn.num_kv_heads, float(layer.input_layernorm.eps), float(attn.scale), f.sandwich, f.qk_norm,
+                f.activation, f.norms[0].dtype)
 
     shapes = {shape(layer, f) for layer, f in zip(layers, fs)}
     if len(shapes) != 1:
         return None
-    group, int8, *arity, heads, kv_heads, eps, scale = shapes.pop()
-    return FusedStack([n for f in fs for n in (f.input_norm, f.post_norm)], [t for f in fs for t in f.qkv],
+    group, int8, *arity, heads, kv_heads, eps, scale, sandwich, qk_norm, activation, _ = shapes.pop()
+    sliding = [int(t == "sliding_attention") for t in layer_types] if layer_types else []
+    return FusedStack([n for f in fs for n in f.norms], [t for f in fs for t in f.qkv],
                       [t for f in fs for t in f.o], [t for f in fs for t in f.gate_up], [t for f in fs for t in f.down],
-                      list(arity), heads, kv_heads, group, eps, scale, int8)
+                      list(arity), heads, kv_heads, group, eps, scale, int8, sandwich, qk_norm, activation, sliding)
 
 
 def install_fused_layers(model: nn.Module) -> int:
@@ -154,7 +192,8 @@ def install_fused_layers(model: nn.Module) -> int:
             module.fused = fuse_layer(module)
             count += module.fused is not None
     if hasattr(model, "fused_stack"):
-        model.fused_stack = fuse_stack(list(model.model.layers)[:model.cfg.num_hidden_layers])
+        model.fused_stack = fuse_stack(list(model.model.layers)[:model.cfg.num_hidden_layers],
+                                       getattr(model, "layer_types", None))
     return count
 
 
@@ -164,16 +203,20 @@ def fused_forward(layer: nn.Module, x: torch.Tensor, cos_sin: torch.Tensor, kv_c
     f: FusedLayerWeights = layer.fused
     attn = layer.self_attn
     return cpu_kernels.ops().llama_decoder_layer(
-        x, cos_sin, kv_cache, meta.slot_mapping.reshape(-1), meta.context_slots, meta.visible, f.input_norm,
-        f.post_norm, f.qkv, f.o, f.gate_up, f.down, attn.num_heads, attn.num_kv_heads, f.group_size,
-        layer.input_layernorm.eps, attn.scale, f.int8_activations)
+        x, cos_sin, kv_cache, meta.slot_mapping.reshape(-1), meta.context_slots, meta.visible, f.norms, f.qkv, f.o,
+        f.gate_up, f.down, attn.num_heads, attn.num_kv_heads, f.group_size, layer.input_layernorm.eps, attn.scale,
+        f.int8_activations, f.sandwich, f.qk_norm, f.activation)
 
 
-def stack_forward(stack: FusedStack, x: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
-                  meta) -> torch.Tensor:
-    """All the decoder layers of `stack` in one op call: x [B, T, H] bf16 → [B, T, H] bf16; kv_cache: the model's
-    whole cache [layers, slots, kv dim] (layer i writes kv_cache[i])."""
+def stack_forward(stack: FusedStack, x: torch.Tensor, inputs: dict, kv_cache: torch.Tensor) -> torch.Tensor:
+    """All the decoder layers of `stack` in one op call: x [B, T, H] bf16 → [B, T, H] bf16; inputs: the model's
+    `attention_inputs` ((cos_sin, metadata) by layer type); kv_cache: the model's whole cache [layers, slots, kv dim]
+    (layer i writes kv_cache[i])."""
+    cos_sin, meta = inputs["full_attention"]
+    local_cs, local_meta = inputs.get("sliding_attention", (None, None))
     return cpu_kernels.ops().llama_decoder_stack(
         x, cos_sin, kv_cache, meta.slot_mapping.reshape(-1), meta.context_slots, meta.visible, stack.norms, stack.qkv,
         stack.o, stack.gate_up, stack.down, stack.arity, stack.num_heads, stack.num_kv_heads, stack.group_size,
-        stack.eps, stack.scale, stack.int8_activations)
+        stack.eps, stack.scale, stack.int8_activations, stack.sandwich, stack.qk_norm, stack.activation,
+        local_cs.contiguous() if local_cs is not None else None,
+        local_meta.visible if local_meta is not None else None, list(stack.sliding))

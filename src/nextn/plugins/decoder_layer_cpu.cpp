@@ -1,13 +1,17 @@
-// A whole Llama / Qwen2 decoder layer in one op, for W4A16 engines on the CPU (nextn plugin; Python side and the
-// reference: decoder_layer.py).
+// A whole dense decoder layer (Llama, Qwen2, Qwen3, Gemma 3) in one op, for W4A16 engines on the CPU (nextn plugin;
+// Python side and the reference: decoder_layer.py).
 //
 //   nextn::llama_decoder_layer(x [B, T, H] bf16, cos_sin [B, T, 2, D/2] f32, kv_cache [slots, 2 * NKV * D] bf16
 //       (written in place), slot_mapping [B * T] int64, context_slots [B, S] int64, visible [B, 1, T, S] bool,
-//       input_norm [H] bf16, post_norm [H] bf16, qkv, o, gate_up, down (each [w, scale, zero] or
-//       [w, scale, zero, bias]: the int4 weights of woq_linear_cpu.cpp, one- or two-level scales), num_heads,
-//       num_kv_heads, group_size, eps, scale) -> [B, T, H] bf16
+//       norms (input [H], post [H], then with `sandwich` pre_ff [H], post_ff [H], then with `qk_norm` q [D], k [D]:
+//       all bf16 (Llama's w * bf16(x_hat)) or all f32 (Gemma's bf16(x_hat * s), s = 1 + w)), qkv, o, gate_up, down
+//       (each [w, scale, zero] or [w, scale, zero, bias]: the int4 weights of woq_linear_cpu.cpp, one- or two-level
+//       scales), num_heads, num_kv_heads, group_size, eps, scale, int8_activations, sandwich, qk_norm, activation
+//       (0 SiLU, 1 GELU-tanh)) -> [B, T, H] bf16
 //   nextn::llama_decoder_stack(x, cos_sin, kv_cache [layers, slots, 2 * NKV * D], ..., norms, qkv, o, gate_up, down
-//       (every layer's operands, layer after layer), arity, ...) -> [B, T, H] bf16: all the layers in one call
+//       (every layer's operands, layer after layer), arity, ..., cos_sin_local, visible_local, sliding (per layer:
+//       1 = a sliding-window layer, which takes the _local rope rows and mask)) -> [B, T, H] bf16: all the layers
+//       in one call
 //
 // It computes what the layer's PyTorch modules compute (models/llama/model.py, models/layers.py) with the same
 // bf16 roundings, in the same order:
@@ -17,6 +21,9 @@
 //   cache[slot] = [k, v]; o = bf16(attention(q, cache))             paged_attention_cpu.cpp
 //   x1 = bf16(x + bf16(o Wo^T + bo))
 //   g, u = bf16(h2 Wgu^T), h2 = RMSNorm(x1);  x2 = bf16(x1 + bf16(bf16(bf16(silu(g)) * u) Wdown^T))
+// Layer options: q_norm / k_norm RMSNorm each head of q and k before RoPE; sandwich norms normalise the attention
+// output (post) and the MLP's input (pre_ff) and output (post_ff) — x1 = bf16(x + post(bf16(o Wo^T))), x2 = bf16(x1 +
+// post_ff(bf16(... Wdown^T))); GELU-tanh replaces SiLU.
 // Only the RMSNorm sums and silu's exp are computed in another order than PyTorch's (a last-bit difference in
 // rare elements); every row is computed alone, so the op is batch-invariant like the kernels it calls.
 //
@@ -30,6 +37,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -53,6 +61,44 @@ inline void rms_norm(const uint16_t* x, const uint16_t* w, int64_t H, float eps,
   for (int64_t i = 0; i < H; i += 16) store_bf16(out + i, load_bf16(w + i) * round_bf16(load_bf16(x + i) * inv));
 }
 
+// out = bf16(x * rsqrt(mean(x^2) + eps) * s), s f32 (Gemma's RMSNorm: s = 1 + w computed in f32), x bf16 or f32
+template <typename Load>
+inline void rms_norm_f32w(Load&& load, const float* s, int64_t n, float eps, uint16_t* out) {
+  V16 ss = simd::zero();
+  for (int64_t i = 0; i < n; i += 16) {
+    const V16 v = load(i);
+    ss = simd::fmadd(v, v, ss);
+  }
+  const V16 inv = simd::set1(1.f / std::sqrt(simd::reduce_add(ss) / float(n) + eps));
+  for (int64_t i = 0; i < n; i += 16) store_bf16(out + i, (load(i) * inv) * simd::load(s + i));
+}
+
+// A norm's weights: bf16 (Llama: w * bf16(x_hat)) or f32 (Gemma: bf16(x_hat * s)); one row of n (n % 16 == 0) from
+// bf16 or f32 values (already bf16-rounded) to bf16
+struct Norm {
+  const void* w = nullptr;
+  bool f32 = false;
+  void apply(const uint16_t* x, int64_t n, float eps, uint16_t* out) const {
+    if (f32) return rms_norm_f32w([&](int64_t i) { return load_bf16(x + i); }, static_cast<const float*>(w), n, eps, out);
+    rms_norm(x, static_cast<const uint16_t*>(w), n, eps, out);
+  }
+  void apply(const float* x, int64_t n, float eps, uint16_t* out) const {
+    if (f32) return rms_norm_f32w([&](int64_t i) { return simd::load(x + i); }, static_cast<const float*>(w), n, eps, out);
+    V16 ss = simd::zero();
+    for (int64_t i = 0; i < n; i += 16) ss = simd::fmadd(simd::load(x + i), simd::load(x + i), ss);
+    const V16 inv = simd::set1(1.f / std::sqrt(simd::reduce_add(ss) / float(n) + eps));
+    const uint16_t* wb = static_cast<const uint16_t*>(w);
+    for (int64_t i = 0; i < n; i += 16) store_bf16(out + i, load_bf16(wb + i) * round_bf16(simd::load(x + i) * inv));
+  }
+};
+
+// GELU, tanh form: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), tanh(y) = 1 - 2 / (exp(2y) + 1)
+inline V16 gelu_tanh(const V16& x) {
+  const V16 y = simd::set1(0.7978845608028654f) * (x + simd::set1(0.044715f) * x * x * x);
+  const V16 t = simd::set1(1.f) - simd::set1(2.f) / (simd::exp(y + y) + simd::set1(1.f));
+  return simd::set1(0.5f) * x * (simd::set1(1.f) + t);
+}
+
 // One head of D values (f32, already rounded to bf16) rotated in HF's rotate-half layout -> bf16:
 // [x1 c - x2 s, x2 c + x1 s] with c, s rounded to bf16 and every product and sum rounded (PyTorch's bf16 ops).
 inline void rope_head(const float* x, const float* cs, int64_t D, uint16_t* out) {
@@ -63,6 +109,11 @@ inline void rope_head(const float* x, const float* cs, int64_t D, uint16_t* out)
     store_bf16(out + i, round_bf16(x1 * c) - round_bf16(x2 * s));
     store_bf16(out + half + i, round_bf16(x2 * c) + round_bf16(x1 * s));
   }
+}
+
+// x[i] = bf16(x[i]) in place, n % 16 == 0
+inline void round_row(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) simd::store(x + i, round_bf16(simd::load(x + i)));
 }
 
 // out[i] = bf16(a[i] + bf16(b[i])): a residual add (a bf16, b the f32 matmul output)
@@ -111,10 +162,10 @@ void for_rows(int64_t M, F&& f) {
 
 at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& cos_sin, at::Tensor& kv_cache,
                                const at::Tensor& slot_mapping, const at::Tensor& context_slots,
-                               const at::Tensor& visible, const at::Tensor& input_norm, const at::Tensor& post_norm,
-                               at::TensorList qkv_t, at::TensorList o_t, at::TensorList gate_up_t,
-                               at::TensorList down_t, int64_t num_heads, int64_t num_kv_heads, int64_t group_size,
-                               double eps, double scale, bool int8_activations) {
+                               const at::Tensor& visible, at::TensorList norms, at::TensorList qkv_t,
+                               at::TensorList o_t, at::TensorList gate_up_t, at::TensorList down_t, int64_t num_heads,
+                               int64_t num_kv_heads, int64_t group_size, double eps, double scale,
+                               bool int8_activations, bool sandwich, bool qk_norm, int64_t activation) {
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
               "llama_decoder_layer: x must be a [B, T, H] bfloat16 CPU tensor");
   const int64_t B = x.size(0), T = x.size(1), H = x.size(2), M = B * T;
@@ -135,9 +186,17 @@ at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& cos_sin, a
   const int64_t S = context_slots.size(1);
   TORCH_CHECK(visible.scalar_type() == at::kBool && visible.numel() == B * T * S,
               "llama_decoder_layer: visible must be [B, 1, T, S] bool");
-  for (const at::Tensor* n : {&input_norm, &post_norm})
-    TORCH_CHECK(n->scalar_type() == at::kBFloat16 && n->is_contiguous() && n->numel() == H,
-                "llama_decoder_layer: the norm weights must be contiguous bfloat16 [", H, "]");
+  const size_t num_norms = 2 + 2 * sandwich + 2 * qk_norm;
+  TORCH_CHECK(norms.size() == num_norms, "llama_decoder_layer: norms must hold ", num_norms,
+              " tensors (input, post", sandwich ? ", pre_ff, post_ff" : "", qk_norm ? ", q, k" : "", ")");
+  const bool f32_norms = norms[0].scalar_type() == at::kFloat;
+  for (size_t j = 0; j < num_norms; ++j) {
+    const int64_t n = qk_norm && j >= num_norms - 2 ? D : H;
+    TORCH_CHECK(norms[j].scalar_type() == (f32_norms ? at::kFloat : at::kBFloat16) && norms[j].is_contiguous() &&
+                    norms[j].numel() == n,
+                "llama_decoder_layer: norm ", j, " must be contiguous [", n, "], all bfloat16 or all float32");
+  }
+  TORCH_CHECK(activation == 0 || activation == 1, "llama_decoder_layer: activation must be 0 (SiLU) or 1 (GELU-tanh)");
   TORCH_CHECK(group_size % 32 == 0 && group_size > 0, "llama_decoder_layer: group_size must be a multiple of 32");
   TORCH_CHECK(gate_up_t.size() >= 1 && gate_up_t[0].dim() == 2 && gate_up_t[0].size(0) % 2 == 0,
               "llama_decoder_layer: gate_up must hold the gate then the up rows");
@@ -149,6 +208,10 @@ at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& cos_sin, a
   const Int4 o = int4_weights(o_t, NH * D, H, group_size, int8_activations, "o");
   const Int4 gate_up = int4_weights(gate_up_t, H, 2 * I, group_size, int8_activations, "gate_up");
   const Int4 down = int4_weights(down_t, I, H, group_size, int8_activations, "down");
+  auto norm = [&](size_t j) { return Norm{norms[j].data_ptr(), f32_norms}; };
+  const Norm input_norm = norm(0), post_norm = norm(1);
+  const Norm pre_ff = sandwich ? norm(2) : Norm{}, post_ff = sandwich ? norm(3) : Norm{};
+  const Norm q_norm = qk_norm ? norm(num_norms - 2) : Norm{}, k_norm = qk_norm ? norm(num_norms - 1) : Norm{};
 
   const at::Tensor xc = x.contiguous(), cs = cos_sin.contiguous(), slots = slot_mapping.contiguous();
   const at::Tensor ctx = context_slots.contiguous(), vis = visible.contiguous();
@@ -159,17 +222,25 @@ at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& cos_sin, a
   for (int64_t m = 0; m < M; ++m)
     TORCH_CHECK(slot[m] >= 0 && slot[m] < num_slots, "llama_decoder_layer: slot ", slot[m], " out of range");
 
-  std::vector<uint16_t> h(M * std::max(H, I)), q(M * NH * D), x1(M * H);
+  std::vector<uint16_t> h(M * std::max(H, I)), q(M * NH * D), x1(M * H), tmp(sandwich ? M * H : 0);
   std::vector<float> f(M * std::max(NQKV, 2 * I));
   at::Tensor out = at::empty_like(xc);
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
 
   // attention
-  for_rows(M, [&](int64_t m) { rms_norm(xp + m * H, bf16_ptr(input_norm), H, float(eps), h.data() + m * H); });
+  for_rows(M, [&](int64_t m) { input_norm.apply(xp + m * H, H, float(eps), h.data() + m * H); });
   matmul(qkv, h.data(), M, group_size, f.data());
   for_rows(M, [&](int64_t m) {
     float* row = f.data() + m * NQKV;
-    for (int64_t i = 0; i < NQKV; i += 16) simd::store(row + i, round_bf16(simd::load(row + i)));
+    round_row(row, NQKV);
+    if (qk_norm) {  // each head of q and k normalised in place (bf16 values held as f32), before RoPE
+      uint16_t head[nextn_cpu::kMaxD];
+      for (int64_t hd = 0; hd < NH + NKV; ++hd) {
+        float* v = row + hd * D;
+        (hd < NH ? q_norm : k_norm).apply(v, D, float(eps), head);
+        for (int64_t i = 0; i < D; i += 16) simd::store(v + i, load_bf16(head + i));
+      }
+    }
     const float* c = cs.data_ptr<float>() + m * D;  // [cos (D/2), sin (D/2)]
     uint16_t* kv = cache + slot[m] * kv_row;
     for (int64_t hd = 0; hd < NH; ++hd) rope_head(row + hd * D, c, D, q.data() + m * NH * D + hd * D);
@@ -184,8 +255,16 @@ at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& cos_sin, a
   });
   matmul(o, q.data(), M, group_size, f.data());
   for_rows(M, [&](int64_t m) {
-    residual_add(xp + m * H, f.data() + m * H, H, x1.data() + m * H);
-    rms_norm(x1.data() + m * H, bf16_ptr(post_norm), H, float(eps), h.data() + m * H);
+    if (sandwich) {  // x1 = bf16(x + post(bf16(attention output))); h = pre_ff(x1)
+      round_row(f.data() + m * H, H);  // the projection's bf16 output, as the modules see it
+      post_norm.apply(f.data() + m * H, H, float(eps), tmp.data() + m * H);
+      for (int64_t i = 0; i < H; i += 16)
+        store_bf16(x1.data() + m * H + i, load_bf16(xp + m * H + i) + load_bf16(tmp.data() + m * H + i));
+      pre_ff.apply(x1.data() + m * H, H, float(eps), h.data() + m * H);
+    } else {
+      residual_add(xp + m * H, f.data() + m * H, H, x1.data() + m * H);
+      post_norm.apply(x1.data() + m * H, H, float(eps), h.data() + m * H);
+    }
   });
 
   // MLP
@@ -194,28 +273,43 @@ at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& cos_sin, a
     const float* g = f.data() + m * 2 * I;
     for (int64_t i = 0; i < I; i += 16) {
       const V16 gv = round_bf16(simd::load(g + i)), uv = round_bf16(simd::load(g + I + i));
-      const V16 a = round_bf16(gv / (simd::set1(1.f) + simd::exp(simd::zero() - gv)));
+      const V16 a = round_bf16(activation == 1 ? gelu_tanh(gv)
+                                               : gv / (simd::set1(1.f) + simd::exp(simd::zero() - gv)));
       store_bf16(h.data() + m * I + i, a * uv);
     }
   });
   matmul(down, h.data(), M, group_size, f.data());
-  for_rows(M, [&](int64_t m) { residual_add(x1.data() + m * H, f.data() + m * H, H, op + m * H); });
+  for_rows(M, [&](int64_t m) {
+    if (sandwich) {  // x2 = bf16(x1 + post_ff(bf16(MLP output)))
+      round_row(f.data() + m * H, H);
+      post_ff.apply(f.data() + m * H, H, float(eps), tmp.data() + m * H);
+      for (int64_t i = 0; i < H; i += 16)
+        store_bf16(op + m * H + i, load_bf16(x1.data() + m * H + i) + load_bf16(tmp.data() + m * H + i));
+    } else {
+      residual_add(x1.data() + m * H, f.data() + m * H, H, op + m * H);
+    }
+  });
   return out;
 }
 
 // The decoder layers of a model, one after another, in one call: layer i reads kv_cache[i] and the i-th slice of
-// each operand list (norms: 2 a layer, input then post; qkv, o, gate_up, down: arity[0..3] tensors a layer, as
-// llama_decoder_layer takes them). What the layers compute is llama_decoder_layer's, call for call; the call saves
-// a small model's decode step the Python and dispatcher work around 30 op calls (~15-20 us a layer on this CPU).
+// each operand list (norms: `norms.size() / layers` a layer, in llama_decoder_layer's order; qkv, o, gate_up, down:
+// arity[0..3] tensors a layer), and a sliding layer (sliding[i] = 1) the _local rope rows and mask. What the layers
+// compute is llama_decoder_layer's, call for call; the call saves a small model's decode step the Python and
+// dispatcher work around 30 op calls (~15-20 us a layer on this CPU).
 at::Tensor llama_decoder_stack(const at::Tensor& x, const at::Tensor& cos_sin, at::Tensor& kv_cache,
                                const at::Tensor& slot_mapping, const at::Tensor& context_slots,
                                const at::Tensor& visible, at::TensorList norms, at::TensorList qkv, at::TensorList o,
                                at::TensorList gate_up, at::TensorList down, at::IntArrayRef arity, int64_t num_heads,
                                int64_t num_kv_heads, int64_t group_size, double eps, double scale,
-                               bool int8_activations) {
+                               bool int8_activations, bool sandwich, bool qk_norm, int64_t activation,
+                               const std::optional<at::Tensor>& cos_sin_local,
+                               const std::optional<at::Tensor>& visible_local, at::IntArrayRef sliding) {
   TORCH_CHECK(arity.size() == 4, "llama_decoder_stack: arity must give the tensors a layer of qkv, o, gate_up, down");
-  TORCH_CHECK(norms.size() % 2 == 0 && !norms.empty(), "llama_decoder_stack: norms must hold 2 tensors a layer");
-  const int64_t L = static_cast<int64_t>(norms.size()) / 2;
+  const int64_t per = 2 + 2 * sandwich + 2 * qk_norm;
+  TORCH_CHECK(norms.size() % per == 0 && !norms.empty(), "llama_decoder_stack: norms must hold ", per,
+              " tensors a layer");
+  const int64_t L = static_cast<int64_t>(norms.size()) / per;
   const at::TensorList lists[4] = {qkv, o, gate_up, down};
   for (int j = 0; j < 4; ++j)
     TORCH_CHECK(arity[j] >= 3 && arity[j] <= 4 && static_cast<int64_t>(lists[j].size()) == L * arity[j],
@@ -223,13 +317,17 @@ at::Tensor llama_decoder_stack(const at::Tensor& x, const at::Tensor& cos_sin, a
                 lists[j].size(), " for arity ", arity[j]);
   TORCH_CHECK(kv_cache.dim() == 3 && kv_cache.size(0) >= L,
               "llama_decoder_stack: kv_cache must be [layers >= ", L, ", slots, kv dim]");
+  TORCH_CHECK(sliding.empty() || (static_cast<int64_t>(sliding.size()) == L && cos_sin_local && visible_local),
+              "llama_decoder_stack: sliding must be empty or one flag a layer, with cos_sin_local and visible_local");
   at::Tensor h = x;
   for (int64_t i = 0; i < L; ++i) {
     at::Tensor cache = kv_cache.select(0, i);
-    h = llama_decoder_layer(h, cos_sin, cache, slot_mapping, context_slots, visible, norms[2 * i], norms[2 * i + 1],
+    const bool local = !sliding.empty() && sliding[i];
+    h = llama_decoder_layer(h, local ? *cos_sin_local : cos_sin, cache, slot_mapping, context_slots,
+                            local ? *visible_local : visible, norms.slice(i * per, per),
                             qkv.slice(i * arity[0], arity[0]), o.slice(i * arity[1], arity[1]),
                             gate_up.slice(i * arity[2], arity[2]), down.slice(i * arity[3], arity[3]), num_heads,
-                            num_kv_heads, group_size, eps, scale, int8_activations);
+                            num_kv_heads, group_size, eps, scale, int8_activations, sandwich, qk_norm, activation);
   }
   return h;
 }
@@ -238,13 +336,15 @@ at::Tensor llama_decoder_stack(const at::Tensor& x, const at::Tensor& cos_sin, a
 
 TORCH_LIBRARY_FRAGMENT(NEXTN_OPS, m) {
   m.def("llama_decoder_layer(Tensor x, Tensor cos_sin, Tensor(a!) kv_cache, Tensor slot_mapping, "
-        "Tensor context_slots, Tensor visible, Tensor input_norm, Tensor post_norm, Tensor[] qkv, Tensor[] o, "
+        "Tensor context_slots, Tensor visible, Tensor[] norms, Tensor[] qkv, Tensor[] o, "
         "Tensor[] gate_up, Tensor[] down, int num_heads, int num_kv_heads, int group_size, float eps, "
-        "float scale, bool int8_activations=False) -> Tensor");
+        "float scale, bool int8_activations=False, bool sandwich=False, bool qk_norm=False, "
+        "int activation=0) -> Tensor");
   m.def("llama_decoder_stack(Tensor x, Tensor cos_sin, Tensor(a!) kv_cache, Tensor slot_mapping, "
         "Tensor context_slots, Tensor visible, Tensor[] norms, Tensor[] qkv, Tensor[] o, Tensor[] gate_up, "
         "Tensor[] down, int[] arity, int num_heads, int num_kv_heads, int group_size, float eps, float scale, "
-        "bool int8_activations=False) -> Tensor");
+        "bool int8_activations=False, bool sandwich=False, bool qk_norm=False, int activation=0, "
+        "Tensor? cos_sin_local=None, Tensor? visible_local=None, int[] sliding=[]) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(NEXTN_OPS, CPU, m) {

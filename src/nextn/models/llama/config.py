@@ -1,9 +1,9 @@
-"""The normalised Llama-family configuration, read from an HF `config.json` (either rope spelling) or a GGUF.
+"""The normalised dense-decoder configuration, read from an HF `config.json` (either rope spelling) or a GGUF.
 
-The family covers Llama (`LlamaForCausalLM`) and Qwen2 (`Qwen2ForCausalLM`: a Llama with biases on q/k/v only, as
-HF `Qwen2Attention` has them; its own rope theta and vocabulary come from the config): one model with options
-(`attention_bias`, `qkv_bias`, `tie_word_embeddings`), not a copy. Qwen2's sliding-window attention is refused
-(`use_sliding_window: true`; Qwen2.5 releases leave it off).
+One config covers Llama (`LlamaForCausalLM`), Qwen2 (q/k/v biases), Qwen3 (q/k norms) and Gemma 3 text (sandwich
+norms, GELU-tanh, scaled embeddings, sliding-window layers): one model with layer options, not a copy per family
+(`families.py` sets them per architecture). Qwen2/Qwen3 sliding-window attention is refused (`use_sliding_window:
+true`; their releases leave it off).
 
 Two spellings of the rotary settings occur and both load:
 - older `transformers` / Meta releases: `rope_theta` + `rope_scaling: {rope_type: llama3, factor, ...}` (or null);
@@ -20,8 +20,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from nextn.models.config import ConfigError, Layers, MtpLayers, Size
 
-#: HF architecture → model_type of the checkpoints this family reads.
-LLAMA_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+#: HF architecture → model_type of the checkpoints this family reads (each one's layer options: `families.py`).
+LLAMA_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                       "Gemma3ForCausalLM": "gemma3_text"}
+#: What a layer attends to: every earlier key, or the last `sliding_window` keys (HF `layer_types` values).
+LayerType = Literal["full_attention", "sliding_attention"]
 
 
 class Llama3RopeScaling(BaseModel):
@@ -42,12 +45,26 @@ class Llama3RopeScaling(BaseModel):
         return self
 
 
-class LlamaModelConfig(BaseModel):
-    """Llama-family hyper-parameters (HF `LlamaConfig` field names; Qwen2 sets `qkv_bias`)."""
+class LinearRopeScaling(BaseModel):
+    """Position interpolation: every inverse frequency divided by `factor` (HF `_compute_linear_scaling_rope_parameters`;
+    Gemma 3's full-attention layers from 4B up: 8)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
-    architecture: Literal["LlamaForCausalLM", "Qwen2ForCausalLM"] = "LlamaForCausalLM"
+    rope_type: Literal["linear"] = "linear"
+    factor: float = Field(gt=0)
+
+
+class LlamaModelConfig(BaseModel):
+    """Dense decoder hyper-parameters (HF field names where HF has one) with the layer options that tell the families
+    apart (`families.py` sets them per architecture): Qwen2 sets `qkv_bias`; Qwen3 `qk_norm`; Gemma 3 `qk_norm`,
+    `norm_unit_offset`, `sandwich_norm`, `embedding_multiplier`, GELU-tanh, `query_pre_attn_scalar`, sliding-window
+    layers with their own rope base (`rope_local_theta`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    architecture: Literal["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                          "Gemma3ForCausalLM"] = "LlamaForCausalLM"
     vocab_size: Size
     hidden_size: Size
     intermediate_size: Size  # SwiGLU width
@@ -57,7 +74,7 @@ class LlamaModelConfig(BaseModel):
     head_dim: Size  # per-head width; HF's default is hidden_size // num_attention_heads
     rms_norm_eps: float = Field(default=1e-6, gt=0)
     rope_theta: float = Field(default=10000.0, gt=0)  # RoPE base
-    rope_scaling: Llama3RopeScaling | None = None  # null: plain RoPE
+    rope_scaling: Llama3RopeScaling | LinearRopeScaling | None = Field(default=None, discriminator="rope_type")
     #: per-frequency divisors of RoPE's inverse frequencies [head_dim // 2], as a GGUF carries Llama-3 scaling
     #: (llama.cpp's `rope_freqs` tensor, which convert_hf_to_gguf.py computes from `rope_scaling`); None: none
     rope_freq_factors: tuple[float, ...] | None = None
@@ -66,7 +83,18 @@ class LlamaModelConfig(BaseModel):
     attention_bias: bool = False  # q/k/v/o projections carry biases (HF LlamaConfig)
     qkv_bias: bool = False  # q/k/v (not o) projections carry biases (Qwen2; implied by attention_bias)
     mlp_bias: Literal[False] = False  # biased MLPs are not supported (no released Llama uses them)
-    hidden_act: Literal["silu"] = "silu"
+    hidden_act: Literal["silu", "gelu_pytorch_tanh"] = "silu"  # the gate's activation (Gemma: GELU, tanh form)
+    # Layer options ------------------------------------------------------------------------------
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (`q_norm`, `k_norm`: Qwen3, Gemma 3)
+    norm_unit_offset: bool = False  # every RMSNorm scales by (1 + weight), in fp32 (Gemma's `Gemma3RMSNorm`)
+    #: Gemma 2/3's four norms a layer: `post_attention_layernorm` normalises the attention output before its residual
+    #: add, `pre_feedforward_layernorm` / `post_feedforward_layernorm` wrap the MLP (Llama: two pre-norms)
+    sandwich_norm: bool = False
+    embedding_multiplier: float | None = Field(default=None, gt=0)  # embeddings × this (Gemma: √hidden_size)
+    query_pre_attn_scalar: float | None = Field(default=None, gt=0)  # softmax scale 1/√this (default: head_dim)
+    sliding_window: Size | None = None  # keys a `sliding_attention` layer sees: the query's and the window − 1 before
+    layer_types: tuple[LayerType, ...] | None = None  # per decoder layer; None: every layer full_attention
+    rope_local_theta: float | None = Field(default=None, gt=0)  # RoPE base of sliding layers (None: rope_theta)
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     torch_dtype: str = "float32"  # dtype the checkpoint was saved in
@@ -98,6 +126,12 @@ class LlamaModelConfig(BaseModel):
                                  f"{len(factors)}")
             if self.rope_scaling is not None:
                 raise ValueError("rope_freq_factors and rope_scaling are two spellings of one scaling: give one")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(f"layer_types lists {len(self.layer_types)} layers; num_hidden_layers is "
+                                 f"{self.num_hidden_layers}")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
         return self
 
     # Derived sizes -------------------------------------------------------------------------------
@@ -113,7 +147,11 @@ class LlamaModelConfig(BaseModel):
 
     @property
     def softmax_scale(self) -> float:
-        return self.head_dim**-0.5
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        return "sliding_attention" in (self.layer_types or ())
 
     # Loading -------------------------------------------------------------------------------------
     @classmethod
@@ -130,37 +168,20 @@ class LlamaModelConfig(BaseModel):
         if arch not in LLAMA_ARCHITECTURES:
             raise ConfigError(f"unsupported architecture {arch or hf.get('model_type')!r}: the Llama family reads "
                               + ", ".join(f"{a} (model_type {t!r})" for a, t in LLAMA_ARCHITECTURES.items()))
-        if hf.get("use_sliding_window"):
-            raise ConfigError(f"{arch} with use_sliding_window: true is not supported (sliding-window attention)")
-        skip = ("architecture", "rope_theta", "rope_scaling", "torch_dtype", "qkv_bias")
+        from nextn.models.llama.families import family_options
+
+        options = family_options(arch, hf)
+        skip = ("architecture", "torch_dtype", *options)
         fields: dict[str, Any] = {k: hf[k] for k in cls.model_fields if k not in skip and hf.get(k) is not None}
+        fields.update({k: v for k, v in options.items() if v is not None})
         required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
         missing = [k for k in required if k not in fields]
         if missing:
-            raise ConfigError(f"config lacks required field(s) {missing} for a Llama checkpoint")
-        fields["rope_theta"], fields["rope_scaling"] = _rope_from_hf(hf)
+            raise ConfigError(f"config lacks required field(s) {missing} for a {arch} checkpoint")
         fields["torch_dtype"] = str(hf.get("dtype") or hf.get("torch_dtype") or "float32").removeprefix("torch.")
         fields["architecture"] = arch
-        fields["qkv_bias"] = bool(hf.get("qkv_bias", arch == "Qwen2ForCausalLM"))  # Qwen2Attention: q/k/v biased
         try:
             return cls(**fields)
         except ValueError as e:  # pydantic.ValidationError is a ValueError
             raise ConfigError(f"invalid {arch} config: {e}") from e
 
-
-def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
-    """(rope_theta, scaling) from `rope_parameters` (transformers 5) or `rope_scaling` + `rope_theta`."""
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = float(params.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0)
-    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
-    if rope_type == "default":
-        return theta, None
-    if rope_type != "llama3":
-        raise ConfigError(f"unsupported rope type {rope_type!r} for Llama: nextn supports 'default' and 'llama3'")
-    keep = {k: v for k, v in params.items() if k in Llama3RopeScaling.model_fields and v is not None}
-    if "factor" not in keep:
-        raise ConfigError("llama3 rope scaling needs 'factor' in rope_scaling/rope_parameters")
-    try:
-        return theta, Llama3RopeScaling(**keep)
-    except ValueError as e:
-        raise ConfigError(f"invalid llama3 rope scaling {params}: {e}") from e

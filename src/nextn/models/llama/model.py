@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nextn.models.causal_lm import SelfDraftingCausalLM
-from nextn.models.layers import GatedMLP, PreNormDecoderLayer, RMSNorm
+from nextn.models.layers import GatedMLP, PreNormDecoderLayer, RMSNorm, UnitOffsetRMSNorm
 from nextn.models.llama.config import LlamaModelConfig
 from nextn.models.llama.rope import apply_rope, rope_cache
 from nextn.plugins import cpu_kernels
@@ -29,9 +29,28 @@ from nextn.plugins.kv_cache_write import kv_cache_write
 from nextn.models.attention_metadata import AttentionMetadata
 
 
+def norm_class(cfg: LlamaModelConfig) -> type[RMSNorm]:
+    """The family's RMSNorm: Gemma's (1 + weight) form where `cfg.norm_unit_offset`, else Llama's."""
+    return UnitOffsetRMSNorm if cfg.norm_unit_offset else RMSNorm
+
+
+class ScaledEmbedding(nn.Embedding):
+    """Token embeddings times `multiplier` rounded to the weight's dtype (HF `Gemma3TextScaledWordEmbedding`:
+    √hidden_size); the weight is HF's `embed_tokens.weight`, unscaled."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, multiplier: float) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.multiplier = multiplier
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = super().forward(input_ids)
+        return x * torch.tensor(self.multiplier, dtype=x.dtype)
+
+
 class LlamaAttention(nn.Module):
     """Grouped-query attention with HF parameter names (`q_proj`, `k_proj`, `v_proj`, `o_proj`); q/k/v biases when
-    `cfg.has_qkv_bias` (Qwen2), an o_proj bias too when `cfg.attention_bias`.
+    `cfg.has_qkv_bias` (Qwen2), an o_proj bias too when `cfg.attention_bias`; per-head RMSNorms of q and k before
+    RoPE (`q_norm`, `k_norm` [head_dim]) when `cfg.qk_norm` (Qwen3, Gemma 3).
 
     `paged_attention_kernel` (set at load by `plugins.paged_attention.install_paged_attention` where it applies):
     attend with nextn's CPU kernel, reading the cache in place, instead of the PyTorch gather-and-einsum path.
@@ -47,6 +66,10 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.has_qkv_bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.has_qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=cfg.attention_bias)
+        if cfg.qk_norm:
+            self.q_norm = norm_class(cfg)(d, eps=cfg.rms_norm_eps)
+            self.k_norm = norm_class(cfg)(d, eps=cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
         self.scale = cfg.softmax_scale
 
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
@@ -64,8 +87,11 @@ class LlamaAttention(nn.Module):
         b, t, _ = x.shape
         nkv, d = self.num_kv_heads, self.head_dim
         group = self.num_heads // nkv
-        q = apply_rope(self.q_proj(x).view(b, t, self.num_heads, d), cos_sin)  # [B, T, nh, d]
-        k = apply_rope(self.k_proj(x).view(b, t, nkv, d), cos_sin)  # [B, T, nkv, d]
+        q = self.q_proj(x).view(b, t, self.num_heads, d)  # [B, T, nh, d]
+        k = self.k_proj(x).view(b, t, nkv, d)  # [B, T, nkv, d]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos_sin), apply_rope(k, cos_sin)
         v = self.v_proj(x)  # [B, T, nkv · d]
         new_kv = torch.cat([k.reshape(b, t, nkv * d), v], dim=-1).to(kv_cache.dtype)  # [B, T, 2 · nkv · d]
         kv_cache_write(kv_cache, meta.slot_mapping.reshape(-1), new_kv.reshape(b * t, -1))
@@ -86,7 +112,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):
-    """Pre-norm block with GQA attention and a SwiGLU MLP.
+    """Pre-norm (or sandwich-norm) block with GQA attention and a gated MLP (whether it attends to every earlier key
+    or to the sliding window is the model's `layer_types`: the forward hands it the matching metadata).
 
     `fused` (set at load by `plugins.decoder_layer.install_fused_layers` where it applies: W4A16 engines on the
     CPU): run the whole layer as one op of nextn's CPU kernels instead of the modules one by one.
@@ -95,8 +122,8 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
     fused: FusedLayerWeights | None = None
 
     def __init__(self, cfg: LlamaModelConfig) -> None:
-        super().__init__(LlamaAttention(cfg), GatedMLP(cfg.hidden_size, cfg.intermediate_size), cfg.hidden_size,
-                         cfg.rms_norm_eps)
+        super().__init__(LlamaAttention(cfg), GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act),
+                         cfg.hidden_size, cfg.rms_norm_eps, sandwich=cfg.sandwich_norm, norm=norm_class(cfg))
 
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor, meta) -> torch.Tensor:
         """x: [B, T, hidden] → [B, T, hidden]; writes this layer's KV (kv_cache: [num_slots, kv dim])."""
@@ -108,9 +135,9 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
 class SharedHead(nn.Module):
     """The MTP module's output norm (`shared_head.norm`); its head is the main model's lm_head."""
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, norm: type[RMSNorm] = RMSNorm) -> None:
         super().__init__()
-        self.norm = RMSNorm(hidden_size, eps=eps)
+        self.norm = norm(hidden_size, eps=eps)
 
 
 class LlamaMTPLayer(LlamaDecoderLayer):
@@ -118,10 +145,10 @@ class LlamaMTPLayer(LlamaDecoderLayer):
 
     def __init__(self, cfg: LlamaModelConfig) -> None:
         super().__init__(cfg)
-        self.enorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.hnorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.enorm = norm_class(cfg)(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.hnorm = norm_class(cfg)(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.shared_head = SharedHead(cfg.hidden_size, cfg.rms_norm_eps)
+        self.shared_head = SharedHead(cfg.hidden_size, cfg.rms_norm_eps, norm_class(cfg))
 
     def forward_mtp(self, token_embeds: torch.Tensor, hidden_prev: torch.Tensor, cos_sin: torch.Tensor,
                     kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -135,10 +162,11 @@ class LlamaBody(nn.Module):
 
     def __init__(self, cfg: LlamaModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = (ScaledEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.embedding_multiplier)
+                             if cfg.embedding_multiplier else nn.Embedding(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList([LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)]
                                     + [LlamaMTPLayer(cfg) for _ in range(cfg.num_nextn_predict_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.norm = norm_class(cfg)(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
 
 class TiedLMHead(nn.Module):
@@ -172,6 +200,8 @@ class LlamaForCausalLM(SelfDraftingCausalLM):
         self.lm_head: nn.Module = (TiedLMHead(self.model.embed_tokens) if cfg.tie_word_embeddings
                                    else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
         self._register_load_state_dict_pre_hook(self._drop_tied_copy)
+        if cfg.has_sliding_layers:
+            self.layer_types, self.sliding_window = cfg.layer_types, cfg.sliding_window
         self.draft_head_weight: torch.Tensor | None = None
         self.register_buffer("rope_table", rope_cache(cfg, max_positions or cfg.max_position_embeddings),
                              persistent=False)
@@ -182,6 +212,7 @@ class LlamaForCausalLM(SelfDraftingCausalLM):
             state_dict.pop(prefix + "lm_head.weight", None)
 
     def rope_table_for(self, num_positions: int) -> torch.Tensor:
-        """A fresh `rope_table` [num_positions, 2, head_dim // 2] fp32 on the CPU (after loading on the meta device)."""
+        """A fresh `rope_table` [num_positions, 2 (4 with a sliding layers' rope base), head_dim // 2] fp32 on the CPU
+        (after loading on the meta device)."""
         return rope_cache(self.cfg, num_positions)
 

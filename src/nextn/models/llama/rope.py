@@ -13,17 +13,23 @@ import torch
 from nextn.models.llama.config import LlamaModelConfig
 
 
+def _plain(theta: float, dim: int) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
 def inv_freq(cfg: LlamaModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] fp32, Llama-3-scaled when `cfg.rope_scaling` is set (transformers'
-    `_compute_llama3_parameters`), or divided by `cfg.rope_freq_factors` (a GGUF's `rope_freqs`, as ggml's rope
-    divides theta by its freq_factors)."""
+    """Inverse frequencies [head_dim // 2] fp32 of the full-attention layers, Llama-3-scaled when `cfg.rope_scaling`
+    is llama3 (transformers' `_compute_llama3_parameters`), divided by its factor when linear, or divided by
+    `cfg.rope_freq_factors` (a GGUF's `rope_freqs`, as ggml's rope divides theta by its freq_factors)."""
     dim = cfg.head_dim
-    freqs = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    freqs = _plain(cfg.rope_theta, dim)
     if cfg.rope_freq_factors is not None:
         return freqs / torch.tensor(cfg.rope_freq_factors, dtype=torch.float32)
     s = cfg.rope_scaling
     if s is None:
         return freqs
+    if s.rope_type == "linear":
+        return freqs / s.factor
     old_ctx = s.original_max_position_embeddings
     low_freq_wavelen = old_ctx / s.low_freq_factor
     high_freq_wavelen = old_ctx / s.high_freq_factor
@@ -36,9 +42,12 @@ def inv_freq(cfg: LlamaModelConfig) -> torch.Tensor:
 
 
 def rope_cache(cfg: LlamaModelConfig, num_positions: int) -> torch.Tensor:
-    """cos and sin per position and frequency: [num_positions, 2, head_dim // 2] fp32."""
-    angles = torch.arange(num_positions, dtype=torch.float32)[:, None] * inv_freq(cfg)[None, :]
-    return torch.stack([angles.cos(), angles.sin()], dim=1)
+    """cos and sin per position and frequency: [num_positions, 2, head_dim // 2] fp32; with a rope base of its own
+    for sliding layers (`cfg.rope_local_theta`: Gemma 3) [num_positions, 4, head_dim // 2]: the full layers' cos, sin,
+    then the sliding layers' (unscaled, as transformers' `sliding_attention` rope)."""
+    positions = torch.arange(num_positions, dtype=torch.float32)[:, None]
+    tables = [inv_freq(cfg)] + ([_plain(cfg.rope_local_theta, cfg.head_dim)] if cfg.rope_local_theta else [])
+    return torch.cat([torch.stack([a.cos(), a.sin()], dim=1) for a in (positions * f[None, :] for f in tables)], 1)
 
 
 def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,80 @@
+"""What each GGUF architecture nextn reads stores differently: the HF family it builds as, its tensor names, how
+llama.cpp's `convert_hf_to_gguf.py` changed the values, and the metadata keys of its layer options.
+
+Sources: llama.cpp's converter (`conversion/llama.py` `LlamaModel.permute`, `conversion/qwen.py` `Qwen2Model` /
+`Qwen3Model`, `conversion/gemma.py` `Gemma3Model`: norm weights stored as 1 + w) and loader (`src/models/gemma3.cpp`:
+every 6th layer full attention unless `{arch}.attention.sliding_window_pattern` says otherwise, sliding layers'
+rope base `{arch}.rope.freq_base_swa` (default 10000), softmax scale 1/√head_dim (1/√(hidden/heads) at 62 layers)).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+#: GGUF `general.architecture` → the HF architecture nextn builds it as.
+SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                           "gemma3": "Gemma3ForCausalLM"}
+#: Architectures whose q/k rows llama.cpp permutes at conversion (convert_hf_to_gguf.py `LlamaModel.permute`).
+PERMUTED_ARCHITECTURES = ("llama",)
+#: GGUF architectures that are mixture-of-experts models (refused by name until nextn's MoE layer reads them).
+MOE_ARCHITECTURES = frozenset({"qwen2moe", "qwen3moe", "qwen35moe", "mixtral", "olmoe", "gpt-oss", "glm4moe",
+                               "deepseek2", "deepseek", "dbrx", "grok", "arctic", "granitemoe", "llama4", "bailingmoe",
+                               "bailingmoe2", "ernie4_5-moe", "hunyuan-moe", "dots1", "smallthinker", "minimax-m2",
+                               "afmoe", "lfm2moe", "grovemoe", "openai-moe"})
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+#: llama.cpp block tensor → HF module under `model.layers.N.` (Llama's layout)
+_LLAMA_BLOCK = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}  # fmt: skip
+_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+#: Gemma's four norms: llama.cpp's `post_attention_norm` is HF's post_attention_layernorm (the attention output's),
+#: its `ffn_norm` HF's pre_feedforward_layernorm, `post_ffw_norm` post_feedforward_layernorm.
+_GEMMA_BLOCK = {**_LLAMA_BLOCK, **_QK_NORMS, "post_attention_norm": "post_attention_layernorm",
+                "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+BLOCK_NAMES = {"llama": _LLAMA_BLOCK, "qwen2": _LLAMA_BLOCK, "qwen3": {**_LLAMA_BLOCK, **_QK_NORMS},
+               "gemma3": _GEMMA_BLOCK}
+
+
+def global_names() -> dict[str, str]:
+    """llama.cpp's names of the tensors outside the blocks → HF names."""
+    return dict(_GLOBAL_NAMES)
+
+
+def norm_shift(arch: str, hf_name: str) -> float:
+    """What llama.cpp's converter added to tensor `hf_name` of an `arch` file (Gemma's RMSNorm weights: 1.0, since
+    `Gemma3RMSNorm` scales by 1 + w), subtracted again when reading. 0.0 for everything else."""
+    return 1.0 if arch == "gemma3" and hf_name.endswith("norm.weight") else 0.0
+
+
+def family_config(arch: str, key: Callable[..., Any], layers: int, hidden: int, heads: int,
+                  head_dim: int) -> dict[str, Any]:
+    """The HF config fields of `arch`'s layer options from its GGUF metadata (`key(name, kind, default)` reads
+    `{arch}.{name}` as "count", "number" or "raw" (any value)); {} for the Llama layout."""
+    if arch != "gemma3":
+        return {}
+    window = key("attention.sliding_window", "count", 0)
+    pattern = key("attention.sliding_window_pattern", "raw", 6)
+    if isinstance(pattern, list):  # one bool a layer: sliding or not (llama.cpp `is_swa_impl`)
+        types = ["sliding_attention" if p else "full_attention" for p in pattern][:layers]
+    else:
+        n = int(pattern)
+        types = ["sliding_attention" if n == 0 or i % n < n - 1 else "full_attention" for i in range(layers)]
+    full = {"rope_type": "default", "rope_theta": key("rope.freq_base", "number", 1_000_000.0)}
+    if key("rope.scaling.type", "raw", "none") == "linear":
+        full.update(rope_type="linear", factor=key("rope.scaling.factor", "number", 1.0))
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": hidden // heads if layers == 62 else head_dim,
+        "sliding_window": window or None,
+        "layer_types": types if window else ["full_attention"] * layers,
+        "rope_parameters": {"full_attention": full, "sliding_attention": {
+            "rope_type": "default", "rope_theta": key("rope.freq_base_swa", "number", 10_000.0)}},
+    }  # fmt: skip

@@ -1,0 +1,106 @@
+"""What each dense family adds to the Llama layer, read from its HF `config.json`: the layer options of
+`LlamaModelConfig` and the rotary settings, one function per architecture.
+
+A family is a config + a weight map + layer options (docs/ARCHITECTURE.md, "Adding a model family"): the module
+(`model.py`) and the weight layout (`weights.py`) read these options; nothing is copied per family. Defaults follow
+the `transformers` 5.23 config classes (`LlamaConfig`, `Qwen2Config`, `Qwen3Config`, `Gemma3TextConfig`), so an older
+`config.json` that leaves a field out reads as `transformers` reads it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nextn.models.config import ConfigError
+
+
+def family_options(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
+    """The layer options and rotary fields of architecture `arch` for `LlamaModelConfig`, from the HF dict `hf`.
+
+    Raises:
+        ConfigError: a setting the family supports in `transformers` but nextn does not (Qwen2/Qwen3 sliding-window
+            layers, Gemma's bidirectional attention or attention soft-capping, a rope type other than default,
+            llama3 and linear); the message names the field.
+    """
+    if arch == "Gemma3ForCausalLM":
+        return _gemma3(hf)
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and hf.get("use_sliding_window"):
+        raise ConfigError(f"{arch} with use_sliding_window: true is not supported (its released models leave it off)")
+    theta, scaling = rope_from_hf(hf, arch)
+    options: dict[str, Any] = {"rope_theta": theta, "rope_scaling": scaling}
+    if arch == "Qwen2ForCausalLM":
+        options["qkv_bias"] = bool(hf.get("qkv_bias", True))  # Qwen2Attention: q/k/v biased, o not
+    if arch == "Qwen3ForCausalLM":
+        options["qk_norm"] = True
+    return options
+
+
+def _gemma3(hf: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3 text (`Gemma3ForCausalLM`, model_type gemma3_text): sandwich norms scaling by (1 + weight), q/k norms,
+    embeddings × √hidden, GELU-tanh, a softmax scale from `query_pre_attn_scalar`, every 6th layer full attention and
+    the rest sliding with their own rope base (Gemma Team 2025, "Gemma 3 Technical Report", §2)."""
+    if hf.get("use_bidirectional_attention"):
+        raise ConfigError("Gemma3ForCausalLM with use_bidirectional_attention: true (an embedding model) is not a "
+                          "causal LM nextn builds")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if hf.get(key) is not None:
+            raise ConfigError(f"Gemma3ForCausalLM with {key} = {hf[key]} is not supported (Gemma 3 releases leave it "
+                              "null)")
+    layers = hf.get("num_hidden_layers")
+    types = hf.get("layer_types")
+    if types is None and type(layers) is int:
+        pattern = int(hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:  # transformers 5: per layer type
+        full, local = dict(params.get("full_attention") or {}), dict(params.get("sliding_attention") or {})
+    else:  # older releases: rope_theta (+ rope_scaling) for full layers, rope_local_base_freq for sliding ones
+        full = {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta")}
+        local = {"rope_theta": hf.get("rope_local_base_freq")}
+    full.setdefault("rope_theta", None)
+    theta, scaling = rope_from_hf({"rope_parameters": {**full, "rope_theta": full["rope_theta"] or 1_000_000.0}},
+                                  "Gemma3ForCausalLM")
+    local_theta, local_scaling = rope_from_hf({"rope_parameters": {**local,
+                                                                   "rope_theta": local.get("rope_theta") or 10_000.0}},
+                                              "Gemma3ForCausalLM")
+    if local_scaling is not None:
+        raise ConfigError("Gemma3ForCausalLM: rope scaling on sliding_attention layers is not supported")
+    hidden = hf.get("hidden_size")
+    return {
+        "rope_theta": theta, "rope_scaling": scaling, "rope_local_theta": local_theta,
+        "qk_norm": True, "norm_unit_offset": True, "sandwich_norm": True,
+        "embedding_multiplier": float(hidden) ** 0.5 if type(hidden) is int and hidden > 0 else None,
+        "hidden_act": hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": hf.get("query_pre_attn_scalar", 256),
+        "sliding_window": hf.get("sliding_window", 4096), "layer_types": types,
+        "tie_word_embeddings": hf.get("tie_word_embeddings", True),
+        "rms_norm_eps": hf.get("rms_norm_eps") or 1e-6,
+        "head_dim": hf.get("head_dim") or 256,
+    }  # fmt: skip
+
+
+def rope_from_hf(hf: dict[str, Any], arch: str) -> tuple[float, Any]:
+    """(rope_theta, scaling) from `rope_parameters` (transformers 5) or `rope_scaling` + `rope_theta`.
+
+    Raises:
+        ConfigError: a rope type other than default, llama3 and linear, or scaling fields those refuse.
+    """
+    from nextn.models.llama.config import Llama3RopeScaling, LinearRopeScaling
+
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0)
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    if rope_type == "default":
+        return theta, None
+    kinds = {"llama3": Llama3RopeScaling, "linear": LinearRopeScaling}
+    if rope_type not in kinds:
+        raise ConfigError(f"unsupported rope type {rope_type!r} for {arch}: nextn supports 'default', "
+                          f"{', '.join(map(repr, kinds))}")
+    kind = kinds[rope_type]
+    keep = {k: v for k, v in params.items() if k in kind.model_fields and v is not None}
+    if "factor" not in keep:
+        raise ConfigError(f"{rope_type} rope scaling needs 'factor' in rope_scaling/rope_parameters")
+    try:
+        return theta, kind(**keep)
+    except ValueError as e:
+        raise ConfigError(f"invalid {rope_type} rope scaling {params}: {e}") from e

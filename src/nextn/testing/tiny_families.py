@@ -1,0 +1,73 @@
+"""Tiny random checkpoints of each dense family nextn builds, made by `transformers` at test time (nothing
+downloaded), with weights scaled so greedy decoding has no near-ties; and their GGUFs made by llama.cpp's converter.
+
+The tokenizer is SmolLM2-135M's (written from the GGUF in ../shared/data/models: a GPT-2 BPE of 49,152 tokens the
+converter recognises), so a checkpoint here converts like a released one and builds an engine with a tokenizer.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: The shape every tiny family shares; the per-family settings exercise its layer options (Gemma 3: 7 layers, so
+#: a full-attention layer sits between sliding ones; a window of 16 that 40-token prompts cross;
+#: `query_pre_attn_scalar` = head_dim as in every Gemma 3 but the 27B, since a GGUF does not store it).
+_BASE = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=None)
+FAMILIES: dict[str, dict[str, Any]] = {
+    "qwen3": dict(num_key_value_heads=2, head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    "gemma3_text": dict(num_hidden_layers=7, num_key_value_heads=1, head_dim=32, sliding_window=16,
+                        query_pre_attn_scalar=32),
+}
+#: A norm weight's centre: Gemma's RMSNorm scales by (1 + w), so its weights are zero-centred.
+_NORM_CENTRE = {"gemma3_text": 0.0}
+
+
+def tiny_hf_model(model_type: str, seed: int = 0, **overrides: Any):
+    """A float32 `transformers` causal LM of `model_type` (a `FAMILIES` key) in eval mode: linear weights
+    N(0, 1/fan_in), embeddings N(0, 1), norm weights centre ± 0.1, so activations stay O(1) and the top logits are
+    apart by far more than float32 rounding."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(model_type, **{**_BASE, **FAMILIES[model_type], **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    centre = _NORM_CENTRE.get(model_type, 1.0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(centre + 0.1 * torch.randn_like(p))
+            elif "embed_tokens" in name:
+                p.normal_(0.0, 1.0)
+            else:
+                p.normal_(0.0, p.shape[1] ** -0.5)
+    return model
+
+
+def smollm2_tokenizer(shared: Path, out_dir: Path) -> list[str]:
+    """Write SmolLM2-135M's tokenizer files (from the GGUF under `shared`/data/models) into `out_dir`.
+
+    Raises:
+        FileNotFoundError: the GGUF is absent.
+    """
+    from nextn.build.gguf_reader import GGUFCheckpoint
+
+    gguf = shared / "data" / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not gguf.is_file():
+        raise FileNotFoundError(gguf)
+    with GGUFCheckpoint(gguf) as ckpt:
+        return ckpt.write_tokenizer_files(out_dir)
+
+
+def save_tiny(model_type: str, out_dir: Path, tokenizer_dir: Path, seed: int = 0, **overrides: Any):
+    """`tiny_hf_model` saved as an HF checkpoint in `out_dir` with the tokenizer files of `tokenizer_dir`; returns
+    the model."""
+    model = tiny_hf_model(model_type, seed, **overrides)
+    model.save_pretrained(out_dir)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, out_dir / f.name)
+    return model

@@ -1,0 +1,135 @@
+"""Every dense family beyond Llama (Qwen3, Gemma 3 text) decodes exactly as `transformers` in float32: tiny random
+checkpoints made at test time, read from HF safetensors and from the GGUF llama.cpp's own converter writes of them,
+logits over the paged cache (prompts crossing Gemma's sliding window) and greedy tokens through the engine — plain and
+with the NGram and Suffix drafters."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from nextn.build.checkpoint import CheckpointReader
+from nextn.build.gguf_reader import GGUFCheckpoint
+from nextn.models.attention_metadata import AttentionMetadata
+from nextn.models.config import ConfigError
+from nextn.models.llama import LlamaModelConfig
+from nextn.testing import llama_cpp_converter
+from nextn.testing.tiny_families import FAMILIES, save_tiny, smollm2_tokenizer
+
+from test_llama import _assert_matches_hf, _load
+
+SHARED = Path(__file__).resolve().parents[2].parent / "shared"
+PROMPT = [1] + [100 + (7 * i) % 23 for i in range(45)]  # 46 tokens, repetitive: drafts get accepted
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tokenizer")
+    try:
+        smollm2_tokenizer(SHARED, out)
+    except FileNotFoundError as e:
+        pytest.skip(f"SmolLM2's GGUF (the tiny checkpoints' tokenizer) is absent: {e}")
+    return out
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory, tokenizer_dir):
+    """(model_type, transformers model fp32, HF checkpoint dir) of one family."""
+    out = tmp_path_factory.mktemp(request.param)
+    hf = save_tiny(request.param, out, tokenizer_dir)
+    return request.param, hf, out
+
+
+def _source(family, kind: str, tmp_path: Path) -> Path:
+    """The checkpoint to read: the HF directory, or the GGUF llama.cpp's converter makes of it (skips without one)."""
+    _, _, hf_dir = family
+    if kind == "hf":
+        return hf_dir
+    if llama_cpp_converter.find() is None:
+        pytest.skip("llama.cpp's convert_hf_to_gguf.py is absent: `python -m nextn.testing.llama_cpp_converter "
+                    "--fetch` (.ci/run does)")
+    out = hf_dir / "tiny-f32.gguf"
+    if not out.is_file():
+        llama_cpp_converter.convert(hf_dir, out, "f32")
+    return out
+
+
+def _reader(path: Path):
+    return GGUFCheckpoint(path) if path.suffix == ".gguf" else CheckpointReader(path)
+
+
+@pytest.mark.parametrize("kind", ["hf", "gguf"])
+def test_logits_match_transformers(family, kind, tmp_path):
+    model_type, hf, _ = family
+    path = _source(family, kind, tmp_path)
+    reader = _reader(path)
+    cfg = (reader.model_config if kind == "gguf"
+           else LlamaModelConfig.from_hf(json.loads((path / "config.json").read_text())))
+    model = _load(cfg, reader.get, reader.has)
+    # 70 positions cross Gemma's 16-token window several times; batched with shorter right-padded prompts
+    assert _assert_matches_hf(model, hf, 4000, [70, 9, 33]) < 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["hf", "gguf"])
+def test_engine_greedy_is_transformers_plain_and_speculative(family, kind, tmp_path):
+    """build-engine (float32) → LLM: greedy tokens equal `transformers.generate`, without drafts and with NGram and
+    Suffix drafts (lossless: the drafts change speed, never the tokens)."""
+    from nextn import LLM, SamplingParams
+    from nextn.build.engine_builder import build_engine
+
+    _, hf, _ = family
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([PROMPT]), max_new_tokens=32, do_sample=False, pad_token_id=0,
+                           eos_token_id=None)[0, len(PROMPT):].tolist()
+    build_engine(_source(family, kind, tmp_path), tmp_path / "engine", dtype="float32", quant_algo=None,
+                 max_seq_len=256, progress=False)
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    for spec in (None, {"decoding_type": "NGram", "max_draft_len": 4},
+                 {"decoding_type": "Suffix", "max_draft_len": 8}):
+        llm = LLM(tmp_path / "engine", device="cpu", speculative_config=spec)
+        got = llm.generate(PROMPT, params).outputs[0].token_ids
+        llm.shutdown()
+        assert got == want, spec
+
+
+def test_family_configs_and_refusals():
+    """Both spellings of a Gemma 3 config read the same; what nextn does not build is refused by name."""
+    base = dict(architectures=["Gemma3ForCausalLM"], vocab_size=32, hidden_size=64, intermediate_size=96,
+                num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=8)
+    modern = LlamaModelConfig.from_hf({**base, "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}})
+    legacy = LlamaModelConfig.from_hf({**base, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+                                       "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+                                       "sliding_window_pattern": 6})
+    assert modern == legacy
+    assert modern.layer_types == ("sliding_attention",) * 5 + ("full_attention",)
+    assert (modern.rope_local_theta, modern.rope_scaling.factor, modern.softmax_scale) == (1e4, 8.0, 256**-0.5)
+    assert modern.embedding_multiplier == 8.0 and modern.hidden_act == "gelu_pytorch_tanh" and modern.tie_word_embeddings
+    with pytest.raises(ConfigError, match="use_bidirectional_attention"):
+        LlamaModelConfig.from_hf({**base, "use_bidirectional_attention": True})
+    with pytest.raises(ConfigError, match="final_logit_softcapping"):
+        LlamaModelConfig.from_hf({**base, "final_logit_softcapping": 30.0})
+    qwen3 = dict(base, architectures=["Qwen3ForCausalLM"])
+    assert LlamaModelConfig.from_hf(qwen3).qk_norm and not LlamaModelConfig.from_hf(qwen3).sandwich_norm
+    with pytest.raises(ConfigError, match="use_sliding_window"):
+        LlamaModelConfig.from_hf({**qwen3, "use_sliding_window": True})
+    with pytest.raises(ConfigError, match="layer_types lists 2 layers"):
+        LlamaModelConfig.from_hf({**base, "layer_types": ["full_attention"] * 2})
+
+
+def test_windowed_metadata_keeps_the_last_window_keys():
+    """A sliding layer's query at position p sees keys p − W + 1 .. p (and nothing past p), pads included."""
+    tables = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    pos = torch.tensor([[20, 21, 22], [3, 4, 0]])
+    meta = AttentionMetadata.create(pos, torch.zeros_like(pos), tables, 8)
+    win = meta.windowed(5).visible[:, 0]  # [B, T, S]
+    keys = torch.arange(32)
+    for b in range(2):
+        for t in range(3):
+            p = int(pos[b, t])
+            assert torch.equal(win[b, t], (keys <= p) & (keys > p - 5)), (b, t)
