@@ -79,8 +79,9 @@ def test_a_broken_cache_entry_is_rebuilt(ckpt, tmp_path):
     assert again == engine and EngineManifest.load(engine).dtype == "float32"
 
 
-def write_q4_gguf(path, quantized: bool = True):
-    """A tiny Llama GGUF (hidden 64, 2 heads, ffn 128, vocab 32) whose decoder matrices are Q4_0 (or float32)."""
+def write_q4_gguf(path, quantized: bool = True, file_type: int | None = None):
+    """A tiny Llama GGUF (hidden 64, 2 heads, ffn 128, vocab 32) whose decoder matrices are Q4_0 (or float32), with
+    `general.file_type` = `file_type` when given."""
     import gguf
     import numpy as np
     from gguf import quants
@@ -91,6 +92,8 @@ def write_q4_gguf(path, quantized: bool = True):
                        "attention.head_count": 2, "attention.head_count_kv": 2}.items():
         w.add_uint32(f"llama.{key}", value)
     w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    if file_type is not None:
+        w.add_file_type(file_type)
     w.add_tokenizer_model("llama")
     w.add_token_list(["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(vocab - 3)])
     w.add_token_scores([0.0] * vocab)
@@ -306,6 +309,20 @@ def test_auto_keeps_a_4bit_gguf_dense_where_the_int4_kernel_cannot_take_its_shap
         monkeypatch.setattr(woq_linear, "takes", lambda algo, n, k: k % 128 == 0)  # 64-wide inputs not taken
         assert auto_quant_algo(reader, "cpu") is None
         assert auto_quant_algo(reader, "cuda") is None
+
+
+def test_auto_takes_a_q4_k_m_file_as_4_bit_even_where_most_tensors_are_5_bit(tmp_path, monkeypatch):
+    """llama.cpp's Q4_K_M stores rows that are not multiples of 256 as Q5_0 (Gemma-3-270M: 81 of 127 matrices): the
+    file type the user chose, not the per-tensor share, makes `auto` build W4A16 (float tensors here: share 0)."""
+    from nextn.build.engine_settings import auto_quant_algo, open_checkpoint
+    from nextn.plugins import woq_linear
+
+    monkeypatch.setattr(woq_linear, "available", lambda: True)
+    for file_type, want in ((15, woq_linear.fastest_int4_algo()), (7, None), (None, None)):  # Q4_K_M, Q8_0, none
+        path = write_q4_gguf(tmp_path / f"m{file_type}.gguf", quantized=False, file_type=file_type)
+        with open_checkpoint(path) as reader:
+            assert reader.four_bit_share == 0.0
+            assert auto_quant_algo(reader, "cpu") == want, file_type
 
 
 def test_cache_list_reads_manifests_without_importing_torch(ckpt, tmp_path):

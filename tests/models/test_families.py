@@ -1,4 +1,4 @@
-"""Every dense family beyond Llama (Qwen3, Gemma 3 text) decodes exactly as `transformers` in float32: tiny random
+"""Every dense family beyond Llama (Qwen3, Gemma 3 text, Mistral with a sliding window) decodes exactly as `transformers` in float32: tiny random
 checkpoints made at test time, read from HF safetensors and from the GGUF llama.cpp's own converter writes of them,
 logits over the paged cache (prompts crossing Gemma's sliding window) and greedy tokens through the engine — plain and
 with the NGram and Suffix drafters."""
@@ -6,6 +6,7 @@ with the NGram and Suffix drafters."""
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -57,20 +58,36 @@ def _source(family, kind: str, tmp_path: Path) -> Path:
     return out
 
 
+@contextmanager
+def _oracle(family, kind: str):
+    """The `transformers` model to compare with. llama.cpp's converter writes Mistral as a `llama` GGUF without its
+    `sliding_window` (llama.cpp then attends to every key, and so does nextn reading that file): the oracle of a
+    Mistral GGUF is Mistral without the window."""
+    model_type, hf, _ = family
+    window = hf.config.sliding_window if model_type == "mistral" and kind == "gguf" else None
+    if window is not None:
+        hf.config.sliding_window = None
+    try:
+        yield hf
+    finally:
+        if window is not None:
+            hf.config.sliding_window = window
+
+
 def _reader(path: Path):
     return GGUFCheckpoint(path) if path.suffix == ".gguf" else CheckpointReader(path)
 
 
 @pytest.mark.parametrize("kind", ["hf", "gguf"])
 def test_logits_match_transformers(family, kind, tmp_path):
-    model_type, hf, _ = family
     path = _source(family, kind, tmp_path)
     reader = _reader(path)
     cfg = (reader.model_config if kind == "gguf"
            else LlamaModelConfig.from_hf(json.loads((path / "config.json").read_text())))
     model = _load(cfg, reader.get, reader.has)
-    # 70 positions cross Gemma's 16-token window several times; batched with shorter right-padded prompts
-    assert _assert_matches_hf(model, hf, 4000, [70, 9, 33]) < 1e-4
+    # 70 positions cross a 16-token window several times; batched with shorter right-padded prompts
+    with _oracle(family, kind) as oracle:
+        assert _assert_matches_hf(model, oracle, 4000, [70, 9, 33]) < 1e-4
 
 
 @pytest.mark.slow
@@ -81,8 +98,7 @@ def test_engine_greedy_is_transformers_plain_and_speculative(family, kind, tmp_p
     from nextn import LLM, SamplingParams
     from nextn.build.engine_builder import build_engine
 
-    _, hf, _ = family
-    with torch.no_grad():
+    with torch.no_grad(), _oracle(family, kind) as hf:
         want = hf.generate(torch.tensor([PROMPT]), max_new_tokens=32, do_sample=False, pad_token_id=0,
                            eos_token_id=None)[0, len(PROMPT):].tolist()
     build_engine(_source(family, kind, tmp_path), tmp_path / "engine", dtype="float32", quant_algo=None,
@@ -116,8 +132,12 @@ def test_family_configs_and_refusals():
         LlamaModelConfig.from_hf({**base, "final_logit_softcapping": 30.0})
     qwen3 = dict(base, architectures=["Qwen3ForCausalLM"])
     assert LlamaModelConfig.from_hf(qwen3).qk_norm and not LlamaModelConfig.from_hf(qwen3).sandwich_norm
-    with pytest.raises(ConfigError, match="use_sliding_window"):
-        LlamaModelConfig.from_hf({**qwen3, "use_sliding_window": True})
+    windowed = LlamaModelConfig.from_hf({**qwen3, "use_sliding_window": True, "max_window_layers": 4})
+    assert windowed.layer_types == ("full_attention",) * 4 + ("sliding_attention",) * 2
+    mistral = LlamaModelConfig.from_hf(dict(base, architectures=["MistralForCausalLM"], sliding_window=None))
+    assert mistral.layer_types is None and not mistral.qk_norm
+    assert LlamaModelConfig.from_hf(dict(base, architectures=["MistralForCausalLM"])).layer_types == (
+        "sliding_attention",) * 6
     with pytest.raises(ConfigError, match="layer_types lists 2 layers"):
         LlamaModelConfig.from_hf({**base, "layer_types": ["full_attention"] * 2})
 

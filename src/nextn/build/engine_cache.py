@@ -183,12 +183,17 @@ def _cached_or_built(path: Path, root: Path, engine: Path, options: dict[str, An
 
 _KEY = re.compile(r"^[0-9a-f]{20}$")
 _ALIAS_PREFIX = ".alias-"
+#: The version of what "auto" resolves to (`engine_settings.auto_quant_algo`, `auto_dtype`), part of an alias's key:
+#: bumped when those rules change, so an engine the old rules chose is not reused under the new ones (2: a GGUF whose
+#: file type is 4-bit builds W4A16 / W4A8 however many of its tensors llama.cpp stored in 5 bits).
+AUTO_RULES = 2
 
 
 def _alias_path(root: Path, files: list[Path], build_options: dict[str, Any]) -> Path | None:
     """Where the entry key of these options with "auto" in them is remembered (`<root>/.alias-<key>`), or None when
     nothing is "auto" (resolving them then opens nothing). The alias's key covers the checkpoint (its fingerprint),
-    the options as given and what "auto" depends on on this machine (the device, fast bf16, the int4 format)."""
+    the options as given, what "auto" depends on on this machine (the device, fast bf16, the int4 format) and the
+    version of the rules (`AUTO_RULES`)."""
     raw = {k: v for k, v in build_options.items() if v is not None or k == "quant_algo"}
     if raw.get("dtype", "auto") != "auto" and raw.get("quant_algo", "auto") != "auto":
         return None
@@ -199,7 +204,7 @@ def _alias_path(root: Path, files: list[Path], build_options: dict[str, Any]) ->
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     facts = {"device": device.type, "fast_bf16": fast_bf16(device),
-             "int4": woq_linear.fastest_int4_algo() if woq_linear.available() else None}
+             "int4": woq_linear.fastest_int4_algo() if woq_linear.available() else None, "rules": AUTO_RULES}
     return root / (_ALIAS_PREFIX + cache_key(files, {"as_given": raw, "machine": facts}))
 
 

@@ -250,6 +250,17 @@ class GGUFCheckpoint:
         return sum(n for n, kind in sizes if kind in FOUR_BIT_TYPES) / total if total else 0.0
 
     @property
+    def declares_four_bit(self) -> bool:
+        """Whether `general.file_type` names a 4-bit llama.cpp file type (Q4_0, Q4_1, Q4_K_S, Q4_K_M, IQ4_NL,
+        IQ4_XS): what the user chose, even where llama.cpp's quantizer stored many tensors in 5 bits because their
+        rows are not multiples of 256 (Gemma-3-270M's Q4_K_M: hidden 640, 81 of 127 matrices Q5_0)."""
+        import gguf
+
+        names = {"MOSTLY_Q4_0", "MOSTLY_Q4_1", "MOSTLY_Q4_K_S", "MOSTLY_Q4_K_M", "MOSTLY_IQ4_NL", "MOSTLY_IQ4_XS"}
+        value = self._scalar("general.file_type", _INT_TYPES, "an integer file type", None)
+        return value is not None and int(value) in {gguf.LlamaFileType[n].value for n in names}
+
+    @property
     def is_quantized(self) -> bool:
         """Whether any tensor is block-quantized (not F32/F16/BF16): the file then has no float dtype to keep."""
         return any(t.tensor_type.name not in FLOAT_TYPES for t in self._tensors.values())

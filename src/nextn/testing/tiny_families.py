@@ -20,6 +20,7 @@ _BASE = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden
              max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=None)
 FAMILIES: dict[str, dict[str, Any]] = {
     "qwen3": dict(num_key_value_heads=2, head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    "mistral": dict(num_key_value_heads=2, head_dim=16, sliding_window=16),
     "gemma3_text": dict(num_hidden_layers=7, num_key_value_heads=1, head_dim=32, sliding_window=16,
                         query_pre_attn_scalar=32),
 }

@@ -1,9 +1,8 @@
 """The normalised dense-decoder configuration, read from an HF `config.json` (either rope spelling) or a GGUF.
 
-One config covers Llama (`LlamaForCausalLM`), Qwen2 (q/k/v biases), Qwen3 (q/k norms) and Gemma 3 text (sandwich
-norms, GELU-tanh, scaled embeddings, sliding-window layers): one model with layer options, not a copy per family
-(`families.py` sets them per architecture). Qwen2/Qwen3 sliding-window attention is refused (`use_sliding_window:
-true`; their releases leave it off).
+One config covers Llama (`LlamaForCausalLM`), Mistral (sliding-window layers where its config sets a window), Qwen2
+(q/k/v biases), Qwen3 (q/k norms) and Gemma 3 text (sandwich norms, GELU-tanh, scaled embeddings, sliding-window
+layers): one model with layer options, not a copy per family (`families.py` sets them per architecture).
 
 Two spellings of the rotary settings occur and both load:
 - older `transformers` / Meta releases: `rope_theta` + `rope_scaling: {rope_type: llama3, factor, ...}` (or null);
@@ -21,8 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from nextn.models.config import ConfigError, Layers, MtpLayers, Size
 
 #: HF architecture → model_type of the checkpoints this family reads (each one's layer options: `families.py`).
-LLAMA_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                       "Gemma3ForCausalLM": "gemma3_text"}
+LLAMA_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                       "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text"}
 #: What a layer attends to: every earlier key, or the last `sliding_window` keys (HF `layer_types` values).
 LayerType = Literal["full_attention", "sliding_attention"]
 
@@ -63,7 +62,7 @@ class LlamaModelConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
-    architecture: Literal["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    architecture: Literal["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                           "Gemma3ForCausalLM"] = "LlamaForCausalLM"
     vocab_size: Size
     hidden_size: Size

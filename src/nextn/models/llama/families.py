@@ -1,5 +1,6 @@
 """What each dense family adds to the Llama layer, read from its HF `config.json`: the layer options of
-`LlamaModelConfig` and the rotary settings, one function per architecture.
+`LlamaModelConfig` and the rotary settings, one function per architecture (Mistral and Qwen2/Qwen3 differ from
+Llama only in biases, q/k norms and sliding windows).
 
 A family is a config + a weight map + layer options (docs/ARCHITECTURE.md, "Adding a model family"): the module
 (`model.py`) and the weight layout (`weights.py`) read these options; nothing is copied per family. Defaults follow
@@ -18,21 +19,35 @@ def family_options(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
     """The layer options and rotary fields of architecture `arch` for `LlamaModelConfig`, from the HF dict `hf`.
 
     Raises:
-        ConfigError: a setting the family supports in `transformers` but nextn does not (Qwen2/Qwen3 sliding-window
-            layers, Gemma's bidirectional attention or attention soft-capping, a rope type other than default,
-            llama3 and linear); the message names the field.
+        ConfigError: a setting the family supports in `transformers` but nextn does not (Gemma's bidirectional
+            attention or soft-capping, a rope type other than default, llama3 and linear); the message names the
+            field.
     """
     if arch == "Gemma3ForCausalLM":
         return _gemma3(hf)
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and hf.get("use_sliding_window"):
-        raise ConfigError(f"{arch} with use_sliding_window: true is not supported (its released models leave it off)")
     theta, scaling = rope_from_hf(hf, arch)
-    options: dict[str, Any] = {"rope_theta": theta, "rope_scaling": scaling}
+    options: dict[str, Any] = {"rope_theta": theta, "rope_scaling": scaling, **_windows(arch, hf)}
     if arch == "Qwen2ForCausalLM":
         options["qkv_bias"] = bool(hf.get("qkv_bias", True))  # Qwen2Attention: q/k/v biased, o not
     if arch == "Qwen3ForCausalLM":
         options["qk_norm"] = True
     return options
+
+
+def _windows(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
+    """`sliding_window` and `layer_types` where the family's `transformers` attention uses a window: Mistral on every
+    layer when `sliding_window` is set (`MistralConfig`: 4096 by default; Mistral 7B v0.2+ and Ministral leave it
+    null), Qwen2/Qwen3 on the layers from `max_window_layers` on when `use_sliding_window` (their `layer_types`)."""
+    layers, window = hf.get("num_hidden_layers"), hf.get("sliding_window", 4096 if arch == "MistralForCausalLM" else None)
+    if type(layers) is not int or window is None:
+        return {}
+    if arch == "MistralForCausalLM":
+        return {"sliding_window": window, "layer_types": ["sliding_attention"] * layers}
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and hf.get("use_sliding_window"):
+        first = hf.get("max_window_layers", 28)
+        types = hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+        return {"sliding_window": window, "layer_types": types}
+    return {}
 
 
 def _gemma3(hf: dict[str, Any]) -> dict[str, Any]:
