@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from nextn.build.checkpoint import CheckpointReader
 from nextn.build.gguf_reader import GGUFCheckpoint
@@ -153,3 +154,27 @@ def test_windowed_metadata_keeps_the_last_window_keys():
         for t in range(3):
             p = int(pos[b, t])
             assert torch.equal(win[b, t], (keys <= p) & (keys > p - 5)), (b, t)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["qwen3", "mistral"])
+def test_a_trained_mtp_module_is_lossless(model_type, tokenizer_dir, tmp_path):
+    """`nextn train-draft --method mtp` trains a module whose block is the family's own decoder layer (Qwen3's q/k
+    norms included); its engine decodes token-identically to plain decoding (`train_draft.json`'s lossless check)."""
+    from nextn.cli.train_draft import main
+
+    corpus = SHARED / "data" / "corpora" / "tinystories_train_head.txt"
+    base, out = tmp_path / "base", tmp_path / "mtp"
+    save_tiny(model_type, base, tokenizer_dir)
+    assert main(["--model_dir", str(base), "--method", "mtp", "--num_heads", "1", "--num_draft_steps", "2",
+                 "--data", str(corpus), "--output_dir", str(out), "--steps", "8", "--eval_mtp", "2",
+                 "--max_prompts", "24", "--num_tokens", "16", "--prompt_len", "8", "--batch_size", "8", "--lr", "3e-3",
+                 "--num_top1_prompts", "4", "--eval_prompts", "3", "--no-progress", "--seed", "0"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1
+    tensors = load_file(str(out / "model.safetensors"))
+    n = config["num_hidden_layers"]
+    assert tensors[f"model.layers.{n}.self_attn.o_proj.weight"].abs().sum() > 0
+    assert (f"model.layers.{n}.self_attn.q_norm.weight" in tensors) is (model_type == "qwen3")
+    meta = json.loads((out / "train_draft.json").read_text())
+    assert meta["acceptance"]["lossless"] and meta["acceptance"]["num_prompts"] == 3

@@ -179,5 +179,7 @@ def test_tiny_qwen2_checkpoint_matches_transformers(tmp_path):
     model = _load(cfg, reader.get, reader.has)
     assert model.model.layers[0].self_attn.o_proj.bias is None and "lm_head.weight" not in model.state_dict()
     _assert_matches_hf(model, hf, cfg.vocab_size, [60, 9])
-    with pytest.raises(ConfigError, match="use_sliding_window"):
-        LlamaModelConfig.from_hf({**json.loads((tmp_path / "config.json").read_text()), "use_sliding_window": True})
+    saved = {k: v for k, v in json.loads((tmp_path / "config.json").read_text()).items() if k != "layer_types"}
+    windowed = LlamaModelConfig.from_hf({**saved, "use_sliding_window": True, "sliding_window": 32,
+                                         "max_window_layers": 1})  # layer_types, when given, win (as in transformers)
+    assert (windowed.sliding_window, windowed.layer_types) == (32, ("full_attention", "sliding_attention"))

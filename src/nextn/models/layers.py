@@ -23,6 +23,8 @@ def row_exact(fn, x: torch.Tensor) -> torch.Tensor:
 class RMSNorm(nn.Module):
     """Root-mean-square norm (Zhang & Sennrich 2019), computed in fp32 and cast back, as HF's `*RMSNorm`."""
 
+    unit_offset = False  # scales by weight (Gemma's form: by 1 + weight)
+
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -37,6 +39,8 @@ class RMSNorm(nn.Module):
 class UnitOffsetRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the fp32 normalised x times (1 + weight) in fp32, then cast (HF `Gemma3RMSNorm`; `weight`
     is stored as HF stores it, zero-centred)."""
+
+    unit_offset = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()

@@ -91,17 +91,15 @@ def _norm_operands(layer: nn.Module) -> list[torch.Tensor] | None:
     """The layer's norms in the op's order — input, post, [pre_ff, post_ff], [q, k] — as bf16 weights (Llama's
     RMSNorm), or as f32 scales 1 + w (Gemma's `UnitOffsetRMSNorm`, the product the module computes); None for other
     dtypes or a mix of the two kinds."""
-    from nextn.models.layers import RMSNorm, UnitOffsetRMSNorm
-
     mods = [layer.input_layernorm, layer.post_attention_layernorm]
     if getattr(layer, "sandwich", False):
         mods += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
     if getattr(layer.self_attn, "qk_norm", False):
         mods += [layer.self_attn.q_norm, layer.self_attn.k_norm]
-    kinds = {type(m) for m in mods}
-    if kinds == {UnitOffsetRMSNorm}:
+    kinds = {getattr(m, "unit_offset", None) for m in mods}  # the models' RMSNorm classes say which they are
+    if kinds == {True}:
         return [(1.0 + m.weight.detach().float()).contiguous() for m in mods]
-    if kinds == {RMSNorm} and all(m.weight.dtype == torch.bfloat16 for m in mods):
+    if kinds == {False} and all(m.weight.dtype == torch.bfloat16 for m in mods):
         return [m.weight.detach().contiguous() for m in mods]
     return None
 

@@ -107,12 +107,16 @@ class MtpModule(nn.Module):
 DECODER_LAYERS = {
     "llama": ("transformers.models.llama.modeling_llama", "LlamaDecoderLayer", "LlamaRMSNorm"),
     "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2DecoderLayer", "Qwen2RMSNorm"),
+    "qwen3": ("transformers.models.qwen3.modeling_qwen3", "Qwen3DecoderLayer", "Qwen3RMSNorm"),
+    "mistral": ("transformers.models.mistral.modeling_mistral", "MistralDecoderLayer", "MistralRMSNorm"),
 }
 
 
 def mtp_module(hf_config) -> MtpModule:
     """A module whose block is the base's own `transformers` decoder layer (HF parameter names, as the engine's):
-    `LlamaDecoderLayer`, or `Qwen2DecoderLayer` (q/k/v biases).
+    `LlamaDecoderLayer`, `Qwen2DecoderLayer` (q/k/v biases), `Qwen3DecoderLayer` (q/k norms) or
+    `MistralDecoderLayer`. (Gemma 3's layer needs its unit-offset norms and scaled embeddings in the trainer: not
+    yet.)
 
     Raises:
         ValueError: a base of another architecture.

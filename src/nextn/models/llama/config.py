@@ -18,40 +18,16 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from nextn.models.config import ConfigError, Layers, MtpLayers, Size
+from nextn.models.llama.families import family_options
+from nextn.models.llama.rope_config import Llama3RopeScaling, LinearRopeScaling
+
+__all__ = ["LLAMA_ARCHITECTURES", "LayerType", "LinearRopeScaling", "Llama3RopeScaling", "LlamaModelConfig"]
 
 #: HF architecture → model_type of the checkpoints this family reads (each one's layer options: `families.py`).
 LLAMA_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                        "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text"}
 #: What a layer attends to: every earlier key, or the last `sliding_window` keys (HF `layer_types` values).
 LayerType = Literal["full_attention", "sliding_attention"]
-
-
-class Llama3RopeScaling(BaseModel):
-    """Llama-3.1 frequency-dependent RoPE scaling (HF `modeling_rope_utils._compute_llama3_parameters`)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
-
-    rope_type: Literal["llama3"] = "llama3"
-    factor: float = Field(gt=0)  # long wavelengths are divided by this (Llama 3.1: 8)
-    low_freq_factor: float = Field(default=1.0, gt=0)  # wavelengths above orig_ctx / low_freq_factor are scaled
-    high_freq_factor: float = Field(default=4.0, gt=0)  # wavelengths below orig_ctx / high_freq_factor are kept
-    original_max_position_embeddings: int = Field(default=8192, gt=0)  # pre-training context (Llama 3: 8192)
-
-    @model_validator(mode="after")
-    def _check(self) -> "Llama3RopeScaling":
-        if self.high_freq_factor <= self.low_freq_factor:
-            raise ValueError("llama3 rope scaling needs high_freq_factor > low_freq_factor")
-        return self
-
-
-class LinearRopeScaling(BaseModel):
-    """Position interpolation: every inverse frequency divided by `factor` (HF `_compute_linear_scaling_rope_parameters`;
-    Gemma 3's full-attention layers from 4B up: 8)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
-
-    rope_type: Literal["linear"] = "linear"
-    factor: float = Field(gt=0)
 
 
 class LlamaModelConfig(BaseModel):
@@ -167,8 +143,6 @@ class LlamaModelConfig(BaseModel):
         if arch not in LLAMA_ARCHITECTURES:
             raise ConfigError(f"unsupported architecture {arch or hf.get('model_type')!r}: the Llama family reads "
                               + ", ".join(f"{a} (model_type {t!r})" for a, t in LLAMA_ARCHITECTURES.items()))
-        from nextn.models.llama.families import family_options
-
         options = family_options(arch, hf)
         skip = ("architecture", "torch_dtype", *options)
         fields: dict[str, Any] = {k: hf[k] for k in cls.model_fields if k not in skip and hf.get(k) is not None}

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from nextn.models.config import ConfigError
+from nextn.models.llama.rope_config import Llama3RopeScaling, LinearRopeScaling
 
 
 def family_options(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
@@ -100,8 +101,6 @@ def rope_from_hf(hf: dict[str, Any], arch: str) -> tuple[float, Any]:
     Raises:
         ConfigError: a rope type other than default, llama3 and linear, or scaling fields those refuse.
     """
-    from nextn.models.llama.config import Llama3RopeScaling, LinearRopeScaling
-
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     theta = float(params.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0)
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
