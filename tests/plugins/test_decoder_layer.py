@@ -259,3 +259,29 @@ def test_fake_implementation_lets_torch_compile_trace_the_stack(llm):
             cos_sin if st.sliding else None, meta.visible if st.sliding else None, list(st.sliding))
     torch.library.opcheck(cpu_kernels.ops().llama_decoder_stack.default, args,
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def test_nope_layers_take_the_op_one_layer_at_a_time(tmp_path):
+    """SmolLM3's NoPE layers (every 4th) read identity rope rows: every layer still takes the op, one call each (no
+    stack, which has one rope table for all its layers), and speculation on it stays lossless."""
+    from nextn.testing.tiny_families import tiny_hf_model
+
+    tiny_hf_model("smollm3", seed=1, vocab_size=320, hidden_size=128, intermediate_size=128,
+                  head_dim=32).save_pretrained(tmp_path / "ckpt")
+    build_engine(tmp_path / "ckpt", tmp_path / "engine", progress=False, max_seq_len=128, dtype="bfloat16",
+                 quant_algo="W4A16", group_size=32)
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [40, 41, 42, 43]]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    plain = LLM(tmp_path / "engine")
+    try:
+        model = plain.engine.model
+        assert model.layer_types[3] == "full_attention:nope" and model.fused_stack is None
+        assert all(layer.fused is not None for layer in model.model.layers)
+        want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    finally:
+        plain.shutdown()
+    spec = LLM(tmp_path / "engine", speculative_config={"decoding_type": "NGram", "max_draft_len": 3})
+    try:
+        assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == want
+    finally:
+        spec.shutdown()

@@ -14,9 +14,10 @@ from typing import Any
 
 #: GGUF `general.architecture` → the HF architecture nextn builds it as.
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                           "gemma3": "Gemma3ForCausalLM"}
-#: Architectures whose q/k rows llama.cpp permutes at conversion (convert_hf_to_gguf.py `LlamaModel.permute`).
-PERMUTED_ARCHITECTURES = ("llama",)
+                           "gemma3": "Gemma3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+#: Architectures whose q/k rows llama.cpp permutes at conversion (convert_hf_to_gguf.py `LlamaModel.permute`;
+#: `SmolLM3Model` is a `LlamaModel`).
+PERMUTED_ARCHITECTURES = ("llama", "smollm3")
 #: GGUF architectures that are mixture-of-experts models (refused by name until nextn's MoE layer reads them).
 MOE_ARCHITECTURES = frozenset({"qwen2moe", "qwen3moe", "qwen35moe", "mixtral", "olmoe", "gpt-oss", "glm4moe",
                                "deepseek2", "deepseek", "dbrx", "grok", "arctic", "granitemoe", "llama4", "bailingmoe",
@@ -40,7 +41,7 @@ _QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm
 _GEMMA_BLOCK = {**_LLAMA_BLOCK, **_QK_NORMS, "post_attention_norm": "post_attention_layernorm",
                 "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 BLOCK_NAMES = {"llama": _LLAMA_BLOCK, "qwen2": _LLAMA_BLOCK, "qwen3": {**_LLAMA_BLOCK, **_QK_NORMS},
-               "gemma3": _GEMMA_BLOCK}
+               "gemma3": _GEMMA_BLOCK, "smollm3": _LLAMA_BLOCK}
 
 
 def global_names() -> dict[str, str]:
@@ -58,6 +59,8 @@ def family_config(arch: str, key: Callable[..., Any], layers: int, hidden: int, 
                   head_dim: int) -> dict[str, Any]:
     """The HF config fields of `arch`'s layer options from its GGUF metadata (`key(name, kind, default)` reads
     `{arch}.{name}` as "count", "number" or "raw" (any value)); {} for the Llama layout."""
+    if arch == "smollm3":  # llama.cpp's smollm3.cpp: no RoPE on every 4th layer, a fixed step (no metadata key)
+        return {"no_rope_layers": [int((i + 1) % 4 != 0) for i in range(layers)]}
     if arch != "gemma3":
         return {}
     window = key("attention.sliding_window", "count", 0)

@@ -293,7 +293,7 @@ class GGUFCheckpoint:
         options = family_config(arch, lambda k, kind, d: kinds[kind](k, d), layers, hidden, heads, head_dim)
         return {
             "architectures": [SUPPORTED_ARCHITECTURES[arch]],
-            "model_type": {"gemma3": "gemma3_text"}.get(arch, arch),
+            "model_type": {"gemma3": "gemma3_text"}.get(arch, arch),  # HF's model_type of each family
             "vocab_size": vocab,
             "hidden_size": hidden,
             "intermediate_size": count("feed_forward_length"),

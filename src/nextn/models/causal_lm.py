@@ -40,8 +40,9 @@ class SelfDraftingCausalLM(nn.Module):
     lm_head_quantized: bool = False
     #: Every decoder layer as one op call (`plugins.decoder_layer.install_fused_layers`, W4A16 / W4A8 on the CPU).
     fused_stack: FusedStack | None = None
-    #: What each decoder layer attends to ("full_attention" / "sliding_attention"; None: every layer full) and the
-    #: sliding layers' window: plain attributes, set by a family with sliding layers (torch.compile traces them).
+    #: The `attention_inputs` entry each decoder layer reads ("full_attention" / "sliding_attention", ":nope" added
+    #: for a layer without RoPE; None: every layer full attention with RoPE) and the sliding layers' window: plain
+    #: attributes, set by a family with such layers (torch.compile traces them).
     layer_types: tuple[str, ...] | None = None
     sliding_window: int | None = None
 
@@ -61,13 +62,17 @@ class SelfDraftingCausalLM(nn.Module):
         return self.rope_table[positions.clamp(min=0)][..., :2, :]
 
     def attention_inputs(self, meta: AttentionMetadata) -> dict[str, tuple[torch.Tensor, AttentionMetadata]]:
-        """(cos_sin [B, T, 2, rope_dim // 2], metadata) per layer type: `full_attention` always, `sliding_attention`
-        where the config has sliding layers (their rope rows: the table's second pair when it has one; their
-        metadata: `AttentionMetadata.windowed`)."""
+        """(cos_sin [B, T, 2, rope_dim // 2], metadata) per layer input key: `full_attention` always,
+        `sliding_attention` where the config has sliding layers (their rope rows: the table's second pair when it has
+        one; their metadata: `AttentionMetadata.windowed`), and `<type>:nope` for layers without RoPE (cos 1, sin 0:
+        the rotation is the identity, exactly)."""
         table = self.rope_table[meta.positions.clamp(min=0)]  # [B, T, 2 or 4, rope_dim // 2]
         inputs = {"full_attention": (table[..., :2, :], meta)}
         if self.sliding_window is not None:
             inputs["sliding_attention"] = (table[..., -2:, :], meta.windowed(self.sliding_window))
+        if self.layer_types is not None and any(k.endswith(":nope") for k in self.layer_types):
+            identity = torch.stack([torch.ones_like(table[..., 0, :]), torch.zeros_like(table[..., 0, :])], -2)
+            inputs.update({f"{k}:nope": (identity, m) for k, (_, m) in list(inputs.items())})
         return inputs
 
     def forward(self, input_ids: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

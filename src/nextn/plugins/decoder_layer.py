@@ -164,8 +164,8 @@ def fuse_stack(layers: list[nn.Module], layer_types: tuple[str, ...] | None = No
                 f.activation, f.norms[0].dtype)
 
     shapes = {shape(layer, f) for layer, f in zip(layers, fs)}
-    if len(shapes) != 1:
-        return None
+    if len(shapes) != 1 or any(":" in t for t in layer_types or ()):
+        return None  # NoPE layers (SmolLM3) take the op one layer at a time, each with its rope rows
     group, int8, *arity, heads, kv_heads, eps, scale, sandwich, qk_norm, activation, _ = shapes.pop()
     sliding = [int(t == "sliding_attention") for t in layer_types] if layer_types else []
     return FusedStack([n for f in fs for n in f.norms], [t for f in fs for t in f.qkv],

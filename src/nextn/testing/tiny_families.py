@@ -21,6 +21,7 @@ _BASE = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden
 FAMILIES: dict[str, dict[str, Any]] = {
     "qwen3": dict(num_key_value_heads=2, head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
     "mistral": dict(num_key_value_heads=2, head_dim=16, sliding_window=16),
+    "smollm3": dict(num_hidden_layers=4, num_key_value_heads=2, head_dim=16),  # layer 3: NoPE
     "gemma3_text": dict(num_hidden_layers=7, num_key_value_heads=1, head_dim=32, sliding_window=16,
                         query_pre_attn_scalar=32),
 }

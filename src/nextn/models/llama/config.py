@@ -1,8 +1,8 @@
 """The normalised dense-decoder configuration, read from an HF `config.json` (either rope spelling) or a GGUF.
 
 One config covers Llama (`LlamaForCausalLM`), Mistral (sliding-window layers where its config sets a window), Qwen2
-(q/k/v biases), Qwen3 (q/k norms) and Gemma 3 text (sandwich norms, GELU-tanh, scaled embeddings, sliding-window
-layers): one model with layer options, not a copy per family (`families.py` sets them per architecture).
+(q/k/v biases), Qwen3 (q/k norms), Gemma 3 text (sandwich norms, GELU-tanh, scaled embeddings, sliding-window
+layers) and SmolLM3 (NoPE layers): one model with layer options, not a copy per family (`families.py` sets them per architecture).
 
 Two spellings of the rotary settings occur and both load:
 - older `transformers` / Meta releases: `rope_theta` + `rope_scaling: {rope_type: llama3, factor, ...}` (or null);
@@ -25,7 +25,7 @@ __all__ = ["LLAMA_ARCHITECTURES", "LayerType", "LinearRopeScaling", "Llama3RopeS
 
 #: HF architecture → model_type of the checkpoints this family reads (each one's layer options: `families.py`).
 LLAMA_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                       "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text"}
+                       "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text", "SmolLM3ForCausalLM": "smollm3"}
 #: What a layer attends to: every earlier key, or the last `sliding_window` keys (HF `layer_types` values).
 LayerType = Literal["full_attention", "sliding_attention"]
 
@@ -39,7 +39,7 @@ class LlamaModelConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     architecture: Literal["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                          "Gemma3ForCausalLM"] = "LlamaForCausalLM"
+                          "Gemma3ForCausalLM", "SmolLM3ForCausalLM"] = "LlamaForCausalLM"
     vocab_size: Size
     hidden_size: Size
     intermediate_size: Size  # SwiGLU width
@@ -70,6 +70,8 @@ class LlamaModelConfig(BaseModel):
     sliding_window: Size | None = None  # keys a `sliding_attention` layer sees: the query's and the window − 1 before
     layer_types: tuple[LayerType, ...] | None = None  # per decoder layer; None: every layer full_attention
     rope_local_theta: float | None = Field(default=None, gt=0)  # RoPE base of sliding layers (None: rope_theta)
+    #: per decoder layer 1 = RoPE, 0 = none (NoPE: SmolLM3's every 4th layer; HF `no_rope_layers`); None: RoPE on all
+    no_rope_layers: tuple[Literal[0, 1], ...] | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     torch_dtype: str = "float32"  # dtype the checkpoint was saved in
@@ -107,6 +109,9 @@ class LlamaModelConfig(BaseModel):
                                  f"{self.num_hidden_layers}")
             if "sliding_attention" in self.layer_types and self.sliding_window is None:
                 raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+        if self.no_rope_layers is not None and len(self.no_rope_layers) != self.num_hidden_layers:
+            raise ValueError(f"no_rope_layers lists {len(self.no_rope_layers)} layers; num_hidden_layers is "
+                             f"{self.num_hidden_layers}")
         return self
 
     # Derived sizes -------------------------------------------------------------------------------
@@ -127,6 +132,16 @@ class LlamaModelConfig(BaseModel):
     @property
     def has_sliding_layers(self) -> bool:
         return "sliding_attention" in (self.layer_types or ())
+
+    @property
+    def layer_input_keys(self) -> tuple[str, ...] | None:
+        """Per decoder layer, the `attention_inputs` entry it reads: its layer type, with ":nope" for a NoPE layer;
+        None where every layer is a full-attention RoPE one."""
+        if not self.has_sliding_layers and 0 not in (self.no_rope_layers or ()):
+            return None
+        types = self.layer_types or ("full_attention",) * self.num_hidden_layers
+        ropes = self.no_rope_layers or (1,) * self.num_hidden_layers
+        return tuple(t if r else f"{t}:nope" for t, r in zip(types, ropes))
 
     # Loading -------------------------------------------------------------------------------------
     @classmethod

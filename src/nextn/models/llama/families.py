@@ -1,6 +1,6 @@
 """What each dense family adds to the Llama layer, read from its HF `config.json`: the layer options of
-`LlamaModelConfig` and the rotary settings, one function per architecture (Mistral and Qwen2/Qwen3 differ from
-Llama only in biases, q/k norms and sliding windows).
+`LlamaModelConfig` and the rotary settings, one function per architecture (Mistral, Qwen2/Qwen3 and SmolLM3 differ
+from Llama only in biases, q/k norms, sliding windows and NoPE layers).
 
 A family is a config + a weight map + layer options (docs/ARCHITECTURE.md, "Adding a model family"): the module
 (`model.py`) and the weight layout (`weights.py`) read these options; nothing is copied per family. Defaults follow
@@ -32,6 +32,12 @@ def family_options(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
         options["qkv_bias"] = bool(hf.get("qkv_bias", True))  # Qwen2Attention: q/k/v biased, o not
     if arch == "Qwen3ForCausalLM":
         options["qk_norm"] = True
+    if arch == "SmolLM3ForCausalLM":
+        layers, every = hf.get("num_hidden_layers"), int(hf.get("no_rope_layer_interval") or 4)
+        nope = hf.get("no_rope_layers")
+        if nope is None and type(layers) is int:
+            nope = [int((i + 1) % every != 0) for i in range(layers)]
+        options.update(no_rope_layers=nope, tie_word_embeddings=hf.get("tie_word_embeddings", True))
     return options
 
 
@@ -44,7 +50,7 @@ def _windows(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
         return {}
     if arch == "MistralForCausalLM":
         return {"sliding_window": window, "layer_types": ["sliding_attention"] * layers}
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and hf.get("use_sliding_window"):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM") and hf.get("use_sliding_window"):
         first = hf.get("max_window_layers", 28)
         types = hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
         return {"sliding_window": window, "layer_types": types}

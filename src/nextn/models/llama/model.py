@@ -200,8 +200,9 @@ class LlamaForCausalLM(SelfDraftingCausalLM):
         self.lm_head: nn.Module = (TiedLMHead(self.model.embed_tokens) if cfg.tie_word_embeddings
                                    else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
         self._register_load_state_dict_pre_hook(self._drop_tied_copy)
+        self.layer_types = cfg.layer_input_keys
         if cfg.has_sliding_layers:
-            self.layer_types, self.sliding_window = cfg.layer_types, cfg.sliding_window
+            self.sliding_window = cfg.sliding_window
         self.draft_head_weight: torch.Tensor | None = None
         self.register_buffer("rope_table", rope_cache(cfg, max_positions or cfg.max_position_embeddings),
                              persistent=False)
