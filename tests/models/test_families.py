@@ -1,7 +1,7 @@
-"""Every dense family beyond Llama (Qwen3, Gemma 3 text, Mistral with a sliding window) decodes exactly as `transformers` in float32: tiny random
-checkpoints made at test time, read from HF safetensors and from the GGUF llama.cpp's own converter writes of them,
-logits over the paged cache (prompts crossing Gemma's sliding window) and greedy tokens through the engine — plain and
-with the NGram and Suffix drafters."""
+"""Every dense family beyond Llama (Qwen3, Gemma 3 text, Mistral with a sliding window, SmolLM3) decodes exactly as
+`transformers` in float32: tiny random checkpoints made at test time, read from HF safetensors and from the GGUF that
+llama.cpp's own converter writes of them; logits over the paged cache (prompts crossing sliding windows) and greedy
+tokens through the engine — plain and with the NGram and Suffix drafters — and MTP modules trained on them."""
 
 from __future__ import annotations
 
@@ -126,7 +126,8 @@ def test_family_configs_and_refusals():
     assert modern == legacy
     assert modern.layer_types == ("sliding_attention",) * 5 + ("full_attention",)
     assert (modern.rope_local_theta, modern.rope_scaling.factor, modern.softmax_scale) == (1e4, 8.0, 256**-0.5)
-    assert modern.embedding_multiplier == 8.0 and modern.hidden_act == "gelu_pytorch_tanh" and modern.tie_word_embeddings
+    assert modern.embedding_multiplier == 8.0 and modern.hidden_act == "gelu_pytorch_tanh"
+    assert modern.tie_word_embeddings
     with pytest.raises(ConfigError, match="use_bidirectional_attention"):
         LlamaModelConfig.from_hf({**base, "use_bidirectional_attention": True})
     with pytest.raises(ConfigError, match="final_logit_softcapping"):

@@ -289,7 +289,8 @@ class GGUFCheckpoint:
         o_bias = "model.layers.0.self_attn.o_proj.bias" in self._tensors
         layers = count("block_count")
         kinds = {"count": lambda k, d: self._count(f"{arch}.{k}", d) if d else self._count(f"{arch}.{k}"),
-                 "number": lambda k, d: self._number(f"{arch}.{k}", d), "raw": lambda k, d: self._field(f"{arch}.{k}", d)}
+                 "number": lambda k, d: self._number(f"{arch}.{k}", d),
+                 "raw": lambda k, d: self._field(f"{arch}.{k}", d)}
         options = family_config(arch, lambda k, kind, d: kinds[kind](k, d), layers, hidden, heads, head_dim)
         return {
             "architectures": [SUPPORTED_ARCHITECTURES[arch]],

@@ -79,11 +79,13 @@ struct Norm {
   const void* w = nullptr;
   bool f32 = false;
   void apply(const uint16_t* x, int64_t n, float eps, uint16_t* out) const {
-    if (f32) return rms_norm_f32w([&](int64_t i) { return load_bf16(x + i); }, static_cast<const float*>(w), n, eps, out);
+    const float* s = static_cast<const float*>(w);
+    if (f32) return rms_norm_f32w([&](int64_t i) { return load_bf16(x + i); }, s, n, eps, out);
     rms_norm(x, static_cast<const uint16_t*>(w), n, eps, out);
   }
   void apply(const float* x, int64_t n, float eps, uint16_t* out) const {
-    if (f32) return rms_norm_f32w([&](int64_t i) { return simd::load(x + i); }, static_cast<const float*>(w), n, eps, out);
+    const float* s = static_cast<const float*>(w);
+    if (f32) return rms_norm_f32w([&](int64_t i) { return simd::load(x + i); }, s, n, eps, out);
     V16 ss = simd::zero();
     for (int64_t i = 0; i < n; i += 16) ss = simd::fmadd(simd::load(x + i), simd::load(x + i), ss);
     const V16 inv = simd::set1(1.f / std::sqrt(simd::reduce_add(ss) / float(n) + eps));

@@ -2,7 +2,8 @@
 
 One config covers Llama (`LlamaForCausalLM`), Mistral (sliding-window layers where its config sets a window), Qwen2
 (q/k/v biases), Qwen3 (q/k norms), Gemma 3 text (sandwich norms, GELU-tanh, scaled embeddings, sliding-window
-layers) and SmolLM3 (NoPE layers): one model with layer options, not a copy per family (`families.py` sets them per architecture).
+layers) and SmolLM3 (NoPE layers): one model with layer options, not a copy per family (`families.py` sets them
+per architecture).
 
 Two spellings of the rotary settings occur and both load:
 - older `transformers` / Meta releases: `rope_theta` + `rope_scaling: {rope_type: llama3, factor, ...}` (or null);

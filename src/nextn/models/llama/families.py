@@ -45,14 +45,16 @@ def _windows(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
     """`sliding_window` and `layer_types` where the family's `transformers` attention uses a window: Mistral on every
     layer when `sliding_window` is set (`MistralConfig`: 4096 by default; Mistral 7B v0.2+ and Ministral leave it
     null), Qwen2/Qwen3 on the layers from `max_window_layers` on when `use_sliding_window` (their `layer_types`)."""
-    layers, window = hf.get("num_hidden_layers"), hf.get("sliding_window", 4096 if arch == "MistralForCausalLM" else None)
+    layers = hf.get("num_hidden_layers")
+    window = hf.get("sliding_window", 4096 if arch == "MistralForCausalLM" else None)
     if type(layers) is not int or window is None:
         return {}
     if arch == "MistralForCausalLM":
         return {"sliding_window": window, "layer_types": ["sliding_attention"] * layers}
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM") and hf.get("use_sliding_window"):
         first = hf.get("max_window_layers", 28)
-        types = hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+        types = hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
+                                          for i in range(layers)]
         return {"sliding_window": window, "layer_types": types}
     return {}
 
