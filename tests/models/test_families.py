@@ -1,4 +1,4 @@
-"""Every dense family beyond Llama (Qwen3, Gemma 3 text, Mistral with a sliding window, SmolLM3) decodes exactly as
+"""Every dense family beyond Llama (Qwen3, Gemma 3 text, Mistral with a sliding window, SmolLM3, Granite) decodes as
 `transformers` in float32: tiny random checkpoints made at test time, read from HF safetensors and from the GGUF that
 llama.cpp's own converter writes of them; logits over the paged cache (prompts crossing sliding windows) and greedy
 tokens through the engine — plain and with the NGram and Suffix drafters — and MTP modules trained on them."""

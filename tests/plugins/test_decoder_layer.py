@@ -36,18 +36,22 @@ def _tiny_qwen2(path):
     hf.save_pretrained(path)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen2-two-level", "llama-w4a8", "qwen3", "gemma3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen2-two-level", "llama-w4a8", "qwen3", "gemma3",
+                                        "granite"])
 def engine(request, tmp_path_factory):
     """A W4A16 engine whose layers take the op: hidden 128, FFN 128 / 192, head_dim 32; two-level scales (super-blocks
     of 4 and 6 groups) on the Qwen2 model too; W4A8 (int8 activations) on the Llama model; Qwen3 (q/k norms) and
-    Gemma 3 (sandwich unit-offset norms, q/k norms, GELU-tanh, sliding-window layers of 4 keys: 7 layers)."""
+    Gemma 3 (sandwich unit-offset norms, q/k norms, GELU-tanh, sliding-window layers of 4 keys: 7 layers), Granite
+    (residual multiplier 0.5)."""
     root = tmp_path_factory.mktemp(request.param)
-    if request.param in ("qwen3", "gemma3"):
+    if request.param in ("qwen3", "gemma3", "granite"):
         from nextn.testing.tiny_families import tiny_hf_model
 
         extra = dict(sliding_window=4) if request.param == "gemma3" else {}
+        if request.param != "granite":
+            extra["head_dim"] = 32  # Granite's head size is hidden / heads
         tiny_hf_model({"gemma3": "gemma3_text"}.get(request.param, request.param), seed=1, vocab_size=320,
-                      hidden_size=128, intermediate_size=128, head_dim=32, **extra).save_pretrained(root / "ckpt")
+                      hidden_size=128, intermediate_size=128, **extra).save_pretrained(root / "ckpt")
     elif request.param.startswith("llama"):
         tiny_hf_llama(vocab_size=320, lm_head_scale=20.0, hidden_size=128, intermediate_size=128).save_pretrained(
             root / "ckpt")

@@ -14,10 +14,10 @@ from typing import Any
 
 #: GGUF `general.architecture` → the HF architecture nextn builds it as.
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                           "gemma3": "Gemma3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+                           "gemma3": "Gemma3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM"}
 #: Architectures whose q/k rows llama.cpp permutes at conversion (convert_hf_to_gguf.py `LlamaModel.permute`;
-#: `SmolLM3Model` is a `LlamaModel`).
-PERMUTED_ARCHITECTURES = ("llama", "smollm3")
+#: `SmolLM3Model` and `GraniteModel` are `LlamaModel`s).
+PERMUTED_ARCHITECTURES = ("llama", "smollm3", "granite")
 #: GGUF architectures that are mixture-of-experts models (refused by name until nextn's MoE layer reads them).
 MOE_ARCHITECTURES = frozenset({"qwen2moe", "qwen3moe", "qwen35moe", "mixtral", "olmoe", "gpt-oss", "glm4moe",
                                "deepseek2", "deepseek", "dbrx", "grok", "arctic", "granitemoe", "llama4", "bailingmoe",
@@ -41,7 +41,7 @@ _QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm
 _GEMMA_BLOCK = {**_LLAMA_BLOCK, **_QK_NORMS, "post_attention_norm": "post_attention_layernorm",
                 "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 BLOCK_NAMES = {"llama": _LLAMA_BLOCK, "qwen2": _LLAMA_BLOCK, "qwen3": {**_LLAMA_BLOCK, **_QK_NORMS},
-               "gemma3": _GEMMA_BLOCK, "smollm3": _LLAMA_BLOCK}
+               "gemma3": _GEMMA_BLOCK, "smollm3": _LLAMA_BLOCK, "granite": _LLAMA_BLOCK}
 
 
 def global_names() -> dict[str, str]:
@@ -61,6 +61,11 @@ def family_config(arch: str, key: Callable[..., Any], layers: int, hidden: int, 
     `{arch}.{name}` as "count", "number" or "raw" (any value)); {} for the Llama layout."""
     if arch == "smollm3":  # llama.cpp's smollm3.cpp: no RoPE on every 4th layer, a fixed step (no metadata key)
         return {"no_rope_layers": [int((i + 1) % 4 != 0) for i in range(layers)]}
+    if arch == "granite":  # conversion/granite.py writes HF's *_multiplier as llama.cpp's *_scale keys
+        return {"embedding_multiplier": key("embedding_scale", "number", 1.0),
+                "attention_multiplier": key("attention.scale", "number", 1.0),
+                "residual_multiplier": key("residual_scale", "number", 1.0),
+                "logits_scaling": key("logit_scale", "number", 1.0)}
     if arch != "gemma3":
         return {}
     window = key("attention.sliding_window", "count", 0)

@@ -45,6 +45,7 @@ class SelfDraftingCausalLM(nn.Module):
     #: attributes, set by a family with such layers (torch.compile traces them).
     layer_types: tuple[str, ...] | None = None
     sliding_window: int | None = None
+    logits_scaling: float = 1.0  # logits ÷ this (Granite's `logits_scaling`)
 
     def __init__(self) -> None:
         super().__init__()
@@ -89,12 +90,14 @@ class SelfDraftingCausalLM(nn.Module):
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """lm_head: [..., hidden] → [..., vocab] fp32."""
+        """lm_head: [..., hidden] → [..., vocab] fp32 (÷ `logits_scaling` where the family has one)."""
         if self.lm_head_quantized:
-            return self.lm_head(hidden).float()
-        if self.dense_lm_head is not None:
-            return self.dense_lm_head(hidden).float()
-        return vocab_projection(self.lm_head.weight, hidden).float()
+            logits = self.lm_head(hidden).float()
+        elif self.dense_lm_head is not None:
+            logits = self.dense_lm_head(hidden).float()
+        else:
+            logits = vocab_projection(self.lm_head.weight, hidden).float()
+        return logits / self.logits_scaling if self.logits_scaling != 1.0 else logits
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The drafters' lm_head: [..., hidden] → [..., vocab] fp32, through `draft_head_weight` when set.
@@ -106,10 +109,12 @@ class SelfDraftingCausalLM(nn.Module):
         if self.draft_head is not None:
             logits = self.draft_head(hidden).float()
         elif self.draft_head_weight is None and self.lm_head_quantized:
-            return self.lm_head(hidden).float()
+            return self.logits(hidden)
         else:
             weight = self.draft_head_weight if self.draft_head_weight is not None else self.lm_head.weight
             logits = vocab_projection(weight, hidden.to(weight.dtype)).float()  # fp32 argmax is faster on CPU
+        if self.logits_scaling != 1.0:
+            logits = logits / self.logits_scaling
         if self.draft_hot_tokens is None:
             return logits
         full = logits.new_full((*logits.shape[:-1], self.cfg.vocab_size), float("-inf"))

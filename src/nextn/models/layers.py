@@ -88,11 +88,12 @@ class PreNormDecoderLayer(nn.Module):
     """
 
     def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float, sandwich: bool = False,
-                 norm: type[RMSNorm] = RMSNorm) -> None:
+                 norm: type[RMSNorm] = RMSNorm, residual_multiplier: float = 1.0) -> None:
         super().__init__()
         self.self_attn = self_attn
         self.mlp = mlp
         self.sandwich = sandwich
+        self.residual_multiplier = residual_multiplier  # Granite: x + r · branch (1.0: x + branch)
         self.input_layernorm = norm(hidden_size, eps=eps)
         self.post_attention_layernorm = norm(hidden_size, eps=eps)
         if sandwich:
@@ -104,5 +105,9 @@ class PreNormDecoderLayer(nn.Module):
         if self.sandwich:
             x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta))
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        r = self.residual_multiplier
+        if r != 1.0:
+            x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta) * r
+            return x + self.mlp(self.post_attention_layernorm(x)) * r
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))

@@ -52,6 +52,7 @@ class FusedLayerWeights:
     sandwich: bool = False
     qk_norm: bool = False
     activation: int = 0  # ACTIVATIONS
+    residual_multiplier: float = 1.0  # Granite
 
 
 def _int4_linears(*linears: nn.Module) -> tuple[int, bool] | None:
@@ -117,12 +118,14 @@ def fuse_layer(layer: nn.Module) -> FusedLayerWeights | None:
     norms = _norm_operands(layer)
     hidden, inter = attn.o_proj.out_features, mlp.gate_proj.out_features
     activation = ACTIVATIONS.get(getattr(mlp, "act_name", "silu"))
+    residual = float(getattr(layer, "residual_multiplier", 1.0))
     if (norms is None or activation is None or hidden % 64 or inter % 64 or attn.head_dim % 32
-            or attn.head_dim > 256):
+            or attn.head_dim > 256 or (residual != 1.0 and getattr(layer, "sandwich", False))):
         return None
     return FusedLayerWeights(norms, _concat_rows(qkv), _one(attn.o_proj), _concat_rows([mlp.gate_proj, mlp.up_proj]),
                              _one(mlp.down_proj), *kind, sandwich=getattr(layer, "sandwich", False),
-                             qk_norm=getattr(attn, "qk_norm", False), activation=activation)
+                             qk_norm=getattr(attn, "qk_norm", False), activation=activation,
+                             residual_multiplier=residual)
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,7 @@ class FusedStack:
     qk_norm: bool = False
     activation: int = 0
     sliding: list[int] = ()
+    residual_multiplier: float = 1.0
 
 
 def fuse_stack(layers: list[nn.Module], layer_types: tuple[str, ...] | None = None) -> FusedStack | None:
@@ -161,16 +165,17 @@ def fuse_stack(layers: list[nn.Module], layer_types: tuple[str, ...] | None = No
         attn = layer.self_attn
         return (f.group_size, f.int8_activations, len(f.qkv), len(f.o), len(f.gate_up), len(f.down), attn.num_heads,
                 attn.num_kv_heads, float(layer.input_layernorm.eps), float(attn.scale), f.sandwich, f.qk_norm,
-                f.activation, f.norms[0].dtype)
+                f.activation, f.norms[0].dtype, f.residual_multiplier)
 
     shapes = {shape(layer, f) for layer, f in zip(layers, fs)}
     if len(shapes) != 1 or any(":" in t for t in layer_types or ()):
         return None  # NoPE layers (SmolLM3) take the op one layer at a time, each with its rope rows
-    group, int8, *arity, heads, kv_heads, eps, scale, sandwich, qk_norm, activation, _ = shapes.pop()
+    group, int8, *arity, heads, kv_heads, eps, scale, sandwich, qk_norm, activation, _, residual = shapes.pop()
     sliding = [int(t == "sliding_attention") for t in layer_types] if layer_types else []
     return FusedStack([n for f in fs for n in f.norms], [t for f in fs for t in f.qkv],
                       [t for f in fs for t in f.o], [t for f in fs for t in f.gate_up], [t for f in fs for t in f.down],
-                      list(arity), heads, kv_heads, group, eps, scale, int8, sandwich, qk_norm, activation, sliding)
+                      list(arity), heads, kv_heads, group, eps, scale, int8, sandwich, qk_norm, activation, sliding,
+                      residual)
 
 
 def install_fused_layers(model: nn.Module) -> int:
@@ -203,7 +208,7 @@ def fused_forward(layer: nn.Module, x: torch.Tensor, cos_sin: torch.Tensor, kv_c
     return cpu_kernels.ops().llama_decoder_layer(
         x, cos_sin, kv_cache, meta.slot_mapping.reshape(-1), meta.context_slots, meta.visible, f.norms, f.qkv, f.o,
         f.gate_up, f.down, attn.num_heads, attn.num_kv_heads, f.group_size, layer.input_layernorm.eps, attn.scale,
-        f.int8_activations, f.sandwich, f.qk_norm, f.activation)
+        f.int8_activations, f.sandwich, f.qk_norm, f.activation, f.residual_multiplier)
 
 
 def stack_forward(stack: FusedStack, x: torch.Tensor, inputs: dict, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -217,4 +222,4 @@ def stack_forward(stack: FusedStack, x: torch.Tensor, inputs: dict, kv_cache: to
         stack.o, stack.gate_up, stack.down, stack.arity, stack.num_heads, stack.num_kv_heads, stack.group_size,
         stack.eps, stack.scale, stack.int8_activations, stack.sandwich, stack.qk_norm, stack.activation,
         local_cs.contiguous() if local_cs is not None else None,
-        local_meta.visible if local_meta is not None else None, list(stack.sliding))
+        local_meta.visible if local_meta is not None else None, list(stack.sliding), stack.residual_multiplier)

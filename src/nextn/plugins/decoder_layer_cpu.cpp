@@ -7,7 +7,7 @@
 //       all bf16 (Llama's w * bf16(x_hat)) or all f32 (Gemma's bf16(x_hat * s), s = 1 + w)), qkv, o, gate_up, down
 //       (each [w, scale, zero] or [w, scale, zero, bias]: the int4 weights of woq_linear_cpu.cpp, one- or two-level
 //       scales), num_heads, num_kv_heads, group_size, eps, scale, int8_activations, sandwich, qk_norm, activation
-//       (0 SiLU, 1 GELU-tanh)) -> [B, T, H] bf16
+//       (0 SiLU, 1 GELU-tanh), residual_multiplier (Granite's; not with sandwich)) -> [B, T, H] bf16
 //   nextn::llama_decoder_stack(x, cos_sin, kv_cache [layers, slots, 2 * NKV * D], ..., norms, qkv, o, gate_up, down
 //       (every layer's operands, layer after layer), arity, ..., cos_sin_local, visible_local, sliding (per layer:
 //       1 = a sliding-window layer, which takes the _local rope rows and mask)) -> [B, T, H] bf16: all the layers
@@ -118,9 +118,16 @@ inline void round_row(float* x, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) simd::store(x + i, round_bf16(simd::load(x + i)));
 }
 
-// out[i] = bf16(a[i] + bf16(b[i])): a residual add (a bf16, b the f32 matmul output)
-inline void residual_add(const uint16_t* a, const float* b, int64_t n, uint16_t* out) {
-  for (int64_t i = 0; i < n; i += 16) store_bf16(out + i, load_bf16(a + i) + round_bf16(simd::load(b + i)));
+// out[i] = bf16(a[i] + bf16(b[i])): a residual add (a bf16, b the f32 matmul output); with a residual multiplier
+// r != 1 (Granite) bf16(a[i] + bf16(bf16(b[i]) * r)), as the modules' bf16 `x + branch * r`
+inline void residual_add(const uint16_t* a, const float* b, int64_t n, uint16_t* out, float r) {
+  if (r == 1.f) {
+    for (int64_t i = 0; i < n; i += 16) store_bf16(out + i, load_bf16(a + i) + round_bf16(simd::load(b + i)));
+    return;
+  }
+  const V16 rv = simd::set1(r);
+  for (int64_t i = 0; i < n; i += 16)
+    store_bf16(out + i, load_bf16(a + i) + round_bf16(round_bf16(simd::load(b + i)) * rv));
 }
 
 // One int4 linear's tensors: [w, scale, zero] (one- or two-level scales: cpu_kernels.h) and an optional f32 bias
@@ -167,7 +174,8 @@ at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& cos_sin, a
                                const at::Tensor& visible, at::TensorList norms, at::TensorList qkv_t,
                                at::TensorList o_t, at::TensorList gate_up_t, at::TensorList down_t, int64_t num_heads,
                                int64_t num_kv_heads, int64_t group_size, double eps, double scale,
-                               bool int8_activations, bool sandwich, bool qk_norm, int64_t activation) {
+                               bool int8_activations, bool sandwich, bool qk_norm, int64_t activation,
+                               double residual_multiplier) {
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
               "llama_decoder_layer: x must be a [B, T, H] bfloat16 CPU tensor");
   const int64_t B = x.size(0), T = x.size(1), H = x.size(2), M = B * T;
@@ -199,6 +207,7 @@ at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& cos_sin, a
                 "llama_decoder_layer: norm ", j, " must be contiguous [", n, "], all bfloat16 or all float32");
   }
   TORCH_CHECK(activation == 0 || activation == 1, "llama_decoder_layer: activation must be 0 (SiLU) or 1 (GELU-tanh)");
+  TORCH_CHECK(!sandwich || residual_multiplier == 1.0, "llama_decoder_layer: a residual multiplier with sandwich norms");
   TORCH_CHECK(group_size % 32 == 0 && group_size > 0, "llama_decoder_layer: group_size must be a multiple of 32");
   TORCH_CHECK(gate_up_t.size() >= 1 && gate_up_t[0].dim() == 2 && gate_up_t[0].size(0) % 2 == 0,
               "llama_decoder_layer: gate_up must hold the gate then the up rows");
@@ -264,7 +273,7 @@ at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& cos_sin, a
         store_bf16(x1.data() + m * H + i, load_bf16(xp + m * H + i) + load_bf16(tmp.data() + m * H + i));
       pre_ff.apply(x1.data() + m * H, H, float(eps), h.data() + m * H);
     } else {
-      residual_add(xp + m * H, f.data() + m * H, H, x1.data() + m * H);
+      residual_add(xp + m * H, f.data() + m * H, H, x1.data() + m * H, float(residual_multiplier));
       post_norm.apply(x1.data() + m * H, H, float(eps), h.data() + m * H);
     }
   });
@@ -288,7 +297,7 @@ at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& cos_sin, a
       for (int64_t i = 0; i < H; i += 16)
         store_bf16(op + m * H + i, load_bf16(x1.data() + m * H + i) + load_bf16(tmp.data() + m * H + i));
     } else {
-      residual_add(x1.data() + m * H, f.data() + m * H, H, op + m * H);
+      residual_add(x1.data() + m * H, f.data() + m * H, H, op + m * H, float(residual_multiplier));
     }
   });
   return out;
@@ -306,7 +315,8 @@ at::Tensor llama_decoder_stack(const at::Tensor& x, const at::Tensor& cos_sin, a
                                int64_t num_kv_heads, int64_t group_size, double eps, double scale,
                                bool int8_activations, bool sandwich, bool qk_norm, int64_t activation,
                                const std::optional<at::Tensor>& cos_sin_local,
-                               const std::optional<at::Tensor>& visible_local, at::IntArrayRef sliding) {
+                               const std::optional<at::Tensor>& visible_local, at::IntArrayRef sliding,
+                               double residual_multiplier) {
   TORCH_CHECK(arity.size() == 4, "llama_decoder_stack: arity must give the tensors a layer of qkv, o, gate_up, down");
   const int64_t per = 2 + 2 * sandwich + 2 * qk_norm;
   TORCH_CHECK(norms.size() % per == 0 && !norms.empty(), "llama_decoder_stack: norms must hold ", per,
@@ -329,7 +339,8 @@ at::Tensor llama_decoder_stack(const at::Tensor& x, const at::Tensor& cos_sin, a
                             local ? *visible_local : visible, norms.slice(i * per, per),
                             qkv.slice(i * arity[0], arity[0]), o.slice(i * arity[1], arity[1]),
                             gate_up.slice(i * arity[2], arity[2]), down.slice(i * arity[3], arity[3]), num_heads,
-                            num_kv_heads, group_size, eps, scale, int8_activations, sandwich, qk_norm, activation);
+                            num_kv_heads, group_size, eps, scale, int8_activations, sandwich, qk_norm, activation,
+                            residual_multiplier);
   }
   return h;
 }
@@ -341,12 +352,13 @@ TORCH_LIBRARY_FRAGMENT(NEXTN_OPS, m) {
         "Tensor context_slots, Tensor visible, Tensor[] norms, Tensor[] qkv, Tensor[] o, "
         "Tensor[] gate_up, Tensor[] down, int num_heads, int num_kv_heads, int group_size, float eps, "
         "float scale, bool int8_activations=False, bool sandwich=False, bool qk_norm=False, "
-        "int activation=0) -> Tensor");
+        "int activation=0, float residual_multiplier=1.0) -> Tensor");
   m.def("llama_decoder_stack(Tensor x, Tensor cos_sin, Tensor(a!) kv_cache, Tensor slot_mapping, "
         "Tensor context_slots, Tensor visible, Tensor[] norms, Tensor[] qkv, Tensor[] o, Tensor[] gate_up, "
         "Tensor[] down, int[] arity, int num_heads, int num_kv_heads, int group_size, float eps, float scale, "
         "bool int8_activations=False, bool sandwich=False, bool qk_norm=False, int activation=0, "
-        "Tensor? cos_sin_local=None, Tensor? visible_local=None, int[] sliding=[]) -> Tensor");
+        "Tensor? cos_sin_local=None, Tensor? visible_local=None, int[] sliding=[], "
+        "float residual_multiplier=1.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(NEXTN_OPS, CPU, m) {

@@ -2,7 +2,7 @@
 
 One config covers Llama (`LlamaForCausalLM`), Mistral (sliding-window layers where its config sets a window), Qwen2
 (q/k/v biases), Qwen3 (q/k norms), Gemma 3 text (sandwich norms, GELU-tanh, scaled embeddings, sliding-window
-layers) and SmolLM3 (NoPE layers): one model with layer options, not a copy per family (`families.py` sets them
+layers), SmolLM3 (NoPE layers) and Granite (embedding, attention, residual and logit multipliers): one model with layer options, not a copy per family (`families.py` sets them
 per architecture).
 
 Two spellings of the rotary settings occur and both load:
@@ -26,7 +26,8 @@ __all__ = ["LLAMA_ARCHITECTURES", "LayerType", "LinearRopeScaling", "Llama3RopeS
 
 #: HF architecture → model_type of the checkpoints this family reads (each one's layer options: `families.py`).
 LLAMA_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                       "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text", "SmolLM3ForCausalLM": "smollm3"}
+                       "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text", "SmolLM3ForCausalLM": "smollm3",
+                       "GraniteForCausalLM": "granite"}
 #: What a layer attends to: every earlier key, or the last `sliding_window` keys (HF `layer_types` values).
 LayerType = Literal["full_attention", "sliding_attention"]
 
@@ -40,7 +41,7 @@ class LlamaModelConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     architecture: Literal["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                          "Gemma3ForCausalLM", "SmolLM3ForCausalLM"] = "LlamaForCausalLM"
+                          "Gemma3ForCausalLM", "SmolLM3ForCausalLM", "GraniteForCausalLM"] = "LlamaForCausalLM"
     vocab_size: Size
     hidden_size: Size
     intermediate_size: Size  # SwiGLU width
@@ -73,6 +74,9 @@ class LlamaModelConfig(BaseModel):
     rope_local_theta: float | None = Field(default=None, gt=0)  # RoPE base of sliding layers (None: rope_theta)
     #: per decoder layer 1 = RoPE, 0 = none (NoPE: SmolLM3's every 4th layer; HF `no_rope_layers`); None: RoPE on all
     no_rope_layers: tuple[Literal[0, 1], ...] | None = None
+    attention_multiplier: float | None = Field(default=None, gt=0)  # the softmax scale itself (Granite)
+    residual_multiplier: float = Field(default=1.0, gt=0)  # each residual branch × this before its add (Granite)
+    logits_scaling: float = Field(default=1.0, gt=0)  # logits ÷ this (Granite)
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     torch_dtype: str = "float32"  # dtype the checkpoint was saved in
@@ -128,6 +132,8 @@ class LlamaModelConfig(BaseModel):
 
     @property
     def softmax_scale(self) -> float:
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property

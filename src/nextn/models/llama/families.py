@@ -1,6 +1,6 @@
 """What each dense family adds to the Llama layer, read from its HF `config.json`: the layer options of
-`LlamaModelConfig` and the rotary settings, one function per architecture (Mistral, Qwen2/Qwen3 and SmolLM3 differ
-from Llama only in biases, q/k norms, sliding windows and NoPE layers).
+`LlamaModelConfig` and the rotary settings, one function per architecture (Mistral, Qwen2/Qwen3, SmolLM3 and Granite
+differ from Llama only in biases, q/k norms, sliding windows, NoPE layers and multipliers).
 
 A family is a config + a weight map + layer options (docs/ARCHITECTURE.md, "Adding a model family"): the module
 (`model.py`) and the weight layout (`weights.py`) read these options; nothing is copied per family. Defaults follow
@@ -32,6 +32,11 @@ def family_options(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
         options["qkv_bias"] = bool(hf.get("qkv_bias", True))  # Qwen2Attention: q/k/v biased, o not
     if arch == "Qwen3ForCausalLM":
         options["qk_norm"] = True
+    if arch == "GraniteForCausalLM":  # GraniteConfig's multipliers, 1.0 by default
+        options.update(embedding_multiplier=float(hf.get("embedding_multiplier") or 1.0),
+                       attention_multiplier=float(hf.get("attention_multiplier") or 1.0),
+                       residual_multiplier=float(hf.get("residual_multiplier") or 1.0),
+                       logits_scaling=float(hf.get("logits_scaling") or 1.0))
     if arch == "SmolLM3ForCausalLM":
         layers, every = hf.get("num_hidden_layers"), int(hf.get("no_rope_layer_interval") or 4)
         nope = hf.get("no_rope_layers")

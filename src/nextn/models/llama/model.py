@@ -123,7 +123,8 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
 
     def __init__(self, cfg: LlamaModelConfig) -> None:
         super().__init__(LlamaAttention(cfg), GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act),
-                         cfg.hidden_size, cfg.rms_norm_eps, sandwich=cfg.sandwich_norm, norm=norm_class(cfg))
+                         cfg.hidden_size, cfg.rms_norm_eps, sandwich=cfg.sandwich_norm, norm=norm_class(cfg),
+                         residual_multiplier=cfg.residual_multiplier)
 
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor, meta) -> torch.Tensor:
         """x: [B, T, hidden] → [B, T, hidden]; writes this layer's KV (kv_cache: [num_slots, kv dim])."""
@@ -163,7 +164,8 @@ class LlamaBody(nn.Module):
     def __init__(self, cfg: LlamaModelConfig) -> None:
         super().__init__()
         self.embed_tokens = (ScaledEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.embedding_multiplier)
-                             if cfg.embedding_multiplier else nn.Embedding(cfg.vocab_size, cfg.hidden_size))
+                             if cfg.embedding_multiplier not in (None, 1.0) else nn.Embedding(cfg.vocab_size,
+                                                                                              cfg.hidden_size))
         self.layers = nn.ModuleList([LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)]
                                     + [LlamaMTPLayer(cfg) for _ in range(cfg.num_nextn_predict_layers)])
         self.norm = norm_class(cfg)(cfg.hidden_size, eps=cfg.rms_norm_eps)
@@ -201,6 +203,7 @@ class LlamaForCausalLM(SelfDraftingCausalLM):
                                    else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
         self._register_load_state_dict_pre_hook(self._drop_tied_copy)
         self.layer_types = cfg.layer_input_keys
+        self.logits_scaling = cfg.logits_scaling
         if cfg.has_sliding_layers:
             self.sliding_window = cfg.sliding_window
         self.draft_head_weight: torch.Tensor | None = None
