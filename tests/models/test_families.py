@@ -1,4 +1,4 @@
-"""Every dense family beyond Llama (Qwen3, Gemma 3 text, Mistral with a sliding window, SmolLM3, Granite) decodes as
+"""Every dense family beyond Llama (Qwen3, Gemma 3, Mistral's window, SmolLM3, Granite, OLMo 2) decodes as
 `transformers` in float32: tiny random checkpoints made at test time, read from HF safetensors and from the GGUF that
 llama.cpp's own converter writes of them; logits over the paged cache (prompts crossing sliding windows) and greedy
 tokens through the engine — plain and with the NGram and Suffix drafters — and MTP modules trained on them."""
@@ -133,7 +133,7 @@ def test_family_configs_and_refusals():
     with pytest.raises(ConfigError, match="final_logit_softcapping"):
         LlamaModelConfig.from_hf({**base, "final_logit_softcapping": 30.0})
     qwen3 = dict(base, architectures=["Qwen3ForCausalLM"])
-    assert LlamaModelConfig.from_hf(qwen3).qk_norm and not LlamaModelConfig.from_hf(qwen3).sandwich_norm
+    assert LlamaModelConfig.from_hf(qwen3).qk_norm and LlamaModelConfig.from_hf(qwen3).norm_placement == "pre"
     windowed = LlamaModelConfig.from_hf({**qwen3, "use_sliding_window": True, "max_window_layers": 4})
     assert windowed.layer_types == ("full_attention",) * 4 + ("sliding_attention",) * 2
     mistral = LlamaModelConfig.from_hf(dict(base, architectures=["MistralForCausalLM"], sliding_window=None))

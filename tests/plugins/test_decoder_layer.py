@@ -37,14 +37,14 @@ def _tiny_qwen2(path):
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen2-two-level", "llama-w4a8", "qwen3", "gemma3",
-                                        "granite"])
+                                        "granite", "olmo2"])
 def engine(request, tmp_path_factory):
     """A W4A16 engine whose layers take the op: hidden 128, FFN 128 / 192, head_dim 32; two-level scales (super-blocks
     of 4 and 6 groups) on the Qwen2 model too; W4A8 (int8 activations) on the Llama model; Qwen3 (q/k norms) and
     Gemma 3 (sandwich unit-offset norms, q/k norms, GELU-tanh, sliding-window layers of 4 keys: 7 layers), Granite
-    (residual multiplier 0.5)."""
+    (residual multiplier 0.5), OLMo 2 (post-norms with fp32 weights, q/k norms over all heads)."""
     root = tmp_path_factory.mktemp(request.param)
-    if request.param in ("qwen3", "gemma3", "granite"):
+    if request.param in ("qwen3", "gemma3", "granite", "olmo2"):
         from nextn.testing.tiny_families import tiny_hf_model
 
         extra = dict(sliding_window=4) if request.param == "gemma3" else {}
@@ -246,8 +246,8 @@ def test_fake_implementation_lets_torch_compile_trace_the_op(llm):
     f, attn = layer.fused, layer.self_attn
     args = (x, cos_sin, kv, meta.slot_mapping.reshape(-1), meta.context_slots, meta.visible,
             f.norms, f.qkv, f.o, f.gate_up, f.down, attn.num_heads, attn.num_kv_heads,
-            f.group_size, layer.input_layernorm.eps, attn.scale, f.int8_activations, f.sandwich, f.qk_norm,
-            f.activation)
+            f.group_size, layer.post_attention_layernorm.eps, attn.scale, f.int8_activations, f.sandwich, f.qk_norm,
+            f.activation, f.residual_multiplier, f.pre_norms, f.qk_norm_all_heads)
     torch.library.opcheck(cpu_kernels.ops().llama_decoder_layer.default, args,
                           test_utils=("test_schema", "test_faketensor"))
 
@@ -260,7 +260,8 @@ def test_fake_implementation_lets_torch_compile_trace_the_stack(llm):
     args = (x, cos_sin, torch.stack([kv] * n), meta.slot_mapping.reshape(-1), meta.context_slots, meta.visible,
             st.norms, st.qkv, st.o, st.gate_up, st.down, st.arity, st.num_heads, st.num_kv_heads, st.group_size,
             st.eps, st.scale, st.int8_activations, st.sandwich, st.qk_norm, st.activation,
-            cos_sin if st.sliding else None, meta.visible if st.sliding else None, list(st.sliding))
+            cos_sin if st.sliding else None, meta.visible if st.sliding else None, list(st.sliding),
+            st.residual_multiplier, st.pre_norms, st.qk_norm_all_heads)
     torch.library.opcheck(cpu_kernels.ops().llama_decoder_stack.default, args,
                           test_utils=("test_schema", "test_faketensor"))
 

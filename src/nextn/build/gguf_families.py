@@ -14,7 +14,8 @@ from typing import Any
 
 #: GGUF `general.architecture` → the HF architecture nextn builds it as.
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                           "gemma3": "Gemma3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM"}
+                           "gemma3": "Gemma3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM",
+                           "olmo2": "Olmo2ForCausalLM"}
 #: Architectures whose q/k rows llama.cpp permutes at conversion (convert_hf_to_gguf.py `LlamaModel.permute`;
 #: `SmolLM3Model` and `GraniteModel` are `LlamaModel`s).
 PERMUTED_ARCHITECTURES = ("llama", "smollm3", "granite")
@@ -41,7 +42,10 @@ _QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm
 _GEMMA_BLOCK = {**_LLAMA_BLOCK, **_QK_NORMS, "post_attention_norm": "post_attention_layernorm",
                 "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 BLOCK_NAMES = {"llama": _LLAMA_BLOCK, "qwen2": _LLAMA_BLOCK, "qwen3": {**_LLAMA_BLOCK, **_QK_NORMS},
-               "gemma3": _GEMMA_BLOCK, "smollm3": _LLAMA_BLOCK, "granite": _LLAMA_BLOCK}
+               "gemma3": _GEMMA_BLOCK, "smollm3": _LLAMA_BLOCK, "granite": _LLAMA_BLOCK,
+               "olmo2": {**{k: v for k, v in _LLAMA_BLOCK.items() if k not in ("attn_norm", "ffn_norm")}, **_QK_NORMS,
+                         "post_attention_norm": "post_attention_layernorm",
+                         "post_ffw_norm": "post_feedforward_layernorm"}}
 
 
 def global_names() -> dict[str, str]:

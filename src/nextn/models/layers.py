@@ -23,7 +23,10 @@ def row_exact(fn, x: torch.Tensor) -> torch.Tensor:
 class RMSNorm(nn.Module):
     """Root-mean-square norm (Zhang & Sennrich 2019), computed in fp32 and cast back, as HF's `*RMSNorm`."""
 
-    unit_offset = False  # scales by weight (Gemma's form: by 1 + weight)
+    def fp32_scale(self) -> torch.Tensor | None:
+        """The f32 factor this norm multiplies the f32 x̂ by before rounding (Gemma's 1 + w, OLMo 2's w), or None for
+        Llama's form w · bf16(x̂) (what nextn's fused layer needs to know)."""
+        return None
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -36,11 +39,23 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+class Fp32WeightRMSNorm(RMSNorm):
+    """OLMo 2's RMSNorm: the fp32 normalised x times the weight in fp32, then cast (HF `Olmo2RMSNorm`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+
+    def fp32_scale(self) -> torch.Tensor:
+        return self.weight.detach().float()
+
+
 class UnitOffsetRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the fp32 normalised x times (1 + weight) in fp32, then cast (HF `Gemma3RMSNorm`; `weight`
     is stored as HF stores it, zero-centred)."""
 
-    unit_offset = True
+    def fp32_scale(self) -> torch.Tensor:
+        return 1.0 + self.weight.detach().float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -77,9 +92,9 @@ class GatedMLP(nn.Module):
 
 
 class PreNormDecoderLayer(nn.Module):
-    """The pre-norm transformer block: x + attn(norm(x)), then h + mlp(norm(h)); with `sandwich` (Gemma 2/3) the
-    attention and MLP outputs are normalised too: h = x + post_attn_norm(attn(norm(x))), h + post_ff_norm(mlp(
-    pre_ff_norm(h))).
+    """The pre-norm transformer block: x + attn(norm(x)), then h + mlp(norm(h)); with placement "sandwich" (Gemma
+    2/3) the attention and MLP outputs are normalised too: h = x + post_attn_norm(attn(norm(x))), h + post_ff_norm(mlp(
+    pre_ff_norm(h))); "post" (OLMo 2) normalises the outputs only: h = x + post_attn_norm(attn(x)), ...
 
     `self_attn` takes (x, cos_sin, kv_cache, meta) and writes its KV into the paged cache; parameter names are HF's
     (`self_attn`, `mlp`, `input_layernorm`, `post_attention_layernorm`, and for sandwich norms
@@ -87,24 +102,29 @@ class PreNormDecoderLayer(nn.Module):
     attention output, where Llama's normalises the MLP input).
     """
 
-    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float, sandwich: bool = False,
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float, placement: str = "pre",
                  norm: type[RMSNorm] = RMSNorm, residual_multiplier: float = 1.0) -> None:
         super().__init__()
         self.self_attn = self_attn
         self.mlp = mlp
-        self.sandwich = sandwich
+        self.sandwich = placement != "pre"  # the branch outputs are normalised (sandwich and post)
+        self.pre_norms = placement != "post"  # the branch inputs are normalised (pre and sandwich)
         self.residual_multiplier = residual_multiplier  # Granite: x + r · branch (1.0: x + branch)
-        self.input_layernorm = norm(hidden_size, eps=eps)
+        if self.pre_norms:
+            self.input_layernorm = norm(hidden_size, eps=eps)
         self.post_attention_layernorm = norm(hidden_size, eps=eps)
-        if sandwich:
+        if placement == "sandwich":
             self.pre_feedforward_layernorm = norm(hidden_size, eps=eps)
+        if self.sandwich:
             self.post_feedforward_layernorm = norm(hidden_size, eps=eps)
 
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor, meta) -> torch.Tensor:
         """x: [B, T, hidden] → [B, T, hidden]; writes this layer's KV (kv_cache: [num_slots, kv dim])."""
         if self.sandwich:
-            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta))
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            h = self.input_layernorm(x) if self.pre_norms else x
+            x = x + self.post_attention_layernorm(self.self_attn(h, cos_sin, kv_cache, meta))
+            h = self.pre_feedforward_layernorm(x) if self.pre_norms else x
+            return x + self.post_feedforward_layernorm(self.mlp(h))
         r = self.residual_multiplier
         if r != 1.0:
             x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta) * r

@@ -53,6 +53,8 @@ class FusedLayerWeights:
     qk_norm: bool = False
     activation: int = 0  # ACTIVATIONS
     residual_multiplier: float = 1.0  # Granite
+    pre_norms: bool = True  # False: OLMo 2's post-norms (the input and pre-MLP norms absent: empty tensors)
+    qk_norm_all_heads: bool = False  # OLMo 2: one q norm over all heads (and one k norm)
 
 
 def _int4_linears(*linears: nn.Module) -> tuple[int, bool] | None:
@@ -92,16 +94,19 @@ def _norm_operands(layer: nn.Module) -> list[torch.Tensor] | None:
     """The layer's norms in the op's order — input, post, [pre_ff, post_ff], [q, k] — as bf16 weights (Llama's
     RMSNorm), or as f32 scales 1 + w (Gemma's `UnitOffsetRMSNorm`, the product the module computes); None for other
     dtypes or a mix of the two kinds."""
-    mods = [layer.input_layernorm, layer.post_attention_layernorm]
+    pre = getattr(layer, "pre_norms", True)
+    mods = [layer.input_layernorm if pre else None, layer.post_attention_layernorm]
     if getattr(layer, "sandwich", False):
-        mods += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
+        mods += [layer.pre_feedforward_layernorm if pre else None, layer.post_feedforward_layernorm]
     if getattr(layer.self_attn, "qk_norm", False):
         mods += [layer.self_attn.q_norm, layer.self_attn.k_norm]
-    kinds = {getattr(m, "unit_offset", None) for m in mods}  # the models' RMSNorm classes say which they are
-    if kinds == {True}:
-        return [(1.0 + m.weight.detach().float()).contiguous() for m in mods]
-    if kinds == {False} and all(m.weight.dtype == torch.bfloat16 for m in mods):
-        return [m.weight.detach().contiguous() for m in mods]
+    present = [m for m in mods if m is not None]
+    scales = [m.fp32_scale() for m in present]  # the models' RMSNorm classes say how they apply their weight
+    if all(s is not None for s in scales):
+        it = iter(scales)  # an absent pre-norm (OLMo 2) is an empty tensor: the op skips it
+        return [next(it).contiguous() if m is not None else torch.empty(0) for m in mods]
+    if all(s is None for s in scales) and all(m.weight.dtype == torch.bfloat16 for m in present) and pre:
+        return [m.weight.detach().contiguous() for m in present]
     return None
 
 
@@ -125,7 +130,8 @@ def fuse_layer(layer: nn.Module) -> FusedLayerWeights | None:
     return FusedLayerWeights(norms, _concat_rows(qkv), _one(attn.o_proj), _concat_rows([mlp.gate_proj, mlp.up_proj]),
                              _one(mlp.down_proj), *kind, sandwich=getattr(layer, "sandwich", False),
                              qk_norm=getattr(attn, "qk_norm", False), activation=activation,
-                             residual_multiplier=residual)
+                             residual_multiplier=residual, pre_norms=getattr(layer, "pre_norms", True),
+                             qk_norm_all_heads=getattr(attn, "qk_norm_all_heads", False))
 
 
 @dataclass(frozen=True)
@@ -151,6 +157,8 @@ class FusedStack:
     activation: int = 0
     sliding: list[int] = ()
     residual_multiplier: float = 1.0
+    pre_norms: bool = True
+    qk_norm_all_heads: bool = False
 
 
 def fuse_stack(layers: list[nn.Module], layer_types: tuple[str, ...] | None = None) -> FusedStack | None:
@@ -164,18 +172,19 @@ def fuse_stack(layers: list[nn.Module], layer_types: tuple[str, ...] | None = No
     def shape(layer: nn.Module, f: FusedLayerWeights) -> tuple:
         attn = layer.self_attn
         return (f.group_size, f.int8_activations, len(f.qkv), len(f.o), len(f.gate_up), len(f.down), attn.num_heads,
-                attn.num_kv_heads, float(layer.input_layernorm.eps), float(attn.scale), f.sandwich, f.qk_norm,
-                f.activation, f.norms[0].dtype, f.residual_multiplier)
+                attn.num_kv_heads, float(layer.post_attention_layernorm.eps), float(attn.scale), f.sandwich, f.qk_norm,
+                f.activation, f.norms[1].dtype, f.residual_multiplier, f.pre_norms, f.qk_norm_all_heads)
 
     shapes = {shape(layer, f) for layer, f in zip(layers, fs)}
     if len(shapes) != 1 or any(":" in t for t in layer_types or ()):
         return None  # NoPE layers (SmolLM3) take the op one layer at a time, each with its rope rows
-    group, int8, *arity, heads, kv_heads, eps, scale, sandwich, qk_norm, activation, _, residual = shapes.pop()
+    (group, int8, *arity, heads, kv_heads, eps, scale, sandwich, qk_norm, activation, _, residual, pre_norms,
+     all_heads) = shapes.pop()
     sliding = [int(t == "sliding_attention") for t in layer_types] if layer_types else []
     return FusedStack([n for f in fs for n in f.norms], [t for f in fs for t in f.qkv],
                       [t for f in fs for t in f.o], [t for f in fs for t in f.gate_up], [t for f in fs for t in f.down],
                       list(arity), heads, kv_heads, group, eps, scale, int8, sandwich, qk_norm, activation, sliding,
-                      residual)
+                      residual, pre_norms, all_heads)
 
 
 def install_fused_layers(model: nn.Module) -> int:
@@ -207,8 +216,10 @@ def fused_forward(layer: nn.Module, x: torch.Tensor, cos_sin: torch.Tensor, kv_c
     attn = layer.self_attn
     return cpu_kernels.ops().llama_decoder_layer(
         x, cos_sin, kv_cache, meta.slot_mapping.reshape(-1), meta.context_slots, meta.visible, f.norms, f.qkv, f.o,
-        f.gate_up, f.down, attn.num_heads, attn.num_kv_heads, f.group_size, layer.input_layernorm.eps, attn.scale,
-        f.int8_activations, f.sandwich, f.qk_norm, f.activation, f.residual_multiplier)
+        f.gate_up, f.down, attn.num_heads, attn.num_kv_heads, f.group_size, layer.post_attention_layernorm.eps,
+        attn.scale,
+        f.int8_activations, f.sandwich, f.qk_norm, f.activation, f.residual_multiplier, f.pre_norms,
+        f.qk_norm_all_heads)
 
 
 def stack_forward(stack: FusedStack, x: torch.Tensor, inputs: dict, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -222,4 +233,5 @@ def stack_forward(stack: FusedStack, x: torch.Tensor, inputs: dict, kv_cache: to
         stack.o, stack.gate_up, stack.down, stack.arity, stack.num_heads, stack.num_kv_heads, stack.group_size,
         stack.eps, stack.scale, stack.int8_activations, stack.sandwich, stack.qk_norm, stack.activation,
         local_cs.contiguous() if local_cs is not None else None,
-        local_meta.visible if local_meta is not None else None, list(stack.sliding), stack.residual_multiplier)
+        local_meta.visible if local_meta is not None else None, list(stack.sliding), stack.residual_multiplier,
+        stack.pre_norms, stack.qk_norm_all_heads)

@@ -7,7 +7,9 @@
 //       all bf16 (Llama's w * bf16(x_hat)) or all f32 (Gemma's bf16(x_hat * s), s = 1 + w)), qkv, o, gate_up, down
 //       (each [w, scale, zero] or [w, scale, zero, bias]: the int4 weights of woq_linear_cpu.cpp, one- or two-level
 //       scales), num_heads, num_kv_heads, group_size, eps, scale, int8_activations, sandwich, qk_norm, activation
-//       (0 SiLU, 1 GELU-tanh), residual_multiplier (Granite's; not with sandwich)) -> [B, T, H] bf16
+//       (0 SiLU, 1 GELU-tanh), residual_multiplier (Granite's; not with sandwich), pre_norms (false: OLMo 2's
+//       post-norms, the input and pre_ff norms empty), qk_norm_all_heads (OLMo 2: q [NH*D], k [NKV*D])) -> [B, T, H]
+//       bf16
 //   nextn::llama_decoder_stack(x, cos_sin, kv_cache [layers, slots, 2 * NKV * D], ..., norms, qkv, o, gate_up, down
 //       (every layer's operands, layer after layer), arity, ..., cos_sin_local, visible_local, sliding (per layer:
 //       1 = a sliding-window layer, which takes the _local rope rows and mask)) -> [B, T, H] bf16: all the layers
@@ -175,7 +177,7 @@ at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& cos_sin, a
                                at::TensorList o_t, at::TensorList gate_up_t, at::TensorList down_t, int64_t num_heads,
                                int64_t num_kv_heads, int64_t group_size, double eps, double scale,
                                bool int8_activations, bool sandwich, bool qk_norm, int64_t activation,
-                               double residual_multiplier) {
+                               double residual_multiplier, bool pre_norms, bool qk_norm_all_heads) {
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
               "llama_decoder_layer: x must be a [B, T, H] bfloat16 CPU tensor");
   const int64_t B = x.size(0), T = x.size(1), H = x.size(2), M = B * T;
@@ -199,15 +201,19 @@ at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& cos_sin, a
   const size_t num_norms = 2 + 2 * sandwich + 2 * qk_norm;
   TORCH_CHECK(norms.size() == num_norms, "llama_decoder_layer: norms must hold ", num_norms,
               " tensors (input, post", sandwich ? ", pre_ff, post_ff" : "", qk_norm ? ", q, k" : "", ")");
-  const bool f32_norms = norms[0].scalar_type() == at::kFloat;
+  const bool f32_norms = norms[1].scalar_type() == at::kFloat;
+  TORCH_CHECK(pre_norms || (sandwich && f32_norms), "llama_decoder_layer: post-norms only come with sandwich norms "
+              "and float32 scales");
   for (size_t j = 0; j < num_norms; ++j) {
-    const int64_t n = qk_norm && j >= num_norms - 2 ? D : H;
+    const bool qk = qk_norm && j >= num_norms - 2, absent = !pre_norms && (j == 0 || j == 2);
+    const int64_t n = absent ? 0 : qk ? (qk_norm_all_heads ? (j == num_norms - 2 ? NH : NKV) * D : D) : H;
     TORCH_CHECK(norms[j].scalar_type() == (f32_norms ? at::kFloat : at::kBFloat16) && norms[j].is_contiguous() &&
                     norms[j].numel() == n,
                 "llama_decoder_layer: norm ", j, " must be contiguous [", n, "], all bfloat16 or all float32");
   }
   TORCH_CHECK(activation == 0 || activation == 1, "llama_decoder_layer: activation must be 0 (SiLU) or 1 (GELU-tanh)");
-  TORCH_CHECK(!sandwich || residual_multiplier == 1.0, "llama_decoder_layer: a residual multiplier with sandwich norms");
+  TORCH_CHECK(!sandwich || residual_multiplier == 1.0,
+              "llama_decoder_layer: a residual multiplier with sandwich norms");
   TORCH_CHECK(group_size % 32 == 0 && group_size > 0, "llama_decoder_layer: group_size must be a multiple of 32");
   TORCH_CHECK(gate_up_t.size() >= 1 && gate_up_t[0].dim() == 2 && gate_up_t[0].size(0) % 2 == 0,
               "llama_decoder_layer: gate_up must hold the gate then the up rows");
@@ -239,12 +245,23 @@ at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& cos_sin, a
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
 
   // attention
-  for_rows(M, [&](int64_t m) { input_norm.apply(xp + m * H, H, float(eps), h.data() + m * H); });
+  for_rows(M, [&](int64_t m) {
+    if (pre_norms) return input_norm.apply(xp + m * H, H, float(eps), h.data() + m * H);
+    std::copy(xp + m * H, xp + (m + 1) * H, h.data() + m * H);  // post-norms only (OLMo 2): the input as it is
+  });
   matmul(qkv, h.data(), M, group_size, f.data());
   for_rows(M, [&](int64_t m) {
     float* row = f.data() + m * NQKV;
     round_row(row, NQKV);
-    if (qk_norm) {  // each head of q and k normalised in place (bf16 values held as f32), before RoPE
+    if (qk_norm && qk_norm_all_heads) {  // q's heads as one vector, k's as another (OLMo 2), before RoPE
+      std::vector<uint16_t> buf(NH * D);
+      for (int j = 0; j < 2; ++j) {
+        float* v = row + (j ? NH * D : 0);
+        const int64_t n = (j ? NKV : NH) * D;
+        (j ? k_norm : q_norm).apply(v, n, float(eps), buf.data());
+        for (int64_t i = 0; i < n; i += 16) simd::store(v + i, load_bf16(buf.data() + i));
+      }
+    } else if (qk_norm) {  // each head of q and k normalised in place (bf16 values held as f32), before RoPE
       uint16_t head[nextn_cpu::kMaxD];
       for (int64_t hd = 0; hd < NH + NKV; ++hd) {
         float* v = row + hd * D;
@@ -271,7 +288,11 @@ at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& cos_sin, a
       post_norm.apply(f.data() + m * H, H, float(eps), tmp.data() + m * H);
       for (int64_t i = 0; i < H; i += 16)
         store_bf16(x1.data() + m * H + i, load_bf16(xp + m * H + i) + load_bf16(tmp.data() + m * H + i));
-      pre_ff.apply(x1.data() + m * H, H, float(eps), h.data() + m * H);
+      if (pre_norms) {
+        pre_ff.apply(x1.data() + m * H, H, float(eps), h.data() + m * H);
+      } else {
+        std::copy(x1.data() + m * H, x1.data() + (m + 1) * H, h.data() + m * H);
+      }
     } else {
       residual_add(xp + m * H, f.data() + m * H, H, x1.data() + m * H, float(residual_multiplier));
       post_norm.apply(x1.data() + m * H, H, float(eps), h.data() + m * H);
@@ -316,7 +337,7 @@ at::Tensor llama_decoder_stack(const at::Tensor& x, const at::Tensor& cos_sin, a
                                bool int8_activations, bool sandwich, bool qk_norm, int64_t activation,
                                const std::optional<at::Tensor>& cos_sin_local,
                                const std::optional<at::Tensor>& visible_local, at::IntArrayRef sliding,
-                               double residual_multiplier) {
+                               double residual_multiplier, bool pre_norms, bool qk_norm_all_heads) {
   TORCH_CHECK(arity.size() == 4, "llama_decoder_stack: arity must give the tensors a layer of qkv, o, gate_up, down");
   const int64_t per = 2 + 2 * sandwich + 2 * qk_norm;
   TORCH_CHECK(norms.size() % per == 0 && !norms.empty(), "llama_decoder_stack: norms must hold ", per,
@@ -340,7 +361,7 @@ at::Tensor llama_decoder_stack(const at::Tensor& x, const at::Tensor& cos_sin, a
                             qkv.slice(i * arity[0], arity[0]), o.slice(i * arity[1], arity[1]),
                             gate_up.slice(i * arity[2], arity[2]), down.slice(i * arity[3], arity[3]), num_heads,
                             num_kv_heads, group_size, eps, scale, int8_activations, sandwich, qk_norm, activation,
-                            residual_multiplier);
+                            residual_multiplier, pre_norms, qk_norm_all_heads);
   }
   return h;
 }
@@ -352,13 +373,14 @@ TORCH_LIBRARY_FRAGMENT(NEXTN_OPS, m) {
         "Tensor context_slots, Tensor visible, Tensor[] norms, Tensor[] qkv, Tensor[] o, "
         "Tensor[] gate_up, Tensor[] down, int num_heads, int num_kv_heads, int group_size, float eps, "
         "float scale, bool int8_activations=False, bool sandwich=False, bool qk_norm=False, "
-        "int activation=0, float residual_multiplier=1.0) -> Tensor");
+        "int activation=0, float residual_multiplier=1.0, bool pre_norms=True, "
+        "bool qk_norm_all_heads=False) -> Tensor");
   m.def("llama_decoder_stack(Tensor x, Tensor cos_sin, Tensor(a!) kv_cache, Tensor slot_mapping, "
         "Tensor context_slots, Tensor visible, Tensor[] norms, Tensor[] qkv, Tensor[] o, Tensor[] gate_up, "
         "Tensor[] down, int[] arity, int num_heads, int num_kv_heads, int group_size, float eps, float scale, "
         "bool int8_activations=False, bool sandwich=False, bool qk_norm=False, int activation=0, "
         "Tensor? cos_sin_local=None, Tensor? visible_local=None, int[] sliding=[], "
-        "float residual_multiplier=1.0) -> Tensor");
+        "float residual_multiplier=1.0, bool pre_norms=True, bool qk_norm_all_heads=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(NEXTN_OPS, CPU, m) {

@@ -22,6 +22,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "qwen3": dict(num_key_value_heads=2, head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
     "mistral": dict(num_key_value_heads=2, head_dim=16, sliding_window=16),
     "smollm3": dict(num_hidden_layers=4, num_key_value_heads=2, head_dim=16),  # layer 3: NoPE
+    "olmo2": dict(num_key_value_heads=2, head_dim=16),
     "granite": dict(num_key_value_heads=2, embedding_multiplier=3.0, attention_multiplier=0.2,
                     residual_multiplier=0.5, logits_scaling=2.5),
     "gemma3_text": dict(num_hidden_layers=7, num_key_value_heads=1, head_dim=32, sliding_window=16,

@@ -2,7 +2,8 @@
 
 One config covers Llama (`LlamaForCausalLM`), Mistral (sliding-window layers where its config sets a window), Qwen2
 (q/k/v biases), Qwen3 (q/k norms), Gemma 3 text (sandwich norms, GELU-tanh, scaled embeddings, sliding-window
-layers), SmolLM3 (NoPE layers) and Granite (embedding, attention, residual and logit multipliers): one model with layer options, not a copy per family (`families.py` sets them
+layers), SmolLM3 (NoPE layers), Granite (embedding, attention, residual and logit multipliers) and OLMo 2
+(post-norms, q/k norms over all heads): one model with layer options, not a copy per family (`families.py` sets them
 per architecture).
 
 Two spellings of the rotary settings occur and both load:
@@ -27,7 +28,7 @@ __all__ = ["LLAMA_ARCHITECTURES", "LayerType", "LinearRopeScaling", "Llama3RopeS
 #: HF architecture → model_type of the checkpoints this family reads (each one's layer options: `families.py`).
 LLAMA_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                        "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text", "SmolLM3ForCausalLM": "smollm3",
-                       "GraniteForCausalLM": "granite"}
+                       "GraniteForCausalLM": "granite", "Olmo2ForCausalLM": "olmo2"}
 #: What a layer attends to: every earlier key, or the last `sliding_window` keys (HF `layer_types` values).
 LayerType = Literal["full_attention", "sliding_attention"]
 
@@ -35,13 +36,14 @@ LayerType = Literal["full_attention", "sliding_attention"]
 class LlamaModelConfig(BaseModel):
     """Dense decoder hyper-parameters (HF field names where HF has one) with the layer options that tell the families
     apart (`families.py` sets them per architecture): Qwen2 sets `qkv_bias`; Qwen3 `qk_norm`; Gemma 3 `qk_norm`,
-    `norm_unit_offset`, `sandwich_norm`, `embedding_multiplier`, GELU-tanh, `query_pre_attn_scalar`, sliding-window
+    `norm_style`, `norm_placement`, `embedding_multiplier`, GELU-tanh, `query_pre_attn_scalar`, sliding-window
     layers with their own rope base (`rope_local_theta`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     architecture: Literal["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                          "Gemma3ForCausalLM", "SmolLM3ForCausalLM", "GraniteForCausalLM"] = "LlamaForCausalLM"
+                          "Gemma3ForCausalLM", "SmolLM3ForCausalLM", "GraniteForCausalLM",
+                          "Olmo2ForCausalLM"] = "LlamaForCausalLM"
     vocab_size: Size
     hidden_size: Size
     intermediate_size: Size  # SwiGLU width
@@ -62,11 +64,15 @@ class LlamaModelConfig(BaseModel):
     mlp_bias: Literal[False] = False  # biased MLPs are not supported (no released Llama uses them)
     hidden_act: Literal["silu", "gelu_pytorch_tanh"] = "silu"  # the gate's activation (Gemma: GELU, tanh form)
     # Layer options ------------------------------------------------------------------------------
-    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (`q_norm`, `k_norm`: Qwen3, Gemma 3)
-    norm_unit_offset: bool = False  # every RMSNorm scales by (1 + weight), in fp32 (Gemma's `Gemma3RMSNorm`)
-    #: Gemma 2/3's four norms a layer: `post_attention_layernorm` normalises the attention output before its residual
-    #: add, `pre_feedforward_layernorm` / `post_feedforward_layernorm` wrap the MLP (Llama: two pre-norms)
-    sandwich_norm: bool = False
+    qk_norm: bool = False  # RMSNorm of q and k before RoPE (`q_norm`, `k_norm`: Qwen3, Gemma 3, OLMo 2)
+    qk_norm_over: Literal["head", "all_heads"] = "head"  # each head alone, or all heads of q (of k) as one (OLMo 2)
+    #: how an RMSNorm applies its weight: "llama" w · bf16(x̂); "unit_offset" bf16(x̂ · (1 + w)) in fp32 (Gemma);
+    #: "fp32_weight" bf16(x̂ · w) in fp32 (OLMo 2's `Olmo2RMSNorm`)
+    norm_style: Literal["llama", "unit_offset", "fp32_weight"] = "llama"
+    #: "pre": Llama's two pre-norms; "sandwich": Gemma's four — `post_attention_layernorm` normalises the attention
+    #: output before its residual add, `pre_feedforward_layernorm` / `post_feedforward_layernorm` wrap the MLP;
+    #: "post": OLMo 2's — the attention and MLP outputs normalised, their inputs not
+    norm_placement: Literal["pre", "sandwich", "post"] = "pre"
     embedding_multiplier: float | None = Field(default=None, gt=0)  # embeddings × this (Gemma: √hidden_size)
     query_pre_attn_scalar: float | None = Field(default=None, gt=0)  # softmax scale 1/√this (default: head_dim)
     sliding_window: Size | None = None  # keys a `sliding_attention` layer sees: the query's and the window − 1 before

@@ -32,6 +32,8 @@ def family_options(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
         options["qkv_bias"] = bool(hf.get("qkv_bias", True))  # Qwen2Attention: q/k/v biased, o not
     if arch == "Qwen3ForCausalLM":
         options["qk_norm"] = True
+    if arch == "Olmo2ForCausalLM":  # Olmo2DecoderLayer / Olmo2Attention / Olmo2RMSNorm
+        options.update(qk_norm=True, qk_norm_over="all_heads", norm_style="fp32_weight", norm_placement="post")
     if arch == "GraniteForCausalLM":  # GraniteConfig's multipliers, 1.0 by default
         options.update(embedding_multiplier=float(hf.get("embedding_multiplier") or 1.0),
                        attention_multiplier=float(hf.get("attention_multiplier") or 1.0),
@@ -97,7 +99,7 @@ def _gemma3(hf: dict[str, Any]) -> dict[str, Any]:
     hidden = hf.get("hidden_size")
     return {
         "rope_theta": theta, "rope_scaling": scaling, "rope_local_theta": local_theta,
-        "qk_norm": True, "norm_unit_offset": True, "sandwich_norm": True,
+        "qk_norm": True, "norm_style": "unit_offset", "norm_placement": "sandwich",
         "embedding_multiplier": float(hidden) ** 0.5 if type(hidden) is int and hidden > 0 else None,
         "hidden_act": hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
         "query_pre_attn_scalar": hf.get("query_pre_attn_scalar", 256),

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nextn.models.causal_lm import SelfDraftingCausalLM
-from nextn.models.layers import GatedMLP, PreNormDecoderLayer, RMSNorm, UnitOffsetRMSNorm
+from nextn.models.layers import Fp32WeightRMSNorm, GatedMLP, PreNormDecoderLayer, RMSNorm, UnitOffsetRMSNorm
 from nextn.models.llama.config import LlamaModelConfig
 from nextn.models.llama.rope import apply_rope, rope_cache
 from nextn.plugins import cpu_kernels
@@ -30,8 +30,8 @@ from nextn.models.attention_metadata import AttentionMetadata
 
 
 def norm_class(cfg: LlamaModelConfig) -> type[RMSNorm]:
-    """The family's RMSNorm: Gemma's (1 + weight) form where `cfg.norm_unit_offset`, else Llama's."""
-    return UnitOffsetRMSNorm if cfg.norm_unit_offset else RMSNorm
+    """The family's RMSNorm (`cfg.norm_style`): Llama's, Gemma's (1 + weight) or OLMo 2's (weight in fp32)."""
+    return {"llama": RMSNorm, "unit_offset": UnitOffsetRMSNorm, "fp32_weight": Fp32WeightRMSNorm}[cfg.norm_style]
 
 
 class ScaledEmbedding(nn.Embedding):
@@ -66,9 +66,11 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.has_qkv_bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.has_qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=cfg.attention_bias)
+        self.qk_norm_all_heads = cfg.qk_norm_over == "all_heads"  # OLMo 2: one norm over all heads of q (of k)
         if cfg.qk_norm:
-            self.q_norm = norm_class(cfg)(d, eps=cfg.rms_norm_eps)
-            self.k_norm = norm_class(cfg)(d, eps=cfg.rms_norm_eps)
+            full = self.qk_norm_all_heads
+            self.q_norm = norm_class(cfg)(self.num_heads * d if full else d, eps=cfg.rms_norm_eps)
+            self.k_norm = norm_class(cfg)(self.num_kv_heads * d if full else d, eps=cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
         self.scale = cfg.softmax_scale
 
@@ -87,9 +89,11 @@ class LlamaAttention(nn.Module):
         b, t, _ = x.shape
         nkv, d = self.num_kv_heads, self.head_dim
         group = self.num_heads // nkv
-        q = self.q_proj(x).view(b, t, self.num_heads, d)  # [B, T, nh, d]
-        k = self.k_proj(x).view(b, t, nkv, d)  # [B, T, nkv, d]
-        if self.qk_norm:
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.qk_norm and self.qk_norm_all_heads:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.view(b, t, self.num_heads, d), k.view(b, t, nkv, d)  # [B, T, nh or nkv, d]
+        if self.qk_norm and not self.qk_norm_all_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos_sin), apply_rope(k, cos_sin)
         v = self.v_proj(x)  # [B, T, nkv · d]
@@ -123,7 +127,7 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
 
     def __init__(self, cfg: LlamaModelConfig) -> None:
         super().__init__(LlamaAttention(cfg), GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act),
-                         cfg.hidden_size, cfg.rms_norm_eps, sandwich=cfg.sandwich_norm, norm=norm_class(cfg),
+                         cfg.hidden_size, cfg.rms_norm_eps, placement=cfg.norm_placement, norm=norm_class(cfg),
                          residual_multiplier=cfg.residual_multiplier)
 
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor, meta) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Dense-family weight layouts: the HF checkpoint's tensors and the engine's (runtime) tensors — Llama's, plus what
 the layer options add (`q_norm` / `k_norm` [head_dim] for `qk_norm`; `pre_feedforward_layernorm` /
-`post_feedforward_layernorm` for `sandwich_norm`; q/k/v(/o) biases).
+`post_feedforward_layernorm` for sandwich norms, no `input_layernorm` for post-norms; q/k/v(/o) biases).
 
 The engine keeps HF names unchanged; the changes made at build time are that a tied model (`tie_word_embeddings`)
 stores its embedding once (no `lm_head.weight`, even when the checkpoint holds a copy), and that MTP layers (`model.layers.{num_hidden_layers + i}`: a decoder block plus `enorm`, `hnorm`, `eh_proj`,
@@ -38,11 +38,16 @@ def _layer_specs(cfg: LlamaModelConfig) -> dict[str, Shape]:
     if cfg.attention_bias:
         specs["self_attn.o_proj.bias"] = (h,)
     if cfg.qk_norm:
-        specs.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
-    specs.update({"mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i),
-                  "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)})
-    if cfg.sandwich_norm:
-        specs.update({"pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,)})
+        full = cfg.qk_norm_over == "all_heads"
+        specs.update({"self_attn.q_norm.weight": (q if full else d,), "self_attn.k_norm.weight": (kv if full else d,)})
+    specs.update({"mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i)})
+    if cfg.norm_placement != "post":
+        specs["input_layernorm.weight"] = (h,)
+    specs["post_attention_layernorm.weight"] = (h,)
+    if cfg.norm_placement == "sandwich":
+        specs["pre_feedforward_layernorm.weight"] = (h,)
+    if cfg.norm_placement != "pre":
+        specs["post_feedforward_layernorm.weight"] = (h,)
     return specs
 
 
