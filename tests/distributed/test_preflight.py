@@ -65,3 +65,16 @@ def test_every_split_dimension_of_deepseek_v3_is_checked(checkpoints):
             check_model_split(cfg.model_copy(update=update), Mapping(world_size=tp, tp_size=tp, moe_ep_size=ep))
     with pytest.raises(MappingError, match="weight-only quantized"):
         check_model_split(cfg, Mapping(world_size=2, tp_size=2), quantized=True)
+
+
+def test_families_the_split_does_not_compute_yet_are_refused_by_name():
+    """Gemma 3 / Granite (scaled embeddings) and OLMo 2 (a q/k norm over all heads) run unsplit for now."""
+    from nextn.models.llama import LlamaModelConfig
+
+    base = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2)
+    two = Mapping(world_size=2, tp_size=2)
+    check_model_split(LlamaModelConfig.from_hf({**base, "architectures": ["Qwen3ForCausalLM"]}), two)
+    for arch, what in (("Gemma3ForCausalLM", "embedding_multiplier"), ("Olmo2ForCausalLM", "all_heads")):
+        with pytest.raises(MappingError, match=f"{arch} .*{what}.*tensor_parallel_size 1"):
+            check_model_split(LlamaModelConfig.from_hf({**base, "architectures": [arch], "sliding_window": 8}), two)

@@ -14,7 +14,8 @@ from typing import Any
 
 #: GGUF `general.architecture` → the HF architecture nextn builds it as.
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                           "gemma3": "Gemma3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "granite": "GraniteForCausalLM",
+                           "gemma3": "Gemma3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+                           "granite": "GraniteForCausalLM",
                            "olmo2": "Olmo2ForCausalLM"}
 #: Architectures whose q/k rows llama.cpp permutes at conversion (convert_hf_to_gguf.py `LlamaModel.permute`;
 #: `SmolLM3Model` and `GraniteModel` are `LlamaModel`s).

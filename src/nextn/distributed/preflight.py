@@ -38,6 +38,12 @@ def check_model_split(cfg, mapping: Mapping, quantized: bool = False) -> None:
         raise MappingError("weight-only quantized engines run with tensor_parallel_size 1 for now: build the engine "
                            "with --quant_algo none to split it")
     tp_name = "tensor_parallel_size"
+    unsplit = [name for name, on in (("embedding_multiplier", getattr(cfg, "embedding_multiplier", None) not in
+                                      (None, 1.0)),
+                                     ("qk_norm_over: all_heads", getattr(cfg, "qk_norm_over", "head") == "all_heads"))
+               if on]
+    if unsplit:  # the vocabulary-parallel embedding has no multiplier; a norm over all heads spans every rank's heads
+        raise MappingError(f"{cfg.architecture} ({', '.join(unsplit)}) runs with tensor_parallel_size 1 for now")
     if hasattr(cfg, "num_key_value_heads"):  # Llama family: KV heads first, their split bounds the query heads'
         _divides(cfg.num_key_value_heads, tp, "num_key_value_heads", tp_name)
     _divides(cfg.num_attention_heads, tp, "num_attention_heads", tp_name)
