@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -46,16 +47,40 @@ inline V16 load16(const at::BFloat16* p, int64_t n) { return simd::load_bf16(rei
 constexpr int64_t kTile = 8;
 constexpr int64_t kOneTile = 32;  // up to this many query tokens (a verify step's K + 1) in one tile
 
+// Register blocking of the variant: a V16 is kParts vectors, and AVX-512 and NEON have 32 vector registers, AVX2 and
+// the portable path 16. kKeys: the keys whose score accumulators `scores16` keeps in registers at once; kRB x kNC:
+// the rows x 16-lane chunks of the weighted sum's accumulators (kRB * kNC + kNC + 1 vectors of V16 in registers).
+#if defined(NEXTN_AVX512) || defined(__aarch64__)
+constexpr int kRegs = 32;
+#else
+constexpr int kRegs = 16;
+#endif
+constexpr int kKeys = simd::kParts == 1 ? 16 : (kRegs / simd::kParts) / 2;
+constexpr int kNC = simd::kParts == 1 ? 2 : 1;
+constexpr int kRB = simd::kParts == 1 ? 12 : 6;
+// Keys per block of the weighted sum: a block's V rows stay in L1 while every row block and chunk reads them
+constexpr int64_t kKeyBlock = 32;
+// How many keys ahead the K and V rows are prefetched
+constexpr int64_t kAhead = 64;
+
 // Scores of one query row (its C chunks in `qr`, f32, zero-padded) against 16 keys (`kb`: 16 rows of Dp f32): per
 // key the chunk products summed chunk by chunk (a mul, then C - 1 FMAs), then each key's lanes summed
-// (`simd::reduce_add16`: the variant's fixed lane order), times scale.
-inline V16 scores16(const float* qr, const float* kb, int64_t C, int64_t Dp, float scale) {
+// (`simd::reduce_add16`: the variant's fixed lane order), times scale. kKeys keys at a time keep their accumulators
+// in registers; each key's arithmetic is the same whatever kKeys.
+__attribute__((noinline)) V16 scores16(const float* qr, const float* kb, int64_t C, int64_t Dp, float scale) {
   V16 a[16];
-  const V16 q0 = simd::load(qr);
-  for (int k = 0; k < 16; ++k) a[k] = simd::load(kb + k * Dp) * q0;
-  for (int64_t c = 1; c < C; ++c) {
-    const V16 qc = simd::load(qr + c * 16);
-    for (int k = 0; k < 16; ++k) a[k] = simd::fmadd(simd::load(kb + k * Dp + c * 16), qc, a[k]);
+  for (int k0 = 0; k0 < 16; k0 += kKeys) {
+    V16 s[kKeys];
+    const V16 q0 = simd::load(qr);
+#pragma GCC unroll 16
+    for (int k = 0; k < kKeys; ++k) s[k] = simd::load(kb + (k0 + k) * Dp) * q0;
+    for (int64_t c = 1; c < C; ++c) {
+      const V16 qc = simd::load(qr + c * 16);
+#pragma GCC unroll 16
+      for (int k = 0; k < kKeys; ++k) s[k] = simd::fmadd(simd::load(kb + (k0 + k) * Dp + c * 16), qc, s[k]);
+    }
+#pragma GCC unroll 16
+    for (int k = 0; k < kKeys; ++k) a[k0 + k] = s[k];
   }
   return simd::reduce_add16(a) * simd::set1(scale);
 }
@@ -63,23 +88,47 @@ inline V16 scores16(const float* qr, const float* kb, int64_t C, int64_t Dp, flo
 // acc[r][c] += p[j][r] * v[j][c] for RB rows (p: probabilities [keys][R] from row r0, R apart) and NC chunks of 16
 // starting at chunk c0, over keys [j0, j1) in order, the accumulators in registers; then stored to acc (Dp apart).
 template <int RB, int NC, typename T>
-inline void weigh_values(const T* kv, int64_t kv_row, int64_t v_off, const int64_t* slots, const float* p, int64_t R,
+__attribute__((noinline)) void weigh_values(const T* kv, int64_t kv_row, int64_t v_off, const int64_t* slots, const float* p, int64_t R,
                          int64_t j0, int64_t j1, int64_t c0, float* acc, int64_t Dp) {
   V16 s[RB][NC];
+#pragma GCC unroll 16
   for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 2
     for (int c = 0; c < NC; ++c) s[r][c] = simd::load(acc + r * Dp + (c0 + c) * 16);
   for (int64_t j = j0; j < j1; ++j) {
     const T* v = kv + slots[j] * kv_row + v_off + c0 * 16;
     const float* pj = p + j * R;
     V16 vj[NC];
+#pragma GCC unroll 2
     for (int c = 0; c < NC; ++c) vj[c] = load16(v + c * 16, 16);
+#pragma GCC unroll 16
     for (int r = 0; r < RB; ++r) {
       const V16 pr = simd::set1(pj[r]);
+#pragma GCC unroll 2
       for (int c = 0; c < NC; ++c) s[r][c] = simd::fmadd(pr, vj[c], s[r][c]);
     }
   }
+#pragma GCC unroll 16
   for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 2
     for (int c = 0; c < NC; ++c) simd::store(acc + r * Dp + (c0 + c) * 16, s[r][c]);
+}
+
+// The cache lines of n values from p into L2 (the rows of the next keys: the cache is read through the block table,
+// rows a KV row apart, which the hardware prefetchers follow poorly)
+template <typename T>
+inline void prefetch_row(const T* p, int64_t n) {
+  const char* b = reinterpret_cast<const char*>(p);
+  for (int64_t o = 0; o < n * int64_t(sizeof(T)); o += 64) simd::prefetch_l2(b + o);
+}
+
+// f(std::integral_constant<int, n>) for a run-time 0 < n <= N (nothing for n = 0)
+template <int N, typename F>
+inline void with_rows(int64_t n, F&& f) {
+  if constexpr (N > 0) {
+    if (n == N) f(std::integral_constant<int, N>{});
+    else with_rows<N - 1>(n, f);
+  }
 }
 
 // The visibility of up to 16 keys (`left` of them still in the row) as 1.0 / 0.0 lanes (bool is one byte, 0 or 1)
@@ -129,6 +178,7 @@ void attend(const T* q, int64_t q_tok_stride, const T* kv, int64_t kv_row, const
     // scores, 16 keys at a time (a last partial block reads zero keys)
     for (int64_t j0 = 0; j0 < end; j0 += 16) {
       const int64_t nk = std::min<int64_t>(16, end - j0);
+      for (int64_t k = j0 + kAhead; k < std::min(end, j0 + kAhead + 16); ++k) prefetch_row(kv + slots[k] * kv_row + k_off, D);
       for (int64_t k = 0; k < 16; ++k)
         for (int64_t c = 0; c < C; ++c)
           simd::store(&kb[k * Dp + c * 16],
@@ -173,26 +223,31 @@ void attend(const T* q, int64_t q_tok_stride, const T* kv, int64_t kv_row, const
       ids.resize(end);
       for (int64_t j = 0; j < end; ++j) ids[j] = j;
     }
-    auto block = [&](auto rb, int64_t r0) {
+    // rows [r0, r0 + RB) over keys [j0, j1), kNC chunks at a time (a last odd chunk alone)
+    auto block = [&](auto rb, int64_t r0, int64_t j0, int64_t j1) {
       constexpr int RB = decltype(rb)::value;
-      for (int64_t c0 = 0; c0 < C; c0 += 2) {
+      const float* p = probs.data() + r0;
+      float* a = &acc[r0 * Dp];
+      for (int64_t c0 = 0; c0 < C; c0 += kNC) {
+        const bool whole = c0 + kNC <= C;
         if (D % 16 == 0) {
-          if (c0 + 1 < C)
-            weigh_values<RB, 2>(vbase, vrow, voff, vslots, probs.data() + r0, nr, 0, shared, c0, &acc[r0 * Dp], Dp);
-          else
-            weigh_values<RB, 1>(vbase, vrow, voff, vslots, probs.data() + r0, nr, 0, shared, c0, &acc[r0 * Dp], Dp);
+          if (whole) weigh_values<RB, kNC>(vbase, vrow, voff, vslots, p, nr, j0, j1, c0, a, Dp);
+          else weigh_values<RB, 1>(vbase, vrow, voff, vslots, p, nr, j0, j1, c0, a, Dp);
         } else {
-          if (c0 + 1 < C)
-            weigh_values<RB, 2>(vf.data(), Dp, 0, ids.data(), probs.data() + r0, nr, 0, shared, c0, &acc[r0 * Dp], Dp);
-          else
-            weigh_values<RB, 1>(vf.data(), Dp, 0, ids.data(), probs.data() + r0, nr, 0, shared, c0, &acc[r0 * Dp], Dp);
+          if (whole) weigh_values<RB, kNC>(vf.data(), Dp, 0, ids.data(), p, nr, j0, j1, c0, a, Dp);
+          else weigh_values<RB, 1>(vf.data(), Dp, 0, ids.data(), p, nr, j0, j1, c0, a, Dp);
         }
       }
     };
-    int64_t r0 = 0;
-    for (; r0 + 12 <= nr; r0 += 12) block(std::integral_constant<int, 12>{}, r0);
-    for (; r0 + 4 <= nr; r0 += 4) block(std::integral_constant<int, 4>{}, r0);
-    for (; r0 < nr; ++r0) block(std::integral_constant<int, 1>{}, r0);
+    // kKeyBlock keys at a time (their V rows read from memory once, then from L1 by every row block and chunk);
+    // the rows kRB at a time, the last < kRB together
+    for (int64_t j0 = 0; j0 < shared; j0 += kKeyBlock) {
+      const int64_t j1 = std::min(shared, j0 + kKeyBlock);
+      for (int64_t k = j0 + kAhead; k < std::min(shared, j1 + kAhead); ++k) prefetch_row(kv + slots[k] * kv_row + v_off, D);
+      int64_t r0 = 0;
+      for (; r0 + kRB <= nr; r0 += kRB) block(std::integral_constant<int, kRB>{}, r0, j0, j1);
+      with_rows<kRB - 1>(nr - r0, [&](auto rb) { block(rb, r0, j0, j1); });
+    }
     // ... then the keys some rows do not see, row by row
     for (int64_t j = shared; j < end; ++j) {
       V16 vj[kMaxD / 16];

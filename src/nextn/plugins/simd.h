@@ -44,8 +44,10 @@ struct V16 {
   Vec p[kParts];
 };
 
+// (unrolled: a V16 of several vectors then lives in registers, not on the stack)
 #define NEXTN_V16_MAP(expr)                       \
   V16 r;                                          \
+  _Pragma("GCC unroll 4")                         \
   for (int i = 0; i < kParts; ++i) r.p[i] = expr; \
   return r
 
