@@ -84,7 +84,7 @@ struct Bf16Scales {
       simd::prefetch_l2(z + (NB * G + gi) * 16);
     }
   }
-  inline void get(int n, int64_t gi, int64_t, V16& sv, V16& zv) const {
+  __attribute__((always_inline)) inline void get(int n, int64_t gi, int64_t, V16& sv, V16& zv) const {
     const int64_t at = (n * G + gi) * 16;
     sv = simd::load_bf16(s + at);
     zv = simd::fnmadd(simd::set1(136.f), sv, simd::load_bf16(z + at));
@@ -106,7 +106,7 @@ struct KScales {
   }
   // d and dmin are re-read (from L1) for every group rather than held in registers across the group: with 8 rows
   // the accumulators leave no registers for them (measured: held, batch 8 spilled and ran 15 % slower)
-  inline void get(int n, int64_t gi, int64_t si, V16& sv, V16& zv) const {
+  __attribute__((always_inline)) inline void get(int n, int64_t gi, int64_t si, V16& sv, V16& zv) const {
     const uint8_t* p = g8 + (n * G + gi) * 32;
     const uint16_t* ds = sup + (n * S + si) * 32;
     const V16 d = simd::load_f16(ds), dmin = simd::load_f16(ds + 16);
