@@ -18,6 +18,7 @@ from nextn.build.gguf_reader import GGUFCheckpoint
 from nextn.models.attention_metadata import AttentionMetadata
 from nextn.models.config import ConfigError
 from nextn.models.llama import LlamaModelConfig
+from nextn.models.llama.weights import stored_view
 from nextn.testing import llama_cpp_converter
 from nextn.testing.tiny_families import FAMILIES, save_tiny, smollm2_tokenizer
 
@@ -85,7 +86,8 @@ def test_logits_match_transformers(family, kind, tmp_path):
     reader = _reader(path)
     cfg = (reader.model_config if kind == "gguf"
            else LlamaModelConfig.from_hf(json.loads((path / "config.json").read_text())))
-    model = _load(cfg, reader.get, reader.has)
+    stored = stored_view(reader, cfg)  # Phi-3's fused projections split, partial rotary's q/k rows reordered
+    model = _load(cfg, stored.get, stored.has)
     # 70 positions cross a 16-token window several times; batched with shorter right-padded prompts
     with _oracle(family, kind) as oracle:
         assert _assert_matches_hf(model, oracle, 4000, [70, 9, 33]) < 1e-4
@@ -130,8 +132,8 @@ def test_family_configs_and_refusals():
     assert modern.tie_word_embeddings
     with pytest.raises(ConfigError, match="use_bidirectional_attention"):
         LlamaModelConfig.from_hf({**base, "use_bidirectional_attention": True})
-    with pytest.raises(ConfigError, match="final_logit_softcapping"):
-        LlamaModelConfig.from_hf({**base, "final_logit_softcapping": 30.0})
+    assert modern.final_logit_softcapping is None  # Gemma 3 releases leave it null; one that sets it is read
+    assert LlamaModelConfig.from_hf({**base, "final_logit_softcapping": 30.0}).final_logit_softcapping == 30.0
     qwen3 = dict(base, architectures=["Qwen3ForCausalLM"])
     assert LlamaModelConfig.from_hf(qwen3).qk_norm and LlamaModelConfig.from_hf(qwen3).norm_placement == "pre"
     windowed = LlamaModelConfig.from_hf({**qwen3, "use_sliding_window": True, "max_window_layers": 4})
@@ -142,6 +144,71 @@ def test_family_configs_and_refusals():
         "sliding_attention",) * 6
     with pytest.raises(ConfigError, match="layer_types lists 2 layers"):
         LlamaModelConfig.from_hf({**base, "layer_types": ["full_attention"] * 2})
+
+
+def test_phi3_short_factors_within_the_original_context(tokenizer_dir, tmp_path):
+    """LongRoPE: a rope table no longer than the original context uses the short factors, as transformers does for
+    a sequence that short (the family fixture's prompts all exceed it: the long factors)."""
+    hf = save_tiny("phi3", tmp_path, tokenizer_dir)
+    reader = CheckpointReader(tmp_path)
+    cfg = LlamaModelConfig.from_hf(json.loads((tmp_path / "config.json").read_text()))
+    stored = stored_view(reader, cfg)
+    model = _load(cfg, stored.get, stored.has)
+    model.rope_table = model.rope_table_for(8)
+    assert _assert_matches_hf(model, hf, 4000, [8, 5]) < 1e-4
+    model.rope_table = model.rope_table_for(9)  # the long factors: no longer transformers' logits at 8 positions
+    with pytest.raises(AssertionError):
+        _assert_matches_hf(model, hf, 4000, [8])
+
+
+def test_phi3_configs_and_stored_layout():
+    """Phi-3's partial rotary and LongRoPE read from its config (attention factor as transformers defaults it);
+    a wrong factor count is refused; the fused tensors are split by rows, 4-bit blocks included, and partial
+    rotary's q/k rows reordered head by head."""
+    from nextn.models.llama.rope import partial_rotary_order
+    from nextn.models.llama.stored_layout import StoredLayout
+
+    hf = dict(architectures=["Phi3ForCausalLM"], vocab_size=32, hidden_size=64, intermediate_size=96,
+              num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+              rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.75,
+                               "original_max_position_embeddings": 1024, "short_factor": [1.0] * 6,
+                               "long_factor": [2.0] * 6})
+    cfg = LlamaModelConfig.from_hf(hf)
+    assert cfg.rotary_dim == 12 and cfg.rope_scaling.attention_factor == pytest.approx((1 + 2 / 10) ** 0.5)
+    with pytest.raises(ConfigError, match="short_factor and long_factor of one length"):
+        LlamaModelConfig.from_hf({**hf, "rope_parameters": {**hf["rope_parameters"], "long_factor": [2.0] * 5}})
+    with pytest.raises(ConfigError, match="lists 5 factors; rotary_dim // 2 is 6"):
+        LlamaModelConfig.from_hf({**hf, "rope_parameters": {**hf["rope_parameters"], "long_factor": [2.0] * 5,
+                                                            "short_factor": [1.0] * 5}})
+    order = partial_rotary_order(16, 12)
+    assert sorted(order.tolist()) == list(range(16)) and order[:6].tolist() == list(range(6))
+    assert order[8:14].tolist() == list(range(6, 12))  # HF's pairs (j, j + 6) become the engine's (i, i + 8)
+
+    class Reader:  # one layer's fused tensors, each row holding its own index
+        rows = {"model.layers.0.self_attn.qkv_proj.weight": 128, "model.layers.0.mlp.gate_up_proj.weight": 192}
+
+        def names(self):
+            return list(self.rows)
+
+        def has(self, name):
+            return name in self.rows
+
+        def get(self, name):
+            return torch.arange(self.rows[name], dtype=torch.float32)[:, None].repeat(1, 4)
+
+        def native_w4a16(self, name, _):
+            return {"qweight": self.get(name).to(torch.int32), "scales": self.get(name)}
+
+    view = StoredLayout(Reader(), cfg)
+    assert sorted(view.names()) == sorted(f"model.layers.0.{n}.weight" for n in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"))
+    assert not view.has("model.layers.0.self_attn.qkv_proj.weight")
+    k = view.get("model.layers.0.self_attn.k_proj.weight")[:, 0]  # rows 64..95, each head reordered
+    assert k.tolist() == [64 + h * 16 + j for h in range(2) for j in order.tolist()]
+    assert view.get("model.layers.0.self_attn.v_proj.weight")[:, 0].tolist() == list(range(96, 128))
+    assert view.get("model.layers.0.mlp.up_proj.weight")[:, 0].tolist() == list(range(96, 192))
+    native = view.native_w4a16("model.layers.0.self_attn.q_proj.weight", None)
+    assert native["qweight"][:, 0].tolist() == [h * 16 + j for h in range(4) for j in order.tolist()]
 
 
 def test_windowed_metadata_keeps_the_last_window_keys():

@@ -47,6 +47,21 @@ def test_matches_the_reference(dtype, b, t, nh, nkv, d, ctx):
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("variant", cpu_kernels.runnable())
+def test_soft_capped_scores_match_the_reference_on_every_variant(variant):
+    """Gemma 2's attention logit soft-capping (cap · tanh(score / cap)) on each ISA variant the CPU runs; a cap of 2
+    moves every score (the uncapped kernel is then far from the capped reference: the control)."""
+    cpu_kernels.build(variant)
+    op = getattr(torch.ops, cpu_kernels.namespace(variant)).paged_attention
+    q, kv, slots, visible = _case(2, 3, 8, 4, 64, [17, 40], torch.float32, seed=5)
+    q = q * 4  # scores of several units, where tanh bends
+    ref = paged_attention.reference(q, kv, slots, visible, 0.125, 2.0)
+    torch.testing.assert_close(op(q, kv, slots, visible, 0.125, 2.0), ref, rtol=1e-5, atol=1e-5)
+    assert (op(q, kv, slots, visible, 0.125) - ref).abs().max() > 1e-2
+    with pytest.raises(RuntimeError, match="softcap must be >= 0"):
+        op(q, kv, slots, visible, 0.125, -1.0)
+
+
 def test_a_tree_mask_is_honoured():
     """Queries that see arbitrary key subsets (a draft tree: ancestors only), not just a causal prefix."""
     q, kv, slots, _ = _case(1, 6, 4, 2, 64, [24], torch.float32, seed=3)

@@ -102,7 +102,7 @@ def build_engine(
         model_dir: HF checkpoint directory (config.json + safetensors, single or sharded, BF16/FP32 or block FP8;
             a Hugging Face cache snapshot of symlinks into blobs/ is fine), or a `.gguf` file / a directory holding
             one (Llama family).
-        medusa_model_dir: Medusa heads (`medusa_lm_head.safetensors` or `.pt`, REFERENCE.md §5) to pack in.
+        medusa_model_dir: Medusa heads (`medusa_lm_head.safetensors` or `.pt`, FasterDecoding/Medusa) to pack in.
         output_dir: engine directory to create; an empty directory; or an existing nextn engine, replaced
             atomically (only the files its manifest lists are removed).
         dtype: engine weight dtype: "auto" (the checkpoint's `torch_dtype`; FP8 checkpoints → bfloat16; quantized
@@ -112,7 +112,7 @@ def build_engine(
         max_seq_len: default max tokens per request (> 0, ≤ the model's max_position_embeddings). None: the YAML's
             `max_seq_len`, else the model's `max_position_embeddings`, capped (with a logged note) where the
             weights plus a KV cache of max_batch_size × max_seq_len tokens would exceed half the available memory.
-        extra_llm_api_options: optional LLM-args YAML (REFERENCE.md §6); its `speculative_config` sets the
+        extra_llm_api_options: optional LLM-args YAML (TensorRT-LLM llm_args.py); its `speculative_config` sets the
             engine's draft method: MTP with K = `num_nextn_predict_layers`, or `null` for none. Without it an
             MTP checkpoint gets method "mtp" with K = its module count.
         progress: show a tqdm bar over the tensors (and the compile warm-up) on stderr.
@@ -187,8 +187,9 @@ def build_engine(
         specs = {n: (s, layout.runtime_weight_dtype(n, torch_dtype)) for n, s in layout.runtime_weight_specs(cfg).items()}
         if heads is not None:
             specs.update({MEDUSA_PREFIX + n: (tuple(t.shape), torch_dtype) for n, t in heads.tensors.items()})
-        check_source_tensors(reader, specs, cfg)
-        check_all_read(layout.unread_tensors(reader.names(), cfg), cfg.num_hidden_layers,
+        stored = layout.stored_view(reader, cfg)  # the family's fused or reordered tensors in the engine's layout
+        check_source_tensors(stored, specs, cfg)
+        check_all_read(layout.unread_tensors(stored.names(), cfg), cfg.num_hidden_layers,
                        cfg.num_nextn_predict_layers, allow_unused_tensors)
         if isinstance(reader, GGUFCheckpoint):  # its token list was checked against its embedding on opening
             reader.check_chat_template()
@@ -219,8 +220,8 @@ def build_engine(
                 fingerprint=fingerprint([model_dir / CONFIG_NAME, *extra_files, *reader.files], root=model_dir),
             )
         with staging_dir(output_dir, replaced) as staging:
-            get = checked_getter(reader.get, torch_dtype)
-            tensors = layout.to_runtime(get, reader.has, cfg, torch_dtype)
+            get = checked_getter(stored.get, torch_dtype)
+            tensors = layout.to_runtime(get, stored.has, cfg, torch_dtype)
             if heads is not None:
                 tensors = itertools.chain(tensors, ((MEDUSA_PREFIX + n, t.to(torch_dtype).contiguous())
                                                     for n, t in heads.tensors.items()))
@@ -229,7 +230,7 @@ def build_engine(
             if quant is not None:
                 # a GGUF's Q4_K tensors are taken as they are where the engine's format holds them (not re-quantized)
                 _, tensors = quantize_stream(specs, tensors, quant_names, quant,
-                                             native=getattr(reader, "native_w4a16", None))
+                                             native=getattr(stored, "native_w4a16", None))
             checksums = {WEIGHTS_NAME: write_safetensors_streaming(staging / WEIGHTS_NAME, stored_specs, tensors,
                                                                    progress=progress)}
             if isinstance(reader, GGUFCheckpoint):  # tokenizer files, and generation_config.json (the EOS ids)

@@ -12,14 +12,25 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
+from nextn.build.checkpoint import CheckpointError
+
 #: GGUF `general.architecture` → the HF architecture nextn builds it as.
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                            "gemma3": "Gemma3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
                            "granite": "GraniteForCausalLM",
-                           "olmo2": "Olmo2ForCausalLM"}
+                           "olmo2": "Olmo2ForCausalLM", "phi3": "Phi3ForCausalLM",
+                           "gemma2": "Gemma2ForCausalLM"}
 #: Architectures whose q/k rows llama.cpp permutes at conversion (convert_hf_to_gguf.py `LlamaModel.permute`;
 #: `SmolLM3Model` and `GraniteModel` are `LlamaModel`s).
 PERMUTED_ARCHITECTURES = ("llama", "smollm3", "granite")
+#: Architectures whose heads may rotate only their first `{arch}.rope.dimension_count` dims (Phi-4-mini: 0.75).
+PARTIAL_ROTARY_ARCHITECTURES = ("phi3",)
+#: Rope frequency factors stored as tensors, per architecture: Llama 3's scaling (`rope_freqs`), LongRoPE's short
+#: and long factors (conversion/phi.py `Phi3MiniModel.generate_extra_tensors`).
+FACTOR_TENSORS = {"llama": ("rope_freqs.weight",),
+                  "phi3": ("rope_factors_long.weight", "rope_factors_short.weight")}
 #: GGUF architectures that are mixture-of-experts models (refused by name until nextn's MoE layer reads them).
 MOE_ARCHITECTURES = frozenset({"qwen2moe", "qwen3moe", "qwen35moe", "mixtral", "olmoe", "gpt-oss", "glm4moe",
                                "deepseek2", "deepseek", "dbrx", "grok", "arctic", "granitemoe", "llama4", "bailingmoe",
@@ -42,8 +53,11 @@ _QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm
 #: its `ffn_norm` HF's pre_feedforward_layernorm, `post_ffw_norm` post_feedforward_layernorm.
 _GEMMA_BLOCK = {**_LLAMA_BLOCK, **_QK_NORMS, "post_attention_norm": "post_attention_layernorm",
                 "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
-BLOCK_NAMES = {"llama": _LLAMA_BLOCK, "qwen2": _LLAMA_BLOCK, "qwen3": {**_LLAMA_BLOCK, **_QK_NORMS},
-               "gemma3": _GEMMA_BLOCK, "smollm3": _LLAMA_BLOCK, "granite": _LLAMA_BLOCK,
+#: Phi-3: q, k and v as one `attn_qkv`, gate and up as one `ffn_up` (gate rows first), split by `StoredLayout`
+_PHI3_BLOCK = {**_LLAMA_BLOCK, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+BLOCK_NAMES = {"phi3": _PHI3_BLOCK,
+               "llama": _LLAMA_BLOCK, "qwen2": _LLAMA_BLOCK, "qwen3": {**_LLAMA_BLOCK, **_QK_NORMS},
+               "gemma2": _GEMMA_BLOCK, "gemma3": _GEMMA_BLOCK, "smollm3": _LLAMA_BLOCK, "granite": _LLAMA_BLOCK,
                "olmo2": {**{k: v for k, v in _LLAMA_BLOCK.items() if k not in ("attn_norm", "ffn_norm")}, **_QK_NORMS,
                          "post_attention_norm": "post_attention_layernorm",
                          "post_ffw_norm": "post_feedforward_layernorm"}}
@@ -57,13 +71,39 @@ def global_names() -> dict[str, str]:
 def norm_shift(arch: str, hf_name: str) -> float:
     """What llama.cpp's converter added to tensor `hf_name` of an `arch` file (Gemma's RMSNorm weights: 1.0, since
     `Gemma3RMSNorm` scales by 1 + w), subtracted again when reading. 0.0 for everything else."""
-    return 1.0 if arch == "gemma3" and hf_name.endswith("norm.weight") else 0.0
+    return 1.0 if arch in ("gemma2", "gemma3") and hf_name.endswith("norm.weight") else 0.0
 
 
-def family_config(arch: str, key: Callable[..., Any], layers: int, hidden: int, heads: int,
-                  head_dim: int) -> dict[str, Any]:
+def factor_values(t: Any, count: int, path: Any, what: str = "rotary_dim // 2") -> list[float] | None:
+    """A rope factor tensor's `count` float32 values (`what`: how the count is derived, for the message; None when
+    `t` is None).
+
+    Raises:
+        CheckpointError: the tensor is not F32, holds another count, or a value that is not finite and positive.
+    """
+    if t is None:
+        return None
+    values = np.asarray(t.data).reshape(-1)
+    if t.tensor_type.name != "F32" or values.size != count or not np.all(np.isfinite(values)) or not np.all(values > 0):
+        raise CheckpointError(f"{path}: {t.name} must be {count} positive F32 values ({what}), got {values.size} "
+                              f"of type {t.tensor_type.name}")
+    return [float(v) for v in values.astype(np.float32)]
+
+
+def family_config(arch: str, key: Callable[..., Any], layers: int, hidden: int, heads: int, head_dim: int,
+                  factors: Callable[[str, int], list[float] | None] = lambda name, n: None) -> dict[str, Any]:
     """The HF config fields of `arch`'s layer options from its GGUF metadata (`key(name, kind, default)` reads
-    `{arch}.{name}` as "count", "number" or "raw" (any value)); {} for the Llama layout."""
+    `{arch}.{name}` as "count", "number" or "raw" (any value); `factors(tensor name, count)` a factor tensor's
+    values); {} for the Llama layout."""
+    if arch == "phi3":
+        return _phi3(key, head_dim, factors)
+    if arch == "gemma2":  # llama.cpp's gemma2.cpp: every other layer sliding from the first; the 27B's (46 layers)
+        window = key("attention.sliding_window", "count", 4096)  # softmax scale 1/√(hidden/heads), else 1/√head_dim
+        return {"hidden_activation": "gelu_pytorch_tanh", "sliding_window": window,
+                "query_pre_attn_scalar": hidden // heads if layers == 46 else head_dim,
+                "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+                "attn_logit_softcapping": key("attn_logit_softcapping", "number", 50.0) or None,
+                "final_logit_softcapping": key("final_logit_softcapping", "number", 30.0) or None}
     if arch == "smollm3":  # llama.cpp's smollm3.cpp: no RoPE on every 4th layer, a fixed step (no metadata key)
         return {"no_rope_layers": [int((i + 1) % 4 != 0) for i in range(layers)]}
     if arch == "granite":  # conversion/granite.py writes HF's *_multiplier as llama.cpp's *_scale keys
@@ -91,3 +131,19 @@ def family_config(arch: str, key: Callable[..., Any], layers: int, hidden: int, 
         "rope_parameters": {"full_attention": full, "sliding_attention": {
             "rope_type": "default", "rope_theta": key("rope.freq_base_swa", "number", 10_000.0)}},
     }  # fmt: skip
+
+
+def _phi3(key: Callable[..., Any], head_dim: int, factors: Callable[[str, int], list[float] | None]) -> dict[str, Any]:
+    """Phi-3's partial rotary (`rope.dimension_count`), window (`attention.sliding_window`, 0: none) and LongRoPE
+    (the two factor tensors, `rope.scaling.original_context_length`, `rope.scaling.attn_factor`)."""
+    rotary = key("rope.dimension_count", "count", head_dim)
+    out: dict[str, Any] = {"partial_rotary_factor": rotary / head_dim,
+                           "sliding_window": key("attention.sliding_window", "raw", 0) or None}
+    long, short = factors("rope_factors_long.weight", rotary // 2), factors("rope_factors_short.weight", rotary // 2)
+    if long is not None or short is not None:
+        orig = key("rope.scaling.original_context_length", "count", None)
+        out["rope_parameters"] = {
+            "rope_type": "longrope", "rope_theta": key("rope.freq_base", "number", 10000.0),
+            "long_factor": long or short, "short_factor": short or long, "original_max_position_embeddings": orig,
+            "attention_factor": key("rope.scaling.attn_factor", "number", 1.0)}
+    return out

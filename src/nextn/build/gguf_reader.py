@@ -42,8 +42,10 @@ from nextn.models.llama.config import LlamaModelConfig
 if TYPE_CHECKING:
     from nextn.quantization.weight_only import QuantConfig
 
-from nextn.build.gguf_families import (BLOCK_NAMES, MOE_ARCHITECTURES, PERMUTED_ARCHITECTURES,
-                                       SUPPORTED_ARCHITECTURES, family_config, global_names, norm_shift)
+from nextn.build.gguf_families import (
+    BLOCK_NAMES, FACTOR_TENSORS, MOE_ARCHITECTURES, PARTIAL_ROTARY_ARCHITECTURES, PERMUTED_ARCHITECTURES,
+    SUPPORTED_ARCHITECTURES, factor_values, family_config, global_names, norm_shift,
+)  # fmt: skip
 
 #: ggml float types (read as they are, widened to fp32).
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -162,11 +164,12 @@ class GGUFCheckpoint:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise CheckpointError(_unsupported(self.path, self.architecture))
         self._tensors: dict[str, Any] = {}
-        self._rope_freqs: Any = None  # Llama-3 rope scaling as llama.cpp's converter stores it (`rope_freq_factors`)
+        # rope frequency factors as llama.cpp's converter stores them: Llama 3's `rope_freqs`, LongRoPE's two
+        self._factors: dict[str, Any] = {}
         supported = supported_ggml_types()
         for t in self._reader.tensors:
-            if t.name == "rope_freqs.weight" and self.architecture == "llama":
-                self._rope_freqs = t
+            if t.name in FACTOR_TENSORS.get(self.architecture, ()):
+                self._factors[t.name] = t
                 continue
             name = hf_name(t.name, self.architecture)
             if name is None:
@@ -274,9 +277,9 @@ class GGUFCheckpoint:
         hidden = count("embedding_length")
         head_dim = count("attention.key_length", max(hidden // heads, 1))
         rope_dim = count("rope.dimension_count", head_dim)
-        if rope_dim != head_dim:
+        if rope_dim != head_dim and arch not in PARTIAL_ROTARY_ARCHITECTURES:
             raise CheckpointError(f"{self.path}: {arch}.rope.dimension_count {rope_dim} differs from the head size "
-                                  f"{head_dim}; partial RoPE is not supported")
+                                  f"{head_dim}; partial RoPE is not supported for {arch}")
         scaling = self._scalar(f"{arch}.rope.scaling.type", {"STRING"}, "a string", "none")
         if scaling not in ("none", "linear"):
             raise CheckpointError(f"{self.path}: {arch}.rope.scaling.type {scaling!r} is not supported (nextn reads "
@@ -291,7 +294,8 @@ class GGUFCheckpoint:
         kinds = {"count": lambda k, d: self._count(f"{arch}.{k}", d) if d else self._count(f"{arch}.{k}"),
                  "number": lambda k, d: self._number(f"{arch}.{k}", d),
                  "raw": lambda k, d: self._field(f"{arch}.{k}", d)}
-        options = family_config(arch, lambda k, kind, d: kinds[kind](k, d), layers, hidden, heads, head_dim)
+        options = family_config(arch, lambda k, kind, d: kinds[kind](k, d), layers, hidden, heads, head_dim,
+                                lambda name, n: factor_values(self._factors.get(name), n, self.path))
         return {
             "architectures": [SUPPORTED_ARCHITECTURES[arch]],
             "model_type": {"gemma3": "gemma3_text"}.get(arch, arch),  # HF's model_type of each family
@@ -305,7 +309,8 @@ class GGUFCheckpoint:
             "rms_norm_eps": self._number(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
             "rope_theta": self._number(f"{arch}.rope.freq_base", 10000.0),
             "rope_scaling": rope_scaling,
-            "rope_freq_factors": self._rope_freq_factors(head_dim),
+            "rope_freq_factors": factor_values(self._factors.get("rope_freqs.weight"), head_dim // 2, self.path,
+                                               "head_dim // 2"),
             "max_position_embeddings": count("context_length", 2048),
             "tie_word_embeddings": "lm_head.weight" not in self._tensors,
             "attention_bias": o_bias,  # HF Llama's flag: q/k/v/o biased
@@ -316,23 +321,6 @@ class GGUFCheckpoint:
             "torch_dtype": {"F16": "float16", "BF16": "bfloat16"}.get(first, "float32"),
             **options,
         }
-
-    def _rope_freq_factors(self, head_dim: int) -> list[float] | None:
-        """The `rope_freqs` tensor's head_dim // 2 float32 values (Llama-3 scaling per frequency), or None.
-
-        Raises:
-            CheckpointError: a rope_freqs tensor that is not F32 or holds another count or a value that is not a
-                finite positive number.
-        """
-        t = self._rope_freqs
-        if t is None:
-            return None
-        values = np.asarray(t.data).reshape(-1)
-        if t.tensor_type.name != "F32" or values.size != head_dim // 2 or not np.all(np.isfinite(values)) \
-                or not np.all(values > 0):
-            raise CheckpointError(f"{self.path}: rope_freqs.weight must be {head_dim // 2} positive F32 values "
-                                  f"(head_dim // 2), got {values.size} of type {t.tensor_type.name}")
-        return [float(v) for v in values.astype(np.float32)]
 
     def _vocab_size(self) -> int:
         """The embedding's rows (a 2-D `token_embd.weight`, [hidden, vocab] in ggml order); without one, llama.cpp's

@@ -46,6 +46,7 @@ class SelfDraftingCausalLM(nn.Module):
     layer_types: tuple[str, ...] | None = None
     sliding_window: int | None = None
     logits_scaling: float = 1.0  # logits ÷ this (Granite's `logits_scaling`)
+    final_logit_softcapping: float | None = None  # logits → cap · tanh(logits / cap) (Gemma 2)
 
     def __init__(self) -> None:
         super().__init__()
@@ -90,14 +91,22 @@ class SelfDraftingCausalLM(nn.Module):
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """lm_head: [..., hidden] → [..., vocab] fp32 (÷ `logits_scaling` where the family has one)."""
+        """lm_head: [..., hidden] → [..., vocab] fp32 (÷ `logits_scaling`, soft-capped at `final_logit_softcapping`
+        where the family has them)."""
         if self.lm_head_quantized:
             logits = self.lm_head(hidden).float()
         elif self.dense_lm_head is not None:
             logits = self.dense_lm_head(hidden).float()
         else:
             logits = vocab_projection(self.lm_head.weight, hidden).float()
-        return logits / self.logits_scaling if self.logits_scaling != 1.0 else logits
+        return self._finish_logits(logits)
+
+    def _finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.logits_scaling != 1.0:
+            logits = logits / self.logits_scaling
+        if self.final_logit_softcapping:
+            logits = torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
+        return logits
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The drafters' lm_head: [..., hidden] → [..., vocab] fp32, through `draft_head_weight` when set.
@@ -113,8 +122,7 @@ class SelfDraftingCausalLM(nn.Module):
         else:
             weight = self.draft_head_weight if self.draft_head_weight is not None else self.lm_head.weight
             logits = vocab_projection(weight, hidden.to(weight.dtype)).float()  # fp32 argmax is faster on CPU
-        if self.logits_scaling != 1.0:
-            logits = logits / self.logits_scaling
+        logits = self._finish_logits(logits)
         if self.draft_hot_tokens is None:
             return logits
         full = logits.new_full((*logits.shape[:-1], self.cfg.vocab_size), float("-inf"))

@@ -325,18 +325,18 @@ def _register_fakes(ns: str) -> None:
     @torch.library.register_fake(f"{ns}::llama_decoder_layer")
     def _(x, cos_sin, kv_cache, slot_mapping, context_slots, visible, norms, qkv, o, gate_up, down,
           num_heads, num_kv_heads, group_size, eps, scale, int8_activations=False, sandwich=False, qk_norm=False,
-          activation=0, residual_multiplier=1.0, pre_norms=True, qk_norm_all_heads=False):
+          activation=0, residual_multiplier=1.0, pre_norms=True, qk_norm_all_heads=False, attn_softcap=0.0):
         return torch.empty_like(x)
 
     @torch.library.register_fake(f"{ns}::llama_decoder_stack")
     def _(x, cos_sin, kv_cache, slot_mapping, context_slots, visible, norms, qkv, o, gate_up, down, arity, num_heads,
           num_kv_heads, group_size, eps, scale, int8_activations=False, sandwich=False, qk_norm=False, activation=0,
           cos_sin_local=None, visible_local=None, sliding=(), residual_multiplier=1.0, pre_norms=True,
-          qk_norm_all_heads=False):
+          qk_norm_all_heads=False, attn_softcap=0.0):
         return torch.empty_like(x)
 
     @torch.library.register_fake(f"{ns}::paged_attention")
-    def _(q, kv_cache, context_slots, visible, scale):
+    def _(q, kv_cache, context_slots, visible, scale, softcap=0.0):
         b, t, nh, d = q.shape
         return q.new_empty((b, t, nh * d))
 

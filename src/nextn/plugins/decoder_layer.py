@@ -55,6 +55,7 @@ class FusedLayerWeights:
     residual_multiplier: float = 1.0  # Granite
     pre_norms: bool = True  # False: OLMo 2's post-norms (the input and pre-MLP norms absent: empty tensors)
     qk_norm_all_heads: bool = False  # OLMo 2: one q norm over all heads (and one k norm)
+    attn_softcap: float = 0.0  # Gemma 2: attention logits soft-capped at this (0: none)
 
 
 def _int4_linears(*linears: nn.Module) -> tuple[int, bool] | None:
@@ -131,7 +132,8 @@ def fuse_layer(layer: nn.Module) -> FusedLayerWeights | None:
                              _one(mlp.down_proj), *kind, sandwich=getattr(layer, "sandwich", False),
                              qk_norm=getattr(attn, "qk_norm", False), activation=activation,
                              residual_multiplier=residual, pre_norms=getattr(layer, "pre_norms", True),
-                             qk_norm_all_heads=getattr(attn, "qk_norm_all_heads", False))
+                             qk_norm_all_heads=getattr(attn, "qk_norm_all_heads", False),
+                             attn_softcap=float(getattr(attn, "softcap", None) or 0.0))
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,7 @@ class FusedStack:
     residual_multiplier: float = 1.0
     pre_norms: bool = True
     qk_norm_all_heads: bool = False
+    attn_softcap: float = 0.0
 
 
 def fuse_stack(layers: list[nn.Module], layer_types: tuple[str, ...] | None = None) -> FusedStack | None:
@@ -173,18 +176,18 @@ def fuse_stack(layers: list[nn.Module], layer_types: tuple[str, ...] | None = No
         attn = layer.self_attn
         return (f.group_size, f.int8_activations, len(f.qkv), len(f.o), len(f.gate_up), len(f.down), attn.num_heads,
                 attn.num_kv_heads, float(layer.post_attention_layernorm.eps), float(attn.scale), f.sandwich, f.qk_norm,
-                f.activation, f.norms[1].dtype, f.residual_multiplier, f.pre_norms, f.qk_norm_all_heads)
+                f.activation, f.norms[1].dtype, f.residual_multiplier, f.pre_norms, f.qk_norm_all_heads, f.attn_softcap)
 
     shapes = {shape(layer, f) for layer, f in zip(layers, fs)}
     if len(shapes) != 1 or any(":" in t for t in layer_types or ()):
         return None  # NoPE layers (SmolLM3) take the op one layer at a time, each with its rope rows
     (group, int8, *arity, heads, kv_heads, eps, scale, sandwich, qk_norm, activation, _, residual, pre_norms,
-     all_heads) = shapes.pop()
+     all_heads, softcap) = shapes.pop()
     sliding = [int(t == "sliding_attention") for t in layer_types] if layer_types else []
     return FusedStack([n for f in fs for n in f.norms], [t for f in fs for t in f.qkv],
                       [t for f in fs for t in f.o], [t for f in fs for t in f.gate_up], [t for f in fs for t in f.down],
                       list(arity), heads, kv_heads, group, eps, scale, int8, sandwich, qk_norm, activation, sliding,
-                      residual, pre_norms, all_heads)
+                      residual, pre_norms, all_heads, softcap)
 
 
 def install_fused_layers(model: nn.Module) -> int:
@@ -219,7 +222,7 @@ def fused_forward(layer: nn.Module, x: torch.Tensor, cos_sin: torch.Tensor, kv_c
         f.gate_up, f.down, attn.num_heads, attn.num_kv_heads, f.group_size, layer.post_attention_layernorm.eps,
         attn.scale,
         f.int8_activations, f.sandwich, f.qk_norm, f.activation, f.residual_multiplier, f.pre_norms,
-        f.qk_norm_all_heads)
+        f.qk_norm_all_heads, f.attn_softcap)
 
 
 def stack_forward(stack: FusedStack, x: torch.Tensor, inputs: dict, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -234,4 +237,4 @@ def stack_forward(stack: FusedStack, x: torch.Tensor, inputs: dict, kv_cache: to
         stack.eps, stack.scale, stack.int8_activations, stack.sandwich, stack.qk_norm, stack.activation,
         local_cs.contiguous() if local_cs is not None else None,
         local_meta.visible if local_meta is not None else None, list(stack.sliding), stack.residual_multiplier,
-        stack.pre_norms, stack.qk_norm_all_heads)
+        stack.pre_norms, stack.qk_norm_all_heads, stack.attn_softcap)

@@ -8,8 +8,8 @@
 //       (each [w, scale, zero] or [w, scale, zero, bias]: the int4 weights of woq_linear_cpu.cpp, one- or two-level
 //       scales), num_heads, num_kv_heads, group_size, eps, scale, int8_activations, sandwich, qk_norm, activation
 //       (0 SiLU, 1 GELU-tanh), residual_multiplier (Granite's; not with sandwich), pre_norms (false: OLMo 2's
-//       post-norms, the input and pre_ff norms empty), qk_norm_all_heads (OLMo 2: q [NH*D], k [NKV*D])) -> [B, T, H]
-//       bf16
+//       post-norms, the input and pre_ff norms empty), qk_norm_all_heads (OLMo 2: q [NH*D], k [NKV*D]),
+//       attn_softcap (Gemma 2's attention logit soft-capping; 0: none)) -> [B, T, H] bf16
 //   nextn::llama_decoder_stack(x, cos_sin, kv_cache [layers, slots, 2 * NKV * D], ..., norms, qkv, o, gate_up, down
 //       (every layer's operands, layer after layer), arity, ..., cos_sin_local, visible_local, sliding (per layer:
 //       1 = a sliding-window layer, which takes the _local rope rows and mask)) -> [B, T, H] bf16: all the layers
@@ -177,7 +177,8 @@ at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& cos_sin, a
                                at::TensorList o_t, at::TensorList gate_up_t, at::TensorList down_t, int64_t num_heads,
                                int64_t num_kv_heads, int64_t group_size, double eps, double scale,
                                bool int8_activations, bool sandwich, bool qk_norm, int64_t activation,
-                               double residual_multiplier, bool pre_norms, bool qk_norm_all_heads) {
+                               double residual_multiplier, bool pre_norms, bool qk_norm_all_heads,
+                               double attn_softcap) {
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
               "llama_decoder_layer: x must be a [B, T, H] bfloat16 CPU tensor");
   const int64_t B = x.size(0), T = x.size(1), H = x.size(2), M = B * T;
@@ -276,7 +277,7 @@ at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& cos_sin, a
     for (int64_t i = 0; i < NKV * D; i += 16) store_bf16(kv + NKV * D + i, simd::load(row + (NH + NKV) * D + i));
   });
   nextn_cpu::paged_attention_bf16(q.data(), cache, ctx.data_ptr<int64_t>(), vis.data_ptr<bool>(), B, T, NH, NKV, S,
-                                  D, float(scale), f.data());
+                                  D, float(scale), float(attn_softcap), f.data());
   for_rows(M, [&](int64_t m) {
     const int64_t row = m * NH * D;
     for (int64_t i = 0; i < NH * D; i += 16) store_bf16(q.data() + row + i, simd::load(f.data() + row + i));
@@ -337,7 +338,8 @@ at::Tensor llama_decoder_stack(const at::Tensor& x, const at::Tensor& cos_sin, a
                                bool int8_activations, bool sandwich, bool qk_norm, int64_t activation,
                                const std::optional<at::Tensor>& cos_sin_local,
                                const std::optional<at::Tensor>& visible_local, at::IntArrayRef sliding,
-                               double residual_multiplier, bool pre_norms, bool qk_norm_all_heads) {
+                               double residual_multiplier, bool pre_norms, bool qk_norm_all_heads,
+                               double attn_softcap) {
   TORCH_CHECK(arity.size() == 4, "llama_decoder_stack: arity must give the tensors a layer of qkv, o, gate_up, down");
   const int64_t per = 2 + 2 * sandwich + 2 * qk_norm;
   TORCH_CHECK(norms.size() % per == 0 && !norms.empty(), "llama_decoder_stack: norms must hold ", per,
@@ -361,7 +363,7 @@ at::Tensor llama_decoder_stack(const at::Tensor& x, const at::Tensor& cos_sin, a
                             qkv.slice(i * arity[0], arity[0]), o.slice(i * arity[1], arity[1]),
                             gate_up.slice(i * arity[2], arity[2]), down.slice(i * arity[3], arity[3]), num_heads,
                             num_kv_heads, group_size, eps, scale, int8_activations, sandwich, qk_norm, activation,
-                            residual_multiplier, pre_norms, qk_norm_all_heads);
+                            residual_multiplier, pre_norms, qk_norm_all_heads, attn_softcap);
   }
   return h;
 }
@@ -374,13 +376,14 @@ TORCH_LIBRARY_FRAGMENT(NEXTN_OPS, m) {
         "Tensor[] gate_up, Tensor[] down, int num_heads, int num_kv_heads, int group_size, float eps, "
         "float scale, bool int8_activations=False, bool sandwich=False, bool qk_norm=False, "
         "int activation=0, float residual_multiplier=1.0, bool pre_norms=True, "
-        "bool qk_norm_all_heads=False) -> Tensor");
+        "bool qk_norm_all_heads=False, float attn_softcap=0.0) -> Tensor");
   m.def("llama_decoder_stack(Tensor x, Tensor cos_sin, Tensor(a!) kv_cache, Tensor slot_mapping, "
         "Tensor context_slots, Tensor visible, Tensor[] norms, Tensor[] qkv, Tensor[] o, Tensor[] gate_up, "
         "Tensor[] down, int[] arity, int num_heads, int num_kv_heads, int group_size, float eps, float scale, "
         "bool int8_activations=False, bool sandwich=False, bool qk_norm=False, int activation=0, "
         "Tensor? cos_sin_local=None, Tensor? visible_local=None, int[] sliding=[], "
-        "float residual_multiplier=1.0, bool pre_norms=True, bool qk_norm_all_heads=False) -> Tensor");
+        "float residual_multiplier=1.0, bool pre_norms=True, bool qk_norm_all_heads=False, "
+        "float attn_softcap=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(NEXTN_OPS, CPU, m) {

@@ -2,11 +2,12 @@
 // paged_attention.py).
 //
 //   nextn::paged_attention(q [B, T, NH, D], kv_cache [slots, 2 * NKV * D], context_slots [B, S] int64,
-//                          visible [B, 1, T, S] bool, scale) -> [B, T, NH * D] in q's dtype
+//                          visible [B, 1, T, S] bool, scale, softcap = 0) -> [B, T, NH * D] in q's dtype
 //
 // Each query (b, t, head h) attends to the keys j of its sequence with visible[b, 0, t, j]: the cache row
 // context_slots[b, j] holds K (NKV x D) then V (NKV x D); query head h reads KV head h / (NH / NKV) (GQA).
-// f32 throughout: scores = scale * q.k, softmax (max-subtracted `simd::exp`), o = sum_j p_j v_j / sum_j p_j.
+// f32 throughout: scores = scale * q.k (then softcap * tanh(score / softcap) where softcap > 0: Gemma 2's attention
+// logit soft-capping), softmax (max-subtracted `simd::exp`), o = sum_j p_j v_j / sum_j p_j.
 //
 // Why our own kernel: the PyTorch path gathers every sequence's context out of the cache, then runs two einsums, a
 // mask and a softmax per layer, ~10 dispatches of microseconds each on a few hundred keys; this is one, reading the
@@ -145,8 +146,8 @@ inline V16 visible16(const bool* v, int64_t left) {
 // over the rest (a verify step's or a tree's last keys) row by row, skipping the keys a row does not see.
 template <typename T>
 void attend(const T* q, int64_t q_tok_stride, const T* kv, int64_t kv_row, const int64_t* slots, const bool* vis,
-            int64_t S, int64_t Tq, int64_t group, int64_t D, int64_t k_off, int64_t v_off, float scale, float* out,
-            int64_t out_tok_stride) {
+            int64_t S, int64_t Tq, int64_t group, int64_t D, int64_t k_off, int64_t v_off, float scale, float softcap,
+            float* out, int64_t out_tok_stride) {
   const int64_t C = (D + 15) / 16, Dp = C * 16;  // 16-lane chunks of a head; rows padded to Dp with zeros
   auto lanes = [&](int64_t c) { return c == C - 1 ? D - c * 16 : int64_t(16); };
   // query rows of a tile: token-major, then head; a verify step's tokens (up to kOneTile) are one tile
@@ -183,7 +184,11 @@ void attend(const T* q, int64_t q_tok_stride, const T* kv, int64_t kv_row, const
         for (int64_t c = 0; c < C; ++c)
           simd::store(&kb[k * Dp + c * 16],
                       k < nk ? load16(kv + slots[j0 + k] * kv_row + k_off + c * 16, lanes(c)) : simd::zero());
-      for (int64_t r = 0; r < nr; ++r) simd::store(&scores[r * S16 + j0], scores16(&qf[r * Dp], kb.data(), C, Dp, scale));
+      for (int64_t r = 0; r < nr; ++r) {
+        V16 sc = scores16(&qf[r * Dp], kb.data(), C, Dp, scale);
+        if (softcap > 0.f) sc = simd::set1(softcap) * simd::tanh(sc / simd::set1(softcap));
+        simd::store(&scores[r * S16 + j0], sc);
+      }
     }
     // probabilities (unnormalised), 16 keys at a time: the row's max over the keys it sees, exp(score - max)
     // (0 where it does not see the key), their sum; transposed for the weighted sum
@@ -274,13 +279,13 @@ void attend(const T* q, int64_t q_tok_stride, const T* kv, int64_t kv_row, const
 // Every (sequence, KV head) is one task; tasks split across threads.
 template <typename T>
 void run(const T* qp, const T* kvp, const int64_t* slots, const bool* vis, int64_t B, int64_t Tq, int64_t NH,
-         int64_t NKV, int64_t S, int64_t D, float scale, float* out) {
+         int64_t NKV, int64_t S, int64_t D, float scale, float softcap, float* out) {
   const int64_t group = NH / NKV;
   at::parallel_for(0, B * NKV, 1, [&](int64_t w0, int64_t w1) {
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t b = w / NKV, h = w % NKV, base = (b * Tq * NH + h * group) * D;
       attend<T>(qp + base, NH * D, kvp, 2 * NKV * D, slots + b * S, vis + b * Tq * S, S, Tq, group, D, h * D,
-                NKV * D + h * D, scale, out + base, NH * D);
+                NKV * D + h * D, scale, softcap, out + base, NH * D);
     }
   });
 }
@@ -291,9 +296,9 @@ namespace nextn_cpu {
 
 void paged_attention_bf16(const uint16_t* q, const uint16_t* kv_cache, const int64_t* context_slots,
                           const bool* visible, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t S, int64_t D,
-                          float scale, float* out) {
+                          float scale, float softcap, float* out) {
   run<at::BFloat16>(reinterpret_cast<const at::BFloat16*>(q), reinterpret_cast<const at::BFloat16*>(kv_cache),
-                    context_slots, visible, B, T, NH, NKV, S, D, scale, out);
+                    context_slots, visible, B, T, NH, NKV, S, D, scale, softcap, out);
 }
 
 }  // namespace nextn_cpu
@@ -301,9 +306,10 @@ void paged_attention_bf16(const uint16_t* q, const uint16_t* kv_cache, const int
 namespace {
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& context_slots,
-                           const at::Tensor& visible, double scale) {
+                           const at::Tensor& visible, double scale, double softcap) {
   TORCH_CHECK(q.dim() == 4, "paged_attention: q must be [B, T, NH, D]");
   const int64_t B = q.size(0), Tq = q.size(1), NH = q.size(2), D = q.size(3);
+  TORCH_CHECK(softcap >= 0.0, "paged_attention: softcap must be >= 0 (0: none), got ", softcap);
   TORCH_CHECK(D >= 1 && D <= kMaxD, "paged_attention: head_dim ", D, " must be in [1, ", kMaxD, "]");
   TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() &&
                   (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat),
@@ -323,10 +329,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
   const bool* vp = vis.data_ptr<bool>();
   float* op = out.data_ptr<float>();
   if (q.scalar_type() == at::kFloat) {
-    run<float>(qc.data_ptr<float>(), kv_cache.data_ptr<float>(), sp, vp, B, Tq, NH, NKV, S, D, float(scale), op);
+    run<float>(qc.data_ptr<float>(), kv_cache.data_ptr<float>(), sp, vp, B, Tq, NH, NKV, S, D, float(scale),
+               float(softcap), op);
   } else {
     run<at::BFloat16>(qc.data_ptr<at::BFloat16>(), kv_cache.data_ptr<at::BFloat16>(), sp, vp, B, Tq, NH, NKV, S, D,
-                      float(scale), op);
+                      float(scale), float(softcap), op);
   }
   return out.to(q.scalar_type());
 }
@@ -334,7 +341,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(NEXTN_OPS, m) {
-  m.def("paged_attention(Tensor q, Tensor kv_cache, Tensor context_slots, Tensor visible, float scale) -> Tensor");
+  m.def("paged_attention(Tensor q, Tensor kv_cache, Tensor context_slots, Tensor visible, float scale, "
+        "float softcap=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(NEXTN_OPS, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -297,6 +297,14 @@ inline V16 exp(V16 v) {
 #endif
 }
 
+// tanh(v), 16 lanes: (1 - e) / (1 + e) with e = exp(-2v) (`exp` clamps its argument, so a large negative v gives
+// e ~ 1.6e38 and -1, not NaN; |error| ~1e-7 absolute: Gemma 2's soft-capping multiplies it by its cap, 50 for
+// attention logits). The same for every lane whatever the batch.
+inline V16 tanh(const V16& v) {
+  const V16 e = exp(v * set1(-2.f));
+  return (set1(1.f) - e) / (set1(1.f) + e);
+}
+
 // --- bf16 pair products: 16 output channels x 2 input channels (k, k + 1), multiplied by a row's (x_k, x_k+1)
 
 #if defined(NEXTN_BF16_DOT)

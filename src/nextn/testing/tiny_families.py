@@ -7,6 +7,7 @@ converter recognises), so a checkpoint here converts like a released one and bui
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -25,11 +26,25 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "olmo2": dict(num_key_value_heads=2, head_dim=16),
     "granite": dict(num_key_value_heads=2, embedding_multiplier=3.0, attention_multiplier=0.2,
                     residual_multiplier=0.5, logits_scaling=2.5),
+    # Phi-4-mini's layout: fused qkv / gate_up, partial rotary, LongRoPE, tied embeddings; an original context of 8
+    # that every prompt of the tests exceeds, so transformers uses the long factors as the engine's table does
+    "phi3": dict(num_key_value_heads=2, tie_word_embeddings=True, original_max_position_embeddings=8,
+                 rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                  "original_max_position_embeddings": 8, "short_factor": [1.0, 1.3, 1.7, 2.9],
+                                  "long_factor": [1.5, 2.5, 6.0, 11.0]}),
+    # Gemma 2: caps far below the released 50 / 30, so soft-capping changes every logit the tests compare
+    "gemma2": dict(num_hidden_layers=3, num_key_value_heads=1, head_dim=32, sliding_window=16,
+                   query_pre_attn_scalar=32, attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
     "gemma3_text": dict(num_hidden_layers=7, num_key_value_heads=1, head_dim=32, sliding_window=16,
                         query_pre_attn_scalar=32),
 }
+#: Families whose tokenizer_config names GPT2Tokenizer (Phi-4's; the converter's phi3 vocab reads it)
+_GPT2_CLASS = ("phi3",)
 #: A norm weight's centre: Gemma's RMSNorm scales by (1 + w), so its weights are zero-centred.
-_NORM_CENTRE = {"gemma3_text": 0.0}
+_NORM_CENTRE = {"gemma3_text": 0.0, "gemma2": 0.0}
+#: Families whose llama.cpp conversion reads a SentencePiece `tokenizer.model` (Gemma 2's `set_vocab`): one is
+#: trained at test time (`sentencepiece_model`); the converter pads its vocabulary to the model's with [PAD] tokens.
+_SPM_VOCAB = ("gemma2",)
 
 
 def tiny_hf_model(model_type: str, seed: int = 0, **overrides: Any):
@@ -75,4 +90,28 @@ def save_tiny(model_type: str, out_dir: Path, tokenizer_dir: Path, seed: int = 0
     model.save_pretrained(out_dir)
     for f in tokenizer_dir.iterdir():
         shutil.copy(f, out_dir / f.name)
+    if model_type in _SPM_VOCAB:
+        sentencepiece_model(out_dir / "tokenizer.model")
+    if model_type in _GPT2_CLASS:  # llama.cpp's converter reads a SentencePiece model unless the class says GPT-2
+        config = out_dir / "tokenizer_config.json"
+        config.write_text(json.dumps({**json.loads(config.read_text()), "tokenizer_class": "GPT2Tokenizer"}))
     return model
+
+
+def sentencepiece_model(path: Path, vocab_size: int = 200) -> Path:
+    """Train a small SentencePiece BPE model (`vocab_size` pieces) on generated English-like text and write it to
+    `path` (what llama.cpp's converter reads as a SentencePiece vocabulary); returns `path`."""
+    import io
+    import random
+
+    import sentencepiece as spm
+
+    rng = random.Random(0)
+    words = ["the", "model", "token", "draft", "verify", "cache", "block", "layer", "attention", "window", "soft",
+             "cap", "gemma", "step", "accept", "reject", "speculative", "decode", "prefill", "batch"]
+    lines = [" ".join(rng.choice(words) for _ in range(12)) for _ in range(400)]
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model, vocab_size=vocab_size,
+                                   model_type="bpe", character_coverage=1.0, minloglevel=2)
+    path.write_bytes(model.getvalue())
+    return path

@@ -4,7 +4,7 @@ The engine keeps HF names, with three changes made once at build time:
 - routed experts are stacked: `mlp.experts.gate_up_proj` [E, 2·I_moe, H] (gate rows, then up rows) and
   `mlp.experts.down_proj` [E, H, I_moe], so MoE dispatch indexes one tensor on the device;
 - the MTP layers' copies of `embed_tokens` / `shared_head.head` are dropped (every engine uses the main
-  model's embedding and lm_head: REFERENCE.md §2);
+  model's embedding and lm_head: arXiv:2412.19437 §2.2);
 - a tied checkpoint gets an explicit `lm_head.weight`.
 Both expert spellings load: per-expert (`mlp.experts.{e}.gate_proj.weight`, DeepSeek's release and what
 `transformers` `save_pretrained` writes) and fused (`mlp.experts.gate_up_proj`, transformers' in-memory layout).
@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Iterator
+
+from typing import Any
 
 import torch
 
@@ -37,6 +39,12 @@ _EXPERT_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(?:gate|up|
 
 class WeightError(ValueError):
     """A checkpoint tensor is missing or has the wrong shape; the message names the tensor."""
+
+
+def stored_view(reader: Any, cfg: DeepseekV3ModelConfig) -> Any:
+    """DeepSeek-V3 checkpoints store the engine's layout: `reader` itself (the dense families' `stored_view` may wrap
+    it)."""
+    return reader
 
 
 def runtime_weight_dtype(name: str, dtype: torch.dtype) -> torch.dtype:

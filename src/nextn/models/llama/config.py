@@ -21,14 +21,16 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from nextn.models.config import ConfigError, Layers, MtpLayers, Size
 from nextn.models.llama.families import family_options
-from nextn.models.llama.rope_config import Llama3RopeScaling, LinearRopeScaling
+from nextn.models.llama.rope_config import Llama3RopeScaling, LinearRopeScaling, LongRopeScaling
 
-__all__ = ["LLAMA_ARCHITECTURES", "LayerType", "LinearRopeScaling", "Llama3RopeScaling", "LlamaModelConfig"]
+__all__ = ["LLAMA_ARCHITECTURES", "LayerType", "LinearRopeScaling", "Llama3RopeScaling", "LlamaModelConfig",
+           "LongRopeScaling"]
 
 #: HF architecture → model_type of the checkpoints this family reads (each one's layer options: `families.py`).
 LLAMA_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                        "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text", "SmolLM3ForCausalLM": "smollm3",
-                       "GraniteForCausalLM": "granite", "Olmo2ForCausalLM": "olmo2"}
+                       "GraniteForCausalLM": "granite", "Olmo2ForCausalLM": "olmo2", "Phi3ForCausalLM": "phi3",
+                       "Gemma2ForCausalLM": "gemma2"}
 #: What a layer attends to: every earlier key, or the last `sliding_window` keys (HF `layer_types` values).
 LayerType = Literal["full_attention", "sliding_attention"]
 
@@ -43,7 +45,7 @@ class LlamaModelConfig(BaseModel):
 
     architecture: Literal["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                           "Gemma3ForCausalLM", "SmolLM3ForCausalLM", "GraniteForCausalLM",
-                          "Olmo2ForCausalLM"] = "LlamaForCausalLM"
+                          "Olmo2ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM"] = "LlamaForCausalLM"
     vocab_size: Size
     hidden_size: Size
     intermediate_size: Size  # SwiGLU width
@@ -53,7 +55,10 @@ class LlamaModelConfig(BaseModel):
     head_dim: Size  # per-head width; HF's default is hidden_size // num_attention_heads
     rms_norm_eps: float = Field(default=1e-6, gt=0)
     rope_theta: float = Field(default=10000.0, gt=0)  # RoPE base
-    rope_scaling: Llama3RopeScaling | LinearRopeScaling | None = Field(default=None, discriminator="rope_type")
+    rope_scaling: Llama3RopeScaling | LinearRopeScaling | LongRopeScaling | None = Field(
+        default=None, discriminator="rope_type")
+    #: dims of a head RoPE rotates, the first ones (HF `partial_rotary_factor` × head_dim: Phi-4-mini 0.75); None: all
+    rotary_dim: Size | None = None
     #: per-frequency divisors of RoPE's inverse frequencies [head_dim // 2], as a GGUF carries Llama-3 scaling
     #: (llama.cpp's `rope_freqs` tensor, which convert_hf_to_gguf.py computes from `rope_scaling`); None: none
     rope_freq_factors: tuple[float, ...] | None = None
@@ -83,6 +88,8 @@ class LlamaModelConfig(BaseModel):
     attention_multiplier: float | None = Field(default=None, gt=0)  # the softmax scale itself (Granite)
     residual_multiplier: float = Field(default=1.0, gt=0)  # each residual branch × this before its add (Granite)
     logits_scaling: float = Field(default=1.0, gt=0)  # logits ÷ this (Granite)
+    attn_logit_softcapping: float | None = Field(default=None, gt=0)  # scores → cap · tanh(scores / cap) (Gemma 2)
+    final_logit_softcapping: float | None = Field(default=None, gt=0)  # logits → cap · tanh(logits / cap) (Gemma 2)
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     torch_dtype: str = "float32"  # dtype the checkpoint was saved in
@@ -107,6 +114,13 @@ class LlamaModelConfig(BaseModel):
                              f"num_key_value_heads={self.num_key_value_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
+        rotary = self.rotary_dim or self.head_dim
+        if rotary % 2 or rotary > self.head_dim:
+            raise ValueError(f"rotary_dim={rotary} must be even and at most head_dim={self.head_dim}")
+        if self.rope_scaling is not None and self.rope_scaling.rope_type == "longrope" and len(
+                self.rope_scaling.short_factor) != rotary // 2:
+            raise ValueError(f"longrope scaling lists {len(self.rope_scaling.short_factor)} factors; "
+                             f"rotary_dim // 2 is {rotary // 2}")
         factors = self.rope_freq_factors
         if factors is not None:
             if len(factors) != self.head_dim // 2 or not all(f > 0 for f in factors):

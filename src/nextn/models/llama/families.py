@@ -1,6 +1,6 @@
 """What each dense family adds to the Llama layer, read from its HF `config.json`: the layer options of
-`LlamaModelConfig` and the rotary settings, one function per architecture (Mistral, Qwen2/Qwen3, SmolLM3 and Granite
-differ from Llama only in biases, q/k norms, sliding windows, NoPE layers and multipliers).
+`LlamaModelConfig` and the rotary settings, one function per architecture (Mistral, Qwen2/Qwen3, SmolLM3, Granite and
+Phi-3 differ from Llama only in biases, q/k norms, sliding windows, NoPE layers, multipliers and rotary settings).
 
 A family is a config + a weight map + layer options (docs/ARCHITECTURE.md, "Adding a model family"): the module
 (`model.py`) and the weight layout (`weights.py`) read these options; nothing is copied per family. Defaults follow
@@ -11,9 +11,10 @@ the `transformers` 5.23 config classes (`LlamaConfig`, `Qwen2Config`, `Qwen3Conf
 from __future__ import annotations
 
 from typing import Any
-
 from nextn.models.config import ConfigError
-from nextn.models.llama.rope_config import Llama3RopeScaling, LinearRopeScaling
+import math
+
+from nextn.models.llama.rope_config import Llama3RopeScaling, LinearRopeScaling, LongRopeScaling
 
 
 def family_options(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
@@ -21,11 +22,12 @@ def family_options(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
 
     Raises:
         ConfigError: a setting the family supports in `transformers` but nextn does not (Gemma's bidirectional
-            attention or soft-capping, a rope type other than default, llama3 and linear); the message names the
-            field.
+            attention, a rope type other than default, llama3, linear and longrope); the message names the field.
     """
     if arch == "Gemma3ForCausalLM":
         return _gemma3(hf)
+    if arch == "Gemma2ForCausalLM":
+        return _gemma2(hf)
     theta, scaling = rope_from_hf(hf, arch)
     options: dict[str, Any] = {"rope_theta": theta, "rope_scaling": scaling, **_windows(arch, hf)}
     if arch == "Qwen2ForCausalLM":
@@ -39,6 +41,8 @@ def family_options(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
                        attention_multiplier=float(hf.get("attention_multiplier") or 1.0),
                        residual_multiplier=float(hf.get("residual_multiplier") or 1.0),
                        logits_scaling=float(hf.get("logits_scaling") or 1.0))
+    if arch == "Phi3ForCausalLM":  # Phi3Attention / Phi3MLP: fused qkv_proj and gate_up_proj (split on reading)
+        options["rotary_dim"] = _rotary_dim(hf)
     if arch == "SmolLM3ForCausalLM":
         layers, every = hf.get("num_hidden_layers"), int(hf.get("no_rope_layer_interval") or 4)
         nope = hf.get("no_rope_layers")
@@ -54,9 +58,9 @@ def _windows(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
     null), Qwen2/Qwen3 on the layers from `max_window_layers` on when `use_sliding_window` (their `layer_types`)."""
     layers = hf.get("num_hidden_layers")
     window = hf.get("sliding_window", 4096 if arch == "MistralForCausalLM" else None)
-    if type(layers) is not int or window is None:
+    if type(layers) is not int or not window:  # a GGUF writes no window as 0
         return {}
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):  # Phi3Model: a window on every layer when set
         return {"sliding_window": window, "layer_types": ["sliding_attention"] * layers}
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM") and hf.get("use_sliding_window"):
         first = hf.get("max_window_layers", 28)
@@ -73,10 +77,6 @@ def _gemma3(hf: dict[str, Any]) -> dict[str, Any]:
     if hf.get("use_bidirectional_attention"):
         raise ConfigError("Gemma3ForCausalLM with use_bidirectional_attention: true (an embedding model) is not a "
                           "causal LM nextn builds")
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if hf.get(key) is not None:
-            raise ConfigError(f"Gemma3ForCausalLM with {key} = {hf[key]} is not supported (Gemma 3 releases leave it "
-                              "null)")
     layers = hf.get("num_hidden_layers")
     types = hf.get("layer_types")
     if types is None and type(layers) is int:
@@ -107,6 +107,33 @@ def _gemma3(hf: dict[str, Any]) -> dict[str, Any]:
         "tie_word_embeddings": hf.get("tie_word_embeddings", True),
         "rms_norm_eps": hf.get("rms_norm_eps") or 1e-6,
         "head_dim": hf.get("head_dim") or 256,
+        "attn_logit_softcapping": hf.get("attn_logit_softcapping"),  # null in Gemma 3 releases
+        "final_logit_softcapping": hf.get("final_logit_softcapping"),
+    }  # fmt: skip
+
+
+def _gemma2(hf: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2 (`Gemma2ForCausalLM`): Gemma 3's layer without q/k norms, one rope base, every other layer sliding
+    (from the first), and soft-capped attention and final logits (Gemma Team 2024, "Gemma 2", §2; HF
+    `modeling_gemma2.py`)."""
+    if hf.get("use_bidirectional_attention"):
+        raise ConfigError("Gemma2ForCausalLM with use_bidirectional_attention: true is not a causal LM nextn builds")
+    layers = hf.get("num_hidden_layers")
+    types = hf.get("layer_types")
+    if types is None and type(layers) is int:
+        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    theta, scaling = rope_from_hf(hf, "Gemma2ForCausalLM")
+    hidden = hf.get("hidden_size")
+    return {
+        "rope_theta": theta, "rope_scaling": scaling, "norm_style": "unit_offset", "norm_placement": "sandwich",
+        "embedding_multiplier": float(hidden) ** 0.5 if type(hidden) is int and hidden > 0 else None,
+        "hidden_act": hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": hf.get("query_pre_attn_scalar", 256),
+        "sliding_window": hf.get("sliding_window", 4096), "layer_types": types,
+        "attn_logit_softcapping": hf.get("attn_logit_softcapping", 50.0),
+        "final_logit_softcapping": hf.get("final_logit_softcapping", 30.0),
+        "tie_word_embeddings": hf.get("tie_word_embeddings", True),
+        "rms_norm_eps": hf.get("rms_norm_eps") or 1e-6, "head_dim": hf.get("head_dim") or 256,
     }  # fmt: skip
 
 
@@ -114,13 +141,15 @@ def rope_from_hf(hf: dict[str, Any], arch: str) -> tuple[float, Any]:
     """(rope_theta, scaling) from `rope_parameters` (transformers 5) or `rope_scaling` + `rope_theta`.
 
     Raises:
-        ConfigError: a rope type other than default, llama3 and linear, or scaling fields those refuse.
+        ConfigError: a rope type other than default, llama3, linear and longrope, or scaling fields those refuse.
     """
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     theta = float(params.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0)
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     if rope_type == "default":
         return theta, None
+    if rope_type in ("longrope", "su"):
+        return theta, _longrope(hf, params, arch)
     kinds = {"llama3": Llama3RopeScaling, "linear": LinearRopeScaling}
     if rope_type not in kinds:
         raise ConfigError(f"unsupported rope type {rope_type!r} for {arch}: nextn supports 'default', "
@@ -133,3 +162,36 @@ def rope_from_hf(hf: dict[str, Any], arch: str) -> tuple[float, Any]:
         return theta, kind(**keep)
     except ValueError as e:
         raise ConfigError(f"invalid {rope_type} rope scaling {params}: {e}") from e
+
+
+def _rotary_dim(hf: dict[str, Any]) -> int | None:
+    """The rotated dims of a head from `partial_rotary_factor` (top level or in `rope_parameters`; HF's
+    `int(head_dim * factor)`), None when every dim rotates."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    hidden, heads = hf.get("hidden_size"), hf.get("num_attention_heads")
+    head_dim = hf.get("head_dim") or (hidden // heads if type(hidden) is int and type(heads) is int and heads else None)
+    if factor in (None, 1, 1.0) or head_dim is None:
+        return None
+    if not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        raise ConfigError(f"partial_rotary_factor {factor!r} must be a number in (0, 1]")
+    return int(head_dim * factor)
+
+
+def _longrope(hf: dict[str, Any], params: dict[str, Any], arch: str) -> LongRopeScaling:
+    """LongRoPE from `rope_parameters` (or Phi-3's older `rope_scaling` of type "su"), its attention factor defaulted
+    as HF's `_compute_longrope_parameters` does: √(1 + ln s / ln orig) with s = max_position_embeddings / orig (or
+    `factor`), 1 when s ≤ 1."""
+    orig = params.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
+    if type(orig) is not int or orig <= 0:
+        raise ConfigError(f"longrope rope scaling of {arch} needs original_max_position_embeddings, got {orig!r}")
+    factor = params.get("factor") or (hf.get("max_position_embeddings") or orig) / orig
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = math.sqrt(1 + math.log(factor) / math.log(orig)) if factor > 1 else 1.0
+    try:
+        return LongRopeScaling(short_factor=params.get("short_factor") or (),
+                               long_factor=params.get("long_factor") or (), original_max_position_embeddings=orig,
+                               attention_factor=attention)
+    except ValueError as e:
+        raise ConfigError(f"invalid longrope rope scaling {params}: {e}") from e

@@ -73,6 +73,7 @@ class LlamaAttention(nn.Module):
             self.k_norm = norm_class(cfg)(self.num_kv_heads * d if full else d, eps=cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
         self.scale = cfg.softmax_scale
+        self.softcap = cfg.attn_logit_softcapping  # Gemma 2: scores → cap · tanh(scores / cap); None: none
 
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -100,7 +101,8 @@ class LlamaAttention(nn.Module):
         new_kv = torch.cat([k.reshape(b, t, nkv * d), v], dim=-1).to(kv_cache.dtype)  # [B, T, 2 · nkv · d]
         kv_cache_write(kv_cache, meta.slot_mapping.reshape(-1), new_kv.reshape(b * t, -1))
         if self.paged_attention_kernel and kv_cache.dtype == q.dtype:
-            o = cpu_kernels.ops().paged_attention(q, kv_cache, meta.context_slots, meta.visible, self.scale)
+            o = cpu_kernels.ops().paged_attention(q, kv_cache, meta.context_slots, meta.visible, self.scale,
+                                                  self.softcap or 0.0)
             return self.o_proj(o)
 
         # Each sequence's context through its block table: [B, S, 2, nkv, d], S = max_blocks · block_size.
@@ -109,6 +111,8 @@ class LlamaAttention(nn.Module):
         k_ctx, v_ctx = ctx.view(b, s, 2, nkv, d).unbind(2)  # [B, S, nkv, d] each
         q = q.view(b, t, nkv, group, d)  # query head h = kv head h // group (HF `repeat_kv`)
         scores = torch.einsum("btkgd,bskd->bkgts", q, k_ctx).float() * self.scale  # [B, nkv, group, T, S]
+        if self.softcap:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
         scores = scores.reshape(b, self.num_heads, t, s).masked_fill(~meta.visible, float("-inf"))
         probs = F.softmax(scores, dim=-1).to(x.dtype).view(b, nkv, group, t, s)
         o = torch.einsum("bkgts,bskd->btkgd", probs, v_ctx).reshape(b, t, self.num_heads * d)
@@ -208,6 +212,7 @@ class LlamaForCausalLM(SelfDraftingCausalLM):
         self._register_load_state_dict_pre_hook(self._drop_tied_copy)
         self.layer_types = cfg.layer_input_keys
         self.logits_scaling = cfg.logits_scaling
+        self.final_logit_softcapping = cfg.final_logit_softcapping
         if cfg.has_sliding_layers:
             self.sliding_window = cfg.sliding_window
         self.draft_head_weight: torch.Tensor | None = None

@@ -33,3 +33,29 @@ class LinearRopeScaling(BaseModel):
 
     rope_type: Literal["linear"] = "linear"
     factor: float = Field(gt=0)
+
+
+class LongRopeScaling(BaseModel):
+    """LongRoPE (Phi-3 / Phi-3.5 / Phi-4-mini): each rotated frequency divided by its own factor — `short_factor`
+    for a context up to `original_max_position_embeddings`, `long_factor` beyond — and cos / sin times
+    `attention_factor` (Ding et al. 2024, "LongRoPE", arXiv:2402.13753; HF `_compute_longrope_parameters`).
+
+    Which factors an engine uses is fixed when its rope table is made, from the table's length (the engine's
+    max_seq_len), as llama.cpp chooses them from its context size (`rope_factors_long` when n_ctx exceeds the original
+    context); transformers switches per forward pass on the longest position, which agrees up to the original context.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    rope_type: Literal["longrope"] = "longrope"
+    short_factor: tuple[float, ...]  # [rotary_dim // 2] divisors of the inverse frequencies, short contexts
+    long_factor: tuple[float, ...]  # [rotary_dim // 2], contexts longer than original_max_position_embeddings
+    original_max_position_embeddings: int = Field(gt=0)  # pre-training context (Phi-3: 4096)
+    attention_factor: float = Field(default=1.0, gt=0)  # cos and sin × this (HF's default: √(1 + ln s / ln orig))
+
+    @model_validator(mode="after")
+    def _check(self) -> "LongRopeScaling":
+        if len(self.short_factor) != len(self.long_factor) or not all(
+                f > 0 for f in (*self.short_factor, *self.long_factor)):
+            raise ValueError("longrope scaling needs short_factor and long_factor of one length, all positive")
+        return self

@@ -11,6 +11,7 @@ DeepSeek-V3 (every engine uses the main model's embedding and lm_head).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 
@@ -18,7 +19,16 @@ from nextn.models.deepseek_v3.weights import Shape, TensorGetter, WeightError, c
 from nextn.models.llama.config import LlamaModelConfig
 
 
-__all__ = ["WeightError", "runtime_weight_dtype", "runtime_weight_specs", "to_runtime", "unread_tensors"]
+__all__ = ["WeightError", "runtime_weight_dtype", "runtime_weight_specs", "stored_view", "to_runtime",
+           "unread_tensors"]
+
+
+def stored_view(reader: Any, cfg: LlamaModelConfig) -> Any:
+    """`reader` as the engine reads it: wrapped in `stored_layout.StoredLayout` where the family stores tensors
+    otherwise (Phi-3's fused projections, partial rotary), else `reader` itself."""
+    from nextn.models.llama.stored_layout import StoredLayout, needs_view
+
+    return StoredLayout(reader, cfg) if needs_view(cfg) else reader
 
 
 def runtime_weight_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
