@@ -1,4 +1,4 @@
-"""Benchmark datasets in trtllm-bench's format (REFERENCE.md §7), and `prepare-dataset`'s sources.
+"""Benchmark datasets in trtllm-bench's format (trtllm-bench docs), and `prepare-dataset`'s sources.
 
 A dataset is JSON lines, one request each: `{"task_id": 0, "input_ids": [...] | "prompt": "...", "output_tokens": 128}`.
 Sources:

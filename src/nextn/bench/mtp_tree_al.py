@@ -3,7 +3,7 @@
 AL does not depend on the machine or its load (only on the model, the heads and the prompts), so it is measured
 here on trained heads of `nextn train-draft` (their held-out prompts, recorded in train_draft.json) with the public
 `LLM` API: plain decoding once, then each speculative config; every output is checked token-identical to plain.
-AL = Σ emitted tokens / Σ (decode steps + 1) (trtllm-bench's global AL, REFERENCE.md §7). Heads whose
+AL = Σ emitted tokens / Σ (decode steps + 1) (trtllm-bench's global AL, trtllm-bench docs). Heads whose
 train_draft.json has `rank_acceptance` also run `static-cal-N`, the tree built from it (`train/tree_calibration.py`);
 the prompts exclude the top-1 meter's, on which that acceptance was measured.
 

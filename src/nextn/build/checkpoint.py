@@ -1,6 +1,6 @@
 """Lazy, validated reader of an HF safetensors checkpoint directory (single file or sharded; BF16/FP32 or block FP8).
 
-Layout read (REFERENCE.md §1):
+Layout read (deepseek-ai/DeepSeek-V3's config.json):
 
     model_dir/
       config.json                      HF config (either spelling; see nextn.models.config)

@@ -1,4 +1,4 @@
-"""Block-scaled FP8 (e4m3) weights, as in DeepSeek-V3's FP8 release (REFERENCE.md §1).
+"""Block-scaled FP8 (e4m3) weights, as in DeepSeek-V3's FP8 release (deepseek-ai/DeepSeek-V3's config.json).
 
 A weight W [M, N] is stored as `W` in float8_e4m3fn plus `W_scale_inv` [ceil(M/bm), ceil(N/bn)] in fp32, one
 scale per (bm × bn) block (bm = bn = 128 in the release; edge blocks may be partial). Dequantization multiplies each

@@ -1,7 +1,8 @@
 """Reading released Medusa head files: `medusa_lm_head.safetensors`, or `medusa_lm_head.pt` (a state dict, loaded
 only with `torch.load(weights_only=True)`, so a pickle payload is refused), plus an optional `config.json`.
 
-The tensors are trusted over the config: released Vicuna configs say 2 heads while the files hold 5 (REFERENCE.md §5).
+The tensors are trusted over the config: released Vicuna configs say 2 heads while the files hold 5
+(FasterDecoding/Medusa).
 """
 
 from __future__ import annotations

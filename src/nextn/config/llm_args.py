@@ -1,4 +1,4 @@
-"""Typed LLM arguments with TensorRT-LLM's field names (`extra_llm_api_options` YAML; REFERENCE.md §6).
+"""Typed LLM arguments with TensorRT-LLM's field names (`extra_llm_api_options` YAML; TensorRT-LLM llm_args.py).
 
 Unknown keys and wrong types are errors naming the key and listing the valid ones. `speculative_config` is a
 union on `decoding_type`; `null` means plain decoding. Floats must be finite and ints within ±2**31 (a bigger

@@ -1,6 +1,6 @@
 """The normalised DeepSeek-V3 model configuration, read from either spelling of an HF `config.json`.
 
-Two spellings occur in the wild and both load (see ../shared/REFERENCE.md §1):
+Two spellings occur in the wild and both load (deepseek-ai/DeepSeek-V3's config.json):
 - DeepSeek's release: `rope_theta` + `rope_scaling: {type: yarn, ...}`, `torch_dtype`;
 - what `transformers` 5 writes: `rope_parameters: {rope_type: yarn, rope_theta, ...}`, `dtype`.
 `DeepseekV3ModelConfig.from_hf` maps both onto one frozen pydantic model that the engine manifest stores
@@ -55,7 +55,7 @@ class RopeConfig(BaseModel):
 
 
 class DeepseekV3ModelConfig(BaseModel):
-    """DeepSeek-V3 hyper-parameters (HF field names; REFERENCE.md §1–2 gives V3/R1 values)."""
+    """DeepSeek-V3 hyper-parameters (HF field names, as deepseek-ai/DeepSeek-V3's config.json has them)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 

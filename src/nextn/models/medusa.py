@@ -1,7 +1,7 @@
 """Medusa heads (Cai et al. 2024, §2.1.1): head i = [ResBlock]×L then its own vocabulary projection.
 
 ResBlock(x) = x + SiLU(Linear(H, H, bias)(x)). Head i predicts the token i + 2 positions after the hidden state's
-(the base lm_head predicts +1). Parameter names follow the released files (REFERENCE.md §5), under the engine
+(the base lm_head predicts +1). Parameter names follow the released files (FasterDecoding/Medusa), under the engine
 prefix `medusa_heads.`: `{i}.{l}.linear.weight/bias` for the ResBlocks, `{i}.{L}.weight` for the projection.
 """
 

@@ -1,7 +1,7 @@
 """CUDA graphs of the whole verify-and-draft decode step (target forward, acceptance, every draft forward), one
 graph per batch-size bucket, replayed as a drop-in `decode_fn` of `ModelRunner`.
 
-Sources: TensorRT-LLM's PyTorch backend (REFERENCE.md §7b) for the rules, not the code —
+Sources: TensorRT-LLM's PyTorch backend (TensorRT-LLM py_executor.py) for the rules, not the code —
 - capture sizes: `tensorrt_llm/llmapi/llm_args.py`, `CudaGraphConfig._generate_cuda_graph_batch_sizes` (when
   `batch_sizes` is null) and `tensorrt_llm/_torch/pyexecutor/model_engine.py`, `_filter_cuda_graph_batch_sizes`
   (sizes above the engine's max batch size are dropped; with padding the cap itself is kept instead);

@@ -9,7 +9,7 @@ step, done by the engine after launching the next one when the overlap scheduler
 (distributed/mirror.py).
 
 The overlap scheduler's data flow: step n is launched from step n−1's device-side outputs, before the host has
-read step n−1 back (TensorRT-LLM `PyExecutor._executor_loop_overlap`; REFERENCE.md §7b).
+read step n−1 back (TensorRT-LLM `PyExecutor._executor_loop_overlap`; TensorRT-LLM py_executor.py).
 
     Engine.step() n:  schedule n (host state lags one step) → launch n → read back and process n−1 → keep n
                       in flight

@@ -2,7 +2,7 @@
 
 Names follow vLLM's (`spec_decode_num_drafts`, `..._accepted_tokens_per_pos`, `time_to_first_token_seconds`) under
 the `nextn_` prefix; counters get prometheus-client's `_total` suffix. The speculative-decoding counters sum the
-per-request statistics of `CompletionOutput` (REFERENCE.md §7): DAR = accepted tokens / draft tokens, and
+per-request statistics of `CompletionOutput` (trtllm-bench docs): DAR = accepted tokens / draft tokens, and
 AL = (generation tokens) / (drafts + finished requests) when every request speculates. The prefix-cache counters
 (vLLM's `prefix_cache_queries` / `prefix_cache_hits`, in tokens; hit rate = hits / queries) are read from the
 engine's cumulative statistics at scrape time, so they count every admission (a preempted request's too).

@@ -2,7 +2,7 @@
 
 Plain numpy in and out, no `triton_python_backend_utils`: `model.py` (`triton_model.py`) stays a thin adapter and this
 module is unit-tested without a server. Names, dtypes and dims follow TensorRT-LLM's Triton models
-(`triton_backend/all_models/inflight_batcher_llm/`, REFERENCE.md §8): the `ensemble`'s text interface (`text_input`,
+(TensorRT-LLM's `triton_backend/all_models/inflight_batcher_llm/`): the `ensemble`'s text interface (`text_input`,
 `max_tokens`, `stream`, `temperature`, `top_k`, `top_p`, `seed`, `end_id` → `text_output`) and the `tensorrt_llm`
 model's token-id interface (`input_ids`, `input_lengths`, `request_output_len`, `streaming`, `runtime_top_k`,
 `runtime_top_p` → `output_ids`, `sequence_length`), with its speculative-decoding statistics. Dims exclude the batch

@@ -2,7 +2,8 @@
 
 References (bit-identical integers): `nextn.speculative.acceptance_reference` (`strict_acceptance`,
 `relaxed_acceptance`, `rejection_sampling` with argmax or explicit drafts). Sources: Leviathan et al. 2023 §2.3 and
-Chen et al. 2023 Alg. 2 (rejection sampling), REFERENCE.md §2–3 (TensorRT-LLM's strict and relaxed acceptance).
+Chen et al. 2023 Alg. 2 (rejection sampling), arXiv:2412.19437 §2.2 and TensorRT-LLM's MTP blog (its strict
+and relaxed acceptance).
 
 Two launches per rule, both fixed-grid: a row kernel over [B, K+1] (one program per target position: a pass over
 the vocabulary in `BLOCK_V` chunks) writes the fallback token of each position and whether its draft passes; an

@@ -1,6 +1,7 @@
 """Strict (greedy) acceptance of draft tokens: the PyTorch reference.
 
-Source: REFERENCE.md §2 (TensorRT-LLM `MTPSampler` semantics and its unit-test cases); Leviathan et al. 2023 §2.3
+Source: arXiv:2412.19437 §2.2 and TensorRT-LLM's `MTPSampler` semantics and its unit-test cases; Leviathan et al.
+2023 §2.3
 (with argmax target and draft, rejection sampling reduces to prefix matching, which is lossless under greedy).
 """
 
@@ -29,7 +30,7 @@ def strict_acceptance(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -
 
 def relaxed_acceptance(target_logits: torch.Tensor, draft_tokens: torch.Tensor, delta: torch.Tensor,
                        topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """TensorRT-LLM's relaxed acceptance for thinking models (REFERENCE.md §3).
+    """TensorRT-LLM's relaxed acceptance for thinking models (TensorRT-LLM's MTP blog).
 
     Per position: p = softmax(logits); take the top-`topk` (probabilities v_0 ≥ v_1 ≥ …, ids i_0, i_1, …); the
     draft is accepted when it equals some i_j with j = 0 or v_j ≥ v_0 − delta. Stop at the first rejected draft;

@@ -115,7 +115,7 @@ class StandardAcceptance:
 
 
 class RelaxedAcceptance:
-    """Relaxed acceptance in the thinking phase (REFERENCE.md §3); strict outside it; rejection sampling for
+    """Relaxed acceptance in the thinking phase (TensorRT-LLM's MTP blog); strict outside it; rejection sampling for
     sampling requests. State: the per-request delta [B] fp32, `relaxed_delta` after `<think>`, 0 after `</think>`."""
 
     def __init__(self, topk: int, delta: float, begin_token: int, end_token: int) -> None:

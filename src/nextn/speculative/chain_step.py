@@ -3,7 +3,7 @@ defaults (`LinearDrafter`; `NoDrafter`: plain decoding).
 
 Both are pure functions of fixed-shape device tensors: no `.item()`, no Python branching on tensor values, no
 boolean-mask indexing (the MoE dispatch included), so the decode step can run under
-`torch.compile(fullgraph=True)` and be captured in one CUDA graph. The data flow (REFERENCE.md §2):
+`torch.compile(fullgraph=True)` and be captured in one CUDA graph. The data flow (arXiv:2412.19437 §2.2):
 
     hidden  = target([last, d1..dK], positions L..L+K)        # [B, K+1, H], KV written at L..L+K
     tokens, num_emitted = acceptance(lm_head(hidden), drafts)  # strict | rejection sampling | relaxed

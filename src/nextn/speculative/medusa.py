@@ -1,6 +1,6 @@
 """Medusa: the drafter that builds candidate trees from the heads, and its tree acceptance rule.
 
-Source: Cai et al. 2024 ("Medusa", §2.1.2 tree attention, §2.3.1 greedy/typical acceptance); REFERENCE.md §5.
+Source: Cai et al. 2024 ("Medusa", §2.1.2 tree attention, §2.3.1 greedy/typical acceptance); FasterDecoding/Medusa.
 The step is the batched tree step (speculative/tree_step.py: every request verifies the same tree shape, over the
 paged KV cache). Per step, for a tree of L tokens whose root (the last emitted token) sits at L0 = kv_len:
 

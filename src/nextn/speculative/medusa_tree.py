@@ -1,7 +1,7 @@
 """Medusa tree buffers: from a list of top-k rank paths to the fixed tensors of tree verification.
 
 Source: Cai et al. 2024, "Medusa" §2.1.2 (tree attention); buffer semantics as in FasterDecoding/Medusa
-`medusa/model/utils.py::generate_medusa_buffers` (REFERENCE.md §5), written here from that description.
+`medusa/model/utils.py::generate_medusa_buffers` (FasterDecoding/Medusa), written here from that description.
 
 A tree is a list of nodes, each the path of top-k ranks from the root: `[0, 1]` = head 0's top-1 then head 1's
 top-2. Nodes are sorted by (depth, path); token 0 is the root (the last emitted token), tokens 1..n the nodes.

@@ -2,7 +2,7 @@
 
 `after_prefill` and `after_verify` take fixed-shape device tensors (the row convention of protocol.py) and return
 drafts [B, K] plus the per-request state (Vanilla's token/hidden pools; nothing for Eagle). MTP drafting a tree is
-mtp_tree.py. Sources: REFERENCE.md §2; DeepSeek-V3 report §2.2; TensorRT-LLM `_torch/speculative/mtp.py` (Eagle and
+mtp_tree.py. Sources: DeepSeek-V3 report (arXiv:2412.19437) §2.2; TensorRT-LLM `_torch/speculative/mtp.py` (Eagle and
 Vanilla modes) for the semantics, not the code.
 
 MTP module 1 at position p pairs embed(x_{p+1}) with h_p and predicts x_{p+2}.

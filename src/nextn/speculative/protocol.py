@@ -10,7 +10,7 @@ Row convention: the drafter is handed "rows", one per target input position, wit
 - `input_ids` [B, T] (prefill only): the token at p;
 - `next_tokens` [B, T]: the token at p + 1 (for the last accepted row: the token just emitted);
 - `last_idx` [B]: the row of the last accepted position; rows after it hold rejected or padded inputs.
-Sources: REFERENCE.md §2 (TensorRT-LLM's MTP semantics); Leviathan et al. 2023 (acceptance).
+Sources: arXiv:2412.19437 §2.2 (TensorRT-LLM's MTP semantics); Leviathan et al. 2023 (acceptance).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The fused verify-and-draft step over a tree of drafts (Medusa, MTP static and dynamic trees).
 
 Sources: Cai et al. 2024, "Medusa" §2.1.2 (tree attention); Miao et al. 2024, "SpecInfer" §4 (token tree
-verification); REFERENCE.md §5. Unlike the Medusa repository the step is batched and runs over the paged KV cache.
+verification); FasterDecoding/Medusa. Unlike the Medusa repository the step is batched and runs over the paged KV cache.
 Fixed shapes per (batch, tree width), no host synchronisation: it compiles with `torch.compile(fullgraph=True)` and
 is captured in one CUDA graph like the chain step. For B requests, a tree of w tokens (root = the last emitted
 token at position L = kv_len):

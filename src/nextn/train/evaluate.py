@@ -1,7 +1,7 @@
 """Acceptance of trained draft heads, measured with nextn itself: an engine with the heads, the public `LLM` API,
 greedy decoding of held-out prompts with and without speculation.
 
-AL = Σ emitted tokens / Σ (decode steps + 1) over the prompts (trtllm-bench's global AL, REFERENCE.md §7: the
+AL = Σ emitted tokens / Σ (decode steps + 1) over the prompts (trtllm-bench's global AL, trtllm-bench docs: the
 prefill counts as one step); DAR = accepted drafts / drafts; per-position acceptance = accepted at draft position j
 / decode steps. "lossless": every speculative output equals the same engine's plain decoding token for token (the
 guarantee of greedy speculative decoding; float32 engines make it exact — in bfloat16 the [K+1]-row verify rounds

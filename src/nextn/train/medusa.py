@@ -9,7 +9,7 @@ at zero, so an untrained head predicts what the base predicts for the next token
 rate. Two CPU-budget choices (both optional): the softmax runs over the tokens of the training data
 (`LossVocab`; accuracy is measured over the full vocabulary), and the projection stays the base lm_head's copy
 unless `train_projection` (Medusa-1 trains it: V·H more parameters per head). Heads are written as
-`medusa_lm_head.safetensors` + `config.json` (REFERENCE.md §5), which `build-engine --medusa_model_dir` reads.
+`medusa_lm_head.safetensors` + `config.json` (FasterDecoding/Medusa), which `build-engine --medusa_model_dir` reads.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from nextn.train.loop import fit
 from nextn.train.mtp import LossVocab, argmax_logits, class_loss, generated
 from nextn.train.session import TrainResult, TrainSettings, claim_train_output, finish, prepare
 
-#: Medusa paper, Vicuna-7B, per-head top-1 accuracy of heads 1..5 (REFERENCE.md §5).
+#: Medusa paper, Vicuna-7B, per-head top-1 accuracy of heads 1..5 (FasterDecoding/Medusa).
 VICUNA_7B_TOP1 = (0.56, 0.32, 0.20, 0.15, 0.12)
 #: Medusa's per-head loss weight λ_i = DECAY^i.
 DECAY = 0.8

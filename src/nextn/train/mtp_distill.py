@@ -2,7 +2,7 @@
 
 A freshly made tiny checkpoint has random MTP modules, so their drafts are never accepted. `distill_mtp`
 trains only the MTP layers (target frozen) to predict the target's own greedy continuations, the way
-DeepSeek-V3 trains MTP (report §2.2; REFERENCE.md §2): module k at position i reads the embedding of token
+DeepSeek-V3 trains MTP (report §2.2; arXiv:2412.19437 §2.2): module k at position i reads the embedding of token
 i+k and the previous hidden state (the target's final-normed hidden state for k = 1, module k−1's block
 output otherwise) and predicts token i+k+1:
 

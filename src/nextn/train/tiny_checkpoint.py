@@ -1,4 +1,4 @@
-"""Tiny DeepSeek-V3-format checkpoints for tests and demos (REFERENCE.md §1–2).
+"""Tiny DeepSeek-V3-format checkpoints for tests and demos (deepseek-ai/DeepSeek-V3's layout).
 
 `make_tiny_checkpoint` writes what a DeepSeek-V3 release looks like, at toy size:
 - the main model, seeded and written by `transformers`' own `save_pretrained` (HF is the numerical oracle);

@@ -2,7 +2,8 @@
 
 Sources: DeepSeek-V3 technical report (arXiv 2412.19437) §2.1 (MLA, DeepSeekMoE) and §2.2 (MTP); parameter names
 and numerics follow HF `transformers` `DeepseekV3ForCausalLM` (the oracle, matched to fp32 ~1e-5), MTP layout as
-released (`model.layers.{num_hidden_layers + i}`, REFERENCE.md §2). Every forward takes fixed-shape device tensors
+released (`model.layers.{num_hidden_layers + i}`, arXiv:2412.19437 §2.2). Every forward takes fixed-shape
+device tensors
 and an `AttentionMetadata`; nothing syncs with the host.
 """
 

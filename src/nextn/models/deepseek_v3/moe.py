@@ -1,8 +1,9 @@
 """DeepSeek-V3 MoE: sigmoid group-limited (noaux_tc) routing, stacked routed experts, shared experts.
 
 Sources: DeepSeek-V3 report §2.1.2 (auxiliary-loss-free balancing: the correction bias is used for selection
-only); REFERENCE.md §1 gives the router step by step. Dispatch has fixed shapes and no host synchronisation
-(no `.item()`, no boolean-mask indexing), so the step that contains it can be captured in one CUDA graph:
+only); deepseek-ai/DeepSeek-V3's modeling_deepseek.py has the router step by step. Dispatch has fixed shapes
+and no host synchronisation (no `.item()`, no boolean-mask indexing), so the step that contains it can be captured
+in one CUDA graph:
 - few assignments (decode): gather each assignment's expert weights, as gpt-fast's Mixtral does;
 - many assignments (prefill): scatter tokens into per-expert buffers of fixed capacity (one row per token: no
   token is ever dropped, so routing stays lossless), one batched matmul per projection, gather back.
