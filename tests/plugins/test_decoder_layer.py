@@ -37,18 +37,21 @@ def _tiny_qwen2(path):
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen2-two-level", "llama-w4a8", "qwen3", "gemma3",
-                                        "granite", "olmo2", "gemma2", "phi3"])
+                                        "granite", "olmo2", "gemma2", "phi3", "exaone4"])
 def engine(request, tmp_path_factory):
     """A W4A16 engine whose layers take the op: hidden 128, FFN 128 / 192, head_dim 32; two-level scales (super-blocks
     of 4 and 6 groups) on the Qwen2 model too; W4A8 (int8 activations) on the Llama model; Qwen3 (q/k norms) and
     Gemma 3 (sandwich unit-offset norms, q/k norms, GELU-tanh, sliding-window layers of 4 keys: 7 layers), Granite
     (residual multiplier 0.5), OLMo 2 (post-norms with fp32 weights, q/k norms over all heads), Gemma 2 (attention
-    logits soft-capped at 5), Phi-3 (fused projections, half the head rotated, LongRoPE)."""
+    logits soft-capped at 5), Phi-3 (fused projections, half the head rotated, LongRoPE), EXAONE 4 (post-norms with
+    bf16 weights, q/k norms)."""
     root = tmp_path_factory.mktemp(request.param)
-    if request.param in ("qwen3", "gemma3", "granite", "olmo2", "gemma2", "phi3"):
+    if request.param in ("qwen3", "gemma3", "granite", "olmo2", "gemma2", "phi3", "exaone4"):
         from nextn.testing.tiny_families import tiny_hf_model
 
         extra = dict(sliding_window=4) if request.param in ("gemma3", "gemma2") else {}
+        if request.param == "exaone4":  # no window: every layer RoPE, so the layers form one stack (NoPE layers
+            extra.update(sliding_window=None, layer_types=["full_attention"] * 4)  # take the op one at a time)
         if request.param not in ("granite", "phi3"):
             extra["head_dim"] = 32  # Granite's and Phi-3's head size is hidden / heads
         if request.param == "phi3":  # 8 factors: rotary_dim 16 of head_dim 32

@@ -21,7 +21,7 @@ SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausal
                            "gemma3": "Gemma3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
                            "granite": "GraniteForCausalLM",
                            "olmo2": "Olmo2ForCausalLM", "phi3": "Phi3ForCausalLM",
-                           "gemma2": "Gemma2ForCausalLM"}
+                           "gemma2": "Gemma2ForCausalLM", "exaone4": "Exaone4ForCausalLM"}
 #: Architectures whose q/k rows llama.cpp permutes at conversion (convert_hf_to_gguf.py `LlamaModel.permute`;
 #: `SmolLM3Model` and `GraniteModel` are `LlamaModel`s).
 PERMUTED_ARCHITECTURES = ("llama", "smollm3", "granite")
@@ -29,7 +29,7 @@ PERMUTED_ARCHITECTURES = ("llama", "smollm3", "granite")
 PARTIAL_ROTARY_ARCHITECTURES = ("phi3",)
 #: Rope frequency factors stored as tensors, per architecture: Llama 3's scaling (`rope_freqs`), LongRoPE's short
 #: and long factors (conversion/phi.py `Phi3MiniModel.generate_extra_tensors`).
-FACTOR_TENSORS = {"llama": ("rope_freqs.weight",),
+FACTOR_TENSORS = {"llama": ("rope_freqs.weight",), "exaone4": ("rope_freqs.weight",),
                   "phi3": ("rope_factors_long.weight", "rope_factors_short.weight")}
 #: GGUF architectures that are mixture-of-experts models (refused by name until nextn's MoE layer reads them).
 MOE_ARCHITECTURES = frozenset({"qwen2moe", "qwen3moe", "qwen35moe", "mixtral", "olmoe", "gpt-oss", "glm4moe",
@@ -55,12 +55,12 @@ _GEMMA_BLOCK = {**_LLAMA_BLOCK, **_QK_NORMS, "post_attention_norm": "post_attent
                 "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 #: Phi-3: q, k and v as one `attn_qkv`, gate and up as one `ffn_up` (gate rows first), split by `StoredLayout`
 _PHI3_BLOCK = {**_LLAMA_BLOCK, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
-BLOCK_NAMES = {"phi3": _PHI3_BLOCK,
+#: OLMo 2's and EXAONE 4's: q/k norms and post-norms, no input norms
+_POST_NORM_BLOCK = {**{k: v for k, v in _LLAMA_BLOCK.items() if k not in ("attn_norm", "ffn_norm")}, **_QK_NORMS,
+                    "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+BLOCK_NAMES = {"phi3": _PHI3_BLOCK, "olmo2": _POST_NORM_BLOCK, "exaone4": _POST_NORM_BLOCK,
                "llama": _LLAMA_BLOCK, "qwen2": _LLAMA_BLOCK, "qwen3": {**_LLAMA_BLOCK, **_QK_NORMS},
-               "gemma2": _GEMMA_BLOCK, "gemma3": _GEMMA_BLOCK, "smollm3": _LLAMA_BLOCK, "granite": _LLAMA_BLOCK,
-               "olmo2": {**{k: v for k, v in _LLAMA_BLOCK.items() if k not in ("attn_norm", "ffn_norm")}, **_QK_NORMS,
-                         "post_attention_norm": "post_attention_layernorm",
-                         "post_ffw_norm": "post_feedforward_layernorm"}}
+               "gemma2": _GEMMA_BLOCK, "gemma3": _GEMMA_BLOCK, "smollm3": _LLAMA_BLOCK, "granite": _LLAMA_BLOCK}
 
 
 def global_names() -> dict[str, str]:
@@ -97,6 +97,13 @@ def family_config(arch: str, key: Callable[..., Any], layers: int, hidden: int, 
     values); {} for the Llama layout."""
     if arch == "phi3":
         return _phi3(key, head_dim, factors)
+    if arch == "exaone4":  # conversion/exaone.py: the window and one bool a layer (sliding or not)
+        window = key("attention.sliding_window", "count", 0) if key("attention.sliding_window", "raw", None) else 0
+        pattern = key("attention.sliding_window_pattern", "raw", None)
+        if not window or not isinstance(pattern, list):
+            return {"sliding_window": None}
+        return {"sliding_window": window,
+                "layer_types": ["sliding_attention" if p else "full_attention" for p in pattern][:layers]}
     if arch == "gemma2":  # llama.cpp's gemma2.cpp: every other layer sliding from the first; the 27B's (46 layers)
         window = key("attention.sliding_window", "count", 4096)  # softmax scale 1/√(hidden/heads), else 1/√head_dim
         return {"hidden_activation": "gelu_pytorch_tanh", "sliding_window": window,

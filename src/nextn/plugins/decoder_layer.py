@@ -106,8 +106,9 @@ def _norm_operands(layer: nn.Module) -> list[torch.Tensor] | None:
     if all(s is not None for s in scales):
         it = iter(scales)  # an absent pre-norm (OLMo 2) is an empty tensor: the op skips it
         return [next(it).contiguous() if m is not None else torch.empty(0) for m in mods]
-    if all(s is None for s in scales) and all(m.weight.dtype == torch.bfloat16 for m in present) and pre:
-        return [m.weight.detach().contiguous() for m in present]
+    if all(s is None for s in scales) and all(m.weight.dtype == torch.bfloat16 for m in present):
+        empty = torch.empty(0, dtype=torch.bfloat16)  # an absent pre-norm (EXAONE 4's post-norms)
+        return [m.weight.detach().contiguous() if m is not None else empty for m in mods]
     return None
 
 

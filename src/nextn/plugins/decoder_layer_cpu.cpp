@@ -7,8 +7,8 @@
 //       all bf16 (Llama's w * bf16(x_hat)) or all f32 (Gemma's bf16(x_hat * s), s = 1 + w)), qkv, o, gate_up, down
 //       (each [w, scale, zero] or [w, scale, zero, bias]: the int4 weights of woq_linear_cpu.cpp, one- or two-level
 //       scales), num_heads, num_kv_heads, group_size, eps, scale, int8_activations, sandwich, qk_norm, activation
-//       (0 SiLU, 1 GELU-tanh), residual_multiplier (Granite's; not with sandwich), pre_norms (false: OLMo 2's
-//       post-norms, the input and pre_ff norms empty), qk_norm_all_heads (OLMo 2: q [NH*D], k [NKV*D]),
+//       (0 SiLU, 1 GELU-tanh), residual_multiplier (Granite's; not with sandwich), pre_norms (false: OLMo 2's and
+//       EXAONE 4's post-norms, the input and pre_ff norms empty), qk_norm_all_heads (OLMo 2: q [NH*D], k [NKV*D]),
 //       attn_softcap (Gemma 2's attention logit soft-capping; 0: none)) -> [B, T, H] bf16
 //   nextn::llama_decoder_stack(x, cos_sin, kv_cache [layers, slots, 2 * NKV * D], ..., norms, qkv, o, gate_up, down
 //       (every layer's operands, layer after layer), arity, ..., cos_sin_local, visible_local, sliding (per layer:
@@ -203,8 +203,7 @@ at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& cos_sin, a
   TORCH_CHECK(norms.size() == num_norms, "llama_decoder_layer: norms must hold ", num_norms,
               " tensors (input, post", sandwich ? ", pre_ff, post_ff" : "", qk_norm ? ", q, k" : "", ")");
   const bool f32_norms = norms[1].scalar_type() == at::kFloat;
-  TORCH_CHECK(pre_norms || (sandwich && f32_norms), "llama_decoder_layer: post-norms only come with sandwich norms "
-              "and float32 scales");
+  TORCH_CHECK(pre_norms || sandwich, "llama_decoder_layer: post-norms only come with sandwich norms");
   for (size_t j = 0; j < num_norms; ++j) {
     const bool qk = qk_norm && j >= num_norms - 2, absent = !pre_norms && (j == 0 || j == 2);
     const int64_t n = absent ? 0 : qk ? (qk_norm_all_heads ? (j == num_norms - 2 ? NH : NKV) * D : D) : H;

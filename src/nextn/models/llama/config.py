@@ -30,7 +30,7 @@ __all__ = ["LLAMA_ARCHITECTURES", "LayerType", "LinearRopeScaling", "Llama3RopeS
 LLAMA_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                        "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text", "SmolLM3ForCausalLM": "smollm3",
                        "GraniteForCausalLM": "granite", "Olmo2ForCausalLM": "olmo2", "Phi3ForCausalLM": "phi3",
-                       "Gemma2ForCausalLM": "gemma2"}
+                       "Gemma2ForCausalLM": "gemma2", "Exaone4ForCausalLM": "exaone4"}
 #: What a layer attends to: every earlier key, or the last `sliding_window` keys (HF `layer_types` values).
 LayerType = Literal["full_attention", "sliding_attention"]
 
@@ -45,7 +45,8 @@ class LlamaModelConfig(BaseModel):
 
     architecture: Literal["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                           "Gemma3ForCausalLM", "SmolLM3ForCausalLM", "GraniteForCausalLM",
-                          "Olmo2ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM"] = "LlamaForCausalLM"
+                          "Olmo2ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
+                          "Exaone4ForCausalLM"] = "LlamaForCausalLM"
     vocab_size: Size
     hidden_size: Size
     intermediate_size: Size  # SwiGLU width

@@ -41,6 +41,8 @@ def family_options(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
                        attention_multiplier=float(hf.get("attention_multiplier") or 1.0),
                        residual_multiplier=float(hf.get("residual_multiplier") or 1.0),
                        logits_scaling=float(hf.get("logits_scaling") or 1.0))
+    if arch == "Exaone4ForCausalLM":  # Exaone4Attention / Exaone4DecoderLayer: q/k norms, post-norms
+        options.update(qk_norm=True, norm_placement="post", **_exaone4_layers(hf))
     if arch == "Phi3ForCausalLM":  # Phi3Attention / Phi3MLP: fused qkv_proj and gate_up_proj (split on reading)
         options["rotary_dim"] = _rotary_dim(hf)
     if arch == "SmolLM3ForCausalLM":
@@ -162,6 +164,29 @@ def rope_from_hf(hf: dict[str, Any], arch: str) -> tuple[float, Any]:
         return theta, kind(**keep)
     except ValueError as e:
         raise ConfigError(f"invalid {rope_type} rope scaling {params}: {e}") from e
+
+
+def _exaone4_layers(hf: dict[str, Any]) -> dict[str, Any]:
+    """EXAONE 4's hybrid attention: with a `sliding_window`, the layers `layer_types` (or `sliding_window_pattern`,
+    a count — every n-th layer full — or a string like "LLLG") marks sliding attend to the window with RoPE, the
+    others to every key without RoPE (HF `Exaone4Attention`: "global NoPE"); without one, every layer is full with
+    RoPE."""
+    layers, window = hf.get("num_hidden_layers"), hf.get("sliding_window", 4096)
+    if not window or type(layers) is not int:
+        return {}
+    types = hf.get("layer_types")
+    if types is None:
+        pattern = hf.get("sliding_window_pattern", 4)
+        if isinstance(pattern, str) and pattern:
+            types = ["sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention"
+                     for i in range(layers)]
+        elif type(pattern) is int and pattern > 0:
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+        else:
+            raise ConfigError(f"Exaone4ForCausalLM: sliding_window_pattern {pattern!r} is neither a layer count "
+                              "nor a pattern like 'LLLG'")
+    return {"sliding_window": window, "layer_types": types,
+            "no_rope_layers": [int(t == "sliding_attention") for t in types]}
 
 
 def _rotary_dim(hf: dict[str, Any]) -> int | None:
