@@ -21,7 +21,8 @@ SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausal
                            "gemma3": "Gemma3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
                            "granite": "GraniteForCausalLM",
                            "olmo2": "Olmo2ForCausalLM", "phi3": "Phi3ForCausalLM",
-                           "gemma2": "Gemma2ForCausalLM", "exaone4": "Exaone4ForCausalLM"}
+                           "gemma2": "Gemma2ForCausalLM", "exaone4": "Exaone4ForCausalLM",
+                           "seed_oss": "SeedOssForCausalLM"}
 #: Architectures whose q/k rows llama.cpp permutes at conversion (convert_hf_to_gguf.py `LlamaModel.permute`;
 #: `SmolLM3Model` and `GraniteModel` are `LlamaModel`s).
 PERMUTED_ARCHITECTURES = ("llama", "smollm3", "granite")
@@ -58,7 +59,10 @@ _PHI3_BLOCK = {**_LLAMA_BLOCK, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.
 #: OLMo 2's and EXAONE 4's: q/k norms and post-norms, no input norms
 _POST_NORM_BLOCK = {**{k: v for k, v in _LLAMA_BLOCK.items() if k not in ("attn_norm", "ffn_norm")}, **_QK_NORMS,
                     "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
-BLOCK_NAMES = {"phi3": _PHI3_BLOCK, "olmo2": _POST_NORM_BLOCK, "exaone4": _POST_NORM_BLOCK,
+#: Seed-OSS: llama.cpp calls the pre-MLP norm (HF's post_attention_layernorm) `post_attention_norm`
+_SEED_OSS_BLOCK = {**{k: v for k, v in _LLAMA_BLOCK.items() if k != "ffn_norm"},
+                   "post_attention_norm": "post_attention_layernorm"}
+BLOCK_NAMES = {"phi3": _PHI3_BLOCK, "olmo2": _POST_NORM_BLOCK, "exaone4": _POST_NORM_BLOCK, "seed_oss": _SEED_OSS_BLOCK,
                "llama": _LLAMA_BLOCK, "qwen2": _LLAMA_BLOCK, "qwen3": {**_LLAMA_BLOCK, **_QK_NORMS},
                "gemma2": _GEMMA_BLOCK, "gemma3": _GEMMA_BLOCK, "smollm3": _LLAMA_BLOCK, "granite": _LLAMA_BLOCK}
 
@@ -97,7 +101,7 @@ def family_config(arch: str, key: Callable[..., Any], layers: int, hidden: int, 
     values); {} for the Llama layout."""
     if arch == "phi3":
         return _phi3(key, head_dim, factors)
-    if arch == "exaone4":  # conversion/exaone.py: the window and one bool a layer (sliding or not)
+    if arch in ("exaone4", "olmo2"):  # exaone.py, olmo.py (OLMo 3 is written as olmo2): a window, a bool a layer
         window = key("attention.sliding_window", "count", 0) if key("attention.sliding_window", "raw", None) else 0
         pattern = key("attention.sliding_window_pattern", "raw", None)
         if not window or not isinstance(pattern, list):

@@ -32,6 +32,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
                  rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                                   "original_max_position_embeddings": 8, "short_factor": [1.0, 1.3, 1.7, 2.9],
                                   "long_factor": [1.5, 2.5, 6.0, 11.0]}),
+    "olmo3": dict(num_hidden_layers=4, num_key_value_heads=2, head_dim=16, sliding_window=16),  # 3 sliding : 1 full
+    "seed_oss": dict(num_key_value_heads=2, head_dim=16),  # q/k/v biases, o without
     # EXAONE 4: q/k norms, post-norms, 3 sliding layers with RoPE then a full one without (a window that prompts cross)
     "exaone4": dict(num_hidden_layers=4, num_key_value_heads=2, head_dim=16, sliding_window=16,
                     sliding_window_pattern=4),

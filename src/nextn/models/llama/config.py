@@ -30,7 +30,8 @@ __all__ = ["LLAMA_ARCHITECTURES", "LayerType", "LinearRopeScaling", "Llama3RopeS
 LLAMA_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                        "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text", "SmolLM3ForCausalLM": "smollm3",
                        "GraniteForCausalLM": "granite", "Olmo2ForCausalLM": "olmo2", "Phi3ForCausalLM": "phi3",
-                       "Gemma2ForCausalLM": "gemma2", "Exaone4ForCausalLM": "exaone4"}
+                       "Gemma2ForCausalLM": "gemma2", "Exaone4ForCausalLM": "exaone4", "Olmo3ForCausalLM": "olmo3",
+                       "SeedOssForCausalLM": "seed_oss"}
 #: What a layer attends to: every earlier key, or the last `sliding_window` keys (HF `layer_types` values).
 LayerType = Literal["full_attention", "sliding_attention"]
 
@@ -46,7 +47,7 @@ class LlamaModelConfig(BaseModel):
     architecture: Literal["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                           "Gemma3ForCausalLM", "SmolLM3ForCausalLM", "GraniteForCausalLM",
                           "Olmo2ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
-                          "Exaone4ForCausalLM"] = "LlamaForCausalLM"
+                          "Exaone4ForCausalLM", "Olmo3ForCausalLM", "SeedOssForCausalLM"] = "LlamaForCausalLM"
     vocab_size: Size
     hidden_size: Size
     intermediate_size: Size  # SwiGLU width

@@ -30,11 +30,21 @@ def family_options(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
         return _gemma2(hf)
     theta, scaling = rope_from_hf(hf, arch)
     options: dict[str, Any] = {"rope_theta": theta, "rope_scaling": scaling, **_windows(arch, hf)}
+    local = (hf.get("rope_parameters") or {}).get("sliding_attention")
+    if isinstance(local, dict) and options.get("layer_types"):  # sliding layers with a rope of their own
+        local_theta, local_scaling = rope_from_hf({"rope_parameters": local}, arch)
+        if local_scaling is not None:
+            raise ConfigError(f"{arch}: rope scaling on sliding_attention layers is not supported")
+        if local_theta != theta:
+            options["rope_local_theta"] = local_theta
     if arch == "Qwen2ForCausalLM":
         options["qkv_bias"] = bool(hf.get("qkv_bias", True))  # Qwen2Attention: q/k/v biased, o not
     if arch == "Qwen3ForCausalLM":
         options["qk_norm"] = True
-    if arch == "Olmo2ForCausalLM":  # Olmo2DecoderLayer / Olmo2Attention / Olmo2RMSNorm
+    if arch == "SeedOssForCausalLM":  # SeedOssAttention: q/k/v biased (`attention_bias`), o only with attention_out_bias
+        options.update(attention_bias=bool(hf.get("attention_out_bias", False)),
+                       qkv_bias=bool(hf.get("attention_bias", True)) or bool(hf.get("qkv_bias")))
+    if arch in ("Olmo2ForCausalLM", "Olmo3ForCausalLM"):  # Olmo2DecoderLayer / Olmo2Attention / Olmo2RMSNorm
         options.update(qk_norm=True, qk_norm_over="all_heads", norm_style="fp32_weight", norm_placement="post")
     if arch == "GraniteForCausalLM":  # GraniteConfig's multipliers, 1.0 by default
         options.update(embedding_multiplier=float(hf.get("embedding_multiplier") or 1.0),
@@ -64,6 +74,12 @@ def _windows(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
         return {}
     if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):  # Phi3Model: a window on every layer when set
         return {"sliding_window": window, "layer_types": ["sliding_attention"] * layers}
+    if arch in ("Olmo2ForCausalLM", "Olmo3ForCausalLM"):  # OLMo 3: 3 sliding layers : 1 full (`Olmo3Config`)
+        types = hf.get("layer_types")
+        if types is None and arch == "Olmo2ForCausalLM":
+            return {}
+        return {"sliding_window": window, "layer_types": types or ["sliding_attention" if (i + 1) % 4 else
+                                                                   "full_attention" for i in range(layers)]}
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM") and hf.get("use_sliding_window"):
         first = hf.get("max_window_layers", 28)
         types = hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
@@ -146,6 +162,8 @@ def rope_from_hf(hf: dict[str, Any], arch: str) -> tuple[float, Any]:
         ConfigError: a rope type other than default, llama3, linear and longrope, or scaling fields those refuse.
     """
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    if isinstance(params.get("full_attention"), dict):  # transformers 5, per layer type (OLMo 3): the full layers'
+        params = dict(params["full_attention"])
     theta = float(params.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0)
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     if rope_type == "default":
