@@ -1,4 +1,5 @@
-"""Every dense family beyond Llama (Qwen3, Gemma 3, Mistral's window, SmolLM3, Granite, OLMo 2) decodes as
+"""Every dense family beyond Llama (Qwen3, Gemma 2 / 3, Mistral's window, Phi-3, SmolLM3, Granite, OLMo 2 / 3,
+EXAONE 4, Seed-OSS, GLM-4) decodes as
 `transformers` in float32: tiny random checkpoints made at test time, read from HF safetensors and from the GGUF that
 llama.cpp's own converter writes of them; logits over the paged cache (prompts crossing sliding windows) and greedy
 tokens through the engine — plain and with the NGram and Suffix drafters — and MTP modules trained on them."""

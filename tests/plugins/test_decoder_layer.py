@@ -37,16 +37,16 @@ def _tiny_qwen2(path):
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen2-two-level", "llama-w4a8", "qwen3", "gemma3",
-                                        "granite", "olmo2", "gemma2", "phi3", "exaone4"])
+                                        "granite", "olmo2", "gemma2", "phi3", "exaone4", "glm4"])
 def engine(request, tmp_path_factory):
     """A W4A16 engine whose layers take the op: hidden 128, FFN 128 / 192, head_dim 32; two-level scales (super-blocks
     of 4 and 6 groups) on the Qwen2 model too; W4A8 (int8 activations) on the Llama model; Qwen3 (q/k norms) and
     Gemma 3 (sandwich unit-offset norms, q/k norms, GELU-tanh, sliding-window layers of 4 keys: 7 layers), Granite
     (residual multiplier 0.5), OLMo 2 (post-norms with fp32 weights, q/k norms over all heads), Gemma 2 (attention
     logits soft-capped at 5), Phi-3 (fused projections, half the head rotated, LongRoPE), EXAONE 4 (post-norms with
-    bf16 weights, q/k norms)."""
+    bf16 weights, q/k norms), GLM-4 (sandwich norms with bf16 weights, q/k/v biases, interleaved partial rotary)."""
     root = tmp_path_factory.mktemp(request.param)
-    if request.param in ("qwen3", "gemma3", "granite", "olmo2", "gemma2", "phi3", "exaone4"):
+    if request.param in ("qwen3", "gemma3", "granite", "olmo2", "gemma2", "phi3", "exaone4", "glm4"):
         from nextn.testing.tiny_families import tiny_hf_model
 
         extra = dict(sliding_window=4) if request.param in ("gemma3", "gemma2") else {}
@@ -59,8 +59,12 @@ def engine(request, tmp_path_factory):
                                         "original_max_position_embeddings": 8,
                                         "short_factor": [1.0 + i for i in range(8)],
                                         "long_factor": [2.0 + i for i in range(8)]}
-        tiny_hf_model({"gemma3": "gemma3_text"}.get(request.param, request.param), seed=1, vocab_size=320,
-                      hidden_size=128, intermediate_size=128, **extra).save_pretrained(root / "ckpt")
+        # GLM-4's seeds 1 and 2 put exact ties of bf16 logits (one bf16 step apart: 0.016 at -3.3) in the lossless
+        # test's greedy paths, which the modules' and the op's last-bit differences (the RMSNorm sums' order) break
+        # differently; seeds 3-8 have none
+        tiny_hf_model({"gemma3": "gemma3_text"}.get(request.param, request.param),
+                      seed=3 if request.param == "glm4" else 1, vocab_size=320, hidden_size=128, intermediate_size=128,
+                      **extra).save_pretrained(root / "ckpt")
     elif request.param.startswith("llama"):
         tiny_hf_llama(vocab_size=320, lm_head_scale=20.0, hidden_size=128, intermediate_size=128).save_pretrained(
             root / "ckpt")

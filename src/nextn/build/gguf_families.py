@@ -22,12 +22,12 @@ SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausal
                            "granite": "GraniteForCausalLM",
                            "olmo2": "Olmo2ForCausalLM", "phi3": "Phi3ForCausalLM",
                            "gemma2": "Gemma2ForCausalLM", "exaone4": "Exaone4ForCausalLM",
-                           "seed_oss": "SeedOssForCausalLM"}
+                           "seed_oss": "SeedOssForCausalLM", "glm4": "Glm4ForCausalLM"}
 #: Architectures whose q/k rows llama.cpp permutes at conversion (convert_hf_to_gguf.py `LlamaModel.permute`;
 #: `SmolLM3Model` and `GraniteModel` are `LlamaModel`s).
 PERMUTED_ARCHITECTURES = ("llama", "smollm3", "granite")
 #: Architectures whose heads may rotate only their first `{arch}.rope.dimension_count` dims (Phi-4-mini: 0.75).
-PARTIAL_ROTARY_ARCHITECTURES = ("phi3",)
+PARTIAL_ROTARY_ARCHITECTURES = ("phi3", "glm4")
 #: Rope frequency factors stored as tensors, per architecture: Llama 3's scaling (`rope_freqs`), LongRoPE's short
 #: and long factors (conversion/phi.py `Phi3MiniModel.generate_extra_tensors`).
 FACTOR_TENSORS = {"llama": ("rope_freqs.weight",), "exaone4": ("rope_freqs.weight",),
@@ -62,7 +62,10 @@ _POST_NORM_BLOCK = {**{k: v for k, v in _LLAMA_BLOCK.items() if k not in ("attn_
 #: Seed-OSS: llama.cpp calls the pre-MLP norm (HF's post_attention_layernorm) `post_attention_norm`
 _SEED_OSS_BLOCK = {**{k: v for k, v in _LLAMA_BLOCK.items() if k != "ffn_norm"},
                    "post_attention_norm": "post_attention_layernorm"}
-BLOCK_NAMES = {"phi3": _PHI3_BLOCK, "olmo2": _POST_NORM_BLOCK, "exaone4": _POST_NORM_BLOCK, "seed_oss": _SEED_OSS_BLOCK,
+#: GLM-4: fused gate_up as `ffn_up`; its sandwich norms under GLM's HF names (`StoredLayout` renames them)
+_GLM4_BLOCK = {**_LLAMA_BLOCK, "ffn_up": "mlp.gate_up_proj", "post_attention_norm": "post_self_attn_layernorm",
+               "ffn_norm": "post_attention_layernorm", "post_ffw_norm": "post_mlp_layernorm"}
+BLOCK_NAMES = {"phi3": _PHI3_BLOCK, "glm4": _GLM4_BLOCK, "olmo2": _POST_NORM_BLOCK, "exaone4": _POST_NORM_BLOCK, "seed_oss": _SEED_OSS_BLOCK,
                "llama": _LLAMA_BLOCK, "qwen2": _LLAMA_BLOCK, "qwen3": {**_LLAMA_BLOCK, **_QK_NORMS},
                "gemma2": _GEMMA_BLOCK, "gemma3": _GEMMA_BLOCK, "smollm3": _LLAMA_BLOCK, "granite": _LLAMA_BLOCK}
 
@@ -101,6 +104,8 @@ def family_config(arch: str, key: Callable[..., Any], layers: int, hidden: int, 
     values); {} for the Llama layout."""
     if arch == "phi3":
         return _phi3(key, head_dim, factors)
+    if arch == "glm4":  # conversion/glm.py: rope.dimension_count = head_dim × partial_rotary_factor
+        return {"partial_rotary_factor": key("rope.dimension_count", "count", head_dim) / head_dim}
     if arch in ("exaone4", "olmo2"):  # exaone.py, olmo.py (OLMo 3 is written as olmo2): a window, a bool a layer
         window = key("attention.sliding_window", "count", 0) if key("attention.sliding_window", "raw", None) else 0
         pattern = key("attention.sliding_window_pattern", "raw", None)

@@ -34,6 +34,9 @@ FAMILIES: dict[str, dict[str, Any]] = {
                                   "long_factor": [1.5, 2.5, 6.0, 11.0]}),
     "olmo3": dict(num_hidden_layers=4, num_key_value_heads=2, head_dim=16, sliding_window=16),  # 3 sliding : 1 full
     "seed_oss": dict(num_key_value_heads=2, head_dim=16),  # q/k/v biases, o without
+    # GLM-4 (0414): sandwich norms under its own names, fused gate_up, q/k/v biases, half of each head rotated in
+    # interleaved pairs
+    "glm4": dict(num_key_value_heads=2, head_dim=16, vocab_size=49160),  # room for <|user|>
     # EXAONE 4: q/k norms, post-norms, 3 sliding layers with RoPE then a full one without (a window that prompts cross)
     "exaone4": dict(num_hidden_layers=4, num_key_value_heads=2, head_dim=16, sliding_window=16,
                     sliding_window_pattern=4),
@@ -45,6 +48,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 #: Families whose tokenizer_config names GPT2Tokenizer (Phi-4's; the converter's phi3 vocab reads it)
 _GPT2_CLASS = ("phi3",)
+#: Families whose llama.cpp conversion looks up GLM's special tokens (`Glm4Model.set_vocab`)
+_GLM_TOKENS = ("glm4",)
 #: A norm weight's centre: Gemma's RMSNorm scales by (1 + w), so its weights are zero-centred.
 _NORM_CENTRE = {"gemma3_text": 0.0, "gemma2": 0.0}
 #: Families whose llama.cpp conversion reads a SentencePiece `tokenizer.model` (Gemma 2's `set_vocab`): one is
@@ -97,6 +102,8 @@ def save_tiny(model_type: str, out_dir: Path, tokenizer_dir: Path, seed: int = 0
         shutil.copy(f, out_dir / f.name)
     if model_type in _SPM_VOCAB:
         sentencepiece_model(out_dir / "tokenizer.model")
+    if model_type in _GLM_TOKENS:  # the converter's glm4 vocab names these special tokens
+        _add_special_tokens(out_dir, ["<|user|>"])
     if model_type in _GPT2_CLASS:  # llama.cpp's converter reads a SentencePiece model unless the class says GPT-2
         config = out_dir / "tokenizer_config.json"
         config.write_text(json.dumps({**json.loads(config.read_text()), "tokenizer_class": "GPT2Tokenizer"}))
@@ -120,3 +127,13 @@ def sentencepiece_model(path: Path, vocab_size: int = 200) -> Path:
                                    model_type="bpe", character_coverage=1.0, minloglevel=2)
     path.write_bytes(model.getvalue())
     return path
+
+
+def _add_special_tokens(tokenizer_dir: Path, tokens: list[str]) -> None:
+    """Add special tokens to the tokenizer files in `tokenizer_dir` (ids past SmolLM2's 49,152: the tiny models'
+    embeddings have a few spare rows for them)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True) for t in tokens])
+    tok.save(str(tokenizer_dir / "tokenizer.json"))

@@ -31,7 +31,7 @@ LLAMA_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistr
                        "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text", "SmolLM3ForCausalLM": "smollm3",
                        "GraniteForCausalLM": "granite", "Olmo2ForCausalLM": "olmo2", "Phi3ForCausalLM": "phi3",
                        "Gemma2ForCausalLM": "gemma2", "Exaone4ForCausalLM": "exaone4", "Olmo3ForCausalLM": "olmo3",
-                       "SeedOssForCausalLM": "seed_oss"}
+                       "SeedOssForCausalLM": "seed_oss", "Glm4ForCausalLM": "glm4"}
 #: What a layer attends to: every earlier key, or the last `sliding_window` keys (HF `layer_types` values).
 LayerType = Literal["full_attention", "sliding_attention"]
 
@@ -47,7 +47,8 @@ class LlamaModelConfig(BaseModel):
     architecture: Literal["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                           "Gemma3ForCausalLM", "SmolLM3ForCausalLM", "GraniteForCausalLM",
                           "Olmo2ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
-                          "Exaone4ForCausalLM", "Olmo3ForCausalLM", "SeedOssForCausalLM"] = "LlamaForCausalLM"
+                          "Exaone4ForCausalLM", "Olmo3ForCausalLM", "SeedOssForCausalLM",
+                          "Glm4ForCausalLM"] = "LlamaForCausalLM"
     vocab_size: Size
     hidden_size: Size
     intermediate_size: Size  # SwiGLU width
@@ -61,6 +62,8 @@ class LlamaModelConfig(BaseModel):
         default=None, discriminator="rope_type")
     #: dims of a head RoPE rotates, the first ones (HF `partial_rotary_factor` × head_dim: Phi-4-mini 0.75); None: all
     rotary_dim: Size | None = None
+    #: RoPE rotates the pairs (2j, 2j + 1) of those dims (GLM-4's `rotate_half`), not (j, j + rotary_dim / 2)
+    rope_interleaved: bool = False
     #: per-frequency divisors of RoPE's inverse frequencies [head_dim // 2], as a GGUF carries Llama-3 scaling
     #: (llama.cpp's `rope_freqs` tensor, which convert_hf_to_gguf.py computes from `rope_scaling`); None: none
     rope_freq_factors: tuple[float, ...] | None = None

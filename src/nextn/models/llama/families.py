@@ -53,6 +53,10 @@ def family_options(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
                        logits_scaling=float(hf.get("logits_scaling") or 1.0))
     if arch == "Exaone4ForCausalLM":  # Exaone4Attention / Exaone4DecoderLayer: q/k norms, post-norms
         options.update(qk_norm=True, norm_placement="post", **_exaone4_layers(hf))
+    if arch == "Glm4ForCausalLM":  # Glm4DecoderLayer: sandwich norms (renamed on reading), fused gate_up, biased
+        options.update(norm_placement="sandwich", rotary_dim=_rotary_dim({"partial_rotary_factor": 0.5, **hf}),
+                       rope_interleaved=True, attention_bias=False,
+                       qkv_bias=bool(hf.get("qkv_bias")) or bool(hf.get("attention_bias", True)))
     if arch == "Phi3ForCausalLM":  # Phi3Attention / Phi3MLP: fused qkv_proj and gate_up_proj (split on reading)
         options["rotary_dim"] = _rotary_dim(hf)
     if arch == "SmolLM3ForCausalLM":

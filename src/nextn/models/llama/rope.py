@@ -74,16 +74,21 @@ def rope_cache(cfg: LlamaModelConfig, num_positions: int) -> torch.Tensor:
     return torch.cat(parts, 1)
 
 
-def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+def partial_rotary_order(head_dim: int, rotary_dim: int, interleaved: bool = False) -> torch.Tensor:
     """The order [head_dim] int64 of a head's q / k dims in the engine under partial rotary: HF rotates the pairs
     (j, j + r/2) of its first r = rotary_dim dims (`rotate_half` over q[..., :r]) and passes the rest; the engine
     rotates the pairs (i, i + head_dim/2). Engine dim i < head_dim/2 is HF dim i for i < r/2, else HF dim
     r/2 + i (the first half of the pass-through dims); engine dim head_dim/2 + i is HF dim r/2 + i for i < r/2, else
     HF dim r + (head_dim - r)/2 + (i - r/2). Applied to q and k alike (and their per-head norms), it leaves every
-    q · k unchanged."""
+    q · k unchanged. `interleaved` (GLM-4): HF's pairs are (2j, 2j + 1), so engine dims i and head_dim/2 + i are
+    HF dims 2i and 2i + 1 for i < r/2."""
     r, half, rest = rotary_dim, head_dim // 2, (head_dim - rotary_dim) // 2
-    first = list(range(r // 2)) + [r + j for j in range(rest)]
-    second = [r // 2 + j for j in range(r // 2)] + [r + rest + j for j in range(rest)]
+    if interleaved:
+        first = [2 * j for j in range(r // 2)] + [r + j for j in range(rest)]
+        second = [2 * j + 1 for j in range(r // 2)] + [r + rest + j for j in range(rest)]
+    else:
+        first = list(range(r // 2)) + [r + j for j in range(rest)]
+        second = [r // 2 + j for j in range(r // 2)] + [r + rest + j for j in range(rest)]
     assert len(first) == half and len(second) == half
     return torch.tensor(first + second, dtype=torch.int64)
 

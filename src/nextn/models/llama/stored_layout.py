@@ -25,9 +25,18 @@ _FUSED = re.compile(r"^(.*\.)(self_attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bi
 _ROTATED = re.compile(r"\.self_attn\.(q_proj|k_proj|q_norm|k_norm)\.(weight|bias)$")
 
 
+#: Per architecture, stored norm names → the engine's (GLM-4's sandwich norms: its `post_self_attn_layernorm`
+#: normalises the attention output, its `post_attention_layernorm` the MLP input, `post_mlp_layernorm` its output)
+_RENAMED = {"Glm4ForCausalLM": {"post_self_attn_layernorm": "post_attention_layernorm",
+                                "post_attention_layernorm": "pre_feedforward_layernorm",
+                                "post_mlp_layernorm": "post_feedforward_layernorm"}}
+
+
 def needs_view(cfg: LlamaModelConfig) -> bool:
-    """Whether `cfg`'s checkpoints store a tensor otherwise than the engine (fused projections, partial rotary)."""
-    return cfg.architecture == "Phi3ForCausalLM" or (cfg.rotary_dim or cfg.head_dim) < cfg.head_dim
+    """Whether `cfg`'s checkpoints store a tensor otherwise than the engine (fused projections, partial rotary,
+    interleaved rope pairs, other norm names)."""
+    return (cfg.architecture in ("Phi3ForCausalLM", "Glm4ForCausalLM") or cfg.rope_interleaved
+            or (cfg.rotary_dim or cfg.head_dim) < cfg.head_dim)
 
 
 class StoredLayout:
@@ -45,34 +54,42 @@ class StoredLayout:
         parts = {"self_attn.qkv_proj": [("self_attn.q_proj", 0, q), ("self_attn.k_proj", q, q + kv),
                                         ("self_attn.v_proj", q + kv, q + 2 * kv)],
                  "mlp.gate_up_proj": [("mlp.gate_proj", 0, i), ("mlp.up_proj", i, 2 * i)]}
-        self._rows: dict[str, tuple[str, int, int]] = {}  # engine name -> (stored name, first row, end row)
+        # engine name -> (stored name, first row, end row); rows None: the whole tensor under another name
+        self._rows: dict[str, tuple[str, int | None, int | None]] = {}
         self._names: list[str] = []
+        renamed = _RENAMED.get(cfg.architecture, {})
         for name in reader.names():
             m = _FUSED.match(name)
             if m is None:
-                self._names.append(name)
+                prefix, _, rest = name.rpartition("layers.")
+                module, _, tail = rest.partition(".")  # "N", "<module>.weight"
+                stored_module, _, param = tail.partition(".")
+                if prefix and stored_module in renamed:
+                    engine = f"{prefix}layers.{module}.{renamed[stored_module]}.{param}"
+                    self._rows[engine] = (name, None, None)
+                    self._names.append(engine)
+                else:
+                    self._names.append(name)
                 continue
             for part, start, end in parts[m.group(2)]:
                 self._rows[f"{m.group(1)}{part}.{m.group(3)}"] = (name, start, end)
                 self._names.append(f"{m.group(1)}{part}.{m.group(3)}")
         rotary = cfg.rotary_dim or cfg.head_dim
-        self._order = partial_rotary_order(cfg.head_dim, rotary) if rotary < cfg.head_dim else None
+        self._order = (partial_rotary_order(cfg.head_dim, rotary, cfg.rope_interleaved)
+                       if rotary < cfg.head_dim or cfg.rope_interleaved else None)
 
     def names(self) -> list[str]:
         return list(self._names)
 
     def has(self, name: str) -> bool:
-        return name in self._rows or (name not in self._fused_names() and self._reader.has(name))
-
-    def _fused_names(self) -> set[str]:
-        return {stored for stored, _, _ in self._rows.values()}
+        return name in self._names
 
     def tensor_info(self, name: str) -> tuple[str, list[int]]:
         """(dtype, shape) from the header: a fused part's rows, else the stored tensor's."""
         if name in self._rows:
             stored, start, end = self._rows[name]
             dtype, shape = self._reader.tensor_info(stored)
-            return dtype, [end - start, *shape[1:]]
+            return dtype, ([end - start, *shape[1:]] if start is not None else shape)
         return self._reader.tensor_info(name)
 
     def get(self, name: str) -> torch.Tensor:
