@@ -74,6 +74,7 @@ class StoredLayout:
             for part, start, end in parts[m.group(2)]:
                 self._rows[f"{m.group(1)}{part}.{m.group(3)}"] = (name, start, end)
                 self._names.append(f"{m.group(1)}{part}.{m.group(3)}")
+        self._known = set(self._names)
         rotary = cfg.rotary_dim or cfg.head_dim
         self._order = (partial_rotary_order(cfg.head_dim, rotary, cfg.rope_interleaved)
                        if rotary < cfg.head_dim or cfg.rope_interleaved else None)
@@ -82,7 +83,7 @@ class StoredLayout:
         return list(self._names)
 
     def has(self, name: str) -> bool:
-        return name in self._names
+        return name in self._known
 
     def tensor_info(self, name: str) -> tuple[str, list[int]]:
         """(dtype, shape) from the header: a fused part's rows, else the stored tensor's."""
