@@ -16,7 +16,7 @@ STREAMS = [(SEQ, SEQ[:24]), ([5, 6, 7], [8, 9, 1, 2, 3, 4, 5, 6]), (SEQ, SEQ[:20
 
 def _drafter(step_time) -> SuffixDrafter:
     d = SuffixDrafter(16)
-    d.use_step_times(lambda b, k: step_time(b, k) / step_time(b, 0.0))
+    d.set_step_times(lambda b, k: step_time(b, k) / step_time(b, 0.0))
     return d
 
 

@@ -10,7 +10,9 @@ from nextn.runtime.kv_cache import BlockPool
 from nextn.runtime.prefix_cache import PrefixCache, hash_block, root_hash
 from nextn.runtime.request import Request
 from nextn.runtime.sampling_params import SamplingParams
-from nextn.runtime.scheduler import Scheduler
+from nextn.runtime.scheduler import Scheduler, SchedulerLimits
+from nextn.speculative.setup import DraftSchedule
+from nextn.speculative.traits import DraftKV
 
 B = 4
 
@@ -136,7 +138,7 @@ def _run_prefill(sched: Scheduler, req: Request) -> None:
 @pytest.mark.parametrize("overlap,lookahead", [(0, 0), (0, 1), (3, 3)])
 def test_admission_reuses_full_blocks_and_computes_the_last_positions(overlap, lookahead):
     pool = _pool(num_blocks=30, lookahead=lookahead)
-    sched = Scheduler(pool, max_batch_size=4, max_num_tokens=64, num_draft_tokens=3, prefill_overlap=overlap)
+    sched = Scheduler(pool, SchedulerLimits(4, 64), DraftSchedule(num_draft_tokens=3, rerun_rows=overlap))
     first = _request(list(range(100, 118)))  # 18 tokens: 4 full blocks
     sched.add(first)
     _run_prefill(sched, first)
@@ -157,7 +159,7 @@ def test_admission_reuses_full_blocks_and_computes_the_last_positions(overlap, l
 
 def test_a_partial_block_is_never_shared():
     pool = _pool(num_blocks=30)
-    sched = Scheduler(pool, max_batch_size=4, max_num_tokens=64, num_draft_tokens=0)
+    sched = Scheduler(pool, SchedulerLimits(4, 64))
     first = _request(list(range(100, 110)))  # 2 full blocks + 2 tokens
     sched.add(first)
     _run_prefill(sched, first)
@@ -170,7 +172,7 @@ def test_a_partial_block_is_never_shared():
 
 def test_no_blocks_registered_past_a_step_without_the_drafter():
     pool = _pool(num_blocks=30)
-    sched = Scheduler(pool, max_batch_size=4, max_num_tokens=64, num_draft_tokens=2, drafter_kv=True)
+    sched = Scheduler(pool, SchedulerLimits(4, 64), DraftSchedule(num_draft_tokens=2, kv=DraftKV.FROM_HIDDEN))
     req = _request(list(range(100, 106)))
     sched.add(req)
     _run_prefill(sched, req)

@@ -49,7 +49,7 @@ class RepeatDrafter(LinearDrafter):
         self.calls += 1
         return rows_at(next_tokens, last_idx).expand(-1, self.num_draft_tokens).contiguous(), ()
 
-    def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state):
+    def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state, step=None):
         self.calls += 1
         return rows_at(target_tokens, num_emitted - 1).expand(-1, self.num_draft_tokens).contiguous(), ()
 

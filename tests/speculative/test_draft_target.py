@@ -204,7 +204,7 @@ def test_sampling_with_drafts_on_demand_keeps_the_token_distribution(engines):
     target, draft, _ = engines
     plain = _plain_positions(target, TEMPERATURE)
     llm = LLM(target, speculative_config={**_spec(draft), "draft_len_schedule": {N: 1}}, max_batch_size=N)
-    assert llm.engine.scheduler.drafts_on_demand
+    assert llm.engine.scheduler.draft_schedule.on_demand
     spec = _positions(llm, N, TEMPERATURE)
     for j in (1, 2):
         assert chi_square_two_sample_pvalue(plain[j], spec[j]) > 1e-3, (j, plain[j].most_common(5),
@@ -392,7 +392,7 @@ def test_a_step_drafts_only_the_draft_length_it_verifies(engines, plain, overlap
     target, _, _ = engines
     spec = {**_spec(target, 3), "draft_len_schedule": {2: 3, 3: 1}}  # 3 requests: k = 1; ≤ 2: k = 3
     llm = LLM(target, speculative_config=spec, disable_overlap_scheduler=not overlap)
-    assert llm.engine.scheduler.drafts_on_demand
+    assert llm.engine.scheduler.draft_schedule.on_demand
     shapes = _draft_forwards(llm)
     lens = [40, 40, 12]
     outs = llm.generate(PROMPTS[:3], [SamplingParams(max_tokens=n, ignore_eos=True) for n in lens])

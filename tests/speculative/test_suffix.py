@@ -21,6 +21,7 @@ from nextn import LLM, SamplingParams
 from nextn.build.engine_builder import build_engine
 from nextn.config.llm_args import LlmArgsError, load_llm_args_yaml, parse_llm_args
 from nextn.speculative.method import LoadContext
+from nextn.speculative.protocol import VerifyContext
 from nextn.speculative.suffix import SuffixDrafter, build
 from nextn.testing.chi_square import chi_square_two_sample_pvalue
 
@@ -66,38 +67,38 @@ def test_rows_write_their_slots_by_position_idempotently():
 
 
 def test_with_step_times_the_hint_verifies_what_pays_and_calibrates_from_what_was_accepted():
-    """`use_step_times`: argmax_k (B + c · G(k)) / t(B, k) over the proposals; without step times the longest."""
+    """`set_step_times`: argmax_k (B + c · G(k)) / t(B, k) over the proposals; without step times the longest."""
     seq = list(range(10, 30))
     def drafter(step_time=None) -> SuffixDrafter:
         d = SuffixDrafter(16, max_tree_depth=24)
         if step_time is not None:
-            d.use_step_times(step_time)
+            d.set_step_times(step_time)
         prefill(d, [0], [0], [seq + seq[:12]], [seq[12]])  # the prompt repeats: the trees expect the copy
         return d
     longest = drafter().slots[0].useful
     assert longest >= 8 and drafter().slots[0].gains == sorted(drafter().slots[0].gains)
-    assert drafter().draft_len_hint([0]) == longest  # no step times: the longest proposal (control)
-    assert drafter(lambda b, k: 1 + 0.01 * k).draft_len_hint([0]) == longest  # rows nearly free: all of it
-    assert drafter(lambda b, k: 1 + 1.5 * k).draft_len_hint([0]) == 0  # each row dearer than a token: none
+    assert drafter().proposal_len([0]) == longest  # no step times: the longest proposal (control)
+    assert drafter(lambda b, k: 1 + 0.01 * k).proposal_len([0]) == longest  # rows nearly free: all of it
+    assert drafter(lambda b, k: 1 + 1.5 * k).proposal_len([0]) == 0  # each row dearer than a token: none
     stepped = drafter(lambda b, k: 1.0 + 0.3 * k * (k > 4))  # up to 4 drafts free, then dear
-    assert stepped.draft_len_hint([0]) == 4
+    assert stepped.proposal_len([0]) == 4
     # Calibration: the verified proposal expected ~4 accepted drafts; none were, so c drops and the hint shrinks.
     d = drafter(lambda b, k: 1 + 0.2 * k)
-    k = d.draft_len_hint([0])
+    k = d.proposal_len([0])
     assert k > 0
     for _ in range(30):
         last = len(d.slots[0].tokens) - 1
         verify(d, [0], [last], [[999] * (k + 1)], [1])  # every draft rejected: an unseen token instead
-        k = max(d.draft_len_hint([0]), 1)
+        k = max(d.proposal_len([0]), 1)
     c = d.slots[0].calibration
-    assert c < 0.2 and d.draft_len_hint([0]) == 0
+    assert c < 0.2 and d.proposal_len([0]) == 0
     # Not locked out: unverified steps move c back toward 1, and another request starts from 1, not from c.
     for _ in range(5):
         last = len(d.slots[0].tokens) - 1
         verify(d, [0], [last], [[seq[(last + 1) % 20]]], [1])
     assert c < d.slots[0].calibration < 1
     prefill(d, [1], [0], [seq + seq[:12]], [seq[12]])
-    assert d.slots[1].calibration == 1.0 and d.draft_len_hint([1]) > 0
+    assert d.slots[1].calibration == 1.0 and d.proposal_len([1]) > 0
 
 
 def test_a_gap_starts_a_new_segment_and_a_rewrite_rebuilds():
@@ -282,7 +283,7 @@ def test_ragged_sampling_keeps_the_token_distribution_and_the_check_has_power(ll
 
     def ragged_llm():
         llm = LLM(llama_engine, speculative_config=ragged, max_batch_size=64)
-        llm.engine.drafter.use_step_times(lambda b, k: 1 + 0.01 * k)  # rows cheap: each row verifies its proposal
+        llm.engine.drafter.set_step_times(lambda b, k: 1 + 0.01 * k)  # rows cheap: each row verifies its proposal
         llm.engine.iteration_log = []
         return llm
 
@@ -300,7 +301,7 @@ def test_ragged_sampling_keeps_the_token_distribution_and_the_check_has_power(ll
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_the_draft_length_follows_the_match(llama_engine, overlap):
-    """With a large K each step verifies only as many drafts as the longest proposal (`draft_len_hint`): a repeated
+    """With a large K each step verifies only as many drafts as the longest proposal (`proposal_len`): a repeated
     request copies its earlier output in long steps, a fresh one verifies short ones — lossless either way."""
     sp = SamplingParams(max_tokens=48, ignore_eos=True)
     args = {"disable_overlap_scheduler": not overlap}
@@ -338,36 +339,36 @@ def test_adaptive_suffix_picks_lengths_from_its_proposals_and_stays_lossless(lla
 
 
 def test_each_row_gets_its_own_draft_length_where_it_pays():
-    """`draft_lens_hint`: the drafts of the highest calibrated gain first, the total of the most expected tokens
+    """`proposal_lens`: the drafts of the highest calibrated gain first, the total of the most expected tokens
     per second — a copying row verifies its proposal, a row with nothing to copy none, in the same step."""
     seq = list(range(10, 30))
     d = SuffixDrafter(16, max_tree_depth=24)
-    assert d.draft_lens_hint([0], 16) is None  # no step times: one length per step (`draft_len_hint`)
+    assert d.proposal_lens([0], 16) is None  # no step times: one length per step (`proposal_len`)
     prefill(d, [0, 1], [0, 0], [seq + seq[:12], [7, 8, 9]], [seq[12], 5])
     useful = d.slots[0].useful
     assert useful >= 8 and d.slots[1].useful == 0
-    d.use_step_times(lambda b, k: 1 + 0.01 * k)  # rows nearly free
-    assert d.draft_lens_hint([0, 1], 16) == [useful, 0]
-    assert d.draft_lens_hint([0, 1], 3) == [3, 0]  # the policy's cap
-    assert d.draft_lens_hint([1, 0], 16) == [0, useful]
-    d.use_step_times(lambda b, k: 1 + 1.5 * k)  # each row dearer than a token: none
-    assert d.draft_lens_hint([0, 1], 16) == [0, 0]
+    d.set_step_times(lambda b, k: 1 + 0.01 * k)  # rows nearly free
+    assert d.proposal_lens([0, 1], 16) == [useful, 0]
+    assert d.proposal_lens([0, 1], 3) == [3, 0]  # the policy's cap
+    assert d.proposal_lens([1, 0], 16) == [0, useful]
+    d.set_step_times(lambda b, k: 1 + 1.5 * k)  # each row dearer than a token: none
+    assert d.proposal_lens([0, 1], 16) == [0, 0]
     # A row's drafts cost what a uniform step with as many rows costs: t(B, Σk / B). Cheap up to 2 rows a request
     # (4 in all at batch 2), dear after: the copying row takes 4.
-    d.use_step_times(lambda b, k: 1.0 + 0.3 * max(0.0, k - 2) * b)
-    assert d.draft_lens_hint([0, 1], 16) == [4, 0]
+    d.set_step_times(lambda b, k: 1.0 + 0.3 * max(0.0, k - 2) * b)
+    assert d.proposal_lens([0, 1], 16) == [4, 0]
     # Priced by drafts in all (`ragged_step_times`): a first row dearer than a token, the next ones cheap — a
     # proposal pays only where it is long enough to carry the first row's cost, whatever the uniform times say.
-    d.use_step_times(lambda b, k: 1 + 0.01 * k, lambda b, most: [1.0] + [1.6 + 0.01 * n for n in range(1, most + 1)])
-    assert d.draft_lens_hint([0, 1], 16) == [useful, 0]  # its many drafts carry the first row's cost
-    d.use_step_times(lambda b, k: 1 + 0.01 * k, lambda b, most: [1.0] + [20.0 + 0.01 * n for n in range(1, most + 1)])
-    assert d.draft_lens_hint([0, 1], 16) == [0, 0]  # no proposal here carries a first row that dear: none
+    d.set_step_times(lambda b, k: 1 + 0.01 * k, lambda b, most: [1.0] + [1.6 + 0.01 * n for n in range(1, most + 1)])
+    assert d.proposal_lens([0, 1], 16) == [useful, 0]  # its many drafts carry the first row's cost
+    d.set_step_times(lambda b, k: 1 + 0.01 * k, lambda b, most: [1.0] + [20.0 + 0.01 * n for n in range(1, most + 1)])
+    assert d.proposal_lens([0, 1], 16) == [0, 0]  # no proposal here carries a first row that dear: none
     # Calibration per row: row 0 rejected everything it verified (k = 3) and its calibration drops; a row that
     # verified none moves back toward 1.
     last = len(d.slots[0].tokens) - 1
     verify_ragged = d.after_verify(None, None, SimpleNamespace(positions=torch.tensor([[last], [3]]) + torch.arange(4)),
                                    None, torch.tensor([[999] * 4, [5] * 4]), torch.tensor([1, 1]),
-                                   (torch.tensor([0, 1]),), draft_lens=torch.tensor([3, 0]))
+                                   (torch.tensor([0, 1]),), VerifyContext(draft_lens=torch.tensor([3, 0])))
     assert verify_ragged[0].shape == (2, 16) and d.slots[0].calibration < 1.0
 
 
@@ -384,8 +385,8 @@ def test_ragged_steps_verify_each_rows_own_length_losslessly(llama_engine, overl
     plain_llm = LLM(llama_engine, speculative_config=None, **args)
     plain = outputs(plain_llm, prompts, sp)
     llm = LLM(llama_engine, speculative_config={**SUFFIX, "max_draft_len": 16, "adaptive_draft_len": True}, **args)
-    llm.engine.drafter.use_step_times(lambda b, k: 1 + 0.05 * k)  # rows cheap: each row verifies its proposal
-    assert llm.engine.scheduler.draft_lens_hint is not None
+    llm.engine.drafter.set_step_times(lambda b, k: 1 + 0.05 * k)  # rows cheap: each row verifies its proposal
+    assert llm.engine.scheduler.draft_schedule.proposal_lens is not None
     outputs(llm, [prompts[-1]], [sp[-1]])  # its output goes to the global tree: that request copies in long steps
     llm.engine.iteration_log = []
     assert staggered(llm, prompts, sp) == plain

@@ -52,7 +52,7 @@ def test_a_new_request_starts_from_what_earlier_requests_taught():
 
     def fresh() -> SuffixDrafter:
         d = SuffixDrafter(16, max_tree_depth=24, max_cached_requests=0)  # each request's own tree only
-        d.use_step_times(cost)
+        d.set_step_times(cost)
         return d
 
     taught = fresh()
@@ -64,6 +64,6 @@ def test_a_new_request_starts_from_what_earlier_requests_taught():
     for d in (taught, naive):
         prefill(d, [1, 2], [0, 0], [short, copying], [3, seq[12]])
         assert d.slots[1].calibration == 1.0 and d.slots[2].match_len >= 9
-    assert naive.draft_lens_hint([1], 16) == [1]  # the prior alone still tries the short match
-    assert taught.draft_lens_hint([1], 16) == [0]
-    assert taught.draft_lens_hint([2], 16)[0] >= 8 and taught.draft_lens_hint([1, 2], 16)[0] == 0
+    assert naive.proposal_lens([1], 16) == [1]  # the prior alone still tries the short match
+    assert taught.proposal_lens([1], 16) == [0]
+    assert taught.proposal_lens([2], 16)[0] >= 8 and taught.proposal_lens([1, 2], 16)[0] == 0

@@ -12,6 +12,7 @@ from nextn import LLM, SamplingParams
 from nextn.build.engine_builder import build_engine
 from nextn.config.llm_args import LlmArgsError, parse_llm_args
 from nextn.speculative.suffix_combined import CombinedDrafter
+from nextn.speculative.traits import DrafterTraits
 from nextn.testing.chi_square import chi_square_two_sample_pvalue
 from nextn.testing.spec_checks import LOOPING
 from nextn.testing.spec_checks import greedy_outputs as outputs
@@ -55,7 +56,7 @@ def test_greedy_equals_plain_decoding_and_both_drafters_draft(pair, plain, overl
     target, draft = pair
     llm = LLM(target, speculative_config=_combined(draft), disable_overlap_scheduler=not overlap)
     d = llm.engine.drafter
-    assert isinstance(d, CombinedDrafter) and d.name == "Suffix+DraftModel" and d.samples_drafts
+    assert isinstance(d, CombinedDrafter) and d.name == "Suffix+DraftModel" and d.traits.sampled
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == plain  # a batch of 5
     assert [outputs(llm, [p], GREEDY)[0] for p in PROMPTS] == plain  # one at a time, earlier outputs in the tree
@@ -118,9 +119,7 @@ def test_the_config_names_both_and_checks_them():
 
 def test_draft_probs_are_the_model_q_on_its_rows_and_one_hot_elsewhere():
     class Model:
-        name, num_draft_tokens, samples_drafts = "M", 2, True
-        prefill_overlap = kv_lookahead = 0
-        uses_draft_head = kv_in_cache = catches_up = False
+        name, num_draft_tokens, traits = "M", 2, DrafterTraits(sampled=True)
 
         def draft_probs(self, state, num, sampling):
             return state[0][:, :num]

@@ -90,7 +90,7 @@ class FixedAcceptance:
     def observe(self, tokens, num_emitted, state):
         return state
 
-    def accept(self, logits, draft_tokens, first_position, sampling, state):
+    def accept(self, logits, draft_tokens, first_position, sampling, state, draft_probs=None):
         return logits.argmax(-1), torch.full_like(first_position, self.num_accepted + 1), ()
 
 

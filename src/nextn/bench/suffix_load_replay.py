@@ -1,11 +1,11 @@
 """Suffix decoding under load, replayed: recorded greedy outputs through `SuffixDrafter` at C concurrent requests,
-each step's draft lengths chosen as the engine chooses them (ragged: `draft_lens_hint` over the step profile), priced
+each step's draft lengths chosen as the engine chooses them (ragged: `proposal_lens` over the step profile), priced
 with the engine's measured step times — the decision quality of the draft-length choice, without the model or the
 server's noise (a benchmark, not a test).
 
     clients      C closed-loop clients: a request starts when one finishes (its prompt and first output token into
                  the drafter, as a prefill), the streams in order; prefill time is not counted (the same for both)
-    a step       the B running requests' k_r from `draft_lens_hint(slots, K)`; row r accepts the longest prefix of
+    a step       the B running requests' k_r from `proposal_lens(slots, K)`; row r accepts the longest prefix of
                  its first k_r drafts equal to the recorded output, emits it plus one token (the engine's greedy
                  step exactly) and costs the profile's ragged-step time of Σ k_r drafts at batch B
                  (`ProposalDraftLen.ragged_step_times`; t(B, 0) interpolated between measured B)
@@ -68,7 +68,7 @@ def profile_step_time(profile_file: Path, max_draft_len: int) -> tuple[StepTime,
 def replay_under_load(streams: Sequence[Stream], drafter: SuffixDrafter, concurrency: int, passes: int,
                       step_time: StepTime, ragged: RaggedTimes | None = None) -> list[dict]:
     """The streams through `drafter` by `concurrency` closed-loop clients, `passes` times (module docstring); the
-    drafter must have step times (`use_step_times`); `ragged` prices a step by its drafts in all (else t(B, mean k)).
+    drafter must have step times (`set_step_times`); `ragged` prices a step by its drafts in all (else t(B, mean k)).
     Returns one dict per pass."""
     k_max = drafter.num_draft_tokens
     out = []
@@ -83,7 +83,7 @@ def replay_under_load(streams: Sequence[Stream], drafter: SuffixDrafter, concurr
                 prompt, output = streams[j]
                 active[slot] = [j, 1, drafter.prefilled([slot], [0], [list(prompt) + output[:1]])[0]]
             slots = sorted(active)
-            lens = drafter.draft_lens_hint(slots, k_max)
+            lens = drafter.proposal_lens(slots, k_max)
             firsts, emitted = [], []
             for slot, k in zip(slots, lens):
                 j, i, drafts = active[slot]
@@ -148,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("concurrency pass  predicted ×plain  verified rows/step  accepted/predicted")
     for c in args.concurrency:
         drafter = SuffixDrafter(args.max_draft_len)
-        drafter.use_step_times(lambda b, k: step_time(b, k) / step_time(b, 0.0), ragged)
+        drafter.set_step_times(lambda b, k: step_time(b, k) / step_time(b, 0.0), ragged)
         for r in replay_under_load(streams, drafter, c, args.passes, step_time, ragged):
             ratio = "—" if r["accepted_over_predicted"] is None else f"{r['accepted_over_predicted']:.2f}"
             print(f"{c:11d} {r['pass']:4d} {r['predicted_speedup']:16.3f} {r['verified_rows_per_step']:19.2f} "

@@ -10,7 +10,7 @@ replay reproduces what the engine emits at batch 1 without running the model:
                    proposes drafts, the step verifies k of them, accepts the longest prefix that equals the
                    recorded output and emits it plus one token — exactly the engine's greedy step
     nextn          `SuffixDrafter.prefilled` / `verified` (the protocol methods' host halves) and, with
-                   `--step_profile`, its measured k (`draft_len_hint` over the profile's batch-1 step times)
+                   `--step_profile`, its measured k (`proposal_len` over the profile's batch-1 step times)
     Arctic         `SuffixDecodingCache.start_request` / `speculate` / `add_active_response` / `stop_request`, the
                    calls vLLM's `method: suffix` makes; every draft it returns is verified (vLLM's rule); chains,
                    and with `--arctic_tree` its speculation trees (accepted: the deepest path of the tree that
@@ -117,7 +117,7 @@ def replay_nextn(streams: Sequence[Stream], drafter: SuffixDrafter, passes: int,
             i = 1
             while i < len(output):
                 t0 = time.perf_counter()
-                k = drafter.draft_len_hint([0])
+                k = drafter.proposal_len([0])
                 res.host_s += time.perf_counter() - t0
                 acc = accepted_prefix(drafts[:k], output[i:])
                 emitted = output[i:i + acc + 1]
@@ -311,7 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = replay_nextn(streams, longest, args.passes, step_time, "nextn (longest proposal)")
     if step_time is not None:
         measured = SuffixDrafter(args.max_draft_len, **kw)
-        measured.use_step_times(lambda b, k: step_time(k) / plain_step)
+        measured.set_step_times(lambda b, k: step_time(k) / plain_step)
         results += replay_nextn(streams, measured, args.passes, step_time, "nextn (k by measurement)")
     try:
         for tree in (False, True) if args.arctic_tree else (False,):

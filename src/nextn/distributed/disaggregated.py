@@ -97,7 +97,7 @@ class KvTransfer:
 
 
 def _check_drafter(drafter: Any, mode: FirstMtpStep) -> None:
-    if not drafter.supports_disaggregation:
+    if not drafter.traits.disaggregation:
         raise LlmArgsError(f"disaggregated serving moves KV, first token and drafts; the {drafter.name} drafter keeps "
                            "per-request state outside the KV cache: use MTP Eagle or no speculation")
     if mode != "drafts" and drafter.num_draft_tokens == 0:

@@ -96,10 +96,12 @@ def compile_decode_fn(decode_fn: Callable[..., StepOutput], engine_dir: str | Pa
 
     @functools.wraps(decode_fn)
     def step(model, drafter, acceptance, kv_cache, input_ids, kv_lens, block_tables, sampling, drafter_state,
-             accept_state, block_size):
-        if sampling.host_work:  # logit processing / log-probabilities: eager (their sparse indices vary per step)
+             accept_state, block_size, draft_lens=None, num_drafts=None):
+        if sampling.host_work or draft_lens is not None or num_drafts is not None:
+            # logit processing / log-probabilities (their sparse indices vary per step), per-row draft lengths or
+            # on-demand drafts (a step compiled after load, `LLM.compile_decode_step`): eager
             return decode_fn(model, drafter, acceptance, kv_cache, input_ids, kv_lens, block_tables, sampling,
-                             drafter_state, accept_state, block_size)
+                             drafter_state, accept_state, block_size, draft_lens=draft_lens, num_drafts=num_drafts)
         if block_tables.shape[1] < MIN_TABLE_WIDTH:  # one graph for every width (dynamo specialises width 1)
             block_tables = torch.nn.functional.pad(block_tables, (0, MIN_TABLE_WIDTH - block_tables.shape[1]))
         mark_dynamic_dims(input_ids, kv_lens, block_tables, sampling, drafter_state, accept_state)
@@ -157,6 +159,7 @@ def load_compile_artifacts(engine_dir: str | Path, device: str | torch.device,
     if not ok:
         (logger.debug if info is None else logger.warning)("compile artifacts of %s ignored: %s", engine_dir, reason)
         return False
+    assert info is not None  # usable artifacts exist
     data = _read_checked(engine_dir, info.file, info.sha256)
     if data is None:
         return False
@@ -257,7 +260,10 @@ def _unpack_kernels(blob: bytes, root: Path) -> int:
             if not dest.exists():
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
-                tmp.write_bytes(tar.extractfile(member).read())
+                stream = tar.extractfile(member)
+                if stream is None:  # (a regular file always has one)
+                    continue
+                tmp.write_bytes(stream.read())
                 tmp.chmod(0o755)
                 os.replace(tmp, dest)
             count += 1

@@ -269,15 +269,20 @@ class CudaGraphStep:
     def __call__(self, model, drafter, acceptance, kv_cache: torch.Tensor, input_ids: torch.Tensor,
                  kv_lens: torch.Tensor, block_tables: torch.Tensor, sampling: SamplingTensors,
                  drafter_state: tuple[torch.Tensor, ...], accept_state: tuple[torch.Tensor, ...],
-                 block_size: int) -> StepOutput:
-        """The base step's signature and result (outputs are views of static buffers until the next call)."""
+                 block_size: int, draft_lens: torch.Tensor | None = None, num_drafts: int | None = None
+                 ) -> StepOutput:
+        """The base step's signature and result (outputs are views of static buffers until the next call); a graph
+        verifies one draft length and drafts K, so a step with per-row lengths or on-demand drafts runs eagerly."""
         b = input_ids.shape[0]
         bound = (model, drafter, acceptance, kv_cache, block_size)
         states = [*drafter_state, *accept_state]
         rows = graph_batch_size(b, self.batch_sizes, self.enable_padding)
         variant = (sampling.any_sampled, sampling.use_filters)
+        reason: str | None
         if sampling.host_work:
             reason = "a request asks for logit processing or log-probabilities (such steps run eagerly)"
+        elif draft_lens is not None or num_drafts is not None:
+            reason = "the step verifies per-row draft lengths or drafts on demand (such steps run eagerly)"
         elif rows is None:
             reason = f"batch {b} has no captured size ({'above' if self.enable_padding else 'not in'} {self.batch_sizes})"
         elif variant in self._failed:
@@ -299,7 +304,9 @@ class CudaGraphStep:
                 logger.info("decode step runs eagerly: %s", reason)
             self.num_eager += 1
             return self.decode_fn(model, drafter, acceptance, kv_cache, input_ids, kv_lens, block_tables, sampling,
-                                  drafter_state, accept_state, block_size)
+                                  drafter_state, accept_state, block_size, draft_lens=draft_lens,
+                                  num_drafts=num_drafts)
+        assert rows is not None and self._static is not None  # (a fitting step)
         self._static.load(rows, input_ids, kv_lens, block_tables, sampling, states)
         graph, out = self._graphs[(rows, *variant)]
         graph.replay()
@@ -310,6 +317,7 @@ class CudaGraphStep:
 
     def _capture_variant(self, any_sampled: bool, use_filters: bool) -> str | None:
         """Capture every bucket of one sampling variant, largest first; the reason it failed, or None."""
+        assert self._bound is not None and self._static is not None  # bound by the first fitting call
         model, drafter, acceptance, kv_cache, block_size = self._bound
         static = self._static
         static.reset()  # warm-ups and capture then touch only the null block
@@ -334,13 +342,17 @@ class CudaGraphStep:
         return None
 
 
+def captures_graphs(config: CudaGraphConfig | None, device: torch.device) -> bool:
+    """Whether `graph_decode_fn` captures the decode step in CUDA graphs: a set config on a CUDA device."""
+    return config is not None and torch.device(device).type == "cuda"
+
+
 def graph_decode_fn(decode_fn: Callable[..., StepOutput], config: CudaGraphConfig | None, device: torch.device,
                     max_batch_size: int, max_blocks_per_seq: int) -> Callable[..., StepOutput]:
     """`decode_fn` wrapped in a `CudaGraphStep` when `config` is set and `device` is CUDA; otherwise `decode_fn`
     (a set config on another device is logged)."""
-    if config is None:
-        return decode_fn
-    if torch.device(device).type != "cuda":
-        logger.warning("cuda_graph_config: CUDA graphs need a CUDA device; decode steps run eagerly on %s", device)
+    if config is None or not captures_graphs(config, device):
+        if config is not None:
+            logger.warning("cuda_graph_config: CUDA graphs need a CUDA device; decode steps run eagerly on %s", device)
         return decode_fn
     return CudaGraphStep(decode_fn, config, max_batch_size, max_blocks_per_seq, device)

@@ -208,14 +208,15 @@ class Engine:
         try:
             plan = self.scheduler.schedule(in_flight=prev is not None)
         except NeedsSync:  # a preemption needs exact host state: apply the step in flight first
+            assert prev is not None  # raised only with a step in flight
             updated, prev = self._update(prev), None
             plan = self.scheduler.schedule()
         aborted = self.scheduler.take_aborted()
         launched = self.runner.launch(plan, prev) if plan is not None else None
         if prev is not None:
             updated += self._update(prev)
-        if launched is not None and self.overlap:  # read back at the next step, while that one runs
-            self.scheduler.mark_in_flight(plan, launched.max_emitted)
+        if plan is not None and launched is not None and self.overlap:  # read back at the next step, while that
+            self.scheduler.mark_in_flight(plan, launched.max_emitted)  # one runs
             self._inflight = launched
         elif launched is not None:
             updated += self._update(launched)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -27,23 +26,21 @@ from nextn.config.llm_args import LlmArgs, LlmArgsError
 from nextn.plugins import cpu_kernels
 from nextn.plugins.cpu_features import fast_bf16
 from nextn.runtime.compiled_step import compile_decode_fn
-from nextn.runtime.cuda_graph_runner import graph_decode_fn
+from nextn.runtime.cuda_graph_runner import captures_graphs, graph_decode_fn
 from nextn.runtime.engine_sizes import check_sizes_against_model, plan_kv_cache
 from nextn.models.kv_cache import allocate_kv_cache
 from nextn.runtime.kv_cache import BlockPool
 from nextn.runtime.model_loader import load_model, pop_medusa_heads, read_weights
 from nextn.runtime.model_runner import ModelRunner
 from nextn.runtime.prefix_cache import PrefixCache
-from nextn.runtime.scheduler import Scheduler
+from nextn.runtime.scheduler import Scheduler, SchedulerLimits
 from nextn.runtime.tokenizer import EngineTokenizer, eos_token_ids
 from nextn.speculative import registry
 from nextn.runtime.step_profiler import ProfileTarget, step_profile_for
-from nextn.speculative.draft_len_policy import (DraftLenPolicy, ProposalDraftLen, StaticDraftLen,
-                                                choose_draft_len_policy)
-from nextn.speculative.acceptance_rules import StandardAcceptance
-from nextn.speculative.chain_step import verify_and_draft_step
+from nextn.speculative.draft_len_policy import DraftLenPolicy, StaticDraftLen
 from nextn.speculative.method import LoadContext
 from nextn.speculative.protocol import AcceptanceRule, Drafter
+from nextn.speculative.setup import SpeculativeSetup, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +69,7 @@ class LoadedEngine:
     batch_invariant: bool  # every linear and attention of the target computes each row alone (model_loader.py)
     drafter: Drafter
     acceptance: AcceptanceRule
+    setup: SpeculativeSetup  # the drafter's traits and the engine's choices from them, resolved at load
     pool: BlockPool
     scheduler: Scheduler
     runner: ModelRunner
@@ -87,7 +85,7 @@ def prefix_cache_for(args: LlmArgs, manifest: EngineManifest, spec: object, draf
         return None
     salt = "|".join([manifest.source.fingerprint, manifest.dtype, str(kv_dtype), drafter.name,
                      str(drafter.num_draft_tokens), repr(spec)])
-    return PrefixCache(block_size, salt, drafter.kv_lookahead)
+    return PrefixCache(block_size, salt, drafter.traits.key_lookahead)
 
 
 def load_engine(engine_dir: str | Path, args: LlmArgs, spec: BaseModel | None, device: torch.device,
@@ -123,7 +121,7 @@ def load_engine(engine_dir: str | Path, args: LlmArgs, spec: BaseModel | None, d
                          DTYPES[manifest.dtype], drafter)
     model, batch_invariant = load_model(manifest, weights, device, max_seq_len + lookahead + block_size,
                                         None if sharding is None else sharding.shard)
-    if drafter.uses_draft_head and fast_bf16(device):
+    if drafter.traits.draft_head and fast_bf16(device):
         model.use_bf16_draft_head()  # drafts only propose: a cheaper head cannot change the output
     registry.prepare_model(model, spec, ctx)  # what the method changes in the target (MTP: its draft head cut)
     kv = allocate_kv_cache(model.num_cache_layers, plan.num_blocks, block_size, kv_cfg.kv_cache_dim, kv_dtype,
@@ -136,40 +134,25 @@ def load_engine(engine_dir: str | Path, args: LlmArgs, spec: BaseModel | None, d
         decode_fn = compile_decode_fn(decode_fn, engine_dir, device, args.torch_compile_config, manifest)
     elif manifest.compiled_step is not None:
         logger.info("%s stores torch.compile artifacts; torch_compile_config: {} uses them", engine_dir)
+    layered = args.torch_compile_config is not None or captures_graphs(args.cuda_graph_config, device)
     decode_fn = graph_decode_fn(decode_fn, args.cuda_graph_config, device, max_batch_size, plan.per_seq)
-    # A draft model drafts each step's own draft length where the step is the eager one (a compiled or graphed
-    # step is traced with K draft passes).
-    on_demand = drafter.drafts_on_demand and decode_fn is verify_and_draft_step
+    setup = resolve(drafter, acceptance, decode_fn, layered)  # the engine's speculative choices, made once
+    limits = SchedulerLimits(max_batch_size, args.max_num_tokens, args.enable_chunked_prefill, max_seq_len)
 
-    def new_scheduler(pool: BlockPool, policy: DraftLenPolicy, hint: Callable[[list[int]], int] | None,
-                      lens_hint: Callable[[list[int], int], list[int] | None] | None = None) -> Scheduler:
+    def new_scheduler(pool: BlockPool, policy: DraftLenPolicy, proposals: bool = True) -> Scheduler:
         try:
-            return Scheduler(pool, max_batch_size, args.max_num_tokens, k,
-                             enable_chunked_prefill=args.enable_chunked_prefill,
-                             prefill_overlap=drafter.prefill_overlap, draft_len_policy=policy,
-                             drafter_kv=drafter.kv_in_cache, drafter_catches_up=drafter.catches_up,
-                             max_seq_len=max_seq_len, draft_len_hint=hint, draft_lens_hint=lens_hint,
-                             drafts_on_demand=on_demand)
+            return Scheduler(pool, limits, setup.schedule if proposals else setup.schedule.without_proposals(),
+                             policy)
         except ValueError as e:
             raise LlmArgsError(str(e)) from e
 
-    new_scheduler(pool, StaticDraftLen(k), drafter.draft_len_hint)  # the settings checked before anything runs
-    runner = ModelRunner(model, drafter, acceptance, kv, block_size, max_batch_size, decode_fn=decode_fn)
+    new_scheduler(pool, StaticDraftLen(k))  # the settings checked before anything runs
+    runner = ModelRunner(model, drafter, acceptance, kv, block_size, max_batch_size, decode_fn=setup.decode_fn)
     profile = step_profile_for(spec, args, manifest, engine_dir, device, ProfileTarget(
         runner, new_scheduler, plan.num_blocks, block_size, max_batch_size, max_seq_len, k, cfg.vocab_size,
-        on_demand),
+        setup.schedule.on_demand),
         sharded=sharding is not None)  # the measured step times, when the config asks for them
-    draft_len_policy = choose_draft_len_policy(spec, k, drafter.expected_tokens, profile,
-                                               proposes=drafter.use_step_times is not None)
-    if isinstance(draft_len_policy, ProposalDraftLen):
-        drafter.use_step_times(draft_len_policy.relative_step_time,  # it picks each step's length from them
-                               draft_len_policy.ragged_step_times)
-    # Ragged steps (each row its own draft length): the eager chain step, deterministic drafts, strict acceptance
-    # of greedy rows and the coupled rule of sampled ones (`chain_step.verify_ragged`).
-    ragged = (drafter.draft_lens_hint is not None and decode_fn is verify_and_draft_step
-              and not drafter.samples_drafts and type(acceptance) is StandardAcceptance)
-    scheduler = new_scheduler(pool, draft_len_policy, drafter.draft_len_hint,
-                              drafter.draft_lens_hint if ragged else None)
+    scheduler = new_scheduler(pool, setup.draft_len_policy(spec, profile))
     try:
         tokenizer = EngineTokenizer.load(engine_dir, manifest.tokenizer_files)
     except Exception as e:  # transformers raises many kinds for a corrupt tokenizer file
@@ -180,4 +163,4 @@ def load_engine(engine_dir: str | Path, args: LlmArgs, spec: BaseModel | None, d
                 time.perf_counter() - t0, manifest.dtype, drafter.name, k, plan.num_blocks, block_size,
                 cpu_kernels.variant() if device.type == "cpu" else "unused")
     return LoadedEngine(manifest, max_batch_size, max_seq_len, block_size, model, batch_invariant, drafter,
-                        acceptance, pool, scheduler, runner, tokenizer, eos_ids)
+                        acceptance, setup, pool, scheduler, runner, tokenizer, eos_ids)

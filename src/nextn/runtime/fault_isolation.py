@@ -210,5 +210,4 @@ def fail_all(engine: Engine, error: BaseException) -> list[Request]:
 
 
 def _unique(reqs: list[Request]) -> list[Request]:
-    seen: set[int] = set()
-    return [r for r in reqs if not (id(r) in seen or seen.add(id(r)))]
+    return list({id(r): r for r in reqs}.values())  # first occurrence, in order

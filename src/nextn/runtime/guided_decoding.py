@@ -71,7 +71,8 @@ def unenforced_keywords(schema: object) -> list[str]:
             found.append(f"non-local $ref {ref[:60]!r} at {where}")
         required = node.get("required")
         if isinstance(required, list):
-            declared = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+            properties = node.get("properties")
+            declared = properties if isinstance(properties, dict) else {}
             missing = [r for r in required if r not in declared]
             if missing:
                 found.append(f"required {missing[:3]} not in properties at {where}")

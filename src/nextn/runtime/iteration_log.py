@@ -17,7 +17,7 @@ from nextn.runtime.scheduler import Scheduler
 def iteration_entry(step: InflightStep, result: StepResult, num_finished: int, scheduler: Scheduler) -> dict:
     """The log entry of `step`, just applied (`result` its read-back, `num_finished` the requests it finished)."""
     plan, pool = step.plan, scheduler.pool
-    entry = {"kind": plan.kind, "num_requests": plan.num_requests, "num_finished": num_finished,
+    entry: dict[str, object] = {"kind": plan.kind, "num_requests": plan.num_requests, "num_finished": num_finished,
              "num_emitted": sum(len(e) for e in result.emitted), "free_blocks": pool.num_free,
              "num_waiting": len(scheduler.waiting), "latency_ms": (time.perf_counter() - step.launch_time) * 1e3}
     if plan.kind == "decode":

@@ -399,9 +399,10 @@ class LLM:
             EngineBusyError: as `generate_async`, when the loop of another thread's `generate_async` cannot start.
         """
         single = _is_single_prompt(prompts)
-        plist: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item]
+        plist: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item, arg-type]
         params = sampling_params if sampling_params is not None else SamplingParams()
-        plist_params = list(params) if isinstance(params, (list, tuple)) else [params] * len(plist)
+        plist_params: list[SamplingParams] = list(params) if isinstance(params, (list, tuple)) \
+            else [params] * len(plist)  # type: ignore[list-item]  # (a lone SamplingParams)
         if len(plist_params) != len(plist):
             raise ValueError(f"got {len(plist_params)} SamplingParams for {len(plist)} prompts")
         owners, expanded = expand_n(plist, plist_params)  # n > 1: one request per sequence
@@ -446,16 +447,16 @@ class LLM:
         try:
             while pending and self.engine.has_work:
                 for out in self._step_finished():
-                    i = pending.pop(out.request_id, None)
-                    if i is None:  # queued with add_request: the next step() returns it
+                    i = pending.pop(out.request_id, -1)
+                    if i < 0:  # queued with add_request: the next step() returns it
                         self._unclaimed.append(out)
                     else:
                         outputs[i] = out
                         bar.update(1)
         finally:  # an exception or KeyboardInterrupt: cancel what this call queued, free its blocks
             for rid, i in pending.items():
-                out = self.abort_request(rid)
-                outputs[i] = out or _rejected(plist[i], RuntimeError("the request was lost by the engine"))
+                aborted = self.abort_request(rid)
+                outputs[i] = aborted or _rejected(plist[i], RuntimeError("the request was lost by the engine"))
             bar.close()
         return outputs  # type: ignore[return-value]
 

@@ -140,6 +140,7 @@ def build_processing(rows: Sequence[tuple[int, RequestProcessor, Sequence[int]]]
         return idx, torch.tensor([e[3] for e in entries], dtype=torch.float32)
 
     words = (vocab_size + 31) // 32
-    return LogitsProcessing(*index(mult), *index(add), torch.tensor(mask_rows, dtype=torch.int64),
+    (mult_index, mult_value), (add_index, add_value) = index(mult), index(add)
+    return LogitsProcessing(mult_index, mult_value, add_index, add_value, torch.tensor(mask_rows, dtype=torch.int64),
                             torch.stack(masks) if masks else torch.zeros(0, width, words, dtype=torch.int32),
                             tuple(lazy))

@@ -188,12 +188,12 @@ class ModelRunner:
             state = tuple(s[slots] for s in self.state)
             accept_state = tuple(s[slots] for s in self.accept_state)
             drafter = self.drafter if plan.drafting else self.no_drafter  # speculation off: plain decoding
-            extra = {"draft_lens": torch.tensor(plan.draft_lens, dtype=torch.int64, device=self.device)
-                     } if plan.draft_lens else {}  # each row its own draft length (chain_step.verify_ragged)
-            if plan.num_new_drafts is not None:  # a drafter drafting on demand: this many for the next step
-                extra["num_drafts"] = plan.num_new_drafts
+            # each row its own draft length (chain_step.verify_ragged); None: one length
+            draft_lens = torch.tensor(plan.draft_lens, dtype=torch.int64, device=self.device) if plan.draft_lens \
+                else None
             out = self.decode_fn(self.model, drafter, self.acceptance, self.kv_cache, ids, kv_lens, block_tables,
-                                 sampling, state if plan.drafting else (), accept_state, self.block_size, **extra)
+                                 sampling, state if plan.drafting else (), accept_state, self.block_size,
+                                 draft_lens=draft_lens, num_drafts=plan.num_new_drafts)
         for buf, new in zip(self.state, out.drafter_state):
             buf[slots] = new
         for buf, new in zip(self.accept_state, out.accept_state):

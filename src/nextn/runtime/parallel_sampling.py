@@ -31,11 +31,12 @@ def merge_n(owners: list[int], outputs: list[RequestOutput], num_prompts: int) -
     """One RequestOutput per prompt, its sequences in `.outputs` (index 0..n−1)."""
     merged: list[RequestOutput | None] = [None] * num_prompts
     for owner, out in zip(owners, outputs):
-        if merged[owner] is None:
+        first = merged[owner]
+        if first is None:
             merged[owner] = out
         else:
             extra = out.outputs[0]
-            extra.index = len(merged[owner].outputs)
-            merged[owner].outputs.append(extra)
-            merged[owner].finished = merged[owner].finished and out.finished
+            extra.index = len(first.outputs)
+            first.outputs.append(extra)
+            first.finished = first.finished and out.finished
     return merged  # type: ignore[return-value]

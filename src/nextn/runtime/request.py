@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from nextn.runtime.logits_processors import RequestProcessor
-from nextn.runtime.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from nextn.runtime.outputs import CompletionOutput, FinishReason, RequestOutput, TokenLogprob
 from nextn.runtime.sampling_params import SamplingParams
 
 
@@ -48,7 +48,7 @@ class Request:
     num_inflight_tokens: int = 0  # most tokens a launched, not yet processed step may emit (overlap scheduler)
     prefill_done: bool = False  # this admission's last prefill chunk has been processed (its first token appended)
     num_drafts: int = 0  # drafts its last launched step made for the next (0: it did not draft; a prefill: K)
-    finish_reason: str | None = None
+    finish_reason: FinishReason = None
     error: str | None = None
     num_failed_steps: int = 0  # engine steps that failed with it in the batch and no request found at fault
     num_draft_tokens: int = 0
@@ -138,7 +138,7 @@ class Request:
         for j in range(num_accepted):
             self.accepted_per_position[j] += 1
 
-    def finish(self, reason: str, error: str | None = None) -> None:
+    def finish(self, reason: FinishReason, error: str | None = None) -> None:
         self.status = RequestStatus.FINISHED
         self.finished_time = time.perf_counter()
         self.finish_reason = reason

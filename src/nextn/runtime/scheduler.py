@@ -20,7 +20,7 @@ lost); with a step in flight the scheduler first asks for a sync (`NeedsSync`) s
 Prefix caching (runtime/prefix_cache.py, when the pool has a cache): admission looks the request's full blocks up
 by their keys and shares the longest cached run; its first chunk starts after it, so only the rest is computed
 (and counted against the token budget). The reuse stops short of the prompt's end: at least the last
-`1 + prefill_overlap` positions are computed (the first token's logits; MTP Vanilla's window of K+1 target hidden
+`1 + rerun_rows` positions are computed (the first token's logits; MTP Vanilla's window of K+1 target hidden
 states). After each processed step `cache_blocks` registers the request's blocks that have become final; a shared
 block is never written again: every later write of a request lands at or past its computed length minus the
 drafter's rewrite lag, and reuse starts no lower than that.
@@ -30,13 +30,15 @@ from __future__ import annotations
 
 import sys
 from collections import deque
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from nextn.runtime.kv_cache import BlockPool
 from nextn.runtime.request import Request, RequestStatus
 from nextn.runtime.step_plan import StepPlan
 from nextn.speculative.draft_len_policy import DraftLenPolicy, StaticDraftLen
+from nextn.speculative.setup import DraftSchedule
+from nextn.speculative.traits import DraftKV
 
 if TYPE_CHECKING:  # the runner's host results: only their type is read here
     from nextn.runtime.model_runner import StepResult
@@ -46,61 +48,56 @@ class NeedsSync(Exception):
     """The next decision (preemption, or an abort for lack of KV) needs the in-flight step's results first."""
 
 
+@dataclass(frozen=True)
+class SchedulerLimits:
+    """The engine's sizes the scheduler plans within.
+
+    Attributes:
+        max_batch_size: most running requests (batch slots).
+        max_num_tokens: token budget of a prefill step.
+        enable_chunked_prefill: split prompts over several prefill steps under the budget.
+        max_seq_len: a request ends ("length") at this many tokens (None: only its max_tokens ends it).
+    """
+
+    max_batch_size: int
+    max_num_tokens: int
+    enable_chunked_prefill: bool = False
+    max_seq_len: int | None = None
+
+
 class Scheduler:
     """
     Args:
         pool: the KV block pool.
-        max_batch_size: most running requests (batch slots).
-        max_num_tokens: token budget of a prefill step.
-        num_draft_tokens: K, the drafter's drafts per step.
-        enable_chunked_prefill: split prompts over several prefill steps under the budget.
-        prefill_overlap: rows a chunk re-runs from the previous chunk's end (MTP Vanilla: K, so that every
-            module's KV near the boundary is computed from the true next tokens).
+        limits: batch slots, prefill token budget, chunked prefill, longest request (`SchedulerLimits`).
+        schedule: what the speculative setup asks of the scheduler (`speculative.setup.DraftSchedule`: K, the
+            rows a prefill chunk re-runs, the drafter's KV kind, on-demand drafts, the drafter's proposals); the
+            default: plain decoding.
         draft_len_policy: the per-batch draft length (default: always K).
-        drafter_kv: the drafter keeps KV that steps with speculation off leave unwritten (MTP, draft model): blocks
-            past such a step are not registered in the prefix cache.
-        drafter_catches_up: the drafter writes such a gap later (`Drafter.catches_up`, a draft model): prefills
-            that will not speculate skip it, and a request's first drafting step after a gap catches it up.
-        max_seq_len: a request ends ("length") at this many tokens (default: only its max_tokens ends it).
-        draft_len_hint: the drafter's useful draft length for the requests in these batch slots
-            (`Drafter.draft_len_hint`; None: every step verifies what the policy chooses).
-        draft_lens_hint: each row's own draft length for these slots under a cap (`Drafter.draft_lens_hint`; the
-            engine passes it only where the decode step verifies ragged batches): a decode batch with no logits
-            processing then verifies each row's own k (`StepPlan.draft_lens`).
-        drafts_on_demand: a decode step drafts only the draft length the policy chose for it, not K
-            (`Drafter.drafts_on_demand`, a draft model, whose every draft is a forward: `StepPlan.num_new_drafts`);
-            a step then verifies at most the drafts its rows' last step made, so a longer length takes one step
-            to come into effect.
     Raises:
-        ValueError: chunked prefill with a budget that cannot make progress past the overlap.
+        ValueError: chunked prefill with a budget that cannot make progress past the rows a chunk re-runs.
     """
 
-    def __init__(self, pool: BlockPool, max_batch_size: int, max_num_tokens: int, num_draft_tokens: int,
-                 enable_chunked_prefill: bool = False, prefill_overlap: int = 0,
-                 draft_len_policy: DraftLenPolicy | None = None, drafter_kv: bool = False,
-                 drafter_catches_up: bool = False, max_seq_len: int | None = None,
-                 draft_len_hint: Callable[[list[int]], int] | None = None,
-                 draft_lens_hint: Callable[[list[int], int], list[int] | None] | None = None,
-                 drafts_on_demand: bool = False) -> None:
-        if enable_chunked_prefill and max_num_tokens <= prefill_overlap:
-            raise ValueError(f"max_num_tokens={max_num_tokens} must exceed the {prefill_overlap} rows a prefill "
-                             "chunk re-runs for MTP Vanilla")
+    def __init__(self, pool: BlockPool, limits: SchedulerLimits, schedule: DraftSchedule = DraftSchedule(),
+                 draft_len_policy: DraftLenPolicy | None = None) -> None:
+        if limits.enable_chunked_prefill and limits.max_num_tokens <= schedule.rerun_rows:
+            raise ValueError(f"max_num_tokens={limits.max_num_tokens} must exceed the {schedule.rerun_rows} rows a "
+                             "prefill chunk re-runs for MTP Vanilla")
         self.pool = pool
-        self.max_batch_size = max_batch_size
-        self.max_num_tokens = max_num_tokens
-        self.lookahead = 2 * num_draft_tokens + 1  # KV positions past kv_len a decode step may touch
-        self.enable_chunked_prefill = enable_chunked_prefill
-        self.prefill_overlap = prefill_overlap
-        self.draft_len_policy = draft_len_policy or StaticDraftLen(num_draft_tokens)
-        self.drafter_kv = drafter_kv
-        self.drafter_catches_up = drafter_catches_up
-        self.draft_len_hint = draft_len_hint
-        self.draft_lens_hint = draft_lens_hint
-        self.num_draft_tokens, self.drafts_on_demand = num_draft_tokens, drafts_on_demand
-        self.max_seq_len = sys.maxsize if max_seq_len is None else max_seq_len
+        self.draft_schedule = schedule
+        self.max_batch_size = limits.max_batch_size
+        self.max_num_tokens = limits.max_num_tokens
+        self.num_draft_tokens = k = schedule.num_draft_tokens
+        self.lookahead = 2 * k + 1  # KV positions past kv_len a decode step may touch
+        self.enable_chunked_prefill = limits.enable_chunked_prefill
+        self.draft_len_policy = draft_len_policy or StaticDraftLen(k)
+        # the drafter keeps KV that a step with speculation off leaves unwritten; and writes such a gap later
+        self._drafter_keeps_kv = schedule.kv is not DraftKV.NONE
+        self._drafter_writes_later = schedule.kv is DraftKV.FROM_TOKENS
+        self.max_seq_len = sys.maxsize if limits.max_seq_len is None else limits.max_seq_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self._free_slots = list(range(max_batch_size - 1, -1, -1))
+        self._free_slots = list(range(limits.max_batch_size - 1, -1, -1))
         self._last_kind: str | None = None
         self.num_preemptions = 0
         self.aborted: list[Request] = []  # finished with an error by the scheduler, for the engine to report
@@ -155,7 +152,7 @@ class Scheduler:
         for req in self.running:  # the next chunks of prompts being prefilled, oldest first
             if req.is_decoding or budget <= 0:
                 continue
-            start = max(0, req.num_prefilled_tokens - self.prefill_overlap)
+            start = max(0, req.num_prefilled_tokens - self.draft_schedule.rerun_rows)
             end = min(req.prefill_len, start + budget)
             if end <= req.num_prefilled_tokens:
                 break
@@ -192,13 +189,13 @@ class Scheduler:
         if not chunks:
             return None
         drafting = self.draft_len_policy.max_draft_len == 0 or self.draft_len_policy.would_draft(len(self.running))
-        if self.drafter_catches_up and any(r.drafter_gap is not None for r, *_ in chunks):
+        if self._drafter_writes_later and any(r.drafter_gap is not None for r, *_ in chunks):
             drafting = False  # an earlier chunk skipped the drafter: its first decode step catches the whole gap up
         for req, start, end, _ in chunks:
             req.num_prefilled_tokens = end
             req.num_drafts = self.num_draft_tokens if drafting else 0
-            if not drafting and self.drafter_catches_up and req.drafter_gap is None:
-                req.drafter_gap = start  # the drafter skips this prefill (`Drafter.catches_up`)
+            if not drafting and self._drafter_writes_later and req.drafter_gap is None:
+                req.drafter_gap = start  # the drafter skips this prefill (its KV is written later)
         reqs, starts, ends, num_reused = zip(*chunks)
         return self._new_plan(reqs, StepPlan.prefill, starts, ends, num_reused, drafting)
 
@@ -221,7 +218,7 @@ class Scheduler:
         """The cached blocks of the longest prefix of `req`'s tokens (none without a prefix cache), and the index
         of the first of them lacking the drafter's KV (None: none lacks it).
 
-        At most the blocks that leave the last `1 + prefill_overlap` positions to compute: the first token needs
+        At most the blocks that leave the last `1 + rerun_rows` positions to compute: the first token needs
         the last position's logits, and MTP Vanilla's pools need the target's hidden states of the last K+1. Past a
         block lacking the drafter's KV, only blocks lacking it too: the drafter catches up everything from the
         first (`drafter_gap`), and must not rewrite a shared block whose drafter KV others read.
@@ -230,7 +227,7 @@ class Scheduler:
         if cache is None:
             return [], None
         n = req.num_tokens
-        most = min((n - 1 - self.prefill_overlap) // self.pool.block_size, cache.num_keyed_blocks(n))
+        most = min((n - 1 - self.draft_schedule.rerun_rows) // self.pool.block_size, cache.num_keyed_blocks(n))
         if most <= 0:
             return [], None
         hits = cache.lookup(cache.extend_hashes(req.block_hashes, req.all_token_ids, most)[:most])
@@ -245,7 +242,7 @@ class Scheduler:
     def cache_blocks(self, req: Request) -> int:
         """Register `req`'s blocks whose every KV row is final in the prefix cache (after a processed step).
 
-        Final: below its computed length minus the drafter's rewrite lag (`prefill_overlap`: MTP Vanilla re-runs
+        Final: below its computed length minus the drafter's rewrite lag (`rerun_rows`: MTP Vanilla re-runs
         its modules over the last K positions), below the first position decoded without the drafter (its KV
         there was never written), and with the look-ahead tokens of the block's key known. A drafter that catches
         up (a draft model) is not waited for: blocks past that position are registered for their target KV, marked
@@ -259,8 +256,8 @@ class Scheduler:
         if cache is None or not req.block_table:
             return 0
         gap = req.drafter_gap
-        final = req.num_computed_tokens if gap is None or self.drafter_catches_up else min(req.num_computed_tokens, gap)
-        n = min((final - self.prefill_overlap) // self.pool.block_size, cache.num_keyed_blocks(req.num_tokens),
+        final = req.num_computed_tokens if gap is None or self._drafter_writes_later else min(req.num_computed_tokens, gap)
+        n = min((final - self.draft_schedule.rerun_rows) // self.pool.block_size, cache.num_keyed_blocks(req.num_tokens),
                 len(req.block_table))
         if n <= req.num_committed_blocks:
             return 0
@@ -287,21 +284,22 @@ class Scheduler:
             return None
         k = self.draft_len_policy.draft_len(len(reqs), [r.request_id for r in reqs])
         drafting = k > 0 or self.draft_len_policy.max_draft_len == 0
-        new_drafts = k if self.drafts_on_demand and k > 0 else self.num_draft_tokens  # what the next step may verify
+        new_drafts = k if self.draft_schedule.on_demand and k > 0 else self.num_draft_tokens  # what the next step may verify
         lens = self._ragged_lens(reqs, k) or ()
         if lens:  # each row its own length, at most the policy's
             k = max(lens)
             lens = lens if k > 0 and min(lens) < k else ()
-        elif k > 0 and self.draft_len_hint is not None:  # no wider than the drafter says pays (0: it still drafts)
-            k = max(0, min(k, self.draft_len_hint([r.batch_slot for r in reqs])))
+        elif k > 0 and self.draft_schedule.proposal_len is not None:  # no wider than the drafter says pays (0: it still
+            # drafts)
+            k = max(0, min(k, self.draft_schedule.proposal_len([r.batch_slot for r in reqs])))
         if k > (ready := min(r.num_drafts for r in reqs)):  # 0: speculation back on, draft first (drafts are
             k, lens = ready, ()  # not kept while it is off); else a longer length than the last step drafted
-        catch_up = drafting and self.drafter_catches_up and any(r.drafter_gap is not None for r in reqs)
+        catch_up = drafting and self._drafter_writes_later and any(r.drafter_gap is not None for r in reqs)
         plan = self._new_plan(reqs, StepPlan.decode, k, drafting, catch_up, tuple(lens),
-                              new_drafts if self.drafts_on_demand and drafting else None)
+                              new_drafts if self.draft_schedule.on_demand and drafting else None)
         for req in reqs:
             req.num_drafts = new_drafts if drafting else 0
-            if not drafting and self.drafter_kv and req.drafter_gap is None:
+            if not drafting and self._drafter_keeps_kv and req.drafter_gap is None:
                 req.drafter_gap = req.kv_len  # (host kv_len: with a step in flight the gap starts later)
             elif catch_up:
                 self._caught_up(req)
@@ -318,11 +316,11 @@ class Scheduler:
     def _ragged_lens(self, reqs: tuple[Request, ...], k: int) -> list[int] | None:
         """The drafter's per-row draft lengths under the policy's k, where a ragged step can verify them: k > 0 and
         no row with logits processing (`chain_step.verify_ragged`); None elsewhere (one length for the step)."""
-        if k <= 0 or self.draft_lens_hint is None:
+        if k <= 0 or self.draft_schedule.proposal_lens is None:
             return None
         if any(r.processor is not None for r in reqs):
             return None
-        return self.draft_lens_hint([r.batch_slot for r in reqs], k)
+        return self.draft_schedule.proposal_lens([r.batch_slot for r in reqs], k)
 
     def mark_in_flight(self, plan: StepPlan, max_emitted: int) -> None:
         """The plan's step was launched and is not read back yet (overlap scheduler): its rows that emit tokens may
@@ -384,9 +382,10 @@ class Scheduler:
                 self.pool.free(req.block_table)
                 break
         else:
-            req = next((r for r in self.running if r.request_id == request_id), None)
-            if req is None:
+            running = next((r for r in self.running if r.request_id == request_id), None)
+            if running is None:
                 return None
+            req = running
             self._release(req)
         req.finish("cancelled")
         return req

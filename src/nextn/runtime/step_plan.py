@@ -7,7 +7,7 @@ exactly the same step. It holds plain ints, floats and tuples: no live `Request`
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from nextn.runtime.logits_processors import build_processing
 from nextn.runtime.request import Request
@@ -44,14 +44,14 @@ class StepPlan(NamedTuple):
             no row needs any. Tensors: still data only.
         num_logprobs: the most top log-probabilities a row asks for; −1 when none asks for log-probabilities.
         catch_up_starts: decode only, () when no row catches up: [B] the first position whose drafter KV a row
-            lacks (prefilled or decoded while speculation was off, `Drafter.catches_up`), −1 for a row that lacks
-            none. The runner has the drafter write positions catch_up_starts[b] .. the row's kv_len before the step.
+            lacks (prefilled or decoded while speculation was off: a drafter whose KV is written later,
+            `DraftKV.FROM_TOKENS`), −1 for a row that lacks none. The runner has the drafter write positions catch_up_starts[b] .. the row's kv_len before the step.
         catch_up_ids: [B] the tokens at those positions that the host knows (all but the last: the step's input
             token, which with the overlap scheduler may still be in flight; the runner takes it from the inputs).
         draft_lens: decode only, () when every row verifies draft_len: [B] the drafts each row verifies, ≤ draft_len
             = their maximum (a ragged step: `chain_step.verify_ragged`; input_ids keep draft_len + 1 columns).
         num_new_drafts: decode only: the drafts the step makes for the next one, in [1, K], for a drafter that
-            drafts on demand (`Drafter.drafts_on_demand`; the policy's draft length); None: the drafter's K.
+            drafts on demand (`DraftSchedule.on_demand`; the policy's draft length); None: the drafter's K.
     """
 
     step_id: int
@@ -90,7 +90,7 @@ class StepPlan(NamedTuple):
     def prefill(cls, step_id: int, reqs: tuple[Request, ...], starts: tuple[int, ...], ends: tuple[int, ...],
                 num_reused: tuple[int, ...], drafting: bool) -> StepPlan:
         """Prompt chunks [starts[i], ends[i]) of `reqs`."""
-        return cls(step_id, "prefill", *_rows(reqs), drafting=drafting,
+        return cls(step_id, "prefill", **_rows(reqs), drafting=drafting,
                    token_ids=tuple(tuple(r.all_token_ids) for r in reqs),
                    prefill_lens=tuple(r.prefill_len for r in reqs), chunk_starts=starts, chunk_ends=ends,
                    num_reused=num_reused, processing=_processing(reqs, 0), num_logprobs=_num_logprobs(reqs))
@@ -104,10 +104,10 @@ class StepPlan(NamedTuple):
         `catch_up`, the rows whose drafter KV has a gap (`Request.drafter_gap`) have the drafter write it first."""
         starts, ids = (zip(*[_catch_up(r) for r in reqs])) if catch_up else ((), ())
         pad = [0] * draft_len
-        *rows, kv_lens, input_ids = zip(*[
-            (r.request_id, r.batch_slot, tuple(r.block_table), p.temperature, p.top_k, p.top_p, r.seed, r.kv_len,
-             (r.last_token_id, *(r.draft_tokens + pad)[:draft_len])) for r in reqs for p in (r.params,)])
-        return cls(step_id, "decode", *rows, draft_len, drafting, kv_lens, input_ids,
+        kv_lens = tuple(r.kv_len for r in reqs)
+        input_ids = tuple((r.last_token_id, *(r.draft_tokens + pad)[:draft_len]) for r in reqs)
+        return cls(step_id, "decode", **_rows(reqs), draft_len=draft_len, drafting=drafting, kv_lens=kv_lens,
+                   input_ids=input_ids,
                    processing=_processing(reqs, draft_len, input_ids), num_logprobs=_num_logprobs(reqs),
                    catch_up_starts=tuple(starts), catch_up_ids=tuple(ids), draft_lens=draft_lens,
                    num_new_drafts=num_new_drafts)
@@ -136,7 +136,9 @@ def _num_logprobs(reqs: tuple[Request, ...]) -> int:
     return max((r.params.logprobs for r in reqs if r.params.logprobs is not None), default=-1)
 
 
-def _rows(reqs: tuple[Request, ...]) -> tuple[tuple, ...]:
-    """The per-row fields every plan has, from request_ids to seeds (one tuple per field)."""
-    return tuple(zip(*[(r.request_id, r.batch_slot, tuple(r.block_table), p.temperature, p.top_k, p.top_p, r.seed)
-                       for r in reqs for p in (r.params,)]))
+def _rows(reqs: tuple[Request, ...]) -> dict[str, Any]:
+    """The per-row fields every plan has, from request_ids to seeds (one tuple per field), by name."""
+    return {"request_ids": tuple(r.request_id for r in reqs), "batch_slots": tuple(r.batch_slot for r in reqs),
+            "block_tables": tuple(tuple(r.block_table) for r in reqs),
+            "temperature": tuple(r.params.temperature for r in reqs), "top_k": tuple(r.params.top_k for r in reqs),
+            "top_p": tuple(r.params.top_p for r in reqs), "seeds": tuple(r.seed for r in reqs)}

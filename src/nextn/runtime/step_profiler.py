@@ -65,8 +65,8 @@ BUDGET_S = 6.0
 SCHEME = (f"batch {BATCH_SIZES}, k ≤ {MAX_EVERY_K} + powers, prompt {PROMPT_LEN}, "
           f"rounds {WARMUP_ROUNDS}+{TIMED_ROUNDS}, min")
 
-#: builds a scheduler like the engine's: (pool, draft-length policy, draft_len_hint or None)
-SchedulerFactory = Callable[[BlockPool, DraftLenPolicy, Callable[[list[int]], int] | None], Scheduler]
+#: builds a scheduler like the engine's: (pool, draft-length policy, whether the drafter's proposals cap k)
+SchedulerFactory = Callable[[BlockPool, DraftLenPolicy, bool], Scheduler]
 
 
 class ForcedDraftLen:
@@ -101,7 +101,7 @@ class ProfileTarget:
     max_seq_len: int
     num_draft_tokens: int  # K
     vocab_size: int
-    drafts_on_demand: bool = False  # the scheduler's: a step at k drafts k, not K (its times differ)
+    on_demand: bool = False  # the scheduler's: a step at k drafts k, not K (its times differ)
 
 
 def draft_lens(max_draft_len: int) -> list[int]:
@@ -176,7 +176,7 @@ def _measure_batch(target: ProfileTarget, batch_size: int, prompts: list[list[in
     `on_round(1)` after each round."""
     K = target.num_draft_tokens
     policy = ForcedDraftLen(K, batch_size)
-    scheduler = target.new_scheduler(BlockPool(target.num_blocks, target.block_size), policy, None)
+    scheduler = target.new_scheduler(BlockPool(target.num_blocks, target.block_size), policy, False)
     for i, ids in enumerate(prompts):
         scheduler.add(Request(i, None, list(ids), params, frozenset(), seed=i))
     rounds = WARMUP_ROUNDS + TIMED_ROUNDS
@@ -200,14 +200,14 @@ def _measure_batch(target: ProfileTarget, batch_size: int, prompts: list[list[in
 
 
 def _engine_identity(manifest: EngineManifest, spec: BaseModel, args: LlmArgs, device: torch.device,
-                     drafts_on_demand: bool = False) -> str:
+                     on_demand: bool = False) -> str:
     """`engine_digest` of what makes this engine's steps what they are: the engine, the drafter's config (its
     draft-length policy fields excluded: they choose k, the profile times every k), whether a step drafts only its
     k, the KV dtype, the compiled / graphed step settings, the device type (on a CPU, nextn's kernel sources and ISA
     variant too: a faster kernel changes the times), the measuring scheme."""
     drafter = spec.model_dump_json(exclude=set(DecodingBaseConfig.model_fields))
     step = [args.kv_cache_config.dtype, args.torch_compile_config, args.cuda_graph_config, device.type]
-    if drafts_on_demand:
+    if on_demand:
         step.append("drafts on demand")
     if device.type == "cpu":
         step.append(cpu_kernels.source_digest())
@@ -232,7 +232,7 @@ def step_profile_for(spec: BaseModel | None, args: LlmArgs, manifest: EngineMani
             and target.num_draft_tokens > 0):
         return None
     cache_dir = expand_path(spec.step_profile_dir, "step_profile_dir") if spec.step_profile_dir else DEFAULT_PROFILE_DIR
-    key = ProfileKey.current(_engine_identity(manifest, spec, args, device, target.drafts_on_demand), device)
+    key = ProfileKey.current(_engine_identity(manifest, spec, args, device, target.on_demand), device)
     name = engine_dir.name
     profile = cached_step_profile(cache_dir, key, name)
     if profile is not None:

@@ -151,7 +151,7 @@ def _text(reply: dict, limits: RenderLimits, memory_bytes: int) -> str:
         raise ChatTemplateError(f"the chat template rejected the messages: {error}")
     text = reply.get("text")
     if not isinstance(text, str) or len(text) > limits.max_chars:
-        raise _WorkerGone("the worker's answer is not text within the cap")
+        raise WorkerGone("the worker's answer is not text within the cap")
     return text
 
 

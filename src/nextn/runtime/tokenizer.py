@@ -142,6 +142,8 @@ def check_saved_chat_template(tokenizer_dir: str | Path, files: list[str]) -> No
             config = loaded if isinstance(loaded, dict) else {}
         except (OSError, ValueError):
             config = {}  # the tokenizer's own loading reports a bad file
+    templates: object
+    source: str | Path
     if "chat_template.jinja" in files:
         templates, source = (root / "chat_template.jinja").read_text(encoding="utf-8"), root / "chat_template.jinja"
     else:

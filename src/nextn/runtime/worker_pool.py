@@ -77,6 +77,8 @@ class Worker:
         """Raises OSError when the interpreter cannot be started."""
         self.proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL)
+        assert self.proc.stdin is not None and self.proc.stdout is not None  # (both piped)
+        self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
         self.ready = False
         self.state: dict = {}
         self._buf = bytearray()
@@ -90,13 +92,13 @@ class Worker:
         """
         try:
             # like transformers' _plain_template_data, an object that is not JSON data becomes a "<Type>" placeholder
-            data = json.dumps(obj, ensure_ascii=False, default=lambda o: f"<{type(o).__name__}>")
+            text = json.dumps(obj, ensure_ascii=False, default=lambda o: f"<{type(o).__name__}>")
         except (ValueError, RecursionError) as e:
             raise ValueError(f"not JSON data ({e})") from None
-        data = data.encode("utf-8", "surrogatepass")
+        data = text.encode("utf-8", "surrogatepass")
         try:
-            self.proc.stdin.write(HEADER.pack(len(data)) + data)
-            self.proc.stdin.flush()
+            self.stdin.write(HEADER.pack(len(data)) + data)
+            self.stdin.flush()
         except (BrokenPipeError, OSError) as e:
             raise WorkerGone(f"the worker exited ({e})") from None
 
@@ -107,7 +109,7 @@ class Worker:
             WorkCancelled: `cancel` was set.
             WorkerGone: the worker exited, or sent an oversized or malformed frame.
         """
-        fd = self.proc.stdout.fileno()
+        fd = self.stdout.fileno()
         while True:
             if len(self._buf) >= HEADER.size:
                 (size,) = HEADER.unpack_from(self._buf)
@@ -147,7 +149,7 @@ class Worker:
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait()
-        for pipe in (self.proc.stdin, self.proc.stdout):
+        for pipe in (self.stdin, self.stdout):
             try:
                 pipe.close()
             except OSError:
@@ -226,17 +228,18 @@ class WorkerPool:
         killed, and a fresh one started in its place."""
         with self._cond:
             self._busy.discard(worker)
+            retire: Worker | None = worker
             if keep and not self._closed:
                 self._idle.append(worker)
-                worker = None
+                retire = None
             elif not self._closed:  # a fresh one in its place, starting now (else at the next use)
                 try:
                     self._idle.append(self._spawn())
                 except WorkerGone:
                     pass
             self._cond.notify()
-        if worker is not None:
-            worker.kill()
+        if retire is not None:
+            retire.kill()
 
     def close(self) -> None:
         """Stop every worker now; work in flight or waiting raises `PoolClosed`. Safe from a signal handler of a

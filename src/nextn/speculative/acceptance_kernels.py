@@ -198,7 +198,7 @@ def _rejection_triton(target_probs: torch.Tensor, draft_tokens: torch.Tensor, ac
     k = w - 1
     p = target_probs.float().contiguous()
     has_q = draft_probs is not None
-    q = draft_probs.float().contiguous() if has_q else p
+    q = draft_probs.float().contiguous() if draft_probs is not None else p
     drafts = _drafts_or_dummy(draft_tokens)
     a_u = accept_u.float().contiguous() if k else p.new_ones(b, 1)
     drawn = torch.empty(b, w, dtype=torch.int64, device=p.device)

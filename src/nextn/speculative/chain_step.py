@@ -22,8 +22,9 @@ from nextn.models.causal_lm import SelfDraftingCausalLM
 from nextn.speculative import acceptance_rules
 from nextn.speculative.acceptance_rules import sample_tokens
 from nextn.speculative.draft_gain import expected_tokens
-from nextn.speculative.protocol import (AcceptanceRule, AcceptState, Drafter, DrafterState, SamplingTensors, StepOutput,
-                                        rows_at)
+from nextn.speculative.traits import DrafterTraits
+from nextn.speculative.protocol import (NO_CONTEXT, AcceptanceRule, AcceptState, Drafter, DrafterState,
+                                        SamplingTensors, StepOutput, VerifyContext, rows_at)
 
 
 PREFILL_PADDING_SLACK = 0.125  # `prefill_groups`: a group's forward computes at most 1.125× its true tokens
@@ -152,14 +153,14 @@ def verify_and_draft_step(model: SelfDraftingCausalLM, drafter: Drafter, accepta
         sampling: the requests' sampling parameters (greedy rows: temperature 0).
         drafter_state, accept_state: per-request states from the previous step.
         draft_lens: [B] int64 ≤ K, a ragged step (`verify_ragged`): row b verifies only its first draft_lens[b]
-            drafts. Only for batches with no logits processing, a drafter with `draft_lens_hint` whose drafts are
+            drafts. Only for batches with no logits processing, a drafter whose `traits.draft_len` is PROPOSAL_PER_ROW, whose drafts are
             deterministic, and `StandardAcceptance` (the engine loader's `ragged`).
-        num_drafts: drafts to make for the next step, in [1, K], for a drafter with `drafts_on_demand` (the rest
+        num_drafts: drafts to make for the next step, in [1, K], for a drafter with `traits.on_demand` (the rest
             of the [B, K] drafts are zeros, never verified); None: K.
     Returns:
         StepOutput; the new KV length is kv_lens + num_emitted (the rewind: rejected entries are dead).
 
-    A drafter with `samples_drafts` (a draft model) drew its drafts from its own q: the acceptance rule gets q
+    A drafter with `traits.sampled` (a draft model) drew its drafts from its own q: the acceptance rule gets q
     (rejection sampling with `draft_probs`; Leviathan et al. 2023 §2.3) and the drafter the sampling parameters.
     """
     b, w = input_ids.shape
@@ -169,15 +170,13 @@ def verify_and_draft_step(model: SelfDraftingCausalLM, drafter: Drafter, accepta
         return verify_ragged(model, drafter, kv_cache, input_ids, meta, draft_lens, drafter_state, accept_state,
                              block_size, sampling)
     hidden = model(input_ids, kv_cache, meta)  # [B, K+1, H]
-    sampled = drafter.samples_drafts  # host-known: picks the calls, not a value
-    q = {"draft_probs": drafter.draft_probs(drafter_state, w - 1, sampling)} if sampled else {}  # [B, K, V] | None
-    extra = {"sampling": sampling} if sampled else {}  # the sampling parameters, the drafts to make: for drafters
-    if num_drafts is not None:  # that take them
-        extra["num_drafts"] = num_drafts
+    # q [B, K, V] of sampled drafts (None: one-hot); host-known: picks the calls, not a value
+    q = drafter.draft_probs(drafter_state, w - 1, sampling) if drafter.traits.sampled else None
     logits = sampling.process(model.logits(hidden))  # penalties, bias, grammar: each position after its drafts
     tokens, num_emitted, accept_state = acceptance.accept(logits, input_ids[:, 1:], kv_lens + 1, sampling,
-                                                          accept_state, **q)
-    drafts, state = drafter.after_verify(model, kv_cache, meta, hidden, tokens, num_emitted, drafter_state, **extra)
+                                                          accept_state, draft_probs=q)
+    drafts, state = drafter.after_verify(model, kv_cache, meta, hidden, tokens, num_emitted, drafter_state,
+                                         VerifyContext(sampling, None, num_drafts))
     return StepOutput(tokens, num_emitted, drafts, state, accept_state, sampling.logprobs(logits, tokens))
 
 
@@ -185,7 +184,7 @@ def verify_ragged(model: SelfDraftingCausalLM, drafter: Drafter, kv_cache: torch
                   meta: AttentionMetadata, draft_lens: torch.Tensor, drafter_state: DrafterState,
                   accept_state: AcceptState, block_size: int, sampling: SamplingTensors) -> StepOutput:
     """A step in which row b verifies only its first draft_lens[b] drafts (ragged verification), for deterministic
-    drafts (a drafter without `samples_drafts`) and a batch without logits processing.
+    drafts (a drafter without `traits.sampled`) and a batch without logits processing.
 
     The target runs on the verified positions alone, each as a one-token row of its request — Σ_b (k_b + 1) rows,
     not B · (K + 1) — the way vLLM's batch expansion laid out verification: every row attends to its request's
@@ -220,7 +219,7 @@ def verify_ragged(model: SelfDraftingCausalLM, drafter: Drafter, kv_cache: torch
     target, num_emitted = acceptance_rules.ragged_acceptance(input_ids[:, 1:], draws, draft_lens)
     hidden = hidden_flat.new_zeros(b, w, hidden_flat.shape[-1]).index_put_((rows, cols), hidden_flat[:, 0])
     drafts, state = drafter.after_verify(model, kv_cache, meta, hidden, target, num_emitted, drafter_state,
-                                         draft_lens=draft_lens)
+                                         VerifyContext(sampling, draft_lens))
     flat_logprobs = per_row.logprobs(logits, drawn)  # ([N, 1], [N, 1, k], [N, 1, k]) | None
     logprobs = None if flat_logprobs is None else tuple(
         x.new_zeros((b, w) + x.shape[2:]).index_put_((rows, cols), x[:, 0]) for x in flat_logprobs)
@@ -230,25 +229,13 @@ def verify_ragged(model: SelfDraftingCausalLM, drafter: Drafter, kv_cache: torch
 class LinearDrafter:
     """The protocol's defaults for drafters whose K drafts form one chain, verified by `verify_and_draft_step`."""
 
-    prefill_overlap = 0
-    uses_draft_head = False
-    samples_drafts = False
-    drafts_on_demand = False
-    kv_lookahead = 0
-    kv_in_cache = False
+    traits = DrafterTraits()
 
     def load_prefix(self, state: DrafterState, slot: int, token_ids: list[int]) -> None:
         return None
 
-    supports_disaggregation = False
-    draft_len_hint = None
-    use_step_times = None
-    draft_lens_hint = None
-    skips_drafting = False
-    catches_up = False
-
     def catch_up(self, kv_cache: torch.Tensor, meta: AttentionMetadata, input_ids: torch.Tensor) -> None:
-        raise NotImplementedError(f"{type(self).__name__} does not catch up (catches_up is False)")
+        raise NotImplementedError(f"{type(self).__name__} keeps no KV written from tokens (traits.kv)")
 
     @property
     def decode_fn(self) -> Callable:
@@ -268,7 +255,7 @@ class NoDrafter(LinearDrafter):
     """Plain decoding: no drafts (K = 0)."""
 
     name = "none"
-    supports_disaggregation = True
+    traits = DrafterTraits(disaggregation=True)
     num_draft_tokens = max_draft_depth = 0
 
     def initial_state(self, batch, hidden_size, device, dtype):
@@ -278,5 +265,5 @@ class NoDrafter(LinearDrafter):
                       draft=True):
         return next_tokens.new_zeros(next_tokens.shape[0], 0), ()
 
-    def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state):
+    def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state, step=NO_CONTEXT):
         return target_tokens.new_zeros(target_tokens.shape[0], 0), ()

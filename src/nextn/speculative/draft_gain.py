@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 # 0.06 at step 1, docs/PERFORMANCE.md).
 RANK_PRIOR = (1.0, 0.4, 0.2, 0.1, 0.06, 0.04)
 
-Gain = Callable[[float, int], float]  # (α, draft length) → expected tokens per request per verify step
+Gain = Callable[[float, float], float]  # (α, draft length) → expected tokens per request per verify step
 
 
 def expected_tokens(alpha: float, k: float) -> float:
@@ -60,7 +60,7 @@ def best_first_tree(acceptance: Sequence[Sequence[float]], nodes: int) -> list[l
     if not acceptance or not acceptance[0] or any(len(row) != len(acceptance[0]) for row in acceptance):
         raise ValueError("acceptance must be a non-empty [depth][rank] table with the same ranks at every depth")
     depth, topk = len(acceptance), len(acceptance[0])
-    frontier = [(-path_probability(acceptance, (0,)), (0,))]
+    frontier: list[tuple[float, tuple[int, ...]]] = [(-path_probability(acceptance, (0,)), (0,))]
     chosen: list[list[int]] = []
     while frontier and len(chosen) < nodes:
         _, path = heapq.heappop(frontier)
@@ -92,7 +92,7 @@ class TreeGain:
         # per node: (depth, Π RANK_PRIOR over its ranks); its probability at α is α^depth · that product
         self.nodes = [(len(p), math.prod(RANK_PRIOR[min(r, len(RANK_PRIOR) - 1)] for r in p)) for p in paths]
 
-    def __call__(self, alpha: float, n: int) -> float:
+    def __call__(self, alpha: float, n: float) -> float:
         return 1.0 + sum(alpha ** d * w for d, w in self.nodes[: max(int(round(n)), 0)])
 
 

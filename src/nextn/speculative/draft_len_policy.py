@@ -19,7 +19,7 @@ TensorRT-LLM's speculative-config fields (`DecodingBaseConfig`):
 A step with draft length 0 < k < K runs the same verify-and-draft step with k draft columns ([last, d1..dk]); the
 drafter still drafts K tokens (its KV and pools stay exactly as after a K-draft step, so raising k again later
 keeps the drafts equal to drafts from scratch), and the unused drafts are dropped — except a drafter whose every
-draft is a forward of its own (a draft model, `Drafter.drafts_on_demand`), which drafts the k it was given, so
+draft is a forward of its own (a draft model, `DrafterTraits.on_demand`), which drafts the k it was given, so
 that a longer k takes effect one step later (runtime/scheduler.py). With speculation off (k = 0)
 the step is plain decoding with no drafter at all, so it costs what plain decoding costs; when speculation comes
 back on, one step with k = 0 and the drafter on re-primes the drafts (the drafter's KV / pools for the positions
@@ -266,9 +266,10 @@ class AdaptiveDraftLen:
         known). `lowest` 1: the length a probe from off runs."""
         stats = self._request_stats
         alphas = [stats[r][2] if r in stats else self.alpha for r in request_ids] or [self.alpha]
-        if any(a is None for a in alphas):
+        known = [a for a in alphas if a is not None]
+        if len(known) < len(alphas):
             return limit
-        rates = [sum(self.gain(a, k) for a in alphas) / self.relative_step_time(batch_size, k)
+        rates = [sum(self.gain(a, k) for a in known) / self.relative_step_time(batch_size, k)
                  for k in range(limit + 1)]
         return max(range(lowest, limit + 1), key=lambda k: (rates[k] - 1e-9 * k))
 
@@ -374,7 +375,7 @@ class AdaptiveDraftLen:
 
 class ProposalDraftLen(AdaptiveDraftLen):
     """`adaptive_draft_len` for a drafter that knows each step's proposals and their expected acceptance (Suffix:
-    `use_step_times`): the draft length is the wrapped policy's cap, and the drafter's `draft_len_hint` picks the
+    `set_step_times`): the draft length is the wrapped policy's cap, and the drafter's `proposal_len` picks the
     step's k in [0, cap] from its proposals and `relative_step_time` (the step profile's times, else timed online as
     `AdaptiveDraftLen` does) — no α estimate, no probes: the proposals are known before every step at no cost."""
 
@@ -412,7 +413,7 @@ def choose_draft_len_policy(spec: DecodingBaseConfig | MedusaDecodingConfig | No
     expected tokens per step at (α, draft length) (`Drafter.expected_tokens`), the adaptive policy's model;
     `step_profile` the engine's measured step times {bucket: {k: seconds}} (speculative/step_profile.py), which the
     adaptive policy starts from instead of measuring them; `proposes`: the drafter chooses each step's length from
-    its own proposals given step times (`Drafter.use_step_times`), so `adaptive_draft_len` is a `ProposalDraftLen`.
+    its own proposals given step times (`Proposer.set_step_times`), so `adaptive_draft_len` is a `ProposalDraftLen`.
 
     Medusa verifies its whole tree every step (its width is the tree's, not a draft length): static.
 

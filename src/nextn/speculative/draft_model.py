@@ -22,7 +22,7 @@ L cached tokens that emits n tokens t0..t(n−1) at positions L+1..L+n:
     d1 ~ q1 from the row at L+n; d2..dK: K−1 one-token steps at L+n+1.. (the whole batch at once)
 
 so drafting costs K draft forwards per step, whatever was accepted (the position L itself was written by the
-previous step's pass) — or, since each draft is a forward of its own (`drafts_on_demand`), the k forwards of the
+previous step's pass) — or, since each draft is a forward of its own (`traits.on_demand`), the k forwards of the
 draft length k the draft-length policy chose for the step: with the eager chain step the scheduler asks for that many
 (`StepPlan.num_new_drafts`) and lets the next step verify at most them, so a policy that verifies k < K at a batch
 size where verification rows cost (batch 2 on a CPU) does not pay K − k draft passes it then drops. After a
@@ -38,7 +38,7 @@ speculation off pays nothing for the draft model, and one that turns it back on 
 
 Per-request state: q [max_batch, K, V] fp32 (kept only when a batch samples; greedy rows never read it: with a
 one-hot p rejection sampling is strict acceptance whatever q holds). The decode step is the chain step
-(`chain_step.verify_and_draft_step`); `samples_drafts` has it hand q (`draft_probs`) to the acceptance rule and the
+(`chain_step.verify_and_draft_step`); `traits.sampled` has it hand q (`draft_probs`) to the acceptance rule and the
 sampling parameters to `after_verify`.
 """
 
@@ -61,11 +61,12 @@ from nextn.quantization.linear import install_weight_only_linears
 from nextn.speculative.protocol import AcceptanceRule, SamplingTensors
 from nextn.models.attention_metadata import AttentionMetadata, slots_for_positions
 from nextn.speculative.draft_vocab import restrict_dense_head, restrict_quantized_head, resolve_hot_tokens
-from nextn.speculative.protocol import DrafterState, rows_at
+from nextn.speculative.protocol import NO_CONTEXT, DrafterState, rows_at
 from nextn.speculative.acceptance_rules import StandardAcceptance
 from nextn.speculative.chain_step import LinearDrafter
 from nextn.speculative.method import LoadContext, Method, from_build_yaml
 from nextn.speculative.protocol import Drafter
+from nextn.speculative.traits import DraftKV, DrafterTraits
 from nextn.models.kv_cache import allocate_kv_cache
 
 logger = logging.getLogger(__name__)
@@ -144,11 +145,10 @@ class DraftModelDrafter(LinearDrafter):
     """
 
     name = "DraftModel"
-    samples_drafts = True  # the chain step hands q to the acceptance rule and the sampling parameters to after_verify
-    drafts_on_demand = True  # each draft is a forward of the draft model: a step drafts the length it will verify
-    kv_in_cache = True  # its KV at p depends on tokens ≤ p only (look-ahead 0), in the target's block ids
-    skips_drafting = True
-    catches_up = True  # its KV depends on the tokens only: a prefill that will not speculate skips it
+    # sampled drafts (q to the acceptance rule); each draft is a forward of the draft model (a step drafts the
+    # length it will verify); its KV at p depends on tokens ≤ p only (look-ahead 0), so a prefill that will not
+    # speculate skips it and `catch_up` writes it later
+    traits = DrafterTraits(kv=DraftKV.FROM_TOKENS, sampled=True, on_demand=True, kv_only_pass=True)
 
     def __init__(self, draft_model: torch.nn.Module, num_draft_tokens: int,
                  hot_tokens: torch.Tensor | None = None) -> None:
@@ -258,12 +258,12 @@ class DraftModelDrafter(LinearDrafter):
             raise RuntimeError("the draft KV cache is allocated at the first prefill; catch_up came before it")
         self.draft(input_ids, self.kv_cache, meta)
 
-    def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state, sampling=None,
-                     draft=True, num_drafts=None):
+    def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state, step=NO_CONTEXT):
+        sampling, draft, num_drafts = step.sampling, step.draft, step.num_drafts
         kv = self._bind(model, kv_cache)
         # Verified row j (input at L + j) emitted target_tokens[:, j], the token at L + j + 1.
         positions = meta.positions[:, :1] + 1 + torch.arange(target_tokens.shape[1], device=target_tokens.device)
-        if not draft:  # the draft KV of the emitted tokens only (`Drafter.skips_drafting`): no draft passes
+        if not draft:  # the draft KV of the emitted tokens only (`traits.kv_only_pass`): no draft passes
             self.draft(target_tokens, kv, meta.with_tokens(positions, slots_for_positions(
                 meta.block_tables, positions, meta.block_size)))
             return target_tokens.new_zeros(target_tokens.shape[0], self.num_draft_tokens), state

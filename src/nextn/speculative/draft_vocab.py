@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from collections.abc import Sequence
+
 import torch
 
 from nextn.config.user_files import read_user_json
@@ -78,7 +80,7 @@ def load_token_map(path: Path, vocab_size: int) -> list[int]:
     return ids
 
 
-def hot_token_ids(vocab_size: int, draft_vocab_size: int | None, kept: list[int] = (),
+def hot_token_ids(vocab_size: int, draft_vocab_size: int | None, kept: Sequence[int] = (),
                   ranking: list[int] | None = None) -> torch.Tensor | None:
     """The draft head's rows: sorted token ids [V'] int64, V' ≥ `draft_vocab_size` a multiple of 16 — `kept`,
     then the best-ranked ids: `ranking` (a token map, most frequent first) and after it the lowest ids (most

@@ -18,7 +18,7 @@ sparse index work on the logits, so a batch whose requests use none of it pays n
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -96,8 +96,7 @@ class LogitsProcessing:
             out[idx] = block.view(len(masked), t, v)
 
     def to(self, device: torch.device | str) -> LogitsProcessing:
-        return LogitsProcessing(*(getattr(self, f).to(device) for f in self.__dataclass_fields__ if f != "lazy"),
-                                self.lazy)
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self) if f.name != "lazy"})
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

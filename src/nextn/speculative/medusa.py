@@ -18,14 +18,16 @@ from nextn.build.manifest import EngineManifest
 from nextn.config.llm_args import LlmArgsError, MedusaDecodingConfig
 from nextn.models.medusa import MedusaHeads
 from nextn.speculative.acceptance_reference import tree_greedy_acceptance, tree_typical_acceptance
+from nextn.speculative.acceptance_rules import StandardAcceptance
 from nextn.plugins.kernels.medusa_tree import tree_candidates
 from nextn.speculative.medusa_tree import TreeBuffers, TreeError, build_tree, published_tree
 from nextn.speculative.method import LoadContext, Method
 from nextn.plugins.sampling import STREAM_SAMPLE, counter_uniform, sample_from_probs
 from nextn.speculative.protocol import AcceptanceRule, AcceptState, Drafter, SamplingTensors, TreeLayout
 from nextn.speculative.draft_gain import TreeGain
-from nextn.speculative.protocol import DrafterState, rows_at
-from nextn.speculative.tree_step import tree_verify_and_draft_step
+from nextn.speculative.protocol import NO_CONTEXT, DrafterState, rows_at
+from nextn.speculative.tree_step import TreeDrafterBase
+from nextn.speculative.traits import DrafterTraits
 
 
 class TreeAcceptance:
@@ -46,6 +48,10 @@ class TreeAcceptance:
 
     def observe(self, tokens, num_emitted, state):
         return state
+
+    def accept(self, logits, draft_tokens, first_position, sampling, state, draft_probs=None):
+        """A chain of drafts (`AcceptanceRule.accept`; a tree step of width 1): the standard rule's tokens."""
+        return StandardAcceptance().accept(logits, draft_tokens, first_position, sampling, state, draft_probs)
 
     def accept_tree(self, logits: torch.Tensor, tree_tokens: torch.Tensor, layout: TreeLayout, kv_lens: torch.Tensor,
                     sampling: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -71,14 +77,11 @@ class TreeAcceptance:
                 torch.where(greedy[:, None], tokens, t_tokens))
 
 
-class MedusaDrafter:
+class MedusaDrafter(TreeDrafterBase):
     """Drafts a whole candidate tree (L − 1 tokens) from the Medusa heads at the last accepted position."""
 
     name = "Medusa"
-    supports_disaggregation = False
-    draft_len_hint = None
-    use_step_times = None
-    draft_lens_hint = None
+    traits = DrafterTraits()  # no KV of its own; its heads have their own vocabulary projection
 
     def __init__(self, heads: MedusaHeads, tree: TreeBuffers) -> None:
         if tree.max_depth > len(heads):
@@ -93,20 +96,6 @@ class MedusaDrafter:
         self.gain = TreeGain([tuple(rank[j] for j in sorted((j for j in range(1, len(depth)) if mask[i][j]),
                                                             key=depth.__getitem__)) for i in range(1, len(depth))])
 
-    prefill_overlap = 0
-    uses_draft_head = False  # its heads have their own vocabulary projection
-    samples_drafts = False
-    drafts_on_demand = False
-    kv_lookahead = 0  # no KV of its own: a cached block is the target's
-    kv_in_cache = False
-    catches_up = False  # (`Drafter.catches_up`)
-
-    def load_prefix(self, state: DrafterState, slot: int, token_ids: list[int]) -> None:
-        return None
-
-    @property
-    def decode_fn(self):
-        return tree_verify_and_draft_step
 
     def stat_draft_len(self, draft_len: int) -> int:
         return self.max_draft_depth  # the whole tree is verified every step; one path of it can be accepted
@@ -131,6 +120,13 @@ class MedusaDrafter:
                       draft=True):
         tree = self.tree_from(rows_at(hidden, last_idx), next_tokens.gather(1, last_idx[:, None]))
         return tree[:, 1:], ()
+
+    def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state, step=NO_CONTEXT):
+        """The next tree from the last accepted row of a chain step (`Drafter.after_verify`; a Medusa engine's steps
+        are tree steps, which call `after_verify_tree`)."""
+        last = num_emitted - 1
+        tree = self.tree_from(rows_at(hidden, last), target_tokens.gather(1, last[:, None]))
+        return tree[:, 1:], state
 
     def after_verify_tree(self, model, kv_cache, meta, hidden, path, tokens, num_accepted, state):
         """The next tree's candidates [B, L−1] from the heads at the last accepted node, rooted at its token."""

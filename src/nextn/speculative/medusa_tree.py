@@ -127,7 +127,8 @@ def build_tree(choices: list[list[int]] | list[Path], vocab_size: int | None = N
         for d in range(1, len(p)):
             mask[i, index[p[:d]]] = True
     # Root-to-leaf paths, deepest-last node first (Medusa's order); a node already on a listed path is skipped.
-    paths, covered = [], set()
+    paths: list[list[int]] = []
+    covered: set[tuple[int, ...]] = set()
     for p in reversed(nodes):
         if p in covered:
             continue
@@ -157,6 +158,7 @@ def published_tree(name: str) -> list[list[int]]:
 
     from nextn.config.user_files import read_user_json
 
+    found: Path | None
     if os.environ.get("NEXTN_MEDUSA_CHOICES"):  # the user's file: read or refused by name, never skipped
         found = Path(os.environ["NEXTN_MEDUSA_CHOICES"])
     else:

@@ -23,7 +23,8 @@ from nextn.speculative.chain_step import LinearDrafter
 from nextn.speculative.draft_vocab import resolve_hot_tokens
 from nextn.speculative.method import LoadContext, Method
 from nextn.speculative.mtp_tree import MtpTreeAcceptance, tree_drafter, uses_tree
-from nextn.speculative.protocol import AcceptanceRule, Drafter, DrafterState, rows_at
+from nextn.speculative.protocol import NO_CONTEXT, AcceptanceRule, Drafter, DrafterState, rows_at
+from nextn.speculative.traits import DraftKV, DrafterTraits
 
 logger = logging.getLogger(__name__)
 
@@ -36,11 +37,9 @@ class MtpEagleDrafter(LinearDrafter):
     """
 
     name = "MtpEagle"
-    supports_disaggregation = True  # its only state is its KV, which moves with the target's
-    uses_draft_head = True
-    kv_lookahead = 1  # module 1's KV at p pairs embed(x_{p+1}) with h_p
-    kv_in_cache = True
-    skips_drafting = True
+    # its only state is its KV, which moves with the target's; module 1's KV at p pairs embed(x_{p+1}) with h_p
+    traits = DrafterTraits(kv=DraftKV.FROM_HIDDEN, key_lookahead=1, kv_only_pass=True, disaggregation=True,
+                           draft_head=True)
 
     def __init__(self, num_draft_tokens: int) -> None:
         self.num_draft_tokens = self.max_draft_depth = num_draft_tokens
@@ -69,8 +68,8 @@ class MtpEagleDrafter(LinearDrafter):
             return next_tokens.new_zeros(next_tokens.shape[0], self.num_draft_tokens), ()
         return self._draft(model, kv_cache, meta, hidden, next_tokens, last_idx), ()
 
-    def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state, draft=True):
-        if not draft:  # the module's KV over the verified rows only (`Drafter.skips_drafting`)
+    def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state, step=NO_CONTEXT):
+        if not step.draft:  # the module's KV over the verified rows only (`traits.kv_only_pass`)
             model.forward_mtp(0, target_tokens, hidden, kv_cache, meta)
             return target_tokens.new_zeros(target_tokens.shape[0], self.num_draft_tokens), ()
         return self._draft(model, kv_cache, meta, hidden, target_tokens, num_emitted - 1), ()
@@ -87,13 +86,13 @@ class MtpVanillaDrafter(LinearDrafter):
     """
 
     name = "MtpVanilla"
-    uses_draft_head = True
-    kv_in_cache = True
 
     def __init__(self, num_draft_tokens: int) -> None:
         self.num_draft_tokens = self.max_draft_depth = num_draft_tokens
-        self.prefill_overlap = num_draft_tokens  # every module's KV near a chunk boundary from the true tokens
-        self.kv_lookahead = num_draft_tokens  # module k's KV at p depends on x_{p+k}
+        # module k's KV at p depends on x_{p+k}; a prefill chunk re-runs K rows so that every module's KV near
+        # its start comes from the true tokens
+        self.traits = DrafterTraits(kv=DraftKV.FROM_HIDDEN, key_lookahead=num_draft_tokens,
+                                    rerun_rows=num_draft_tokens, draft_head=True)
 
     def initial_state(self, batch: int, hidden_size: int, device: torch.device, dtype: torch.dtype) -> DrafterState:
         w = self.num_draft_tokens + 1
@@ -126,7 +125,7 @@ class MtpVanillaDrafter(LinearDrafter):
         drafts = self._run_modules(model, kv_cache, meta, hidden, next_tokens, last_idx)
         return drafts, (self._window(next_tokens, last_idx), self._window(hidden, last_idx))
 
-    def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state):
+    def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state, step=NO_CONTEXT):
         pool_tokens, pool_hidden = state  # positions L−K..L (tokens one ahead) and L−K−1..L−1, L = first verified
         w = self.num_draft_tokens + 1
         # Rows of [pool; verified] ending at the last accepted position L + num_emitted − 1.

@@ -43,8 +43,9 @@ from nextn.speculative.protocol import SamplingTensors, TreeLayout
 from nextn.speculative.acceptance_rules import StandardAcceptance, sample_tokens
 from nextn.models.attention_metadata import AttentionMetadata, slots_for_positions
 from nextn.speculative.draft_gain import TreeGain, prior_tree
-from nextn.speculative.protocol import DrafterState, rows_at
-from nextn.speculative.tree_step import tree_verify_and_draft_step
+from nextn.speculative.protocol import NO_CONTEXT, DrafterState, rows_at
+from nextn.speculative.tree_step import TreeDrafterBase
+from nextn.speculative.traits import DraftKV, DrafterTraits
 
 DEFAULT_TREE_NODES = 15  # max_total_draft_tokens when null: 16 verified tokens per request with the root
 
@@ -63,32 +64,23 @@ class MtpTreeAcceptance(StandardAcceptance):
         return tree_accept(target, tree_tokens, layout.parents, layout.depth, layout.max_depth)
 
 
-class MtpTreeDrafter:
+class MtpTreeDrafter(TreeDrafterBase):
     """MTP Eagle drafting a tree: module 1's first pass over the accepted rows, then one pass per tree depth."""
 
     name = "MtpTree"
-    supports_disaggregation = False
-    draft_len_hint = None
-    use_step_times = None
-    draft_lens_hint = None
-    prefill_overlap = 0
-    uses_draft_head = True
-    samples_drafts = False
-    drafts_on_demand = False
-    kv_lookahead = 1  # module 1's KV at p pairs embed(x_{p+1}) with h_p
-    kv_in_cache = True
-    catches_up = False  # (`Drafter.catches_up`)
+    # module 1's KV at p pairs embed(x_{p+1}) with h_p
+    traits = DrafterTraits(kv=DraftKV.FROM_HIDDEN, key_lookahead=1, draft_head=True)
+    gain: TreeGain  # the expected tokens of the tree's first k nodes (each subclass's tree)
 
     def __init__(self, max_depth: int, num_nodes: int) -> None:
         self.max_draft_depth = max_depth  # D: the most drafts one step can accept
         self.num_draft_tokens = num_nodes  # N − 1 draft nodes verified per step (the draft-length unit)
 
-    def load_prefix(self, state: DrafterState, slot: int, token_ids: list[int]) -> None:
-        return None
+    def initial_state(self, batch: int, hidden_size: int, device: torch.device, dtype: torch.dtype) -> DrafterState:
+        raise NotImplementedError  # each tree shape's own
 
-    @property
-    def decode_fn(self):
-        return tree_verify_and_draft_step
+    def expand(self, model, kv_cache, meta, h_root: torch.Tensor, base: torch.Tensor):
+        raise NotImplementedError  # each tree shape's own
 
     def stat_draft_len(self, draft_len: int) -> int:
         return min(self.max_draft_depth, draft_len)  # one path of the verified tree can be accepted
@@ -113,7 +105,7 @@ class MtpTreeDrafter:
                     state if state else self.initial_state(b, hidden.shape[-1], hidden.device, hidden.dtype))
         return self.expand(model, kv_cache, meta, h_root, base)
 
-    def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state):
+    def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state, step=NO_CONTEXT):
         """Rows: the verified positions in order (a chain step's, or a tree step's accepted path after compaction)."""
         h_root, base = self._root(model, kv_cache, meta, hidden, target_tokens, num_emitted - 1)
         return self.expand(model, kv_cache, meta, h_root, base)

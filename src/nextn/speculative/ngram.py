@@ -28,7 +28,7 @@ import logging
 import torch
 
 from nextn.config.llm_args import NGramDecodingConfig
-from nextn.speculative.protocol import DrafterState
+from nextn.speculative.protocol import NO_CONTEXT, DrafterState
 from nextn.speculative.acceptance_rules import StandardAcceptance
 from nextn.speculative.chain_step import LinearDrafter
 from nextn.speculative.method import LoadContext, Method, from_build_yaml
@@ -141,7 +141,7 @@ class NGramDrafter(LinearDrafter):
         num_tokens = start[:, 0] + last_idx + 2  # through the token after the chunk's last row
         return self._draft(history, num_tokens), (history,)
 
-    def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state):
+    def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state, step=NO_CONTEXT):
         (history,) = state
         first = meta.positions[:, :1] + 1  # [B, 1] where the first emitted token lands (kv_len + 1)
         steps = torch.arange(target_tokens.shape[1], device=target_tokens.device)

@@ -25,6 +25,7 @@ from nextn.models.attention_metadata import AttentionMetadata
 from nextn.models.causal_lm import SelfDraftingCausalLM
 from nextn.plugins.sampling import filtered_probs
 from nextn.speculative.logits_processing import LogitsProcessing, token_logprobs
+from nextn.speculative.traits import DrafterTraits
 
 AcceptState = tuple[torch.Tensor, ...]
 DrafterState = tuple[torch.Tensor, ...]
@@ -159,6 +160,30 @@ class StepOutput:
     logprobs: tuple[torch.Tensor, ...] | None = None
 
 
+@dataclass(frozen=True)
+class VerifyContext:
+    """What a decode step tells the drafter's `after_verify` besides the verified rows (always passed).
+
+    Attributes:
+        sampling: the requests' sampling parameters (a drafter with `traits.sampled` draws its drafts with them);
+            None only where a caller outside the engine runs the hook.
+        draft_lens: [B] int64 in [0, K], each row's verified drafts on a ragged step (`chain_step.verify_ragged`);
+            None: every row verified the step's draft length.
+        num_drafts: the drafts to make for the next step, 1..K, for a drafter with `traits.on_demand` on the eager
+            chain step (the rest of its [B, K] drafts are zeros, never verified); None: K.
+        draft: False: write the drafter's KV / state for the verified rows and skip the draft passes (zeros come
+            back); only for drafters with `traits.kv_only_pass`.
+    """
+
+    sampling: SamplingTensors | None = None
+    draft_lens: torch.Tensor | None = None
+    num_drafts: int | None = None
+    draft: bool = True
+
+
+NO_CONTEXT = VerifyContext()
+
+
 def rows_at(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """x[b, idx[b]] for x [B, T, ...] and idx [B] → [B, 1, ...]."""
     index = idx.view(-1, 1, *([1] * (x.dim() - 2))).expand(-1, 1, *x.shape[2:])
@@ -169,56 +194,18 @@ class Drafter(Protocol):
     """A drafter strategy: proposes the next step's drafts from the target's hidden states (row convention above).
 
     Everything the engine, the scheduler, the prefix cache, disaggregated serving and the benchmarks need to know
-    about a drafter is an attribute here; nothing outside `nextn.speculative` checks which class runs.
+    about a drafter is in its `traits`, resolved once at load into a `SpeculativeSetup` (speculative/setup.py);
+    nothing outside `nextn.speculative` checks which class runs.
     """
 
     name: str  # what logs, benchmarks and the prefix cache's key call it ("MtpEagle", "NGram", "DraftModel", ...)
-    # whether disaggregated serving can hand a request to a decode server with only its KV, first token and drafts
-    # (no per-request drafter state, no second KV cache)
-    supports_disaggregation: bool
+    traits: DrafterTraits  # what the engine must know about it (speculative/traits.py), read once at load
     num_draft_tokens: int  # draft tokens verified per step (K; a Medusa tree's node count)
     max_draft_depth: int  # the most drafts one step can accept (K; a Medusa tree's depth)
-    prefill_overlap: int  # rows a prefill chunk re-runs from the previous chunk's end (MTP Vanilla: K)
-    uses_draft_head: bool  # drafts from the model's lm_head (MTP): the engine may give it a cheaper bf16 copy
-    # Drafts drawn from the drafter's own distribution q (a draft model): the chain step hands the acceptance rule
-    # q (`draft_probs`) and `after_verify` the sampling parameters; False: deterministic drafts (one-hot q).
-    samples_drafts: bool
-    # Whether each draft costs the drafter a forward of its own (a draft model), so that a step should draft only
-    # the draft length the policy chose, not K: the eager chain step then passes `num_drafts` (1..K) to
-    # `after_verify`, which drafts that many ([B, K] still, zeros past them); a step verifies at most the drafts its
-    # rows' last step made (runtime/scheduler.py). False: every step drafts K (their cost hardly depends on k).
-    drafts_on_demand: bool
-    # Prefix caching (runtime/prefix_cache.py): tokens after a position that its drafter KV there depends on (MTP
-    # Eagle 1, Vanilla K: part of a cached block's key), and whether it keeps KV that a step run without the drafter
-    # (speculation off) leaves unwritten (MTP, draft model: such blocks are not cached).
-    kv_lookahead: int
-    kv_in_cache: bool
-    # Drafters that know on the host, before a step, how many of a request's drafts are worth verifying (a suffix
-    # tree's match): (batch slots) → the draft length worth verifying for them, which caps the step's draft length
-    # (0: verify none, the drafter still runs and sees the step's tokens); None: the policy's draft length stands.
-    draft_len_hint: Callable[[list[int]], int] | None
-    # Such a drafter may also take the engine's step times (`ProposalDraftLen.relative_step_time`: (batch size,
-    # draft length k) → a step's time over a plain step's; and `ProposalDraftLen.ragged_step_times`: (batch size,
-    # most) → a ragged step's verifying n = 0..most drafts in all, or None) and then hint the k of the most expected
-    # tokens per second rather than its longest proposal; None: it does not.
-    use_step_times: Callable[[Callable[[int, int], float], Callable[[int, int], list[float]] | None], None] | None
-    # Such a drafter may also choose each row's own draft length (ragged verification, `chain_step`): (batch slots,
-    # cap) → [k_r ≤ cap] per row, or None when it has no step times; its `after_verify` then takes `draft_lens`
-    # ([B] int64, the k_r each row verified). None: every row of a step verifies the same length.
-    draft_lens_hint: Callable[[list[int], int], list[int] | None] | None
-    # Whether `after_verify` takes `draft=False`: write the drafter's KV / state for the verified rows and skip the
-    # draft passes (zeros come back). A drafter that wraps it (combined drafting) uses it on the steps where another
-    # source drafts every row.
-    skips_drafting: bool
-    # Whether its KV can be written after the fact from the tokens alone (a draft model: its KV depends on the
-    # tokens only, not on the target's hidden states). Such a drafter skips a prefill run with `draft=False`
-    # entirely (a second prefill of the prompt, paid for nothing while speculation is off); the scheduler has it
-    # `catch_up` over the positions it missed when speculation comes back on for the request.
-    catches_up: bool
 
     def catch_up(self, kv_cache: torch.Tensor, meta: AttentionMetadata, input_ids: torch.Tensor) -> None:
-        """(`catches_up` drafters) write the drafter's KV for tokens input_ids [B, T] int64 at `meta`'s positions
-        (pads: slots of the null block), nothing else; drafters that do not catch up never see it."""
+        """(drafters with `traits.kv` FROM_TOKENS) write the drafter's KV for tokens input_ids [B, T] int64 at `meta`'s positions
+        (pads: slots of the null block), nothing else; other drafters never see it."""
 
     @property
     def decode_fn(self) -> Callable:
@@ -247,16 +234,13 @@ class Drafter(Protocol):
 
     def after_verify(self, model: SelfDraftingCausalLM, kv_cache: torch.Tensor, meta: AttentionMetadata,
                      hidden: torch.Tensor, target_tokens: torch.Tensor, num_emitted: torch.Tensor,
-                     state: DrafterState, sampling: SamplingTensors | None = None
-                     ) -> tuple[torch.Tensor, DrafterState]:
-        """Drafts [B, K] after verifying [last, d1..dK]: rows are the K+1 verified positions, last_idx = num_emitted − 1.
-        `sampling` (the requests' sampling parameters) is passed only to drafters with `samples_drafts`; on a ragged
-        step, `draft_lens` ([B] int64, each row's verified drafts) only to drafters with `draft_lens_hint`;
-        `num_drafts` (the drafts to make, 1..K) only to drafters with `drafts_on_demand`, and only by the eager
-        chain step (a compiled or graphed step drafts K)."""
+                     state: DrafterState, step: VerifyContext = NO_CONTEXT) -> tuple[torch.Tensor, DrafterState]:
+        """Drafts [B, K] after verifying [last, d1..dK]: rows are the K+1 verified positions, last_idx = num_emitted − 1;
+        `step`: the sampling parameters, ragged draft lengths, drafts to make and whether to draft at all
+        (`VerifyContext`; the engine always passes it)."""
 
     def draft_probs(self, state: DrafterState, num_drafts: int, sampling: SamplingTensors) -> torch.Tensor | None:
-        """For drafters with `samples_drafts`: q [B, num_drafts, V] fp32, the distributions this step's first
+        """For drafters with `traits.sampled`: q [B, num_drafts, V] fp32, the distributions this step's first
         `num_drafts` drafts were drawn from (the acceptance rule's `draft_probs`), read from `state`; None when no
         request samples or the state is empty (speculation was off): one-hot q."""
 
@@ -285,3 +269,22 @@ class TreeDrafter(Drafter, Protocol):
             path, tokens, num_accepted: `TreeAcceptanceRule.accept_tree`'s result. The path's KV has been moved
                 to the consecutive positions kv_len..kv_len + num_accepted (the rest is dead).
         """
+
+
+class Proposer(Drafter, Protocol):
+    """A drafter that knows on the host, before a step, how many of a request's drafts are worth verifying (a
+    suffix tree's match): `traits.draft_len` PROPOSAL (`proposal_len`) or PROPOSAL_PER_ROW (all three hooks)."""
+
+    def proposal_len(self, slots: list[int]) -> int:
+        """The draft length worth verifying for the requests in batch slots `slots`; it caps the step's draft
+        length (0: verify none; the drafter still runs and sees the step's tokens)."""
+
+    def set_step_times(self, step_time: Callable[[int, int], float],
+                       ragged_step_times: Callable[[int, int], list[float]] | None = None) -> None:
+        """From now on propose the length of the most expected tokens per second: `step_time(batch, k)` is a step's
+        time over a plain step's (`ProposalDraftLen.relative_step_time`); `ragged_step_times(batch, most)` a ragged
+        step's verifying n = 0..most drafts in all (`ProposalDraftLen.ragged_step_times`), or None."""
+
+    def proposal_lens(self, slots: list[int], cap: int) -> list[int] | None:
+        """Each row's own draft length k_r ≤ cap for these slots (ragged verification: `VerifyContext.draft_lens`),
+        or None while it has no step times (the step verifies one length)."""

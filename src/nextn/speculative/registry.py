@@ -58,7 +58,7 @@ def build(spec: BaseModel | None, ctx: LoadContext) -> tuple[Drafter, Acceptance
     """
     if spec is None:
         return NoDrafter(), StandardAcceptance()
-    method = METHODS.get(getattr(spec, "decoding_type", None))
+    method = METHODS.get(str(getattr(spec, "decoding_type", None)))
     if method is None:
         raise LlmArgsError(f"speculative_config.decoding_type {getattr(spec, 'decoding_type', None)!r} is not one "
                            f"of {', '.join(METHODS)}")
@@ -78,7 +78,7 @@ def prepare_model(model: nn.Module, spec: BaseModel | None, ctx: LoadContext) ->
     Raises:
         LlmArgsError: a config the loaded model cannot run (the method's own checks).
     """
-    method = None if spec is None else METHODS.get(getattr(spec, "decoding_type", None))
+    method = None if spec is None else METHODS.get(str(getattr(spec, "decoding_type", None)))
     if method is not None and method.prepare_model is not None:
         method.prepare_model(model, spec, _with_registry(ctx))
 

@@ -22,9 +22,10 @@ import logging
 import platform
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Final, Literal
 
 import torch
+from torch import device as Device  # (ProfileKey has a field named torch)
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 import nextn
@@ -41,7 +42,7 @@ MAX_PROFILE_BYTES = 1 << 20  # a profile is a few hundred bytes; anything bigger
 MAX_BUCKET = 1 << 16  # = config.llm_args.MAX_BATCH_SIZE
 MAX_DRAFT_LEN = 255  # = config.llm_args.MAX_TREE_DRAFT_TOKENS (a tree's k counts its nodes)
 MAX_STEP_SECONDS = 3600.0
-_FORMAT = "nextn.step_profile"
+_FORMAT: Final = "nextn.step_profile"
 _OURS = re.compile(rb'^\s*\{\s*"format"\s*:\s*"nextn\.step_profile"')  # how a profile file starts (`StepProfile`)
 
 
@@ -63,7 +64,7 @@ class ProfileKey(_Frozen):
     nextn: str = Field(max_length=64)
 
     @classmethod
-    def current(cls, engine: str, device: torch.device) -> "ProfileKey":
+    def current(cls, engine: str, device: Device) -> "ProfileKey":
         """This process's key for the engine digest `engine` on `device`."""
         processor = cpu_model()
         if device.type == "cuda":

@@ -13,12 +13,12 @@ Sources: Oliaro et al., "SuffixDecoding: Extreme Speculative Decoding for Emergi
                  higher score — the expected number of accepted drafts — wins (Arctic's rule; ties: the request's)
     short        a proposal under K tokens is padded with its last token (the sequence's last token when empty):
                  padded drafts are rejected harmlessly
-    how many     the step verifies as many drafts as the longest proposal in the batch (`draft_len_hint`, ≥ 1),
+    how many     the step verifies as many drafts as the longest proposal in the batch (`proposal_len`, ≥ 1),
                  so K can be large: a long copied stretch is verified in a few steps, a step with nothing to copy
-                 verifies one draft. Given the engine's step times (`use_step_times`: `adaptive_draft_len`, best
+                 verifies one draft. Given the engine's step times (`set_step_times`: `adaptive_draft_len`, best
                  with a step profile) it verifies instead the k in 0..K of the most expected tokens per second,
                  Σ_r (1 + G_r(k)) / t(B, k) — G_r(k) row r's calibrated expected accepted drafts among its first k —
-                 or, in a ragged step, each row's own k_r (`draft_lens_hint`), so a batch whose rows cost a plain
+                 or, in a ragged step, each row's own k_r (`proposal_lens`), so a batch whose rows cost a plain
                  step each (a CPU at batch 8) verifies only what pays, down to none (the trees still see every token)
     calibration  G_r from the tree's path probabilities through a calibration pooled over the engine's requests
                  by match length and draft index (suffix_calibration.py: a short match's drafts miss more than
@@ -59,8 +59,9 @@ import torch
 from nextn.config.llm_args import LlmArgsError, SuffixDecodingConfig
 from nextn.speculative.acceptance_rules import StandardAcceptance
 from nextn.speculative.chain_step import LinearDrafter
+from nextn.speculative.traits import DrafterTraits, DraftLenSource
 from nextn.speculative.method import LoadContext, Method, from_build_yaml
-from nextn.speculative.protocol import AcceptanceRule, Drafter, DrafterState, rows_at
+from nextn.speculative.protocol import NO_CONTEXT, AcceptanceRule, Drafter, DrafterState, rows_at
 from nextn.speculative.suffix_calibration import AcceptanceCalibration
 from nextn.speculative.suffix_combined import CombinedDrafter
 from nextn.speculative.suffix_tree import OutputCache, new_suffix_tree
@@ -94,7 +95,8 @@ class _Slot:
 
     def output_segments(self) -> list[list[int]]:
         """The output's runs of known tokens."""
-        runs, run = [], []
+        runs: list[list[int]] = []
+        run: list[int] = []
         for t in self.tokens[self.prompt_len:]:
             if t == _UNKNOWN:
                 runs.append(run)
@@ -112,6 +114,7 @@ class SuffixDrafter(LinearDrafter):
     """
 
     name = "Suffix"
+    traits = DrafterTraits(draft_len=DraftLenSource.PROPOSAL_PER_ROW)
 
     def __init__(self, num_draft_tokens: int, max_tree_depth: int = 24, max_cached_requests: int = 1000,
                  max_spec_factor: float = 1.0, min_token_prob: float = 0.1) -> None:
@@ -142,14 +145,14 @@ class SuffixDrafter(LinearDrafter):
     calibration_smoothing = 0.1  # the EMA's weight of a verified step
     calibration_recovery = 0.05  # how far c_r moves back toward 1 on a step that did not verify its proposal
 
-    def use_step_times(self, step_time: Callable[[int, int], float],
+    def set_step_times(self, step_time: Callable[[int, int], float],
                        ragged_step_times: Callable[[int, int], list[float]] | None = None) -> None:
         """Hint by expected tokens per second from now on; `step_time(batch, k)`: a step's time over a plain one;
         `ragged_step_times(batch, most)`: a ragged step's verifying n = 0..most drafts in all (None: linear between
         the uniform step times around n / batch)."""
         self.step_time, self.ragged_step_times = step_time, ragged_step_times
 
-    def draft_len_hint(self, slots: list[int]) -> int:
+    def proposal_len(self, slots: list[int]) -> int:
         """Without step times: the longest proposal among these slots' requests (their drafts past it are padding),
         at least 1: a copied stretch is verified as far as the trees predict it, a step with nothing to copy verifies
         one draft. With them: argmax over k in 0..longest of Σ_r (1 + G_r(k)) / t(B, k), G_r calibrated (module
@@ -158,23 +161,24 @@ class SuffixDrafter(LinearDrafter):
         if not rows:
             return self.num_draft_tokens
         longest = max(r.useful for r in rows)
-        if self.step_time is None:
+        step_time = self.step_time
+        if step_time is None:
             return max(1, longest)
         batch = len(slots)
 
         def rate(k: int) -> float:
             drafts = sum(r.gains[min(k, r.useful) - 1] for r in rows if r.useful) if k else 0.0
-            return (batch + drafts) / self.step_time(batch, k)
+            return (batch + drafts) / step_time(batch, k)
 
         return max(range(longest + 1), key=lambda k: (rate(k), -k))
 
-    def draft_lens_hint(self, slots: list[int], cap: int) -> list[int] | None:
+    def proposal_lens(self, slots: list[int], cap: int) -> list[int] | None:
         """With step times: each row's own draft length k_r ≤ min(cap, its proposal) (ragged verification), the
         argmax of (B + Σ_r G_r(k_r)) / t(B, Σ_r k_r) — a ragged step priced by `ragged_step_times` (given), else as
         a uniform one with as many verified rows. Drafts are added one at a time where the calibrated gain of the
         next one is highest (a proposal's gains are concave: its path probabilities fall along the chain), and the
         best total is kept
-        (ties: fewer rows). Without step times: None (the step verifies one length, `draft_len_hint`)."""
+        (ties: fewer rows). Without step times: None (the step verifies one length, `proposal_len`)."""
         if self.step_time is None:
             return None
         batch = len(slots)
@@ -182,7 +186,7 @@ class SuffixDrafter(LinearDrafter):
         limits = [min(cap, r.useful) if r is not None else 0 for r in rows]
         # every row's next marginal gain, best first: (−gain, row, its index in the row's gains)
         steps = sorted((-(r.gains[j] - (r.gains[j - 1] if j else 0.0)), i, j)
-                       for i, (r, n) in enumerate(zip(rows, limits)) for j in range(n))
+                       for i, (r, n) in enumerate(zip(rows, limits)) if r is not None for j in range(n))
         lens = [0] * batch
         if self.ragged_step_times is not None:
             times = self.ragged_step_times(batch, len(steps))
@@ -254,7 +258,7 @@ class SuffixDrafter(LinearDrafter):
     def _rebuild(self, s: _Slot, end: int) -> None:
         """The slot's tree from its tokens before `end` (a known position rewritten: rare)."""
         tokens, prompt_len, calibration = s.tokens[:end], min(s.prompt_len, end), s.calibration
-        s.__init__(self.depth)
+        s.__init__(self.depth)  # type: ignore[misc]  # a _Slot, reset in place (the slot table keeps it)
         s.calibration = calibration
         start = 0
         while start < len(tokens):
@@ -301,7 +305,8 @@ class SuffixDrafter(LinearDrafter):
         rows = self.prefilled(slots, meta.positions[:, 0].tolist(), chunks, draft)
         return torch.tensor(rows, dtype=torch.int64, device=input_ids.device).view(b, -1), state
 
-    def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state, draft_lens=None):
+    def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state, step=NO_CONTEXT):
+        draft_lens = step.draft_lens
         b = target_tokens.shape[0]
         slots = state[0].tolist() if state else list(range(b))
         firsts = (meta.positions[:, 0] + 1).tolist()  # where each row's first emitted token lands (L + 1)
@@ -356,13 +361,14 @@ def build(spec: SuffixDecodingConfig, ctx: LoadContext) -> tuple[Drafter, Accept
     drafter = SuffixDrafter.from_config(spec)
     if spec.combine_with is None:
         return drafter, StandardAcceptance()
+    assert ctx.build_method is not None  # set by the registry
     inner, rule = ctx.build_method(spec.combine_with)
     return CombinedDrafter(drafter, inner, spec.suffix_decoding_min_score), rule
 
 
 def prepare_model(model, spec: SuffixDecodingConfig, ctx: LoadContext) -> None:
     """The combined drafter's model drafter's changes to the target (MTP: its draft head cut), if any."""
-    if spec.combine_with is not None:
+    if spec.combine_with is not None and ctx.prepare_method is not None:  # (set by the registry)
         ctx.prepare_method(model, spec.combine_with)
 
 

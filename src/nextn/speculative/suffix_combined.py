@@ -7,8 +7,8 @@ MTP / Eagle the same way). One chain step verifies either kind: every row carrie
                   suffix trees propose first; row b takes the suffix proposal when its score — the expected
                   number of accepted drafts (speculative/suffix_tree.py) — is at least `min_score`, else the
                   model drafter's K_m drafts, padded to K with their last token; when every row takes the suffix
-                  proposal the model drafter only writes its KV (`skips_drafting`: no draft passes)
-    how many      the step verifies as many drafts as the longest useful proposal in the batch (`draft_len_hint`:
+                  proposal the model drafter only writes its KV (`traits.kv_only_pass`: no draft passes)
+    how many      the step verifies as many drafts as the longest useful proposal in the batch (`proposal_len`:
                   a suffix row's match length, a model row's K_m)
     sampling      the model drafter's q for its rows (a draft model samples its drafts), one-hot q for suffix
                   rows and for the padding (a function of the drafts before it): rejection sampling stays exact
@@ -20,10 +20,20 @@ The suffix drafter reads tokens on the host, so the combination runs on CPU engi
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any, Protocol
+
 import torch
 
 from nextn.speculative.chain_step import LinearDrafter
-from nextn.speculative.protocol import Drafter, DrafterState, SamplingTensors
+from nextn.speculative.protocol import NO_CONTEXT, Drafter, DrafterState, SamplingTensors
+from nextn.speculative.traits import DraftLenSource
+
+
+class SuffixSource(Drafter, Protocol):
+    """The suffix drafter as combined drafting reads it (`SuffixDrafter`, whose module builds this drafter)."""
+
+    slots: dict[int, Any]  # batch slot → its request's suffix state: `useful` drafts and the proposal's `score`
 
 __all__ = ["CombinedDrafter"]
 
@@ -41,12 +51,10 @@ class CombinedDrafter(LinearDrafter):
     Attributes:
         rows_from_suffix, rows_from_model: rows drafted by each so far (statistics).
         steps_without_model_drafts: steps in which every row took the suffix proposal, so a model drafter that
-            `skips_drafting` only wrote its KV (no draft passes: such a step costs what Suffix alone costs).
+            `traits.kv_only_pass` only wrote its KV (no draft passes: such a step costs what Suffix alone costs).
     """
 
-    supports_disaggregation = False
-
-    def __init__(self, suffix: Drafter, model: Drafter, min_score: float | None = None) -> None:
+    def __init__(self, suffix: SuffixSource, model: Drafter, min_score: float | None = None) -> None:
         if model.num_draft_tokens > suffix.num_draft_tokens:
             raise ValueError(f"the model drafter's {model.num_draft_tokens} drafts exceed the suffix drafter's "
                              f"{suffix.num_draft_tokens}")
@@ -58,10 +66,10 @@ class CombinedDrafter(LinearDrafter):
         self.model_drafts = model.num_draft_tokens
         self.min_score = float(self.model_drafts if min_score is None else min_score)
         # the model drafter's KV and state are what the engine must keep for it
-        self.prefill_overlap, self.uses_draft_head = model.prefill_overlap, model.uses_draft_head
-        self.samples_drafts, self.kv_lookahead, self.kv_in_cache = (model.samples_drafts, model.kv_lookahead,
-                                                                    model.kv_in_cache)
-        self.catches_up = model.catches_up  # (the suffix trees are host state: only the model drafter's KV lags)
+        # the model drafter's KV and state are what the engine must keep for it (the suffix trees are host state:
+        # only the model drafter's KV lags); the draft length comes from the proposals
+        self.traits = replace(model.traits, draft_len=DraftLenSource.PROPOSAL, on_demand=False,
+                              kv_only_pass=False, disaggregation=False)
         self._from_suffix: dict[int, bool] = {}  # batch slot → whether its last drafts came from the suffix trees
         self.rows_from_suffix = self.rows_from_model = 0
         self.steps_without_model_drafts = 0  # steps where every row copied and the model drafter only kept its KV
@@ -81,7 +89,7 @@ class CombinedDrafter(LinearDrafter):
         self.suffix.load_prefix(suffix_state, slot, token_ids)
         self.model.load_prefix(model_state, slot, token_ids)
 
-    def draft_len_hint(self, slots: list[int]) -> int:
+    def proposal_len(self, slots: list[int]) -> int:
         """The longest useful proposal among `slots`: a suffix row's match, a model row's K_m."""
         known = self.suffix.slots
         return max(1, max(((known[s].useful if self._from_suffix.get(s) else self.model_drafts)
@@ -120,17 +128,16 @@ class CombinedDrafter(LinearDrafter):
                                                          input_ids, model_state, sampling, draft)
         return self._choose(self._picks(suffix_state, draft), s_drafts, m_drafts, suffix_state, model_state)
 
-    def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state, sampling=None):
+    def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state, step=NO_CONTEXT):
         suffix_state, model_state = self._split(state)
         s_drafts, suffix_state = self.suffix.after_verify(model, kv_cache, meta, hidden, target_tokens, num_emitted,
                                                           suffix_state)
         pick = self._picks(suffix_state)
-        kw = {"sampling": sampling} if self.model.samples_drafts else {}
-        if all(pick) and self.model.skips_drafting:  # every row copies: the model drafter keeps its KV, no passes
-            kw["draft"] = False
+        if all(pick) and self.model.traits.kv_only_pass:  # every row copies: the model drafter keeps its KV only
+            step = replace(step, draft=False)
             self.steps_without_model_drafts += 1
         m_drafts, model_state = self.model.after_verify(model, kv_cache, meta, hidden, target_tokens, num_emitted,
-                                                        model_state, **kw)
+                                                        model_state, step)
         return self._choose(pick, s_drafts, m_drafts, suffix_state, model_state)
 
     def draft_probs(self, state: DrafterState, num_drafts: int, sampling: SamplingTensors) -> torch.Tensor | None:
@@ -139,7 +146,7 @@ class CombinedDrafter(LinearDrafter):
         _, model_state = self._split(state)
         drafts, from_suffix = state[-2], state[-1]
         km = min(num_drafts, self.model_drafts)
-        q_model = self.model.draft_probs(model_state, km, sampling) if self.samples_drafts else None
+        q_model = self.model.draft_probs(model_state, km, sampling) if self.traits.sampled else None
         if q_model is None:
             return None
         q = torch.nn.functional.one_hot(drafts[:, :num_drafts], q_model.shape[-1]).to(q_model.dtype)

@@ -151,13 +151,15 @@ class SuffixTree:
         for start in range(len(seq)):
             node = ROOT
             for t in seq[start:start + self.max_depth]:
-                child = children[node][t]
+                siblings = children[node]
+                assert siblings is not None  # the sequence was inserted: its path exists
+                child = siblings[t]
                 count[child] -= 1
                 if best[node] == child:
                     best[node] = _STALE
                 if count[child] == 0:
                     # Its only occurrence was this one, so its subtree is a chain of count-1 nodes: all dropped.
-                    del children[node][t]
+                    del siblings[t]
                     while child != _NONE:
                         kids = children[child]
                         self._free.append(child)
@@ -212,7 +214,9 @@ class SuffixTree:
             budget = min(max_tokens, int(m * spec_factor + 1e-6))
             if budget <= best.score:  # a score is at most its budget, and budgets shrink with m
                 break
-            node, prob, score, tokens, gains = ends[m - 1], 1.0, 0.0, [], []
+            tokens: list[int] = []
+            gains: list[float] = []
+            node, prob, score = ends[m - 1], 1.0, 0.0
             while len(tokens) < budget and children[node]:
                 child = self.best_child(node)
                 if child == _NONE:

@@ -18,6 +18,8 @@ A step of width 1 (speculation off, or re-priming an MTP tree's drafts) has no t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from nextn.models.attention_metadata import AttentionMetadata, slots_for_positions
@@ -47,7 +49,8 @@ def compact_path_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor, block_si
 def tree_verify_and_draft_step(model: SelfDraftingCausalLM, drafter: TreeDrafter, acceptance: TreeAcceptanceRule,
                                kv_cache: torch.Tensor, input_ids: torch.Tensor, kv_lens: torch.Tensor,
                                block_tables: torch.Tensor, sampling: SamplingTensors, drafter_state: DrafterState,
-                               accept_state: AcceptState, block_size: int) -> StepOutput:
+                               accept_state: AcceptState, block_size: int, draft_lens: torch.Tensor | None = None,
+                               num_drafts: int | None = None) -> StepOutput:
     """One tree step for a batch: verify the tree, keep the longest accepted path, compact its KV, draft the next
     tree (greedy requests: lossless; sampling requests: as the acceptance rule decides).
 
@@ -59,10 +62,14 @@ def tree_verify_and_draft_step(model: SelfDraftingCausalLM, drafter: TreeDrafter
         sampling: with logit processing or log-probabilities asked for (`host_work`), the step verifies the root
             alone (the chain step with no drafts: lossless, one token per request) and the drafter drafts again.
         drafter_state: the drafter's per-request state (a dynamic tree's parents and depth; () for a static tree).
+        draft_lens, num_drafts: the chain step's ragged and on-demand arguments, None for a tree (a tree drafter
+            neither proposes per-row lengths nor drafts on demand).
     Returns:
         StepOutput with tokens [B, D+1] (emitted: the first num_emitted = num_accepted + 1) and the next tree's
         drafts [B, N−1].
     """
+    if draft_lens is not None or num_drafts is not None:
+        raise ValueError("a tree step verifies its tree: no per-row draft lengths, no on-demand drafts")
     b, w = input_ids.shape
     if w == 1:
         return verify_and_draft_step(model, drafter, acceptance, kv_cache, input_ids, kv_lens, block_tables,
@@ -97,3 +104,20 @@ def _root_step(model: SelfDraftingCausalLM, drafter: TreeDrafter, kv_cache: torc
     drafts, state = drafter.after_verify_tree(model, kv_cache, meta, hidden, zeros[:, None], tokens, zeros,
                                               drafter_state)
     return StepOutput(tokens, zeros + 1, drafts, state, accept_state, sampling.logprobs(logits, tokens))
+
+
+class TreeDrafterBase:
+    """The protocol's defaults for drafters whose drafts form a tree, verified by `tree_verify_and_draft_step`."""
+
+    def load_prefix(self, state: DrafterState, slot: int, token_ids: list[int]) -> None:
+        return None
+
+    def catch_up(self, kv_cache: torch.Tensor, meta: AttentionMetadata, input_ids: torch.Tensor) -> None:
+        raise NotImplementedError(f"{type(self).__name__} keeps no KV written from tokens (traits.kv)")
+
+    def draft_probs(self, state: DrafterState, num_drafts: int, sampling: SamplingTensors) -> torch.Tensor | None:
+        return None  # deterministic drafts: one-hot q
+
+    @property
+    def decode_fn(self) -> Callable[..., StepOutput]:
+        return tree_verify_and_draft_step
