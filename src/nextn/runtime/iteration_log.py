@@ -12,6 +12,7 @@ import time
 
 from nextn.runtime.model_runner import InflightStep, StepResult
 from nextn.runtime.scheduler import Scheduler
+from nextn.runtime.step_plan import DecodePlan
 
 
 def iteration_entry(step: InflightStep, result: StepResult, num_finished: int, scheduler: Scheduler) -> dict:
@@ -20,7 +21,7 @@ def iteration_entry(step: InflightStep, result: StepResult, num_finished: int, s
     entry: dict[str, object] = {"kind": plan.kind, "num_requests": plan.num_requests, "num_finished": num_finished,
              "num_emitted": sum(len(e) for e in result.emitted), "free_blocks": pool.num_free,
              "num_waiting": len(scheduler.waiting), "latency_ms": (time.perf_counter() - step.launch_time) * 1e3}
-    if plan.kind == "decode":
+    if isinstance(plan, DecodePlan):
         entry["draft_len"], entry["drafting"] = result.num_draft, plan.drafting
         if plan.draft_lens:
             entry["draft_lens"] = list(plan.draft_lens)

@@ -39,7 +39,7 @@ import torch
 from nextn.models.attention_metadata import AttentionMetadata, slots_for_positions
 from nextn.models.causal_lm import SelfDraftingCausalLM
 from nextn.runtime.outputs import TokenLogprob
-from nextn.runtime.step_plan import StepPlan
+from nextn.runtime.step_plan import DecodePlan, PrefillPlan, StepPlan
 from nextn.speculative.chain_step import NoDrafter, prefill_groups, prefill_step, verify_and_draft_step
 from nextn.speculative.protocol import AcceptanceRule, Drafter, SamplingTensors, StepOutput
 
@@ -83,7 +83,7 @@ class InflightStep:
         return self.out.tokens.shape[1]
 
 
-def decode_inputs(plan: StepPlan, prev: InflightStep | None,
+def decode_inputs(plan: DecodePlan, prev: InflightStep | None,
                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The decode step's inputs: ids [B, draft_len + 1] = [last emitted, d1..d_draft_len] and kv_lens [B].
 
@@ -179,7 +179,7 @@ class ModelRunner:
         slots = torch.tensor(plan.batch_slots, dtype=torch.int64, device=self.device)
         block_tables = self._block_tables(plan)
         sampling = self._sampling(plan)
-        if plan.kind == "prefill":
+        if isinstance(plan, PrefillPlan):
             out, kv_lens = self._prefill(plan, slots, block_tables, sampling)
         else:
             ids, kv_lens = decode_inputs(plan, prev, self.device)
@@ -200,8 +200,8 @@ class ModelRunner:
             buf[slots] = new
         return InflightStep.create(plan, out, kv_lens, t0)
 
-    def _catch_up(self, plan: StepPlan, last_ids: torch.Tensor, block_tables: torch.Tensor) -> None:
-        """The drafter's KV for the positions rows missed while speculation was off (`StepPlan.catch_up_starts`):
+    def _catch_up(self, plan: DecodePlan, last_ids: torch.Tensor, block_tables: torch.Tensor) -> None:
+        """The drafter's KV for the positions rows missed while speculation was off (`DecodePlan.catch_up_starts`):
         each such row's host tokens then its input token last_ids [B] (device: maybe from the step in flight),
         one row at a time in chunks of at most `CATCH_UP_CHUNK` tokens, so the work is bounded whatever the gap."""
         dev = self.device
@@ -217,7 +217,7 @@ class ModelRunner:
                                                 table, self.block_size)
                 self.drafter.catch_up(self.kv_cache, meta, chunk)
 
-    def _prefill(self, plan: StepPlan, slots: torch.Tensor, block_tables: torch.Tensor,
+    def _prefill(self, plan: PrefillPlan, slots: torch.Tensor, block_tables: torch.Tensor,
                  sampling: SamplingTensors) -> tuple[StepOutput, torch.Tensor]:
         """The prefill step's outputs and its kv_lens [B] (each chunk's end − 1)."""
         dev = self.device
@@ -259,16 +259,17 @@ class ModelRunner:
         read_start = time.perf_counter()
         out, plan = step.out, step.plan
         tokens, counts, drafts = out.tokens.tolist(), out.num_emitted.tolist(), out.draft_tokens.tolist()
-        if plan.kind == "prefill":
+        if isinstance(plan, PrefillPlan):
             emitted = [row[:1] if plan.is_last_chunk(i) else [] for i, row in enumerate(tokens)]
         else:
             emitted = [row[:n] for row, n in zip(tokens, counts)]
+        decode = isinstance(plan, DecodePlan)
         return StepResult(
             emitted=emitted,
             logprobs=None if out.logprobs is None else _logprobs(out.logprobs, emitted),
             drafts=drafts,
-            num_accepted=[n - 1 for n in counts] if plan.kind == "decode" else [0] * len(tokens),
-            num_draft=self.drafter.stat_draft_len(plan.draft_len),
+            num_accepted=[n - 1 for n in counts] if decode else [0] * len(tokens),
+            num_draft=self.drafter.stat_draft_len(plan.draft_len if isinstance(plan, DecodePlan) else 0),
             # not launch → now: with the overlap scheduler that would also hold the next step's launch
             seconds=step.launch_seconds + time.perf_counter() - read_start,
         )

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 from nextn.runtime.kv_cache import BlockPool
 from nextn.runtime.request import Request, RequestStatus
-from nextn.runtime.step_plan import StepPlan
+from nextn.runtime.step_plan import DecodePlan, PrefillPlan, StepPlan
 from nextn.speculative.draft_len_policy import DraftLenPolicy, StaticDraftLen
 from nextn.speculative.setup import DraftSchedule
 from nextn.speculative.traits import DraftKV
@@ -197,7 +197,7 @@ class Scheduler:
             if not drafting and self._drafter_writes_later and req.drafter_gap is None:
                 req.drafter_gap = start  # the drafter skips this prefill (its KV is written later)
         reqs, starts, ends, num_reused = zip(*chunks)
-        return self._new_plan(reqs, StepPlan.prefill, starts, ends, num_reused, drafting)
+        return self._new_plan(reqs, PrefillPlan.build, starts, ends, num_reused, drafting)
 
     def admit_prefilled(self, req: Request) -> bool:
         """Admit a request whose prompt was prefilled by another engine (disaggregated serving,
@@ -295,7 +295,7 @@ class Scheduler:
         if k > (ready := min(r.num_drafts for r in reqs)):  # 0: speculation back on, draft first (drafts are
             k, lens = ready, ()  # not kept while it is off); else a longer length than the last step drafted
         catch_up = drafting and self._drafter_writes_later and any(r.drafter_gap is not None for r in reqs)
-        plan = self._new_plan(reqs, StepPlan.decode, k, drafting, catch_up, tuple(lens),
+        plan = self._new_plan(reqs, DecodePlan.build, k, drafting, catch_up, tuple(lens),
                               new_drafts if self.draft_schedule.on_demand and drafting else None)
         for req in reqs:
             req.num_drafts = new_drafts if drafting else 0
@@ -325,9 +325,9 @@ class Scheduler:
     def mark_in_flight(self, plan: StepPlan, max_emitted: int) -> None:
         """The plan's step was launched and is not read back yet (overlap scheduler): its rows that emit tokens may
         each emit up to `max_emitted` (the step's token width), which block growth reserves meanwhile."""
-        decode = plan.kind == "decode"
         for i, req in enumerate(self._scheduled[plan.step_id]):
-            req.num_inflight_tokens = max_emitted if decode or plan.is_last_chunk(i) else 0
+            emits = isinstance(plan, DecodePlan) or plan.is_last_chunk(i)
+            req.num_inflight_tokens = max_emitted if emits else 0
 
     def update_from_output(self, plan: StepPlan, output: StepResult) -> tuple[list[Request], list[Request]]:
         """Apply a step's host results to its requests: append tokens (stop checks), the drafts for the next step,
@@ -339,7 +339,7 @@ class Scheduler:
             (updated, finished): the requests that emitted tokens (finished or not), and those released now.
         """
         reqs = self._scheduled.pop(plan.step_id)
-        decode = plan.kind == "decode"
+        decode = plan if isinstance(plan, DecodePlan) else None
         k = output.num_draft
         updated = []
         num_draft = num_accepted = 0
@@ -349,12 +349,12 @@ class Scheduler:
             req.num_inflight_tokens = 0
             if req.finished:  # finished (or cancelled) before this step ran
                 continue
-            if not emitted:  # an earlier prefill chunk
+            if not emitted and isinstance(plan, PrefillPlan):  # an earlier prefill chunk
                 req.num_computed_tokens = plan.chunk_ends[i]
                 self.cache_blocks(req)
                 continue
-            if decode:
-                k_row = plan.draft_lens[i] if plan.draft_lens else k
+            if decode is not None:
+                k_row = decode.draft_lens[i] if decode.draft_lens else k
                 req.record_step(k_row, accepted)
                 num_draft, num_accepted = num_draft + k_row, num_accepted + accepted
                 per_request[req.request_id] = accepted
@@ -363,11 +363,11 @@ class Scheduler:
             req.num_computed_tokens = req.kv_len
             self.cache_blocks(req)
             updated.append(req)
-        if decode:  # timed only when the step is plain or fully speculating (not re-priming drafts) and, drafting
-            # on demand, drafts as many as it verified (a step profile's t(k): verify k, draft k)
-            seconds = output.seconds if plan.drafting == (plan.draft_len > 0) and not plan.draft_lens and (
-                plan.num_new_drafts in (None, plan.draft_len)) else 0.0
-            self.draft_len_policy.observe(num_draft, num_accepted, plan.draft_len, len(reqs), seconds, per_request)
+        if decode is not None:  # timed only when the step is plain or fully speculating (not re-priming drafts)
+            # and, drafting on demand, drafts as many as it verified (a step profile's t(k): verify k, draft k)
+            seconds = output.seconds if decode.drafting == (decode.draft_len > 0) and not decode.draft_lens and (
+                decode.num_new_drafts in (None, decode.draft_len)) else 0.0
+            self.draft_len_policy.observe(num_draft, num_accepted, decode.draft_len, len(reqs), seconds, per_request)
         return updated, self.finish_done()
 
     def cancel(self, request_id: int) -> Request | None:

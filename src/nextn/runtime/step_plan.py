@@ -1,4 +1,5 @@
-"""`StepPlan`: the scheduler → runner contract for one step, data only (vLLM's `SchedulerOutput`).
+"""`StepPlan` (a `PrefillPlan` or a `DecodePlan`): the scheduler → runner contract for one step, data only (vLLM's
+`SchedulerOutput`).
 
 The scheduler builds one per step from its requests; the model runner reads nothing else. The same object is what
 rank 0 of a tensor-parallel engine broadcasts to the other ranks (distributed/mirror.py), so every rank launches
@@ -14,48 +15,30 @@ from nextn.runtime.request import Request
 from nextn.speculative.logits_processing import LogitsProcessing
 
 
-class StepPlan(NamedTuple):
-    """One step: its kind, and per row (request, in batch order) what the runner reads. (A named tuple: immutable,
-    and built in a fraction of a frozen dataclass's time on every step.)
+class PrefillPlan(NamedTuple):
+    """A prefill step: prompt chunks, one row per request in batch order. (Named tuples: immutable, and built in a
+    fraction of a frozen dataclass's time on every step.)
 
     Attributes:
         step_id: the scheduler's count of the plans it has made (it keys the plan's requests there).
-        kind: "prefill" (prompt chunks) or "decode" (one verify-and-draft step per request).
         request_ids: [B] each row's request id (the overlap scheduler matches rows of consecutive steps by it).
         batch_slots: [B] each row's batch slot (its row in the drafter and acceptance state buffers).
         block_tables: [B] each row's KV block ids (unpadded).
         temperature, top_k, top_p, seeds: [B] each row's sampling parameters and seed.
-        draft_len: decode only: drafts each row verifies (the draft-length policy's choice, ≤ K).
-        drafting: whether the step drafts for the next one. Decode: False when speculation is off (draft_len 0):
-            plain decoding, at no more cost. A request whose last step did not draft first runs one step with
-            draft_len 0 and drafting on when speculation comes back on (it has no drafts to verify). Prefill: False
-            when the policy would not speculate at the running batch's size: the drafter writes its KV but drafts
-            nothing.
-        kv_lens: decode only: [B] each row's KV length on the host (the step writes at kv_len..kv_len+draft_len).
-        input_ids: decode only: [B, draft_len + 1] each row's `[last emitted, d1..d_draft_len]` (missing drafts 0).
-        token_ids: prefill only: [B] each row's whole sequence (its chunk, the token after it, a reused prefix).
-        prefill_lens: prefill only: [B] tokens the row's admission prefills (`Request.prefill_len`).
-        chunk_starts, chunk_ends: prefill only: [B] each row runs its tokens [start, end); the chunk with
-            end ≥ prefill_len is its last and emits the first token.
-        num_reused: prefill only: [B] tokens the row reuses from the prefix cache when this chunk is the first of
-            its admission, else 0; the drafter's per-request state is rebuilt for them (`Drafter.load_prefix`).
-        processing: the rows' logit processing (penalties, bias, min_tokens, grammar masks) for each verified
-            position, built from their state after the drafts before it (runtime/logits_processors.py); None when
-            no row needs any. Tensors: still data only.
+        drafting: False when the draft-length policy would not speculate at the running batch's size: the drafter
+            writes its KV but drafts nothing.
+        token_ids: [B] each row's whole sequence (its chunk, the token after it, a reused prefix).
+        prefill_lens: [B] tokens the row's admission prefills (`Request.prefill_len`).
+        chunk_starts, chunk_ends: [B] each row runs its tokens [start, end); the chunk with end ≥ prefill_len is its
+            last and emits the first token.
+        num_reused: [B] tokens the row reuses from the prefix cache when this chunk is the first of its admission,
+            else 0; the drafter's per-request state is rebuilt for them (`Drafter.load_prefix`).
+        processing: the last rows' logit processing (penalties, bias, min_tokens, grammar masks;
+            runtime/logits_processors.py); None when no row needs any. Tensors: still data only.
         num_logprobs: the most top log-probabilities a row asks for; −1 when none asks for log-probabilities.
-        catch_up_starts: decode only, () when no row catches up: [B] the first position whose drafter KV a row
-            lacks (prefilled or decoded while speculation was off: a drafter whose KV is written later,
-            `DraftKV.FROM_TOKENS`), −1 for a row that lacks none. The runner has the drafter write positions catch_up_starts[b] .. the row's kv_len before the step.
-        catch_up_ids: [B] the tokens at those positions that the host knows (all but the last: the step's input
-            token, which with the overlap scheduler may still be in flight; the runner takes it from the inputs).
-        draft_lens: decode only, () when every row verifies draft_len: [B] the drafts each row verifies, ≤ draft_len
-            = their maximum (a ragged step: `chain_step.verify_ragged`; input_ids keep draft_len + 1 columns).
-        num_new_drafts: decode only: the drafts the step makes for the next one, in [1, K], for a drafter that
-            drafts on demand (`DraftSchedule.on_demand`; the policy's draft length); None: the drafter's K.
     """
 
     step_id: int
-    kind: Literal["prefill", "decode"]
     request_ids: tuple[int, ...]
     batch_slots: tuple[int, ...]
     block_tables: tuple[tuple[int, ...], ...]
@@ -63,21 +46,18 @@ class StepPlan(NamedTuple):
     top_k: tuple[int, ...]
     top_p: tuple[float, ...]
     seeds: tuple[int, ...]
-    draft_len: int = 0
-    drafting: bool = True
-    kv_lens: tuple[int, ...] = ()
-    input_ids: tuple[tuple[int, ...], ...] = ()
-    token_ids: tuple[tuple[int, ...], ...] = ()
-    prefill_lens: tuple[int, ...] = ()
-    chunk_starts: tuple[int, ...] = ()
-    chunk_ends: tuple[int, ...] = ()
-    num_reused: tuple[int, ...] = ()
+    drafting: bool
+    token_ids: tuple[tuple[int, ...], ...]
+    prefill_lens: tuple[int, ...]
+    chunk_starts: tuple[int, ...]
+    chunk_ends: tuple[int, ...]
+    num_reused: tuple[int, ...]
     processing: LogitsProcessing | None = None
     num_logprobs: int = -1
-    catch_up_starts: tuple[int, ...] = ()
-    catch_up_ids: tuple[tuple[int, ...], ...] = ()
-    draft_lens: tuple[int, ...] = ()
-    num_new_drafts: int | None = None
+
+    @property
+    def kind(self) -> Literal["prefill"]:
+        return "prefill"
 
     @property
     def num_requests(self) -> int:
@@ -87,18 +67,70 @@ class StepPlan(NamedTuple):
         return self.chunk_ends[row] >= self.prefill_lens[row]
 
     @classmethod
-    def prefill(cls, step_id: int, reqs: tuple[Request, ...], starts: tuple[int, ...], ends: tuple[int, ...],
-                num_reused: tuple[int, ...], drafting: bool) -> StepPlan:
+    def build(cls, step_id: int, reqs: tuple[Request, ...], starts: tuple[int, ...], ends: tuple[int, ...],
+              num_reused: tuple[int, ...], drafting: bool) -> PrefillPlan:
         """Prompt chunks [starts[i], ends[i]) of `reqs`."""
-        return cls(step_id, "prefill", **_rows(reqs), drafting=drafting,
-                   token_ids=tuple(tuple(r.all_token_ids) for r in reqs),
+        return cls(step_id, **_rows(reqs), drafting=drafting, token_ids=tuple(tuple(r.all_token_ids) for r in reqs),
                    prefill_lens=tuple(r.prefill_len for r in reqs), chunk_starts=starts, chunk_ends=ends,
                    num_reused=num_reused, processing=_processing(reqs, 0), num_logprobs=_num_logprobs(reqs))
 
+
+class DecodePlan(NamedTuple):
+    """A decode step: one verify-and-draft step per request, one row per request in batch order.
+
+    Attributes:
+        step_id, request_ids, batch_slots, block_tables, temperature, top_k, top_p, seeds: as `PrefillPlan`'s.
+        draft_len: drafts each row verifies (the draft-length policy's choice, ≤ K).
+        drafting: whether the step drafts for the next one: False when speculation is off (draft_len 0): plain
+            decoding, at no more cost. A request whose last step did not draft first runs one step with draft_len 0
+            and drafting on when speculation comes back on (it has no drafts to verify).
+        kv_lens: [B] each row's KV length on the host (the step writes at kv_len..kv_len+draft_len).
+        input_ids: [B, draft_len + 1] each row's `[last emitted, d1..d_draft_len]` (missing drafts 0).
+        processing: the rows' logit processing for each verified position, built from their state after the
+            drafts before it; None when no row needs any.
+        num_logprobs: as `PrefillPlan`'s.
+        catch_up_starts: () when no row catches up: [B] the first position whose drafter KV a row lacks (prefilled
+            or decoded while speculation was off, by a drafter whose KV is written later: `DraftKV.FROM_TOKENS`),
+            −1 for a row that lacks none. The runner has the drafter write positions catch_up_starts[b] .. the
+            row's kv_len before the step.
+        catch_up_ids: [B] the tokens at those positions that the host knows (all but the last: the step's input
+            token, which with the overlap scheduler may still be in flight; the runner takes it from the inputs).
+        draft_lens: () when every row verifies draft_len: [B] the drafts each row verifies, ≤ draft_len = their
+            maximum (a ragged step: `chain_step.verify_ragged`; input_ids keep draft_len + 1 columns).
+        num_new_drafts: the drafts the step makes for the next one, in [1, K], for a drafter that drafts on demand
+            (`DraftSchedule.on_demand`; the policy's draft length); None: the drafter's K.
+    """
+
+    step_id: int
+    request_ids: tuple[int, ...]
+    batch_slots: tuple[int, ...]
+    block_tables: tuple[tuple[int, ...], ...]
+    temperature: tuple[float, ...]
+    top_k: tuple[int, ...]
+    top_p: tuple[float, ...]
+    seeds: tuple[int, ...]
+    draft_len: int
+    drafting: bool
+    kv_lens: tuple[int, ...]
+    input_ids: tuple[tuple[int, ...], ...]
+    processing: LogitsProcessing | None = None
+    num_logprobs: int = -1
+    catch_up_starts: tuple[int, ...] = ()
+    catch_up_ids: tuple[tuple[int, ...], ...] = ()
+    draft_lens: tuple[int, ...] = ()
+    num_new_drafts: int | None = None
+
+    @property
+    def kind(self) -> Literal["decode"]:
+        return "decode"
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.request_ids)
+
     @classmethod
-    def decode(cls, step_id: int, reqs: tuple[Request, ...], draft_len: int, drafting: bool,
-               catch_up: bool = False, draft_lens: tuple[int, ...] = (),
-               num_new_drafts: int | None = None) -> StepPlan:
+    def build(cls, step_id: int, reqs: tuple[Request, ...], draft_len: int, drafting: bool, catch_up: bool = False,
+              draft_lens: tuple[int, ...] = (), num_new_drafts: int | None = None) -> DecodePlan:
         """One verify-and-draft step of `reqs`, verifying `draft_len` of each one's drafts (`draft_lens`: row i
         only its first draft_lens[i], draft_len their maximum) and drafting `num_new_drafts` (None: K); with
         `catch_up`, the rows whose drafter KV has a gap (`Request.drafter_gap`) have the drafter write it first."""
@@ -106,11 +138,14 @@ class StepPlan(NamedTuple):
         pad = [0] * draft_len
         kv_lens = tuple(r.kv_len for r in reqs)
         input_ids = tuple((r.last_token_id, *(r.draft_tokens + pad)[:draft_len]) for r in reqs)
-        return cls(step_id, "decode", **_rows(reqs), draft_len=draft_len, drafting=drafting, kv_lens=kv_lens,
-                   input_ids=input_ids,
-                   processing=_processing(reqs, draft_len, input_ids), num_logprobs=_num_logprobs(reqs),
-                   catch_up_starts=tuple(starts), catch_up_ids=tuple(ids), draft_lens=draft_lens,
-                   num_new_drafts=num_new_drafts)
+        return cls(step_id, **_rows(reqs), draft_len=draft_len, drafting=drafting, kv_lens=kv_lens,
+                   input_ids=input_ids, processing=_processing(reqs, draft_len, input_ids),
+                   num_logprobs=_num_logprobs(reqs), catch_up_starts=tuple(starts), catch_up_ids=tuple(ids),
+                   draft_lens=draft_lens, num_new_drafts=num_new_drafts)
+
+
+#: One step's plan: the scheduler → runner contract.
+StepPlan = PrefillPlan | DecodePlan
 
 
 def _catch_up(req: Request) -> tuple[int, tuple[int, ...]]:
