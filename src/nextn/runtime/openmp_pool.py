@@ -25,26 +25,28 @@ _OMP_PAUSE_SOFT = 1  # omp_pause_soft: free the threads; the next parallel regio
 _RUNTIMES = ("libgomp", "libiomp5", "libomp")
 
 
-@functools.lru_cache(maxsize=1)
-def _pause_fn():
-    """`omp_pause_resource_all` of the OpenMP runtime loaded in this process (torch's), or None where there is none
-    (no /proc: not Linux; a runtime before OpenMP 5.0)."""
-    maps = Path("/proc/self/maps")
+@functools.lru_cache(maxsize=None)
+def _pause_of(path: str):
+    """`omp_pause_resource_all` of the OpenMP runtime at `path`, or None (a runtime before OpenMP 5.0)."""
     try:
-        lines = maps.read_text().splitlines()
-    except OSError:
+        fn = ctypes.CDLL(path).omp_pause_resource_all
+    except (OSError, AttributeError):
         return None
-    for line in lines:
-        fields = line.split()  # address, perms, offset, dev, inode[, path]
-        path = fields[5] if len(fields) >= 6 else ""
-        if any(Path(path).name.startswith(name) for name in _RUNTIMES):
-            try:
-                fn = ctypes.CDLL(path).omp_pause_resource_all
-            except (OSError, AttributeError):
-                continue
-            fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
-            return fn
-    return None
+    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+    return fn
+
+
+def _pause_fns() -> list:
+    """`omp_pause_resource_all` of every OpenMP runtime loaded in this process now: torch's, and any other (a
+    compiled step's kernels may load the system's libgomp beside torch's own copy; each keeps its own pools). Empty
+    where there is none or no /proc (not Linux)."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return []
+    paths = dict.fromkeys(fields[5] for fields in (line.split() for line in lines)
+                          if len(fields) >= 6 and any(Path(fields[5]).name.startswith(n) for n in _RUNTIMES))
+    return [fn for fn in map(_pause_of, paths) if fn is not None]
 
 
 def release_thread_pool() -> bool:
@@ -54,15 +56,15 @@ def release_thread_pool() -> bool:
     one pool start-up. Call it on the thread that loaded or stepped the engine, before another thread steps it.
 
     Returns:
-        True when the runtime freed the pool (or there was none), False where no OpenMP 5.0 runtime is loaded or it
-        refused (called inside a parallel region).
+        True when every loaded OpenMP runtime freed its pool (or there was none), False where no OpenMP 5.0 runtime
+        is loaded or one refused (called inside a parallel region).
     """
     import torch  # noqa: F401 - its OpenMP runtime must be loaded for the lookup
 
-    fn = _pause_fn()
-    if fn is None:
+    fns = _pause_fns()
+    if not fns:
         return False
-    ok = fn(_OMP_PAUSE_SOFT) == 0
+    ok = all([fn(_OMP_PAUSE_SOFT) == 0 for fn in fns])  # every runtime's pool of this thread
     if not ok:
         logger.debug("omp_pause_resource_all refused on this thread")
     return ok
