@@ -66,9 +66,9 @@ def test_overlap_keeps_the_previous_step_on_the_device(eagle, monkeypatch):
     eng.add_request(eng.make_request(PROMPTS[0], SamplingParams(max_tokens=10, ignore_eos=True)))
     assert eng.step() == [] and eng._inflight is not None  # the prefill is launched, nothing read back yet
     req = eng.scheduler.running[0]
-    assert req.output_token_ids == [] and req.num_inflight_tokens == 1
+    assert req.output_token_ids == [] and req.progress.num_inflight_tokens == 1
     updated = eng.step()  # launches decode step 1 from the prefill's device outputs, then processes the prefill
-    assert updated == [req] and len(req.output_token_ids) == 1 and req.num_inflight_tokens == 4
+    assert updated == [req] and len(req.output_token_ids) == 1 and req.progress.num_inflight_tokens == 4
     events, launch, read_back = [], eng.runner.launch, eng.runner.read_back
 
     def no_sync(*args, **kwargs):

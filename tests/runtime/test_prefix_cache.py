@@ -182,7 +182,7 @@ def _prefill_rows(llm: LLM, prompt: list[int]) -> tuple[int, list[torch.Tensor]]
     eng = llm.engine
     req = eng.make_request(prompt, SamplingParams(max_tokens=3, ignore_eos=True))
     eng.add_request(req)
-    while not req.prefill_done:
+    while not req.progress.prefill_done:
         eng.step()
     slots = torch.tensor([req.block_table[p // BLOCK] * BLOCK + p % BLOCK for p in range(len(prompt))])
     tensors = [eng.runner.kv_cache] + ([eng.drafter.kv_cache] if getattr(eng.drafter, "kv_cache", None) is not None

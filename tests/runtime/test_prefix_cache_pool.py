@@ -131,7 +131,7 @@ def _run_prefill(sched: Scheduler, req: Request) -> None:
     batch = sched.schedule()
     assert batch is not None and batch.kind == "prefill"
     for r, end in zip(sched.requests_of(batch), batch.chunk_ends):
-        r.num_computed_tokens = end
+        r.progress.num_computed_tokens = end
         sched.cache_blocks(r)
 
 
@@ -144,7 +144,7 @@ def test_admission_reuses_full_blocks_and_computes_the_last_positions(overlap, l
     _run_prefill(sched, first)
     final = 18 - overlap  # Vanilla's last K positions may still be rewritten
     keyed = min(final // B, (18 - lookahead) // B)
-    assert first.num_committed_blocks == keyed and len(pool.cache.cached_blocks) == keyed
+    assert first.progress.num_committed_blocks == keyed and len(pool.cache.cached_blocks) == keyed
     second = _request(list(range(100, 118)) + [7, 8], rid=1)  # extends the first prompt
     sched.add(second)
     batch = _next_prefill(sched)
@@ -163,7 +163,7 @@ def test_a_partial_block_is_never_shared():
     first = _request(list(range(100, 110)))  # 2 full blocks + 2 tokens
     sched.add(first)
     _run_prefill(sched, first)
-    assert first.num_committed_blocks == 2
+    assert first.progress.num_committed_blocks == 2
     second = _request(list(range(100, 110)) + [1], rid=1)
     sched.add(second)
     assert _next_prefill(sched).chunk_starts == (2 * B,)  # positions 8, 9 are recomputed into its own block
@@ -177,12 +177,12 @@ def test_no_blocks_registered_past_a_step_without_the_drafter():
     sched.add(req)
     _run_prefill(sched, req)
     req.output_token_ids = [1]
-    req.prefill_done = True
-    assert req.num_committed_blocks == 1
+    req.progress.prefill_done = True
+    assert req.progress.num_committed_blocks == 1
     # speculation off: a step without the drafter
     sched.draft_len_policy.draft_len = lambda batch_size, request_ids=(): 0
-    assert not sched.schedule().drafting and req.drafter_gap == req.kv_len == 6
+    assert not sched.schedule().drafting and req.progress.drafter_gap == req.kv_len == 6
     req.output_token_ids += list(range(10))
-    req.num_computed_tokens = req.kv_len
+    req.progress.num_computed_tokens = req.kv_len
     sched.cache_blocks(req)
-    assert req.num_committed_blocks == 1  # block 1 (positions 4..7) holds a position decoded without the drafter
+    assert req.progress.num_committed_blocks == 1  # block 1 (positions 4..7) holds a position decoded without the drafter

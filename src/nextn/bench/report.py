@@ -112,7 +112,7 @@ def compute_statistics(run: BenchRun) -> BenchStatistics:
     tpot = [o.tpot_ms for o in outs if o.tpot_ms is not None]
     counts = [decoding_counts(o, run.max_draft_len) for o in outs]
     steps = sum(o.num_decode_steps for o in outs)
-    k = run.max_draft_len if run.num_draft_positions < 0 else run.num_draft_positions
+    k = run.max_draft_len if run.max_draft_depth < 0 else run.max_draft_depth
     per_pos = [sum(o.accepted_per_position[j] for o in outs if j < len(o.accepted_per_position)) / steps if steps else 0.0
                for j in range(k)]
     return BenchStatistics(

@@ -38,7 +38,7 @@ class BenchRun:
         mode: "throughput" or "latency".
         decoding_mode: speculative_config's decoding_type ("MTP") or "none".
         max_draft_len: K, draft tokens per verify-and-draft step (0 without speculation; a Medusa tree's size − 1).
-        num_draft_positions: draft positions a step can accept in sequence (K; a Medusa tree's depth).
+        max_draft_depth: draft positions a step can accept in sequence (K; a Medusa tree's depth).
         input_lens: prompt tokens of each completed request, aligned with `outputs`.
         outputs: the completed requests (failed ones are in `errors`).
         start_time, end_time: perf_counter seconds at the first submission and at the last completion.
@@ -59,7 +59,7 @@ class BenchRun:
     end_time: float
     concurrency: int
     streaming: bool
-    num_draft_positions: int = -1  # -1: max_draft_len
+    max_draft_depth: int = -1  # -1: max_draft_len
     dataset_path: str | None = None
     engine: dict = field(default_factory=dict)
     world: dict = field(default_factory=dict)
@@ -171,7 +171,7 @@ def describe_engine(llm) -> tuple[dict, dict, str, int, int]:
              "scheduling_policy": ("fcfs, prefill steps (chunked) alternating with decode, preempt by recompute"
                                    + ("" if llm.args.disable_overlap_scheduler else ", overlap scheduler")),
              "kv_cache_tokens": llm.num_kv_blocks * llm.tokens_per_block, "tokens_per_block": llm.tokens_per_block}
-    return engine, world, mode, k, llm.num_draft_positions  # a tree drafter accepts one path: its depth
+    return engine, world, mode, k, llm.max_draft_depth  # a tree drafter accepts one path: its depth
 
 
 def _timed_pass(llm, prompts: list[list[int]], params: list[SamplingParams], concurrency: int, record: bool,
@@ -245,5 +245,5 @@ def run_benchmark(llm, entries: list[DatasetEntry], *, mode: str = "throughput",
     spread = PassSpread(tuple(rates), load_before, load_after, os.cpu_count(), torch.get_num_threads())
     return BenchRun(mode=mode, decoding_mode=decoding_mode, max_draft_len=k, input_lens=[n for n, _ in ok],
                     outputs=[r for _, r in ok], start_time=start, end_time=end, concurrency=concurrency,
-                    streaming=streaming or mode == "latency", num_draft_positions=depth, dataset_path=dataset_path,
+                    streaming=streaming or mode == "latency", max_draft_depth=depth, dataset_path=dataset_path,
                     engine=info, world=world, errors=errors, iteration_log=log, prefix_cache=reuse, spread=spread)

@@ -154,7 +154,7 @@ class ContextSide:
         while reqs:
             engine.step()
             for rid, (i, req) in list(reqs.items()):
-                if not (req.prefill_done or req.finished):
+                if not (req.progress.prefill_done or req.finished):
                     continue
                 del reqs[rid]
                 hidden = self.hidden.pop(rid, None)

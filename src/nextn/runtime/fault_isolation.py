@@ -78,8 +78,8 @@ def recover_from_failed_step(engine: Engine, error: Exception, running_before: l
         suspects = [sched.waiting[0]]
     stateless = not engine.runner.state and not engine.runner.accept_state
     for req in suspects:
-        if stateless and req.prefill_done and req.is_decoding:
-            req.num_inflight_tokens = 0  # resume from the host state: keep blocks and slot
+        if stateless and req.progress.prefill_done and req.is_decoding:
+            req.progress.num_inflight_tokens = 0  # resume from the host state: keep blocks and slot
         else:
             sched.requeue(req)
     for req in sched.waiting:  # an admission that failed midway may have grown a block table

@@ -22,7 +22,7 @@ def iteration_entry(step: InflightStep, result: StepResult, num_finished: int, s
              "num_emitted": sum(len(e) for e in result.emitted), "free_blocks": pool.num_free,
              "num_waiting": len(scheduler.waiting), "latency_ms": (time.perf_counter() - step.launch_time) * 1e3}
     if isinstance(plan, DecodePlan):
-        entry["draft_len"], entry["drafting"] = result.num_draft, plan.drafting
+        entry["draft_len"], entry["drafting"] = result.draft_len, plan.drafting
         if plan.draft_lens:
             entry["draft_lens"] = list(plan.draft_lens)
     else:

@@ -146,10 +146,9 @@ class LLM:
         return self.engine.drafter.num_draft_tokens
 
     @property
-    def num_draft_positions(self) -> int:
+    def max_draft_depth(self) -> int:
         """The most draft tokens one step can accept: a tree drafter's depth, else K (0 for plain decoding)."""
-        tree = getattr(self.engine.drafter, "tree", None)
-        return getattr(tree, "max_depth", self.num_draft_tokens)
+        return self.engine.drafter.max_draft_depth
 
     @property
     def eos_ids(self) -> frozenset[int]:

@@ -20,7 +20,7 @@ What lags, and how it is made safe:
   read-back. Requests that did not run in n−1 (joined, or last ran before a prefill step) use host values, which
   are exact. A batch whose composition changed is therefore rebuilt row by row, never synchronised.
 - KV blocks. The host's kv_len of a request in flight is short by up to the tokens step n−1 emits (K+1, kept in
-  `Request.num_inflight_tokens`), so the scheduler grows block tables by that much more.
+  `Progress.num_inflight_tokens`), so the scheduler grows block tables by that much more.
 - Finishes. A request that stops at step n−1 has already been launched in step n: step n's tokens for it are
   discarded (it is finished when step n is processed) and its blocks, freed while step n may still write them,
   are only reused by a later step, which runs after step n on the same stream.
@@ -113,7 +113,7 @@ class StepResult:
     emitted: list[list[int]]  # tokens each request emits this step (before stop checks); [] for an earlier chunk
     drafts: list[list[int]]  # its drafts for the next step
     num_accepted: list[int]  # drafts the target accepted (decode), 0 for prefill
-    num_draft: int = 0  # drafts counted per request (decode statistics: `Drafter.stat_draft_len(draft_len)`)
+    draft_len: int = 0  # drafts counted per request (decode statistics: `Drafter.stat_draft_len(draft_len)`)
     logprobs: list[list[TokenLogprob]] | None = None  # per request, one per emitted token (when a request asks)
     seconds: float = 0.0  # the step's own time: its launch (on a CPU all of it) plus waiting for its results
 
@@ -193,7 +193,7 @@ class ModelRunner:
                 else None
             out = self.decode_fn(self.model, drafter, self.acceptance, self.kv_cache, ids, kv_lens, block_tables,
                                  sampling, state if plan.drafting else (), accept_state, self.block_size,
-                                 draft_lens=draft_lens, num_drafts=plan.num_new_drafts)
+                                 draft_lens=draft_lens, num_drafts=plan.num_drafts)
         for buf, new in zip(self.state, out.drafter_state):
             buf[slots] = new
         for buf, new in zip(self.accept_state, out.accept_state):
@@ -269,7 +269,7 @@ class ModelRunner:
             logprobs=None if out.logprobs is None else _logprobs(out.logprobs, emitted),
             drafts=drafts,
             num_accepted=[n - 1 for n in counts] if decode else [0] * len(tokens),
-            num_draft=self.drafter.stat_draft_len(plan.draft_len if isinstance(plan, DecodePlan) else 0),
+            draft_len=self.drafter.stat_draft_len(plan.draft_len if isinstance(plan, DecodePlan) else 0),
             # not launch → now: with the overlap scheduler that would also hold the next step's launch
             seconds=step.launch_seconds + time.perf_counter() - read_start,
         )

@@ -17,12 +17,37 @@ class RequestStatus(Enum):
     FINISHED = "finished"
 
 
+@dataclass(eq=False, slots=True)
+class Progress:
+    """Where a request's current admission stands: the scheduler's counters (a preemption starts them again).
+
+    Attributes:
+        prefill_len: tokens this admission prefills (0 while waiting), reused prefix included.
+        num_prefilled_tokens: of them, scheduled so far (chunked prefill) or reused from the prefix cache.
+        prefill_done: this admission's last prefill chunk has been processed (its first token appended).
+        num_computed_tokens: leading positions whose KV (target and drafter) processed steps have written.
+        num_committed_blocks: leading blocks of the block table already handed to the prefix cache (or hits).
+        num_inflight_tokens: most tokens a launched, not yet processed step may emit (overlap scheduler).
+        num_drafts: drafts its last launched step made for the next (0: it did not draft; a prefill: K).
+        drafter_gap: kv_len at this admission's first step run without its drafter (its KV left unwritten), or None.
+    """
+
+    prefill_len: int = 0
+    num_prefilled_tokens: int = 0
+    prefill_done: bool = False
+    num_computed_tokens: int = 0
+    num_committed_blocks: int = 0
+    num_inflight_tokens: int = 0
+    num_drafts: int = 0
+    drafter_gap: int | None = None
+
+
 @dataclass(eq=False)
 class Request:
     """Invariant while decoding: the KV of all tokens but the last is cached (kv_len = num_tokens − 1), as far as
     the host knows; a step still in flight (overlap scheduler) may add up to `num_inflight_tokens` more.
 
-    Prefill progress (set by the scheduler when it schedules a chunk, not when the chunk has run):
+    Progress (`progress`, set by the scheduler when it schedules a chunk, not when the chunk has run):
     `prefill_len` tokens are prefilled at admission (the prompt, plus the output after a preemption);
     `num_prefilled_tokens` of them have been scheduled so far.
     """
@@ -38,16 +63,9 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     draft_tokens: list[int] = field(default_factory=list)
     batch_slot: int = -1  # row in the drafter-state buffers while running
-    prefill_len: int = 0  # tokens this admission prefills (0 while waiting), reused prefix included
-    num_prefilled_tokens: int = 0  # of them, scheduled so far (chunked prefill) or reused from the prefix cache
-    num_computed_tokens: int = 0  # leading positions whose KV (target and drafter) processed steps have written
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache keys of its leading full blocks
-    num_committed_blocks: int = 0  # leading blocks of block_table already handed to the prefix cache (or hits)
-    drafter_gap: int | None = None  # kv_len at this admission's first step run without its drafter (KV left unwritten)
+    progress: Progress = field(default_factory=Progress)  # where this admission stands (the scheduler's)
     num_cached_tokens: int = -1  # prompt tokens reused from the prefix cache at its first admission (-1: not yet)
-    num_inflight_tokens: int = 0  # most tokens a launched, not yet processed step may emit (overlap scheduler)
-    prefill_done: bool = False  # this admission's last prefill chunk has been processed (its first token appended)
-    num_drafts: int = 0  # drafts its last launched step made for the next (0: it did not draft; a prefill: K)
     finish_reason: FinishReason = None
     error: str | None = None
     num_failed_steps: int = 0  # engine steps that failed with it in the batch and no request found at fault
@@ -87,20 +105,18 @@ class Request:
     @property
     def is_decoding(self) -> bool:
         """Running with its whole prefill scheduled: it can join a decode step."""
-        return self.status is RequestStatus.RUNNING and 0 < self.prefill_len <= self.num_prefilled_tokens
+        progress = self.progress
+        return self.status is RequestStatus.RUNNING and 0 < progress.prefill_len <= progress.num_prefilled_tokens
 
     @property
     def finishes_in_flight(self) -> bool:
         """The step in flight surely ends it (it emits ≥ 1 token and one more reaches max_tokens): no need to
         launch it again before that step is processed."""
-        return self.num_inflight_tokens > 0 and len(self.output_token_ids) + 1 >= self.params.max_tokens
+        return self.progress.num_inflight_tokens > 0 and len(self.output_token_ids) + 1 >= self.params.max_tokens
 
     def reset_prefill(self) -> None:
         """Back to waiting (preemption): the next admission prefills prompt + output again."""
-        self.prefill_len = self.num_prefilled_tokens = self.num_inflight_tokens = 0
-        self.num_computed_tokens = self.num_committed_blocks = 0  # (block_hashes stay: the tokens only grow)
-        self.drafter_gap = None
-        self.prefill_done = False
+        self.progress = Progress(num_drafts=self.progress.num_drafts)  # (block_hashes stay: the tokens only grow)
         self.draft_tokens = []
 
     def append(self, tokens: list[int], max_seq_len: int, logprobs: list[TokenLogprob] | None = None) -> None:
@@ -108,7 +124,7 @@ class Request:
         `logprobs` (one per token) are kept with them when the request asked for them."""
         if self.first_token_time is None and tokens:
             self.first_token_time = time.perf_counter()
-        self.prefill_done = True
+        self.progress.prefill_done = True
         stops = set(self.params.stop_token_ids) | (set() if self.params.ignore_eos else set(self.eos_ids))
         kept = len(tokens)
         for i, tok in enumerate(tokens):
@@ -127,14 +143,14 @@ class Request:
             self.logprobs.extend(e if len(e.top) == k else TokenLogprob(e.token_id, e.logprob, e.top[:k])
                                  for e in logprobs[:kept])
 
-    def record_step(self, num_draft: int, num_accepted: int) -> None:
-        """Count one verify-and-draft step that accepted `num_accepted` of `num_draft` drafts."""
+    def record_step(self, draft_len: int, num_accepted: int) -> None:
+        """Count one verify-and-draft step that accepted `num_accepted` of `draft_len` drafts."""
         self.num_decode_steps += 1
-        self.steps_per_draft_len[num_draft] = self.steps_per_draft_len.get(num_draft, 0) + 1
-        self.num_draft_tokens += num_draft
+        self.steps_per_draft_len[draft_len] = self.steps_per_draft_len.get(draft_len, 0) + 1
+        self.num_draft_tokens += draft_len
         self.num_accepted_draft_tokens += num_accepted
-        if len(self.accepted_per_position) < num_draft:
-            self.accepted_per_position.extend([0] * (num_draft - len(self.accepted_per_position)))
+        if len(self.accepted_per_position) < draft_len:
+            self.accepted_per_position.extend([0] * (draft_len - len(self.accepted_per_position)))
         for j in range(num_accepted):
             self.accepted_per_position[j] += 1
 

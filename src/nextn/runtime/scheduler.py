@@ -13,7 +13,7 @@ each prefill step, so a decode step never waits behind more than one chunk.
 
 KV blocks: admission reserves the whole prompt plus the look-ahead (a request that does not fit waits). A decode
 step needs room for the K+1 verified tokens and the drafter's K−1 look-ahead past kv_len, plus — with the overlap
-scheduler — the tokens the step still in flight may emit (`Request.num_inflight_tokens`). When blocks run out the
+scheduler — the tokens the step still in flight may emit (`Progress.num_inflight_tokens`). When blocks run out the
 most recently admitted request is preempted (blocks freed, re-prefilled later over prompt + output: nothing is
 lost); with a step in flight the scheduler first asks for a sync (`NeedsSync`) so that it decides on exact state.
 
@@ -152,9 +152,9 @@ class Scheduler:
         for req in self.running:  # the next chunks of prompts being prefilled, oldest first
             if req.is_decoding or budget <= 0:
                 continue
-            start = max(0, req.num_prefilled_tokens - self.draft_schedule.rerun_rows)
-            end = min(req.prefill_len, start + budget)
-            if end <= req.num_prefilled_tokens:
+            start = max(0, req.progress.num_prefilled_tokens - self.draft_schedule.rerun_rows)
+            end = min(req.progress.prefill_len, start + budget)
+            if end <= req.progress.num_prefilled_tokens:
                 break
             chunks.append((req, start, end, 0))
             budget -= end - start
@@ -173,15 +173,16 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             req.batch_slot = self._free_slots.pop()
-            req.prefill_len, req.num_prefilled_tokens = n, reused
-            req.num_computed_tokens, req.num_committed_blocks = reused, len(hits)
+            req.progress.prefill_len, req.progress.num_prefilled_tokens = n, reused
+            req.progress.num_computed_tokens, req.progress.num_committed_blocks = reused, len(hits)
             if self.pool.cache is not None:
                 self.pool.cache.record_query(n, reused)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = reused
             if missing is not None:  # reused blocks without the draft model's KV: it catches them up first
                 gap = missing * self.pool.block_size
-                req.drafter_gap = gap if req.drafter_gap is None else min(req.drafter_gap, gap)
+                known = req.progress.drafter_gap
+                req.progress.drafter_gap = gap if known is None else min(known, gap)
             self.running.append(req)
             end = min(n, reused + budget) if self.enable_chunked_prefill else n
             chunks.append((req, reused, end, reused))
@@ -189,13 +190,13 @@ class Scheduler:
         if not chunks:
             return None
         drafting = self.draft_len_policy.max_draft_len == 0 or self.draft_len_policy.would_draft(len(self.running))
-        if self._drafter_writes_later and any(r.drafter_gap is not None for r, *_ in chunks):
+        if self._drafter_writes_later and any(r.progress.drafter_gap is not None for r, *_ in chunks):
             drafting = False  # an earlier chunk skipped the drafter: its first decode step catches the whole gap up
         for req, start, end, _ in chunks:
-            req.num_prefilled_tokens = end
-            req.num_drafts = self.num_draft_tokens if drafting else 0
-            if not drafting and self._drafter_writes_later and req.drafter_gap is None:
-                req.drafter_gap = start  # the drafter skips this prefill (its KV is written later)
+            req.progress.num_prefilled_tokens = end
+            req.progress.num_drafts = self.num_draft_tokens if drafting else 0
+            if not drafting and self._drafter_writes_later and req.progress.drafter_gap is None:
+                req.progress.drafter_gap = start  # the drafter skips this prefill (its KV is written later)
         reqs, starts, ends, num_reused = zip(*chunks)
         return self._new_plan(reqs, PrefillPlan.build, starts, ends, num_reused, drafting)
 
@@ -209,8 +210,8 @@ class Scheduler:
             return False
         req.status = RequestStatus.RUNNING
         req.batch_slot = self._free_slots.pop()
-        req.prefill_len = req.num_prefilled_tokens = req.num_computed_tokens = n
-        req.num_drafts = self.num_draft_tokens  # (the context side's prefill drafted K)
+        req.progress.prefill_len = req.progress.num_prefilled_tokens = req.progress.num_computed_tokens = n
+        req.progress.num_drafts = self.num_draft_tokens  # (the context side's prefill drafted K)
         self.running.append(req)
         return True
 
@@ -255,22 +256,22 @@ class Scheduler:
         cache = self.pool.cache
         if cache is None or not req.block_table:
             return 0
-        gap = req.drafter_gap
-        final = req.num_computed_tokens if gap is None or self._drafter_writes_later else min(req.num_computed_tokens, gap)
-        n = min((final - self.draft_schedule.rerun_rows) // self.pool.block_size, cache.num_keyed_blocks(req.num_tokens),
-                len(req.block_table))
-        if n <= req.num_committed_blocks:
+        gap, computed = req.progress.drafter_gap, req.progress.num_computed_tokens
+        final = computed if gap is None or self._drafter_writes_later else min(computed, gap)
+        n = min((final - self.draft_schedule.rerun_rows) // self.pool.block_size,
+                cache.num_keyed_blocks(req.num_tokens), len(req.block_table))
+        if n <= req.progress.num_committed_blocks:
             return 0
         hashes = cache.extend_hashes(req.block_hashes, req.all_token_ids, n)
         bs = self.pool.block_size
         done = sum(cache.register(req.block_table[i], hashes[i], drafter_kv=gap is None or (i + 1) * bs <= gap)
-                   for i in range(req.num_committed_blocks, n))
-        req.num_committed_blocks = n
+                   for i in range(req.progress.num_committed_blocks, n))
+        req.progress.num_committed_blocks = n
         return done
 
     def _schedule_decode(self, in_flight: bool) -> StepPlan | None:
         for req in [r for r in self.running if r.is_decoding and not r.finishes_in_flight]:
-            need = req.kv_len + req.num_inflight_tokens + self.lookahead
+            need = req.kv_len + req.progress.num_inflight_tokens + self.lookahead
             while req in self.running and not self.pool.grow(req.block_table, need):
                 if in_flight:
                     raise NeedsSync
@@ -284,7 +285,8 @@ class Scheduler:
             return None
         k = self.draft_len_policy.draft_len(len(reqs), [r.request_id for r in reqs])
         drafting = k > 0 or self.draft_len_policy.max_draft_len == 0
-        new_drafts = k if self.draft_schedule.on_demand and k > 0 else self.num_draft_tokens  # what the next step may verify
+        # what the next step may verify
+        new_drafts = k if self.draft_schedule.on_demand and k > 0 else self.num_draft_tokens
         lens = self._ragged_lens(reqs, k) or ()
         if lens:  # each row its own length, at most the policy's
             k = max(lens)
@@ -292,26 +294,26 @@ class Scheduler:
         elif k > 0 and self.draft_schedule.proposal_len is not None:  # no wider than the drafter says pays (0: it still
             # drafts)
             k = max(0, min(k, self.draft_schedule.proposal_len([r.batch_slot for r in reqs])))
-        if k > (ready := min(r.num_drafts for r in reqs)):  # 0: speculation back on, draft first (drafts are
+        if k > (ready := min(r.progress.num_drafts for r in reqs)):  # 0: speculation back on, draft first (drafts are
             k, lens = ready, ()  # not kept while it is off); else a longer length than the last step drafted
-        catch_up = drafting and self._drafter_writes_later and any(r.drafter_gap is not None for r in reqs)
+        catch_up = drafting and self._drafter_writes_later and any(r.progress.drafter_gap is not None for r in reqs)
         plan = self._new_plan(reqs, DecodePlan.build, k, drafting, catch_up, tuple(lens),
                               new_drafts if self.draft_schedule.on_demand and drafting else None)
         for req in reqs:
-            req.num_drafts = new_drafts if drafting else 0
-            if not drafting and self._drafter_keeps_kv and req.drafter_gap is None:
-                req.drafter_gap = req.kv_len  # (host kv_len: with a step in flight the gap starts later)
+            req.progress.num_drafts = new_drafts if drafting else 0
+            if not drafting and self._drafter_keeps_kv and req.progress.drafter_gap is None:
+                req.progress.drafter_gap = req.kv_len  # (host kv_len: with a step in flight the gap starts later)
             elif catch_up:
                 self._caught_up(req)
-                req.drafter_gap = None  # the step writes it first
+                req.progress.drafter_gap = None  # the step writes it first
         return plan
 
     def _caught_up(self, req: Request) -> None:
         """A planned step catches `req`'s drafter up from its gap: the cached blocks it covers (hits registered
         without the drafter's KV, `_prefix_hits`) have it once that step ran, so later hits skip the catch-up."""
-        if self.pool.cache is not None and req.drafter_gap is not None:
-            first = req.drafter_gap // self.pool.block_size
-            self.pool.cache.caught_up(req.block_table[first:req.num_committed_blocks])
+        if self.pool.cache is not None and req.progress.drafter_gap is not None:
+            first = req.progress.drafter_gap // self.pool.block_size
+            self.pool.cache.caught_up(req.block_table[first:req.progress.num_committed_blocks])
 
     def _ragged_lens(self, reqs: tuple[Request, ...], k: int) -> list[int] | None:
         """The drafter's per-row draft lengths under the policy's k, where a ragged step can verify them: k > 0 and
@@ -327,7 +329,7 @@ class Scheduler:
         each emit up to `max_emitted` (the step's token width), which block growth reserves meanwhile."""
         for i, req in enumerate(self._scheduled[plan.step_id]):
             emits = isinstance(plan, DecodePlan) or plan.is_last_chunk(i)
-            req.num_inflight_tokens = max_emitted if emits else 0
+            req.progress.num_inflight_tokens = max_emitted if emits else 0
 
     def update_from_output(self, plan: StepPlan, output: StepResult) -> tuple[list[Request], list[Request]]:
         """Apply a step's host results to its requests: append tokens (stop checks), the drafts for the next step,
@@ -340,34 +342,34 @@ class Scheduler:
         """
         reqs = self._scheduled.pop(plan.step_id)
         decode = plan if isinstance(plan, DecodePlan) else None
-        k = output.num_draft
+        k = output.draft_len
         updated = []
-        num_draft = num_accepted = 0
+        drafted = num_accepted = 0
         per_request: dict[int, int] = {}
         for i, (req, emitted, drafts, accepted) in enumerate(zip(reqs, output.emitted, output.drafts,
                                                                  output.num_accepted)):
-            req.num_inflight_tokens = 0
+            req.progress.num_inflight_tokens = 0
             if req.finished:  # finished (or cancelled) before this step ran
                 continue
             if not emitted and isinstance(plan, PrefillPlan):  # an earlier prefill chunk
-                req.num_computed_tokens = plan.chunk_ends[i]
+                req.progress.num_computed_tokens = plan.chunk_ends[i]
                 self.cache_blocks(req)
                 continue
             if decode is not None:
                 k_row = decode.draft_lens[i] if decode.draft_lens else k
                 req.record_step(k_row, accepted)
-                num_draft, num_accepted = num_draft + k_row, num_accepted + accepted
+                drafted, num_accepted = drafted + k_row, num_accepted + accepted
                 per_request[req.request_id] = accepted
             req.append(emitted, self.max_seq_len, None if output.logprobs is None else output.logprobs[i])
             req.draft_tokens = drafts
-            req.num_computed_tokens = req.kv_len
+            req.progress.num_computed_tokens = req.kv_len
             self.cache_blocks(req)
             updated.append(req)
         if decode is not None:  # timed only when the step is plain or fully speculating (not re-priming drafts)
             # and, drafting on demand, drafts as many as it verified (a step profile's t(k): verify k, draft k)
             seconds = output.seconds if decode.drafting == (decode.draft_len > 0) and not decode.draft_lens and (
-                decode.num_new_drafts in (None, decode.draft_len)) else 0.0
-            self.draft_len_policy.observe(num_draft, num_accepted, decode.draft_len, len(reqs), seconds, per_request)
+                decode.num_drafts in (None, decode.draft_len)) else 0.0
+            self.draft_len_policy.observe(drafted, num_accepted, decode.draft_len, len(reqs), seconds, per_request)
         return updated, self.finish_done()
 
     def cancel(self, request_id: int) -> Request | None:

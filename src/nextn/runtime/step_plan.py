@@ -28,7 +28,7 @@ class PrefillPlan(NamedTuple):
         drafting: False when the draft-length policy would not speculate at the running batch's size: the drafter
             writes its KV but drafts nothing.
         token_ids: [B] each row's whole sequence (its chunk, the token after it, a reused prefix).
-        prefill_lens: [B] tokens the row's admission prefills (`Request.prefill_len`).
+        prefill_lens: [B] tokens the row's admission prefills (`Progress.prefill_len`).
         chunk_starts, chunk_ends: [B] each row runs its tokens [start, end); the chunk with end ≥ prefill_len is its
             last and emits the first token.
         num_reused: [B] tokens the row reuses from the prefix cache when this chunk is the first of its admission,
@@ -71,7 +71,7 @@ class PrefillPlan(NamedTuple):
               num_reused: tuple[int, ...], drafting: bool) -> PrefillPlan:
         """Prompt chunks [starts[i], ends[i]) of `reqs`."""
         return cls(step_id, **_rows(reqs), drafting=drafting, token_ids=tuple(tuple(r.all_token_ids) for r in reqs),
-                   prefill_lens=tuple(r.prefill_len for r in reqs), chunk_starts=starts, chunk_ends=ends,
+                   prefill_lens=tuple(r.progress.prefill_len for r in reqs), chunk_starts=starts, chunk_ends=ends,
                    num_reused=num_reused, processing=_processing(reqs, 0), num_logprobs=_num_logprobs(reqs))
 
 
@@ -97,7 +97,7 @@ class DecodePlan(NamedTuple):
             token, which with the overlap scheduler may still be in flight; the runner takes it from the inputs).
         draft_lens: () when every row verifies draft_len: [B] the drafts each row verifies, ≤ draft_len = their
             maximum (a ragged step: `chain_step.verify_ragged`; input_ids keep draft_len + 1 columns).
-        num_new_drafts: the drafts the step makes for the next one, in [1, K], for a drafter that drafts on demand
+        num_drafts: the drafts the step makes for the next one, in [1, K], for a drafter that drafts on demand
             (`DraftSchedule.on_demand`; the policy's draft length); None: the drafter's K.
     """
 
@@ -118,7 +118,7 @@ class DecodePlan(NamedTuple):
     catch_up_starts: tuple[int, ...] = ()
     catch_up_ids: tuple[tuple[int, ...], ...] = ()
     draft_lens: tuple[int, ...] = ()
-    num_new_drafts: int | None = None
+    num_drafts: int | None = None
 
     @property
     def kind(self) -> Literal["decode"]:
@@ -130,10 +130,10 @@ class DecodePlan(NamedTuple):
 
     @classmethod
     def build(cls, step_id: int, reqs: tuple[Request, ...], draft_len: int, drafting: bool, catch_up: bool = False,
-              draft_lens: tuple[int, ...] = (), num_new_drafts: int | None = None) -> DecodePlan:
+              draft_lens: tuple[int, ...] = (), num_drafts: int | None = None) -> DecodePlan:
         """One verify-and-draft step of `reqs`, verifying `draft_len` of each one's drafts (`draft_lens`: row i
-        only its first draft_lens[i], draft_len their maximum) and drafting `num_new_drafts` (None: K); with
-        `catch_up`, the rows whose drafter KV has a gap (`Request.drafter_gap`) have the drafter write it first."""
+        only its first draft_lens[i], draft_len their maximum) and drafting `num_drafts` (None: K); with
+        `catch_up`, the rows whose drafter KV has a gap (`Progress.drafter_gap`) have the drafter write it first."""
         starts, ids = (zip(*[_catch_up(r) for r in reqs])) if catch_up else ((), ())
         pad = [0] * draft_len
         kv_lens = tuple(r.kv_len for r in reqs)
@@ -141,7 +141,7 @@ class DecodePlan(NamedTuple):
         return cls(step_id, **_rows(reqs), draft_len=draft_len, drafting=drafting, kv_lens=kv_lens,
                    input_ids=input_ids, processing=_processing(reqs, draft_len, input_ids),
                    num_logprobs=_num_logprobs(reqs), catch_up_starts=tuple(starts), catch_up_ids=tuple(ids),
-                   draft_lens=draft_lens, num_new_drafts=num_new_drafts)
+                   draft_lens=draft_lens, num_drafts=num_drafts)
 
 
 #: One step's plan: the scheduler → runner contract.
@@ -153,10 +153,10 @@ def _catch_up(req: Request) -> tuple[int, tuple[int, ...]]:
 
     The step's input token sits at position kv_len, or kv_len + 1 while a step that emits it is in flight (a
     step that does not draft emits exactly one token)."""
-    gap = req.drafter_gap
+    gap = req.progress.drafter_gap
     if gap is None:
         return -1, ()
-    end = req.kv_len + (1 if req.num_inflight_tokens else 0)
+    end = req.kv_len + (1 if req.progress.num_inflight_tokens else 0)
     return gap, tuple(req.all_token_ids[gap:end])
 
 

@@ -24,7 +24,7 @@ L cached tokens that emits n tokens t0..t(n−1) at positions L+1..L+n:
 so drafting costs K draft forwards per step, whatever was accepted (the position L itself was written by the
 previous step's pass) — or, since each draft is a forward of its own (`traits.on_demand`), the k forwards of the
 draft length k the draft-length policy chose for the step: with the eager chain step the scheduler asks for that many
-(`StepPlan.num_new_drafts`) and lets the next step verify at most them, so a policy that verifies k < K at a batch
+(`StepPlan.num_drafts`) and lets the next step verify at most them, so a policy that verifies k < K at a batch
 size where verification rows cost (batch 2 on a CPU) does not pay K − k draft passes it then drops. After a
 prefill, the draft model runs over the same prompt rows (the same attention metadata), then drafts from the first
 token at the prompt's end. Drafts are sampled with the counter-based RNG on their own stream (`STREAM_DRAFT`), so

@@ -29,7 +29,7 @@ class DraftSchedule:
             off are not registered in the prefix cache; with FROM_TOKENS, prefills that will not speculate skip the
             drafter and a request's first drafting step after such a gap catches it up.
         on_demand: a decode step drafts only the draft length the policy chose for it, not K (a draft model on the
-            eager chain step: `StepPlan.num_new_drafts`); a step then verifies at most the drafts its rows' last
+            eager chain step: `StepPlan.num_drafts`); a step then verifies at most the drafts its rows' last
             step made.
         proposal_len: (batch slots) → the draft length worth verifying for them, which caps the step's
             (`Proposer.proposal_len`); None: the policy's draft length stands.
