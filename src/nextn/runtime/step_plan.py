@@ -8,16 +8,17 @@ exactly the same step. It holds plain ints, floats and tuples: no live `Request`
 
 from __future__ import annotations
 
-from typing import Any, Literal, NamedTuple
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from nextn.runtime.logits_processors import build_processing
 from nextn.runtime.request import Request
 from nextn.speculative.logits_processing import LogitsProcessing
 
 
-class PrefillPlan(NamedTuple):
-    """A prefill step: prompt chunks, one row per request in batch order. (Named tuples: immutable, and built in a
-    fraction of a frozen dataclass's time on every step.)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanRows:
+    """What every step's plan has, per row (request, in batch order).
 
     Attributes:
         step_id: the scheduler's count of the plans it has made (it keys the plan's requests there).
@@ -25,16 +26,10 @@ class PrefillPlan(NamedTuple):
         batch_slots: [B] each row's batch slot (its row in the drafter and acceptance state buffers).
         block_tables: [B] each row's KV block ids (unpadded).
         temperature, top_k, top_p, seeds: [B] each row's sampling parameters and seed.
-        drafting: False when the draft-length policy would not speculate at the running batch's size: the drafter
-            writes its KV but drafts nothing.
-        token_ids: [B] each row's whole sequence (its chunk, the token after it, a reused prefix).
-        prefill_lens: [B] tokens the row's admission prefills (`Progress.prefill_len`).
-        chunk_starts, chunk_ends: [B] each row runs its tokens [start, end); the chunk with end ≥ prefill_len is its
-            last and emits the first token.
-        num_reused: [B] tokens the row reuses from the prefix cache when this chunk is the first of its admission,
-            else 0; the drafter's per-request state is rebuilt for them (`Drafter.load_prefix`).
-        processing: the last rows' logit processing (penalties, bias, min_tokens, grammar masks;
-            runtime/logits_processors.py); None when no row needs any. Tensors: still data only.
+        drafting: whether the step drafts (see each plan).
+        processing: the rows' logit processing (penalties, bias, min_tokens, grammar masks;
+            runtime/logits_processors.py) for each position the step samples; None when no row needs any. Tensors:
+            still data only.
         num_logprobs: the most top log-probabilities a row asks for; −1 when none asks for log-probabilities.
     """
 
@@ -47,21 +42,38 @@ class PrefillPlan(NamedTuple):
     top_p: tuple[float, ...]
     seeds: tuple[int, ...]
     drafting: bool
+    processing: LogitsProcessing | None = None
+    num_logprobs: int = -1
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.request_ids)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefillPlan(PlanRows):
+    """A prefill step: prompt chunks (`PlanRows` per row, and these).
+
+    Attributes:
+        drafting: False when the draft-length policy would not speculate at the running batch's size: the drafter
+            writes its KV but drafts nothing.
+        token_ids: [B] each row's whole sequence (its chunk, the token after it, a reused prefix).
+        prefill_lens: [B] tokens the row's admission prefills (`Progress.prefill_len`).
+        chunk_starts, chunk_ends: [B] each row runs its tokens [start, end); the chunk with end ≥ prefill_len is its
+            last and emits the first token.
+        num_reused: [B] tokens the row reuses from the prefix cache when this chunk is the first of its admission,
+            else 0; the drafter's per-request state is rebuilt for them (`Drafter.load_prefix`).
+    """
+
     token_ids: tuple[tuple[int, ...], ...]
     prefill_lens: tuple[int, ...]
     chunk_starts: tuple[int, ...]
     chunk_ends: tuple[int, ...]
     num_reused: tuple[int, ...]
-    processing: LogitsProcessing | None = None
-    num_logprobs: int = -1
 
     @property
     def kind(self) -> Literal["prefill"]:
         return "prefill"
-
-    @property
-    def num_requests(self) -> int:
-        return len(self.request_ids)
 
     def is_last_chunk(self, row: int) -> bool:
         return self.chunk_ends[row] >= self.prefill_lens[row]
@@ -70,25 +82,23 @@ class PrefillPlan(NamedTuple):
     def build(cls, step_id: int, reqs: tuple[Request, ...], starts: tuple[int, ...], ends: tuple[int, ...],
               num_reused: tuple[int, ...], drafting: bool) -> PrefillPlan:
         """Prompt chunks [starts[i], ends[i]) of `reqs`."""
-        return cls(step_id, **_rows(reqs), drafting=drafting, token_ids=tuple(tuple(r.all_token_ids) for r in reqs),
+        return cls(step_id=step_id, **_rows(reqs), drafting=drafting,
+                   token_ids=tuple(tuple(r.all_token_ids) for r in reqs),
                    prefill_lens=tuple(r.progress.prefill_len for r in reqs), chunk_starts=starts, chunk_ends=ends,
                    num_reused=num_reused, processing=_processing(reqs, 0), num_logprobs=_num_logprobs(reqs))
 
 
-class DecodePlan(NamedTuple):
-    """A decode step: one verify-and-draft step per request, one row per request in batch order.
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DecodePlan(PlanRows):
+    """A decode step: one verify-and-draft step per request (`PlanRows` per row, and these).
 
     Attributes:
-        step_id, request_ids, batch_slots, block_tables, temperature, top_k, top_p, seeds: as `PrefillPlan`'s.
         draft_len: drafts each row verifies (the draft-length policy's choice, ≤ K).
         drafting: whether the step drafts for the next one: False when speculation is off (draft_len 0): plain
             decoding, at no more cost. A request whose last step did not draft first runs one step with draft_len 0
             and drafting on when speculation comes back on (it has no drafts to verify).
         kv_lens: [B] each row's KV length on the host (the step writes at kv_len..kv_len+draft_len).
         input_ids: [B, draft_len + 1] each row's `[last emitted, d1..d_draft_len]` (missing drafts 0).
-        processing: the rows' logit processing for each verified position, built from their state after the
-            drafts before it; None when no row needs any.
-        num_logprobs: as `PrefillPlan`'s.
         catch_up_starts: () when no row catches up: [B] the first position whose drafter KV a row lacks (prefilled
             or decoded while speculation was off, by a drafter whose KV is written later: `DraftKV.FROM_TOKENS`),
             −1 for a row that lacks none. The runner has the drafter write positions catch_up_starts[b] .. the
@@ -101,20 +111,9 @@ class DecodePlan(NamedTuple):
             (`DraftSchedule.on_demand`; the policy's draft length); None: the drafter's K.
     """
 
-    step_id: int
-    request_ids: tuple[int, ...]
-    batch_slots: tuple[int, ...]
-    block_tables: tuple[tuple[int, ...], ...]
-    temperature: tuple[float, ...]
-    top_k: tuple[int, ...]
-    top_p: tuple[float, ...]
-    seeds: tuple[int, ...]
     draft_len: int
-    drafting: bool
     kv_lens: tuple[int, ...]
     input_ids: tuple[tuple[int, ...], ...]
-    processing: LogitsProcessing | None = None
-    num_logprobs: int = -1
     catch_up_starts: tuple[int, ...] = ()
     catch_up_ids: tuple[tuple[int, ...], ...] = ()
     draft_lens: tuple[int, ...] = ()
@@ -123,10 +122,6 @@ class DecodePlan(NamedTuple):
     @property
     def kind(self) -> Literal["decode"]:
         return "decode"
-
-    @property
-    def num_requests(self) -> int:
-        return len(self.request_ids)
 
     @classmethod
     def build(cls, step_id: int, reqs: tuple[Request, ...], draft_len: int, drafting: bool, catch_up: bool = False,
@@ -138,7 +133,7 @@ class DecodePlan(NamedTuple):
         pad = [0] * draft_len
         kv_lens = tuple(r.kv_len for r in reqs)
         input_ids = tuple((r.last_token_id, *(r.draft_tokens + pad)[:draft_len]) for r in reqs)
-        return cls(step_id, **_rows(reqs), draft_len=draft_len, drafting=drafting, kv_lens=kv_lens,
+        return cls(step_id=step_id, **_rows(reqs), draft_len=draft_len, drafting=drafting, kv_lens=kv_lens,
                    input_ids=input_ids, processing=_processing(reqs, draft_len, input_ids),
                    num_logprobs=_num_logprobs(reqs), catch_up_starts=tuple(starts), catch_up_ids=tuple(ids),
                    draft_lens=draft_lens, num_drafts=num_drafts)
