@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nextn.bench import attention_kernel
+from benchmarks import attention_kernel
 from nextn.plugins import cpu_kernels
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=f"nextn's CPU kernels are unavailable here: "

@@ -171,7 +171,7 @@ def test_a_gzipped_dataset_is_bounded_after_decompression_and_a_device_refused(t
 
 
 def test_the_benchmarks_prompt_sets_are_read_bounded(tmp_path, monkeypatch):
-    from nextn.bench.prefix_reuse import load_conversations
+    from benchmarks.prefix_reuse import load_conversations
     from nextn.bench.real_models import load_prompt_texts
 
     (tmp_path / "prompts").mkdir()

@@ -1,4 +1,4 @@
-"""`python -m nextn.bench.device_agreement` on CPU: plain and NGram on stories260K agree token for token."""
+"""`python -m benchmarks.device_agreement` on CPU: plain and NGram on stories260K agree token for token."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from nextn.bench.device_agreement import cases, main
+from benchmarks.device_agreement import cases, main
 
 STORIES = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "models" / "stories260K" / "stories260K.gguf"
 

@@ -1,8 +1,8 @@
-"""The configurations `python -m nextn.bench.drafters` compares (the runs themselves are benchmarks)."""
+"""The configurations `python -m benchmarks.drafters` compares (the runs themselves are benchmarks)."""
 
 from pathlib import Path
 
-from nextn.bench.drafters import _configs
+from benchmarks.drafters import _configs
 from nextn.config.llm_args import DraftTargetDecodingConfig, MTPDecodingConfig, NGramDecodingConfig
 
 KINDS = {"Draft_Target": DraftTargetDecodingConfig, "NGram": NGramDecodingConfig, "MTP": MTPDecodingConfig}
@@ -36,7 +36,7 @@ def test_a_batch_pass_runs_the_prompts_in_waves_of_the_batch_size():
     the pass must not hand it every prompt at once."""
     from types import SimpleNamespace
 
-    from nextn.bench.decode_pass import run_nextn
+    from benchmarks.decode_pass import run_nextn
 
     seen = []
 

@@ -1,10 +1,10 @@
-"""`python -m nextn.bench.kernels`: every kernel it times computes the same product (up to quantization)."""
+"""`python -m benchmarks.kernels`: every kernel it times computes the same product (up to quantization)."""
 
 from __future__ import annotations
 
 import torch
 
-from nextn.bench.kernels import kernels, main
+from benchmarks.kernels import kernels, main
 
 
 def test_kernels_have_the_output_shape_and_bf16_paths_agree():
@@ -33,7 +33,7 @@ def test_copies_cycle_nextns_kernels_over_distinct_matrices(capsys):
 
 
 def test_dense_kernels_agree_and_the_dense_table_runs(capsys):
-    from nextn.bench.kernels import dense, dense_kernels
+    from benchmarks.kernels import dense, dense_kernels
 
     table = dense_kernels(40, 64, copies=2)
     x = torch.randn(5, 64)

@@ -1,8 +1,8 @@
-"""The configurations `python -m nextn.bench.mtp_tree_al` compares (the runs themselves are benchmarks)."""
+"""The configurations `python -m benchmarks.mtp_tree_al` compares (the runs themselves are benchmarks)."""
 
 from types import SimpleNamespace
 
-from nextn.bench.mtp_tree_al import _all_configs, configs
+from benchmarks.mtp_tree_al import _all_configs, configs
 from nextn.config.llm_args import MTPDecodingConfig
 from nextn.train.tree_calibration import best_first_tree
 
@@ -43,7 +43,7 @@ def test_compare_policies_runs_each_config_under_three_policies():
 
 
 def test_held_out_prompts_skip_the_top1_meter_and_other_sources():
-    from nextn.bench.mtp_tree_al import held_out_prompts
+    from benchmarks.mtp_tree_al import held_out_prompts
 
     meta = {"eval_prompt_ids": ["humaneval/HumanEval/1", "mt_bench/81", "humaneval/HumanEval/7", "mt_bench/90",
                                 "humaneval/HumanEval/9"],

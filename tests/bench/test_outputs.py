@@ -25,6 +25,8 @@ MODULES = {
     "compile_step": ["--engine", "{missing}", "--json", "{out}"],
     "quant_quality": ["--model", "{missing}.gguf", "--json", "{out}"],
 }
+#: the product's benchmarks (src/nextn/bench/); the others are studies (benchmarks/, outside the package)
+PACKAGE = {"vs_llama_cpp": "nextn.bench", "real_models": "nextn.bench"}
 
 
 def _argv(module: str, out, tmp_path) -> list[str]:
@@ -33,7 +35,7 @@ def _argv(module: str, out, tmp_path) -> list[str]:
 
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_a_users_file_or_a_directory_is_refused_before_the_run(module, tmp_path, capsys, monkeypatch):
-    main = importlib.import_module(f"nextn.bench.{module}").main
+    main = importlib.import_module(f"{PACKAGE.get(module, 'benchmarks')}.{module}").main
     import nextn
 
     def no_model(*args, **kwargs):
@@ -69,7 +71,7 @@ def test_a_report_of_the_same_benchmark_is_replaced_and_another_ones_refused(mod
 
 
 def test_gpu_step_writes_its_report_and_replaces_it_on_a_rerun(tmp_path, capsys):
-    from nextn.bench.gpu_step import main
+    from benchmarks.gpu_step import main
 
     out = tmp_path / "g.json"
     argv = ["--tiny", "--device", "cpu", "--batch_sizes", "1", "--gen_tokens", "2", "--warmup", "0", "--json", str(out)]
@@ -82,7 +84,7 @@ def test_gpu_step_writes_its_report_and_replaces_it_on_a_rerun(tmp_path, capsys)
 
 def test_a_bad_train_record_is_a_usage_error_before_any_model(tmp_path, capsys, monkeypatch):
     import nextn
-    from nextn.bench.mtp_tree_al import main
+    from benchmarks.mtp_tree_al import main
 
     monkeypatch.setattr(nextn, "LLM", None)
     heads = tmp_path / "heads"

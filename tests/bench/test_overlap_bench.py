@@ -1,4 +1,4 @@
-"""`python -m nextn.bench.overlap` on CPU: overlap and sync passes on a random tiny Llama give identical tokens."""
+"""`python -m benchmarks.overlap` on CPU: overlap and sync passes on a random tiny Llama give identical tokens."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from nextn.bench.overlap import main
+from benchmarks.overlap import main
 
 
 def test_overlap_and_sync_agree_on_cpu(tmp_path, capsys):

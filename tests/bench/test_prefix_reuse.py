@@ -3,7 +3,7 @@ conversations from MT-bench, the per-turn summary and its table."""
 
 from __future__ import annotations
 
-from nextn.bench.prefix_reuse import Turn, load_conversations, summarize, table
+from benchmarks.prefix_reuse import Turn, load_conversations, summarize, table
 
 
 def test_conversations_are_the_two_mt_bench_turns(shared_data):

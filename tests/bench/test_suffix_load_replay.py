@@ -1,4 +1,4 @@
-"""bench/suffix_load_replay.py: recorded streams through the suffix drafter by C closed-loop clients, priced with
+"""benchmarks/suffix_load_replay.py: recorded streams through the suffix drafter by C closed-loop clients, priced with
 step times (the decision quality of ragged draft lengths under load)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from nextn.bench.suffix_load_replay import main, replay_under_load
+from benchmarks.suffix_load_replay import main, replay_under_load
 from nextn.speculative.suffix import SuffixDrafter
 
 SEQ = list(range(10, 40))

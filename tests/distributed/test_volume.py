@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nextn.distributed.volume import decode_step_volume
+from benchmarks.volume import decode_step_volume
 
 
 def test_deepseek_v3_tp8_batch1_k1():

@@ -196,7 +196,7 @@ def test_cuda_graph_replay_matches_the_eager_engine_on_cuda(request, engine, spe
 
 
 def test_gpu_step_benchmark_runs_tiny_on_cpu(tmp_path, capsys):
-    from nextn.bench.gpu_step import main
+    from benchmarks.gpu_step import main
 
     out = tmp_path / "r.json"
     assert main(["--tiny", "--device", "cpu", "--batch_sizes", "1,2", "--gen_tokens", "4", "--warmup", "0",

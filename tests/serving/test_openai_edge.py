@@ -231,7 +231,7 @@ def test_cli_reads_the_key_from_nextn_api_key_and_warns(monkeypatch, tmp_path, c
 
 
 def test_load_check_passes_with_the_api_key(server, capsys):
-    from nextn.serving import load_check
+    from benchmarks import load_check
 
     assert load_check.main(["--url", server.url, "--requests", "8", "--max_tokens", "4", "--api_key", KEY]) == 0
     assert "load check: PASSED" in capsys.readouterr().out

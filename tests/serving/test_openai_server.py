@@ -23,7 +23,7 @@ import uvicorn
 
 from nextn import LLM, SamplingParams
 from nextn.build.engine_builder import build_engine
-from nextn.serving import load_check
+from benchmarks import load_check
 from nextn.serving.openai_server import FALLBACK_CHAT_TEMPLATE, create_app
 
 STORIES = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "models" / "stories260K" / "stories260K.gguf"

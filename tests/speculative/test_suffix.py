@@ -438,10 +438,10 @@ def test_seeded_sampling_equals_plain_decoding_token_for_token(llama_engine, spe
 
 
 def test_the_offline_replay_reproduces_the_engine_step_for_step(llama_engine):
-    """bench/suffix_replay.py replays recorded greedy outputs through the drafter's host methods instead of running
+    """benchmarks/suffix_replay.py replays recorded greedy outputs through the drafter's host methods instead of running
     the model: its steps and verified rows must be the engine's own, cold and warm (the global tree). Without the
     overlap scheduler, whose step in flight past a request's end is not a replayed step."""
-    from nextn.bench.suffix_replay import accepted_tree, replay_nextn
+    from benchmarks.suffix_replay import accepted_tree, replay_nextn
 
     sp = SamplingParams(max_tokens=48, ignore_eos=True)
     prompt = list(range(100, 127))
@@ -462,9 +462,9 @@ def test_the_offline_replay_reproduces_the_engine_step_for_step(llama_engine):
 
 
 def test_the_copy_oracle_verifies_exactly_the_copyable_stretch():
-    """bench/suffix_replay.py's copy oracle (the bound quoted for copying drafters) finds the longest stretch of the
+    """benchmarks/suffix_replay.py's copy oracle (the bound quoted for copying drafters) finds the longest stretch of the
     output to come in the request's context or an earlier output — at token boundaries only — and verifies that."""
-    from nextn.bench.suffix_replay import _Haystack, replay_copy_oracle
+    from benchmarks.suffix_replay import _Haystack, replay_copy_oracle
 
     h = _Haystack()
     h.add([1, 23, 4])

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from nextn.bench.mtp_tree_al import _tree
+from benchmarks.mtp_tree_al import _tree
 from nextn.train.tree_calibration import (best_first_tree, chain_rank_acceptance, expected_acceptance_length,
                                           path_probability, rank_acceptance)
 

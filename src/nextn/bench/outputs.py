@@ -1,4 +1,5 @@
-"""The JSON result files of the `python -m nextn.bench.<module>` benchmarks (`--json`, `--out`).
+"""The JSON result files of the `python -m nextn.bench.<module>` benchmarks and of the studies in the repository's
+benchmarks/ folder (`--json`, `--out`).
 
 The rule is `build/output_files.py`'s: a benchmark never overwrites what it did not write. Each file is an object
 whose first key is `"written_by": "nextn bench.<module>"`; an existing file is replaced only when it starts so (a

@@ -2,7 +2,7 @@
 
 One reader for every prompt set a user names or a benchmark ships: `nextn-bench` datasets and prompt files
 (`bench/dataset.py`), the self-distillation prompts of `nextn train-draft` (`train/prompts.py`), and the MT-bench /
-HumanEval sets of the benchmarks (`bench/real_models.py`, `bench/prefix_reuse.py`). Each file is read through
+HumanEval sets of the benchmarks (`bench/real_models.py`, `benchmarks/prefix_reuse.py`). Each file is read through
 `config/user_files.open_user_text`: a regular file only (a device, FIFO or directory is refused unread), at most
 `MAX_PROMPT_FILE_BYTES` on disk and, for a gzip, after decompression (counted as it streams).
 

@@ -315,7 +315,7 @@ class SuffixDrafter(LinearDrafter):
         rows = self.verified(slots, firsts, emitted, k)
         return torch.tensor(rows, dtype=torch.int64, device=target_tokens.device).view(b, -1), state
 
-    # The same on host lists (the protocol methods above; offline replays, bench/suffix_replay.py) -----------------
+    # The same on host lists (the protocol methods above; offline replays, benchmarks/suffix_replay.py) -------------
     def prefilled(self, slots: list[int], starts: list[int], chunks: list[list[int]], draft: bool = True
                   ) -> list[list[int]]:
         """Prefill chunks: slot i's prompt tokens from position starts[i] followed by the token sampled after them

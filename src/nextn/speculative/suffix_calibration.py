@@ -5,7 +5,7 @@ A suffix tree's path probability is a ratio of counts (suffix_tree.py): a contin
 and a chain along a path seen once stays at 1 however deep. Measured against what greedy verification accepts, the
 first draft's probability is too high after a short context match and too low after a long one, and deep drafts
 are accepted far less often than their path probability says (Qwen2.5-Coder-1.5B's greedy outputs replayed through
-the drafter, `bench/suffix_replay.py` streams; first-draft acceptance over path probability, MT-bench / HumanEval /
+the drafter, `benchmarks/suffix_replay.py` streams; first-draft acceptance over path probability, MT-bench / HumanEval /
 code_edit: match 1 → 0.41 / 0.46 / 0.43, match 2 → 0.62 / 0.76 / 0.71, 3–4 → 0.79 / 0.80 / 0.95, 5–8 → 1.0 / 0.94 /
 1.2, 9–16 → 1.4 / 1.5 / 1.9). A draft length chosen from such estimates verifies drafts that miss, which on a CPU
 whose verified rows cost nearly a plain token each (batch ≥ 4) makes speculation slower than plain decoding.

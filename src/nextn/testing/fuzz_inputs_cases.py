@@ -181,7 +181,6 @@ def _llm_args_within_caps(args: Any) -> str | None:
 def _readers() -> list[tuple[str, int, tuple[str, ...], str | None, Any, tuple[type[BaseException], ...], bool]]:
     """(what, size cap, file suffixes, fixed file name or None, read(path), named errors, exit 2 named)."""
     from nextn.bench.dataset import DatasetError, load_dataset, read_prompt_file
-    from nextn.bench.mtp_tree_al import read_train_record
     from nextn.cli import train_draft
     from nextn.cli.token_map import MAX_CORPUS_BYTES, TokenMapError, corpus_texts
     from nextn.config.llm_args import MAX_YAML_BYTES, LlmArgsError, load_llm_args_yaml
@@ -190,6 +189,7 @@ def _readers() -> list[tuple[str, int, tuple[str, ...], str | None, Any, tuple[t
     from nextn.speculative.medusa_tree import MAX_TREE_FILE_BYTES, TreeError, published_tree
     from nextn.speculative.draft_vocab import load_token_map
     from nextn.train.prompts import read_prompts
+    from nextn.train.session import read_train_record
 
     def medusa(path: Path):
         old = os.environ.get("NEXTN_MEDUSA_CHOICES")

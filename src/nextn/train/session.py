@@ -9,6 +9,7 @@ shared: CPU seconds are the better estimate of an idle machine.
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import time
@@ -62,6 +63,20 @@ def is_train_output(out: Path) -> bool:
     except ValueError:
         return False
     return isinstance(meta, dict) and {"method", "settings", "data_config", "base_model"} <= meta.keys()
+
+
+def read_train_record(parser: argparse.ArgumentParser, heads: Path, flag: str = "--heads") -> dict:
+    """A train-draft output's `train_draft.json`, read bounded (a regular file of at most 64 MiB, strict JSON:
+    config/user_files.py); a missing or bad one is the parser's usage error (exit status 2), before any model loads.
+    For the commands that measure a trained output's heads on its held-out prompts (`--heads`, `--held_out_from`).
+    """
+    try:
+        meta = read_user_json(Path(heads) / RECORD_NAME, f"{flag} {heads}: {RECORD_NAME}")
+    except ValueError as e:
+        parser.error(str(e))
+    if not isinstance(meta, dict) or not isinstance(meta.get("eval_prompt_ids"), list):
+        parser.error(f"{flag} {heads}: {RECORD_NAME} is not a train-draft record (no eval_prompt_ids list)")
+    return meta
 
 
 def claim_train_output(model_dir: str | Path, data_files: Sequence[str | Path], output_dir: str | Path,

@@ -176,7 +176,7 @@ def test_mtp_engine_step_through_the_kernels_equals_plain_decoding(kernels, tmp_
     runner (emulated capture), identical."""
     import json
 
-    from nextn.bench.gpu_step import main
+    from benchmarks.gpu_step import main
 
     out = tmp_path / "r.json"
     assert main(["--tiny", "--device", "cpu", "--batch_sizes", "1,2", "--gen_tokens", "6", "--warmup", "0",

@@ -1,6 +1,6 @@
 """First-step acceptance of disaggregated prefill/decode, per `first_mtp_step` mode (docs/PERFORMANCE.md).
 
-    python -m nextn.bench.first_step_bench ENGINE [--num_prompts 32] [--k 2] [--max_tokens 8]
+    python -m benchmarks.first_step_bench ENGINE [--num_prompts 32] [--k 2] [--max_tokens 8]
 
 For each mode ("drafts", "hidden_state", "zero_hidden") it runs the same seeded random prompts through a
 `DisaggregatedLLM` and prints the mean drafts accepted in the first decode step (out of K), the mean over all

@@ -15,7 +15,7 @@ server's noise (a benchmark, not a test).
 
 Streams and the profile as `bench.suffix_replay` (its --output_dir keeps streams.json):
 
-    python -m nextn.bench.suffix_load_replay --streams runs/suffix_replay_mt/streams.json \\
+    python -m benchmarks.suffix_load_replay --streams runs/suffix_replay_mt/streams.json \\
         --step_profile ~/.cache/nextn/step_profiles/step-profile-<engine>.json --concurrency 1 2 4 8 --passes 2
 """
 
@@ -26,7 +26,7 @@ import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from nextn.bench.suffix_replay import Stream, accepted_prefix
+from benchmarks.suffix_replay import Stream, accepted_prefix
 from nextn.speculative.suffix import SuffixDrafter
 
 MAX_CONCURRENCY = 64
@@ -128,7 +128,7 @@ def _plain_time(streams: Sequence[Stream], concurrency: int, step_time: StepTime
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m nextn.bench.suffix_load_replay", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.suffix_load_replay", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--streams", type=Path, required=True, help="streams.json written by bench.suffix_replay")
     p.add_argument("--step_profile", type=Path, required=True, help="the engine's step profile JSON")

@@ -26,7 +26,7 @@ Reported per system and pass: AL (tokens per step), verified draft rows per step
 tokens × t(1, 0) / Σ (t(1, k_step) + host time). `--step_profile`: the engine's step profile on this machine
 (`step_profile: auto` writes it at first load into ~/.cache/nextn/step_profiles; `nextn cache` lists them).
 
-    python -m nextn.bench.suffix_replay --engine runs/eng/qwen15-w4a8 --dataset code_edit --num_prompts 16 \\
+    python -m benchmarks.suffix_replay --engine runs/eng/qwen15-w4a8 --dataset code_edit --num_prompts 16 \\
         --max_tokens 256 --max_draft_len 16 --passes 2 --step_profile PROFILE.json --output_dir runs/suffix_replay
 """
 
@@ -269,7 +269,7 @@ def batch1_step_time(profile_file: Path, max_draft_len: int) -> tuple[StepTime, 
 
 
 def _args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m nextn.bench.suffix_replay", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.suffix_replay", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", type=Path, required=True, help="nextn engine directory (or checkpoint) to decode with")
     p.add_argument("--dataset", default="code_edit", help="a serving-benchmark dataset name (default code_edit)")

@@ -1,7 +1,7 @@
 """One timed greedy pass of an `LLM` over token-id prompts: tokens/s, acceptance length and draft acceptance rate.
 
-Shared by the drafter comparison (`bench/drafters.py`) and the MTP-tree bench (`bench/mtp_tree_al.py`): both time
-the same pass on every configuration so that their figures compare.
+Shared by the drafter comparison (`benchmarks/drafters.py`) and the MTP-tree bench (`benchmarks/mtp_tree_al.py`):
+both time the same pass on every configuration so that their figures compare.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The overlap scheduler against the synchronous one (`disable_overlap_scheduler`), end to end through `LLM`, on a
 random-weight Llama at a real model's shape (no download, no tokenizer: token-id prompts), with CUDA graphs on CUDA.
 
-    python -m nextn.bench.overlap --device cuda --shapes smollm2-135m qwen2.5-0.5b --batch_sizes 1 8 32 --json $OUT/o.json
+    python -m benchmarks.overlap --device cuda --shapes smollm2-135m qwen2.5-0.5b --batch_sizes 1 8 32 --json $OUT/o.json
 
 Each batch size runs overlap, sync, overlap, sync (each its own `LLM`, a warm-up, then the best of `--repeats`),
 and reports output tokens/s of each and their ratio; the greedy tokens of every pass are compared with the first's.
@@ -14,7 +14,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from nextn.bench.decode_pass import best_of
+from benchmarks.decode_pass import best_of
 from nextn.bench.outputs import check_report, write_report
 
 # transformers `LlamaConfig` fields of each shape (tied embeddings; the published models' sizes).
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m nextn.bench.overlap", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.overlap", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", help="torch device (default cuda)")
     p.add_argument("--shapes", nargs="+", default=["smollm2-135m"], choices=sorted(SHAPES),
                    help="model shapes with random weights (default smollm2-135m)")

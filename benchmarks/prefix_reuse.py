@@ -11,7 +11,7 @@ the reused share of the prompt tokens, and whether the greedy answers of the two
 first streamed content chunk as the client sees it; the hit rate comes from `/metrics`
 (`nextn_prefix_cache_hits_total / nextn_prefix_cache_queries_total`).
 
-    python -m nextn.bench.prefix_reuse --model ../shared/data/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf \
+    python -m benchmarks.prefix_reuse --model ../shared/data/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf \
         --num_conversations 8 --max_tokens 64 [--speculative ngram] [--serve]
 """
 
@@ -229,7 +229,7 @@ def table(title: str, s: dict) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m nextn.bench.prefix_reuse", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m benchmarks.prefix_reuse", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, required=True, help="a .gguf file with a chat template")
     p.add_argument("--num_conversations", type=int, default=8, help="MT-bench questions (default 8)")

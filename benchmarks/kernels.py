@@ -18,9 +18,9 @@ its layers), so that the weights stream from DRAM: the figure a real step sees.
 against oneDNN's packed bf16 (`PackedLinear`) and `F.linear` in fp32, by default at M = 1, 5, 8, 12 on SmolLM2-135M's
 and Qwen2.5-1.5B's matrices (`DENSE_SHAPES`), each variant cycling copies of at least `--stream-mb` MB in all.
 
-    python -m nextn.bench.kernels --shape 8960 1536 --rows 1 4 5 8
-    python -m nextn.bench.kernels --shape 8960 1536 --rows 1 4 5 --copies 96 --iters 20   # ~660 MB of int4
-    python -m nextn.bench.kernels --dense --stream-mb 256 --iters 50                     # every DENSE_SHAPES matrix
+    python -m benchmarks.kernels --shape 8960 1536 --rows 1 4 5 8
+    python -m benchmarks.kernels --shape 8960 1536 --rows 1 4 5 --copies 96 --iters 20   # ~660 MB of int4
+    python -m benchmarks.kernels --dense --stream-mb 256 --iters 50                     # every DENSE_SHAPES matrix
 """
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ def _dense_tables(shapes: list[tuple[int, int]] | None, rows: tuple[int, ...], i
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m nextn.bench.kernels", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kernels", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", type=int, nargs=2, default=None, metavar=("N", "K"),
                    help="weight [out, in] (default Qwen2.5-1.5B's MLP up projection, 8960 1536; with --dense, every "

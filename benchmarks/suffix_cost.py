@@ -1,4 +1,4 @@
-"""The host cost of suffix decoding per engine step: `python -m nextn.speculative.suffix_cost [num_requests ...]`.
+"""The host cost of suffix decoding per engine step: `python -m benchmarks.suffix_cost [num_requests ...]`.
 
 Drives `SuffixDrafter.after_prefill` / `after_verify` as the engine does (the step's tensors on the CPU), without a
 model: each request follows a synthetic "true" sequence (a 32k vocabulary, a 512-token prompt, outputs that copy

@@ -3,7 +3,7 @@ in the `jsonschema` sdist), each used as a `response_format` grammar; the output
 `jsonschema` library.
 
     pip download --no-deps --no-binary=:all: jsonschema==4.26.0 && tar xzf jsonschema-4.26.0.tar.gz
-    python -m nextn.bench.json_schemas --engine ENGINE --suite jsonschema-4.26.0/json/tests/draft2020-12
+    python -m benchmarks.json_schemas --engine ENGINE --suite jsonschema-4.26.0/json/tests/draft2020-12
 
 Every schema of the suite files named by `--keywords` (the keywords xgrammar's JSON-schema grammar enforces;
 default below) is tried in file order, up to `--limit`; a schema xgrammar refuses to compile is counted as refused,
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m nextn.bench.json_schemas", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.json_schemas", description=__doc__.split("\n\n")[0])
     p.add_argument("--engine", required=True, help="an engine directory or checkpoint (with a tokenizer)")
     p.add_argument("--suite", required=True, help="a JSON-Schema-Test-Suite tests/<draft> folder")
     p.add_argument("--keywords", nargs="+", default=list(KEYWORDS), help="suite files to take schemas from")

@@ -7,7 +7,7 @@ AL = Σ emitted tokens / Σ (decode steps + 1) (trtllm-bench's global AL, trtllm
 train_draft.json has `rank_acceptance` also run `static-cal-N`, the tree built from it (`train/tree_calibration.py`);
 the prompts exclude the top-1 meter's, on which that acceptance was measured.
 
-    python -m nextn.bench.mtp_tree_al --heads runs/issue16/smol/mtp-eagle-1k --source mt_bench --num_prompts 16
+    python -m benchmarks.mtp_tree_al --heads runs/issue16/smol/mtp-eagle-1k --source mt_bench --num_prompts 16
 
 `--speed R`: also batch-1 decode tokens/s (prompts one after another, EOS ignored; tokens after the first over
 first-token → finish time), plain decoding and each config alternating, best of R passes after a warm-up — on a
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from nextn.bench.outputs import check_report, write_report
-from nextn.config.user_files import read_user_json
+from nextn.train.session import read_train_record
 
 MTP = {"decoding_type": "MTP"}
 
@@ -59,19 +59,6 @@ def configs(budgets: list[int], depth: int, acceptance: list[list[float]] | None
                     out[f"dynamic-top{k}-{n}"] = {**MTP, "num_nextn_predict_layers": depth, "use_dynamic_tree": True,
                                                   "dynamic_tree_max_topK": k, "max_total_draft_tokens": n - 1}
     return out
-
-
-def read_train_record(parser: argparse.ArgumentParser, heads: Path, flag: str = "--heads") -> dict:
-    """A train-draft output's `train_draft.json`, read bounded (a regular file of at most 64 MiB, strict JSON:
-    config/user_files.py); a missing or bad one is the parser's usage error (exit status 2), before any model loads.
-    """
-    try:
-        meta = read_user_json(Path(heads) / "train_draft.json", f"{flag} {heads}: train_draft.json")
-    except ValueError as e:
-        parser.error(str(e))
-    if not isinstance(meta, dict) or not isinstance(meta.get("eval_prompt_ids"), list):
-        parser.error(f"{flag} {heads}: train_draft.json is not a train-draft record (no eval_prompt_ids list)")
-    return meta
 
 
 def held_out_prompts(meta: dict, source: str, n: int) -> tuple[list[str], list[list[int]]]:
@@ -178,7 +165,7 @@ def _all_configs(args) -> dict[str, dict]:
 def _speed(engine: Path, prompts: list[list[int]], args, names: list[str]) -> dict[str, dict]:
     """Batch-1 tokens/s of plain decoding and each named config, alternating, best of `args.speed` passes."""
     from nextn import LLM
-    from nextn.bench.decode_pass import run_nextn
+    from benchmarks.decode_pass import run_nextn
 
     control = {"plain (a second engine: the noise)": None} if getattr(args, "compare_policies", False) else {}
     specs = {"plain": None, **control, **{n: s for n, s in _all_configs(args).items() if n in names}}

@@ -6,7 +6,7 @@ in order; prints ms per call of one layer's attention (median of `--iters` after
 layer count, what a whole step or prefill spends in attention. Default heads: Qwen2.5-1.5B's (12 query heads, 2 KV
 heads, head_dim 128, 28 layers).
 
-    python -m nextn.bench.attention_kernel --shapes 1x700 5x700 700x700 1400x1400
+    python -m benchmarks.attention_kernel --shapes 1x700 5x700 700x700 1400x1400
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def time_attention(t: int, s: int, heads: int, kv_heads: int, head_dim: int, ite
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m nextn.bench.attention_kernel", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.attention_kernel", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=["1x700", "5x700", "700x700", "1400x1400"],
                    help="TxS pairs: T query tokens (1 decode, K+1 verify, the prompt for a prefill) over S keys")

@@ -1,7 +1,7 @@
 """Load check of `nextn serve`: concurrent streams, cancellations and bad requests, then health and figures.
 
-    python -m nextn.serving.load_check --engine_dir DIR [--requests 64] [--max_tokens 32]
-    python -m nextn.serving.load_check --url http://127.0.0.1:8000 [--requests 64] [--api_key KEY]
+    python -m benchmarks.load_check --engine_dir DIR [--requests 64] [--max_tokens 32]
+    python -m benchmarks.load_check --url http://127.0.0.1:8000 [--requests 64] [--api_key KEY]
 
 Starts the server (or targets `--url`, loopback only), takes each prompt's non-streaming greedy completion as the
 reference, then fires all requests at once: most stream (greedy, `ignore_eos`), every 8th from the 6th closes its
@@ -207,7 +207,7 @@ def _start_server(engine_dir: str, options: str | None, timeout: float,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m nextn.serving.load_check", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.load_check", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     target = ap.add_mutually_exclusive_group(required=True)
     target.add_argument("--engine_dir", help="start `nextn serve` on this engine (a free loopback port)")

@@ -1,6 +1,6 @@
 """Bytes a rank sends per decode step under nextn's tensor / expert parallelism, computed from the model config.
 
-`python -m nextn.distributed.volume` prints the table in docs/ARCHITECTURE.md (DeepSeek-V3's real sizes, TP 8 /
+`python -m benchmarks.volume` prints the table in docs/ARCHITECTURE.md (DeepSeek-V3's real sizes, TP 8 /
 EP 8). Collectives and their per-rank traffic (ring algorithms, N ranks, S bytes of tensor; NCCL's and gloo's):
 all-reduce sends 2 (N − 1) / N · S, all-gather (N − 1) / N · S_total. Per forward over T tokens, hidden H: one
 all-reduce of the vocab-parallel embedding, two per decoder layer (attention output, MLP or MoE — the MoE's routed

@@ -3,8 +3,8 @@ over plain decoding at a fixed acceptance, and throughput by batch size. A DeepS
 random weights (default: DeepSeek-V2-Lite-sized, ~16B parameters, ~32 GB in bf16) is built directly on the device,
 so no checkpoint is needed.
 
-    python -m nextn.bench.gpu_step --json $OUT/gpu_step.json        # on the GPU
-    python -m nextn.bench.gpu_step --tiny                           # a few seconds on CPU (smoke test)
+    python -m benchmarks.gpu_step --json $OUT/gpu_step.json        # on the GPU
+    python -m benchmarks.gpu_step --tiny                           # a few seconds on CPU (smoke test)
 
 Random weights never get drafts accepted, so the timed MTP steps use `FixedAcceptance` (BENCHMARK ONLY, lossy):
 each step emits exactly `--accepted` + 1 tokens. The greedy-identity check uses the real, lossless acceptance.
@@ -289,7 +289,7 @@ def print_report(rows: list[dict], summary: dict, identity: dict, al: int, b1: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m nextn.bench.gpu_step", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_step", description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="test-checkpoint sizes, float32, a few seconds on CPU")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 (float32 with --tiny)")

@@ -10,8 +10,8 @@ For each format (`bf16`; `W8A16`; `W4A16` = group 32 with a W8A16 lm_head, the d
   negative log-likelihood of every token after the first of a window, computed by the engine's own model over its
   paged KV cache (the same forward as a prefill) and its (quantized) lm_head.
 
-    python -m nextn.bench.quant_quality --model ../shared/data/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
-    python -m nextn.bench.quant_quality --model runs/models/qwen2.5-coder-1.5b/*.gguf --num_prompts 8 --max_tokens 64
+    python -m benchmarks.quant_quality --model ../shared/data/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
+    python -m benchmarks.quant_quality --model runs/models/qwen2.5-coder-1.5b/*.gguf --num_prompts 8 --max_tokens 64
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def table(model: str, rows: list[dict], max_tokens: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m nextn.bench.quant_quality", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.quant_quality", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, type=Path, help="a GGUF (llama or qwen2)")
     p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))

@@ -12,7 +12,7 @@ the same machine:
   (`--llama_cpp_model`: the GGUF of a target that is not one).
 
 `--held_out_from HEADS` takes the prompts from a train-draft run's held-out set (never trained on; as
-`nextn.bench.mtp_tree_al`), so that trained heads are measured on prompts they have not seen.
+`benchmarks.mtp_tree_al`), so that trained heads are measured on prompts they have not seen.
 
 Batch 1: the prompts one after another; tokens/s is decode only on both sides (nextn: tokens after the first over
 first-token → finish time, summed over prompts; llama.cpp: its "decoded N tokens in S seconds"). Batch B > 1
@@ -20,9 +20,9 @@ first-token → finish time, summed over prompts; llama.cpp: its "decoded N toke
 decode step per request (1 + accepted drafts / steps); a speed-up above the AL would be a measurement bug and is
 flagged.
 
-    python -m nextn.bench.drafters --target runs/models/qwen2.5-coder-1.5b/*.gguf \\
+    python -m benchmarks.drafters --target runs/models/qwen2.5-coder-1.5b/*.gguf \\
         --draft runs/models/qwen2.5-coder-0.5b/*.gguf --dataset humaneval --num_prompts 8 --max_tokens 128
-    python -m nextn.bench.drafters --target runs/issue16/qwen05-mtp-1k --held_out_from runs/issue16/qwen05-mtp-1k \\
+    python -m benchmarks.drafters --target runs/issue16/qwen05-mtp-1k --held_out_from runs/issue16/qwen05-mtp-1k \\
         --llama_cpp_model runs/models/qwen2.5-coder-0.5b/*.gguf --mtp_len 2 3 --draft_vocab_sizes 32768
 """
 
@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from nextn.bench import llama_cpp
-from nextn.bench.decode_pass import run_nextn
+from benchmarks.decode_pass import run_nextn
 from nextn.bench.outputs import check_report, write_report
 from nextn.bench.real_models import load_prompt_texts
 
@@ -98,7 +98,7 @@ def _texts(dataset: str, n: int) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m nextn.bench.drafters", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.drafters", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True, type=Path,
                    help="the target: a GGUF, or a checkpoint / engine directory (e.g. a train-draft MTP output)")
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.held_out_from is not None and args.dataset == "mixed":
         p.error("--held_out_from takes --dataset humaneval or mt_bench")
     if args.held_out_from is not None:  # before any model loads
-        from nextn.bench.mtp_tree_al import read_train_record
+        from nextn.train.session import read_train_record
 
         meta = read_train_record(p, args.held_out_from, "--held_out_from")
     configs = _configs(args.draft, args.draft_len, args.draft_vocab_sizes, args.draft_token_map, args.mtp_len)
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, spec in configs.items()}
     tok = next(iter(llms.values())).tokenizer
     if args.held_out_from is not None:
-        from nextn.bench.mtp_tree_al import held_out_prompts
+        from benchmarks.mtp_tree_al import held_out_prompts
 
         _, prompts = held_out_prompts(meta, args.dataset, args.num_prompts)
         chats = [tok.tok.decode(ids, skip_special_tokens=False) for ids in prompts]

@@ -2,7 +2,7 @@
 compiles: `nextn serve` started on `--model` (a GGUF, checkpoint or engine), then, with its RSS (server plus its
 worker processes) printed every 60 schemas,
 
-    python -m nextn.bench.schema_flood --model ../shared/data/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf \
+    python -m benchmarks.schema_flood --model ../shared/data/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf \
         [--schemas 240] [--slow_pattern "[a-z]{3000,20000}"]
 
 Each schema request generates one token; the slow request is `tool_choice: "required"` with a function whose

@@ -3,7 +3,7 @@ eager and with the decode step captured in CUDA graphs (on CUDA, with the overla
 `disable_overlap_scheduler`), each against the first device's plain decoding, and decode tokens/s of a fixed batch
 (best of `--repeats` after a warm-up).
 
-    python -m nextn.bench.device_agreement --model stories260K.gguf --devices cuda,cpu --json $OUT/agreement.json
+    python -m benchmarks.device_agreement --model stories260K.gguf --devices cuda,cpu --json $OUT/agreement.json
 
 On a GPU this is the end-to-end check that the Triton kernels and the graph runner change no token; on CPU alone it
 runs plain and NGram only.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from nextn.bench.decode_pass import best_of
+from benchmarks.decode_pass import best_of
 from nextn.bench.outputs import check_report, write_report
 from nextn.runtime.llm import LLM
 from nextn.runtime.sampling_params import SamplingParams
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m nextn.bench.device_agreement", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.device_agreement", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="a GGUF file, HF checkpoint or engine directory")
     p.add_argument("--devices", default="cuda,cpu", help="comma-separated; the first device's plain decoding is the "
                                                           "reference (default cuda,cpu)")

@@ -1,7 +1,7 @@
 """A tool-use conversation against `nextn serve`, as an agent framework holds it, with the official `openai` client:
 a function schema, `tool_choice` "auto" then "required", the call's result fed back, the final answer streamed.
 
-    python -m nextn.serving.tool_check --engine_dir ENGINE [--extra_llm_api_options configs/ngram.yaml]
+    python -m benchmarks.tool_check --engine_dir ENGINE [--extra_llm_api_options configs/ngram.yaml]
 
 Starts the server in this process on a free loopback port, prints each turn (the parsed `tool_calls`, whether
 their arguments validate against the function's schema with `jsonschema`, the answer) and exits 1 when a call is
@@ -74,7 +74,7 @@ def converse(client, model: str, tool_choice: str, stream: bool) -> tuple[bool, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m nextn.serving.tool_check", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tool_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--engine_dir", required=True)
     p.add_argument("--extra_llm_api_options", default=None, help="LLM options YAML (e.g. a drafter's config)")
     args = p.parse_args(argv)

@@ -1,6 +1,6 @@
 """Load time and step time of the decode step: eager, compiled from scratch, compiled from stored artifacts.
 
-    python -m nextn.bench.compile_step --engine ENGINE [--engine ENGINE2 ...] [--batch_sizes 1 8]
+    python -m benchmarks.compile_step --engine ENGINE [--engine ENGINE2 ...] [--batch_sizes 1 8]
         [--processes 3] [--repeats 3] [--max_tokens 64] [--prompt_len 32] [--num_threads 1] [--json OUT]
 
 Each engine should be built with `build-engine --compile_step` (else the "artifacts" mode equals "compiled").
@@ -82,8 +82,11 @@ def worker(engine: str, mode: str, batch_sizes: list[int], repeats: int, max_tok
 
 def _spawn(engine: str, mode: str, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="nextn-inductor-") as cache:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
-        cmd = [sys.executable, "-m", "nextn.bench.compile_step", "--_worker", json.dumps(
+        # the worker imports this study as `benchmarks.compile_step`: the repository root on its path, whatever the cwd
+        root = str(Path(__file__).resolve().parents[1])
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache,
+               "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+        cmd = [sys.executable, "-m", "benchmarks.compile_step", "--_worker", json.dumps(
             [engine, mode, args.batch_sizes, args.repeats, args.max_tokens, args.prompt_len, args.num_threads])]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -121,7 +124,7 @@ def table(results: list[dict], batch_sizes: list[int]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m nextn.bench.compile_step", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.compile_step", description=__doc__.split("\n")[0])
     p.add_argument("--engine", action="append", help="engine directory (repeatable); built with --compile_step")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--batch_sizes", type=int, nargs="+", default=[1, 8])

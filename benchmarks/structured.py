@@ -2,7 +2,7 @@
 synchronous, eager steps any processed request runs), and under a JSON-schema grammar, at each batch size, with an
 engine's drafter on or off — one invocation, best of `--runs` (the modes interleaved) after a warm-up.
 
-    python -m nextn.bench.structured --engine ENGINE --batch 1 8 --max_tokens 64 [--config configs/ngram.yaml]
+    python -m benchmarks.structured --engine ENGINE --batch 1 8 --max_tokens 64 [--config configs/ngram.yaml]
 
 Every request runs to `--max_tokens` (EOS ignored; the grammar's own end is allowed, so its outputs may stop
 earlier: tokens/s counts the tokens emitted). Prefill is excluded: each run's time starts at the last request's first token.
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m nextn.bench.structured", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.structured", description=__doc__.split("\n\n")[0])
     p.add_argument("--engine", required=True, help="an engine directory or checkpoint (with a tokenizer)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="batch sizes (default 1 8)")
     p.add_argument("--max_tokens", type=int, default=64, help="tokens per request (default 64)")
