@@ -44,8 +44,7 @@ class RepeatDrafter(LinearDrafter):
     def initial_state(self, batch, hidden_size, device, dtype):
         return ()
 
-    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state, sampling=None,
-                      draft=True):
+    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state, step=None):
         self.calls += 1
         return rows_at(next_tokens, last_idx).expand(-1, self.num_draft_tokens).contiguous(), ()
 

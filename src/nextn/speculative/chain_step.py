@@ -23,8 +23,8 @@ from nextn.speculative import acceptance_rules
 from nextn.speculative.acceptance_rules import sample_tokens
 from nextn.speculative.draft_gain import expected_tokens
 from nextn.speculative.traits import DrafterTraits
-from nextn.speculative.protocol import (NO_CONTEXT, AcceptanceRule, AcceptState, Drafter, DrafterState,
-                                        SamplingTensors, StepOutput, VerifyContext, rows_at)
+from nextn.speculative.protocol import (NO_CONTEXT, NO_PREFILL, AcceptanceRule, AcceptState, Drafter, DrafterState,
+                                        PrefillContext, SamplingTensors, StepOutput, VerifyContext, rows_at)
 
 
 PREFILL_PADDING_SLACK = 0.125  # `prefill_groups`: a group's forward computes at most 1.125× its true tokens
@@ -132,8 +132,8 @@ def prefill_step(model: SelfDraftingCausalLM, drafter: Drafter, acceptance: Acce
         first = torch.where(next_tokens[:, None] >= 0, next_tokens[:, None], first)
     # The token one position ahead of each row: the prompt shifted left, the new token after the last row.
     shifted = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1).scatter(1, last_idx[:, None], first)
-    drafts, state = drafter.after_prefill(model, kv_cache, meta, hidden, shifted, last_idx, input_ids=input_ids,
-                                          state=drafter_state, sampling=sampling, draft=draft)
+    drafts, state = drafter.after_prefill(model, kv_cache, meta, hidden, shifted, last_idx, input_ids,
+                                          drafter_state, PrefillContext(sampling, draft))
     ones = torch.ones_like(prompt_lens)
     return StepOutput(first, ones, drafts, state, acceptance.observe(first, ones, accept_state),
                       sampling.logprobs(logits, first))
@@ -261,8 +261,8 @@ class NoDrafter(LinearDrafter):
     def initial_state(self, batch, hidden_size, device, dtype):
         return ()
 
-    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state, sampling=None,
-                      draft=True):
+    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state,
+                      step=NO_PREFILL):
         return next_tokens.new_zeros(next_tokens.shape[0], 0), ()
 
     def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state, step=NO_CONTEXT):

@@ -58,7 +58,7 @@ from nextn.plugins.packed_linear import install_packed_linears
 from nextn.plugins.decoder_layer import install_fused_layers
 from nextn.plugins.paged_attention import install_paged_attention
 from nextn.quantization.linear import install_weight_only_linears
-from nextn.speculative.protocol import AcceptanceRule, SamplingTensors
+from nextn.speculative.protocol import NO_PREFILL, AcceptanceRule, SamplingTensors
 from nextn.models.attention_metadata import AttentionMetadata, slots_for_positions
 from nextn.speculative.draft_vocab import restrict_dense_head, restrict_quantized_head, resolve_hot_tokens
 from nextn.speculative.protocol import NO_CONTEXT, DrafterState, rows_at
@@ -240,8 +240,9 @@ class DraftModelDrafter(LinearDrafter):
             return drafts_t, state if state else self.initial_state(tokens.shape[0], 0, tokens.device, kv.dtype)
         return drafts_t, (torch.nn.functional.pad(torch.cat(qs, dim=1), (0, 0, 0, missing)),)
 
-    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state, sampling=None,
-                      draft=True):
+    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state,
+                      step=NO_PREFILL):
+        sampling, draft = step.sampling, step.draft
         kv = self._bind(model, kv_cache)
         if not draft:  # speculation is off: no second prefill now, `catch_up` writes it if speculation comes back
             return next_tokens.new_zeros(next_tokens.shape[0], self.num_draft_tokens), state

@@ -23,7 +23,7 @@ from nextn.plugins.kernels.medusa_tree import tree_candidates
 from nextn.speculative.medusa_tree import TreeBuffers, TreeError, build_tree, published_tree
 from nextn.speculative.method import LoadContext, Method
 from nextn.plugins.sampling import STREAM_SAMPLE, counter_uniform, sample_from_probs
-from nextn.speculative.protocol import AcceptanceRule, AcceptState, Drafter, SamplingTensors, TreeLayout
+from nextn.speculative.protocol import NO_PREFILL, AcceptState, AcceptanceRule, Drafter, SamplingTensors, TreeLayout
 from nextn.speculative.draft_gain import TreeGain
 from nextn.speculative.protocol import NO_CONTEXT, DrafterState, rows_at
 from nextn.speculative.tree_step import TreeDrafterBase
@@ -116,8 +116,8 @@ class MedusaDrafter(TreeDrafterBase):
         """The whole tree, shared by the batch (every step verifies all of it)."""
         return self._layout
 
-    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state, sampling=None,
-                      draft=True):
+    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state,
+                      step=NO_PREFILL):
         tree = self.tree_from(rows_at(hidden, last_idx), next_tokens.gather(1, last_idx[:, None]))
         return tree[:, 1:], ()
 

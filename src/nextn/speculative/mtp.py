@@ -23,7 +23,7 @@ from nextn.speculative.chain_step import LinearDrafter
 from nextn.speculative.draft_vocab import resolve_hot_tokens
 from nextn.speculative.method import LoadContext, Method
 from nextn.speculative.mtp_tree import MtpTreeAcceptance, tree_drafter, uses_tree
-from nextn.speculative.protocol import NO_CONTEXT, AcceptanceRule, Drafter, DrafterState, rows_at
+from nextn.speculative.protocol import NO_CONTEXT, NO_PREFILL, AcceptanceRule, Drafter, DrafterState, rows_at
 from nextn.speculative.traits import DraftKV, DrafterTraits
 
 logger = logging.getLogger(__name__)
@@ -61,8 +61,9 @@ class MtpEagleDrafter(LinearDrafter):
             drafts.append(token)
         return torch.cat(drafts, dim=1)
 
-    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state, sampling=None,
-                      draft=True):
+    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state,
+                      step=NO_PREFILL):
+        draft = step.draft
         if not draft:  # the module's KV over the prompt rows only
             model.forward_mtp(0, next_tokens, hidden, kv_cache, meta)
             return next_tokens.new_zeros(next_tokens.shape[0], self.num_draft_tokens), ()
@@ -120,8 +121,8 @@ class MtpVanillaDrafter(LinearDrafter):
         out = x.gather(1, idx)
         return out * valid.view(*valid.shape, *([1] * (x.dim() - 2))).to(out.dtype)
 
-    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state, sampling=None,
-                      draft=True):
+    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state,
+                      step=NO_PREFILL):
         drafts = self._run_modules(model, kv_cache, meta, hidden, next_tokens, last_idx)
         return drafts, (self._window(next_tokens, last_idx), self._window(hidden, last_idx))
 

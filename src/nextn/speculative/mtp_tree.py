@@ -39,7 +39,7 @@ from nextn.config.llm_args import LlmArgsError, MTPDecodingConfig
 from nextn.speculative.draft_tree import (StaticTree, ancestor_mask, check_tree_fits, select_dynamic_tree, static_tree,
                                       tree_accept)
 from nextn.speculative.medusa_tree import TreeError
-from nextn.speculative.protocol import SamplingTensors, TreeLayout
+from nextn.speculative.protocol import NO_PREFILL, SamplingTensors, TreeLayout
 from nextn.speculative.acceptance_rules import StandardAcceptance, sample_tokens
 from nextn.models.attention_metadata import AttentionMetadata, slots_for_positions
 from nextn.speculative.draft_gain import TreeGain, prior_tree
@@ -96,8 +96,9 @@ class MtpTreeDrafter(TreeDrafterBase):
         h = model.forward_mtp(0, next_tokens, hidden, kv_cache, meta)
         return rows_at(h, last_idx), rows_at(meta.positions, last_idx)[:, 0]
 
-    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state, sampling=None,
-                      draft=True):
+    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state,
+                      step=NO_PREFILL):
+        draft = step.draft
         h_root, base = self._root(model, kv_cache, meta, hidden, next_tokens, last_idx)
         if not draft:  # the module's KV over the prompt rows only (the tree is drafted when speculation resumes)
             b = next_tokens.shape[0]

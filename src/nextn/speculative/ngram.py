@@ -28,7 +28,7 @@ import logging
 import torch
 
 from nextn.config.llm_args import NGramDecodingConfig
-from nextn.speculative.protocol import NO_CONTEXT, DrafterState
+from nextn.speculative.protocol import NO_CONTEXT, NO_PREFILL, DrafterState
 from nextn.speculative.acceptance_rules import StandardAcceptance
 from nextn.speculative.chain_step import LinearDrafter
 from nextn.speculative.method import LoadContext, Method, from_build_yaml
@@ -131,8 +131,8 @@ class NGramDrafter(LinearDrafter):
     def _draft(self, history: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
         return ngram_drafts(history, num_tokens, self.max_ngram, self.num_draft_tokens, self.use_oldest)
 
-    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state, sampling=None,
-                      draft=True):
+    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state,
+                      step=NO_PREFILL):
         (history,) = state or self.initial_state(input_ids.shape[0], 0, input_ids.device, hidden.dtype)
         start = meta.positions[:, :1]  # [B, 1] the chunk's first position
         history = self._write(history, start, input_ids[:, :1])  # (only the first chunk's is new)

@@ -184,6 +184,25 @@ class VerifyContext:
 NO_CONTEXT = VerifyContext()
 
 
+@dataclass(frozen=True)
+class PrefillContext:
+    """What a prefill step tells the drafter's `after_prefill` besides the prompt rows (always passed).
+
+    Attributes:
+        sampling: the requests' sampling parameters (a drafter with `traits.sampled` draws its drafts with them);
+            None only where a caller outside the engine runs the hook.
+        draft: False: the next decode step will not speculate (the draft-length policy is off at that batch size),
+            so the drafter may only write its KV / state for the prompt rows and return zeros: the step that turns
+            speculation back on drafts first.
+    """
+
+    sampling: SamplingTensors | None = None
+    draft: bool = True
+
+
+NO_PREFILL = PrefillContext()
+
+
 def rows_at(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """x[b, idx[b]] for x [B, T, ...] and idx [B] → [B, 1, ...]."""
     index = idx.view(-1, 1, *([1] * (x.dim() - 2))).expand(-1, 1, *x.shape[2:])
@@ -204,8 +223,8 @@ class Drafter(Protocol):
     max_draft_depth: int  # the most drafts one step can accept (K; a Medusa tree's depth)
 
     def catch_up(self, kv_cache: torch.Tensor, meta: AttentionMetadata, input_ids: torch.Tensor) -> None:
-        """(drafters with `traits.kv` FROM_TOKENS) write the drafter's KV for tokens input_ids [B, T] int64 at `meta`'s positions
-        (pads: slots of the null block), nothing else; other drafters never see it."""
+        """(drafters with `traits.kv` FROM_TOKENS) write the drafter's KV for tokens input_ids [B, T] int64 at
+        `meta`'s positions (pads: slots of the null block), nothing else; other drafters never see it."""
 
     @property
     def decode_fn(self) -> Callable:
@@ -224,19 +243,17 @@ class Drafter(Protocol):
 
     def after_prefill(self, model: SelfDraftingCausalLM, kv_cache: torch.Tensor, meta: AttentionMetadata,
                       hidden: torch.Tensor, next_tokens: torch.Tensor, last_idx: torch.Tensor,
-                      input_ids: torch.Tensor, state: DrafterState, sampling: SamplingTensors | None = None,
-                      draft: bool = True) -> tuple[torch.Tensor, DrafterState]:
+                      input_ids: torch.Tensor, state: DrafterState, step: PrefillContext = NO_PREFILL
+                      ) -> tuple[torch.Tensor, DrafterState]:
         """Drafts [B, K] after a prefill over the prompt rows, and the state for the first decode step (`state`:
-        the rows' state before this chunk — stale for a request's first chunk; `sampling`: the requests' sampling
-        parameters, for drafters that sample their drafts). `draft` False: the next decode step will not speculate
-        (the draft-length policy is off at that batch size), so a drafter may only write its KV / state for the
-        prompt rows and return zeros: the step that turns speculation back on drafts first."""
+        the rows' state before this chunk — stale for a request's first chunk); `step`: the sampling parameters
+        and whether to draft at all (`PrefillContext`; the engine always passes it)."""
 
     def after_verify(self, model: SelfDraftingCausalLM, kv_cache: torch.Tensor, meta: AttentionMetadata,
                      hidden: torch.Tensor, target_tokens: torch.Tensor, num_emitted: torch.Tensor,
                      state: DrafterState, step: VerifyContext = NO_CONTEXT) -> tuple[torch.Tensor, DrafterState]:
-        """Drafts [B, K] after verifying [last, d1..dK]: rows are the K+1 verified positions, last_idx = num_emitted − 1;
-        `step`: the sampling parameters, ragged draft lengths, drafts to make and whether to draft at all
+        """Drafts [B, K] after verifying [last, d1..dK]: rows are the K+1 verified positions, last_idx =
+        num_emitted − 1; `step`: the sampling parameters, ragged draft lengths, drafts to make and whether to draft at all
         (`VerifyContext`; the engine always passes it)."""
 
     def draft_probs(self, state: DrafterState, num_drafts: int, sampling: SamplingTensors) -> torch.Tensor | None:

@@ -61,7 +61,7 @@ from nextn.speculative.acceptance_rules import StandardAcceptance
 from nextn.speculative.chain_step import LinearDrafter
 from nextn.speculative.traits import DrafterTraits, DraftLenSource
 from nextn.speculative.method import LoadContext, Method, from_build_yaml
-from nextn.speculative.protocol import NO_CONTEXT, AcceptanceRule, Drafter, DrafterState, rows_at
+from nextn.speculative.protocol import NO_CONTEXT, NO_PREFILL, AcceptanceRule, Drafter, DrafterState, rows_at
 from nextn.speculative.suffix_calibration import AcceptanceCalibration
 from nextn.speculative.suffix_combined import CombinedDrafter
 from nextn.speculative.suffix_tree import OutputCache, new_suffix_tree
@@ -295,8 +295,9 @@ class SuffixDrafter(LinearDrafter):
         return drafts + [pad] * (k - len(drafts))
 
     # The protocol -----------------------------------------------------------------------------------------------
-    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state, sampling=None,
-                      draft=True):
+    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state,
+                      step=NO_PREFILL):
+        draft = step.draft
         b = input_ids.shape[0]
         slots = state[0].tolist() if state else list(range(b))
         lens = (last_idx + 1).tolist()

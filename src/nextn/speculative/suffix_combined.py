@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import torch
 
 from nextn.speculative.chain_step import LinearDrafter
-from nextn.speculative.protocol import NO_CONTEXT, Drafter, DrafterState, SamplingTensors
+from nextn.speculative.protocol import NO_CONTEXT, NO_PREFILL, Drafter, DrafterState, SamplingTensors
 from nextn.speculative.traits import DraftLenSource
 
 
@@ -119,14 +119,14 @@ class CombinedDrafter(LinearDrafter):
     def catch_up(self, kv_cache, meta, input_ids):
         self.model.catch_up(kv_cache, meta, input_ids)
 
-    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state, sampling=None,
-                      draft=True):
+    def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state,
+                      step=NO_PREFILL):
         suffix_state, model_state = self._split(state)
         s_drafts, suffix_state = self.suffix.after_prefill(model, kv_cache, meta, hidden, next_tokens, last_idx,
-                                                           input_ids, suffix_state, sampling, draft)
+                                                           input_ids, suffix_state, step)
         m_drafts, model_state = self.model.after_prefill(model, kv_cache, meta, hidden, next_tokens, last_idx,
-                                                         input_ids, model_state, sampling, draft)
-        return self._choose(self._picks(suffix_state, draft), s_drafts, m_drafts, suffix_state, model_state)
+                                                         input_ids, model_state, step)
+        return self._choose(self._picks(suffix_state, step.draft), s_drafts, m_drafts, suffix_state, model_state)
 
     def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state, step=NO_CONTEXT):
         suffix_state, model_state = self._split(state)
