@@ -161,9 +161,9 @@ def test_index_without_weight_map(make_ckpt) -> None:
 
 
 def test_unsupported_architecture_names_it(make_ckpt) -> None:
-    ck = make_ckpt(config_update={"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"})
+    ck = make_ckpt(config_update={"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss"})
     r = CheckpointReader(ck.path)  # reading tensors is architecture-agnostic
-    with pytest.raises(ConfigError, match="unsupported architecture 'MixtralForCausalLM'"):
+    with pytest.raises(ConfigError, match="unsupported architecture 'GptOssForCausalLM'"):
         r.model_config
 
 

@@ -265,8 +265,8 @@ def test_truncated_shard_is_named(make_ckpt, tmp_path: Path) -> None:
 
 
 def test_unsupported_architecture(make_ckpt, tmp_path: Path) -> None:
-    ck = make_ckpt(config_update={"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"})
-    with pytest.raises(ConfigError, match="unsupported architecture 'MixtralForCausalLM'"):
+    ck = make_ckpt(config_update={"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss"})
+    with pytest.raises(ConfigError, match="unsupported architecture 'GptOssForCausalLM'"):
         build_engine(ck.path, tmp_path / "engine", progress=False)
 
 

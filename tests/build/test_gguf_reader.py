@@ -403,7 +403,7 @@ def test_an_unsupported_architecture_is_refused_from_the_header_alone(tmp_path, 
     """The architecture is read from the header's first keys before `gguf.GGUFReader` parses the whole file (~20 s
     for a 262k-token vocabulary): a refused file is refused at once, naming what nextn reads."""
     write_tiny_gguf(tmp_path / "f.gguf", arch="falcon")
-    write_tiny_gguf(tmp_path / "m.gguf", arch="qwen3moe")
+    write_tiny_gguf(tmp_path / "m.gguf", arch="gpt-oss")
 
     def no_full_parse(*args, **kwargs):
         raise AssertionError("the whole header was parsed for a refused architecture")
@@ -411,5 +411,5 @@ def test_an_unsupported_architecture_is_refused_from_the_header_alone(tmp_path, 
     with pytest.raises(CheckpointError, match=r"unsupported GGUF architecture 'falcon'; nextn reads llama, qwen2, "
                                               r"qwen3, gemma3"):
         GGUFCheckpoint(tmp_path / "f.gguf")
-    with pytest.raises(CheckpointError, match=r"'qwen3moe' is a mixture-of-experts model, which nextn does not build"):
+    with pytest.raises(CheckpointError, match=r"'gpt-oss' is a mixture-of-experts model, which nextn does not build yet"):
         GGUFCheckpoint(tmp_path / "m.gguf")

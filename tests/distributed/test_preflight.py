@@ -68,7 +68,8 @@ def test_every_split_dimension_of_deepseek_v3_is_checked(checkpoints):
 
 
 def test_families_the_split_does_not_compute_yet_are_refused_by_name():
-    """Gemma 3 / Granite (scaled embeddings) and OLMo 2 (a q/k norm over all heads) run unsplit for now."""
+    """Gemma 3 / Granite (scaled embeddings), OLMo 2 (a q/k norm over all heads) and the softmax-routed MoE families
+    run unsplit for now."""
     from nextn.models.llama import LlamaModelConfig
 
     base = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -78,3 +79,7 @@ def test_families_the_split_does_not_compute_yet_are_refused_by_name():
     for arch, what in (("Gemma3ForCausalLM", "embedding_multiplier"), ("Olmo2ForCausalLM", "all_heads")):
         with pytest.raises(MappingError, match=f"{arch} .*{what}.*tensor_parallel_size 1"):
             check_model_split(LlamaModelConfig.from_hf({**base, "architectures": [arch], "sliding_window": 8}), two)
+    moe = LlamaModelConfig.from_hf({**base, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4,
+                                    "num_experts_per_tok": 2, "moe_intermediate_size": 64})
+    with pytest.raises(MappingError, match="Qwen3MoeForCausalLM .*num_experts.*tensor_parallel_size 1"):
+        check_model_split(moe, two)

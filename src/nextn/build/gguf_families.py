@@ -22,7 +22,9 @@ SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausal
                            "granite": "GraniteForCausalLM",
                            "olmo2": "Olmo2ForCausalLM", "phi3": "Phi3ForCausalLM",
                            "gemma2": "Gemma2ForCausalLM", "exaone4": "Exaone4ForCausalLM",
-                           "seed_oss": "SeedOssForCausalLM", "glm4": "Glm4ForCausalLM"}
+                           "seed_oss": "SeedOssForCausalLM", "glm4": "Glm4ForCausalLM",
+                           "qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
+                           "olmoe": "OlmoeForCausalLM"}  # and Mixtral, written as llama with experts
 #: Architectures whose q/k rows llama.cpp permutes at conversion (convert_hf_to_gguf.py `LlamaModel.permute`;
 #: `SmolLM3Model` and `GraniteModel` are `LlamaModel`s).
 PERMUTED_ARCHITECTURES = ("llama", "smollm3", "granite")
@@ -32,8 +34,8 @@ PARTIAL_ROTARY_ARCHITECTURES = ("phi3", "glm4")
 #: and long factors (conversion/phi.py `Phi3MiniModel.generate_extra_tensors`).
 FACTOR_TENSORS = {"llama": ("rope_freqs.weight",), "exaone4": ("rope_freqs.weight",),
                   "phi3": ("rope_factors_long.weight", "rope_factors_short.weight")}
-#: GGUF architectures that are mixture-of-experts models (refused by name until nextn's MoE layer reads them).
-MOE_ARCHITECTURES = frozenset({"qwen2moe", "qwen3moe", "qwen35moe", "mixtral", "olmoe", "gpt-oss", "glm4moe",
+#: GGUF architectures of mixture-of-experts models nextn's MoE layer does not read yet (refused as MoE, by name).
+MOE_ARCHITECTURES = frozenset({"qwen35moe", "mixtral", "gpt-oss", "glm4moe",
                                "deepseek2", "deepseek", "dbrx", "grok", "arctic", "granitemoe", "llama4", "bailingmoe",
                                "bailingmoe2", "ernie4_5-moe", "hunyuan-moe", "dots1", "smallthinker", "minimax-m2",
                                "afmoe", "lfm2moe", "grovemoe", "openai-moe"})
@@ -65,14 +67,53 @@ _SEED_OSS_BLOCK = {**{k: v for k, v in _LLAMA_BLOCK.items() if k != "ffn_norm"},
 #: GLM-4: fused gate_up as `ffn_up`; its sandwich norms under GLM's HF names (`StoredLayout` renames them)
 _GLM4_BLOCK = {**_LLAMA_BLOCK, "ffn_up": "mlp.gate_up_proj", "post_attention_norm": "post_self_attn_layernorm",
                "ffn_norm": "post_attention_layernorm", "post_ffw_norm": "post_mlp_layernorm"}
-BLOCK_NAMES = {"phi3": _PHI3_BLOCK, "glm4": _GLM4_BLOCK, "olmo2": _POST_NORM_BLOCK, "exaone4": _POST_NORM_BLOCK, "seed_oss": _SEED_OSS_BLOCK,
-               "llama": _LLAMA_BLOCK, "qwen2": _LLAMA_BLOCK, "qwen3": {**_LLAMA_BLOCK, **_QK_NORMS},
+#: An MoE block's router and shared expert (Qwen2-MoE: `ffn_*_shexp`, its sigmoid gate `ffn_gate_inp_shexp`)
+_MOE_BLOCK = {"ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+              "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+              "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
+#: The experts' 3-D tensors [E, out, in] (HF order) → each expert's projection (`expert_names`)
+EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+#: Whether an MoE architecture renormalises its top-k probabilities (llama.cpp's src/models/<arch>.cpp: the `norm_w`
+#: argument of `build_moe_ffn`; `{arch}.expert_weights_norm` overrides where a file writes it)
+NORM_TOPK = {"qwen3moe": True, "llama": True, "qwen2moe": False, "olmoe": False}
+BLOCK_NAMES = {"qwen3moe": {**_LLAMA_BLOCK, **_QK_NORMS, **_MOE_BLOCK}, "qwen2moe": {**_LLAMA_BLOCK, **_MOE_BLOCK},
+               "olmoe": {**_LLAMA_BLOCK, **_QK_NORMS, **_MOE_BLOCK},"phi3": _PHI3_BLOCK, "glm4": _GLM4_BLOCK, "olmo2": _POST_NORM_BLOCK, "exaone4": _POST_NORM_BLOCK, "seed_oss": _SEED_OSS_BLOCK,
+               "llama": {**_LLAMA_BLOCK, **_MOE_BLOCK}, "qwen2": _LLAMA_BLOCK, "qwen3": {**_LLAMA_BLOCK, **_QK_NORMS},
                "gemma2": _GEMMA_BLOCK, "gemma3": _GEMMA_BLOCK, "smollm3": _LLAMA_BLOCK, "granite": _LLAMA_BLOCK}
 
 
 def global_names() -> dict[str, str]:
     """llama.cpp's names of the tensors outside the blocks → HF names."""
     return dict(_GLOBAL_NAMES)
+
+
+def expert_names(block: str, name: str, count: int) -> list[str] | None:
+    """The HF names of the `count` experts' slices of llama.cpp block tensor `name` of block `block` (`ffn_gate_exps`
+    → `model.layers.N.mlp.experts.{e}.gate_proj.weight`, e < count), or None for a tensor that holds no experts."""
+    proj = EXPERT_TENSORS.get(name)
+    if proj is None:
+        return None
+    return [f"model.layers.{block}.mlp.experts.{e}.{proj}.weight" for e in range(count)]
+
+
+def moe_config(arch: str, key: Callable[..., Any]) -> dict[str, Any]:
+    """The HF config fields of an MoE GGUF's experts (`{arch}.expert_count`, `expert_used_count`,
+    `expert_feed_forward_length`, `expert_shared_feed_forward_length`; `key` as in `family_config`), Mixtral's
+    architecture for a llama file with experts; {} for a dense file."""
+    experts = key("expert_count", "raw", 0)
+    if not experts:
+        return {}
+    def optional(name: str) -> int | None:
+        return key(name, "count", None) if key(name, "raw", None) is not None else None
+
+    norm = key("expert_weights_norm", "raw", None)
+    out = {"num_experts": key("expert_count", "count", None), "num_experts_per_tok": key("expert_used_count", "count", None),
+           "moe_intermediate_size": optional("expert_feed_forward_length") or key("feed_forward_length", "count", None),
+           "norm_topk_prob": NORM_TOPK.get(arch, False) if norm is None else bool(norm),
+           "shared_expert_intermediate_size": optional("expert_shared_feed_forward_length")}
+    if arch == "llama":
+        out.update(architectures=["MixtralForCausalLM"], model_type="mixtral")
+    return out
 
 
 def norm_shift(arch: str, hf_name: str) -> float:

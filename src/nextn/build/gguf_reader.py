@@ -1,5 +1,7 @@
-"""Reader of a llama.cpp GGUF file of a dense family (`gguf_families.py`: llama, qwen2, qwen3, gemma3), float or
-quantized, as an HF-named checkpoint.
+"""Reader of a llama.cpp GGUF file of a dense or MoE family (`gguf_families.py`: llama, qwen2, qwen3, gemma3, ...,
+qwen3moe, qwen2moe, olmoe, Mixtral as llama with experts), float or quantized, as an HF-named checkpoint. An MoE
+layer's experts are one 3-D tensor each (`blk.N.ffn_{gate,up,down}_exps`, [E, out, in]): each expert reads as its own
+HF-named slice (`model.layers.N.mlp.experts.{e}.gate_proj.weight`), its 4-bit blocks included.
 
 A GGUF holds the config as metadata under llama.cpp key names (`llama.embedding_length`, `qwen2.rope.freq_base`, ...),
 the tensors under llama.cpp names (`blk.N.attn_q.weight`, ...) in ggml types (F32/F16/BF16 or block-quantized: Q4_1,
@@ -44,7 +46,7 @@ if TYPE_CHECKING:
 
 from nextn.build.gguf_families import (
     BLOCK_NAMES, FACTOR_TENSORS, MOE_ARCHITECTURES, PARTIAL_ROTARY_ARCHITECTURES, PERMUTED_ARCHITECTURES,
-    SUPPORTED_ARCHITECTURES, factor_values, family_config, global_names, norm_shift,
+    SUPPORTED_ARCHITECTURES, expert_names, factor_values, family_config, global_names, moe_config, norm_shift,
 )  # fmt: skip
 
 #: ggml float types (read as they are, widened to fp32).
@@ -131,7 +133,7 @@ def _unsupported(path: Path, arch: str) -> str:
     """The refusal of a GGUF of architecture `arch`: an MoE one says so."""
     if arch in MOE_ARCHITECTURES:
         return (f"{path}: GGUF architecture {arch!r} is a mixture-of-experts model, which nextn does not build yet; "
-                f"nextn reads the dense families {', '.join(SUPPORTED_ARCHITECTURES)}")
+                f"nextn reads {', '.join(SUPPORTED_ARCHITECTURES)} (Mixtral as llama)")
     return f"{path}: unsupported GGUF architecture {arch!r}; nextn reads {', '.join(SUPPORTED_ARCHITECTURES)}"
 
 
@@ -164,6 +166,7 @@ class GGUFCheckpoint:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise CheckpointError(_unsupported(self.path, self.architecture))
         self._tensors: dict[str, Any] = {}
+        self._expert: dict[str, int] = {}  # an expert's HF name → its index in its 3-D tensor (`_tensors` holds that)
         # rope frequency factors as llama.cpp's converter stores them: Llama 3's `rope_freqs`, LongRoPE's two
         self._factors: dict[str, Any] = {}
         supported = supported_ggml_types()
@@ -171,12 +174,18 @@ class GGUFCheckpoint:
             if t.name in FACTOR_TENSORS.get(self.architecture, ()):
                 self._factors[t.name] = t
                 continue
-            name = hf_name(t.name, self.architecture)
-            if name is None:
-                raise CheckpointError(f"{self.path}: unexpected tensor {t.name!r} for a {self.architecture} GGUF")
             if t.tensor_type.name not in supported:
                 raise CheckpointError(f"{self.path}: tensor {t.name!r} has ggml type {t.tensor_type.name}, which "
                                       f"gguf {_gguf_version()} cannot dequantize; nextn reads {', '.join(supported)}")
+            m = _BLOCK_RE.fullmatch(t.name)
+            experts = expert_names(m[1], m[2], int(t.shape[2]) if len(t.shape) == 3 else 0) if m else None
+            if experts:  # an MoE layer's [E, out, in]: one HF name per expert, each a slice of it
+                self._expert.update((e, i) for i, e in enumerate(experts))
+                self._tensors.update((e, t) for e in experts)
+                continue
+            name = hf_name(t.name, self.architecture)
+            if name is None:
+                raise CheckpointError(f"{self.path}: unexpected tensor {t.name!r} for a {self.architecture} GGUF")
             self._tensors[name] = t
         self._check_tensor_spans()
         if "tokenizer.ggml.tokens" in self._reader.fields:  # before the build writes anything
@@ -247,8 +256,8 @@ class GGUFCheckpoint:
         """The share of the decoder's matrix weights (2-D `blk.*` tensors, by element count) stored in a 4-bit ggml
         type (`FOUR_BIT_TYPES`): 1.0 for a Q4_0 / Q4_1 file, ~0.7-0.9 for a Q4_K_M one (its Q6_K tensors are the
         rest), 0 for a Q8_0 or float file."""
-        sizes = [(int(t.n_elements), t.tensor_type.name) for t in self._tensors.values()
-                 if t.name.startswith("blk.") and len(t.shape) == 2]
+        sizes = [(int(t.n_elements), t.tensor_type.name) for t in self._reader.tensors
+                 if t.name.startswith("blk.") and len(t.shape) in (2, 3)]  # 3-D: an MoE layer's experts
         total = sum(n for n, _ in sizes)
         return sum(n for n, kind in sizes if kind in FOUR_BIT_TYPES) / total if total else 0.0
 
@@ -296,6 +305,7 @@ class GGUFCheckpoint:
                  "raw": lambda k, d: self._field(f"{arch}.{k}", d)}
         options = family_config(arch, lambda k, kind, d: kinds[kind](k, d), layers, hidden, heads, head_dim,
                                 lambda name, n: factor_values(self._factors.get(name), n, self.path))
+        options.update(moe_config(arch, lambda k, kind, d: kinds[kind](k, d)))
         return {
             "architectures": [SUPPORTED_ARCHITECTURES[arch]],
             "model_type": {"gemma3": "gemma3_text"}.get(arch, arch),  # HF's model_type of each family
@@ -385,7 +395,8 @@ class GGUFCheckpoint:
         t = self._tensors.get(name)
         if t is None:
             raise KeyError(name)
-        return "F32", [int(n) for n in reversed(t.shape)]
+        shape = [int(n) for n in reversed(t.shape)]
+        return "F32", shape[1:] if name in self._expert else shape
 
     def get(self, name: str) -> torch.Tensor:
         """Tensor `name` (HF name) as fp32 [out, in] (or [n]), dequantized by `gguf.quants.dequantize`, in HF's
@@ -400,10 +411,13 @@ class GGUFCheckpoint:
         if t is None:
             raise KeyError(f"{name!r} not in {self.path}")
         # A plain-ndarray view of the memory map: gguf slices it per row group, and memmap slices are slow to make.
-        data = np.asarray(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type), dtype=np.float32)
+        raw, shape = np.asarray(t.data), [int(n) for n in reversed(t.shape)]
+        if name in self._expert:  # one expert's rows of an MoE layer's [E, out, in] tensor
+            raw, shape = raw[self._expert[name]], shape[1:]
+        data = np.asarray(gguf.quants.dequantize(raw, t.tensor_type), dtype=np.float32)
         if not data.flags.writeable:  # F32 tensors come back as views of the read-only memory map
             data = data.copy()
-        w = torch.from_numpy(data.reshape([int(n) for n in reversed(t.shape)]))
+        w = torch.from_numpy(data.reshape(shape))
         if shift := norm_shift(self.architecture, name):
             w -= shift  # exact: 1 + (s − 1) rounds back to the stored s in fp32 for any s in [0.5, 2]
         if self.architecture in PERMUTED_ARCHITECTURES:
@@ -424,12 +438,13 @@ class GGUFCheckpoint:
 
         t = self._tensors.get(name)
         if (t is None or t.tensor_type != gguf.GGMLQuantizationType.Q4_K or cfg.quant_algo not in INT4_ALGOS
-                or cfg.group_size != 32 or not cfg.super_block_size or len(t.shape) != 2):
+                or cfg.group_size != 32 or not cfg.super_block_size or len(t.shape) != 2 + (name in self._expert)):
             return None
-        k, n = (int(x) for x in t.shape)
+        k, n = (int(x) for x in t.shape[:2])
         if k % 256 or super_block(k, 32, cfg.super_block_size) != 256:
             return None
-        out = q4_k_two_level(np.asarray(t.data), n, k)
+        raw = np.asarray(t.data)
+        out = q4_k_two_level(raw[self._expert[name]] if name in self._expert else raw, n, k)
         if self.architecture in PERMUTED_ARCHITECTURES:
             heads = {"q_proj": "num_attention_heads", "k_proj": "num_key_value_heads"}
             for proj, key in heads.items():

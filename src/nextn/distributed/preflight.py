@@ -40,9 +40,12 @@ def check_model_split(cfg, mapping: Mapping, quantized: bool = False) -> None:
     tp_name = "tensor_parallel_size"
     unsplit = [name for name, on in (("embedding_multiplier", getattr(cfg, "embedding_multiplier", None) not in
                                       (None, 1.0)),
-                                     ("qk_norm_over: all_heads", getattr(cfg, "qk_norm_over", "head") == "all_heads"))
+                                     ("qk_norm_over: all_heads", getattr(cfg, "qk_norm_over", "head") == "all_heads"),
+                                     ("num_experts", getattr(cfg, "num_experts", 0) > 0))
                if on]
-    if unsplit:  # the vocabulary-parallel embedding has no multiplier; a norm over all heads spans every rank's heads
+    # the vocabulary-parallel embedding has no multiplier; a norm over all heads spans every rank's heads; the
+    # softmax-routed MoE layer (models/moe.py) is not split across ranks yet
+    if unsplit:
         raise MappingError(f"{cfg.architecture} ({', '.join(unsplit)}) runs with tensor_parallel_size 1 for now")
     if hasattr(cfg, "num_key_value_heads"):  # Llama family: KV heads first, their split bounds the query heads'
         _divides(cfg.num_key_value_heads, tp, "num_key_value_heads", tp_name)

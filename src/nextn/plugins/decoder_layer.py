@@ -118,6 +118,8 @@ def fuse_layer(layer: nn.Module) -> FusedLayerWeights | None:
     paged kernel, norms not bf16 (or Gemma's, any dtype), an activation the op lacks, or shapes the op does not take
     (hidden / intermediate % 64, head_dim % 32)."""
     attn, mlp = layer.self_attn, layer.mlp
+    if not hasattr(mlp, "gate_proj"):  # an MoE MLP (models/moe.py): the layer runs module by module
+        return None
     qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
     kind = _int4_linears(*qkv, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
     if kind is None or not attn.paged_attention_kernel or len({lin.bias is None for lin in qkv}) != 1:

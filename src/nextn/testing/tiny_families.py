@@ -46,6 +46,18 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "gemma3_text": dict(num_hidden_layers=7, num_key_value_heads=1, head_dim=32, sliding_window=16,
                         query_pre_attn_scalar=32),
 }
+#: The mixture-of-experts families (issue 61): 8 experts, top-2 (Qwen3-MoE top-3), widths the int4 kernel takes;
+#: Qwen2-MoE's shared expert. Qwen3-MoE renormalises its top-k (as released, and as llama.cpp's qwen3moe always
+#: does), OLMoE and Qwen2-MoE do not. (llama.cpp's converter refuses Qwen3-MoE's dense `mlp_only_layers`: a test
+#: sets them on an HF checkpoint only.)
+MOE_FAMILIES: dict[str, dict[str, Any]] = {
+    "qwen3_moe": dict(num_hidden_layers=3, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=3,
+                      moe_intermediate_size=64, norm_topk_prob=True),
+    "mixtral": dict(num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2),
+    "olmoe": dict(num_key_value_heads=2, num_experts=8, num_experts_per_tok=2),
+    "qwen2_moe": dict(num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                      shared_expert_intermediate_size=128),
+}
 #: Families whose tokenizer_config names GPT2Tokenizer (Phi-4's; the converter's phi3 vocab reads it)
 _GPT2_CLASS = ("phi3",)
 #: Families whose llama.cpp conversion looks up GLM's special tokens (`Glm4Model.set_vocab`)
@@ -58,12 +70,13 @@ _SPM_VOCAB = ("gemma2",)
 
 
 def tiny_hf_model(model_type: str, seed: int = 0, **overrides: Any):
-    """A float32 `transformers` causal LM of `model_type` (a `FAMILIES` key) in eval mode: linear weights
+    """A float32 `transformers` causal LM of `model_type` (a `FAMILIES` or `MOE_FAMILIES` key) in eval mode: linear weights
     N(0, 1/fan_in), embeddings N(0, 1), norm weights centre ± 0.1, so activations stay O(1) and the top logits are
     apart by far more than float32 rounding."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model(model_type, **{**_BASE, **FAMILIES[model_type], **overrides})
+    family = FAMILIES[model_type] if model_type in FAMILIES else MOE_FAMILIES[model_type]
+    cfg = AutoConfig.for_model(model_type, **{**_BASE, **family, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     centre = _NORM_CENTRE.get(model_type, 1.0)

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from nextn.models.config import ConfigError, Layers, MtpLayers, Size
+from nextn.models.config import MAX_EXPERTS, ConfigError, Layers, MtpLayers, Size
 from nextn.models.llama.families import family_options
 from nextn.models.llama.rope_config import Llama3RopeScaling, LinearRopeScaling, LongRopeScaling
 
@@ -31,7 +31,10 @@ LLAMA_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistr
                        "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text", "SmolLM3ForCausalLM": "smollm3",
                        "GraniteForCausalLM": "granite", "Olmo2ForCausalLM": "olmo2", "Phi3ForCausalLM": "phi3",
                        "Gemma2ForCausalLM": "gemma2", "Exaone4ForCausalLM": "exaone4", "Olmo3ForCausalLM": "olmo3",
-                       "SeedOssForCausalLM": "seed_oss", "Glm4ForCausalLM": "glm4"}
+                       "SeedOssForCausalLM": "seed_oss", "Glm4ForCausalLM": "glm4",
+                       # mixture-of-experts families (`models/moe.py`): the same layer with a sparse MoE MLP
+                       "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe",
+                       "MixtralForCausalLM": "mixtral", "OlmoeForCausalLM": "olmoe"}
 #: What a layer attends to: every earlier key, or the last `sliding_window` keys (HF `layer_types` values).
 LayerType = Literal["full_attention", "sliding_attention"]
 
@@ -48,7 +51,8 @@ class LlamaModelConfig(BaseModel):
                           "Gemma3ForCausalLM", "SmolLM3ForCausalLM", "GraniteForCausalLM",
                           "Olmo2ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
                           "Exaone4ForCausalLM", "Olmo3ForCausalLM", "SeedOssForCausalLM",
-                          "Glm4ForCausalLM"] = "LlamaForCausalLM"
+                          "Glm4ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM",
+                          "MixtralForCausalLM", "OlmoeForCausalLM"] = "LlamaForCausalLM"
     vocab_size: Size
     hidden_size: Size
     intermediate_size: Size  # SwiGLU width
@@ -99,6 +103,14 @@ class LlamaModelConfig(BaseModel):
     eos_token_id: int | list[int] | None = None
     torch_dtype: str = "float32"  # dtype the checkpoint was saved in
     num_nextn_predict_layers: MtpLayers = 0  # MTP modules at model.layers.{num_hidden_layers + i}
+    # Mixture of experts (`models/moe.py`; 0 experts: dense) ---------------------------------------
+    num_experts: int = Field(default=0, strict=True, ge=0, le=MAX_EXPERTS)  # routed experts of an MoE layer
+    num_experts_per_tok: int = Field(default=0, strict=True, ge=0, le=MAX_EXPERTS)  # top-k: experts run per token
+    moe_intermediate_size: Size | None = None  # an expert's SwiGLU width
+    norm_topk_prob: bool = False  # the top-k probabilities renormalised to sum to 1
+    decoder_sparse_step: Size = 1  # layer i is MoE when (i + 1) % step == 0 and i is not in mlp_only_layers
+    mlp_only_layers: tuple[int, ...] = ()  # decoder layers with a dense MLP (of intermediate_size)
+    shared_expert_intermediate_size: Size | None = None  # Qwen2-MoE's shared expert, gated by a sigmoid
 
     @model_validator(mode="before")
     @classmethod
@@ -139,6 +151,11 @@ class LlamaModelConfig(BaseModel):
                                  f"{self.num_hidden_layers}")
             if "sliding_attention" in self.layer_types and self.sliding_window is None:
                 raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+        if self.num_experts and not (1 <= self.num_experts_per_tok <= self.num_experts
+                                     and self.moe_intermediate_size is not None):
+            raise ValueError(f"an MoE config needs 1 <= num_experts_per_tok <= num_experts ({self.num_experts}), "
+                             f"got {self.num_experts_per_tok}, and moe_intermediate_size "
+                             f"(got {self.moe_intermediate_size})")
         if self.no_rope_layers is not None and len(self.no_rope_layers) != self.num_hidden_layers:
             raise ValueError(f"no_rope_layers lists {len(self.no_rope_layers)} layers; num_hidden_layers is "
                              f"{self.num_hidden_layers}")
@@ -149,6 +166,11 @@ class LlamaModelConfig(BaseModel):
     def has_qkv_bias(self) -> bool:
         """Whether q_proj, k_proj and v_proj carry biases (`attention_bias` or `qkv_bias`)."""
         return self.attention_bias or self.qkv_bias
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether decoder layer `i` has the sparse MoE MLP (HF `Qwen3MoeDecoderLayer`'s rule); MTP layers never."""
+        return (self.num_experts > 0 and i < self.num_hidden_layers and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
 
     @property
     def kv_cache_dim(self) -> int:

@@ -65,7 +65,35 @@ def family_options(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
         if nope is None and type(layers) is int:
             nope = [int((i + 1) % every != 0) for i in range(layers)]
         options.update(no_rope_layers=nope, tie_word_embeddings=hf.get("tie_word_embeddings", True))
+    if arch in _MOE:
+        options.update(_moe(arch, hf))
     return options
+
+
+#: The mixture-of-experts architectures: their attention's options (the MoE MLP is `models/moe.py`'s)
+_MOE = {"Qwen3MoeForCausalLM": {"qk_norm": True}, "Qwen2MoeForCausalLM": {"qkv_bias": True},
+        "MixtralForCausalLM": {}, "OlmoeForCausalLM": {"qk_norm": True, "qk_norm_over": "all_heads"}}
+
+
+def _moe(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
+    """An MoE family's options: its attention's (`_MOE`) and the experts' (HF `Qwen3MoeConfig`, `Qwen2MoeConfig`,
+    `MixtralConfig` — `num_local_experts`, top-k always renormalised —, `OlmoeConfig`; in these two the expert
+    width is `intermediate_size`).
+
+    Raises:
+        ConfigError: OLMoE's `clip_qkv` (clamped q/k/v), which nextn's attention does not apply.
+    """
+    if hf.get("clip_qkv") is not None:
+        raise ConfigError(f"{arch} with clip_qkv {hf['clip_qkv']!r} (q/k/v clamped) is not supported")
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    out: dict[str, Any] = {**_MOE[arch], "num_experts": experts}
+    if arch in ("MixtralForCausalLM", "OlmoeForCausalLM"):  # every layer MoE, experts of intermediate_size
+        out["moe_intermediate_size"] = hf.get("intermediate_size")
+    if arch == "MixtralForCausalLM":
+        out["norm_topk_prob"] = True
+    if arch != "MixtralForCausalLM" and not _windows(arch, hf):
+        out["sliding_window"] = None  # Qwen2-MoE writes 0 or a window it does not use
+    return out
 
 
 def _windows(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
@@ -76,7 +104,7 @@ def _windows(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
     window = hf.get("sliding_window", 4096 if arch == "MistralForCausalLM" else None)
     if type(layers) is not int or not window:  # a GGUF writes no window as 0
         return {}
-    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):  # Phi3Model: a window on every layer when set
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM"):  # Phi3Model: a window on every layer when set
         return {"sliding_window": window, "layer_types": ["sliding_attention"] * layers}
     if arch in ("Olmo2ForCausalLM", "Olmo3ForCausalLM"):  # OLMo 3: 3 sliding layers : 1 full (`Olmo3Config`)
         types = hf.get("layer_types")
@@ -84,7 +112,8 @@ def _windows(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
             return {}
         return {"sliding_window": window, "layer_types": types or ["sliding_attention" if (i + 1) % 4 else
                                                                    "full_attention" for i in range(layers)]}
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM") and hf.get("use_sliding_window"):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM", "Qwen2MoeForCausalLM",
+                "Qwen3MoeForCausalLM") and hf.get("use_sliding_window"):
         first = hf.get("max_window_layers", 28)
         types = hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
                                           for i in range(layers)]

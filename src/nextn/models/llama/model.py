@@ -23,6 +23,7 @@ from nextn.models.causal_lm import SelfDraftingCausalLM
 from nextn.models.layers import Fp32WeightRMSNorm, GatedMLP, PreNormDecoderLayer, RMSNorm, UnitOffsetRMSNorm
 from nextn.models.llama.config import LlamaModelConfig
 from nextn.models.llama.rope import apply_rope, rope_cache
+from nextn.models.moe import SparseMoE
 from nextn.plugins import cpu_kernels
 from nextn.plugins.decoder_layer import FusedLayerWeights, fused_forward
 from nextn.plugins.kv_cache_write import kv_cache_write
@@ -119,6 +120,14 @@ class LlamaAttention(nn.Module):
         return self.o_proj(o)
 
 
+def mlp_for(cfg: LlamaModelConfig, index: int | None) -> nn.Module:
+    """Decoder layer `index`'s MLP: the sparse MoE one where `cfg.is_moe_layer(index)`, else the dense gated MLP."""
+    if index is not None and cfg.is_moe_layer(index):
+        return SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+                         cfg.norm_topk_prob, cfg.hidden_act, cfg.shared_expert_intermediate_size)
+    return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+
+
 class LlamaDecoderLayer(PreNormDecoderLayer):
     """Pre-norm (or sandwich-norm) block with GQA attention and a gated MLP (whether it attends to every earlier key
     or to the sliding window is the model's `layer_types`: the forward hands it the matching metadata).
@@ -129,9 +138,8 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
 
     fused: FusedLayerWeights | None = None
 
-    def __init__(self, cfg: LlamaModelConfig) -> None:
-        super().__init__(LlamaAttention(cfg), GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act),
-                         cfg.hidden_size, cfg.rms_norm_eps, placement=cfg.norm_placement, norm=norm_class(cfg),
+    def __init__(self, cfg: LlamaModelConfig, index: int | None = None) -> None:
+        super().__init__(LlamaAttention(cfg), mlp_for(cfg, index), cfg.hidden_size, cfg.rms_norm_eps, placement=cfg.norm_placement, norm=norm_class(cfg),
                          residual_multiplier=cfg.residual_multiplier)
 
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor, meta) -> torch.Tensor:
@@ -174,7 +182,7 @@ class LlamaBody(nn.Module):
         self.embed_tokens = (ScaledEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.embedding_multiplier)
                              if cfg.embedding_multiplier not in (None, 1.0) else nn.Embedding(cfg.vocab_size,
                                                                                               cfg.hidden_size))
-        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)]
+        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
                                     + [LlamaMTPLayer(cfg) for _ in range(cfg.num_nextn_predict_layers)])
         self.norm = norm_class(cfg)(cfg.hidden_size, eps=cfg.rms_norm_eps)
 

@@ -1,7 +1,8 @@
 """A checkpoint's tensors in the engine's Llama layout where a family stores them otherwise: Phi-3's fused
 `self_attn.qkv_proj` ([q + 2 kv, hidden]: q, then k, then v rows) and `mlp.gate_up_proj` ([2 · intermediate, hidden]:
 gate rows, then up rows) read as q/k/v and gate/up by rows, and under partial rotary the q / k rows (and q/k norm
-weights) of each head in `rope.partial_rotary_order`.
+weights) of each head in `rope.partial_rotary_order`, and Mixtral's `block_sparse_moe.{gate, experts.E.w1 / w3 / w2}`
+under the MoE layer's names (`mlp.gate`, `mlp.experts.E.gate_proj / up_proj / down_proj`).
 
 Sources: HF `modeling_phi3.py` (`Phi3Attention` slices qkv in that order, `Phi3MLP` chunks gate_up in two);
 llama.cpp's converter keeps both fused (`blk.N.attn_qkv`, phi3's `blk.N.ffn_up`: gate then up, ggml's swiglu order).
@@ -32,10 +33,24 @@ _RENAMED = {"Glm4ForCausalLM": {"post_self_attn_layernorm": "post_attention_laye
                                 "post_mlp_layernorm": "post_feedforward_layernorm"}}
 
 
+#: Mixtral's MoE names (HF `MixtralForCausalLM` checkpoints: `block_sparse_moe`, experts' w1 / w3 / w2) → the engine's
+_MIXTRAL = re.compile(r"^(.*\.layers\.\d+\.)block_sparse_moe\.(gate|experts\.\d+\.(w1|w2|w3))\.weight$")
+_MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def _mixtral_name(name: str) -> str | None:
+    """The engine's name of a Mixtral MoE tensor, or None for any other tensor."""
+    m = _MIXTRAL.match(name)
+    if m is None:
+        return None
+    part = "gate" if m.group(3) is None else m.group(2).rsplit(".", 1)[0] + "." + _MIXTRAL_EXPERT[m.group(3)]
+    return f"{m.group(1)}mlp.{part}.weight"
+
+
 def needs_view(cfg: LlamaModelConfig) -> bool:
     """Whether `cfg`'s checkpoints store a tensor otherwise than the engine (fused projections, partial rotary,
     interleaved rope pairs, other norm names)."""
-    return (cfg.architecture in ("Phi3ForCausalLM", "Glm4ForCausalLM") or cfg.rope_interleaved
+    return (cfg.architecture in ("Phi3ForCausalLM", "Glm4ForCausalLM", "MixtralForCausalLM") or cfg.rope_interleaved
             or (cfg.rotary_dim or cfg.head_dim) < cfg.head_dim)
 
 
@@ -59,6 +74,10 @@ class StoredLayout:
         self._names: list[str] = []
         renamed = _RENAMED.get(cfg.architecture, {})
         for name in reader.names():
+            if (engine_name := _mixtral_name(name)) is not None:
+                self._rows[engine_name] = (name, None, None)
+                self._names.append(engine_name)
+                continue
             m = _FUSED.match(name)
             if m is None:
                 prefix, _, rest = name.rpartition("layers.")

@@ -36,7 +36,7 @@ def runtime_weight_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
-def _layer_specs(cfg: LlamaModelConfig) -> dict[str, Shape]:
+def _layer_specs(cfg: LlamaModelConfig, index: int | None = None) -> dict[str, Shape]:
     h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     specs: dict[str, Shape] = {
@@ -50,7 +50,10 @@ def _layer_specs(cfg: LlamaModelConfig) -> dict[str, Shape]:
     if cfg.qk_norm:
         full = cfg.qk_norm_over == "all_heads"
         specs.update({"self_attn.q_norm.weight": (q if full else d,), "self_attn.k_norm.weight": (kv if full else d,)})
-    specs.update({"mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i)})
+    if index is not None and cfg.is_moe_layer(index):
+        specs.update(_moe_specs(cfg))
+    else:
+        specs.update({"mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i)})
     if cfg.norm_placement != "post":
         specs["input_layernorm.weight"] = (h,)
     specs["post_attention_layernorm.weight"] = (h,)
@@ -61,6 +64,20 @@ def _layer_specs(cfg: LlamaModelConfig) -> dict[str, Shape]:
     return specs
 
 
+def _moe_specs(cfg: LlamaModelConfig) -> dict[str, Shape]:
+    """An MoE layer's MLP tensors (`models/moe.py`): the router, each expert's gate / up / down, a shared expert."""
+    h, w = cfg.hidden_size, cfg.moe_intermediate_size
+    assert w is not None  # the config's check
+    specs: dict[str, Shape] = {"mlp.gate.weight": (cfg.num_experts, h)}
+    for e in range(cfg.num_experts):
+        specs.update({f"mlp.experts.{e}.gate_proj.weight": (w, h), f"mlp.experts.{e}.up_proj.weight": (w, h),
+                      f"mlp.experts.{e}.down_proj.weight": (h, w)})
+    if s := cfg.shared_expert_intermediate_size:
+        specs.update({"mlp.shared_expert.gate_proj.weight": (s, h), "mlp.shared_expert.up_proj.weight": (s, h),
+                      "mlp.shared_expert.down_proj.weight": (h, s), "mlp.shared_expert_gate.weight": (1, h)})
+    return specs
+
+
 def runtime_weight_specs(cfg: LlamaModelConfig) -> dict[str, Shape]:
     """Every tensor an engine holds, name → shape, in build order (MTP layers after the main ones; no
     `lm_head.weight` when tied)."""
@@ -68,7 +85,8 @@ def runtime_weight_specs(cfg: LlamaModelConfig) -> dict[str, Shape]:
     specs: dict[str, Shape] = {"model.embed_tokens.weight": (v, h)}
     layer = _layer_specs(cfg)
     for n in range(cfg.num_hidden_layers):
-        specs.update({f"model.layers.{n}.{k}": s for k, s in layer.items()})
+        specs.update({f"model.layers.{n}.{k}": s for k, s in (_layer_specs(cfg, n) if cfg.num_experts
+                                                              else layer).items()})
     mtp = {**layer, "enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h),
            "shared_head.norm.weight": (h,)}
     for n in range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers):

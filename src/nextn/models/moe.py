@@ -1,0 +1,105 @@
+"""The sparse mixture-of-experts MLP of the softmax-routed families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE): a router
+picks each token's top-k of E SwiGLU experts, and only those run on it.
+
+Sources: Shazeer et al. 2017 (sparsely-gated MoE), Jiang et al. 2024 ("Mixtral of Experts", §2.1: softmax over the
+top-k router logits); HF `transformers` 5.23 `modeling_qwen3_moe.py` (`Qwen3MoeTopKRouter`: softmax over all E, top-k,
+renormalised when `norm_topk_prob`; `Qwen3MoeExperts`: experts visited in ascending id, each adding its weighted
+output with `index_add_`), `modeling_qwen2_moe.py` (a shared expert scaled by sigmoid(`shared_expert_gate`)).
+Parameter names are the released checkpoints' (`mlp.gate.weight`, `mlp.experts.{e}.gate_proj.weight`, ...).
+
+**Routed experts only, batch-invariant.** The (token, expert) assignments are grouped by expert; each expert runs its
+three projections on its own tokens' rows only (a `GatedMLP` whose linears are nextn's per-row kernels once loaded:
+W4A16 / W4A8 / dense — the weights read in place, never gathered), so a step costs what its active experts cost,
+not E / top-k times that. A token's output sums its experts' weighted outputs in ascending expert id (as
+`transformers` does), so each row is the same sequence of operations whatever else shares the step. The router's
+projection runs on nextn's dense kernel (`use_dense_kernel`, called at load) and its softmax by `row_exact`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nextn.models.layers import GatedMLP, row_exact
+
+
+class Router(nn.Module):
+    """Softmax top-k routing; parameter `weight` [num_experts, hidden] (kept in the engine dtype, never quantized:
+    it is not an `nn.Linear`).
+
+    Args:
+        hidden_size, num_experts, top_k: sizes (top_k ≤ num_experts).
+        norm_topk_prob: renormalise the k chosen probabilities to sum to 1 (Qwen3-MoE as configured, Mixtral always).
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.dense: nn.Module | None = None  # the logits' projection on nextn's dense kernel (use_dense_kernel)
+
+    def use_dense_kernel(self) -> None:
+        """Project on nextn's batch-invariant dense CPU kernel from now on (a weight off the CPU: no change)."""
+        from nextn.plugins.dense_linear import DTYPES, DenseLinear
+
+        if self.weight.device.type == "cpu" and self.weight.dtype in DTYPES:
+            self.dense = DenseLinear.from_weight(self.weight.detach())
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [N, hidden] → (weights [N, top_k] float32, expert ids [N, top_k] int64), by descending probability."""
+        logits = self.dense(x) if self.dense is not None else F.linear(x, self.weight)  # [N, E], x's dtype
+        probs = row_exact(lambda t: torch.softmax(t, dim=-1), logits.float())
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights, ids
+
+
+def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:
+    """Σ_k weights[n, k] · experts[ids[n, k]](x[n]) for every token n, each expert run on its own tokens only.
+
+    Args:
+        x: [N, hidden]; weights: [N, top_k] float32; ids: [N, top_k] int64 (a token meets an expert at most once).
+        experts: E modules [*, hidden] → [*, hidden].
+    Returns:
+        [N, hidden] in x's dtype, each row summed over its experts in ascending expert id.
+    """
+    n, top_k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # assignments grouped by expert, tokens ascending within one
+    counts = torch.bincount(flat, minlength=len(experts)).tolist()
+    tokens = order // top_k
+    scale = weights.reshape(-1)[order].to(x.dtype)[:, None]
+    out = torch.zeros_like(x)
+    start = 0
+    for e, count in enumerate(counts):
+        if count:
+            rows = tokens[start:start + count]
+            out.index_add_(0, rows, experts[e](x[rows]) * scale[start:start + count])
+            start += count
+    return out
+
+
+class SparseMoE(nn.Module):
+    """The MoE MLP: `gate` (a `Router`), `experts` (E `GatedMLP`s of width `moe_intermediate_size`) and, for Qwen2-MoE,
+    `shared_expert` (a `GatedMLP`) scaled per token by sigmoid(`shared_expert_gate` · x)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, width: int, norm_topk_prob: bool,
+                 act: str = "silu", shared_width: int | None = None) -> None:
+        super().__init__()
+        self.gate = Router(hidden_size, num_experts, top_k, norm_topk_prob)
+        self.experts = nn.ModuleList(GatedMLP(hidden_size, width, act) for _ in range(num_experts))
+        self.shared_expert = GatedMLP(hidden_size, shared_width, act) if shared_width else None
+        self.shared_expert_gate = Router(hidden_size, 1, 1, False) if shared_width else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., hidden] → [..., hidden]."""
+        flat = x.reshape(-1, x.shape[-1])
+        weights, ids = self.gate(flat)
+        out = routed_experts(flat, weights, ids, self.experts)
+        if self.shared_expert is not None:
+            gate = self.shared_expert_gate
+            logit = gate.dense(flat) if gate.dense is not None else F.linear(flat, gate.weight)  # [N, 1]
+            out = out + row_exact(torch.sigmoid, logit) * self.shared_expert(flat)
+        return out.view(x.shape)
