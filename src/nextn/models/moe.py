@@ -17,6 +17,8 @@ projection runs on nextn's dense kernel (`use_dense_kernel`, called at load) and
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -56,19 +58,21 @@ class Router(nn.Module):
         return weights, ids
 
 
-def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:
+def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                   experts: nn.ModuleList | Callable[[int], Callable[[torch.Tensor], torch.Tensor]]) -> torch.Tensor:
     """Σ_k weights[n, k] · experts[ids[n, k]](x[n]) for every token n, each expert run on its own tokens only.
 
     Args:
         x: [N, hidden]; weights: [N, top_k] float32; ids: [N, top_k] int64 (a token meets an expert at most once).
-        experts: E modules [*, hidden] → [*, hidden].
+        experts: E modules [*, hidden] → [*, hidden], or a function giving expert e's (DeepSeek-V3's).
     Returns:
         [N, hidden] in x's dtype, each row summed over its experts in ascending expert id.
     """
     n, top_k = ids.shape
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # assignments grouped by expert, tokens ascending within one
-    counts = torch.bincount(flat, minlength=len(experts)).tolist()
+    counts = torch.bincount(flat).tolist()
+    expert = experts.__getitem__ if isinstance(experts, nn.ModuleList) else experts
     tokens = order // top_k
     scale = weights.reshape(-1)[order].to(x.dtype)[:, None]
     out = torch.zeros_like(x)
@@ -76,7 +80,7 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ex
     for e, count in enumerate(counts):
         if count:
             rows = tokens[start:start + count]
-            out.index_add_(0, rows, experts[e](x[rows]) * scale[start:start + count])
+            out.index_add_(0, rows, expert(e)(x[rows]) * scale[start:start + count])
             start += count
     return out
 

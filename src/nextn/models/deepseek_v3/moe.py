@@ -12,11 +12,14 @@ The choice depends on shapes only, never on values.
 Batch invariance on the CPU (`use_dense_kernel`, called at load by `plugins.dense_linear.install_dense_linears`):
 both paths above change a token's arithmetic with the number of tokens in the step (gather vs buffers, then the
 matmul's blocking by row count), so a request's output would depend on what shares its step. There the router and
-every expert run on nextn's batch-invariant dense kernel over the capacity buffers, whatever N (each output row
-is the same sequence of operations alone or among others; the buffers' zero rows cost E·N rows per step).
+every expert run on nextn's batch-invariant dense kernel, each expert on its own tokens only (`moe.routed_experts`,
+the layer the softmax-routed families share: a step costs its active experts, not all E), a token's outputs summed
+in ascending expert id — each output row is the same sequence of operations alone or among others.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +27,7 @@ from torch import nn
 
 from nextn.models.config import DeepseekV3ModelConfig
 from nextn.models.layers import GatedMLP, row_exact
+from nextn.models.moe import routed_experts
 
 
 class NoAuxRouter(nn.Module):
@@ -95,11 +99,18 @@ class RoutedExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Σ_k weights[:, k] · Expert_{ids[:, k]}(x). x: [N, hidden]; weights, ids: [N, top_k] → [N, hidden]."""
         n, top_k = ids.shape
-        if self.dense is None and n * top_k <= self.num_experts:
+        if self.dense is not None:  # the routed experts only, each row alone (batch-invariant)
+            return routed_experts(x, weights, ids, self._dense_experts)
+        if n * top_k <= self.num_experts:
             out = self._gathered(x, ids)
         else:
             out = self._capacity_buffers(x, ids)
         return (out * weights.to(out.dtype)[..., None]).sum(1)
+
+    def _dense_experts(self, e: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Expert `e` on the dense kernel: rows [n, hidden] → [n, hidden]."""
+        gate_up, down = self.dense[e]
+        return lambda rows: down(_swiglu(gate_up(rows), self.width, exact=True))
 
     def _gathered(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Per-assignment weight gather: [N, top_k, hidden]; cost ∝ N·top_k experts."""
@@ -117,10 +128,6 @@ class RoutedExperts(nn.Module):
         dest = flat * n + rank  # [A] into the [E·N] buffer
         tokens = torch.arange(n, device=x.device).repeat_interleave(top_k)
         buf = x.new_zeros(e * n, x.shape[-1]).index_copy_(0, dest, x[tokens]).view(e, n, -1)
-        if self.dense is not None:  # row by row the same arithmetic whatever N
-            out = torch.stack([down(_swiglu(gate_up(buf[i]), self.width, exact=True)) for i, (gate_up, down)
-                               in enumerate(self.dense)])  # [E, N, hidden]
-            return out.reshape(e * n, -1)[dest].view(n, top_k, -1)
         gate_up = torch.bmm(buf, self.gate_up_proj.transpose(1, 2))  # [E, N, 2I]
         out = torch.bmm(_swiglu(gate_up, self.width), self.down_proj.transpose(1, 2))  # [E, N, hidden]
         return out.reshape(e * n, -1)[dest].view(n, top_k, -1)
