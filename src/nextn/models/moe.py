@@ -18,6 +18,7 @@ projection runs on nextn's dense kernel (`use_dense_kernel`, called at load) and
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -87,7 +88,13 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
 
 class SparseMoE(nn.Module):
     """The MoE MLP: `gate` (a `Router`), `experts` (E `GatedMLP`s of width `moe_intermediate_size`) and, for Qwen2-MoE,
-    `shared_expert` (a `GatedMLP`) scaled per token by sigmoid(`shared_expert_gate` · x)."""
+    `shared_expert` (a `GatedMLP`) scaled per token by sigmoid(`shared_expert_gate` · x).
+
+    `fused_experts` (set at load by `plugins.decoder_layer.install_fused_layers` where it applies: W4A16 / W4A8 on the
+    CPU): the routed experts as one op of nextn's CPU kernels (`plugins.moe_experts`) instead of module by module.
+    """
+
+    fused_experts: Any = None
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, width: int, norm_topk_prob: bool,
                  act: str = "silu", shared_width: int | None = None) -> None:
@@ -101,7 +108,12 @@ class SparseMoE(nn.Module):
         """x: [..., hidden] → [..., hidden]."""
         flat = x.reshape(-1, x.shape[-1])
         weights, ids = self.gate(flat)
-        out = routed_experts(flat, weights, ids, self.experts)
+        if self.fused_experts is not None and flat.dtype == torch.bfloat16:
+            from nextn.plugins.moe_experts import experts_forward
+
+            out = experts_forward(self.fused_experts, flat, weights, ids)
+        else:
+            out = routed_experts(flat, weights, ids, self.experts)
         if self.shared_expert is not None:
             gate = self.shared_expert_gate
             logit = gate.dense(flat) if gate.dense is not None else F.linear(flat, gate.weight)  # [N, 1]

@@ -2,7 +2,8 @@
 
 Kernels: `woq_linear_cpu.cpp` (weight-only int4 / int8 linears, `woq_linear.py`), `paged_attention_cpu.cpp`
 (`paged_attention.py`), `decoder_layer_cpu.cpp` (a whole Llama decoder layer over the first two,
-`decoder_layer.py`) and `dense_linear_cpu.cpp` (batch-invariant bf16 / fp16 / fp32 linears, `dense_linear.py`);
+`decoder_layer.py`), `dense_linear_cpu.cpp` (batch-invariant bf16 / fp16 / fp32 linears, `dense_linear.py`) and
+`moe_cpu.cpp` (an MoE layer's routed experts over the int4 kernel, `moe_experts.py`);
 `cpu_kernels.h` declares what they share, `simd.h` is the SIMD layer they are written over (ATen's `at::vec` plus a
 few primitives per ISA), so each kernel is one source for every variant:
 
@@ -44,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 ENV = "NEXTN_CPU_ISA"
 SOURCES = [Path(__file__).with_name(n) for n in ("woq_linear_cpu.cpp", "paged_attention_cpu.cpp",
-                                                "decoder_layer_cpu.cpp", "dense_linear_cpu.cpp")]
+                                                "decoder_layer_cpu.cpp", "dense_linear_cpu.cpp", "moe_cpu.cpp")]
 HEADERS = [Path(__file__).with_name(n) for n in ("cpu_kernels.h", "simd.h")]
 
 
@@ -333,6 +334,10 @@ def _register_fakes(ns: str) -> None:
           num_kv_heads, group_size, eps, scale, int8_activations=False, sandwich=False, qk_norm=False, activation=0,
           cos_sin_local=None, visible_local=None, sliding=(), residual_multiplier=1.0, pre_norms=True,
           qk_norm_all_heads=False, attn_softcap=0.0):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake(f"{ns}::moe_experts")
+    def _(x, ids, weights, gate_up, down, group_size, int8_activations=False):
         return torch.empty_like(x)
 
     @torch.library.register_fake(f"{ns}::paged_attention")

@@ -57,6 +57,11 @@ class FusedLayerWeights:
     qk_norm_all_heads: bool = False  # OLMo 2: one q norm over all heads (and one k norm)
     attn_softcap: float = 0.0  # Gemma 2: attention logits soft-capped at this (0: none)
 
+    @property
+    def attention_only(self) -> bool:
+        """No gate_up / down: the op stops after the attention's residual add (an MoE layer runs its MLP itself)."""
+        return not self.gate_up
+
 
 def _int4_linears(*linears: nn.Module) -> tuple[int, bool] | None:
     """(the common group size, W4A8) when every module is a W4A16 (or every one a W4A8) `WeightOnlyLinear` on
@@ -118,9 +123,9 @@ def fuse_layer(layer: nn.Module) -> FusedLayerWeights | None:
     paged kernel, norms not bf16 (or Gemma's, any dtype), an activation the op lacks, or shapes the op does not take
     (hidden / intermediate % 64, head_dim % 32)."""
     attn, mlp = layer.self_attn, layer.mlp
-    if not hasattr(mlp, "gate_proj"):  # an MoE MLP (models/moe.py): the layer runs module by module
-        return None
     qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+    if not hasattr(mlp, "gate_proj"):  # an MoE MLP (models/moe.py): the op runs the attention, the module the MLP
+        return _fuse_attention(layer)
     kind = _int4_linears(*qkv, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
     if kind is None or not attn.paged_attention_kernel or len({lin.bias is None for lin in qkv}) != 1:
         return None
@@ -135,6 +140,26 @@ def fuse_layer(layer: nn.Module) -> FusedLayerWeights | None:
                              _one(mlp.down_proj), *kind, sandwich=getattr(layer, "sandwich", False),
                              qk_norm=getattr(attn, "qk_norm", False), activation=activation,
                              residual_multiplier=residual, pre_norms=getattr(layer, "pre_norms", True),
+                             qk_norm_all_heads=getattr(attn, "qk_norm_all_heads", False),
+                             attn_softcap=float(getattr(attn, "softcap", None) or 0.0))
+
+
+def _fuse_attention(layer: nn.Module) -> FusedLayerWeights | None:
+    """The op's operands for the attention half of a pre-norm layer whose MLP is not a `GatedMLP` (an MoE layer): no
+    gate_up / down (`attention_only`: the op returns the hidden state after the attention's residual add)."""
+    attn = layer.self_attn
+    qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+    kind = _int4_linears(*qkv, attn.o_proj)
+    if (kind is None or not attn.paged_attention_kernel or len({lin.bias is None for lin in qkv}) != 1
+            or getattr(layer, "sandwich", False) or not getattr(layer, "pre_norms", True)
+            or float(getattr(layer, "residual_multiplier", 1.0)) != 1.0):
+        return None
+    norms = _norm_operands(layer)
+    hidden = attn.o_proj.out_features
+    if norms is None or hidden % 64 or attn.head_dim % 32 or attn.head_dim > 256:
+        return None
+    return FusedLayerWeights(norms, _concat_rows(qkv), _one(attn.o_proj), [], [], *kind,
+                             qk_norm=getattr(attn, "qk_norm", False),
                              qk_norm_all_heads=getattr(attn, "qk_norm_all_heads", False),
                              attn_softcap=float(getattr(attn, "softcap", None) or 0.0))
 
@@ -171,7 +196,7 @@ def fuse_stack(layers: list[nn.Module], layer_types: tuple[str, ...] | None = No
     """`FusedStack` of `layers` (each with its `fused` operands set; `layer_types` the model's, None: all full
     attention), or None unless every layer takes the op with the same group size, activations, biases, heads, eps,
     softmax scale and options (then the op calls run one by one)."""
-    if not layers or any(getattr(layer, "fused", None) is None for layer in layers):
+    if not layers or any(getattr(layer, "fused", None) is None or layer.fused.attention_only for layer in layers):
         return None
     fs: list[FusedLayerWeights] = [layer.fused for layer in layers]
 
@@ -204,11 +229,15 @@ def install_fused_layers(model: nn.Module) -> int:
     """
     if not cpu_kernels.available():
         return 0
+    from nextn.plugins.moe_experts import fuse_experts
+
     count = 0
     for module in model.modules():
         if hasattr(module, "fused"):
             module.fused = fuse_layer(module)
             count += module.fused is not None
+        if hasattr(module, "fused_experts"):  # an MoE layer's routed experts (models/moe.py) as one op
+            module.fused_experts = fuse_experts(module)
     if hasattr(model, "fused_stack"):
         model.fused_stack = fuse_stack(list(model.model.layers)[:model.cfg.num_hidden_layers],
                                        getattr(model, "layer_types", None))

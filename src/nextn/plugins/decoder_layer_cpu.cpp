@@ -9,7 +9,8 @@
 //       scales), num_heads, num_kv_heads, group_size, eps, scale, int8_activations, sandwich, qk_norm, activation
 //       (0 SiLU, 1 GELU-tanh), residual_multiplier (Granite's; not with sandwich), pre_norms (false: OLMo 2's and
 //       EXAONE 4's post-norms, the input and pre_ff norms empty), qk_norm_all_heads (OLMo 2: q [NH*D], k [NKV*D]),
-//       attn_softcap (Gemma 2's attention logit soft-capping; 0: none)) -> [B, T, H] bf16
+//       attn_softcap (Gemma 2's attention logit soft-capping; 0: none)) -> [B, T, H] bf16; with gate_up and down
+//       empty (an MoE layer, pre-norms: its MLP is moe_cpu.cpp's), the attention half only -> x1 [B, T, H] bf16
 //   nextn::llama_decoder_stack(x, cos_sin, kv_cache [layers, slots, 2 * NKV * D], ..., norms, qkv, o, gate_up, down
 //       (every layer's operands, layer after layer), arity, ..., cos_sin_local, visible_local, sliding (per layer:
 //       1 = a sliding-window layer, which takes the _local rope rows and mask)) -> [B, T, H] bf16: all the layers
@@ -215,16 +216,21 @@ at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& cos_sin, a
   TORCH_CHECK(!sandwich || residual_multiplier == 1.0,
               "llama_decoder_layer: a residual multiplier with sandwich norms");
   TORCH_CHECK(group_size % 32 == 0 && group_size > 0, "llama_decoder_layer: group_size must be a multiple of 32");
-  TORCH_CHECK(gate_up_t.size() >= 1 && gate_up_t[0].dim() == 2 && gate_up_t[0].size(0) % 2 == 0,
+  // no gate_up / down (an MoE layer, whose MLP the caller runs): the op ends after the attention, returning x1
+  const bool attention_only = gate_up_t.empty() && down_t.empty();
+  TORCH_CHECK(!attention_only || (!sandwich && pre_norms),
+              "llama_decoder_layer: an attention-only layer (no gate_up, down) takes pre-norms only");
+  TORCH_CHECK(attention_only || (gate_up_t.size() >= 1 && gate_up_t[0].dim() == 2 && gate_up_t[0].size(0) % 2 == 0),
               "llama_decoder_layer: gate_up must hold the gate then the up rows");
-  const int64_t I = gate_up_t[0].size(0) / 2, NQKV = (NH + 2 * NKV) * D;
+  const int64_t I = attention_only ? 64 : gate_up_t[0].size(0) / 2, NQKV = (NH + 2 * NKV) * D;
   TORCH_CHECK(I % 64 == 0 && H % group_size == 0 && I % group_size == 0 && (NH * D) % group_size == 0,
               "llama_decoder_layer: intermediate size ", I, " and hidden ", H, " must be multiples of 64 and of the "
               "group size ", group_size);
   const Int4 qkv = int4_weights(qkv_t, H, NQKV, group_size, int8_activations, "qkv");
   const Int4 o = int4_weights(o_t, NH * D, H, group_size, int8_activations, "o");
-  const Int4 gate_up = int4_weights(gate_up_t, H, 2 * I, group_size, int8_activations, "gate_up");
-  const Int4 down = int4_weights(down_t, I, H, group_size, int8_activations, "down");
+  const Int4 gate_up = attention_only ? Int4{} : int4_weights(gate_up_t, H, 2 * I, group_size, int8_activations,
+                                                               "gate_up");
+  const Int4 down = attention_only ? Int4{} : int4_weights(down_t, I, H, group_size, int8_activations, "down");
   auto norm = [&](size_t j) { return Norm{norms[j].data_ptr(), f32_norms}; };
   const Norm input_norm = norm(0), post_norm = norm(1);
   const Norm pre_ff = sandwich ? norm(2) : Norm{}, post_ff = sandwich ? norm(3) : Norm{};
@@ -295,9 +301,13 @@ at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& cos_sin, a
       }
     } else {
       residual_add(xp + m * H, f.data() + m * H, H, x1.data() + m * H, float(residual_multiplier));
-      post_norm.apply(x1.data() + m * H, H, float(eps), h.data() + m * H);
+      if (!attention_only) post_norm.apply(x1.data() + m * H, H, float(eps), h.data() + m * H);
     }
   });
+  if (attention_only) {
+    std::copy(x1.begin(), x1.end(), op);
+    return out;
+  }
 
   // MLP
   matmul(gate_up, h.data(), M, group_size, f.data());

@@ -145,7 +145,9 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor, meta) -> torch.Tensor:
         """x: [B, T, hidden] → [B, T, hidden]; writes this layer's KV (kv_cache: [num_slots, kv dim])."""
         if self.fused is not None and x.dtype == kv_cache.dtype == torch.bfloat16:
-            return fused_forward(self, x, cos_sin, kv_cache, meta)
+            out = fused_forward(self, x, cos_sin, kv_cache, meta)
+            # an MoE layer: the op ran the attention only (x + attn(norm(x))); its MLP runs here
+            return out + self.mlp(self.post_attention_layernorm(out)) if self.fused.attention_only else out
         return super().forward(x, cos_sin, kv_cache, meta)
 
 

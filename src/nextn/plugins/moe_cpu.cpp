@@ -1,0 +1,116 @@
+// nextn's CPU kernel of an MoE layer's routed experts (moe_experts.py): each expert runs on its own tokens only,
+// its int4 weights read in place. One source over simd.h for every ISA variant (cpu_kernels.py).
+//
+//   nextn::moe_experts(x [N, H] bf16, ids [N, k] int64, weights [N, k] f32, gate_up [3 E] (per expert [w, scale,
+//       zero] of its gate rows then up rows, [2 I, H]), down [3 E] ([H, I]), group_size, int8_activations) -> [N, H]
+//
+// Per expert e (ascending id) with its tokens' rows X_e (tokens ascending), as models/moe.py computes them:
+//   g, u = bf16(X_e Wgu^T);  h = bf16(bf16(silu(g)) * u);  y = bf16(h Wdown^T)
+//   out[t] = bf16(out[t] + bf16(y[t] * bf16(w[t, e])))        out starts at 0, in bf16
+// so a token's sum runs over its experts in ascending id and every row is computed alone (int4_linear is
+// batch-invariant): the output of a token does not depend on the others in the step.
+
+#include "cpu_kernels.h"
+
+#include <torch/library.h>
+
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using nextn_cpu::simd::V16;
+using nextn_cpu::simd::load_bf16;
+using nextn_cpu::simd::round_bf16;
+using nextn_cpu::simd::store_bf16;
+namespace simd = nextn_cpu::simd;
+
+struct Int4 {
+  const uint8_t* w;
+  nextn_cpu::Int4Scales scales;
+};
+
+Int4 expert_weights(const at::TensorList& t, int64_t e, int64_t N, int64_t K, int64_t group_size,
+                    bool int8_activations, const char* name) {
+  const at::Tensor& w = t[3 * e];
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 2 && w.size(0) == N &&
+                  w.size(1) * 2 == K,
+              "moe_experts: ", name, "[", e, "].w must be a contiguous [", N, ", ", K / 2, "] uint8 tensor");
+  Int4 r{w.data_ptr<uint8_t>(), nextn_cpu::int4_scales(t[3 * e + 1], t[3 * e + 2], N, K / group_size, "moe_experts")};
+  r.scales.int8_activations = int8_activations;
+  return r;
+}
+
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
+                       at::TensorList gate_up, at::TensorList down, int64_t group_size, bool int8_activations) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "moe_experts: x must be a contiguous [N, H] bfloat16 tensor");
+  const int64_t N = x.size(0), H = x.size(1);
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == N && ids.scalar_type() == at::kLong && ids.is_contiguous(),
+              "moe_experts: ids must be a contiguous [N, k] int64 tensor");
+  const int64_t k = ids.size(1);
+  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == at::kFloat && weights.is_contiguous(),
+              "moe_experts: weights must be a contiguous [N, k] float32 tensor");
+  TORCH_CHECK(gate_up.size() % 3 == 0 && gate_up.size() == down.size() && !gate_up.empty(),
+              "moe_experts: gate_up and down must hold [w, scale, zero] for each of the same experts");
+  const int64_t E = gate_up.size() / 3;
+  TORCH_CHECK(gate_up[0].dim() == 2 && gate_up[0].size(0) % 32 == 0,
+              "moe_experts: gate_up must hold the gate then the up rows, 16k each");
+  const int64_t I = gate_up[0].size(0) / 2;
+  TORCH_CHECK(H % 64 == 0 && I % 64 == 0 && group_size % 32 == 0 && H % group_size == 0 && I % group_size == 0,
+              "moe_experts: hidden ", H, " and expert width ", I, " must be multiples of 64 and of group_size ",
+              group_size, " (a multiple of 32)");
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  for (int64_t a = 0; a < N * k; ++a)
+    TORCH_CHECK(idp[a] >= 0 && idp[a] < E, "moe_experts: expert id ", idp[a], " outside [0, ", E, ")");
+
+  // the assignments grouped by expert (a counting sort: stable, so tokens ascend within an expert)
+  std::vector<int64_t> start(E + 1, 0), order(N * k);
+  for (int64_t a = 0; a < N * k; ++a) ++start[idp[a] + 1];
+  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+  std::vector<int64_t> next(start.begin(), start.end() - 1);
+  for (int64_t a = 0; a < N * k; ++a) order[next[idp[a]]++] = a;
+  int64_t most = 0;
+  for (int64_t e = 0; e < E; ++e) most = std::max(most, start[e + 1] - start[e]);
+
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const float* wp = weights.data_ptr<float>();
+  at::Tensor out = at::zeros({N, H}, x.options());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  std::vector<uint16_t> xs(most * H), hs(most * I);
+  std::vector<float> f(most * 2 * I), y(most * H);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t c = start[e + 1] - start[e];
+    if (c == 0) continue;  // an expert no token chose is never read
+    const Int4 gu = expert_weights(gate_up, e, 2 * I, H, group_size, int8_activations, "gate_up");
+    const Int4 dn = expert_weights(down, e, H, I, group_size, int8_activations, "down");
+    for (int64_t j = 0; j < c; ++j)
+      std::memcpy(xs.data() + j * H, xp + (order[start[e] + j] / k) * H, sizeof(uint16_t) * H);
+    nextn_cpu::int4_linear(xs.data(), c, H, gu.w, 2 * I, gu.scales, group_size, nullptr, f.data());
+    for (int64_t j = 0; j < c; ++j) {
+      const float* g = f.data() + j * 2 * I;
+      for (int64_t i = 0; i < I; i += 16) {
+        const V16 gv = round_bf16(simd::load(g + i)), uv = round_bf16(simd::load(g + I + i));
+        store_bf16(hs.data() + j * I + i,
+                   round_bf16(gv / (simd::set1(1.f) + simd::exp(simd::zero() - gv))) * uv);
+      }
+    }
+    nextn_cpu::int4_linear(hs.data(), c, I, dn.w, H, dn.scales, group_size, nullptr, y.data());
+    for (int64_t j = 0; j < c; ++j) {
+      const int64_t a = order[start[e] + j], t = a / k;
+      const V16 w = round_bf16(simd::set1(wp[a]));
+      for (int64_t i = 0; i < H; i += 16)
+        store_bf16(op + t * H + i, load_bf16(op + t * H + i) + round_bf16(round_bf16(simd::load(y.data() + j * H + i)) * w));
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(NEXTN_OPS, m) {
+  m.def("moe_experts(Tensor x, Tensor ids, Tensor weights, Tensor[] gate_up, Tensor[] down, int group_size, "
+        "bool int8_activations=False) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(NEXTN_OPS, CPU, m) { m.impl("moe_experts", &moe_experts); }

@@ -1,0 +1,57 @@
+"""An MoE layer's routed experts as one op of nextn's CPU kernels (`moe_cpu.cpp`), for W4A16 / W4A8 engines.
+
+`models.moe.SparseMoE` runs each expert's three projections as modules (three kernel calls and a dozen PyTorch ops an
+expert, from Python); where every expert is an int4 `WeightOnlyLinear` on nextn's kernel, `install_fused_layers`
+gives the layer a `FusedExperts` and the op runs the grouping, the experts (gate and up rows as one matmul, as the
+fused decoder layer does) and the weighted sum in C++: the same arithmetic as the modules (bf16 roundings at the same
+places; SiLU's exp in f32 where the module computes it in f64, a last-bit difference), batch-invariant, the weights
+read in place (the modules' buffers become views of the concatenated gate/up tensors: no second copy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from nextn.plugins import cpu_kernels
+from nextn.plugins.decoder_layer import _concat_rows, _int4_linears
+
+
+@dataclass(frozen=True)
+class FusedExperts:
+    """The op's operands: per expert [w, scale, zero] of its gate-then-up rows and of its down projection."""
+
+    gate_up: list[torch.Tensor]
+    down: list[torch.Tensor]
+    group_size: int
+    int8_activations: bool
+
+
+def fuse_experts(moe: nn.Module) -> FusedExperts | None:
+    """The op's operands for a `SparseMoE`, or None where it does not apply: an expert not an int4 linear on nextn's
+    kernel (one group size and format for all), with biases, an activation other than SiLU, or widths not multiples
+    of 64."""
+    experts = list(moe.experts)
+    linears = [lin for ex in experts for lin in (ex.gate_proj, ex.up_proj, ex.down_proj)]
+    kind = _int4_linears(*linears)
+    if kind is None or any(lin.bias is not None for lin in linears) or any(
+            getattr(ex, "act_name", "silu") != "silu" for ex in experts):
+        return None
+    hidden, width = experts[0].down_proj.out_features, experts[0].gate_proj.out_features
+    if hidden % 64 or width % 64 or hidden % kind[0] or width % kind[0]:
+        return None
+    gate_up: list[torch.Tensor] = []
+    down: list[torch.Tensor] = []
+    for ex in experts:
+        gate_up += _concat_rows([ex.gate_proj, ex.up_proj])
+        down += [ex.down_proj.qweight, ex.down_proj.scales, ex.down_proj.zeros]
+    return FusedExperts(gate_up, down, *kind)
+
+
+def experts_forward(fused: FusedExperts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Σ_k weights[n, k] · Expert_{ids[n, k]}(x[n]) through the op. x: [N, hidden] bf16; weights: [N, top_k] f32;
+    ids: [N, top_k] int64 → [N, hidden] bf16."""
+    return cpu_kernels.ops().moe_experts(x.contiguous(), ids.contiguous(), weights.float().contiguous(),
+                                         fused.gate_up, fused.down, fused.group_size, fused.int8_activations)

@@ -1,0 +1,117 @@
+"""nextn's CPU kernels on an MoE layer (W4A16 / W4A8, every ISA variant the CPU runs): the routed experts as one op
+(`moe_cpu.cpp`) against the expert modules, rows computed as if alone, the attention half of the layer on the fused
+decoder-layer op, and an engine using both staying lossless under speculation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nextn import LLM, SamplingParams
+from nextn.build.engine_builder import build_engine
+from nextn.models.moe import routed_experts
+from nextn.plugins import cpu_kernels
+from nextn.plugins.moe_experts import experts_forward
+from nextn.testing.tiny_families import tiny_hf_model
+
+from test_decoder_layer import _inputs
+
+pytestmark = [pytest.mark.skipif(not cpu_kernels.available(),
+                                 reason=f"nextn's CPU kernels unavailable: {cpu_kernels.unavailable_reason()}"),
+              pytest.mark.usefixtures("kernel_variant")]
+
+
+@pytest.fixture(scope="module", params=["W4A16", "W4A8"])
+def llm(request, tmp_path_factory):
+    """A tiny Qwen3-MoE engine (hidden 128, 8 experts of width 64, top-3, head_dim 32) in W4A16 or W4A8."""
+    root = tmp_path_factory.mktemp(request.param)
+    tiny_hf_model("qwen3_moe", seed=1, vocab_size=320, hidden_size=128, head_dim=32).save_pretrained(root / "ckpt")
+    build_engine(root / "ckpt", root / "engine", progress=False, max_seq_len=128, dtype="bfloat16",
+                 quant_algo=request.param, group_size=32)
+    llm = LLM(root / "engine")
+    yield llm
+    llm.shutdown()
+
+
+def _routing(moe, n: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 128, generator=gen).bfloat16()
+    weights, ids = moe.gate(x)
+    return x, weights, ids
+
+
+def test_every_moe_layer_takes_both_ops(llm):
+    model = llm.engine.model
+    for layer in model.model.layers:
+        assert layer.fused is not None and layer.fused.attention_only
+        assert layer.mlp.fused_experts is not None
+    assert model.fused_stack is None  # the MLPs run between the layers' op calls
+    expert = model.model.layers[0].mlp.experts[2]  # the modules' buffers are views of the op's operands
+    fused = model.model.layers[0].mlp.fused_experts
+    assert expert.up_proj.qweight.untyped_storage().data_ptr() == fused.gate_up[3 * 2].untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("n", [1, 5, 12])
+def test_experts_op_matches_the_modules(llm, n):
+    """Same bf16 roundings as the modules (SiLU's exp in f32 against the module's f64: a last-bit difference)."""
+    moe = llm.engine.model.model.layers[1].mlp
+    x, weights, ids = _routing(moe, n)
+    with torch.inference_mode():
+        fused = experts_forward(moe.fused_experts, x, weights, ids)
+        ref = routed_experts(x, weights, ids, moe.experts)
+    assert fused.dtype == torch.bfloat16 and fused.shape == ref.shape
+    assert (fused == ref).float().mean() > 0.9
+    torch.testing.assert_close(fused.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_experts_op_rows_are_computed_as_if_alone(llm):
+    """Batch invariance, bit for bit: a token's row is the same among 0..11 others (more experts, more rows each)."""
+    moe = llm.engine.model.model.layers[0].mlp
+    x, weights, ids = _routing(moe, 12, seed=3)
+    with torch.inference_mode():
+        full = experts_forward(moe.fused_experts, x, weights, ids)
+        for n in (1, 2, 5, 9):
+            assert torch.equal(experts_forward(moe.fused_experts, x[:n], weights[:n], ids[:n]), full[:n]), n
+        for i in range(12):
+            assert torch.equal(experts_forward(moe.fused_experts, x[i:i + 1], weights[i:i + 1], ids[i:i + 1])[0],
+                               full[i])
+
+
+def test_experts_op_refuses_an_unknown_expert(llm):
+    moe = llm.engine.model.model.layers[0].mlp
+    x, weights, ids = _routing(moe, 2)
+    with pytest.raises(RuntimeError, match="expert id 8 outside"):
+        experts_forward(moe.fused_experts, x, weights, ids.clone().fill_(8))
+
+
+def test_the_layer_matches_the_pytorch_modules(llm):
+    """Attention on the op, experts on the op: the layer's output and the KV it writes as the modules compute them,
+    within a bf16 step (all but a few elements bit-equal)."""
+    model = llm.engine.model
+    layer = model.model.layers[1]
+    x, kv, meta = _inputs(layer, 2, 3, [9, 20])
+    cos_sin = model._cos_sin(meta.positions)
+    kv_fused, kv_ref = kv.clone(), kv.clone()
+    with torch.inference_mode():
+        fused = layer(x, cos_sin, kv_fused, meta)
+        saved = layer.fused, layer.mlp.fused_experts
+        layer.fused = layer.mlp.fused_experts = None
+        try:
+            ref = layer(x, cos_sin, kv_ref, meta)
+        finally:
+            layer.fused, layer.mlp.fused_experts = saved
+    assert (fused == ref).float().mean() > 0.9
+    torch.testing.assert_close(fused.float(), ref.float(), rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(kv_fused.float(), kv_ref.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_speculation_stays_lossless(llm):
+    """Greedy tokens with NGram drafts (verify steps of several rows) equal plain decoding's."""
+    prompt = [1] + [10 + (7 * i) % 23 for i in range(40)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    plain = llm.generate(prompt, params).outputs[0].token_ids
+    spec = LLM(llm.engine_dir, speculative_config={"decoding_type": "NGram", "max_draft_len": 4})
+    try:
+        assert spec.generate(prompt, params).outputs[0].token_ids == plain
+    finally:
+        spec.shutdown()
