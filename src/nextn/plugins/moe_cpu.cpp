@@ -26,7 +26,7 @@ using nextn_cpu::simd::store_bf16;
 namespace simd = nextn_cpu::simd;
 
 struct Int4 {
-  const uint8_t* w;
+  const uint8_t* w = nullptr;
   nextn_cpu::Int4Scales scales;
 };
 
@@ -39,6 +39,47 @@ Int4 expert_weights(const at::TensorList& t, int64_t e, int64_t N, int64_t K, in
   Int4 r{w.data_ptr<uint8_t>(), nextn_cpu::int4_scales(t[3 * e + 1], t[3 * e + 2], N, K / group_size, "moe_experts")};
   r.scales.int8_activations = int8_activations;
   return r;
+}
+
+// Blocks [b0, b0 + n) of an int4 weight (16 output channels a block): its bytes and scales from there on.
+Int4 block_slice(const Int4& l, int64_t K, int64_t group_size, int64_t b0) {
+  Int4 r = l;
+  const int64_t G = K / group_size;
+  r.w = l.w + b0 * 8 * K;
+  if (l.scales.group == nullptr) {
+    r.scales.scale = l.scales.scale + b0 * G * 16;
+    r.scales.zero8 = l.scales.zero8 + b0 * G * 16;
+  } else {
+    const int64_t S = G / l.scales.groups_per_super;
+    r.scales.group = l.scales.group + b0 * G * 32;
+    r.scales.super = l.scales.super + b0 * S * 32;
+  }
+  return r;
+}
+
+// out[r, :N] = rows r of x [A, K] times expert e's weight, for the rows start[e]..start[e+1] of each expert e:
+// units of kChunk blocks of every active expert split across the threads in one parallel region (int4_linear runs
+// inline there); each output is computed as the whole-matrix call computes it (per-channel-block arithmetic).
+constexpr int64_t kChunk = 16;
+void matmuls(const std::vector<Int4>& l, const std::vector<int64_t>& start, const uint16_t* x, int64_t K, int64_t N,
+             int64_t group_size, float* out) {
+  const int64_t blocks = N / 16, chunks = (blocks + kChunk - 1) / kChunk;
+  std::vector<int64_t> units;  // expert * chunks + chunk, active experts only
+  for (int64_t e = 0; e + 1 < int64_t(start.size()); ++e)
+    if (start[e + 1] > start[e])
+      for (int64_t c = 0; c < chunks; ++c) units.push_back(e * chunks + c);
+  at::parallel_for(0, int64_t(units.size()), 1, [&](int64_t u0, int64_t u1) {
+    std::vector<float> tmp;
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t e = units[u] / chunks, b0 = (units[u] % chunks) * kChunk;
+      const int64_t nb = std::min(kChunk, blocks - b0), rows = start[e + 1] - start[e];
+      const Int4 w = block_slice(l[e], K, group_size, b0);
+      tmp.resize(rows * nb * 16);
+      nextn_cpu::int4_linear(x + start[e] * K, rows, K, w.w, nb * 16, w.scales, group_size, nullptr, tmp.data());
+      for (int64_t r = 0; r < rows; ++r)
+        std::memcpy(out + (start[e] + r) * N + b0 * 16, tmp.data() + r * nb * 16, sizeof(float) * nb * 16);
+    }
+  });
 }
 
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
@@ -70,38 +111,39 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
   for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
   std::vector<int64_t> next(start.begin(), start.end() - 1);
   for (int64_t a = 0; a < N * k; ++a) order[next[idp[a]]++] = a;
-  int64_t most = 0;
-  for (int64_t e = 0; e < E; ++e) most = std::max(most, start[e + 1] - start[e]);
 
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const float* wp = weights.data_ptr<float>();
-  at::Tensor out = at::zeros({N, H}, x.options());
-  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  std::vector<uint16_t> xs(most * H), hs(most * I);
-  std::vector<float> f(most * 2 * I), y(most * H);
+  std::vector<Int4> gu(E), dn(E);
   for (int64_t e = 0; e < E; ++e) {
-    const int64_t c = start[e + 1] - start[e];
-    if (c == 0) continue;  // an expert no token chose is never read
-    const Int4 gu = expert_weights(gate_up, e, 2 * I, H, group_size, int8_activations, "gate_up");
-    const Int4 dn = expert_weights(down, e, H, I, group_size, int8_activations, "down");
-    for (int64_t j = 0; j < c; ++j)
-      std::memcpy(xs.data() + j * H, xp + (order[start[e] + j] / k) * H, sizeof(uint16_t) * H);
-    nextn_cpu::int4_linear(xs.data(), c, H, gu.w, 2 * I, gu.scales, group_size, nullptr, f.data());
-    for (int64_t j = 0; j < c; ++j) {
-      const float* g = f.data() + j * 2 * I;
+    if (start[e + 1] == start[e]) continue;  // an expert no token chose is never read
+    gu[e] = expert_weights(gate_up, e, 2 * I, H, group_size, int8_activations, "gate_up");
+    dn[e] = expert_weights(down, e, H, I, group_size, int8_activations, "down");
+  }
+  // every assignment's row of x, grouped by expert (row r = assignment order[r])
+  const int64_t A = N * k;
+  std::vector<uint16_t> xs(A * H), hs(A * I);
+  std::vector<float> f(A * 2 * I), y(A * H);
+  for (int64_t r = 0; r < A; ++r) std::memcpy(xs.data() + r * H, xp + (order[r] / k) * H, sizeof(uint16_t) * H);
+  // each projection of every active expert in one parallel region (few long streams, not 2 E short calls)
+  matmuls(gu, start, xs.data(), H, 2 * I, group_size, f.data());
+  at::parallel_for(0, A, 8, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* g = f.data() + r * 2 * I;
       for (int64_t i = 0; i < I; i += 16) {
         const V16 gv = round_bf16(simd::load(g + i)), uv = round_bf16(simd::load(g + I + i));
-        store_bf16(hs.data() + j * I + i,
-                   round_bf16(gv / (simd::set1(1.f) + simd::exp(simd::zero() - gv))) * uv);
+        store_bf16(hs.data() + r * I + i, round_bf16(gv / (simd::set1(1.f) + simd::exp(simd::zero() - gv))) * uv);
       }
     }
-    nextn_cpu::int4_linear(hs.data(), c, I, dn.w, H, dn.scales, group_size, nullptr, y.data());
-    for (int64_t j = 0; j < c; ++j) {
-      const int64_t a = order[start[e] + j], t = a / k;
-      const V16 w = round_bf16(simd::set1(wp[a]));
-      for (int64_t i = 0; i < H; i += 16)
-        store_bf16(op + t * H + i, load_bf16(op + t * H + i) + round_bf16(round_bf16(simd::load(y.data() + j * H + i)) * w));
-    }
+  });
+  matmuls(dn, start, hs.data(), I, H, group_size, y.data());
+  at::Tensor out = at::zeros({N, H}, x.options());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  for (int64_t r = 0; r < A; ++r) {  // experts in ascending id: each token's sum in that order
+    const int64_t t = order[r] / k;
+    const V16 w = round_bf16(simd::set1(wp[order[r]]));
+    for (int64_t i = 0; i < H; i += 16)
+      store_bf16(op + t * H + i, load_bf16(op + t * H + i) + round_bf16(round_bf16(simd::load(y.data() + r * H + i)) * w));
   }
   return out;
 }
