@@ -149,6 +149,25 @@ def test_moe_rows_do_not_depend_on_the_token_count(dtype):
             assert torch.equal(moe(x[:n]), full[:n]), n
 
 
+def test_moe_compiles_to_the_same_numbers():
+    """Under torch.compile(fullgraph=True) (no host sync: every expert over every token) the layer's output equals
+    the eager routed-experts-only one bit for bit."""
+    from nextn.plugins import dense_linear
+
+    torch.manual_seed(0)
+    moe = SparseMoE(64, 8, 3, 64, norm_topk_prob=True)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.3)
+    if dense_linear.available():
+        dense_linear.install_dense_linears(moe, prefix="")
+    x = torch.randn(7, 64)
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        compiled = torch.compile(moe, fullgraph=True, backend="aot_eager")(x)
+        assert torch.equal(compiled, moe(x))
+
+
 def test_moe_configs_and_refusals():
     """What the configs set, and what is refused by name."""
     base = dict(vocab_size=32, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4)

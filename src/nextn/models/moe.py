@@ -60,20 +60,25 @@ class Router(nn.Module):
 
 
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                   experts: nn.ModuleList | Callable[[int], Callable[[torch.Tensor], torch.Tensor]]) -> torch.Tensor:
-    """Σ_k weights[n, k] · experts[ids[n, k]](x[n]) for every token n, each expert run on its own tokens only.
+                   expert: Callable[[int], Callable[[torch.Tensor], torch.Tensor]], num_experts: int) -> torch.Tensor:
+    """Σ_k weights[n, k] · expert(ids[n, k])(x[n]) for every token n, each expert run on its own tokens only.
 
     Args:
         x: [N, hidden]; weights: [N, top_k] float32; ids: [N, top_k] int64 (a token meets an expert at most once).
-        experts: E modules [*, hidden] → [*, hidden], or a function giving expert e's (DeepSeek-V3's).
+        expert: expert e's function [*, hidden] → [*, hidden] (`experts.__getitem__` of a ModuleList).
+        num_experts: E.
     Returns:
-        [N, hidden] in x's dtype, each row summed over its experts in ascending expert id.
+        [N, hidden] in x's dtype: each row Σ bf16(y_e · w_e) (in x's dtype) over its experts in ascending id.
+    Under `torch.compile` (fixed shapes, no host synchronisation) every expert runs over every token instead and
+    the same sums are taken (`sum_ascending`): the same numbers at E / top_k times the work.
     """
+    if torch.compiler.is_compiling():
+        every = torch.stack([expert(e)(x) for e in range(num_experts)], 1)  # [N, E, hidden]
+        return sum_ascending(every.gather(1, ids[..., None].expand(-1, -1, x.shape[-1])), weights, ids)
     n, top_k = ids.shape
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # assignments grouped by expert, tokens ascending within one
     counts = torch.bincount(flat).tolist()
-    expert = experts.__getitem__ if isinstance(experts, nn.ModuleList) else experts
     tokens = order // top_k
     scale = weights.reshape(-1)[order].to(x.dtype)[:, None]
     out = torch.zeros_like(x)
@@ -83,6 +88,18 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
             rows = tokens[start:start + count]
             out.index_add_(0, rows, expert(e)(x[rows]) * scale[start:start + count])
             start += count
+    return out
+
+
+def sum_ascending(y: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Σ_k bf16(y[n, k] · w[n, k]) in ascending expert id, as `routed_experts` adds them. y: [N, top_k, hidden];
+    weights: [N, top_k] float32; ids: [N, top_k] → [N, hidden] in y's dtype."""
+    order = ids.argsort(dim=1, stable=True)
+    y = y.gather(1, order[..., None].expand_as(y))
+    w = weights.gather(1, order).to(y.dtype)
+    out = torch.zeros_like(y[:, 0]) + y[:, 0] * w[:, 0:1]
+    for j in range(1, ids.shape[1]):
+        out = out + y[:, j] * w[:, j:j + 1]
     return out
 
 
@@ -113,7 +130,7 @@ class SparseMoE(nn.Module):
 
             out = experts_forward(self.fused_experts, flat, weights, ids)
         else:
-            out = routed_experts(flat, weights, ids, self.experts)
+            out = routed_experts(flat, weights, ids, self.experts.__getitem__, len(self.experts))
         if self.shared_expert is not None:
             gate = self.shared_expert_gate
             logit = gate.dense(flat) if gate.dense is not None else F.linear(flat, gate.weight)  # [N, 1]

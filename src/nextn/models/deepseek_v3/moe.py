@@ -100,7 +100,7 @@ class RoutedExperts(nn.Module):
         """Σ_k weights[:, k] · Expert_{ids[:, k]}(x). x: [N, hidden]; weights, ids: [N, top_k] → [N, hidden]."""
         n, top_k = ids.shape
         if self.dense is not None:  # the routed experts only, each row alone (batch-invariant)
-            return routed_experts(x, weights, ids, self._dense_experts)
+            return routed_experts(x, weights, ids, self._dense_experts, self.num_experts)
         if n * top_k <= self.num_experts:
             out = self._gathered(x, ids)
         else:
