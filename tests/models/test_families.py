@@ -20,23 +20,13 @@ from nextn.models.attention_metadata import AttentionMetadata
 from nextn.models.config import ConfigError
 from nextn.models.llama import LlamaModelConfig
 from nextn.models.llama.weights import stored_view
-from nextn.testing import llama_cpp_converter
-from nextn.testing.tiny_families import FAMILIES, save_tiny, smollm2_tokenizer
+from nextn.testing.tiny_families import FAMILIES, save_tiny
 
+from family_sources import tiny_source
 from test_llama import _assert_matches_hf, _load
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared"
 PROMPT = [1] + [100 + (7 * i) % 23 for i in range(45)]  # 46 tokens, repetitive: drafts get accepted
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tokenizer")
-    try:
-        smollm2_tokenizer(SHARED, out)
-    except FileNotFoundError as e:
-        pytest.skip(f"SmolLM2's GGUF (the tiny checkpoints' tokenizer) is absent: {e}")
-    return out
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -49,16 +39,7 @@ def family(request, tmp_path_factory, tokenizer_dir):
 
 def _source(family, kind: str, tmp_path: Path) -> Path:
     """The checkpoint to read: the HF directory, or the GGUF llama.cpp's converter makes of it (skips without one)."""
-    _, _, hf_dir = family
-    if kind == "hf":
-        return hf_dir
-    if llama_cpp_converter.find() is None:
-        pytest.skip("llama.cpp's convert_hf_to_gguf.py is absent: `python -m nextn.testing.llama_cpp_converter "
-                    "--fetch` (.ci/run does)")
-    out = hf_dir / "tiny-f32.gguf"
-    if not out.is_file():
-        llama_cpp_converter.convert(hf_dir, out, "f32")
-    return out
+    return tiny_source(family[2], kind)
 
 
 @contextmanager

@@ -18,23 +18,12 @@ from nextn.models.llama import LlamaModelConfig
 from nextn.models.llama.weights import stored_view
 from nextn.models.moe import SparseMoE
 from nextn.testing import batch_invariance as bi
-from nextn.testing import llama_cpp_converter
-from nextn.testing.tiny_families import MOE_FAMILIES, save_tiny, smollm2_tokenizer
+from nextn.testing.tiny_families import MOE_FAMILIES, save_tiny
 
+from family_sources import tiny_source
 from test_llama import _assert_matches_hf, _load
 
-SHARED = Path(__file__).resolve().parents[2].parent / "shared"
 PROMPT = [1] + [100 + (7 * i) % 23 for i in range(45)]  # 46 tokens, repetitive: drafts get accepted
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tokenizer")
-    try:
-        smollm2_tokenizer(SHARED, out)
-    except FileNotFoundError as e:
-        pytest.skip(f"SmolLM2's GGUF (the tiny checkpoints' tokenizer) is absent: {e}")
-    return out
 
 
 @pytest.fixture(scope="module", params=list(MOE_FAMILIES))
@@ -42,19 +31,6 @@ def family(request, tmp_path_factory, tokenizer_dir):
     """(model_type, transformers model fp32, HF checkpoint dir) of one MoE family."""
     out = tmp_path_factory.mktemp(request.param)
     return request.param, save_tiny(request.param, out, tokenizer_dir), out
-
-
-def _source(hf_dir: Path, kind: str) -> Path:
-    """The HF directory, or the f32 GGUF llama.cpp's converter makes of it (skips without the converter)."""
-    if kind == "hf":
-        return hf_dir
-    if llama_cpp_converter.find() is None:
-        pytest.skip("llama.cpp's convert_hf_to_gguf.py is absent: `python -m nextn.testing.llama_cpp_converter "
-                    "--fetch` (.ci/run does)")
-    out = hf_dir / "tiny-f32.gguf"
-    if not out.is_file():
-        llama_cpp_converter.convert(hf_dir, out, "f32")
-    return out
 
 
 def _model(path: Path):
@@ -68,7 +44,7 @@ def _model(path: Path):
 @pytest.mark.parametrize("kind", ["hf", "gguf"])
 def test_logits_match_transformers(family, kind):
     model_type, hf, hf_dir = family
-    model = _model(_source(hf_dir, kind))
+    model = _model(tiny_source(hf_dir, kind))
     want = MOE_FAMILIES[model_type]
     assert model.cfg.num_experts == want.get("num_experts", want.get("num_local_experts"))
     assert model.cfg.norm_topk_prob == (model_type in ("qwen3_moe", "mixtral"))
@@ -94,7 +70,7 @@ def test_engine_greedy_is_transformers_plain_and_speculative(family, kind, tmp_p
     with torch.no_grad():
         want = hf.generate(torch.tensor([PROMPT]), max_new_tokens=32, do_sample=False, pad_token_id=0,
                            eos_token_id=None)[0, len(PROMPT):].tolist()
-    build_engine(_source(hf_dir, kind), tmp_path / "engine", dtype="float32", quant_algo=None, max_seq_len=256,
+    build_engine(tiny_source(hf_dir, kind), tmp_path / "engine", dtype="float32", quant_algo=None, max_seq_len=256,
                  progress=False)
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     for spec in (None, {"decoding_type": "NGram", "max_draft_len": 4}, {"decoding_type": "Suffix", "max_draft_len": 8}):
