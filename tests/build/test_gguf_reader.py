@@ -44,7 +44,7 @@ TYPES = [2, 3, 3, 6, 1, 1, 1, 1, 1]
 def write_tiny_gguf(path: Path, arch: str = "llama", drop: tuple[str, ...] = (), quant: dict[str, Q] | None = None,
                     extra: tuple[str, ...] = (), seed: int = 0, biases: bool = False,
                     raw: dict[str, tuple[np.ndarray, Q]] | None = None, hidden: int = 64,
-                    rope_freqs: np.ndarray | None = None) -> dict[str, np.ndarray]:
+                    rope_freqs: np.ndarray | None = None, experts: int = 0) -> dict[str, np.ndarray]:
     """A 1-layer GQA Llama-family GGUF (hidden 64 (or `hidden`), 4 heads / 2 KV heads, ffn 256, vocab 9) written as llama.cpp's
     convert_hf_to_gguf.py would: q/k rows (and biases) permuted for arch "llama" (`LlamaModel`), not for "qwen2".
 
@@ -54,6 +54,8 @@ def write_tiny_gguf(path: Path, arch: str = "llama", drop: tuple[str, ...] = (),
         raw: GGUF tensor name → (raw block bytes [rows, bytes], type), written as they are (K-quants, which gguf
             cannot quantize, and types it cannot dequantize).
         rope_freqs: Llama-3 rope scaling as llama.cpp's converter stores it (`rope_freqs.weight`, F32).
+        experts: an MoE layer of that many experts (Mixtral as llama.cpp writes it: `expert_count`, top-2, a router
+            `ffn_gate_inp`, 3-D `ffn_{gate,up,down}_exps`, the gate experts in random Q4_K blocks) instead of the MLP.
     Returns:
         The HF-layout fp32 tensors by HF name that `GGUFCheckpoint.get` must give back (quantized ones as
         `gguf.quants.dequantize` reads them back).
@@ -74,6 +76,9 @@ def write_tiny_gguf(path: Path, arch: str = "llama", drop: tuple[str, ...] = (),
                    "model.layers.0.self_attn.v_proj.bias": (kv_heads * d,)})  # fmt: skip
     hf = {k: rng.standard_normal(s).astype(np.float32) for k, s in hf.items()}
     w = gguf.GGUFWriter(str(path), arch)
+    if experts:
+        _write_experts(w, hf, experts, h, ffn, rng)
+        drop = (*drop, "blk.0.ffn_gate.weight", "blk.0.ffn_up.weight", "blk.0.ffn_down.weight")
     w.add_block_count(1)
     w.add_context_length(256)
     w.add_embedding_length(h)
@@ -124,6 +129,53 @@ def write_tiny_gguf(path: Path, arch: str = "llama", drop: tuple[str, ...] = (),
     w.write_tensors_to_file()
     w.close()
     return hf
+
+
+def _write_experts(w, hf: dict[str, np.ndarray], count: int, h: int, ffn: int, rng) -> None:
+    """`write_tiny_gguf`'s MoE layer: metadata, router and expert tensors into `w`, their HF-named values (one per
+    expert) into `hf` in place of the dense MLP's."""
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        del hf[f"model.layers.0.mlp.{proj}.weight"]
+    w.add_expert_count(count)
+    w.add_expert_used_count(2)
+    router = rng.standard_normal((count, h)).astype(np.float32)
+    w.add_tensor("blk.0.ffn_gate_inp.weight", router)
+    hf["model.layers.0.mlp.gate.weight"] = router
+    gate = _k_quant_blocks(Q.Q4_K, count * ffn, h).reshape(count, ffn, -1)  # [E, out, bytes]
+    w.add_tensor("blk.0.ffn_gate_exps.weight", gate, raw_shape=gate.shape, raw_dtype=Q.Q4_K)
+    values = {"gate_proj": gguf.quants.dequantize(gate, Q.Q4_K),
+              "up_proj": rng.standard_normal((count, ffn, h)).astype(np.float32),
+              "down_proj": rng.standard_normal((count, h, ffn)).astype(np.float32)}
+    w.add_tensor("blk.0.ffn_up_exps.weight", values["up_proj"])
+    w.add_tensor("blk.0.ffn_down_exps.weight", values["down_proj"])
+    for proj, v in values.items():
+        hf.update({f"model.layers.0.mlp.experts.{e}.{proj}.weight": v[e] for e in range(count)})
+
+
+def test_moe_experts_read_as_one_slice_each(tmp_path):
+    """An MoE GGUF (Mixtral, written as llama with `expert_count`): each expert of the 3-D tensors reads as its own
+    HF-named tensor — F32 values as written, Q4_K blocks as gguf dequantizes that expert's slice, and for W4A16 as
+    the slice's own two-level scales (`native_w4a16`), which dequantize to the same values."""
+    from nextn.quantization import weight_only
+    from nextn.quantization.quant_config import QuantConfig
+
+    hf = write_tiny_gguf(tmp_path / "moe.gguf", hidden=256, experts=3)
+    ckpt = GGUFCheckpoint(tmp_path / "moe.gguf")
+    cfg = ckpt.model_config
+    assert (cfg.architecture, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+            cfg.norm_topk_prob) == ("MixtralForCausalLM", 3, 2, 256, True)
+    assert sorted(ckpt.names()) == sorted(hf)
+    for name, t in hf.items():
+        assert ckpt.tensor_info(name) == ("F32", list(t.shape)), name
+        assert torch.equal(ckpt.get(name), torch.from_numpy(np.ascontiguousarray(t))), name
+    quant = QuantConfig(quant_algo="W4A16", group_size=32, super_block_size=256)
+    for e in range(3):
+        name = f"model.layers.0.mlp.experts.{e}.gate_proj.weight"
+        native = ckpt.native_w4a16(name, quant)
+        assert torch.equal(weight_only.dequantize(native, quant).float(), ckpt.get(name)), e
+    assert ckpt.native_w4a16("model.layers.0.mlp.experts.1.up_proj.weight", quant) is None  # F32: quantized later
+    out = dict(to_runtime(ckpt.get, ckpt.has, cfg, torch.float32))
+    assert out["model.layers.0.mlp.experts.2.down_proj.weight"].shape == (256, 256)
 
 
 def test_stories260k_config_and_tensors(stories):

@@ -77,7 +77,8 @@ EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_d
 #: argument of `build_moe_ffn`; `{arch}.expert_weights_norm` overrides where a file writes it)
 NORM_TOPK = {"qwen3moe": True, "llama": True, "qwen2moe": False, "olmoe": False}
 BLOCK_NAMES = {"qwen3moe": {**_LLAMA_BLOCK, **_QK_NORMS, **_MOE_BLOCK}, "qwen2moe": {**_LLAMA_BLOCK, **_MOE_BLOCK},
-               "olmoe": {**_LLAMA_BLOCK, **_QK_NORMS, **_MOE_BLOCK},"phi3": _PHI3_BLOCK, "glm4": _GLM4_BLOCK, "olmo2": _POST_NORM_BLOCK, "exaone4": _POST_NORM_BLOCK, "seed_oss": _SEED_OSS_BLOCK,
+               "olmoe": {**_LLAMA_BLOCK, **_QK_NORMS, **_MOE_BLOCK}, "phi3": _PHI3_BLOCK, "glm4": _GLM4_BLOCK,
+               "olmo2": _POST_NORM_BLOCK, "exaone4": _POST_NORM_BLOCK, "seed_oss": _SEED_OSS_BLOCK,
                "llama": {**_LLAMA_BLOCK, **_MOE_BLOCK}, "qwen2": _LLAMA_BLOCK, "qwen3": {**_LLAMA_BLOCK, **_QK_NORMS},
                "gemma2": _GEMMA_BLOCK, "gemma3": _GEMMA_BLOCK, "smollm3": _LLAMA_BLOCK, "granite": _LLAMA_BLOCK}
 
@@ -103,11 +104,13 @@ def moe_config(arch: str, key: Callable[..., Any]) -> dict[str, Any]:
     experts = key("expert_count", "raw", 0)
     if not experts:
         return {}
+
     def optional(name: str) -> int | None:
         return key(name, "count", None) if key(name, "raw", None) is not None else None
 
     norm = key("expert_weights_norm", "raw", None)
-    out = {"num_experts": key("expert_count", "count", None), "num_experts_per_tok": key("expert_used_count", "count", None),
+    out = {"num_experts": key("expert_count", "count", None),
+           "num_experts_per_tok": key("expert_used_count", "count", None),
            "moe_intermediate_size": optional("expert_feed_forward_length") or key("feed_forward_length", "count", None),
            "norm_topk_prob": NORM_TOPK.get(arch, False) if norm is None else bool(norm),
            "shared_expert_intermediate_size": optional("expert_shared_feed_forward_length")}

@@ -119,6 +119,8 @@ class SparseMoE(nn.Module):
         self.gate = Router(hidden_size, num_experts, top_k, norm_topk_prob)
         self.experts = nn.ModuleList(GatedMLP(hidden_size, width, act) for _ in range(num_experts))
         self.shared_expert = GatedMLP(hidden_size, shared_width, act) if shared_width else None
+        # the shared expert's gate: a one-output projection, never quantized and on the dense kernel as the router's
+        # (only its projection is used: sigmoid, not top-k)
         self.shared_expert_gate = Router(hidden_size, 1, 1, False) if shared_width else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
