@@ -74,6 +74,18 @@ def test_the_default_kv_cache_is_checked_against_available_memory(engine_dir, mo
     assert llm.engine.pool.capacity_tokens >= fit
 
 
+def test_weights_larger_than_memory_are_refused_before_they_are_read(engine_dir, monkeypatch):
+    """The weights' resident size (their files' bytes) against the memory there is, before any is read: a named error
+    with both figures and the fix."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the weights were read before their size was checked")
+    monkeypatch.setattr(engine_mod, "read_weights", refuse)
+    monkeypatch.setattr(engine_sizes, "available_memory", lambda device: (1 << 10, "test memory"))
+    with pytest.raises(EngineSizeError, match=r"the engine's weights need 0\.\d\d GiB of memory and test memory is "
+                                              r"0\.00 GiB: free memory, or build a smaller format \(--quant_algo W4A16"):
+        LLM(engine_dir, device="cpu")
+
+
 def test_available_memory_reads_the_host():
     avail, what = available_memory(engine_mod.torch.device("cpu"))
     assert avail > 0 and what

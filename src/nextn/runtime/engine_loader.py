@@ -27,7 +27,7 @@ from nextn.plugins import cpu_kernels
 from nextn.plugins.cpu_features import fast_bf16
 from nextn.runtime.compiled_step import compile_decode_fn
 from nextn.runtime.cuda_graph_runner import captures_graphs, graph_decode_fn
-from nextn.runtime.engine_sizes import check_sizes_against_model, plan_kv_cache
+from nextn.runtime.engine_sizes import check_sizes_against_model, check_weights_fit, plan_kv_cache
 from nextn.models.kv_cache import allocate_kv_cache
 from nextn.runtime.kv_cache import BlockPool
 from nextn.runtime.model_loader import load_model, pop_medusa_heads, read_weights
@@ -107,6 +107,9 @@ def load_engine(engine_dir: str | Path, args: LlmArgs, spec: BaseModel | None, d
     max_seq_len = args.max_seq_len or manifest.build_options.max_seq_len
     block_size = args.kv_cache_config.tokens_per_block
     check_sizes_against_model(args, cfg, manifest.build_options.max_seq_len, max_batch_size, max_seq_len)
+    weight_bytes = sum((engine_dir / f).stat().st_size for f in manifest.weight_files if (engine_dir / f).is_file())
+    check_weights_fit(weight_bytes, device)  # the resident size, before any weight is read
+    logger.info("reading %.2f GiB of weights from %s", weight_bytes / (1 << 30), engine_dir)
     weights = read_weights(engine_dir, manifest, args.verify_weights, device)
     ctx = LoadContext(manifest, engine_dir, device, max_seq_len, pop_medusa_heads(weights, manifest),
                       tensor_parallel=sharding is not None)

@@ -1,5 +1,8 @@
 """Engine sizes checked before anything is allocated: against the model, then against the memory there is.
 
+`check_weights_fit` runs before the weights are read: their size (an MoE engine's every expert included) against
+the memory available.
+
 `check_sizes_against_model` runs first (before the weights are read): max_seq_len within the model's
 max_position_embeddings, the other sizes positive and bounded. `plan_kv_cache` runs after the weights are loaded
 and before the rope table, the drafter state and the KV cache are allocated: it computes what they need and
@@ -61,6 +64,20 @@ def available_memory(device: torch.device) -> tuple[int, str]:
     if limit is not None and limit < avail:
         return limit, "room under the cgroup memory limit"
     return avail, what
+
+
+def check_weights_fit(weight_bytes: int, device: torch.device) -> None:
+    """The engine's weights (read whole into memory: `weight_bytes`, its weight files' size) against the memory
+    available on `device`, before any is read.
+
+    Raises:
+        EngineSizeError: they do not fit: both figures, where the second comes from, and the fixes.
+    """
+    avail, what = available_memory(device)
+    if weight_bytes > avail:
+        raise EngineSizeError(f"the engine's weights need {weight_bytes / _GIB:.2f} GiB of memory and {what} is "
+                              f"{avail / _GIB:.2f} GiB: free memory, or build a smaller format (--quant_algo W4A16 "
+                              "or W4A8: about a quarter of bf16)")
 
 
 def _meminfo_available() -> tuple[int, str]:
