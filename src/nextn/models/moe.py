@@ -69,16 +69,18 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
         num_experts: E.
     Returns:
         [N, hidden] in x's dtype: each row Σ bf16(y_e · w_e) (in x's dtype) over its experts in ascending id.
-    Under `torch.compile` (fixed shapes, no host synchronisation) every expert runs over every token instead and
-    the same sums are taken (`sum_ascending`): the same numbers at E / top_k times the work.
+    Under `torch.compile` and off the CPU (fixed shapes, no host synchronisation: a compiled or CUDA-graphed step,
+    the overlap scheduler on a GPU) every expert runs over every token instead and the same sums are taken
+    (`sum_ascending`): the same numbers at E / top_k times the work.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or x.device.type != "cpu":
         every = torch.stack([expert(e)(x) for e in range(num_experts)], 1)  # [N, E, hidden]
         return sum_ascending(every.gather(1, ids[..., None].expand(-1, -1, x.shape[-1])), weights, ids)
     n, top_k = ids.shape
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # assignments grouped by expert, tokens ascending within one
-    counts = torch.bincount(flat).tolist()
+    # the counts are host memory already (a CPU step): reading them waits for no device and for no earlier step
+    counts = torch.bincount(flat).numpy().tolist()
     tokens = order // top_k
     scale = weights.reshape(-1)[order].to(x.dtype)[:, None]
     out = torch.zeros_like(x)

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from nextn.plugins import cpu_kernels
+from nextn.plugins.int4_operands import concat_rows, int4_linears, one_linear
 
 
 #: The op's activation codes.
@@ -63,39 +64,6 @@ class FusedLayerWeights:
         return not self.gate_up
 
 
-def _int4_linears(*linears: nn.Module) -> tuple[int, bool] | None:
-    """(the common group size, W4A8) when every module is a W4A16 (or every one a W4A8) `WeightOnlyLinear` on
-    nextn's kernel, else None."""
-    kinds = set()
-    for lin in linears:
-        if getattr(lin, "kernel", None) != "nextn" or not getattr(lin, "int4", False):
-            return None
-        kinds.add((lin.group_size, lin.int8_activations))
-    return kinds.pop() if len(kinds) == 1 else None
-
-
-def _concat_rows(linears: list[nn.Module]) -> list[torch.Tensor]:
-    """Concatenate the linears' int4 tensors along the output channels and make each module's buffers views of the
-    concatenation (same values, no second copy). Returns [w, scale, zero8] (+ [bias])."""
-    names = ["qweight", "scales", "zeros"]
-    if all(lin.bias is not None for lin in linears):
-        names.append("bias")
-    fused = []
-    for name in names:
-        parts = [getattr(lin, name) for lin in linears]
-        cat = torch.cat(parts).contiguous()  # along dim 0: rows, or blocks of 16 rows (`woq_linear.block_scales`)
-        row = 0
-        for lin, part in zip(linears, parts):
-            setattr(lin, name, cat[row:row + part.shape[0]])
-            row += part.shape[0]
-        fused.append(cat)
-    return fused
-
-
-def _one(lin: nn.Module) -> list[torch.Tensor]:
-    return [lin.qweight, lin.scales, lin.zeros] + ([lin.bias] if lin.bias is not None else [])
-
-
 def _norm_operands(layer: nn.Module) -> list[torch.Tensor] | None:
     """The layer's norms in the op's order — input, post, [pre_ff, post_ff], [q, k] — as bf16 weights (Llama's
     RMSNorm), or as f32 scales 1 + w (Gemma's `UnitOffsetRMSNorm`, the product the module computes); None for other
@@ -126,7 +94,7 @@ def fuse_layer(layer: nn.Module) -> FusedLayerWeights | None:
     qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
     if not hasattr(mlp, "gate_proj"):  # an MoE MLP (models/moe.py): the op runs the attention, the module the MLP
         return _fuse_attention(layer)
-    kind = _int4_linears(*qkv, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    kind = int4_linears(*qkv, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
     if kind is None or not attn.paged_attention_kernel or len({lin.bias is None for lin in qkv}) != 1:
         return None
     norms = _norm_operands(layer)
@@ -136,8 +104,8 @@ def fuse_layer(layer: nn.Module) -> FusedLayerWeights | None:
     if (norms is None or activation is None or hidden % 64 or inter % 64 or attn.head_dim % 32
             or attn.head_dim > 256 or (residual != 1.0 and getattr(layer, "sandwich", False))):
         return None
-    return FusedLayerWeights(norms, _concat_rows(qkv), _one(attn.o_proj), _concat_rows([mlp.gate_proj, mlp.up_proj]),
-                             _one(mlp.down_proj), *kind, sandwich=getattr(layer, "sandwich", False),
+    return FusedLayerWeights(norms, concat_rows(qkv), one_linear(attn.o_proj), concat_rows([mlp.gate_proj, mlp.up_proj]),
+                             one_linear(mlp.down_proj), *kind, sandwich=getattr(layer, "sandwich", False),
                              qk_norm=getattr(attn, "qk_norm", False), activation=activation,
                              residual_multiplier=residual, pre_norms=getattr(layer, "pre_norms", True),
                              qk_norm_all_heads=getattr(attn, "qk_norm_all_heads", False),
@@ -149,7 +117,7 @@ def _fuse_attention(layer: nn.Module) -> FusedLayerWeights | None:
     gate_up / down (`attention_only`: the op returns the hidden state after the attention's residual add)."""
     attn = layer.self_attn
     qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
-    kind = _int4_linears(*qkv, attn.o_proj)
+    kind = int4_linears(*qkv, attn.o_proj)
     if (kind is None or not attn.paged_attention_kernel or len({lin.bias is None for lin in qkv}) != 1
             or getattr(layer, "sandwich", False) or not getattr(layer, "pre_norms", True)
             or float(getattr(layer, "residual_multiplier", 1.0)) != 1.0):
@@ -158,7 +126,7 @@ def _fuse_attention(layer: nn.Module) -> FusedLayerWeights | None:
     hidden = attn.o_proj.out_features
     if norms is None or hidden % 64 or attn.head_dim % 32 or attn.head_dim > 256:
         return None
-    return FusedLayerWeights(norms, _concat_rows(qkv), _one(attn.o_proj), [], [], *kind,
+    return FusedLayerWeights(norms, concat_rows(qkv), one_linear(attn.o_proj), [], [], *kind,
                              qk_norm=getattr(attn, "qk_norm", False),
                              qk_norm_all_heads=getattr(attn, "qk_norm_all_heads", False),
                              attn_softcap=float(getattr(attn, "softcap", None) or 0.0))

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from nextn.plugins import cpu_kernels
-from nextn.plugins.decoder_layer import _concat_rows, _int4_linears
+from nextn.plugins.int4_operands import concat_rows, int4_linears
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ def fuse_experts(moe: nn.Module) -> FusedExperts | None:
     of 64."""
     experts = list(moe.experts)
     linears = [lin for ex in experts for lin in (ex.gate_proj, ex.up_proj, ex.down_proj)]
-    kind = _int4_linears(*linears)
+    kind = int4_linears(*linears)
     if kind is None or any(lin.bias is not None for lin in linears) or any(
             getattr(ex, "act_name", "silu") != "silu" for ex in experts):
         return None
@@ -45,7 +45,7 @@ def fuse_experts(moe: nn.Module) -> FusedExperts | None:
     gate_up: list[torch.Tensor] = []
     down: list[torch.Tensor] = []
     for ex in experts:
-        gate_up += _concat_rows([ex.gate_proj, ex.up_proj])
+        gate_up += concat_rows([ex.gate_proj, ex.up_proj])
         down += [ex.down_proj.qweight, ex.down_proj.scales, ex.down_proj.zeros]
     return FusedExperts(gate_up, down, *kind)
 

@@ -1,0 +1,43 @@
+"""The operands nextn's fused CPU ops take for a `WeightOnlyLinear` on the int4 kernel: which linears qualify (one
+group size, one activation format), and their tensors — alone, or several concatenated along the output channels with
+each module's buffers made views of the concatenation (one copy in memory). Shared by the fused decoder layer
+(`decoder_layer.py`) and the MoE experts' op (`moe_experts.py`)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def int4_linears(*linears: nn.Module) -> tuple[int, bool] | None:
+    """(the common group size, W4A8) when every module is a W4A16 (or every one a W4A8) `WeightOnlyLinear` on
+    nextn's kernel, else None."""
+    kinds = set()
+    for lin in linears:
+        if getattr(lin, "kernel", None) != "nextn" or not getattr(lin, "int4", False):
+            return None
+        kinds.add((lin.group_size, lin.int8_activations))
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+def concat_rows(linears: list[nn.Module]) -> list[torch.Tensor]:
+    """Concatenate the linears' int4 tensors along the output channels and make each module's buffers views of the
+    concatenation (same values, no second copy). Returns [w, scale, zero8] (+ [bias])."""
+    names = ["qweight", "scales", "zeros"]
+    if all(lin.bias is not None for lin in linears):
+        names.append("bias")
+    fused = []
+    for name in names:
+        parts = [getattr(lin, name) for lin in linears]
+        cat = torch.cat(parts).contiguous()  # along dim 0: rows, or blocks of 16 rows (`woq_linear.block_scales`)
+        row = 0
+        for lin, part in zip(linears, parts):
+            setattr(lin, name, cat[row:row + part.shape[0]])
+            row += part.shape[0]
+        fused.append(cat)
+    return fused
+
+
+def one_linear(lin: nn.Module) -> list[torch.Tensor]:
+    """A linear's int4 operands: [w, scale, zero8] (+ [bias])."""
+    return [lin.qweight, lin.scales, lin.zeros] + ([lin.bias] if lin.bias is not None else [])
