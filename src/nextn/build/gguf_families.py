@@ -24,18 +24,18 @@ SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausal
                            "gemma2": "Gemma2ForCausalLM", "exaone4": "Exaone4ForCausalLM",
                            "seed_oss": "SeedOssForCausalLM", "glm4": "Glm4ForCausalLM",
                            "qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
-                           "olmoe": "OlmoeForCausalLM"}  # and Mixtral, written as llama with experts
+                           "olmoe": "OlmoeForCausalLM", "glm4moe": "Glm4MoeForCausalLM"}  # and Mixtral (llama)
 #: Architectures whose q/k rows llama.cpp permutes at conversion (convert_hf_to_gguf.py `LlamaModel.permute`;
 #: `SmolLM3Model` and `GraniteModel` are `LlamaModel`s).
 PERMUTED_ARCHITECTURES = ("llama", "smollm3", "granite")
 #: Architectures whose heads may rotate only their first `{arch}.rope.dimension_count` dims (Phi-4-mini: 0.75).
-PARTIAL_ROTARY_ARCHITECTURES = ("phi3", "glm4")
+PARTIAL_ROTARY_ARCHITECTURES = ("phi3", "glm4", "glm4moe")
 #: Rope frequency factors stored as tensors, per architecture: Llama 3's scaling (`rope_freqs`), LongRoPE's short
 #: and long factors (conversion/phi.py `Phi3MiniModel.generate_extra_tensors`).
 FACTOR_TENSORS = {"llama": ("rope_freqs.weight",), "exaone4": ("rope_freqs.weight",),
                   "phi3": ("rope_factors_long.weight", "rope_factors_short.weight")}
 #: GGUF architectures of mixture-of-experts models nextn's MoE layer does not read yet (refused as MoE, by name).
-MOE_ARCHITECTURES = frozenset({"qwen35moe", "mixtral", "gpt-oss", "glm4moe",
+MOE_ARCHITECTURES = frozenset({"qwen35moe", "mixtral", "gpt-oss",
                                "deepseek2", "deepseek", "dbrx", "grok", "arctic", "granitemoe", "llama4", "bailingmoe",
                                "bailingmoe2", "ernie4_5-moe", "hunyuan-moe", "dots1", "smallthinker", "minimax-m2",
                                "afmoe", "lfm2moe", "grovemoe", "openai-moe"})
@@ -71,6 +71,19 @@ _GLM4_BLOCK = {**_LLAMA_BLOCK, "ffn_up": "mlp.gate_up_proj", "post_attention_nor
 _MOE_BLOCK = {"ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
               "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
               "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
+#: An MTP layer's own tensors (llama.cpp's `blk.{N + i}.nextn.*`; conversion/glm.py, `Glm4MoeModel`), DeepSeek-V3's
+#: HF names; its embedding and head copies are read as such and left out as every MTP copy is
+_NEXTN = {"nextn.eh_proj": "eh_proj", "nextn.enorm": "enorm", "nextn.hnorm": "hnorm",
+          "nextn.shared_head_norm": "shared_head.norm", "nextn.embed_tokens": "embed_tokens",
+          "nextn.shared_head_head": "shared_head.head"}
+#: GLM-4.5's: the pre-MLP norm as `post_attention_norm`, ungated shared experts, the router's correction bias
+#: (`exp_probs_b.bias`: `TENSOR_NAMES`)
+_GLM4_MOE_BLOCK = {**_SEED_OSS_BLOCK, **_QK_NORMS, **_NEXTN, "ffn_gate_inp": "mlp.gate", "exp_probs_b": "mlp.gate",
+                   "ffn_gate_shexp": "mlp.shared_experts.gate_proj", "ffn_up_shexp": "mlp.shared_experts.up_proj",
+                   "ffn_down_shexp": "mlp.shared_experts.down_proj"}
+#: Block tensors whose HF name is not `<module>.<weight | bias>` (llama.cpp name without `blk.N.` → HF name without
+#: `model.layers.N.`)
+TENSOR_NAMES = {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"}
 #: The experts' 3-D tensors [E, out, in] (HF order) → each expert's projection (`expert_names`)
 EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 #: Whether an MoE architecture renormalises its top-k probabilities (llama.cpp's src/models/<arch>.cpp: the `norm_w`
@@ -78,6 +91,7 @@ EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_d
 NORM_TOPK = {"qwen3moe": True, "llama": True, "qwen2moe": False, "olmoe": False}
 BLOCK_NAMES = {"qwen3moe": {**_LLAMA_BLOCK, **_QK_NORMS, **_MOE_BLOCK}, "qwen2moe": {**_LLAMA_BLOCK, **_MOE_BLOCK},
                "olmoe": {**_LLAMA_BLOCK, **_QK_NORMS, **_MOE_BLOCK}, "phi3": _PHI3_BLOCK, "glm4": _GLM4_BLOCK,
+               "glm4moe": _GLM4_MOE_BLOCK,
                "olmo2": _POST_NORM_BLOCK, "exaone4": _POST_NORM_BLOCK, "seed_oss": _SEED_OSS_BLOCK,
                "llama": {**_LLAMA_BLOCK, **_MOE_BLOCK}, "qwen2": _LLAMA_BLOCK, "qwen3": {**_LLAMA_BLOCK, **_QK_NORMS},
                "gemma2": _GEMMA_BLOCK, "gemma3": _GEMMA_BLOCK, "smollm3": _LLAMA_BLOCK, "granite": _LLAMA_BLOCK}
@@ -142,10 +156,13 @@ def factor_values(t: Any, count: int, path: Any, what: str = "rotary_dim // 2") 
 
 
 def family_config(arch: str, key: Callable[..., Any], layers: int, hidden: int, heads: int, head_dim: int,
-                  factors: Callable[[str, int], list[float] | None] = lambda name, n: None) -> dict[str, Any]:
+                  factors: Callable[[str, int], list[float] | None] = lambda name, n: None,
+                  has: Callable[[str], bool] = lambda name: False) -> dict[str, Any]:
     """The HF config fields of `arch`'s layer options from its GGUF metadata (`key(name, kind, default)` reads
     `{arch}.{name}` as "count", "number" or "raw" (any value); `factors(tensor name, count)` a factor tensor's
-    values); {} for the Llama layout."""
+    values; `has(HF name)` whether the file holds a tensor); {} for the Llama layout."""
+    if arch == "glm4moe":
+        return _glm4moe(key, layers, head_dim, has)
     if arch == "phi3":
         return _phi3(key, head_dim, factors)
     if arch == "glm4":  # conversion/glm.py: rope.dimension_count = head_dim × partial_rotary_factor
@@ -191,6 +208,25 @@ def family_config(arch: str, key: Callable[..., Any], layers: int, hidden: int, 
         "rope_parameters": {"full_attention": full, "sliding_attention": {
             "rope_type": "default", "rope_theta": key("rope.freq_base_swa", "number", 10_000.0)}},
     }  # fmt: skip
+
+
+def _glm4moe(key: Callable[..., Any], layers: int, head_dim: int, has: Callable[[str], bool]) -> dict[str, Any]:
+    """GLM-4.5's fields as `Glm4MoeConfig` names them (conversion/glm.py `Glm4MoeModel.set_gguf_parameters`; the
+    experts' counts and top-k renormalisation are `moe_config`'s). Raises CheckpointError: a gating function other
+    than sigmoid (llama.cpp's `LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID` = 2). `block_count` counts the MTP layers the
+    converter embeds (`nextn_predict_layers`, the last blocks)."""
+    mtp = key("nextn_predict_layers", "count", 0) if key("nextn_predict_layers", "raw", 0) else 0
+    gating = key("expert_gating_func", "raw", 2)
+    if gating != 2:
+        raise CheckpointError(f"glm4moe.expert_gating_func {gating!r}: nextn reads GLM-4.5's sigmoid routing (2)")
+    return {"partial_rotary_factor": key("rope.dimension_count", "count", head_dim) / head_dim,
+            "n_shared_experts": key("expert_shared_count", "count", 0) if key("expert_shared_count", "raw", 0) else 0,
+            "first_k_dense_replace": key("leading_dense_block_count", "count", 0)
+            if key("leading_dense_block_count", "raw", 0) else 0,
+            "routed_scaling_factor": key("expert_weights_scale", "number", 1.0),
+            "n_group": key("expert_group_count", "count", 1), "topk_group": key("expert_group_used_count", "count", 1),
+            "use_qk_norm": has("model.layers.0.self_attn.q_norm.weight"),
+            "num_hidden_layers": layers - mtp, "num_nextn_predict_layers": mtp}
 
 
 def _phi3(key: Callable[..., Any], head_dim: int, factors: Callable[[str, int], list[float] | None]) -> dict[str, Any]:

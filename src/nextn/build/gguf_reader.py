@@ -1,7 +1,7 @@
 """Reader of a llama.cpp GGUF file of a dense or MoE family (`gguf_families.py`: llama, qwen2, qwen3, gemma3, ...,
-qwen3moe, qwen2moe, olmoe, Mixtral as llama with experts), float or quantized, as an HF-named checkpoint. An MoE
-layer's experts are one 3-D tensor each (`blk.N.ffn_{gate,up,down}_exps`, [E, out, in]): each expert reads as its own
-HF-named slice (`model.layers.N.mlp.experts.{e}.gate_proj.weight`), its 4-bit blocks included.
+qwen3moe, qwen2moe, olmoe, glm4moe, Mixtral as llama with experts), float or quantized, as an HF-named checkpoint.
+An MoE layer's experts are one 3-D tensor each (`blk.N.ffn_{gate,up,down}_exps`, [E, out, in]): each expert reads as
+its own HF-named slice (`model.layers.N.mlp.experts.{e}.gate_proj.weight`), its 4-bit blocks included.
 
 A GGUF holds the config as metadata under llama.cpp key names (`llama.embedding_length`, `qwen2.rope.freq_base`, ...),
 the tensors under llama.cpp names (`blk.N.attn_q.weight`, ...) in ggml types (F32/F16/BF16 or block-quantized: Q4_1,
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 from nextn.build.gguf_families import (
     BLOCK_NAMES, FACTOR_TENSORS, MOE_ARCHITECTURES, PARTIAL_ROTARY_ARCHITECTURES, PERMUTED_ARCHITECTURES,
-    SUPPORTED_ARCHITECTURES, expert_names, factor_values, family_config, global_names, moe_config, norm_shift,
+    SUPPORTED_ARCHITECTURES, TENSOR_NAMES, expert_names, factor_values, family_config, global_names, moe_config, norm_shift,
 )  # fmt: skip
 
 #: ggml float types (read as they are, widened to fp32).
@@ -55,7 +55,7 @@ FLOAT_TYPES = ("F32", "F16", "BF16")
 FOUR_BIT_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS"})
 #: llama.cpp writes 0xFFFFFFFF (-1 as uint32) for "no such token".
 NO_TOKEN = 2**32 - 1
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+|nextn\.\w+)\.(weight|bias)")  # nextn.*: an MTP layer's own tensors
 #: GGUF value types read as integers (a BOOL is not a count) and as numbers.
 _INT_TYPES = frozenset({"UINT8", "INT8", "UINT16", "INT16", "UINT32", "INT32", "UINT64", "INT64"})
 _NUMBER_TYPES = _INT_TYPES | {"FLOAT32", "FLOAT64"}
@@ -70,6 +70,8 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
         return names[gguf_name]
     m = _BLOCK_RE.fullmatch(gguf_name)
     block = BLOCK_NAMES.get(arch, {})
+    if m and f"{m[2]}.{m[3]}" in TENSOR_NAMES and m[2] in block:
+        return f"model.layers.{m[1]}.{TENSOR_NAMES[f'{m[2]}.{m[3]}']}"
     if m and m[2] in block:
         return f"model.layers.{m[1]}.{block[m[2]]}.{m[3]}"
     return None
@@ -304,7 +306,8 @@ class GGUFCheckpoint:
                  "number": lambda k, d: self._number(f"{arch}.{k}", d),
                  "raw": lambda k, d: self._field(f"{arch}.{k}", d)}
         options = family_config(arch, lambda k, kind, d: kinds[kind](k, d), layers, hidden, heads, head_dim,
-                                lambda name, n: factor_values(self._factors.get(name), n, self.path))
+                                lambda name, n: factor_values(self._factors.get(name), n, self.path),
+                                lambda name: name in self._tensors)
         options.update(moe_config(arch, lambda k, kind, d: kinds[kind](k, d)))
         return {
             "architectures": [SUPPORTED_ARCHITECTURES[arch]],

@@ -1,10 +1,12 @@
-"""The sparse mixture-of-experts MLP of the softmax-routed families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE): a router
+"""The sparse mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4.5; DeepSeek-V3's router): a router
 picks each token's top-k of E SwiGLU experts, and only those run on it.
 
 Sources: Shazeer et al. 2017 (sparsely-gated MoE), Jiang et al. 2024 ("Mixtral of Experts", §2.1: softmax over the
 top-k router logits); HF `transformers` 5.23 `modeling_qwen3_moe.py` (`Qwen3MoeTopKRouter`: softmax over all E, top-k,
 renormalised when `norm_topk_prob`; `Qwen3MoeExperts`: experts visited in ascending id, each adding its weighted
-output with `index_add_`), `modeling_qwen2_moe.py` (a shared expert scaled by sigmoid(`shared_expert_gate`)).
+output with `index_add_`), `modeling_qwen2_moe.py` (a shared expert scaled by sigmoid(`shared_expert_gate`));
+DeepSeek-V3 report §2.1.2 and `modeling_glm4_moe.py` (`Glm4MoeTopkRouter`: sigmoid scores, a correction bias used to
+choose only, the top `topk_group` of `n_group` expert groups; shared experts added unscaled).
 Parameter names are the released checkpoints' (`mlp.gate.weight`, `mlp.experts.{e}.gate_proj.weight`, ...).
 
 **Routed experts only, batch-invariant.** The (token, expert) assignments are grouped by expert; each expert runs its
@@ -59,6 +61,58 @@ class Router(nn.Module):
         return weights, ids
 
 
+class NoAuxRouter(nn.Module):
+    """Sigmoid group-limited top-k routing (DeepSeek-V3's `noaux_tc`, GLM-4.5's); parameters `weight` [E, hidden] and
+    `e_score_correction_bias` [E] (float32 in every engine: it only ranks experts).
+
+    Args:
+        hidden_size, num_experts, top_k: sizes.
+        n_group, topk_group: experts fall in `n_group` equal groups ranked by their two best biased scores; a token
+            chooses among the experts of its best `topk_group` groups only.
+        norm_topk_prob: renormalise the k chosen scores to sum to 1; routed_scaling_factor: then multiply them.
+    Raises:
+        ValueError: n_group not dividing num_experts, topk_group above n_group, or top_k above the experts chosen from.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, n_group: int = 1, topk_group: int = 1,
+                 norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0) -> None:
+        super().__init__()
+        if num_experts % n_group or not 1 <= topk_group <= n_group or top_k > topk_group * (num_experts // n_group):
+            raise ValueError(f"routing {num_experts} experts in {n_group} groups, the best {topk_group} of them, "
+                             f"cannot choose {top_k}")
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32), requires_grad=False)
+        self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
+        self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, routed_scaling_factor
+        self.dense: nn.Module | None = None  # the scores' fp32 projection on nextn's dense kernel (use_dense_kernel)
+
+    def use_dense_kernel(self) -> None:
+        """Score on nextn's batch-invariant dense CPU kernel (fp32) from now on (a weight off the CPU: no change)."""
+        from nextn.plugins.dense_linear import DenseLinear
+
+        if self.weight.device.type == "cpu":
+            self.dense = DenseLinear.from_weight(self.weight.detach().float())
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [N, hidden] → (weights [N, top_k] float32, expert ids [N, top_k] int64)."""
+        e, g = self.weight.shape[0], self.n_group
+        if self.dense is not None:  # batch-invariant: see layers.row_exact
+            scores = row_exact(torch.sigmoid, self.dense(x.float()))  # [N, E]
+        else:
+            scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        if g > 1:
+            group_scores = choice.view(-1, g, e // g).topk(2, dim=-1).values.sum(-1)  # [N, n_group]
+            top_groups = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
+            keep = torch.zeros_like(group_scores).scatter_(1, top_groups, 1.0).repeat_interleave(e // g, dim=1)
+            choice = choice.masked_fill(keep == 0, float("-inf"))
+        ids = choice.topk(self.top_k, dim=-1, sorted=False).indices  # [N, top_k]
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, ids
+
+
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                    expert: Callable[[int], Callable[[torch.Tensor], torch.Tensor]], num_experts: int) -> torch.Tensor:
     """Σ_k weights[n, k] · expert(ids[n, k])(x[n]) for every token n, each expert run on its own tokens only.
@@ -106,8 +160,9 @@ def sum_ascending(y: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> 
 
 
 class SparseMoE(nn.Module):
-    """The MoE MLP: `gate` (a `Router`), `experts` (E `GatedMLP`s of width `moe_intermediate_size`) and, for Qwen2-MoE,
-    `shared_expert` (a `GatedMLP`) scaled per token by sigmoid(`shared_expert_gate` · x).
+    """The MoE MLP: `gate` (a `Router`, or the `NoAuxRouter` given), `experts` (E `GatedMLP`s of width
+    `moe_intermediate_size`), for Qwen2-MoE `shared_expert` (a `GatedMLP`) scaled per token by
+    sigmoid(`shared_expert_gate` · x), for GLM-4.5 `shared_experts` (a `GatedMLP` of `shared_experts_width`) added.
 
     `fused_experts` (set at load by `plugins.decoder_layer.install_fused_layers` where it applies: W4A16 / W4A8 on the
     CPU): the routed experts as one op of nextn's CPU kernels (`plugins.moe_experts`) instead of module by module.
@@ -116,14 +171,16 @@ class SparseMoE(nn.Module):
     fused_experts: Any = None
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, width: int, norm_topk_prob: bool,
-                 act: str = "silu", shared_width: int | None = None) -> None:
+                 act: str = "silu", shared_width: int | None = None, gate: nn.Module | None = None,
+                 shared_experts_width: int | None = None) -> None:
         super().__init__()
-        self.gate = Router(hidden_size, num_experts, top_k, norm_topk_prob)
+        self.gate = gate if gate is not None else Router(hidden_size, num_experts, top_k, norm_topk_prob)
         self.experts = nn.ModuleList(GatedMLP(hidden_size, width, act) for _ in range(num_experts))
         self.shared_expert = GatedMLP(hidden_size, shared_width, act) if shared_width else None
         # the shared expert's gate: a one-output projection, never quantized and on the dense kernel as the router's
         # (only its projection is used: sigmoid, not top-k)
         self.shared_expert_gate = Router(hidden_size, 1, 1, False) if shared_width else None
+        self.shared_experts = GatedMLP(hidden_size, shared_experts_width, act) if shared_experts_width else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., hidden] → [..., hidden]."""
@@ -139,4 +196,6 @@ class SparseMoE(nn.Module):
             gate = self.shared_expert_gate
             logit = gate.dense(flat) if gate.dense is not None else F.linear(flat, gate.weight)  # [N, 1]
             out = out + row_exact(torch.sigmoid, logit) * self.shared_expert(flat)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
         return out.view(x.shape)

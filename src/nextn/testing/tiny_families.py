@@ -57,11 +57,18 @@ MOE_FAMILIES: dict[str, dict[str, Any]] = {
     "olmoe": dict(num_key_value_heads=2, num_experts=8, num_experts_per_tok=2),
     "qwen2_moe": dict(num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
                       shared_expert_intermediate_size=128),
+    # GLM-4.5: a dense first layer, sigmoid routing with a correction bias and a scaling factor, a shared expert,
+    # q/k norms, q/k/v biases, half of each head rotated (no MTP layer: issue 62; one expert group, as llama.cpp's
+    # converter writes none: a test sets groups on an HF checkpoint only)
+    "glm4_moe": dict(num_hidden_layers=3, num_key_value_heads=2, head_dim=16, n_routed_experts=8,
+                     num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=1, first_k_dense_replace=1,
+                     routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True, num_nextn_predict_layers=0,
+                     vocab_size=49160),
 }
 #: Families whose tokenizer_config names GPT2Tokenizer (Phi-4's; the converter's phi3 vocab reads it)
 _GPT2_CLASS = ("phi3",)
-#: Families whose llama.cpp conversion looks up GLM's special tokens (`Glm4Model.set_vocab`)
-_GLM_TOKENS = ("glm4",)
+#: Families whose llama.cpp conversion looks up GLM's special tokens (`Glm4Model.set_vocab`, `_set_vocab_glm`)
+_GLM_TOKENS = {"glm4": ["<|user|>"], "glm4_moe": ["[gMASK]", "<|user|>", "<|observation|>"]}
 #: A norm weight's centre: Gemma's RMSNorm scales by (1 + w), so its weights are zero-centred.
 _NORM_CENTRE = {"gemma3_text": 0.0, "gemma2": 0.0}
 #: Families whose llama.cpp conversion reads a SentencePiece `tokenizer.model` (Gemma 2's `set_vocab`): one is
@@ -88,6 +95,9 @@ def tiny_hf_model(model_type: str, seed: int = 0, **overrides: Any):
                 p.normal_(0.0, 1.0)
             else:
                 p.normal_(0.0, p.shape[1] ** -0.5)
+        for name, b in model.named_buffers():  # GLM-4.5's router: HF initialises it to 0, which would test nothing
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
     return model
 
 
@@ -116,7 +126,7 @@ def save_tiny(model_type: str, out_dir: Path, tokenizer_dir: Path, seed: int = 0
     if model_type in _SPM_VOCAB:
         sentencepiece_model(out_dir / "tokenizer.model")
     if model_type in _GLM_TOKENS:  # the converter's glm4 vocab names these special tokens
-        _add_special_tokens(out_dir, ["<|user|>"])
+        _add_special_tokens(out_dir, _GLM_TOKENS[model_type])
     if model_type in _GPT2_CLASS:  # llama.cpp's converter reads a SentencePiece model unless the class says GPT-2
         config = out_dir / "tokenizer_config.json"
         config.write_text(json.dumps({**json.loads(config.read_text()), "tokenizer_class": "GPT2Tokenizer"}))
@@ -150,3 +160,32 @@ def _add_special_tokens(tokenizer_dir: Path, tokens: list[str]) -> None:
     tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     tok.add_special_tokens([AddedToken(t, special=True) for t in tokens])
     tok.save(str(tokenizer_dir / "tokenizer.json"))
+
+
+def add_mtp_layer(hf_dir: Path, seed: int = 1) -> None:
+    """Give the checkpoint in `hf_dir` one MTP module as released GLM-4.5 / DeepSeek-V3 checkpoints store it
+    (`model.layers.{N}`: `enorm`, `hnorm`, `eh_proj`, `shared_head.norm` and a decoder block shaped as layer N − 1),
+    random as `tiny_hf_model` draws weights, and set `num_nextn_predict_layers` to 1 (`transformers` builds none of it;
+    its `MtpModel.from_pretrained` reads it back)."""
+    from safetensors.torch import load_file, save_file
+
+    path = hf_dir / "model.safetensors"
+    tensors = load_file(path)
+    config = json.loads((hf_dir / "config.json").read_text())
+    n, hidden = config["num_hidden_layers"], config["hidden_size"]
+    gen = torch.Generator().manual_seed(seed)
+    last = f"model.layers.{n - 1}."
+    new = {f"model.layers.{n}.{k}": torch.empty(s) for k, s in (("enorm.weight", (hidden,)), ("hnorm.weight", (hidden,)),
+                                                               ("eh_proj.weight", (hidden, 2 * hidden)),
+                                                               ("shared_head.norm.weight", (hidden,)))}
+    new.update({f"model.layers.{n}.{k[len(last):]}": torch.empty_like(v) for k, v in tensors.items()
+                if k.startswith(last)})
+    for name, t in new.items():
+        if name.endswith("e_score_correction_bias"):
+            t.copy_(0.1 * torch.randn(t.shape, generator=gen))
+        elif t.dim() == 1:
+            t.copy_(1.0 + 0.1 * torch.randn(t.shape, generator=gen))
+        else:
+            t.copy_(torch.randn(t.shape, generator=gen) * t.shape[1] ** -0.5)
+    save_file({**tensors, **new}, path, metadata={"format": "pt"})
+    (hf_dir / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}, indent=2))

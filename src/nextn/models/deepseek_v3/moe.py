@@ -27,48 +27,7 @@ from torch import nn
 
 from nextn.models.config import DeepseekV3ModelConfig
 from nextn.models.layers import GatedMLP, row_exact
-from nextn.models.moe import routed_experts
-
-
-class NoAuxRouter(nn.Module):
-    """noaux_tc top-k routing; parameters `weight` [E, hidden] and `e_score_correction_bias` [E] (fp32)."""
-
-    def __init__(self, cfg: DeepseekV3ModelConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        e = cfg.n_routed_experts
-        self.weight = nn.Parameter(torch.zeros(e, cfg.hidden_size))
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(e, dtype=torch.float32), requires_grad=False)
-        self.dense: nn.Module | None = None  # the scores' fp32 projection on nextn's dense kernel (use_dense_kernel)
-
-    def use_dense_kernel(self) -> None:
-        """Score on nextn's batch-invariant dense CPU kernel (fp32) from now on (the kernel must be available; a
-        weight off the CPU: no change)."""
-        from nextn.plugins.dense_linear import DenseLinear
-
-        if self.weight.device.type != "cpu":
-            return
-        self.dense = DenseLinear.from_weight(self.weight.detach().float())
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Route tokens. x: [N, hidden] → (weights [N, top_k] fp32, expert ids [N, top_k] int64)."""
-        cfg = self.cfg
-        e, g = cfg.n_routed_experts, cfg.n_group
-        if self.dense is not None:  # batch-invariant (use_dense_kernel): see layers.row_exact
-            scores = row_exact(torch.sigmoid, self.dense(x.float()))  # [N, E]
-        else:
-            scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [N, E]
-        choice = scores + self.e_score_correction_bias
-        group_scores = choice.view(-1, g, e // g).topk(2, dim=-1).values.sum(-1)  # [N, n_group]
-        top_groups = group_scores.topk(cfg.topk_group, dim=-1, sorted=False).indices
-        group_keep = torch.zeros_like(group_scores).scatter_(1, top_groups, 1.0)  # [N, n_group]
-        expert_keep = group_keep.repeat_interleave(e // g, dim=1)  # [N, E]
-        choice = choice.masked_fill(expert_keep == 0, float("-inf"))
-        ids = choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False).indices  # [N, top_k]
-        weights = scores.gather(1, ids)
-        if cfg.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * cfg.routed_scaling_factor, ids
+from nextn.models.moe import NoAuxRouter, routed_experts
 
 
 class RoutedExperts(nn.Module):
@@ -144,7 +103,8 @@ class DeepseekMoE(nn.Module):
 
     def __init__(self, cfg: DeepseekV3ModelConfig) -> None:
         super().__init__()
-        self.gate = NoAuxRouter(cfg)
+        self.gate = NoAuxRouter(cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_group,
+                                cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
         self.experts = RoutedExperts(cfg)
         self.shared_experts = (
             GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None

@@ -34,7 +34,7 @@ LLAMA_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistr
                        "SeedOssForCausalLM": "seed_oss", "Glm4ForCausalLM": "glm4",
                        # mixture-of-experts families (`models/moe.py`): the same layer with a sparse MoE MLP
                        "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe",
-                       "MixtralForCausalLM": "mixtral", "OlmoeForCausalLM": "olmoe"}
+                       "MixtralForCausalLM": "mixtral", "OlmoeForCausalLM": "olmoe", "Glm4MoeForCausalLM": "glm4_moe"}
 #: What a layer attends to: every earlier key, or the last `sliding_window` keys (HF `layer_types` values).
 LayerType = Literal["full_attention", "sliding_attention"]
 
@@ -52,7 +52,7 @@ class LlamaModelConfig(BaseModel):
                           "Olmo2ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
                           "Exaone4ForCausalLM", "Olmo3ForCausalLM", "SeedOssForCausalLM",
                           "Glm4ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM",
-                          "MixtralForCausalLM", "OlmoeForCausalLM"] = "LlamaForCausalLM"
+                          "MixtralForCausalLM", "OlmoeForCausalLM", "Glm4MoeForCausalLM"] = "LlamaForCausalLM"
     vocab_size: Size
     hidden_size: Size
     intermediate_size: Size  # SwiGLU width
@@ -111,6 +111,14 @@ class LlamaModelConfig(BaseModel):
     decoder_sparse_step: Size = 1  # layer i is MoE when (i + 1) % step == 0 and i is not in mlp_only_layers
     mlp_only_layers: tuple[int, ...] = ()  # decoder layers with a dense MLP (of intermediate_size)
     shared_expert_intermediate_size: Size | None = None  # Qwen2-MoE's shared expert, gated by a sigmoid
+    #: "softmax": top-k of softmax(router logits); "sigmoid_grouped": DeepSeek-V3 / GLM-4.5's `noaux_tc` (sigmoid
+    #: scores, `e_score_correction_bias` to choose, the best `topk_group` of `n_group` groups, × routed_scaling_factor)
+    moe_router: Literal["softmax", "sigmoid_grouped"] = "softmax"
+    n_group: Size = 1
+    topk_group: Size = 1
+    routed_scaling_factor: float = Field(default=1.0, gt=0)
+    n_shared_experts: int = Field(default=0, strict=True, ge=0, le=MAX_EXPERTS)  # GLM-4.5's ungated shared experts
+    mtp_moe: bool = False  # the MTP modules' MLP is the MoE one (GLM-4.5's released MTP layer), else dense
 
     @model_validator(mode="before")
     @classmethod
@@ -156,6 +164,11 @@ class LlamaModelConfig(BaseModel):
             raise ValueError(f"an MoE config needs 1 <= num_experts_per_tok <= num_experts ({self.num_experts}), "
                              f"got {self.num_experts_per_tok}, and moe_intermediate_size "
                              f"(got {self.moe_intermediate_size})")
+        if self.num_experts and self.moe_router == "sigmoid_grouped" and (
+                self.num_experts % self.n_group or self.topk_group > self.n_group
+                or self.num_experts_per_tok > self.topk_group * (self.num_experts // self.n_group)):
+            raise ValueError(f"routing {self.num_experts} experts in n_group={self.n_group} groups, the best "
+                             f"topk_group={self.topk_group} of them, cannot choose {self.num_experts_per_tok}")
         if self.no_rope_layers is not None and len(self.no_rope_layers) != self.num_hidden_layers:
             raise ValueError(f"no_rope_layers lists {len(self.no_rope_layers)} layers; num_hidden_layers is "
                              f"{self.num_hidden_layers}")
@@ -168,9 +181,11 @@ class LlamaModelConfig(BaseModel):
         return self.attention_bias or self.qkv_bias
 
     def is_moe_layer(self, i: int) -> bool:
-        """Whether decoder layer `i` has the sparse MoE MLP (HF `Qwen3MoeDecoderLayer`'s rule); MTP layers never."""
-        return (self.num_experts > 0 and i < self.num_hidden_layers and i not in self.mlp_only_layers
-                and (i + 1) % self.decoder_sparse_step == 0)
+        """Whether decoder layer `i` has the sparse MoE MLP (HF `Qwen3MoeDecoderLayer`'s rule); MTP layers
+        (i ≥ num_hidden_layers) where `mtp_moe`."""
+        if i >= self.num_hidden_layers:
+            return self.num_experts > 0 and self.mtp_moe
+        return (self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0)
 
     @property
     def kv_cache_dim(self) -> int:

@@ -72,7 +72,8 @@ def family_options(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
 
 #: The mixture-of-experts architectures: their attention's options (the MoE MLP is `models/moe.py`'s)
 _MOE = {"Qwen3MoeForCausalLM": {"qk_norm": True}, "Qwen2MoeForCausalLM": {"qkv_bias": True},
-        "MixtralForCausalLM": {}, "OlmoeForCausalLM": {"qk_norm": True, "qk_norm_over": "all_heads"}}
+        "MixtralForCausalLM": {}, "OlmoeForCausalLM": {"qk_norm": True, "qk_norm_over": "all_heads"},
+        "Glm4MoeForCausalLM": {}}
 
 
 def _moe(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
@@ -91,9 +92,32 @@ def _moe(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
         out["moe_intermediate_size"] = hf.get("intermediate_size")
     if arch == "MixtralForCausalLM":
         out["norm_topk_prob"] = True
+    if arch == "Glm4MoeForCausalLM":
+        out.update(_glm4_moe(hf))
     if arch != "MixtralForCausalLM" and not _windows(arch, hf):
         out["sliding_window"] = None  # Qwen2-MoE writes 0 or a window it does not use
     return out
+
+
+def _glm4_moe(hf: dict[str, Any]) -> dict[str, Any]:
+    """GLM-4.5 / 4.6 (`Glm4MoeForCausalLM`; HF `Glm4MoeConfig`'s defaults): q/k/v biased by `attention_bias`, o never;
+    optional q/k norms; half of each head rotated in (j, j + d/4) pairs (`partial_rotary_factor` 0.5); the first
+    `first_k_dense_replace` layers dense, the rest sigmoid-routed over expert groups with shared experts."""
+    first = hf.get("first_k_dense_replace", 1)
+    layers = hf.get("num_hidden_layers")
+    return {"qkv_bias": bool(hf.get("attention_bias")) or bool(hf.get("qkv_bias")), "attention_bias": False,
+            "qk_norm": bool(hf.get("use_qk_norm", False)),
+            "rotary_dim": _rotary_dim({**hf, "rope_parameters": {"partial_rotary_factor": 0.5,
+                                                                 **(hf.get("rope_parameters") or {})}}),
+            "num_experts": hf.get("n_routed_experts", hf.get("num_experts", 128)),
+            "norm_topk_prob": bool(hf.get("norm_topk_prob", True)), "moe_router": "sigmoid_grouped",
+            "n_group": hf.get("n_group") or 1, "topk_group": hf.get("topk_group") or 1,
+            "routed_scaling_factor": float(hf.get("routed_scaling_factor") or 1.0),
+            "n_shared_experts": hf.get("n_shared_experts", 1),
+            "mlp_only_layers": tuple(range(min(first, layers))) if type(first) is int and type(layers) is int else (),
+            # its MTP layers (`model.layers.{num_hidden_layers + i}`: DeepSeek-V3's module with an MoE block)
+            "num_nextn_predict_layers": hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0)),
+            "mtp_moe": True}
 
 
 def _windows(arch: str, hf: dict[str, Any]) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from nextn.models.causal_lm import SelfDraftingCausalLM
 from nextn.models.layers import Fp32WeightRMSNorm, GatedMLP, PreNormDecoderLayer, RMSNorm, UnitOffsetRMSNorm
 from nextn.models.llama.config import LlamaModelConfig
 from nextn.models.llama.rope import apply_rope, rope_cache
-from nextn.models.moe import SparseMoE
+from nextn.models.moe import NoAuxRouter, SparseMoE
 from nextn.plugins import cpu_kernels
 from nextn.plugins.decoder_layer import FusedLayerWeights, fused_forward
 from nextn.plugins.kv_cache_write import kv_cache_write
@@ -123,8 +123,13 @@ class LlamaAttention(nn.Module):
 def mlp_for(cfg: LlamaModelConfig, index: int | None) -> nn.Module:
     """Decoder layer `index`'s MLP: the sparse MoE one where `cfg.is_moe_layer(index)`, else the dense gated MLP."""
     if index is not None and cfg.is_moe_layer(index):
+        gate = None  # softmax top-k (`Router`)
+        if cfg.moe_router == "sigmoid_grouped":
+            gate = NoAuxRouter(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
+                               cfg.norm_topk_prob, cfg.routed_scaling_factor)
+        shared = cfg.moe_intermediate_size * cfg.n_shared_experts if cfg.n_shared_experts else None
         return SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
-                         cfg.norm_topk_prob, cfg.hidden_act, cfg.shared_expert_intermediate_size)
+                         cfg.norm_topk_prob, cfg.hidden_act, cfg.shared_expert_intermediate_size, gate, shared)
     return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
 
 
@@ -162,8 +167,8 @@ class SharedHead(nn.Module):
 class LlamaMTPLayer(LlamaDecoderLayer):
     """One MTP module: h' = Block(eh_proj([enorm(embed(t)); hnorm(h)])), embedding first (DeepSeek's design)."""
 
-    def __init__(self, cfg: LlamaModelConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: LlamaModelConfig, index: int | None = None) -> None:
+        super().__init__(cfg, index)
         self.enorm = norm_class(cfg)(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.hnorm = norm_class(cfg)(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
@@ -185,7 +190,8 @@ class LlamaBody(nn.Module):
                              if cfg.embedding_multiplier not in (None, 1.0) else nn.Embedding(cfg.vocab_size,
                                                                                               cfg.hidden_size))
         self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
-                                    + [LlamaMTPLayer(cfg) for _ in range(cfg.num_nextn_predict_layers)])
+                                    + [LlamaMTPLayer(cfg, cfg.num_hidden_layers + i)
+                                       for i in range(cfg.num_nextn_predict_layers)])
         self.norm = norm_class(cfg)(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
 

@@ -32,8 +32,8 @@ def stored_view(reader: Any, cfg: LlamaModelConfig) -> Any:
 
 
 def runtime_weight_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
-    """The dtype an engine stores tensor `name` in: always `dtype` (Llama has no fp32-only tensors)."""
-    return dtype
+    """The dtype an engine stores tensor `name` in: `dtype`, float32 for a sigmoid router's correction bias."""
+    return torch.float32 if name.endswith("e_score_correction_bias") else dtype
 
 
 def _layer_specs(cfg: LlamaModelConfig, index: int | None = None) -> dict[str, Shape]:
@@ -69,12 +69,18 @@ def _moe_specs(cfg: LlamaModelConfig) -> dict[str, Shape]:
     h, w = cfg.hidden_size, cfg.moe_intermediate_size
     assert w is not None  # the config's check
     specs: dict[str, Shape] = {"mlp.gate.weight": (cfg.num_experts, h)}
+    if cfg.moe_router == "sigmoid_grouped":
+        specs["mlp.gate.e_score_correction_bias"] = (cfg.num_experts,)
     for e in range(cfg.num_experts):
         specs.update({f"mlp.experts.{e}.gate_proj.weight": (w, h), f"mlp.experts.{e}.up_proj.weight": (w, h),
                       f"mlp.experts.{e}.down_proj.weight": (h, w)})
     if s := cfg.shared_expert_intermediate_size:
         specs.update({"mlp.shared_expert.gate_proj.weight": (s, h), "mlp.shared_expert.up_proj.weight": (s, h),
                       "mlp.shared_expert.down_proj.weight": (h, s), "mlp.shared_expert_gate.weight": (1, h)})
+    if cfg.n_shared_experts:
+        s = w * cfg.n_shared_experts
+        specs.update({"mlp.shared_experts.gate_proj.weight": (s, h), "mlp.shared_experts.up_proj.weight": (s, h),
+                      "mlp.shared_experts.down_proj.weight": (h, s)})
     return specs
 
 
@@ -87,10 +93,10 @@ def runtime_weight_specs(cfg: LlamaModelConfig) -> dict[str, Shape]:
     for n in range(cfg.num_hidden_layers):
         specs.update({f"model.layers.{n}.{k}": s for k, s in (_layer_specs(cfg, n) if cfg.num_experts
                                                               else layer).items()})
-    mtp = {**layer, "enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h),
-           "shared_head.norm.weight": (h,)}
+    mtp = {"enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h), "shared_head.norm.weight": (h,)}
     for n in range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers):
-        specs.update({f"model.layers.{n}.{k}": s for k, s in mtp.items()})
+        block = _layer_specs(cfg, n) if cfg.num_experts else layer
+        specs.update({f"model.layers.{n}.{k}": s for k, s in {**block, **mtp}.items()})
     specs["model.norm.weight"] = (h,)
     if not cfg.tie_word_embeddings:
         specs["lm_head.weight"] = (v, h)
@@ -123,4 +129,4 @@ def to_runtime(
         if name == "lm_head.weight" and not has(name):
             raise WeightError(f"checkpoint is missing tensor 'lm_head.weight' (expected shape {list(shape)}; "
                               "tie_word_embeddings is false)")
-        yield name, checked_tensor(get, name, shape).to(dtype).contiguous()
+        yield name, checked_tensor(get, name, shape).to(runtime_weight_dtype(name, dtype)).contiguous()
