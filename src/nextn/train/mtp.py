@@ -96,11 +96,13 @@ class MtpModule(nn.Module):
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Checkpoint names (without the `model.layers.{i}.` prefix) → detached tensors."""
+        from nextn.train.tiny_checkpoint import split_experts
+
         out = {}
         for name, t in self.state_dict().items():
             name = "shared_head.norm.weight" if name == "shared_head_norm.weight" else name.removeprefix("block.")
             out[name] = t.detach().clone().contiguous()
-        return out
+        return split_experts(out)  # an MoE block's experts under the released checkpoints' per-expert names
 
 
 #: model_type → (transformers module, decoder layer class, RMSNorm class) of the bases MTP modules are trained for.
@@ -109,14 +111,17 @@ DECODER_LAYERS = {
     "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2DecoderLayer", "Qwen2RMSNorm"),
     "qwen3": ("transformers.models.qwen3.modeling_qwen3", "Qwen3DecoderLayer", "Qwen3RMSNorm"),
     "mistral": ("transformers.models.mistral.modeling_mistral", "MistralDecoderLayer", "MistralRMSNorm"),
+    "olmo2": ("transformers.models.olmo2.modeling_olmo2", "Olmo2DecoderLayer", "Olmo2RMSNorm"),
+    # GLM-4.5 / 4.6 (a checkpoint without its MTP layer gets one): the block is an MoE layer, as released
+    "glm4_moe": ("transformers.models.glm4_moe.modeling_glm4_moe", "Glm4MoeDecoderLayer", "Glm4MoeRMSNorm"),
 }
 
 
 def mtp_module(hf_config) -> MtpModule:
     """A module whose block is the base's own `transformers` decoder layer (HF parameter names, as the engine's):
-    `LlamaDecoderLayer`, `Qwen2DecoderLayer` (q/k/v biases), `Qwen3DecoderLayer` (q/k norms) or
-    `MistralDecoderLayer`. (Gemma 3's layer needs its unit-offset norms and scaled embeddings in the trainer: not
-    yet.)
+    `LlamaDecoderLayer`, `Qwen2DecoderLayer` (q/k/v biases), `Qwen3DecoderLayer` (q/k norms), `MistralDecoderLayer`,
+    `Olmo2DecoderLayer` (post-norms) or `Glm4MoeDecoderLayer` (an MoE block). (Gemma's and Granite's need their
+    scaled embeddings (and Gemma's unit-offset norms) in the trainer: not yet.)
 
     Raises:
         ValueError: a base of another architecture.

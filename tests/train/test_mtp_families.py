@@ -1,0 +1,82 @@
+"""`nextn train-draft --method mtp` beyond Llama / Qwen2 (issues 60 and 62): for a tiny random base of each family
+(made by `transformers` at test time) the engine's MTP module — read from the checkpoint the trainer writes — computes
+what the training module computes (logits over a sequence, against `MtpContext.vanilla`), GLM-4.5's MoE block
+included; and an unsupported family is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nextn.models.attention_metadata import AttentionMetadata, slots_for_positions
+from nextn.models.kv_cache import allocate_kv_cache
+from nextn.models.llama import LlamaForCausalLM, LlamaModelConfig, to_runtime
+from nextn.models.llama.weights import stored_view
+from nextn.testing.tiny_families import tiny_hf_model
+from nextn.train.mtp import MtpContext, mtp_module
+from nextn.train.tiny_checkpoint import split_experts
+
+BLOCK = 8
+
+
+class _Stored:
+    """A checkpoint held in memory, read as `build-engine` reads one (names / has / get / tensor_info)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def tensor_info(self, name: str) -> tuple[str, list[int]]:
+        return "F32", list(self.tensors[name].shape)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "olmo2", "glm4_moe"])
+def test_engine_mtp_module_matches_the_training_module(model_type):
+    hf = tiny_hf_model(model_type)
+    module = mtp_module(hf.config)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            p.add_(0.05 * torch.randn_like(p)) if p.dim() == 1 else p.normal_(0.0, p.shape[-1] ** -0.5)
+    n = hf.config.num_hidden_layers
+    state = split_experts({k: v.detach() for k, v in hf.state_dict().items()})
+    state.update({f"model.layers.{n}.{k}": t for k, t in module.checkpoint_tensors().items()})
+    cfg = LlamaModelConfig.from_hf({**hf.config.to_dict(), "num_nextn_predict_layers": 1})
+    stored = stored_view(_Stored(state), cfg)  # as build-engine reads it (GLM-4.5's partial rotary: q/k rows)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, max_positions=1)
+    model.load_state_dict(dict(to_runtime(stored.get, stored.has, cfg, torch.float32)), strict=True, assign=True)
+    model.rope_table = model.rope_table_for(64)
+    model.eval().requires_grad_(False)
+    assert type(model.model.layers[n].mlp).__name__ == ("SparseMoE" if model_type == "glm4_moe" else "GatedMLP")
+    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(1))
+    tables = torch.tensor([[1, 2], [3, 4]])
+    kv = allocate_kv_cache(model.num_cache_layers, 5, BLOCK, cfg.kv_cache_dim, torch.float32)
+    pos = torch.arange(12).expand(2, -1)
+    meta = AttentionMetadata.create(pos, slots_for_positions(tables, pos, BLOCK), tables, BLOCK)
+    with torch.inference_mode():
+        hidden = model(ids, kv, meta)
+        h1 = model.forward_mtp(0, ids[:, 1:], hidden[:, :-1], kv, meta.with_tokens(
+            pos[:, :-1], slots_for_positions(tables, pos[:, :-1], BLOCK)))
+        logits = model.mtp_logits(0, h1)
+    ctx = MtpContext(hf.model.embed_tokens.weight, hf.lm_head.weight, hf.model.rotary_emb)
+    with torch.no_grad():
+        ref = hf.model(ids).last_hidden_state
+        x, *_ = ctx.vanilla(torch.nn.ModuleList([module]), ids, ref, torch.ones(2, dtype=torch.int64),
+                            torch.full((2,), 12))[0]
+        want = x @ hf.lm_head.weight.T
+    torch.testing.assert_close(hidden, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[:, :10], want[:, :10], atol=1e-3, rtol=1e-3)
+    assert not torch.allclose(model.logits(h1)[:, :10], want[:, :10], atol=1e-2)  # control: the main norm instead
+
+
+def test_an_unsupported_base_is_refused_by_name():
+    with pytest.raises(ValueError, match="gemma3_text"):
+        mtp_module(tiny_hf_model("gemma3_text").config)
