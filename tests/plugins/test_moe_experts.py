@@ -11,7 +11,7 @@ from nextn import LLM, SamplingParams
 from nextn.build.engine_builder import build_engine
 from nextn.models.moe import routed_experts
 from nextn.plugins import cpu_kernels
-from nextn.plugins.moe_experts import experts_forward
+from nextn.plugins.moe_experts import block_forward, experts_forward
 from nextn.testing.tiny_families import tiny_hf_model
 
 from test_decoder_layer import _inputs
@@ -44,7 +44,7 @@ def test_every_moe_layer_takes_both_ops(llm):
     model = llm.engine.model
     for layer in model.model.layers:
         assert layer.fused is not None and layer.fused.attention_only
-        assert layer.mlp.fused_experts is not None
+        assert layer.mlp.fused_experts is not None and layer.moe_block
     assert model.fused_stack is None  # the MLPs run between the layers' op calls
     expert = model.model.layers[0].mlp.experts[2]  # the modules' buffers are views of the op's operands
     fused = model.model.layers[0].mlp.fused_experts
@@ -75,6 +75,31 @@ def test_experts_op_rows_are_computed_as_if_alone(llm):
         for i in range(12):
             assert torch.equal(experts_forward(moe.fused_experts, x[i:i + 1], weights[i:i + 1], ids[i:i + 1])[0],
                                full[i])
+
+
+@pytest.mark.parametrize("n", [1, 7])
+def test_block_op_is_the_modules_mlp_half(llm, n):
+    """x + moe(norm(x)) in one op: within a bf16 step of the modules' output, most elements bit-equal (the router's
+    logits are summed in another order than the dense kernel's: a last-bit difference at most)."""
+    layer = llm.engine.model.model.layers[1]
+    moe, norm = layer.mlp, layer.post_attention_layernorm
+    x = torch.randn(n, 128, generator=torch.Generator().manual_seed(5)).bfloat16()
+    with torch.inference_mode():
+        got = block_forward(moe, norm, x)
+        want = x + moe(norm(x))
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    assert (got == want).float().mean() > 0.9
+    torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2)
+
+
+def test_block_op_rows_are_computed_as_if_alone(llm):
+    """Batch invariance of the norm, router and top-k in C++: each row equals itself alone, bit for bit."""
+    layer = llm.engine.model.model.layers[0]
+    x = torch.randn(12, 128, generator=torch.Generator().manual_seed(6)).bfloat16()
+    with torch.inference_mode():
+        full = block_forward(layer.mlp, layer.post_attention_layernorm, x)
+        for i in range(12):
+            assert torch.equal(block_forward(layer.mlp, layer.post_attention_layernorm, x[i:i + 1])[0], full[i]), i
 
 
 def test_experts_op_refuses_an_unknown_expert(llm):

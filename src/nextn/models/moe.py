@@ -38,6 +38,8 @@ class Router(nn.Module):
         norm_topk_prob: renormalise the k chosen probabilities to sum to 1 (Qwen3-MoE as configured, Mixtral always).
     """
 
+    kind = "softmax"  # what a fused CPU op reads to know the routing (plugins/moe_experts.py)
+
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
@@ -73,6 +75,8 @@ class NoAuxRouter(nn.Module):
     Raises:
         ValueError: n_group not dividing num_experts, topk_group above n_group, or top_k above the experts chosen from.
     """
+
+    kind = "sigmoid_grouped"
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, n_group: int = 1, topk_group: int = 1,
                  norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0) -> None:

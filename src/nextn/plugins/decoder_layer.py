@@ -197,7 +197,7 @@ def install_fused_layers(model: nn.Module) -> int:
     """
     if not cpu_kernels.available():
         return 0
-    from nextn.plugins.moe_experts import fuse_experts
+    from nextn.plugins.moe_experts import block_applies, fuse_experts
 
     count = 0
     for module in model.modules():
@@ -206,6 +206,10 @@ def install_fused_layers(model: nn.Module) -> int:
             count += module.fused is not None
         if hasattr(module, "fused_experts"):  # an MoE layer's routed experts (models/moe.py) as one op
             module.fused_experts = fuse_experts(module)
+    for module in model.modules():  # an MoE layer's whole MLP half (norm, router, experts, residual) as one op
+        if getattr(module, "fused", None) is not None and module.fused.attention_only:
+            module.moe_block = module.residual_multiplier == 1.0 and block_applies(module.mlp,
+                                                                                  module.post_attention_layernorm)
     if hasattr(model, "fused_stack"):
         model.fused_stack = fuse_stack(list(model.model.layers)[:model.cfg.num_hidden_layers],
                                        getattr(model, "layer_types", None))

@@ -53,16 +53,7 @@ using simd::load_bf16;
 using simd::round_bf16;
 using simd::store_bf16;
 
-// out = w * bf16(x * rsqrt(mean(x^2) + eps)), one row of H (H % 16 == 0)
-inline void rms_norm(const uint16_t* x, const uint16_t* w, int64_t H, float eps, uint16_t* out) {
-  V16 ss = simd::zero();
-  for (int64_t i = 0; i < H; i += 16) {
-    const V16 v = load_bf16(x + i);
-    ss = simd::fmadd(v, v, ss);
-  }
-  const V16 inv = simd::set1(1.f / std::sqrt(simd::reduce_add(ss) / float(H) + eps));
-  for (int64_t i = 0; i < H; i += 16) store_bf16(out + i, load_bf16(w + i) * round_bf16(load_bf16(x + i) * inv));
-}
+using nextn_cpu::rms_norm;
 
 // out = bf16(x * rsqrt(mean(x^2) + eps) * s), s f32 (Gemma's RMSNorm: s = 1 + w computed in f32), x bf16 or f32
 template <typename Load>

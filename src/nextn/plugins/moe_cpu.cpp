@@ -3,6 +3,11 @@
 //
 //   nextn::moe_experts(x [N, H] bf16, ids [N, k] int64, weights [N, k] f32, gate_up [3 E] (per expert [w, scale,
 //       zero] of its gate rows then up rows, [2 I, H]), down [3 E] ([H, I]), group_size, int8_activations) -> [N, H]
+//   nextn::moe_block(x [N, H] bf16, norm [H] bf16, eps, router [E, H] bf16, top_k, norm_topk, gate_up, down,
+//       group_size, int8_activations) -> x + experts(xn), xn = RMSNorm(x): the MLP half of a softmax-routed MoE layer
+//       (Qwen3-MoE, Mixtral, OLMoE) as models/moe.py's `Router` and `SparseMoE` compute it — logits bf16(xn Wr^T)
+//       (f32 sums), softmax in f64 rounded to f32, the top_k by descending probability (ties: lower id), renormalised
+//       when norm_topk — without the dozen small PyTorch ops between the attention op and the experts' op.
 //
 // Per expert e (ascending id) with its tokens' rows X_e (tokens ascending), as models/moe.py computes them:
 //   g, u = bf16(X_e Wgu^T);  h = bf16(bf16(silu(g)) * u);  y = bf16(h Wdown^T)
@@ -82,16 +87,8 @@ void matmuls(const std::vector<Int4>& l, const std::vector<int64_t>& start, cons
   });
 }
 
-at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
-                       at::TensorList gate_up, at::TensorList down, int64_t group_size, bool int8_activations) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
-              "moe_experts: x must be a contiguous [N, H] bfloat16 tensor");
-  const int64_t N = x.size(0), H = x.size(1);
-  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == N && ids.scalar_type() == at::kLong && ids.is_contiguous(),
-              "moe_experts: ids must be a contiguous [N, k] int64 tensor");
-  const int64_t k = ids.size(1);
-  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == at::kFloat && weights.is_contiguous(),
-              "moe_experts: weights must be a contiguous [N, k] float32 tensor");
+// The experts' checks; returns (E, I).
+std::pair<int64_t, int64_t> check_experts(int64_t H, at::TensorList gate_up, at::TensorList down, int64_t group_size) {
   TORCH_CHECK(gate_up.size() % 3 == 0 && gate_up.size() == down.size() && !gate_up.empty(),
               "moe_experts: gate_up and down must hold [w, scale, zero] for each of the same experts");
   const int64_t E = gate_up.size() / 3;
@@ -101,10 +98,13 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
   TORCH_CHECK(H % 64 == 0 && I % 64 == 0 && group_size % 32 == 0 && H % group_size == 0 && I % group_size == 0,
               "moe_experts: hidden ", H, " and expert width ", I, " must be multiples of 64 and of group_size ",
               group_size, " (a multiple of 32)");
-  const int64_t* idp = ids.data_ptr<int64_t>();
-  for (int64_t a = 0; a < N * k; ++a)
-    TORCH_CHECK(idp[a] >= 0 && idp[a] < E, "moe_experts: expert id ", idp[a], " outside [0, ", E, ")");
+  return {E, I};
+}
 
+// op[t] = sum over token t's k experts (ascending id) of bf16(y * bf16(w)), from 0, in bf16: the module's arithmetic
+void experts_into(const uint16_t* xp, int64_t N, int64_t H, const int64_t* idp, const float* wp, int64_t k,
+                  at::TensorList gate_up, at::TensorList down, int64_t E, int64_t I, int64_t group_size,
+                  bool int8_activations, uint16_t* op) {
   // the assignments grouped by expert (a counting sort: stable, so tokens ascend within an expert)
   std::vector<int64_t> start(E + 1, 0), order(N * k);
   for (int64_t a = 0; a < N * k; ++a) ++start[idp[a] + 1];
@@ -112,8 +112,6 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
   std::vector<int64_t> next(start.begin(), start.end() - 1);
   for (int64_t a = 0; a < N * k; ++a) order[next[idp[a]]++] = a;
 
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const float* wp = weights.data_ptr<float>();
   std::vector<Int4> gu(E), dn(E);
   for (int64_t e = 0; e < E; ++e) {
     if (start[e + 1] == start[e]) continue;  // an expert no token chose is never read
@@ -137,14 +135,101 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
     }
   });
   matmuls(dn, start, hs.data(), I, H, group_size, y.data());
-  at::Tensor out = at::zeros({N, H}, x.options());
-  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  std::fill(op, op + N * H, uint16_t(0));
   for (int64_t r = 0; r < A; ++r) {  // experts in ascending id: each token's sum in that order
     const int64_t t = order[r] / k;
     const V16 w = round_bf16(simd::set1(wp[order[r]]));
     for (int64_t i = 0; i < H; i += 16)
       store_bf16(op + t * H + i, load_bf16(op + t * H + i) + round_bf16(round_bf16(simd::load(y.data() + r * H + i)) * w));
   }
+}
+
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
+                       at::TensorList gate_up, at::TensorList down, int64_t group_size, bool int8_activations) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "moe_experts: x must be a contiguous [N, H] bfloat16 tensor");
+  const int64_t N = x.size(0), H = x.size(1);
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == N && ids.scalar_type() == at::kLong && ids.is_contiguous(),
+              "moe_experts: ids must be a contiguous [N, k] int64 tensor");
+  const int64_t k = ids.size(1);
+  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == at::kFloat && weights.is_contiguous(),
+              "moe_experts: weights must be a contiguous [N, k] float32 tensor");
+  const auto [E, I] = check_experts(H, gate_up, down, group_size);
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  for (int64_t a = 0; a < N * k; ++a)
+    TORCH_CHECK(idp[a] >= 0 && idp[a] < E, "moe_experts: expert id ", idp[a], " outside [0, ", E, ")");
+  at::Tensor out = at::empty({N, H}, x.options());
+  experts_into(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), N, H, idp, weights.data_ptr<float>(), k,
+               gate_up, down, E, I, group_size, int8_activations,
+               reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
+  return out;
+}
+
+// f32 -> bf16 -> f32, round to nearest even (finite values)
+inline float to_bf16(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  u = (u + 0x7fff + ((u >> 16) & 1)) & 0xffff0000u;
+  std::memcpy(&v, &u, 4);
+  return v;
+}
+
+at::Tensor moe_block(const at::Tensor& x, const at::Tensor& norm, double eps, const at::Tensor& router, int64_t top_k,
+                     bool norm_topk, at::TensorList gate_up, at::TensorList down, int64_t group_size,
+                     bool int8_activations) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "moe_block: x must be a contiguous [N, H] bfloat16 tensor");
+  const int64_t N = x.size(0), H = x.size(1);
+  const auto [E, I] = check_experts(H, gate_up, down, group_size);
+  TORCH_CHECK(norm.scalar_type() == at::kBFloat16 && norm.is_contiguous() && norm.numel() == H,
+              "moe_block: norm must be a contiguous [", H, "] bfloat16 tensor");
+  TORCH_CHECK(router.scalar_type() == at::kBFloat16 && router.is_contiguous() && router.dim() == 2 &&
+                  router.size(0) == E && router.size(1) == H,
+              "moe_block: router must be a contiguous [", E, ", ", H, "] bfloat16 tensor");
+  TORCH_CHECK(1 <= top_k && top_k <= E, "moe_block: top_k ", top_k, " outside [1, ", E, "]");
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const uint16_t* nw = reinterpret_cast<const uint16_t*>(norm.data_ptr<at::BFloat16>());
+  const uint16_t* rw = reinterpret_cast<const uint16_t*>(router.data_ptr<at::BFloat16>());
+  std::vector<uint16_t> xn(N * H);
+  std::vector<float> logits(N * E);
+  std::vector<int64_t> ids(N * top_k);
+  std::vector<float> weights(N * top_k);
+  at::parallel_for(0, N, 1, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) nextn_cpu::rms_norm(xp + n * H, nw, H, float(eps), xn.data() + n * H);
+  });
+  at::parallel_for(0, N * E, 16, [&](int64_t a0, int64_t a1) {  // each logit alone: batch-invariant
+    for (int64_t a = a0; a < a1; ++a) {
+      const uint16_t* xr = xn.data() + (a / E) * H;
+      const uint16_t* wr = rw + (a % E) * H;
+      V16 acc = simd::zero();
+      for (int64_t i = 0; i < H; i += 16) acc = simd::fmadd(load_bf16(xr + i), load_bf16(wr + i), acc);
+      logits[a] = to_bf16(simd::reduce_add(acc));
+    }
+  });
+  for (int64_t n = 0; n < N; ++n) {  // softmax (f64), top_k, renormalisation: Router.forward's
+    const float* l = logits.data() + n * E;
+    double m = l[0], sum = 0;
+    for (int64_t e = 1; e < E; ++e) m = std::max(m, double(l[e]));
+    std::vector<double> p(E);
+    for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(double(l[e]) - m));
+    std::vector<int64_t> order(E);
+    for (int64_t e = 0; e < E; ++e) order[e] = e;
+    std::vector<float> prob(E);
+    for (int64_t e = 0; e < E; ++e) prob[e] = float(p[e] / sum);
+    std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
+                      [&](int64_t a, int64_t b) { return prob[a] > prob[b] || (prob[a] == prob[b] && a < b); });
+    float total = 0.f;
+    for (int64_t j = 0; j < top_k; ++j) total += prob[order[j]];
+    for (int64_t j = 0; j < top_k; ++j) {
+      ids[n * top_k + j] = order[j];
+      weights[n * top_k + j] = norm_topk ? prob[order[j]] / total : prob[order[j]];
+    }
+  }
+  at::Tensor out = at::empty({N, H}, x.options());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  experts_into(xn.data(), N, H, ids.data(), weights.data(), top_k, gate_up, down, E, I, group_size, int8_activations,
+               op);
+  for (int64_t a = 0; a < N * H; a += 16) store_bf16(op + a, load_bf16(xp + a) + load_bf16(op + a));  // residual
   return out;
 }
 
@@ -153,6 +238,11 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
 TORCH_LIBRARY_FRAGMENT(NEXTN_OPS, m) {
   m.def("moe_experts(Tensor x, Tensor ids, Tensor weights, Tensor[] gate_up, Tensor[] down, int group_size, "
         "bool int8_activations=False) -> Tensor");
+  m.def("moe_block(Tensor x, Tensor norm, float eps, Tensor router, int top_k, bool norm_topk, Tensor[] gate_up, "
+        "Tensor[] down, int group_size, bool int8_activations=False) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(NEXTN_OPS, CPU, m) { m.impl("moe_experts", &moe_experts); }
+TORCH_LIBRARY_IMPL(NEXTN_OPS, CPU, m) {
+  m.impl("moe_experts", &moe_experts);
+  m.impl("moe_block", &moe_block);
+}

@@ -55,3 +55,23 @@ def experts_forward(fused: FusedExperts, x: torch.Tensor, weights: torch.Tensor,
     ids: [N, top_k] int64 → [N, hidden] bf16."""
     return cpu_kernels.ops().moe_experts(x.contiguous(), ids.contiguous(), weights.float().contiguous(),
                                          fused.gate_up, fused.down, fused.group_size, fused.int8_activations)
+
+
+def block_applies(moe: nn.Module, norm: nn.Module) -> bool:
+    """Whether `block_forward` computes this MoE MLP (with its pre-MLP `norm`): fused experts, the softmax `Router`
+    on bf16 weights, no shared expert, a Llama-style RMSNorm with bf16 weights."""
+    gate = getattr(moe, "gate", None)
+    return (getattr(moe, "fused_experts", None) is not None and getattr(gate, "kind", None) == "softmax"
+            and gate.weight.dtype == torch.bfloat16 and moe.shared_expert is None and moe.shared_experts is None
+            and getattr(norm, "fp32_scale", lambda: 0)() is None and norm.weight.dtype == torch.bfloat16)
+
+
+def block_forward(moe: nn.Module, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """x + moe(norm(x)) through one op (`block_applies`): the norm, router, top-k and residual add in C++ beside the
+    experts. x: [..., hidden] bf16 → the same shape."""
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    fused = moe.fused_experts
+    out = cpu_kernels.ops().moe_block(flat, norm.weight, norm.eps, moe.gate.weight, moe.gate.top_k,
+                                      moe.gate.norm_topk_prob, fused.gate_up, fused.down, fused.group_size,
+                                      fused.int8_activations)
+    return out.view(x.shape)

@@ -26,6 +26,7 @@ from nextn.models.llama.rope import apply_rope, rope_cache
 from nextn.models.moe import NoAuxRouter, SparseMoE
 from nextn.plugins import cpu_kernels
 from nextn.plugins.decoder_layer import FusedLayerWeights, fused_forward
+from nextn.plugins.moe_experts import block_forward
 from nextn.plugins.kv_cache_write import kv_cache_write
 from nextn.models.attention_metadata import AttentionMetadata
 
@@ -142,6 +143,7 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
     """
 
     fused: FusedLayerWeights | None = None
+    moe_block: bool = False  # the MoE MLP half as one op too (`plugins.moe_experts.block_forward`; set at load)
 
     def __init__(self, cfg: LlamaModelConfig, index: int | None = None) -> None:
         super().__init__(LlamaAttention(cfg), mlp_for(cfg, index), cfg.hidden_size, cfg.rms_norm_eps, placement=cfg.norm_placement, norm=norm_class(cfg),
@@ -152,6 +154,8 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
         if self.fused is not None and x.dtype == kv_cache.dtype == torch.bfloat16:
             out = fused_forward(self, x, cos_sin, kv_cache, meta)
             # an MoE layer: the op ran the attention only (x + attn(norm(x))); its MLP runs here
+            if self.moe_block:
+                return block_forward(self.mlp, self.post_attention_layernorm, out)
             return out + self.mlp(self.post_attention_layernorm(out)) if self.fused.attention_only else out
         return super().forward(x, cos_sin, kv_cache, meta)
 
