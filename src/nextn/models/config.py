@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+#: Architectures read as DeepSeek-V3 (`_glm4_moe_lite`)
+GLM_LITE = ("Glm4MoeLiteForCausalLM",)
 #: Most decoder layers (main or MTP) a config may declare; the largest released models have ~130. Every layer count
 #: is also checked against the layers a checkpoint stores (`nextn.build.tensor_inventory`).
 MAX_LAYERS = 1024
@@ -156,7 +158,9 @@ class DeepseekV3ModelConfig(BaseModel):
         archs = hf.get("architectures") or []
         model_type = hf.get("model_type")
         arch = archs[0] if archs else None
-        if arch not in SUPPORTED_ARCHITECTURES and model_type != "deepseek_v3":
+        if arch in GLM_LITE or model_type == "glm4_moe_lite":
+            hf = _glm4_moe_lite(hf)
+        elif arch not in SUPPORTED_ARCHITECTURES and model_type != "deepseek_v3":
             raise ConfigError(
                 f"unsupported architecture {arch or model_type!r}: nextn builds "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)} (model_type 'deepseek_v3')"
@@ -185,6 +189,28 @@ class DeepseekV3ModelConfig(BaseModel):
             return cls(**fields)
         except ValueError as e:  # pydantic.ValidationError is a ValueError
             raise ConfigError(f"invalid DeepSeek-V3 config.json: {e}") from e
+
+
+def _glm4_moe_lite(hf: dict[str, Any]) -> dict[str, Any]:
+    """GLM-4.7-Flash (`Glm4MoeLiteForCausalLM`, HF `Glm4MoeLiteConfig`) as the DeepSeek-V3 config it is: the same
+    layer (MLA, sigmoid group-limited routing, shared experts, DeepSeek-style MTP layers), the dense layers named by
+    `mlp_layer_types` (dense ones first) instead of `first_k_dense_replace`.
+
+    Raises:
+        ConfigError: `mlp_layer_types` with a dense layer after a sparse one.
+    """
+    types = hf.get("mlp_layer_types")
+    layers = hf.get("num_hidden_layers")
+    if types is None and type(layers) is int:
+        types = ["dense"] + ["sparse"] * (layers - 1)
+    dense = 0
+    for t in types or ():
+        if t != "dense":
+            break
+        dense += 1
+    if any(t != "sparse" for t in (types or ())[dense:]):
+        raise ConfigError(f"Glm4MoeLiteForCausalLM: mlp_layer_types {types} has a dense layer after a sparse one")
+    return {**hf, "first_k_dense_replace": dense, "architectures": ["DeepseekV3ForCausalLM"]}
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from nextn.models.config import ConfigError, DeepseekV3ModelConfig
+from nextn.models.config import GLM_LITE, ConfigError, DeepseekV3ModelConfig
 from nextn.models.deepseek_v3 import weights as deepseek_weights
 from nextn.models.deepseek_v3.model import DeepseekV3ForCausalLM
 from nextn.models.llama import weights as llama_weights
@@ -29,7 +29,8 @@ def model_config_from_hf(hf: dict[str, Any]) -> DeepseekV3ModelConfig | LlamaMod
     archs = hf.get("architectures") or []
     if (archs and archs[0] in LLAMA_ARCHITECTURES) or hf.get("model_type") in LLAMA_ARCHITECTURES.values():
         return LlamaModelConfig.from_hf(hf)
-    if (archs and archs[0] == "DeepseekV3ForCausalLM") or hf.get("model_type") == "deepseek_v3":
+    if (archs and archs[0] in ("DeepseekV3ForCausalLM", *GLM_LITE)) or hf.get("model_type") in ("deepseek_v3",
+                                                                                             "glm4_moe_lite"):
         return DeepseekV3ModelConfig.from_hf(hf)
     raise ConfigError(f"unsupported architecture {(archs or [hf.get('model_type')])[0]!r}: nextn builds "
                       f"{', '.join(MODEL_CLASSES)}")

@@ -64,6 +64,11 @@ MOE_FAMILIES: dict[str, dict[str, Any]] = {
                      num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=1, first_k_dense_replace=1,
                      routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True, num_nextn_predict_layers=0,
                      vocab_size=49160),
+    # GLM-4.7-Flash: DeepSeek-V3's layer (MLA, sigmoid-routed experts, a shared expert) under GLM's config — nextn
+    # builds it as the DeepSeek-V3 family; `mlp_layer_types` marks the first layer dense
+    "glm4_moe_lite": dict(num_hidden_layers=3, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+                          moe_intermediate_size=64, n_shared_experts=1, routed_scaling_factor=1.8, kv_lora_rank=32,
+                          q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16),
 }
 #: Families whose tokenizer_config names GPT2Tokenizer (Phi-4's; the converter's phi3 vocab reads it)
 _GPT2_CLASS = ("phi3",)
