@@ -1,6 +1,7 @@
 """GLM-4.7-Flash (`glm4_moe_lite`, issue 62): DeepSeek-V3's layer under GLM's config, built as nextn's DeepSeek-V3
 family — a tiny random checkpoint made by `transformers` at test time decodes token-identical to
-`transformers.generate` in float32, plainly and with NGram drafts; a dense layer after a sparse one is refused."""
+`transformers.generate` in float32, plainly and with NGram drafts, and its MTP layer drafts as `transformers`' own MTP
+model; a dense layer after a sparse one is refused."""
 
 from __future__ import annotations
 
@@ -42,3 +43,50 @@ def test_mlp_layer_types_become_dense_layers_or_are_refused():
     assert DeepseekV3ModelConfig.from_hf(base).first_k_dense_replace == 1  # HF's default: the first layer dense
     with pytest.raises(ConfigError, match="dense layer after a sparse one"):
         DeepseekV3ModelConfig.from_hf({**base, "mlp_layer_types": ["dense", "sparse", "dense", "sparse"]})
+
+
+def test_mtp_logits_match_transformers(tokenizer_dir, tmp_path):
+    """Its MTP layer (`model.layers.{N}`, DeepSeek-V3's module) through nextn's DeepSeek-V3 MTP path: the draft
+    logits at every position equal `transformers`' own MTP model's (`MtpModel.from_pretrained`)."""
+    import json
+
+    from transformers import AutoModelForCausalLM, logging
+    from transformers.cache_utils import MtpCache
+    from transformers.modeling_layers import MtpModel
+
+    from nextn import LLM
+    from nextn.build.engine_builder import build_engine
+    from nextn.models.attention_metadata import AttentionMetadata, slots_for_positions
+    from nextn.models.kv_cache import allocate_kv_cache
+    from nextn.testing.tiny_families import add_mtp_layer
+
+    out = tmp_path / "hf"
+    save_tiny("glm4_moe_lite", out, tokenizer_dir)
+    add_mtp_layer(out)
+    config = json.loads((out / "config.json").read_text())  # what transformers' MtpModel reads for this family
+    (out / "config.json").write_text(json.dumps({**config, "num_mtp_layers": 1, "mtp_mlp_layer_types": ["sparse"]}))
+    logging.set_verbosity_error()
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    hf._keys_to_ignore_on_load_unexpected = [r"model\.layers\.3\..*"]  # (the released file's MTP layer is 47)
+    mtp = MtpModel.from_pretrained(hf).eval()
+    build_engine(out, tmp_path / "engine", dtype="float32", quant_algo=None, max_seq_len=256, progress=False)
+    llm = LLM(tmp_path / "engine", device="cpu", speculative_config=None)
+    model = llm.engine.model
+    ids = torch.tensor([PROMPT[:20]])
+    tables = torch.tensor([[1, 2, 3]])
+    kv = allocate_kv_cache(model.num_cache_layers, 4, 8, llm.engine.cfg.kv_cache_dim, torch.float32)
+    pos = torch.arange(20)[None]
+    meta = AttentionMetadata.create(pos, slots_for_positions(tables, pos, 8), tables, 8)
+    with torch.inference_mode():
+        hidden = model(ids, kv, meta)
+        got = model.mtp_logits(0, model.forward_mtp(0, ids[:, 1:], hidden[:, :-1], kv, meta.with_tokens(
+            pos[:, :-1], slots_for_positions(tables, pos[:, :-1], 8))))
+        main = model.logits(hidden[:, 1:])  # the control: the main head one position on is another distribution
+    llm.shutdown()
+    with torch.no_grad():
+        h = hf(ids, output_hidden_states=True).hidden_states[-1]
+        y = mtp.forward_layer(0, h[:, :-1], torch.arange(1, 20)[None], MtpCache(config=hf.config.get_mtp_config()),
+                              input_ids=ids[:, 1:])
+        want = mtp._project_to_logits(y).float()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(main, want, atol=1e-2)
