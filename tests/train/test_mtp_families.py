@@ -80,3 +80,13 @@ def test_engine_mtp_module_matches_the_training_module(model_type):
 def test_an_unsupported_base_is_refused_by_name():
     with pytest.raises(ValueError, match="gemma3_text"):
         mtp_module(tiny_hf_model("gemma3_text").config)
+
+
+def test_warm_start_zeroes_every_down_projection_of_an_moe_block():
+    """The identity start (`warm_start_from_base`) of GLM-4.5's MoE block: routed experts' (one 3-D tensor in
+    `transformers`) and shared experts' down projections all zero, so the block passes its input through."""
+    module = mtp_module(tiny_hf_model("glm4_moe").config)
+    module.warm_start_from_base(1.0)
+    downs = {n: p for n, p in module.block.mlp.named_parameters() if "down_proj" in n}
+    assert set(downs) == {"experts.down_proj", "shared_experts.down_proj.weight"}
+    assert all(not p.any() for p in downs.values())

@@ -82,7 +82,9 @@ class MtpModule(nn.Module):
             self.eh_proj.weight.zero_()
             self.eh_proj.weight[:, h:].copy_(torch.eye(h))
             self.block.self_attn.o_proj.weight.zero_()
-            self.block.mlp.down_proj.weight.zero_()
+            for name, p in self.block.mlp.named_parameters():  # dense, routed experts' and shared experts' down
+                if name.endswith(("down_proj", "down_proj.weight")):
+                    p.zero_()
             self.shared_head_norm.weight.fill_(hidden_rms)
 
     def warm_start(self, final_norm: torch.Tensor) -> None:
