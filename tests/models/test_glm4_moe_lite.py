@@ -56,8 +56,7 @@ def test_mtp_logits_match_transformers(tokenizer_dir, tmp_path):
 
     from nextn import LLM
     from nextn.build.engine_builder import build_engine
-    from nextn.models.attention_metadata import AttentionMetadata, slots_for_positions
-    from nextn.models.kv_cache import allocate_kv_cache
+    from nextn.testing.mtp_check import mtp_pass
     from nextn.testing.tiny_families import add_mtp_layer
 
     out = tmp_path / "hf"
@@ -73,15 +72,10 @@ def test_mtp_logits_match_transformers(tokenizer_dir, tmp_path):
     llm = LLM(tmp_path / "engine", device="cpu", speculative_config=None)
     model = llm.engine.model
     ids = torch.tensor([PROMPT[:20]])
-    tables = torch.tensor([[1, 2, 3]])
-    kv = allocate_kv_cache(model.num_cache_layers, 4, 8, llm.engine.cfg.kv_cache_dim, torch.float32)
-    pos = torch.arange(20)[None]
-    meta = AttentionMetadata.create(pos, slots_for_positions(tables, pos, 8), tables, 8)
+    run = mtp_pass(model, ids)
+    got = run.mtp_logits
     with torch.inference_mode():
-        hidden = model(ids, kv, meta)
-        got = model.mtp_logits(0, model.forward_mtp(0, ids[:, 1:], hidden[:, :-1], kv, meta.with_tokens(
-            pos[:, :-1], slots_for_positions(tables, pos[:, :-1], 8))))
-        main = model.logits(hidden[:, 1:])  # the control: the main head one position on is another distribution
+        main = model.logits(run.hidden[:, 1:])  # the control: the main head one position on is another distribution
     llm.shutdown()
     with torch.no_grad():
         h = hf(ids, output_hidden_states=True).hidden_states[-1]

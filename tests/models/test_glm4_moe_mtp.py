@@ -9,14 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nextn.models.attention_metadata import AttentionMetadata, slots_for_positions
-from nextn.models.kv_cache import allocate_kv_cache
+from nextn.testing.mtp_check import mtp_pass
 from nextn.testing.tiny_families import add_mtp_layer, save_tiny
 
 from family_sources import tiny_source
 from test_moe_families import _model
 
-BLOCK = 8
+
 PROMPT = [1] + [100 + (7 * i) % 23 for i in range(45)]
 
 
@@ -57,20 +56,10 @@ def test_mtp_logits_match_transformers(glm_mtp, kind):
     assert cfg.num_nextn_predict_layers == 1 and cfg.is_moe_layer(3) and not cfg.is_moe_layer(0)
     assert type(model.model.layers[3].mlp).__name__ == "SparseMoE"
     ids = torch.tensor([PROMPT[:20]])
-    tables = torch.tensor([[1, 2, 3]])
-    kv = allocate_kv_cache(model.num_cache_layers, 4, BLOCK, cfg.kv_cache_dim, torch.float32)
-    pos = torch.arange(20)[None]
-    meta = AttentionMetadata.create(pos, slots_for_positions(tables, pos, BLOCK), tables, BLOCK)
-    with torch.inference_mode():
-        hidden = model(ids, kv, meta)
-        h1 = model.forward_mtp(0, ids[:, 1:], hidden[:, :-1], kv, meta.with_tokens(
-            pos[:, :-1], slots_for_positions(tables, pos[:, :-1], BLOCK)))
-        got = model.mtp_logits(0, h1)
+    got = mtp_pass(model, ids).mtp_logits
     want = _reference_mtp_logits(hf, mtp, ids)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    with torch.inference_mode():  # the control: the token at t instead of t + 1 beside h_t drafts otherwise
-        wrong = model.mtp_logits(0, model.forward_mtp(0, ids[:, :-1], hidden[:, :-1], kv, meta.with_tokens(
-            pos[:, :-1], slots_for_positions(tables, pos[:, :-1], BLOCK))))
+    wrong = mtp_pass(model, ids, shift=0).mtp_logits  # the control: the token at t beside h_t drafts otherwise
     assert not torch.allclose(wrong, want, atol=1e-2)
 
 

@@ -14,12 +14,9 @@ from transformers import LlamaForCausalLM as HFLlama
 from nextn import LLM, SamplingParams
 from nextn.build.engine_builder import build_engine
 from nextn.models.llama import LlamaForCausalLM, LlamaModelConfig, runtime_weight_specs, to_runtime
-from nextn.models.attention_metadata import AttentionMetadata, slots_for_positions
-from nextn.models.kv_cache import allocate_kv_cache
+from nextn.testing.mtp_check import mtp_pass
 from nextn.testing.tiny_llama import tiny_hf_llama
 from nextn.train.mtp import MtpContext, mtp_module
-
-BLOCK = 8
 
 
 def _hf_llama(num_mtp: int) -> tuple[HFLlama, list]:
@@ -76,15 +73,7 @@ def test_engine_mtp_module_matches_the_training_module(mtp_checkpoint):
     model.rope_table = model.rope_table_for(64)
     model.eval().requires_grad_(False)
     ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(1))
-    tables = torch.tensor([[1, 2], [3, 4]])
-    kv = allocate_kv_cache(model.num_cache_layers, 5, BLOCK, cfg.kv_cache_dim, torch.float32)
-    pos = torch.arange(12).expand(2, -1)
-    meta = AttentionMetadata.create(pos, slots_for_positions(tables, pos, BLOCK), tables, BLOCK)
-    with torch.inference_mode():
-        hidden = model(ids, kv, meta)  # [2, 12, 64]
-        h1 = model.forward_mtp(0, ids[:, 1:], hidden[:, :-1], kv, meta.with_tokens(
-            pos[:, :-1], slots_for_positions(tables, pos[:, :-1], BLOCK)))
-        logits = model.mtp_logits(0, h1)
+    hidden, h1, logits = mtp_pass(model, ids)  # [2, 12, 64], [2, 11, 64], [2, 11, 300]
     assert h1.shape == (2, 11, 64) and logits.shape == (2, 11, 300)
     ctx = MtpContext(hf.model.embed_tokens.weight, hf.lm_head.weight, hf.model.rotary_emb)
     with torch.no_grad():

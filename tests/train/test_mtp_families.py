@@ -8,15 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nextn.models.attention_metadata import AttentionMetadata, slots_for_positions
-from nextn.models.kv_cache import allocate_kv_cache
 from nextn.models.llama import LlamaForCausalLM, LlamaModelConfig, to_runtime
 from nextn.models.llama.weights import stored_view
+from nextn.testing.mtp_check import mtp_pass
 from nextn.testing.tiny_families import tiny_hf_model
 from nextn.train.mtp import MtpContext, mtp_module
 from nextn.train.tiny_checkpoint import split_experts
-
-BLOCK = 8
 
 
 class _Stored:
@@ -57,15 +54,7 @@ def test_engine_mtp_module_matches_the_training_module(model_type):
     model.eval().requires_grad_(False)
     assert type(model.model.layers[n].mlp).__name__ == ("SparseMoE" if model_type == "glm4_moe" else "GatedMLP")
     ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(1))
-    tables = torch.tensor([[1, 2], [3, 4]])
-    kv = allocate_kv_cache(model.num_cache_layers, 5, BLOCK, cfg.kv_cache_dim, torch.float32)
-    pos = torch.arange(12).expand(2, -1)
-    meta = AttentionMetadata.create(pos, slots_for_positions(tables, pos, BLOCK), tables, BLOCK)
-    with torch.inference_mode():
-        hidden = model(ids, kv, meta)
-        h1 = model.forward_mtp(0, ids[:, 1:], hidden[:, :-1], kv, meta.with_tokens(
-            pos[:, :-1], slots_for_positions(tables, pos[:, :-1], BLOCK)))
-        logits = model.mtp_logits(0, h1)
+    hidden, h1, logits = mtp_pass(model, ids)
     ctx = MtpContext(hf.model.embed_tokens.weight, hf.lm_head.weight, hf.model.rotary_emb)
     with torch.no_grad():
         ref = hf.model(ids).last_hidden_state
