@@ -12,7 +12,7 @@ from nextn.models.llama import LlamaForCausalLM, LlamaModelConfig, to_runtime
 from nextn.models.llama.weights import stored_view
 from nextn.testing.mtp_check import mtp_pass
 from nextn.testing.tiny_families import tiny_hf_model
-from nextn.train.mtp import MtpContext, mtp_module
+from nextn.train.mtp import MtpContext, base_context, mtp_module
 from nextn.train.tiny_checkpoint import split_experts
 
 
@@ -35,9 +35,9 @@ class _Stored:
         return "F32", list(self.tensors[name].shape)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "olmo2", "glm4_moe"])
+@pytest.mark.parametrize("model_type", ["qwen3", "olmo2", "glm4_moe", "gemma3_text"])
 def test_engine_mtp_module_matches_the_training_module(model_type):
-    hf = tiny_hf_model(model_type)
+    hf = tiny_hf_model(model_type, **({"num_hidden_layers": 8} if model_type == "gemma3_text" else {}))
     module = mtp_module(hf.config)
     with torch.no_grad():
         for name, p in module.named_parameters():
@@ -55,7 +55,8 @@ def test_engine_mtp_module_matches_the_training_module(model_type):
     assert type(model.model.layers[n].mlp).__name__ == ("SparseMoE" if model_type == "glm4_moe" else "GatedMLP")
     ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(1))
     hidden, h1, logits = mtp_pass(model, ids)
-    ctx = MtpContext(hf.model.embed_tokens.weight, hf.lm_head.weight, hf.model.rotary_emb)
+    embed, rotary = base_context(hf.model)
+    ctx = MtpContext(embed, hf.lm_head.weight, rotary)
     with torch.no_grad():
         ref = hf.model(ids).last_hidden_state
         x, *_ = ctx.vanilla(torch.nn.ModuleList([module]), ids, ref, torch.ones(2, dtype=torch.int64),
@@ -67,8 +68,8 @@ def test_engine_mtp_module_matches_the_training_module(model_type):
 
 
 def test_an_unsupported_base_is_refused_by_name():
-    with pytest.raises(ValueError, match="gemma3_text"):
-        mtp_module(tiny_hf_model("gemma3_text").config)
+    with pytest.raises(ValueError, match="granite"):
+        mtp_module(tiny_hf_model("granite").config)
 
 
 def test_warm_start_zeroes_every_down_projection_of_an_moe_block():

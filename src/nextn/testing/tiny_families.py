@@ -68,12 +68,13 @@ MOE_FAMILIES: dict[str, dict[str, Any]] = {
     # builds it as the DeepSeek-V3 family; `mlp_layer_types` marks the first layer dense
     "glm4_moe_lite": dict(num_hidden_layers=3, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
                           moe_intermediate_size=64, n_shared_experts=1, routed_scaling_factor=1.8, kv_lora_rank=32,
-                          q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16),
+                          q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, vocab_size=49160),
 }
 #: Families whose tokenizer_config names GPT2Tokenizer (Phi-4's; the converter's phi3 vocab reads it)
 _GPT2_CLASS = ("phi3",)
 #: Families whose llama.cpp conversion looks up GLM's special tokens (`Glm4Model.set_vocab`, `_set_vocab_glm`)
-_GLM_TOKENS = {"glm4": ["<|user|>"], "glm4_moe": ["[gMASK]", "<|user|>", "<|observation|>"]}
+_GLM_TOKENS = {"glm4": ["<|user|>"], "glm4_moe": ["[gMASK]", "<|user|>", "<|observation|>"],
+               "glm4_moe_lite": ["[gMASK]", "<|user|>", "<|observation|>"]}
 #: A norm weight's centre: Gemma's RMSNorm scales by (1 + w), so its weights are zero-centred.
 _NORM_CENTRE = {"gemma3_text": 0.0, "gemma2": 0.0}
 #: Families whose llama.cpp conversion reads a SentencePiece `tokenizer.model` (Gemma 2's `set_vocab`): one is

@@ -30,10 +30,13 @@ tensors and the modules at `model.layers.{num_hidden_layers + k}`, tokenizer fil
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 import json
 import re
 import shutil
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,7 +88,8 @@ class MtpModule(nn.Module):
             for name, p in self.block.mlp.named_parameters():  # dense, routed experts' and shared experts' down
                 if name.endswith(("down_proj", "down_proj.weight")):
                     p.zero_()
-            self.shared_head_norm.weight.fill_(hidden_rms)
+            # a unit-offset norm (Gemma's) scales by 1 + w
+            self.shared_head_norm.weight.fill_(hidden_rms - (1.0 if _unit_offset(self.shared_head_norm) else 0.0))
 
     def warm_start(self, final_norm: torch.Tensor) -> None:
         """shared_head.norm = the base's final norm; the rest keeps its default init.
@@ -114,16 +118,40 @@ DECODER_LAYERS = {
     "qwen3": ("transformers.models.qwen3.modeling_qwen3", "Qwen3DecoderLayer", "Qwen3RMSNorm"),
     "mistral": ("transformers.models.mistral.modeling_mistral", "MistralDecoderLayer", "MistralRMSNorm"),
     "olmo2": ("transformers.models.olmo2.modeling_olmo2", "Olmo2DecoderLayer", "Olmo2RMSNorm"),
+    # Gemma 3: unit-offset norms, embeddings × √hidden (`base_context`), a full-attention block
+    "gemma3_text": ("transformers.models.gemma3.modeling_gemma3", "Gemma3DecoderLayer", "Gemma3RMSNorm"),
     # GLM-4.5 / 4.6 (a checkpoint without its MTP layer gets one): the block is an MoE layer, as released
     "glm4_moe": ("transformers.models.glm4_moe.modeling_glm4_moe", "Glm4MoeDecoderLayer", "Glm4MoeRMSNorm"),
 }
 
 
+def _unit_offset(norm: nn.Module) -> bool:
+    """Whether an RMSNorm module scales by 1 + weight (Gemma's) rather than by its weight."""
+    with torch.no_grad():
+        saved = norm.weight.detach().clone()
+        norm.weight.zero_()
+        out = norm(torch.ones(1, saved.shape[0]))
+        norm.weight.copy_(saved)
+    return bool(out.abs().sum() > 0)
+
+
+def base_context(body: nn.Module) -> tuple[torch.Tensor, Callable[..., Any]]:
+    """(The embedding the MTP module reads [V, H] — × the base's embedding scale, Gemma's √hidden —, the rotary
+    embedding (x, positions) → (cos, sin) of its full-attention layers) of a `transformers` base's decoder body."""
+    embed = body.embed_tokens
+    weight = embed.weight.detach() * getattr(embed, "scalar_embed_scale", 1.0)
+    rotary = body.rotary_emb
+    if "layer_type" in inspect.signature(rotary.forward).parameters:  # Gemma 3: one rope per layer type
+        rotary = functools.partial(rotary, layer_type="full_attention")
+    return weight, rotary
+
+
 def mtp_module(hf_config) -> MtpModule:
     """A module whose block is the base's own `transformers` decoder layer (HF parameter names, as the engine's):
     `LlamaDecoderLayer`, `Qwen2DecoderLayer` (q/k/v biases), `Qwen3DecoderLayer` (q/k norms), `MistralDecoderLayer`,
-    `Olmo2DecoderLayer` (post-norms) or `Glm4MoeDecoderLayer` (an MoE block). (Gemma's and Granite's need their
-    scaled embeddings (and Gemma's unit-offset norms) in the trainer: not yet.)
+    `Olmo2DecoderLayer` (post-norms), `Gemma3DecoderLayer` (sandwich unit-offset norms) or `Glm4MoeDecoderLayer`
+    (an MoE block). The block is built as the base's last full-attention layer (the engine's MTP layers attend to
+    every earlier key with the global rope). (Granite's multipliers: not yet.)
 
     Raises:
         ValueError: a base of another architecture.
@@ -135,8 +163,10 @@ def mtp_module(hf_config) -> MtpModule:
                          f"{hf_config.model_type!r} (a DeepSeek-V3 checkpoint brings its own MTP modules)")
     module_name, layer_name, norm_name = DECODER_LAYERS[hf_config.model_type]
     hf = importlib.import_module(module_name)
-    # the layer index only picks a cache slot and (Qwen2) the layer type: the last decoder layer's
-    block = getattr(hf, layer_name)(hf_config, hf_config.num_hidden_layers - 1)
+    # the layer index only picks a cache slot and the layer type: the last full-attention decoder layer's
+    types = getattr(hf_config, "layer_types", None) or ["full_attention"] * hf_config.num_hidden_layers
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    block = getattr(hf, layer_name)(hf_config, full[-1] if full else hf_config.num_hidden_layers - 1)
     return MtpModule(block, hf_config.hidden_size, lambda h: getattr(hf, norm_name)(h, eps=hf_config.rms_norm_eps))
 
 
@@ -265,7 +295,7 @@ class MtpContext:
 
     embed: torch.Tensor  # [V, H]
     lm_head: torch.Tensor  # [V, H]
-    rotary: nn.Module  # transformers' rotary embedding: (x, position_ids [1, T]) → (cos, sin)
+    rotary: Callable[..., Any]  # transformers' rotary embedding: (x, position_ids [1, T]) → (cos, sin)
     vocab: LossVocab | None = None  # None: the full vocabulary
     feature_weight: float = 0.0  # weight of the smooth-L1 loss between the normed output and the base's state
 
@@ -376,8 +406,8 @@ def train_mtp(model_dir: str | Path, data_cfg: DataConfig, output_dir: str | Pat
         else:
             module.warm_start(model.model.norm.weight.detach())
     vocab = LossVocab.of(data.train_token_ids()) if settings.loss_vocab == "data" else None
-    ctx = MtpContext(model.model.embed_tokens.weight.detach(), prep.lm_head, model.model.rotary_emb, vocab,
-                     settings.feature_weight)
+    embed, rotary = base_context(model.model)
+    ctx = MtpContext(embed, prep.lm_head, rotary, vocab, settings.feature_weight)
     eagle = num_modules == 1
     if eagle:
         run = lambda r: ctx.eagle(modules[0], *r[:4], num_draft_steps, targets=r.targets)  # noqa: E731
