@@ -45,14 +45,15 @@ def test_engine_mtp_module_matches_the_training_module(model_type):
     n = hf.config.num_hidden_layers
     state = split_experts({k: v.detach() for k, v in hf.state_dict().items()})
     state.update({f"model.layers.{n}.{k}": t for k, t in module.checkpoint_tensors().items()})
-    cfg = LlamaModelConfig.from_hf({**hf.config.to_dict(), "num_nextn_predict_layers": 1})
+    moe = model_type == "glm4_moe"  # (write_mtp_checkpoint sets mtp_moe for an MoE block)
+    cfg = LlamaModelConfig.from_hf({**hf.config.to_dict(), "num_nextn_predict_layers": 1, "mtp_moe": moe})
     stored = stored_view(_Stored(state), cfg)  # as build-engine reads it (GLM-4.5's partial rotary: q/k rows)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions=1)
     model.load_state_dict(dict(to_runtime(stored.get, stored.has, cfg, torch.float32)), strict=True, assign=True)
     model.rope_table = model.rope_table_for(64)
     model.eval().requires_grad_(False)
-    assert type(model.model.layers[n].mlp).__name__ == ("SparseMoE" if model_type == "glm4_moe" else "GatedMLP")
+    assert type(model.model.layers[n].mlp).__name__ == ("SparseMoE" if moe else "GatedMLP")
     ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(1))
     hidden, h1, logits = mtp_pass(model, ids)
     embed, rotary = base_context(hf.model)

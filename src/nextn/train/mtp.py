@@ -150,7 +150,7 @@ def mtp_module(hf_config) -> MtpModule:
     """A module whose block is the base's own `transformers` decoder layer (HF parameter names, as the engine's):
     `LlamaDecoderLayer`, `Qwen2DecoderLayer` (q/k/v biases), `Qwen3DecoderLayer` (q/k norms), `MistralDecoderLayer`,
     `Olmo2DecoderLayer` (post-norms), `Gemma3DecoderLayer` (sandwich unit-offset norms) or `Glm4MoeDecoderLayer`
-    (an MoE block). The block is built as the base's last full-attention layer (the engine's MTP layers attend to
+    (an MoE block). (Qwen3-MoE's block: its training loss turns NaN within 6 steps on a tiny base: not yet.) The block is built as the base's last full-attention layer (the engine's MTP layers attend to
     every earlier key with the global rope). (Granite's multipliers: not yet.)
 
     Raises:
@@ -485,6 +485,8 @@ def write_mtp_checkpoint(model_dir: str | Path, modules: list[dict[str, torch.Te
     for k, module in enumerate(modules):
         state.update({f"model.layers.{n + k}.{name}": t for name, t in module.items()})
     config["num_nextn_predict_layers"] = len(modules)
+    if any(".experts." in name for module in modules for name in module):
+        config["mtp_moe"] = True  # an MoE base's block: the engine builds the MTP layers' MLP as MoE
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(dict(sorted(state.items())), str(out / "model.safetensors"), metadata={"format": "pt"})
