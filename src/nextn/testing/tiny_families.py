@@ -64,6 +64,9 @@ MOE_FAMILIES: dict[str, dict[str, Any]] = {
                      num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=1, first_k_dense_replace=1,
                      routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True, num_nextn_predict_layers=0,
                      vocab_size=49160),
+}
+#: Families nextn builds as DeepSeek-V3 (not the Llama layer the families above share)
+DEEPSEEK_FAMILIES: dict[str, dict[str, Any]] = {
     # GLM-4.7-Flash: DeepSeek-V3's layer (MLA, sigmoid-routed experts, a shared expert) under GLM's config — nextn
     # builds it as the DeepSeek-V3 family; `mlp_layer_types` marks the first layer dense
     "glm4_moe_lite": dict(num_hidden_layers=3, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
@@ -83,12 +86,12 @@ _SPM_VOCAB = ("gemma2",)
 
 
 def tiny_hf_model(model_type: str, seed: int = 0, **overrides: Any):
-    """A float32 `transformers` causal LM of `model_type` (a `FAMILIES` or `MOE_FAMILIES` key) in eval mode: linear weights
-    N(0, 1/fan_in), embeddings N(0, 1), norm weights centre ± 0.1, so activations stay O(1) and the top logits are
-    apart by far more than float32 rounding."""
+    """A float32 `transformers` causal LM of `model_type` (a `FAMILIES`, `MOE_FAMILIES` or `DEEPSEEK_FAMILIES` key)
+    in eval mode: linear weights N(0, 1/fan_in), embeddings N(0, 1), norm weights centre ± 0.1, so activations stay
+    O(1) and the top logits are apart by far more than float32 rounding."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    family = FAMILIES[model_type] if model_type in FAMILIES else MOE_FAMILIES[model_type]
+    family = {**FAMILIES, **MOE_FAMILIES, **DEEPSEEK_FAMILIES}[model_type]
     cfg = AutoConfig.for_model(model_type, **{**_BASE, **family, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
