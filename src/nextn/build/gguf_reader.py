@@ -46,7 +46,8 @@ if TYPE_CHECKING:
 
 from nextn.build.gguf_families import (
     BLOCK_NAMES, FACTOR_TENSORS, MOE_ARCHITECTURES, PARTIAL_ROTARY_ARCHITECTURES, PERMUTED_ARCHITECTURES,
-    SUPPORTED_ARCHITECTURES, TENSOR_NAMES, expert_names, factor_values, family_config, global_names, moe_config, norm_shift,
+    SUPPORTED_ARCHITECTURES, TENSOR_NAMES, expert_names, factor_values, family_config, global_names, moe_config,
+    norm_shift,
 )  # fmt: skip
 
 #: ggml float types (read as they are, widened to fp32).
