@@ -19,6 +19,17 @@ from nextn.cli.checkpoint_options import add_checkpoint_options, checkpoint_llm_
 from nextn.cli.threads import add_threads_argument, apply_threads
 
 
+def _json_object(text: str) -> dict:
+    """--chat_template_kwargs: a JSON object (argparse reports the ValueError as a usage error)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e.msg} at character {e.pos})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("give a JSON object, e.g. '{\"enable_thinking\": false}'")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = ("Complete prompts with an engine or a checkpoint (greedy by default, sampled with --temperature "
                      "> 0); print each completion with its acceptance length (emitted tokens per verify-and-draft "
@@ -34,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action="store_true",
                    help="send each --prompt as one user message through the model's chat template (stored in the "
                         "engine), as /v1/chat/completions does")
+    p.add_argument("--chat_template_kwargs", type=_json_object, metavar="JSON",
+                   help="with --chat: more names for the chat template, as a JSON object (vLLM's "
+                        "chat_template_kwargs), e.g. '{\"enable_thinking\": false}' for Qwen3's thinking switch")
     p.add_argument("--max_tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
     p.add_argument("--extra_llm_api_options", "--config", dest="extra_llm_api_options",
                    help="YAML of LLM arguments (TensorRT-LLM names), e.g. speculative_config; relative paths in it "
@@ -105,6 +119,9 @@ def run(args: argparse.Namespace) -> int:
     if args.chat and args.token_ids:
         print("nextn generate: error: --chat renders text prompts; it cannot take --token_ids", file=sys.stderr)
         return 2
+    if args.chat_template_kwargs is not None and not args.chat:
+        print("nextn generate: error: --chat_template_kwargs goes with --chat", file=sys.stderr)
+        return 2
     try:
         apply_threads(args.num_threads, "nextn generate")
     except ValueError as e:
@@ -117,7 +134,14 @@ def run(args: argparse.Namespace) -> int:
         if llm.tokenizer is None:
             print("nextn generate: error: --chat needs a tokenizer and this engine has none", file=sys.stderr)
             return 2
-        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in args.prompt]
+        from nextn.runtime.tokenizer import ChatTemplateError
+        try:
+            prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}],
+                                                         template_kwargs=args.chat_template_kwargs)
+                       for p in args.prompt]
+        except ChatTemplateError as e:
+            print(f"nextn generate: error: {e}", file=sys.stderr)
+            return 2
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     outputs = llm.generate(prompts, params)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from nextn.runtime.template_render import (ChatTemplateError, ChatTemplateLimitError, RenderLimits,  # noqa: F401
                                            shared_renderer)
@@ -25,6 +25,32 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 GENERATION_CONFIG_NAME = "generation_config.json"
+
+#: Names a chat template gets from nextn itself, which `template_kwargs` may not replace
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tools"})
+#: At most this many `template_kwargs` per render (vLLM's `chat_template_kwargs`: a few switches)
+MAX_TEMPLATE_KWARGS = 32
+
+
+def check_template_kwargs(template_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """`template_kwargs` as a dict, checked: at most MAX_TEMPLATE_KWARGS names, each an identifier a template can
+    read, none of RESERVED_TEMPLATE_KWARGS.
+
+    Raises:
+        ChatTemplateError: too many names, a name that is not an identifier, or a reserved one (the message says
+            which)."""
+    if not template_kwargs:
+        return {}
+    if len(template_kwargs) > MAX_TEMPLATE_KWARGS:
+        raise ChatTemplateError(f"chat_template_kwargs has {len(template_kwargs)} names; at most "
+                                f"{MAX_TEMPLATE_KWARGS} are accepted")
+    for name in template_kwargs:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ChatTemplateError(f"chat_template_kwargs: {name!r} is not a name a template can read")
+        if name in RESERVED_TEMPLATE_KWARGS:
+            raise ChatTemplateError(f"chat_template_kwargs: {name!r} is set by nextn itself"
+                                    + (" (send tools in the request's `tools`)" if name == "tools" else ""))
+    return dict(template_kwargs)
 
 
 class EngineTokenizer:
@@ -55,7 +81,7 @@ class EngineTokenizer:
 
     def render_chat(self, messages: Sequence[dict], chat_template: str | None = None, *,
                     limits: RenderLimits | None = None, cancel: "threading.Event | None" = None,
-                    tools: Sequence[dict] | None = None) -> str:
+                    tools: Sequence[dict] | None = None, template_kwargs: Mapping[str, Any] | None = None) -> str:
         """`messages` rendered as text for the assistant's next turn, in a bounded worker process.
 
         Equal to `transformers`' `tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)`
@@ -67,12 +93,16 @@ class EngineTokenizer:
             cancel: set it to stop the render (`RenderCancelled`).
             tools: OpenAI-style function definitions ({"type": "function", "function": {...}}) handed to the
                 template as `tools`, as transformers' `apply_chat_template(tools=...)` does.
+            template_kwargs: more names for the template, as transformers' `apply_chat_template(**kwargs)` and vLLM's
+                `chat_template_kwargs` pass them (Qwen3's `{"enable_thinking": false}`); `check_template_kwargs`.
         Raises:
-            ChatTemplateError: no messages, no template, or the template raised (the message quotes it).
+            ChatTemplateError: no messages, no template, the template raised (the message quotes it), or
+                `template_kwargs` that `check_template_kwargs` refuses.
             ChatTemplateLimitError: the template passed the time, size or memory budget and was stopped.
         """
         if not messages:
             raise ChatTemplateError("no messages to render: give at least one")
+        extra = check_template_kwargs(template_kwargs)
         if chat_template is None and self.chat_template is None:
             raise ChatTemplateError("this engine's tokenizer has no chat template (its checkpoint had none): send "
                                     "plain prompts")
@@ -83,11 +113,12 @@ class EngineTokenizer:
         # None values dropped, except an assistant's content beside its tool calls (templates test it for none)
         conversation = [{k: v for k, v in m.items() if v is not None or (k == "content" and m.get("tool_calls"))}
                         for m in messages]
-        kwargs = dict(self.tok.special_tokens_map) | ({"tools": list(tools)} if tools else {})
+        kwargs = dict(self.tok.special_tokens_map) | extra | ({"tools": list(tools)} if tools else {})
         return shared_renderer().render(template, conversation, kwargs, add_generation_prompt=True, limits=limits,
                                         cancel=cancel)
 
-    def apply_chat_template(self, messages: Sequence[dict], chat_template: str | None = None) -> list[int]:
+    def apply_chat_template(self, messages: Sequence[dict], chat_template: str | None = None,
+                            template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """Token ids of `messages` rendered for the assistant's next turn (`render_chat`, default budget).
 
         Equal to `transformers`' `tokenizer.apply_chat_template(messages, add_generation_prompt=True)`: the template
@@ -95,12 +126,13 @@ class EngineTokenizer:
         Args:
             messages: `{"role": ..., "content": ...}` dicts, in order.
             chat_template: Jinja source to use instead of the model's (e.g. a server's fallback).
+            template_kwargs: more names for the template (`render_chat`).
         Raises:
             ChatTemplateError: neither `chat_template` nor the model has a template, or the template raised (e.g. a
                 role order it does not accept; the message quotes it).
             ChatTemplateLimitError: the template passed its time, size or memory budget and was stopped.
         """
-        text = self.render_chat(messages, chat_template)
+        text = self.render_chat(messages, chat_template, template_kwargs=template_kwargs)
         return list(self.tok.encode(text, add_special_tokens=False))
 
 

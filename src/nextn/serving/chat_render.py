@@ -41,8 +41,10 @@ class ServerChatRenderer:
         self.renderer.start()  # the workers' imports run while the server starts, not in the first request
         self._limiter: anyio.CapacityLimiter | None = None
 
-    async def render(self, messages: list[dict], raw: Request, tools: list[dict] | None = None) -> str:
-        """The prompt text of `messages` (and `tools`, OpenAI's function definitions, for templates that list them).
+    async def render(self, messages: list[dict], raw: Request, tools: list[dict] | None = None,
+                     template_kwargs: dict | None = None) -> str:
+        """The prompt text of `messages` (and `tools`, OpenAI's function definitions, for templates that list them;
+        `template_kwargs`, the request's `chat_template_kwargs`).
 
         Raises:
             APIError: 400 when the template rejects the messages or passes its budget (code "chat_template_limit"),
@@ -52,7 +54,7 @@ class ServerChatRenderer:
             self._limiter = anyio.CapacityLimiter(self.renderer.num_workers)
         cancel = threading.Event()
         fn = functools.partial(self.tokenizer.render_chat, messages, self.chat_template, limits=self.limits,
-                               cancel=cancel, tools=tools)
+                               cancel=cancel, tools=tools, template_kwargs=template_kwargs)
         task = asyncio.ensure_future(anyio.to_thread.run_sync(fn, limiter=self._limiter))
         try:
             while not (await asyncio.wait({task}, timeout=DISCONNECT_POLL_S))[0]:

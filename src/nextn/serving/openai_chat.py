@@ -30,7 +30,8 @@ class ServerCore(Protocol):
     tokenizer: Any
 
     def _check_model(self, model: str | None) -> None: ...
-    async def _chat_ids(self, messages: list, raw: Request, tools: list | None = None) -> list[int]: ...
+    async def _chat_ids(self, messages: list, raw: Request, tools: list | None = None,
+                        template_kwargs: dict | None = None) -> list[int]: ...
     def _params(self, req: Any, num_prompt_tokens: int, max_tokens: int | None, param: str,
                 max_tokens_param: str = ..., num_top: int | None = None, tool_grammar: str | None = None) -> Any: ...
     async def _tool_grammar(self, req: Any) -> str | None: ...
@@ -47,7 +48,7 @@ async def chat_response(server: ServerCore, req: p.ChatCompletionRequest, raw: R
     """The chat route's response (JSON, or server-sent events with `stream`). Raises p.APIError as the server."""
     server._check_model(req.model)
     tools = req.tools if req.tools and req.tool_choice != "none" else None
-    ids = await server._chat_ids(req.messages, raw, tools)
+    ids = await server._chat_ids(req.messages, raw, tools, req.chat_template_kwargs)
     limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     num_top = (req.top_logprobs or 0) if req.logprobs else None

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator,
                       model_serializer)
 
+from nextn.runtime.tokenizer import check_template_kwargs
 from nextn.serving.openai_tools import MAX_TOOLS, Tool, ToolCall, ToolChoice
 from nextn.serving.request_fields import (INT32_MAX, MAX_STOP_TOKEN_IDS, Finite, Name, StopText, Text, TokenCount,
                                           TokenId, check_prompt, short)
@@ -146,6 +147,13 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None  # default: "auto" with tools, "none" without
     parallel_tool_calls: StrictBool = True
+    # more names for the chat template, as vLLM's (Qwen3: {"enable_thinking": false}); checked before any render
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict | None) -> dict | None:
+        return check_template_kwargs(v) or None
 
 
 # Responses ------------------------------------------------------------------------------------------------------

@@ -162,17 +162,21 @@ class OpenAIServer:
         self._check_chars(len(text), param)
         return list(self.tokenizer.tok.encode(text, add_special_tokens=add_special_tokens))
 
-    def chat_ids(self, messages: list[p.ChatMessage], tools: list | None = None) -> list[int]:
+    def chat_ids(self, messages: list[p.ChatMessage], tools: list | None = None,
+                 template_kwargs: dict | None = None) -> list[int]:
         """The prompt ids of `messages` as a chat request renders them (same checks, template, tool-call form and
         budget; no client to watch): for tools and tests. Raises APIError as a request would."""
         msgs = self._chat_messages(messages, self._arguments_as_text(messages))
         text = self.chat_renderer.tokenizer.render_chat(msgs, self.chat_renderer.chat_template,
-                                                        limits=self.chat_renderer.limits, tools=_tool_dicts(tools))
+                                                        limits=self.chat_renderer.limits, tools=_tool_dicts(tools),
+                                                        template_kwargs=template_kwargs)
         return self._encode(text, "messages", self.chat_template is not None)
 
-    async def _chat_ids(self, messages: list[p.ChatMessage], raw: Request, tools: list | None = None) -> list[int]:
+    async def _chat_ids(self, messages: list[p.ChatMessage], raw: Request, tools: list | None = None,
+                        template_kwargs: dict | None = None) -> list[int]:
         as_text = any(m.tool_calls for m in messages) and await self._off_loop(self._arguments_as_text, messages)
-        text = await self.chat_renderer.render(self._chat_messages(messages, as_text), raw, tools=_tool_dicts(tools))
+        text = await self.chat_renderer.render(self._chat_messages(messages, as_text), raw, tools=_tool_dicts(tools),
+                                               template_kwargs=template_kwargs)
         # A model's template writes its own BOS; the fallback does not, so the tokenizer adds it.
         return await self._off_loop(self._encode, text, "messages", self.chat_template is not None)
 
