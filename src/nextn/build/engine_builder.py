@@ -177,7 +177,8 @@ def build_engine(
         # `speculative_config: null` in the YAML turns drafting off (an absent key keeps the checkpoint's default).
         spec_disabled = (llm_args is not None and "speculative_config" in yaml_data
                          and llm_args.speculative_config is None)
-        cfg = check_mtp_layers(reader, cfg, drop_if_absent=spec_disabled)
+        cfg = check_mtp_layers(reader, cfg, drop_if_absent=spec_disabled,
+                               names=layout.stored_view(reader, cfg).names())
         speculative = (resolve_speculative(cfg, yaml_data, llm_args, model_dir) if heads is None
                        else medusa_speculative(heads, llm_args))
         if quant_algo == "auto":

@@ -158,9 +158,11 @@ def check_seq_len(value: int, what: str, cfg: ModelConfig) -> None:
 
 
 def check_mtp_layers(
-    reader: CheckpointReader, cfg: ModelConfig, drop_if_absent: bool
+    reader: CheckpointReader, cfg: ModelConfig, drop_if_absent: bool, names: list[str] | None = None
 ) -> ModelConfig:
     """Detect a config that declares MTP layers whose tensors are entirely absent (as `save_pretrained` writes).
+    `names`: the tensors under the engine's names where the family stores them otherwise (Qwen3.5's `mtp.*`);
+    default the reader's.
 
     Returns `cfg`, or a copy with no MTP layers when they are absent and drafting is disabled (`drop_if_absent`).
     Raises EngineError when they are absent and drafting is wanted; partial layers fail later naming the tensor.
@@ -169,7 +171,7 @@ def check_mtp_layers(
     if k == 0:
         return cfg
     prefixes = tuple(layer_prefix(n + i) for i in range(k))
-    if any(name.startswith(prefixes) for name in reader.names()):
+    if any(name.startswith(prefixes) for name in (reader.names() if names is None else names)):
         return cfg
     if drop_if_absent:
         return cfg.model_copy(update={"num_nextn_predict_layers": 0})

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from nextn.build import gguf_qwen35
 from nextn.build.checkpoint import CheckpointError
 
 #: GGUF `general.architecture` → the HF architecture nextn builds it as.
@@ -24,12 +25,13 @@ SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausal
                            "gemma2": "Gemma2ForCausalLM", "exaone4": "Exaone4ForCausalLM",
                            "seed_oss": "SeedOssForCausalLM", "glm4": "Glm4ForCausalLM",
                            "qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
-                           "olmoe": "OlmoeForCausalLM", "glm4moe": "Glm4MoeForCausalLM"}  # and Mixtral (llama)
+                           "olmoe": "OlmoeForCausalLM", "glm4moe": "Glm4MoeForCausalLM",
+                           "qwen35": "Qwen3_5ForCausalLM"}  # and Mixtral (llama)
 #: Architectures whose q/k rows llama.cpp permutes at conversion (convert_hf_to_gguf.py `LlamaModel.permute`;
 #: `SmolLM3Model` and `GraniteModel` are `LlamaModel`s).
 PERMUTED_ARCHITECTURES = ("llama", "smollm3", "granite")
 #: Architectures whose heads may rotate only their first `{arch}.rope.dimension_count` dims (Phi-4-mini: 0.75).
-PARTIAL_ROTARY_ARCHITECTURES = ("phi3", "glm4", "glm4moe")
+PARTIAL_ROTARY_ARCHITECTURES = ("phi3", "glm4", "glm4moe", "qwen35")
 #: Rope frequency factors stored as tensors, per architecture: Llama 3's scaling (`rope_freqs`), LongRoPE's short
 #: and long factors (conversion/phi.py `Phi3MiniModel.generate_extra_tensors`).
 FACTOR_TENSORS = {"llama": ("rope_freqs.weight",), "exaone4": ("rope_freqs.weight",),
@@ -83,7 +85,7 @@ _GLM4_MOE_BLOCK = {**_SEED_OSS_BLOCK, **_QK_NORMS, **_NEXTN, "ffn_gate_inp": "ml
                    "ffn_down_shexp": "mlp.shared_experts.down_proj"}
 #: Block tensors whose HF name is not `<module>.<weight | bias>` (llama.cpp name without `blk.N.` → HF name without
 #: `model.layers.N.`)
-TENSOR_NAMES = {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"}
+TENSOR_NAMES = {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias", **gguf_qwen35.TENSOR_NAMES}
 #: The experts' 3-D tensors [E, out, in] (HF order) → each expert's projection (`expert_names`)
 EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 #: Whether an MoE architecture renormalises its top-k probabilities (llama.cpp's src/models/<arch>.cpp: the `norm_w`
@@ -91,7 +93,7 @@ EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_d
 NORM_TOPK = {"qwen3moe": True, "llama": True, "qwen2moe": False, "olmoe": False}
 BLOCK_NAMES = {"qwen3moe": {**_LLAMA_BLOCK, **_QK_NORMS, **_MOE_BLOCK}, "qwen2moe": {**_LLAMA_BLOCK, **_MOE_BLOCK},
                "olmoe": {**_LLAMA_BLOCK, **_QK_NORMS, **_MOE_BLOCK}, "phi3": _PHI3_BLOCK, "glm4": _GLM4_BLOCK,
-               "glm4moe": _GLM4_MOE_BLOCK,
+               "glm4moe": _GLM4_MOE_BLOCK, "qwen35": gguf_qwen35.BLOCK,
                "olmo2": _POST_NORM_BLOCK, "exaone4": _POST_NORM_BLOCK, "seed_oss": _SEED_OSS_BLOCK,
                "llama": {**_LLAMA_BLOCK, **_MOE_BLOCK}, "qwen2": _LLAMA_BLOCK, "qwen3": {**_LLAMA_BLOCK, **_QK_NORMS},
                "gemma2": _GEMMA_BLOCK, "gemma3": _GEMMA_BLOCK, "smollm3": _LLAMA_BLOCK, "granite": _LLAMA_BLOCK}
@@ -136,6 +138,8 @@ def moe_config(arch: str, key: Callable[..., Any]) -> dict[str, Any]:
 def norm_shift(arch: str, hf_name: str) -> float:
     """What llama.cpp's converter added to tensor `hf_name` of an `arch` file (Gemma's RMSNorm weights: 1.0, since
     `Gemma3RMSNorm` scales by 1 + w), subtracted again when reading. 0.0 for everything else."""
+    if arch == "qwen35":
+        return gguf_qwen35.norm_shift(hf_name)
     return 1.0 if arch in ("gemma2", "gemma3") and hf_name.endswith("norm.weight") else 0.0
 
 
@@ -163,6 +167,8 @@ def family_config(arch: str, key: Callable[..., Any], layers: int, hidden: int, 
     values; `has(HF name)` whether the file holds a tensor); {} for the Llama layout."""
     if arch == "glm4moe":
         return _glm4moe(key, layers, head_dim, has)
+    if arch == "qwen35":
+        return gguf_qwen35.config(key, layers, head_dim)
     if arch == "phi3":
         return _phi3(key, head_dim, factors)
     if arch == "glm4":  # conversion/glm.py: rope.dimension_count = head_dim × partial_rotary_factor

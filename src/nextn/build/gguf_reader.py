@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from nextn.build import gguf_qwen35
 from nextn.build.checkpoint import CheckpointError
 from nextn.build.ggml_blocks import q4_k_two_level, unpermute_rope_rows
 from nextn.build.gguf_header import peek_architecture
@@ -56,6 +57,7 @@ FLOAT_TYPES = ("F32", "F16", "BF16")
 FOUR_BIT_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS"})
 #: llama.cpp writes 0xFFFFFFFF (-1 as uint32) for "no such token".
 NO_TOKEN = 2**32 - 1
+_BARE_RE = re.compile(r"blk\.(\d+)\.(\w+)")
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+|nextn\.\w+)\.(weight|bias)")  # nextn.*: an MTP layer's own tensors
 #: GGUF value types read as integers (a BOOL is not a count) and as numbers.
 _INT_TYPES = frozenset({"UINT8", "INT8", "UINT16", "INT16", "UINT32", "INT32", "UINT64", "INT64"})
@@ -75,6 +77,9 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
         return f"model.layers.{m[1]}.{TENSOR_NAMES[f'{m[2]}.{m[3]}']}"
     if m and m[2] in block:
         return f"model.layers.{m[1]}.{block[m[2]]}.{m[3]}"
+    bare = _BARE_RE.fullmatch(gguf_name)  # a block tensor without .weight / .bias (qwen35's `ssm_a`)
+    if bare and bare[2] in TENSOR_NAMES and bare[2] in block:
+        return f"model.layers.{bare[1]}.{TENSOR_NAMES[bare[2]]}"
     return None
 
 
@@ -312,7 +317,7 @@ class GGUFCheckpoint:
         options.update(moe_config(arch, lambda k, kind, d: kinds[kind](k, d)))
         return {
             "architectures": [SUPPORTED_ARCHITECTURES[arch]],
-            "model_type": {"gemma3": "gemma3_text"}.get(arch, arch),  # HF's model_type of each family
+            "model_type": {"gemma3": "gemma3_text", "qwen35": "qwen3_5_text"}.get(arch, arch),  # HF's model_type of each family
             "vocab_size": vocab,
             "hidden_size": hidden,
             "intermediate_size": count("feed_forward_length"),
@@ -400,6 +405,8 @@ class GGUFCheckpoint:
         if t is None:
             raise KeyError(name)
         shape = [int(n) for n in reversed(t.shape)]
+        if self.architecture == "qwen35":
+            shape = gguf_qwen35.shape(name, shape)
         return "F32", shape[1:] if name in self._expert else shape
 
     def get(self, name: str) -> torch.Tensor:
@@ -424,6 +431,8 @@ class GGUFCheckpoint:
         w = torch.from_numpy(data.reshape(shape))
         if shift := norm_shift(self.architecture, name):
             w -= shift  # exact: 1 + (s − 1) rounds back to the stored s in fp32 for any s in [0.5, 2]
+        if self.architecture == "qwen35":
+            w = gguf_qwen35.restore(name, w, self.hf_config)
         if self.architecture in PERMUTED_ARCHITECTURES:
             if ".self_attn.q_proj." in name:
                 w = unpermute_rope_rows(w, self.hf_config["num_attention_heads"])
@@ -441,7 +450,8 @@ class GGUFCheckpoint:
         from nextn.quantization.weight_only import INT4_ALGOS, super_block
 
         t = self._tensors.get(name)
-        if (t is None or t.tensor_type != gguf.GGMLQuantizationType.Q4_K or cfg.quant_algo not in INT4_ALGOS
+        if (t is None or t.tensor_type != gguf.GGMLQuantizationType.Q4_K
+                or (self.architecture == "qwen35" and not gguf_qwen35.keeps_rows(name)) or cfg.quant_algo not in INT4_ALGOS
                 or cfg.group_size != 32 or not cfg.super_block_size or len(t.shape) != 2 + (name in self._expert)):
             return None
         k, n = (int(x) for x in t.shape[:2])

@@ -21,7 +21,8 @@ from collections.abc import Iterable
 from nextn.models.config import ConfigError
 from nextn.models.deepseek_v3.weights import WeightError
 
-_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.")
+# `model.language_model.layers.N.`: the text model of a vision-language checkpoint (Qwen3.5 releases)
+_LAYER_RE = re.compile(r"model\.(?:language_model\.)?layers\.(\d+)\.")
 #: How many names or index ranges a message lists before "…".
 SHOWN = 6
 logger = logging.getLogger(__name__)

@@ -104,6 +104,12 @@ def _check_drafter(drafter: Any, mode: FirstMtpStep) -> None:
         raise LlmArgsError(f"first_mtp_step {mode!r} needs an MTP drafter")
 
 
+def _check_model(model: Any) -> None:
+    if model.has_recurrent_state:
+        raise LlmArgsError("disaggregated serving moves KV; this model's linear-attention layers keep a recurrent "
+                           "state per request outside the KV cache (Qwen3.5's Gated DeltaNet): serve it on one engine")
+
+
 def _slots(block_table: list[int], num_rows: int, block_size: int) -> torch.Tensor:
     pos = torch.arange(num_rows)
     return torch.tensor(block_table)[pos // block_size] * block_size + pos % block_size
@@ -114,6 +120,7 @@ class ContextSide:
 
     def __init__(self, engine: Any, mode: FirstMtpStep) -> None:
         _check_drafter(engine.drafter, mode)
+        _check_model(engine.model)
         self.engine, self.mode = engine, mode
         self._plan = None
         self._groups: list[tuple[list[int], int]] = []
@@ -177,6 +184,7 @@ class GenerationSide:
 
     def __init__(self, engine: Any, mode: FirstMtpStep) -> None:
         _check_drafter(engine.drafter, mode)
+        _check_model(engine.model)
         self.engine, self.mode = engine, mode
 
     @torch.inference_mode()

@@ -28,6 +28,8 @@ class AttentionMetadata:
         tree_start: [batch] int64 kv_len for a tree forward (`create_tree`), else None.
         tree_mask: the tree's own mask for a tree forward, else None: [L, L] bool (one tree for the batch) or
             [B, T, L] bool (per request: T query tokens over the L tree keys at tree_start..tree_start+L−1).
+        recurrent: for a model with linear-attention layers, its `RecurrentState` and this forward's
+            `RecurrentRows` (set by the model's forward: `models/recurrent_state.py`), else None.
     A query at position p attends to every cached key at positions 0..p of its own sequence (causal over the
     paged cache): the keys this forward writes are stored before attention reads them. `context_slots` and
     `visible` spell the same out densely for the PyTorch attention; kernels read block tables, positions and the
@@ -42,6 +44,7 @@ class AttentionMetadata:
     visible: torch.Tensor  # [batch, 1, num_tokens, max_blocks · block_size] bool: key position ≤ query position
     tree_start: torch.Tensor | None = None
     tree_mask: torch.Tensor | None = None
+    recurrent: tuple | None = None
 
     @classmethod
     def create(cls, positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,

@@ -9,11 +9,14 @@ tensor, one row per layer). Families: `deepseek_v3.model`, `llama.model`.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
 from nextn.plugins.decoder_layer import FusedStack, stack_forward
 from nextn.models.attention_metadata import AttentionMetadata
+from nextn.models.recurrent_state import RecurrentState
 
 
 def vocab_projection(weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -47,6 +50,14 @@ class SelfDraftingCausalLM(nn.Module):
     sliding_window: int | None = None
     logits_scaling: float = 1.0  # logits ÷ this (Granite's `logits_scaling`)
     final_logit_softcapping: float | None = None  # logits → cap · tanh(logits / cap) (Gemma 2)
+    #: Per decoder layer its KV-cache row, −1 for a linear-attention layer (None: layer i is row i); how many
+    #: decoder layers are linear-attention ones (plain attributes, set by the family: torch.compile traces them)
+    cache_rows: tuple[int, ...] | None = None
+    num_linear_layers: int = 0
+    #: The linear-attention layers' per-request state (`allocate_recurrent_state`), None for a model without them
+    recurrent_state: RecurrentState | None = None
+    #: The batch slot of each row of the forward about to run ([B] int64; `bind_batch_slots`)
+    batch_slots: torch.Tensor | None = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -57,7 +68,32 @@ class SelfDraftingCausalLM(nn.Module):
 
     @property
     def num_cache_layers(self) -> int:
-        return self.cfg.num_hidden_layers + self.cfg.num_nextn_predict_layers
+        """KV-cache layers: the attention decoder layers (not linear-attention ones), then the MTP layers."""
+        return self.num_attention_layers + self.cfg.num_nextn_predict_layers
+
+    @property
+    def num_attention_layers(self) -> int:
+        return self.cfg.num_hidden_layers - self.num_linear_layers
+
+    @property
+    def has_recurrent_state(self) -> bool:
+        """Whether some decoder layer keeps per-request recurrent state (Gated DeltaNet) instead of KV."""
+        return self.num_linear_layers > 0
+
+    def allocate_recurrent_state(self, num_slots: int, ring: int, device: torch.device | str) -> int:
+        """Allocate the linear-attention layers' state for `num_slots` batch slots, `ring` states each (K + 1 for
+        K drafts: `models/recurrent_state.py`); returns its bytes (0 for a model without such layers)."""
+        if not self.has_recurrent_state:
+            return 0
+        layer = self.model.layers[self.cfg.linear_layers[0]].linear_attn
+        self.recurrent_state = RecurrentState(len(self.cfg.linear_layers), num_slots, ring, layer.conv_dim,
+                                              layer.kernel, layer.value_heads, layer.key_dim, layer.value_dim, device)
+        return self.recurrent_state.nbytes
+
+    def bind_batch_slots(self, slots: torch.Tensor) -> None:
+        """The batch slot of each row [B] int64 of the next forwards (the model runner, before a step): where a
+        model with recurrent state reads and keeps each row's state."""
+        self.batch_slots = slots
 
     def _cos_sin(self, positions: torch.Tensor) -> torch.Tensor:
         """The full-attention layers' rope rows at `positions` [B, T]: [B, T, 2, rope_dim // 2]."""
@@ -72,6 +108,8 @@ class SelfDraftingCausalLM(nn.Module):
         inputs = {"full_attention": (table[..., :2, :], meta)}
         if self.sliding_window is not None:
             inputs["sliding_attention"] = (table[..., -2:, :], meta.windowed(self.sliding_window))
+        if self.layer_types is not None and "linear_attention" in self.layer_types:
+            inputs["linear_attention"] = inputs["full_attention"]  # no positions: the layer ignores the rows
         if self.layer_types is not None and any(k.endswith(":nope") for k in self.layer_types):
             identity = torch.stack([torch.ones_like(table[..., 0, :]), torch.zeros_like(table[..., 0, :])], -2)
             inputs.update({f"{k}:nope": (identity, m) for k, (_, m) in list(inputs.items())})
@@ -81,13 +119,22 @@ class SelfDraftingCausalLM(nn.Module):
         """Target forward. input_ids: [B, T] int64 → hidden states after the final norm [B, T, hidden]; writes KV
         at the tokens' slots."""
         x = self.model.embed_tokens(input_ids)
+        state, rows = self.recurrent_state, None
+        if state is not None:
+            if self.batch_slots is None or self.batch_slots.shape[0] != input_ids.shape[0]:
+                raise RuntimeError("a model with recurrent state needs its rows' batch slots (bind_batch_slots)")
+            rows = state.rows(self.batch_slots, meta.positions, meta.slot_mapping >= meta.block_size)
+            meta = replace(meta, recurrent=(state, rows))
         inputs = self.attention_inputs(meta)
         if self.fused_stack is not None and x.dtype == kv_cache.dtype == torch.bfloat16:
             return self.model.norm(stack_forward(self.fused_stack, x, inputs, kv_cache))
-        types = self.layer_types
+        types, cache_rows = self.layer_types, self.cache_rows
         for i in range(self.cfg.num_hidden_layers):
             cos_sin, layer_meta = inputs[types[i] if types is not None else "full_attention"]
-            x = self.model.layers[i](x, cos_sin, kv_cache[i], layer_meta)
+            row = i if cache_rows is None else cache_rows[i]
+            x = self.model.layers[i](x, cos_sin, kv_cache[row] if row >= 0 else None, layer_meta)
+        if state is not None:
+            state.advance(rows)
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -170,7 +217,7 @@ class SelfDraftingCausalLM(nn.Module):
         (the target's final hidden for k's first use, else the previous module's output) → [B, T, hidden]."""
         embeds = self.model.embed_tokens(input_ids)
         return self.mtp_layer(k).forward_mtp(embeds, hidden_prev, self._cos_sin(meta.positions),
-                                             kv_cache[self.cfg.num_hidden_layers + k], meta)
+                                             kv_cache[self.num_attention_layers + k], meta)
 
     def mtp_logits(self, k: int, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head(shared_head.norm(h)) of MTP module k: [..., hidden] → [..., vocab] fp32."""

@@ -20,6 +20,11 @@ WEIGHT_LAYOUTS: dict[str, ModuleType] = {"DeepseekV3ForCausalLM": deepseek_weigh
                                          **{arch: llama_weights for arch in LLAMA_ARCHITECTURES}}
 
 
+#: Vision-language architectures whose text model nextn builds (its weights under `model.language_model.`, the
+#: vision tower's under `model.visual.` left out: `llama.stored_layout`) → that text architecture
+MULTIMODAL_TEXT = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM"}
+
+
 def model_config_from_hf(hf: dict[str, Any]) -> DeepseekV3ModelConfig | LlamaModelConfig:
     """The normalised config of an HF `config.json` dict, for any supported family.
 
@@ -27,6 +32,10 @@ def model_config_from_hf(hf: dict[str, Any]) -> DeepseekV3ModelConfig | LlamaMod
         ConfigError: an unsupported architecture (the message lists the supported ones) or an invalid field.
     """
     archs = hf.get("architectures") or []
+    if archs and archs[0] in MULTIMODAL_TEXT:  # the text model of a released vision-language checkpoint
+        hf = {**{k: v for k, v in hf.items() if not k.endswith("_config")}, **(hf.get("text_config") or {}),
+              "architectures": [MULTIMODAL_TEXT[archs[0]]]}
+        archs = hf["architectures"]
     if (archs and archs[0] in LLAMA_ARCHITECTURES) or hf.get("model_type") in LLAMA_ARCHITECTURES.values():
         return LlamaModelConfig.from_hf(hf)
     if (archs and archs[0] in ("DeepseekV3ForCausalLM", *GLM_LITE)) or hf.get("model_type") in ("deepseek_v3",

@@ -91,6 +91,8 @@ def fuse_layer(layer: nn.Module) -> FusedLayerWeights | None:
     paged kernel, norms not bf16 (or Gemma's, any dtype), an activation the op lacks, or shapes the op does not take
     (hidden / intermediate % 64, head_dim % 32)."""
     attn, mlp = layer.self_attn, layer.mlp
+    if getattr(attn, "output_gate", False):  # Qwen3.5's gated attention: the op has no output gate
+        return None
     qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
     if not hasattr(mlp, "gate_proj"):  # an MoE MLP (models/moe.py): the op runs the attention, the module the MLP
         return _fuse_attention(layer)
@@ -116,6 +118,8 @@ def _fuse_attention(layer: nn.Module) -> FusedLayerWeights | None:
     """The op's operands for the attention half of a pre-norm layer whose MLP is not a `GatedMLP` (an MoE layer): no
     gate_up / down (`attention_only`: the op returns the hidden state after the attention's residual add)."""
     attn = layer.self_attn
+    if getattr(attn, "output_gate", False):
+        return None
     qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
     kind = int4_linears(*qkv, attn.o_proj)
     if (kind is None or not attn.paged_attention_kernel or len({lin.bias is None for lin in qkv}) != 1

@@ -178,8 +178,11 @@ def quantized_specs(name: str, shape: tuple[int, int], cfg: QuantConfig) -> dict
 
 
 def linear_weight_names(model: torch.nn.Module, cfg: QuantConfig) -> set[str]:
-    """`<name>.weight` of every `nn.Linear` in `model` (built on the meta device) that `cfg` quantizes."""
-    return {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and cfg.applies_to(n)}
+    """`<name>.weight` of every `nn.Linear` in `model` (built on the meta device) that `cfg` quantizes: all but those
+    `cfg` excludes and those the model keeps dense (`keep_dense` set on the module: a projection to a few values per
+    head, such as a Gated DeltaNet's decay and write-strength inputs, which quantizing would save nothing on)."""
+    return {f"{n}.weight" for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and cfg.applies_to(n) and not getattr(m, "keep_dense", False)}
 
 
 def quantize_stream(specs: dict[str, tuple[tuple[int, ...], torch.dtype]],

@@ -78,14 +78,38 @@ class LoadedEngine:
 
 
 def prefix_cache_for(args: LlmArgs, manifest: EngineManifest, spec: object, drafter: Drafter,
-                     kv_dtype: torch.dtype, block_size: int) -> PrefixCache | None:
-    """The prefix cache when `kv_cache_config.enable_block_reuse` is on (None otherwise): keys salted with what
-    changes KV content besides the tokens (checkpoint, KV dtype, drafter and K), and the drafter's look-ahead."""
-    if not args.kv_cache_config.enable_block_reuse:
+                     kv_dtype: torch.dtype, block_size: int, recurrent: bool = False) -> PrefixCache | None:
+    """The prefix cache when `kv_cache_config.enable_block_reuse` is on (None otherwise, and for a model with
+    recurrent state: `check_recurrent`): keys salted with what changes KV content besides the tokens (checkpoint, KV
+    dtype, drafter and K), and the drafter's look-ahead."""
+    if not args.kv_cache_config.enable_block_reuse or recurrent:
         return None
     salt = "|".join([manifest.source.fingerprint, manifest.dtype, str(kv_dtype), drafter.name,
                      str(drafter.num_draft_tokens), repr(spec)])
     return PrefixCache(block_size, salt, drafter.traits.key_lookahead)
+
+
+def check_recurrent(model: nn.Module, args: LlmArgs, drafter: Drafter, sharded: bool) -> None:
+    """Refuse, by name, what a model with linear-attention layers (per-request recurrent state: Qwen3.5's Gated
+    DeltaNet) cannot run yet: the prefix cache asked for explicitly (by default it is off for such a model: a
+    reused prefix would need the state at the block boundary), tree drafters, tensor parallelism, torch.compile.
+
+    Raises:
+        LlmArgsError: the setting and what to use instead."""
+    if not model.has_recurrent_state:
+        return
+    what = "this model's linear-attention layers keep a recurrent state per request (Qwen3.5's Gated DeltaNet)"
+    kvc = args.kv_cache_config
+    if kvc.enable_block_reuse and "enable_block_reuse" in kvc.model_fields_set:
+        raise LlmArgsError(f"kv_cache_config.enable_block_reuse: {what}, which the prefix cache does not keep; "
+                           "leave it unset or false")
+    if drafter.traits.tree:
+        raise LlmArgsError(f"{drafter.name} verifies a tree of drafts; {what}, which runs one sequence: use a chain "
+                           "method (MTP Eagle, NGram, Suffix, Draft_Target)")
+    if sharded:
+        raise LlmArgsError(f"tensor parallelism: {what}, which is not split over ranks yet: run one rank")
+    if args.torch_compile_config is not None:
+        raise LlmArgsError(f"torch_compile_config: {what}, whose step is eager only for now: leave it unset")
 
 
 def load_engine(engine_dir: str | Path, args: LlmArgs, spec: BaseModel | None, device: torch.device,
@@ -127,10 +151,12 @@ def load_engine(engine_dir: str | Path, args: LlmArgs, spec: BaseModel | None, d
     if drafter.traits.draft_head and fast_bf16(device):
         model.use_bf16_draft_head()  # drafts only propose: a cheaper head cannot change the output
     registry.prepare_model(model, spec, ctx)  # what the method changes in the target (MTP: its draft head cut)
+    check_recurrent(model, args, drafter, sharding is not None)
+    model.allocate_recurrent_state(max_batch_size, k + 1, device)  # no-op without linear-attention layers
     kv = allocate_kv_cache(model.num_cache_layers, plan.num_blocks, block_size, kv_cfg.kv_cache_dim, kv_dtype,
                            device)  # num_blocks counts the null block
     pool = BlockPool(plan.num_blocks, block_size, prefix_cache_for(args, manifest, spec, drafter, kv_dtype,
-                                                                   block_size))
+                                                                   block_size, model.has_recurrent_state))
 
     decode_fn = drafter.decode_fn  # verify_and_draft_step, or Medusa's tree step
     if args.torch_compile_config is not None:

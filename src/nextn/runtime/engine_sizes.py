@@ -141,13 +141,15 @@ def plan_kv_cache(args: LlmArgs, model_cfg, device: torch.device, max_batch_size
     per_seq = -(-(max_seq_len + lookahead) // block)
     max_tokens = kvc.max_tokens or max_batch_size * per_seq * block
     num_blocks = -(-max_tokens // block) + 1  # + the null block
-    num_layers = model_cfg.num_hidden_layers + getattr(model_cfg, "num_nextn_predict_layers", 0)
+    num_layers = getattr(model_cfg, "num_cache_layers", None) or (
+        model_cfg.num_hidden_layers + getattr(model_cfg, "num_nextn_predict_layers", 0))  # no KV: linear layers
     itemsize = torch.empty((), dtype=kv_dtype).element_size()
     per_token = num_layers * model_cfg.kv_cache_dim * itemsize
     kv_bytes = num_blocks * block * per_token
     rope_dim = getattr(model_cfg, "qk_rope_head_dim", None) or model_cfg.hidden_size // model_cfg.num_attention_heads
     other = (max_seq_len + lookahead + block) * rope_dim * 4 + num_blocks * 64
     other += _state_bytes(drafter, max_batch_size, model_cfg.hidden_size, state_dtype)
+    other += recurrent_state_bytes(model_cfg, max_batch_size, drafter.num_draft_tokens + 1)
     avail, what = available_memory(device)
     budget = int(avail * kvc.free_gpu_memory_fraction)
     if kv_bytes + other > budget:
@@ -167,6 +169,19 @@ def plan_kv_cache(args: LlmArgs, model_cfg, device: torch.device, max_batch_size
             f"{other / _GIB:.2f} GiB of rope table, per-request state and block bookkeeping, but {what} is "
             f"{avail / _GIB:.2f} GiB, of which kv_cache_config.free_gpu_memory_fraction allows {budget / _GIB:.2f} GiB: {fix}")
     return KvCachePlan(per_seq, num_blocks, kv_bytes, other)
+
+
+def recurrent_state_bytes(model_cfg, batch: int, ring: int) -> int:
+    """Bytes of the linear-attention layers' per-request state (`models/recurrent_state.py`: `ring` float32 conv and
+    recurrent states per layer and batch slot); 0 for a model without such layers."""
+    layers = len(getattr(model_cfg, "linear_layers", ()))
+    if not layers:
+        return 0
+    keys, values = model_cfg.linear_num_key_heads * model_cfg.linear_key_head_dim, (
+        model_cfg.linear_num_value_heads * model_cfg.linear_value_head_dim)
+    conv = (2 * keys + values) * (model_cfg.linear_conv_kernel_dim - 1)
+    ssm = values * model_cfg.linear_key_head_dim
+    return layers * batch * ring * (conv + ssm) * 4
 
 
 def _state_bytes(drafter, batch: int, hidden_size: int, dtype: torch.dtype) -> int:

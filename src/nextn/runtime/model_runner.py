@@ -177,6 +177,7 @@ class ModelRunner:
         if self.on_launch is not None:
             self.on_launch(plan, prev is not None)
         slots = torch.tensor(plan.batch_slots, dtype=torch.int64, device=self.device)
+        self.model.bind_batch_slots(slots)  # where a model with recurrent state keeps each row's
         block_tables = self._block_tables(plan)
         sampling = self._sampling(plan)
         if isinstance(plan, PrefillPlan):
@@ -239,7 +240,10 @@ class ModelRunner:
                            sampling, accept_state, self.block_size, starts,
                            torch.tensor(nexts, dtype=torch.int64, device=dev),
                            drafter_state=tuple(s[slots] for s in self.state),  # e.g. n-gram token history
-                           draft=plan.drafting, row_groups=prefill_groups([len(s) for s in seqs]))
+                           draft=plan.drafting,
+                           # a model with recurrent state runs every row in one forward (its rows bound to slots)
+                           row_groups=None if self.model.has_recurrent_state
+                           else prefill_groups([len(s) for s in seqs]))
         return out, starts + lens - 1  # so that kv_lens + num_emitted is the chunk's end
 
     @torch.inference_mode()
@@ -251,6 +255,7 @@ class ModelRunner:
         tables = torch.tensor([block_table], dtype=torch.int64, device=dev)  # [1, W]
         meta = AttentionMetadata.create(positions, slots_for_positions(tables, positions, self.block_size), tables,
                                         self.block_size)
+        self.model.bind_batch_slots(torch.zeros(1, dtype=torch.int64, device=dev))  # idle: slot 0 is free
         hidden = self.model(torch.tensor([token_ids], dtype=torch.int64, device=dev), self.kv_cache, meta)
         return self.model.logits(hidden)[0]  # [T, vocab]
 

@@ -170,6 +170,10 @@ class DraftModelDrafter(LinearDrafter):
         draft_dir = Path(spec.speculative_model_dir)
         draft = EngineManifest.load(draft_dir)
         check_vocabularies(Path(target_dir), target, draft_dir, draft)
+        if getattr(draft.model, "linear_layers", ()):
+            raise LlmArgsError(f"Draft_Target: the draft model {draft_dir} has linear-attention layers (a recurrent "
+                               "state per request, which a draft model does not keep yet): draft with an "
+                               "attention-only model of the same vocabulary")
         vocab = draft.model.vocab_size
         try:
             hot = resolve_hot_tokens(draft_dir, vocab, spec.draft_vocab_size, spec.draft_token_map)

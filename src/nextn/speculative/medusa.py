@@ -81,7 +81,7 @@ class MedusaDrafter(TreeDrafterBase):
     """Drafts a whole candidate tree (L − 1 tokens) from the Medusa heads at the last accepted position."""
 
     name = "Medusa"
-    traits = DrafterTraits()  # no KV of its own; its heads have their own vocabulary projection
+    traits = DrafterTraits(tree=True)  # no KV of its own; its heads have their own vocabulary projection
 
     def __init__(self, heads: MedusaHeads, tree: TreeBuffers) -> None:
         if tree.max_depth > len(heads):

@@ -69,7 +69,7 @@ class MtpTreeDrafter(TreeDrafterBase):
 
     name = "MtpTree"
     # module 1's KV at p pairs embed(x_{p+1}) with h_p
-    traits = DrafterTraits(kv=DraftKV.FROM_HIDDEN, key_lookahead=1, draft_head=True)
+    traits = DrafterTraits(kv=DraftKV.FROM_HIDDEN, key_lookahead=1, draft_head=True, tree=True)
     gain: TreeGain  # the expected tokens of the tree's first k nodes (each subclass's tree)
 
     def __init__(self, max_depth: int, num_nodes: int) -> None:

@@ -54,6 +54,8 @@ class DrafterTraits:
         disaggregation: a request can move to a decode server with only its KV, first token and drafts (no
             per-request drafter state, no second KV cache).
         draft_head: it drafts from the model's lm_head (MTP): the engine may give it a cheaper bf16 copy.
+        tree: it verifies a tree of drafts in one forward under a tree mask (Medusa, MTP trees): a model
+            with linear-attention layers (one recurrent state per request, no tree) cannot run it.
     """
 
     kv: DraftKV = DraftKV.NONE
@@ -65,6 +67,7 @@ class DrafterTraits:
     kv_only_pass: bool = False
     disaggregation: bool = False
     draft_head: bool = False
+    tree: bool = False
 
     def __post_init__(self) -> None:
         if self.key_lookahead < 0 or self.rerun_rows < 0:

@@ -73,25 +73,35 @@ DEEPSEEK_FAMILIES: dict[str, dict[str, Any]] = {
                           moe_intermediate_size=64, n_shared_experts=1, routed_scaling_factor=1.8, kv_lora_rank=32,
                           q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, vocab_size=49160),
 }
+#: Hybrid families: Gated DeltaNet layers (recurrent state) between gated attention ones (issue 62). Qwen3.5's
+#: pattern, three linear-attention layers then a full one, then one more linear layer after it
+HYBRID_FAMILIES: dict[str, dict[str, Any]] = {
+    "qwen3_5_text": dict(num_hidden_layers=5, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                         linear_conv_kernel_dim=4),
+}
 #: Families whose tokenizer_config names GPT2Tokenizer (Phi-4's; the converter's phi3 vocab reads it)
 _GPT2_CLASS = ("phi3",)
 #: Families whose llama.cpp conversion looks up GLM's special tokens (`Glm4Model.set_vocab`, `_set_vocab_glm`)
 _GLM_TOKENS = {"glm4": ["<|user|>"], "glm4_moe": ["[gMASK]", "<|user|>", "<|observation|>"],
                "glm4_moe_lite": ["[gMASK]", "<|user|>", "<|observation|>"]}
 #: A norm weight's centre: Gemma's RMSNorm scales by (1 + w), so its weights are zero-centred.
-_NORM_CENTRE = {"gemma3_text": 0.0, "gemma2": 0.0}
+_NORM_CENTRE = {"gemma3_text": 0.0, "gemma2": 0.0, "qwen3_5_text": 0.0}
+#: Norm weights centred on 1 in a family whose other norms are zero-centred (Qwen3.5's gated norm of each value head)
+_UNIT_NORMS = ("linear_attn.norm.weight",)
 #: Families whose llama.cpp conversion reads a SentencePiece `tokenizer.model` (Gemma 2's `set_vocab`): one is
 #: trained at test time (`sentencepiece_model`); the converter pads its vocabulary to the model's with [PAD] tokens.
 _SPM_VOCAB = ("gemma2",)
 
 
 def tiny_hf_model(model_type: str, seed: int = 0, **overrides: Any):
-    """A float32 `transformers` causal LM of `model_type` (a `FAMILIES`, `MOE_FAMILIES` or `DEEPSEEK_FAMILIES` key)
+    """A float32 `transformers` causal LM of `model_type` (a `FAMILIES`, `MOE_FAMILIES`, `DEEPSEEK_FAMILIES` or
+    `HYBRID_FAMILIES` key)
     in eval mode: linear weights N(0, 1/fan_in), embeddings N(0, 1), norm weights centre ± 0.1, so activations stay
     O(1) and the top logits are apart by far more than float32 rounding."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    family = {**FAMILIES, **MOE_FAMILIES, **DEEPSEEK_FAMILIES}[model_type]
+    family = {**FAMILIES, **MOE_FAMILIES, **DEEPSEEK_FAMILIES, **HYBRID_FAMILIES}[model_type]
     cfg = AutoConfig.for_model(model_type, **{**_BASE, **family, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
@@ -99,7 +109,9 @@ def tiny_hf_model(model_type: str, seed: int = 0, **overrides: Any):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1:
-                p.copy_(centre + 0.1 * torch.randn_like(p))
+                p.copy_((1.0 if name.endswith(_UNIT_NORMS) else centre) + 0.1 * torch.randn_like(p))
+            elif p.dim() == 3:  # a depthwise conv [channels, 1, taps]
+                p.normal_(0.0, p.shape[-1] ** -0.5)
             elif "embed_tokens" in name:
                 p.normal_(0.0, 1.0)
             else:
@@ -107,6 +119,34 @@ def tiny_hf_model(model_type: str, seed: int = 0, **overrides: Any):
         for name, b in model.named_buffers():  # GLM-4.5's router: HF initialises it to 0, which would test nothing
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.1)
+    return model
+
+
+def save_tiny_qwen3_5_vl(out_dir: Path, tokenizer_dir: Path, seed: int = 0):
+    """A tiny `Qwen3_5ForConditionalGeneration` (the released Qwen3.5 checkpoints' architecture: the text model under
+    `model.language_model.`, a one-block vision tower under `model.visual.`) saved in `out_dir` with the tokenizer
+    files of `tokenizer_dir`, its text model `HYBRID_FAMILIES["qwen3_5_text"]`, weights drawn as `tiny_hf_model`'s;
+    returns the model (float32, eval)."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    cfg = Qwen3_5Config(text_config={**_BASE, **HYBRID_FAMILIES["qwen3_5_text"]},
+                        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                           out_hidden_size=64))
+    torch.manual_seed(seed)
+    model = Qwen3_5ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_((1.0 if name.endswith(_UNIT_NORMS) else 0.0) + 0.1 * torch.randn_like(p))
+            elif p.dim() == 3:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+            elif "embed_tokens" in name:
+                p.normal_(0.0, 1.0)
+            elif p.dim() == 2:
+                p.normal_(0.0, p.shape[1] ** -0.5)
+    model.save_pretrained(out_dir)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, out_dir / f.name)
     return model
 
 
@@ -198,3 +238,31 @@ def add_mtp_layer(hf_dir: Path, seed: int = 1) -> None:
             t.copy_(torch.randn(t.shape, generator=gen) * t.shape[1] ** -0.5)
     save_file({**tensors, **new}, path, metadata={"format": "pt"})
     (hf_dir / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}, indent=2))
+
+
+def add_qwen3_5_mtp(hf_dir: Path, seed: int = 1) -> None:
+    """Give the Qwen3.5 checkpoint in `hf_dir` the MTP layer as released Qwen3.5 checkpoints store it (`mtp.fc`
+    [hidden, 2 · hidden] over [embedding; hidden], `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`,
+    `mtp.layers.0.*` — a full-attention decoder layer — and `mtp.norm`; zero-centred norms) and set
+    `mtp_num_hidden_layers` to 1; `transformers` ignores `mtp.*` when it loads the model."""
+    from safetensors.torch import load_file, save_file
+
+    path = hf_dir / "model.safetensors"
+    tensors = load_file(path)
+    config = json.loads((hf_dir / "config.json").read_text())
+    hidden = config["hidden_size"]
+    full = config["layer_types"].index("full_attention")
+    gen = torch.Generator().manual_seed(seed)
+    block = f"model.layers.{full}."
+    new = {f"mtp.{k}": torch.empty(s) for k, s in (("pre_fc_norm_embedding.weight", (hidden,)),
+                                                  ("pre_fc_norm_hidden.weight", (hidden,)),
+                                                  ("fc.weight", (hidden, 2 * hidden)), ("norm.weight", (hidden,)))}
+    new.update({f"mtp.layers.0.{k[len(block):]}": torch.empty_like(v) for k, v in tensors.items()
+                if k.startswith(block)})
+    for t in new.values():
+        if t.dim() == 1:
+            t.copy_(0.1 * torch.randn(t.shape, generator=gen))
+        else:
+            t.copy_(torch.randn(t.shape, generator=gen) * t.shape[1] ** -0.5)
+    save_file({**tensors, **new}, path, metadata={"format": "pt"})
+    (hf_dir / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}, indent=2))

@@ -34,9 +34,12 @@ LLAMA_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistr
                        "SeedOssForCausalLM": "seed_oss", "Glm4ForCausalLM": "glm4",
                        # mixture-of-experts families (`models/moe.py`): the same layer with a sparse MoE MLP
                        "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe",
-                       "MixtralForCausalLM": "mixtral", "OlmoeForCausalLM": "olmoe", "Glm4MoeForCausalLM": "glm4_moe"}
-#: What a layer attends to: every earlier key, or the last `sliding_window` keys (HF `layer_types` values).
-LayerType = Literal["full_attention", "sliding_attention"]
+                       "MixtralForCausalLM": "mixtral", "OlmoeForCausalLM": "olmoe", "Glm4MoeForCausalLM": "glm4_moe",
+                       # hybrid: Gated DeltaNet layers (`models/gated_deltanet.py`) between gated attention ones
+                       "Qwen3_5ForCausalLM": "qwen3_5_text"}
+#: What a layer attends to: every earlier key, the last `sliding_window` keys, or none (a Gated DeltaNet layer: its
+#: recurrent state instead of a KV cache) — HF `layer_types` values.
+LayerType = Literal["full_attention", "sliding_attention", "linear_attention"]
 
 
 class LlamaModelConfig(BaseModel):
@@ -52,7 +55,8 @@ class LlamaModelConfig(BaseModel):
                           "Olmo2ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
                           "Exaone4ForCausalLM", "Olmo3ForCausalLM", "SeedOssForCausalLM",
                           "Glm4ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM",
-                          "MixtralForCausalLM", "OlmoeForCausalLM", "Glm4MoeForCausalLM"] = "LlamaForCausalLM"
+                          "MixtralForCausalLM", "OlmoeForCausalLM", "Glm4MoeForCausalLM",
+                          "Qwen3_5ForCausalLM"] = "LlamaForCausalLM"
     vocab_size: Size
     hidden_size: Size
     intermediate_size: Size  # SwiGLU width
@@ -119,6 +123,15 @@ class LlamaModelConfig(BaseModel):
     routed_scaling_factor: float = Field(default=1.0, gt=0)
     n_shared_experts: int = Field(default=0, strict=True, ge=0, le=MAX_EXPERTS)  # GLM-4.5's ungated shared experts
     mtp_moe: bool = False  # the MTP modules' MLP is the MoE one (GLM-4.5's released MTP layer), else dense
+    # Gated attention and Gated DeltaNet layers (Qwen3.5 / Qwen3-Next) -----------------------------------------
+    #: attention output × sigmoid(gate_proj(x)) per head dim before o_proj (HF stores gate_proj's rows inside
+    #: q_proj, head by head: `Qwen3_5Attention`)
+    attn_output_gate: bool = False
+    linear_num_key_heads: Size | None = None  # a Gated DeltaNet layer's q / k heads
+    linear_num_value_heads: Size | None = None  # its v heads (each q / k head serves value_heads / key_heads)
+    linear_key_head_dim: Size | None = None
+    linear_value_head_dim: Size | None = None
+    linear_conv_kernel_dim: Size | None = None  # taps of its causal depthwise conv over q, k, v
 
     @model_validator(mode="before")
     @classmethod
@@ -159,6 +172,12 @@ class LlamaModelConfig(BaseModel):
                                  f"{self.num_hidden_layers}")
             if "sliding_attention" in self.layer_types and self.sliding_window is None:
                 raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+            linear = (self.linear_num_key_heads, self.linear_num_value_heads, self.linear_key_head_dim,
+                      self.linear_value_head_dim, self.linear_conv_kernel_dim)
+            if "linear_attention" in self.layer_types and (None in linear or linear[1] % linear[0]):
+                raise ValueError("layer_types has linear_attention layers: linear_num_key_heads, "
+                                 "linear_num_value_heads (a multiple of the key heads), linear_key_head_dim, "
+                                 "linear_value_head_dim and linear_conv_kernel_dim must be set")
         if self.num_experts and not (1 <= self.num_experts_per_tok <= self.num_experts
                                      and self.moe_intermediate_size is not None):
             raise ValueError(f"an MoE config needs 1 <= num_experts_per_tok <= num_experts ({self.num_experts}), "
@@ -199,6 +218,16 @@ class LlamaModelConfig(BaseModel):
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """The decoder layers that are Gated DeltaNet layers (no KV cache: a recurrent state per request)."""
+        return tuple(i for i, t in enumerate(self.layer_types or ()) if t == "linear_attention")
+
+    @property
+    def num_cache_layers(self) -> int:
+        """KV-cache layers: the attention decoder layers, then the MTP layers."""
+        return self.num_hidden_layers - len(self.linear_layers) + self.num_nextn_predict_layers
+
+    @property
     def has_sliding_layers(self) -> bool:
         return "sliding_attention" in (self.layer_types or ())
 
@@ -206,7 +235,7 @@ class LlamaModelConfig(BaseModel):
     def layer_input_keys(self) -> tuple[str, ...] | None:
         """Per decoder layer, the `attention_inputs` entry it reads: its layer type, with ":nope" for a NoPE layer;
         None where every layer is a full-attention RoPE one."""
-        if not self.has_sliding_layers and 0 not in (self.no_rope_layers or ()):
+        if not self.has_sliding_layers and not self.linear_layers and 0 not in (self.no_rope_layers or ()):
             return None
         types = self.layer_types or ("full_attention",) * self.num_hidden_layers
         ropes = self.no_rope_layers or (1,) * self.num_hidden_layers

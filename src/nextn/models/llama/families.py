@@ -67,7 +67,32 @@ def family_options(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
         options.update(no_rope_layers=nope, tie_word_embeddings=hf.get("tie_word_embeddings", True))
     if arch in _MOE:
         options.update(_moe(arch, hf))
+    if arch == "Qwen3_5ForCausalLM":
+        options.update(_qwen3_5(hf))
     return options
+
+
+def _qwen3_5(hf: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5 text (`Qwen3_5ForCausalLM`, model_type qwen3_5_text; HF `Qwen3_5TextConfig`'s defaults): three Gated
+    DeltaNet layers then one gated-attention layer (`full_attention_interval` 4, or `layer_types`); norms scale by
+    (1 + weight); q/k norms; a quarter of each head rotated (`partial_rotary_factor` 0.25, in (j, j + d/2) pairs:
+    for text the multimodal rope's three position axes are equal, so it is the plain rotation); attention output
+    gated by sigmoid(gate) (Qwen Team 2025, "Qwen3-Next"; HF `modeling_qwen3_5.py`). Its MTP layer (`mtp.*`,
+    `mtp_num_hidden_layers` 1) is read as nextn's MTP module (`stored_layout`)."""
+    layers = hf.get("num_hidden_layers")
+    types = hf.get("layer_types")
+    if types is None and type(layers) is int:
+        every = int(hf.get("full_attention_interval") or 4)
+        types = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
+    params = dict(hf.get("rope_parameters") or {})
+    mtp = hf.get("mtp_num_hidden_layers") or 0
+    if mtp not in (0, 1):  # its released layout: one fc and norm pair, then the layers (nextn's module: one each)
+        raise ConfigError(f"Qwen3_5ForCausalLM with mtp_num_hidden_layers={mtp!r}: nextn reads one MTP layer")
+    return {"layer_types": types, "qk_norm": True, "norm_style": "unit_offset", "attn_output_gate": True,
+            "num_nextn_predict_layers": mtp,
+            "head_dim": hf.get("head_dim") or 256,
+            "rotary_dim": _rotary_dim({**hf, "head_dim": hf.get("head_dim") or 256,
+                                       "rope_parameters": {"partial_rotary_factor": 0.25, **params}})}
 
 
 #: The mixture-of-experts architectures: their attention's options (the MoE MLP is `models/moe.py`'s)

@@ -20,7 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from nextn.models.causal_lm import SelfDraftingCausalLM
-from nextn.models.layers import Fp32WeightRMSNorm, GatedMLP, PreNormDecoderLayer, RMSNorm, UnitOffsetRMSNorm
+from nextn.models.gated_deltanet import GatedDeltaNet
+from nextn.models.layers import (Fp32WeightRMSNorm, GatedMLP, PreNormDecoderLayer, RMSNorm, UnitOffsetRMSNorm,
+                                 row_exact)
 from nextn.models.llama.config import LlamaModelConfig
 from nextn.models.llama.rope import apply_rope, rope_cache
 from nextn.models.moe import NoAuxRouter, SparseMoE
@@ -52,7 +54,8 @@ class ScaledEmbedding(nn.Embedding):
 class LlamaAttention(nn.Module):
     """Grouped-query attention with HF parameter names (`q_proj`, `k_proj`, `v_proj`, `o_proj`); q/k/v biases when
     `cfg.has_qkv_bias` (Qwen2), an o_proj bias too when `cfg.attention_bias`; per-head RMSNorms of q and k before
-    RoPE (`q_norm`, `k_norm` [head_dim]) when `cfg.qk_norm` (Qwen3, Gemma 3).
+    RoPE (`q_norm`, `k_norm` [head_dim]) when `cfg.qk_norm` (Qwen3, Gemma 3); with `cfg.attn_output_gate` the
+    output is multiplied by sigmoid(`gate_proj`(x)) before o_proj (Qwen3.5's gated attention).
 
     `paged_attention_kernel` (set at load by `plugins.paged_attention.install_paged_attention` where it applies):
     attend with nextn's CPU kernel, reading the cache in place, instead of the PyTorch gather-and-einsum path.
@@ -68,6 +71,9 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.has_qkv_bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.has_qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=cfg.attention_bias)
+        self.output_gate = cfg.attn_output_gate
+        if self.output_gate:
+            self.gate_proj = nn.Linear(h, self.num_heads * d, bias=False)
         self.qk_norm_all_heads = cfg.qk_norm_over == "all_heads"  # OLMo 2: one norm over all heads of q (of k)
         if cfg.qk_norm:
             full = self.qk_norm_all_heads
@@ -105,7 +111,7 @@ class LlamaAttention(nn.Module):
         if self.paged_attention_kernel and kv_cache.dtype == q.dtype:
             o = cpu_kernels.ops().paged_attention(q, kv_cache, meta.context_slots, meta.visible, self.scale,
                                                   self.softcap or 0.0)
-            return self.o_proj(o)
+            return self.o_proj(self._gated(o, x))
 
         # Each sequence's context through its block table: [B, S, 2, nkv, d], S = max_blocks · block_size.
         ctx = kv_cache[meta.context_slots].to(x.dtype)
@@ -118,7 +124,11 @@ class LlamaAttention(nn.Module):
         scores = scores.reshape(b, self.num_heads, t, s).masked_fill(~meta.visible, float("-inf"))
         probs = F.softmax(scores, dim=-1).to(x.dtype).view(b, nkv, group, t, s)
         o = torch.einsum("bkgts,bskd->btkgd", probs, v_ctx).reshape(b, t, self.num_heads * d)
-        return self.o_proj(o)
+        return self.o_proj(self._gated(o, x))
+
+    def _gated(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """o × sigmoid(gate_proj(x)) with the output gate, else o."""
+        return o * row_exact(torch.sigmoid, self.gate_proj(x)) if self.output_gate else o
 
 
 def mlp_for(cfg: LlamaModelConfig, index: int | None) -> nn.Module:
@@ -160,6 +170,32 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
         return super().forward(x, cos_sin, kv_cache, meta)
 
 
+class LinearAttentionDecoderLayer(nn.Module):
+    """A pre-norm block whose token mixer is a Gated DeltaNet (`linear_attn`: recurrent state, no KV) and whose MLP
+    is the model's (HF `Qwen3_5DecoderLayer` of type linear_attention)."""
+
+    def __init__(self, cfg: LlamaModelConfig, index: int, state_index: int) -> None:
+        super().__init__()
+        norm = norm_class(cfg)
+        self.linear_attn = GatedDeltaNet(cfg, state_index)
+        self.mlp = mlp_for(cfg, index)
+        self.input_layernorm = norm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = norm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor | None, meta) -> torch.Tensor:
+        """x: [B, T, hidden] → [B, T, hidden]; keeps the layer's state for `meta.recurrent`'s rows."""
+        x = x + self.linear_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def decoder_layer(cfg: LlamaModelConfig, index: int) -> nn.Module:
+    """Decoder layer `index`: a Gated DeltaNet block where `cfg.layer_types` says linear_attention, else Llama's."""
+    linear = cfg.linear_layers
+    if index in linear:
+        return LinearAttentionDecoderLayer(cfg, index, linear.index(index))
+    return LlamaDecoderLayer(cfg, index)
+
+
 class SharedHead(nn.Module):
     """The MTP module's output norm (`shared_head.norm`); its head is the main model's lm_head."""
 
@@ -193,7 +229,7 @@ class LlamaBody(nn.Module):
         self.embed_tokens = (ScaledEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.embedding_multiplier)
                              if cfg.embedding_multiplier not in (None, 1.0) else nn.Embedding(cfg.vocab_size,
                                                                                               cfg.hidden_size))
-        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
+        self.layers = nn.ModuleList([decoder_layer(cfg, i) for i in range(cfg.num_hidden_layers)]
                                     + [LlamaMTPLayer(cfg, cfg.num_hidden_layers + i)
                                        for i in range(cfg.num_nextn_predict_layers)])
         self.norm = norm_class(cfg)(cfg.hidden_size, eps=cfg.rms_norm_eps)
@@ -235,6 +271,13 @@ class LlamaForCausalLM(SelfDraftingCausalLM):
         self.final_logit_softcapping = cfg.final_logit_softcapping
         if cfg.has_sliding_layers:
             self.sliding_window = cfg.sliding_window
+        if cfg.linear_layers:  # KV-cache rows of the attention layers only (-1: a Gated DeltaNet layer)
+            rows, n = [], 0
+            for i in range(cfg.num_hidden_layers):
+                rows.append(-1 if i in cfg.linear_layers else n)
+                n += i not in cfg.linear_layers
+            self.cache_rows = tuple(rows)
+            self.num_linear_layers = len(cfg.linear_layers)
         self.draft_head_weight: torch.Tensor | None = None
         self.register_buffer("rope_table", rope_cache(cfg, max_positions or cfg.max_position_embeddings),
                              persistent=False)

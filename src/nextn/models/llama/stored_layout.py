@@ -1,7 +1,12 @@
 """A checkpoint's tensors in the engine's Llama layout where a family stores them otherwise: Phi-3's fused
 `self_attn.qkv_proj` ([q + 2 kv, hidden]: q, then k, then v rows) and `mlp.gate_up_proj` ([2 · intermediate, hidden]:
 gate rows, then up rows) read as q/k/v and gate/up by rows, and under partial rotary the q / k rows (and q/k norm
-weights) of each head in `rope.partial_rotary_order`, and Mixtral's `block_sparse_moe.{gate, experts.E.w1 / w3 / w2}`
+weights) of each head in `rope.partial_rotary_order`, a gated attention's `self_attn.q_proj` ([query head 0, gate head 0,
+query head 1, ...]: Qwen3.5) as `q_proj` and `gate_proj`, Qwen3.5's MTP layer (`mtp.fc`, `mtp.pre_fc_norm_*`,
+`mtp.layers.0.*`, `mtp.norm`) under the MTP module's names at `model.layers.{num_hidden_layers}` (as llama.cpp's
+converter maps it; vLLM's `qwen3_next_mtp.py` runs it the same way) — and of a released Qwen3.5 vision-language
+checkpoint the text model's tensors (`model.language_model.*` as `model.*`; the vision tower, `model.visual.*`, is
+not the text model's and is left out) —, and Mixtral's `block_sparse_moe.{gate, experts.E.w1 / w3 / w2}`
 under the MoE layer's names (`mlp.gate`, `mlp.experts.E.gate_proj / up_proj / down_proj`).
 
 Sources: HF `modeling_phi3.py` (`Phi3Attention` slices qkv in that order, `Phi3MLP` chunks gate_up in two);
@@ -24,6 +29,7 @@ from nextn.models.llama.rope import partial_rotary_order
 
 _FUSED = re.compile(r"^(.*\.)(self_attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bias)$")
 _ROTATED = re.compile(r"\.self_attn\.(q_proj|k_proj|q_norm|k_norm)\.(weight|bias)$")
+_GATED_Q = re.compile(r"^(.*\.self_attn\.)q_proj\.(weight|bias)$")
 
 
 #: Per architecture, stored norm names → the engine's (GLM-4's sandwich norms: its `post_self_attn_layernorm`
@@ -47,11 +53,32 @@ def _mixtral_name(name: str) -> str | None:
     return f"{m.group(1)}mlp.{part}.weight"
 
 
+#: A vision-language checkpoint's text model and vision tower (Qwen3.5's releases)
+_TEXT_MODEL = re.compile(r"^model\.language_model\.")
+_VISION = ("model.visual.",)
+#: Qwen3.5's MTP names (`mtp.` stripped) → the MTP module's
+_QWEN_MTP = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm",
+             "norm": "shared_head.norm"}
+
+
+def _qwen_mtp_name(name: str, num_layers: int) -> str | None:
+    """The engine's name of a Qwen3.5 `mtp.*` tensor, or None for any other tensor."""
+    if not name.startswith("mtp."):
+        return None
+    head, _, rest = name[4:].partition(".")
+    if head in _QWEN_MTP:
+        return f"model.layers.{num_layers}.{_QWEN_MTP[head]}.{rest}"
+    index, _, tail = rest.partition(".")
+    if head == "layers" and index.isdecimal():
+        return f"model.layers.{num_layers + int(index)}.{tail}"
+    return None
+
+
 def needs_view(cfg: LlamaModelConfig) -> bool:
     """Whether `cfg`'s checkpoints store a tensor otherwise than the engine (fused projections, partial rotary,
     interleaved rope pairs, other norm names)."""
     return (cfg.architecture in ("Phi3ForCausalLM", "Glm4ForCausalLM", "MixtralForCausalLM") or cfg.rope_interleaved
-            or (cfg.rotary_dim or cfg.head_dim) < cfg.head_dim)
+            or (cfg.rotary_dim or cfg.head_dim) < cfg.head_dim or cfg.attn_output_gate)
 
 
 class StoredLayout:
@@ -71,9 +98,27 @@ class StoredLayout:
                  "mlp.gate_up_proj": [("mlp.gate_proj", 0, i), ("mlp.up_proj", i, 2 * i)]}
         # engine name -> (stored name, first row, end row); rows None: the whole tensor under another name
         self._rows: dict[str, tuple[str, int | None, int | None]] = {}
+        # engine name -> (stored q_proj name, 0 for the query rows or 1 for the gate rows of each head)
+        self._gated: dict[str, tuple[str, int]] = {}
         self._names: list[str] = []
         renamed = _RENAMED.get(cfg.architecture, {})
         for name in reader.names():
+            qwen_name = None  # Qwen3.5: its MTP layer's and a vision-language checkpoint's text model's names
+            if cfg.attn_output_gate:
+                if name.startswith(_VISION):
+                    continue
+                qwen_name = _qwen_mtp_name(name, cfg.num_hidden_layers) or (
+                    _TEXT_MODEL.sub("model.", name) if _TEXT_MODEL.match(name) else None)
+            g = _GATED_Q.match(qwen_name or name) if cfg.attn_output_gate else None
+            if g is not None:
+                for which, part in enumerate(("q_proj", "gate_proj")):
+                    self._gated[f"{g.group(1)}{part}.{g.group(2)}"] = (name, which)
+                    self._names.append(f"{g.group(1)}{part}.{g.group(2)}")
+                continue
+            if qwen_name is not None:
+                self._rows[qwen_name] = (name, None, None)
+                self._names.append(qwen_name)
+                continue
             if (engine_name := _mixtral_name(name)) is not None:
                 self._rows[engine_name] = (name, None, None)
                 self._names.append(engine_name)
@@ -106,6 +151,9 @@ class StoredLayout:
 
     def tensor_info(self, name: str) -> tuple[str, list[int]]:
         """(dtype, shape) from the header: a fused part's rows, else the stored tensor's."""
+        if name in self._gated:
+            dtype, shape = self._reader.tensor_info(self._gated[name][0])
+            return dtype, [shape[0] // 2, *shape[1:]]
         if name in self._rows:
             stored, start, end = self._rows[name]
             dtype, shape = self._reader.tensor_info(stored)
@@ -114,6 +162,9 @@ class StoredLayout:
 
     def get(self, name: str) -> torch.Tensor:
         """Tensor `name` in the engine's layout. Raises KeyError when absent."""
+        if name in self._gated:
+            stored, which = self._gated[name]
+            return self._reorder(name, self._half(self._reader.get(stored), which))
         if name in self._rows:
             stored, start, end = self._rows[name]
             return self._reorder(name, self._reader.get(stored)[start:end])
@@ -124,11 +175,21 @@ class StoredLayout:
         native = getattr(self._reader, "native_w4a16", None)
         if native is None:
             return None
+        if name in self._gated:
+            stored, which = self._gated[name]
+            out = native(stored, cfg)
+            return None if out is None else {k: self._reorder(name, self._half(v, which)).contiguous()
+                                             for k, v in out.items()}
         stored, start, end = self._rows.get(name, (name, None, None))
         out = native(stored, cfg)
         if out is None:
             return None
         return {k: self._reorder(name, v[start:end]).contiguous() for k, v in out.items()}
+
+    def _half(self, rows: torch.Tensor, which: int) -> torch.Tensor:
+        """The query (`which` 0) or gate (1) rows of a gated q_proj's [2 · heads · head_dim, ...] rows."""
+        heads, d = self._cfg.num_attention_heads, self._cfg.head_dim
+        return rows.reshape(heads, 2, d, *rows.shape[1:])[:, which].reshape(heads * d, *rows.shape[1:])
 
     def _reorder(self, name: str, rows: torch.Tensor) -> torch.Tensor:
         """The rows of a q / k projection (or its norm's weights) in `partial_rotary_order`, head by head."""

@@ -32,8 +32,22 @@ def stored_view(reader: Any, cfg: LlamaModelConfig) -> Any:
 
 
 def runtime_weight_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
-    """The dtype an engine stores tensor `name` in: `dtype`, float32 for a sigmoid router's correction bias."""
-    return torch.float32 if name.endswith("e_score_correction_bias") else dtype
+    """The dtype an engine stores tensor `name` in: `dtype`, float32 for a sigmoid router's correction bias and a
+    Gated DeltaNet's decay parameters (`A_log`, `dt_bias`: HF computes the decay from them in float32)."""
+    return torch.float32 if name.endswith(("e_score_correction_bias", ".A_log", ".dt_bias")) else dtype
+
+
+def _linear_attention_specs(cfg: LlamaModelConfig) -> dict[str, Shape]:
+    """A Gated DeltaNet layer's token mixer (HF `Qwen3_5GatedDeltaNet`'s names)."""
+    h, nv = cfg.hidden_size, cfg.linear_num_value_heads
+    assert nv is not None and cfg.linear_num_key_heads and cfg.linear_key_head_dim and cfg.linear_value_head_dim
+    key, value = cfg.linear_num_key_heads * cfg.linear_key_head_dim, nv * cfg.linear_value_head_dim
+    conv = 2 * key + value
+    return {"linear_attn.in_proj_qkv.weight": (conv, h), "linear_attn.in_proj_z.weight": (value, h),
+            "linear_attn.in_proj_b.weight": (nv, h), "linear_attn.in_proj_a.weight": (nv, h),
+            "linear_attn.conv1d.weight": (conv, 1, cfg.linear_conv_kernel_dim or 1), "linear_attn.dt_bias": (nv,),
+            "linear_attn.A_log": (nv,), "linear_attn.norm.weight": (cfg.linear_value_head_dim,),
+            "linear_attn.out_proj.weight": (h, value)}
 
 
 def _layer_specs(cfg: LlamaModelConfig, index: int | None = None) -> dict[str, Shape]:
@@ -43,11 +57,16 @@ def _layer_specs(cfg: LlamaModelConfig, index: int | None = None) -> dict[str, S
         "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
         "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
     }  # fmt: skip
-    if cfg.has_qkv_bias:
+    if index is not None and index in cfg.linear_layers:
+        specs = _linear_attention_specs(cfg)
+    elif cfg.attn_output_gate:
+        specs["self_attn.gate_proj.weight"] = (q, h)
+    attends = "self_attn.q_proj.weight" in specs
+    if cfg.has_qkv_bias and attends:
         specs.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
-    if cfg.attention_bias:
+    if cfg.attention_bias and attends:
         specs["self_attn.o_proj.bias"] = (h,)
-    if cfg.qk_norm:
+    if cfg.qk_norm and attends:
         full = cfg.qk_norm_over == "all_heads"
         specs.update({"self_attn.q_norm.weight": (q if full else d,), "self_attn.k_norm.weight": (kv if full else d,)})
     if index is not None and cfg.is_moe_layer(index):
@@ -92,7 +111,7 @@ def runtime_weight_specs(cfg: LlamaModelConfig) -> dict[str, Shape]:
     layer = _layer_specs(cfg)
     for n in range(cfg.num_hidden_layers):
         specs.update({f"model.layers.{n}.{k}": s for k, s in (_layer_specs(cfg, n) if cfg.num_experts
-                                                              else layer).items()})
+                                                              or cfg.linear_layers else layer).items()})
     mtp = {"enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h), "shared_head.norm.weight": (h,)}
     for n in range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers):
         block = _layer_specs(cfg, n) if cfg.num_experts else layer
