@@ -25,6 +25,7 @@ from nextn.models.attention_metadata import AttentionMetadata, slots_for_positio
 from nextn.models.config import ConfigError
 from nextn.models.llama import LlamaModelConfig
 from nextn.models.llama.weights import stored_view
+from nextn.plugins import cpu_kernels
 from nextn.testing.spec_checks import greedy_outputs, staggered_outputs
 from nextn.testing.tiny_families import add_qwen3_5_mtp, save_tiny, save_tiny_qwen3_5_vl
 
@@ -110,6 +111,8 @@ def test_logits_prefill_decode_and_partly_accepted_verify_match_transformers(che
 def test_engine_greedy_is_transformers(engine, reference, spec):
     llm = LLM(engine, device="cpu", speculative_config=spec)
     assert llm.engine.pool.cache is None  # off by default for a model with recurrent state
+    kernels = [m.recurrence_kernel for m in llm.engine.model.modules() if hasattr(m, "recurrence_kernel")]
+    assert len(kernels) == 4 and all(kernels) == cpu_kernels.available()  # nextn's op where the kernels build
     got = greedy_outputs(llm, PROMPTS, SamplingParams(max_tokens=40, ignore_eos=True))
     llm.shutdown()
     assert got == reference

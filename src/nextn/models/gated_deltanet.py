@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nextn.models.layers import row_exact
+from nextn.plugins import cpu_kernels
 from nextn.models.recurrent_state import RecurrentRows, RecurrentState
 
 
@@ -49,7 +50,12 @@ class GatedDeltaNet(nn.Module):
     Args:
         cfg: the model config (`linear_*` sizes, `hidden_size`, `rms_norm_eps`).
         state_index: this layer's index among the model's linear-attention layers (its rows of `RecurrentState`).
+
+    `recurrence_kernel` (set at load by `plugins.gated_delta.install_gated_delta` where it applies): the recurrence
+    as nextn's CPU op, one call per layer, in place of the per-token PyTorch loop below (its reference).
     """
+
+    recurrence_kernel = False
 
     def __init__(self, cfg, state_index: int) -> None:
         super().__init__()
@@ -98,6 +104,11 @@ class GatedDeltaNet(nn.Module):
         beta = row_exact(torch.sigmoid, self.in_proj_b(x).float())  # [B, T, Hv]
         decay = row_exact(torch.exp, -row_exact(torch.exp, self.A_log.float())
                           * row_exact(F.softplus, self.in_proj_a(x).float() + self.dt_bias.float()))
+        if self.recurrence_kernel:
+            o = cpu_kernels.ops().gated_delta_rule(q, k, v, decay, beta, state.ssm[self.state_index], rows.slots,
+                                                   rows.entry, rows.fresh, rows.valid)
+            state.store_conv(self.state_index, rows, window)
+            return self._output(o, x)
         out = []
         for i in range(t):
             s = s * decay[:, i, :, None, None]
@@ -106,10 +117,13 @@ class GatedDeltaNet(nn.Module):
             s = s + k_i * delta[:, :, None, :]
             out.append((s * q[:, i, :, :, None]).sum(-2))
             state.store(self.state_index, rows, i, window[:, :, i + 1:i + self.kernel], s)
-        o = torch.stack(out, dim=1)  # [B, T, Hv, Dv]
+        return self._output(torch.stack(out, dim=1), x)
+
+    def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """out_proj(gated norm of each value head's output o [B, T, Hv, Dv] float32, by silu(in_proj_z(x)))."""
+        b, t = o.shape[:2]
         z = self.in_proj_z(x).float().reshape(b, t, self.value_heads, self.value_dim)
-        o = self.norm(o, z).reshape(b, t, -1)
-        return self.out_proj(o.to(x.dtype))
+        return self.out_proj(self.norm(o, z).reshape(b, t, -1).to(x.dtype))
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

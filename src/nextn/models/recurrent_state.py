@@ -71,6 +71,20 @@ class RecurrentState:
         return (torch.where(rows.fresh[:, None, None], 0.0, conv),
                 torch.where(rows.fresh[:, None, None, None], 0.0, ssm))
 
+    def store_conv(self, layer: int, rows: RecurrentRows, window: torch.Tensor) -> None:
+        """Keep the conv states after the last R valid tokens of each row at once (the ssm states: the kernel keeps
+        them). window: [B, conv_dim, kernel − 1 + T], the state before the first token then the T tokens' inputs."""
+        width = self.conv.shape[-1]
+        after = window.unfold(2, width, 1)[:, :, 1:]  # [B, C, T, kernel − 1]: the state after token t
+        last = rows.valid.sum(-1) - 1  # each row's last valid token
+        for j in range(self.ring):
+            t = j + self.ring * torch.div(last - j, self.ring, rounding_mode="floor")  # the last valid t ≡ j (mod R)
+            keep = last >= j
+            idx = t.clamp(min=0)[:, None, None, None].expand(-1, after.shape[1], 1, width)
+            new = after.gather(2, idx)[:, :, 0]
+            old = self.conv[layer, rows.slots, j]
+            self.conv[layer, rows.slots, j] = torch.where(keep[:, None, None], new, old)
+
     def store(self, layer: int, rows: RecurrentRows, t: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
         """Keep the states after token t of each row (pads keep the ring entry as it was)."""
         entry = t % self.ring

@@ -23,6 +23,7 @@ from nextn.plugins.decoder_layer import install_fused_layers
 from nextn.plugins.dense_linear import install_dense_linears
 from nextn.plugins.dense_linear import unavailable_reason as dense_linear_unavailable_reason
 from nextn.plugins.packed_linear import install_packed_linears
+from nextn.plugins.gated_delta import install_gated_delta
 from nextn.plugins.paged_attention import install_paged_attention
 from nextn.quantization.linear import install_weight_only_linears
 
@@ -100,6 +101,7 @@ def load_model(manifest: EngineManifest, weights: Weights, device: torch.device,
     install_dense_linears(model)
     install_packed_linears(model)
     install_paged_attention(model)  # nextn's CPU attention kernel where it applies
+    install_gated_delta(model)  # nextn's CPU recurrence of Gated DeltaNet layers where it applies
     install_fused_layers(model)  # W4A16 on the CPU: one op per decoder layer
     varying = batch_dependent_linear(model) or batch_dependent_attention(model)
     if varying is not None:
