@@ -287,3 +287,21 @@ def test_config_reads_defaults_and_refuses_what_it_cannot_build():
         LlamaModelConfig.from_hf({**base, "mtp_num_hidden_layers": 2})
     with pytest.raises(ConfigError, match="linear_attention layers"):
         LlamaModelConfig.from_hf({k: v for k, v in base.items() if k != "linear_conv_kernel_dim"})
+
+
+@pytest.mark.parametrize("kind", ["hf", "gguf"])
+def test_qwen3_next_greedy_is_transformers(tokenizer_dir, tmp_path, kind):
+    """Qwen3-Next: the same hybrid layers with an MoE MLP (routed experts and a sigmoid-gated shared expert), its
+    linear-attention projections stored fused per key head (split on reading) — plain and NGram decoding equal
+    transformers, from HF and from llama.cpp's `qwen3next` GGUF; with its MTP layer (an MoE block) drafting too."""
+    hf = save_tiny("qwen3_next", tmp_path / "hf", tokenizer_dir)
+    add_qwen3_5_mtp(tmp_path / "hf")  # llama.cpp's converter requires Qwen3-Next's MTP layer
+    with torch.no_grad():
+        want = [hf.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, pad_token_id=0,
+                            eos_token_id=None)[0, len(p):].tolist() for p in PROMPTS]
+    build_engine(tiny_source(tmp_path / "hf", kind), tmp_path / "engine", dtype="float32", quant_algo=None,
+                 max_seq_len=256, progress=False)
+    for spec in (None, NGRAM, {"decoding_type": "MTP", "num_nextn_predict_layers": 2}):
+        llm = LLM(tmp_path / "engine", device="cpu", speculative_config=spec)
+        assert greedy_outputs(llm, PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True)) == want, spec
+        llm.shutdown()

@@ -26,12 +26,14 @@ SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausal
                            "seed_oss": "SeedOssForCausalLM", "glm4": "Glm4ForCausalLM",
                            "qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
                            "olmoe": "OlmoeForCausalLM", "glm4moe": "Glm4MoeForCausalLM",
-                           "qwen35": "Qwen3_5ForCausalLM"}  # and Mixtral (llama)
+                           "qwen35": "Qwen3_5ForCausalLM", "qwen3next": "Qwen3NextForCausalLM"}  # and Mixtral
 #: Architectures whose q/k rows llama.cpp permutes at conversion (convert_hf_to_gguf.py `LlamaModel.permute`;
 #: `SmolLM3Model` and `GraniteModel` are `LlamaModel`s).
 PERMUTED_ARCHITECTURES = ("llama", "smollm3", "granite")
 #: Architectures whose heads may rotate only their first `{arch}.rope.dimension_count` dims (Phi-4-mini: 0.75).
-PARTIAL_ROTARY_ARCHITECTURES = ("phi3", "glm4", "glm4moe", "qwen35")
+PARTIAL_ROTARY_ARCHITECTURES = ("phi3", "glm4", "glm4moe", "qwen35", "qwen3next")
+#: Hybrid architectures: Gated DeltaNet layers between attention ones (`gguf_qwen35`)
+LINEAR_ATTENTION_ARCHITECTURES = ("qwen35", "qwen3next")
 #: Rope frequency factors stored as tensors, per architecture: Llama 3's scaling (`rope_freqs`), LongRoPE's short
 #: and long factors (conversion/phi.py `Phi3MiniModel.generate_extra_tensors`).
 FACTOR_TENSORS = {"llama": ("rope_freqs.weight",), "exaone4": ("rope_freqs.weight",),
@@ -90,10 +92,12 @@ TENSOR_NAMES = {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias", **gguf_q
 EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 #: Whether an MoE architecture renormalises its top-k probabilities (llama.cpp's src/models/<arch>.cpp: the `norm_w`
 #: argument of `build_moe_ffn`; `{arch}.expert_weights_norm` overrides where a file writes it)
-NORM_TOPK = {"qwen3moe": True, "llama": True, "qwen2moe": False, "olmoe": False}
+NORM_TOPK = {"qwen3moe": True, "llama": True, "qwen2moe": False, "olmoe": False, "qwen3next": True}
 BLOCK_NAMES = {"qwen3moe": {**_LLAMA_BLOCK, **_QK_NORMS, **_MOE_BLOCK}, "qwen2moe": {**_LLAMA_BLOCK, **_MOE_BLOCK},
                "olmoe": {**_LLAMA_BLOCK, **_QK_NORMS, **_MOE_BLOCK}, "phi3": _PHI3_BLOCK, "glm4": _GLM4_BLOCK,
                "glm4moe": _GLM4_MOE_BLOCK, "qwen35": gguf_qwen35.BLOCK,
+               # Qwen3-Next: its b / a projection stored fused per key head as HF has it (`ssm_ba`)
+               "qwen3next": {**gguf_qwen35.BLOCK, **_MOE_BLOCK, "ssm_ba": "linear_attn.in_proj_ba"},
                "olmo2": _POST_NORM_BLOCK, "exaone4": _POST_NORM_BLOCK, "seed_oss": _SEED_OSS_BLOCK,
                "llama": {**_LLAMA_BLOCK, **_MOE_BLOCK}, "qwen2": _LLAMA_BLOCK, "qwen3": {**_LLAMA_BLOCK, **_QK_NORMS},
                "gemma2": _GEMMA_BLOCK, "gemma3": _GEMMA_BLOCK, "smollm3": _LLAMA_BLOCK, "granite": _LLAMA_BLOCK}
@@ -138,7 +142,7 @@ def moe_config(arch: str, key: Callable[..., Any]) -> dict[str, Any]:
 def norm_shift(arch: str, hf_name: str) -> float:
     """What llama.cpp's converter added to tensor `hf_name` of an `arch` file (Gemma's RMSNorm weights: 1.0, since
     `Gemma3RMSNorm` scales by 1 + w), subtracted again when reading. 0.0 for everything else."""
-    if arch == "qwen35":
+    if arch in LINEAR_ATTENTION_ARCHITECTURES:
         return gguf_qwen35.norm_shift(hf_name)
     return 1.0 if arch in ("gemma2", "gemma3") and hf_name.endswith("norm.weight") else 0.0
 
@@ -167,7 +171,7 @@ def family_config(arch: str, key: Callable[..., Any], layers: int, hidden: int, 
     values; `has(HF name)` whether the file holds a tensor); {} for the Llama layout."""
     if arch == "glm4moe":
         return _glm4moe(key, layers, head_dim, has)
-    if arch == "qwen35":
+    if arch in LINEAR_ATTENTION_ARCHITECTURES:
         return gguf_qwen35.config(key, layers, head_dim)
     if arch == "phi3":
         return _phi3(key, head_dim, factors)

@@ -1,4 +1,5 @@
-"""Qwen3.5's GGUF (llama.cpp architecture `qwen35`): its tensor names, the config from its metadata, and the values
+"""Qwen3.5's GGUF (llama.cpp architecture `qwen35`; Qwen3-Next's `qwen3next` the same but its value heads in HF's
+order, its b / a projection fused, and MoE tensors as qwen2moe's): its tensor names, the config from its metadata, and the values
 llama.cpp's converter changed, restored to `transformers`' (`Qwen3_5ForCausalLM`'s) layout.
 
 Sources: llama.cpp's converter, `conversion/qwen.py` (`Qwen3NextModel.modify_tensors`: `A_log` stored as
@@ -69,9 +70,10 @@ def _grouped(w: torch.Tensor, dim: int, key_heads: int, per_key: int, width: int
     return tiled.transpose(dim, dim + 1).reshape(shape)
 
 
-def restore(hf_name: str, w: torch.Tensor, hf: dict[str, Any]) -> torch.Tensor:
+def restore(hf_name: str, w: torch.Tensor, hf: dict[str, Any], reordered: bool = True) -> torch.Tensor:
     """Tensor `hf_name` as `transformers` stores it, from its dequantized GGUF values `w` (float32) and the file's HF
-    config `hf` (norm shifts are `norm_shift`'s, applied by the reader)."""
+    config `hf` (norm shifts are `norm_shift`'s, applied by the reader); `reordered`: the converter tiled the value
+    heads (qwen35; not qwen3next, whose `Qwen3NextModel` keeps HF's order)."""
     if ".linear_attn." not in hf_name:
         return w
     nk, nv = hf["linear_num_key_heads"], hf["linear_num_value_heads"]
@@ -80,7 +82,7 @@ def restore(hf_name: str, w: torch.Tensor, hf: dict[str, Any]) -> torch.Tensor:
         w = torch.log(-w)
     if hf_name.endswith(".conv1d.weight"):
         w = w.reshape(w.shape[0], 1, -1)
-    if nk == nv:
+    if nk == nv or not reordered:
         return w
     r, keys = nv // nk, 2 * nk * dk
     if hf_name.endswith((".in_proj_qkv.weight", ".conv1d.weight")):

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from nextn.quantization.weight_only import QuantConfig
 
 from nextn.build.gguf_families import (
-    BLOCK_NAMES, FACTOR_TENSORS, MOE_ARCHITECTURES, PARTIAL_ROTARY_ARCHITECTURES, PERMUTED_ARCHITECTURES,
+    BLOCK_NAMES, FACTOR_TENSORS, LINEAR_ATTENTION_ARCHITECTURES, MOE_ARCHITECTURES, PARTIAL_ROTARY_ARCHITECTURES, PERMUTED_ARCHITECTURES,
     SUPPORTED_ARCHITECTURES, TENSOR_NAMES, expert_names, factor_values, family_config, global_names, moe_config,
     norm_shift,
 )  # fmt: skip
@@ -317,7 +317,7 @@ class GGUFCheckpoint:
         options.update(moe_config(arch, lambda k, kind, d: kinds[kind](k, d)))
         return {
             "architectures": [SUPPORTED_ARCHITECTURES[arch]],
-            "model_type": {"gemma3": "gemma3_text", "qwen35": "qwen3_5_text"}.get(arch, arch),  # HF's model_type of each family
+            "model_type": {"gemma3": "gemma3_text", "qwen35": "qwen3_5_text", "qwen3next": "qwen3_next"}.get(arch, arch),  # HF's model_type of each family
             "vocab_size": vocab,
             "hidden_size": hidden,
             "intermediate_size": count("feed_forward_length"),
@@ -405,7 +405,7 @@ class GGUFCheckpoint:
         if t is None:
             raise KeyError(name)
         shape = [int(n) for n in reversed(t.shape)]
-        if self.architecture == "qwen35":
+        if self.architecture in LINEAR_ATTENTION_ARCHITECTURES:
             shape = gguf_qwen35.shape(name, shape)
         return "F32", shape[1:] if name in self._expert else shape
 
@@ -431,8 +431,8 @@ class GGUFCheckpoint:
         w = torch.from_numpy(data.reshape(shape))
         if shift := norm_shift(self.architecture, name):
             w -= shift  # exact: 1 + (s − 1) rounds back to the stored s in fp32 for any s in [0.5, 2]
-        if self.architecture == "qwen35":
-            w = gguf_qwen35.restore(name, w, self.hf_config)
+        if self.architecture in LINEAR_ATTENTION_ARCHITECTURES:  # qwen35 also reordered its value heads
+            w = gguf_qwen35.restore(name, w, self.hf_config, self.architecture == "qwen35")
         if self.architecture in PERMUTED_ARCHITECTURES:
             if ".self_attn.q_proj." in name:
                 w = unpermute_rope_rows(w, self.hf_config["num_attention_heads"])

@@ -67,13 +67,17 @@ def family_options(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
         options.update(no_rope_layers=nope, tie_word_embeddings=hf.get("tie_word_embeddings", True))
     if arch in _MOE:
         options.update(_moe(arch, hf))
-    if arch == "Qwen3_5ForCausalLM":
+    if arch in ("Qwen3_5ForCausalLM", "Qwen3NextForCausalLM"):
         options.update(_qwen3_5(hf))
+    if arch == "Qwen3NextForCausalLM":  # its MTP layer is an MoE block like the others
+        options["mtp_moe"] = True
     return options
 
 
 def _qwen3_5(hf: dict[str, Any]) -> dict[str, Any]:
-    """Qwen3.5 text (`Qwen3_5ForCausalLM`, model_type qwen3_5_text; HF `Qwen3_5TextConfig`'s defaults): three Gated
+    """Qwen3.5 text (`Qwen3_5ForCausalLM`, model_type qwen3_5_text; HF `Qwen3_5TextConfig`'s defaults) and
+    Qwen3-Next (`Qwen3NextForCausalLM`: the same layers, a Qwen2-MoE-style MLP of routed experts and a sigmoid-gated
+    shared expert, `_moe`; its linear-attention projections stored fused, split by `stored_layout`): three Gated
     DeltaNet layers then one gated-attention layer (`full_attention_interval` 4, or `layer_types`); norms scale by
     (1 + weight); q/k norms; a quarter of each head rotated (`partial_rotary_factor` 0.25, in (j, j + d/2) pairs:
     for text the multimodal rope's three position axes are equal, so it is the plain rotation); attention output
@@ -87,7 +91,7 @@ def _qwen3_5(hf: dict[str, Any]) -> dict[str, Any]:
     params = dict(hf.get("rope_parameters") or {})
     mtp = hf.get("mtp_num_hidden_layers") or 0
     if mtp not in (0, 1):  # its released layout: one fc and norm pair, then the layers (nextn's module: one each)
-        raise ConfigError(f"Qwen3_5ForCausalLM with mtp_num_hidden_layers={mtp!r}: nextn reads one MTP layer")
+        raise ConfigError(f"mtp_num_hidden_layers={mtp!r}: nextn reads one Qwen3.5 / Qwen3-Next MTP layer")
     return {"layer_types": types, "qk_norm": True, "norm_style": "unit_offset", "attn_output_gate": True,
             "num_nextn_predict_layers": mtp,
             "head_dim": hf.get("head_dim") or 256,
@@ -98,7 +102,7 @@ def _qwen3_5(hf: dict[str, Any]) -> dict[str, Any]:
 #: The mixture-of-experts architectures: their attention's options (the MoE MLP is `models/moe.py`'s)
 _MOE = {"Qwen3MoeForCausalLM": {"qk_norm": True}, "Qwen2MoeForCausalLM": {"qkv_bias": True},
         "MixtralForCausalLM": {}, "OlmoeForCausalLM": {"qk_norm": True, "qk_norm_over": "all_heads"},
-        "Glm4MoeForCausalLM": {}}
+        "Glm4MoeForCausalLM": {}, "Qwen3NextForCausalLM": {}}
 
 
 def _moe(arch: str, hf: dict[str, Any]) -> dict[str, Any]:

@@ -6,7 +6,9 @@ query head 1, ...]: Qwen3.5) as `q_proj` and `gate_proj`, Qwen3.5's MTP layer (`
 `mtp.layers.0.*`, `mtp.norm`) under the MTP module's names at `model.layers.{num_hidden_layers}` (as llama.cpp's
 converter maps it; vLLM's `qwen3_next_mtp.py` runs it the same way) — and of a released Qwen3.5 vision-language
 checkpoint the text model's tensors (`model.language_model.*` as `model.*`; the vision tower, `model.visual.*`, is
-not the text model's and is left out) —, and Mixtral's `block_sparse_moe.{gate, experts.E.w1 / w3 / w2}`
+not the text model's and is left out) —, Qwen3-Next's fused `linear_attn.in_proj_qkvz` / `in_proj_ba` (per key head:
+its q, k, value heads' v and z rows; its value heads' b then a rows: HF `fix_query_key_value_ordering`) as Qwen3.5's
+`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`, and Mixtral's `block_sparse_moe.{gate, experts.E.w1 / w3 / w2}`
 under the MoE layer's names (`mlp.gate`, `mlp.experts.E.gate_proj / up_proj / down_proj`).
 
 Sources: HF `modeling_phi3.py` (`Phi3Attention` slices qkv in that order, `Phi3MLP` chunks gate_up in two);
@@ -29,6 +31,7 @@ from nextn.models.llama.rope import partial_rotary_order
 
 _FUSED = re.compile(r"^(.*\.)(self_attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bias)$")
 _ROTATED = re.compile(r"\.self_attn\.(q_proj|k_proj|q_norm|k_norm)\.(weight|bias)$")
+_FUSED_LINEAR = re.compile(r"^(.*\.linear_attn\.)(in_proj_qkvz|in_proj_ba)\.weight$")
 _GATED_Q = re.compile(r"^(.*\.self_attn\.)q_proj\.(weight|bias)$")
 
 
@@ -74,6 +77,23 @@ def _qwen_mtp_name(name: str, num_layers: int) -> str | None:
     return None
 
 
+def _linear_parts(cfg: LlamaModelConfig, fused: str) -> dict[str, torch.Tensor]:
+    """The rows of Qwen3-Next's fused `in_proj_qkvz` (per key head: q, k, then its value heads' v and z) or
+    `in_proj_ba` (per key head: its value heads' b, then a) that make each Qwen3.5 projection, in order."""
+    nk, nv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                      cfg.linear_value_head_dim)
+    assert nk and nv and dk and dv  # the config's check for linear-attention layers
+    r = nv // nk
+    if fused == "in_proj_ba":
+        group = torch.arange(nk * 2 * r).reshape(nk, 2, r)
+        return {"in_proj_b": group[:, 0].reshape(-1), "in_proj_a": group[:, 1].reshape(-1)}
+    width = 2 * dk + 2 * r * dv
+    base = torch.arange(nk)[:, None] * width
+    part = lambda start, n: (base + start + torch.arange(n)).reshape(-1)  # noqa: E731
+    return {"in_proj_qkv": torch.cat([part(0, dk), part(dk, dk), part(2 * dk, r * dv)]),
+            "in_proj_z": part(2 * dk + r * dv, r * dv)}
+
+
 def needs_view(cfg: LlamaModelConfig) -> bool:
     """Whether `cfg`'s checkpoints store a tensor otherwise than the engine (fused projections, partial rotary,
     interleaved rope pairs, other norm names)."""
@@ -100,6 +120,8 @@ class StoredLayout:
         self._rows: dict[str, tuple[str, int | None, int | None]] = {}
         # engine name -> (stored q_proj name, 0 for the query rows or 1 for the gate rows of each head)
         self._gated: dict[str, tuple[str, int]] = {}
+        # engine name -> (stored name, its rows in order): Qwen3-Next's per-key-head fused projections
+        self._picked: dict[str, tuple[str, torch.Tensor]] = {}
         self._names: list[str] = []
         renamed = _RENAMED.get(cfg.architecture, {})
         for name in reader.names():
@@ -109,6 +131,12 @@ class StoredLayout:
                     continue
                 qwen_name = _qwen_mtp_name(name, cfg.num_hidden_layers) or (
                     _TEXT_MODEL.sub("model.", name) if _TEXT_MODEL.match(name) else None)
+            f = _FUSED_LINEAR.match(name) if cfg.attn_output_gate else None
+            if f is not None:
+                for part, rows in _linear_parts(cfg, f.group(2)).items():
+                    self._picked[f"{f.group(1)}{part}.weight"] = (name, rows)
+                    self._names.append(f"{f.group(1)}{part}.weight")
+                continue
             g = _GATED_Q.match(qwen_name or name) if cfg.attn_output_gate else None
             if g is not None:
                 for which, part in enumerate(("q_proj", "gate_proj")):
@@ -154,6 +182,10 @@ class StoredLayout:
         if name in self._gated:
             dtype, shape = self._reader.tensor_info(self._gated[name][0])
             return dtype, [shape[0] // 2, *shape[1:]]
+        if name in self._picked:
+            stored, rows = self._picked[name]
+            dtype, shape = self._reader.tensor_info(stored)
+            return dtype, [len(rows), *shape[1:]]
         if name in self._rows:
             stored, start, end = self._rows[name]
             dtype, shape = self._reader.tensor_info(stored)
@@ -165,6 +197,9 @@ class StoredLayout:
         if name in self._gated:
             stored, which = self._gated[name]
             return self._reorder(name, self._half(self._reader.get(stored), which))
+        if name in self._picked:
+            stored, rows = self._picked[name]
+            return self._reader.get(stored)[rows]
         if name in self._rows:
             stored, start, end = self._rows[name]
             return self._reorder(name, self._reader.get(stored)[start:end])
@@ -175,6 +210,10 @@ class StoredLayout:
         native = getattr(self._reader, "native_w4a16", None)
         if native is None:
             return None
+        if name in self._picked:
+            stored, rows = self._picked[name]
+            out = native(stored, cfg)
+            return None if out is None else {k: v[rows].contiguous() for k, v in out.items()}
         if name in self._gated:
             stored, which = self._gated[name]
             out = native(stored, cfg)
