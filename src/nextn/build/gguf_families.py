@@ -9,6 +9,7 @@ rope base `{arch}.rope.freq_base_swa` (default 10000), softmax scale 1/√head_d
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +35,8 @@ PERMUTED_ARCHITECTURES = ("llama", "smollm3", "granite")
 PARTIAL_ROTARY_ARCHITECTURES = ("phi3", "glm4", "glm4moe", "qwen35", "qwen3next")
 #: Hybrid architectures: Gated DeltaNet layers between attention ones (`gguf_qwen35`)
 LINEAR_ATTENTION_ARCHITECTURES = ("qwen35", "qwen3next")
+#: Those whose converter tiled the value heads (`_LinearAttentionVReorderBase`; not Qwen3-Next's)
+V_REORDERED_ARCHITECTURES = ("qwen35",)
 #: Rope frequency factors stored as tensors, per architecture: Llama 3's scaling (`rope_freqs`), LongRoPE's short
 #: and long factors (conversion/phi.py `Phi3MiniModel.generate_extra_tensors`).
 FACTOR_TENSORS = {"llama": ("rope_freqs.weight",), "exaone4": ("rope_freqs.weight",),
@@ -101,6 +104,31 @@ BLOCK_NAMES = {"qwen3moe": {**_LLAMA_BLOCK, **_QK_NORMS, **_MOE_BLOCK}, "qwen2mo
                "olmo2": _POST_NORM_BLOCK, "exaone4": _POST_NORM_BLOCK, "seed_oss": _SEED_OSS_BLOCK,
                "llama": {**_LLAMA_BLOCK, **_MOE_BLOCK}, "qwen2": _LLAMA_BLOCK, "qwen3": {**_LLAMA_BLOCK, **_QK_NORMS},
                "gemma2": _GEMMA_BLOCK, "gemma3": _GEMMA_BLOCK, "smollm3": _LLAMA_BLOCK, "granite": _LLAMA_BLOCK}
+
+
+#: A block tensor's llama.cpp name: `blk.N.<name>.<weight | bias>` (nextn.*: an MTP layer's own tensors), or without
+#: the suffix (qwen35's `ssm_a`)
+BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+|nextn\.\w+)\.(weight|bias)")
+_BARE_RE = re.compile(r"blk\.(\d+)\.(\w+)")
+
+
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The HF name of a llama.cpp tensor name of an `arch` file (`blk.3.attn_q.weight` →
+    `model.layers.3.self_attn.q_proj.weight`; Gemma's `blk.3.ffn_norm.weight` → `...pre_feedforward_layernorm.weight`),
+    or None for a tensor the family does not have."""
+    names = global_names()
+    if gguf_name in names:
+        return names[gguf_name]
+    m = BLOCK_RE.fullmatch(gguf_name)
+    block = BLOCK_NAMES.get(arch, {})
+    if m and f"{m[2]}.{m[3]}" in TENSOR_NAMES and m[2] in block:
+        return f"model.layers.{m[1]}.{TENSOR_NAMES[f'{m[2]}.{m[3]}']}"
+    if m and m[2] in block:
+        return f"model.layers.{m[1]}.{block[m[2]]}.{m[3]}"
+    bare = _BARE_RE.fullmatch(gguf_name)  # a block tensor without .weight / .bias (qwen35's `ssm_a`)
+    if bare and bare[2] in TENSOR_NAMES and bare[2] in block:
+        return f"model.layers.{bare[1]}.{TENSOR_NAMES[bare[2]]}"
+    return None
 
 
 def global_names() -> dict[str, str]:

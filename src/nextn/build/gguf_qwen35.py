@@ -1,6 +1,6 @@
-"""Qwen3.5's GGUF (llama.cpp architecture `qwen35`; Qwen3-Next's `qwen3next` the same but its value heads in HF's
-order, its b / a projection fused, and MoE tensors as qwen2moe's): its tensor names, the config from its metadata, and the values
-llama.cpp's converter changed, restored to `transformers`' (`Qwen3_5ForCausalLM`'s) layout.
+"""Qwen3.5's GGUF (llama.cpp architecture `qwen35`; Qwen3-Next's `qwen3next` the same but its value heads in
+HF's order, its b / a projection fused, and MoE tensors as qwen2moe's): its tensor names, the config from its
+metadata, and the values llama.cpp's converter changed, restored to `transformers`' (`Qwen3_5ForCausalLM`'s) layout.
 
 Sources: llama.cpp's converter, `conversion/qwen.py` (`Qwen3NextModel.modify_tensors`: `A_log` stored as
 A = −exp(A_log), `dt_bias` as `ssm_dt.bias`, the conv kernel squeezed to [channels, taps], every zero-centred norm

@@ -25,7 +25,6 @@ tests/models/test_families.py.
 
 from __future__ import annotations
 
-import re
 from functools import cache, cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,9 +45,9 @@ if TYPE_CHECKING:
     from nextn.quantization.weight_only import QuantConfig
 
 from nextn.build.gguf_families import (
-    BLOCK_NAMES, FACTOR_TENSORS, LINEAR_ATTENTION_ARCHITECTURES, MOE_ARCHITECTURES, PARTIAL_ROTARY_ARCHITECTURES, PERMUTED_ARCHITECTURES,
-    SUPPORTED_ARCHITECTURES, TENSOR_NAMES, expert_names, factor_values, family_config, global_names, moe_config,
-    norm_shift,
+    BLOCK_NAMES, FACTOR_TENSORS, LINEAR_ATTENTION_ARCHITECTURES, MOE_ARCHITECTURES, PARTIAL_ROTARY_ARCHITECTURES,
+    PERMUTED_ARCHITECTURES, SUPPORTED_ARCHITECTURES, TENSOR_NAMES, V_REORDERED_ARCHITECTURES, expert_names,
+    factor_values, family_config, global_names, hf_name, moe_config, norm_shift, BLOCK_RE,
 )  # fmt: skip
 
 #: ggml float types (read as they are, widened to fp32).
@@ -57,30 +56,9 @@ FLOAT_TYPES = ("F32", "F16", "BF16")
 FOUR_BIT_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS"})
 #: llama.cpp writes 0xFFFFFFFF (-1 as uint32) for "no such token".
 NO_TOKEN = 2**32 - 1
-_BARE_RE = re.compile(r"blk\.(\d+)\.(\w+)")
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+|nextn\.\w+)\.(weight|bias)")  # nextn.*: an MTP layer's own tensors
 #: GGUF value types read as integers (a BOOL is not a count) and as numbers.
 _INT_TYPES = frozenset({"UINT8", "INT8", "UINT16", "INT16", "UINT32", "INT32", "UINT64", "INT64"})
 _NUMBER_TYPES = _INT_TYPES | {"FLOAT32", "FLOAT64"}
-
-
-def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
-    """The HF name of a llama.cpp tensor name of an `arch` file (`blk.3.attn_q.weight` →
-    `model.layers.3.self_attn.q_proj.weight`; Gemma's `blk.3.ffn_norm.weight` → `...pre_feedforward_layernorm.weight`),
-    or None for a tensor the family does not have."""
-    names = global_names()
-    if gguf_name in names:
-        return names[gguf_name]
-    m = _BLOCK_RE.fullmatch(gguf_name)
-    block = BLOCK_NAMES.get(arch, {})
-    if m and f"{m[2]}.{m[3]}" in TENSOR_NAMES and m[2] in block:
-        return f"model.layers.{m[1]}.{TENSOR_NAMES[f'{m[2]}.{m[3]}']}"
-    if m and m[2] in block:
-        return f"model.layers.{m[1]}.{block[m[2]]}.{m[3]}"
-    bare = _BARE_RE.fullmatch(gguf_name)  # a block tensor without .weight / .bias (qwen35's `ssm_a`)
-    if bare and bare[2] in TENSOR_NAMES and bare[2] in block:
-        return f"model.layers.{bare[1]}.{TENSOR_NAMES[bare[2]]}"
-    return None
 
 
 @cache
@@ -185,7 +163,7 @@ class GGUFCheckpoint:
             if t.tensor_type.name not in supported:
                 raise CheckpointError(f"{self.path}: tensor {t.name!r} has ggml type {t.tensor_type.name}, which "
                                       f"gguf {_gguf_version()} cannot dequantize; nextn reads {', '.join(supported)}")
-            m = _BLOCK_RE.fullmatch(t.name)
+            m = BLOCK_RE.fullmatch(t.name)
             experts = expert_names(m[1], m[2], int(t.shape[2]) if len(t.shape) == 3 else 0) if m else None
             if experts:  # an MoE layer's [E, out, in]: one HF name per expert, each a slice of it
                 self._expert.update((e, i) for i, e in enumerate(experts))
@@ -317,7 +295,8 @@ class GGUFCheckpoint:
         options.update(moe_config(arch, lambda k, kind, d: kinds[kind](k, d)))
         return {
             "architectures": [SUPPORTED_ARCHITECTURES[arch]],
-            "model_type": {"gemma3": "gemma3_text", "qwen35": "qwen3_5_text", "qwen3next": "qwen3_next"}.get(arch, arch),  # HF's model_type of each family
+            "model_type": {"gemma3": "gemma3_text", "qwen35": "qwen3_5_text",
+                           "qwen3next": "qwen3_next"}.get(arch, arch),  # HF's model_type of each family
             "vocab_size": vocab,
             "hidden_size": hidden,
             "intermediate_size": count("feed_forward_length"),
@@ -432,7 +411,7 @@ class GGUFCheckpoint:
         if shift := norm_shift(self.architecture, name):
             w -= shift  # exact: 1 + (s − 1) rounds back to the stored s in fp32 for any s in [0.5, 2]
         if self.architecture in LINEAR_ATTENTION_ARCHITECTURES:  # qwen35 also reordered its value heads
-            w = gguf_qwen35.restore(name, w, self.hf_config, self.architecture == "qwen35")
+            w = gguf_qwen35.restore(name, w, self.hf_config, self.architecture in V_REORDERED_ARCHITECTURES)
         if self.architecture in PERMUTED_ARCHITECTURES:
             if ".self_attn.q_proj." in name:
                 w = unpermute_rope_rows(w, self.hf_config["num_attention_heads"])
@@ -451,7 +430,7 @@ class GGUFCheckpoint:
 
         t = self._tensors.get(name)
         if (t is None or t.tensor_type != gguf.GGMLQuantizationType.Q4_K
-                or (self.architecture == "qwen35" and not gguf_qwen35.keeps_rows(name)) or cfg.quant_algo not in INT4_ALGOS
+                or (self.architecture in V_REORDERED_ARCHITECTURES and not gguf_qwen35.keeps_rows(name)) or cfg.quant_algo not in INT4_ALGOS
                 or cfg.group_size != 32 or not cfg.super_block_size or len(t.shape) != 2 + (name in self._expert)):
             return None
         k, n = (int(x) for x in t.shape[:2])

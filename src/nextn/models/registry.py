@@ -22,7 +22,8 @@ WEIGHT_LAYOUTS: dict[str, ModuleType] = {"DeepseekV3ForCausalLM": deepseek_weigh
 
 #: Vision-language architectures whose text model nextn builds (its weights under `model.language_model.`, the
 #: vision tower's under `model.visual.` left out: `llama.stored_layout`) → that text architecture
-MULTIMODAL_TEXT = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM"}
+MULTIMODAL_TEXT = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+                   "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}
 
 
 def model_config_from_hf(hf: dict[str, Any]) -> DeepseekV3ModelConfig | LlamaModelConfig:

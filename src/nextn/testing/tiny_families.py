@@ -85,6 +85,11 @@ HYBRID_FAMILIES: dict[str, dict[str, Any]] = {
                        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
                        linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
                        shared_expert_intermediate_size=64, norm_topk_prob=True),
+    # Qwen3.5-MoE: Qwen3.5's projections with Qwen3-Next's MLP (no dense MLP: every layer's experts)
+    "qwen3_5_moe_text": dict(num_hidden_layers=5, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                             linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                             linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                             shared_expert_intermediate_size=64),
 }
 #: Families whose tokenizer_config names GPT2Tokenizer (Phi-4's; the converter's phi3 vocab reads it)
 _GPT2_CLASS = ("phi3",)
@@ -92,7 +97,8 @@ _GPT2_CLASS = ("phi3",)
 _GLM_TOKENS = {"glm4": ["<|user|>"], "glm4_moe": ["[gMASK]", "<|user|>", "<|observation|>"],
                "glm4_moe_lite": ["[gMASK]", "<|user|>", "<|observation|>"]}
 #: A norm weight's centre: Gemma's RMSNorm scales by (1 + w), so its weights are zero-centred.
-_NORM_CENTRE = {"gemma3_text": 0.0, "gemma2": 0.0, "qwen3_5_text": 0.0, "qwen3_next": 0.0}
+_NORM_CENTRE = {"gemma3_text": 0.0, "gemma2": 0.0, "qwen3_5_text": 0.0, "qwen3_next": 0.0,
+                "qwen3_5_moe_text": 0.0}
 #: Norm weights centred on 1 in a family whose other norms are zero-centred (Qwen3.5's gated norm of each value head)
 _UNIT_NORMS = ("linear_attn.norm.weight",)
 #: Families whose llama.cpp conversion reads a SentencePiece `tokenizer.model` (Gemma 2's `set_vocab`): one is

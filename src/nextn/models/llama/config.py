@@ -36,7 +36,8 @@ LLAMA_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistr
                        "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe",
                        "MixtralForCausalLM": "mixtral", "OlmoeForCausalLM": "olmoe", "Glm4MoeForCausalLM": "glm4_moe",
                        # hybrid: Gated DeltaNet layers (`models/gated_deltanet.py`) between gated attention ones
-                       "Qwen3_5ForCausalLM": "qwen3_5_text", "Qwen3NextForCausalLM": "qwen3_next"}
+                       "Qwen3_5ForCausalLM": "qwen3_5_text", "Qwen3NextForCausalLM": "qwen3_next",
+                       "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text"}
 #: What a layer attends to: every earlier key, the last `sliding_window` keys, or none (a Gated DeltaNet layer: its
 #: recurrent state instead of a KV cache) — HF `layer_types` values.
 LayerType = Literal["full_attention", "sliding_attention", "linear_attention"]
@@ -56,7 +57,8 @@ class LlamaModelConfig(BaseModel):
                           "Exaone4ForCausalLM", "Olmo3ForCausalLM", "SeedOssForCausalLM",
                           "Glm4ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM",
                           "MixtralForCausalLM", "OlmoeForCausalLM", "Glm4MoeForCausalLM",
-                          "Qwen3_5ForCausalLM", "Qwen3NextForCausalLM"] = "LlamaForCausalLM"
+                          "Qwen3_5ForCausalLM", "Qwen3NextForCausalLM",
+                          "Qwen3_5MoeForCausalLM"] = "LlamaForCausalLM"
     vocab_size: Size
     hidden_size: Size
     intermediate_size: Size  # SwiGLU width

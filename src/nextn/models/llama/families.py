@@ -67,17 +67,18 @@ def family_options(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
         options.update(no_rope_layers=nope, tie_word_embeddings=hf.get("tie_word_embeddings", True))
     if arch in _MOE:
         options.update(_moe(arch, hf))
-    if arch in ("Qwen3_5ForCausalLM", "Qwen3NextForCausalLM"):
+    if arch in _HYBRID:
         options.update(_qwen3_5(hf))
-    if arch == "Qwen3NextForCausalLM":  # its MTP layer is an MoE block like the others
-        options["mtp_moe"] = True
+    if arch in _MOE and arch in _HYBRID:  # the MTP layer an MoE block like the others; no dense MLP in Qwen3.5-MoE
+        options.update(mtp_moe=True, intermediate_size=hf.get("intermediate_size") or hf.get("moe_intermediate_size"))
     return options
 
 
 def _qwen3_5(hf: dict[str, Any]) -> dict[str, Any]:
     """Qwen3.5 text (`Qwen3_5ForCausalLM`, model_type qwen3_5_text; HF `Qwen3_5TextConfig`'s defaults) and
     Qwen3-Next (`Qwen3NextForCausalLM`: the same layers, a Qwen2-MoE-style MLP of routed experts and a sigmoid-gated
-    shared expert, `_moe`; its linear-attention projections stored fused, split by `stored_layout`): three Gated
+    shared expert, `_moe`; its linear-attention projections stored fused, split by `stored_layout`) and Qwen3.5-MoE
+    (`Qwen3_5MoeForCausalLM`: Qwen3.5's projections, Qwen3-Next's MLP, top-k always renormalised): three Gated
     DeltaNet layers then one gated-attention layer (`full_attention_interval` 4, or `layer_types`); norms scale by
     (1 + weight); q/k norms; a quarter of each head rotated (`partial_rotary_factor` 0.25, in (j, j + d/2) pairs:
     for text the multimodal rope's three position axes are equal, so it is the plain rotation); attention output
@@ -102,7 +103,9 @@ def _qwen3_5(hf: dict[str, Any]) -> dict[str, Any]:
 #: The mixture-of-experts architectures: their attention's options (the MoE MLP is `models/moe.py`'s)
 _MOE = {"Qwen3MoeForCausalLM": {"qk_norm": True}, "Qwen2MoeForCausalLM": {"qkv_bias": True},
         "MixtralForCausalLM": {}, "OlmoeForCausalLM": {"qk_norm": True, "qk_norm_over": "all_heads"},
-        "Glm4MoeForCausalLM": {}, "Qwen3NextForCausalLM": {}}
+        "Glm4MoeForCausalLM": {}, "Qwen3NextForCausalLM": {}, "Qwen3_5MoeForCausalLM": {"norm_topk_prob": True}}
+#: The hybrid architectures: Gated DeltaNet layers between gated attention ones (`_qwen3_5`)
+_HYBRID = ("Qwen3_5ForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM")
 
 
 def _moe(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
