@@ -7,13 +7,9 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
-import threading
-import time
 
 import openai
 import pytest
-import uvicorn
 
 from nextn import LLM, SamplingParams
 from nextn.build.manifest import EngineManifest, file_checksum
@@ -30,12 +26,6 @@ QWEN3_STYLE = (
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
 OFF = {"enable_thinking": False}
 MAX_TOKENS = 6
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -84,16 +74,9 @@ def test_refused_kwargs_say_why(llm, kwargs, says):
         llm.tokenizer.render_chat(MESSAGES, template_kwargs=kwargs)
 
 
-def test_server_chat_route(llm):
-    server = uvicorn.Server(uvicorn.Config(create_app(llm, "tiny"), host="127.0.0.1", port=_free_port(),
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.config.port}/v1", api_key="x", max_retries=0,
-                           timeout=120)
+def test_server_chat_route(llm, local_server_cls):
+    server = local_server_cls(create_app(llm, "tiny"))
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
     try:
         for kwargs, ref_kwargs in ((OFF, OFF), (None, {})):
             ids = _reference_ids(llm, **ref_kwargs)
@@ -109,8 +92,7 @@ def test_server_chat_route(llm):
         # the server still serves
         assert client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2).choices
     finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+        server.stop()
 
 
 def test_generate_cli(llm, engine_dir, capsys):
