@@ -177,7 +177,7 @@ class ModelRunner:
         if self.on_launch is not None:
             self.on_launch(plan, prev is not None)
         slots = torch.tensor(plan.batch_slots, dtype=torch.int64, device=self.device)
-        self.model.bind_batch_slots(slots)  # a model with recurrent state keeps each row's by its batch slot
+        self.model.bind_batch_slots(slots)  # a model with recurrent state keeps each row's state by its batch slot
         block_tables = self._block_tables(plan)
         sampling = self._sampling(plan)
         if isinstance(plan, PrefillPlan):
