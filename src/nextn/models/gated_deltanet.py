@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nextn.models.layers import row_exact
-from nextn.plugins import cpu_kernels
+from nextn.plugins import cpu_kernels, gated_delta
 from nextn.models.recurrent_state import RecurrentRows, RecurrentState
 
 
@@ -52,7 +52,7 @@ class GatedDeltaNet(nn.Module):
         state_index: this layer's index among the model's linear-attention layers (its rows of `RecurrentState`).
 
     `recurrence_kernel` (set at load by `plugins.gated_delta.install_gated_delta` where it applies): the recurrence
-    as nextn's CPU op, one call per layer, in place of the per-token PyTorch loop below (its reference).
+    as nextn's CPU op, one call per layer, in place of its per-token PyTorch reference (`gated_delta.reference`).
     """
 
     recurrence_kernel = False
@@ -85,7 +85,7 @@ class GatedDeltaNet(nn.Module):
         state: RecurrentState
         state, rows = meta.recurrent
         b, t, _ = x.shape
-        conv0, s = state.initial(self.state_index, rows)  # [B, C, kernel-1], [B, Hv, Dk, Dv]
+        conv0 = state.initial_conv(self.state_index, rows)  # [B, C, kernel-1]
         window = torch.cat([conv0, self.in_proj_qkv(x).float().transpose(1, 2)], dim=2)  # [B, C, kernel-1+T]
         w = self.conv1d.weight.float()[:, 0]  # [C, kernel]
         mixed = w[None, :, 0, None] * window[:, :, :t]
@@ -104,20 +104,11 @@ class GatedDeltaNet(nn.Module):
         beta = row_exact(torch.sigmoid, self.in_proj_b(x).float())  # [B, T, Hv]
         decay = row_exact(torch.exp, -row_exact(torch.exp, self.A_log.float())
                           * row_exact(F.softplus, self.in_proj_a(x).float() + self.dt_bias.float()))
-        if self.recurrence_kernel:
-            o = cpu_kernels.ops().gated_delta_rule(q, k, v, decay, beta, state.ssm[self.state_index], rows.slots,
-                                                   rows.entry, rows.fresh, rows.valid)
-            state.store_conv(self.state_index, rows, window)
-            return self._output(o, x)
-        out = []
-        for i in range(t):
-            s = s * decay[:, i, :, None, None]
-            k_i = k[:, i, :, :, None]  # [B, Hv, Dk, 1]
-            delta = (v[:, i] - (s * k_i).sum(-2)) * beta[:, i, :, None]  # [B, Hv, Dv]
-            s = s + k_i * delta[:, :, None, :]
-            out.append((s * q[:, i, :, :, None]).sum(-2))
-            state.store(self.state_index, rows, i, window[:, :, i + 1:i + self.kernel], s)
-        return self._output(torch.stack(out, dim=1), x)
+        # the recurrence, keeping the last R valid tokens' states in the ring: nextn's op, or its PyTorch reference
+        rule = cpu_kernels.ops().gated_delta_rule if self.recurrence_kernel else gated_delta.reference
+        o = rule(q, k, v, decay, beta, state.ssm[self.state_index], rows.slots, rows.entry, rows.fresh, rows.valid)
+        state.store_conv(self.state_index, rows, window)
+        return self._output(o, x)
 
     def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """out_proj(gated norm of each value head's output o [B, T, Hv, Dv] float32, by silu(in_proj_z(x)))."""

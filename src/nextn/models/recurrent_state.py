@@ -64,16 +64,15 @@ class RecurrentState:
         entry = torch.remainder(start - 1 - self.base[slots], self.ring)
         return RecurrentRows(slots, entry, start == 0, valid, start)
 
-    def initial(self, layer: int, rows: RecurrentRows) -> tuple[torch.Tensor, torch.Tensor]:
-        """(conv [B, conv_dim, kernel − 1], ssm [B, heads, key_dim, value_dim]) before the rows' first tokens."""
+    def initial_conv(self, layer: int, rows: RecurrentRows) -> torch.Tensor:
+        """The conv state [B, conv_dim, kernel − 1] before the rows' first tokens (zeros where fresh); the
+        recurrent state is read by the recurrence itself (`plugins.gated_delta`)."""
         conv = self.conv[layer, rows.slots, rows.entry]
-        ssm = self.ssm[layer, rows.slots, rows.entry]
-        return (torch.where(rows.fresh[:, None, None], 0.0, conv),
-                torch.where(rows.fresh[:, None, None, None], 0.0, ssm))
+        return torch.where(rows.fresh[:, None, None], 0.0, conv)
 
     def store_conv(self, layer: int, rows: RecurrentRows, window: torch.Tensor) -> None:
-        """Keep the conv states after the last R valid tokens of each row at once (the ssm states: the kernel keeps
-        them). window: [B, conv_dim, kernel − 1 + T], the state before the first token then the T tokens' inputs."""
+        """Keep the conv states after the last R valid tokens of each row at once (the recurrence keeps the ssm
+        states). window: [B, conv_dim, kernel − 1 + T], the state before the first token then the T tokens' inputs."""
         width = self.conv.shape[-1]
         after = window.unfold(2, width, 1)[:, :, 1:]  # [B, C, T, kernel − 1]: the state after token t
         last = rows.valid.sum(-1) - 1  # each row's last valid token
@@ -84,14 +83,6 @@ class RecurrentState:
             new = after.gather(2, idx)[:, :, 0]
             old = self.conv[layer, rows.slots, j]
             self.conv[layer, rows.slots, j] = torch.where(keep[:, None, None], new, old)
-
-    def store(self, layer: int, rows: RecurrentRows, t: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
-        """Keep the states after token t of each row (pads keep the ring entry as it was)."""
-        entry = t % self.ring
-        keep = rows.valid[:, t]
-        old_conv, old_ssm = self.conv[layer, rows.slots, entry], self.ssm[layer, rows.slots, entry]
-        self.conv[layer, rows.slots, entry] = torch.where(keep[:, None, None], conv, old_conv)
-        self.ssm[layer, rows.slots, entry] = torch.where(keep[:, None, None, None], ssm, old_ssm)
 
     def advance(self, rows: RecurrentRows) -> None:
         """After every layer ran: the rows' ring entries now start at their forward's first position."""
