@@ -1,37 +1,89 @@
 """GLM-4.7-Flash (`glm4_moe_lite`, issue 62): DeepSeek-V3's layer under GLM's config, built as nextn's DeepSeek-V3
-family — a tiny random checkpoint made by `transformers` at test time decodes token-identical to
-`transformers.generate` in float32, plainly and with NGram drafts, and its MTP layer drafts as `transformers`' own MTP
-model; a dense layer after a sparse one is refused."""
+family — a tiny random checkpoint made by `transformers` at test time, and llama.cpp's `deepseek2` GGUF of it (MLA's
+`kv_b_proj` stored in two halves, the MTP layer appended as the last block), decodes token-identical to
+`transformers.generate` in float32, plainly, with NGram drafts and with its MTP layer, which drafts as `transformers`'
+own MTP model; a dense layer after a sparse one, and DeepSeek-V2's softmax routing, are refused."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 
+from nextn.build.checkpoint import CheckpointError
 from nextn.models.config import ConfigError, DeepseekV3ModelConfig
-from nextn.testing.tiny_families import save_tiny
+from nextn.testing.tiny_families import add_mtp_layer, save_tiny
+
+from family_sources import tiny_source
 
 PROMPT = [1] + [100 + (7 * i) % 23 for i in range(45)]
 
 
+@pytest.fixture(scope="module")
+def glm_lite(tmp_path_factory, tokenizer_dir):
+    """(checkpoint dir, transformers model fp32, transformers' MTP model) of a 3-layer GLM-4.7-Flash (the first
+    layer dense) with one MTP layer, stored as the released checkpoint stores it (`model.layers.{N}`)."""
+    from transformers import AutoModelForCausalLM, logging
+    from transformers.modeling_layers import MtpModel
+
+    out = tmp_path_factory.mktemp("glm4_moe_lite")
+    save_tiny("glm4_moe_lite", out, tokenizer_dir)
+    add_mtp_layer(out)
+    config = json.loads((out / "config.json").read_text())  # what transformers' MtpModel reads for this family
+    (out / "config.json").write_text(json.dumps({**config, "num_mtp_layers": 1, "mtp_mlp_layer_types": ["sparse"]}))
+    logging.set_verbosity_error()
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    hf._keys_to_ignore_on_load_unexpected = [r"model\.layers\.3\..*"]  # (the released file's MTP layer is 47)
+    return out, hf, MtpModel.from_pretrained(hf).eval()
+
+
 @pytest.mark.slow
-def test_engine_greedy_is_transformers(tokenizer_dir, tmp_path):
+@pytest.mark.parametrize("kind", ["hf", "gguf"])
+def test_engine_greedy_is_transformers(glm_lite, kind, tmp_path):
+    """build-engine (float32) → LLM: plain, NGram and MTP (one module chained K = 2 times) decoding equal
+    `transformers.generate`; the GGUF's engine holds the MTP module and drafts with it."""
     from nextn import LLM, SamplingParams
     from nextn.build.engine_builder import build_engine
 
-    hf = save_tiny("glm4_moe_lite", tmp_path / "hf", tokenizer_dir)
+    out, hf, _ = glm_lite
     with torch.no_grad():
         want = hf.generate(torch.tensor([PROMPT]), max_new_tokens=24, do_sample=False, pad_token_id=0,
                            eos_token_id=None)[0, len(PROMPT):].tolist()
-    manifest = build_engine(tmp_path / "hf", tmp_path / "engine", dtype="float32", quant_algo=None, max_seq_len=256,
-                            progress=False)
+    manifest = build_engine(tiny_source(out, kind), tmp_path / "engine", dtype="float32", quant_algo=None,
+                            max_seq_len=256, progress=False)
     assert manifest.architecture == "DeepseekV3ForCausalLM"
+    assert manifest.speculative.method == "mtp" and manifest.speculative.num_mtp_modules == 1
+    assert manifest.model.first_k_dense_replace == 1 and manifest.model.norm_topk_prob
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    for spec in (None, {"decoding_type": "NGram", "max_draft_len": 4}):
+    specs = [None, {"decoding_type": "NGram", "max_draft_len": 4} if kind == "hf" else
+             {"decoding_type": "MTP", "num_nextn_predict_layers": 2}]
+    for spec in specs:
         llm = LLM(tmp_path / "engine", device="cpu", speculative_config=spec)
-        got = llm.generate(PROMPT, params).outputs[0].token_ids
+        result = llm.generate(PROMPT, params).outputs[0]
         llm.shutdown()
-        assert got == want, spec
+        assert result.token_ids == want, spec
+        assert spec is None or result.num_draft_tokens > 0
+
+
+@pytest.mark.slow
+def test_w8a16_mtp_decoding_is_plain_decoding(glm_lite, tmp_path):
+    """A weight-only engine keeps MLA's `kv_b_proj` as a float weight (MLA folds it into the query; quantized, every
+    request failed) and its MTP output equals its plain output, at batch 2."""
+    from nextn import LLM, SamplingParams
+    from nextn.build.engine_builder import build_engine
+
+    out, _, _ = glm_lite
+    build_engine(out, tmp_path / "engine", dtype="bfloat16", quant_algo="W8A16", max_seq_len=256, progress=False)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    got = []
+    for spec in (None, {"decoding_type": "MTP", "num_nextn_predict_layers": 2}):
+        llm = LLM(tmp_path / "engine", device="cpu", speculative_config=spec)
+        got.append([o.outputs[0] for o in llm.generate([PROMPT, PROMPT[:9]], params)])
+        llm.shutdown()
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 24 for o in got[0] + got[1])
+    assert [o.token_ids for o in got[1]] == [o.token_ids for o in got[0]]
+    assert got[1][0].num_draft_tokens > 0
 
 
 def test_mlp_layer_types_become_dense_layers_or_are_refused():
@@ -45,30 +97,20 @@ def test_mlp_layer_types_become_dense_layers_or_are_refused():
         DeepseekV3ModelConfig.from_hf({**base, "mlp_layer_types": ["dense", "sparse", "dense", "sparse"]})
 
 
-def test_mtp_logits_match_transformers(tokenizer_dir, tmp_path):
-    """Its MTP layer (`model.layers.{N}`, DeepSeek-V3's module) through nextn's DeepSeek-V3 MTP path: the draft
-    logits at every position equal `transformers`' own MTP model's (`MtpModel.from_pretrained`)."""
-    import json
-
-    from transformers import AutoModelForCausalLM, logging
+@pytest.mark.parametrize("kind", ["hf", "gguf"])
+def test_mtp_logits_match_transformers(glm_lite, kind, tmp_path):
+    """Its MTP layer (`model.layers.{N}`, DeepSeek-V3's module; the GGUF's `blk.{N}.nextn.*` beside the block's own
+    tensors) through nextn's DeepSeek-V3 MTP path: the draft logits at every position equal `transformers`' own MTP
+    model's (`MtpModel.from_pretrained`)."""
     from transformers.cache_utils import MtpCache
-    from transformers.modeling_layers import MtpModel
 
     from nextn import LLM
     from nextn.build.engine_builder import build_engine
     from nextn.testing.mtp_check import mtp_pass
-    from nextn.testing.tiny_families import add_mtp_layer
 
-    out = tmp_path / "hf"
-    save_tiny("glm4_moe_lite", out, tokenizer_dir)
-    add_mtp_layer(out)
-    config = json.loads((out / "config.json").read_text())  # what transformers' MtpModel reads for this family
-    (out / "config.json").write_text(json.dumps({**config, "num_mtp_layers": 1, "mtp_mlp_layer_types": ["sparse"]}))
-    logging.set_verbosity_error()
-    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    hf._keys_to_ignore_on_load_unexpected = [r"model\.layers\.3\..*"]  # (the released file's MTP layer is 47)
-    mtp = MtpModel.from_pretrained(hf).eval()
-    build_engine(out, tmp_path / "engine", dtype="float32", quant_algo=None, max_seq_len=256, progress=False)
+    out, hf, mtp = glm_lite
+    build_engine(tiny_source(out, kind), tmp_path / "engine", dtype="float32", quant_algo=None, max_seq_len=256,
+                 progress=False)
     llm = LLM(tmp_path / "engine", device="cpu", speculative_config=None)
     model = llm.engine.model
     ids = torch.tensor([PROMPT[:20]])
@@ -84,3 +126,27 @@ def test_mtp_logits_match_transformers(tokenizer_dir, tmp_path):
         want = mtp._project_to_logits(y).float()
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(main, want, atol=1e-2)
+
+
+def _deepseek2_keys(**over):
+    """A `key(name, kind, default)` over a deepseek2 file's metadata as llama.cpp's converter writes GLM-4.7-Flash's."""
+    meta = {"nextn_predict_layers": 1, "expert_count": 8, "expert_used_count": 2, "attention.key_length_mla": 32,
+            "attention.value_length_mla": 16, "rope.dimension_count": 16, "attention.kv_lora_rank": 32,
+            "attention.q_lora_rank": 48, "expert_feed_forward_length": 64, **over}
+    return lambda name, kind, default: meta.get(name, default)
+
+
+def test_deepseek2_routing_and_dense_layers_from_the_file():
+    """The dense layers are the leading blocks without a router; softmax routing (DeepSeek-V2's) is refused, and so
+    is a router without the correction bias that sigmoid routing needs."""
+    from nextn.build import gguf_deepseek2
+
+    stored = {"model.layers.2.mlp.gate.weight", "model.layers.2.mlp.gate.e_score_correction_bias"}
+    cfg = gguf_deepseek2.config(_deepseek2_keys(), 5, 4, stored.__contains__)
+    assert (cfg["num_hidden_layers"], cfg["num_nextn_predict_layers"], cfg["first_k_dense_replace"]) == (4, 1, 2)
+    assert (cfg["qk_nope_head_dim"], cfg["v_head_dim"], cfg["q_lora_rank"], cfg["norm_topk_prob"]) == (16, 16, 48, False)
+    assert gguf_deepseek2.config(_deepseek2_keys(expert_gating_func=2), 5, 4, stored.__contains__) == cfg
+    with pytest.raises(CheckpointError, match="softmax routing"):
+        gguf_deepseek2.config(_deepseek2_keys(expert_gating_func=1), 5, 4, stored.__contains__)
+    with pytest.raises(CheckpointError, match="softmax routing"):
+        gguf_deepseek2.config(_deepseek2_keys(), 5, 4, {"model.layers.2.mlp.gate.weight"}.__contains__)

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from nextn.build import gguf_qwen35
+from nextn.build import gguf_deepseek2, gguf_qwen35
 from nextn.build.checkpoint import CheckpointError
 
 #: GGUF `general.architecture` → the HF architecture nextn builds it as.
@@ -27,12 +27,13 @@ SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausal
                            "seed_oss": "SeedOssForCausalLM", "glm4": "Glm4ForCausalLM",
                            "qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
                            "olmoe": "OlmoeForCausalLM", "glm4moe": "Glm4MoeForCausalLM",
-                           "qwen35": "Qwen3_5ForCausalLM", "qwen3next": "Qwen3NextForCausalLM"}  # and Mixtral
+                           "qwen35": "Qwen3_5ForCausalLM", "qwen3next": "Qwen3NextForCausalLM",
+                           "deepseek2": "DeepseekV3ForCausalLM"}  # and Mixtral
 #: Architectures whose q/k rows llama.cpp permutes at conversion (convert_hf_to_gguf.py `LlamaModel.permute`;
 #: `SmolLM3Model` and `GraniteModel` are `LlamaModel`s).
 PERMUTED_ARCHITECTURES = ("llama", "smollm3", "granite")
 #: Architectures whose heads may rotate only their first `{arch}.rope.dimension_count` dims (Phi-4-mini: 0.75).
-PARTIAL_ROTARY_ARCHITECTURES = ("phi3", "glm4", "glm4moe", "qwen35", "qwen3next")
+PARTIAL_ROTARY_ARCHITECTURES = ("phi3", "glm4", "glm4moe", "qwen35", "qwen3next", "deepseek2")
 #: Hybrid architectures: Gated DeltaNet layers between attention ones (`gguf_qwen35`)
 LINEAR_ATTENTION_ARCHITECTURES = ("qwen35", "qwen3next")
 #: Those whose converter tiled the value heads (`_LinearAttentionVReorderBase`; not Qwen3-Next's)
@@ -43,7 +44,7 @@ FACTOR_TENSORS = {"llama": ("rope_freqs.weight",), "exaone4": ("rope_freqs.weigh
                   "phi3": ("rope_factors_long.weight", "rope_factors_short.weight")}
 #: GGUF architectures of mixture-of-experts models nextn's MoE layer does not read yet (refused as MoE, by name).
 MOE_ARCHITECTURES = frozenset({"qwen35moe", "mixtral", "gpt-oss",
-                               "deepseek2", "deepseek", "dbrx", "grok", "arctic", "granitemoe", "llama4", "bailingmoe",
+                               "deepseek", "dbrx", "grok", "arctic", "granitemoe", "llama4", "bailingmoe",
                                "bailingmoe2", "ernie4_5-moe", "hunyuan-moe", "dots1", "smallthinker", "minimax-m2",
                                "afmoe", "lfm2moe", "grovemoe", "openai-moe"})
 
@@ -98,7 +99,7 @@ EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_d
 NORM_TOPK = {"qwen3moe": True, "llama": True, "qwen2moe": False, "olmoe": False, "qwen3next": True}
 BLOCK_NAMES = {"qwen3moe": {**_LLAMA_BLOCK, **_QK_NORMS, **_MOE_BLOCK}, "qwen2moe": {**_LLAMA_BLOCK, **_MOE_BLOCK},
                "olmoe": {**_LLAMA_BLOCK, **_QK_NORMS, **_MOE_BLOCK}, "phi3": _PHI3_BLOCK, "glm4": _GLM4_BLOCK,
-               "glm4moe": _GLM4_MOE_BLOCK, "qwen35": gguf_qwen35.BLOCK,
+               "glm4moe": _GLM4_MOE_BLOCK, "qwen35": gguf_qwen35.BLOCK, "deepseek2": {**gguf_deepseek2.BLOCK, **_NEXTN},
                # Qwen3-Next: its b / a projection stored fused per key head as HF has it (`ssm_ba`)
                "qwen3next": {**gguf_qwen35.BLOCK, **_MOE_BLOCK, "ssm_ba": "linear_attn.in_proj_ba"},
                "olmo2": _POST_NORM_BLOCK, "exaone4": _POST_NORM_BLOCK, "seed_oss": _SEED_OSS_BLOCK,
@@ -199,6 +200,8 @@ def family_config(arch: str, key: Callable[..., Any], layers: int, hidden: int, 
     values; `has(HF name)` whether the file holds a tensor); {} for the Llama layout."""
     if arch == "glm4moe":
         return _glm4moe(key, layers, head_dim, has)
+    if arch == "deepseek2":
+        return gguf_deepseek2.config(key, layers, heads, has)
     if arch in LINEAR_ATTENTION_ARCHITECTURES:
         return gguf_qwen35.config(key, layers, head_dim)
     if arch == "phi3":

@@ -32,14 +32,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from nextn.build import gguf_qwen35
+from nextn.build import gguf_deepseek2, gguf_qwen35
 from nextn.build.checkpoint import CheckpointError
 from nextn.build.ggml_blocks import q4_k_two_level, unpermute_rope_rows
 from nextn.build.gguf_header import peek_architecture
 from nextn.build.gguf_tokenizer import check_vocabulary
 from nextn.build.tensor_inventory import check_layer_counts
 from nextn.models.config import MAX_SIZE
-from nextn.models.llama.config import LlamaModelConfig
+from nextn.models.model_config import ModelConfig
 
 if TYPE_CHECKING:
     from nextn.quantization.weight_only import QuantConfig
@@ -153,6 +153,7 @@ class GGUFCheckpoint:
             raise CheckpointError(_unsupported(self.path, self.architecture))
         self._tensors: dict[str, Any] = {}
         self._expert: dict[str, int] = {}  # an expert's HF name → its index in its 3-D tensor (`_tensors` holds that)
+        self._value_half: dict[str, Any] = {}  # deepseek2's `kv_b_proj` → its `attn_v_b` (`_tensors`: its `attn_k_b`)
         # rope frequency factors as llama.cpp's converter stores them: Llama 3's `rope_freqs`, LongRoPE's two
         self._factors: dict[str, Any] = {}
         supported = supported_ggml_types()
@@ -168,6 +169,9 @@ class GGUFCheckpoint:
             if experts:  # an MoE layer's [E, out, in]: one HF name per expert, each a slice of it
                 self._expert.update((e, i) for i, e in enumerate(experts))
                 self._tensors.update((e, t) for e in experts)
+                continue
+            if m and (whole := gguf_deepseek2.value_half(m[1], m[2])):  # MLA's kv_b_proj stored in two halves
+                self._value_half[whole] = t
                 continue
             name = hf_name(t.name, self.architecture)
             if name is None:
@@ -276,7 +280,7 @@ class GGUFCheckpoint:
             raise CheckpointError(f"{self.path}: {arch}.rope.dimension_count {rope_dim} differs from the head size "
                                   f"{head_dim}; partial RoPE is not supported for {arch}")
         scaling = self._scalar(f"{arch}.rope.scaling.type", {"STRING"}, "a string", "none")
-        if scaling not in ("none", "linear"):
+        if scaling not in ("none", "linear") and not (arch == "deepseek2" and scaling == "yarn"):
             raise CheckpointError(f"{self.path}: {arch}.rope.scaling.type {scaling!r} is not supported (nextn reads "
                                   "GGUFs with plain or linear RoPE scaling, and Llama 3's rope_freqs)")
         rope_scaling = None if scaling == "none" else {
@@ -348,7 +352,7 @@ class GGUFCheckpoint:
         return rows
 
     @cached_property
-    def model_config(self) -> LlamaModelConfig:
+    def model_config(self) -> ModelConfig:
         """The normalised config, its layer count checked against the blocks the file stores.
 
         Raises:
@@ -357,7 +361,9 @@ class GGUFCheckpoint:
         """
         check_layer_counts(self.hf_config["num_hidden_layers"], 0, self.names(),
                            f"{self.path}: {self.architecture}.block_count")
-        return LlamaModelConfig.from_hf(self.hf_config)
+        from nextn.models.registry import model_config_from_hf
+
+        return model_config_from_hf(self.hf_config)
 
     # CheckpointReader's surface ------------------------------------------------------------------------
     is_fp8 = False
@@ -384,6 +390,8 @@ class GGUFCheckpoint:
         if t is None:
             raise KeyError(name)
         shape = [int(n) for n in reversed(t.shape)]
+        if name in self._value_half:
+            shape = gguf_deepseek2.merged_shape(shape, [int(n) for n in reversed(self._value_half[name].shape)])
         if self.architecture in LINEAR_ATTENTION_ARCHITECTURES:
             shape = gguf_qwen35.shape(name, shape)
         return "F32", shape[1:] if name in self._expert else shape
@@ -395,19 +403,12 @@ class GGUFCheckpoint:
         Raises:
             KeyError: no such tensor.
         """
-        import gguf
-
         t = self._tensors.get(name)
         if t is None:
             raise KeyError(f"{name!r} not in {self.path}")
-        # A plain-ndarray view of the memory map: gguf slices it per row group, and memmap slices are slow to make.
-        raw, shape = np.asarray(t.data), [int(n) for n in reversed(t.shape)]
-        if name in self._expert:  # one expert's rows of an MoE layer's [E, out, in] tensor
-            raw, shape = raw[self._expert[name]], shape[1:]
-        data = np.asarray(gguf.quants.dequantize(raw, t.tensor_type), dtype=np.float32)
-        if not data.flags.writeable:  # F32 tensors come back as views of the read-only memory map
-            data = data.copy()
-        w = torch.from_numpy(data.reshape(shape))
+        w = self._dequantized(t, self._expert.get(name))
+        if name in self._value_half:
+            w = gguf_deepseek2.merge_kv_b(w, self._dequantized(self._value_half[name]))
         if shift := norm_shift(self.architecture, name):
             w -= shift  # exact: 1 + (s − 1) rounds back to the stored s in fp32 for any s in [0.5, 2]
         if self.architecture in LINEAR_ATTENTION_ARCHITECTURES:  # qwen35 also reordered its value heads
@@ -418,6 +419,20 @@ class GGUFCheckpoint:
             elif ".self_attn.k_proj." in name:
                 w = unpermute_rope_rows(w, self.hf_config["num_key_value_heads"])
         return w
+
+    @staticmethod
+    def _dequantized(t: Any, expert: int | None = None) -> torch.Tensor:
+        """Tensor `t` (or one expert's rows of an MoE layer's [E, out, in] `t`) as fp32 in HF's shape order."""
+        import gguf
+
+        # A plain-ndarray view of the memory map: gguf slices it per row group, and memmap slices are slow to make.
+        raw, shape = np.asarray(t.data), [int(n) for n in reversed(t.shape)]
+        if expert is not None:
+            raw, shape = raw[expert], shape[1:]
+        data = np.asarray(gguf.quants.dequantize(raw, t.tensor_type), dtype=np.float32)
+        if not data.flags.writeable:  # F32 tensors come back as views of the read-only memory map
+            data = data.copy()
+        return torch.from_numpy(data.reshape(shape))
 
     def native_w4a16(self, name: str, cfg: "QuantConfig") -> dict[str, torch.Tensor] | None:
         """Tensor `name` as `cfg`'s W4A16 tensors read from the file's own 4-bit blocks where they are the same

@@ -180,9 +180,12 @@ def quantized_specs(name: str, shape: tuple[int, int], cfg: QuantConfig) -> dict
 def linear_weight_names(model: torch.nn.Module, cfg: QuantConfig) -> set[str]:
     """`<name>.weight` of every `nn.Linear` in `model` (built on the meta device) that `cfg` quantizes: all but those
     `cfg` excludes and those the model keeps dense (`keep_dense` set on the module: a projection to a few values per
-    head, such as a Gated DeltaNet's decay and write-strength inputs, which quantizing would save nothing on)."""
+    head, such as a Gated DeltaNet's decay and write-strength inputs, which quantizing would save nothing on) or
+    whose weight it reads directly (`model.weights_read_directly`: MLA's `kv_b_proj`, folded into the query)."""
+    read = set(getattr(model, "weights_read_directly", ()))
     return {f"{n}.weight" for n, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear) and cfg.applies_to(n) and not getattr(m, "keep_dense", False)}
+            if isinstance(m, torch.nn.Linear) and cfg.applies_to(n) and not getattr(m, "keep_dense", False)
+            and n.rpartition(".")[2] not in read}
 
 
 def quantize_stream(specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
