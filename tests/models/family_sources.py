@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -19,5 +20,27 @@ def tiny_source(hf_dir: Path, kind: str) -> Path:
                     "--fetch` (.ci/run does)")
     out = hf_dir / "tiny-f32.gguf"
     if not out.is_file():
-        llama_cpp_converter.convert(hf_dir, out, "f32")
+        llama_cpp_converter.convert(_as_converted(hf_dir), out, "f32")
     return out
+
+
+#: model_type → the one the converter is shown: the converter reads the vocabulary through `transformers`'
+#: AutoTokenizer, which for Qwen3.5-MoE rebuilds Qwen3.5's own pre-tokenizer over the tiny checkpoint's SmolLM2
+#: vocabulary — a tokenizer the converter does not know (the released checkpoints' is known). Shown the dense model_type,
+#: AutoTokenizer reads the files as they are; the converter dispatches on `architectures`, unchanged.
+_TOKENIZER_MODEL_TYPE = {"qwen3_5_moe_text": "qwen3_5_text"}
+
+
+def _as_converted(hf_dir: Path) -> Path:
+    """`hf_dir`, or a view of it (links to its files; config.json's model_type per `_TOKENIZER_MODEL_TYPE`)."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    if config.get("model_type") not in _TOKENIZER_MODEL_TYPE:
+        return hf_dir
+    view = hf_dir.parent / f"{hf_dir.name}-converter-view"
+    view.mkdir(exist_ok=True)
+    for f in hf_dir.iterdir():
+        if f.is_file() and f.name != "config.json" and not (view / f.name).exists():
+            (view / f.name).symlink_to(f)
+    config["model_type"] = _TOKENIZER_MODEL_TYPE[config["model_type"]]
+    (view / "config.json").write_text(json.dumps(config))
+    return view

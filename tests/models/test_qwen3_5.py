@@ -289,13 +289,13 @@ def test_config_reads_defaults_and_refuses_what_it_cannot_build():
         LlamaModelConfig.from_hf({k: v for k, v in base.items() if k != "linear_conv_kernel_dim"})
 
 
-@pytest.mark.parametrize("family, kind", [("qwen3_next", "hf"), ("qwen3_next", "gguf"), ("qwen3_5_moe_text", "hf")])
+@pytest.mark.parametrize("family, kind", [("qwen3_next", "hf"), ("qwen3_next", "gguf"), ("qwen3_5_moe_text", "hf"),
+                                          ("qwen3_5_moe_text", "gguf")])
 def test_hybrid_moe_greedy_is_transformers(tokenizer_dir, tmp_path, kind, family):
     """Qwen3-Next and Qwen3.5-MoE: the same hybrid layers with an MoE MLP (routed experts and a sigmoid-gated shared
     expert; Qwen3-Next's linear-attention projections stored fused per key head, split on reading) — plain, NGram
-    and MTP decoding (its MTP layer an MoE block) equal transformers, from HF and (Qwen3-Next) from llama.cpp's
-    `qwen3next` GGUF. (The converter refuses this tiny Qwen3.5-MoE's tokenizer, so `qwen35moe` GGUFs stay refused
-    as MoE by name until one is tested.)"""
+    and MTP decoding (its MTP layer an MoE block) equal transformers, from HF and from llama.cpp's
+    `qwen3next` and `qwen35moe` GGUFs (the latter's value heads tiled as Qwen3.5's)."""
     hf = save_tiny(family, tmp_path / "hf", tokenizer_dir)
     add_qwen3_5_mtp(tmp_path / "hf")  # llama.cpp's converter requires their MTP layer
     with torch.no_grad():

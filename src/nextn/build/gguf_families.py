@@ -28,22 +28,23 @@ SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausal
                            "qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
                            "olmoe": "OlmoeForCausalLM", "glm4moe": "Glm4MoeForCausalLM",
                            "qwen35": "Qwen3_5ForCausalLM", "qwen3next": "Qwen3NextForCausalLM",
+                           "qwen35moe": "Qwen3_5MoeForCausalLM",
                            "deepseek2": "DeepseekV3ForCausalLM"}  # and Mixtral
 #: Architectures whose q/k rows llama.cpp permutes at conversion (convert_hf_to_gguf.py `LlamaModel.permute`;
 #: `SmolLM3Model` and `GraniteModel` are `LlamaModel`s).
 PERMUTED_ARCHITECTURES = ("llama", "smollm3", "granite")
 #: Architectures whose heads may rotate only their first `{arch}.rope.dimension_count` dims (Phi-4-mini: 0.75).
-PARTIAL_ROTARY_ARCHITECTURES = ("phi3", "glm4", "glm4moe", "qwen35", "qwen3next", "deepseek2")
+PARTIAL_ROTARY_ARCHITECTURES = ("phi3", "glm4", "glm4moe", "qwen35", "qwen3next", "qwen35moe", "deepseek2")
 #: Hybrid architectures: Gated DeltaNet layers between attention ones (`gguf_qwen35`)
-LINEAR_ATTENTION_ARCHITECTURES = ("qwen35", "qwen3next")
+LINEAR_ATTENTION_ARCHITECTURES = ("qwen35", "qwen3next", "qwen35moe")
 #: Those whose converter tiled the value heads (`_LinearAttentionVReorderBase`; not Qwen3-Next's)
-V_REORDERED_ARCHITECTURES = ("qwen35",)
+V_REORDERED_ARCHITECTURES = ("qwen35", "qwen35moe")
 #: Rope frequency factors stored as tensors, per architecture: Llama 3's scaling (`rope_freqs`), LongRoPE's short
 #: and long factors (conversion/phi.py `Phi3MiniModel.generate_extra_tensors`).
 FACTOR_TENSORS = {"llama": ("rope_freqs.weight",), "exaone4": ("rope_freqs.weight",),
                   "phi3": ("rope_factors_long.weight", "rope_factors_short.weight")}
 #: GGUF architectures of mixture-of-experts models nextn's MoE layer does not read yet (refused as MoE, by name).
-MOE_ARCHITECTURES = frozenset({"qwen35moe", "mixtral", "gpt-oss",
+MOE_ARCHITECTURES = frozenset({"mixtral", "gpt-oss",
                                "deepseek", "dbrx", "grok", "arctic", "granitemoe", "llama4", "bailingmoe",
                                "bailingmoe2", "ernie4_5-moe", "hunyuan-moe", "dots1", "smallthinker", "minimax-m2",
                                "afmoe", "lfm2moe", "grovemoe", "openai-moe"})
@@ -96,12 +97,14 @@ TENSOR_NAMES = {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias", **gguf_q
 EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 #: Whether an MoE architecture renormalises its top-k probabilities (llama.cpp's src/models/<arch>.cpp: the `norm_w`
 #: argument of `build_moe_ffn`; `{arch}.expert_weights_norm` overrides where a file writes it)
-NORM_TOPK = {"qwen3moe": True, "llama": True, "qwen2moe": False, "olmoe": False, "qwen3next": True}
+NORM_TOPK = {"qwen3moe": True, "llama": True, "qwen2moe": False, "olmoe": False, "qwen3next": True,
+             "qwen35moe": True}  # Qwen3.5-MoE always renormalises (HF `Qwen3_5MoeTopKRouter`)
 BLOCK_NAMES = {"qwen3moe": {**_LLAMA_BLOCK, **_QK_NORMS, **_MOE_BLOCK}, "qwen2moe": {**_LLAMA_BLOCK, **_MOE_BLOCK},
                "olmoe": {**_LLAMA_BLOCK, **_QK_NORMS, **_MOE_BLOCK}, "phi3": _PHI3_BLOCK, "glm4": _GLM4_BLOCK,
                "glm4moe": _GLM4_MOE_BLOCK, "qwen35": gguf_qwen35.BLOCK, "deepseek2": {**gguf_deepseek2.BLOCK, **_NEXTN},
                # Qwen3-Next: its b / a projection stored fused per key head as HF has it (`ssm_ba`)
                "qwen3next": {**gguf_qwen35.BLOCK, **_MOE_BLOCK, "ssm_ba": "linear_attn.in_proj_ba"},
+               "qwen35moe": {**gguf_qwen35.BLOCK, **_MOE_BLOCK},
                "olmo2": _POST_NORM_BLOCK, "exaone4": _POST_NORM_BLOCK, "seed_oss": _SEED_OSS_BLOCK,
                "llama": {**_LLAMA_BLOCK, **_MOE_BLOCK}, "qwen2": _LLAMA_BLOCK, "qwen3": {**_LLAMA_BLOCK, **_QK_NORMS},
                "gemma2": _GEMMA_BLOCK, "gemma3": _GEMMA_BLOCK, "smollm3": _LLAMA_BLOCK, "granite": _LLAMA_BLOCK}

@@ -300,7 +300,8 @@ class GGUFCheckpoint:
         return {
             "architectures": [SUPPORTED_ARCHITECTURES[arch]],
             "model_type": {"gemma3": "gemma3_text", "qwen35": "qwen3_5_text",
-                           "qwen3next": "qwen3_next"}.get(arch, arch),  # HF's model_type of each family
+                           "qwen3next": "qwen3_next",
+                           "qwen35moe": "qwen3_5_moe_text"}.get(arch, arch),  # HF's model_type of each family
             "vocab_size": vocab,
             "hidden_size": hidden,
             "intermediate_size": count("feed_forward_length"),
