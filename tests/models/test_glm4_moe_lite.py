@@ -13,6 +13,7 @@ import torch
 
 from nextn.build.checkpoint import CheckpointError
 from nextn.models.config import ConfigError, DeepseekV3ModelConfig
+from nextn.plugins import cpu_kernels
 from nextn.testing.tiny_families import add_mtp_layer, save_tiny
 
 from family_sources import tiny_source
@@ -60,6 +61,8 @@ def test_engine_greedy_is_transformers(glm_lite, kind, tmp_path):
              {"decoding_type": "MTP", "num_nextn_predict_layers": 2}]
     for spec in specs:
         llm = LLM(tmp_path / "engine", device="cpu", speculative_config=spec)
+        # MLA on nextn's CPU op: each row computed alone, as every other layer (else the engine says it is not)
+        assert llm.engine.batch_invariant == cpu_kernels.available()
         result = llm.generate(PROMPT, params).outputs[0]
         llm.shutdown()
         assert result.token_ids == want, spec

@@ -24,6 +24,7 @@ from nextn.plugins.dense_linear import install_dense_linears
 from nextn.plugins.dense_linear import unavailable_reason as dense_linear_unavailable_reason
 from nextn.plugins.packed_linear import install_packed_linears
 from nextn.plugins.gated_delta import install_gated_delta
+from nextn.plugins.mla import install_mla
 from nextn.plugins.paged_attention import install_paged_attention
 from nextn.quantization.linear import install_weight_only_linears
 
@@ -102,6 +103,7 @@ def load_model(manifest: EngineManifest, weights: Weights, device: torch.device,
     install_packed_linears(model)
     install_paged_attention(model)  # nextn's CPU attention kernel where it applies
     install_gated_delta(model)  # nextn's CPU recurrence of Gated DeltaNet layers where it applies
+    install_mla(model)  # nextn's CPU MLA (DeepSeek-V3's attention) where it applies
     install_fused_layers(model)  # W4A16 on the CPU: one op per decoder layer
     varying = batch_dependent_linear(model) or batch_dependent_attention(model)
     if varying is not None:
@@ -114,12 +116,13 @@ def load_model(manifest: EngineManifest, weights: Weights, device: torch.device,
 
 
 def batch_dependent_attention(model: nn.Module) -> str | None:
-    """The first of the target's attention modules that offers nextn's paged CPU kernel but does not run on it
-    (PyTorch's attention instead: head_dim > 256, or off the CPU), whose reductions span the batch's widest
-    context; None when every one that offers it does (the kernel computes each query row alone)."""
+    """The first of the target's attention modules that offers nextn's paged CPU kernel (or its MLA op) but does not
+    run on it (PyTorch's attention instead: head_dim > 256, or off the CPU), whose reductions span the batch's widest
+    context; None when every one that offers it does (the kernels compute each query row alone)."""
     layers = tuple(f"model.layers.{i}." for i in range(model.cfg.num_hidden_layers))
     for name, module in model.named_modules():
-        if name.startswith(layers) and getattr(module, "paged_attention_kernel", None) is False:
+        if name.startswith(layers) and False in (getattr(module, "paged_attention_kernel", None),
+                                                 getattr(module, "mla_kernel", None)):
             return name
     return None
 
@@ -132,8 +135,9 @@ def batch_dependent_linear(model: nn.Module) -> str | None:
     from nextn.quantization.linear import WeightOnlyLinear
 
     layers = tuple(f"model.layers.{i}." for i in range(model.cfg.num_hidden_layers))
+    read = set(getattr(model, "weights_read_directly", ()))  # by their attention module (`batch_dependent_attention`)
     for name, module in model.named_modules():
-        if not name.startswith(layers):
+        if not name.startswith(layers) or name.rpartition(".")[2] in read:
             continue
         if isinstance(module, WeightOnlyLinear) and module.kernel != "nextn":
             return name

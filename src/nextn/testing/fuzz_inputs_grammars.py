@@ -6,8 +6,8 @@
   the guided output keeps its grammar. (A sampled neighbour's tokens are kept in distribution, not token for token:
   rejection sampling's path depends on how many drafts its steps verified, which the draft-length schedule sets
   from the batch size.) Without `../shared`, a tiny DeepSeek-V3 with the real 129,280-token tokenizer and its MTP
-  drafter stands in; it is not batch-invariant (MLA's kv_b_proj runs outside nextn's per-row kernels), so there the
-  neighbours are not compared;
+  drafter stands in; its neighbours are compared where its engine is batch-invariant (nextn's CPU kernels loaded:
+  MLA on `plugins/mla.py`'s op);
 - `slow`: schemas and regexes whose repetition counts make xgrammar expand for seconds: compiled within the budget,
   or refused by name (`GrammarLimitError`) within budget plus slack;
 - `flood`: a run of distinct schemas: the compiled grammars kept stay within the cache's bytes;

@@ -16,13 +16,20 @@ from torch import nn
 from nextn.models.config import DeepseekV3ModelConfig
 from nextn.models.deepseek_v3.rope import apply_rope
 from nextn.models.layers import RMSNorm
+from nextn.plugins import cpu_kernels
 from nextn.plugins.kernels.mla_attention import mla_attention
 from nextn.plugins.kv_cache_write import kv_cache_write
 from nextn.models.attention_metadata import AttentionMetadata
 
 
 class MLAttention(nn.Module):
-    """MLA with HF parameter names (`q_a_proj`, `kv_a_proj_with_mqa`, `kv_b_proj`, `o_proj`, ...)."""
+    """MLA with HF parameter names (`q_a_proj`, `kv_a_proj_with_mqa`, `kv_b_proj`, `o_proj`, ...).
+
+    `mla_kernel` (set at load by `plugins.mla.install_mla` where it applies): the absorption, the attention and the
+    value up-projection run as nextn's CPU op (batch-invariant), else as the PyTorch / Triton path below.
+    """
+
+    mla_kernel = False
 
     def __init__(self, cfg: DeepseekV3ModelConfig) -> None:
         super().__init__()
@@ -71,6 +78,10 @@ class MLAttention(nn.Module):
         new_kv = torch.cat([c_kv, k_pe], dim=-1).to(kv_cache.dtype)
         kv_cache_write(kv_cache, meta.slot_mapping.reshape(-1), new_kv.reshape(b * t, -1))
 
+        if self.mla_kernel and kv_cache.dtype == x.dtype == self.kv_b_proj.weight.dtype:
+            o = cpu_kernels.ops().mla_attention(q_nope, q_pe, self.kv_b_proj.weight.view(nh, -1, lora), kv_cache,
+                                                meta.context_slots, meta.visible, self.scale)
+            return self.o_proj(o.to(x.dtype))
         w_kv = self.kv_b_proj.weight.view(nh, nope + cfg.v_head_dim, lora)
         w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]  # [nh, nope, lora], [nh, v, lora]
         q_lat = torch.einsum("btnd,ndc->btnc", q_nope, w_uk)  # absorbed query [B, T, nh, lora]

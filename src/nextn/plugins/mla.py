@@ -1,0 +1,43 @@
+"""nextn's CPU Multi-head Latent Attention (`mla_cpu.cpp`): a DeepSeek-V3 / GLM-4.7-Flash attention layer's
+absorbed queries, attention over the paged latent cache and value up-projection in one op, every query row computed
+alone (batch-invariant: a verify step's rows equal plain steps' bit for bit, `tests/plugins/test_mla.py`).
+
+`cpu_kernels.ops().mla_attention(q_nope [B, T, NH, P], q_pe [B, T, NH, R], kv_b [NH, P + V, C], kv_cache
+[slots, C + R], context_slots [B, S] int64, visible [B, 1, T, S] bool, scale) → [B, T, NH · V]` float32; the tensors
+all bf16 or all f32 (P = qk_nope_head_dim, R = qk_rope_head_dim, V = v_head_dim, C = kv_lora_rank; `kv_b` is
+`kv_b_proj.weight` viewed per head). DeepSeek-V2 report §2.1 (MLA), absorption as in vLLM's `mla/common.py`; the
+reference is `reference` below, the module's PyTorch path (`models/deepseek_v3/mla.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nextn.plugins import cpu_kernels
+from nextn.plugins.kernels.mla_attention import mla_attention_reference
+
+
+def reference(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_b: torch.Tensor, kv_cache: torch.Tensor,
+              context_slots: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
+    """What the kernel computes, in PyTorch f32 (shapes as the op's)."""
+    b, t, nh, p = q_nope.shape
+    w = kv_b.float()
+    q_lat = torch.einsum("btnd,ndc->btnc", q_nope.float(), w[:, :p])
+    o_lat = mla_attention_reference(q_lat, q_pe.float(), kv_cache.float(), context_slots, visible, scale)
+    return torch.einsum("btnc,nvc->btnv", o_lat, w[:, p:]).reshape(b, t, -1)
+
+
+def install_mla(model: nn.Module) -> int:
+    """Switch every module of `model` that offers the kernel (an `mla_kernel` attribute: `MLAttention`) to it where it
+    applies: CPU weights in bfloat16 or float32, the kernels built (`cpu_kernels`). Returns how many modules use it."""
+    count = 0
+    for module in model.modules():
+        if not hasattr(module, "mla_kernel"):
+            continue
+        w = module.kv_b_proj.weight
+        if w.device.type != "cpu" or w.dtype not in (torch.bfloat16, torch.float32) or not cpu_kernels.available():
+            continue
+        module.mla_kernel = True
+        count += 1
+    return count
