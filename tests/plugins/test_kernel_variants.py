@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -86,13 +87,18 @@ def test_the_arm64_variant_compiles_with_a_cross_compiler(tmp_path):
 
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     neon = next(v for v in cpu_kernels.VARIANTS if v.name == "neon")
-    for src in cpu_kernels.SOURCES:
+
+    def compile_one(src):
         obj = tmp_path / (src.stem + ".o")
         r = subprocess.run([cxx, "-std=c++20", "-O0", "-c", "-fPIC", "-fopenmp", *neon.cflags,
                             f"-DNEXTN_OPS={cpu_kernels.namespace('neon')}", *includes, str(src), "-o", str(obj)],
                            capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-3000:]
-        assert obj.stat().st_size > 0
+        return src, r, obj
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # one compiler a core
+        for src, r, obj in pool.map(compile_one, cpu_kernels.SOURCES):
+            assert r.returncode == 0, f"{src.name}: {r.stderr[-3000:]}"
+            assert obj.stat().st_size > 0
     assert b"neon" in (tmp_path / "woq_linear_cpu.o").read_bytes()
 
 
