@@ -35,16 +35,6 @@ def _inputs(t: int, ctx: int, nh: int = 20, p: int = 192, r: int = 64, v: int = 
     return q_nope, q_pe, kv_b, kv, meta.context_slots, meta.visible, (p + r) ** -0.5
 
 
-def _torch_path(q_nope, q_pe, kv_b, kv, slots, visible, scale):
-    """The module's path without the kernels (`models/deepseek_v3/mla.py`), in the engine's dtype."""
-    from nextn.plugins.kernels.mla_attention import mla_attention_reference
-
-    p = q_nope.shape[-1]
-    q_lat = torch.einsum("btnd,ndc->btnc", q_nope, kv_b[:, :p])
-    o_lat = mla_attention_reference(q_lat, q_pe, kv, slots, visible, scale)
-    return torch.einsum("btnc,nvc->btnv", o_lat, kv_b[:, p:])
-
-
 def _best(fn, runs: int) -> float:
     fn()
     best = float("inf")
@@ -73,7 +63,7 @@ def main() -> int:
                 for t in a.tokens:
                     args = _inputs(t, ctx)
                     kernel = _best(lambda: op(*args), a.runs)
-                    ref = _best(lambda: _torch_path(*args), a.runs)
+                    ref = _best(lambda: mla.reference(*args, dtype=torch.bfloat16), a.runs)
                     print(f"{variant:>12} {t:>3} {ctx:>8} {kernel:>10.3f} {ref:>11.3f} {ref / kernel:>8.1f}x", flush=True)
     return 0
 

