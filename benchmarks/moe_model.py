@@ -46,7 +46,8 @@ def _config(family: str, layers: int, experts: int, top_k: int):
                                     q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64,
                                     v_head_dim=256, n_routed_experts=experts, num_experts_per_tok=top_k,
                                     moe_intermediate_size=1536, n_shared_experts=1, routed_scaling_factor=1.8,
-                                    scoring_func="sigmoid", max_position_embeddings=4096, bos_token_id=1,
+                                    # what the released config.json also says, and llama.cpp's converter reads
+                                    scoring_func="sigmoid", first_k_dense_replace=1, max_position_embeddings=4096, bos_token_id=1,
                                     eos_token_id=2, tie_word_embeddings=False,
                                     rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     return AutoConfig.for_model("qwen3_moe", vocab_size=49152, hidden_size=2048, intermediate_size=6144,
