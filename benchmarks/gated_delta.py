@@ -12,11 +12,11 @@ for K = 3 (R = 4), as an engine with 3 drafts allocates it.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
-from nextn.plugins import cpu_kernels, gated_delta
+from benchmarks.kernel_table import print_table
+from nextn.plugins import gated_delta
 
 
 def _inputs(b: int, t: int, h: int = 32, dk: int = 128, dv: int = 128, ring: int = 4):
@@ -31,16 +31,6 @@ def _inputs(b: int, t: int, h: int = 32, dk: int = 128, dv: int = 128, ring: int
     return q, k, v, decay, beta, buf, slots, entry, fresh, valid
 
 
-def _best(fn, runs: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
@@ -48,18 +38,8 @@ def main() -> int:
     ap.add_argument("--variants", nargs="+", default=None, help="ISA variants (default: those this CPU runs)")
     ap.add_argument("--runs", type=int, default=5)
     a = ap.parse_args()
-    torch.set_grad_enabled(False)
-    print(f"CPU threads {torch.get_num_threads()}; {cpu_kernels.describe()}")
-    print(f"{'variant':>12} {'B':>3} {'T':>4} {'kernel ms':>10} {'PyTorch ms':>11} {'speed-up':>9}")
-    for variant in a.variants or cpu_kernels.runnable():
-        with cpu_kernels.use(variant):
-            op = cpu_kernels.ops().gated_delta_rule
-            for b in a.batch:
-                for t in a.tokens:
-                    args = _inputs(b, t)
-                    kernel = _best(lambda: op(*args), a.runs)
-                    ref = _best(lambda: gated_delta.reference(*args), max(1, a.runs // 2))
-                    print(f"{variant:>12} {b:>3} {t:>4} {kernel:>10.3f} {ref:>11.3f} {ref / kernel:>8.1f}x", flush=True)
+    print_table("gated_delta_rule", [(b, t) for b in a.batch for t in a.tokens], ["B", "T"], _inputs,
+                gated_delta.reference, a.variants, a.runs)
     return 0
 
 

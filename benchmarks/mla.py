@@ -12,12 +12,12 @@ Prints milliseconds per layer call (best of --runs after a warm-up) and the spee
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from nextn.models.attention_metadata import AttentionMetadata, slots_for_positions
-from nextn.plugins import cpu_kernels, mla
+from benchmarks.kernel_table import print_table
+from nextn.plugins import mla
 
 BLOCK = 16
 
@@ -35,17 +35,6 @@ def _inputs(t: int, ctx: int, nh: int = 20, p: int = 192, r: int = 64, v: int = 
     return q_nope, q_pe, kv_b, kv, meta.context_slots, meta.visible, (p + r) ** -0.5
 
 
-def _best(fn, runs: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        for _ in range(10):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / 10)
-    return best * 1e3
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4])
@@ -53,18 +42,8 @@ def main() -> int:
     ap.add_argument("--variants", nargs="+", default=None, help="ISA variants (default: those this CPU runs)")
     ap.add_argument("--runs", type=int, default=5)
     a = ap.parse_args()
-    torch.set_grad_enabled(False)
-    print(f"CPU threads {torch.get_num_threads()}; {cpu_kernels.describe()}")
-    print(f"{'variant':>12} {'T':>3} {'context':>8} {'kernel ms':>10} {'PyTorch ms':>11} {'speed-up':>9}")
-    for variant in a.variants or cpu_kernels.runnable():
-        with cpu_kernels.use(variant):
-            op = cpu_kernels.ops().mla_attention
-            for ctx in a.context:
-                for t in a.tokens:
-                    args = _inputs(t, ctx)
-                    kernel = _best(lambda: op(*args), a.runs)
-                    ref = _best(lambda: mla.reference(*args, dtype=torch.bfloat16), a.runs)
-                    print(f"{variant:>12} {t:>3} {ctx:>8} {kernel:>10.3f} {ref:>11.3f} {ref / kernel:>8.1f}x", flush=True)
+    print_table("mla_attention", [(t, ctx) for ctx in a.context for t in a.tokens], ["T", "context"], _inputs,
+                lambda *args: mla.reference(*args, dtype=torch.bfloat16), a.variants, a.runs, repeat=10)
     return 0
 
 
