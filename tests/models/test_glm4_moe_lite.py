@@ -153,3 +153,28 @@ def test_deepseek2_routing_and_dense_layers_from_the_file():
         gguf_deepseek2.config(_deepseek2_keys(expert_gating_func=1), 5, 4, stored.__contains__)
     with pytest.raises(CheckpointError, match="softmax routing"):
         gguf_deepseek2.config(_deepseek2_keys(), 5, 4, {"model.layers.2.mlp.gate.weight"}.__contains__)
+
+
+def test_deepseek2_yarn_gives_deepseek_v3s_softmax_scale():
+    """DeepSeek-V3's GGUF metadata (YaRN factor 40 over 4096 positions, `yarn_log_multiplier` 0.1 = 0.1 ·
+    mscale_all_dim) read back to its HF rope scaling: the config's softmax scale is V3's 0.135234 (192-dim q/k heads,
+    mscale(40, 1)²); another scaling type is refused by name."""
+    from nextn.build import gguf_deepseek2
+
+    stored = {"model.layers.3.mlp.gate.weight", "model.layers.3.mlp.gate.e_score_correction_bias"}
+    keys = _deepseek2_keys(**{"nextn_predict_layers": 0, "attention.key_length_mla": 192,
+                              "attention.value_length_mla": 128, "rope.dimension_count": 64,
+                              "attention.kv_lora_rank": 512, "attention.q_lora_rank": 1536,
+                              "rope.scaling.type": "yarn", "rope.scaling.factor": 40.0,
+                              "rope.scaling.original_context_length": 4096,
+                              "rope.scaling.yarn_log_multiplier": 0.1})
+    fields = gguf_deepseek2.config(keys, 5, 128, stored.__contains__)
+    assert fields["first_k_dense_replace"] == 3 and fields["qk_nope_head_dim"] == 128
+    cfg = DeepseekV3ModelConfig.from_hf({**fields, "vocab_size": 1000, "hidden_size": 7168, "intermediate_size": 18432,
+                                         "rope_theta": 10000.0})
+    assert (cfg.rope.rope_type, cfg.rope.factor, cfg.rope.original_max_position_embeddings) == ("yarn", 40.0, 4096)
+    assert cfg.softmax_scale == pytest.approx(0.135234, abs=1e-6)
+    with pytest.raises(CheckpointError, match="rope.scaling.type 'linear'"):
+        gguf_deepseek2.config(_deepseek2_keys(**{"rope.scaling.type": "linear"}), 5, 4,
+                              {"model.layers.2.mlp.gate.weight",
+                               "model.layers.2.mlp.gate.e_score_correction_bias"}.__contains__)
