@@ -28,14 +28,15 @@ def test_torchrun_runs_the_same_script_on_two_ranks(llama_engine, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     # Known, not fixed here: rank 0 (the user's process) sometimes aborts in the interpreter's C++ teardown after its
     # work is done ("terminate called without an active exception", exit -6; ~1 run in 10 on 2 cores, at commit
-    # 5b9d012 too). Only that abort is retried, at most twice; any other failure fails.
-    for attempt in range(3):
+    # 5b9d012 too; three in a row once in a loaded CI run). Only that abort is retried, at most four times; any other
+    # failure fails.
+    for attempt in range(5):
         run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                               str(script), str(tmp_path / "out.json")], timeout=300, env=env, capture_output=True,
                              text=True)
         if run.returncode == 0:
             break
-        assert "terminate called without an active exception" in run.stderr and attempt < 2, run.stderr[-3000:]
+        assert "terminate called without an active exception" in run.stderr and attempt < 4, run.stderr[-3000:]
     ref = [o.outputs[0].token_ids for o in LLM(llama_engine, speculative_config=None).generate(PROMPTS, SP)]
     assert json.loads((tmp_path / "out.json").read_text()) == ref
 
