@@ -141,7 +141,7 @@ def step_bytes(model: DeepseekV3ForCausalLM, batch: int, num_draft: int, context
         dense = size(p for n, p in layers[i].named_parameters() if ".experts." not in f".{n}")
         if experts is None:
             return dense
-        e, k = experts.num_experts, cfg.num_experts_per_tok
+        e, k = len(experts), cfg.num_experts_per_tok
         touched = e * (1 - (1 - k / e) ** tokens)
         return dense + touched * size(experts.parameters()) / e
 

@@ -42,7 +42,7 @@ def test_deepseek_moe_rows_do_not_depend_on_the_token_count(dtype):
     import torch
 
     from nextn.models.config import DeepseekV3ModelConfig
-    from nextn.models.deepseek_v3.moe import DeepseekMoE
+    from nextn.models.deepseek_v3.moe import deepseek_moe
     from nextn.plugins import dense_linear
 
     if not dense_linear.available():
@@ -52,7 +52,7 @@ def test_deepseek_moe_rows_do_not_depend_on_the_token_count(dtype):
                                 topk_group=1, num_experts_per_tok=2, kv_lora_rank=8, qk_nope_head_dim=4,
                                 qk_rope_head_dim=4, v_head_dim=4)
     torch.manual_seed(0)
-    moe = DeepseekMoE(cfg)
+    moe = deepseek_moe(cfg)
     with torch.no_grad():
         for p in moe.parameters():
             p.normal_(0, 0.2)

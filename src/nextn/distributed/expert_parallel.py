@@ -19,34 +19,39 @@ from torch import nn
 
 from nextn.distributed.comm import Communicator
 from nextn.distributed.mapping import MappingError
-from nextn.models.deepseek_v3.moe import DeepseekMoE, RoutedExperts
+from nextn.models.moe import SparseMoE
 
 
-class LocalExperts(RoutedExperts):
-    """This rank's routed experts: `gate_up_proj` [E_l, 2·I_l, hidden], `down_proj` [E_l, hidden, I_l].
+class LocalExperts(nn.Module):
+    """This rank's routed experts, stacked: `gate_up_proj` [E_l, 2·I_l, hidden] (gate rows, then up rows),
+    `down_proj` [E_l, hidden, I_l] (fixed-shape dispatch: one tensor indexed on the device).
 
     Args:
+        hidden: the model's hidden size.
         num_local: E_l experts held, the first being global expert `first`.
-        width: I_l intermediate columns of each.
+        width: I_l intermediate columns of each, of the full `full_width`; moe_tp: (moe_tp_size, moe_tp_rank).
     """
 
-    def __init__(self, full: RoutedExperts, num_local: int, first: int, width: int, moe_tp: tuple[int, int]) -> None:
-        nn.Module.__init__(self)
-        h = full.gate_up_proj.shape[-1]
-        self.num_experts, self.width, self.first, self.full_width = num_local, width, first, full.width
+    def __init__(self, hidden: int, num_local: int, first: int, width: int, full_width: int,
+                 moe_tp: tuple[int, int]) -> None:
+        super().__init__()
+        self.num_experts, self.width, self.first, self.full_width = num_local, width, first, full_width
         self.moe_tp_size, self.moe_tp_rank = moe_tp
         with torch.device("meta"):
-            self.gate_up_proj = nn.Parameter(torch.empty(num_local, 2 * width, h))
-            self.down_proj = nn.Parameter(torch.empty(num_local, h, width))
+            self.gate_up_proj = nn.Parameter(torch.empty(num_local, 2 * width, hidden))
+            self.down_proj = nn.Parameter(torch.empty(num_local, hidden, width))
 
-    def shard(self, gate_up: torch.Tensor, down: torch.Tensor, prefix: str) -> dict[str, torch.Tensor]:
-        """This rank's slices of the stacked engine tensors gate_up [E, 2I, H] (gate rows, then up) and down
-        [E, H, I], under `prefix` + `gate_up_proj` / `down_proj`."""
-        e = slice(self.first, self.first + self.num_experts)
+    def shard(self, src: dict[str, torch.Tensor], prefix: str, num_experts: int) -> dict[str, torch.Tensor]:
+        """Pop every expert's engine tensors (`prefix` + `{e}.gate_proj.weight` [I, H], `up_proj`, `down_proj`
+        [H, I], e < num_experts) from `src` and return this rank's stacked slices under `prefix` + `gate_up_proj` /
+        `down_proj`."""
+        parts = {(e, p): src.pop(f"{prefix}{e}.{p}.weight") for e in range(num_experts)
+                 for p in ("gate_proj", "up_proj", "down_proj")}
+        mine = range(self.first, self.first + self.num_experts)
         cols = slice(self.moe_tp_rank * self.width, (self.moe_tp_rank + 1) * self.width)
-        gate, up = gate_up[e].split(self.full_width, dim=1)
-        return {prefix + "gate_up_proj": torch.cat([gate[:, cols], up[:, cols]], dim=1).contiguous(),
-                prefix + "down_proj": down[e][:, :, cols].contiguous()}
+        gate_up = [torch.cat([parts[e, "gate_proj"][cols], parts[e, "up_proj"][cols]]) for e in mine]
+        return {prefix + "gate_up_proj": torch.stack(gate_up),
+                prefix + "down_proj": torch.stack([parts[e, "down_proj"][:, cols] for e in mine])}
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's part of Σ_k weights[:, k] · Expert_{ids[:, k]}(x). x: [N, hidden]; weights, ids: [N, top_k]
@@ -58,9 +63,15 @@ class LocalExperts(RoutedExperts):
         out = self._gathered(x, local) if n * top_k <= self.num_experts else self._local_buffers(x, local, mine)
         return (out * (weights * mine).to(out.dtype)[..., None]).sum(1)
 
+    def _gathered(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Per-assignment weight gather (few assignments: decode): [N, top_k, hidden]."""
+        gate_up = torch.einsum("nh,nkih->nki", x, self.gate_up_proj[ids])
+        gate, up = gate_up.split(self.width, dim=-1)
+        return torch.einsum("nki,nkhi->nkh", F.silu(gate) * up, self.down_proj[ids])
+
     def _local_buffers(self, x: torch.Tensor, local: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
-        """`RoutedExperts._capacity_buffers` over the local experts: assignments to other ranks' experts go to
-        trash rows past the [E_l · N] buffer (computed by no expert, read back as zeros). → [N, top_k, hidden]."""
+        """Per-expert buffers of fixed capacity N (a token meets an expert at most once; many assignments:
+        prefill), one bmm per projection; assignments to other ranks' experts go to trash rows past the [E_l · N] buffer (computed by no expert, read back as zeros). → [N, top_k, hidden]."""
         n, top_k = local.shape
         e, a = self.num_experts, n * top_k
         flat, keep = local.reshape(-1), mine.reshape(-1)
@@ -76,27 +87,43 @@ class LocalExperts(RoutedExperts):
 
 
 class ParallelMoE(nn.Module):
-    """`DeepseekMoE` split over the ranks: replicated router (`gate`), `LocalExperts`, the shared experts' column
-    split (their `down_proj` unreduced), and one all-reduce of the summed partial outputs."""
+    """A `SparseMoE` (DeepSeek-V3's: no gated shared expert) split over the ranks: replicated router (`gate`),
+    `LocalExperts`, the shared experts' column split (their `down_proj` unreduced), and one all-reduce of the summed
+    partial outputs.
 
-    def __init__(self, moe: DeepseekMoE, comm: Communicator) -> None:
+    Raises:
+        MappingError: E or the expert width not divisible by the parallel sizes, or a gated shared expert
+            (Qwen2-MoE's).
+    """
+
+    def __init__(self, moe: SparseMoE, comm: Communicator) -> None:
         super().__init__()
         m = comm.mapping
-        full = moe.experts
-        if full.num_experts % m.moe_ep_size:
-            raise MappingError(f"n_routed_experts = {full.num_experts} is not divisible by moe_expert_parallel_size "
+        num, hidden = len(moe.experts), moe.experts[0].down_proj.out_features
+        width = moe.experts[0].gate_proj.out_features
+        if moe.shared_expert is not None:
+            raise MappingError("a gated shared expert (Qwen2-MoE's) is not split across ranks yet: use "
+                               "tensor_parallel_size 1")
+        if num % m.moe_ep_size:
+            raise MappingError(f"n_routed_experts = {num} is not divisible by moe_expert_parallel_size "
                                f"= {m.moe_ep_size}: use a size that divides it")
-        if full.width % m.moe_tp_size:
-            raise MappingError(f"moe_intermediate_size = {full.width} is not divisible by moe_tp_size = "
+        if width % m.moe_tp_size:
+            raise MappingError(f"moe_intermediate_size = {width} is not divisible by moe_tp_size = "
                                f"tensor_parallel_size / moe_expert_parallel_size = {m.moe_tp_size}")
-        e_local = full.num_experts // m.moe_ep_size
+        e_local = num // m.moe_ep_size
         self.gate = moe.gate
-        self.experts = LocalExperts(full, e_local, m.moe_ep_rank * e_local, full.width // m.moe_tp_size,
+        self.experts = LocalExperts(hidden, e_local, m.moe_ep_rank * e_local, width // m.moe_tp_size, width,
                                     (m.moe_tp_size, m.moe_tp_rank))
+        self.num_experts = num
         self.shared_experts = moe.shared_experts
         self.comm = comm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [..., hidden] → [..., hidden], the same on every rank: `DeepseekMoE`'s routing over this rank's
-        experts and shared-expert columns (the same attribute names), then the all-reduce of the partial sums."""
-        return self.comm.all_reduce(DeepseekMoE.forward(self, x))
+        """x: [..., hidden] → [..., hidden], the same on every rank: the routing over this rank's experts and
+        shared-expert columns, then the all-reduce of the partial sums."""
+        flat = x.reshape(-1, x.shape[-1])
+        weights, ids = self.gate(flat)
+        out = self.experts(flat, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        return self.comm.all_reduce(out.view(x.shape))

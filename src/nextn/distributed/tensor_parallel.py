@@ -34,9 +34,9 @@ from nextn.distributed.expert_parallel import ParallelMoE
 from nextn.distributed.mapping import Mapping, MappingError
 from nextn.models.causal_lm import vocab_projection
 from nextn.models.deepseek_v3.mla import MLAttention
-from nextn.models.deepseek_v3.moe import DeepseekMoE
 from nextn.models.layers import GatedMLP
 from nextn.models.llama.model import LlamaAttention
+from nextn.models.moe import SparseMoE
 from nextn.quantization.linear import WeightOnlyLinear
 
 Weights = dict[str, torch.Tensor]
@@ -169,14 +169,13 @@ class _Sharder:
         self.column(mlp, prefix, "up_proj", inter)
         self.row(mlp, prefix, "down_proj", inter, reduce=reduce)
 
-    def moe(self, parent: nn.Module, moe: DeepseekMoE, prefix: str) -> None:
+    def moe(self, parent: nn.Module, moe: SparseMoE, prefix: str) -> None:
+        new = ParallelMoE(moe, self.comm)
         if moe.shared_experts is not None:
             self.mlp(moe.shared_experts, prefix + "shared_experts.", reduce=False)  # summed with the routed experts
-        new = ParallelMoE(moe, self.comm)
         for part in ("gate.weight", "gate.e_score_correction_bias"):
             self.take(prefix + part)
-        self.out.update(new.experts.shard(self.src.pop(prefix + "experts.gate_up_proj"),
-                                          self.src.pop(prefix + "experts.down_proj"), prefix + "experts."))
+        self.out.update(new.experts.shard(self.src, prefix + "experts.", new.num_experts))
         parent.mlp = new
 
     def vocab(self, model: nn.Module) -> None:
@@ -236,7 +235,7 @@ def shard_model(model: nn.Module, weights: Weights, comm: Communicator) -> Weigh
             s.llama_attention(attn, prefix + "self_attn.")
         elif isinstance(attn, MLAttention):
             s.mla(attn, prefix + "self_attn.")
-        if isinstance(layer.mlp, DeepseekMoE):
+        if isinstance(layer.mlp, SparseMoE):
             s.moe(layer, layer.mlp, prefix + "mlp.")
         else:
             s.mlp(layer.mlp, prefix + "mlp.")

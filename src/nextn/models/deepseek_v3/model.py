@@ -15,7 +15,7 @@ from torch import nn
 from nextn.models.causal_lm import SelfDraftingCausalLM, vocab_projection  # noqa: F401 (re-exported)
 from nextn.models.config import DeepseekV3ModelConfig
 from nextn.models.deepseek_v3.mla import MLAttention
-from nextn.models.deepseek_v3.moe import DeepseekMoE
+from nextn.models.deepseek_v3.moe import deepseek_moe
 from nextn.models.deepseek_v3.rope import rope_cache
 from nextn.models.layers import GatedMLP, PreNormDecoderLayer, RMSNorm
 from nextn.models.attention_metadata import AttentionMetadata
@@ -25,7 +25,7 @@ class DecoderLayer(PreNormDecoderLayer):
     """Pre-norm block: x + MLA(norm(x)), then h + MLP/MoE(norm(h))."""
 
     def __init__(self, cfg: DeepseekV3ModelConfig, layer_idx: int) -> None:
-        mlp = DeepseekMoE(cfg) if cfg.is_moe_layer(layer_idx) else GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        mlp = deepseek_moe(cfg) if cfg.is_moe_layer(layer_idx) else GatedMLP(cfg.hidden_size, cfg.intermediate_size)
         super().__init__(MLAttention(cfg), mlp, cfg.hidden_size, cfg.rms_norm_eps)
         self.layer_idx = layer_idx
 
@@ -69,7 +69,7 @@ class DeepseekV3Body(nn.Module):
 
 
 class DeepseekV3ForCausalLM(SelfDraftingCausalLM):
-    """The target model and its MTP modules; parameter names are the engine's (HF names, stacked experts).
+    """The target model and its MTP modules; parameter names are the engine's (HF names).
 
     The KV cache is one tensor [num_layers + num_mtp_layers, num_slots, kv_lora_rank + qk_rope_head_dim]:
     MTP layers page through the same block tables as the target.

@@ -1,13 +1,14 @@
 """DeepSeek-V3 weight layouts: the HF checkpoint's tensors and the engine's (runtime) tensors.
 
-The engine keeps HF names, with three changes made once at build time:
-- routed experts are stacked: `mlp.experts.gate_up_proj` [E, 2·I_moe, H] (gate rows, then up rows) and
-  `mlp.experts.down_proj` [E, H, I_moe], so MoE dispatch indexes one tensor on the device;
+The engine keeps HF names (routed experts one by one: `mlp.experts.{e}.gate_proj.weight`, ..., the layout
+`models.moe.SparseMoE` reads, so weight-only formats quantize each expert like any linear), with two changes made
+once at build time:
 - the MTP layers' copies of `embed_tokens` / `shared_head.head` are dropped (every engine uses the main
   model's embedding and lm_head: arXiv:2412.19437 §2.2);
 - a tied checkpoint gets an explicit `lm_head.weight`.
-Both expert spellings load: per-expert (`mlp.experts.{e}.gate_proj.weight`, DeepSeek's release and what
-`transformers` `save_pretrained` writes) and fused (`mlp.experts.gate_up_proj`, transformers' in-memory layout).
+Both expert spellings load: per-expert (DeepSeek's release, what `transformers` `save_pretrained` writes, the GGUF
+reader's names) and fused (`mlp.experts.gate_up_proj` [E, 2·I_moe, H], gate rows then up rows, and
+`mlp.experts.down_proj` [E, H, I_moe]: transformers' in-memory layout), split on reading.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
 #: RoPE frequency buffers some checkpoints store; the runtime recomputes them from the config.
 DERIVED_SUFFIXES = (".rotary_emb.inv_freq",)
 _MTP_COPY_RE = re.compile(r"model\.layers\.(\d+)\.(?:" + "|".join(map(re.escape, MTP_COPIES)) + ")")
-_EXPERT_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(?:gate|up|down)_proj\.weight")
+_EXPERT_RE = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight")
+_FUSED_RE = re.compile(r"(model\.layers\.(\d+)\.mlp\.experts\.)(?:gate_up|down)_proj")
 
 
 class WeightError(ValueError):
@@ -106,9 +108,8 @@ def runtime_weight_specs(cfg: DeepseekV3ModelConfig) -> dict[str, Shape]:
         p = layer_prefix(i)
         layer = {**_attention_specs(cfg), **_dense_or_shared_specs(cfg, i)}
         if cfg.is_moe_layer(i):
-            e, w = cfg.n_routed_experts, cfg.moe_intermediate_size
-            layer["mlp.experts.gate_up_proj"] = (e, 2 * w, h)
-            layer["mlp.experts.down_proj"] = (e, h, w)
+            for e in range(cfg.n_routed_experts):
+                layer.update(_mlp_specs(f"mlp.experts.{e}.", cfg.moe_intermediate_size, h))
         if i >= cfg.num_hidden_layers:
             layer.update(_mtp_specs(cfg))
         specs.update({p + k: s for k, s in layer.items()})
@@ -129,9 +130,8 @@ def dropped_by_design(name: str, num_layers: int, num_mtp_layers: int) -> bool:
 def unread_tensors(names: Iterable[str], cfg: DeepseekV3ModelConfig) -> list[str]:
     """The stored tensors (`names`, FP8 scales hidden) that `to_runtime` would not read for `cfg`, in stored order.
 
-    Read: every `runtime_weight_specs` name; per-expert weights `mlp.experts.{e}.{gate,up,down}_proj.weight` of a MoE
-    layer with e < n_routed_experts where the fused `mlp.experts.gate_up_proj` is not stored. Left out by design
-    (not listed): `dropped_by_design`.
+    Read: every `runtime_weight_specs` name, and the fused `mlp.experts.gate_up_proj` / `down_proj` of a MoE layer
+    where its per-expert weights are not stored. Left out by design (not listed): `dropped_by_design`.
     """
     names = list(names)
     specs = runtime_weight_specs(cfg)
@@ -141,13 +141,9 @@ def unread_tensors(names: Iterable[str], cfg: DeepseekV3ModelConfig) -> list[str
     for name in names:
         if name in specs or dropped_by_design(name, n, k):
             continue
-        m = _EXPERT_RE.fullmatch(name)
-        if m:
-            layer, expert = int(m[1]), int(m[2])
-            fused = f"{layer_prefix(layer)}mlp.experts.gate_up_proj" in stored
-            if (layer < n + k and cfg.is_moe_layer(layer) and expert < (cfg.n_routed_experts or 0)
-                    and not fused):
-                continue
+        m = _FUSED_RE.fullmatch(name)
+        if m and int(m[2]) < n + k and cfg.is_moe_layer(int(m[2])) and f"{m[1]}0.down_proj.weight" not in stored:
+            continue
         unread.append(name)
     return unread
 
@@ -163,18 +159,16 @@ def checked_tensor(get: TensorGetter, name: str, shape: Shape) -> torch.Tensor:
     return t
 
 
-def _stacked_experts(get: TensorGetter, has: Callable[[str], bool], cfg: DeepseekV3ModelConfig, p: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _expert_from_fused(get: TensorGetter, cfg: DeepseekV3ModelConfig, name: str) -> torch.Tensor:
+    """Expert weight `name` (`...mlp.experts.{e}.{gate,up,down}_proj.weight`) sliced from the stored fused tensors
+    (`mlp.experts.gate_up_proj` [E, 2I, H]: gate rows then up rows; `mlp.experts.down_proj` [E, H, I])."""
+    m = _EXPERT_RE.fullmatch(name)
     e, w, h = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
-    if has(p + "mlp.experts.gate_up_proj"):
-        return (checked_tensor(get, p + "mlp.experts.gate_up_proj", (e, 2 * w, h)),
-                checked_tensor(get, p + "mlp.experts.down_proj", (e, h, w)))
-    gate_up, down = [], []
-    for x in range(e):
-        q = f"{p}mlp.experts.{x}."
-        gate_up.append(torch.cat([checked_tensor(get, q + "gate_proj.weight", (w, h)),
-                                  checked_tensor(get, q + "up_proj.weight", (w, h))]))
-        down.append(checked_tensor(get, q + "down_proj.weight", (h, w)))
-    return torch.stack(gate_up), torch.stack(down)
+    expert = int(m[2])
+    if m[3] == "down":
+        return checked_tensor(get, m[1] + "down_proj", (e, h, w))[expert]
+    gate_up = checked_tensor(get, m[1] + "gate_up_proj", (e, 2 * w, h))[expert]
+    return gate_up[:w] if m[3] == "gate" else gate_up[w:]
 
 
 def to_runtime(
@@ -195,16 +189,9 @@ def to_runtime(
     def cast(name: str, t: torch.Tensor) -> torch.Tensor:
         return t.to(runtime_weight_dtype(name, dtype)).contiguous()
 
-    done: set[str] = set()
     for name, shape in specs.items():
-        if name in done:
-            continue
-        if name.endswith("mlp.experts.gate_up_proj"):
-            p = name.removesuffix("mlp.experts.gate_up_proj")
-            gate_up, down = _stacked_experts(get, has, cfg, p)
-            yield name, cast(name, gate_up)
-            yield p + "mlp.experts.down_proj", cast(name, down)
-            done.add(p + "mlp.experts.down_proj")
+        if (m := _EXPERT_RE.fullmatch(name)) and not has(name) and has(m[1] + "down_proj"):
+            yield name, cast(name, _expert_from_fused(get, cfg, name))
         elif name == "lm_head.weight" and not has(name):
             if not cfg.tie_word_embeddings:
                 raise WeightError(f"checkpoint is missing tensor 'lm_head.weight' (expected shape {list(shape)}; "
