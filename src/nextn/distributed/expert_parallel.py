@@ -71,7 +71,8 @@ class LocalExperts(nn.Module):
 
     def _local_buffers(self, x: torch.Tensor, local: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
         """Per-expert buffers of fixed capacity N (a token meets an expert at most once; many assignments:
-        prefill), one bmm per projection; assignments to other ranks' experts go to trash rows past the [E_l · N] buffer (computed by no expert, read back as zeros). → [N, top_k, hidden]."""
+        prefill), one bmm per projection; assignments to other ranks' experts go to trash rows past the [E_l · N]
+        buffer (computed by no expert, read back as zeros). → [N, top_k, hidden]."""
         n, top_k = local.shape
         e, a = self.num_experts, n * top_k
         flat, keep = local.reshape(-1), mine.reshape(-1)
