@@ -70,18 +70,31 @@ def test_engine_greedy_is_transformers(glm_lite, kind, tmp_path):
 
 
 @pytest.mark.slow
-def test_w8a16_mtp_decoding_is_plain_decoding(glm_lite, tmp_path):
+@pytest.mark.parametrize("quant_algo", ["W8A16", "W4A8"])
+def test_weight_only_mtp_decoding_is_plain_decoding(glm_lite, quant_algo, tmp_path):
     """A weight-only engine keeps MLA's `kv_b_proj` as a float weight (MLA folds it into the query; quantized, every
-    request failed) and its MTP output equals its plain output, at batch 2."""
+    request failed), quantizes every routed expert like any linear (the MoE layer's experts; int4 ones run as one op
+    where nextn's kernels load), and its MTP output equals its plain output, at batch 2."""
     from nextn import LLM, SamplingParams
     from nextn.build.engine_builder import build_engine
+    from nextn.models.moe import SparseMoE
+    from nextn.quantization.linear import WeightOnlyLinear
 
     out, _, _ = glm_lite
-    build_engine(out, tmp_path / "engine", dtype="bfloat16", quant_algo="W8A16", max_seq_len=256, progress=False)
+    # q_b_proj's 48 inputs (q_lora_rank) fit no int4 group size: kept in bf16
+    keep = [f"model.layers.{i}.self_attn.q_b_proj" for i in range(4)] if quant_algo == "W4A8" else None
+    build_engine(out, tmp_path / "engine", dtype="bfloat16", quant_algo=quant_algo, max_seq_len=256, progress=False,
+                 exclude_modules=keep)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     got = []
     for spec in (None, {"decoding_type": "MTP", "num_nextn_predict_layers": 2}):
         llm = LLM(tmp_path / "engine", device="cpu", speculative_config=spec)
+        moes = [m for m in llm.engine.model.modules() if isinstance(m, SparseMoE)]
+        assert len(moes) == 3  # two sparse layers and the MTP layer's
+        # every expert's three projections quantized (8 experts a layer)
+        assert sum(isinstance(lin, WeightOnlyLinear) for m in moes for lin in m.experts.modules()) == 3 * 8 * 3
+        if quant_algo == "W4A8":
+            assert all((m.fused_experts is not None) == cpu_kernels.available() for m in moes)
         got.append([o.outputs[0] for o in llm.generate([PROMPT, PROMPT[:9]], params)])
         llm.shutdown()
     assert all(o.finish_reason == "length" and len(o.token_ids) == 24 for o in got[0] + got[1])
