@@ -35,7 +35,7 @@ import torch
 from nextn.build import gguf_deepseek2, gguf_qwen35
 from nextn.build.checkpoint import CheckpointError
 from nextn.build.ggml_blocks import q4_k_two_level, unpermute_rope_rows
-from nextn.build.gguf_header import peek_architecture
+from nextn.build.gguf_header import open_gguf, peek_architecture
 from nextn.build.gguf_tokenizer import check_vocabulary
 from nextn.build.tensor_inventory import check_layer_counts
 from nextn.models.config import MAX_SIZE
@@ -101,10 +101,8 @@ def _gguf_version() -> str:
 
 def _open_reader(path: Path):
     """`gguf.GGUFReader` over `path`, its failures as CheckpointError: not a GGUF, or a GGUF cut short."""
-    import gguf
-
     try:
-        return gguf.GGUFReader(str(path))
+        return open_gguf(path)
     except Exception as e:  # gguf raises ValueError/IndexError (numpy reshapes) on short or foreign files
         size = path.stat().st_size
         with path.open("rb") as f:
