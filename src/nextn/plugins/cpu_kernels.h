@@ -2,7 +2,7 @@
 // Raw-pointer entry points, no checks: the ops that call them check their tensors. SIMD: simd.h.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <ATen/Parallel.h>
 

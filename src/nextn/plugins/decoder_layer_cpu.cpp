@@ -34,7 +34,8 @@
 // layer (~10 us each from Python) around 7 matmuls; this is one call per layer, with q/k/v and gate/up each one
 // matmul over concatenated weights (docs/PERFORMANCE.md).
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -29,7 +29,9 @@
 // One source for every ISA variant over simd.h (cpu_kernels.py builds and picks the variant); OpenMP threads through
 // at::parallel_for.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/constant_pad_nd.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

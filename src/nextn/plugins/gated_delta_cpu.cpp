@@ -17,7 +17,8 @@
 // over S per token. Each (row, head) is one task whose arithmetic does not depend on T, B or the thread
 // (batch-invariant: a verify step's rows equal one-token steps'). One source over simd.h for every ISA variant.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

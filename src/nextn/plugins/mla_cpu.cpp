@@ -19,7 +19,8 @@
 // (batch-invariant: tests/plugins/test_mla.py checks it bit for bit), reading the cache and kv_b in place.
 // One source for every ISA variant over simd.h.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -15,9 +15,10 @@
 // so a token's sum runs over its experts in ascending id and every row is computed alone (int4_linear is
 // batch-invariant): the output of a token does not depend on the others in the step.
 
-#include "cpu_kernels.h"
-
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
+
+#include "cpu_kernels.h"
 
 #include <cstring>
 #include <vector>

@@ -18,7 +18,8 @@
 // One source for every ISA variant over simd.h; any D <= kMaxD (a head_dim that is not a multiple of 16 ends in a
 // partial chunk: stories260K's 8, for one, so its bf16 engines are batch-invariant too).
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
