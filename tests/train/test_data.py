@@ -51,6 +51,31 @@ def test_a_spent_budget_stops_generation_with_exit_status_3(tmp_path, capsys):
     assert len(stored) == 1 and all(json.loads(line)["id"] for line in stored[0].read_text().splitlines())
 
 
+def test_a_gguf_base_is_the_model_transformers_loads():
+    """`load_base` builds the `transformers` model from nextn's GGUF reader: every tensor (q/k rows in HF order) and
+    the logits equal those of `transformers`' own GGUF loading (SmolLM2's Q4_1 blocks and tied head: the reader's
+    tensors against `transformers`' in tests/models/test_real_gguf.py)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from nextn.train.data import load_base
+
+    path = STORIES
+    if not path.is_file():
+        pytest.skip(f"{path} is absent (../shared/data holds it on CI)")
+    model, tokenizer = load_base(path)
+    cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    cfg.pad_token_id = None
+    want = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=cfg, dtype=torch.float32)
+    got_state, want_state = model.state_dict(), want.eval().state_dict()
+    assert set(got_state) == set(want_state)
+    assert all(torch.equal(got_state[k], want_state[k]) for k in want_state)
+    ids = torch.tensor([tokenizer.encode("Once upon a time, a cat")])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, want(ids).logits)
+    assert not model.training and not any(p.requires_grad for p in model.parameters())
+
+
 def test_the_top1_meter_takes_the_held_out_benchmarks_in_turn(tmp_path):
     if not STORIES.is_file():
         pytest.skip(f"../shared/data is absent ({DATA}): stories260K is not available")
