@@ -16,7 +16,8 @@ from nextn.build.gguf_header import open_gguf
 from nextn.build.gguf_reader import GGUFCheckpoint
 
 MODELS = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "models"
-REAL = [MODELS / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf", MODELS / "stories260K" / "stories260K.gguf"]
+REAL = [MODELS / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf",
+        MODELS / "stories260K" / "stories260K.gguf"]
 
 
 def _assert_same_as_the_library(path: Path) -> None:
