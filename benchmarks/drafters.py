@@ -154,6 +154,16 @@ def main(argv: list[str] | None = None) -> int:
             configs[path.name] = load_llm_args_yaml(path).get("speculative_config")
         except (LlmArgsError, OSError) as e:
             p.error(f"--config_files {path}: {e}")
+    peer_model = args.llama_cpp_model or (args.target if args.target.suffix == ".gguf" else None)
+    bin_dir = None if args.no_llama_cpp or peer_model is None else llama_cpp.find_bin_dir(args.llama_cpp_bin)
+    if bin_dir is None and not args.no_llama_cpp:
+        why = "no GGUF: --llama_cpp_model" if peer_model is None else "no build; ../shared/PEERS.md"
+        print(f"llama.cpp: skipped ({why})", file=sys.stderr)
+    tools = ["llama-completion"] + (["llama-speculative-simple"] if args.draft is not None else [])
+    missing = [t for t in tools if bin_dir is not None and not (bin_dir / t).is_file()]
+    if missing:  # before any engine is built or timed
+        p.error(f"{bin_dir} lacks {', '.join(missing)}: `cmake --build build --target {' '.join(missing)}` in "
+                "llama.cpp, or --no_llama_cpp")
     llms = {name: _llm(args.target, args.format, spec, args.engine_cache_dir, max(args.batch))
             for name, spec in configs.items()}
     tok = next(iter(llms.values())).tokenizer
@@ -167,11 +177,6 @@ def main(argv: list[str] | None = None) -> int:
         chats = [tok.tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
                                              add_generation_prompt=True) for t in texts]
         prompts = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
-    peer_model = args.llama_cpp_model or (args.target if args.target.suffix == ".gguf" else None)
-    bin_dir = None if args.no_llama_cpp or peer_model is None else llama_cpp.find_bin_dir(args.llama_cpp_bin)
-    if bin_dir is None and not args.no_llama_cpp:
-        why = "no GGUF: --llama_cpp_model" if peer_model is None else "no build; ../shared/PEERS.md"
-        print(f"llama.cpp: skipped ({why})", file=sys.stderr)
     for llm in llms.values():  # warm-up
         run_nextn(llm, prompts[:1], 8, 1)
     rows: dict[str, dict] = {}

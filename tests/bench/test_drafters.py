@@ -48,3 +48,21 @@ def test_a_batch_pass_runs_the_prompts_in_waves_of_the_batch_size():
 
     r = run_nextn(SimpleNamespace(generate=generate), [[1, 2]] * 7, 4, 3)
     assert seen == [3, 3, 1] and len(r["tokens"]) == 7 and r["al"] == 1.0
+
+
+def test_a_llama_cpp_build_without_its_tools_is_refused_before_any_engine_is_built(tmp_path, monkeypatch, capsys):
+    import pytest
+
+    import benchmarks.drafters as drafters
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("llama-bench", "llama-completion"):  # a build with the plain tool only: the draft model's is missing
+        (bin_dir / tool).write_text("")
+    monkeypatch.setattr(drafters, "_llm", lambda *a, **k: pytest.fail("an engine was built before the check"))
+    with pytest.raises(SystemExit) as e:
+        drafters.main(["--target", str(tmp_path / "t.gguf"), "--draft", str(tmp_path / "d.gguf"),
+                       "--llama_cpp_bin", str(bin_dir), "--configs", "plain"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "lacks llama-speculative-simple" in err and "--target llama-speculative-simple" in err
