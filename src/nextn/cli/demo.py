@@ -168,7 +168,8 @@ def report(r: dict, spec_label: str) -> None:
               "machine was noisier for the plain runs; rerun with more --runs")
     if speedup < 1:
         print(f"note: at AL {r['al']:.2f} the drafts do not pay for verifying K+1 tokens a step on this CPU (a "
-              "verify step costs 1.4-1.8x a plain one: docs/PERFORMANCE.md); speculation pays once AL is high "
+              "verify step of 4 rows costs 1.4-1.8x a plain one with AVX512-BF16, ~2.2x on AVX2: "
+              "docs/PERFORMANCE.md); speculation pays once AL is high "
               "(code, repetitive text, a draft model, trained heads); `adaptive_draft_len: true` "
               "(configs/ngram.yaml) shortens drafts where they do not pay")
     print(f"outputs identical to plain decoding: {'yes' if r['same'] else 'NO'}")
