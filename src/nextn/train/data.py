@@ -218,8 +218,13 @@ def load_base(model_dir: str | Path):
 
 def _from_gguf(ckpt):
     """The `transformers` model of a GGUF checkpoint: its HF config and every tensor as nextn's reader gives it (fp32,
-    by HF name, q/k rows in HF's order: checked against `transformers`' own GGUF loading in tests/build), at a
-    fraction of that loader's time (it parses the file twice and dequantizes in Python: ~25 s for SmolLM2-135M)."""
+    by HF name, q/k rows in HF's order: checked against `transformers`' own GGUF loading in
+    tests/build/test_gguf_reader.py and tests/train/test_data.py), at a fraction of that loader's time (it parses the
+    file twice and dequantizes in Python: ~25 s for SmolLM2-135M).
+
+    Raises:
+        ValueError: a tensor the `transformers` model lacks, or one it has that the file does not hold.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf = {k: v for k, v in ckpt.hf_config.items() if k not in ("rope_freq_factors", "qkv_bias", "pad_token_id")}
