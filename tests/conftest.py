@@ -12,6 +12,11 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Under pytest-xdist (the README's `-n 2`) the workers share the cores: an OpenMP thread waiting for work sleeps
+# instead of spinning (spinning threads of two processes on two cores made the suite ~3x slower). Set before torch
+# loads its OpenMP runtime; each worker keeps torch's default thread count, so the kernels' threaded paths still run.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Triton's interpreter must be on before anything imports triton (torch.compile does): triton.language's own
 # @jit helpers (tl.max, tl.cumsum, ...) are built at import. Only without CUDA: on a GPU the kernels compile for real
 # (tests/plugins/kernels/conftest.py sets it too, for that folder run on its own).
