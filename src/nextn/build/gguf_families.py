@@ -171,6 +171,31 @@ def moe_config(arch: str, key: Callable[..., Any]) -> dict[str, Any]:
     return out
 
 
+def rope_scaling_config(arch: str, scaling: str, key: Callable[..., Any]) -> dict[str, Any] | None:
+    """HF's `rope_scaling` of a GGUF whose `{arch}.rope.scaling.type` is `scaling` (`key` as in `family_config`):
+    none, linear (`rope.scaling.factor`) or YaRN as `convert_hf_to_gguf.py` writes it (`TextModel.set_gguf_parameters`:
+    `rope.scaling.factor`, `.original_context_length`, and where the config set them `.yarn_beta_fast`,
+    `.yarn_beta_slow`, `.yarn_attn_factor` — HF's `attention_factor`).
+
+    Raises:
+        ValueError: any other scaling type (the message names it).
+    """
+    if scaling == "none":
+        return None
+    if scaling == "linear":
+        return {"rope_type": "linear", "factor": key("rope.scaling.factor", "number", 1.0)}
+    if scaling != "yarn":
+        raise ValueError(f"{arch}.rope.scaling.type {scaling!r} is not supported (nextn reads GGUFs with plain, "
+                         "linear or YaRN RoPE scaling, and Llama 3's rope_freqs)")
+    out = {"rope_type": "yarn", "factor": key("rope.scaling.factor", "number", 1.0),
+           "original_max_position_embeddings": key("rope.scaling.original_context_length", "count", None)}
+    for name, hf in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                     ("yarn_attn_factor", "attention_factor")):
+        if key(f"rope.scaling.{name}", "raw", None) is not None:
+            out[hf] = key(f"rope.scaling.{name}", "number", None)
+    return out
+
+
 def norm_shift(arch: str, hf_name: str) -> float:
     """What llama.cpp's converter added to tensor `hf_name` of an `arch` file (Gemma's RMSNorm weights: 1.0, since
     `Gemma3RMSNorm` scales by 1 + w), subtracted again when reading. 0.0 for everything else."""

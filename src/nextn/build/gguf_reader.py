@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 from nextn.build.gguf_families import (
     BLOCK_NAMES, FACTOR_TENSORS, LINEAR_ATTENTION_ARCHITECTURES, MOE_ARCHITECTURES, PARTIAL_ROTARY_ARCHITECTURES,
     PERMUTED_ARCHITECTURES, SUPPORTED_ARCHITECTURES, TENSOR_NAMES, V_REORDERED_ARCHITECTURES, expert_names,
-    factor_values, family_config, global_names, hf_name, moe_config, norm_shift, BLOCK_RE,
+    factor_values, family_config, global_names, hf_name, moe_config, norm_shift, rope_scaling_config, BLOCK_RE,
 )  # fmt: skip
 
 #: ggml float types (read as they are, widened to fp32).
@@ -277,12 +277,6 @@ class GGUFCheckpoint:
         if rope_dim != head_dim and arch not in PARTIAL_ROTARY_ARCHITECTURES:
             raise CheckpointError(f"{self.path}: {arch}.rope.dimension_count {rope_dim} differs from the head size "
                                   f"{head_dim}; partial RoPE is not supported for {arch}")
-        scaling = self._scalar(f"{arch}.rope.scaling.type", {"STRING"}, "a string", "none")
-        if scaling not in ("none", "linear") and not (arch == "deepseek2" and scaling == "yarn"):
-            raise CheckpointError(f"{self.path}: {arch}.rope.scaling.type {scaling!r} is not supported (nextn reads "
-                                  "GGUFs with plain or linear RoPE scaling, and Llama 3's rope_freqs)")
-        rope_scaling = None if scaling == "none" else {
-            "rope_type": "linear", "factor": self._number(f"{arch}.rope.scaling.factor", 1.0)}
         vocab = self._vocab_size()
         embed = self._tensors.get("model.embed_tokens.weight")
         first = embed.tensor_type.name if embed is not None else "F32"
@@ -295,6 +289,12 @@ class GGUFCheckpoint:
                                 lambda name, n: factor_values(self._factors.get(name), n, self.path),
                                 lambda name: name in self._tensors)
         options.update(moe_config(arch, lambda k, kind, d: kinds[kind](k, d)))
+        scaling = self._scalar(f"{arch}.rope.scaling.type", {"STRING"}, "a string", "none")
+        try:
+            rope_scaling = options.pop("rope_scaling", None) or rope_scaling_config(
+                arch, scaling, lambda k, kind, d: kinds[kind](k, d))
+        except ValueError as e:
+            raise CheckpointError(f"{self.path}: {e}") from None
         return {
             "architectures": [SUPPORTED_ARCHITECTURES[arch]],
             "model_type": {"gemma3": "gemma3_text", "qwen35": "qwen3_5_text",

@@ -21,10 +21,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from nextn.models.config import MAX_EXPERTS, ConfigError, Layers, MtpLayers, Size
 from nextn.models.llama.families import family_options
-from nextn.models.llama.rope_config import Llama3RopeScaling, LinearRopeScaling, LongRopeScaling
+from nextn.models.llama.rope_config import Llama3RopeScaling, LinearRopeScaling, LongRopeScaling, YarnRopeScaling
 
 __all__ = ["LLAMA_ARCHITECTURES", "LayerType", "LinearRopeScaling", "Llama3RopeScaling", "LlamaModelConfig",
-           "LongRopeScaling"]
+           "LongRopeScaling", "YarnRopeScaling"]
 
 #: HF architecture → model_type of the checkpoints this family reads (each one's layer options: `families.py`).
 LLAMA_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
@@ -68,7 +68,7 @@ class LlamaModelConfig(BaseModel):
     head_dim: Size  # per-head width; HF's default is hidden_size // num_attention_heads
     rms_norm_eps: float = Field(default=1e-6, gt=0)
     rope_theta: float = Field(default=10000.0, gt=0)  # RoPE base
-    rope_scaling: Llama3RopeScaling | LinearRopeScaling | LongRopeScaling | None = Field(
+    rope_scaling: Llama3RopeScaling | LinearRopeScaling | LongRopeScaling | YarnRopeScaling | None = Field(
         default=None, discriminator="rope_type")
     #: dims of a head RoPE rotates, the first ones (HF `partial_rotary_factor` × head_dim: Phi-4-mini 0.75); None: all
     rotary_dim: Size | None = None

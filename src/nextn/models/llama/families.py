@@ -14,7 +14,7 @@ from typing import Any
 from nextn.models.config import ConfigError
 import math
 
-from nextn.models.llama.rope_config import Llama3RopeScaling, LinearRopeScaling, LongRopeScaling
+from nextn.models.llama.rope_config import Llama3RopeScaling, LinearRopeScaling, LongRopeScaling, YarnRopeScaling
 
 
 def family_options(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
@@ -248,7 +248,8 @@ def rope_from_hf(hf: dict[str, Any], arch: str) -> tuple[float, Any]:
     """(rope_theta, scaling) from `rope_parameters` (transformers 5) or `rope_scaling` + `rope_theta`.
 
     Raises:
-        ConfigError: a rope type other than default, llama3, linear and longrope, or scaling fields those refuse.
+        ConfigError: a rope type other than default, llama3, linear, longrope and yarn, or scaling fields those
+            refuse.
     """
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     if isinstance(params.get("full_attention"), dict):  # transformers 5, per layer type (OLMo 3): the full layers'
@@ -259,10 +260,12 @@ def rope_from_hf(hf: dict[str, Any], arch: str) -> tuple[float, Any]:
         return theta, None
     if rope_type in ("longrope", "su"):
         return theta, _longrope(hf, params, arch)
+    if rope_type == "yarn":
+        return theta, _yarn(hf, params, arch)
     kinds = {"llama3": Llama3RopeScaling, "linear": LinearRopeScaling}
     if rope_type not in kinds:
         raise ConfigError(f"unsupported rope type {rope_type!r} for {arch}: nextn supports 'default', "
-                          f"{', '.join(map(repr, kinds))}")
+                          f"{', '.join(map(repr, kinds))}, 'longrope', 'yarn'")
     kind = kinds[rope_type]
     keep = {k: v for k, v in params.items() if k in kind.model_fields and v is not None}
     if "factor" not in keep:
@@ -308,6 +311,33 @@ def _rotary_dim(hf: dict[str, Any]) -> int | None:
     if not isinstance(factor, (int, float)) or not 0 < factor <= 1:
         raise ConfigError(f"partial_rotary_factor {factor!r} must be a number in (0, 1]")
     return int(head_dim * factor)
+
+
+def _yarn(hf: dict[str, Any], params: dict[str, Any], arch: str) -> YarnRopeScaling:
+    """YaRN from `rope_parameters` / `rope_scaling`, read as HF's `_compute_yarn_parameters` reads it: the original
+    context from the config's own `original_max_position_embeddings`, else the rope parameters', else
+    `max_position_embeddings`; a missing factor is max_position_embeddings / original; the attention factor, when
+    not given, mscale(factor, mscale) / mscale(factor, mscale_all_dim) with both set, else 0.1·ln(factor) + 1
+    (1 when factor ≤ 1)."""
+    orig = (hf.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+            or hf.get("max_position_embeddings"))
+    if type(orig) is not int or orig <= 0:
+        raise ConfigError(f"yarn rope scaling of {arch} needs original_max_position_embeddings, got {orig!r}")
+    factor = params.get("factor") or (hf.get("max_position_embeddings") or orig) / orig
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 0.1 * m * math.log(scale) + 1.0 if scale > 1 else 1.0
+
+    attention = params.get("attention_factor")
+    if attention is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    try:
+        return YarnRopeScaling(factor=factor, original_max_position_embeddings=orig, attention_factor=attention,
+                               beta_fast=params.get("beta_fast") or 32.0, beta_slow=params.get("beta_slow") or 1.0,
+                               truncate=params.get("truncate", True) is not False)
+    except ValueError as e:
+        raise ConfigError(f"invalid yarn rope scaling {params}: {e}") from e
 
 
 def _longrope(hf: dict[str, Any], params: dict[str, Any], arch: str) -> LongRopeScaling:

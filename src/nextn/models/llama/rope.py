@@ -1,7 +1,9 @@
-"""Rotary position embedding for Llama: plain RoPE and Llama-3.1 scaling, in HF Llama's rotate-half layout.
+"""Rotary position embedding for Llama: plain RoPE and its scalings (Llama 3.1, linear, LongRoPE, YaRN), in HF
+Llama's rotate-half layout.
 
-Sources: RoFormer (Su et al. 2021, §3.4); the Llama-3 frequency scaling and the (x_i, x_{i+d/2}) pair layout follow
-HF `transformers` (`modeling_rope_utils._compute_llama3_parameters`, `modeling_llama.rotate_half`), the oracle.
+Sources: RoFormer (Su et al. 2021, §3.4); the frequency scalings and the (x_i, x_{i+d/2}) pair layout follow HF
+`transformers` (`modeling_rope_utils._compute_llama3_parameters`, `_compute_yarn_parameters`,
+`modeling_llama.rotate_half`), the oracle; YaRN: Peng et al. 2023 (arXiv:2309.00071, §3.2-3.4).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import math
 
 import torch
 
-from nextn.models.llama.config import LlamaModelConfig
+from nextn.models.llama.config import LlamaModelConfig, YarnRopeScaling
 
 
 def _plain(theta: float, dim: int) -> torch.Tensor:
@@ -21,7 +23,8 @@ def inv_freq(cfg: LlamaModelConfig, num_positions: int | None = None) -> torch.T
     """Inverse frequencies [rotary_dim // 2] fp32 of the full-attention layers, Llama-3-scaled when `cfg.rope_scaling`
     is llama3 (transformers' `_compute_llama3_parameters`), divided by its factor when linear, by LongRoPE's short
     factors — its long ones for a table of more than `original_max_position_embeddings` positions (`num_positions`)
-    — or by `cfg.rope_freq_factors` (a GGUF's `rope_freqs`, as ggml's rope divides theta by its freq_factors)."""
+    —, blended on YaRN's ramp (`_yarn`), or divided by `cfg.rope_freq_factors` (a GGUF's `rope_freqs`, as ggml's
+    rope divides theta by its freq_factors)."""
     dim = cfg.rotary_dim or cfg.head_dim
     freqs = _plain(cfg.rope_theta, dim)
     if cfg.rope_freq_factors is not None:
@@ -34,6 +37,8 @@ def inv_freq(cfg: LlamaModelConfig, num_positions: int | None = None) -> torch.T
     if s.rope_type == "longrope":
         long = num_positions is not None and num_positions > s.original_max_position_embeddings
         return freqs / torch.tensor(s.long_factor if long else s.short_factor, dtype=torch.float32)
+    if s.rope_type == "yarn":
+        return _yarn(freqs, s, dim, cfg.rope_theta)
     old_ctx = s.original_max_position_embeddings
     low_freq_wavelen = old_ctx / s.low_freq_factor
     high_freq_wavelen = old_ctx / s.high_freq_factor
@@ -45,6 +50,25 @@ def inv_freq(cfg: LlamaModelConfig, num_positions: int | None = None) -> torch.T
     return torch.where(medium, smoothed, scaled)
 
 
+def _yarn(freqs: torch.Tensor, s: YarnRopeScaling, dim: int, base: float) -> torch.Tensor:
+    """YaRN's inverse frequencies [dim // 2] fp32 from the plain ones `freqs` of rope base `base`: ÷ factor
+    (interpolated) where they turn fewer than beta_slow times over the original context, kept (extrapolated) where
+    more than beta_fast times, a linear ramp between (the dims bounding it floored / ceiled when `truncate`)."""
+
+    def correction_dim(rotations: float) -> float:  # the dim whose wavelength fits `rotations` times in the context
+        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # HF's guard against a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    return freqs / s.factor * (1 - extrapolation) + freqs * extrapolation
+
+
 def rope_cache(cfg: LlamaModelConfig, num_positions: int) -> torch.Tensor:
     """cos and sin per position and frequency: [num_positions, 2, head_dim // 2] fp32; with a rope base of its own
     for sliding layers (`cfg.rope_local_theta`: Gemma 3) [num_positions, 4, head_dim // 2]: the full layers' cos, sin,
@@ -52,14 +76,14 @@ def rope_cache(cfg: LlamaModelConfig, num_positions: int) -> torch.Tensor:
 
     Partial rotary (`cfg.rotary_dim` < head_dim): the pairs past rotary_dim // 2 get cos 1, sin 0 (they pass through);
     the engine's q and k rows are ordered so that pair i is HF's (i, i + rotary_dim / 2) for i < rotary_dim / 2
-    (`partial_rotary_order`). LongRoPE's attention factor scales the rotated pairs' cos and sin (HF's
+    (`partial_rotary_order`). LongRoPE's and YaRN's attention factor scales the rotated pairs' cos and sin (HF's
     `attention_scaling`)."""
     positions = torch.arange(num_positions, dtype=torch.float32)[:, None]
     half = cfg.head_dim // 2
     tables = [inv_freq(cfg, num_positions)] + ([_plain(cfg.rope_local_theta, cfg.head_dim)] if cfg.rope_local_theta
                                                else [])
     scale = cfg.rope_scaling.attention_factor if cfg.rope_scaling is not None and \
-        cfg.rope_scaling.rope_type == "longrope" else 1.0
+        cfg.rope_scaling.rope_type in ("longrope", "yarn") else 1.0
     parts = []
     for f in tables:
         angles = positions * f[None, :]

@@ -59,3 +59,22 @@ class LongRopeScaling(BaseModel):
                 f > 0 for f in (*self.short_factor, *self.long_factor)):
             raise ValueError("longrope scaling needs short_factor and long_factor of one length, all positive")
         return self
+
+
+class YarnRopeScaling(BaseModel):
+    """YaRN (Peng et al. 2023, "YaRN: Efficient Context Window Extension of Large Language Models",
+    arXiv:2309.00071; HF `modeling_rope_utils._compute_yarn_parameters`): inverse frequency i is interpolated (÷
+    `factor`) below the dims that turn `beta_slow` times over the original context, kept above those that turn
+    `beta_fast` times, blended on a linear ramp between; cos and sin × `attention_factor` (HF's default
+    0.1·ln(factor) + 1, or mscale / mscale_all_dim's ratio: resolved when the config is read). Qwen3 / Qwen2.5's
+    long-context settings, SmolLM3, gpt-oss."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    rope_type: Literal["yarn"] = "yarn"
+    factor: float = Field(gt=0)  # context-extension factor (Qwen3: 4 over 32,768 positions)
+    original_max_position_embeddings: int = Field(gt=0)  # pre-training context
+    beta_fast: float = Field(default=32.0, gt=0)  # ramp boundary, rotations (extrapolation side)
+    beta_slow: float = Field(default=1.0, gt=0)  # ramp boundary, rotations (interpolation side)
+    attention_factor: float = Field(default=1.0, gt=0)  # cos and sin × this
+    truncate: bool = True  # floor / ceil the ramp's ends (HF's default; gpt-oss: false)
