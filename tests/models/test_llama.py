@@ -149,8 +149,8 @@ def test_config_spellings_and_errors():
     assert legacy == modern and legacy.rope_theta == 500000.0
     plain = LlamaModelConfig.from_hf({**base, "rope_scaling": None})
     assert plain.rope_scaling is None and plain.num_key_value_heads == 4 and plain.head_dim == 16
-    with pytest.raises(ConfigError, match="unsupported rope type 'yarn'"):
-        LlamaModelConfig.from_hf({**base, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+    with pytest.raises(ConfigError, match="unsupported rope type 'dynamic'"):  # YaRN: tests/models/test_rope_yarn.py
+        LlamaModelConfig.from_hf({**base, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
     with pytest.raises(ConfigError, match="num_key_value_heads"):
         LlamaModelConfig.from_hf({**base, "num_key_value_heads": 3})
     with pytest.raises(ConfigError, match="intermediate_size"):

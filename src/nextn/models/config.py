@@ -9,10 +9,11 @@ and the runtime builds its modules from. Fields keep the HF names.
 
 from __future__ import annotations
 
-import math
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from nextn.models import yarn
 
 SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 #: Architectures read as DeepSeek-V3 (`_glm4_moe_lite`)
@@ -142,7 +143,7 @@ class DeepseekV3ModelConfig(BaseModel):
         scale = self.qk_head_dim**-0.5
         r = self.rope
         if r.rope_type == "yarn" and r.mscale_all_dim:
-            m = _yarn_mscale(r.factor or 1.0, r.mscale_all_dim)
+            m = yarn.mscale(r.factor or 1.0, r.mscale_all_dim)
             scale *= m * m
         return scale
 
@@ -211,11 +212,6 @@ def _glm4_moe_lite(hf: dict[str, Any]) -> dict[str, Any]:
     if any(t != "sparse" for t in (types or ())[dense:]):
         raise ConfigError(f"Glm4MoeLiteForCausalLM: mlp_layer_types {types} has a dense layer after a sparse one")
     return {**hf, "first_k_dense_replace": dense, "architectures": ["DeepseekV3ForCausalLM"]}
-
-
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    """YaRN's attention temperature (Peng et al. 2023, eq. 22): 0.1·mscale·ln(scale) + 1 for scale > 1."""
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:

@@ -6,16 +6,11 @@ attention factor follow HF `transformers` `modeling_rope_utils._compute_yarn_par
 
 from __future__ import annotations
 
-import math
 
 import torch
 
-from nextn.models.config import RopeConfig, _yarn_mscale
-
-
-def _correction_dim(num_rotations: float, dim: int, base: float, max_pos: int) -> float:
-    """The rotary dim whose wavelength makes `num_rotations` turns over `max_pos` positions."""
-    return (dim * math.log(max_pos / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+from nextn.models import yarn
+from nextn.models.config import RopeConfig
 
 
 def inv_freq_and_attention_factor(rope: RopeConfig, dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
@@ -25,24 +20,9 @@ def inv_freq_and_attention_factor(rope: RopeConfig, dim: int, max_position_embed
     if rope.rope_type == "default":
         return 1.0 / pos_freqs, 1.0
     factor = rope.factor or max_position_embeddings / rope.original_max_position_embeddings
-    if rope.attention_factor is not None:
-        attention_factor = rope.attention_factor
-    elif rope.mscale and rope.mscale_all_dim:
-        attention_factor = _yarn_mscale(factor, rope.mscale) / _yarn_mscale(factor, rope.mscale_all_dim)
-    else:
-        attention_factor = _yarn_mscale(factor)
+    attention_factor = yarn.attention_factor(factor, rope.attention_factor, rope.mscale, rope.mscale_all_dim)
     orig = rope.original_max_position_embeddings or max_position_embeddings
-    low = _correction_dim(rope.beta_fast, dim, base, orig)
-    high = _correction_dim(rope.beta_slow, dim, base, orig)
-    if rope.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001  # avoid a zero-width ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    extrapolation = 1 - ramp  # 1: keep the original frequency; 0: interpolate by `factor`
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-    return inv_freq, float(attention_factor)
+    return yarn.inv_freq(base, dim, factor, orig, rope.beta_fast, rope.beta_slow, rope.truncate), attention_factor
 
 
 def rope_cache(rope: RopeConfig, dim: int, max_position_embeddings: int, num_positions: int) -> torch.Tensor:

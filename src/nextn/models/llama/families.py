@@ -11,6 +11,7 @@ the `transformers` 5.23 config classes (`LlamaConfig`, `Qwen2Config`, `Qwen3Conf
 from __future__ import annotations
 
 from typing import Any
+from nextn.models import yarn
 from nextn.models.config import ConfigError
 import math
 
@@ -324,14 +325,8 @@ def _yarn(hf: dict[str, Any], params: dict[str, Any], arch: str) -> YarnRopeScal
     if type(orig) is not int or orig <= 0:
         raise ConfigError(f"yarn rope scaling of {arch} needs original_max_position_embeddings, got {orig!r}")
     factor = params.get("factor") or (hf.get("max_position_embeddings") or orig) / orig
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 0.1 * m * math.log(scale) + 1.0 if scale > 1 else 1.0
-
-    attention = params.get("attention_factor")
-    if attention is None:
-        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
-        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    attention = yarn.attention_factor(factor, params.get("attention_factor"), params.get("mscale"),
+                                      params.get("mscale_all_dim"))
     try:
         return YarnRopeScaling(factor=factor, original_max_position_embeddings=orig, attention_factor=attention,
                                beta_fast=params.get("beta_fast") or 32.0, beta_slow=params.get("beta_slow") or 1.0,

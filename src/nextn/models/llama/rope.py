@@ -12,7 +12,8 @@ import math
 
 import torch
 
-from nextn.models.llama.config import LlamaModelConfig, YarnRopeScaling
+from nextn.models import yarn
+from nextn.models.llama.config import LlamaModelConfig
 
 
 def _plain(theta: float, dim: int) -> torch.Tensor:
@@ -23,7 +24,7 @@ def inv_freq(cfg: LlamaModelConfig, num_positions: int | None = None) -> torch.T
     """Inverse frequencies [rotary_dim // 2] fp32 of the full-attention layers, Llama-3-scaled when `cfg.rope_scaling`
     is llama3 (transformers' `_compute_llama3_parameters`), divided by its factor when linear, by LongRoPE's short
     factors — its long ones for a table of more than `original_max_position_embeddings` positions (`num_positions`)
-    —, blended on YaRN's ramp (`_yarn`), or divided by `cfg.rope_freq_factors` (a GGUF's `rope_freqs`, as ggml's
+    —, blended on YaRN's ramp (`models/yarn.py`), or divided by `cfg.rope_freq_factors` (a GGUF's `rope_freqs`, as ggml's
     rope divides theta by its freq_factors)."""
     dim = cfg.rotary_dim or cfg.head_dim
     freqs = _plain(cfg.rope_theta, dim)
@@ -38,7 +39,8 @@ def inv_freq(cfg: LlamaModelConfig, num_positions: int | None = None) -> torch.T
         long = num_positions is not None and num_positions > s.original_max_position_embeddings
         return freqs / torch.tensor(s.long_factor if long else s.short_factor, dtype=torch.float32)
     if s.rope_type == "yarn":
-        return _yarn(freqs, s, dim, cfg.rope_theta)
+        return yarn.inv_freq(cfg.rope_theta, dim, s.factor, s.original_max_position_embeddings, s.beta_fast,
+                             s.beta_slow, s.truncate)
     old_ctx = s.original_max_position_embeddings
     low_freq_wavelen = old_ctx / s.low_freq_factor
     high_freq_wavelen = old_ctx / s.high_freq_factor
@@ -48,25 +50,6 @@ def inv_freq(cfg: LlamaModelConfig, num_positions: int | None = None) -> torch.T
     smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled  # in between: interpolated
     medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(medium, smoothed, scaled)
-
-
-def _yarn(freqs: torch.Tensor, s: YarnRopeScaling, dim: int, base: float) -> torch.Tensor:
-    """YaRN's inverse frequencies [dim // 2] fp32 from the plain ones `freqs` of rope base `base`: ÷ factor
-    (interpolated) where they turn fewer than beta_slow times over the original context, kept (extrapolated) where
-    more than beta_fast times, a linear ramp between (the dims bounding it floored / ceiled when `truncate`)."""
-
-    def correction_dim(rotations: float) -> float:  # the dim whose wavelength fits `rotations` times in the context
-        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
-    if s.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001  # HF's guard against a zero-width ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    extrapolation = 1 - ramp
-    return freqs / s.factor * (1 - extrapolation) + freqs * extrapolation
 
 
 def rope_cache(cfg: LlamaModelConfig, num_positions: int) -> torch.Tensor:
