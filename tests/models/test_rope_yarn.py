@@ -88,3 +88,18 @@ def test_tiny_qwen3_with_yarn_is_transformers(tiny_yarn, kind):
     stored = stored_view(reader, cfg)
     model = _load(cfg, stored.get, stored.has)
     assert _assert_matches_hf(model, hf, 4000, [70, 9, 33]) < 1e-4
+
+
+def test_gguf_scaling_keys():
+    from nextn.build.gguf_families import rope_scaling_config
+
+    meta = {"rope.scaling.factor": 4.0, "rope.scaling.original_context_length": 64, "rope.scaling.yarn_beta_fast": 16.0}
+
+    def key(name, kind, default):
+        return meta.get(name, default)
+
+    assert rope_scaling_config("qwen3", "yarn", key) == {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 16.0}
+    assert rope_scaling_config("qwen3", "none", key) is None
+    with pytest.raises(ValueError, match="qwen3.rope.scaling.type 'longrope' is not supported"):
+        rope_scaling_config("qwen3", "longrope", key)
