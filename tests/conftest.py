@@ -40,6 +40,19 @@ def _step_profiles_in_a_temporary_dir(tmp_path_factory):
         yield
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """An in-process CLI `main` (`cli/threads.apply_threads`) sets torch's thread count for the whole process — to 1
+    under xdist, where the other worker keeps a core busy; the next test starts from the count before it again."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    before = torch.get_num_threads() if torch is not None else None
+    yield
+    if before is not None and torch.get_num_threads() != before:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     if not (SHARED_DATA / "prompts" / "mt_bench.jsonl").is_file():
