@@ -455,7 +455,8 @@ def test_an_unsupported_architecture_is_refused_from_the_header_alone(tmp_path, 
     """The architecture is read from the header's first keys before `gguf.GGUFReader` parses the whole file (~20 s
     for a 262k-token vocabulary): a refused file is refused at once, naming what nextn reads."""
     write_tiny_gguf(tmp_path / "f.gguf", arch="falcon")
-    write_tiny_gguf(tmp_path / "m.gguf", arch="gpt-oss")
+    write_tiny_gguf(tmp_path / "m.gguf", arch="dbrx")
+    write_tiny_gguf(tmp_path / "g.gguf", arch="gpt-oss")
 
     def no_full_parse(*args, **kwargs):
         raise AssertionError("the whole header was parsed for a refused architecture")
@@ -463,5 +464,7 @@ def test_an_unsupported_architecture_is_refused_from_the_header_alone(tmp_path, 
     with pytest.raises(CheckpointError, match=r"unsupported GGUF architecture 'falcon'; nextn reads llama, qwen2, "
                                               r"qwen3, gemma3"):
         GGUFCheckpoint(tmp_path / "f.gguf")
-    with pytest.raises(CheckpointError, match=r"'gpt-oss' is a mixture-of-experts model, which nextn does not build yet"):
+    with pytest.raises(CheckpointError, match=r"'dbrx' is a mixture-of-experts model, which nextn does not build yet"):
         GGUFCheckpoint(tmp_path / "m.gguf")
+    with pytest.raises(CheckpointError, match=r"gpt-oss GGUFs yet \(MXFP4 experts\); build its HF checkpoint"):
+        GGUFCheckpoint(tmp_path / "g.gguf")

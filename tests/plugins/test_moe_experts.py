@@ -4,6 +4,8 @@ decoder-layer op, and an engine using both staying lossless under speculation.""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -140,3 +142,44 @@ def test_speculation_stays_lossless(llm):
         assert spec.generate(prompt, params).outputs[0].token_ids == plain
     finally:
         spec.shutdown()
+
+
+def test_gpt_oss_layer_with_attention_sinks_matches_the_pytorch_modules(tmp_path):
+    """gpt-oss (W4A16): the attention half — its sinks in the op's softmax — on the fused op, its biased
+    clamped-SwiGLU experts on the modules (the experts op takes SiLU experts without biases only); the layer's output
+    and KV as the modules compute them; without the sinks the op is far from them (the control)."""
+    hf = tiny_hf_model("gpt_oss", seed=1, vocab_size=320, hidden_size=128)
+    with torch.no_grad():  # sinks near 3 (e^3 ~ 20 keys' worth): the softmax leans on them
+        for layer in hf.model.layers:
+            layer.self_attn.sinks.add_(2.0)
+    hf.save_pretrained(tmp_path / "ckpt")
+    build_engine(tmp_path / "ckpt", tmp_path / "engine", progress=False, max_seq_len=128, dtype="bfloat16",
+                 quant_algo="W4A16", group_size=32)
+    llm = LLM(tmp_path / "engine")
+    try:
+        model = llm.engine.model
+        for layer in model.model.layers:
+            assert layer.fused is not None and layer.fused.attn_sinks is not None and layer.mlp.fused_experts is None
+        for index in (0, 1):  # a sliding layer and a full one
+            layer = model.model.layers[index]
+            x, kv, meta = _inputs(layer, 2, 3, [9, 20])
+            cos_sin = model._cos_sin(meta.positions)
+            kv_fused, kv_ref = kv.clone(), kv.clone()
+            with torch.inference_mode():
+                fused = layer(x, cos_sin, kv_fused, meta)
+                saved, layer.fused = layer.fused, None
+                try:
+                    ref = layer(x, cos_sin, kv_ref, meta)
+                finally:
+                    layer.fused = saved
+                layer.fused = dataclasses.replace(saved, attn_sinks=None)
+                try:
+                    no_sinks = layer(x, cos_sin, kv.clone(), meta)
+                finally:
+                    layer.fused = saved
+            assert (fused == ref).float().mean() > 0.9
+            torch.testing.assert_close(fused.float(), ref.float(), rtol=3e-2, atol=3e-2)
+            torch.testing.assert_close(kv_fused.float(), kv_ref.float(), rtol=2e-2, atol=2e-2)
+            assert (no_sinks.float() - ref.float()).abs().max() > 0.1
+    finally:
+        llm.shutdown()

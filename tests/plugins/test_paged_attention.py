@@ -62,6 +62,28 @@ def test_soft_capped_scores_match_the_reference_on_every_variant(variant):
         op(q, kv, slots, visible, 0.125, -1.0)
 
 
+@pytest.mark.parametrize("variant", cpu_kernels.runnable())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_attention_sinks_match_the_reference_on_every_variant(variant, dtype):
+    """gpt-oss's attention sinks (a logit per query head in each softmax, no value) on each ISA variant the CPU runs,
+    with a row that sees one key only (where a sink moves the output most); batch-invariant with them; the kernel
+    without the sinks is far from the reference with them (the control)."""
+    cpu_kernels.build(variant)
+    op = getattr(torch.ops, cpu_kernels.namespace(variant)).paged_attention
+    q, kv, slots, visible = _case(2, 5, 8, 2, 40, [5, 33], dtype, seed=7)
+    sinks = torch.linspace(-2.0, 3.0, 8)
+    ref = paged_attention.reference(q, kv, slots, visible, 0.2, 0.0, sinks)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    out = op(q, kv, slots, visible, 0.2, 0.0, sinks)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    assert (op(q, kv, slots, visible, 0.2).float() - ref.float()).abs().max() > 0.1
+    for j in range(5):  # each query row alone equals its row of the batch
+        alone = op(q[1:, j:j + 1], kv, slots[1:], visible[1:, :, j:j + 1], 0.2, 0.0, sinks)
+        assert torch.equal(alone[0, 0], out[1, j])
+    with pytest.raises(RuntimeError, match="sinks must be"):
+        op(q, kv, slots, visible, 0.2, 0.0, sinks[:4])
+
+
 def test_a_tree_mask_is_honoured():
     """Queries that see arbitrary key subsets (a draft tree: ancestors only), not just a causal prefix."""
     q, kv, slots, _ = _case(1, 6, 4, 2, 64, [24], torch.float32, seed=3)

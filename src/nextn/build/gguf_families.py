@@ -171,6 +171,17 @@ def moe_config(arch: str, key: Callable[..., Any]) -> dict[str, Any]:
     return out
 
 
+def unsupported(path: Any, arch: str) -> str:
+    """The refusal of a GGUF of architecture `arch`: an MoE one says so (gpt-oss: that its HF checkpoint builds)."""
+    if arch == "gpt-oss":
+        return (f"{path}: nextn does not read gpt-oss GGUFs yet (MXFP4 experts); build its HF checkpoint "
+                f"(GptOssForCausalLM) instead")
+    if arch in MOE_ARCHITECTURES:
+        return (f"{path}: GGUF architecture {arch!r} is a mixture-of-experts model, which nextn does not build yet; "
+                f"nextn reads {', '.join(SUPPORTED_ARCHITECTURES)} (Mixtral as llama)")
+    return f"{path}: unsupported GGUF architecture {arch!r}; nextn reads {', '.join(SUPPORTED_ARCHITECTURES)}"
+
+
 def rope_scaling_config(arch: str, scaling: str, key: Callable[..., Any]) -> dict[str, Any] | None:
     """HF's `rope_scaling` of a GGUF whose `{arch}.rope.scaling.type` is `scaling` (`key` as in `family_config`):
     none, linear (`rope.scaling.factor`) or YaRN as `convert_hf_to_gguf.py` writes it (`TextModel.set_gguf_parameters`:

@@ -45,9 +45,10 @@ if TYPE_CHECKING:
     from nextn.quantization.weight_only import QuantConfig
 
 from nextn.build.gguf_families import (
-    BLOCK_NAMES, FACTOR_TENSORS, LINEAR_ATTENTION_ARCHITECTURES, MOE_ARCHITECTURES, PARTIAL_ROTARY_ARCHITECTURES,
+    BLOCK_NAMES, FACTOR_TENSORS, LINEAR_ATTENTION_ARCHITECTURES, PARTIAL_ROTARY_ARCHITECTURES,
     PERMUTED_ARCHITECTURES, SUPPORTED_ARCHITECTURES, TENSOR_NAMES, V_REORDERED_ARCHITECTURES, expert_names,
-    factor_values, family_config, global_names, hf_name, moe_config, norm_shift, rope_scaling_config, BLOCK_RE,
+    factor_values, family_config, global_names, hf_name, moe_config, norm_shift, rope_scaling_config, unsupported,
+    BLOCK_RE,
 )  # fmt: skip
 
 #: ggml float types (read as they are, widened to fp32).
@@ -113,14 +114,6 @@ def _open_reader(path: Path):
                               f"ends early; re-download or re-convert it) [gguf: {type(e).__name__}: {e}]") from e
 
 
-def _unsupported(path: Path, arch: str) -> str:
-    """The refusal of a GGUF of architecture `arch`: an MoE one says so."""
-    if arch in MOE_ARCHITECTURES:
-        return (f"{path}: GGUF architecture {arch!r} is a mixture-of-experts model, which nextn does not build yet; "
-                f"nextn reads {', '.join(SUPPORTED_ARCHITECTURES)} (Mixtral as llama)")
-    return f"{path}: unsupported GGUF architecture {arch!r}; nextn reads {', '.join(SUPPORTED_ARCHITECTURES)}"
-
-
 class GGUFCheckpoint:
     """Reads a Llama or Qwen2 GGUF (float or quantized tensors) by HF tensor name.
 
@@ -144,11 +137,11 @@ class GGUFCheckpoint:
         self.model_dir = self.path.parent
         early = peek_architecture(self.path)
         if early is not None and early not in SUPPORTED_ARCHITECTURES:  # refused before the whole header is parsed
-            raise CheckpointError(_unsupported(self.path, early))
+            raise CheckpointError(unsupported(self.path, early))
         self._reader = _open_reader(self.path)
         self.architecture: str = self._scalar("general.architecture", {"STRING"}, "a string")  # e.g. "llama"
         if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise CheckpointError(_unsupported(self.path, self.architecture))
+            raise CheckpointError(unsupported(self.path, self.architecture))
         self._tensors: dict[str, Any] = {}
         self._expert: dict[str, int] = {}  # an expert's HF name → its index in its 3-D tensor (`_tensors` holds that)
         self._value_half: dict[str, Any] = {}  # deepseek2's `kv_b_proj` → its `attn_v_b` (`_tensors`: its `attn_k_b`)

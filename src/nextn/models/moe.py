@@ -35,14 +35,18 @@ class Router(nn.Module):
 
     Args:
         hidden_size, num_experts, top_k: sizes (top_k ≤ num_experts).
-        norm_topk_prob: renormalise the k chosen probabilities to sum to 1 (Qwen3-MoE as configured, Mixtral always).
+        norm_topk_prob: renormalise the k chosen probabilities to sum to 1 (Qwen3-MoE as configured, Mixtral always;
+            gpt-oss's softmax over the top-k logits is this).
+        bias: the logits carry a bias `bias` [num_experts] (gpt-oss's `mlp.router.bias`).
     """
 
     kind = "softmax"  # what a fused CPU op reads to know the routing (plugins/moe_experts.py)
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool) -> None:
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool,
+                 bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.zeros(num_experts)) if bias else None
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.dense: nn.Module | None = None  # the logits' projection on nextn's dense kernel (use_dense_kernel)
 
@@ -51,11 +55,12 @@ class Router(nn.Module):
         from nextn.plugins.dense_linear import DTYPES, DenseLinear
 
         if self.weight.device.type == "cpu" and self.weight.dtype in DTYPES:
-            self.dense = DenseLinear.from_weight(self.weight.detach())
+            bias = self.bias.detach() if self.bias is not None else None
+            self.dense = DenseLinear.from_weight(self.weight.detach(), bias)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, hidden] → (weights [N, top_k] float32, expert ids [N, top_k] int64), by descending probability."""
-        logits = self.dense(x) if self.dense is not None else F.linear(x, self.weight)  # [N, E], x's dtype
+        logits = self.dense(x) if self.dense is not None else F.linear(x, self.weight, self.bias)  # [N, E], x's dtype
         probs = row_exact(lambda t: torch.softmax(t, dim=-1), logits.float())
         weights, ids = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -117,6 +122,32 @@ class NoAuxRouter(nn.Module):
         return weights * self.routed_scaling_factor, ids
 
 
+class ClampedSwiGLU(nn.Module):
+    """gpt-oss's expert: down(g · σ(alpha · g) · (u + 1)) with g = min(gate(x), limit), u = clamp(up(x), ±limit),
+    every projection biased (HF `GptOssExperts._apply_gate`; its fused `gate_up_proj` interleaves gate and up
+    columns, split on reading: `models/llama/stored_layout.py`)."""
+
+    act_name = "clamped_swiglu"  # not SiLU: the fused experts op (plugins/moe_experts.py) leaves it to the modules
+
+    def __init__(self, hidden_size: int, width: int, alpha: float, limit: float) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, width, bias=True)
+        self.up_proj = nn.Linear(hidden_size, width, bias=True)
+        self.down_proj = nn.Linear(width, hidden_size, bias=True)
+        self.alpha, self.limit = alpha, limit
+
+    def _glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=self.limit)
+        return gate * torch.sigmoid(gate * self.alpha) * (up.clamp(-self.limit, self.limit) + 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [N, hidden] → [N, hidden]."""
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        # on the CPU the sigmoid's ulp must not depend on the row count (as GatedMLP's activation: row_exact)
+        glu = row_exact(lambda g: self._glu(g, up), gate) if gate.device.type == "cpu" else self._glu(gate, up)
+        return self.down_proj(glu)
+
+
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                    expert: Callable[[int], Callable[[torch.Tensor], torch.Tensor]], num_experts: int) -> torch.Tensor:
     """Σ_k weights[n, k] · expert(ids[n, k])(x[n]) for every token n, each expert run on its own tokens only.
@@ -165,8 +196,9 @@ def sum_ascending(y: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> 
 
 class SparseMoE(nn.Module):
     """The MoE MLP: `gate` (a `Router`, or the `NoAuxRouter` given), `experts` (E `GatedMLP`s of width
-    `moe_intermediate_size`), for Qwen2-MoE `shared_expert` (a `GatedMLP`) scaled per token by
-    sigmoid(`shared_expert_gate` · x), for GLM-4.5 `shared_experts` (a `GatedMLP` of `shared_experts_width`) added.
+    `moe_intermediate_size`, or what `expert()` makes: gpt-oss's `ClampedSwiGLU`), for Qwen2-MoE `shared_expert` (a
+    `GatedMLP`) scaled per token by sigmoid(`shared_expert_gate` · x), for GLM-4.5 `shared_experts` (a `GatedMLP` of
+    `shared_experts_width`) added.
 
     `fused_experts` (set at load by `plugins.decoder_layer.install_fused_layers` where it applies: W4A16 / W4A8 on the
     CPU): the routed experts as one op of nextn's CPU kernels (`plugins.moe_experts`) instead of module by module.
@@ -176,10 +208,11 @@ class SparseMoE(nn.Module):
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, width: int, norm_topk_prob: bool,
                  act: str = "silu", shared_width: int | None = None, gate: nn.Module | None = None,
-                 shared_experts_width: int | None = None) -> None:
+                 shared_experts_width: int | None = None, expert: Callable[[], nn.Module] | None = None) -> None:
         super().__init__()
         self.gate = gate if gate is not None else Router(hidden_size, num_experts, top_k, norm_topk_prob)
-        self.experts = nn.ModuleList(GatedMLP(hidden_size, width, act) for _ in range(num_experts))
+        make = expert if expert is not None else lambda: GatedMLP(hidden_size, width, act)
+        self.experts = nn.ModuleList(make() for _ in range(num_experts))
         self.shared_expert = GatedMLP(hidden_size, shared_width, act) if shared_width else None
         # the shared expert's gate: a one-output projection, never quantized and on the dense kernel as the router's
         # (only its projection is used: sigmoid, not top-k)

@@ -72,11 +72,11 @@ void int4_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, int6
 Int4Scales int4_scales(const at::Tensor& scale, const at::Tensor& zero, int64_t N, int64_t G, const char* op);
 
 // out[B, T, NH * D] f32: q [B, T, NH, D] bf16 attending over the bf16 cache [slots, 2 * NKV * D] through
-// context_slots [B, S] where visible [B, T, S] (paged_attention_cpu.cpp), scores soft-capped where softcap > 0.
-// Batch-invariant.
+// context_slots [B, S] where visible [B, T, S] (paged_attention_cpu.cpp), scores soft-capped where softcap > 0, an
+// attention sink per query head in each softmax where sinks ([NH] f32) is not null. Batch-invariant.
 void paged_attention_bf16(const uint16_t* q, const uint16_t* kv_cache, const int64_t* context_slots,
                           const bool* visible, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t S, int64_t D,
-                          float scale, float softcap, float* out);
+                          float scale, float softcap, const float* sinks, float* out);
 
 
 // The linear kernels' row and block loops (woq_linear_cpu.cpp, dense_linear_cpu.cpp). Which path a row takes changes

@@ -328,7 +328,8 @@ def _register_fakes(ns: str) -> None:
     @torch.library.register_fake(f"{ns}::llama_decoder_layer")
     def _(x, cos_sin, kv_cache, slot_mapping, context_slots, visible, norms, qkv, o, gate_up, down,
           num_heads, num_kv_heads, group_size, eps, scale, int8_activations=False, sandwich=False, qk_norm=False,
-          activation=0, residual_multiplier=1.0, pre_norms=True, qk_norm_all_heads=False, attn_softcap=0.0):
+          activation=0, residual_multiplier=1.0, pre_norms=True, qk_norm_all_heads=False, attn_softcap=0.0,
+          attn_sinks=None):
         return torch.empty_like(x)
 
     @torch.library.register_fake(f"{ns}::llama_decoder_stack")
@@ -348,7 +349,7 @@ def _register_fakes(ns: str) -> None:
         return q_nope.new_empty((b, t, nh * (kv_b.shape[1] - p)), dtype=torch.float32)
 
     @torch.library.register_fake(f"{ns}::paged_attention")
-    def _(q, kv_cache, context_slots, visible, scale, softcap=0.0):
+    def _(q, kv_cache, context_slots, visible, scale, softcap=0.0, sinks=None):
         b, t, nh, d = q.shape
         return q.new_empty((b, t, nh * d))
 

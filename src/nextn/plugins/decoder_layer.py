@@ -57,6 +57,7 @@ class FusedLayerWeights:
     pre_norms: bool = True  # False: OLMo 2's post-norms (the input and pre-MLP norms absent: empty tensors)
     qk_norm_all_heads: bool = False  # OLMo 2: one q norm over all heads (and one k norm)
     attn_softcap: float = 0.0  # Gemma 2: attention logits soft-capped at this (0: none)
+    attn_sinks: torch.Tensor | None = None  # gpt-oss: [num_heads] f32, a logit a head in each softmax (None: none)
 
     @property
     def attention_only(self) -> bool:
@@ -111,7 +112,7 @@ def fuse_layer(layer: nn.Module) -> FusedLayerWeights | None:
                              qk_norm=getattr(attn, "qk_norm", False), activation=activation,
                              residual_multiplier=residual, pre_norms=getattr(layer, "pre_norms", True),
                              qk_norm_all_heads=getattr(attn, "qk_norm_all_heads", False),
-                             attn_softcap=float(getattr(attn, "softcap", None) or 0.0))
+                             attn_softcap=float(getattr(attn, "softcap", None) or 0.0), attn_sinks=_sinks(attn))
 
 
 def _fuse_attention(layer: nn.Module) -> FusedLayerWeights | None:
@@ -133,7 +134,13 @@ def _fuse_attention(layer: nn.Module) -> FusedLayerWeights | None:
     return FusedLayerWeights(norms, concat_rows(qkv), one_linear(attn.o_proj), [], [], *kind,
                              qk_norm=getattr(attn, "qk_norm", False),
                              qk_norm_all_heads=getattr(attn, "qk_norm_all_heads", False),
-                             attn_softcap=float(getattr(attn, "softcap", None) or 0.0))
+                             attn_softcap=float(getattr(attn, "softcap", None) or 0.0), attn_sinks=_sinks(attn))
+
+
+def _sinks(attn: nn.Module) -> torch.Tensor | None:
+    """The attention's sinks as the op reads them ([num_heads] f32, contiguous), or None without."""
+    sinks = getattr(attn, "sinks", None)
+    return None if sinks is None else sinks.detach().float().contiguous()
 
 
 @dataclass(frozen=True)
@@ -168,7 +175,8 @@ def fuse_stack(layers: list[nn.Module], layer_types: tuple[str, ...] | None = No
     """`FusedStack` of `layers` (each with its `fused` operands set; `layer_types` the model's, None: all full
     attention), or None unless every layer takes the op with the same group size, activations, biases, heads, eps,
     softmax scale and options (then the op calls run one by one)."""
-    if not layers or any(getattr(layer, "fused", None) is None or layer.fused.attention_only for layer in layers):
+    if not layers or any(getattr(layer, "fused", None) is None or layer.fused.attention_only
+                         or layer.fused.attn_sinks is not None for layer in layers):
         return None
     fs: list[FusedLayerWeights] = [layer.fused for layer in layers]
 
@@ -230,7 +238,7 @@ def fused_forward(layer: nn.Module, x: torch.Tensor, cos_sin: torch.Tensor, kv_c
         f.gate_up, f.down, attn.num_heads, attn.num_kv_heads, f.group_size, layer.post_attention_layernorm.eps,
         attn.scale,
         f.int8_activations, f.sandwich, f.qk_norm, f.activation, f.residual_multiplier, f.pre_norms,
-        f.qk_norm_all_heads, f.attn_softcap)
+        f.qk_norm_all_heads, f.attn_softcap, f.attn_sinks)
 
 
 def stack_forward(stack: FusedStack, x: torch.Tensor, inputs: dict, kv_cache: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,8 @@
 //       scales), num_heads, num_kv_heads, group_size, eps, scale, int8_activations, sandwich, qk_norm, activation
 //       (0 SiLU, 1 GELU-tanh), residual_multiplier (Granite's; not with sandwich), pre_norms (false: OLMo 2's and
 //       EXAONE 4's post-norms, the input and pre_ff norms empty), qk_norm_all_heads (OLMo 2: q [NH*D], k [NKV*D]),
-//       attn_softcap (Gemma 2's attention logit soft-capping; 0: none)) -> [B, T, H] bf16; with gate_up and down
+//       attn_softcap (Gemma 2's attention logit soft-capping; 0: none), attn_sinks (gpt-oss: [NH] f32, a logit a
+//       query head in each softmax; None: none)) -> [B, T, H] bf16; with gate_up and down
 //       empty (an MoE layer, pre-norms: its MLP is moe_cpu.cpp's), the attention half only -> x1 [B, T, H] bf16
 //   nextn::llama_decoder_stack(x, cos_sin, kv_cache [layers, slots, 2 * NKV * D], ..., norms, qkv, o, gate_up, down
 //       (every layer's operands, layer after layer), arity, ..., cos_sin_local, visible_local, sliding (per layer:
@@ -171,7 +172,7 @@ at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& cos_sin, a
                                int64_t num_kv_heads, int64_t group_size, double eps, double scale,
                                bool int8_activations, bool sandwich, bool qk_norm, int64_t activation,
                                double residual_multiplier, bool pre_norms, bool qk_norm_all_heads,
-                               double attn_softcap) {
+                               double attn_softcap, const std::optional<at::Tensor>& attn_sinks) {
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
               "llama_decoder_layer: x must be a [B, T, H] bfloat16 CPU tensor");
   const int64_t B = x.size(0), T = x.size(1), H = x.size(2), M = B * T;
@@ -182,6 +183,10 @@ at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& cos_sin, a
   TORCH_CHECK(H % 64 == 0 && D % 32 == 0 && D <= nextn_cpu::kMaxD && NH % NKV == 0,
               "llama_decoder_layer: needs hidden % 64 == 0, head_dim % 32 == 0 (<= ", nextn_cpu::kMaxD,
               ") and whole query groups; got hidden ", H, ", head_dim ", D, ", heads ", NH, "/", NKV);
+  TORCH_CHECK(!attn_sinks || (attn_sinks->scalar_type() == at::kFloat && attn_sinks->is_contiguous() &&
+                              attn_sinks->dim() == 1 && attn_sinks->size(0) == NH),
+              "llama_decoder_layer: attn_sinks must be a contiguous [num_heads] float32 tensor");
+  const float* sinks = attn_sinks ? attn_sinks->data_ptr<float>() : nullptr;
   TORCH_CHECK(kv_cache.scalar_type() == at::kBFloat16 && kv_cache.dim() == 2 && kv_cache.is_contiguous() &&
                   kv_cache.size(1) == 2 * NKV * D,
               "llama_decoder_layer: kv_cache must be a contiguous bfloat16 [slots, ", 2 * NKV * D, "] tensor");
@@ -274,7 +279,7 @@ at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& cos_sin, a
     for (int64_t i = 0; i < NKV * D; i += 16) store_bf16(kv + NKV * D + i, simd::load(row + (NH + NKV) * D + i));
   });
   nextn_cpu::paged_attention_bf16(q.data(), cache, ctx.data_ptr<int64_t>(), vis.data_ptr<bool>(), B, T, NH, NKV, S,
-                                  D, float(scale), float(attn_softcap), f.data());
+                                  D, float(scale), float(attn_softcap), sinks, f.data());
   for_rows(M, [&](int64_t m) {
     const int64_t row = m * NH * D;
     for (int64_t i = 0; i < NH * D; i += 16) store_bf16(q.data() + row + i, simd::load(f.data() + row + i));
@@ -364,7 +369,7 @@ at::Tensor llama_decoder_stack(const at::Tensor& x, const at::Tensor& cos_sin, a
                             qkv.slice(i * arity[0], arity[0]), o.slice(i * arity[1], arity[1]),
                             gate_up.slice(i * arity[2], arity[2]), down.slice(i * arity[3], arity[3]), num_heads,
                             num_kv_heads, group_size, eps, scale, int8_activations, sandwich, qk_norm, activation,
-                            residual_multiplier, pre_norms, qk_norm_all_heads, attn_softcap);
+                            residual_multiplier, pre_norms, qk_norm_all_heads, attn_softcap, std::nullopt);
   }
   return h;
 }
@@ -377,7 +382,7 @@ TORCH_LIBRARY_FRAGMENT(NEXTN_OPS, m) {
         "Tensor[] gate_up, Tensor[] down, int num_heads, int num_kv_heads, int group_size, float eps, "
         "float scale, bool int8_activations=False, bool sandwich=False, bool qk_norm=False, "
         "int activation=0, float residual_multiplier=1.0, bool pre_norms=True, "
-        "bool qk_norm_all_heads=False, float attn_softcap=0.0) -> Tensor");
+        "bool qk_norm_all_heads=False, float attn_softcap=0.0, Tensor? attn_sinks=None) -> Tensor");
   m.def("llama_decoder_stack(Tensor x, Tensor cos_sin, Tensor(a!) kv_cache, Tensor slot_mapping, "
         "Tensor context_slots, Tensor visible, Tensor[] norms, Tensor[] qkv, Tensor[] o, Tensor[] gate_up, "
         "Tensor[] down, int[] arity, int num_heads, int num_kv_heads, int group_size, float eps, float scale, "

@@ -59,10 +59,10 @@ def experts_forward(fused: FusedExperts, x: torch.Tensor, weights: torch.Tensor,
 
 def block_applies(moe: nn.Module, norm: nn.Module) -> bool:
     """Whether `block_forward` computes this MoE MLP (with its pre-MLP `norm`): fused experts, the softmax `Router`
-    on bf16 weights, no shared expert, a Llama-style RMSNorm with bf16 weights."""
+    (no bias) on bf16 weights, no shared expert, a Llama-style RMSNorm with bf16 weights."""
     gate = getattr(moe, "gate", None)
     return (getattr(moe, "fused_experts", None) is not None and getattr(gate, "kind", None) == "softmax"
-            and gate.weight.dtype == torch.bfloat16 and moe.shared_expert is None and moe.shared_experts is None
+            and getattr(gate, "bias", None) is None and gate.weight.dtype == torch.bfloat16 and moe.shared_expert is None and moe.shared_experts is None
             and getattr(norm, "fp32_scale", lambda: 0)() is None and norm.weight.dtype == torch.bfloat16)
 
 

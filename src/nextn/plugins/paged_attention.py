@@ -2,8 +2,8 @@
 mask and a softmax, reading the KV cache through the block tables in place.
 
 `cpu_kernels.ops().paged_attention(q [B, T, NH, D], kv_cache [slots, 2·NKV·D], context_slots [B, S] int64,
-visible [B, 1, T, S] bool, scale, softcap=0) → [B, T, NH·D]` in q's dtype; q and kv_cache both bf16 or both f32,
-1 ≤ D ≤ 256.
+visible [B, 1, T, S] bool, scale, softcap=0, sinks=None) → [B, T, NH·D]` in q's dtype; q and kv_cache both bf16 or
+both f32, 1 ≤ D ≤ 256; sinks [NH] f32: an attention sink per query head (gpt-oss), one more logit in each softmax.
 f32 scores, softmax and weighted sum; every query row computed alone (batch-invariant: a verify step's rows equal
 plain steps' bit for bit, `tests/plugins/test_paged_attention.py`). The attention of Vaswani et al. 2017 with GQA
 (Ainslie et al. 2023) over vLLM's paged cache layout (Kwon et al. 2023); the reference is `reference` below, the
@@ -22,9 +22,10 @@ from nextn.plugins import cpu_kernels
 
 
 def reference(q: torch.Tensor, kv_cache: torch.Tensor, context_slots: torch.Tensor, visible: torch.Tensor,
-              scale: float, softcap: float = 0.0) -> torch.Tensor:
+              scale: float, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """What the kernel computes, in PyTorch f32: shapes as the op's (scores soft-capped, cap · tanh(s / cap), where
-    `softcap` > 0: Gemma 2, HF `Gemma2Attention`)."""
+    `softcap` > 0: Gemma 2, HF `Gemma2Attention`; `sinks` [NH]: one more logit a head in the softmax, dropped after
+    it — HF `GptOssAttention`'s `eager_attention_forward`)."""
     b, t, nh, d = q.shape
     nkv = kv_cache.shape[1] // (2 * d)
     ctx = kv_cache[context_slots].float().view(b, -1, 2, nkv, d)  # [B, S, 2, NKV, D]
@@ -34,7 +35,12 @@ def reference(q: torch.Tensor, kv_cache: torch.Tensor, context_slots: torch.Tens
     if softcap > 0:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.reshape(b, nh, t, -1).masked_fill(~visible, float("-inf"))
-    probs = F.softmax(scores, dim=-1).view(b, nkv, group, t, -1)
+    if sinks is not None:
+        s = scores.shape[-1]
+        scores = torch.cat([scores, sinks.float().view(1, nh, 1, 1).expand(b, nh, t, 1)], dim=-1)
+        probs = F.softmax(scores, dim=-1)[..., :s].reshape(b, nkv, group, t, s)
+    else:
+        probs = F.softmax(scores, dim=-1).view(b, nkv, group, t, -1)
     return torch.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, nh * d).to(q.dtype)
 
 

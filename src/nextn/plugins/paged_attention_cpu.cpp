@@ -2,12 +2,14 @@
 // paged_attention.py).
 //
 //   nextn::paged_attention(q [B, T, NH, D], kv_cache [slots, 2 * NKV * D], context_slots [B, S] int64,
-//                          visible [B, 1, T, S] bool, scale, softcap = 0) -> [B, T, NH * D] in q's dtype
+//                          visible [B, 1, T, S] bool, scale, softcap = 0, sinks = None [NH] f32)
+//                          -> [B, T, NH * D] in q's dtype
 //
 // Each query (b, t, head h) attends to the keys j of its sequence with visible[b, 0, t, j]: the cache row
 // context_slots[b, j] holds K (NKV x D) then V (NKV x D); query head h reads KV head h / (NH / NKV) (GQA).
 // f32 throughout: scores = scale * q.k (then softcap * tanh(score / softcap) where softcap > 0: Gemma 2's attention
-// logit soft-capping), softmax (max-subtracted `simd::exp`), o = sum_j p_j v_j / sum_j p_j.
+// logit soft-capping), softmax (max-subtracted `simd::exp`), o = sum_j p_j v_j / sum_j p_j; with sinks (gpt-oss)
+// head h's sink s_h is one more logit in the max and the sum, with no value: o = sum_j p_j v_j / (sum_j p_j + e^s_h).
 //
 // Why our own kernel: the PyTorch path gathers every sequence's context out of the cache, then runs two einsums, a
 // mask and a softmax per layer, ~10 dispatches of microseconds each on a few hundred keys; this is one, reading the
@@ -26,8 +28,10 @@
 #include "cpu_kernels.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -139,7 +143,7 @@ inline V16 visible16(const bool* v, int64_t left) {
 template <typename T>
 void attend(const T* q, int64_t q_tok_stride, const T* kv, int64_t kv_row, const int64_t* slots, const bool* vis,
             int64_t S, int64_t Tq, int64_t group, int64_t D, int64_t k_off, int64_t v_off, float scale, float softcap,
-            float* out, int64_t out_tok_stride) {
+            const float* sinks, float* out, int64_t out_tok_stride) {
   const int64_t C = (D + 15) / 16, Dp = C * 16;  // 16-lane chunks of a head; rows padded to Dp with zeros
   auto lanes = [&](int64_t c) { return c == C - 1 ? D - c * 16 : int64_t(16); };
   // query rows of a tile: token-major, then head; a verify step's tokens (up to kOneTile) are one tile
@@ -194,7 +198,10 @@ void attend(const T* q, int64_t q_tok_stride, const T* kv, int64_t kv_row, const
           const V16 seen = visible16(vr + j, end - j);
           mx = simd::max(mx, simd::fmadd(simd::set1(1.f) - seen, hidden, simd::load(sr + j)));
         }
-        const V16 row_mx = simd::set1(simd::reduce_max(mx));
+        // an attention sink (gpt-oss): one more logit in the row's max and its sum, with no value
+        const float sink = sinks ? sinks[g] : -std::numeric_limits<float>::infinity();
+        const float row_max = std::max(simd::reduce_max(mx), sink);
+        const V16 row_mx = simd::set1(row_max);
         V16 sum = simd::zero();
         alignas(64) float e[16];
         for (int64_t j = 0; j < end; j += 16) {
@@ -203,7 +210,7 @@ void attend(const T* q, int64_t q_tok_stride, const T* kv, int64_t kv_row, const
           simd::store(e, pr);
           for (int64_t i = 0, n = std::min<int64_t>(16, end - j); i < n; ++i) probs[(j + i) * nr + r] = e[i];
         }
-        row_sum[r] = simd::reduce_add(sum);
+        row_sum[r] = simd::reduce_add(sum) + (sinks ? std::exp(sink - row_max) : 0.f);
       }
     // weighted values: the keys every row sees, rows in register blocks; a head_dim not a multiple of 16 reads
     // its V rows through a zero-padded copy
@@ -271,13 +278,13 @@ void attend(const T* q, int64_t q_tok_stride, const T* kv, int64_t kv_row, const
 // Every (sequence, KV head) is one task; tasks split across threads.
 template <typename T>
 void run(const T* qp, const T* kvp, const int64_t* slots, const bool* vis, int64_t B, int64_t Tq, int64_t NH,
-         int64_t NKV, int64_t S, int64_t D, float scale, float softcap, float* out) {
+         int64_t NKV, int64_t S, int64_t D, float scale, float softcap, const float* sinks, float* out) {
   const int64_t group = NH / NKV;
   at::parallel_for(0, B * NKV, 1, [&](int64_t w0, int64_t w1) {
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t b = w / NKV, h = w % NKV, base = (b * Tq * NH + h * group) * D;
       attend<T>(qp + base, NH * D, kvp, 2 * NKV * D, slots + b * S, vis + b * Tq * S, S, Tq, group, D, h * D,
-                NKV * D + h * D, scale, softcap, out + base, NH * D);
+                NKV * D + h * D, scale, softcap, sinks ? sinks + h * group : nullptr, out + base, NH * D);
     }
   });
 }
@@ -288,9 +295,9 @@ namespace nextn_cpu {
 
 void paged_attention_bf16(const uint16_t* q, const uint16_t* kv_cache, const int64_t* context_slots,
                           const bool* visible, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t S, int64_t D,
-                          float scale, float softcap, float* out) {
+                          float scale, float softcap, const float* sinks, float* out) {
   run<at::BFloat16>(reinterpret_cast<const at::BFloat16*>(q), reinterpret_cast<const at::BFloat16*>(kv_cache),
-                    context_slots, visible, B, T, NH, NKV, S, D, scale, softcap, out);
+                    context_slots, visible, B, T, NH, NKV, S, D, scale, softcap, sinks, out);
 }
 
 }  // namespace nextn_cpu
@@ -298,7 +305,8 @@ void paged_attention_bf16(const uint16_t* q, const uint16_t* kv_cache, const int
 namespace {
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& context_slots,
-                           const at::Tensor& visible, double scale, double softcap) {
+                           const at::Tensor& visible, double scale, double softcap,
+                           const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 4, "paged_attention: q must be [B, T, NH, D]");
   const int64_t B = q.size(0), Tq = q.size(1), NH = q.size(2), D = q.size(3);
   TORCH_CHECK(softcap >= 0.0, "paged_attention: softcap must be >= 0 (0: none), got ", softcap);
@@ -315,17 +323,21 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
   const int64_t S = context_slots.size(1);
   TORCH_CHECK(visible.scalar_type() == at::kBool && visible.numel() == B * Tq * S,
               "paged_attention: visible must be [B, 1, T, S] bool");
+  TORCH_CHECK(!sinks || (sinks->scalar_type() == at::kFloat && sinks->dim() == 1 && sinks->size(0) == NH),
+              "paged_attention: sinks must be [NH] float32 (one logit a query head)");
   const at::Tensor qc = q.contiguous(), slots = context_slots.contiguous(), vis = visible.contiguous();
+  const at::Tensor sk = sinks ? sinks->contiguous() : at::Tensor();
+  const float* skp = sinks ? sk.data_ptr<float>() : nullptr;
   at::Tensor out = at::empty({B, Tq, NH * D}, q.options().dtype(at::kFloat));
   const int64_t* sp = slots.data_ptr<int64_t>();
   const bool* vp = vis.data_ptr<bool>();
   float* op = out.data_ptr<float>();
   if (q.scalar_type() == at::kFloat) {
     run<float>(qc.data_ptr<float>(), kv_cache.data_ptr<float>(), sp, vp, B, Tq, NH, NKV, S, D, float(scale),
-               float(softcap), op);
+               float(softcap), skp, op);
   } else {
     run<at::BFloat16>(qc.data_ptr<at::BFloat16>(), kv_cache.data_ptr<at::BFloat16>(), sp, vp, B, Tq, NH, NKV, S, D,
-                      float(scale), float(softcap), op);
+                      float(scale), float(softcap), skp, op);
   }
   return out.to(q.scalar_type());
 }
@@ -334,7 +346,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
 
 TORCH_LIBRARY_FRAGMENT(NEXTN_OPS, m) {
   m.def("paged_attention(Tensor q, Tensor kv_cache, Tensor context_slots, Tensor visible, float scale, "
-        "float softcap=0.0) -> Tensor");
+        "float softcap=0.0, Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(NEXTN_OPS, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -91,6 +91,13 @@ HYBRID_FAMILIES: dict[str, dict[str, Any]] = {
                              linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
                              shared_expert_intermediate_size=64),
 }
+#: gpt-oss (issue 61): attention sinks, a sliding layer (window 16, crossed by the tests' prompts) then a full one,
+#: YaRN rope (HF's defaults: factor 32 over 4,096, untruncated), biased router and experts, the clamped SwiGLU at a
+#: limit of 1 (HF's 7 would clamp nothing at these activations); head_dim 32, which nextn's fused layer op takes
+GPT_OSS: dict[str, dict[str, Any]] = {
+    "gpt_oss": dict(num_key_value_heads=2, head_dim=32, sliding_window=16, num_local_experts=8, num_experts_per_tok=2,
+                    intermediate_size=64, swiglu_limit=1.0),
+}
 #: Families whose tokenizer_config names GPT2Tokenizer (Phi-4's; the converter's phi3 vocab reads it)
 _GPT2_CLASS = ("phi3",)
 #: Families whose llama.cpp conversion looks up GLM's special tokens (`Glm4Model.set_vocab`, `_set_vocab_glm`)
@@ -107,13 +114,13 @@ _SPM_VOCAB = ("gemma2",)
 
 
 def tiny_hf_model(model_type: str, seed: int = 0, **overrides: Any):
-    """A float32 `transformers` causal LM of `model_type` (a `FAMILIES`, `MOE_FAMILIES`, `DEEPSEEK_FAMILIES` or
-    `HYBRID_FAMILIES` key)
+    """A float32 `transformers` causal LM of `model_type` (a `FAMILIES`, `MOE_FAMILIES`, `DEEPSEEK_FAMILIES`,
+    `HYBRID_FAMILIES` or `GPT_OSS` key)
     in eval mode: linear weights N(0, 1/fan_in), embeddings N(0, 1), norm weights centre ± 0.1, so activations stay
     O(1) and the top logits are apart by far more than float32 rounding."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    family = {**FAMILIES, **MOE_FAMILIES, **DEEPSEEK_FAMILIES, **HYBRID_FAMILIES}[model_type]
+    family = {**FAMILIES, **MOE_FAMILIES, **DEEPSEEK_FAMILIES, **HYBRID_FAMILIES, **GPT_OSS}[model_type]
     cfg = AutoConfig.for_model(model_type, **{**_BASE, **family, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()

@@ -37,7 +37,9 @@ LLAMA_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistr
                        "MixtralForCausalLM": "mixtral", "OlmoeForCausalLM": "olmoe", "Glm4MoeForCausalLM": "glm4_moe",
                        # hybrid: Gated DeltaNet layers (`models/gated_deltanet.py`) between gated attention ones
                        "Qwen3_5ForCausalLM": "qwen3_5_text", "Qwen3NextForCausalLM": "qwen3_next",
-                       "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text"}
+                       "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
+                       # attention sinks, biased router and experts, clamped SwiGLU (`families._gpt_oss`)
+                       "GptOssForCausalLM": "gpt_oss"}
 #: What a layer attends to: every earlier key, the last `sliding_window` keys, or none (a Gated DeltaNet layer: its
 #: recurrent state instead of a KV cache) — HF `layer_types` values.
 LayerType = Literal["full_attention", "sliding_attention", "linear_attention"]
@@ -57,7 +59,7 @@ class LlamaModelConfig(BaseModel):
                           "Exaone4ForCausalLM", "Olmo3ForCausalLM", "SeedOssForCausalLM",
                           "Glm4ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM",
                           "MixtralForCausalLM", "OlmoeForCausalLM", "Glm4MoeForCausalLM",
-                          "Qwen3_5ForCausalLM", "Qwen3NextForCausalLM",
+                          "Qwen3_5ForCausalLM", "Qwen3NextForCausalLM", "GptOssForCausalLM",
                           "Qwen3_5MoeForCausalLM"] = "LlamaForCausalLM"
     vocab_size: Size
     hidden_size: Size
@@ -105,6 +107,9 @@ class LlamaModelConfig(BaseModel):
     logits_scaling: float = Field(default=1.0, gt=0)  # logits ÷ this (Granite)
     attn_logit_softcapping: float | None = Field(default=None, gt=0)  # scores → cap · tanh(scores / cap) (Gemma 2)
     final_logit_softcapping: float | None = Field(default=None, gt=0)  # logits → cap · tanh(logits / cap) (Gemma 2)
+    #: a learned logit per query head (`self_attn.sinks`) joins every softmax of the attention, as a key with no
+    #: value would: probabilities exp(s_j) / (Σ exp(s) + exp(sink)) (gpt-oss; Xiao et al. 2023, "attention sinks")
+    attn_sinks: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     torch_dtype: str = "float32"  # dtype the checkpoint was saved in
@@ -125,6 +130,12 @@ class LlamaModelConfig(BaseModel):
     routed_scaling_factor: float = Field(default=1.0, gt=0)
     n_shared_experts: int = Field(default=0, strict=True, ge=0, le=MAX_EXPERTS)  # GLM-4.5's ungated shared experts
     mtp_moe: bool = False  # the MTP modules' MLP is the MoE one (GLM-4.5's released MTP layer), else dense
+    router_bias: bool = False  # the softmax router's logits carry a bias (`mlp.gate.bias`: gpt-oss)
+    #: the experts' gated unit: "swiglu" down(silu(gate) · up); "clamped_swiglu" gpt-oss's down(g · σ(alpha · g) ·
+    #: (u + 1)) with g = min(gate, limit), u = clamp(up, ±limit), every projection biased (HF `GptOssExperts`)
+    expert_act: Literal["swiglu", "clamped_swiglu"] = "swiglu"
+    swiglu_alpha: float = Field(default=1.702, gt=0)
+    swiglu_limit: float = Field(default=7.0, gt=0)
     # Gated attention and Gated DeltaNet layers (Qwen3.5 / Qwen3-Next) -----------------------------------------
     #: attention output × sigmoid(gate_proj(x)) per head dim before o_proj (HF stores gate_proj's rows inside
     #: q_proj, head by head: `Qwen3_5Attention`)

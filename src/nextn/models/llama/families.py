@@ -104,7 +104,8 @@ def _qwen3_5(hf: dict[str, Any]) -> dict[str, Any]:
 #: The mixture-of-experts architectures: their attention's options (the MoE MLP is `models/moe.py`'s)
 _MOE = {"Qwen3MoeForCausalLM": {"qk_norm": True}, "Qwen2MoeForCausalLM": {"qkv_bias": True},
         "MixtralForCausalLM": {}, "OlmoeForCausalLM": {"qk_norm": True, "qk_norm_over": "all_heads"},
-        "Glm4MoeForCausalLM": {}, "Qwen3NextForCausalLM": {}, "Qwen3_5MoeForCausalLM": {"norm_topk_prob": True}}
+        "Glm4MoeForCausalLM": {}, "Qwen3NextForCausalLM": {}, "Qwen3_5MoeForCausalLM": {"norm_topk_prob": True},
+        "GptOssForCausalLM": {}}
 #: The hybrid architectures: Gated DeltaNet layers between gated attention ones (`_qwen3_5`)
 _HYBRID = ("Qwen3_5ForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM")
 
@@ -127,9 +128,30 @@ def _moe(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
         out["norm_topk_prob"] = True
     if arch == "Glm4MoeForCausalLM":
         out.update(_glm4_moe(hf))
-    if arch != "MixtralForCausalLM" and not _windows(arch, hf):
+    if arch == "GptOssForCausalLM":
+        out.update(_gpt_oss(hf))
+    if arch not in ("MixtralForCausalLM", "GptOssForCausalLM") and not _windows(arch, hf):
         out["sliding_window"] = None  # Qwen2-MoE writes 0 or a window it does not use
     return out
+
+
+def _gpt_oss(hf: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss (`GptOssForCausalLM`; HF `GptOssConfig`'s defaults, OpenAI 2025 "gpt-oss-120b & gpt-oss-20b Model
+    Card"): q/k/v/o biased, a learned attention sink per head, sliding (window 128) and full layers alternating from
+    a sliding first, every layer MoE with experts of `intermediate_size`, a biased router whose top-k logits are
+    softmaxed (= the top-k of the softmax renormalised), biased experts with the clamped SwiGLU (alpha 1.702,
+    limit 7); YaRN rope (`rope_parameters`: factor 32 over 4,096, untruncated ramp); norms bf16(x̂ · w) in fp32
+    (`GptOssRMSNorm`)."""
+    layers = hf.get("num_hidden_layers")
+    window = hf.get("sliding_window", 128)
+    types = hf.get("layer_types")
+    if types is None and type(layers) is int:
+        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    return {"attention_bias": bool(hf.get("attention_bias", True)), "attn_sinks": True, "norm_style": "fp32_weight",
+            "sliding_window": window if types and "sliding_attention" in types else None, "layer_types": types,
+            "moe_intermediate_size": hf.get("intermediate_size"), "norm_topk_prob": True, "router_bias": True,
+            "expert_act": "clamped_swiglu", "swiglu_alpha": float(hf.get("swiglu_alpha") or 1.702),
+            "swiglu_limit": float(hf.get("swiglu_limit") or 7.0)}
 
 
 def _glm4_moe(hf: dict[str, Any]) -> dict[str, Any]:

@@ -15,6 +15,8 @@ block tables as extra cache layers. `nextn train-draft --method mtp` trains them
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,7 +27,7 @@ from nextn.models.layers import (Fp32WeightRMSNorm, GatedMLP, PreNormDecoderLaye
                                  row_exact)
 from nextn.models.llama.config import LlamaModelConfig
 from nextn.models.llama.rope import apply_rope, rope_cache
-from nextn.models.moe import NoAuxRouter, SparseMoE
+from nextn.models.moe import ClampedSwiGLU, NoAuxRouter, Router, SparseMoE
 from nextn.plugins import cpu_kernels
 from nextn.plugins.decoder_layer import FusedLayerWeights, fused_forward
 from nextn.plugins.moe_experts import block_forward
@@ -82,6 +84,8 @@ class LlamaAttention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.scale = cfg.softmax_scale
         self.softcap = cfg.attn_logit_softcapping  # Gemma 2: scores → cap · tanh(scores / cap); None: none
+        # gpt-oss: a logit per query head joining each softmax (float32 in every engine, as the scores are)
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False) if cfg.attn_sinks else None
 
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -110,7 +114,8 @@ class LlamaAttention(nn.Module):
         kv_cache_write(kv_cache, meta.slot_mapping.reshape(-1), new_kv.reshape(b * t, -1))
         if self.paged_attention_kernel and kv_cache.dtype == q.dtype:
             o = cpu_kernels.ops().paged_attention(q, kv_cache, meta.context_slots, meta.visible, self.scale,
-                                                  self.softcap or 0.0)
+                                                  self.softcap or 0.0,
+                                                  self.sinks.float() if self.sinks is not None else None)
             return self.o_proj(self._gated(o, x))
 
         # Each sequence's context through its block table: [B, S, 2, nkv, d], S = max_blocks · block_size.
@@ -122,7 +127,11 @@ class LlamaAttention(nn.Module):
         if self.softcap:
             scores = torch.tanh(scores / self.softcap) * self.softcap
         scores = scores.reshape(b, self.num_heads, t, s).masked_fill(~meta.visible, float("-inf"))
-        probs = F.softmax(scores, dim=-1).to(x.dtype).view(b, nkv, group, t, s)
+        if self.sinks is not None:  # the sink joins the softmax as one more logit, then is dropped (no value)
+            sink = self.sinks.float().view(1, -1, 1, 1).expand(b, -1, t, 1)
+            probs = F.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :s].to(x.dtype).view(b, nkv, group, t, s)
+        else:
+            probs = F.softmax(scores, dim=-1).to(x.dtype).view(b, nkv, group, t, s)
         o = torch.einsum("bkgts,bskd->btkgd", probs, v_ctx).reshape(b, t, self.num_heads * d)
         return self.o_proj(self._gated(o, x))
 
@@ -134,13 +143,18 @@ class LlamaAttention(nn.Module):
 def mlp_for(cfg: LlamaModelConfig, index: int | None) -> nn.Module:
     """Decoder layer `index`'s MLP: the sparse MoE one where `cfg.is_moe_layer(index)`, else the dense gated MLP."""
     if index is not None and cfg.is_moe_layer(index):
-        gate = None  # softmax top-k (`Router`)
+        gate = expert = None  # softmax top-k (`Router`), SwiGLU experts (`GatedMLP`)
+        if cfg.router_bias:
+            gate = Router(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob, bias=True)
+        if cfg.expert_act == "clamped_swiglu":
+            expert = partial(ClampedSwiGLU, cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_alpha,
+                             cfg.swiglu_limit)
         if cfg.moe_router == "sigmoid_grouped":
             gate = NoAuxRouter(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
                                cfg.norm_topk_prob, cfg.routed_scaling_factor)
         shared = cfg.moe_intermediate_size * cfg.n_shared_experts if cfg.n_shared_experts else None
         return SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
-                         cfg.norm_topk_prob, cfg.hidden_act, cfg.shared_expert_intermediate_size, gate, shared)
+                         cfg.norm_topk_prob, cfg.hidden_act, cfg.shared_expert_intermediate_size, gate, shared, expert)
     return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
 
 

@@ -9,7 +9,11 @@ checkpoint the text model's tensors (`model.language_model.*` as `model.*`; the 
 not the text model's and is left out) —, Qwen3-Next's fused `linear_attn.in_proj_qkvz` / `in_proj_ba` (per key head:
 its q, k, value heads' v and z rows; its value heads' b then a rows: HF `fix_query_key_value_ordering`) as Qwen3.5's
 `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`, and Mixtral's `block_sparse_moe.{gate, experts.E.w1 / w3 / w2}`
-under the MoE layer's names (`mlp.gate`, `mlp.experts.E.gate_proj / up_proj / down_proj`).
+under the MoE layer's names (`mlp.gate`, `mlp.experts.E.gate_proj / up_proj / down_proj`), and gpt-oss's
+`mlp.router` as `mlp.gate` and its experts stored as one tensor a layer — `mlp.experts.gate_up_proj` [E, hidden,
+2 · width] (gate and up columns interleaved: HF `GptOssExperts` takes gate_up[..., ::2] and [..., 1::2]),
+`down_proj` [E, width, hidden], their biases [E, 2 · width] and [E, hidden] — as each expert's `gate_proj` /
+`up_proj` / `down_proj` (weights transposed to [out, in]).
 
 Sources: HF `modeling_phi3.py` (`Phi3Attention` slices qkv in that order, `Phi3MLP` chunks gate_up in two);
 llama.cpp's converter keeps both fused (`blk.N.attn_qkv`, phi3's `blk.N.ffn_up`: gate then up, ggml's swiglu order).
@@ -64,6 +68,25 @@ _QWEN_MTP = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm", "pre_fc_norm_hid
              "norm": "shared_head.norm"}
 
 
+#: gpt-oss's router and fused experts (HF `GptOssForCausalLM` checkpoints)
+_GPT_OSS = re.compile(r"^(.*\.layers\.\d+\.mlp\.)(router\.(weight|bias)|experts\.(gate_up_proj|down_proj)(_bias)?)$")
+
+
+def _gpt_oss_views(name: str, num_experts: int) -> dict[str, tuple[str, int | None, str | None, bool]] | None:
+    """The engine's tensors a gpt-oss MoE tensor holds — engine name → (stored name, expert or None for the whole
+    tensor, "gate" / "up" columns or None for all, transposed) — or None for any other tensor."""
+    m = _GPT_OSS.match(name)
+    if m is None:
+        return None
+    prefix = m.group(1)
+    if m.group(3) is not None:  # the router: renamed
+        return {f"{prefix}gate.{m.group(3)}": (name, None, None, False)}
+    param = "bias" if m.group(5) else "weight"
+    parts = (("gate_proj", "gate"), ("up_proj", "up")) if m.group(4) == "gate_up_proj" else (("down_proj", None),)
+    return {f"{prefix}experts.{e}.{proj}.{param}": (name, e, cols, param == "weight")
+            for e in range(num_experts) for proj, cols in parts}
+
+
 def _qwen_mtp_name(name: str, num_layers: int) -> str | None:
     """The engine's name of a Qwen3.5 `mtp.*` tensor, or None for any other tensor."""
     if not name.startswith("mtp."):
@@ -97,7 +120,8 @@ def _linear_parts(cfg: LlamaModelConfig, fused: str) -> dict[str, torch.Tensor]:
 def needs_view(cfg: LlamaModelConfig) -> bool:
     """Whether `cfg`'s checkpoints store a tensor otherwise than the engine (fused projections, partial rotary,
     interleaved rope pairs, other norm names)."""
-    return (cfg.architecture in ("Phi3ForCausalLM", "Glm4ForCausalLM", "MixtralForCausalLM") or cfg.rope_interleaved
+    return (cfg.architecture in ("Phi3ForCausalLM", "Glm4ForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
+            or cfg.rope_interleaved
             or (cfg.rotary_dim or cfg.head_dim) < cfg.head_dim or cfg.attn_output_gate)
 
 
@@ -122,6 +146,8 @@ class StoredLayout:
         self._gated: dict[str, tuple[str, int]] = {}
         # engine name -> (stored name, its rows in order): Qwen3-Next's per-key-head fused projections
         self._picked: dict[str, tuple[str, torch.Tensor]] = {}
+        # engine name -> gpt-oss's stored tensor, expert, columns, transposed (`_gpt_oss_views`)
+        self._experts: dict[str, tuple[str, int | None, str | None, bool]] = {}
         self._names: list[str] = []
         renamed = _RENAMED.get(cfg.architecture, {})
         for name in reader.names():
@@ -146,6 +172,10 @@ class StoredLayout:
             if qwen_name is not None:
                 self._rows[qwen_name] = (name, None, None)
                 self._names.append(qwen_name)
+                continue
+            if (views := _gpt_oss_views(name, cfg.num_experts)) is not None:
+                self._experts.update(views)
+                self._names += list(views)
                 continue
             if (engine_name := _mixtral_name(name)) is not None:
                 self._rows[engine_name] = (name, None, None)
@@ -179,6 +209,13 @@ class StoredLayout:
 
     def tensor_info(self, name: str) -> tuple[str, list[int]]:
         """(dtype, shape) from the header: a fused part's rows, else the stored tensor's."""
+        if name in self._experts:
+            stored, e, cols, transposed = self._experts[name]
+            dtype, shape = self._reader.tensor_info(stored)
+            part = shape[1:] if e is not None else shape
+            if cols is not None:
+                part = [*part[:-1], part[-1] // 2]
+            return dtype, part[::-1] if transposed else part
         if name in self._gated:
             dtype, shape = self._reader.tensor_info(self._gated[name][0])
             return dtype, [shape[0] // 2, *shape[1:]]
@@ -194,6 +231,12 @@ class StoredLayout:
 
     def get(self, name: str) -> torch.Tensor:
         """Tensor `name` in the engine's layout. Raises KeyError when absent."""
+        if name in self._experts:
+            stored, e, cols, transposed = self._experts[name]
+            t = self._reader.get(stored)
+            t = t[e] if e is not None else t
+            t = t[..., 0::2] if cols == "gate" else t[..., 1::2] if cols == "up" else t
+            return t.T if transposed else t
         if name in self._gated:
             stored, which = self._gated[name]
             return self._reorder(name, self._half(self._reader.get(stored), which))
@@ -208,7 +251,7 @@ class StoredLayout:
     def native_w4a16(self, name: str, cfg: Any) -> dict[str, torch.Tensor] | None:
         """The reader's `native_w4a16` (a GGUF's 4-bit blocks as they are) with the same row selection, or None."""
         native = getattr(self._reader, "native_w4a16", None)
-        if native is None:
+        if native is None or name in self._experts:  # gpt-oss's column views are not rows of 4-bit blocks
             return None
         if name in self._picked:
             stored, rows = self._picked[name]

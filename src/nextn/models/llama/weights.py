@@ -32,9 +32,10 @@ def stored_view(reader: Any, cfg: LlamaModelConfig) -> Any:
 
 
 def runtime_weight_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
-    """The dtype an engine stores tensor `name` in: `dtype`, float32 for a sigmoid router's correction bias and a
-    Gated DeltaNet's decay parameters (`A_log`, `dt_bias`: HF computes the decay from them in float32)."""
-    return torch.float32 if name.endswith(("e_score_correction_bias", ".A_log", ".dt_bias")) else dtype
+    """The dtype an engine stores tensor `name` in: `dtype`, float32 for a sigmoid router's correction bias, a
+    Gated DeltaNet's decay parameters (`A_log`, `dt_bias`: HF computes the decay from them in float32) and attention
+    sinks (gpt-oss: logits beside the float32 scores)."""
+    return torch.float32 if name.endswith(("e_score_correction_bias", ".A_log", ".dt_bias", ".sinks")) else dtype
 
 
 def _linear_attention_specs(cfg: LlamaModelConfig) -> dict[str, Shape]:
@@ -66,6 +67,8 @@ def _layer_specs(cfg: LlamaModelConfig, index: int | None = None) -> dict[str, S
         specs.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
     if cfg.attention_bias and attends:
         specs["self_attn.o_proj.bias"] = (h,)
+    if cfg.attn_sinks and attends:
+        specs["self_attn.sinks"] = (cfg.num_attention_heads,)
     if cfg.qk_norm and attends:
         full = cfg.qk_norm_over == "all_heads"
         specs.update({"self_attn.q_norm.weight": (q if full else d,), "self_attn.k_norm.weight": (kv if full else d,)})
@@ -90,9 +93,15 @@ def _moe_specs(cfg: LlamaModelConfig) -> dict[str, Shape]:
     specs: dict[str, Shape] = {"mlp.gate.weight": (cfg.num_experts, h)}
     if cfg.moe_router == "sigmoid_grouped":
         specs["mlp.gate.e_score_correction_bias"] = (cfg.num_experts,)
+    if cfg.router_bias:
+        specs["mlp.gate.bias"] = (cfg.num_experts,)
+    biased = cfg.expert_act == "clamped_swiglu"  # gpt-oss: every expert projection biased
     for e in range(cfg.num_experts):
         specs.update({f"mlp.experts.{e}.gate_proj.weight": (w, h), f"mlp.experts.{e}.up_proj.weight": (w, h),
                       f"mlp.experts.{e}.down_proj.weight": (h, w)})
+        if biased:
+            specs.update({f"mlp.experts.{e}.gate_proj.bias": (w,), f"mlp.experts.{e}.up_proj.bias": (w,),
+                          f"mlp.experts.{e}.down_proj.bias": (h,)})
     if s := cfg.shared_expert_intermediate_size:
         specs.update({"mlp.shared_expert.gate_proj.weight": (s, h), "mlp.shared_expert.up_proj.weight": (s, h),
                       "mlp.shared_expert.down_proj.weight": (h, s), "mlp.shared_expert_gate.weight": (1, h)})

@@ -1,0 +1,103 @@
+"""gpt-oss (issue 61): attention sinks, alternating sliding-window and full layers, YaRN rope, a biased router, biased
+experts with the clamped SwiGLU — a tiny random `GptOssForCausalLM` made by `transformers` at test time decodes as
+`transformers` float32 does (logits over the paged cache, and greedy tokens through the engine plain and with the
+NGram and Suffix drafters)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from nextn.build.checkpoint import CheckpointReader
+from nextn.models.llama import LlamaModelConfig
+from nextn.models.llama.weights import stored_view
+from nextn.testing.tiny_families import save_tiny
+
+from test_llama import _assert_matches_hf, _load
+
+PROMPT = [1] + [100 + (7 * i) % 23 for i in range(45)]  # 46 tokens, repetitive: drafts get accepted
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory, tokenizer_dir):
+    out = tmp_path_factory.mktemp("gpt_oss")
+    return save_tiny("gpt_oss", out, tokenizer_dir), out
+
+
+def _model(path):
+    cfg = LlamaModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    stored = stored_view(CheckpointReader(path), cfg)  # the router renamed, the fused experts split
+    return _load(cfg, stored.get, stored.has)
+
+
+def test_logits_match_transformers(gpt_oss):
+    hf, path = gpt_oss
+    model = _model(path)
+    cfg = model.cfg
+    assert (cfg.attn_sinks, cfg.router_bias, cfg.expert_act, cfg.layer_types, cfg.sliding_window,
+            cfg.rope_scaling.rope_type, cfg.rope_scaling.truncate) == (
+        True, True, "clamped_swiglu", ("sliding_attention", "full_attention"), 16, "yarn", False)
+    assert _assert_matches_hf(model, hf, 4000, [70, 9, 33]) < 1e-4
+
+
+def test_each_part_is_needed(gpt_oss):
+    """The controls: without the sinks, the router bias or the clamp, the logits are no longer transformers'."""
+    hf, path = gpt_oss
+    for change in ("sinks", "router", "clamp"):
+        model = _model(path)
+        for layer in model.model.layers:
+            if change == "sinks":
+                layer.self_attn.sinks = None
+            elif change == "router":
+                layer.mlp.gate.bias = None
+            else:
+                for expert in layer.mlp.experts:
+                    expert.limit = 1e9
+        with pytest.raises(AssertionError):
+            _assert_matches_hf(model, hf, 4000, [40])
+
+
+@pytest.mark.slow
+def test_engine_greedy_is_transformers_plain_and_speculative(gpt_oss, tmp_path):
+    """build-engine (float32) → LLM: greedy tokens equal `transformers.generate`, plain and with NGram / Suffix."""
+    from nextn import LLM, SamplingParams
+    from nextn.build.engine_builder import build_engine
+
+    hf, path = gpt_oss
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([PROMPT]), max_new_tokens=32, do_sample=False, pad_token_id=0,
+                           eos_token_id=None)[0, len(PROMPT):].tolist()
+    build_engine(path, tmp_path / "engine", dtype="float32", quant_algo=None, max_seq_len=256, progress=False)
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    for spec in (None, {"decoding_type": "NGram", "max_draft_len": 4}, {"decoding_type": "Suffix", "max_draft_len": 8}):
+        llm = LLM(tmp_path / "engine", device="cpu", speculative_config=spec)
+        got = llm.generate(PROMPT, params).outputs[0].token_ids
+        llm.shutdown()
+        assert got == want, spec
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt,drafter", [("W4A16", "none"), ("W4A16", "NGram"), ("W4A8", "NGram")])
+def test_outputs_do_not_depend_on_the_batch(gpt_oss, tmp_path, fmt, drafter):
+    """W4A16 / W4A8 engines: batch 12 = staggered = alone, token for token, plain and with NGram drafts (lossless);
+    the attention — sinks included — runs in nextn's fused layer op, the experts on its int4 kernels."""
+    from nextn import LLM
+    from nextn.plugins import dense_linear
+    from nextn.testing import batch_invariance as bi
+
+    if not dense_linear.available():
+        pytest.skip(f"nextn's CPU kernels are unavailable here: {dense_linear.unavailable_reason()}")
+    _, path = gpt_oss
+    prompts = bi.id_prompts(6, 49152, num_fillers=6)
+    eng = bi.build_format(path, fmt, tmp_path / fmt, max_seq_len=256)
+    ref = bi.Reference(eng, prompts, 24)
+    results = bi.run_cell(eng, fmt, drafter, bi.speculative_config(drafter), prompts, ref, 24,
+                          ("alone", "batch", "staggered"))
+    assert results and all(r.ok for r in results), "\n" + bi.format_table(results)
+    llm = LLM(eng, speculative_config=None, device="cpu")
+    layers = llm.engine.model.model.layers
+    assert llm.engine.batch_invariant
+    assert all(layer.fused is not None and layer.fused.attn_sinks is not None for layer in layers)
+    llm.shutdown()
