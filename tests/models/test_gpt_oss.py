@@ -1,7 +1,7 @@
 """gpt-oss (issue 61): attention sinks, alternating sliding-window and full layers, YaRN rope, a biased router, biased
-experts with the clamped SwiGLU — a tiny random `GptOssForCausalLM` made by `transformers` at test time decodes as
-`transformers` float32 does (logits over the paged cache, and greedy tokens through the engine plain and with the
-NGram and Suffix drafters)."""
+experts with the clamped SwiGLU — a tiny random `GptOssForCausalLM` made by `transformers` at test time, read from its
+HF checkpoint and from the GGUF llama.cpp's converter makes of it, decodes as `transformers` float32 does (logits over
+the paged cache, and greedy tokens through the engine plain and with the NGram and Suffix drafters)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,15 @@ import json
 import pytest
 import torch
 
+from contextlib import contextmanager
+
 from nextn.build.checkpoint import CheckpointReader
+from nextn.build.gguf_reader import GGUFCheckpoint
 from nextn.models.llama import LlamaModelConfig
 from nextn.models.llama.weights import stored_view
 from nextn.testing.tiny_families import save_tiny
 
+from family_sources import tiny_source
 from test_llama import _assert_matches_hf, _load
 
 PROMPT = [1] + [100 + (7 * i) % 23 for i in range(45)]  # 46 tokens, repetitive: drafts get accepted
@@ -27,19 +31,43 @@ def gpt_oss(tmp_path_factory, tokenizer_dir):
 
 
 def _model(path):
-    cfg = LlamaModelConfig.from_hf(json.loads((path / "config.json").read_text()))
-    stored = stored_view(CheckpointReader(path), cfg)  # the router renamed, the fused experts split
+    if path.suffix == ".gguf":
+        reader = GGUFCheckpoint(path)
+        cfg = reader.model_config
+    else:
+        reader = CheckpointReader(path)
+        cfg = LlamaModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    stored = stored_view(reader, cfg)  # HF: the router renamed, the fused experts split
     return _load(cfg, stored.get, stored.has)
 
 
-def test_logits_match_transformers(gpt_oss):
+@contextmanager
+def _oracle(hf, kind: str):
+    """The `transformers` model to compare with: a GGUF does not store the clamped SwiGLU's limit, and llama.cpp (as
+    nextn reading the file) applies gpt-oss's 7 — the oracle of the tiny model's GGUF is it at limit 7."""
+    limit = hf.model.layers[0].mlp.experts.limit
+    if kind == "gguf":
+        for layer in hf.model.layers:
+            layer.mlp.experts.limit = 7.0
+    try:
+        yield hf
+    finally:
+        for layer in hf.model.layers:
+            layer.mlp.experts.limit = limit
+
+
+@pytest.mark.parametrize("kind", ["hf", "gguf"])
+def test_logits_match_transformers(gpt_oss, kind):
     hf, path = gpt_oss
-    model = _model(path)
+    model = _model(tiny_source(path, kind))
     cfg = model.cfg
     assert (cfg.attn_sinks, cfg.router_bias, cfg.expert_act, cfg.layer_types, cfg.sliding_window,
-            cfg.rope_scaling.rope_type, cfg.rope_scaling.truncate) == (
-        True, True, "clamped_swiglu", ("sliding_attention", "full_attention"), 16, "yarn", False)
-    assert _assert_matches_hf(model, hf, 4000, [70, 9, 33]) < 1e-4
+            cfg.rope_scaling.rope_type, cfg.rope_scaling.truncate, cfg.swiglu_limit, cfg.num_experts,
+            cfg.num_experts_per_tok, cfg.norm_topk_prob) == (
+        True, True, "clamped_swiglu", ("sliding_attention", "full_attention"), 16, "yarn", False,
+        1.0 if kind == "hf" else 7.0, 8, 2, True)
+    with _oracle(hf, kind) as oracle:
+        assert _assert_matches_hf(model, oracle, 4000, [70, 9, 33]) < 1e-4
 
 
 def test_each_part_is_needed(gpt_oss):
@@ -60,16 +88,17 @@ def test_each_part_is_needed(gpt_oss):
 
 
 @pytest.mark.slow
-def test_engine_greedy_is_transformers_plain_and_speculative(gpt_oss, tmp_path):
+@pytest.mark.parametrize("kind", ["hf", "gguf"])
+def test_engine_greedy_is_transformers_plain_and_speculative(gpt_oss, kind, tmp_path):
     """build-engine (float32) → LLM: greedy tokens equal `transformers.generate`, plain and with NGram / Suffix."""
     from nextn import LLM, SamplingParams
     from nextn.build.engine_builder import build_engine
 
     hf, path = gpt_oss
-    with torch.no_grad():
-        want = hf.generate(torch.tensor([PROMPT]), max_new_tokens=32, do_sample=False, pad_token_id=0,
-                           eos_token_id=None)[0, len(PROMPT):].tolist()
-    build_engine(path, tmp_path / "engine", dtype="float32", quant_algo=None, max_seq_len=256, progress=False)
+    with torch.no_grad(), _oracle(hf, kind) as oracle:
+        want = oracle.generate(torch.tensor([PROMPT]), max_new_tokens=32, do_sample=False, pad_token_id=0,
+                               eos_token_id=None)[0, len(PROMPT):].tolist()
+    build_engine(tiny_source(path, kind), tmp_path / "engine", dtype="float32", quant_algo=None, max_seq_len=256, progress=False)
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     for spec in (None, {"decoding_type": "NGram", "max_draft_len": 4}, {"decoding_type": "Suffix", "max_draft_len": 8}):
         llm = LLM(tmp_path / "engine", device="cpu", speculative_config=spec)

@@ -29,7 +29,7 @@ SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausal
                            "olmoe": "OlmoeForCausalLM", "glm4moe": "Glm4MoeForCausalLM",
                            "qwen35": "Qwen3_5ForCausalLM", "qwen3next": "Qwen3NextForCausalLM",
                            "qwen35moe": "Qwen3_5MoeForCausalLM",
-                           "deepseek2": "DeepseekV3ForCausalLM"}  # and Mixtral
+                           "deepseek2": "DeepseekV3ForCausalLM", "gpt-oss": "GptOssForCausalLM"}  # and Mixtral
 #: Architectures whose q/k rows llama.cpp permutes at conversion (convert_hf_to_gguf.py `LlamaModel.permute`;
 #: `SmolLM3Model` and `GraniteModel` are `LlamaModel`s).
 PERMUTED_ARCHITECTURES = ("llama", "smollm3", "granite")
@@ -44,7 +44,7 @@ V_REORDERED_ARCHITECTURES = ("qwen35", "qwen35moe")
 FACTOR_TENSORS = {"llama": ("rope_freqs.weight",), "exaone4": ("rope_freqs.weight",),
                   "phi3": ("rope_factors_long.weight", "rope_factors_short.weight")}
 #: GGUF architectures of mixture-of-experts models nextn's MoE layer does not read yet (refused as MoE, by name).
-MOE_ARCHITECTURES = frozenset({"mixtral", "gpt-oss",
+MOE_ARCHITECTURES = frozenset({"mixtral",
                                "deepseek", "dbrx", "grok", "arctic", "granitemoe", "llama4", "bailingmoe",
                                "bailingmoe2", "ernie4_5-moe", "hunyuan-moe", "dots1", "smallthinker", "minimax-m2",
                                "afmoe", "lfm2moe", "grovemoe", "openai-moe"})
@@ -92,13 +92,17 @@ _GLM4_MOE_BLOCK = {**_SEED_OSS_BLOCK, **_QK_NORMS, **_NEXTN, "ffn_gate_inp": "ml
                    "ffn_down_shexp": "mlp.shared_experts.down_proj"}
 #: Block tensors whose HF name is not `<module>.<weight | bias>` (llama.cpp name without `blk.N.` → HF name without
 #: `model.layers.N.`)
-TENSOR_NAMES = {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias", **gguf_qwen35.TENSOR_NAMES}
+TENSOR_NAMES = {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias", "attn_sinks.weight": "self_attn.sinks",
+                **gguf_qwen35.TENSOR_NAMES}
+#: gpt-oss (conversion/gpt_oss.py): the pre-MLP norm as `post_attention_norm`, the attention sinks, a biased router;
+#: its experts' biases are 2-D [E, out] tensors beside their 3-D weights (`expert_names`)
+_GPT_OSS_BLOCK = {**_SEED_OSS_BLOCK, "attn_sinks": "self_attn.sinks", "ffn_gate_inp": "mlp.gate"}
 #: The experts' 3-D tensors [E, out, in] (HF order) → each expert's projection (`expert_names`)
 EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 #: Whether an MoE architecture renormalises its top-k probabilities (llama.cpp's src/models/<arch>.cpp: the `norm_w`
 #: argument of `build_moe_ffn`; `{arch}.expert_weights_norm` overrides where a file writes it)
 NORM_TOPK = {"qwen3moe": True, "llama": True, "qwen2moe": False, "olmoe": False, "qwen3next": True,
-             "qwen35moe": True}  # Qwen3.5-MoE always renormalises (HF `Qwen3_5MoeTopKRouter`)
+             "qwen35moe": True, "gpt-oss": True}  # Qwen3.5-MoE always renormalises (HF `Qwen3_5MoeTopKRouter`)
 BLOCK_NAMES = {"qwen3moe": {**_LLAMA_BLOCK, **_QK_NORMS, **_MOE_BLOCK}, "qwen2moe": {**_LLAMA_BLOCK, **_MOE_BLOCK},
                "olmoe": {**_LLAMA_BLOCK, **_QK_NORMS, **_MOE_BLOCK}, "phi3": _PHI3_BLOCK, "glm4": _GLM4_BLOCK,
                "glm4moe": _GLM4_MOE_BLOCK, "qwen35": gguf_qwen35.BLOCK, "deepseek2": {**gguf_deepseek2.BLOCK, **_NEXTN},
@@ -107,7 +111,8 @@ BLOCK_NAMES = {"qwen3moe": {**_LLAMA_BLOCK, **_QK_NORMS, **_MOE_BLOCK}, "qwen2mo
                "qwen35moe": {**gguf_qwen35.BLOCK, **_MOE_BLOCK},
                "olmo2": _POST_NORM_BLOCK, "exaone4": _POST_NORM_BLOCK, "seed_oss": _SEED_OSS_BLOCK,
                "llama": {**_LLAMA_BLOCK, **_MOE_BLOCK}, "qwen2": _LLAMA_BLOCK, "qwen3": {**_LLAMA_BLOCK, **_QK_NORMS},
-               "gemma2": _GEMMA_BLOCK, "gemma3": _GEMMA_BLOCK, "smollm3": _LLAMA_BLOCK, "granite": _LLAMA_BLOCK}
+               "gemma2": _GEMMA_BLOCK, "gemma3": _GEMMA_BLOCK, "smollm3": _LLAMA_BLOCK, "granite": _LLAMA_BLOCK,
+               "gpt-oss": _GPT_OSS_BLOCK}
 
 
 #: A block tensor's llama.cpp name: `blk.N.<name>.<weight | bias>` (nextn.*: an MTP layer's own tensors), or without
@@ -140,13 +145,14 @@ def global_names() -> dict[str, str]:
     return dict(_GLOBAL_NAMES)
 
 
-def expert_names(block: str, name: str, count: int) -> list[str] | None:
-    """The HF names of the `count` experts' slices of llama.cpp block tensor `name` of block `block` (`ffn_gate_exps`
-    → `model.layers.N.mlp.experts.{e}.gate_proj.weight`, e < count), or None for a tensor that holds no experts."""
+def expert_names(block: str, name: str, count: int, param: str = "weight") -> list[str] | None:
+    """The HF names of the `count` experts' slices of llama.cpp block tensor `name`.`param` of block `block`
+    (`ffn_gate_exps` → `model.layers.N.mlp.experts.{e}.gate_proj.weight`, e < count; gpt-oss's biases, `param`
+    "bias", likewise), or None for a tensor that holds no experts."""
     proj = EXPERT_TENSORS.get(name)
     if proj is None:
         return None
-    return [f"model.layers.{block}.mlp.experts.{e}.{proj}.weight" for e in range(count)]
+    return [f"model.layers.{block}.mlp.experts.{e}.{proj}.{param}" for e in range(count)]
 
 
 def moe_config(arch: str, key: Callable[..., Any]) -> dict[str, Any]:
@@ -172,10 +178,7 @@ def moe_config(arch: str, key: Callable[..., Any]) -> dict[str, Any]:
 
 
 def unsupported(path: Any, arch: str) -> str:
-    """The refusal of a GGUF of architecture `arch`: an MoE one says so (gpt-oss: that its HF checkpoint builds)."""
-    if arch == "gpt-oss":
-        return (f"{path}: nextn does not read gpt-oss GGUFs yet (MXFP4 experts); build its HF checkpoint "
-                f"(GptOssForCausalLM) instead")
+    """The refusal of a GGUF of architecture `arch`: an MoE one says so."""
     if arch in MOE_ARCHITECTURES:
         return (f"{path}: GGUF architecture {arch!r} is a mixture-of-experts model, which nextn does not build yet; "
                 f"nextn reads {', '.join(SUPPORTED_ARCHITECTURES)} (Mixtral as llama)")
@@ -245,6 +248,8 @@ def family_config(arch: str, key: Callable[..., Any], layers: int, hidden: int, 
         return gguf_qwen35.config(key, layers, head_dim)
     if arch == "phi3":
         return _phi3(key, head_dim, factors)
+    if arch == "gpt-oss":
+        return _gpt_oss(key, layers)
     if arch == "glm4":  # conversion/glm.py: rope.dimension_count = head_dim × partial_rotary_factor
         return {"partial_rotary_factor": key("rope.dimension_count", "count", head_dim) / head_dim}
     if arch in ("exaone4", "olmo2"):  # exaone.py, olmo.py (OLMo 3 is written as olmo2): a window, a bool a layer
@@ -307,6 +312,17 @@ def _glm4moe(key: Callable[..., Any], layers: int, head_dim: int, has: Callable[
             "n_group": key("expert_group_count", "count", 1), "topk_group": key("expert_group_used_count", "count", 1),
             "use_qk_norm": has("model.layers.0.self_attn.q_norm.weight"),
             "num_hidden_layers": layers - mtp, "num_nextn_predict_layers": mtp}
+
+
+def _gpt_oss(key: Callable[..., Any], layers: int) -> dict[str, Any]:
+    """gpt-oss's window and layers as llama.cpp runs them (src/models/openai-moe.cpp: `load_swa_pattern(ml, 2)`,
+    every other layer sliding from the first) and its YaRN, whose ramp HF's `GptOssConfig` leaves untruncated (the
+    file does not say so). The clamped SwiGLU's alpha and limit are not in the file either: llama.cpp uses gpt-oss's
+    1.702 and 7 (src/llama-graph.cpp, `LLM_FFN_SWIGLU_OAI_MOE`), and so does nextn reading it (HF's defaults)."""
+    scaling = rope_scaling_config("gpt-oss", key("rope.scaling.type", "raw", "none"), key)
+    return {"sliding_window": key("attention.sliding_window", "count", 128),
+            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+            "rope_scaling": {**scaling, "truncate": False} if scaling and scaling["rope_type"] == "yarn" else scaling}
 
 
 def _phi3(key: Callable[..., Any], head_dim: int, factors: Callable[[str, int], list[float] | None]) -> dict[str, Any]:

@@ -156,8 +156,10 @@ class GGUFCheckpoint:
                 raise CheckpointError(f"{self.path}: tensor {t.name!r} has ggml type {t.tensor_type.name}, which "
                                       f"gguf {_gguf_version()} cannot dequantize; nextn reads {', '.join(supported)}")
             m = BLOCK_RE.fullmatch(t.name)
-            experts = expert_names(m[1], m[2], int(t.shape[2]) if len(t.shape) == 3 else 0) if m else None
-            if experts:  # an MoE layer's [E, out, in]: one HF name per expert, each a slice of it
+            # an MoE layer's [E, out, in] (gpt-oss's biases: [E, out]): one HF name per expert, each a slice of it
+            dims = 3 if m and m[3] == "weight" else 2
+            experts = expert_names(m[1], m[2], int(t.shape[-1]) if len(t.shape) == dims else 0, m[3]) if m else None
+            if experts:
                 self._expert.update((e, i) for i, e in enumerate(experts))
                 self._tensors.update((e, t) for e in experts)
                 continue
@@ -292,7 +294,7 @@ class GGUFCheckpoint:
             "architectures": [SUPPORTED_ARCHITECTURES[arch]],
             "model_type": {"gemma3": "gemma3_text", "qwen35": "qwen3_5_text",
                            "qwen3next": "qwen3_next",
-                           "qwen35moe": "qwen3_5_moe_text"}.get(arch, arch),  # HF's model_type of each family
+                           "qwen35moe": "qwen3_5_moe_text", "gpt-oss": "gpt_oss"}.get(arch, arch),  # HF's model_type
             "vocab_size": vocab,
             "hidden_size": hidden,
             "intermediate_size": count("feed_forward_length"),
