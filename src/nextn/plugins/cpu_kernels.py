@@ -340,7 +340,8 @@ def _register_fakes(ns: str) -> None:
         return torch.empty_like(x)
 
     @torch.library.register_fake(f"{ns}::moe_experts")
-    def _(x, ids, weights, gate_up, down, group_size, int8_activations=False):
+    def _(x, ids, weights, gate_up, down, group_size, int8_activations, gate_up_bias, down_bias, activation=0,
+          alpha=1.702, limit=7.0):
         return torch.empty_like(x)
 
     @torch.library.register_fake(f"{ns}::mla_attention")

@@ -2,7 +2,9 @@
 // its int4 weights read in place. One source over simd.h for every ISA variant (cpu_kernels.py).
 //
 //   nextn::moe_experts(x [N, H] bf16, ids [N, k] int64, weights [N, k] f32, gate_up [3 E] (per expert [w, scale,
-//       zero] of its gate rows then up rows, [2 I, H]), down [3 E] ([H, I]), group_size, int8_activations) -> [N, H]
+//       zero] of its gate rows then up rows, [2 I, H]), down [3 E] ([H, I]), group_size, int8_activations,
+//       gate_up_bias [E] ([2 I] f32) and down_bias [E] ([H] f32) or both empty, activation (0: SwiGLU; 1: gpt-oss's
+//       clamped SwiGLU, alpha, limit)) -> [N, H]
 //   nextn::moe_block(x [N, H] bf16, norm [H] bf16, eps, router [E, H] bf16, top_k, norm_topk, gate_up, down,
 //       group_size, int8_activations) -> x + experts(xn), xn = RMSNorm(x): the MLP half of a softmax-routed MoE layer
 //       (Qwen3-MoE, Mixtral, OLMoE) as models/moe.py's `Router` and `SparseMoE` compute it — logits bf16(xn Wr^T)
@@ -10,7 +12,9 @@
 //       when norm_topk — without the dozen small PyTorch ops between the attention op and the experts' op.
 //
 // Per expert e (ascending id) with its tokens' rows X_e (tokens ascending), as models/moe.py computes them:
-//   g, u = bf16(X_e Wgu^T);  h = bf16(bf16(silu(g)) * u);  y = bf16(h Wdown^T)
+//   g, u = bf16(X_e Wgu^T (+ b_gu));  h = bf16(bf16(silu(g)) * u);  y = bf16(h Wdown^T (+ b_down))
+//   (clamped: g' = min(g, limit), h = bf16(g' sigmoid(alpha g') (clamp(u, +-limit) + 1)), in f32: models/moe.py's
+//   `ClampedSwiGLU` computes it in f64, a last-bit difference)
 //   out[t] = bf16(out[t] + bf16(y[t] * bf16(w[t, e])))        out starts at 0, in bf16
 // so a token's sum runs over its experts in ascending id and every row is computed alone (int4_linear is
 // batch-invariant): the output of a token does not depend on the others in the step.
@@ -34,6 +38,13 @@ namespace simd = nextn_cpu::simd;
 struct Int4 {
   const uint8_t* w = nullptr;
   nextn_cpu::Int4Scales scales;
+  const float* bias = nullptr;  // [N] f32, or none
+};
+
+// The experts' activation (`activation` of the ops)
+struct Glu {
+  int64_t kind = 0;  // 0: silu(g) * u; 1: gpt-oss's clamped SwiGLU
+  float alpha = 1.702f, limit = 7.f;
 };
 
 Int4 expert_weights(const at::TensorList& t, int64_t e, int64_t N, int64_t K, int64_t group_size,
@@ -52,6 +63,7 @@ Int4 block_slice(const Int4& l, int64_t K, int64_t group_size, int64_t b0) {
   Int4 r = l;
   const int64_t G = K / group_size;
   r.w = l.w + b0 * 8 * K;
+  if (l.bias != nullptr) r.bias = l.bias + b0 * 16;
   if (l.scales.group == nullptr) {
     r.scales.scale = l.scales.scale + b0 * G * 16;
     r.scales.zero8 = l.scales.zero8 + b0 * G * 16;
@@ -81,7 +93,7 @@ void matmuls(const std::vector<Int4>& l, const std::vector<int64_t>& start, cons
       const int64_t nb = std::min(kChunk, blocks - b0), rows = start[e + 1] - start[e];
       const Int4 w = block_slice(l[e], K, group_size, b0);
       tmp.resize(rows * nb * 16);
-      nextn_cpu::int4_linear(x + start[e] * K, rows, K, w.w, nb * 16, w.scales, group_size, nullptr, tmp.data());
+      nextn_cpu::int4_linear(x + start[e] * K, rows, K, w.w, nb * 16, w.scales, group_size, w.bias, tmp.data());
       for (int64_t r = 0; r < rows; ++r)
         std::memcpy(out + (start[e] + r) * N + b0 * 16, tmp.data() + r * nb * 16, sizeof(float) * nb * 16);
     }
@@ -102,10 +114,24 @@ std::pair<int64_t, int64_t> check_experts(int64_t H, at::TensorList gate_up, at:
   return {E, I};
 }
 
+// Expert e's bias of n values from `biases` (empty: none)
+const float* expert_bias(at::TensorList biases, int64_t e, int64_t n, const char* name) {
+  if (biases.empty()) return nullptr;
+  const at::Tensor& b = biases[e];
+  TORCH_CHECK(b.scalar_type() == at::kFloat && b.is_contiguous() && b.numel() == n, "moe_experts: ", name, "[", e,
+              "] must be a contiguous [", n, "] float32 tensor");
+  return b.data_ptr<float>();
+}
+
 // op[t] = sum over token t's k experts (ascending id) of bf16(y * bf16(w)), from 0, in bf16: the module's arithmetic
 void experts_into(const uint16_t* xp, int64_t N, int64_t H, const int64_t* idp, const float* wp, int64_t k,
                   at::TensorList gate_up, at::TensorList down, int64_t E, int64_t I, int64_t group_size,
-                  bool int8_activations, uint16_t* op) {
+                  bool int8_activations, uint16_t* op, at::TensorList gate_up_bias = {},
+                  at::TensorList down_bias = {}, Glu glu = {}) {
+  TORCH_CHECK((gate_up_bias.empty() && down_bias.empty()) ||
+                  (int64_t(gate_up_bias.size()) == E && int64_t(down_bias.size()) == E),
+              "moe_experts: gate_up_bias and down_bias must both be empty or hold one tensor an expert");
+  TORCH_CHECK(glu.kind == 0 || glu.kind == 1, "moe_experts: activation must be 0 (SwiGLU) or 1 (clamped SwiGLU)");
   // the assignments grouped by expert (a counting sort: stable, so tokens ascend within an expert)
   std::vector<int64_t> start(E + 1, 0), order(N * k);
   for (int64_t a = 0; a < N * k; ++a) ++start[idp[a] + 1];
@@ -118,6 +144,8 @@ void experts_into(const uint16_t* xp, int64_t N, int64_t H, const int64_t* idp, 
     if (start[e + 1] == start[e]) continue;  // an expert no token chose is never read
     gu[e] = expert_weights(gate_up, e, 2 * I, H, group_size, int8_activations, "gate_up");
     dn[e] = expert_weights(down, e, H, I, group_size, int8_activations, "down");
+    gu[e].bias = expert_bias(gate_up_bias, e, 2 * I, "gate_up_bias");
+    dn[e].bias = expert_bias(down_bias, e, H, "down_bias");
   }
   // every assignment's row of x, grouped by expert (row r = assignment order[r])
   const int64_t A = N * k;
@@ -131,7 +159,14 @@ void experts_into(const uint16_t* xp, int64_t N, int64_t H, const int64_t* idp, 
       const float* g = f.data() + r * 2 * I;
       for (int64_t i = 0; i < I; i += 16) {
         const V16 gv = round_bf16(simd::load(g + i)), uv = round_bf16(simd::load(g + I + i));
-        store_bf16(hs.data() + r * I + i, round_bf16(gv / (simd::set1(1.f) + simd::exp(simd::zero() - gv))) * uv);
+        if (glu.kind == 0) {
+          store_bf16(hs.data() + r * I + i, round_bf16(gv / (simd::set1(1.f) + simd::exp(simd::zero() - gv))) * uv);
+        } else {
+          const V16 lim = simd::set1(glu.limit), gc = simd::min(gv, lim);
+          const V16 uc = simd::max(simd::min(uv, lim), simd::zero() - lim) + simd::set1(1.f);
+          const V16 sig = simd::set1(1.f) / (simd::set1(1.f) + simd::exp(simd::zero() - gc * simd::set1(glu.alpha)));
+          store_bf16(hs.data() + r * I + i, gc * sig * uc);
+        }
       }
     }
   });
@@ -146,7 +181,9 @@ void experts_into(const uint16_t* xp, int64_t N, int64_t H, const int64_t* idp, 
 }
 
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
-                       at::TensorList gate_up, at::TensorList down, int64_t group_size, bool int8_activations) {
+                       at::TensorList gate_up, at::TensorList down, int64_t group_size, bool int8_activations,
+                       at::TensorList gate_up_bias, at::TensorList down_bias, int64_t activation, double alpha,
+                       double limit) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
               "moe_experts: x must be a contiguous [N, H] bfloat16 tensor");
   const int64_t N = x.size(0), H = x.size(1);
@@ -162,7 +199,8 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
   at::Tensor out = at::empty({N, H}, x.options());
   experts_into(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), N, H, idp, weights.data_ptr<float>(), k,
                gate_up, down, E, I, group_size, int8_activations,
-               reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
+               reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), gate_up_bias, down_bias,
+               Glu{activation, float(alpha), float(limit)});
   return out;
 }
 
@@ -238,7 +276,8 @@ at::Tensor moe_block(const at::Tensor& x, const at::Tensor& norm, double eps, co
 
 TORCH_LIBRARY_FRAGMENT(NEXTN_OPS, m) {
   m.def("moe_experts(Tensor x, Tensor ids, Tensor weights, Tensor[] gate_up, Tensor[] down, int group_size, "
-        "bool int8_activations=False) -> Tensor");
+        "bool int8_activations, Tensor[] gate_up_bias, Tensor[] down_bias, int activation=0, float alpha=1.702, "
+        "float limit=7.0) -> Tensor");
   m.def("moe_block(Tensor x, Tensor norm, float eps, Tensor router, int top_k, bool norm_topk, Tensor[] gate_up, "
         "Tensor[] down, int group_size, bool int8_activations=False) -> Tensor");
 }

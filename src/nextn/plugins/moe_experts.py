@@ -10,7 +10,7 @@ read in place (the modules' buffers become views of the concatenated gate/up ten
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -19,50 +19,74 @@ from nextn.plugins import cpu_kernels
 from nextn.plugins.int4_operands import concat_rows, int4_linears
 
 
+#: The experts' activations the op computes (`act_name` of the expert modules → the op's `activation`)
+ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
+
+
 @dataclass(frozen=True)
 class FusedExperts:
-    """The op's operands: per expert [w, scale, zero] of its gate-then-up rows and of its down projection."""
+    """The op's operands: per expert [w, scale, zero] of its gate-then-up rows and of its down projection; with
+    biased experts (gpt-oss) their biases as f32 (gate then up, and down); the activation (`ACTIVATIONS`) and the
+    clamped SwiGLU's alpha and limit."""
 
     gate_up: list[torch.Tensor]
     down: list[torch.Tensor]
     group_size: int
     int8_activations: bool
+    gate_up_bias: list[torch.Tensor] = field(default_factory=list)
+    down_bias: list[torch.Tensor] = field(default_factory=list)
+    activation: int = 0
+    alpha: float = 1.702
+    limit: float = 7.0
 
 
 def fuse_experts(moe: nn.Module) -> FusedExperts | None:
     """The op's operands for a `SparseMoE`, or None where it does not apply: an expert not an int4 linear on nextn's
-    kernel (one group size and format for all), with biases, an activation other than SiLU, or widths not multiples
-    of 64."""
+    kernel (one group size and format for all), biases on some projections but not all, an activation the op lacks
+    (SiLU's SwiGLU and gpt-oss's clamped SwiGLU it has), or widths not multiples of 64."""
     experts = list(moe.experts)
     linears = [lin for ex in experts for lin in (ex.gate_proj, ex.up_proj, ex.down_proj)]
     kind = int4_linears(*linears)
-    if kind is None or any(lin.bias is not None for lin in linears) or any(
-            getattr(ex, "act_name", "silu") != "silu" for ex in experts):
+    acts = {getattr(ex, "act_name", "silu") for ex in experts}
+    biased = {lin.bias is not None for lin in linears}
+    if kind is None or len(biased) != 1 or len(acts) != 1 or next(iter(acts)) not in ACTIVATIONS:
         return None
     hidden, width = experts[0].down_proj.out_features, experts[0].gate_proj.out_features
     if hidden % 64 or width % 64 or hidden % kind[0] or width % kind[0]:
         return None
     gate_up: list[torch.Tensor] = []
     down: list[torch.Tensor] = []
+    gate_up_bias: list[torch.Tensor] = []
+    down_bias: list[torch.Tensor] = []
     for ex in experts:
-        gate_up += concat_rows([ex.gate_proj, ex.up_proj])
+        operands = concat_rows([ex.gate_proj, ex.up_proj])  # [w, scale, zero] (+ [bias])
+        gate_up += operands[:3]
         down += [ex.down_proj.qweight, ex.down_proj.scales, ex.down_proj.zeros]
-    return FusedExperts(gate_up, down, *kind)
+        if True in biased:
+            gate_up_bias.append(operands[3].float().contiguous())
+            down_bias.append(ex.down_proj.bias.float().contiguous())
+    first = experts[0]
+    return FusedExperts(gate_up, down, *kind, gate_up_bias, down_bias, ACTIVATIONS[next(iter(acts))],
+                        float(getattr(first, "alpha", 1.702)), float(getattr(first, "limit", 7.0)))
 
 
 def experts_forward(fused: FusedExperts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Σ_k weights[n, k] · Expert_{ids[n, k]}(x[n]) through the op. x: [N, hidden] bf16; weights: [N, top_k] f32;
     ids: [N, top_k] int64 → [N, hidden] bf16."""
     return cpu_kernels.ops().moe_experts(x.contiguous(), ids.contiguous(), weights.float().contiguous(),
-                                         fused.gate_up, fused.down, fused.group_size, fused.int8_activations)
+                                         fused.gate_up, fused.down, fused.group_size, fused.int8_activations,
+                                         fused.gate_up_bias, fused.down_bias, fused.activation, fused.alpha,
+                                         fused.limit)
 
 
 def block_applies(moe: nn.Module, norm: nn.Module) -> bool:
-    """Whether `block_forward` computes this MoE MLP (with its pre-MLP `norm`): fused experts, the softmax `Router`
-    (no bias) on bf16 weights, no shared expert, a Llama-style RMSNorm with bf16 weights."""
+    """Whether `block_forward` computes this MoE MLP (with its pre-MLP `norm`): fused SwiGLU experts without biases,
+    the softmax `Router` (no bias) on bf16 weights, no shared expert, a Llama-style RMSNorm with bf16 weights."""
     gate = getattr(moe, "gate", None)
-    return (getattr(moe, "fused_experts", None) is not None and getattr(gate, "kind", None) == "softmax"
-            and getattr(gate, "bias", None) is None and gate.weight.dtype == torch.bfloat16 and moe.shared_expert is None and moe.shared_experts is None
+    fused = getattr(moe, "fused_experts", None)
+    return (fused is not None and not fused.gate_up_bias and fused.activation == 0
+            and getattr(gate, "kind", None) == "softmax" and getattr(gate, "bias", None) is None
+            and gate.weight.dtype == torch.bfloat16 and moe.shared_expert is None and moe.shared_experts is None
             and getattr(norm, "fp32_scale", lambda: 0)() is None and norm.weight.dtype == torch.bfloat16)
 
 
