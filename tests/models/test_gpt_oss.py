@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -130,3 +131,59 @@ def test_outputs_do_not_depend_on_the_batch(gpt_oss, tmp_path, fmt, drafter):
     assert llm.engine.batch_invariant
     assert all(layer.fused is not None and layer.fused.attn_sinks is not None for layer in layers)
     llm.shutdown()
+
+
+def _mxfp4_experts(src, dst):
+    """`src` (a GGUF) rewritten with its experts' weights in MXFP4, as the released gpt-oss GGUFs store them (gguf's
+    own quantizer); returns {llama.cpp name: the dequantized values [E, out, in] f32}."""
+    import gguf
+
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(dst, arch)
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue
+        vtype = field.types[0]
+        writer.add_key_value(field.name, field.contents(), vtype,
+                             sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    values = {}
+    for t in reader.tensors:
+        data = np.asarray(t.data)
+        if t.name.endswith("_exps.weight"):
+            q = gguf.quants.quantize(data.astype(np.float32), gguf.GGMLQuantizationType.MXFP4)
+            values[t.name] = gguf.quants.dequantize(q, gguf.GGMLQuantizationType.MXFP4)
+            writer.add_tensor(t.name, q, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+        else:
+            writer.add_tensor(t.name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return values
+
+
+def test_mxfp4_experts_read_as_their_values(gpt_oss, tmp_path):
+    """A GGUF whose experts are MXFP4 (the released files' format): nextn reads each expert's slice of the 4-bit
+    blocks as `gguf` dequantizes them — logits equal `transformers` holding those same expert values."""
+    hf, path = gpt_oss
+    values = _mxfp4_experts(tiny_source(path, "gguf"), tmp_path / "mxfp4.gguf")
+    model = _model(tmp_path / "mxfp4.gguf")
+    with _oracle(hf, "gguf") as oracle:
+        saved = {n: p.detach().clone() for n, p in oracle.named_parameters() if ".experts." in n}
+        try:
+            with torch.no_grad():
+                for i, layer in enumerate(oracle.model.layers):
+                    gate, up, down = (torch.from_numpy(values[f"blk.{i}.ffn_{p}_exps.weight"]).float()
+                                      for p in ("gate", "up", "down"))
+                    layer.mlp.experts.gate_up_proj[:, :, 0::2] = gate.transpose(1, 2)
+                    layer.mlp.experts.gate_up_proj[:, :, 1::2] = up.transpose(1, 2)
+                    layer.mlp.experts.down_proj.copy_(down.transpose(1, 2))
+            assert not torch.equal(saved["model.layers.0.mlp.experts.down_proj"],
+                                   oracle.model.layers[0].mlp.experts.down_proj)  # MXFP4 moved the values
+            assert _assert_matches_hf(model, oracle, 4000, [40, 9]) < 1e-4
+        finally:
+            with torch.no_grad():
+                for n, p in oracle.named_parameters():
+                    if n in saved:
+                        p.copy_(saved[n])
