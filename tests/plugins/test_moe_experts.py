@@ -145,9 +145,10 @@ def test_speculation_stays_lossless(llm):
 
 
 def test_gpt_oss_layer_with_attention_sinks_matches_the_pytorch_modules(tmp_path):
-    """gpt-oss (W4A16): the attention half — its sinks in the op's softmax — on the fused layer op, its biased
-    clamped-SwiGLU experts on the experts op; the layer's output and KV as the modules compute them; the controls:
-    without the sinks, and the experts without their clamp, the ops are far from the modules."""
+    """gpt-oss (W4A16): the attention half — its sinks in the op's softmax — on the fused layer op, the MLP half
+    (f32-scaled norm, biased router, biased clamped-SwiGLU experts) on the block op; the layer's output and KV as the
+    modules compute them; the controls: without the sinks, and the experts without their clamp, the ops are far from
+    the modules."""
     hf = tiny_hf_model("gpt_oss", seed=1, vocab_size=320, hidden_size=128)
     with torch.no_grad():  # sinks near 3 (e^3 ~ 20 keys' worth): the softmax leans on them
         for layer in hf.model.layers:
@@ -160,7 +161,7 @@ def test_gpt_oss_layer_with_attention_sinks_matches_the_pytorch_modules(tmp_path
         model = llm.engine.model
         for layer in model.model.layers:
             experts = layer.mlp.fused_experts
-            assert layer.fused is not None and layer.fused.attn_sinks is not None and not layer.moe_block
+            assert layer.fused is not None and layer.fused.attn_sinks is not None and layer.moe_block
             assert experts is not None and experts.activation == 1 and len(experts.down_bias) == 8
         for index in (0, 1):  # a sliding layer and a full one
             layer = model.model.layers[index]

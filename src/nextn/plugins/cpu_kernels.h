@@ -46,6 +46,18 @@ inline void rms_norm(const uint16_t* x, const uint16_t* w, int64_t H, float eps,
     simd::store_bf16(out + i, simd::load_bf16(w + i) * simd::round_bf16(simd::load_bf16(x + i) * inv));
 }
 
+// out = bf16(x * rsqrt(mean(x^2) + eps) * s), s f32 (Gemma's 1 + w; OLMo 2's and gpt-oss's w, in f32), one bf16 row
+inline void rms_norm_scaled(const uint16_t* x, const float* s, int64_t H, float eps, uint16_t* out) {
+  using simd::V16;
+  V16 ss = simd::zero();
+  for (int64_t i = 0; i < H; i += 16) {
+    const V16 v = simd::load_bf16(x + i);
+    ss = simd::fmadd(v, v, ss);
+  }
+  const V16 inv = simd::set1(1.f / std::sqrt(simd::reduce_add(ss) / float(H) + eps));
+  for (int64_t i = 0; i < H; i += 16) simd::store_bf16(out + i, (simd::load_bf16(x + i) * inv) * simd::load(s + i));
+}
+
 // An int4 weight's scales, one of two formats (woq_linear_cpu.cpp; layouts from woq_linear.py):
 //  - one-level (`group` null): bf16 `scale` and `zero8` per group of input channels and output channel,
 //    [N/16, G, 16]: w = (q - 8) * scale + zero8;

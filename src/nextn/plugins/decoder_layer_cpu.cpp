@@ -75,8 +75,7 @@ struct Norm {
   const void* w = nullptr;
   bool f32 = false;
   void apply(const uint16_t* x, int64_t n, float eps, uint16_t* out) const {
-    const float* s = static_cast<const float*>(w);
-    if (f32) return rms_norm_f32w([&](int64_t i) { return load_bf16(x + i); }, s, n, eps, out);
+    if (f32) return nextn_cpu::rms_norm_scaled(x, static_cast<const float*>(w), n, eps, out);
     rms_norm(x, static_cast<const uint16_t*>(w), n, eps, out);
   }
   void apply(const float* x, int64_t n, float eps, uint16_t* out) const {

@@ -5,11 +5,13 @@
 //       zero] of its gate rows then up rows, [2 I, H]), down [3 E] ([H, I]), group_size, int8_activations,
 //       gate_up_bias [E] ([2 I] f32) and down_bias [E] ([H] f32) or both empty, activation (0: SwiGLU; 1: gpt-oss's
 //       clamped SwiGLU, alpha, limit)) -> [N, H]
-//   nextn::moe_block(x [N, H] bf16, norm [H] bf16, eps, router [E, H] bf16, top_k, norm_topk, gate_up, down,
-//       group_size, int8_activations) -> x + experts(xn), xn = RMSNorm(x): the MLP half of a softmax-routed MoE layer
-//       (Qwen3-MoE, Mixtral, OLMoE) as models/moe.py's `Router` and `SparseMoE` compute it — logits bf16(xn Wr^T)
-//       (f32 sums), softmax in f64 rounded to f32, the top_k by descending probability (ties: lower id), renormalised
-//       when norm_topk — without the dozen small PyTorch ops between the attention op and the experts' op.
+//   nextn::moe_block(x [N, H] bf16, norm [H] bf16 (w * bf16(x_hat)) or f32 (bf16(x_hat * s): gpt-oss), eps,
+//       router [E, H] bf16, top_k, norm_topk, gate_up, down, group_size, int8_activations, gate_up_bias, down_bias,
+//       router_bias [E] f32 | None, activation, alpha, limit) -> x + experts(xn), xn = RMSNorm(x): the MLP half of
+//       a softmax-routed MoE layer (Qwen3-MoE, Mixtral, OLMoE, gpt-oss) as models/moe.py's `Router` and `SparseMoE`
+//       compute it — logits bf16(xn Wr^T (+ b)) (f32 sums), softmax in f64 rounded to f32, the top_k by descending
+//       probability (ties: lower id), renormalised when norm_topk — without the dozen small PyTorch ops between the
+//       attention op and the experts' op.
 //
 // Per expert e (ascending id) with its tokens' rows X_e (tokens ascending), as models/moe.py computes them:
 //   g, u = bf16(X_e Wgu^T (+ b_gu));  h = bf16(bf16(silu(g)) * u);  y = bf16(h Wdown^T (+ b_down))
@@ -25,6 +27,7 @@
 #include "cpu_kernels.h"
 
 #include <cstring>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -215,26 +218,38 @@ inline float to_bf16(float v) {
 
 at::Tensor moe_block(const at::Tensor& x, const at::Tensor& norm, double eps, const at::Tensor& router, int64_t top_k,
                      bool norm_topk, at::TensorList gate_up, at::TensorList down, int64_t group_size,
-                     bool int8_activations) {
+                     bool int8_activations, at::TensorList gate_up_bias, at::TensorList down_bias,
+                     const std::optional<at::Tensor>& router_bias, int64_t activation, double alpha, double limit) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
               "moe_block: x must be a contiguous [N, H] bfloat16 tensor");
   const int64_t N = x.size(0), H = x.size(1);
   const auto [E, I] = check_experts(H, gate_up, down, group_size);
-  TORCH_CHECK(norm.scalar_type() == at::kBFloat16 && norm.is_contiguous() && norm.numel() == H,
-              "moe_block: norm must be a contiguous [", H, "] bfloat16 tensor");
+  TORCH_CHECK((norm.scalar_type() == at::kBFloat16 || norm.scalar_type() == at::kFloat) && norm.is_contiguous() &&
+                  norm.numel() == H,
+              "moe_block: norm must be a contiguous [", H, "] bfloat16 (weights) or float32 (scales) tensor");
+  TORCH_CHECK(!router_bias || (router_bias->scalar_type() == at::kFloat && router_bias->is_contiguous() &&
+                               router_bias->numel() == E),
+              "moe_block: router_bias must be a contiguous [", E, "] float32 tensor");
+  const float* rb = router_bias ? router_bias->data_ptr<float>() : nullptr;
   TORCH_CHECK(router.scalar_type() == at::kBFloat16 && router.is_contiguous() && router.dim() == 2 &&
                   router.size(0) == E && router.size(1) == H,
               "moe_block: router must be a contiguous [", E, ", ", H, "] bfloat16 tensor");
   TORCH_CHECK(1 <= top_k && top_k <= E, "moe_block: top_k ", top_k, " outside [1, ", E, "]");
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const uint16_t* nw = reinterpret_cast<const uint16_t*>(norm.data_ptr<at::BFloat16>());
+  const bool scaled = norm.scalar_type() == at::kFloat;
+  const void* nw = norm.data_ptr();
   const uint16_t* rw = reinterpret_cast<const uint16_t*>(router.data_ptr<at::BFloat16>());
   std::vector<uint16_t> xn(N * H);
   std::vector<float> logits(N * E);
   std::vector<int64_t> ids(N * top_k);
   std::vector<float> weights(N * top_k);
   at::parallel_for(0, N, 1, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) nextn_cpu::rms_norm(xp + n * H, nw, H, float(eps), xn.data() + n * H);
+    for (int64_t n = n0; n < n1; ++n) {
+      if (scaled)
+        nextn_cpu::rms_norm_scaled(xp + n * H, static_cast<const float*>(nw), H, float(eps), xn.data() + n * H);
+      else
+        nextn_cpu::rms_norm(xp + n * H, static_cast<const uint16_t*>(nw), H, float(eps), xn.data() + n * H);
+    }
   });
   at::parallel_for(0, N * E, 16, [&](int64_t a0, int64_t a1) {  // each logit alone: batch-invariant
     for (int64_t a = a0; a < a1; ++a) {
@@ -242,7 +257,7 @@ at::Tensor moe_block(const at::Tensor& x, const at::Tensor& norm, double eps, co
       const uint16_t* wr = rw + (a % E) * H;
       V16 acc = simd::zero();
       for (int64_t i = 0; i < H; i += 16) acc = simd::fmadd(load_bf16(xr + i), load_bf16(wr + i), acc);
-      logits[a] = to_bf16(simd::reduce_add(acc));
+      logits[a] = to_bf16(simd::reduce_add(acc) + (rb ? rb[a % E] : 0.f));
     }
   });
   for (int64_t n = 0; n < N; ++n) {  // softmax (f64), top_k, renormalisation: Router.forward's
@@ -267,7 +282,7 @@ at::Tensor moe_block(const at::Tensor& x, const at::Tensor& norm, double eps, co
   at::Tensor out = at::empty({N, H}, x.options());
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   experts_into(xn.data(), N, H, ids.data(), weights.data(), top_k, gate_up, down, E, I, group_size, int8_activations,
-               op);
+               op, gate_up_bias, down_bias, Glu{activation, float(alpha), float(limit)});
   for (int64_t a = 0; a < N * H; a += 16) store_bf16(op + a, load_bf16(xp + a) + load_bf16(op + a));  // residual
   return out;
 }
@@ -279,7 +294,8 @@ TORCH_LIBRARY_FRAGMENT(NEXTN_OPS, m) {
         "bool int8_activations, Tensor[] gate_up_bias, Tensor[] down_bias, int activation=0, float alpha=1.702, "
         "float limit=7.0) -> Tensor");
   m.def("moe_block(Tensor x, Tensor norm, float eps, Tensor router, int top_k, bool norm_topk, Tensor[] gate_up, "
-        "Tensor[] down, int group_size, bool int8_activations=False) -> Tensor");
+        "Tensor[] down, int group_size, bool int8_activations, Tensor[] gate_up_bias, Tensor[] down_bias, "
+        "Tensor? router_bias=None, int activation=0, float alpha=1.702, float limit=7.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(NEXTN_OPS, CPU, m) {

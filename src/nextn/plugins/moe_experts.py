@@ -80,14 +80,13 @@ def experts_forward(fused: FusedExperts, x: torch.Tensor, weights: torch.Tensor,
 
 
 def block_applies(moe: nn.Module, norm: nn.Module) -> bool:
-    """Whether `block_forward` computes this MoE MLP (with its pre-MLP `norm`): fused SwiGLU experts without biases,
-    the softmax `Router` (no bias) on bf16 weights, no shared expert, a Llama-style RMSNorm with bf16 weights."""
+    """Whether `block_forward` computes this MoE MLP (with its pre-MLP `norm`): fused experts, the softmax `Router`
+    (gpt-oss's with its bias) on bf16 weights, no shared expert, an RMSNorm with bf16 weights (Llama's form, or one
+    whose f32 scale the op takes: `fp32_scale`, gpt-oss's)."""
     gate = getattr(moe, "gate", None)
-    fused = getattr(moe, "fused_experts", None)
-    return (fused is not None and not fused.gate_up_bias and fused.activation == 0
-            and getattr(gate, "kind", None) == "softmax" and getattr(gate, "bias", None) is None
+    return (getattr(moe, "fused_experts", None) is not None and getattr(gate, "kind", None) == "softmax"
             and gate.weight.dtype == torch.bfloat16 and moe.shared_expert is None and moe.shared_experts is None
-            and getattr(norm, "fp32_scale", lambda: 0)() is None and norm.weight.dtype == torch.bfloat16)
+            and isinstance(getattr(norm, "weight", None), torch.Tensor) and norm.weight.dtype == torch.bfloat16)
 
 
 def block_forward(moe: nn.Module, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -95,7 +94,11 @@ def block_forward(moe: nn.Module, norm: nn.Module, x: torch.Tensor) -> torch.Ten
     experts. x: [..., hidden] bf16 → the same shape."""
     flat = x.reshape(-1, x.shape[-1]).contiguous()
     fused = moe.fused_experts
-    out = cpu_kernels.ops().moe_block(flat, norm.weight, norm.eps, moe.gate.weight, moe.gate.top_k,
-                                      moe.gate.norm_topk_prob, fused.gate_up, fused.down, fused.group_size,
-                                      fused.int8_activations)
+    scale = norm.fp32_scale() if hasattr(norm, "fp32_scale") else None  # f32 scales: the op's second norm form
+    bias = moe.gate.bias
+    out = cpu_kernels.ops().moe_block(flat, norm.weight if scale is None else scale.contiguous(), norm.eps,
+                                      moe.gate.weight, moe.gate.top_k, moe.gate.norm_topk_prob, fused.gate_up,
+                                      fused.down, fused.group_size, fused.int8_activations, fused.gate_up_bias,
+                                      fused.down_bias, None if bias is None else bias.float().contiguous(),
+                                      fused.activation, fused.alpha, fused.limit)
     return out.view(x.shape)
