@@ -44,3 +44,22 @@ def _as_converted(hf_dir: Path) -> Path:
     config["model_type"] = _TOKENIZER_MODEL_TYPE[config["model_type"]]
     (view / "config.json").write_text(json.dumps(config))
     return view
+
+
+#: The drafters every family's engine is checked with: none, NGram, Suffix
+DRAFTERS = (None, {"decoding_type": "NGram", "max_draft_len": 4}, {"decoding_type": "Suffix", "max_draft_len": 8})
+
+
+def assert_engine_greedy(source: Path, engine: Path, prompt: list[int], want: list[int]) -> None:
+    """build-engine `source` (float32) into `engine`, then greedy-decode `prompt` for len(`want`) tokens plainly and
+    with each of `DRAFTERS`: every run must give `want` (the drafts change speed, never the tokens)."""
+    from nextn import LLM, SamplingParams
+    from nextn.build.engine_builder import build_engine
+
+    build_engine(source, engine, dtype="float32", quant_algo=None, max_seq_len=256, progress=False)
+    params = SamplingParams(max_tokens=len(want), ignore_eos=True)
+    for spec in DRAFTERS:
+        llm = LLM(engine, device="cpu", speculative_config=spec)
+        got = llm.generate(prompt, params).outputs[0].token_ids
+        llm.shutdown()
+        assert got == want, spec

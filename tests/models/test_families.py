@@ -22,7 +22,7 @@ from nextn.models.llama import LlamaModelConfig
 from nextn.models.llama.weights import stored_view
 from nextn.testing.tiny_families import FAMILIES, save_tiny
 
-from family_sources import tiny_source
+from family_sources import assert_engine_greedy, tiny_source
 from test_llama import _assert_matches_hf, _load
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared"
@@ -80,21 +80,10 @@ def test_logits_match_transformers(family, kind, tmp_path):
 def test_engine_greedy_is_transformers_plain_and_speculative(family, kind, tmp_path):
     """build-engine (float32) → LLM: greedy tokens equal `transformers.generate`, without drafts and with NGram and
     Suffix drafts (lossless: the drafts change speed, never the tokens)."""
-    from nextn import LLM, SamplingParams
-    from nextn.build.engine_builder import build_engine
-
     with torch.no_grad(), _oracle(family, kind) as hf:
         want = hf.generate(torch.tensor([PROMPT]), max_new_tokens=32, do_sample=False, pad_token_id=0,
                            eos_token_id=None)[0, len(PROMPT):].tolist()
-    build_engine(_source(family, kind, tmp_path), tmp_path / "engine", dtype="float32", quant_algo=None,
-                 max_seq_len=256, progress=False)
-    params = SamplingParams(max_tokens=32, ignore_eos=True)
-    for spec in (None, {"decoding_type": "NGram", "max_draft_len": 4},
-                 {"decoding_type": "Suffix", "max_draft_len": 8}):
-        llm = LLM(tmp_path / "engine", device="cpu", speculative_config=spec)
-        got = llm.generate(PROMPT, params).outputs[0].token_ids
-        llm.shutdown()
-        assert got == want, spec
+    assert_engine_greedy(_source(family, kind, tmp_path), tmp_path / "engine", PROMPT, want)
 
 
 def test_family_configs_and_refusals():

@@ -20,7 +20,7 @@ from nextn.models.moe import SparseMoE
 from nextn.testing import batch_invariance as bi
 from nextn.testing.tiny_families import MOE_FAMILIES, save_tiny
 
-from family_sources import tiny_source
+from family_sources import assert_engine_greedy, tiny_source
 from test_llama import _assert_matches_hf, _load
 
 PROMPT = [1] + [100 + (7 * i) % 23 for i in range(45)]  # 46 tokens, repetitive: drafts get accepted
@@ -68,21 +68,11 @@ def test_qwen3_moe_dense_layers(tokenizer_dir, tmp_path):
 @pytest.mark.parametrize("kind", ["hf", "gguf"])
 def test_engine_greedy_is_transformers_plain_and_speculative(family, kind, tmp_path):
     """build-engine (float32) → LLM: greedy tokens equal `transformers.generate`, plain and with NGram / Suffix."""
-    from nextn import LLM, SamplingParams
-    from nextn.build.engine_builder import build_engine
-
     _, hf, hf_dir = family
     with torch.no_grad():
         want = hf.generate(torch.tensor([PROMPT]), max_new_tokens=32, do_sample=False, pad_token_id=0,
                            eos_token_id=None)[0, len(PROMPT):].tolist()
-    build_engine(tiny_source(hf_dir, kind), tmp_path / "engine", dtype="float32", quant_algo=None, max_seq_len=256,
-                 progress=False)
-    params = SamplingParams(max_tokens=32, ignore_eos=True)
-    for spec in (None, {"decoding_type": "NGram", "max_draft_len": 4}, {"decoding_type": "Suffix", "max_draft_len": 8}):
-        llm = LLM(tmp_path / "engine", device="cpu", speculative_config=spec)
-        got = llm.generate(PROMPT, params).outputs[0].token_ids
-        llm.shutdown()
-        assert got == want, spec
+    assert_engine_greedy(tiny_source(hf_dir, kind), tmp_path / "engine", PROMPT, want)
 
 
 def test_glm4_moe_expert_groups(tokenizer_dir, tmp_path):

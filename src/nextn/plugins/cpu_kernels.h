@@ -33,28 +33,26 @@ inline simd::V16 load16(const at::BFloat16* p, int64_t n) {
   return simd::load_bf16(reinterpret_cast<const uint16_t*>(p), n);
 }
 
-// out = w * bf16(x * rsqrt(mean(x^2) + eps)), one row of H (H % 16 == 0): Llama's RMSNorm with bf16 weights
-inline void rms_norm(const uint16_t* x, const uint16_t* w, int64_t H, float eps, uint16_t* out) {
-  using simd::V16;
-  V16 ss = simd::zero();
+// rsqrt(mean(x^2) + eps) of one bf16 row of H (H % 16 == 0), broadcast
+inline simd::V16 inv_rms(const uint16_t* x, int64_t H, float eps) {
+  simd::V16 ss = simd::zero();
   for (int64_t i = 0; i < H; i += 16) {
-    const V16 v = simd::load_bf16(x + i);
+    const simd::V16 v = simd::load_bf16(x + i);
     ss = simd::fmadd(v, v, ss);
   }
-  const V16 inv = simd::set1(1.f / std::sqrt(simd::reduce_add(ss) / float(H) + eps));
+  return simd::set1(1.f / std::sqrt(simd::reduce_add(ss) / float(H) + eps));
+}
+
+// out = w * bf16(x * rsqrt(mean(x^2) + eps)), one row of H (H % 16 == 0): Llama's RMSNorm with bf16 weights
+inline void rms_norm(const uint16_t* x, const uint16_t* w, int64_t H, float eps, uint16_t* out) {
+  const simd::V16 inv = inv_rms(x, H, eps);
   for (int64_t i = 0; i < H; i += 16)
     simd::store_bf16(out + i, simd::load_bf16(w + i) * simd::round_bf16(simd::load_bf16(x + i) * inv));
 }
 
 // out = bf16(x * rsqrt(mean(x^2) + eps) * s), s f32 (Gemma's 1 + w; OLMo 2's and gpt-oss's w, in f32), one bf16 row
 inline void rms_norm_scaled(const uint16_t* x, const float* s, int64_t H, float eps, uint16_t* out) {
-  using simd::V16;
-  V16 ss = simd::zero();
-  for (int64_t i = 0; i < H; i += 16) {
-    const V16 v = simd::load_bf16(x + i);
-    ss = simd::fmadd(v, v, ss);
-  }
-  const V16 inv = simd::set1(1.f / std::sqrt(simd::reduce_add(ss) / float(H) + eps));
+  const simd::V16 inv = inv_rms(x, H, eps);
   for (int64_t i = 0; i < H; i += 16) simd::store_bf16(out + i, (simd::load_bf16(x + i) * inv) * simd::load(s + i));
 }
 
