@@ -157,8 +157,15 @@ def _mxfp4_experts(src, dst):
 def test_mxfp4_experts_read_as_their_values(gpt_oss, tmp_path):
     """A GGUF whose experts are MXFP4 (the released files' format): nextn reads each expert's slice of the 4-bit
     blocks as `gguf` dequantizes them — logits equal `transformers` holding those same expert values."""
+    from nextn.build.engine_settings import auto_quant_algo
+    from nextn.plugins import woq_linear
+
     hf, path = gpt_oss
     values = _mxfp4_experts(tiny_source(path, "gguf"), tmp_path / "mxfp4.gguf")
+    reader = GGUFCheckpoint(tmp_path / "mxfp4.gguf")
+    assert reader.four_bit_share > 0.5  # the experts: a 4-bit file, built into nextn's int4 by default
+    if woq_linear.available():
+        assert auto_quant_algo(reader, "cpu") == woq_linear.fastest_int4_algo()
     model = _model(tmp_path / "mxfp4.gguf")
     with _oracle(hf, "gguf") as oracle:
         saved = {n: p.detach().clone() for n, p in oracle.named_parameters() if ".experts." in n}

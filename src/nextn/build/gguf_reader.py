@@ -54,7 +54,7 @@ from nextn.build.gguf_families import (
 #: ggml float types (read as they are, widened to fp32).
 FLOAT_TYPES = ("F32", "F16", "BF16")
 #: ggml types of about 4 bits a weight: a file mostly in them builds W4A16 by default (`engine_settings.auto_quant_algo`)
-FOUR_BIT_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS"})
+FOUR_BIT_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS", "MXFP4"})
 #: llama.cpp writes 0xFFFFFFFF (-1 as uint32) for "no such token".
 NO_TOKEN = 2**32 - 1
 #: GGUF value types read as integers (a BOOL is not a count) and as numbers.
@@ -247,11 +247,12 @@ class GGUFCheckpoint:
     @property
     def declares_four_bit(self) -> bool:
         """Whether `general.file_type` names a 4-bit llama.cpp file type (Q4_0, Q4_1, Q4_K_S, Q4_K_M, IQ4_NL,
-        IQ4_XS): what the user chose, even where llama.cpp's quantizer stored many tensors in 5 bits because their
+        IQ4_XS, MXFP4_MOE: gpt-oss's): what the user chose, even where llama.cpp's quantizer stored many tensors in 5 bits because their
         rows are not multiples of 256 (Gemma-3-270M's Q4_K_M: hidden 640, 81 of 127 matrices Q5_0)."""
         import gguf
 
-        names = {"MOSTLY_Q4_0", "MOSTLY_Q4_1", "MOSTLY_Q4_K_S", "MOSTLY_Q4_K_M", "MOSTLY_IQ4_NL", "MOSTLY_IQ4_XS"}
+        names = {"MOSTLY_Q4_0", "MOSTLY_Q4_1", "MOSTLY_Q4_K_S", "MOSTLY_Q4_K_M", "MOSTLY_IQ4_NL", "MOSTLY_IQ4_XS",
+                 "MOSTLY_MXFP4_MOE"}
         value = self._scalar("general.file_type", _INT_TYPES, "an integer file type", None)
         return value is not None and int(value) in {gguf.LlamaFileType[n].value for n in names}
 
