@@ -85,8 +85,8 @@ def test_user_errors_exit_2(
     if case == "missing_dir":
         model_dir, expected = tmp_path / "absent", "absent does not exist"
     elif case == "llama":
-        model_dir = make_ckpt(config_update={"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss"}).path
-        expected = "unsupported architecture 'GptOssForCausalLM'"
+        model_dir = make_ckpt(config_update={"architectures": ["FalconForCausalLM"], "model_type": "falcon"}).path
+        expected = "unsupported architecture 'FalconForCausalLM'"
     elif case == "missing_tensor":
         model_dir, expected = make_ckpt(drop=("lm_head.weight",)).path, "missing tensor 'lm_head.weight'"
     elif case == "bad_yaml":
