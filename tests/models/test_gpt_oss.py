@@ -185,3 +185,75 @@ def test_mxfp4_experts_read_as_their_values(gpt_oss, tmp_path):
                 for n, p in oracle.named_parameters():
                     if n in saved:
                         p.copy_(saved[n])
+
+
+_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def _to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's [E, in, out] expert weights as gpt-oss's release stores them: [E, out, in / 32, 16] uint8 codes (two
+    per byte, even column low) and [E, out, in / 32] E8M0 scales — the OCP MX rounding (a block's power of two is
+    floor(log2 amax) − 2, codes round to nearest), written here independently of nextn."""
+    g = w.transpose(1, 2).float().reshape(*w.shape[:1], w.shape[2], w.shape[1] // 32, 32)
+    exp = torch.floor(torch.log2(g.abs().amax(-1).clamp_min(2.0 ** -100))) - 2
+    x = g / torch.exp2(exp)[..., None]
+    code = (x.abs()[..., None] - _E2M1).abs().argmin(-1) + 8 * (x < 0)
+    return (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8), (exp + 127).to(torch.uint8)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4(gpt_oss, tmp_path_factory):
+    """The tiny checkpoint as gpt-oss's HF release stores it (experts MXFP4, `quant_method: mxfp4`), and
+    `transformers`' model of that directory (it dequantizes the experts itself on a CPU)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    _, src = gpt_oss
+    out = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".gguf":
+            shutil.copy(f, out / f.name)
+    tensors = {}
+    for name, t in load_file(src / "model.safetensors").items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[name + "_blocks"], tensors[name + "_scales"] = _to_mxfp4(t)
+        else:
+            tensors[name] = t
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (out / "config.json").write_text(json.dumps(config))
+    return AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval(), out
+
+
+def test_hf_mxfp4_checkpoint_reads_as_transformers_dequantizes_it(gpt_oss, gpt_oss_mxfp4):
+    """gpt-oss's HF release format: each expert's MXFP4 blocks read alone (`get(name, expert)`), logits equal
+    `transformers` loading the same directory; the values are MXFP4's, not the unquantized checkpoint's."""
+    from nextn.build.engine_settings import auto_quant_algo
+    from nextn.plugins import woq_linear
+
+    hf, _ = gpt_oss
+    oracle, path = gpt_oss_mxfp4
+    reader = CheckpointReader(path)
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    assert name in reader.names() and not any(n.endswith(("_blocks", "_scales")) for n in reader.names())
+    assert reader.tensor_info(name) == ("F32", [8, 64, 128]) and reader.is_quantized
+    assert torch.equal(reader.get(name, 5), oracle.model.layers[1].mlp.experts.gate_up_proj[5])
+    assert not torch.equal(reader.get(name), hf.model.layers[1].mlp.experts.gate_up_proj)  # MXFP4 moved them
+    assert reader.four_bit_share > 0.5  # the experts: built into nextn's int4 by default, as the MXFP4 GGUF is
+    if woq_linear.available():
+        assert auto_quant_algo(reader, "cpu") == woq_linear.fastest_int4_algo()
+    assert _assert_matches_hf(_model(path), oracle, 4000, [40, 9]) < 1e-4
+
+
+@pytest.mark.slow
+def test_engine_from_hf_mxfp4_is_transformers_greedy(gpt_oss_mxfp4, tmp_path):
+    """build-engine (float32) from the MXFP4 checkpoint → LLM: greedy tokens equal `transformers.generate` on it."""
+    oracle, path = gpt_oss_mxfp4
+    with torch.no_grad():
+        want = oracle.generate(torch.tensor([PROMPT]), max_new_tokens=32, do_sample=False, pad_token_id=0,
+                               eos_token_id=None)[0, len(PROMPT):].tolist()
+    assert_engine_greedy(path, tmp_path / "engine", PROMPT, want)

@@ -1,4 +1,5 @@
-"""Lazy, validated reader of an HF safetensors checkpoint directory (single file or sharded; BF16/FP32 or block FP8).
+"""Lazy, validated reader of an HF safetensors checkpoint directory (single file or sharded; BF16/FP32, block FP8 or
+MXFP4).
 
 Layout read (deepseek-ai/DeepSeek-V3's config.json):
 
@@ -10,7 +11,9 @@ Layout read (deepseek-ai/DeepSeek-V3's config.json):
 Tensors are read on demand through `safetensors.safe_open` (memory-mapped), so a checkpoint far larger than RAM
 can be converted one tensor at a time. FP8 checkpoints (`quantization_config.quant_method == "fp8"`) store each
 quantized weight `W` in float8_e4m3fn with a sibling `W_scale_inv`; `get` returns it dequantized to fp32 and the
-`_scale_inv` tensors are hidden from `names()`.
+`_scale_inv` tensors are hidden from `names()`. MXFP4 checkpoints (`quant_method == "mxfp4"`, gpt-oss's release)
+store a weight `W` as `W_blocks` + `W_scales` (build/mxfp4.py); `names()` lists it as `W` and `get` returns it
+dequantized to fp32 in the unquantized checkpoints' layout (the last two dimensions swapped: [E, in, out]).
 """
 
 from __future__ import annotations
@@ -26,12 +29,14 @@ import torch
 from safetensors import safe_open
 
 from nextn.build.fp8 import DEFAULT_BLOCK, dequantize_block_fp8
+from nextn.build.mxfp4 import dequantize_mxfp4
 from nextn.models.config import DeepseekV3ModelConfig
 
 CONFIG_NAME = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 SCALE_SUFFIX = "_scale_inv"
+MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
 FP8_DTYPES = (torch.float8_e4m3fn,)
 #: A JSON side file (config, index, tokenizer) larger than this is refused unread (tokenizer.json of a 256k
 #: vocabulary is ~20 MB).
@@ -144,7 +149,7 @@ class CheckpointReader:
     Raises:
         CheckpointError: the directory, `config.json` or the weights are missing; a JSON file is invalid; a
             shard listed in the index is missing, truncated or unreadable, or lacks a tensor the index maps to it;
-            the quantization method is not block FP8.
+            the quantization method is neither block FP8 nor MXFP4.
     """
 
     def __init__(self, model_dir: str | Path) -> None:
@@ -156,6 +161,7 @@ class CheckpointReader:
         self._handles: dict[Path, Any] = {}  # open safe_open handles, reopened on demand after close()
         self._files: list[Path] = []
         self._where: dict[str, Path] = {}  # every stored tensor (scales included) → its file
+        self._mxfp4 = False  # quant_method mxfp4: `W_blocks` + `W_scales` read as `W`
         self._block = self._quantization_block()
         if (self.model_dir / INDEX_FILE).is_file():
             self.index_file = self.model_dir / INDEX_FILE
@@ -166,7 +172,11 @@ class CheckpointReader:
             hint = " (PyTorch .bin checkpoints are not supported; convert them to safetensors)" if any(
                 self.model_dir.glob("pytorch_model*.bin")) else ""
             raise CheckpointError(f"{self.model_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}{hint}")
-        self._names = [n for n in self._where if not self._is_hidden_scale(n)]
+        #: an MXFP4 weight's name → its `_blocks` tensor's
+        self._packed = {n.removesuffix(MXFP4_BLOCKS): n for n in self._where if self._mxfp4
+                        and n.endswith(MXFP4_BLOCKS) and n.removesuffix(MXFP4_BLOCKS) + MXFP4_SCALES in self._where}
+        self._names = [n.removesuffix(MXFP4_BLOCKS) if n.removesuffix(MXFP4_BLOCKS) in self._packed else n
+                       for n in self._where if not self._is_hidden_scale(n)]
 
     # Opening -----------------------------------------------------------------------------------------
     def _quantization_block(self) -> tuple[int, int] | None:
@@ -174,9 +184,12 @@ class CheckpointReader:
         if not q:
             return None
         method = q.get("quant_method")
+        if method == "mxfp4":
+            self._mxfp4 = True
+            return None
         if method != "fp8":
             raise CheckpointError(f"{self.model_dir / CONFIG_NAME}: unsupported quantization_config.quant_method "
-                                  f"{method!r}; nextn reads unquantized and block-FP8 ('fp8') checkpoints")
+                                  f"{method!r}; nextn reads unquantized, block-FP8 ('fp8') and 'mxfp4' checkpoints")
         if q.get("fmt", "e4m3") != "e4m3":
             raise CheckpointError(f"{self.model_dir / CONFIG_NAME}: unsupported FP8 format {q.get('fmt')!r} "
                                   "(only e4m3)")
@@ -216,6 +229,8 @@ class CheckpointReader:
             self._where.setdefault(k, path)
 
     def _is_hidden_scale(self, name: str) -> bool:
+        if self._mxfp4 and name.endswith(MXFP4_SCALES):
+            return name.removesuffix(MXFP4_SCALES) + MXFP4_BLOCKS in self._where
         return name.endswith(SCALE_SUFFIX) and name.removesuffix(SCALE_SUFFIX) in self._where
 
     # Public API --------------------------------------------------------------------------------------
@@ -241,16 +256,34 @@ class CheckpointReader:
         return self._block is not None
 
     @property
+    def is_quantized(self) -> bool:
+        """Whether weights are stored in MXFP4 (the engine dtype is then chosen as for a block-quantized GGUF)."""
+        return bool(self._packed)
+
+    @cached_property
+    def four_bit_share(self) -> float:
+        """The share of the decoder's matrix weights (2-D and 3-D `.layers.` tensors, by element count) stored in
+        MXFP4, from headers: ~0.9 for gpt-oss's release (its experts), 0 for a float or FP8 checkpoint."""
+        if not self._packed:
+            return 0.0
+        sizes = [(math.prod(shape), name in self._packed) for name in self._names if ".layers." in name
+                 for _, shape in [self.tensor_info(name)] if len(shape) in (2, 3)]
+        total = sum(n for n, _ in sizes)
+        return sum(n for n, packed in sizes if packed) / total if total else 0.0
+
+    declares_four_bit = False
+
+    @property
     def files(self) -> list[Path]:
         """The weight files (one, or every shard), sorted by name."""
         return sorted(self._files)
 
     def names(self) -> list[str]:
-        """Every tensor name, in file order, without the FP8 `_scale_inv` companions."""
+        """Every tensor name, in file order, without the FP8 `_scale_inv` companions (MXFP4's pairs as one name)."""
         return list(self._names)
 
     def has(self, name: str) -> bool:
-        return name in self._where and not self._is_hidden_scale(name)
+        return name in self._packed or (name in self._where and not self._is_hidden_scale(name))
 
     def tensor_info(self, name: str) -> tuple[str, list[int]]:
         """(safetensors dtype such as "BF16" or "I32", shape) of a stored tensor, from its file's header only.
@@ -261,6 +294,12 @@ class CheckpointReader:
         """
         if not self.has(name):
             raise KeyError(name)
+        if name in self._packed:  # [..., rows, groups, 16] codes: F32 [..., groups · 32, rows] values
+            _, shape = self._header(self._packed[name])
+            return "F32", [*shape[:-3], shape[-2] * 2 * shape[-1], shape[-3]]
+        return self._header(name)
+
+    def _header(self, name: str) -> tuple[str, list[int]]:
         path = self._where[name]
         try:
             if path not in self._handles:
@@ -270,18 +309,33 @@ class CheckpointReader:
         except Exception as e:
             raise CheckpointError(f"cannot read the header of tensor {name!r} in {path}: {e}") from e
 
-    def get(self, name: str) -> torch.Tensor:
-        """One tensor by HF name; FP8 weights come back dequantized as float32 [M, N], others in their stored dtype.
+    def get(self, name: str, index: int | None = None) -> torch.Tensor:
+        """One tensor by HF name; FP8 weights come back dequantized as float32 [M, N], MXFP4 ones as float32 with
+        the last two dimensions of their blocks' rows and columns swapped ([E, in, out]), others in their stored
+        dtype.
 
+        Args:
+            index: an entry of the first dimension (one expert of a stacked [E, ...] tensor), read alone; None:
+                the whole tensor.
         Raises:
             KeyError: the checkpoint has no tensor `name`.
-            CheckpointError: the tensor cannot be read, or an FP8 tensor lacks or mismatches its `_scale_inv`.
+            CheckpointError: the tensor cannot be read, an FP8 tensor lacks or mismatches its `_scale_inv`, or an
+                MXFP4 tensor's blocks and scales disagree.
         """
         if not self.has(name):
             raise KeyError(name)
-        t = self._read(name)
+        if name in self._packed:
+            blocks = self._packed[name]
+            scales = blocks.removesuffix(MXFP4_BLOCKS) + MXFP4_SCALES
+            try:
+                return dequantize_mxfp4(self._read(blocks, index), self._read(scales, index)).transpose(-1, -2)
+            except ValueError as e:
+                raise CheckpointError(f"cannot dequantize MXFP4 tensor {name!r} in {self._where[blocks]}: {e}") from e
+        t = self._read(name, index)
         if t.dtype not in FP8_DTYPES:
             return t
+        if index is not None:  # a block-scaled FP8 weight is dequantized whole
+            return self.get(name)[index]
         scale_name = name + SCALE_SUFFIX
         if scale_name not in self._where:
             raise CheckpointError(f"FP8 tensor {name!r} in {self._where[name]} has no {scale_name!r}")
@@ -290,11 +344,13 @@ class CheckpointReader:
         except ValueError as e:
             raise CheckpointError(f"cannot dequantize FP8 tensor {name!r} in {self._where[name]}: {e}") from e
 
-    def _read(self, name: str) -> torch.Tensor:
+    def _read(self, name: str, index: int | None = None) -> torch.Tensor:
         path = self._where[name]
         try:
             if path not in self._handles:
                 self._handles[path] = safe_open(str(path), framework="pt")
+            if index is not None:
+                return self._handles[path].get_slice(name)[index]
             return self._handles[path].get_tensor(name)
         except Exception as e:
             raise CheckpointError(f"cannot read tensor {name!r} from {path}: {e}") from e

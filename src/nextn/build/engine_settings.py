@@ -49,7 +49,8 @@ def auto_quant_algo(reader: CheckpointReader | GGUFCheckpoint, device_type: str 
     builds: the int4 format fastest on this CPU's kernels (`woq_linear.fastest_int4_algo`: **W4A16** on
     `avx512_bf16`, **W4A8** on the variants without bf16 dot products) for a GGUF whose decoder matrices are mostly
     4-bit (`GGUFCheckpoint.four_bit_share` ≥ `AUTO_W4_MIN_SHARE`: Q4_0, Q4_1, Q4_K_M, ...) or whose file type is a
-    4-bit one (`declares_four_bit`: a Q4_K_M whose odd-width rows llama.cpp stored as Q5_0) when the engine runs on a
+    4-bit one (`declares_four_bit`: a Q4_K_M whose odd-width rows llama.cpp stored as Q5_0) — or an HF checkpoint
+    whose matrices are mostly MXFP4 (gpt-oss's release: `CheckpointReader.four_bit_share`) — when the engine runs on a
     CPU where nextn's int4 kernels load (`plugins/woq_linear.available()`) and takes every decoder linear's shape,
     else None (the linears stay in the engine dtype).
 
@@ -64,8 +65,7 @@ def auto_quant_algo(reader: CheckpointReader | GGUFCheckpoint, device_type: str 
     from nextn.plugins import woq_linear
 
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-    if (not isinstance(reader, GGUFCheckpoint) or device_type != "cpu"
-            or (reader.four_bit_share < AUTO_W4_MIN_SHARE and not reader.declares_four_bit)):
+    if device_type != "cpu" or (reader.four_bit_share < AUTO_W4_MIN_SHARE and not reader.declares_four_bit):
         return None
     if not woq_linear.available():
         logger.info("quant_algo auto: nextn's int4 CPU kernels are unavailable here (%s); the linears stay in the "

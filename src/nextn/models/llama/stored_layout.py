@@ -233,8 +233,7 @@ class StoredLayout:
         """Tensor `name` in the engine's layout. Raises KeyError when absent."""
         if name in self._experts:
             stored, e, cols, transposed = self._experts[name]
-            t = self._reader.get(stored)
-            t = t[e] if e is not None else t
+            t = self._reader.get(stored) if e is None else self._reader.get(stored, e)  # one expert read alone
             t = t[..., 0::2] if cols == "gate" else t[..., 1::2] if cols == "up" else t
             return t.T if transposed else t
         if name in self._gated:
