@@ -80,3 +80,18 @@ def test_find_bin_dir_looks_for_the_tool_asked_for(tmp_path, monkeypatch):
     assert llama_cpp.find_bin_dir(root=tmp_path, tool="llama-server") == built
     monkeypatch.setenv("LLAMA_CPP_BIN_DIR", str(built))
     assert llama_cpp.find_bin_dir(tool="llama-server") == built and llama_cpp.find_bin_dir() is None
+
+
+def test_mtp_steps_are_read_from_the_verbose_log():
+    """`llama-speculative-simple -v` with draft-mtp: each step's rank-0 candidates (a step starts at pos 0) and its
+    accepted count, in order (lines as b11434's common/speculative.cpp and speculative-simple print them)."""
+    log = "\n".join([
+        "0.00.554.262 D spec        draft:  - seq_id 0, draft candidate   0, pos   0:   8529 (   0.199) ' mig'",
+        "0.00.554.273 D spec        draft:  - seq_id 0, draft candidate   1, pos   0:  26545 (   0.168) ' Gil'",
+        "0.00.555.597 D spec        draft:  - seq_id 0, draft candidate   0, pos   1:  19417 (   0.217) ' cal'",
+        "0.00.558.743 D accepted 1/2 draft tokens, the last target token is: (42413)",
+        "0.00.560.151 D spec        draft:  - seq_id 0, draft candidate   0, pos   0:  45462 (   0.174) '#--'",
+        "0.00.561.001 D spec        draft:  - seq_id 0, draft candidate   0, pos   1:     12 (   0.101) 'x'",
+        "0.00.563.447 D accepted 0/2 draft tokens, the last target token is: (40941)",
+    ])
+    assert llama_cpp.parse_mtp_steps(log) == ([[8529, 19417], [45462, 12]], [1, 0])

@@ -307,3 +307,46 @@ def test_hybrid_moe_greedy_is_transformers(tokenizer_dir, tmp_path, kind, family
         llm = LLM(tmp_path / "engine", device="cpu", speculative_config=spec)
         assert greedy_outputs(llm, PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True)) == want, spec
         llm.shutdown()
+
+
+def test_chained_drafts_read_the_normed_state(with_mtp, tmp_path):
+    """Qwen3.5's released MTP layer chains its output after `shared_head.norm` (llama.cpp's `qwen35.cpp`, vLLM's
+    `qwen3_next_mtp.py`): the second draft is the module's argmax at [embed(draft 1); norm(h1)]. Control: the block
+    output h1 itself drafts otherwise. A checkpoint `nextn train-draft` wrote (`mtp_chain_normed: false`) keeps it."""
+    from nextn.speculative.mtp import MtpEagleDrafter
+
+    _, path, _ = with_mtp
+    config = json.loads((path / "config.json").read_text())
+    assert LlamaModelConfig.from_hf(config).mtp_chain_normed
+    assert not LlamaModelConfig.from_hf({**config, "mtp_chain_normed": False}).mtp_chain_normed
+    cfg = LlamaModelConfig.from_hf(config)
+    stored = stored_view(CheckpointReader(path), cfg)
+    model = _load(cfg, stored.get, stored.has)
+    with torch.no_grad():  # channel scales far from one, so that norm(h1) and h1 draft apart somewhere
+        norm = model.mtp_layer(0).shared_head.norm.weight
+        norm.copy_(torch.rand(norm.shape, generator=torch.Generator().manual_seed(0)) * 3 - 0.5)
+    table = torch.tensor([[1, 2, 3, 4]])
+    seconds = {}
+    for normed in (True, False):
+        model.mtp_chain_normed = normed
+        got = []
+        for p in PROMPTS:
+            ids = torch.tensor([p])
+            model.allocate_recurrent_state(1, 1, "cpu")
+            model.bind_batch_slots(torch.tensor([0]))
+            kv = torch.zeros(cfg.num_cache_layers, 5 * 16, cfg.kv_cache_dim)
+            meta = _meta(table, torch.arange(len(p))[None])
+            with torch.no_grad():
+                hidden = model(ids, kv, meta)
+                nxt = torch.cat([ids[:, 1:], model.logits(hidden[:, -1:]).argmax(-1)], dim=1)
+                drafts = MtpEagleDrafter(2)._draft(model, kv, meta, hidden, nxt, torch.tensor([len(p) - 1]))
+                if normed:  # the second draft by hand, over the KV the first step left
+                    h1 = model.forward_mtp(0, nxt, hidden, kv, meta)[:, -1:]
+                    at = torch.tensor([[len(p)]])
+                    h2 = model.forward_mtp(0, drafts[:, :1], model.mtp_layer(0).shared_head.norm(h1), kv,
+                                           meta.with_tokens(at, slots_for_positions(table, at, 16)))
+                    assert model.mtp_logits(0, h2).argmax(-1).item() == drafts[0, 1].item()
+            got.append(drafts[0].tolist())
+        seconds[normed] = got
+    assert [d[0] for d in seconds[True]] == [d[0] for d in seconds[False]]
+    assert seconds[True] != seconds[False]

@@ -7,7 +7,9 @@ invocations, each as its `--help` documents (llama.cpp b11434, the sdist `llama-
 - `llama-completion -m MODEL -t T -n N --temp 0 -p PROMPT -no-cnv --ignore-eos`: one prompt, greedy; its
   `common_perf_print` line `eval time = X ms / N runs` gives decode tokens/s on that prompt;
 - `llama-speculative-simple -m TARGET -md DRAFT --draft-max K ...`: draft-model speculation; it prints
-  `decoded N tokens in S seconds, speed: X t/s`, `n_drafted = D`, `n_accept = A`.
+  `decoded N tokens in S seconds, speed: X t/s`, `n_drafted = D`, `n_accept = A`; with `--spec-type draft-mtp` the
+  GGUF's own MTP layer drafts, and `-v` logs each step's drafts (`draft candidate 0, pos J: TOKEN`) and
+  `accepted A/K draft tokens` (common/speculative.cpp, examples/speculative-simple).
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ def find_bin_dir(explicit: str | Path | None = None, root: Path | None = None, t
 
 def _run(cmd: list[str], timeout_s: float) -> str:
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
+        proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=timeout_s,
+                              stdin=subprocess.DEVNULL)  # `-v` logs token pieces that may be partial UTF-8
     except FileNotFoundError as e:
         raise LlamaCppError(f"{cmd[0]} not found; build llama.cpp as ../shared/PEERS.md says") from e
     except subprocess.TimeoutExpired as e:
@@ -89,6 +92,19 @@ _EVAL = re.compile(r"\beval time\s*=\s*([\d.]+)\s*ms\s*/\s*(\d+)\s*(?:runs|token
 _DECODED = re.compile(r"decoded\s+(\d+)\s+tokens in\s+([\d.]+)\s+seconds, speed:\s+([\d.]+)\s*t/s")
 _DRAFTED = re.compile(r"n_drafted\s*=\s*(\d+)")
 _ACCEPT = re.compile(r"n_accept\s*=\s*(\d+)")
+_CANDIDATE = re.compile(r"draft candidate\s+0, pos\s+(\d+):\s+(\d+) ")
+_STEP_ACCEPTED = re.compile(r"accepted (\d+)/(\d+) draft tokens")
+
+
+def parse_mtp_steps(text: str) -> tuple[list[list[int]], list[int]]:
+    """From `llama-speculative-simple -v` output: each step's draft tokens (the candidates ranked 0, a new step at
+    pos 0) and each step's accepted count, in order."""
+    drafts: list[list[int]] = []
+    for m in _CANDIDATE.finditer(text):
+        if int(m[1]) == 0 or not drafts:
+            drafts.append([])
+        drafts[-1].append(int(m[2]))
+    return drafts, [int(m[1]) for m in _STEP_ACCEPTED.finditer(text)]
 
 
 def parse_completion(text: str) -> PeerResult:
@@ -158,3 +174,13 @@ def speculative(bin_dir: Path, target: Path, draft: Path, prompt: str, num_token
                 "--temp", "0", "-p", prompt, "-n", str(num_tokens), "--spec-type", "draft-simple",
                 "--spec-draft-n-max", str(draft_max)], timeout_s)
     return parse_speculative(out)
+
+
+def mtp_speculative(bin_dir: Path, model: Path, prompt: str, num_tokens: int, draft_max: int, threads: int = 2,
+                    timeout_s: float = 900) -> tuple[PeerResult, list[list[int]], list[int]]:
+    """llama.cpp's `draft-mtp` (the GGUF's embedded MTP layer drafts `draft_max` tokens a step, greedy, no
+    probability cut-off) on `prompt`: (the summary, each step's drafts, each step's accepted count)."""
+    out = _run([str(bin_dir / "llama-speculative-simple"), "-m", str(model), "-t", str(threads), "--temp", "0",
+                "-p", prompt, "-n", str(num_tokens), "--spec-type", "draft-mtp", "--spec-draft-n-max",
+                str(draft_max), "--spec-draft-p-min", "0", "-c", "4096", "-v"], timeout_s)
+    return (parse_speculative(out), *parse_mtp_steps(out))

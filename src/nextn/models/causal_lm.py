@@ -49,6 +49,7 @@ class SelfDraftingCausalLM(nn.Module):
     layer_types: tuple[str, ...] | None = None
     sliding_window: int | None = None
     logits_scaling: float = 1.0  # logits ÷ this (Granite's `logits_scaling`)
+    mtp_chain_normed: bool = False  # `mtp_chain_hidden`: the config's, a plain attribute (torch.compile traces it)
     final_logit_softcapping: float | None = None  # logits → cap · tanh(logits / cap) (Gemma 2)
     #: Per decoder layer its KV-cache row, −1 for a linear-attention layer (None: layer i is row i); how many
     #: decoder layers are linear-attention ones (plain attributes, set by the family: torch.compile traces them)
@@ -218,6 +219,14 @@ class SelfDraftingCausalLM(nn.Module):
         embeds = self.model.embed_tokens(input_ids)
         return self.mtp_layer(k).forward_mtp(embeds, hidden_prev, self._cos_sin(meta.positions),
                                              kv_cache[self.num_attention_layers + k], meta)
+
+    def mtp_chain_hidden(self, k: int, hidden: torch.Tensor) -> torch.Tensor:
+        """What the next chained use of a module reads from module k's output `hidden` [..., hidden]:
+        `shared_head.norm(hidden)` where the family's MTP layer chains normed states (`mtp_chain_normed`: the
+        released layers of Qwen3.5 / Qwen3-Next and GLM-4.5, as `transformers`' `MtpModel`, vLLM's
+        `qwen3_next_mtp.py` and llama.cpp's `qwen35.cpp` / `glm4-moe.cpp` chain them), else `hidden` itself (the
+        modules `nextn train-draft` trains; DeepSeek-V3's layout, as vLLM's `deepseek_mtp.py`)."""
+        return self.mtp_layer(k).shared_head.norm(hidden) if self.mtp_chain_normed else hidden
 
     def mtp_logits(self, k: int, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head(shared_head.norm(h)) of MTP module k: [..., hidden] → [..., vocab] fp32."""

@@ -56,7 +56,7 @@ class MtpEagleDrafter(LinearDrafter):
         for _ in range(1, self.num_draft_tokens):
             position = position + 1
             step_meta = meta.with_tokens(position, slots_for_positions(meta.block_tables, position, meta.block_size))
-            h = model.forward_mtp(0, token, h, kv_cache, step_meta)
+            h = model.forward_mtp(0, token, model.mtp_chain_hidden(0, h), kv_cache, step_meta)
             token = model.mtp_logits(0, h).argmax(-1)
             drafts.append(token)
         return torch.cat(drafts, dim=1)
@@ -105,7 +105,7 @@ class MtpVanillaDrafter(LinearDrafter):
         drafts = []
         h = hidden
         for k in range(self.num_draft_tokens):
-            h = model.forward_mtp(k, tokens, h, kv_cache, meta)
+            h = model.forward_mtp(k, tokens, h if k == 0 else model.mtp_chain_hidden(k - 1, h), kv_cache, meta)
             token = model.mtp_logits(k, rows_at(h, last_idx)).argmax(-1)  # [B, 1]
             drafts.append(token)
             # Module k+1 at row i needs the token one further on: shift left, put the new draft at last_idx.

@@ -165,7 +165,7 @@ class StaticTreeDrafter(MtpTreeDrafter):
             if d == tree.max_depth:
                 break
             cols = torch.arange(s, e, device=base.device)
-            h = model.forward_mtp(0, tokens, h[:, local], kv_cache,
+            h = model.forward_mtp(0, tokens, model.mtp_chain_hidden(0, h[:, local]), kv_cache,
                                   self._depth_meta(meta, base, d, cols, tree.mask[s:e]))  # [B, n_d, H]
             top = model.mtp_logits(0, h).topk(tree.topk, dim=-1).indices  # [B, n_d, k]
         return torch.cat(drafts, dim=1)[:, tree.order[1:] - 1], ()  # (depth, path) order → verification order
@@ -213,7 +213,8 @@ class DynamicTreeDrafter(MtpTreeDrafter):
         for d in range(1, self.max_draft_depth):
             cols = 1 + (d - 1) * k + torch.arange(k, device=dev)  # the beam's scratch rows
             seen = seen.scatter(2, cols.expand(b, k)[..., None], True)
-            h = model.forward_mtp(0, beam_tok, h_parent, kv_cache, self._depth_meta(meta, base, d, cols, seen))
+            h = model.forward_mtp(0, beam_tok, model.mtp_chain_hidden(0, h_parent), kv_cache,
+                                  self._depth_meta(meta, base, d, cols, seen))
             lp, ids = torch.log_softmax(model.mtp_logits(0, h), dim=-1).topk(k, dim=-1)  # [B, k, k]
             child_score = (beam_score[:, :, None] + lp.clamp(max=0.0)).flatten(1)  # [B, k²]
             child_tok = ids.flatten(1)

@@ -485,6 +485,7 @@ def write_mtp_checkpoint(model_dir: str | Path, modules: list[dict[str, torch.Te
     for k, module in enumerate(modules):
         state.update({f"model.layers.{n + k}.{name}": t for name, t in module.items()})
     config["num_nextn_predict_layers"] = len(modules)
+    config["mtp_chain_normed"] = False  # trained with each step reading the block output of the one before
     if any(".experts." in name for module in modules for name in module):
         config["mtp_moe"] = True  # an MoE base's block: the engine builds the MTP layers' MLP as MoE
     out = Path(output_dir)

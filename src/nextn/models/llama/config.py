@@ -114,6 +114,10 @@ class LlamaModelConfig(BaseModel):
     eos_token_id: int | list[int] | None = None
     torch_dtype: str = "float32"  # dtype the checkpoint was saved in
     num_nextn_predict_layers: MtpLayers = 0  # MTP modules at model.layers.{num_hidden_layers + i}
+    #: a chained MTP step reads the previous step's output after `shared_head.norm` (the released MTP layers of
+    #: Qwen3.5 / Qwen3-Next and GLM-4.5, as `transformers`' MtpModel and llama.cpp chain them), not the block output
+    #: (the modules `nextn train-draft` trains, which write `mtp_chain_normed: false`; `mtp_chain_hidden`)
+    mtp_chain_normed: bool = False
     # Mixture of experts (`models/moe.py`; 0 experts: dense) ---------------------------------------
     num_experts: int = Field(default=0, strict=True, ge=0, le=MAX_EXPERTS)  # routed experts of an MoE layer
     num_experts_per_tok: int = Field(default=0, strict=True, ge=0, le=MAX_EXPERTS)  # top-k: experts run per token

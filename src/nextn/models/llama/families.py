@@ -95,7 +95,7 @@ def _qwen3_5(hf: dict[str, Any]) -> dict[str, Any]:
     if mtp not in (0, 1):  # its released layout: one fc and norm pair, then the layers (nextn's module: one each)
         raise ConfigError(f"mtp_num_hidden_layers={mtp!r}: nextn reads one Qwen3.5 / Qwen3-Next MTP layer")
     return {"layer_types": types, "qk_norm": True, "norm_style": "unit_offset", "attn_output_gate": True,
-            "num_nextn_predict_layers": mtp,
+            "num_nextn_predict_layers": mtp, "mtp_chain_normed": bool(hf.get("mtp_chain_normed", True)),
             "head_dim": hf.get("head_dim") or 256,
             "rotary_dim": _rotary_dim({**hf, "head_dim": hf.get("head_dim") or 256,
                                        "rope_parameters": {"partial_rotary_factor": 0.25, **params}})}
@@ -172,7 +172,7 @@ def _glm4_moe(hf: dict[str, Any]) -> dict[str, Any]:
             "mlp_only_layers": tuple(range(min(first, layers))) if type(first) is int and type(layers) is int else (),
             # its MTP layers (`model.layers.{num_hidden_layers + i}`: DeepSeek-V3's module with an MoE block)
             "num_nextn_predict_layers": hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0)),
-            "mtp_moe": True}
+            "mtp_moe": True, "mtp_chain_normed": bool(hf.get("mtp_chain_normed", True))}
 
 
 def _windows(arch: str, hf: dict[str, Any]) -> dict[str, Any]:

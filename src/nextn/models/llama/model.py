@@ -283,6 +283,7 @@ class LlamaForCausalLM(SelfDraftingCausalLM):
         self.layer_types = cfg.layer_input_keys
         self.logits_scaling = cfg.logits_scaling
         self.final_logit_softcapping = cfg.final_logit_softcapping
+        self.mtp_chain_normed = cfg.mtp_chain_normed
         if cfg.has_sliding_layers:
             self.sliding_window = cfg.sliding_window
         if cfg.linear_layers:  # KV-cache rows of the attention layers only (-1: a Gated DeltaNet layer)
