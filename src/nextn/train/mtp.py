@@ -1,10 +1,8 @@
 """Training MTP modules on a frozen Llama-family base by self-distillation (DeepSeek-V3 report §2.2; EAGLE).
 
-The module is DeepSeek's: x = eh_proj([enorm(embed(t)); hnorm(h)]), one decoder block of the base's architecture
-(`transformers`' `LlamaDecoderLayer`, or `Qwen2DecoderLayer` with its q/k/v biases: `DECODER_LAYERS`),
-logits = lm_head(shared_head.norm(x)), with the base's embedding and lm_head shared and frozen. Targets are the
-base's own greedy continuations (`train/data.py`), so the module learns the base's distribution. Two shapes, as
-the runtime drafters use them (`speculative/mtp.py`):
+The module is DeepSeek's: x = eh_proj([enorm(embed(t)); hnorm(h)]), one block of the base's own `transformers` layer
+(`DECODER_LAYERS`), logits = lm_head(shared_head.norm(x)), the base's embedding and lm_head frozen. Targets: the base's
+greedy continuations (`train/data.py`). Two shapes, as the runtime drafters use them (`speculative/mtp.py`):
 
 - Vanilla (K modules): module k at position i reads embed(t_{i+k}) and module k−1's output at i (the base's
   final-normed hidden state for k = 1) and predicts t_{i+k+1}; causal attention over its own outputs.
@@ -12,17 +10,15 @@ the runtime drafters use them (`speculative/mtp.py`):
   embed(t_{j+1}) and step s−1's output at j − 1, and predicts t_{j+2}. Its attention context is what the runtime
   cache holds there: step-1 entries (computed from the base's hidden states) at positions ≤ p, then the chain's
   own step-2..s entries at p + 1..j. Training runs the K steps as K streams of the same sequence (EAGLE-3's
-  "training-time test"), feeding back the module's own hidden states, so K = 3 drafts are trained as they are
-  used: stream s runs alone through the block, its attention reading the earlier streams' cached K/V
-  (`_eagle_attention`, a `transformers` attention function, so any block — Llama's, DeepSeek's MLA — works); this
-  equals running all streams under `eagle_mask` (tested) at about K plain passes' cost. Tokens are
-  teacher-forced: a step only matters when the drafts before it were accepted, i.e. equal to the base's tokens.
+  "training-time test"), feeding back the module's own block outputs (the checkpoint says so: `mtp_chain_normed:
+  false`), so K = 3 drafts are trained as used: stream s runs alone through the block, reading the earlier streams'
+  cached K/V (`_eagle_attention`, a `transformers` attention function: any block works), as all streams under
+  `eagle_mask` would (tested). Tokens are teacher-forced: a step only matters when the drafts before it were accepted.
 
-Only chains that start at a generated position count (p ≥ P − 1 for a prompt of P tokens), as at decode time, and
-only labels inside the sequence (sequences are right-padded). Loss: Σ_k cross-entropy against the base's greedy
-tokens, over the tokens of the training data (`LossVocab`: the lm_head product is most of a step's cost) or the full
-vocabulary, plus optionally EAGLE's feature loss (smooth L1 between the normed output and the base's own final
-state at the label's position); Adam, linearly decayed learning rate.
+Only chains that start at a generated position (p ≥ P − 1 for a prompt of P tokens) and labels inside the sequence
+count. Loss: Σ_k cross-entropy against the base's greedy tokens, over the tokens of the training data (`LossVocab`:
+the lm_head product is most of a step's cost) or the full vocabulary, plus optionally EAGLE's feature loss (smooth
+L1 between the normed output and the base's own final state at the label's position); Adam, linear decay.
 The output is an HF checkpoint (config.json with `num_nextn_predict_layers`, model.safetensors with the base's
 tensors and the modules at `model.layers.{num_hidden_layers + k}`, tokenizer files) that `build-engine` reads.
 """
@@ -122,6 +118,11 @@ DECODER_LAYERS = {
     "gemma3_text": ("transformers.models.gemma3.modeling_gemma3", "Gemma3DecoderLayer", "Gemma3RMSNorm"),
     # GLM-4.5 / 4.6 (a checkpoint without its MTP layer gets one): the block is an MoE layer, as released
     "glm4_moe": ("transformers.models.glm4_moe.modeling_glm4_moe", "Glm4MoeDecoderLayer", "Glm4MoeRMSNorm"),
+    # Phi-3 / Phi-4-mini (fused projections, split on reading); Granite (its logits ÷ `logits_scaling`:
+    # `TrainSession.lm_head`); SmolLM3 (the block built as a layer with RoPE: the engine's MTP layers rotate)
+    "phi3": ("transformers.models.phi3.modeling_phi3", "Phi3DecoderLayer", "Phi3RMSNorm"),
+    "granite": ("transformers.models.granite.modeling_granite", "GraniteDecoderLayer", "GraniteRMSNorm"),
+    "smollm3": ("transformers.models.smollm3.modeling_smollm3", "SmolLM3DecoderLayer", "SmolLM3RMSNorm"),
 }
 
 
@@ -136,8 +137,9 @@ def _unit_offset(norm: nn.Module) -> bool:
 
 
 def base_context(body: nn.Module) -> tuple[torch.Tensor, Callable[..., Any]]:
-    """(The embedding the MTP module reads [V, H] — × the base's embedding scale, Gemma's √hidden —, the rotary
-    embedding (x, positions) → (cos, sin) of its full-attention layers) of a `transformers` base's decoder body."""
+    """(The embedding the MTP module reads [V, H] — × the base's embedding scale, Gemma's √hidden; any scale is
+    immaterial behind `enorm` —, the rotary embedding (x, positions) → (cos, sin) of its full-attention layers) of a
+    `transformers` base's decoder body."""
     embed = body.embed_tokens
     weight = embed.weight.detach() * getattr(embed, "scalar_embed_scale", 1.0)
     rotary = body.rotary_emb
@@ -149,9 +151,10 @@ def base_context(body: nn.Module) -> tuple[torch.Tensor, Callable[..., Any]]:
 def mtp_module(hf_config) -> MtpModule:
     """A module whose block is the base's own `transformers` decoder layer (HF parameter names, as the engine's):
     `LlamaDecoderLayer`, `Qwen2DecoderLayer` (q/k/v biases), `Qwen3DecoderLayer` (q/k norms), `MistralDecoderLayer`,
-    `Olmo2DecoderLayer` (post-norms), `Gemma3DecoderLayer` (sandwich unit-offset norms) or `Glm4MoeDecoderLayer`
-    (an MoE block). (Qwen3-MoE's block: its training loss turns NaN within 6 steps on a tiny base: not yet.) The block is built as the base's last full-attention layer (the engine's MTP layers attend to
-    every earlier key with the global rope). (Granite's multipliers: not yet.)
+    `Olmo2DecoderLayer` (post-norms), `Gemma3DecoderLayer` (sandwich unit-offset norms), `Glm4MoeDecoderLayer`
+    (an MoE block), `Phi3DecoderLayer`, `GraniteDecoderLayer` or `SmolLM3DecoderLayer`. (Qwen3-MoE's block: its
+    training loss turns NaN within 6 steps on a tiny base: not yet.) The block is built as the base's last
+    full-attention layer with RoPE (the engine's MTP layers attend to every earlier key with the global rope).
 
     Raises:
         ValueError: a base of another architecture.
@@ -165,7 +168,8 @@ def mtp_module(hf_config) -> MtpModule:
     hf = importlib.import_module(module_name)
     # the layer index only picks a cache slot and the layer type: the last full-attention decoder layer's
     types = getattr(hf_config, "layer_types", None) or ["full_attention"] * hf_config.num_hidden_layers
-    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    rope = getattr(hf_config, "no_rope_layers", None) or [1] * hf_config.num_hidden_layers
+    full = [i for i, t in enumerate(types) if t == "full_attention" and rope[i]]
     block = getattr(hf, layer_name)(hf_config, full[-1] if full else hf_config.num_hidden_layers - 1)
     return MtpModule(block, hf_config.hidden_size, lambda h: getattr(hf, norm_name)(h, eps=hf_config.rms_norm_eps))
 

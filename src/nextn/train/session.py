@@ -123,7 +123,8 @@ class Prepared:
 
     @property
     def lm_head(self) -> torch.Tensor:
-        return self.model.lm_head.weight.detach()
+        """The base's head [V, H] as its logits use it: ÷ Granite's `logits_scaling` (1 elsewhere)."""
+        return self.model.lm_head.weight.detach() / (getattr(self.model.config, "logits_scaling", None) or 1.0)
 
 
 def prepare(model_dir: str | Path, data_cfg: DataConfig, settings: TrainSettings, cache_dir: str | Path
