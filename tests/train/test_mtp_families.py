@@ -36,7 +36,8 @@ class _Stored:
         return "F32", list(self.tensors[name].shape)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "olmo2", "glm4_moe", "gemma3_text", "phi3", "smollm3", "granite"])
+@pytest.mark.parametrize("model_type", ["qwen3", "olmo2", "glm4_moe", "gemma3_text", "phi3", "smollm3", "granite",
+                                        "qwen3_moe"])
 def test_engine_mtp_module_matches_the_training_module(model_type):
     hf = tiny_hf_model(model_type, **({"num_hidden_layers": 8} if model_type == "gemma3_text" else {}))
     module = mtp_module(hf.config)
@@ -46,7 +47,7 @@ def test_engine_mtp_module_matches_the_training_module(model_type):
     n = hf.config.num_hidden_layers
     state = split_experts({k: v.detach() for k, v in hf.state_dict().items()})
     state.update({f"model.layers.{n}.{k}": t for k, t in module.checkpoint_tensors().items()})
-    moe = model_type == "glm4_moe"  # (write_mtp_checkpoint sets mtp_moe for an MoE block)
+    moe = model_type in ("glm4_moe", "qwen3_moe")  # (write_mtp_checkpoint sets mtp_moe for an MoE block)
     cfg = LlamaModelConfig.from_hf({**hf.config.to_dict(), "num_nextn_predict_layers": 1, "mtp_moe": moe})
     stored = stored_view(_Stored(state), cfg)  # as build-engine reads it (GLM-4.5's partial rotary: q/k rows)
     with torch.device("meta"):
@@ -84,3 +85,12 @@ def test_warm_start_zeroes_every_down_projection_of_an_moe_block():
     downs = {n: p for n, p in module.block.mlp.named_parameters() if "down_proj" in n}
     assert set(downs) == {"experts.down_proj", "shared_experts.down_proj.weight"}
     assert all(not p.any() for p in downs.values())
+
+
+def test_an_moe_blocks_stacked_experts_are_initialised():
+    """`transformers` leaves a Qwen3-MoE layer's stacked expert weights as `torch.empty` until a model initialises
+    them (a training loss of NaN from the first step, from whatever memory held): the module draws them."""
+    module = mtp_module(tiny_hf_model("qwen3_moe").config)
+    experts = module.block.mlp.experts
+    for p in (experts.gate_up_proj, experts.down_proj):
+        assert torch.isfinite(p).all() and abs(p.std().item() * p.shape[-1] ** 0.5 - 1.0) < 0.1

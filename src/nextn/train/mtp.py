@@ -28,9 +28,6 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-import json
-import re
-import shutil
 from collections.abc import Callable
 from typing import Any
 from dataclasses import dataclass
@@ -38,11 +35,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 from torch import nn
 
 from nextn.train.data import DataConfig, Rows, SelfDistillData
 from nextn.train.loop import FitResult, fit
+from nextn.train.mtp_checkpoint import write_mtp_checkpoint
 from nextn.train.session import TrainResult, TrainSettings, claim_train_output, finish, prepare
 
 #: (block output after shared_head.norm [B, T, H], labels [B, T], keep [B, T], the base's final state that
@@ -120,6 +117,7 @@ DECODER_LAYERS = {
     "glm4_moe": ("transformers.models.glm4_moe.modeling_glm4_moe", "Glm4MoeDecoderLayer", "Glm4MoeRMSNorm"),
     # Phi-3 / Phi-4-mini (fused projections, split on reading); Granite (its logits ÷ `logits_scaling`:
     # `TrainSession.lm_head`); SmolLM3 (the block built as a layer with RoPE: the engine's MTP layers rotate)
+    "qwen3_moe": ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeDecoderLayer", "Qwen3MoeRMSNorm"),
     "phi3": ("transformers.models.phi3.modeling_phi3", "Phi3DecoderLayer", "Phi3RMSNorm"),
     "granite": ("transformers.models.granite.modeling_granite", "GraniteDecoderLayer", "GraniteRMSNorm"),
     "smollm3": ("transformers.models.smollm3.modeling_smollm3", "SmolLM3DecoderLayer", "SmolLM3RMSNorm"),
@@ -152,9 +150,8 @@ def mtp_module(hf_config) -> MtpModule:
     """A module whose block is the base's own `transformers` decoder layer (HF parameter names, as the engine's):
     `LlamaDecoderLayer`, `Qwen2DecoderLayer` (q/k/v biases), `Qwen3DecoderLayer` (q/k norms), `MistralDecoderLayer`,
     `Olmo2DecoderLayer` (post-norms), `Gemma3DecoderLayer` (sandwich unit-offset norms), `Glm4MoeDecoderLayer`
-    (an MoE block), `Phi3DecoderLayer`, `GraniteDecoderLayer` or `SmolLM3DecoderLayer`. (Qwen3-MoE's block: its
-    training loss turns NaN within 6 steps on a tiny base: not yet.) The block is built as the base's last
-    full-attention layer with RoPE (the engine's MTP layers attend to every earlier key with the global rope).
+    (an MoE block), `Qwen3MoeDecoderLayer`, `Phi3DecoderLayer`, `GraniteDecoderLayer` or `SmolLM3DecoderLayer`. The
+    block is built as the base's last full-attention layer with RoPE (the engine's MTP layers attend to every earlier key with the global rope).
 
     Raises:
         ValueError: a base of another architecture.
@@ -171,6 +168,9 @@ def mtp_module(hf_config) -> MtpModule:
     rope = getattr(hf_config, "no_rope_layers", None) or [1] * hf_config.num_hidden_layers
     full = [i for i, t in enumerate(types) if t == "full_attention" and rope[i]]
     block = getattr(hf, layer_name)(hf_config, full[-1] if full else hf_config.num_hidden_layers - 1)
+    with torch.no_grad():  # stacked experts are left uninitialised (`torch.empty`) until a model's `_init_weights`
+        for p in block.parameters():
+            p.normal_(0.0, p.shape[-1] ** -0.5) if p.dim() == 3 else None
     return MtpModule(block, hf_config.hidden_size, lambda h: getattr(hf, norm_name)(h, eps=hf_config.rms_norm_eps))
 
 
@@ -451,50 +451,3 @@ def calibrated_tree(outputs: StepOutputs, lm_head: torch.Tensor, nodes: int, top
     choices = best_first_tree(acc, nodes)
     return {"rank_acceptance": acc, "eagle_choices": choices,
             "expected_acceptance_length": expected_acceptance_length(acc, choices)}
-
-
-# Checkpoint ---------------------------------------------------------------------------------------------------
-def _base_tensors(model_dir: Path) -> tuple[dict, dict[str, torch.Tensor], Callable[[Path], None]]:
-    """(config.json dict, HF-named tensors, a function writing the tokenizer files) of a GGUF or HF Llama base."""
-    from nextn.build.engine_builder import AUX_FILES, TOKENIZER_FILES, open_checkpoint
-    from nextn.build.gguf_reader import GGUFCheckpoint
-
-    with open_checkpoint(model_dir) as reader:
-        tensors = {name: reader.get(name).contiguous() for name in reader.names()}
-        if isinstance(reader, GGUFCheckpoint):
-            config = dict(reader.hf_config)
-            gguf = reader.path
-            return config, tensors, lambda out: GGUFCheckpoint(gguf).write_tokenizer_files(out)
-    config = json.loads((model_dir / "config.json").read_text())
-
-    def copy_side_files(out: Path) -> None:
-        for name in (*TOKENIZER_FILES, *AUX_FILES):
-            if (model_dir / name).is_file():
-                shutil.copy2(model_dir / name, out / name)
-
-    return config, tensors, copy_side_files
-
-
-def write_mtp_checkpoint(model_dir: str | Path, modules: list[dict[str, torch.Tensor]], output_dir: str | Path) -> Path:
-    """An HF checkpoint of the base with `modules` as MTP layers `model.layers.{num_hidden_layers + k}`.
-
-    Writes config.json (`num_nextn_predict_layers` = len(modules)), model.safetensors (the base's tensors as
-    `build-engine` reads them — a GGUF's un-permuted — plus the modules) and the base's tokenizer files.
-    Existing MTP layers of the base are replaced.
-    """
-    config, tensors, write_tokenizer = _base_tensors(Path(model_dir))
-    n = int(config["num_hidden_layers"])
-    layer = re.compile(r"model\.layers\.(\d+)\.")
-    state = {k: v for k, v in tensors.items() if not ((m := layer.match(k)) and int(m[1]) >= n)}
-    for k, module in enumerate(modules):
-        state.update({f"model.layers.{n + k}.{name}": t for name, t in module.items()})
-    config["num_nextn_predict_layers"] = len(modules)
-    config["mtp_chain_normed"] = False  # trained with each step reading the block output of the one before
-    if any(".experts." in name for module in modules for name in module):
-        config["mtp_moe"] = True  # an MoE base's block: the engine builds the MTP layers' MLP as MoE
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(dict(sorted(state.items())), str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    write_tokenizer(out)
-    return out
