@@ -166,7 +166,10 @@ def load_engine(engine_dir: str | Path, args: LlmArgs, spec: BaseModel | None, d
     layered = args.torch_compile_config is not None or captures_graphs(args.cuda_graph_config, device)
     decode_fn = graph_decode_fn(decode_fn, args.cuda_graph_config, device, max_batch_size, plan.per_seq)
     setup = resolve(drafter, acceptance, decode_fn, layered)  # the engine's speculative choices, made once
-    limits = SchedulerLimits(max_batch_size, args.max_num_tokens, args.enable_chunked_prefill, max_seq_len)
+    types = getattr(cfg, "layer_types", None)
+    window = (cfg.sliding_window if types and set(types) == {"sliding_attention"} and not cfg.num_nextn_predict_layers
+              else None)  # every KV-cache layer slides: blocks behind the window are released while decoding
+    limits = SchedulerLimits(max_batch_size, args.max_num_tokens, args.enable_chunked_prefill, max_seq_len, window)
 
     def new_scheduler(pool: BlockPool, policy: DraftLenPolicy, proposals: bool = True) -> Scheduler:
         try:

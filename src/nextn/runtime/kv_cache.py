@@ -106,11 +106,27 @@ class BlockPool:
         """Drop `table`'s references (and clear it). A block left unreferenced goes to the LRU when it holds a key
         (tail blocks first, so that a prefix outlives its continuations), else to the free list."""
         for block in reversed(table):
-            self._refs[block] -= 1
-            if self._refs[block] > 0:
-                continue
-            if self.cache is not None and self.cache.is_cached(block):
-                self.cache.park(block)
-            else:
-                self._free.append(block)
+            self._drop(block)
         table.clear()
+
+    def release_prefix(self, table: list[int], num_blocks: int) -> int:
+        """Drop the references of `table`'s first `num_blocks` entries (blocks no query will read again: behind a
+        sliding window), leaving the null block in their place; returns the blocks released now."""
+        released = 0
+        for i in range(min(num_blocks, len(table))):
+            if table[i] != NULL_BLOCK:
+                self._drop(table[i])
+                table[i] = NULL_BLOCK
+                released += 1
+        return released
+
+    def _drop(self, block: int) -> None:
+        if block == NULL_BLOCK:  # a released entry of a table (`release_prefix`)
+            return
+        self._refs[block] -= 1
+        if self._refs[block] > 0:
+            return
+        if self.cache is not None and self.cache.is_cached(block):
+            self.cache.park(block)
+        else:
+            self._free.append(block)

@@ -57,12 +57,17 @@ class SchedulerLimits:
         max_num_tokens: token budget of a prefill step.
         enable_chunked_prefill: split prompts over several prefill steps under the budget.
         max_seq_len: a request ends ("length") at this many tokens (None: only its max_tokens ends it).
+        kv_window: keys any query attends to at most — the sliding window of a model whose every KV-cache layer
+            slides (Mistral 7B v0.1, Phi-3-mini-4k) — or None. With it, a decoding request's blocks wholly behind the
+            window go back to the pool (its table holds the null block there), so its memory stays bounded by the
+            window; not while the drafter keeps KV of its own (it may attend further back).
     """
 
     max_batch_size: int
     max_num_tokens: int
     enable_chunked_prefill: bool = False
     max_seq_len: int | None = None
+    kv_window: int | None = None
 
 
 class Scheduler:
@@ -95,6 +100,7 @@ class Scheduler:
         self._drafter_keeps_kv = schedule.kv is not DraftKV.NONE
         self._drafter_writes_later = schedule.kv is DraftKV.FROM_TOKENS
         self.max_seq_len = sys.maxsize if limits.max_seq_len is None else limits.max_seq_len
+        self.kv_window = None if self._drafter_keeps_kv else limits.kv_window
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._free_slots = list(range(limits.max_batch_size - 1, -1, -1))
@@ -364,6 +370,10 @@ class Scheduler:
             req.draft_tokens = drafts
             req.progress.num_computed_tokens = req.kv_len
             self.cache_blocks(req)
+            if decode is not None and self.kv_window is not None:  # the next query is at kv_len: it sees keys
+                # from kv_len − window + 1 on; the blocks wholly before them are never read again
+                behind = max(0, req.kv_len - self.kv_window + 1) // self.pool.block_size
+                self.pool.release_prefix(req.block_table, behind)
             updated.append(req)
         if decode is not None:  # timed only when the step is plain or fully speculating (not re-priming drafts)
             # and, drafting on demand, drafts as many as it verified (a step profile's t(k): verify k, draft k)
