@@ -14,7 +14,7 @@ position before it, and the prompt's first token with the hidden state it holds 
 — a key at position 0 that the others do not have. `--k 1` also recomputes the drafts teacher-forced from nextn's
 modules over the whole output, without and with that entry: with it they equal llama.cpp's at every step.
 
-`--tiny qwen3_5 | qwen3_5_moe | glm4_moe` makes the GGUF first: a tiny random checkpoint of that family with an MTP
+`--tiny qwen3_5 | glm4_moe` makes the GGUF first: a tiny random checkpoint of that family with an MTP
 layer (`nextn.testing.tiny_families`, SmolLM2's tokenizer from ../shared), converted by llama.cpp's converter. A random
 MTP layer drafts tokens the target rarely accepts, so the drafts themselves are compared, not only acceptance.
 
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.draft_mtp_parity", description=__doc__.split("\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--gguf", type=Path, help="a GGUF that embeds its MTP layer")
-    source.add_argument("--tiny", choices=["qwen3_5", "qwen3_5_moe", "glm4_moe"], help="make a tiny one first")
+    source.add_argument("--tiny", choices=["qwen3_5", "glm4_moe"], help="make a tiny one first")
     parser.add_argument("--out", type=Path, required=True, help="folder for the engine and report.json (created)")
     parser.add_argument("--k", type=int, nargs="+", default=[1, 2, 3], help="draft tokens a step")
     parser.add_argument("--max_tokens", type=int, default=48)
