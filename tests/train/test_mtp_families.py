@@ -1,8 +1,8 @@
 """`nextn train-draft --method mtp` beyond Llama / Qwen2 (issues 60 and 62): for a tiny random base of each family
 (made by `transformers` at test time) the engine's MTP module — read from the checkpoint the trainer writes — computes
 what the training module computes (logits over a sequence, against `MtpContext.vanilla`), GLM-4.5's MoE block
-included, Phi-3's fused projections, SmolLM3's NoPE layers and Granite's multipliers; and an unsupported family is
-refused by name."""
+included (and Qwen3-MoE's), Qwen3.5's gated attention over its Gated DeltaNet base, Phi-3's fused projections,
+SmolLM3's NoPE layers and Granite's multipliers; and an unsupported family is refused by name."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from nextn.models.llama.weights import stored_view
 from nextn.testing.mtp_check import mtp_pass
 from nextn.testing.tiny_families import tiny_hf_model
 from nextn.train.mtp import MtpContext, base_context, mtp_module
+from nextn.train.mtp_checkpoint import mtp_config
 from nextn.train.tiny_checkpoint import split_experts
 
 
@@ -37,7 +38,7 @@ class _Stored:
 
 
 @pytest.mark.parametrize("model_type", ["qwen3", "olmo2", "glm4_moe", "gemma3_text", "phi3", "smollm3", "granite",
-                                        "qwen3_moe"])
+                                        "qwen3_moe", "qwen3_5_text"])
 def test_engine_mtp_module_matches_the_training_module(model_type):
     hf = tiny_hf_model(model_type, **({"num_hidden_layers": 8} if model_type == "gemma3_text" else {}))
     module = mtp_module(hf.config)
@@ -48,7 +49,7 @@ def test_engine_mtp_module_matches_the_training_module(model_type):
     state = split_experts({k: v.detach() for k, v in hf.state_dict().items()})
     state.update({f"model.layers.{n}.{k}": t for k, t in module.checkpoint_tensors().items()})
     moe = model_type in ("glm4_moe", "qwen3_moe")  # (write_mtp_checkpoint sets mtp_moe for an MoE block)
-    cfg = LlamaModelConfig.from_hf({**hf.config.to_dict(), "num_nextn_predict_layers": 1, "mtp_moe": moe})
+    cfg = LlamaModelConfig.from_hf(mtp_config(hf.config.to_dict(), 1, moe))  # as write_mtp_checkpoint declares it
     stored = stored_view(_Stored(state), cfg)  # as build-engine reads it (GLM-4.5's partial rotary: q/k rows)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions=1)
@@ -57,6 +58,8 @@ def test_engine_mtp_module_matches_the_training_module(model_type):
     model.eval().requires_grad_(False)
     assert type(model.model.layers[n].mlp).__name__ == ("SparseMoE" if moe else "GatedMLP")
     ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(1))
+    model.allocate_recurrent_state(2, 1, "cpu")  # Qwen3.5's Gated DeltaNet layers (no-op elsewhere)
+    model.bind_batch_slots(torch.arange(2))
     hidden, h1, logits = mtp_pass(model, ids)
     embed, rotary = base_context(hf.model)
     ctx = MtpContext(embed, hf.lm_head.weight, rotary)
@@ -94,3 +97,27 @@ def test_an_moe_blocks_stacked_experts_are_initialised():
     experts = module.block.mlp.experts
     for p in (experts.gate_up_proj, experts.down_proj):
         assert torch.isfinite(p).all() and abs(p.std().item() * p.shape[-1] ** 0.5 - 1.0) < 0.1
+
+
+def test_a_qwen3_5_base_gets_its_trained_layer_in_place_of_the_released_one(tmp_path):
+    """write_mtp_checkpoint on a Qwen3.5 checkpoint that ships `mtp.*`: the trained layer replaces it, declared as
+    the family reads it (`mtp_num_hidden_layers`), chained on block outputs as it was trained."""
+    import json
+
+    from safetensors import safe_open
+
+    from nextn.testing.tiny_families import add_qwen3_5_mtp
+    from nextn.train.mtp_checkpoint import write_mtp_checkpoint
+
+    hf = tiny_hf_model("qwen3_5_text")
+    hf.save_pretrained(tmp_path / "base")
+    add_qwen3_5_mtp(tmp_path / "base")
+    module = mtp_module(hf.config)
+    write_mtp_checkpoint(tmp_path / "base", [module.checkpoint_tensors()], tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    with safe_open(tmp_path / "out" / "model.safetensors", "pt") as f:
+        names = list(f.keys())
+    n = hf.config.num_hidden_layers
+    assert not any(k.startswith("mtp.") for k in names) and f"model.layers.{n}.eh_proj.weight" in names
+    cfg = LlamaModelConfig.from_hf(config)
+    assert (cfg.num_nextn_predict_layers, cfg.mtp_chain_normed) == (1, False)

@@ -118,6 +118,7 @@ DECODER_LAYERS = {
     # Phi-3 / Phi-4-mini (fused projections, split on reading); Granite (its logits ÷ `logits_scaling`:
     # `TrainSession.lm_head`); SmolLM3 (the block built as a layer with RoPE: the engine's MTP layers rotate)
     "qwen3_moe": ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeDecoderLayer", "Qwen3MoeRMSNorm"),
+    "qwen3_5_text": ("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5DecoderLayer", "Qwen3_5RMSNorm"),
     "phi3": ("transformers.models.phi3.modeling_phi3", "Phi3DecoderLayer", "Phi3RMSNorm"),
     "granite": ("transformers.models.granite.modeling_granite", "GraniteDecoderLayer", "GraniteRMSNorm"),
     "smollm3": ("transformers.models.smollm3.modeling_smollm3", "SmolLM3DecoderLayer", "SmolLM3RMSNorm"),
@@ -149,9 +150,10 @@ def base_context(body: nn.Module) -> tuple[torch.Tensor, Callable[..., Any]]:
 def mtp_module(hf_config) -> MtpModule:
     """A module whose block is the base's own `transformers` decoder layer (HF parameter names, as the engine's):
     `LlamaDecoderLayer`, `Qwen2DecoderLayer` (q/k/v biases), `Qwen3DecoderLayer` (q/k norms), `MistralDecoderLayer`,
-    `Olmo2DecoderLayer` (post-norms), `Gemma3DecoderLayer` (sandwich unit-offset norms), `Glm4MoeDecoderLayer`
-    (an MoE block), `Qwen3MoeDecoderLayer`, `Phi3DecoderLayer`, `GraniteDecoderLayer` or `SmolLM3DecoderLayer`. The
-    block is built as the base's last full-attention layer with RoPE (the engine's MTP layers attend to every earlier key with the global rope).
+    `Olmo2DecoderLayer` (post-norms), `Gemma3DecoderLayer` (sandwich unit-offset norms), `Glm4MoeDecoderLayer` and
+    `Qwen3MoeDecoderLayer` (MoE blocks), `Qwen3_5DecoderLayer` (gated attention), `Phi3DecoderLayer`,
+    `GraniteDecoderLayer` or `SmolLM3DecoderLayer`. The block is built as the base's last full-attention layer with
+    RoPE (the engine's MTP layers attend to every earlier key with the global rope).
 
     Raises:
         ValueError: a base of another architecture.

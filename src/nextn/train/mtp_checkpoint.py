@@ -34,23 +34,33 @@ def _base_tensors(model_dir: Path) -> tuple[dict, dict[str, torch.Tensor], Calla
     return config, tensors, copy_side_files
 
 
+def mtp_config(config: dict, num_modules: int, moe: bool) -> dict:
+    """The base's config.json dict declaring `num_modules` trained MTP layers: `num_nextn_predict_layers` (Qwen3.5's
+    family: `mtp_num_hidden_layers`), `mtp_chain_normed: false` (trained with each step reading the block output of
+    the one before), `mtp_moe` for an MoE base's block (the engine builds the MTP layers' MLP as MoE)."""
+    out = {**config, "num_nextn_predict_layers": num_modules, "mtp_chain_normed": False}
+    if "mtp_num_hidden_layers" in config or str(config.get("model_type", "")).startswith(("qwen3_5", "qwen3_next")):
+        out["mtp_num_hidden_layers"] = num_modules
+    if moe:
+        out["mtp_moe"] = True
+    return out
+
+
 def write_mtp_checkpoint(model_dir: str | Path, modules: list[dict[str, torch.Tensor]], output_dir: str | Path) -> Path:
     """An HF checkpoint of the base with `modules` as MTP layers `model.layers.{num_hidden_layers + k}`.
 
     Writes config.json (`num_nextn_predict_layers` = len(modules)), model.safetensors (the base's tensors as
     `build-engine` reads them — a GGUF's un-permuted — plus the modules) and the base's tokenizer files.
-    Existing MTP layers of the base are replaced.
+    Existing MTP layers of the base are replaced (Qwen3.5's `mtp.*` ones too).
     """
     config, tensors, write_tokenizer = _base_tensors(Path(model_dir))
     n = int(config["num_hidden_layers"])
     layer = re.compile(r"model\.layers\.(\d+)\.")
-    state = {k: v for k, v in tensors.items() if not ((m := layer.match(k)) and int(m[1]) >= n)}
+    state = {k: v for k, v in tensors.items()
+             if not ((m := layer.match(k)) and int(m[1]) >= n) and not k.startswith("mtp.")}
     for k, module in enumerate(modules):
         state.update({f"model.layers.{n + k}.{name}": t for name, t in module.items()})
-    config["num_nextn_predict_layers"] = len(modules)
-    config["mtp_chain_normed"] = False  # trained with each step reading the block output of the one before
-    if any(".experts." in name for module in modules for name in module):
-        config["mtp_moe"] = True  # an MoE base's block: the engine builds the MTP layers' MLP as MoE
+    config = mtp_config(config, len(modules), any(".experts." in name for module in modules for name in module))
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(dict(sorted(state.items())), str(out / "model.safetensors"), metadata={"format": "pt"})
