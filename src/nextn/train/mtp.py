@@ -120,6 +120,12 @@ DECODER_LAYERS = {
     "qwen3_moe": ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeDecoderLayer", "Qwen3MoeRMSNorm"),
     "qwen3_5_text": ("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5DecoderLayer", "Qwen3_5RMSNorm"),
     "phi3": ("transformers.models.phi3.modeling_phi3", "Phi3DecoderLayer", "Phi3RMSNorm"),
+    "gemma2": ("transformers.models.gemma2.modeling_gemma2", "Gemma2DecoderLayer", "Gemma2RMSNorm"),
+    "seed_oss": ("transformers.models.seed_oss.modeling_seed_oss", "SeedOssDecoderLayer", "SeedOssRMSNorm"),
+    "glm4": ("transformers.models.glm4.modeling_glm4", "Glm4DecoderLayer", "Glm4RMSNorm"),
+    "olmo3": ("transformers.models.olmo3.modeling_olmo3", "Olmo3DecoderLayer", "Olmo3RMSNorm"),
+    "mixtral": ("transformers.models.mixtral.modeling_mixtral", "MixtralDecoderLayer", "MixtralRMSNorm"),
+    "olmoe": ("transformers.models.olmoe.modeling_olmoe", "OlmoeDecoderLayer", "OlmoeRMSNorm"),
     "granite": ("transformers.models.granite.modeling_granite", "GraniteDecoderLayer", "GraniteRMSNorm"),
     "smollm3": ("transformers.models.smollm3.modeling_smollm3", "SmolLM3DecoderLayer", "SmolLM3RMSNorm"),
 }
@@ -148,12 +154,11 @@ def base_context(body: nn.Module) -> tuple[torch.Tensor, Callable[..., Any]]:
 
 
 def mtp_module(hf_config) -> MtpModule:
-    """A module whose block is the base's own `transformers` decoder layer (HF parameter names, as the engine's):
-    `LlamaDecoderLayer`, `Qwen2DecoderLayer` (q/k/v biases), `Qwen3DecoderLayer` (q/k norms), `MistralDecoderLayer`,
-    `Olmo2DecoderLayer` (post-norms), `Gemma3DecoderLayer` (sandwich unit-offset norms), `Glm4MoeDecoderLayer` and
-    `Qwen3MoeDecoderLayer` (MoE blocks), `Qwen3_5DecoderLayer` (gated attention), `Phi3DecoderLayer`,
-    `GraniteDecoderLayer` or `SmolLM3DecoderLayer`. The block is built as the base's last full-attention layer with
-    RoPE (the engine's MTP layers attend to every earlier key with the global rope).
+    """A module whose block is the base's own `transformers` decoder layer (`DECODER_LAYERS`: Llama, Qwen2 / 3 /
+    3-MoE / 3.5, Mistral, Mixtral, OLMo 2 / 3, OLMoE, Gemma 2 / 3, GLM-4 / 4.5, Phi-3, Granite, SmolLM3, Seed-OSS; HF
+    parameter names, as the engine's). The block is built as the base's last full-attention layer with RoPE (the
+    engine's MTP layers attend to every earlier key with the global rope). Gemma 2's logit soft-capping is left out
+    of the loss (monotone: the drafts' argmax is the same).
 
     Raises:
         ValueError: a base of another architecture.
