@@ -30,3 +30,24 @@ def test_codes_nibbles_and_scales():
 def test_malformed_blocks_are_refused(blocks, scales, match):
     with pytest.raises(ValueError, match=match):
         dequantize_mxfp4(blocks, scales)
+
+
+def test_a_checkpoint_reads_pairs_as_one_weight_and_refuses_malformed_blocks(tmp_path):
+    """`quant_method: mxfp4`: `W_blocks` + `W_scales` are listed as `W` ([E, in, out] f32, one expert readable
+    alone); blocks that are not U8 [..., rows, groups, 16] are refused by name."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from nextn.build.checkpoint import CheckpointError, CheckpointReader
+
+    blocks = torch.randint(0, 256, (2, 3, 1, 16), dtype=torch.uint8)
+    scales = torch.full((2, 3, 1), 127, dtype=torch.uint8)
+    save_file({"w_blocks": blocks, "w_scales": scales, "bad_blocks": torch.zeros(2, 3, dtype=torch.uint8),
+               "bad_scales": torch.zeros(2, dtype=torch.uint8)}, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "mxfp4"}}))
+    reader = CheckpointReader(tmp_path)
+    assert sorted(reader.names()) == ["bad", "w"] and reader.tensor_info("w") == ("F32", [2, 32, 3])
+    assert torch.equal(reader.get("w", 1), dequantize_mxfp4(blocks[1], scales[1]).T)
+    with pytest.raises(CheckpointError, match="'bad_blocks'.*U8"):
+        reader.tensor_info("bad")

@@ -295,7 +295,10 @@ class CheckpointReader:
         if not self.has(name):
             raise KeyError(name)
         if name in self._packed:  # [..., rows, groups, 16] codes: F32 [..., groups · 32, rows] values
-            _, shape = self._header(self._packed[name])
+            dtype, shape = self._header(self._packed[name])
+            if dtype != "U8" or len(shape) < 3 or shape[-1] != 16:
+                raise CheckpointError(f"MXFP4 tensor {self._packed[name]!r} is {dtype} {shape}; MXFP4 blocks are U8 "
+                                      "[..., rows, groups, 16]: the checkpoint is corrupt")
             return "F32", [*shape[:-3], shape[-2] * 2 * shape[-1], shape[-3]]
         return self._header(name)
 
