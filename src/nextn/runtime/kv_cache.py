@@ -113,11 +113,12 @@ class BlockPool:
         """Drop the references of `table`'s first `num_blocks` entries (blocks no query will read again: behind a
         sliding window), leaving the null block in their place; returns the blocks released now."""
         released = 0
-        for i in range(min(num_blocks, len(table))):
-            if table[i] != NULL_BLOCK:
-                self._drop(table[i])
-                table[i] = NULL_BLOCK
-                released += 1
+        for i in range(min(num_blocks, len(table)) - 1, -1, -1):  # newest first: earlier ones went already
+            if table[i] == NULL_BLOCK:
+                break
+            self._drop(table[i])
+            table[i] = NULL_BLOCK
+            released += 1
         return released
 
     def _drop(self, block: int) -> None:
