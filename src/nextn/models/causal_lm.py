@@ -14,6 +14,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from nextn.models import per_layer_inputs
 from nextn.plugins.decoder_layer import FusedStack, stack_forward
 from nextn.models.attention_metadata import AttentionMetadata
 from nextn.models.recurrent_state import RecurrentState
@@ -55,6 +56,8 @@ class SelfDraftingCausalLM(nn.Module):
     #: decoder layers are linear-attention ones (plain attributes, set by the family: torch.compile traces them)
     cache_rows: tuple[int, ...] | None = None
     num_linear_layers: int = 0
+    num_kv_shared_layers: int = 0  # decoder layers reading an earlier layer's cache row (Gemma 4)
+    per_layer_inputs: bool = False  # the layers take per-layer inputs (Gemma 4's PLE: `models/per_layer_inputs.py`)
     #: The linear-attention layers' per-request state (`allocate_recurrent_state`), None for a model without them
     recurrent_state: RecurrentState | None = None
     #: The batch slot of each row of the forward about to run ([B] int64; `bind_batch_slots`)
@@ -74,7 +77,7 @@ class SelfDraftingCausalLM(nn.Module):
 
     @property
     def num_attention_layers(self) -> int:
-        return self.cfg.num_hidden_layers - self.num_linear_layers
+        return self.cfg.num_hidden_layers - self.num_linear_layers - self.num_kv_shared_layers
 
     @property
     def has_recurrent_state(self) -> bool:
@@ -130,9 +133,13 @@ class SelfDraftingCausalLM(nn.Module):
         if self.fused_stack is not None and x.dtype == kv_cache.dtype == torch.bfloat16:
             return self.model.norm(stack_forward(self.fused_stack, x, inputs, kv_cache))
         types, cache_rows = self.layer_types, self.cache_rows
+        per_layer = per_layer_inputs.model_inputs(self.model, input_ids, x) if self.per_layer_inputs else None
         for i in range(self.cfg.num_hidden_layers):
             cos_sin, layer_meta = inputs[types[i] if types is not None else "full_attention"]
             row = i if cache_rows is None else cache_rows[i]
+            if per_layer is not None:
+                x = self.model.layers[i](x, cos_sin, kv_cache[row], layer_meta, per_layer[:, :, i])
+                continue
             x = self.model.layers[i](x, cos_sin, kv_cache[row] if row >= 0 else None, layer_meta)
         if state is not None:
             state.advance(rows)

@@ -50,6 +50,19 @@ class Fp32WeightRMSNorm(RMSNorm):
         return self.weight.detach().float()
 
 
+class WeightlessRMSNorm(nn.Module):
+    """x̂ = x / rms(x) in fp32, cast back: an RMSNorm without weight (HF `Gemma4RMSNorm(with_scale=False)`, Gemma 4's
+    V norm)."""
+
+    def __init__(self, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
 class UnitOffsetRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the fp32 normalised x times (1 + weight) in fp32, then cast (HF `Gemma3RMSNorm`; `weight`
     is stored as HF stores it, zero-centred)."""

@@ -23,7 +23,8 @@ WEIGHT_LAYOUTS: dict[str, ModuleType] = {"DeepseekV3ForCausalLM": deepseek_weigh
 #: Vision-language architectures whose text model nextn builds (its weights under `model.language_model.`, the
 #: vision tower's under `model.visual.` left out: `llama.stored_layout`) → that text architecture
 MULTIMODAL_TEXT = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
-                   "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}
+                   "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+                   "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM"}  # its towers: `model.vision_tower.` etc.
 
 
 def model_config_from_hf(hf: dict[str, Any]) -> DeepseekV3ModelConfig | LlamaModelConfig:
@@ -34,8 +35,9 @@ def model_config_from_hf(hf: dict[str, Any]) -> DeepseekV3ModelConfig | LlamaMod
     """
     archs = hf.get("architectures") or []
     if archs and archs[0] in MULTIMODAL_TEXT:  # the text model of a released vision-language checkpoint
+        tied = {"tie_word_embeddings": hf["tie_word_embeddings"]} if "tie_word_embeddings" in hf else {}
         hf = {**{k: v for k, v in hf.items() if not k.endswith("_config")}, **(hf.get("text_config") or {}),
-              "architectures": [MULTIMODAL_TEXT[archs[0]]]}
+              **tied, "architectures": [MULTIMODAL_TEXT[archs[0]]]}  # the whole model's tying is what HF applies
         archs = hf["architectures"]
     if (archs and archs[0] in LLAMA_ARCHITECTURES) or hf.get("model_type") in LLAMA_ARCHITECTURES.values():
         return LlamaModelConfig.from_hf(hf)

@@ -92,7 +92,7 @@ def fuse_layer(layer: nn.Module) -> FusedLayerWeights | None:
     paged kernel, norms not bf16 (or Gemma's, any dtype), an activation the op lacks, or shapes the op does not take
     (hidden / intermediate % 64, head_dim % 32)."""
     attn, mlp = layer.self_attn, layer.mlp
-    if getattr(attn, "output_gate", False):  # Qwen3.5's gated attention: the op has no output gate
+    if getattr(attn, "output_gate", False) or _gemma4(layer):  # Qwen3.5's gated attention: the op has no output gate
         return None
     qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
     if not hasattr(mlp, "gate_proj"):  # an MoE MLP (models/moe.py): the op runs the attention, the module the MLP
@@ -119,7 +119,7 @@ def _fuse_attention(layer: nn.Module) -> FusedLayerWeights | None:
     """The op's operands for the attention half of a pre-norm layer whose MLP is not a `GatedMLP` (an MoE layer): no
     gate_up / down (`attention_only`: the op returns the hidden state after the attention's residual add)."""
     attn = layer.self_attn
-    if getattr(attn, "output_gate", False):
+    if getattr(attn, "output_gate", False) or _gemma4(layer):
         return None
     qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
     kind = int4_linears(*qkv, attn.o_proj)
@@ -135,6 +135,14 @@ def _fuse_attention(layer: nn.Module) -> FusedLayerWeights | None:
                              qk_norm=getattr(attn, "qk_norm", False),
                              qk_norm_all_heads=getattr(attn, "qk_norm_all_heads", False),
                              attn_softcap=float(getattr(attn, "softcap", None) or 0.0), attn_sinks=_sinks(attn))
+
+
+def _gemma4(layer: nn.Module) -> bool:
+    """Whether the layer has a part of Gemma 4's the op lacks: V's norm, KV read from another layer, per-layer inputs,
+    a layer scalar (these layers run as modules; nextn's paged-attention kernel still serves their attention)."""
+    attn = layer.self_attn
+    return (getattr(attn, "v_norm", None) is not None or getattr(attn, "kv_shared", False)
+            or getattr(layer, "per_layer_input", False) or hasattr(layer, "layer_scalar"))
 
 
 def _sinks(attn: nn.Module) -> torch.Tensor | None:

@@ -98,6 +98,19 @@ GPT_OSS: dict[str, dict[str, Any]] = {
     "gpt_oss": dict(num_key_value_heads=2, head_dim=32, sliding_window=16, num_local_experts=8, num_experts_per_tok=2,
                     intermediate_size=64, swiglu_limit=1.0),
 }
+#: Gemma 4 text (issue 62): sliding layers of 1 KV head of 16 (cache rows half as wide as the full layers'), full
+#: ones of 1 KV head of 32 whose V is K's projection (k_eq_v) with proportional rope, per-layer inputs of width 32 (a
+#: W4A16 group), the last two layers reading layers 3's and 2's KV with double-wide MLPs, soft-capped logits; window
+#: 16 (crossed by the tests' prompts); an untied lm_head (tied, a tiny model's greedy output repeats its last input
+#: token: the embedding dominates the residual)
+GEMMA4: dict[str, dict[str, Any]] = {
+    "gemma4_text": dict(num_hidden_layers=6, num_key_value_heads=1, head_dim=16, global_head_dim=32,
+                        num_global_key_value_heads=1, sliding_window=16,
+                        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+                        hidden_size_per_layer_input=32, vocab_size_per_layer_input=49152, num_kv_shared_layers=2,
+                        use_double_wide_mlp=True, attention_k_eq_v=True, final_logit_softcapping=30.0,
+                        tie_word_embeddings=False),
+}
 #: Families whose tokenizer_config names GPT2Tokenizer (Phi-4's; the converter's phi3 vocab reads it)
 _GPT2_CLASS = ("phi3",)
 #: Families whose llama.cpp conversion looks up GLM's special tokens (`Glm4Model.set_vocab`, `_set_vocab_glm`)
@@ -115,12 +128,12 @@ _SPM_VOCAB = ("gemma2",)
 
 def tiny_hf_model(model_type: str, seed: int = 0, **overrides: Any):
     """A float32 `transformers` causal LM of `model_type` (a `FAMILIES`, `MOE_FAMILIES`, `DEEPSEEK_FAMILIES`,
-    `HYBRID_FAMILIES` or `GPT_OSS` key)
+    `HYBRID_FAMILIES`, `GPT_OSS` or `GEMMA4` key)
     in eval mode: linear weights N(0, 1/fan_in), embeddings N(0, 1), norm weights centre ± 0.1, so activations stay
     O(1) and the top logits are apart by far more than float32 rounding."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    family = {**FAMILIES, **MOE_FAMILIES, **DEEPSEEK_FAMILIES, **HYBRID_FAMILIES, **GPT_OSS}[model_type]
+    family = {**FAMILIES, **MOE_FAMILIES, **DEEPSEEK_FAMILIES, **HYBRID_FAMILIES, **GPT_OSS, **GEMMA4}[model_type]
     cfg = AutoConfig.for_model(model_type, **{**_BASE, **family, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
@@ -138,6 +151,8 @@ def tiny_hf_model(model_type: str, seed: int = 0, **overrides: Any):
         for name, b in model.named_buffers():  # GLM-4.5's router: HF initialises it to 0, which would test nothing
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.1)
+            if name.endswith("layer_scalar"):  # Gemma 4's: 1 in HF's init, which would test nothing
+                b.uniform_(0.5, 1.5)
     return model
 
 
@@ -163,6 +178,36 @@ def save_tiny_qwen3_5_vl(out_dir: Path, tokenizer_dir: Path, seed: int = 0):
                 p.normal_(0.0, 1.0)
             elif p.dim() == 2:
                 p.normal_(0.0, p.shape[1] ** -0.5)
+    model.save_pretrained(out_dir)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, out_dir / f.name)
+    return model
+
+
+def save_tiny_gemma4_vl(out_dir: Path, tokenizer_dir: Path, seed: int = 0):
+    """A tiny `Gemma4ForConditionalGeneration` (Gemma 4's released architecture: the text model under
+    `model.language_model.`, a one-layer vision tower under `model.vision_tower.` and its `model.embed_vision`) saved
+    in `out_dir` with the tokenizer files of `tokenizer_dir`, its text model `GEMMA4["gemma4_text"]`, weights drawn
+    as `tiny_hf_model`'s; returns the model (float32, eval)."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    cfg = Gemma4Config(text_config={**_BASE, **GEMMA4["gemma4_text"], "pad_token_id": 0}, audio_config=None,
+                       tie_word_embeddings=False,
+                       vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                          num_attention_heads=2, num_key_value_heads=2, head_dim=16))
+    torch.manual_seed(seed)
+    model = Gemma4ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif "embed_tokens" in name:
+                p.normal_(0.0, 1.0)
+            elif p.dim() == 2:
+                p.normal_(0.0, p.shape[1] ** -0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.uniform_(0.5, 1.5)
     model.save_pretrained(out_dir)
     for f in tokenizer_dir.iterdir():
         shutil.copy(f, out_dir / f.name)

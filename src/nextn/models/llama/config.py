@@ -2,8 +2,9 @@
 
 One config covers Llama (`LlamaForCausalLM`), Mistral (sliding-window layers where its config sets a window), Qwen2
 (q/k/v biases), Qwen3 (q/k norms), Gemma 3 text (sandwich norms, GELU-tanh, scaled embeddings, sliding-window
-layers), SmolLM3 (NoPE layers), Granite (embedding, attention, residual and logit multipliers) and OLMo 2
-(post-norms, q/k norms over all heads): one model with layer options, not a copy per family (`families.py` sets them
+layers), SmolLM3 (NoPE layers), Granite (embedding, attention, residual and logit multipliers), OLMo 2
+(post-norms, q/k norms over all heads) and Gemma 4 text (wider full-attention heads, V = K, per-layer inputs, layers
+that read an earlier layer's KV): one model with layer options, not a copy per family (`families.py` sets them
 per architecture).
 
 Two spellings of the rotary settings occur and both load:
@@ -39,7 +40,9 @@ LLAMA_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistr
                        "Qwen3_5ForCausalLM": "qwen3_5_text", "Qwen3NextForCausalLM": "qwen3_next",
                        "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
                        # attention sinks, biased router and experts, clamped SwiGLU (`families._gpt_oss`)
-                       "GptOssForCausalLM": "gpt_oss"}
+                       "GptOssForCausalLM": "gpt_oss",
+                       # per-layer inputs, KV shared across layers, wider full-attention heads (`families._gemma4`)
+                       "Gemma4ForCausalLM": "gemma4_text"}
 #: What a layer attends to: every earlier key, the last `sliding_window` keys, or none (a Gated DeltaNet layer: its
 #: recurrent state instead of a KV cache) — HF `layer_types` values.
 LayerType = Literal["full_attention", "sliding_attention", "linear_attention"]
@@ -60,7 +63,7 @@ class LlamaModelConfig(BaseModel):
                           "Glm4ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM",
                           "MixtralForCausalLM", "OlmoeForCausalLM", "Glm4MoeForCausalLM",
                           "Qwen3_5ForCausalLM", "Qwen3NextForCausalLM", "GptOssForCausalLM",
-                          "Qwen3_5MoeForCausalLM"] = "LlamaForCausalLM"
+                          "Qwen3_5MoeForCausalLM", "Gemma4ForCausalLM"] = "LlamaForCausalLM"
     vocab_size: Size
     hidden_size: Size
     intermediate_size: Size  # SwiGLU width
@@ -149,6 +152,22 @@ class LlamaModelConfig(BaseModel):
     linear_key_head_dim: Size | None = None
     linear_value_head_dim: Size | None = None
     linear_conv_kernel_dim: Size | None = None  # taps of its causal depthwise conv over q, k, v
+    # Gemma 4 (`Gemma4ForCausalLM`, HF `modeling_gemma4.py`) ------------------------------------------------------
+    global_head_dim: Size | None = None  # head_dim of the full_attention layers (None: head_dim)
+    global_num_key_value_heads: Size | None = None  # their KV heads (None: num_key_value_heads)
+    #: the full layers' V is their K projection (no v_proj), normalised as V (`attention_k_eq_v`)
+    attention_k_eq_v: bool = False
+    v_norm: bool = False  # V normalised per head by an RMSNorm without weight before caching (Gemma 4)
+    #: the last N decoder layers compute no K/V: each attends to the cache of the last earlier layer of its type
+    num_kv_shared_layers: int = Field(default=0, strict=True, ge=0)
+    double_wide_mlp: bool = False  # those N layers' MLP is 2 · intermediate_size wide (`use_double_wide_mlp`)
+    #: per-layer inputs (PLE): a per-layer embedding of width this, gated into each layer's output (0: none)
+    hidden_size_per_layer_input: int = Field(default=0, strict=True, ge=0)
+    vocab_size_per_layer_input: Size | None = None
+    layer_scalar: bool = False  # each layer's output × a learned scalar (`model.layers.{i}.layer_scalar`)
+    #: full layers' rope is "proportional" (Gemma 4): the first ⌊f · head_dim / 2⌋ pairs rotate at 1/θ^(2j/head_dim),
+    #: the rest pass through (this f; None: every pair rotates as `rotary_dim` says)
+    rope_proportion: float | None = Field(default=None, gt=0, le=1)
 
     @model_validator(mode="before")
     @classmethod
@@ -205,6 +224,14 @@ class LlamaModelConfig(BaseModel):
                 or self.num_experts_per_tok > self.topk_group * (self.num_experts // self.n_group)):
             raise ValueError(f"routing {self.num_experts} experts in n_group={self.n_group} groups, the best "
                              f"topk_group={self.topk_group} of them, cannot choose {self.num_experts_per_tok}")
+        if self.num_kv_shared_layers:
+            first = self.num_hidden_layers - self.num_kv_shared_layers
+            types = self.layer_types or ("full_attention",) * self.num_hidden_layers
+            if first < 1 or not set(types[first:]) <= set(types[:first]) or self.linear_layers:
+                raise ValueError(f"num_kv_shared_layers={self.num_kv_shared_layers}: each shared layer needs an "
+                                 "earlier attention layer of its type to read the KV of")
+        if self.hidden_size_per_layer_input and self.vocab_size_per_layer_input is None:
+            raise ValueError("hidden_size_per_layer_input is set but vocab_size_per_layer_input is not")
         if self.no_rope_layers is not None and len(self.no_rope_layers) != self.num_hidden_layers:
             raise ValueError(f"no_rope_layers lists {len(self.no_rope_layers)} layers; num_hidden_layers is "
                              f"{self.num_hidden_layers}")
@@ -223,10 +250,39 @@ class LlamaModelConfig(BaseModel):
             return self.num_experts > 0 and self.mtp_moe
         return (self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0)
 
+    def is_global_layer(self, i: int) -> bool:
+        """Whether decoder layer `i` is a full-attention one with Gemma 4's global head shape (`global_head_dim`,
+        `global_num_key_value_heads`); MTP layers are not."""
+        return (i < self.num_hidden_layers and (self.global_head_dim or self.global_num_key_value_heads) is not None
+                and (self.layer_types is None or self.layer_types[i] == "full_attention"))
+
+    def layer_head_dim(self, i: int) -> int:
+        """Decoder layer `i`'s head width: `global_head_dim` for a full-attention layer where set, else head_dim."""
+        return (self.global_head_dim or self.head_dim) if self.is_global_layer(i) else self.head_dim
+
+    def layer_kv_heads(self, i: int) -> int:
+        """Decoder layer `i`'s KV heads: `global_num_key_value_heads` for a full-attention layer where set."""
+        g = self.global_num_key_value_heads
+        return (g or self.num_key_value_heads) if self.is_global_layer(i) else self.num_key_value_heads
+
+    def is_kv_shared(self, i: int) -> bool:
+        """Whether decoder layer `i` reads another layer's KV (one of the last `num_kv_shared_layers`)."""
+        return self.num_hidden_layers - self.num_kv_shared_layers <= i < self.num_hidden_layers
+
+    def kv_source(self, i: int) -> int:
+        """The decoder layer whose KV cache layer `i` attends to: `i` itself, or for one of the last
+        `num_kv_shared_layers` layers the last earlier unshared layer of its type (HF `kv_sharing_modes`)."""
+        first = self.num_hidden_layers - self.num_kv_shared_layers
+        if i < first or i >= self.num_hidden_layers:
+            return i
+        types = self.layer_types or ("full_attention",) * self.num_hidden_layers
+        return max(j for j in range(first) if types[j] == types[i])
+
     @property
     def kv_cache_dim(self) -> int:
-        """Values cached per token per layer: K then V of every KV head, 2 · num_key_value_heads · head_dim."""
-        return 2 * self.num_key_value_heads * self.head_dim
+        """Values cached per token per layer: K then V of every KV head, 2 · num_key_value_heads · head_dim (with
+        per-layer widths, Gemma 4's, the widest: a narrower layer uses the first columns of its row)."""
+        return max(2 * self.layer_kv_heads(i) * self.layer_head_dim(i) for i in range(self.num_hidden_layers))
 
     @property
     def softmax_scale(self) -> float:
@@ -242,7 +298,8 @@ class LlamaModelConfig(BaseModel):
     @property
     def num_cache_layers(self) -> int:
         """KV-cache layers: the attention decoder layers, then the MTP layers."""
-        return self.num_hidden_layers - len(self.linear_layers) + self.num_nextn_predict_layers
+        return (self.num_hidden_layers - len(self.linear_layers) - self.num_kv_shared_layers
+                + self.num_nextn_predict_layers)
 
     @property
     def has_sliding_layers(self) -> bool:

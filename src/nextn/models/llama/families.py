@@ -29,6 +29,8 @@ def family_options(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
         return _gemma3(hf)
     if arch == "Gemma2ForCausalLM":
         return _gemma2(hf)
+    if arch == "Gemma4ForCausalLM":
+        return _gemma4(hf)
     theta, scaling = rope_from_hf(hf, arch)
     options: dict[str, Any] = {"rope_theta": theta, "rope_scaling": scaling, **_windows(arch, hf)}
     local = (hf.get("rope_parameters") or {}).get("sliding_attention")
@@ -264,6 +266,50 @@ def _gemma2(hf: dict[str, Any]) -> dict[str, Any]:
         "final_logit_softcapping": hf.get("final_logit_softcapping", 30.0),
         "tie_word_embeddings": hf.get("tie_word_embeddings", True),
         "rms_norm_eps": hf.get("rms_norm_eps") or 1e-6, "head_dim": hf.get("head_dim") or 256,
+    }  # fmt: skip
+
+
+def _gemma4(hf: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 4 text (`Gemma4ForCausalLM`, model_type gemma4_text; HF `modeling_gemma4.py`): Gemma 3's sandwich layer
+    with RMSNorms that scale by w (not 1 + w), V normalised without weight, a softmax scale of 1, full-attention layers
+    with wider heads (`global_head_dim`, `num_global_key_value_heads`, or HF 5.23's `per_layer_config`), V = K's
+    projection there (`attention_k_eq_v`), "proportional" rope on them, per-layer inputs (PLE), a learned scalar per
+    layer, and the last `num_kv_shared_layers` layers reading earlier layers' KV (their MLP double wide).
+
+    Raises:
+        ConfigError: the MoE variant (`enable_moe_block`), bidirectional attention, or heads of full layers that
+            differ across them.
+    """
+    if hf.get("enable_moe_block"):
+        raise ConfigError("Gemma4ForCausalLM with enable_moe_block: true (Gemma 4's MoE, a dense MLP beside its "
+                          "experts) is not supported yet; the dense Gemma 4 models are")
+    if hf.get("use_bidirectional_attention"):
+        raise ConfigError("Gemma4ForCausalLM with use_bidirectional_attention is not a causal LM nextn builds")
+    params = dict(hf.get("rope_parameters") or {})
+    full_rope = dict(params.get("full_attention") or {})
+    proportion = None
+    if full_rope.get("rope_type") == "proportional":
+        proportion = float(full_rope.get("partial_rotary_factor", 1.0))
+        if float(full_rope.get("factor", 1.0)) != 1.0:
+            raise ConfigError("Gemma4ForCausalLM: proportional rope with a factor other than 1 is not supported")
+        params["full_attention"] = {"rope_type": "default", "rope_theta": full_rope.get("rope_theta") or 1_000_000.0}
+    options = _gemma3({**hf, "query_pre_attn_scalar": 1.0, "rope_parameters": params})
+    types = options["layer_types"]
+    overrides = {int(k): v for k, v in (hf.get("per_layer_config") or {}).items() if isinstance(v, dict)}
+    full = [i for i, t in enumerate(types or ()) if t == "full_attention"]
+    dims = {(overrides.get(i, {}).get("head_dim"), overrides.get(i, {}).get("num_key_value_heads")) for i in full}
+    if len(dims) > 1:
+        raise ConfigError(f"Gemma4ForCausalLM: full_attention layers with different head shapes {sorted(dims)}")
+    head, kv_heads = dims.pop() if dims else (None, None)
+    return {
+        **options, "norm_style": "fp32_weight", "v_norm": True,
+        "global_head_dim": head or hf.get("global_head_dim"),
+        "global_num_key_value_heads": kv_heads or hf.get("num_global_key_value_heads"),
+        "attention_k_eq_v": bool(hf.get("attention_k_eq_v")), "rope_proportion": proportion,
+        "num_kv_shared_layers": int(hf.get("num_kv_shared_layers") or 0),
+        "double_wide_mlp": bool(hf.get("use_double_wide_mlp")),
+        "hidden_size_per_layer_input": int(hf.get("hidden_size_per_layer_input") or 0),
+        "vocab_size_per_layer_input": hf.get("vocab_size_per_layer_input"), "layer_scalar": True,
     }  # fmt: skip
 
 

@@ -24,7 +24,8 @@ from torch import nn
 from nextn.models.causal_lm import SelfDraftingCausalLM
 from nextn.models.gated_deltanet import GatedDeltaNet
 from nextn.models.layers import (Fp32WeightRMSNorm, GatedMLP, PreNormDecoderLayer, RMSNorm, UnitOffsetRMSNorm,
-                                 row_exact)
+                                 WeightlessRMSNorm, row_exact)
+from nextn.models import per_layer_inputs
 from nextn.models.llama.config import LlamaModelConfig
 from nextn.models.llama.rope import apply_rope, rope_cache
 from nextn.models.moe import ClampedSwiGLU, NoAuxRouter, Router, SparseMoE
@@ -65,13 +66,23 @@ class LlamaAttention(nn.Module):
 
     paged_attention_kernel = False
 
-    def __init__(self, cfg: LlamaModelConfig) -> None:
+    def __init__(self, cfg: LlamaModelConfig, index: int | None = None) -> None:
         super().__init__()
-        h, d = cfg.hidden_size, cfg.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        h = cfg.hidden_size
+        d = cfg.head_dim if index is None else cfg.layer_head_dim(index)
+        nkv = cfg.num_key_value_heads if index is None else cfg.layer_kv_heads(index)
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, nkv, d
+        self.kv_width = 2 * nkv * d  # this layer's columns of a cache row (Gemma 4: its rows may be wider)
+        #: Gemma 4: a KV-shared layer attends to an earlier layer's cache and writes none; with k_eq_v a full layer's
+        #: V is its K projection; V is normalised by a weightless RMSNorm (`v_norm`)
+        self.kv_shared = index is not None and cfg.is_kv_shared(index)
+        self.k_eq_v = index is not None and cfg.attention_k_eq_v and cfg.is_global_layer(index)
+        self.v_norm = WeightlessRMSNorm(cfg.rms_norm_eps) if cfg.v_norm else None
         self.q_proj = nn.Linear(h, self.num_heads * d, bias=cfg.has_qkv_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.has_qkv_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.has_qkv_bias)
+        if not self.kv_shared:
+            self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.has_qkv_bias)
+        if not self.kv_shared and not self.k_eq_v:
+            self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.has_qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=cfg.attention_bias)
         self.output_gate = cfg.attn_output_gate
         if self.output_gate:
@@ -80,7 +91,8 @@ class LlamaAttention(nn.Module):
         if cfg.qk_norm:
             full = self.qk_norm_all_heads
             self.q_norm = norm_class(cfg)(self.num_heads * d if full else d, eps=cfg.rms_norm_eps)
-            self.k_norm = norm_class(cfg)(self.num_kv_heads * d if full else d, eps=cfg.rms_norm_eps)
+            if not self.kv_shared:
+                self.k_norm = norm_class(cfg)(self.num_kv_heads * d if full else d, eps=cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
         self.scale = cfg.softmax_scale
         self.softcap = cfg.attn_logit_softcapping  # Gemma 2: scores → cap · tanh(scores / cap); None: none
@@ -102,6 +114,12 @@ class LlamaAttention(nn.Module):
         b, t, _ = x.shape
         nkv, d = self.num_kv_heads, self.head_dim
         group = self.num_heads // nkv
+        if kv_cache.shape[-1] != self.kv_width:  # a row wider than this layer's K and V: its first columns
+            kv_cache = kv_cache[:, :self.kv_width]
+        if cos_sin.shape[-1] != d // 2:  # a rope table wider than this layer's heads: its first pairs
+            cos_sin = cos_sin[..., :d // 2]
+        if self.kv_shared or self.v_norm is not None:
+            return self._gemma4_forward(x, cos_sin, kv_cache, meta)
         q, k = self.q_proj(x), self.k_proj(x)
         if self.qk_norm and self.qk_norm_all_heads:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -112,7 +130,29 @@ class LlamaAttention(nn.Module):
         v = self.v_proj(x)  # [B, T, nkv · d]
         new_kv = torch.cat([k.reshape(b, t, nkv * d), v], dim=-1).to(kv_cache.dtype)  # [B, T, 2 · nkv · d]
         kv_cache_write(kv_cache, meta.slot_mapping.reshape(-1), new_kv.reshape(b * t, -1))
-        if self.paged_attention_kernel and kv_cache.dtype == q.dtype:
+        return self._attend(q, x, kv_cache, meta)
+
+    def _gemma4_forward(self, x: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
+                        meta: AttentionMetadata) -> torch.Tensor:
+        """Gemma 4's attention (HF `Gemma4TextAttention`): per-head q/k norms, V from v_proj or (k_eq_v) the raw K
+        projection, normalised without weight; a KV-shared layer computes its query only."""
+        b, t, _ = x.shape
+        q = apply_rope(self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim)), cos_sin)
+        if not self.kv_shared:
+            raw = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+            v = self.v_proj(x).view(raw.shape) if not self.k_eq_v else raw
+            k = apply_rope(self.k_norm(raw), cos_sin)
+            new_kv = torch.cat([k.reshape(b, t, -1), self.v_norm(v).reshape(b, t, -1)], -1).to(kv_cache.dtype)
+            kv_cache_write(kv_cache, meta.slot_mapping.reshape(-1), new_kv.reshape(b * t, -1))
+        return self._attend(q, x, kv_cache, meta)
+
+    def _attend(self, q: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """o_proj(attention of q [B, T, heads, head_dim] over the layer's cached context); x: the layer input."""
+        b, t = q.shape[:2]
+        nkv, d = self.num_kv_heads, self.head_dim
+        group = self.num_heads // nkv
+        if self.paged_attention_kernel and kv_cache.dtype == q.dtype and kv_cache.is_contiguous():
             o = cpu_kernels.ops().paged_attention(q, kv_cache, meta.context_slots, meta.visible, self.scale,
                                                   self.softcap or 0.0,
                                                   self.sinks.float() if self.sinks is not None else None)
@@ -155,7 +195,8 @@ def mlp_for(cfg: LlamaModelConfig, index: int | None) -> nn.Module:
         shared = cfg.moe_intermediate_size * cfg.n_shared_experts if cfg.n_shared_experts else None
         return SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
                          cfg.norm_topk_prob, cfg.hidden_act, cfg.shared_expert_intermediate_size, gate, shared, expert)
-    return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+    wide = index is not None and cfg.double_wide_mlp and cfg.is_kv_shared(index)  # Gemma 4's KV-shared layers
+    return GatedMLP(cfg.hidden_size, cfg.intermediate_size * (2 if wide else 1), cfg.hidden_act)
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):
@@ -168,13 +209,30 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
 
     fused: FusedLayerWeights | None = None
     moe_block: bool = False  # the MoE MLP half as one op too (`plugins.moe_experts.block_forward`; set at load)
+    #: Gemma 4: the layer ends with its per-layer input (`per_layer_inputs.layer_output`) and × `layer_scalar`
+    per_layer_input: bool = False
 
     def __init__(self, cfg: LlamaModelConfig, index: int | None = None) -> None:
-        super().__init__(LlamaAttention(cfg), mlp_for(cfg, index), cfg.hidden_size, cfg.rms_norm_eps, placement=cfg.norm_placement, norm=norm_class(cfg),
+        super().__init__(LlamaAttention(cfg, index), mlp_for(cfg, index), cfg.hidden_size, cfg.rms_norm_eps,
+                         placement=cfg.norm_placement, norm=norm_class(cfg),
                          residual_multiplier=cfg.residual_multiplier)
+        decoder = index is not None and index < cfg.num_hidden_layers
+        if decoder and cfg.hidden_size_per_layer_input:
+            per_layer_inputs.add_layer_modules(self, cfg.hidden_size, cfg.hidden_size_per_layer_input, cfg.hidden_act,
+                                               norm_class(cfg), cfg.rms_norm_eps)
+            self.per_layer_input = True
+        if decoder and cfg.layer_scalar:  # a buffer in HF (`nn.Buffer`), a checkpoint tensor all the same
+            self.register_buffer("layer_scalar", torch.ones(1))
 
-    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor, meta) -> torch.Tensor:
-        """x: [B, T, hidden] → [B, T, hidden]; writes this layer's KV (kv_cache: [num_slots, kv dim])."""
+    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor, meta,
+                per_layer_input: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [B, T, hidden] → [B, T, hidden]; writes this layer's KV (kv_cache: [num_slots, kv dim]);
+        per_layer_input: [B, T, width], this layer's slice of the model's per-layer inputs (Gemma 4), else None."""
+        if self.per_layer_input or hasattr(self, "layer_scalar"):
+            x = super().forward(x, cos_sin, kv_cache, meta)
+            if per_layer_input is not None:
+                x = per_layer_inputs.layer_output(self, x, per_layer_input)
+            return x * self.layer_scalar if hasattr(self, "layer_scalar") else x
         if self.fused is not None and x.dtype == kv_cache.dtype == torch.bfloat16:
             out = fused_forward(self, x, cos_sin, kv_cache, meta)
             # an MoE layer: the op ran the attention only (x + attn(norm(x))); its MLP runs here
@@ -247,6 +305,11 @@ class LlamaBody(nn.Module):
                                     + [LlamaMTPLayer(cfg, cfg.num_hidden_layers + i)
                                        for i in range(cfg.num_nextn_predict_layers)])
         self.norm = norm_class(cfg)(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        if cfg.hidden_size_per_layer_input:  # Gemma 4's per-layer inputs (`per_layer_inputs.py`)
+            assert cfg.vocab_size_per_layer_input is not None  # the config's check
+            per_layer_inputs.add_model_modules(self, cfg.vocab_size_per_layer_input, cfg.hidden_size,
+                                               cfg.num_hidden_layers, cfg.hidden_size_per_layer_input,
+                                               norm_class(cfg), cfg.rms_norm_eps)
 
 
 class TiedLMHead(nn.Module):
@@ -286,13 +349,16 @@ class LlamaForCausalLM(SelfDraftingCausalLM):
         self.mtp_chain_normed = cfg.mtp_chain_normed
         if cfg.has_sliding_layers:
             self.sliding_window = cfg.sliding_window
-        if cfg.linear_layers:  # KV-cache rows of the attention layers only (-1: a Gated DeltaNet layer)
+        if cfg.linear_layers or cfg.num_kv_shared_layers:
+            # KV-cache rows of the attention layers only (-1: a Gated DeltaNet layer; a KV-shared layer: its source's)
             rows, n = [], 0
             for i in range(cfg.num_hidden_layers):
-                rows.append(-1 if i in cfg.linear_layers else n)
-                n += i not in cfg.linear_layers
+                rows.append(-1 if i in cfg.linear_layers else rows[cfg.kv_source(i)] if cfg.is_kv_shared(i) else n)
+                n += i not in cfg.linear_layers and not cfg.is_kv_shared(i)
             self.cache_rows = tuple(rows)
             self.num_linear_layers = len(cfg.linear_layers)
+            self.num_kv_shared_layers = cfg.num_kv_shared_layers
+        self.per_layer_inputs = bool(cfg.hidden_size_per_layer_input)
         self.draft_head_weight: torch.Tensor | None = None
         self.register_buffer("rope_table", rope_cache(cfg, max_positions or cfg.max_position_embeddings),
                              persistent=False)

@@ -26,6 +26,9 @@ def inv_freq(cfg: LlamaModelConfig, num_positions: int | None = None) -> torch.T
     factors — its long ones for a table of more than `original_max_position_embeddings` positions (`num_positions`)
     —, blended on YaRN's ramp (`models/yarn.py`), or divided by `cfg.rope_freq_factors` (a GGUF's `rope_freqs`, as ggml's
     rope divides theta by its freq_factors)."""
+    if cfg.rope_proportion is not None:  # Gemma 4: the first pairs of a global_head_dim-wide rope, the rest still
+        dim = cfg.global_head_dim or cfg.head_dim
+        return _plain(cfg.rope_theta, dim)[:int(cfg.rope_proportion * dim // 2)]
     dim = cfg.rotary_dim or cfg.head_dim
     freqs = _plain(cfg.rope_theta, dim)
     if cfg.rope_freq_factors is not None:
@@ -62,7 +65,7 @@ def rope_cache(cfg: LlamaModelConfig, num_positions: int) -> torch.Tensor:
     (`partial_rotary_order`). LongRoPE's and YaRN's attention factor scales the rotated pairs' cos and sin (HF's
     `attention_scaling`)."""
     positions = torch.arange(num_positions, dtype=torch.float32)[:, None]
-    half = cfg.head_dim // 2
+    half = max(cfg.head_dim, cfg.global_head_dim or 0) // 2  # Gemma 4: a narrower layer reads its first pairs
     tables = [inv_freq(cfg, num_positions)] + ([_plain(cfg.rope_local_theta, cfg.head_dim)] if cfg.rope_local_theta
                                                else [])
     scale = cfg.rope_scaling.attention_factor if cfg.rope_scaling is not None and \

@@ -63,6 +63,9 @@ def _mixtral_name(name: str) -> str | None:
 #: A vision-language checkpoint's text model and vision tower (Qwen3.5's releases)
 _TEXT_MODEL = re.compile(r"^model\.language_model\.")
 _VISION = ("model.visual.",)
+#: Gemma 4's vision and audio towers and their projections into the text model's embeddings (its releases are
+#: `Gemma4ForConditionalGeneration`: the text model under `model.language_model.`)
+_GEMMA4_TOWERS = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
 #: Qwen3.5's MTP names (`mtp.` stripped) → the MTP module's
 _QWEN_MTP = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm",
              "norm": "shared_head.norm"}
@@ -120,7 +123,8 @@ def _linear_parts(cfg: LlamaModelConfig, fused: str) -> dict[str, torch.Tensor]:
 def needs_view(cfg: LlamaModelConfig) -> bool:
     """Whether `cfg`'s checkpoints store a tensor otherwise than the engine (fused projections, partial rotary,
     interleaved rope pairs, other norm names)."""
-    return (cfg.architecture in ("Phi3ForCausalLM", "Glm4ForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
+    return (cfg.architecture in ("Phi3ForCausalLM", "Glm4ForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM",
+                                 "Gemma4ForCausalLM")
             or cfg.rope_interleaved
             or (cfg.rotary_dim or cfg.head_dim) < cfg.head_dim or cfg.attn_output_gate)
 
@@ -157,6 +161,11 @@ class StoredLayout:
                     continue
                 qwen_name = _qwen_mtp_name(name, cfg.num_hidden_layers) or (
                     _TEXT_MODEL.sub("model.", name) if _TEXT_MODEL.match(name) else None)
+            if cfg.architecture == "Gemma4ForCausalLM" and (name.startswith(_GEMMA4_TOWERS) or _TEXT_MODEL.match(name)):
+                if _TEXT_MODEL.match(name):
+                    self._rows[_TEXT_MODEL.sub("model.", name)] = (name, None, None)
+                    self._names.append(_TEXT_MODEL.sub("model.", name))
+                continue
             f = _FUSED_LINEAR.match(name) if cfg.attn_output_gate else None
             if f is not None:
                 for part, rows in _linear_parts(cfg, f.group(2)).items():

@@ -53,11 +53,19 @@ def _linear_attention_specs(cfg: LlamaModelConfig) -> dict[str, Shape]:
 
 def _layer_specs(cfg: LlamaModelConfig, index: int | None = None) -> dict[str, Shape]:
     h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    nkv = cfg.num_key_value_heads
+    if index is not None:  # Gemma 4: full layers' wider heads, KV-shared layers' double-wide MLP
+        d, nkv = cfg.layer_head_dim(index), cfg.layer_kv_heads(index)
+        i *= 2 if cfg.double_wide_mlp and cfg.is_kv_shared(index) else 1
+    q, kv = cfg.num_attention_heads * d, nkv * d
     specs: dict[str, Shape] = {
         "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
         "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
     }  # fmt: skip
+    if index is not None and cfg.is_kv_shared(index):  # it reads an earlier layer's KV: no K / V of its own
+        del specs["self_attn.k_proj.weight"], specs["self_attn.v_proj.weight"]
+    elif index is not None and cfg.attention_k_eq_v and cfg.is_global_layer(index):
+        del specs["self_attn.v_proj.weight"]  # V is K's projection
     if index is not None and index in cfg.linear_layers:
         specs = _linear_attention_specs(cfg)
     elif cfg.attn_output_gate:
@@ -72,6 +80,8 @@ def _layer_specs(cfg: LlamaModelConfig, index: int | None = None) -> dict[str, S
     if cfg.qk_norm and attends:
         full = cfg.qk_norm_over == "all_heads"
         specs.update({"self_attn.q_norm.weight": (q if full else d,), "self_attn.k_norm.weight": (kv if full else d,)})
+        if "self_attn.k_proj.weight" not in specs:
+            del specs["self_attn.k_norm.weight"]
     if index is not None and cfg.is_moe_layer(index):
         specs.update(_moe_specs(cfg))
     else:
@@ -83,6 +93,11 @@ def _layer_specs(cfg: LlamaModelConfig, index: int | None = None) -> dict[str, S
         specs["pre_feedforward_layernorm.weight"] = (h,)
     if cfg.norm_placement != "pre":
         specs["post_feedforward_layernorm.weight"] = (h,)
+    if (p := cfg.hidden_size_per_layer_input) and index is not None and index < cfg.num_hidden_layers:
+        specs.update({"per_layer_input_gate.weight": (p, h), "per_layer_projection.weight": (h, p),
+                      "post_per_layer_input_norm.weight": (h,)})
+    if cfg.layer_scalar and index is not None and index < cfg.num_hidden_layers:
+        specs["layer_scalar"] = (1,)
     return specs
 
 
@@ -119,12 +134,17 @@ def runtime_weight_specs(cfg: LlamaModelConfig) -> dict[str, Shape]:
     specs: dict[str, Shape] = {"model.embed_tokens.weight": (v, h)}
     layer = _layer_specs(cfg)
     for n in range(cfg.num_hidden_layers):
-        specs.update({f"model.layers.{n}.{k}": s for k, s in (_layer_specs(cfg, n) if cfg.num_experts
-                                                              or cfg.linear_layers else layer).items()})
+        per_layer = cfg.num_experts or cfg.linear_layers or cfg.architecture == "Gemma4ForCausalLM"
+        specs.update({f"model.layers.{n}.{k}": s for k, s in (_layer_specs(cfg, n) if per_layer else layer).items()})
     mtp = {"enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h), "shared_head.norm.weight": (h,)}
     for n in range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers):
         block = _layer_specs(cfg, n) if cfg.num_experts else layer
         specs.update({f"model.layers.{n}.{k}": s for k, s in {**block, **mtp}.items()})
+    if p := cfg.hidden_size_per_layer_input:  # Gemma 4's per-layer inputs (PLE), every layer's packed in one row
+        lp = cfg.num_hidden_layers * p
+        specs.update({"model.embed_tokens_per_layer.weight": (cfg.vocab_size_per_layer_input, lp),
+                      "model.per_layer_model_projection.weight": (lp, h),
+                      "model.per_layer_projection_norm.weight": (p,)})
     specs["model.norm.weight"] = (h,)
     if not cfg.tie_word_embeddings:
         specs["lm_head.weight"] = (v, h)
@@ -137,7 +157,16 @@ def unread_tensors(names: Iterable[str], cfg: LlamaModelConfig) -> list[str]:
     specs = runtime_weight_specs(cfg)
     n, k = cfg.num_hidden_layers, cfg.num_nextn_predict_layers
     return [name for name in names if name not in specs and not dropped_by_design(name, n, k)
-            and not (name == "lm_head.weight" and cfg.tie_word_embeddings)]
+            and not (name == "lm_head.weight" and cfg.tie_word_embeddings) and not _unused_kv(name, cfg)]
+
+
+def _unused_kv(name: str, cfg: LlamaModelConfig) -> bool:
+    """Whether `name` is a K/V projection or norm of a KV-shared layer (Gemma 4's releases may store them; HF
+    ignores them too: `_keys_to_ignore_on_load_unexpected`)."""
+    parts = name.split(".")
+    return (cfg.num_kv_shared_layers > 0 and len(parts) > 4 and parts[:2] == ["model", "layers"]
+            and parts[2].isdigit() and cfg.is_kv_shared(int(parts[2]))
+            and parts[3] == "self_attn" and parts[4] in ("k_proj", "v_proj", "k_norm", "v_norm"))
 
 
 def to_runtime(

@@ -1,0 +1,139 @@
+"""Gemma 4 text (issue 62): full-attention layers with wider heads whose V is K's projection and whose rope is
+"proportional", V normalised without weight, per-layer inputs (PLE), a learned scalar per layer, the last layers
+reading earlier layers' KV with double-wide MLPs — a tiny random `Gemma4ForCausalLM` made by `transformers` at test
+time (`testing.tiny_families.GEMMA4`) decodes as `transformers` float32 does: logits over the paged cache, greedy tokens
+through the engine plain and with the NGram and Suffix drafters, and batch-invariant W4A16 / W4A8 engines."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from nextn.build.checkpoint import CheckpointReader
+from nextn.models.config import ConfigError
+from nextn.models.llama import LlamaModelConfig
+from nextn.models.llama.weights import stored_view
+from nextn.testing.tiny_families import save_tiny, save_tiny_gemma4_vl
+
+from family_sources import assert_engine_greedy
+from test_llama import _assert_matches_hf, _load
+
+PROMPT = [1] + [100 + (7 * i) % 23 for i in range(45)]  # 46 tokens: past the window of 16
+
+
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory, tokenizer_dir):
+    out = tmp_path_factory.mktemp("gemma4")
+    return save_tiny("gemma4_text", out, tokenizer_dir), out
+
+
+def _config(path, **changes) -> LlamaModelConfig:
+    return LlamaModelConfig.from_hf({**json.loads((path / "config.json").read_text()), **changes})
+
+
+def _model(path, cfg=None):
+    cfg = cfg or _config(path)
+    stored = stored_view(CheckpointReader(path), cfg)
+    return _load(cfg, stored.get, stored.has)
+
+
+def test_config_reads_every_part(gemma4):
+    _, path = gemma4
+    cfg = _config(path)
+    assert (cfg.global_head_dim, cfg.layer_kv_heads(2), cfg.attention_k_eq_v, cfg.v_norm,
+            cfg.num_kv_shared_layers, cfg.double_wide_mlp, cfg.hidden_size_per_layer_input, cfg.layer_scalar,
+            cfg.rope_proportion, cfg.softmax_scale, cfg.norm_style) == (
+        32, 1, True, True, 2, True, 32, True, 0.25, 1.0, "fp32_weight")
+    # layers 4 (sliding) and 5 (full) read layers 3's and 2's KV: four cache rows, each as wide as the widest layer
+    # (a full one's K and V: 2 · 32); a sliding layer uses the first 2 · 16 columns of its row
+    assert [cfg.kv_source(i) for i in range(6)] == [0, 1, 2, 3, 3, 2]
+    assert (cfg.num_cache_layers, cfg.kv_cache_dim) == (4, 64)
+    assert [cfg.layer_head_dim(i) for i in range(6)] == [16, 16, 32, 16, 16, 32]
+    model = _model(path)
+    assert model.cache_rows == (0, 1, 2, 3, 3, 2) and model.num_cache_layers == 4
+
+
+def test_logits_match_transformers(gemma4):
+    hf, path = gemma4
+    assert _assert_matches_hf(_model(path), hf, 4000, [46, 9, 33]) < 1e-4
+
+
+@pytest.mark.parametrize("change", ["v_norm", "layer_scalar", "per_layer_inputs", "rope", "kv_sharing"])
+def test_each_part_is_needed(gemma4, change):
+    """The controls: without V's norm, the layer scalars, the per-layer inputs, with the full layers' rope rotating
+    every pair, or with shared layers reading their own type's first layer, the logits are no longer transformers'."""
+    hf, path = gemma4
+    cfg = _config(path)
+    if change == "rope":
+        cfg = cfg.model_copy(update={"rope_proportion": 1.0})
+    model = _model(path, cfg)
+    if change == "v_norm":
+        for layer in model.model.layers:
+            layer.self_attn.v_norm = torch.nn.Identity()
+    elif change == "layer_scalar":
+        for layer in model.model.layers:
+            layer.layer_scalar.fill_(1.0)
+    elif change == "per_layer_inputs":
+        model.per_layer_inputs = False
+    elif change == "kv_sharing":
+        model.cache_rows = (0, 1, 2, 3, 0, 2)
+    with pytest.raises(AssertionError):
+        _assert_matches_hf(model, hf, 4000, [40])
+
+
+def test_refuses_what_it_does_not_build(gemma4):
+    _, path = gemma4
+    with pytest.raises(ConfigError, match="enable_moe_block"):
+        _config(path, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+    with pytest.raises(ConfigError, match="different head shapes"):
+        _config(path, per_layer_config={"2": {"head_dim": 32}, "5": {"head_dim": 64}})
+
+
+@pytest.mark.slow
+def test_engine_greedy_is_transformers_plain_and_speculative(gemma4, tmp_path):
+    """build-engine (float32) → LLM: greedy tokens equal `transformers.generate`, plain and with NGram / Suffix."""
+    hf, path = gemma4
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([PROMPT]), max_new_tokens=32, do_sample=False, pad_token_id=0,
+                           eos_token_id=None)[0, len(PROMPT):].tolist()
+    assert_engine_greedy(path, tmp_path / "engine", PROMPT, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt,drafter", [("W4A16", "NGram"), ("W4A8", "NGram")])
+def test_outputs_do_not_depend_on_the_batch(gemma4, tmp_path, fmt, drafter):
+    """W4A16 / W4A8 engines: batch 12 = staggered = alone, token for token, with NGram drafts (lossless)."""
+    from nextn.plugins import dense_linear
+    from nextn.testing import batch_invariance as bi
+
+    if not dense_linear.available():
+        pytest.skip(f"nextn's CPU kernels are unavailable here: {dense_linear.unavailable_reason()}")
+    _, path = gemma4
+    prompts = bi.id_prompts(6, 49152, num_fillers=6)
+    eng = bi.build_format(path, fmt, tmp_path / fmt, max_seq_len=256)
+    ref = bi.Reference(eng, prompts, 24)
+    results = bi.run_cell(eng, fmt, drafter, bi.speculative_config(drafter), prompts, ref, 24,
+                          ("alone", "batch", "staggered"))
+    assert results and all(r.ok for r in results), "\n" + bi.format_table(results)
+
+
+@pytest.mark.slow
+def test_released_vision_language_checkpoint_builds_its_text_model(tokenizer_dir, tmp_path):
+    """Gemma 4 ships as `Gemma4ForConditionalGeneration`: the text model under `model.language_model.`, the vision
+    tower beside it (left out: nextn decodes text); its greedy text equals transformers' generate of the whole
+    model."""
+    from nextn import LLM, SamplingParams
+    from nextn.build.engine_builder import build_engine
+
+    hf = save_tiny_gemma4_vl(tmp_path / "hf", tokenizer_dir)
+    with torch.no_grad():
+        want = hf.generate(input_ids=torch.tensor([PROMPT]), max_new_tokens=24, do_sample=False, pad_token_id=0,
+                           eos_token_id=None)[0, len(PROMPT):].tolist()
+    build_engine(tmp_path / "hf", tmp_path / "engine", dtype="float32", quant_algo=None, max_seq_len=256,
+                 progress=False)
+    llm = LLM(tmp_path / "engine", device="cpu")
+    assert llm.engine.cfg.architecture == "Gemma4ForCausalLM"
+    assert llm.generate(PROMPT, SamplingParams(max_tokens=24, ignore_eos=True)).outputs[0].token_ids == want
+    llm.shutdown()
