@@ -1,8 +1,9 @@
 """Gemma 4 text (issue 62): full-attention layers with wider heads whose V is K's projection and whose rope is
 "proportional", V normalised without weight, per-layer inputs (PLE), a learned scalar per layer, the last layers
 reading earlier layers' KV with double-wide MLPs — a tiny random `Gemma4ForCausalLM` made by `transformers` at test
-time (`testing.tiny_families.GEMMA4`) decodes as `transformers` float32 does: logits over the paged cache, greedy tokens
-through the engine plain and with the NGram and Suffix drafters, and batch-invariant W4A16 / W4A8 engines."""
+time (`testing.tiny_families.GEMMA4`), read from its HF checkpoint, from the released multimodal layout and from the
+GGUF llama.cpp's converter makes of it, decodes as `transformers` float32 does: logits over the paged cache, greedy
+tokens through the engine plain and with the NGram and Suffix drafters, and batch-invariant W4A16 / W4A8 engines."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ import pytest
 import torch
 
 from nextn.build.checkpoint import CheckpointReader
+from nextn.build.gguf_reader import GGUFCheckpoint
 from nextn.models.config import ConfigError
 from nextn.models.llama import LlamaModelConfig
 from nextn.models.llama.weights import stored_view
-from nextn.testing.tiny_families import save_tiny, save_tiny_gemma4_vl
+from nextn.testing.tiny_families import gemma_tokenizer, save_tiny, save_tiny_gemma4_vl
 
-from family_sources import assert_engine_greedy
+from family_sources import assert_engine_greedy, tiny_source
 from test_llama import _assert_matches_hf, _load
 
 PROMPT = [1] + [100 + (7 * i) % 23 for i in range(45)]  # 46 tokens: past the window of 16
@@ -27,6 +29,16 @@ PROMPT = [1] + [100 + (7 * i) % 23 for i in range(45)]  # 46 tokens: past the wi
 def gemma4(tmp_path_factory, tokenizer_dir):
     out = tmp_path_factory.mktemp("gemma4")
     return save_tiny("gemma4_text", out, tokenizer_dir), out
+
+
+@pytest.fixture(scope="module")
+def gemma4_spm(tmp_path_factory):
+    """The same tiny model over a Gemma-style SentencePiece vocabulary (llama.cpp's converter reads Gemma 4's
+    tokenizer as one), its vocab_size the tokenizer's: what the GGUF tests convert."""
+    out = tmp_path_factory.mktemp("gemma4_spm")
+    vocab = gemma_tokenizer(out / "tokenizer")
+    hf = save_tiny("gemma4_text", out / "hf", out / "tokenizer", vocab_size=vocab, vocab_size_per_layer_input=vocab)
+    return hf, out / "hf", vocab
 
 
 def _config(path, **changes) -> LlamaModelConfig:
@@ -45,7 +57,7 @@ def test_config_reads_every_part(gemma4):
     assert (cfg.global_head_dim, cfg.layer_kv_heads(2), cfg.attention_k_eq_v, cfg.v_norm,
             cfg.num_kv_shared_layers, cfg.double_wide_mlp, cfg.hidden_size_per_layer_input, cfg.layer_scalar,
             cfg.rope_proportion, cfg.softmax_scale, cfg.norm_style) == (
-        32, 1, True, True, 2, True, 32, True, 0.25, 1.0, "fp32_weight")
+        32, 1, True, True, 2, True, 64, True, 0.25, 1.0, "fp32_weight")
     # layers 4 (sliding) and 5 (full) read layers 3's and 2's KV: four cache rows, each as wide as the widest layer
     # (a full one's K and V: 2 · 32); a sliding layer uses the first 2 · 16 columns of its row
     assert [cfg.kv_source(i) for i in range(6)] == [0, 1, 2, 3, 3, 2]
@@ -83,6 +95,28 @@ def test_each_part_is_needed(gemma4, change):
         _assert_matches_hf(model, hf, 4000, [40])
 
 
+def test_gguf_logits_match_transformers(gemma4_spm):
+    """llama.cpp's GGUF of the checkpoint (`gemma4`: per-layer KV heads and MLP widths, the proportional rope as a
+    `rope_freqs` tensor) reads as the same model."""
+    hf, path, vocab = gemma4_spm
+    reader = GGUFCheckpoint(tiny_source(path, "gguf"))
+    cfg = reader.model_config
+    assert (cfg.global_head_dim, cfg.head_dim, cfg.rope_proportion, cfg.num_kv_shared_layers, cfg.double_wide_mlp,
+            cfg.attention_k_eq_v, cfg.hidden_size_per_layer_input, cfg.layer_types) == (
+        32, 16, 0.25, 2, True, True, 64, ("sliding_attention", "sliding_attention", "full_attention") * 2)
+    stored = stored_view(reader, cfg)
+    assert _assert_matches_hf(_load(cfg, stored.get, stored.has), hf, vocab, [46, 9, 33]) < 1e-4
+
+
+@pytest.mark.slow
+def test_gguf_engine_greedy_is_transformers_plain_and_speculative(gemma4_spm, tmp_path):
+    hf, path, _ = gemma4_spm
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([PROMPT]), max_new_tokens=32, do_sample=False, pad_token_id=0,
+                           eos_token_id=None)[0, len(PROMPT):].tolist()
+    assert_engine_greedy(tiny_source(path, "gguf"), tmp_path / "engine", PROMPT, want)
+
+
 def test_refuses_what_it_does_not_build(gemma4):
     _, path = gemma4
     with pytest.raises(ConfigError, match="enable_moe_block"):
@@ -104,7 +138,9 @@ def test_engine_greedy_is_transformers_plain_and_speculative(gemma4, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt,drafter", [("W4A16", "NGram"), ("W4A8", "NGram")])
 def test_outputs_do_not_depend_on_the_batch(gemma4, tmp_path, fmt, drafter):
-    """W4A16 / W4A8 engines: batch 12 = staggered = alone, token for token, with NGram drafts (lossless)."""
+    """W4A16 / W4A8 engines: batch 12 = staggered = alone, token for token, with NGram drafts (lossless); every
+    layer attends on nextn's paged-attention kernel (the sliding layers' cache rows a row-strided view)."""
+    from nextn import LLM
     from nextn.plugins import dense_linear
     from nextn.testing import batch_invariance as bi
 
@@ -117,6 +153,10 @@ def test_outputs_do_not_depend_on_the_batch(gemma4, tmp_path, fmt, drafter):
     results = bi.run_cell(eng, fmt, drafter, bi.speculative_config(drafter), prompts, ref, 24,
                           ("alone", "batch", "staggered"))
     assert results and all(r.ok for r in results), "\n" + bi.format_table(results)
+    llm = LLM(eng, speculative_config=None, device="cpu")
+    assert llm.engine.batch_invariant
+    assert all(layer.self_attn.paged_attention_kernel for layer in llm.engine.model.model.layers)
+    llm.shutdown()
 
 
 @pytest.mark.slow

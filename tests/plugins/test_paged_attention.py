@@ -48,6 +48,27 @@ def test_matches_the_reference(dtype, b, t, nh, nkv, d, ctx):
 
 
 @pytest.mark.parametrize("variant", cpu_kernels.runnable())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_strided_rows_and_wide_heads_match_the_reference_on_every_variant(variant, dtype):
+    """Gemma 4: a layer's cache rows as the first columns of wider rows (a row-strided view of a cache as wide as the
+    widest layer) and heads of 512 (its full layers), on each ISA variant the CPU runs; the columns past the view
+    hold other values, which a kernel reading the view as contiguous would mix in (the control)."""
+    cpu_kernels.build(variant)
+    op = getattr(torch.ops, cpu_kernels.namespace(variant)).paged_attention
+    for nh, nkv, d, extra in ((8, 1, 64, 128), (4, 1, 512, 0), (4, 2, 128, 512)):
+        q, kv, slots, visible = _case(2, 3, nh, nkv, d, [17, 40], dtype, seed=7)
+        wide = torch.cat([kv, torch.randn(kv.shape[0], extra).to(dtype)], 1) if extra else kv
+        view = wide[:, :2 * nkv * d]
+        assert view.is_contiguous() == (extra == 0)
+        ref = paged_attention.reference(q, kv, slots, visible, d ** -0.5)
+        tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(op(q, view, slots, visible, d ** -0.5).float(), ref.float(), rtol=tol, atol=tol)
+        if extra:  # the control: the same values packed as if the rows were contiguous differ
+            packed = wide.reshape(-1)[:kv.numel()].view(kv.shape)
+            assert (op(q, packed, slots, visible, d ** -0.5).float() - ref.float()).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("variant", cpu_kernels.runnable())
 def test_soft_capped_scores_match_the_reference_on_every_variant(variant):
     """Gemma 2's attention logit soft-capping (cap · tanh(score / cap)) on each ISA variant the CPU runs; a cap of 2
     moves every score (the uncapped kernel is then far from the capped reference: the control)."""
@@ -112,11 +133,13 @@ def test_every_query_row_is_computed_as_if_alone(dtype, d):
 
 def test_bad_operands_are_named():
     q, kv, slots, visible = _case(1, 1, 4, 2, 64, [8], torch.float32)
-    big_q, big_kv, big_slots, big_visible = _case(1, 1, 2, 1, 264, [4], torch.float32)
-    with pytest.raises(RuntimeError, match="head_dim 264 must be in"):
+    big_q, big_kv, big_slots, big_visible = _case(1, 1, 2, 1, 520, [4], torch.float32)
+    with pytest.raises(RuntimeError, match="head_dim 520 must be in"):
         cpu_kernels.ops().paged_attention(big_q, big_kv, big_slots, big_visible, 1.0)
-    with pytest.raises(RuntimeError, match="kv_cache must be a contiguous"):
+    with pytest.raises(RuntimeError, match="kv_cache must be a .* tensor of contiguous rows"):
         cpu_kernels.ops().paged_attention(q[..., :40], kv, slots, visible, 1.0)
+    with pytest.raises(RuntimeError, match="kv_cache must be a .* tensor of contiguous rows"):  # columns strided
+        cpu_kernels.ops().paged_attention(q, kv.repeat(1, 2)[:, ::2], slots, visible, 1.0)
     with pytest.raises(RuntimeError, match="bfloat16 or both float32"):
         cpu_kernels.ops().paged_attention(q.bfloat16(), kv, slots, visible, 1.0)
     with pytest.raises(RuntimeError, match="visible"):

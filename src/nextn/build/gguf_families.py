@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from nextn.build import gguf_deepseek2, gguf_qwen35
+from nextn.build import gguf_deepseek2, gguf_gemma4, gguf_qwen35
 from nextn.build.checkpoint import CheckpointError
 
 #: GGUF `general.architecture` → the HF architecture nextn builds it as.
@@ -29,7 +29,8 @@ SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausal
                            "olmoe": "OlmoeForCausalLM", "glm4moe": "Glm4MoeForCausalLM",
                            "qwen35": "Qwen3_5ForCausalLM", "qwen3next": "Qwen3NextForCausalLM",
                            "qwen35moe": "Qwen3_5MoeForCausalLM",
-                           "deepseek2": "DeepseekV3ForCausalLM", "gpt-oss": "GptOssForCausalLM"}  # and Mixtral
+                           "deepseek2": "DeepseekV3ForCausalLM", "gpt-oss": "GptOssForCausalLM",
+                           "gemma4": "Gemma4ForCausalLM"}  # and Mixtral
 #: Architectures whose q/k rows llama.cpp permutes at conversion (convert_hf_to_gguf.py `LlamaModel.permute`;
 #: `SmolLM3Model` and `GraniteModel` are `LlamaModel`s).
 PERMUTED_ARCHITECTURES = ("llama", "smollm3", "granite")
@@ -42,7 +43,8 @@ V_REORDERED_ARCHITECTURES = ("qwen35", "qwen35moe")
 #: Rope frequency factors stored as tensors, per architecture: Llama 3's scaling (`rope_freqs`), LongRoPE's short
 #: and long factors (conversion/phi.py `Phi3MiniModel.generate_extra_tensors`).
 FACTOR_TENSORS = {"llama": ("rope_freqs.weight",), "exaone4": ("rope_freqs.weight",),
-                  "phi3": ("rope_factors_long.weight", "rope_factors_short.weight")}
+                  "phi3": ("rope_factors_long.weight", "rope_factors_short.weight"),
+                  "gemma4": ("rope_freqs.weight",)}  # the full layers' proportional rope (`gguf_gemma4`)
 #: GGUF architectures of mixture-of-experts models nextn's MoE layer does not read yet (refused as MoE, by name).
 MOE_ARCHITECTURES = frozenset({"mixtral",
                                "deepseek", "dbrx", "grok", "arctic", "granitemoe", "llama4", "bailingmoe",
@@ -53,6 +55,7 @@ _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
+    **gguf_gemma4.GLOBAL_NAMES,
 }
 #: llama.cpp block tensor → HF module under `model.layers.N.` (Llama's layout)
 _LLAMA_BLOCK = {
@@ -93,7 +96,7 @@ _GLM4_MOE_BLOCK = {**_SEED_OSS_BLOCK, **_QK_NORMS, **_NEXTN, "ffn_gate_inp": "ml
 #: Block tensors whose HF name is not `<module>.<weight | bias>` (llama.cpp name without `blk.N.` → HF name without
 #: `model.layers.N.`)
 TENSOR_NAMES = {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias", "attn_sinks.weight": "self_attn.sinks",
-                **gguf_qwen35.TENSOR_NAMES}
+                **gguf_qwen35.TENSOR_NAMES, **gguf_gemma4.TENSOR_NAMES}
 #: gpt-oss (conversion/gpt_oss.py): the pre-MLP norm as `post_attention_norm`, the attention sinks, a biased router;
 #: its experts' biases are 2-D [E, out] tensors beside their 3-D weights (`expert_names`)
 _GPT_OSS_BLOCK = {**_SEED_OSS_BLOCK, "attn_sinks": "self_attn.sinks", "ffn_gate_inp": "mlp.gate"}
@@ -112,7 +115,7 @@ BLOCK_NAMES = {"qwen3moe": {**_LLAMA_BLOCK, **_QK_NORMS, **_MOE_BLOCK}, "qwen2mo
                "olmo2": _POST_NORM_BLOCK, "exaone4": _POST_NORM_BLOCK, "seed_oss": _SEED_OSS_BLOCK,
                "llama": {**_LLAMA_BLOCK, **_MOE_BLOCK}, "qwen2": _LLAMA_BLOCK, "qwen3": {**_LLAMA_BLOCK, **_QK_NORMS},
                "gemma2": _GEMMA_BLOCK, "gemma3": _GEMMA_BLOCK, "smollm3": _LLAMA_BLOCK, "granite": _LLAMA_BLOCK,
-               "gpt-oss": _GPT_OSS_BLOCK}
+               "gpt-oss": _GPT_OSS_BLOCK, "gemma4": gguf_gemma4.BLOCK}
 
 
 #: A block tensor's llama.cpp name: `blk.N.<name>.<weight | bias>` (nextn.*: an MTP layer's own tensors), or without
@@ -250,6 +253,8 @@ def family_config(arch: str, key: Callable[..., Any], layers: int, hidden: int, 
         return _phi3(key, head_dim, factors)
     if arch == "gpt-oss":
         return _gpt_oss(key, layers)
+    if arch == "gemma4":
+        return gguf_gemma4.config(key, layers, factors, has)
     if arch == "glm4":  # conversion/glm.py: rope.dimension_count = head_dim × partial_rotary_factor
         return {"partial_rotary_factor": key("rope.dimension_count", "count", head_dim) / head_dim}
     if arch in ("exaone4", "olmo2"):  # exaone.py, olmo.py (OLMo 3 is written as olmo2): a window, a bool a layer

@@ -293,15 +293,15 @@ class GGUFCheckpoint:
             raise CheckpointError(f"{self.path}: {e}") from None
         return {
             "architectures": [SUPPORTED_ARCHITECTURES[arch]],
-            "model_type": {"gemma3": "gemma3_text", "qwen35": "qwen3_5_text",
+            "model_type": {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "qwen35": "qwen3_5_text",
                            "qwen3next": "qwen3_next",
                            "qwen35moe": "qwen3_5_moe_text", "gpt-oss": "gpt_oss"}.get(arch, arch),  # HF's model_type
             "vocab_size": vocab,
             "hidden_size": hidden,
-            "intermediate_size": count("feed_forward_length"),
+            "intermediate_size": options.get("intermediate_size") or count("feed_forward_length"),  # gemma4: a list
             "num_hidden_layers": layers,
             "num_attention_heads": heads,
-            "num_key_value_heads": count("attention.head_count_kv", heads),
+            "num_key_value_heads": options.get("num_key_value_heads") or count("attention.head_count_kv", heads),
             "head_dim": head_dim,
             "rms_norm_eps": self._number(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
             "rope_theta": self._number(f"{arch}.rope.freq_base", 10000.0),

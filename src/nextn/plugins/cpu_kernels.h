@@ -15,7 +15,7 @@
 
 namespace nextn_cpu {
 
-constexpr int64_t kMaxD = 256;       // attention head_dim
+constexpr int64_t kMaxD = 512;       // attention head_dim (Gemma 4's full-attention layers: 512)
 
 // Register blocking of the variant: a V16 is simd::kParts vectors, and AVX-512 and NEON have 32 vector registers,
 // AVX2 and the portable path 16. kKeys: the dot products (one row against kKeys others) whose accumulators stay in

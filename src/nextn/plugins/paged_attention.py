@@ -3,7 +3,8 @@ mask and a softmax, reading the KV cache through the block tables in place.
 
 `cpu_kernels.ops().paged_attention(q [B, T, NH, D], kv_cache [slots, 2·NKV·D], context_slots [B, S] int64,
 visible [B, 1, T, S] bool, scale, softcap=0, sinks=None) → [B, T, NH·D]` in q's dtype; q and kv_cache both bf16 or
-both f32, 1 ≤ D ≤ 256; sinks [NH] f32: an attention sink per query head (gpt-oss), one more logit in each softmax.
+both f32, 1 ≤ D ≤ 512 (Gemma 4's full layers: 512); kv_cache's rows may be the first columns of wider ones (a
+row-strided view: Gemma 4's narrower layers in a cache as wide as its widest); sinks [NH] f32: an attention sink per query head (gpt-oss), one more logit in each softmax.
 f32 scores, softmax and weighted sum; every query row computed alone (batch-invariant: a verify step's rows equal
 plain steps' bit for bit, `tests/plugins/test_paged_attention.py`). The attention of Vaswani et al. 2017 with GQA
 (Ainslie et al. 2023) over vLLM's paged cache layout (Kwon et al. 2023); the reference is `reference` below, the
@@ -47,14 +48,14 @@ def reference(q: torch.Tensor, kv_cache: torch.Tensor, context_slots: torch.Tens
 def install_paged_attention(model: nn.Module) -> int:
     """Switch every attention module of `model` that offers the kernel (a `paged_attention_kernel` attribute:
     `LlamaAttention`) to it, where it applies: CPU weights in bfloat16 or float32 (a float16 engine keeps PyTorch's
-    attention), head_dim ≤ 256, the kernels built (`cpu_kernels`).
+    attention), head_dim ≤ 512, the kernels built (`cpu_kernels`).
 
     Returns:
         How many modules use the kernel (0 where it does not apply).
     """
     count = 0
     for module in model.modules():
-        if not hasattr(module, "paged_attention_kernel") or module.head_dim > 256:
+        if not hasattr(module, "paged_attention_kernel") or module.head_dim > 512:
             continue
         # quantized and packed linears hold their weights as buffers, not parameters
         tensor = next(itertools.chain(module.parameters(), module.buffers()), None)

@@ -1,7 +1,8 @@
 // Paged attention for the CPU decode and verify steps (nextn plugin; Python side and the PyTorch reference:
 // paged_attention.py).
 //
-//   nextn::paged_attention(q [B, T, NH, D], kv_cache [slots, 2 * NKV * D], context_slots [B, S] int64,
+//   nextn::paged_attention(q [B, T, NH, D], kv_cache [slots, 2 * NKV * D] (rows may be strided: the first columns
+//                          of a wider cache row, Gemma 4's narrower layers), context_slots [B, S] int64,
 //                          visible [B, 1, T, S] bool, scale, softcap = 0, sinks = None [NH] f32)
 //                          -> [B, T, NH * D] in q's dtype
 //
@@ -277,13 +278,13 @@ void attend(const T* q, int64_t q_tok_stride, const T* kv, int64_t kv_row, const
 
 // Every (sequence, KV head) is one task; tasks split across threads.
 template <typename T>
-void run(const T* qp, const T* kvp, const int64_t* slots, const bool* vis, int64_t B, int64_t Tq, int64_t NH,
-         int64_t NKV, int64_t S, int64_t D, float scale, float softcap, const float* sinks, float* out) {
+void run(const T* qp, const T* kvp, int64_t kv_row, const int64_t* slots, const bool* vis, int64_t B, int64_t Tq,
+         int64_t NH, int64_t NKV, int64_t S, int64_t D, float scale, float softcap, const float* sinks, float* out) {
   const int64_t group = NH / NKV;
   at::parallel_for(0, B * NKV, 1, [&](int64_t w0, int64_t w1) {
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t b = w / NKV, h = w % NKV, base = (b * Tq * NH + h * group) * D;
-      attend<T>(qp + base, NH * D, kvp, 2 * NKV * D, slots + b * S, vis + b * Tq * S, S, Tq, group, D, h * D,
+      attend<T>(qp + base, NH * D, kvp, kv_row, slots + b * S, vis + b * Tq * S, S, Tq, group, D, h * D,
                 NKV * D + h * D, scale, softcap, sinks ? sinks + h * group : nullptr, out + base, NH * D);
     }
   });
@@ -297,7 +298,7 @@ void paged_attention_bf16(const uint16_t* q, const uint16_t* kv_cache, const int
                           const bool* visible, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t S, int64_t D,
                           float scale, float softcap, const float* sinks, float* out) {
   run<at::BFloat16>(reinterpret_cast<const at::BFloat16*>(q), reinterpret_cast<const at::BFloat16*>(kv_cache),
-                    context_slots, visible, B, T, NH, NKV, S, D, scale, softcap, sinks, out);
+                    2 * NKV * D, context_slots, visible, B, T, NH, NKV, S, D, scale, softcap, sinks, out);
 }
 
 }  // namespace nextn_cpu
@@ -314,8 +315,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
   TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() &&
                   (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat),
               "paged_attention: q and kv_cache must both be bfloat16 or both float32");
-  TORCH_CHECK(kv_cache.dim() == 2 && kv_cache.is_contiguous() && kv_cache.size(1) % (2 * D) == 0,
-              "paged_attention: kv_cache must be a contiguous [slots, 2 * NKV * D] tensor");
+  TORCH_CHECK(kv_cache.dim() == 2 && kv_cache.stride(1) == 1 && kv_cache.stride(0) >= kv_cache.size(1) &&
+                  kv_cache.size(1) % (2 * D) == 0,
+              "paged_attention: kv_cache must be a [slots, 2 * NKV * D] tensor of contiguous rows");
   const int64_t NKV = kv_cache.size(1) / (2 * D);
   TORCH_CHECK(NH % NKV == 0, "paged_attention: ", NH, " query heads are not a multiple of ", NKV, " KV heads");
   TORCH_CHECK(context_slots.scalar_type() == at::kLong && context_slots.dim() == 2 && context_slots.size(0) == B,
@@ -333,10 +335,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
   const bool* vp = vis.data_ptr<bool>();
   float* op = out.data_ptr<float>();
   if (q.scalar_type() == at::kFloat) {
-    run<float>(qc.data_ptr<float>(), kv_cache.data_ptr<float>(), sp, vp, B, Tq, NH, NKV, S, D, float(scale),
+    run<float>(qc.data_ptr<float>(), kv_cache.data_ptr<float>(), kv_cache.stride(0), sp, vp, B, Tq, NH, NKV, S, D, float(scale),
                float(softcap), skp, op);
   } else {
-    run<at::BFloat16>(qc.data_ptr<at::BFloat16>(), kv_cache.data_ptr<at::BFloat16>(), sp, vp, B, Tq, NH, NKV, S, D,
+    run<at::BFloat16>(qc.data_ptr<at::BFloat16>(), kv_cache.data_ptr<at::BFloat16>(), kv_cache.stride(0), sp, vp, B, Tq, NH, NKV, S, D,
                       float(scale), float(softcap), skp, op);
   }
   return out.to(q.scalar_type());

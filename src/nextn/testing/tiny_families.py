@@ -99,15 +99,15 @@ GPT_OSS: dict[str, dict[str, Any]] = {
                     intermediate_size=64, swiglu_limit=1.0),
 }
 #: Gemma 4 text (issue 62): sliding layers of 1 KV head of 16 (cache rows half as wide as the full layers'), full
-#: ones of 1 KV head of 32 whose V is K's projection (k_eq_v) with proportional rope, per-layer inputs of width 32 (a
-#: W4A16 group), the last two layers reading layers 3's and 2's KV with double-wide MLPs, soft-capped logits; window
+#: ones of 1 KV head of 32 whose V is K's projection (k_eq_v) with proportional rope, per-layer inputs of width 64 (the
+#: int4 kernel's K), the last two layers reading layers 3's and 2's KV with double-wide MLPs, soft-capped logits; window
 #: 16 (crossed by the tests' prompts); an untied lm_head (tied, a tiny model's greedy output repeats its last input
 #: token: the embedding dominates the residual)
 GEMMA4: dict[str, dict[str, Any]] = {
     "gemma4_text": dict(num_hidden_layers=6, num_key_value_heads=1, head_dim=16, global_head_dim=32,
                         num_global_key_value_heads=1, sliding_window=16,
                         layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
-                        hidden_size_per_layer_input=32, vocab_size_per_layer_input=49152, num_kv_shared_layers=2,
+                        hidden_size_per_layer_input=64, vocab_size_per_layer_input=49152, num_kv_shared_layers=2,
                         use_double_wide_mlp=True, attention_k_eq_v=True, final_logit_softcapping=30.0,
                         tie_word_embeddings=False),
 }
@@ -262,6 +262,19 @@ def sentencepiece_model(path: Path, vocab_size: int = 200) -> Path:
                                    model_type="bpe", character_coverage=1.0, minloglevel=2)
     path.write_bytes(model.getvalue())
     return path
+
+
+def gemma_tokenizer(out_dir: Path) -> int:
+    """Write a Gemma-style tokenizer (SentencePiece BPE with byte fallback, `sentencepiece_model`'s pieces, as HF's
+    `GemmaTokenizer` saves it: what llama.cpp's converter reads for Gemma 4, `gguf.LlamaHfVocab`) into `out_dir`;
+    returns its size (the tiny model's vocab_size, so that the GGUF's token list and embedding agree)."""
+    from transformers import GemmaTokenizer
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sentencepiece_model(out_dir / "tokenizer.model")
+    tokenizer = GemmaTokenizer.from_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return len(tokenizer)
 
 
 def add_special_tokens(tokenizer_dir: Path, model_type: str) -> None:

@@ -309,7 +309,9 @@ def _gemma4(hf: dict[str, Any]) -> dict[str, Any]:
         "num_kv_shared_layers": int(hf.get("num_kv_shared_layers") or 0),
         "double_wide_mlp": bool(hf.get("use_double_wide_mlp")),
         "hidden_size_per_layer_input": int(hf.get("hidden_size_per_layer_input") or 0),
-        "vocab_size_per_layer_input": hf.get("vocab_size_per_layer_input"), "layer_scalar": True,
+        # HF's default is 262,144, every release's vocabulary: its vocabulary where a config (a GGUF's) leaves it out
+        "vocab_size_per_layer_input": hf.get("vocab_size_per_layer_input") or hf.get("vocab_size"),
+        "layer_scalar": True,
     }  # fmt: skip
 
 

@@ -152,7 +152,7 @@ class LlamaAttention(nn.Module):
         b, t = q.shape[:2]
         nkv, d = self.num_kv_heads, self.head_dim
         group = self.num_heads // nkv
-        if self.paged_attention_kernel and kv_cache.dtype == q.dtype and kv_cache.is_contiguous():
+        if self.paged_attention_kernel and kv_cache.dtype == q.dtype:  # row-strided views too (Gemma 4)
             o = cpu_kernels.ops().paged_attention(q, kv_cache, meta.context_slots, meta.visible, self.scale,
                                                   self.softcap or 0.0,
                                                   self.sinks.float() if self.sinks is not None else None)
