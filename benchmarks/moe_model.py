@@ -33,11 +33,11 @@ experts the way a trained router's load balancing does; the figures are speeds, 
 from __future__ import annotations
 
 import argparse
-import shutil
-import subprocess
 from pathlib import Path
 
 import torch
+
+from benchmarks import random_gguf
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 
@@ -75,7 +75,6 @@ def make(out: Path, layers: int, experts: int, top_k: int, llama_cpp: Path, fami
     from transformers import AutoModelForCausalLM
 
     from nextn.testing import tiny_families
-    from nextn.testing.llama_cpp_converter import convert
 
     prefix = {"glm4_moe_lite": "glm-flash", "gpt_oss": "gpt-oss"}.get(family, "moe-a3b")
     name = f"{prefix}-e{experts}-l{layers}"
@@ -89,27 +88,8 @@ def make(out: Path, layers: int, experts: int, top_k: int, llama_cpp: Path, fami
     if family == "glm4_moe_lite":  # the special tokens llama.cpp's GLM vocabulary looks up
         tiny_families.add_special_tokens(hf_dir, family)
     cfg = _config(family, layers, experts, top_k)
-    torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if p.dim() == 1:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif "embed_tokens" in pname:
-                p.normal_(0.0, 1.0)
-            else:
-                p.normal_(0.0, p.shape[-1] ** -0.5)
-    model.save_pretrained(hf_dir)
-    del model
-    bf16 = out / f"{name}-bf16.gguf"
-    convert(hf_dir, bf16, "bf16", llama_cpp)
-    quantize = llama_cpp / "build" / "bin" / "llama-quantize"
-    if not quantize.is_file():
-        raise SystemExit(f"{quantize} is absent: cmake --build {llama_cpp / 'build'} --target llama-quantize")
-    subprocess.run([str(quantize), str(bf16), str(q4), qtype], check=True, stdout=subprocess.DEVNULL)
-    shutil.rmtree(hf_dir)
-    bf16.unlink()
-    return q4
+    return random_gguf.write(model, hf_dir, out, name, qtype, llama_cpp)
 
 
 def stack(src: Path, layers: int, out: Path) -> Path:

@@ -63,3 +63,42 @@ def assert_engine_greedy(source: Path, engine: Path, prompt: list[int], want: li
         got = llm.generate(prompt, params).outputs[0].token_ids
         llm.shutdown()
         assert got == want, spec
+
+
+def assert_batch_invariant_engine(hf_dir: Path, engine_dir: Path, fmt: str, drafter: str):
+    """Build `hf_dir` as a `fmt` (W4A16 / W4A8) engine under `engine_dir`: batch 12 = staggered = alone, token for
+    token, with `drafter` ("none", "NGram", ...); the engine says it is batch-invariant. Returns an `LLM` of it (the
+    caller checks which kernels run, then shuts it down); skips where nextn's CPU kernels are unavailable."""
+    from nextn import LLM
+    from nextn.plugins import dense_linear
+    from nextn.testing import batch_invariance as bi
+
+    if not dense_linear.available():
+        pytest.skip(f"nextn's CPU kernels are unavailable here: {dense_linear.unavailable_reason()}")
+    prompts = bi.id_prompts(6, 49152, num_fillers=6)
+    eng = bi.build_format(hf_dir, fmt, engine_dir / fmt, max_seq_len=256)
+    ref = bi.Reference(eng, prompts, 24)
+    results = bi.run_cell(eng, fmt, drafter, bi.speculative_config(drafter), prompts, ref, 24,
+                          ("alone", "batch", "staggered"))
+    assert results and all(r.ok for r in results), "\n" + bi.format_table(results)
+    llm = LLM(eng, speculative_config=None, device="cpu")
+    assert llm.engine.batch_invariant
+    return llm
+
+
+def assert_text_model_greedy(hf, hf_dir: Path, engine_dir: Path, prompt: list[int], architecture: str) -> None:
+    """A released vision-language checkpoint `hf_dir` (of the `transformers` model `hf`) builds as its text model
+    (`architecture`), whose greedy tokens equal transformers' generate of the whole model (24 tokens)."""
+    import torch
+
+    from nextn import LLM, SamplingParams
+    from nextn.build.engine_builder import build_engine
+
+    with torch.no_grad():
+        want = hf.generate(input_ids=torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0,
+                           eos_token_id=None)[0, len(prompt):].tolist()
+    build_engine(hf_dir, engine_dir, dtype="float32", quant_algo=None, max_seq_len=256, progress=False)
+    llm = LLM(engine_dir, device="cpu")
+    assert llm.engine.cfg.architecture == architecture
+    assert llm.generate(prompt, SamplingParams(max_tokens=24, ignore_eos=True)).outputs[0].token_ids == want
+    llm.shutdown()

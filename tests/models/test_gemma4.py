@@ -19,7 +19,8 @@ from nextn.models.llama import LlamaModelConfig
 from nextn.models.llama.weights import stored_view
 from nextn.testing.tiny_families import gemma_tokenizer, save_tiny, save_tiny_gemma4_vl
 
-from family_sources import assert_engine_greedy, tiny_source
+from family_sources import (assert_batch_invariant_engine, assert_engine_greedy, assert_text_model_greedy,
+                            tiny_source)
 from test_llama import _assert_matches_hf, _load
 
 PROMPT = [1] + [100 + (7 * i) % 23 for i in range(45)]  # 46 tokens: past the window of 16
@@ -140,21 +141,7 @@ def test_engine_greedy_is_transformers_plain_and_speculative(gemma4, tmp_path):
 def test_outputs_do_not_depend_on_the_batch(gemma4, tmp_path, fmt, drafter):
     """W4A16 / W4A8 engines: batch 12 = staggered = alone, token for token, with NGram drafts (lossless); every
     layer attends on nextn's paged-attention kernel (the sliding layers' cache rows a row-strided view)."""
-    from nextn import LLM
-    from nextn.plugins import dense_linear
-    from nextn.testing import batch_invariance as bi
-
-    if not dense_linear.available():
-        pytest.skip(f"nextn's CPU kernels are unavailable here: {dense_linear.unavailable_reason()}")
-    _, path = gemma4
-    prompts = bi.id_prompts(6, 49152, num_fillers=6)
-    eng = bi.build_format(path, fmt, tmp_path / fmt, max_seq_len=256)
-    ref = bi.Reference(eng, prompts, 24)
-    results = bi.run_cell(eng, fmt, drafter, bi.speculative_config(drafter), prompts, ref, 24,
-                          ("alone", "batch", "staggered"))
-    assert results and all(r.ok for r in results), "\n" + bi.format_table(results)
-    llm = LLM(eng, speculative_config=None, device="cpu")
-    assert llm.engine.batch_invariant
+    llm = assert_batch_invariant_engine(gemma4[1], tmp_path, fmt, drafter)
     assert all(layer.self_attn.paged_attention_kernel for layer in llm.engine.model.model.layers)
     llm.shutdown()
 
@@ -164,16 +151,19 @@ def test_released_vision_language_checkpoint_builds_its_text_model(tokenizer_dir
     """Gemma 4 ships as `Gemma4ForConditionalGeneration`: the text model under `model.language_model.`, the vision
     tower beside it (left out: nextn decodes text); its greedy text equals transformers' generate of the whole
     model."""
-    from nextn import LLM, SamplingParams
+    hf = save_tiny_gemma4_vl(tmp_path / "hf", tokenizer_dir)
+    assert_text_model_greedy(hf, tmp_path / "hf", tmp_path / "engine", PROMPT, "Gemma4ForCausalLM")
+
+
+def test_a_decode_step_reads_one_row_of_the_per_layer_embedding(gemma4, tmp_path):
+    """The bandwidth floor (`nextn-bench`'s "MB/step") counts one gathered row of the per-layer-input table, not the
+    table (49,152 × 6 · 64 f32 here: 75 MB; Gemma-4-E2B's is 4.7 GB in bf16)."""
+    from nextn.bench.bandwidth import decode_step_bytes
     from nextn.build.engine_builder import build_engine
 
-    hf = save_tiny_gemma4_vl(tmp_path / "hf", tokenizer_dir)
-    with torch.no_grad():
-        want = hf.generate(input_ids=torch.tensor([PROMPT]), max_new_tokens=24, do_sample=False, pad_token_id=0,
-                           eos_token_id=None)[0, len(PROMPT):].tolist()
-    build_engine(tmp_path / "hf", tmp_path / "engine", dtype="float32", quant_algo=None, max_seq_len=256,
-                 progress=False)
-    llm = LLM(tmp_path / "engine", device="cpu")
-    assert llm.engine.cfg.architecture == "Gemma4ForCausalLM"
-    assert llm.generate(PROMPT, SamplingParams(max_tokens=24, ignore_eos=True)).outputs[0].token_ids == want
-    llm.shutdown()
+    _, path = gemma4
+    build_engine(path, tmp_path / "engine", dtype="float32", quant_algo=None, max_seq_len=64, progress=False)
+    step, total = decode_step_bytes(tmp_path / "engine")
+    table, row = 49152 * 6 * 64 * 4, 6 * 64 * 4  # and of the main embedding (the lm_head is its own here)
+    embed, embed_row = 49152 * 64 * 4, 64 * 4
+    assert step == total - table + row - embed + embed_row

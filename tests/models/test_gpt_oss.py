@@ -19,7 +19,7 @@ from nextn.models.llama import LlamaModelConfig
 from nextn.models.llama.weights import stored_view
 from nextn.testing.tiny_families import save_tiny
 
-from family_sources import assert_engine_greedy, tiny_source
+from family_sources import assert_batch_invariant_engine, assert_engine_greedy, tiny_source
 from test_llama import _assert_matches_hf, _load
 
 PROMPT = [1] + [100 + (7 * i) % 23 for i in range(45)]  # 46 tokens, repetitive: drafts get accepted
@@ -104,22 +104,8 @@ def test_engine_greedy_is_transformers_plain_and_speculative(gpt_oss, kind, tmp_
 def test_outputs_do_not_depend_on_the_batch(gpt_oss, tmp_path, fmt, drafter):
     """W4A16 / W4A8 engines: batch 12 = staggered = alone, token for token, plain and with NGram drafts (lossless);
     the attention — sinks included — runs in nextn's fused layer op, the experts on its int4 kernels."""
-    from nextn import LLM
-    from nextn.plugins import dense_linear
-    from nextn.testing import batch_invariance as bi
-
-    if not dense_linear.available():
-        pytest.skip(f"nextn's CPU kernels are unavailable here: {dense_linear.unavailable_reason()}")
-    _, path = gpt_oss
-    prompts = bi.id_prompts(6, 49152, num_fillers=6)
-    eng = bi.build_format(path, fmt, tmp_path / fmt, max_seq_len=256)
-    ref = bi.Reference(eng, prompts, 24)
-    results = bi.run_cell(eng, fmt, drafter, bi.speculative_config(drafter), prompts, ref, 24,
-                          ("alone", "batch", "staggered"))
-    assert results and all(r.ok for r in results), "\n" + bi.format_table(results)
-    llm = LLM(eng, speculative_config=None, device="cpu")
+    llm = assert_batch_invariant_engine(gpt_oss[1], tmp_path, fmt, drafter)
     layers = llm.engine.model.model.layers
-    assert llm.engine.batch_invariant
     assert all(layer.fused is not None and layer.fused.attn_sinks is not None for layer in layers)
     llm.shutdown()
 

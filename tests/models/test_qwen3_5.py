@@ -29,7 +29,7 @@ from nextn.plugins import cpu_kernels
 from nextn.testing.spec_checks import greedy_outputs, staggered_outputs
 from nextn.testing.tiny_families import add_qwen3_5_mtp, save_tiny, save_tiny_qwen3_5_vl
 
-from family_sources import tiny_source
+from family_sources import assert_text_model_greedy, tiny_source
 from test_llama import _load
 
 PROMPT = [1] + [100 + (7 * i) % 23 for i in range(45)]
@@ -251,15 +251,7 @@ def test_released_vision_language_checkpoint_builds_its_text_model(tokenizer_dir
     tower beside it (left out: nextn decodes text); its greedy text equals transformers' generate of the whole
     model."""
     hf = save_tiny_qwen3_5_vl(tmp_path / "hf", tokenizer_dir)
-    with torch.no_grad():
-        want = hf.generate(input_ids=torch.tensor([PROMPT]), max_new_tokens=24, do_sample=False, pad_token_id=0,
-                           eos_token_id=None)[0, len(PROMPT):].tolist()
-    build_engine(tmp_path / "hf", tmp_path / "engine", dtype="float32", quant_algo=None, max_seq_len=256,
-                 progress=False)
-    llm = LLM(tmp_path / "engine", device="cpu")
-    assert llm.engine.cfg.architecture == "Qwen3_5ForCausalLM"
-    assert llm.generate(PROMPT, SamplingParams(max_tokens=24, ignore_eos=True)).outputs[0].token_ids == want
-    llm.shutdown()
+    assert_text_model_greedy(hf, tmp_path / "hf", tmp_path / "engine", PROMPT, "Qwen3_5ForCausalLM")
 
 
 def test_gguf_greedy_is_transformers_plain_and_with_mtp(with_mtp, tmp_path):

@@ -54,6 +54,8 @@ def decode_step_bytes(engine_dir: str | Path) -> tuple[int, int]:
             if name == "model.embed_tokens.weight":
                 # one row is gathered; a tied model also reads the whole table as its lm_head
                 step += itemsize * shape[-1] if own_head else size
+            elif name == "model.embed_tokens_per_layer.weight":  # Gemma 4's per-layer inputs: one row gathered
+                step += itemsize * shape[-1]
             elif ".mlp.experts." in name:
                 step += size * getattr(cfg, "num_experts_per_tok", 1) // shape[0]
             elif ".layers." in name and int(name.split(".")[2]) >= cfg.num_hidden_layers:

@@ -137,7 +137,12 @@ def tiny_hf_model(model_type: str, seed: int = 0, **overrides: Any):
     cfg = AutoConfig.for_model(model_type, **{**_BASE, **family, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    centre = _NORM_CENTRE.get(model_type, 1.0)
+    _draw(model, _NORM_CENTRE.get(model_type, 1.0))
+    return model
+
+
+def _draw(model: torch.nn.Module, centre: float) -> None:
+    """`tiny_hf_model`'s weights: linear weights N(0, 1/fan_in), embeddings N(0, 1), norm weights `centre` ± 0.1."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1:
@@ -153,7 +158,6 @@ def tiny_hf_model(model_type: str, seed: int = 0, **overrides: Any):
                 b.normal_(0.0, 0.1)
             if name.endswith("layer_scalar"):  # Gemma 4's: 1 in HF's init, which would test nothing
                 b.uniform_(0.5, 1.5)
-    return model
 
 
 def save_tiny_qwen3_5_vl(out_dir: Path, tokenizer_dir: Path, seed: int = 0):
@@ -168,16 +172,7 @@ def save_tiny_qwen3_5_vl(out_dir: Path, tokenizer_dir: Path, seed: int = 0):
                                            out_hidden_size=64))
     torch.manual_seed(seed)
     model = Qwen3_5ForConditionalGeneration(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.copy_((1.0 if name.endswith(_UNIT_NORMS) else 0.0) + 0.1 * torch.randn_like(p))
-            elif p.dim() == 3:
-                p.normal_(0.0, p.shape[-1] ** -0.5)
-            elif "embed_tokens" in name:
-                p.normal_(0.0, 1.0)
-            elif p.dim() == 2:
-                p.normal_(0.0, p.shape[1] ** -0.5)
+    _draw(model, 0.0)
     model.save_pretrained(out_dir)
     for f in tokenizer_dir.iterdir():
         shutil.copy(f, out_dir / f.name)
@@ -197,17 +192,7 @@ def save_tiny_gemma4_vl(out_dir: Path, tokenizer_dir: Path, seed: int = 0):
                                           num_attention_heads=2, num_key_value_heads=2, head_dim=16))
     torch.manual_seed(seed)
     model = Gemma4ForConditionalGeneration(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif "embed_tokens" in name:
-                p.normal_(0.0, 1.0)
-            elif p.dim() == 2:
-                p.normal_(0.0, p.shape[1] ** -0.5)
-        for name, b in model.named_buffers():
-            if name.endswith("layer_scalar"):
-                b.uniform_(0.5, 1.5)
+    _draw(model, 1.0)
     model.save_pretrained(out_dir)
     for f in tokenizer_dir.iterdir():
         shutil.copy(f, out_dir / f.name)
