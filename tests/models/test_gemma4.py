@@ -68,6 +68,25 @@ def test_config_reads_every_part(gemma4):
     assert model.cache_rows == (0, 1, 2, 3, 3, 2) and model.num_cache_layers == 4
 
 
+def test_a_config_without_per_layer_config_reads_as_transformers_does(gemma4):
+    """The released configs name `global_head_dim` and `num_global_key_value_heads` (transformers 5.23 writes
+    `per_layer_config` instead): the full layers' KV heads change only with `attention_k_eq_v`, and without the key
+    their heads are 512 wide (`Gemma4TextConfig.__post_init__`)."""
+    from transformers import Gemma4TextConfig
+
+    _, path = gemma4
+    for k_eq_v, changes in ((True, {"global_head_dim": 64, "num_global_key_value_heads": 2}),
+                            (False, {"global_head_dim": 64, "num_global_key_value_heads": 2}), (False, {})):
+        hf = {**json.loads((path / "config.json").read_text()), "attention_k_eq_v": k_eq_v, **changes}
+        del hf["per_layer_config"]
+        ref = Gemma4TextConfig(**{k: v for k, v in hf.items() if k not in ("architectures", "model_type",
+                                                                            "transformers_version", "dtype")})
+        cfg = LlamaModelConfig.from_hf(hf)
+        assert cfg.layer_head_dim(2) == ref.per_layer_config[2].head_dim
+        assert cfg.layer_kv_heads(2) == ref.per_layer_config[2].num_key_value_heads
+        assert cfg.layer_head_dim(0) == ref.per_layer_config[0].head_dim == 16
+
+
 def test_logits_match_transformers(gemma4):
     hf, path = gemma4
     assert _assert_matches_hf(_model(path), hf, 4000, [46, 9, 33]) < 1e-4

@@ -293,7 +293,8 @@ def _gemma4(hf: dict[str, Any]) -> dict[str, Any]:
         if float(full_rope.get("factor", 1.0)) != 1.0:
             raise ConfigError("Gemma4ForCausalLM: proportional rope with a factor other than 1 is not supported")
         params["full_attention"] = {"rope_type": "default", "rope_theta": full_rope.get("rope_theta") or 1_000_000.0}
-    options = _gemma3({**hf, "query_pre_attn_scalar": 1.0, "rope_parameters": params})
+    options = _gemma3({**hf, "query_pre_attn_scalar": 1.0, "rope_parameters": params,
+                       "sliding_window": hf.get("sliding_window") or 512})  # Gemma4TextConfig's default
     types = options["layer_types"]
     overrides = {int(k): v for k, v in (hf.get("per_layer_config") or {}).items() if isinstance(v, dict)}
     full = [i for i, t in enumerate(types or ()) if t == "full_attention"]
@@ -301,10 +302,12 @@ def _gemma4(hf: dict[str, Any]) -> dict[str, Any]:
     if len(dims) > 1:
         raise ConfigError(f"Gemma4ForCausalLM: full_attention layers with different head shapes {sorted(dims)}")
     head, kv_heads = dims.pop() if dims else (None, None)
+    if not overrides:  # a config written before per_layer_config (the releases'): HF's `__post_init__` defaults —
+        head = hf.get("global_head_dim") or 512  # the full layers' KV heads are overridden only with k_eq_v
+        kv_heads = hf.get("num_global_key_value_heads") if hf.get("attention_k_eq_v") else None
     return {
         **options, "norm_style": "fp32_weight", "v_norm": True,
-        "global_head_dim": head or hf.get("global_head_dim"),
-        "global_num_key_value_heads": kv_heads or hf.get("num_global_key_value_heads"),
+        "global_head_dim": head, "global_num_key_value_heads": kv_heads,
         "attention_k_eq_v": bool(hf.get("attention_k_eq_v")), "rope_proportion": proportion,
         "num_kv_shared_layers": int(hf.get("num_kv_shared_layers") or 0),
         "double_wide_mlp": bool(hf.get("use_double_wide_mlp")),
