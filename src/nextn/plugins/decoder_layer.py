@@ -142,7 +142,7 @@ def _gemma4(layer: nn.Module) -> bool:
     a layer scalar (these layers run as modules; nextn's paged-attention kernel still serves their attention)."""
     attn = layer.self_attn
     return (getattr(attn, "v_norm", None) is not None or getattr(attn, "kv_shared", False)
-            or getattr(layer, "per_layer_input", False) or hasattr(layer, "layer_scalar"))
+            or getattr(layer, "per_layer_input", False) or getattr(layer, "scaled", False))
 
 
 def _sinks(attn: nn.Module) -> torch.Tensor | None:

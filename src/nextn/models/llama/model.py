@@ -211,6 +211,7 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
     moe_block: bool = False  # the MoE MLP half as one op too (`plugins.moe_experts.block_forward`; set at load)
     #: Gemma 4: the layer ends with its per-layer input (`per_layer_inputs.layer_output`) and × `layer_scalar`
     per_layer_input: bool = False
+    scaled: bool = False  # it holds a `layer_scalar` buffer (a flag: no attribute lookup that fails on the hot path)
 
     def __init__(self, cfg: LlamaModelConfig, index: int | None = None) -> None:
         super().__init__(LlamaAttention(cfg, index), mlp_for(cfg, index), cfg.hidden_size, cfg.rms_norm_eps,
@@ -223,16 +224,17 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
             self.per_layer_input = True
         if decoder and cfg.layer_scalar:  # a buffer in HF (`nn.Buffer`), a checkpoint tensor all the same
             self.register_buffer("layer_scalar", torch.ones(1))
+            self.scaled = True
 
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor, meta,
                 per_layer_input: torch.Tensor | None = None) -> torch.Tensor:
         """x: [B, T, hidden] → [B, T, hidden]; writes this layer's KV (kv_cache: [num_slots, kv dim]);
         per_layer_input: [B, T, width], this layer's slice of the model's per-layer inputs (Gemma 4), else None."""
-        if self.per_layer_input or hasattr(self, "layer_scalar"):
+        if self.per_layer_input or self.scaled:
             x = super().forward(x, cos_sin, kv_cache, meta)
             if per_layer_input is not None:
                 x = per_layer_inputs.layer_output(self, x, per_layer_input)
-            return x * self.layer_scalar if hasattr(self, "layer_scalar") else x
+            return x * self.layer_scalar if self.scaled else x
         if self.fused is not None and x.dtype == kv_cache.dtype == torch.bfloat16:
             out = fused_forward(self, x, cos_sin, kv_cache, meta)
             # an MoE layer: the op ran the attention only (x + attn(norm(x))); its MLP runs here
