@@ -375,7 +375,7 @@ def draft_engine_spec(spec: Any, target: Any, resolve: Callable[..., Path] | Non
     if (inner := getattr(spec, "combine_with", None)) is not None:  # a combined drafter's model drafter
         spec = spec.model_copy(update={"combine_with": draft_engine_spec(inner, target, resolve)})
     draft = getattr(spec, "speculative_model_dir", None)
-    if draft is None:
+    if draft is None or getattr(spec, "decoding_type", None) != "Draft_Target":  # others read theirs as it is
         return spec
     quant = target.quant_config.model_dump(exclude_defaults=True) if target.quant_config else {"quant_algo": None}
     if quant.get("quant_algo") in INT4_ALGOS:

@@ -200,6 +200,19 @@ class DraftTargetDecodingConfig(DecodingBaseConfig):
     draft_token_map: str | None = None
 
 
+class Gemma4AssistantDecodingConfig(DecodingBaseConfig):
+    """Gemma 4's assistant drafter: the small `Gemma4AssistantForCausalLM` checkpoint shipped beside a Gemma 4 model
+    drafts from the target's last hidden state over the target's own KV cache (HF's assisted generation with
+    `assistant_model`; llama.cpp's `--spec-type draft-mtp` with a gemma4-assistant model;
+    speculative/gemma4_assistant.py). Deterministic drafts: the output is plain decoding's."""
+
+    decoding_type: Literal["Gemma4Assistant"] = "Gemma4Assistant"
+    max_draft_len: int = Field(ge=1, le=64)  # K: draft tokens per step (each one assistant forward of one row)
+    # The assistant's HF checkpoint directory (config.json with model_type gemma4_assistant, safetensors), read as
+    # it is: it is small and runs in the target's dtype. `speculative_model` is accepted as an alias.
+    speculative_model_dir: str = Field(validation_alias=AliasChoices("speculative_model_dir", "speculative_model"))
+
+
 class SuffixDecodingConfig(DecodingBaseConfig):
     """Suffix decoding: drafts from suffix trees over the request's own prompt and output and over earlier
     requests' outputs — no draft model (Oliaro et al. 2025, arXiv 2411.04975; vLLM's `method: suffix`, whose

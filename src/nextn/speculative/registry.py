@@ -20,7 +20,7 @@ from torch import nn
 
 from nextn.build.manifest import EngineManifest
 from nextn.config.llm_args import LlmArgsError, register_decoding_config
-from nextn.speculative import draft_model, medusa, mtp, ngram, suffix
+from nextn.speculative import draft_model, gemma4_assistant, medusa, mtp, ngram, suffix
 from nextn.speculative.acceptance_rules import StandardAcceptance
 from nextn.speculative.chain_step import NoDrafter
 from nextn.speculative.method import LoadContext, Method
@@ -92,5 +92,5 @@ def default_config(manifest: EngineManifest) -> BaseModel | None:
     return None
 
 
-for _module in (mtp, medusa, ngram, draft_model, suffix):  # the built-in methods, each its module's METHOD
+for _module in (mtp, medusa, ngram, draft_model, suffix, gemma4_assistant):  # the built-in methods, each its module's METHOD
     register(_module.METHOD)

@@ -1,0 +1,154 @@
+"""Gemma 4's assistant drafter (issue 62): a tiny random `Gemma4AssistantForCausalLM` (made by `transformers` at test
+time, `testing.tiny_gemma4_assistant`) drafting for the tiny Gemma 4 target of test_gemma4.py over the target's own
+KV cache: its drafts at every step are `transformers`' (`reference_drafts`: HF's assistant loop from the target's
+shared KV and last hidden state), with the centroid-masked head and the full one, at prompts inside and past the
+sliding window; through the engine its output is plain decoding's token for token, greedy and sampled, at batch 1,
+batched and staggered; checkpoints made for another target are refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from nextn.config.llm_args import LlmArgsError
+from nextn.models.attention_metadata import AttentionMetadata  # noqa: F401 (the steps' metadata)
+from nextn.models.kv_cache import allocate_kv_cache
+from nextn.speculative.acceptance_rules import StandardAcceptance, greedy_sampling
+from nextn.speculative.chain_step import prefill_step, verify_and_draft_step
+from nextn.speculative.gemma4_assistant import AssistantDrafter, load_assistant
+from nextn.testing.tiny_families import save_tiny
+from nextn.testing.tiny_gemma4_assistant import reference_drafts, save_tiny_assistant
+
+from test_gemma4 import _config, _model
+
+BLOCK = 8
+K = 3
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory, tokenizer_dir):
+    out = tmp_path_factory.mktemp("gemma4_target")
+    return save_tiny("gemma4_text", out, tokenizer_dir), out
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["centroid_head", "full_head"])
+def assistant(request, tmp_path_factory, tokenizer_dir):
+    out = tmp_path_factory.mktemp("gemma4_assistant")
+    return save_tiny_assistant(out, tokenizer_dir, ordered=request.param), out
+
+
+def _decode(model, drafter, prompts: list[list[int]], steps: int) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """Greedy speculative decoding of right-padded `prompts` through the runtime's prefill and verify steps with
+    `drafter`: (each row's emitted tokens, each row's drafts at each step with the context they were made from)."""
+    b, width = len(prompts), max(len(p) for p in prompts)
+    blocks = -(-(width + steps * (K + 1) + 2) // BLOCK)
+    tables = torch.arange(1, b * blocks + 1).view(b, blocks)
+    kv = allocate_kv_cache(model.num_cache_layers, b * blocks + 1, BLOCK, model.cfg.kv_cache_dim, torch.float32)
+    ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
+    acceptance, sampling = StandardAcceptance(), greedy_sampling(b)
+    with torch.inference_mode():
+        out = prefill_step(model, drafter, acceptance, kv, ids, torch.tensor([len(p) for p in prompts]), tables,
+                           sampling, (), BLOCK)
+        emitted = [[int(out.tokens[r, 0])] for r in range(b)]
+        made = [[(p + e, out.draft_tokens[r].tolist())] for r, (p, e) in enumerate(zip(prompts, emitted))]
+        for _ in range(steps):
+            kv_lens = torch.tensor([len(p) + len(e) - 1 for p, e in zip(prompts, emitted)])
+            inputs = torch.cat([torch.tensor([[e[-1]] for e in emitted]), out.draft_tokens], dim=1)
+            out = verify_and_draft_step(model, drafter, acceptance, kv, inputs, kv_lens, tables, sampling,
+                                        out.drafter_state, out.accept_state, BLOCK)
+            for r in range(b):
+                emitted[r] += out.tokens[r, :int(out.num_emitted[r])].tolist()
+                made[r].append((prompts[r] + emitted[r], out.draft_tokens[r].tolist()))
+    return emitted, made
+
+
+@pytest.mark.parametrize("lens", [[9, 5], [30, 21]], ids=["inside_window", "past_window"])
+def test_drafts_equal_transformers_at_every_step(target, assistant, lens):
+    hf_target, target_dir = target
+    hf_assistant, assistant_dir = assistant
+    model = _model(target_dir)
+    loaded, rows = load_assistant(assistant_dir, model.cfg, torch.float32, torch.device("cpu"))
+    prompts = [[1] + [100 + (5 * i + 3 * n) % 41 for i in range(n - 1)] for n in lens]
+    emitted, made = _decode(model, AssistantDrafter(loaded, rows, K), prompts, steps=6)
+    for r, prompt in enumerate(prompts):
+        with torch.inference_mode():
+            want = hf_target.generate(torch.tensor([prompt]), max_new_tokens=len(emitted[r]), do_sample=False)
+        assert emitted[r] == want[0, len(prompt):].tolist()  # speculation changed nothing
+        for context, drafts in made[r]:
+            assert drafts == reference_drafts(hf_target, hf_assistant, context, K), len(context)
+
+
+def test_cache_rows_are_the_stored_layers(target):
+    """The tiny target's layers 0..3 compute KV (rows 0..3; 4 and 5 read 3 and 2): the assistant's sliding layer
+    reads the last sliding one (layer 3, row 3), its full layer the last full one (layer 2, row 2)."""
+    from nextn.models.gemma4_assistant import assistant_config
+    from nextn.speculative.gemma4_assistant import source_rows
+    from nextn.testing.tiny_gemma4_assistant import ASSISTANT_TEXT
+
+    _, target_dir = target
+    cfg, _ = assistant_config({"model_type": "gemma4_assistant", "text_config": ASSISTANT_TEXT})
+    assert source_rows(_config(target_dir), cfg) == [3, 2]
+
+
+@pytest.fixture(scope="module")
+def centroid_assistant(tmp_path_factory, tokenizer_dir):
+    out = tmp_path_factory.mktemp("gemma4_assistant_engine")
+    save_tiny_assistant(out, tokenizer_dir)
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "W4A8"])
+def test_engine_output_is_plain_decoding(target, centroid_assistant, tmp_path_factory, fmt):
+    """Through the engine (scheduler, overlap, prefix cache, chunked prefill): greedy requests alone, batched with
+    company, staggered, chunked and after prefix-cache hits decode as plain decoding does, and seeded sampled
+    requests too (deterministic drafts: the coupled rule draws plain decoding's tokens); the W4A8 engine's assistant
+    runs in bf16 on nextn's kernels."""
+    from nextn import LLM, SamplingParams
+    from nextn.plugins import dense_linear
+    from nextn.testing import batch_invariance as bi
+
+    if fmt != "fp32" and not dense_linear.available():
+        pytest.skip(f"nextn's CPU kernels are unavailable here: {dense_linear.unavailable_reason()}")
+    _, target_dir = target
+    engine = bi.build_format(target_dir, fmt, tmp_path_factory.mktemp("engines") / fmt, max_seq_len=256)
+    spec = {"decoding_type": "Gemma4Assistant", "max_draft_len": K, "speculative_model_dir": str(centroid_assistant)}
+    prompts = bi.id_prompts(6, 49152, num_fillers=6)
+    ref = bi.Reference(engine, prompts, 24)
+    results = bi.run_cell(engine, fmt, "Gemma4Assistant", spec, prompts, ref, 24)
+    assert results and all(r.ok for r in results), "\n" + bi.format_table(results)
+    sampled = [SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.9, seed=s) for s in range(4)]
+    outs = {}
+    for name, config in (("plain", None), ("assistant", spec)):
+        llm = LLM(engine, speculative_config=config, device="cpu", max_batch_size=12)
+        outs[name] = [o.outputs[0] for o in llm.generate(prompts.main[:4], sampled)]
+        if config is not None:
+            assert llm.engine.drafter.name == "Gemma4Assistant"
+            if fmt != "fp32":  # the assistant's layers on nextn's kernels
+                assert all(a.paged_attention_kernel for a in _attentions(llm.engine.drafter.assistant))
+        llm.shutdown()
+    assert [o.token_ids for o in outs["assistant"]] == [o.token_ids for o in outs["plain"]]
+    assert sum(o.num_draft_tokens for o in outs["assistant"]) > 0  # the drafts were verified
+
+
+def _attentions(model):
+    from nextn.models.llama.model import LlamaAttention
+
+    return [m for m in model.modules() if isinstance(m, LlamaAttention)]
+
+
+def test_refuses_another_targets_assistant(target, tmp_path, tokenizer_dir):
+    """An assistant made for a target of another hidden size, and a checkpoint that is not an assistant, are
+    refused by name before any weight is read."""
+    from nextn.testing.tiny_gemma4_assistant import tiny_assistant
+
+    _, target_dir = target
+    cfg = _config(target_dir)
+    tiny_assistant(backbone_hidden_size=96).save_pretrained(tmp_path / "other")
+    with pytest.raises(LlmArgsError, match="hidden size 96"):
+        load_assistant(tmp_path / "other", cfg, torch.float32, torch.device("cpu"))
+    with pytest.raises(LlmArgsError, match="not a Gemma 4 assistant"):
+        load_assistant(target_dir, cfg, torch.float32, torch.device("cpu"))
+    with pytest.raises(LlmArgsError, match="no config.json"):
+        load_assistant(tmp_path, cfg, torch.float32, torch.device("cpu"))
