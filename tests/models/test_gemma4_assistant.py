@@ -130,6 +130,14 @@ def test_engine_output_is_plain_decoding(target, centroid_assistant, tmp_path_fa
         llm.shutdown()
     assert [o.token_ids for o in outs["assistant"]] == [o.token_ids for o in outs["plain"]]
     assert sum(o.num_draft_tokens for o in outs["assistant"]) > 0  # the drafts were verified
+    if fmt == "fp32":  # preemption (a cache of 14 blocks) with chunked prefill, both schedulers
+        for overlap in (False, True):
+            tight = LLM(engine, speculative_config=spec, device="cpu", enable_chunked_prefill=True, max_num_tokens=8,
+                        kv_cache_config={"max_tokens": 112, "tokens_per_block": 8},
+                        disable_overlap_scheduler=not overlap)
+            assert bi._staggered(tight, prompts.main, bi._greedy(24)) == ref.main
+            assert tight.engine.scheduler.num_preemptions > 0
+            tight.shutdown()
 
 
 def _attentions(model):
