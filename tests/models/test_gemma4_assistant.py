@@ -21,6 +21,7 @@ from nextn.speculative.gemma4_assistant import AssistantDrafter, load_assistant
 from nextn.testing.tiny_families import save_tiny
 from nextn.testing.tiny_gemma4_assistant import reference_drafts, save_tiny_assistant
 
+from family_sources import tiny_source
 from test_gemma4 import _config, _model
 
 BLOCK = 8
@@ -160,3 +161,65 @@ def test_refuses_another_targets_assistant(target, tmp_path, tokenizer_dir):
         load_assistant(target_dir, cfg, torch.float32, torch.device("cpu"))
     with pytest.raises(LlmArgsError, match="no config.json"):
         load_assistant(tmp_path, cfg, torch.float32, torch.device("cpu"))
+    from nextn.models.config import ConfigError
+    from nextn.models.registry import model_config_from_hf
+
+    with pytest.raises(ConfigError, match="is a drafter, not a model to build.*Gemma4Assistant"):
+        model_config_from_hf(json.loads((tmp_path / "other" / "config.json").read_text()))
+
+
+@pytest.fixture(scope="module")
+def gguf_pair(tmp_path_factory):
+    """The tiny target and a full-head assistant over a Gemma-style SentencePiece vocabulary, each converted by
+    llama.cpp's converter (`gemma4`, `gemma4-assistant`: the converter leaves centroid heads out)."""
+    from nextn.testing.tiny_families import gemma_tokenizer
+
+    out = tmp_path_factory.mktemp("gemma4_gguf_pair")
+    vocab = gemma_tokenizer(out / "tokenizer")
+    target = save_tiny("gemma4_text", out / "target", out / "tokenizer", vocab_size=vocab,
+                       vocab_size_per_layer_input=vocab)
+    assistant = save_tiny_assistant(out / "assistant", out / "tokenizer", ordered=False, vocab_size=vocab)
+    # the converter cuts an assistant's embedding to tokenizer.model's pieces (Gemma 3's `modify_tensors`), which for
+    # this tiny vocabulary lack the 4 added tokens its token list has; tokenizer.json counts them
+    (out / "assistant" / "tokenizer.model").unlink()
+    return (target, tiny_source(out / "target", "gguf")), (assistant, tiny_source(out / "assistant", "gguf"))
+
+
+def test_gguf_assistant_drafts_equal_transformers(gguf_pair):
+    """llama.cpp's GGUF of an assistant (`gemma4-assistant`: `nextn.pre_projection` / `post_projection`, the layers
+    under gemma4's names, the backbone's width as `embedding_length_out`) drafts as `transformers` does, for the
+    target's GGUF."""
+    from nextn.build.engine_settings import open_checkpoint
+    from nextn.build.gguf_reader import GGUFCheckpoint
+    from nextn.models.llama.weights import stored_view
+    from test_llama import _load
+
+    (hf_target, target_gguf), (hf_assistant, assistant_gguf) = gguf_pair
+    reader = GGUFCheckpoint(target_gguf)
+    cfg = reader.model_config
+    stored = stored_view(reader, cfg)
+    model = _load(cfg, stored.get, stored.has)
+    loaded, rows = load_assistant(assistant_gguf, cfg, torch.float32, torch.device("cpu"), open_checkpoint)
+    assert rows == [3, 2] and loaded.masked_embedding is None
+    prompts = [[1] + [3 + (5 * i + 3 * n) % 190 for i in range(n - 1)] for n in (9, 30)]
+    _, made = _decode(model, AssistantDrafter(loaded, rows, K), prompts, steps=4)
+    for per_row in made:
+        for context, drafts in per_row:
+            assert drafts == reference_drafts(hf_target, hf_assistant, context, K), len(context)
+
+
+def test_gguf_pair_through_the_engine(gguf_pair, tmp_path):
+    """`LLM` over the target's GGUF with `speculative_model_dir` the assistant's GGUF: plain decoding's tokens."""
+    from nextn import LLM, SamplingParams
+
+    (_, target_gguf), (_, assistant_gguf) = gguf_pair
+    spec = {"decoding_type": "Gemma4Assistant", "max_draft_len": K, "speculative_model_dir": str(assistant_gguf)}
+    prompts = [[1] + [3 + (7 * i) % 190 for i in range(n)] for n in (7, 25, 40)]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    outs = {}
+    for name, config in (("plain", None), ("assistant", spec)):
+        llm = LLM(target_gguf, speculative_config=config, device="cpu", dtype="float32", quant_config=None,
+                  engine_cache_dir=tmp_path / "cache")
+        outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        llm.shutdown()
+    assert outs["assistant"] == outs["plain"]

@@ -30,7 +30,8 @@ SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausal
                            "qwen35": "Qwen3_5ForCausalLM", "qwen3next": "Qwen3NextForCausalLM",
                            "qwen35moe": "Qwen3_5MoeForCausalLM",
                            "deepseek2": "DeepseekV3ForCausalLM", "gpt-oss": "GptOssForCausalLM",
-                           "gemma4": "Gemma4ForCausalLM"}  # and Mixtral
+                           "gemma4": "Gemma4ForCausalLM",
+                           "gemma4-assistant": "Gemma4AssistantForCausalLM"}  # and Mixtral
 #: Architectures whose q/k rows llama.cpp permutes at conversion (convert_hf_to_gguf.py `LlamaModel.permute`;
 #: `SmolLM3Model` and `GraniteModel` are `LlamaModel`s).
 PERMUTED_ARCHITECTURES = ("llama", "smollm3", "granite")
@@ -44,7 +45,8 @@ V_REORDERED_ARCHITECTURES = ("qwen35", "qwen35moe")
 #: and long factors (conversion/phi.py `Phi3MiniModel.generate_extra_tensors`).
 FACTOR_TENSORS = {"llama": ("rope_freqs.weight",), "exaone4": ("rope_freqs.weight",),
                   "phi3": ("rope_factors_long.weight", "rope_factors_short.weight"),
-                  "gemma4": ("rope_freqs.weight",)}  # the full layers' proportional rope (`gguf_gemma4`)
+                  "gemma4": ("rope_freqs.weight",),  # the full layers' proportional rope (`gguf_gemma4`)
+                  "gemma4-assistant": ("rope_freqs.weight",)}
 #: GGUF architectures of mixture-of-experts models nextn's MoE layer does not read yet (refused as MoE, by name).
 MOE_ARCHITECTURES = frozenset({"mixtral",
                                "deepseek", "dbrx", "grok", "arctic", "granitemoe", "llama4", "bailingmoe",
@@ -115,7 +117,7 @@ BLOCK_NAMES = {"qwen3moe": {**_LLAMA_BLOCK, **_QK_NORMS, **_MOE_BLOCK}, "qwen2mo
                "olmo2": _POST_NORM_BLOCK, "exaone4": _POST_NORM_BLOCK, "seed_oss": _SEED_OSS_BLOCK,
                "llama": {**_LLAMA_BLOCK, **_MOE_BLOCK}, "qwen2": _LLAMA_BLOCK, "qwen3": {**_LLAMA_BLOCK, **_QK_NORMS},
                "gemma2": _GEMMA_BLOCK, "gemma3": _GEMMA_BLOCK, "smollm3": _LLAMA_BLOCK, "granite": _LLAMA_BLOCK,
-               "gpt-oss": _GPT_OSS_BLOCK, "gemma4": gguf_gemma4.BLOCK}
+               "gpt-oss": _GPT_OSS_BLOCK, "gemma4": gguf_gemma4.BLOCK, "gemma4-assistant": gguf_gemma4.BLOCK}
 
 
 #: A block tensor's llama.cpp name: `blk.N.<name>.<weight | bias>` (nextn.*: an MTP layer's own tensors), or without
@@ -253,7 +255,7 @@ def family_config(arch: str, key: Callable[..., Any], layers: int, hidden: int, 
         return _phi3(key, head_dim, factors)
     if arch == "gpt-oss":
         return _gpt_oss(key, layers)
-    if arch == "gemma4":
+    if arch in ("gemma4", "gemma4-assistant"):
         return gguf_gemma4.config(key, layers, factors, has)
     if arch == "glm4":  # conversion/glm.py: rope.dimension_count = head_dim × partial_rotary_factor
         return {"partial_rotary_factor": key("rope.dimension_count", "count", head_dim) / head_dim}

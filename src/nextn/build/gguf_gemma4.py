@@ -33,7 +33,20 @@ TENSOR_NAMES = {"layer_output_scale.weight": "layer_scalar"}
 #: The per-layer inputs' model-level tensors
 GLOBAL_NAMES = {"per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
                 "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
-                "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight"}
+                "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
+                # a Gemma 4 assistant's (`gemma4-assistant`: conversion/gemma.py `Gemma4AssistantModel`)
+                "nextn.pre_projection.weight": "pre_projection.weight",
+                "nextn.post_projection.weight": "post_projection.weight"}
+
+
+def assistant_config(text: dict[str, Any], backbone_hidden_size: int) -> dict[str, Any]:
+    """The HF config of a `gemma4-assistant` file (`Gemma4AssistantConfig`'s fields) around its layers' text config
+    `text` (read as a gemma4 file's). llama.cpp's converter leaves the centroid-masked head out (its drafts score the
+    whole tied embedding), so the config says `use_ordered_embeddings` false."""
+    text = {**text, "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text"}
+    return {"architectures": ["Gemma4AssistantForCausalLM"], "model_type": "gemma4_assistant", "text_config": text,
+            "backbone_hidden_size": backbone_hidden_size, "use_ordered_embeddings": False,
+            "tie_word_embeddings": True}
 
 
 def config(key: Callable[..., Any], layers: int, factors: Callable[[str, int], list[float] | None],
@@ -67,7 +80,8 @@ def config(key: Callable[..., Any], layers: int, factors: Callable[[str, int], l
     by_type = {t: {kv_heads[i] for i in range(layers) if types[i] == t} for t in set(types)}
     first_shared = layers - shared
     wide = {ffn[i] for i in range(first_shared, layers)}
-    if any(len(v) != 1 for v in by_type.values()) or len(set(ffn[:first_shared])) != 1 or len(wide) > 1 or (
+    own = ffn[:first_shared] or ffn  # an assistant's layers all read shared KV (`gemma4-assistant`)
+    if any(len(v) != 1 for v in by_type.values()) or len(set(own)) != 1 or len(wide) > 1 or (
             wide and wide.pop() not in (ffn[0], 2 * ffn[0])):
         raise CheckpointError(f"gemma4 KV heads {kv_heads} or MLP widths {ffn} differ within a layer type "
                               "otherwise than Gemma 4's (the KV-shared layers' MLP 1 or 2 times the others')")

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from nextn.build import gguf_deepseek2, gguf_qwen35
+from nextn.build import gguf_deepseek2, gguf_gemma4, gguf_qwen35
 from nextn.build.checkpoint import CheckpointError
 from nextn.build.ggml_blocks import q4_k_two_level, unpermute_rope_rows
 from nextn.build.gguf_header import open_gguf, peek_architecture
@@ -291,7 +291,7 @@ class GGUFCheckpoint:
                 arch, scaling, lambda k, kind, d: kinds[kind](k, d))
         except ValueError as e:
             raise CheckpointError(f"{self.path}: {e}") from None
-        return {
+        config = {
             "architectures": [SUPPORTED_ARCHITECTURES[arch]],
             "model_type": {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "qwen35": "qwen3_5_text",
                            "qwen3next": "qwen3_next",
@@ -318,6 +318,9 @@ class GGUFCheckpoint:
             "torch_dtype": {"F16": "float16", "BF16": "bfloat16"}.get(first, "float32"),
             **options,
         }
+        if arch == "gemma4-assistant":  # a drafter's layers (speculative/gemma4_assistant.py reads it)
+            return gguf_gemma4.assistant_config(config, count("embedding_length_out"))
+        return config
 
     def _vocab_size(self) -> int:
         """The embedding's rows (a 2-D `token_embd.weight`, [hidden, vocab] in ggml order); without one, llama.cpp's
@@ -354,9 +357,12 @@ class GGUFCheckpoint:
             ConfigError: a value the config refuses, or `{arch}.block_count` above the blocks stored
                 (`tensor_inventory.check_layer_counts`).
         """
+        from nextn.models.registry import model_config_from_hf
+
+        if "text_config" in self.hf_config:  # a drafter's (gemma4-assistant): refused by name
+            return model_config_from_hf(self.hf_config)
         check_layer_counts(self.hf_config["num_hidden_layers"], 0, self.names(),
                            f"{self.path}: {self.architecture}.block_count")
-        from nextn.models.registry import model_config_from_hf
 
         return model_config_from_hf(self.hf_config)
 

@@ -208,8 +208,9 @@ class Gemma4AssistantDecodingConfig(DecodingBaseConfig):
 
     decoding_type: Literal["Gemma4Assistant"] = "Gemma4Assistant"
     max_draft_len: int = Field(ge=1, le=64)  # K: draft tokens per step (each one assistant forward of one row)
-    # The assistant's HF checkpoint directory (config.json with model_type gemma4_assistant, safetensors), read as
-    # it is: it is small and runs in the target's dtype. `speculative_model` is accepted as an alias.
+    # The assistant's HF checkpoint directory (config.json with model_type gemma4_assistant, safetensors) or, through
+    # LLM, the GGUF llama.cpp's converter writes of it (gemma4-assistant): read as it is, in the target's dtype (it is
+    # small). `speculative_model` is accepted as an alias.
     speculative_model_dir: str = Field(validation_alias=AliasChoices("speculative_model_dir", "speculative_model"))
 
 

@@ -25,6 +25,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import torch
@@ -208,10 +209,13 @@ def start_workers(engine_dir: str | Path, args: Any, spec: Any, device: str) -> 
     return group
 
 
-def start_engine(engine_dir: str | Path, args: Any, spec: Any, device: str) -> tuple[Any, WorkerGroup | None]:
+def start_engine(engine_dir: str | Path, args: Any, spec: Any, device: str,
+                 open_checkpoint: Callable[[Path], Any] | None = None) -> tuple[Any, WorkerGroup | None]:
     """Rank 0's `Engine` and its worker group (None for tensor_parallel_size 1 outside torchrun).
 
-    Under `torchrun` a process of rank > 0 serves rank 0's steps here and then exits (`exit_now(0)`): only rank 0
+    `open_checkpoint`: the build layer's checkpoint reader for a speculative method that reads weights of its own
+    (the LLM API passes `engine_settings.open_checkpoint`; `Engine`'s argument). Under `torchrun` a process of rank
+    > 0 serves rank 0's steps here and then exits (`exit_now(0)`): only rank 0
     returns, so a script written for one process runs unchanged under `torchrun --nproc_per_node N`.
 
     Raises:
@@ -222,7 +226,7 @@ def start_engine(engine_dir: str | Path, args: Any, spec: Any, device: str) -> t
     launched = torchrun_rank()
     mapping = mapping_from_args(args, 0 if launched is None else launched[0])  # sizes that fit each other
     if args.tensor_parallel_size == 1 and launched is None:
-        return Engine(engine_dir, args, spec, device), None
+        return Engine(engine_dir, args, spec, device, open_checkpoint=open_checkpoint), None
     manifest = EngineManifest.load(engine_dir)
     check_model_split(manifest.model, mapping, quantized=manifest.quant_config is not None)
     if launched is not None:

@@ -25,6 +25,8 @@ WEIGHT_LAYOUTS: dict[str, ModuleType] = {"DeepseekV3ForCausalLM": deepseek_weigh
 MULTIMODAL_TEXT = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
                    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
                    "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM"}  # its towers: `model.vision_tower.` etc.
+#: Checkpoints that draft for another model rather than decode on their own → the `decoding_type` that reads them
+DRAFTERS = {"Gemma4AssistantForCausalLM": "Gemma4Assistant"}
 
 
 def model_config_from_hf(hf: dict[str, Any]) -> DeepseekV3ModelConfig | LlamaModelConfig:
@@ -34,6 +36,10 @@ def model_config_from_hf(hf: dict[str, Any]) -> DeepseekV3ModelConfig | LlamaMod
         ConfigError: an unsupported architecture (the message lists the supported ones) or an invalid field.
     """
     archs = hf.get("architectures") or []
+    if archs and archs[0] in DRAFTERS:
+        raise ConfigError(f"{archs[0]} is a drafter, not a model to build: give it to a Gemma 4 engine as "
+                          f"speculative_config {{decoding_type: {DRAFTERS[archs[0]]}, max_draft_len: 3, "
+                          "speculative_model_dir: <this checkpoint>}")
     if archs and archs[0] in MULTIMODAL_TEXT:  # the text model of a released vision-language checkpoint
         tied = {"tie_word_embeddings": hf["tie_word_embeddings"]} if "tie_word_embeddings" in hf else {}
         hf = {**{k: v for k, v in hf.items() if not k.endswith("_config")}, **(hf.get("text_config") or {}),

@@ -11,7 +11,9 @@ import itertools
 import logging
 import random
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -43,14 +45,17 @@ class Engine:
         sharding: this process's share when it is one rank of a tensor-parallel engine (its part of the model and
             KV heads: distributed/tensor_parallel.py); rank 0's steps reach the other ranks through
             `runner.on_launch` (distributed/mirror.py).
+        open_checkpoint: the build layer's checkpoint reader (`engine_settings.open_checkpoint`), handed to a
+            speculative method that reads weights of its own as they are (`LoadContext.open_checkpoint`).
     Raises:
         EngineError, EngineSizeError, LlmArgsError: as `load_engine`.
     """
 
     def __init__(self, engine_dir: str | Path, args: LlmArgs, spec: BaseModel | None,
-                 device: str | torch.device = "cpu", sharding: Sharding | None = None) -> None:
+                 device: str | torch.device = "cpu", sharding: Sharding | None = None,
+                 open_checkpoint: Callable[[Path], Any] | None = None) -> None:
         self.engine_dir, self.spec, self.device = Path(engine_dir), spec, torch.device(device)
-        parts = load_engine(engine_dir, args, spec, self.device, sharding)
+        parts = load_engine(engine_dir, args, spec, self.device, sharding, open_checkpoint)
         self.manifest, self.cfg = parts.manifest, parts.manifest.model
         self.max_batch_size, self.max_seq_len, self.block_size = parts.max_batch_size, parts.max_seq_len, parts.block_size
         self.model, self.batch_invariant = parts.model, parts.batch_invariant

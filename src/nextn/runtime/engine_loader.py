@@ -14,6 +14,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -113,11 +114,13 @@ def check_recurrent(model: nn.Module, args: LlmArgs, drafter: Drafter, sharded: 
 
 
 def load_engine(engine_dir: str | Path, args: LlmArgs, spec: BaseModel | None, device: torch.device,
-                sharding: Sharding | None = None) -> LoadedEngine:
+                sharding: Sharding | None = None, open_checkpoint: Callable[[Path], Any] | None = None
+                ) -> LoadedEngine:
     """Load `engine_dir` for decoding on `device`.
 
     Args:
         sharding: this rank's share when the process is one rank of a tensor-parallel engine.
+        open_checkpoint: a checkpoint reader for the speculative method (`LoadContext.open_checkpoint`).
     Raises:
         EngineError: a missing or corrupt engine file, weights that do not match the manifest, unreadable
             tokenizer files; EngineSizeError: sizes that do not fit the model or the memory; LlmArgsError: settings
@@ -136,7 +139,7 @@ def load_engine(engine_dir: str | Path, args: LlmArgs, spec: BaseModel | None, d
     logger.info("reading %.2f GiB of weights from %s", weight_bytes / (1 << 30), engine_dir)
     weights = read_weights(engine_dir, manifest, args.verify_weights, device)
     ctx = LoadContext(manifest, engine_dir, device, max_seq_len, pop_medusa_heads(weights, manifest),
-                      tensor_parallel=sharding is not None)
+                      tensor_parallel=sharding is not None, open_checkpoint=open_checkpoint)
     drafter, acceptance = registry.build(spec, ctx)  # the method's strategies, chosen once
     k = drafter.num_draft_tokens
     # KV positions past max_seq_len a step may touch: K+1 in flight (overlap) + the decode look-ahead 2K+1.

@@ -71,6 +71,7 @@ class LLM:
                  dtype: str = "auto", quant_config: Any = _UNSET, engine_cache_dir: str | Path | None = None,
                  **overrides: Any) -> None:
         from nextn.build.engine_cache import draft_engine_spec, load_through_cache
+        from nextn.build.engine_settings import open_checkpoint
         from nextn.build.manifest import EngineManifest
 
         if quant_config is _UNSET:  # omitted: build_engine's "auto" (W4A16 for a 4-bit GGUF where nextn's kernels run)
@@ -94,7 +95,7 @@ class LLM:
             spec = self.args.speculative_config if spec_given else default_speculative_config(manifest)
             spec = draft_engine_spec(spec, manifest, resolve)
             # tensor_parallel_size > 1: worker ranks spawned here (or given by torchrun), rank 0's engine drives them
-            return start_engine(engine, self.args, spec, device)
+            return start_engine(engine, self.args, spec, device, open_checkpoint)
 
         self.engine, self._workers = load_through_cache(load)
         if self._workers is not None:

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -78,31 +80,32 @@ def source_rows(target: LlamaModelConfig, assistant: LlamaModelConfig) -> list[i
     return rows
 
 
-def load_assistant(path: Path, target: LlamaModelConfig, dtype: torch.dtype, device: torch.device
-                   ) -> tuple[Gemma4Assistant, list[int]]:
-    """The assistant checkpoint at `path` (HF `config.json` + safetensors) in `dtype` on `device`, eval mode, on
-    nextn's CPU kernels where they run, and the target cache row of each of its layers.
+def load_assistant(path: Path, target: LlamaModelConfig, dtype: torch.dtype, device: torch.device,
+                   open_checkpoint: Callable[[Path], Any] | None = None) -> tuple[Gemma4Assistant, list[int]]:
+    """The assistant at `path` in `dtype` on `device`, eval mode, on nextn's CPU kernels where they run, and the
+    target cache row of each of its layers. `path`: an HF checkpoint directory (config.json + safetensors), or with
+    `open_checkpoint` (`LoadContext.open_checkpoint`) also the GGUF llama.cpp's converter writes of one
+    (`gemma4-assistant`, without the centroid head: the whole embedding scores the drafts, as in llama.cpp).
 
     Raises:
         LlmArgsError: not a Gemma 4 assistant checkpoint, one made for another target (hidden size, vocabulary,
             head shapes), or weights that do not match its config.
     """
-    if not (path / "config.json").is_file():
-        raise LlmArgsError(f"Gemma4Assistant: {path} is not an HF checkpoint directory (no config.json)")
-    try:
-        cfg, own = assistant_config(json.loads((path / "config.json").read_text()))
-    except (ConfigError, ValueError) as e:
-        raise LlmArgsError(f"Gemma4Assistant: {path}: {e}") from e
-    if own["backbone_hidden_size"] != target.hidden_size or cfg.vocab_size != target.vocab_size:
-        raise LlmArgsError(f"Gemma4Assistant: {path} was made for a target of hidden size "
-                           f"{own['backbone_hidden_size']} and {cfg.vocab_size} token ids; this target has "
-                           f"{target.hidden_size} and {target.vocab_size}")
-    rows = source_rows(target, cfg)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise LlmArgsError(f"Gemma4Assistant: {path} holds no .safetensors weights")
-    weights = {n: (w.to(dtype) if w.is_floating_point() else w).to(device)
-               for f in files for n, w in load_file(str(f)).items() if n != "lm_head.weight"}  # tied: the embedding
+    reader = _open(path, open_checkpoint)
+    try:  # the config is checked before any weight is read
+        try:
+            cfg, own = assistant_config(reader.hf_config)
+        except (ConfigError, ValueError) as e:
+            raise LlmArgsError(f"Gemma4Assistant: {path}: {e}") from e
+        if own["backbone_hidden_size"] != target.hidden_size or cfg.vocab_size != target.vocab_size:
+            raise LlmArgsError(f"Gemma4Assistant: {path} was made for a target of hidden size "
+                               f"{own['backbone_hidden_size']} and {cfg.vocab_size} token ids; this target has "
+                               f"{target.hidden_size} and {target.vocab_size}")
+        rows = source_rows(target, cfg)
+        weights = {n: (w.to(dtype) if w.is_floating_point() else w).to(device)
+                   for n in reader.names() if n != "lm_head.weight" for w in (reader.get(n),)}  # tied: the embedding
+    finally:
+        reader.close()
     with torch.device("meta"):
         model = Gemma4Assistant(cfg, own)
     try:
@@ -115,6 +118,44 @@ def load_assistant(path: Path, target: LlamaModelConfig, dtype: torch.dtype, dev
             model.dense_head = DenseLinear.from_weight(model.model.embed_tokens.weight)
     install_paged_attention(model)
     return model, rows
+
+
+class _SafetensorsDir:
+    """An HF checkpoint directory read as the build layer's readers are (`hf_config`, `names`, `get`, `close`)."""
+
+    def __init__(self, path: Path) -> None:
+        if not (path / "config.json").is_file():
+            raise LlmArgsError(f"Gemma4Assistant: {path} is not an HF checkpoint directory (no config.json)")
+        self.hf_config = json.loads((path / "config.json").read_text())
+        self._files = sorted(path.glob("*.safetensors"))
+        if not self._files:
+            raise LlmArgsError(f"Gemma4Assistant: {path} holds no .safetensors weights")
+        self._tensors: dict[str, torch.Tensor] = {}
+
+    def names(self) -> list[str]:
+        if not self._tensors:
+            self._tensors = {n: t for f in self._files for n, t in load_file(str(f)).items()}
+        return list(self._tensors)
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
+
+    def close(self) -> None:
+        self._tensors = {}
+
+
+def _open(path: Path, open_checkpoint: Callable[[Path], Any] | None) -> Any:
+    """A reader of the checkpoint at `path` (`open_checkpoint`'s, else `_SafetensorsDir`).
+
+    Raises:
+        LlmArgsError: nothing readable there (the reader's message).
+    """
+    if open_checkpoint is None:
+        return _SafetensorsDir(path)
+    try:
+        return open_checkpoint(path)
+    except Exception as e:  # the build layer's CheckpointError / GGUF errors, with their messages
+        raise LlmArgsError(f"Gemma4Assistant: {e}") from e
 
 
 class AssistantDrafter(LinearDrafter):
@@ -178,7 +219,7 @@ def build(spec: Gemma4AssistantDecodingConfig, ctx: LoadContext) -> tuple[Drafte
     if ctx.tensor_parallel:
         raise LlmArgsError("Gemma4Assistant with tensor parallelism is not supported: drop tensor_parallel_size")
     path = Path(spec.speculative_model_dir)
-    assistant, rows = load_assistant(path, target, _DTYPES[ctx.manifest.dtype], ctx.device)
+    assistant, rows = load_assistant(path, target, _DTYPES[ctx.manifest.dtype], ctx.device, ctx.open_checkpoint)
     logger.info("Gemma4Assistant: %s (%d layers reading target cache rows %s), K=%d, %s head", path,
                 assistant.cfg.num_hidden_layers, rows, spec.max_draft_len,
                 "centroid-masked" if assistant.masked_embedding is not None else "full")

@@ -29,6 +29,9 @@ class LoadContext:
         tensor_parallel: whether this process holds one rank's share of a tensor-parallel model.
         build_method, prepare_method: the registry's `build` / `prepare_model` for another config (a method that
             combines drafters builds the one it wraps through them; set by the registry).
+        open_checkpoint: path → a reader of an HF checkpoint or a GGUF (`hf_config`, `names()`, `get(name)` in HF's
+            names, `close()`: the build layer's `engine_settings.open_checkpoint`), for a method that reads weights
+            of its own as they are (Gemma4Assistant); None where the caller offers none.
     """
 
     manifest: EngineManifest
@@ -39,6 +42,7 @@ class LoadContext:
     tensor_parallel: bool = False
     build_method: Callable[[Any], tuple[Drafter, AcceptanceRule]] | None = None
     prepare_method: Callable[[nn.Module, Any], None] | None = None
+    open_checkpoint: Callable[[Path], Any] | None = None
 
 
 Build = Callable[[Any, LoadContext], tuple[Drafter, AcceptanceRule]]

@@ -44,12 +44,13 @@ def assistant_modes() -> Iterator[None]:
         yield
 
 
-def tiny_assistant(seed: int = 1, ordered: bool = True, backbone_hidden_size: int = 64):
-    """A float32 `Gemma4AssistantForCausalLM` in eval mode, weights drawn as `tiny_families.tiny_hf_model`'s; with
-    `ordered`, the centroid-masked head (64 clusters of 768 tokens, top 4) over a random token ordering."""
+def tiny_assistant(seed: int = 1, ordered: bool = True, backbone_hidden_size: int = 64, **text: Any):
+    """A float32 `Gemma4AssistantForCausalLM` in eval mode (`text`: changes to `ASSISTANT_TEXT`), weights drawn as
+    `tiny_families.tiny_hf_model`'s; with `ordered`, the centroid-masked head (64 clusters of 768 tokens, top 4) over
+    a random token ordering."""
     from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
 
-    cfg = Gemma4AssistantConfig(text_config=dict(ASSISTANT_TEXT), backbone_hidden_size=backbone_hidden_size,
+    cfg = Gemma4AssistantConfig(text_config={**ASSISTANT_TEXT, **text}, backbone_hidden_size=backbone_hidden_size,
                                 use_ordered_embeddings=ordered, num_centroids=64, centroid_intermediate_top_k=4)
     torch.manual_seed(seed)
     with assistant_modes():
@@ -60,10 +61,11 @@ def tiny_assistant(seed: int = 1, ordered: bool = True, backbone_hidden_size: in
     return model
 
 
-def save_tiny_assistant(out_dir: Path, tokenizer_dir: Path | None = None, seed: int = 1, ordered: bool = True):
+def save_tiny_assistant(out_dir: Path, tokenizer_dir: Path | None = None, seed: int = 1, ordered: bool = True,
+                        **text: Any):
     """`tiny_assistant` saved as an HF checkpoint in `out_dir` (with the tokenizer files of `tokenizer_dir`, as
     the released assistants ship them); returns the model."""
-    model = tiny_assistant(seed, ordered)
+    model = tiny_assistant(seed, ordered, **text)
     model.save_pretrained(out_dir)
     for f in (tokenizer_dir.iterdir() if tokenizer_dir else ()):
         shutil.copy(f, out_dir / f.name)
