@@ -177,10 +177,13 @@ def speculative(bin_dir: Path, target: Path, draft: Path, prompt: str, num_token
 
 
 def mtp_speculative(bin_dir: Path, model: Path, prompt: str, num_tokens: int, draft_max: int, threads: int = 2,
-                    timeout_s: float = 900) -> tuple[PeerResult, list[list[int]], list[int]]:
-    """llama.cpp's `draft-mtp` (the GGUF's embedded MTP layer drafts `draft_max` tokens a step, greedy, no
-    probability cut-off) on `prompt`: (the summary, each step's drafts, each step's accepted count)."""
+                    timeout_s: float = 900, draft: Path | None = None
+                    ) -> tuple[PeerResult, list[list[int]], list[int]]:
+    """llama.cpp's `draft-mtp` (the GGUF's embedded MTP layer, or the `draft` GGUF's — a Gemma 4 assistant, `-md` —
+    drafts `draft_max` tokens a step, greedy, no probability cut-off) on `prompt`: (the summary, each step's drafts,
+    each step's accepted count)."""
     out = _run([str(bin_dir / "llama-speculative-simple"), "-m", str(model), "-t", str(threads), "--temp", "0",
                 "-p", prompt, "-n", str(num_tokens), "--spec-type", "draft-mtp", "--spec-draft-n-max",
-                str(draft_max), "--spec-draft-p-min", "0", "-c", "4096", "-v"], timeout_s)
+                str(draft_max), "--spec-draft-p-min", "0", "-c", "4096", "-v"]
+               + (["-md", str(draft)] if draft is not None else []), timeout_s)
     return (parse_speculative(out), *parse_mtp_steps(out))

@@ -188,9 +188,10 @@ class AssistantDrafter(LinearDrafter):
         token = tokens.gather(1, last_idx[:, None])  # [B, 1]
         position = rows_at(meta.positions, last_idx) + 1  # [B, 1] where that token sits
         kv_rows = [kv_cache[r] for r in self.rows]
+        inputs = self.assistant.attention_inputs(position, meta)  # every draft at the same position
         drafts = []
         for _ in range(num_drafts):
-            token, h = self.assistant.draft(model.model.embed_tokens(token), h, position, kv_rows, meta)
+            token, h = self.assistant.draft(model.model.embed_tokens(token), h, inputs, kv_rows)
             drafts.append(token)
         return torch.nn.functional.pad(torch.cat(drafts, dim=1), (0, self.num_draft_tokens - num_drafts))
 
