@@ -59,13 +59,15 @@ def test_config_reads_every_part(gemma4):
             cfg.num_kv_shared_layers, cfg.double_wide_mlp, cfg.hidden_size_per_layer_input, cfg.layer_scalar,
             cfg.rope_proportion, cfg.softmax_scale, cfg.norm_style) == (
         32, 1, True, True, 2, True, 64, True, 0.25, 1.0, "fp32_weight")
-    # layers 4 (sliding) and 5 (full) read layers 3's and 2's KV: four cache rows, each as wide as the widest layer
-    # (a full one's K and V: 2 · 32); a sliding layer uses the first 2 · 16 columns of its row
+    # layers 4 (sliding) and 5 (full) read layers 3's and 2's KV; the four layers that compute KV share three cache
+    # rows as wide as the widest layer (a full one's K and V: 2 · 32): sliding layers 0 and 1 (2 · 16 columns each)
+    # one row, the full layer 2 the next, the sliding layer 3 the first columns of the third
     assert [cfg.kv_source(i) for i in range(6)] == [0, 1, 2, 3, 3, 2]
-    assert (cfg.num_cache_layers, cfg.kv_cache_dim) == (4, 64)
+    assert (cfg.num_cache_layers, cfg.kv_cache_dim) == (3, 64)
     assert [cfg.layer_head_dim(i) for i in range(6)] == [16, 16, 32, 16, 16, 32]
     model = _model(path)
-    assert model.cache_rows == (0, 1, 2, 3, 3, 2) and model.num_cache_layers == 4
+    assert (model.cache_rows, model.cache_columns) == ((0, 0, 1, 2, 2, 1), (0, 32, 0, 0, 0, 0))
+    assert model.num_cache_layers == 3
 
 
 def test_a_config_without_per_layer_config_reads_as_transformers_does(gemma4):
@@ -110,9 +112,25 @@ def test_each_part_is_needed(gemma4, change):
     elif change == "per_layer_inputs":
         model.per_layer_inputs = False
     elif change == "kv_sharing":
-        model.cache_rows = (0, 1, 2, 3, 0, 2)
+        model.cache_rows = (0, 0, 1, 2, 0, 1)  # layer 4 reads layer 0's KV, not layer 3's
     with pytest.raises(AssertionError):
         _assert_matches_hf(model, hf, 4000, [40])
+
+
+def test_layers_sharing_a_cache_row_keep_their_own_columns(gemma4):
+    """Decoding token by token over the paged cache reads earlier steps' K and V: the two sliding layers that share
+    a row give transformers' greedy tokens; written to the same columns (the control), the second overwrites the
+    first's and the tokens differ."""
+    from test_llama import _greedy
+
+    hf, path = gemma4
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False, pad_token_id=0,
+                           eos_token_id=None)[0, len(PROMPT):].tolist()
+    model = _model(path)
+    assert _greedy(model, PROMPT, 12) == want
+    model.cache_columns = None
+    assert _greedy(model, PROMPT, 12) != want
 
 
 def test_gguf_logits_match_transformers(gemma4_spm):

@@ -82,15 +82,19 @@ def test_drafts_equal_transformers_at_every_step(target, assistant, lens):
 
 
 def test_cache_rows_are_the_stored_layers(target):
-    """The tiny target's layers 0..3 compute KV (rows 0..3; 4 and 5 read 3 and 2): the assistant's sliding layer
-    reads the last sliding one (layer 3, row 3), its full layer the last full one (layer 2, row 2)."""
+    """The tiny target's layers 0..3 compute KV (4 and 5 read 3 and 2) in 3 cache rows of 64 values: the sliding
+    layers' 32 in pairs (0 and 1 in row 0, 3 in row 2), the full layer's 64 in row 1. The assistant's sliding layer
+    reads the last sliding one (layer 3: row 2 from column 0), its full layer the last full one (layer 2, row 1)."""
     from nextn.models.gemma4_assistant import assistant_config
     from nextn.speculative.gemma4_assistant import source_rows
     from nextn.testing.tiny_gemma4_assistant import ASSISTANT_TEXT
 
     _, target_dir = target
     cfg, _ = assistant_config({"model_type": "gemma4_assistant", "text_config": ASSISTANT_TEXT})
-    assert source_rows(_config(target_dir), cfg) == [3, 2]
+    target_cfg = _config(target_dir)
+    assert target_cfg.kv_cache_layout == ((0, 0), (0, 32), (1, 0), (2, 0), (2, 0), (1, 0))
+    assert target_cfg.num_cache_layers == 3
+    assert source_rows(target_cfg, cfg) == [(2, 0), (1, 0)]
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +204,7 @@ def test_gguf_assistant_drafts_equal_transformers(gguf_pair):
     stored = stored_view(reader, cfg)
     model = _load(cfg, stored.get, stored.has)
     loaded, rows = load_assistant(assistant_gguf, cfg, torch.float32, torch.device("cpu"), open_checkpoint)
-    assert rows == [3, 2] and loaded.masked_embedding is None
+    assert rows == [(2, 0), (1, 0)] and loaded.masked_embedding is None
     prompts = [[1] + [3 + (5 * i + 3 * n) % 190 for i in range(n - 1)] for n in (9, 30)]
     _, made = _decode(model, AssistantDrafter(loaded, rows, K), prompts, steps=4)
     for per_row in made:

@@ -55,6 +55,10 @@ class SelfDraftingCausalLM(nn.Module):
     #: Per decoder layer its KV-cache row, −1 for a linear-attention layer (None: layer i is row i); how many
     #: decoder layers are linear-attention ones (plain attributes, set by the family: torch.compile traces them)
     cache_rows: tuple[int, ...] | None = None
+    #: Per decoder layer the first column of its K and V in its row, where narrow layers share rows (Gemma 4:
+    #: `LlamaModelConfig.kv_cache_layout`); None: every layer's row is its own
+    cache_columns: tuple[int, ...] | None = None
+    num_cache_rows: int | None = None  # the decoder layers' cache rows where they share rows (None: one a layer)
     num_linear_layers: int = 0
     num_kv_shared_layers: int = 0  # decoder layers reading an earlier layer's cache row (Gemma 4)
     per_layer_inputs: bool = False  # the layers take per-layer inputs (Gemma 4's PLE: `models/per_layer_inputs.py`)
@@ -77,6 +81,9 @@ class SelfDraftingCausalLM(nn.Module):
 
     @property
     def num_attention_layers(self) -> int:
+        """The decoder layers' KV-cache rows (the MTP layers' come after them)."""
+        if self.num_cache_rows is not None:
+            return self.num_cache_rows
         return self.cfg.num_hidden_layers - self.num_linear_layers - self.num_kv_shared_layers
 
     @property
@@ -132,15 +139,18 @@ class SelfDraftingCausalLM(nn.Module):
         inputs = self.attention_inputs(meta)
         if self.fused_stack is not None and x.dtype == kv_cache.dtype == torch.bfloat16:
             return self.model.norm(stack_forward(self.fused_stack, x, inputs, kv_cache))
-        types, cache_rows = self.layer_types, self.cache_rows
+        types, cache_rows, columns = self.layer_types, self.cache_rows, self.cache_columns
         per_layer = per_layer_inputs.model_inputs(self.model, input_ids, x) if self.per_layer_inputs else None
         for i in range(self.cfg.num_hidden_layers):
             cos_sin, layer_meta = inputs[types[i] if types is not None else "full_attention"]
             row = i if cache_rows is None else cache_rows[i]
+            kv = kv_cache[row] if row >= 0 else None
+            if columns is not None and columns[i]:  # a narrow layer's columns of a shared row (a strided view)
+                kv = kv[:, columns[i]:]
             if per_layer is not None:
-                x = self.model.layers[i](x, cos_sin, kv_cache[row], layer_meta, per_layer[:, :, i])
+                x = self.model.layers[i](x, cos_sin, kv, layer_meta, per_layer[:, :, i])
                 continue
-            x = self.model.layers[i](x, cos_sin, kv_cache[row] if row >= 0 else None, layer_meta)
+            x = self.model.layers[i](x, cos_sin, kv, layer_meta)
         if state is not None:
             state.advance(rows)
         return self.model.norm(x)

@@ -49,9 +49,10 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def source_rows(target: LlamaModelConfig, assistant: LlamaModelConfig) -> list[int]:
-    """The target cache row each assistant layer reads: for a layer of type T, the row of the target's last decoder
-    layer of type T that computes its own KV (HF's `store_full_length_kv` layer).
+def source_rows(target: LlamaModelConfig, assistant: LlamaModelConfig) -> list[tuple[int, int]]:
+    """Where each assistant layer reads the target's KV — (cache row, first column: `kv_cache_layout`): for a layer
+    of type T, the place of the target's last decoder layer of type T that computes its own KV (HF's
+    `store_full_length_kv` layer).
 
     Raises:
         LlmArgsError: a target that is not Gemma 4, a layer type the target lacks, or head shapes that differ.
@@ -59,12 +60,13 @@ def source_rows(target: LlamaModelConfig, assistant: LlamaModelConfig) -> list[i
     if target.architecture != "Gemma4ForCausalLM":
         raise LlmArgsError(f"Gemma4Assistant drafts for Gemma 4 targets; this engine is {target.architecture}")
     types = target.layer_types or ("full_attention",) * target.num_hidden_layers
-    store: dict[str, tuple[int, int]] = {}  # type → (cache row, decoder layer)
+    layout = target.kv_cache_layout  # (row, first column) per layer where narrow layers share rows
+    store: dict[str, tuple[tuple[int, int], int]] = {}  # type → ((cache row, first column), decoder layer)
     row = 0
     for j in range(target.num_hidden_layers - target.num_kv_shared_layers):
         if j in target.linear_layers:
             continue
-        store[types[j]] = (row, j)
+        store[types[j]] = (layout[j] if layout is not None else (row, 0), j)
         row += 1
     rows = []
     for i, kind in enumerate(assistant.layer_types or ("full_attention",) * assistant.num_hidden_layers):
@@ -81,9 +83,10 @@ def source_rows(target: LlamaModelConfig, assistant: LlamaModelConfig) -> list[i
 
 
 def load_assistant(path: Path, target: LlamaModelConfig, dtype: torch.dtype, device: torch.device,
-                   open_checkpoint: Callable[[Path], Any] | None = None) -> tuple[Gemma4Assistant, list[int]]:
+                   open_checkpoint: Callable[[Path], Any] | None = None
+                   ) -> tuple[Gemma4Assistant, list[tuple[int, int]]]:
     """The assistant at `path` in `dtype` on `device`, eval mode, on nextn's CPU kernels where they run, and the
-    target cache row of each of its layers. `path`: an HF checkpoint directory (config.json + safetensors), or with
+    target cache place (row, first column) of each of its layers. `path`: an HF checkpoint directory (config.json + safetensors), or with
     `open_checkpoint` (`LoadContext.open_checkpoint`) also the GGUF llama.cpp's converter writes of one
     (`gemma4-assistant`, without the centroid head: the whole embedding scores the drafts, as in llama.cpp).
 
@@ -163,7 +166,7 @@ class AssistantDrafter(LinearDrafter):
 
     Args:
         assistant: the loaded assistant (`load_assistant`), on the target's device.
-        rows: the target cache row each assistant layer reads.
+        rows: where each assistant layer reads the target's cache: (row, first column), `source_rows`.
         num_draft_tokens: K, ≥ 1.
     """
 
@@ -171,7 +174,7 @@ class AssistantDrafter(LinearDrafter):
     # no KV, no state; each draft a forward of its own; with speculation off it has nothing to write
     traits = DrafterTraits(kv=DraftKV.NONE, on_demand=True, kv_only_pass=True, disaggregation=True)
 
-    def __init__(self, assistant: Gemma4Assistant, rows: list[int], num_draft_tokens: int) -> None:
+    def __init__(self, assistant: Gemma4Assistant, rows: list[tuple[int, int]], num_draft_tokens: int) -> None:
         self.assistant, self.rows = assistant, rows
         self.num_draft_tokens = self.max_draft_depth = num_draft_tokens
 
@@ -187,7 +190,7 @@ class AssistantDrafter(LinearDrafter):
         h = rows_at(hidden, last_idx)  # [B, 1, H]
         token = tokens.gather(1, last_idx[:, None])  # [B, 1]
         position = rows_at(meta.positions, last_idx) + 1  # [B, 1] where that token sits
-        kv_rows = [kv_cache[r] for r in self.rows]
+        kv_rows = [kv_cache[r][:, c:] if c else kv_cache[r] for r, c in self.rows]
         inputs = self.assistant.attention_inputs(position, meta)  # every draft at the same position
         drafts = []
         for _ in range(num_drafts):
@@ -221,7 +224,7 @@ def build(spec: Gemma4AssistantDecodingConfig, ctx: LoadContext) -> tuple[Drafte
         raise LlmArgsError("Gemma4Assistant with tensor parallelism is not supported: drop tensor_parallel_size")
     path = Path(spec.speculative_model_dir)
     assistant, rows = load_assistant(path, target, _DTYPES[ctx.manifest.dtype], ctx.device, ctx.open_checkpoint)
-    logger.info("Gemma4Assistant: %s (%d layers reading target cache rows %s), K=%d, %s head", path,
+    logger.info("Gemma4Assistant: %s (%d layers reading the target's cache at (row, column) %s), K=%d, %s head", path,
                 assistant.cfg.num_hidden_layers, rows, spec.max_draft_len,
                 "centroid-masked" if assistant.masked_embedding is not None else "full")
     return AssistantDrafter(assistant, rows, spec.max_draft_len), StandardAcceptance()

@@ -280,9 +280,32 @@ class LlamaModelConfig(BaseModel):
 
     @property
     def kv_cache_dim(self) -> int:
-        """Values cached per token per layer: K then V of every KV head, 2 · num_key_value_heads · head_dim (with
-        per-layer widths, Gemma 4's, the widest: a narrower layer uses the first columns of its row)."""
+        """Values cached per token per cache row: K then V of every KV head, 2 · num_key_value_heads · head_dim (with
+        per-layer widths, Gemma 4's, the widest layer's: narrower layers share rows, `kv_cache_layout`)."""
         return max(2 * self.layer_kv_heads(i) * self.layer_head_dim(i) for i in range(self.num_hidden_layers))
+
+    @property
+    def kv_cache_layout(self) -> tuple[tuple[int, int], ...] | None:
+        """Per decoder layer, (its cache row, the row's first column of its K and V), where layers of different
+        widths share rows: each attention layer that computes KV takes the first row with room for it, in layer
+        order (Gemma 4 E2B: two sliding layers' 512 values in one 1,024-wide row, a full layer's row to itself — 3
+        rows for its first 5 layers instead of 5); a KV-shared layer its source's place, a linear-attention layer
+        row −1. None where every layer is as wide as a row (one row a layer, in order)."""
+        own = [i for i in range(self.num_hidden_layers) if i not in self.linear_layers and not self.is_kv_shared(i)]
+        width = {i: 2 * self.layer_kv_heads(i) * self.layer_head_dim(i) for i in own}
+        row_width = self.kv_cache_dim
+        if all(w == row_width for w in width.values()):
+            return None
+        used: list[int] = []  # columns taken in each row
+        place: dict[int, tuple[int, int]] = {}
+        for i in own:
+            row = next((r for r, u in enumerate(used) if row_width - u >= width[i]), len(used))
+            if row == len(used):
+                used.append(0)
+            place[i] = (row, used[row])
+            used[row] += width[i]
+        return tuple((-1, 0) if i in self.linear_layers else place[self.kv_source(i)]
+                     for i in range(self.num_hidden_layers))
 
     @property
     def softmax_scale(self) -> float:
@@ -297,9 +320,12 @@ class LlamaModelConfig(BaseModel):
 
     @property
     def num_cache_layers(self) -> int:
-        """KV-cache layers: the attention decoder layers, then the MTP layers."""
-        return (self.num_hidden_layers - len(self.linear_layers) - self.num_kv_shared_layers
-                + self.num_nextn_predict_layers)
+        """KV-cache rows: the attention decoder layers' (fewer where narrow layers share rows: `kv_cache_layout`),
+        then the MTP layers'."""
+        layout = self.kv_cache_layout
+        rows = (self.num_hidden_layers - len(self.linear_layers) - self.num_kv_shared_layers if layout is None
+                else 1 + max(r for r, _ in layout))
+        return rows + self.num_nextn_predict_layers
 
     @property
     def has_sliding_layers(self) -> bool:

@@ -360,6 +360,10 @@ class LlamaForCausalLM(SelfDraftingCausalLM):
             self.cache_rows = tuple(rows)
             self.num_linear_layers = len(cfg.linear_layers)
             self.num_kv_shared_layers = cfg.num_kv_shared_layers
+        if (layout := cfg.kv_cache_layout) is not None:  # layers of different widths sharing rows (Gemma 4)
+            self.cache_rows = tuple(r for r, _ in layout)
+            self.cache_columns = tuple(c for _, c in layout)
+            self.num_cache_rows = 1 + max(self.cache_rows)
         self.per_layer_inputs = bool(cfg.hidden_size_per_layer_input)
         self.draft_head_weight: torch.Tensor | None = None
         self.register_buffer("rope_table", rope_cache(cfg, max_positions or cfg.max_position_embeddings),
