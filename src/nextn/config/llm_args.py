@@ -253,7 +253,7 @@ class SuffixDecodingConfig(DecodingBaseConfig):
 
 
 SpeculativeConfig = Annotated[Union[MTPDecodingConfig, MedusaDecodingConfig, NGramDecodingConfig,
-                                    DraftTargetDecodingConfig, SuffixDecodingConfig],
+                                    DraftTargetDecodingConfig, SuffixDecodingConfig, Gemma4AssistantDecodingConfig],
                               Field(discriminator="decoding_type")]
 
 
@@ -315,7 +315,8 @@ class LlmArgs(_Strict):
 #: registered method's config class through `register_decoding_config`).
 _UNION_TAGS: dict[str, type[BaseModel]] = {"MTP": MTPDecodingConfig, "Medusa": MedusaDecodingConfig,
                                            "NGram": NGramDecodingConfig, "Draft_Target": DraftTargetDecodingConfig,
-                                           "Suffix": SuffixDecodingConfig}
+                                           "Suffix": SuffixDecodingConfig,
+                                           "Gemma4Assistant": Gemma4AssistantDecodingConfig}
 
 
 def register_decoding_config(config: type[BaseModel]) -> None:
