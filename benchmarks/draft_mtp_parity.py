@@ -25,8 +25,10 @@ MTP layer drafts tokens the target rarely accepts, so the drafts themselves are 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -77,28 +79,35 @@ def accepted_counts(drafts: list[list[int]], tokens: list[int]) -> list[int]:
     return counts
 
 
-def nextn_drafts(engine: Path, prompt: str, max_tokens: int, k: int) -> tuple[list[list[int]], list[int], list[int]]:
-    """nextn's greedy run of `prompt` with MTP drafting `k` tokens a step: (each step's drafts, its output tokens,
-    the prompt's token ids)."""
-    from nextn import LLM, SamplingParams
-    from nextn.speculative import mtp
-
+@contextlib.contextmanager
+def recorded_drafts(drafter_class: type) -> Iterator[list[list[int]]]:
+    """While open, every `_draft` call of `drafter_class` appends its first row's drafts to the list it yields."""
     recorded: list[list[int]] = []
-    original = mtp.MtpEagleDrafter._draft
+    original = drafter_class._draft
 
     def recording(self, *args, **kwargs):
         drafts = original(self, *args, **kwargs)
         recorded.append(drafts[0].tolist())
         return drafts
 
-    mtp.MtpEagleDrafter._draft = recording
+    drafter_class._draft = recording
     try:
+        yield recorded
+    finally:
+        drafter_class._draft = original
+
+
+def nextn_drafts(engine: Path, prompt: str, max_tokens: int, k: int) -> tuple[list[list[int]], list[int], list[int]]:
+    """nextn's greedy run of `prompt` with MTP drafting `k` tokens a step: (each step's drafts, its output tokens,
+    the prompt's token ids)."""
+    from nextn import LLM, SamplingParams
+    from nextn.speculative import mtp
+
+    with recorded_drafts(mtp.MtpEagleDrafter) as recorded:
         llm = LLM(engine, device="cpu", speculative_config={"decoding_type": "MTP", "num_nextn_predict_layers": k})
         ids = llm.tokenizer.encode(prompt)
         out = llm.generate([ids], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0].outputs[0]
         llm.shutdown()
-    finally:
-        mtp.MtpEagleDrafter._draft = original
     return recorded, list(out.token_ids), ids
 
 

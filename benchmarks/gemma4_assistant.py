@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.draft_mtp_parity import accepted_counts, recorded_drafts
 from nextn.bench import llama_cpp
 
 PROMPT = "Once upon a time there was a little girl who liked to draw and play in the park with her dog"
@@ -137,34 +138,11 @@ def run_nextn(target: Path, spec: dict | None, prompt: str, max_tokens: int, run
         best = min(best, time.perf_counter() - start)
     drafts: list[list[int]] = []
     if record:
-        original = gemma4_assistant.AssistantDrafter._draft
-
-        def recording(self, *args, **kwargs):
-            d = original(self, *args, **kwargs)
-            drafts.append(d[0].tolist())
-            return d
-
-        gemma4_assistant.AssistantDrafter._draft = recording
-        try:
+        with recorded_drafts(gemma4_assistant.AssistantDrafter) as drafts:
             llm.generate([ids], params)
-        finally:
-            gemma4_assistant.AssistantDrafter._draft = original
     llm.shutdown()
     return {"tokens": list(out.token_ids), "ids": ids, "tok_s": max_tokens / best, "drafts": drafts,
             "drafted": out.num_draft_tokens, "accepted": out.num_accepted_draft_tokens}
-
-
-def accepted_counts(drafts: list[list[int]], tokens: list[int]) -> list[int]:
-    """Each step's accepted drafts given the steps' drafts and the greedy output (the first token from the prefill)."""
-    counts, at = [], 0
-    for d in drafts:
-        want = tokens[at + 1: at + 1 + len(d)]
-        n = next((i for i, (a, b) in enumerate(zip(d, want)) if a != b), min(len(d), len(want)))
-        counts.append(n)
-        at += n + 1
-        if at >= len(tokens) - 1:
-            break
-    return counts
 
 
 def main(argv: list[str] | None = None) -> int:
