@@ -117,7 +117,8 @@ BLOCK_NAMES = {"qwen3moe": {**_LLAMA_BLOCK, **_QK_NORMS, **_MOE_BLOCK}, "qwen2mo
                "olmo2": _POST_NORM_BLOCK, "exaone4": _POST_NORM_BLOCK, "seed_oss": _SEED_OSS_BLOCK,
                "llama": {**_LLAMA_BLOCK, **_MOE_BLOCK}, "qwen2": _LLAMA_BLOCK, "qwen3": {**_LLAMA_BLOCK, **_QK_NORMS},
                "gemma2": _GEMMA_BLOCK, "gemma3": _GEMMA_BLOCK, "smollm3": _LLAMA_BLOCK, "granite": _LLAMA_BLOCK,
-               "gpt-oss": _GPT_OSS_BLOCK, "gemma4": gguf_gemma4.BLOCK, "gemma4-assistant": gguf_gemma4.BLOCK}
+               "gpt-oss": _GPT_OSS_BLOCK, "gemma4": gguf_gemma4.BLOCK,
+               "gemma4-assistant": gguf_gemma4.BLOCK}
 
 
 #: A block tensor's llama.cpp name: `blk.N.<name>.<weight | bias>` (nextn.*: an MTP layer's own tensors), or without

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from nextn.models.attention_metadata import AttentionMetadata
+from nextn.models.causal_lm import vocab_projection
 from nextn.models.config import ConfigError
 from nextn.models.llama.config import LlamaModelConfig
 from nextn.models.llama.model import LlamaBody
@@ -159,4 +160,4 @@ class Gemma4Assistant(nn.Module):
             return self.masked_embedding.top_tokens(normed, table)
         if self.dense_head is not None:
             return self.dense_head(normed).float().argmax(-1)
-        return (normed.float() @ table.float().T).argmax(-1)
+        return vocab_projection(table, normed).float().argmax(-1)

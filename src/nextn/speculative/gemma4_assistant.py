@@ -86,9 +86,10 @@ def load_assistant(path: Path, target: LlamaModelConfig, dtype: torch.dtype, dev
                    open_checkpoint: Callable[[Path], Any] | None = None
                    ) -> tuple[Gemma4Assistant, list[tuple[int, int]]]:
     """The assistant at `path` in `dtype` on `device`, eval mode, on nextn's CPU kernels where they run, and the
-    target cache place (row, first column) of each of its layers. `path`: an HF checkpoint directory (config.json + safetensors), or with
-    `open_checkpoint` (`LoadContext.open_checkpoint`) also the GGUF llama.cpp's converter writes of one
-    (`gemma4-assistant`, without the centroid head: the whole embedding scores the drafts, as in llama.cpp).
+    target cache place (row, first column) of each of its layers. `path`: an HF checkpoint directory (config.json +
+    safetensors), or with `open_checkpoint` (`LoadContext.open_checkpoint`) also the GGUF llama.cpp's converter
+    writes of one (`gemma4-assistant`, without the centroid head: the whole embedding scores the drafts, as in
+    llama.cpp).
 
     Raises:
         LlmArgsError: not a Gemma 4 assistant checkpoint, one made for another target (hidden size, vocabulary,
@@ -224,8 +225,8 @@ def build(spec: Gemma4AssistantDecodingConfig, ctx: LoadContext) -> tuple[Drafte
         raise LlmArgsError("Gemma4Assistant with tensor parallelism is not supported: drop tensor_parallel_size")
     path = Path(spec.speculative_model_dir)
     assistant, rows = load_assistant(path, target, _DTYPES[ctx.manifest.dtype], ctx.device, ctx.open_checkpoint)
-    logger.info("Gemma4Assistant: %s (%d layers reading the target's cache at (row, column) %s), K=%d, %s head", path,
-                assistant.cfg.num_hidden_layers, rows, spec.max_draft_len,
+    logger.info("Gemma4Assistant: %s (%d layers reading the target's cache at (row, column) %s), K=%d, %s head",
+                path, assistant.cfg.num_hidden_layers, rows, spec.max_draft_len,
                 "centroid-masked" if assistant.masked_embedding is not None else "full")
     return AssistantDrafter(assistant, rows, spec.max_draft_len), StandardAcceptance()
 

@@ -92,5 +92,6 @@ def default_config(manifest: EngineManifest) -> BaseModel | None:
     return None
 
 
-for _module in (mtp, medusa, ngram, draft_model, suffix, gemma4_assistant):  # the built-in methods, each its module's METHOD
+# the built-in methods, each its module's METHOD
+for _module in (mtp, medusa, ngram, draft_model, suffix, gemma4_assistant):
     register(_module.METHOD)
