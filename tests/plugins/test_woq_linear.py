@@ -68,6 +68,24 @@ def test_activations_are_quantized_per_group_to_int8():
     assert torch.equal(xq[0, :4], torch.tensor([1.0, -2.0, 0.0, 127.0]))  # scale 1: 0.5 rounds half to even
 
 
+def test_int8_kernel_activations_are_int16_per_group_of_128():
+    """The int16 grid: an all-zero group stays zero, a group's largest value maps to ±32767, the others round to the
+    grid's nearest step (1.0 in a group of maximum 3 is not on it), a short last group (K = 144: 128 + 16) is scaled
+    alone, and no value moves by more than half a step."""
+    x = torch.zeros(1, 144)
+    x[0, :4] = torch.tensor([1.0, -2.0, 0.5, 3.0])
+    x[0, 128:] = 0.25
+    q = woq_linear.quantize_activations16(x)
+    assert torch.equal(q[0, 4:128], torch.zeros(124)) and torch.equal(q[0, 128:], x[0, 128:])
+    sx = torch.tensor(3.0) / 32767
+    assert q[0, 3] == 3.0 and q[0, 0] == torch.round(1.0 * (1 / sx)) * sx != 1.0
+    assert torch.allclose(q[0, :3], x[0, :3], rtol=0, atol=3 / 32767)
+    y = torch.randn(4, 256)
+    err16 = (woq_linear.quantize_activations16(y) - y.bfloat16().float()).abs()
+    assert err16.max() <= y.abs().max() / 32767  # half a step of the largest group's grid, at most
+    assert woq_linear.int8_activations() in ("bf16", "int16")
+
+
 def test_pack_int4_keeps_every_value():
     for sb in (None, 64):
         cfg = QuantConfig(quant_algo="W4A16", group_size=32, super_block_size=sb)
@@ -90,15 +108,19 @@ def _int8_operands(n: int, k: int, seed: int = 0):
     return t, woq_linear.pack_int8(t["weight"]), t["weight_scale"]
 
 
-@pytest.mark.parametrize("n", [80, 48, 16, 144])
-@pytest.mark.parametrize("rows", [1, 2, 4, 5, 9, 16, 17])
-def test_int8_matches_the_reference(n, rows):
-    """4, 2 and 1 blocks of 16 channels at a time and the rest one by one (80 = 4 + 1, 48 = 2 + 1), every chunking."""
+@pytest.mark.parametrize("n,k", [(80, 576), (48, 576), (16, 576), (144, 576), (48, 1536), (80, 16), (48, 272)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 16, 17])
+def test_int8_matches_the_reference(n, k, rows):
+    """4, 2 and 1 blocks of 16 channels at a time and the rest one by one (80 = 4 + 1, 48 = 2 + 1), every chunking;
+    int16 activations (variants without bf16 dot products): whole groups of 128, a short last one (576 = 4 · 128 +
+    64, 272 = 2 · 128 + 16), one short group (16), an all-zero group and a group's largest value at 32767."""
     gen = torch.Generator().manual_seed(1)
-    t, packed, scale = _int8_operands(n, 576, seed=1)
-    x, bias = torch.randn(rows, 576, generator=gen), torch.randn(n, generator=gen)
+    t, packed, scale = _int8_operands(n, k, seed=1)
+    x, bias = torch.randn(rows, k, generator=gen), torch.randn(n, generator=gen)
+    x[0, :min(k, 128)] = 0
+    x[-1, -1] = 1e4  # dwarfs the rest of its group
     out = cpu_kernels.ops().woq_int8_linear(x, packed, scale, bias)
-    ref = woq_linear.int8_linear_reference(x, packed, scale, bias)
+    ref = woq_linear.int8_linear_reference(x, packed, scale, bias, woq_linear.int8_activations())
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
     assert torch.equal(woq_linear.unpack_int8_kernel_layout(packed), t["weight"])
@@ -110,7 +132,8 @@ def test_int8_rows_are_padded_to_16_and_cut_back():
     layer = WeightOnlyLinear(dict(t), W8)
     assert layer.qweight.shape == (80, 64) and not woq_linear.unpack_int8_kernel_layout(layer.qweight)[70:].any()
     x = torch.randn(3, 64)
-    ref = torch.nn.functional.linear(x.bfloat16().float(), dequantize(t, W8))
+    xf = woq_linear.quantize_activations16(x) if woq_linear.int8_activations() == "int16" else x.bfloat16().float()
+    ref = torch.nn.functional.linear(xf, dequantize(t, W8))
     torch.testing.assert_close(layer(x), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 

@@ -86,8 +86,10 @@ def test_quantized_engine_equals_reference_dequantization(ckpt, tied_ckpt, tmp_p
     quantized = [o.outputs[0].token_ids for o in LLM(engine, speculative_config=None).generate(PROMPTS, PARAMS)]
     reference = [o.outputs[0].token_ids for o in LLM(ref_engine, speculative_config=None).generate(PROMPTS, PARAMS)]
     # the kernels scale after accumulating (the reference rounds each dequantized weight to bf16 first): a near-tie
-    # may flip (measured: a 3 % logit margin at token 4 of one W4A16 sequence), not the first tokens
-    early = 8 if algo == "W8A16" else 2
+    # may flip (measured: a 3 % logit margin at token 4 of one W4A16 sequence; W8A16 with int16 activations, the
+    # avx2 / avx512 variants: token 3 of the second prompt, 211 against 185, 16.39 against 16.17 in f32 — an exact
+    # tie in the engine's bf16 logits, whose step there is 0.125), not the first tokens
+    early = 3 if algo == "W8A16" else 2
     assert all(q[:early] == r[:early] for q, r in zip(quantized, reference)), (quantized, reference)
     # tokens in common, aligned (one flipped near-tie shifts the rest of a sequence by one: measured, a repeated token
     # inserted at index 3 of a W4A16 sequence, identical after it)

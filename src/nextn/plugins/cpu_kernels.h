@@ -9,6 +9,7 @@
 #include "simd.h"
 
 #include <algorithm>
+#include <optional>
 #include <cstdint>
 #include <type_traits>
 #include <utility>
@@ -54,6 +55,32 @@ inline void rms_norm(const uint16_t* x, const uint16_t* w, int64_t H, float eps,
 inline void rms_norm_scaled(const uint16_t* x, const float* s, int64_t H, float eps, uint16_t* out) {
   const simd::V16 inv = inv_rms(x, H, eps);
   for (int64_t i = 0; i < H; i += 16) simd::store_bf16(out + i, (simd::load_bf16(x + i) * inv) * simd::load(s + i));
+}
+
+// --- the linear ops' operands (woq_linear_cpu.cpp, int8_linear_cpu.cpp)
+
+// x checked and flattened to a contiguous [M, K] `as` tensor (the dtype the kernel reads it in).
+inline at::Tensor check_x(const at::Tensor& x, int64_t K, const char* op, at::ScalarType as) {
+  TORCH_CHECK(x.device().is_cpu(), op, ": x must be on the CPU");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, op,
+              ": x must be bfloat16 or float32, got ", x.scalar_type());
+  TORCH_CHECK(x.size(-1) == K, op, ": x has ", x.size(-1), " input channels, the weight ", K);
+  return x.reshape({-1, K}).to(as).contiguous();
+}
+
+// bias as f32 [N] (kept alive in `keep`), or null
+inline const float* bias_ptr(const std::optional<at::Tensor>& bias, int64_t N, at::Tensor& keep) {
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->numel() == N, "bias must have ", N, " elements, got ", bias->numel());
+  keep = bias->to(at::kFloat).contiguous();
+  return keep.data_ptr<float>();
+}
+
+// out [M, N] f32 -> x's dtype and leading shape
+inline at::Tensor finish(const at::Tensor& out, const at::Tensor& x) {
+  auto sizes = x.sizes().vec();
+  sizes.back() = out.size(1);
+  return out.to(x.scalar_type()).view(sizes);
 }
 
 // An int4 weight's scales, one of two formats (woq_linear_cpu.cpp; layouts from woq_linear.py):

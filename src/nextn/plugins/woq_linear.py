@@ -1,11 +1,11 @@
-"""nextn's CPU weight-only kernels (`woq_linear_cpu.cpp`): int4 / int8 weights × bf16 activations, 1–8+ rows.
+"""nextn's CPU weight-only kernels (`woq_linear_cpu.cpp`, `int8_linear_cpu.cpp`): int4 / int8 weights, 1–8+ rows.
 
 The decode step multiplies one row per request (plain decoding) or K + 1 (a verify step) by every weight.
 PyTorch's own weight-only CPU kernels (`aten._weight_int4pack_mm_for_cpu`, `aten._weight_int8pack_mm`) are
 compute-bound at one row and fall off a cliff past four rows (docs/PERFORMANCE.md); ours unpack a block of
 weights into registers once and use it for up to 8 rows (int4: a nibble q → 128 + q by an OR, `vdpbf16ps` on
 AVX512-BF16 and two f32 FMAs elsewhere, with exact products and f32 sums, a vector lane per output channel so that one FMA scales a group of 16
-channels; int8: the same lanes, int8 → bf16 exactly, one scale per channel). Every output is
+channels; int8: the same lanes, one scale per channel). Every output is
 the same sequence of f32 operations whatever the row count (batch invariance: a verify step's logits equal a
 plain step's, bit for bit), which `tests/plugins/test_woq_linear.py` checks.
 
@@ -21,8 +21,10 @@ Ops (`cpu_kernels.ops().*`, the chosen ISA variant's `torch.ops.nextn_<variant>.
   group), zero8 → [N/16, S, 2, 16] fp16 (d, dmin per super-block), w = q·(d·scale) + dmin·zero. K % 64 == 0,
   N % 16 == 0, g % 32 == 0.
 - `woq_int8_linear(x [M, K] bf16|f32, w [N, K] int8 (`pack_int8` layout), scale [N] f32, bias | None) → [M, N]`,
-  w = q·scale (W8A16); x rounded to bf16, int8 → bf16 exactly, `vdpbf16ps` on AVX512-BF16 (32 multiply-adds an
-  instruction, so the rows of a verify step stay memory-bound), f32 FMAs elsewhere. K % 16 == 0, N % 16 == 0.
+  w = q·scale (W8A16; every quantized engine's lm_head); `int8_linear_cpu.cpp`. On AVX512-BF16 x rounded to bf16,
+  int8 → bf16 exactly, `vdpbf16ps` (32 multiply-adds an instruction, so the rows of a verify step stay
+  memory-bound); elsewhere x quantized to int16 per group of 128 input channels and exact int32 sums
+  (`vpdpwssd`, AVX2's `vpmaddwd`): `int8_activations()`. K % 16 == 0, N % 16 == 0.
 """
 
 from __future__ import annotations
@@ -182,9 +184,34 @@ def int4_linear_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Te
     return (y if bias is None else y + bias.float()).to(x.dtype)
 
 
-def int8_linear_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
-                          bias: torch.Tensor | None = None) -> torch.Tensor:
+def int8_activations() -> str:
+    """What `woq_int8_linear` multiplies x as on the kernels in use: "bf16" on `avx512_bf16` (`vdpbf16ps`), else
+    "int16" per group of `INT16_GROUP` input channels (`quantize_activations16`; exact int32 sums of int16 × int8,
+    ~2× the f32 path's speed past one row on AVX2: int8_linear_cpu.cpp)."""
+    return cpu_kernels.ops().int8_linear_activations()
+
+
+INT16_GROUP = 128  # input channels per int16 activation scale (the last group of a row may be shorter)
+
+
+def quantize_activations16(x: torch.Tensor) -> torch.Tensor:
+    """What the int8 kernel multiplies on variants without bf16 dot products, x [..., K] (K % 16 == 0): x rounded to
+    bf16, then per group of `INT16_GROUP` symmetric int16 (sx = max|x| / 32767, q = round half to even of
+    x · (1 / sx), all f32), dequantized back, f32."""
+    xb = x.to(torch.bfloat16).float()
+    k = xb.shape[-1]
+    pad = -k % INT16_GROUP
+    g = torch.nn.functional.pad(xb, (0, pad)).unflatten(-1, (-1, INT16_GROUP))
+    sx = g.abs().amax(-1, keepdim=True) / 32767
+    inv = torch.where(sx > 0, 1 / torch.where(sx > 0, sx, 1), 0)
+    return (torch.round(g * inv).clamp(-32767, 32767) * sx).flatten(-2)[..., :k]
+
+
+def int8_linear_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                          activations: str = "bf16") -> torch.Tensor:
     """What `woq_int8_linear` computes, in PyTorch (f32, another summation order): x [..., K], w [N, K] int8 in
-    `pack_int8`'s layout, scale [N] → [..., N] in x's dtype."""
-    y = (x.to(torch.bfloat16).float() @ unpack_int8_kernel_layout(w).float().T) * scale.float()
+    `pack_int8`'s layout, scale [N] → [..., N] in x's dtype; x multiplied as `activations` ("bf16" or "int16":
+    `int8_activations()` says which the kernel uses)."""
+    xf = quantize_activations16(x) if activations == "int16" else x.to(torch.bfloat16).float()
+    y = (xf @ unpack_int8_kernel_layout(w).float().T) * scale.float()
     return (y if bias is None else y + bias.float()).to(x.dtype)

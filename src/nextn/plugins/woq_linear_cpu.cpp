@@ -4,12 +4,11 @@
 //   nextn::woq_int4_linear(x [M, K], w [N, K/2] uint8, scale, zero, g, bias?): one-level scales: scale
 //                          [N/16, K/g, 16] bf16, zero = zero8 [N/16, K/g, 16] bf16; two-level (k-quants): scale
 //                          [N/16, K/g, 2, 16] uint8 (u8 scale, i8 zero), zero [N/16, S, 2, 16] fp16 (d, dmin)
-//   nextn::woq_int8_linear(x [M, K], w [N, K] int8 (`pack_int8` layout), scale [N] f32, bias?)
-//     -> [M, N] in x's dtype
+//     -> [M, N] in x's dtype (the int8 linear: int8_linear_cpu.cpp)
 //
 // x is bf16 or f32; bias is [N] or absent. int4: w = (q - 8) * scale + zero8 per group of g input channels
 // (q in [0, 15]), or w = q * (d * scale) + dmin * zero with d, dmin per super-block of S groups; x rounded to
-// bf16, exact products and f32 sums; int8: y = scale * sum(q * x), x rounded to bf16, exact products, f32 sums.
+// bf16, exact products and f32 sums (W4A8: x quantized to int8 per group, exact int32 sums per group).
 //
 // Why our own kernel: a decode step multiplies 1 row (plain) or K + 1 rows (a verify step) by every weight, so it
 // is bound by the weight bytes. PyTorch's CPU weight-only kernels are compute-bound at one row and fall off a cliff
@@ -50,11 +49,10 @@ using nextn_cpu::with_rows;
 
 constexpr int kMaxRows = 8;  // rows per register block
 // Up to this many rows share one unpacking of a block's weights where the registers allow (W4A8: a row's int32 and
-// f32 sums, 12 rows; int8: a row's f32 sums, one block, 16 rows). A second chunk unpacks the weights again: past 8
+// f32 sums, 12 rows). A second chunk unpacks the weights again: past 8
 // rows, the ninth row of a verify step at batch 8 cost ~2.5x a row of the chunk (Qwen2.5-1.5B W4A8, 2 Zen 4 cores:
 // 9 rows' linears 10 ms slower than 8 rows', 3 ms with one chunk).
 constexpr int kMaxRowsA8 = 12;
-constexpr int kMaxRows8 = 16;
 // Where a V16 takes two or four vector registers (AVX2's 16, NEON): W4A8's blocks at a time for one row, rows a chunk
 #ifndef NEXTN_NARROW_BLOCKS1
 #define NEXTN_NARROW_BLOCKS1 1
@@ -275,57 +273,6 @@ void quantize_rows(const uint16_t* x, int64_t M, int64_t K, int64_t g, int8_t* x
     }
 }
 
-// NB blocks of 16 output channels (int8, `pack_int8` layout: per 2 input channels k, k+1 of a block, 32 bytes, byte
-// 2c + j = q[c][k + j]) against rows [0, MB) of x (bf16, row stride K). Per 2 input channels one 32-byte load
-// widens to 16 channels x (k, k+1) pairs (`simd::pairs_int8`: exact, |q| <= 127 fits bf16's 8-bit significand), and
-// one `simd::dot` per row multiplies them with x's pair (on AVX512-BF16 a vdpbf16ps: 32 multiply-adds an
-// instruction, twice an f32 FMA's, so a verify step's rows stay memory-bound). y = scale * sum + bias, f32.
-// Every channel's result is the same sequence of operations whatever MB, NB or the thread: batch-invariant.
-template <int MB, int NB>
-inline void int8_block(const uint16_t* x, int64_t K, const int8_t* w, const float* scale, float* out,
-                       int64_t out_stride, const float* bias) {
-  const int64_t block_bytes = 16 * K;
-  V16 acc[MB][NB];
-  for (int m = 0; m < MB; ++m)
-    for (int n = 0; n < NB; ++n) acc[m][n] = simd::zero();
-  for (int64_t k = 0; k < K; k += 2) {
-    if ((k & 3) == 0)
-      for (int n = 0; n < NB; ++n) simd::prefetch_l2(w + (n + NB) * block_bytes + 16 * k);
-    for (int n = 0; n < NB; ++n) {
-      const simd::Pairs wv = simd::pairs_int8(w + n * block_bytes + 16 * k);
-      for (int m = 0; m < MB; ++m) acc[m][n] = simd::dot(acc[m][n], wv, simd::xpair(x + m * K + k));
-    }
-  }
-  for (int m = 0; m < MB; ++m)
-    for (int n = 0; n < NB; ++n) {
-      V16 y = acc[m][n] * simd::load(scale + 16 * n);
-      if (bias) y = y + simd::load(bias + 16 * n);
-      simd::store(out + m * out_stride + 16 * n, y);
-    }
-}
-
-// x checked and flattened to a contiguous [M, K] `as` tensor (the dtype the kernel reads it in).
-at::Tensor check_x(const at::Tensor& x, int64_t K, const char* op, at::ScalarType as) {
-  TORCH_CHECK(x.device().is_cpu(), op, ": x must be on the CPU");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, op,
-              ": x must be bfloat16 or float32, got ", x.scalar_type());
-  TORCH_CHECK(x.size(-1) == K, op, ": x has ", x.size(-1), " input channels, the weight ", K);
-  return x.reshape({-1, K}).to(as).contiguous();
-}
-
-const float* bias_ptr(const std::optional<at::Tensor>& bias, int64_t N, at::Tensor& keep) {
-  if (!bias.has_value()) return nullptr;
-  TORCH_CHECK(bias->numel() == N, "bias must have ", N, " elements, got ", bias->numel());
-  keep = bias->to(at::kFloat).contiguous();
-  return keep.data_ptr<float>();
-}
-
-at::Tensor finish(const at::Tensor& out, const at::Tensor& x) {
-  auto sizes = x.sizes().vec();
-  sizes.back() = out.size(1);
-  return out.to(x.scalar_type()).view(sizes);
-}
-
 // f(make_scales): make_scales(block) gives that 16-channel block's group scales (Bf16Scales or KScales)
 template <typename F>
 void with_block_scales(const nextn_cpu::Int4Scales& scales, int64_t G, F&& f) {
@@ -448,48 +395,12 @@ at::Tensor woq_int4_linear(const at::Tensor& x, const at::Tensor& w, const at::T
               " must be a multiple of 32 dividing K = ", K);
   nextn_cpu::Int4Scales scales = nextn_cpu::int4_scales(scale, zero, N, K / group_size, "woq_int4_linear");
   scales.int8_activations = int8_activations;
-  const at::Tensor xb = check_x(x, K, "woq_int4_linear", at::kBFloat16);
+  const at::Tensor xb = nextn_cpu::check_x(x, K, "woq_int4_linear", at::kBFloat16);
   const int64_t M = xb.size(0);
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat)), bias_keep;
   nextn_cpu::int4_linear(reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()), M, K, w.data_ptr<uint8_t>(),
-                         N, scales, group_size, bias_ptr(bias, N, bias_keep), out.data_ptr<float>());
-  return finish(out, x);
-}
-
-at::Tensor woq_int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
-                           const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous(),
-              "woq_int8_linear: w must be a contiguous [N, K] int8 tensor (`pack_int8` layout)");
-  const int64_t N = w.size(0), K = w.size(1);
-  TORCH_CHECK(K % 16 == 0, "woq_int8_linear: K = ", K, " must be a multiple of 16");
-  TORCH_CHECK(N % 16 == 0, "woq_int8_linear: N = ", N, " output channels must be a multiple of 16");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == N,
-              "woq_int8_linear: scale must be a contiguous float32 [N]");
-  const at::Tensor xb = check_x(x, K, "woq_int8_linear", at::kBFloat16);
-  const int64_t M = xb.size(0);
-  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat)), bias_keep;
-  const float* b = bias_ptr(bias, N, bias_keep);
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
-  const int8_t* wp = w.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  // blocks of 16 channels; one row: 4 blocks at a time (4 independent vdpbf16ps chains); up to 4 rows: 2 blocks;
-  // more: 2 blocks, 8 rows a chunk
-  auto block = [&](auto mb, auto nb, int64_t m0, int64_t blk) {
-    constexpr int MB = decltype(mb)::value, NB = decltype(nb)::value;
-    int8_block<MB, NB>(xp + m0 * K, K, wp + blk * 16 * K, sp + blk * 16, op + m0 * N + blk * 16, N,
-                       b ? b + blk * 16 : nullptr);
-  };
-  if (M == 1) {
-    run_blocks<4, 1>(M, N / 16, 4, block);
-  } else if (M <= 4) {
-    run_blocks<2, 4>(M, N / 16, 4, block);
-  } else if (M <= kMaxRows) {
-    run_blocks<2, kMaxRows>(M, N / 16, 4, block);
-  } else {  // one block at a time, up to 16 rows a chunk: each block's weights widened once for them
-    run_blocks<1, kMaxRows8>(M, N / 16, 4, block);
-  }
-  return finish(out, x);
+                         N, scales, group_size, nextn_cpu::bias_ptr(bias, N, bias_keep), out.data_ptr<float>());
+  return nextn_cpu::finish(out, x);
 }
 
 }  // namespace
@@ -499,10 +410,8 @@ TORCH_LIBRARY_FRAGMENT(NEXTN_OPS, m) {
   m.def("isa() -> str", []() { return std::string(nextn_cpu::simd::kVariant); });
   m.def("woq_int4_linear(Tensor x, Tensor w, Tensor scale, Tensor zero, int group_size, Tensor? bias, "
         "bool int8_activations=False) -> Tensor");
-  m.def("woq_int8_linear(Tensor x, Tensor w, Tensor scale, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(NEXTN_OPS, CPU, m) {
   m.impl("woq_int4_linear", &woq_int4_linear);
-  m.impl("woq_int8_linear", &woq_int8_linear);
 }
