@@ -240,7 +240,9 @@ def describe() -> str:
     offered = ", ".join(runnable())
     if v is None:
         return f"nextn CPU kernels: off ({unavailable_reason()}); this CPU runs {offered}"
-    return f"nextn CPU kernels: {v} (this CPU runs {offered}; {ENV} forces a lower one)"
+    int8 = ops().int8_linear_activations()  # what W8A16 linears and quantized lm_heads multiply x as here
+    return (f"nextn CPU kernels: {v}, int8 linears on {int8} activations (this CPU runs {offered}; {ENV} forces a "
+            "lower one)")
 
 
 @contextlib.contextmanager

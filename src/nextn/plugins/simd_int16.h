@@ -55,11 +55,13 @@ inline I16 dot2(const I16& acc, const W16& w, const int16_t* x) {
 #endif
 }
 
-// 16 f32 -> int32 rounded to nearest even, clamped to [-32767, 32767], stored as int16
+// 16 f32 -> int32 rounded to nearest even, clamped to [-32767, 32767], stored as int16 (NaN as 0: its group's scale
+// is NaN too, so the output stays NaN, without an undefined float-to-int conversion)
 inline void store_int16_rne(int16_t* p, const V16& v) {
   alignas(64) float b[16];
   store(b, round(v));
-  for (int i = 0; i < 16; ++i) p[i] = int16_t(b[i] < -32767.f ? -32767.f : b[i] > 32767.f ? 32767.f : b[i]);
+  for (int i = 0; i < 16; ++i)
+    p[i] = int16_t(b[i] != b[i] ? 0.f : b[i] < -32767.f ? -32767.f : b[i] > 32767.f ? 32767.f : b[i]);
 }
 
 }  // namespace nextn_cpu::simd
