@@ -402,8 +402,40 @@ def test_a_step_drafts_only_the_draft_length_it_verifies(engines, plain, overlap
         assert c.num_accepted_draft_tokens == c.num_draft_tokens > 0, (c.num_draft_tokens, c.steps_per_draft_len)
     assert outs[0].outputs[0].steps_per_draft_len.get(1) and outs[0].outputs[0].steps_per_draft_len.get(3)
     # Batch-3 steps draft at k = 1: their one forward runs the k + 1 = 2 verified rows, no one-token pass follows
-    # (the prefill drafts K: the prompts [3, T], then K one-token passes from the first token).
+    # (the prefill drafts K: the prompts [3, T], then K one-token passes from the first token). The first of them
+    # runs one row: the prefill's drafting wrote d1's KV (the pass that drafted d2), and d1 was accepted.
     batch3 = [s for s in shapes if s[0] == 3]
-    assert batch3[:4] == [(3, max(len(p) for p in PROMPTS[:3])), (3, 1), (3, 1), (3, 1)], batch3[:4]
-    assert batch3[4:] and all(s == (3, 2) for s in batch3[4:]), batch3
+    assert batch3[:5] == [(3, max(len(p) for p in PROMPTS[:3])), (3, 1), (3, 1), (3, 1), (3, 1)], batch3[:5]
+    assert batch3[5:] and all(s == (3, 2) for s in batch3[5:]), batch3
     assert (2, 1) in shapes  # at batch 2 drafting is K = 3 again (two one-token passes after the first)
+
+
+def test_the_pass_after_verification_runs_only_rows_without_draft_kv(engines, plain, monkeypatch):
+    """The one-token passes of a step wrote its drafts' KV, so the draft model's pass after verification starts at
+    the first verified row whose draft KV is missing. With draft = target (every draft accepted, K = 3) it runs 2
+    rows — d3 and the bonus token — not K + 1; with a real draft model the drafts are exactly those of a pass over
+    all K + 1 rows (the rows it skips hold the same bits: batch invariance), and the output is plain decoding's."""
+    from nextn.speculative import draft_model
+
+    target, draft, _ = engines
+    llm = LLM(target, speculative_config=_spec(target, 3))
+    shapes = _draft_forwards(llm)
+    assert _ids(llm.generate(PROMPTS, GREEDY)) == plain
+    passes = [t for _, t in shapes[1:] if t > 1]  # after the prefill's pass: one per step, the others one row
+    assert passes and set(passes) == {2}, shapes
+
+    def run(full: bool) -> tuple[list[list[int]], list[list[int]], list[int]]:
+        if full:  # every verified row, as the pass ran before it knew which rows have their KV
+            monkeypatch.setattr(draft_model, "missing_rows",
+                                lambda tokens, num_emitted, first, state: (torch.zeros_like(num_emitted),
+                                                                           tokens.shape[1]))
+        llm = LLM(target, speculative_config=_spec(draft))
+        seen, widths = _record_drafts(llm), _draft_forwards(llm)
+        return _ids(llm.generate(PROMPTS, GREEDY)), [s.tolist() for s in seen], [t for _, t in widths[1:]]
+
+    ids, drafts, widths = run(full=False)
+    ids_full, drafts_full, widths_full = run(full=True)
+    assert ids == ids_full == plain
+    assert drafts == drafts_full
+    # (the one-token passes are in both lists; here every pass after verification ran 1 or 2 rows, not 4)
+    assert max(widths_full) == 4 and max(widths) <= 2 and sum(widths) < 0.75 * sum(widths_full), (widths, widths_full)

@@ -16,13 +16,18 @@ the KV length alone (dead entries are overwritten before anything reads them). P
 L cached tokens that emits n tokens t0..t(n−1) at positions L+1..L+n:
 
     target([last, d1..dk]) → acceptance(p, drafts, q) → tokens t0..tk, n
-    draft([t0..tk] at L+1..L+k+1)       one pass: row j−1 holds t(j−1) = d_j for j < n (accepted) and the
-                                        correction / bonus token t(n−1) at L+n, so the draft KV is right up to L+n;
-                                        rows past it hold rejected tokens, overwritten before they are read
+    draft([t_s..tk] at L+1+s..L+k+1)    one pass from the first row whose draft KV is missing: the previous step's
+                                        one-token passes wrote d1..d(k−1) at L+1..L+k−1, so the accepted drafts
+                                        before t(n−2) have theirs (the state keeps which tokens it wrote where:
+                                        `written_rows`); the pass covers the correction / bonus token t(n−1) at L+n,
+                                        so the draft KV is right up to L+n; rows past it hold rejected tokens,
+                                        overwritten before they are read
     d1 ~ q1 from the row at L+n; d2..dK: K−1 one-token steps at L+n+1.. (the whole batch at once)
 
-so drafting costs K draft forwards per step, whatever was accepted (the position L itself was written by the
-previous step's pass) — or, since each draft is a forward of its own (`traits.on_demand`), the k forwards of the
+so drafting costs K draft forwards per step, whatever was accepted — the first over 1 or 2 rows a request when the
+verified drafts were its own (K + 1 before: Qwen2.5-Coder-0.5B W4A8 on Zen 3, 22.6 ms a step for that pass at K = 3;
+a row skipped is a row whose KV the one-token pass wrote, and batch invariance makes it the same bits) — or, since
+each draft is a forward of its own (`traits.on_demand`), the k forwards of the
 draft length k the draft-length policy chose for the step: with the eager chain step the scheduler asks for that many
 (`StepPlan.num_drafts`) and lets the next step verify at most them, so a policy that verifies k < K at a batch
 size where verification rows cost (batch 2 on a CPU) does not pay K − k draft passes it then drops. After a
@@ -37,7 +42,8 @@ positions (one draft-model prefill over them) before its first drafting step, so
 speculation off pays nothing for the draft model, and one that turns it back on drafts from complete KV.
 
 Per-request state: q [max_batch, K, V] fp32 (kept only when a batch samples; greedy rows never read it: with a
-one-hot p rejection sampling is strict acceptance whatever q holds). The decode step is the chain step
+one-hot p rejection sampling is strict acceptance whatever q holds); the draft tokens [max_batch, K] int64 whose
+KV the last drafting wrote (−1 past them) and the position [max_batch] of the first. The decode step is the chain step
 (`chain_step.verify_and_draft_step`); `traits.sampled` has it hand q (`draft_probs`) to the acceptance rule and the
 sampling parameters to `after_verify`.
 """
@@ -190,7 +196,22 @@ class DraftModelDrafter(LinearDrafter):
         return state[0][:, :num_drafts] if state and sampling.any_sampled else None
 
     def initial_state(self, batch: int, hidden_size: int, device: torch.device, dtype: torch.dtype) -> DrafterState:
-        return (torch.zeros(batch, self.num_draft_tokens, self.vocab_size, dtype=torch.float32, device=device),)
+        k = self.num_draft_tokens
+        return (torch.zeros(batch, k, self.vocab_size, dtype=torch.float32, device=device),
+                torch.full((batch, k), -1, dtype=torch.int64, device=device),
+                torch.full((batch,), -1, dtype=torch.int64, device=device))
+
+    def _with_written(self, state: DrafterState, q: torch.Tensor | None, batch: int, device: torch.device,
+                      written: torch.Tensor | None = None, at: torch.Tensor | None = None) -> DrafterState:
+        """The state after a step: q [B, K, V] (None: `state`'s, kept for greedy batches), the draft tokens [B, K]
+        whose KV this step's one-token passes wrote from position at [B] on (None: none, −1)."""
+        fresh = self.initial_state(batch, 0, device, torch.float32) if q is None and not state else None
+        q = q if q is not None else (state[0] if state else fresh[0])
+        if written is None:
+            k = self.num_draft_tokens
+            written = torch.full((batch, k), -1, dtype=torch.int64, device=device)
+            at = torch.full((batch,), -1, dtype=torch.int64, device=device)
+        return q, written, at
 
     def _bind(self, model: torch.nn.Module, kv_cache: torch.Tensor) -> torch.Tensor:
         """The draft KV cache, allocated on first use with the target cache's slot count (so the target's block
@@ -230,6 +251,7 @@ class DraftModelDrafter(LinearDrafter):
         step_meta = lambda pos: meta.with_tokens(pos, slots_for_positions(meta.block_tables, pos, meta.block_size))  # noqa: E731
         hidden = rows_at(self.draft(tokens, kv, step_meta(positions)), last_idx)  # [B, 1, H]
         position = rows_at(positions, last_idx) + 1  # [B, 1] where the next draft lands
+        first = position[:, 0]  # d1's position: the one-token passes write d1..d(n−1) from there
         drafts, qs = [], []
         for i in range(n):
             token, q = self._sample(hidden, position, sampling)
@@ -240,16 +262,17 @@ class DraftModelDrafter(LinearDrafter):
                 position = position + 1
         missing = self.num_draft_tokens - n
         drafts_t = torch.nn.functional.pad(torch.cat(drafts, dim=1), (0, missing))
-        if qs[0] is None:
-            return drafts_t, state if state else self.initial_state(tokens.shape[0], 0, tokens.device, kv.dtype)
-        return drafts_t, (torch.nn.functional.pad(torch.cat(qs, dim=1), (0, 0, 0, missing)),)
+        written = torch.nn.functional.pad(drafts_t[:, :n - 1], (0, missing + 1), value=-1)
+        q = None if qs[0] is None else torch.nn.functional.pad(torch.cat(qs, dim=1), (0, 0, 0, missing))
+        return drafts_t, self._with_written(state, q, tokens.shape[0], tokens.device, written, first)
 
     def after_prefill(self, model, kv_cache, meta, hidden, next_tokens, last_idx, input_ids, state,
                       step=NO_PREFILL):
         sampling, draft = step.sampling, step.draft
         kv = self._bind(model, kv_cache)
         if not draft:  # speculation is off: no second prefill now, `catch_up` writes it if speculation comes back
-            return next_tokens.new_zeros(next_tokens.shape[0], self.num_draft_tokens), state
+            b = next_tokens.shape[0]
+            return next_tokens.new_zeros(b, self.num_draft_tokens), self._with_written(state, None, b, kv.device)
         self.draft(input_ids, kv, meta)  # the prompt rows fill the draft KV (pads write into the null block)
         first = next_tokens.gather(1, last_idx[:, None])  # [B, 1] the token after the chunk
         position = rows_at(meta.positions, last_idx) + 1  # [B, 1]
@@ -266,13 +289,42 @@ class DraftModelDrafter(LinearDrafter):
     def after_verify(self, model, kv_cache, meta, hidden, target_tokens, num_emitted, state, step=NO_CONTEXT):
         sampling, draft, num_drafts = step.sampling, step.draft, step.num_drafts
         kv = self._bind(model, kv_cache)
-        # Verified row j (input at L + j) emitted target_tokens[:, j], the token at L + j + 1.
-        positions = meta.positions[:, :1] + 1 + torch.arange(target_tokens.shape[1], device=target_tokens.device)
+        # Verified row j (input at L + j) emitted target_tokens[:, j], the token at L + j + 1; the pass runs rows
+        # start..start + width − 1 of them (those whose draft KV is missing, and the last emitted one)
+        first = meta.positions[:, :1] + 1  # [B, 1]
+        start, width = missing_rows(target_tokens, num_emitted, first[:, 0], state)
+        cols = start[:, None] + torch.arange(width, device=target_tokens.device)  # [B, width]
+        tokens, positions = target_tokens.gather(1, cols), first + cols
         if not draft:  # the draft KV of the emitted tokens only (`traits.kv_only_pass`): no draft passes
-            self.draft(target_tokens, kv, meta.with_tokens(positions, slots_for_positions(
+            self.draft(tokens, kv, meta.with_tokens(positions, slots_for_positions(
                 meta.block_tables, positions, meta.block_size)))
-            return target_tokens.new_zeros(target_tokens.shape[0], self.num_draft_tokens), state
-        return self._draft(kv, meta, target_tokens, positions, num_emitted - 1, sampling, state, num_drafts)
+            b = target_tokens.shape[0]
+            return target_tokens.new_zeros(b, self.num_draft_tokens), self._with_written(state, None, b, kv.device)
+        return self._draft(kv, meta, tokens, positions, num_emitted - 1 - start, sampling, state, num_drafts)
+
+
+def missing_rows(target_tokens: torch.Tensor, num_emitted: torch.Tensor, first: torch.Tensor,
+                 state: DrafterState) -> tuple[torch.Tensor, int]:
+    """The verified rows a draft model's pass after verification must run: per request the first row whose draft
+    KV is missing, start [B] int64, and one width for the batch (the rows start..start + width − 1, ending at or past
+    the last emitted row num_emitted − 1, all within the K + 1 verified rows).
+
+    Row j (token target_tokens[:, j] at position first + j) has its draft KV when the previous step's one-token passes
+    wrote that token there and at every row before it (`state`'s written tokens [B, K] from position [B]); the last
+    emitted row is always run (its hidden state drafts). Everything from row 0 (width K + 1) where the state does
+    not say (a caller outside the engine), and off the CPU: a fixed width keeps the step one shape for CUDA graphs
+    and `torch.compile` (the width here is read back from the device).
+    """
+    b, w = target_tokens.shape
+    last = num_emitted - 1
+    if len(state) < 3 or target_tokens.device.type != "cpu" or torch.compiler.is_compiling():
+        return torch.zeros_like(last), w
+    written, at = state[1], state[2]
+    k = min(written.shape[1], w)
+    same = (target_tokens[:, :k] == written[:, :k]) & (at == first)[:, None]
+    start = torch.minimum(same.long().cumprod(1).sum(1), last)
+    width = int((last - start).max()) + 1
+    return torch.minimum(start, torch.full_like(start, w - width)), width
 
 
 def build(spec: DraftTargetDecodingConfig, ctx: LoadContext) -> tuple[Drafter, AcceptanceRule]:
