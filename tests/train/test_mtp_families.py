@@ -1,9 +1,10 @@
 """`nextn train-draft --method mtp` beyond Llama / Qwen2 (issues 60 and 62): for a tiny random base of each family
 (made by `transformers` at test time) the engine's MTP module — read from the checkpoint the trainer writes — computes
 what the training module computes (logits over a sequence, against `MtpContext.vanilla`), GLM-4.5's MoE block
-included (Qwen3-MoE's, Mixtral's, OLMoE's), Qwen3.5's gated attention over its Gated DeltaNet base, Phi-3's fused
-projections, SmolLM3's NoPE layers, Granite's multipliers, Gemma 2's soft-capped head; and an unsupported family is
-refused by name."""
+included (Qwen3-MoE's, Qwen2-MoE's gated shared expert, Mixtral's, OLMoE's), Qwen3.5's gated attention over its
+Gated DeltaNet base, Phi-3's fused projections, SmolLM3's NoPE layers, EXAONE 4's (its hybrid model's full layers are
+NoPE; the MTP layer rotates, as the engine's), Granite's multipliers, Gemma 2's soft-capped head; and an unsupported
+family is refused by name."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ class _Stored:
 
 @pytest.mark.parametrize("model_type", ["qwen3", "olmo2", "glm4_moe", "gemma3_text", "phi3", "smollm3", "granite",
                                         "qwen3_moe", "qwen3_5_text", "gemma2", "seed_oss", "glm4", "olmo3",
-                                        "mixtral", "olmoe"])
+                                        "mixtral", "olmoe", "exaone4", "qwen2_moe"])
 def test_engine_mtp_module_matches_the_training_module(model_type):
     hf = tiny_hf_model(model_type, **({"num_hidden_layers": 8} if model_type == "gemma3_text" else {}))
     module = mtp_module(hf.config).eval()  # Seed-OSS's config has dropout
@@ -50,7 +51,7 @@ def test_engine_mtp_module_matches_the_training_module(model_type):
     n = hf.config.num_hidden_layers
     state = split_experts({k: v.detach() for k, v in hf.state_dict().items()})
     state.update({f"model.layers.{n}.{k}": t for k, t in module.checkpoint_tensors().items()})
-    moe = model_type in ("glm4_moe", "qwen3_moe", "mixtral", "olmoe")  # (write_mtp_checkpoint sets mtp_moe for an MoE block)
+    moe = model_type in ("glm4_moe", "qwen3_moe", "mixtral", "olmoe", "qwen2_moe")  # (write_mtp_checkpoint sets mtp_moe for an MoE block)
     cfg = LlamaModelConfig.from_hf(mtp_config(hf.config.to_dict(), 1, moe))  # as write_mtp_checkpoint declares it
     stored = stored_view(_Stored(state), cfg)  # as build-engine reads it (GLM-4.5's partial rotary: q/k rows)
     with torch.device("meta"):

@@ -128,6 +128,10 @@ DECODER_LAYERS = {
     "olmoe": ("transformers.models.olmoe.modeling_olmoe", "OlmoeDecoderLayer", "OlmoeRMSNorm"),
     "granite": ("transformers.models.granite.modeling_granite", "GraniteDecoderLayer", "GraniteRMSNorm"),
     "smollm3": ("transformers.models.smollm3.modeling_smollm3", "SmolLM3DecoderLayer", "SmolLM3RMSNorm"),
+    # EXAONE 4 (post-norms, q/k norms; the block a full-attention layer with RoPE); Qwen2-MoE (a shared expert
+    # scaled by sigmoid(shared_expert_gate))
+    "exaone4": ("transformers.models.exaone4.modeling_exaone4", "Exaone4DecoderLayer", "Exaone4RMSNorm"),
+    "qwen2_moe": ("transformers.models.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeDecoderLayer", "Qwen2MoeRMSNorm"),
 }
 
 
@@ -155,7 +159,8 @@ def base_context(body: nn.Module) -> tuple[torch.Tensor, Callable[..., Any]]:
 
 def mtp_module(hf_config) -> MtpModule:
     """A module whose block is the base's own `transformers` decoder layer (`DECODER_LAYERS`: Llama, Qwen2 / 3 /
-    3-MoE / 3.5, Mistral, Mixtral, OLMo 2 / 3, OLMoE, Gemma 2 / 3, GLM-4 / 4.5, Phi-3, Granite, SmolLM3, Seed-OSS; HF
+    3-MoE / 3.5, Qwen2-MoE, Mistral, Mixtral, OLMo 2 / 3, OLMoE, Gemma 2 / 3, GLM-4 / 4.5, Phi-3, Granite, SmolLM3,
+    Seed-OSS, EXAONE 4; HF
     parameter names, as the engine's). The block is built as the base's last full-attention layer with RoPE (the
     engine's MTP layers attend to every earlier key with the global rope). Gemma 2's logit soft-capping is left out
     of the loss (monotone: the drafts' argmax is the same).
@@ -175,6 +180,8 @@ def mtp_module(hf_config) -> MtpModule:
     rope = getattr(hf_config, "no_rope_layers", None) or [1] * hf_config.num_hidden_layers
     full = [i for i, t in enumerate(types) if t == "full_attention" and rope[i]]
     block = getattr(hf, layer_name)(hf_config, full[-1] if full else hf_config.num_hidden_layers - 1)
+    if hf_config.model_type == "exaone4":  # a hybrid EXAONE 4's full layers are NoPE; without a window HF's rotate
+        block.self_attn.sliding_window = None
     with torch.no_grad():  # stacked experts are left uninitialised (`torch.empty`) until a model's `_init_weights`
         for p in block.parameters():
             p.normal_(0.0, p.shape[-1] ** -0.5) if p.dim() == 3 else None
