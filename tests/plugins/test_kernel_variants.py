@@ -114,3 +114,16 @@ def test_a_variant_that_does_not_build_falls_to_the_next(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "_active", [])
     monkeypatch.setenv(cpu_kernels.ENV, best)
     assert cpu_kernels.variant() is None and cpu_kernels.unavailable_reason() == "no such flag"
+
+
+@pytest.mark.parametrize("name", [v for v in cpu_kernels.runnable() if v in ("avx2", "generic", "avx512_bf16")])
+def test_the_load_log_names_the_variant_and_its_int8_activations(name):
+    """`LLM(...)`'s load line says which variant runs and what its int8 linears multiply x as (int16 on every
+    variant but avx512_bf16, which has bf16 dot products)."""
+    from nextn.runtime.engine_loader import _kernels_line
+
+    with cpu_kernels.use(name):
+        want = "bf16" if name == "avx512_bf16" else "int16"
+        assert _kernels_line() == f"{name} (int8 linears on {want} activations)"
+    with cpu_kernels.use(None):
+        assert _kernels_line() == "None"

@@ -196,6 +196,13 @@ def load_engine(engine_dir: str | Path, args: LlmArgs, spec: BaseModel | None, d
     eos_ids = eos_token_ids(engine_dir, cfg.eos_token_id)
     logger.info("loaded %s in %.2fs: %s, drafter %s (K=%d), %d KV blocks of %d tokens, CPU kernels %s", engine_dir,
                 time.perf_counter() - t0, manifest.dtype, drafter.name, k, plan.num_blocks, block_size,
-                cpu_kernels.variant() if device.type == "cpu" else "unused")
+                _kernels_line() if device.type == "cpu" else "unused")
     return LoadedEngine(manifest, max_batch_size, max_seq_len, block_size, model, batch_invariant, drafter,
                         acceptance, setup, pool, scheduler, runner, tokenizer, eos_ids)
+
+
+def _kernels_line() -> str:
+    """The load log's words on the CPU kernels: the variant and what its int8 linears (W8A16, quantized lm_heads)
+    multiply x as — bf16 or int16 — or None when they are off."""
+    v = cpu_kernels.variant()
+    return f"{v} (int8 linears on {cpu_kernels.ops().int8_linear_activations()} activations)" if v else "None"
