@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nextn.plugins.rms_norm import rms_norm
+
 
 def row_exact(fn, x: torch.Tensor) -> torch.Tensor:
     """fn(x) (an elementwise transcendental: sigmoid, silu) computed in float64, rounded to x's dtype.
@@ -21,7 +23,25 @@ def row_exact(fn, x: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm (Zhang & Sennrich 2019), computed in fp32 and cast back, as HF's `*RMSNorm`."""
+    """Root-mean-square norm (Zhang & Sennrich 2019), computed in fp32 and cast back, as HF's `*RMSNorm`.
+
+    `rms_norm_kernel` (set at load by `plugins.rms_norm.install_rms_norms` where it applies): bf16 inputs run nextn's
+    op with `kernel_weight()` (one dispatch)."""
+
+    rms_norm_kernel = False
+
+    def kernel_weight(self) -> torch.Tensor | None:
+        """The op's weight: bf16 w (Llama's w · bf16(x̂)) here, the f32 scale where `fp32_scale` gives one."""
+        s = self.fp32_scale()
+        return self.weight.detach() if s is None else s
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The op's output for x where it runs (bf16 x, a width that is a multiple of 16), else None."""
+        if not self.rms_norm_kernel or x.dtype != torch.bfloat16 or x.shape[-1] % 16:
+            return None
+        if (w := getattr(self, "_kernel_w", None)) is None:  # computed once (the f32 scale of Gemma's 1 + w)
+            w = self._kernel_w = self.kernel_weight()
+        return rms_norm(x, w, self.eps)
 
     def fp32_scale(self) -> torch.Tensor | None:
         """The f32 factor this norm multiplies the f32 x̂ by before rounding (Gemma's 1 + w, OLMo 2's w), or None for
@@ -34,6 +54,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (y := self._kernel(x)) is not None:
+            return y
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -43,6 +65,8 @@ class Fp32WeightRMSNorm(RMSNorm):
     """OLMo 2's RMSNorm: the fp32 normalised x times the weight in fp32, then cast (HF `Olmo2RMSNorm`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (y := self._kernel(x)) is not None:
+            return y
         xf = x.float()
         return (self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
 
@@ -52,13 +76,20 @@ class Fp32WeightRMSNorm(RMSNorm):
 
 class WeightlessRMSNorm(nn.Module):
     """x̂ = x / rms(x) in fp32, cast back: an RMSNorm without weight (HF `Gemma4RMSNorm(with_scale=False)`, Gemma 4's
-    V norm)."""
+    V norm); `rms_norm_kernel` as `RMSNorm`'s."""
+
+    rms_norm_kernel = False
 
     def __init__(self, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
 
+    def kernel_weight(self) -> None:
+        return None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rms_norm_kernel and x.dtype == torch.bfloat16 and x.shape[-1] % 16 == 0:
+            return rms_norm(x, None, self.eps)
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
@@ -71,6 +102,8 @@ class UnitOffsetRMSNorm(RMSNorm):
         return 1.0 + self.weight.detach().float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (y := self._kernel(x)) is not None:
+            return y
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * (1.0 + self.weight.float())).to(x.dtype)

@@ -4,7 +4,8 @@ Kernels: `woq_linear_cpu.cpp` (weight-only int4 / int8 linears, `woq_linear.py`)
 (`paged_attention.py`), `decoder_layer_cpu.cpp` (a whole Llama decoder layer over the first two,
 `decoder_layer.py`), `dense_linear_cpu.cpp` (batch-invariant bf16 / fp16 / fp32 linears, `dense_linear.py`) and
 `moe_cpu.cpp` (an MoE layer's routed experts over the int4 kernel, `moe_experts.py`), `gated_delta_cpu.cpp`
-(Gated DeltaNet's recurrence, `gated_delta.py`) and `mla_cpu.cpp` (DeepSeek's MLA, absorbed, `mla.py`);
+(Gated DeltaNet's recurrence, `gated_delta.py`), `mla_cpu.cpp` (DeepSeek's MLA, absorbed, `mla.py`) and
+`rms_norm_cpu.cpp` (the norms of layers that run as modules, `rms_norm.py`);
 `cpu_kernels.h` declares what they share, `simd.h` is the SIMD layer they are written over (ATen's `at::vec` plus a
 few primitives per ISA), so each kernel is one source for every variant:
 
@@ -48,7 +49,7 @@ ENV = "NEXTN_CPU_ISA"
 SOURCES = [Path(__file__).with_name(n) for n in ("woq_linear_cpu.cpp", "int8_linear_cpu.cpp",
                                                 "paged_attention_cpu.cpp", "decoder_layer_cpu.cpp",
                                                 "dense_linear_cpu.cpp", "moe_cpu.cpp", "gated_delta_cpu.cpp",
-                                                "mla_cpu.cpp")]
+                                                "mla_cpu.cpp", "rms_norm_cpu.cpp")]
 HEADERS = [Path(__file__).with_name(n) for n in ("cpu_kernels.h", "simd.h", "simd_int16.h")]
 
 
@@ -351,6 +352,10 @@ def _register_fakes(ns: str) -> None:
     def _(q_nope, q_pe, kv_b, kv_cache, context_slots, visible, scale):
         b, t, nh, p = q_nope.shape
         return q_nope.new_empty((b, t, nh * (kv_b.shape[1] - p)), dtype=torch.float32)
+
+    @torch.library.register_fake(f"{ns}::rms_norm")
+    def _(x, weight, eps):
+        return torch.empty_like(x)
 
     @torch.library.register_fake(f"{ns}::paged_attention")
     def _(q, kv_cache, context_slots, visible, scale, softcap=0.0, sinks=None):

@@ -26,6 +26,7 @@ from nextn.plugins.packed_linear import install_packed_linears
 from nextn.plugins.gated_delta import install_gated_delta
 from nextn.plugins.mla import install_mla
 from nextn.plugins.paged_attention import install_paged_attention
+from nextn.plugins.rms_norm import install_rms_norms
 from nextn.quantization.linear import install_weight_only_linears
 
 logger = logging.getLogger(__name__)
@@ -102,6 +103,7 @@ def load_model(manifest: EngineManifest, weights: Weights, device: torch.device,
     install_dense_linears(model)
     install_packed_linears(model)
     install_paged_attention(model)  # nextn's CPU attention kernel where it applies
+    install_rms_norms(model)  # the norms of layers that run as modules, one dispatch each
     install_gated_delta(model)  # nextn's CPU recurrence of Gated DeltaNet layers where it applies
     install_mla(model)  # nextn's CPU MLA (DeepSeek-V3's attention) where it applies
     install_fused_layers(model)  # W4A16 on the CPU: one op per decoder layer

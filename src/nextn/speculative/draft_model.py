@@ -63,6 +63,7 @@ from nextn.plugins.sampling import counter_uniform, sample_from_probs
 from nextn.plugins.packed_linear import install_packed_linears
 from nextn.plugins.decoder_layer import install_fused_layers
 from nextn.plugins.paged_attention import install_paged_attention
+from nextn.plugins.rms_norm import install_rms_norms
 from nextn.quantization.linear import install_weight_only_linears
 from nextn.speculative.protocol import NO_PREFILL, AcceptanceRule, SamplingTensors
 from nextn.models.attention_metadata import AttentionMetadata, slots_for_positions
@@ -114,6 +115,7 @@ def load_draft_model(engine_dir: Path, manifest: EngineManifest, device: torch.d
         restrict_dense_head(model, hot_tokens)
     install_packed_linears(model)  # bf16 decoder linears on a CPU with bf16 instructions: oneDNN's packed kernel
     install_paged_attention(model)  # nextn's CPU attention kernel where it applies
+    install_rms_norms(model)  # the norms of layers that run as modules, one dispatch each
     install_fused_layers(model)  # W4A16 on the CPU: one op per decoder layer
     return model.eval().requires_grad_(False)
 

@@ -38,6 +38,7 @@ from nextn.models.gemma4_assistant import Gemma4Assistant, assistant_config
 from nextn.models.llama.config import LlamaModelConfig
 from nextn.plugins.dense_linear import DenseLinear, install_dense_linears
 from nextn.plugins.paged_attention import install_paged_attention
+from nextn.plugins.rms_norm import install_rms_norms
 from nextn.speculative.acceptance_rules import StandardAcceptance
 from nextn.speculative.chain_step import LinearDrafter
 from nextn.speculative.method import LoadContext, Method, from_build_yaml
@@ -121,6 +122,7 @@ def load_assistant(path: Path, target: LlamaModelConfig, dtype: torch.dtype, dev
         if model.masked_embedding is None:
             model.dense_head = DenseLinear.from_weight(model.model.embed_tokens.weight)
     install_paged_attention(model)
+    install_rms_norms(model)  # the norms of layers that run as modules, one dispatch each
     return model, rows
 
 
