@@ -25,10 +25,11 @@ def row_exact(fn, x: torch.Tensor) -> torch.Tensor:
 class RMSNorm(nn.Module):
     """Root-mean-square norm (Zhang & Sennrich 2019), computed in fp32 and cast back, as HF's `*RMSNorm`.
 
-    `rms_norm_kernel` (set at load by `plugins.rms_norm.install_rms_norms` where it applies): bf16 inputs run nextn's
-    op with `kernel_weight()` (one dispatch)."""
+    `rms_norm_kernel` (set at load by `plugins.rms_norm.install_rms_norms` where it applies, with `rms_norm_weight`
+    = `kernel_weight()`): bf16 inputs run nextn's op (one dispatch)."""
 
     rms_norm_kernel = False
+    rms_norm_weight: torch.Tensor | None = None
 
     def kernel_weight(self) -> torch.Tensor | None:
         """The op's weight: bf16 w (Llama's w · bf16(x̂)) here, the f32 scale where `fp32_scale` gives one."""
@@ -39,9 +40,7 @@ class RMSNorm(nn.Module):
         """The op's output for x where it runs (bf16 x, a width that is a multiple of 16), else None."""
         if not self.rms_norm_kernel or x.dtype != torch.bfloat16 or x.shape[-1] % 16:
             return None
-        if (w := getattr(self, "_kernel_w", None)) is None:  # computed once (the f32 scale of Gemma's 1 + w)
-            w = self._kernel_w = self.kernel_weight()
-        return rms_norm(x, w, self.eps)
+        return rms_norm(x, self.rms_norm_weight, self.eps)
 
     def fp32_scale(self) -> torch.Tensor | None:
         """The f32 factor this norm multiplies the f32 x̂ by before rounding (Gemma's 1 + w, OLMo 2's w), or None for

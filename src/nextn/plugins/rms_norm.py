@@ -4,7 +4,8 @@ reference it is tested against.
 
 A norm module opts in with a `rms_norm_kernel` attribute (False) and a `kernel_weight()` method giving the op's
 weight — bf16 [H] for Llama's form w · bf16(x̂), f32 [H] for bf16(x̂ · s) (Gemma's s = 1 + w, OLMo 2's w), None for
-bf16(x̂) — as `models/layers.py`'s norms do; `install_rms_norms` turns it on where the kernels run.
+bf16(x̂) — as `models/layers.py`'s norms do; `install_rms_norms` turns it on where the kernels run and stores that
+weight as the module's `rms_norm_weight`.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def install_rms_norms(model: nn.Module) -> int:
         weight = module.kernel_weight()
         if weight is not None and weight.shape[-1] % 16:
             continue
+        module.rms_norm_weight = weight  # computed once here (Gemma's f32 1 + w)
         module.rms_norm_kernel = True
         count += 1
     return count
