@@ -207,11 +207,10 @@ class DraftModelDrafter(LinearDrafter):
                       written: torch.Tensor | None = None, at: torch.Tensor | None = None) -> DrafterState:
         """The state after a step: q [B, K, V] (None: `state`'s, kept for greedy batches), the draft tokens [B, K]
         whose KV this step's one-token passes wrote from position at [B] on (None: none, −1)."""
-        fresh = self.initial_state(batch, 0, device, torch.float32) if q is None and not state else None
-        q = q if q is not None else (state[0] if state else fresh[0])
-        if written is None:
-            k = self.num_draft_tokens
-            written = torch.full((batch, k), -1, dtype=torch.int64, device=device)
+        if q is None:
+            q = state[0] if state else self.initial_state(batch, 0, device, torch.float32)[0]
+        if written is None or at is None:
+            written = torch.full((batch, self.num_draft_tokens), -1, dtype=torch.int64, device=device)
             at = torch.full((batch,), -1, dtype=torch.int64, device=device)
         return q, written, at
 
