@@ -54,11 +54,13 @@ def test_without_the_release_the_cache_is_too_small(mistral):
 
 
 def test_a_model_with_full_attention_layers_keeps_its_blocks(tmp_path, tokenizer_dir):
+    """Its pool blocks stay (full layers read them); its sliding layers' rows get blocks of their own
+    (tests/models/test_sliding_rows.py)."""
     save_tiny("gemma2", tmp_path / "hf", tokenizer_dir)  # sliding and full layers alternate
     build_engine(tmp_path / "hf", tmp_path / "engine", dtype="float32", quant_algo=None, max_seq_len=256,
                  progress=False)
     llm = LLM(tmp_path / "engine", device="cpu", speculative_config=None)
-    assert llm.engine.scheduler.kv_window is None
+    assert llm.engine.scheduler.kv_window is None and llm.engine.pool.sliding.rows == (0, 2)
     llm.shutdown()
 
 

@@ -115,6 +115,34 @@ def _slots(block_table: list[int], num_rows: int, block_size: int) -> torch.Tens
     return torch.tensor(block_table)[pos // block_size] * block_size + pos % block_size
 
 
+def _row_slots(engine: Any, req: Any, num_rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The cache slots of `req`'s first `num_rows` positions: the pool's, and where the sliding-window layers' rows
+    have blocks of their own (runtime/sliding_blocks.py) theirs (positions behind the window: the null block)."""
+    slots = _slots(req.block_table, num_rows, engine.block_size)
+    sliding = engine.pool.sliding
+    if sliding is None:
+        return slots, None
+    table = sliding.block_map[torch.tensor(req.block_table, dtype=torch.int64)].tolist()
+    return slots, _slots(table, num_rows, engine.block_size)
+
+
+def _read_rows(engine: Any, req: Any, num_rows: int) -> torch.Tensor:
+    kv, rows = engine.runner.kv_cache, engine.pool.sliding.rows if engine.pool.sliding is not None else ()
+    slots, own = _row_slots(engine, req, num_rows)
+    out = kv[:, slots].contiguous()
+    for r in rows:
+        out[r] = kv[r, own]
+    return out
+
+
+def _write_rows(engine: Any, req: Any, num_rows: int, values: torch.Tensor) -> None:
+    kv, rows = engine.runner.kv_cache, engine.pool.sliding.rows if engine.pool.sliding is not None else ()
+    slots, own = _row_slots(engine, req, num_rows)
+    values = values.to(kv.device)
+    for r in range(kv.shape[0]):
+        kv[r, own if r in rows else slots] = values[r]
+
+
 class ContextSide:
     """The context (prefill) engine: prefills prompts and hands each one's state over, its blocks freed at once."""
 
@@ -169,8 +197,7 @@ class ContextSide:
                     out.append((KvTransfer(i, tuple(req.all_token_ids), req.params, req.seed, (), 0, (), torch.float32,
                                            0, False), torch.empty(0), None))
                     continue
-                kv = engine.runner.kv_cache
-                rows = kv[:, _slots(req.block_table, req.kv_len, engine.block_size)].contiguous()
+                rows = _read_rows(engine, req, req.kv_len)
                 send_hidden = self.mode == "hidden_state"
                 out.append((KvTransfer(i, tuple(req.all_token_ids), req.params, req.seed, tuple(req.draft_tokens),
                                        req.kv_len, tuple(rows.shape), rows.dtype, hidden.shape[-1], send_hidden),
@@ -195,8 +222,7 @@ class GenerationSide:
         req.seed = t.seed
         if not engine.scheduler.admit_prefilled(req):
             return None
-        kv = engine.runner.kv_cache
-        kv[:, _slots(req.block_table, t.num_rows, engine.block_size)] = rows.to(kv.device)
+        _write_rows(engine, req, t.num_rows, rows)
         req.append([t.token_ids[-1]], engine.max_seq_len)
         req.draft_tokens = list(t.drafts) if self.mode == "drafts" else self._first_drafts(req, t, hidden)
         return req

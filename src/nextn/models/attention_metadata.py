@@ -76,15 +76,31 @@ class AttentionMetadata:
         """Keys gathered per sequence: max_blocks · block_size."""
         return self.context_slots.shape[1]
 
-    def windowed(self, window: int) -> "AttentionMetadata":
+    def windowed(self, window: int, block_map: torch.Tensor | None = None) -> "AttentionMetadata":
         """The same forward for a sliding-window layer: a query at position p sees keys p − window + 1 .. p (HF's
         `sliding_window_causal_mask`), tree keys (at tree_start and after) as the tree mask says — exact while a
-        tree is shallower than the window."""
+        tree is shallower than the window.
+
+        Args:
+            window: keys a query sees.
+            block_map: [num_pool_blocks] int64, the sliding block of each pool block (runtime/sliding_blocks.py),
+                where the sliding layers' cache rows have blocks of their own: block tables, slots and context slots
+                are read through it (a key behind the window maps to the null block, and is masked).
+        """
+        meta = self if block_map is None else self._through(block_map.to(self.block_tables.device))
         keys = torch.arange(self.max_context, device=self.visible.device)
         near = keys[None, None, :] > self.positions.clamp(min=0)[:, :, None] - window  # [B, T, S]
         if self.tree_start is not None:
             near = near | (keys[None, None, :] >= self.tree_start[:, None, None])
-        return replace(self, visible=self.visible & near[:, None])
+        return replace(meta, visible=self.visible & near[:, None])
+
+    def _through(self, block_map: torch.Tensor) -> "AttentionMetadata":
+        bs = self.block_size
+        tables = block_map[self.block_tables]
+        slots = block_map[self.slot_mapping // bs] * bs + self.slot_mapping % bs
+        offsets = torch.arange(bs, device=tables.device)
+        context = (tables[:, :, None] * bs + offsets).reshape(self.context_slots.shape)
+        return replace(self, slot_mapping=slots, block_tables=tables, context_slots=context)
 
     def with_tokens(self, positions: torch.Tensor, slot_mapping: torch.Tensor) -> "AttentionMetadata":
         """The same sequences with other query tokens (the drafter's steps)."""

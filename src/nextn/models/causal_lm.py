@@ -49,6 +49,9 @@ class SelfDraftingCausalLM(nn.Module):
     #: attributes, set by a family with such layers (torch.compile traces them).
     layer_types: tuple[str, ...] | None = None
     sliding_window: int | None = None
+    #: [num_pool_blocks] int64: where the sliding layers' cache rows have blocks of their own, the sliding block of
+    #: each pool block (`runtime/sliding_blocks.py`; set by the engine), else None
+    sliding_block_map: torch.Tensor | None = None
     logits_scaling: float = 1.0  # logits ÷ this (Granite's `logits_scaling`)
     mtp_chain_normed: bool = False  # `mtp_chain_hidden`: the config's, a plain attribute (torch.compile traces it)
     final_logit_softcapping: float | None = None  # logits → cap · tanh(logits / cap) (Gemma 2)
@@ -118,7 +121,8 @@ class SelfDraftingCausalLM(nn.Module):
         table = self.rope_table[meta.positions.clamp(min=0)]  # [B, T, 2 or 4, rope_dim // 2]
         inputs = {"full_attention": (table[..., :2, :], meta)}
         if self.sliding_window is not None:
-            inputs["sliding_attention"] = (table[..., -2:, :], meta.windowed(self.sliding_window))
+            inputs["sliding_attention"] = (table[..., -2:, :], meta.windowed(self.sliding_window,
+                                                                                 self.sliding_block_map))
         if self.layer_types is not None and "linear_attention" in self.layer_types:
             inputs["linear_attention"] = inputs["full_attention"]  # no positions: the layer ignores the rows
         if self.layer_types is not None and any(k.endswith(":nope") for k in self.layer_types):

@@ -119,18 +119,19 @@ class Gemma4Assistant(nn.Module):
         """Build `rope_table` [num_positions, 2 or 4, max head_dim // 2] fp32 (the target's length)."""
         self.rope_table = rope_cache(self.cfg, num_positions).to(device)
 
-    def attention_inputs(self, positions: torch.Tensor, meta: AttentionMetadata
-                         ) -> dict[str, tuple[torch.Tensor, AttentionMetadata]]:
+    def attention_inputs(self, positions: torch.Tensor, meta: AttentionMetadata,
+                         block_map: torch.Tensor | None = None) -> dict[str, tuple[torch.Tensor, AttentionMetadata]]:
         """(cos_sin, metadata) per layer type for queries at `positions` [B, 1] int64 — p, each row's last token's
         position: its rope rows, and keys at 0..p − 1 (sliding layers: p − window + 1 .. p − 1) of the rows' block
-        tables (`meta`: any forward's over these requests). The same for every draft of a chain."""
+        tables (`meta`: any forward's over these requests; `block_map`: the target's sliding blocks, where its
+        sliding layers' rows have their own, `AttentionMetadata.windowed`). The same for every draft of a chain."""
         query = meta.with_tokens(positions, torch.zeros_like(positions))
         keys = torch.arange(query.max_context, device=positions.device)
         before = (keys[None, None, :] < positions[:, :, None])[:, None]  # [B, 1, 1, S]: not the query's own slot
         table = self.rope_table[positions]  # [B, 1, 2 or 4, D / 2]
         inputs = {"full_attention": (table[..., :2, :], replace(query, visible=query.visible & before))}
         if "sliding_attention" in self.layer_types:
-            windowed = query.windowed(self.cfg.sliding_window)
+            windowed = query.windowed(self.cfg.sliding_window, block_map)
             inputs["sliding_attention"] = (table[..., -2:, :], replace(windowed, visible=windowed.visible & before))
         return inputs
 

@@ -35,12 +35,14 @@ from nextn.runtime.model_loader import load_model, pop_medusa_heads, read_weight
 from nextn.runtime.model_runner import ModelRunner
 from nextn.runtime.prefix_cache import PrefixCache
 from nextn.runtime.scheduler import Scheduler, SchedulerLimits
+from nextn.runtime.sliding_blocks import sliding_plan
 from nextn.runtime.tokenizer import EngineTokenizer, eos_token_ids
 from nextn.speculative import registry
 from nextn.runtime.step_profiler import ProfileTarget, step_profile_for
 from nextn.speculative.draft_len_policy import DraftLenPolicy, StaticDraftLen
 from nextn.speculative.method import LoadContext
 from nextn.speculative.protocol import AcceptanceRule, Drafter
+from nextn.speculative.traits import DraftKV
 from nextn.speculative.setup import SpeculativeSetup, resolve
 
 logger = logging.getLogger(__name__)
@@ -147,8 +149,13 @@ def load_engine(engine_dir: str | Path, args: LlmArgs, spec: BaseModel | None, d
     kv_dtype = DTYPES.get(args.kv_cache_config.dtype, DTYPES[manifest.dtype])
     # Checked against the memory there is before the rope table, drafter state and KV cache are allocated.
     kv_cfg = cfg if sharding is None else sharding.kv_config(cfg)  # a rank caches its KV heads only
+    layered = args.torch_compile_config is not None or captures_graphs(args.cuda_graph_config, device)
+    sliding = None if sharding is not None else sliding_plan(
+        cfg, device, layered, drafter.traits.kv is not DraftKV.NONE, max_batch_size, lookahead, block_size,
+        min(max_batch_size * max_seq_len,  # a prefill step's tokens: the budget (a whole prompt unchunked)
+            args.max_num_tokens if args.enable_chunked_prefill else max(args.max_num_tokens, max_seq_len)))
     plan = plan_kv_cache(args, kv_cfg, device, max_batch_size, max_seq_len, lookahead, kv_dtype,
-                         DTYPES[manifest.dtype], drafter)
+                         DTYPES[manifest.dtype], drafter, sliding)
     model, batch_invariant = load_model(manifest, weights, device, max_seq_len + lookahead + block_size,
                                         None if sharding is None else sharding.shard)
     if drafter.traits.draft_head and fast_bf16(device):
@@ -160,13 +167,17 @@ def load_engine(engine_dir: str | Path, args: LlmArgs, spec: BaseModel | None, d
                            device)  # num_blocks counts the null block
     pool = BlockPool(plan.num_blocks, block_size, prefix_cache_for(args, manifest, spec, drafter, kv_dtype,
                                                                    block_size, model.has_recurrent_state))
+    if plan.num_sliding_blocks:  # the sliding layers' rows: blocks of their own, bounded by the window
+        own = pool.attach_sliding(plan.num_sliding_blocks, cfg.sliding_window or 0)
+        own.rows, model.sliding_block_map = cfg.sliding_cache_rows, own.block_map
+        logger.info("the %d KV-cache rows of sliding-window layers (window %d) hold %d blocks, not %d",
+                    len(cfg.sliding_cache_rows), cfg.sliding_window, plan.num_sliding_blocks, plan.num_blocks)
 
     decode_fn = drafter.decode_fn  # verify_and_draft_step, or Medusa's tree step
     if args.torch_compile_config is not None:
         decode_fn = compile_decode_fn(decode_fn, engine_dir, device, args.torch_compile_config, manifest)
     elif manifest.compiled_step is not None:
         logger.info("%s stores torch.compile artifacts; torch_compile_config: {} uses them", engine_dir)
-    layered = args.torch_compile_config is not None or captures_graphs(args.cuda_graph_config, device)
     decode_fn = graph_decode_fn(decode_fn, args.cuda_graph_config, device, max_batch_size, plan.per_seq)
     setup = resolve(drafter, acceptance, decode_fn, layered)  # the engine's speculative choices, made once
     types = getattr(cfg, "layer_types", None)

@@ -116,7 +116,7 @@ class KvCachePlan:
     Attributes:
         per_seq: KV blocks one sequence of max_seq_len (plus look-ahead) needs.
         num_blocks: KV blocks in the cache, the null block included.
-        kv_bytes: the KV cache tensor.
+        kv_bytes: the KV cache tensor's resident bytes when full (the sliding layers' rows: their blocks only).
         other_bytes: the rope table, the drafter's per-request state buffers and the block pool.
     """
 
@@ -124,11 +124,17 @@ class KvCachePlan:
     num_blocks: int
     kv_bytes: int
     other_bytes: int
+    num_sliding_blocks: int = 0  # blocks of the rows only sliding-window layers read (0: they use the pool's)
 
 
 def plan_kv_cache(args: LlmArgs, model_cfg, device: torch.device, max_batch_size: int, max_seq_len: int,
-                  lookahead: int, kv_dtype: torch.dtype, state_dtype: torch.dtype, drafter) -> KvCachePlan:
+                  lookahead: int, kv_dtype: torch.dtype, state_dtype: torch.dtype, drafter,
+                  sliding: tuple[int, int] | None = None) -> KvCachePlan:
     """Size the KV cache and check that it, the rope table and the per-request state fit in memory.
+
+    Args:
+        sliding: (cache rows only sliding-window layers read, the sliding blocks they need at most) where those rows
+            get blocks of their own (`runtime/sliding_blocks.py`), else None.
 
     Returns:
         The plan (`num_blocks`, `per_seq` for the engine).
@@ -144,8 +150,10 @@ def plan_kv_cache(args: LlmArgs, model_cfg, device: torch.device, max_batch_size
     num_layers = getattr(model_cfg, "num_cache_layers", None) or (
         model_cfg.num_hidden_layers + getattr(model_cfg, "num_nextn_predict_layers", 0))  # no KV: linear layers
     itemsize = torch.empty((), dtype=kv_dtype).element_size()
-    per_token = num_layers * model_cfg.kv_cache_dim * itemsize
-    kv_bytes = num_blocks * block * per_token
+    sliding_rows, num_sliding = (0, 0) if sliding is None else (sliding[0], min(sliding[1], num_blocks))
+    per_token = (num_layers - sliding_rows) * model_cfg.kv_cache_dim * itemsize  # the rows every position keeps
+    sliding_bytes = num_sliding * block * sliding_rows * model_cfg.kv_cache_dim * itemsize
+    kv_bytes = num_blocks * block * per_token + sliding_bytes
     rope_dim = getattr(model_cfg, "qk_rope_head_dim", None) or model_cfg.hidden_size // model_cfg.num_attention_heads
     other = (max_seq_len + lookahead + block) * rope_dim * 4 + num_blocks * 64
     other += _state_bytes(drafter, max_batch_size, model_cfg.hidden_size, state_dtype)
@@ -155,7 +163,8 @@ def plan_kv_cache(args: LlmArgs, model_cfg, device: torch.device, max_batch_size
     if kv_bytes + other > budget:
         sized_by = ("kv_cache_config.max_tokens" if kvc.max_tokens else
                     f"max_batch_size {max_batch_size} × max_seq_len {max_seq_len} (+{lookahead} look-ahead)")
-        fit = (budget - other) // per_token // block * block if budget > other else 0
+        room = budget - other - sliding_bytes
+        fit = room // per_token // block * block if room > 0 else 0
         if kvc.max_tokens:
             fix = f"lower kv_cache_config.max_tokens (to at most {fit})" if fit else "lower kv_cache_config.max_tokens"
         else:
@@ -165,10 +174,11 @@ def plan_kv_cache(args: LlmArgs, model_cfg, device: torch.device, max_batch_size
         fix += f", or raise kv_cache_config.free_gpu_memory_fraction (now {kvc.free_gpu_memory_fraction:g})"
         raise EngineSizeError(
             f"the KV cache would need {kv_bytes / _GIB:.2f} GiB ({max_tokens} tokens from {sized_by}; "
-            f"{num_layers} layers × {model_cfg.kv_cache_dim} values × {itemsize} B per token) plus "
+            f"{num_layers - sliding_rows} layers × {model_cfg.kv_cache_dim} values × {itemsize} B per token"
+            f"{f' + {sliding_rows} sliding-window layers in {num_sliding} blocks' if sliding_rows else ''}) plus "
             f"{other / _GIB:.2f} GiB of rope table, per-request state and block bookkeeping, but {what} is "
             f"{avail / _GIB:.2f} GiB, of which kv_cache_config.free_gpu_memory_fraction allows {budget / _GIB:.2f} GiB: {fix}")
-    return KvCachePlan(per_seq, num_blocks, kv_bytes, other)
+    return KvCachePlan(per_seq, num_blocks, kv_bytes, other, num_sliding)
 
 
 def recurrent_state_bytes(model_cfg, batch: int, ring: int) -> int:

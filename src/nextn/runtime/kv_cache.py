@@ -8,6 +8,10 @@ With prefix caching (`kv_cache_config.enable_block_reuse`, runtime/prefix_cache.
 a full block whose content is final may hold a key and be shared read-only by several requests; when its last
 reference goes it is parked in the cache's LRU instead of the free list, still findable, and evicted (its key
 forgotten) only when an allocation finds the free list empty.
+
+Where sliding-window and full-attention layers mix, the cache rows only sliding layers read have blocks of their own
+for the pool blocks within a window (`attach_sliding`, runtime/sliding_blocks.py); the pool tells them when a block
+is freed or its key evicted.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from collections import deque
 import torch
 
 from nextn.runtime.prefix_cache import PrefixCache
+from nextn.runtime.sliding_blocks import SlidingBlocks
 
 NULL_BLOCK = 0
 
@@ -44,6 +49,13 @@ class BlockPool:
         self.cache = prefix_cache
         self._free: deque[int] = deque(range(1, num_blocks))
         self._refs = [0] * num_blocks
+        self.sliding: SlidingBlocks | None = None  # a model mixing sliding and full layers (`attach_sliding`)
+
+    def attach_sliding(self, num_blocks: int, window: int) -> SlidingBlocks:
+        """Give the sliding-window layers' cache rows their own `num_blocks` blocks (runtime/sliding_blocks.py)."""
+        cached = self.cache.is_cached if self.cache is not None else (lambda block: False)
+        self.sliding = SlidingBlocks(num_blocks, self.num_blocks, window, self.block_size, cached)
+        return self.sliding
 
     @property
     def num_free(self) -> int:
@@ -73,7 +85,7 @@ class BlockPool:
         if need > self.num_free:
             return False
         for _ in range(need):
-            block = self._free.popleft() if self._free else self.cache.evict()  # type: ignore[union-attr]
+            block = self._free.popleft() if self._free else self._evict()
             self._refs[block] = 1
             table.append(block)
         return True
@@ -101,10 +113,14 @@ class BlockPool:
         """Drop every cached block's key (a benchmark's cold start); no-op without a prefix cache."""
         if self.cache is not None:
             self._free.extend(self.cache.clear())
+            if self.sliding is not None:
+                self.sliding.forget_idle()  # the parked blocks' and those of blocks behind every window
 
     def free(self, table: list[int]) -> None:
         """Drop `table`'s references (and clear it). A block left unreferenced goes to the LRU when it holds a key
         (tail blocks first, so that a prefix outlives its continuations), else to the free list."""
+        if self.sliding is not None:
+            self.sliding.drop(table)
         for block in reversed(table):
             self._drop(block)
         table.clear()
@@ -131,3 +147,11 @@ class BlockPool:
             self.cache.park(block)
         else:
             self._free.append(block)
+            if self.sliding is not None:
+                self.sliding.forget(block)
+
+    def _evict(self) -> int:
+        block = self.cache.evict()  # type: ignore[union-attr]
+        if self.sliding is not None:
+            self.sliding.forget(block)
+        return block

@@ -16,6 +16,8 @@ step needs room for the K+1 verified tokens and the drafter's K−1 look-ahead p
 scheduler — the tokens the step still in flight may emit (`Progress.num_inflight_tokens`). When blocks run out the
 most recently admitted request is preempted (blocks freed, re-prefilled later over prompt + output: nothing is
 lost); with a step in flight the scheduler first asks for a sync (`NeedsSync`) so that it decides on exact state.
+Where the pool has sliding blocks (runtime/sliding_blocks.py) each step's window gets them at planning, like blocks,
+and gives them back as the window moves past (after each processed step).
 
 Prefix caching (runtime/prefix_cache.py, when the pool has a cache): admission looks the request's full blocks up
 by their keys and shares the longest cached run; its first chunk starts after it, so only the rest is computed
@@ -160,7 +162,7 @@ class Scheduler:
                 continue
             start = max(0, req.progress.num_prefilled_tokens - self.draft_schedule.rerun_rows)
             end = min(req.progress.prefill_len, start + budget)
-            if end <= req.progress.num_prefilled_tokens:
+            if end <= req.progress.num_prefilled_tokens or not self._sliding_room(req, start, end):
                 break
             chunks.append((req, start, end, 0))
             budget -= end - start
@@ -171,7 +173,10 @@ class Scheduler:
             reused = len(hits) * self.pool.block_size
             if chunks and not self.enable_chunked_prefill and n - reused > budget:
                 break
-            if not self.pool.admit(req.block_table, hits, n + self.lookahead):
+            end = min(n, reused + budget) if self.enable_chunked_prefill else n
+            if not self.pool.admit(req.block_table, hits, n + self.lookahead) or not self._sliding_room(req, reused,
+                                                                                                     end):
+                self.pool.free(req.block_table)
                 if not self.running:  # alone and still too big: it can never run
                     self._abort(self.waiting.popleft())
                     continue
@@ -190,7 +195,6 @@ class Scheduler:
                 known = req.progress.drafter_gap
                 req.progress.drafter_gap = gap if known is None else min(known, gap)
             self.running.append(req)
-            end = min(n, reused + budget) if self.enable_chunked_prefill else n
             chunks.append((req, reused, end, reused))
             budget -= end - reused
         if not chunks:
@@ -213,6 +217,9 @@ class Scheduler:
         are free."""
         n = req.num_tokens
         if len(self.running) >= self.max_batch_size or not self.pool.admit(req.block_table, [], n + self.lookahead):
+            return False
+        if not self._sliding_room(req, n, n + self.lookahead):  # the window before its first decode query
+            self.pool.free(req.block_table)
             return False
         req.status = RequestStatus.RUNNING
         req.batch_slot = self._free_slots.pop()
@@ -238,6 +245,8 @@ class Scheduler:
         if most <= 0:
             return [], None
         hits = cache.lookup(cache.extend_hashes(req.block_hashes, req.all_token_ids, most)[:most])
+        if self.pool.sliding is not None:  # and the sliding layers' KV of the window before the first computed token
+            hits = hits[:self.pool.sliding.hit_len(hits)]
         missing = next((i for i, b in enumerate(hits) if cache.lacks_drafter_kv(b)), None)
         if missing is not None:
             end = missing
@@ -278,7 +287,8 @@ class Scheduler:
     def _schedule_decode(self, in_flight: bool) -> StepPlan | None:
         for req in [r for r in self.running if r.is_decoding and not r.finishes_in_flight]:
             need = req.kv_len + req.progress.num_inflight_tokens + self.lookahead
-            while req in self.running and not self.pool.grow(req.block_table, need):
+            while req in self.running and not (self.pool.grow(req.block_table, need)
+                                               and self._sliding_room(req, req.kv_len, need)):
                 if in_flight:
                     raise NeedsSync
                 if len(self.running) == 1:  # nothing left to preempt: the cache cannot hold this sequence
@@ -360,6 +370,7 @@ class Scheduler:
             if not emitted and isinstance(plan, PrefillPlan):  # an earlier prefill chunk
                 req.progress.num_computed_tokens = plan.chunk_ends[i]
                 self.cache_blocks(req)
+                self._release_sliding(req, plan.chunk_ends[i] - self.draft_schedule.rerun_rows)
                 continue
             if decode is not None:
                 k_row = decode.draft_lens[i] if decode.draft_lens else k
@@ -374,6 +385,7 @@ class Scheduler:
                 # from kv_len − window + 1 on; the blocks wholly before them are never read again
                 behind = max(0, req.kv_len - self.kv_window + 1) // self.pool.block_size
                 self.pool.release_prefix(req.block_table, behind)
+            self._release_sliding(req, req.kv_len)
             updated.append(req)
         if decode is not None:  # timed only when the step is plain or fully speculating (not re-priming drafts)
             # and, drafting on demand, drafts as many as it verified (a step profile's t(k): verify k, draft k)
@@ -381,6 +393,17 @@ class Scheduler:
                 decode.num_drafts in (None, decode.draft_len)) else 0.0
             self.draft_len_policy.observe(drafted, num_accepted, decode.draft_len, len(reqs), seconds, per_request)
         return updated, self.finish_done()
+
+    def _sliding_room(self, req: Request, position: int, num_tokens: int) -> bool:
+        """Sliding blocks for `req`'s window at a step whose first query sits at `position` and whose writes end
+        before `num_tokens` (`SlidingBlocks.ensure`; True without sliding blocks). Its block table covers them."""
+        sliding = self.pool.sliding
+        return sliding is None or sliding.ensure(req.block_table, position, num_tokens)
+
+    def _release_sliding(self, req: Request, position: int) -> None:
+        """`req`'s next query sits at `position`: the sliding blocks before its window go."""
+        if self.pool.sliding is not None:
+            self.pool.sliding.release(req.block_table, position)
 
     def cancel(self, request_id: int) -> Request | None:
         """Remove a waiting or running request, free its KV blocks and batch slot, finish it "cancelled".

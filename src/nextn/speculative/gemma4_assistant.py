@@ -194,7 +194,7 @@ class AssistantDrafter(LinearDrafter):
         token = tokens.gather(1, last_idx[:, None])  # [B, 1]
         position = rows_at(meta.positions, last_idx) + 1  # [B, 1] where that token sits
         kv_rows = [kv_cache[r][:, c:] if c else kv_cache[r] for r, c in self.rows]
-        inputs = self.assistant.attention_inputs(position, meta)  # every draft at the same position
+        inputs = self.assistant.attention_inputs(position, meta, model.sliding_block_map)  # the same every draft
         drafts = []
         for _ in range(num_drafts):
             token, h = self.assistant.draft(model.model.embed_tokens(token), h, inputs, kv_rows)

@@ -332,6 +332,28 @@ class LlamaModelConfig(BaseModel):
         return "sliding_attention" in (self.layer_types or ())
 
     @property
+    def layer_cache_rows(self) -> tuple[int, ...]:
+        """Per decoder layer its KV-cache row: −1 for a linear-attention layer, a KV-shared layer its source's,
+        the row `kv_cache_layout` gives where narrow layers share rows, else the next row in layer order."""
+        if (layout := self.kv_cache_layout) is not None:
+            return tuple(r for r, _ in layout)
+        rows: list[int] = []
+        n = 0
+        for i in range(self.num_hidden_layers):
+            rows.append(-1 if i in self.linear_layers else rows[self.kv_source(i)] if self.is_kv_shared(i) else n)
+            n += i not in self.linear_layers and not self.is_kv_shared(i)
+        return tuple(rows)
+
+    @property
+    def sliding_cache_rows(self) -> tuple[int, ...]:
+        """The KV-cache rows that only sliding-window layers read (runtime/sliding_blocks.py); empty where every
+        layer slides (the block table itself releases blocks there) or none does."""
+        types = self.layer_types or ("full_attention",) * self.num_hidden_layers
+        pairs = [(r, t == "sliding_attention") for r, t in zip(self.layer_cache_rows, types) if r >= 0]
+        sliding = {r for r, s in pairs if s} - {r for r, s in pairs if not s}
+        return tuple(sorted(sliding)) if len(sliding) < len({r for r, _ in pairs}) else ()
+
+    @property
     def layer_input_keys(self) -> tuple[str, ...] | None:
         """Per decoder layer, the `attention_inputs` entry it reads: its layer type, with ":nope" for a NoPE layer;
         None where every layer is a full-attention RoPE one."""

@@ -353,11 +353,7 @@ class LlamaForCausalLM(SelfDraftingCausalLM):
             self.sliding_window = cfg.sliding_window
         if cfg.linear_layers or cfg.num_kv_shared_layers:
             # KV-cache rows of the attention layers only (-1: a Gated DeltaNet layer; a KV-shared layer: its source's)
-            rows, n = [], 0
-            for i in range(cfg.num_hidden_layers):
-                rows.append(-1 if i in cfg.linear_layers else rows[cfg.kv_source(i)] if cfg.is_kv_shared(i) else n)
-                n += i not in cfg.linear_layers and not cfg.is_kv_shared(i)
-            self.cache_rows = tuple(rows)
+            self.cache_rows = cfg.layer_cache_rows
             self.num_linear_layers = len(cfg.linear_layers)
             self.num_kv_shared_layers = cfg.num_kv_shared_layers
         if (layout := cfg.kv_cache_layout) is not None:  # layers of different widths sharing rows (Gemma 4)
