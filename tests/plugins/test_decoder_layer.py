@@ -129,9 +129,10 @@ def test_every_layer_of_a_w4a16_engine_takes_the_op(llm):
     assert stack.qkv[stack.arity[0]].data_ptr() == layers[1].fused.qkv[0].data_ptr()
 
 
-def test_the_stack_is_its_layers_one_by_one(llm):
+def test_the_stack_is_its_layers_one_by_one(llm, monkeypatch):
     """`llama_decoder_stack` equals the layers' op calls in order, bit for bit: outputs and every layer's KV."""
     model = llm.engine.model
+    monkeypatch.setattr(model, "sliding_block_map", None)  # tables of its own, not the pool's: no sliding blocks
     layers = list(model.model.layers)
     x, kv, meta = _inputs(layers[0], 2, 3, [7, 21], seed=5)
     kv = torch.stack([kv.roll(i, 0) for i in range(len(layers))])  # [layers, slots, kv dim], layers' caches differ
