@@ -61,12 +61,23 @@ def _outputs(outs) -> list[tuple[list[int], list]]:
 PARAMS = SamplingParams(max_tokens=NEW, ignore_eos=True, logprobs=5)
 
 
+def _bounded(llm) -> bool:
+    """The sliding layers' cache rows were written in their sliding blocks' slots only (the rest of each row never
+    touched: never resident in the memory map)."""
+    kv, sliding = llm.engine.runner.kv_cache, llm.engine.pool.sliding
+    past = sliding.num_blocks * llm.engine.block_size
+    rows = list(sliding.rows)
+    return bool(kv[rows, :past].any()) and not kv[rows, past:].any() and past < kv.shape[1]
+
+
 def _generate(engine, prompts, spec=None, cache=CACHE, **llm_args):
     llm = LLM(engine, device="cpu", speculative_config=spec, kv_cache_config=cache, **llm_args)
     sliding = llm.engine.pool.sliding
     assert sliding is not None and sliding.rows and sliding.num_blocks <= llm.engine.pool.num_blocks
     outs = llm.generate(prompts, PARAMS)
+    bounded = _bounded(llm) if sliding.num_blocks < llm.engine.pool.num_blocks else None
     llm.shutdown()
+    assert bounded is not False
     return _outputs(outs), sliding
 
 
@@ -138,16 +149,19 @@ def test_nextns_kernels_read_through_the_map(gemma3, tmp_path, monkeypatch):
     if not woq_linear.available():
         pytest.skip(f"nextn's int4 CPU kernels are unavailable here: {woq_linear.unavailable_reason()}")
     engine, _ = gemma3
-    build_engine(engine.parent / "hf", tmp_path / "w4a8", quant_algo="W4A8", max_seq_len=256, progress=False)
+    build_engine(engine.parent / "hf", tmp_path / "w4a8", quant_algo="W4A8", dtype="bfloat16", max_seq_len=256,
+                 progress=False)  # bf16: every layer in one op call (`llama_decoder_stack`)
     prompts = [PROMPT] + _prompts(3)
     outs = {}
     for own in (True, False):
         if not own:
             monkeypatch.setattr(engine_loader, "sliding_plan", lambda *args: None)
         for spec in (None, NGRAM):
-            llm = LLM(tmp_path / "w4a8", device="cpu", speculative_config=spec, kv_cache_config=CACHE)
-            assert (llm.engine.pool.sliding is not None) == own
+            llm = LLM(tmp_path / "w4a8", device="cpu", speculative_config=spec, kv_cache_config=CACHE,
+                      max_batch_size=4, max_num_tokens=32, enable_chunked_prefill=True)
+            assert (llm.engine.pool.sliding is not None) == own and llm.engine.model.fused_stack is not None
             outs[own, str(spec)] = _outputs(llm.generate(prompts, PARAMS))
+            assert not own or _bounded(llm)  # the fused layers' op writes the sliding rows through the map too
             llm.shutdown()
     assert outs[True, "None"] == outs[False, "None"] == outs[True, str(NGRAM)] == outs[False, str(NGRAM)]
 

@@ -255,10 +255,12 @@ def stack_forward(stack: FusedStack, x: torch.Tensor, inputs: dict, kv_cache: to
     (layer i writes kv_cache[i])."""
     cos_sin, meta = inputs["full_attention"]
     local_cs, local_meta = inputs.get("sliding_attention", (None, None))
+    own = local_meta is not None and local_meta.slot_mapping is not meta.slot_mapping  # sliding blocks of their own
     return cpu_kernels.ops().llama_decoder_stack(
         x, cos_sin, kv_cache, meta.slot_mapping.reshape(-1), meta.context_slots, meta.visible, stack.norms, stack.qkv,
         stack.o, stack.gate_up, stack.down, stack.arity, stack.num_heads, stack.num_kv_heads, stack.group_size,
         stack.eps, stack.scale, stack.int8_activations, stack.sandwich, stack.qk_norm, stack.activation,
         local_cs.contiguous() if local_cs is not None else None,
         local_meta.visible if local_meta is not None else None, list(stack.sliding), stack.residual_multiplier,
-        stack.pre_norms, stack.qk_norm_all_heads, stack.attn_softcap)
+        stack.pre_norms, stack.qk_norm_all_heads, stack.attn_softcap,
+        local_meta.slot_mapping.reshape(-1) if own else None, local_meta.context_slots if own else None)

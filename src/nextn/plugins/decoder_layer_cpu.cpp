@@ -332,7 +332,8 @@ at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& cos_sin, a
 
 // The decoder layers of a model, one after another, in one call: layer i reads kv_cache[i] and the i-th slice of
 // each operand list (norms: `norms.size() / layers` a layer, in llama_decoder_layer's order; qkv, o, gate_up, down:
-// arity[0..3] tensors a layer), and a sliding layer (sliding[i] = 1) the _local rope rows and mask. What the layers
+// arity[0..3] tensors a layer), and a sliding layer (sliding[i] = 1) the _local rope rows and mask (and the _local
+// slots and context slots where the sliding layers' cache rows have blocks of their own). What the layers
 // compute is llama_decoder_layer's, call for call; the call saves a small model's decode step the Python and
 // dispatcher work around 30 op calls (~15-20 us a layer on this CPU).
 at::Tensor llama_decoder_stack(const at::Tensor& x, const at::Tensor& cos_sin, at::Tensor& kv_cache,
@@ -344,7 +345,8 @@ at::Tensor llama_decoder_stack(const at::Tensor& x, const at::Tensor& cos_sin, a
                                const std::optional<at::Tensor>& cos_sin_local,
                                const std::optional<at::Tensor>& visible_local, at::IntArrayRef sliding,
                                double residual_multiplier, bool pre_norms, bool qk_norm_all_heads,
-                               double attn_softcap) {
+                               double attn_softcap, const std::optional<at::Tensor>& slot_mapping_local,
+                               const std::optional<at::Tensor>& context_slots_local) {
   TORCH_CHECK(arity.size() == 4, "llama_decoder_stack: arity must give the tensors a layer of qkv, o, gate_up, down");
   const int64_t per = 2 + 2 * sandwich + 2 * qk_norm;
   TORCH_CHECK(norms.size() % per == 0 && !norms.empty(), "llama_decoder_stack: norms must hold ", per,
@@ -359,11 +361,16 @@ at::Tensor llama_decoder_stack(const at::Tensor& x, const at::Tensor& cos_sin, a
               "llama_decoder_stack: kv_cache must be [layers >= ", L, ", slots, kv dim]");
   TORCH_CHECK(sliding.empty() || (static_cast<int64_t>(sliding.size()) == L && cos_sin_local && visible_local),
               "llama_decoder_stack: sliding must be empty or one flag a layer, with cos_sin_local and visible_local");
+  TORCH_CHECK(slot_mapping_local.has_value() == context_slots_local.has_value(),
+              "llama_decoder_stack: slot_mapping_local and context_slots_local go together");
+  const bool own = slot_mapping_local.has_value();
   at::Tensor h = x;
   for (int64_t i = 0; i < L; ++i) {
     at::Tensor cache = kv_cache.select(0, i);
     const bool local = !sliding.empty() && sliding[i];
-    h = llama_decoder_layer(h, local ? *cos_sin_local : cos_sin, cache, slot_mapping, context_slots,
+    h = llama_decoder_layer(h, local ? *cos_sin_local : cos_sin, cache,
+                            local && own ? *slot_mapping_local : slot_mapping,
+                            local && own ? *context_slots_local : context_slots,
                             local ? *visible_local : visible, norms.slice(i * per, per),
                             qkv.slice(i * arity[0], arity[0]), o.slice(i * arity[1], arity[1]),
                             gate_up.slice(i * arity[2], arity[2]), down.slice(i * arity[3], arity[3]), num_heads,
@@ -388,7 +395,7 @@ TORCH_LIBRARY_FRAGMENT(NEXTN_OPS, m) {
         "bool int8_activations=False, bool sandwich=False, bool qk_norm=False, int activation=0, "
         "Tensor? cos_sin_local=None, Tensor? visible_local=None, int[] sliding=[], "
         "float residual_multiplier=1.0, bool pre_norms=True, bool qk_norm_all_heads=False, "
-        "float attn_softcap=0.0) -> Tensor");
+        "float attn_softcap=0.0, Tensor? slot_mapping_local=None, Tensor? context_slots_local=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(NEXTN_OPS, CPU, m) {
