@@ -70,3 +70,112 @@ def test_bad_arguments_are_refused():
         cpu_kernels.ops().gated_delta_rule(q, k, v, decay, beta, ring, slots + 100, entry, fresh, valid)
     with pytest.raises(RuntimeError, match="float32"):
         cpu_kernels.ops().gated_delta_rule(q.double(), k.double(), v, decay, beta, ring, slots, entry, fresh, valid)
+
+
+def _layer(hk: int, hv: int, dk: int, dv: int, hidden: int = 64, seed: int = 0):
+    from types import SimpleNamespace
+
+    from nextn.models.gated_deltanet import GatedDeltaNet
+
+    cfg = SimpleNamespace(hidden_size=hidden, linear_num_key_heads=hk, linear_num_value_heads=hv,
+                          linear_key_head_dim=dk, linear_value_head_dim=dv, linear_conv_kernel_dim=4, rms_norm_eps=1e-6)
+    torch.manual_seed(seed)
+    layer = GatedDeltaNet(cfg, 1)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) * (0.5 if p.dim() == 1 else p.shape[-1] ** -0.5))
+    return layer
+
+
+def _mixer_case(layer, b: int, t: int, slots: int = 5, ring: int = 4, seed: int = 1):
+    from nextn.models.recurrent_state import RecurrentRows, RecurrentState
+
+    gen = torch.Generator().manual_seed(seed)
+    state = RecurrentState(2, slots, ring, layer.conv_dim, layer.kernel, layer.value_heads, layer.key_dim,
+                           layer.value_dim)
+    state.conv.normal_(generator=gen)
+    state.ssm.normal_(generator=gen)
+    rows_slots = torch.randperm(slots, generator=gen)[:b]
+    lens = torch.randint(1, t + 1, (b,), generator=gen)
+    rows = RecurrentRows(rows_slots, torch.randint(0, ring, (b,), generator=gen), torch.arange(b) % 3 == 1,
+                         torch.arange(t)[None, :] < lens[:, None], torch.zeros(b, dtype=torch.int64))
+    x = torch.randn(b, t, layer.in_proj_qkv.in_features, generator=gen)
+    return x, state, rows
+
+
+def _mix(layer, x, state, rows, fused: bool):
+    from nextn.plugins.gated_delta import install_gated_delta
+
+    layer.recurrence_kernel, layer.mix_operands = False, None
+    if fused:
+        install_gated_delta(layer)
+    with torch.no_grad():
+        return layer(x, None, None, SimpleMeta(state, rows))
+
+
+class SimpleMeta:
+    def __init__(self, state, rows) -> None:
+        self.recurrent = (state, rows)
+
+
+@pytest.mark.parametrize("hk,hv,dk,dv,b,t", [(2, 2, 16, 16, 1, 1), (2, 4, 32, 24, 3, 5), (1, 2, 128, 128, 2, 4),
+                                             (2, 2, 16, 16, 4, 9)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_mixer_matches_the_module(hk, hv, dk, dv, b, t, dtype):
+    """The whole token mixer as one op against the module's PyTorch path (grouped value heads, pads, fresh rows,
+    more tokens than ring entries): outputs, and the conv and recurrent states it keeps."""
+    layer = _layer(hk, hv, dk, dv).to(dtype)
+    x, state, rows = _mixer_case(layer, b, t)
+    x = x.to(dtype)
+    want_state = RecurrentStateCopy(state)
+    want = _mix(layer, x, want_state, rows, fused=False)
+    got = _mix(layer, x, state, rows, fused=True)
+    assert layer.mix_operands is not None
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(state.conv, want_state.conv, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state.ssm, want_state.ssm, rtol=1e-4, atol=1e-4)
+
+
+def RecurrentStateCopy(state):
+    import copy
+
+    other = copy.copy(state)
+    other.conv, other.ssm, other.base = state.conv.clone(), state.ssm.clone(), state.base.clone()
+    return other
+
+
+def test_layer_mixer_rows_and_token_splits_are_bit_identical():
+    """A row alone and in the batch, and its tokens in one call or one a call, give the same bits (batch
+    invariance, and a verify step's rows equal one-token steps')."""
+    from nextn.models.recurrent_state import RecurrentRows
+
+    layer = _layer(2, 4, 32, 32).to(torch.bfloat16)
+    x, state, rows = _mixer_case(layer, 3, 6, ring=6)
+    x = x.bfloat16()
+    rows = RecurrentRows(rows.slots, rows.entry, rows.fresh, torch.ones(3, 6, dtype=torch.bool), rows.start)
+    batch = _mix(layer, x, RecurrentStateCopy(state), rows, fused=True)
+    for r in range(3):
+        one = RecurrentRows(rows.slots[r:r + 1], rows.entry[r:r + 1], rows.fresh[r:r + 1], rows.valid[r:r + 1],
+                            rows.start[r:r + 1])
+        assert torch.equal(_mix(layer, x[r:r + 1], RecurrentStateCopy(state), one, fused=True), batch[r:r + 1])
+        step_state, outs = RecurrentStateCopy(state), []
+        for t in range(6):  # one token a call: the state after the call's token 0 sits at ring entry 0
+            start = one.entry if t == 0 else torch.tensor([0])
+            step = RecurrentRows(one.slots, start, one.fresh & (t == 0), one.valid[:, :1], one.start)
+            outs.append(_mix(layer, x[r:r + 1, t:t + 1], step_state, step, fused=True))
+        assert torch.equal(torch.cat(outs, 1), batch[r:r + 1])
+
+
+def test_layer_mixer_refuses_bad_arguments():
+    layer = _layer(2, 2, 16, 16)
+    x, state, rows = _mixer_case(layer, 2, 3)
+    from nextn.models.recurrent_state import RecurrentRows
+
+    bad = RecurrentRows(rows.slots + 100, rows.entry, rows.fresh, rows.valid, rows.start)
+    with pytest.raises(RuntimeError, match="out of range"):
+        _mix(layer, x, state, bad, fused=True)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        cpu_kernels.ops().gated_deltanet_mix(x @ layer.in_proj_qkv.weight.T, (x @ layer.in_proj_z.weight.T).double(),
+                                             x[..., :2], x[..., :2], *layer.mix_operands, state.conv[1], state.ssm[1],
+                                             rows.slots, rows.entry, rows.fresh, rows.valid, 2, 1e-6)

@@ -52,10 +52,13 @@ class GatedDeltaNet(nn.Module):
         state_index: this layer's index among the model's linear-attention layers (its rows of `RecurrentState`).
 
     `recurrence_kernel` (set at load by `plugins.gated_delta.install_gated_delta` where it applies): the recurrence
-    as nextn's CPU op, one call per layer, in place of its per-token PyTorch reference (`gated_delta.reference`).
+    as nextn's CPU op, one call per layer, in place of its per-token PyTorch reference (`gated_delta.reference`);
+    `mix_operands` (set there too): the float32 conv weight [C, kernel], A_log, dt_bias and norm weight with which
+    the whole token mixer after the input projections runs as one op (`gated_deltanet_mix`).
     """
 
     recurrence_kernel = False
+    mix_operands: tuple[torch.Tensor, ...] | None = None
 
     def __init__(self, cfg, state_index: int) -> None:
         super().__init__()
@@ -84,6 +87,12 @@ class GatedDeltaNet(nn.Module):
         positions, no KV: the signature is the attention layers')."""
         state: RecurrentState
         state, rows = meta.recurrent
+        if self.mix_operands is not None:
+            mixed = cpu_kernels.ops().gated_deltanet_mix(
+                self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x), *self.mix_operands,
+                state.conv[self.state_index], state.ssm[self.state_index], rows.slots, rows.entry, rows.fresh,
+                rows.valid, self.key_heads, self.norm.eps)
+            return self.out_proj(mixed)
         b, t, _ = x.shape
         conv0 = state.initial_conv(self.state_index, rows)  # [B, C, kernel-1]
         window = torch.cat([conv0, self.in_proj_qkv(x).float().transpose(1, 2)], dim=2)  # [B, C, kernel-1+T]

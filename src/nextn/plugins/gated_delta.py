@@ -7,6 +7,11 @@ state in ring[slots[b], entry[b]] (zeros where fresh), S = decay · S, S += k �
 token, the state after each of the last R valid tokens kept in ring[slots[b], t mod R] (models/recurrent_state.py).
 Yang, Kautz & Hatamizadeh 2025 ("Gated Delta Networks", eq. 10); the reference is `reference` below, the module's
 PyTorch path (HF's `torch_recurrent_gated_delta_rule` in a loop, as `tests/plugins/test_gated_delta.py` checks).
+
+`cpu_kernels.ops().gated_deltanet_mix(qkv, z, b, a, conv_w, a_log, dt_bias, norm_w, conv_ring, ring, slots, entry,
+fresh, valid, key_heads, eps) → [B, T, Hv · Dv]` is the layer's whole token mixer between its input projections and
+out_proj (conv over the kept conv state, silu, l2 norms, gates, this rule, the gated RMSNorm, the conv states kept as
+the recurrent ones): one call in place of ~70 tensor ops; its reference is `GatedDeltaNet`'s PyTorch path.
 """
 
 from __future__ import annotations
@@ -35,9 +40,11 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Te
     return torch.stack(outs, dim=1)
 
 
-def install_gated_delta(model: nn.Module) -> int:
+def install_gated_delta(model: nn.Module, mix: bool = True) -> int:
     """Switch every module of `model` that offers the kernel (a `recurrence_kernel` attribute: `GatedDeltaNet`) to
-    it where it applies: CPU weights, the kernels built (`cpu_kernels`). Returns how many modules use it."""
+    it where it applies: CPU weights, the kernels built (`cpu_kernels`); with `mix`, the whole token mixer after the
+    input projections too (`gated_deltanet_mix`: its float32 operands copied once). Returns how many modules use
+    it."""
     count = 0
     for module in model.modules():
         if not hasattr(module, "recurrence_kernel"):
@@ -46,5 +53,8 @@ def install_gated_delta(model: nn.Module) -> int:
         if tensor is None or tensor.device.type != "cpu" or not cpu_kernels.available():
             continue
         module.recurrence_kernel = True
+        if mix:
+            module.mix_operands = tuple(t.detach().float().contiguous() for t in (
+                module.conv1d.weight[:, 0], module.A_log, module.dt_bias, module.norm.weight))
         count += 1
     return count

@@ -13,6 +13,18 @@
 // models/recurrent_state.py). q is expected l2-normalised and scaled, k l2-normalised (the module does it).
 // Pads (valid false) are skipped: their outputs are 0 and the ring keeps what it held.
 //
+//   nextn::gated_deltanet_mix(qkv [B, T, 2·Hk·Dk + Hv·Dv], z [B, T, Hv·Dv], b [B, T, Hv], a [B, T, Hv] (the layer's
+//       input projections, all float32 or all bf16), conv_w [C, kernel] f32, a_log [Hv], dt_bias [Hv], norm_w [Dv] f32,
+//       conv_ring [slots, R, C, kernel − 1] f32 (written), ring [slots, R, Hv, Dk, Dv] f32 (written), slots, entry,
+//       fresh, valid, key_heads, eps) -> [B, T, Hv·Dv] in qkv's dtype
+// is the layer's whole token mixer between its input projections and out_proj (models/gated_deltanet.py, the
+// module's PyTorch path is the reference): the causal depthwise conv over the conv state in
+// conv_ring[slots[b], entry[b]] and the T inputs, silu, q and k l2-normalised (q also / sqrt(Dk)), beta = sigmoid(b),
+// decay = exp(−exp(A_log) · softplus(a + dt_bias)), the rule above, and norm_w · rmsnorm(o) · silu(z) per value
+// head; the conv states after the last R valid tokens are kept in conv_ring as the recurrent states in ring. One
+// call per layer in place of ~70 tensor ops. The transcendentals of b and a in double (as the module's `row_exact`),
+// silu through simd::exp (the same for every lane): each row computed alone, batch-invariant.
+//
 // Why our own kernel: the reference runs ~6 tensor ops per token in Python; this is one call per layer, two passes
 // over S per token. Each (row, head) is one task whose arithmetic does not depend on T, B or the thread
 // (batch-invariant: a verify step's rows equal one-token steps'). One source over simd.h for every ISA variant.
@@ -23,7 +35,10 @@
 #include <torch/library.h>
 
 #include "cpu_kernels.h"
+#include "gated_deltanet.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
@@ -33,6 +48,10 @@ namespace {
 
 namespace simd = nextn_cpu::simd;
 using simd::V16;
+using nextn_cpu::deltanet::delta_token;
+using nextn_cpu::deltanet::check_mix;
+using nextn_cpu::deltanet::MixOperands;
+using nextn_cpu::deltanet::run_mix;
 
 void run(const float* q, const float* k, const float* v, const float* decay, const float* beta, float* ring,
          const int64_t* slots, const int64_t* entry, const bool* fresh, const bool* valid, int64_t B, int64_t T,
@@ -61,34 +80,7 @@ void run(const float* q, const float* k, const float* v, const float* decay, con
         const float* qt = q + bt * Dk;
         const float* kt = k + bt * Dk;
         const float* vt = v + bt * Dv;
-        const V16 g = simd::set1(decay[bt]);
-        // pass 1: S = decay · S, m = kᵀS (rows in order)
-        for (int64_t c = 0; c < C; ++c) simd::store(&m[c * 16], simd::zero());
-        for (int64_t i = 0; i < Dk; ++i) {
-          const V16 ki = simd::set1(kt[i]);
-          float* si = &s[i * Dp];
-          for (int64_t c = 0; c < C; ++c) {
-            const V16 sv = simd::load(si + c * 16) * g;
-            simd::store(si + c * 16, sv);
-            simd::store(&m[c * 16], simd::fmadd(ki, sv, simd::load(&m[c * 16])));
-          }
-        }
-        const V16 bb = simd::set1(beta[bt]);
-        for (int64_t c = 0; c < C; ++c) {
-          const int64_t n = std::min<int64_t>(16, Dv - c * 16);
-          simd::store(&delta[c * 16], (simd::load(vt + c * 16, n) - simd::load(&m[c * 16])) * bb);
-          simd::store(&o[c * 16], simd::zero());
-        }
-        // pass 2: S = S + k ⊗ delta, out = qᵀS
-        for (int64_t i = 0; i < Dk; ++i) {
-          const V16 ki = simd::set1(kt[i]), qi = simd::set1(qt[i]);
-          float* si = &s[i * Dp];
-          for (int64_t c = 0; c < C; ++c) {
-            const V16 sv = simd::fmadd(ki, simd::load(&delta[c * 16]), simd::load(si + c * 16));
-            simd::store(si + c * 16, sv);
-            simd::store(&o[c * 16], simd::fmadd(qi, sv, simd::load(&o[c * 16])));
-          }
-        }
+        delta_token(s.data(), Dk, Dv, qt, kt, vt, decay[bt], beta[bt], m.data(), delta.data(), o.data());
         std::memcpy(ot, o.data(), Dv * sizeof(float));
         if (t >= n_valid - R) {  // one of the last R valid tokens: keep its state
           float* keep = slot_ring + ((t % R) * H + h) * state;
@@ -129,11 +121,50 @@ at::Tensor gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
+at::Tensor gated_deltanet_mix(const at::Tensor& qkv, const at::Tensor& z, const at::Tensor& b, const at::Tensor& a,
+                              const at::Tensor& conv_w, const at::Tensor& a_log, const at::Tensor& dt_bias,
+                              const at::Tensor& norm_w, at::Tensor conv_ring, at::Tensor ring, const at::Tensor& slots,
+                              const at::Tensor& entry, const at::Tensor& fresh, const at::Tensor& valid,
+                              int64_t key_heads, double eps) {
+  const char* op = "gated_deltanet_mix";
+  TORCH_CHECK(qkv.dim() == 3, op, ": qkv must be [B, T, 2·Hk·Dk + Hv·Dv]");
+  const int64_t B = qkv.size(0), T = qkv.size(1);
+  MixOperands m = check_mix(conv_w, a_log, dt_bias, norm_w, conv_ring, ring, slots, entry, fresh, valid, B, T,
+                            key_heads, eps, op);
+  const int64_t C = m.shape.channels(), Hv = m.shape.Hv, Dv = m.shape.Dv;
+  TORCH_CHECK(qkv.size(2) == C, op, ": qkv has ", qkv.size(2), " channels, the ring's shapes say ", C);
+  TORCH_CHECK(z.scalar_type() == qkv.scalar_type() && b.scalar_type() == qkv.scalar_type() &&
+                  a.scalar_type() == qkv.scalar_type() &&
+                  (qkv.scalar_type() == at::kFloat || qkv.scalar_type() == at::kBFloat16),
+              op, ": qkv, z, b, a must share one dtype, float32 or bfloat16");
+  TORCH_CHECK(z.numel() == B * T * Hv * Dv && b.numel() == B * T * Hv && a.numel() == B * T * Hv,
+              op, ": z [B, T, Hv·Dv], b and a [B, T, Hv]");
+  m.shape.qkv_stride = C;
+  m.shape.z_stride = Hv * Dv;
+  m.shape.ba_stride = Hv;
+  const at::Tensor xc = qkv.contiguous(), zc = z.contiguous(), bc = b.contiguous(), ac = a.contiguous();
+  at::Tensor out = at::empty({B, T, Hv * Dv}, qkv.options());
+  if (qkv.scalar_type() == at::kFloat) {
+    run_mix(m, xc.data_ptr<float>(), zc.data_ptr<float>(), bc.data_ptr<float>(), ac.data_ptr<float>(),
+            out.data_ptr<float>());
+  } else {
+    using BF = at::BFloat16;
+    run_mix(m, xc.data_ptr<BF>(), zc.data_ptr<BF>(), bc.data_ptr<BF>(), ac.data_ptr<BF>(), out.data_ptr<BF>());
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(NEXTN_OPS, m) {
   m.def("gated_delta_rule(Tensor q, Tensor k, Tensor v, Tensor decay, Tensor beta, Tensor(a!) ring, Tensor slots, "
         "Tensor entry, Tensor fresh, Tensor valid) -> Tensor");
+  m.def("gated_deltanet_mix(Tensor qkv, Tensor z, Tensor b, Tensor a, Tensor conv_w, Tensor a_log, Tensor dt_bias, "
+        "Tensor norm_w, Tensor(a!) conv_ring, Tensor(b!) ring, Tensor slots, Tensor entry, Tensor fresh, "
+        "Tensor valid, int key_heads, float eps) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(NEXTN_OPS, CPU, m) { m.impl("gated_delta_rule", &gated_delta_rule); }
+TORCH_LIBRARY_IMPL(NEXTN_OPS, CPU, m) {
+  m.impl("gated_delta_rule", &gated_delta_rule);
+  m.impl("gated_deltanet_mix", &gated_deltanet_mix);
+}
