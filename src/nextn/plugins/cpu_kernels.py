@@ -49,7 +49,8 @@ ENV = "NEXTN_CPU_ISA"
 SOURCES = [Path(__file__).with_name(n) for n in ("woq_linear_cpu.cpp", "int8_linear_cpu.cpp",
                                                 "paged_attention_cpu.cpp", "decoder_layer_cpu.cpp",
                                                 "dense_linear_cpu.cpp", "moe_cpu.cpp", "gated_delta_cpu.cpp",
-                                                "mla_cpu.cpp", "rms_norm_cpu.cpp")]
+                                                "mla_cpu.cpp", "rms_norm_cpu.cpp",
+                                                "deltanet_layer_cpu.cpp")]
 HEADERS = [Path(__file__).with_name(n) for n in ("cpu_kernels.h", "simd.h", "simd_int16.h", "layer_parts.h",
                                                 "gated_deltanet.h")]
 

@@ -8,6 +8,11 @@ token, the state after each of the last R valid tokens kept in ring[slots[b], t 
 Yang, Kautz & Hatamizadeh 2025 ("Gated Delta Networks", eq. 10); the reference is `reference` below, the module's
 PyTorch path (HF's `torch_recurrent_gated_delta_rule` in a loop, as `tests/plugins/test_gated_delta.py` checks).
 
+`cpu_kernels.ops().gated_deltanet_layer(x, norms, qkvz, ba, out, gate_up, down, <the mixer's operands>, key_heads,
+group_size, eps, mix_eps, int8_activations) → [B, T, H] bf16` runs a whole decoder layer of a W4A16 / W4A8 engine
+(`deltanet_layer_cpu.cpp`: norms, the projections — q/k/v with z, b with a, gate with up, each one matmul over
+concatenated weights — the mixer, out_proj, the MLP, the residual adds): one call in place of ~25 module calls.
+
 `cpu_kernels.ops().gated_deltanet_mix(qkv, z, b, a, conv_w, a_log, dt_bias, norm_w, conv_ring, ring, slots, entry,
 fresh, valid, key_heads, eps) → [B, T, Hv · Dv]` is the layer's whole token mixer between its input projections and
 out_proj (conv over the kept conv state, silu, l2 norms, gates, this rule, the gated RMSNorm, the conv states kept as
@@ -16,10 +21,14 @@ the recurrent ones): one call in place of ~70 tensor ops; its reference is `Gate
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from nextn.plugins import cpu_kernels
+from nextn.plugins.dense_linear import unpack
+from nextn.plugins.int4_operands import concat_rows, int4_linears, one_linear
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
@@ -57,4 +66,75 @@ def install_gated_delta(model: nn.Module, mix: bool = True) -> int:
             module.mix_operands = tuple(t.detach().float().contiguous() for t in (
                 module.conv1d.weight[:, 0], module.A_log, module.dt_bias, module.norm.weight))
         count += 1
+    for module in model.modules():
+        if mix and hasattr(module, "fused_deltanet") and count:
+            module.fused_deltanet = fuse_deltanet_layer(module)
     return count
+
+
+@dataclass(frozen=True)
+class DeltaNetLayerWeights:
+    """A Gated DeltaNet decoder layer's operands for `gated_deltanet_layer`: its norms (input, post: bf16 weights or
+    f32 scales), in_proj_qkv with in_proj_z and gate with up (each concatenated along the output channels, the
+    modules' buffers views of it), in_proj_b with in_proj_a as one bf16 [2 · Hv, H] weight, out_proj, down."""
+
+    norms: list[torch.Tensor]
+    qkvz: list[torch.Tensor]
+    ba: torch.Tensor
+    out: list[torch.Tensor]
+    gate_up: list[torch.Tensor]
+    down: list[torch.Tensor]
+    group_size: int
+    int8_activations: bool
+
+
+def fuse_deltanet_layer(layer: nn.Module) -> DeltaNetLayerWeights | None:
+    """The op's operands for a `LinearAttentionDecoderLayer` whose mixer runs `gated_deltanet_mix`, or None where
+    the op does not apply: an MoE or non-SiLU MLP, projections not all W4A16 (or all W4A8) with one group size, b / a
+    not bf16, norms of mixed kinds, or sizes the int4 kernel does not take (hidden, value width, intermediate % 64)."""
+    mixer, mlp = layer.linear_attn, layer.mlp
+    if mixer.mix_operands is None or not hasattr(mlp, "gate_proj") or getattr(mlp, "act_name", "silu") != "silu":
+        return None
+    kind = int4_linears(mixer.in_proj_qkv, mixer.in_proj_z, mixer.out_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    ba = [_bf16_weight(mixer.in_proj_b), _bf16_weight(mixer.in_proj_a)]
+    norms = _norms(layer.input_layernorm, layer.post_attention_layernorm)
+    hidden, values, inter = mixer.out_proj.out_features, mixer.out_proj.in_features, mlp.gate_proj.out_features
+    if (kind is None or any(w is None for w in ba) or norms is None
+            or any(n % 64 or n % kind[0] for n in (hidden, values, inter)) or (mixer.conv_dim + values) % 16):
+        return None
+    return DeltaNetLayerWeights(norms, concat_rows([mixer.in_proj_qkv, mixer.in_proj_z]), torch.cat(ba).contiguous(),
+                                one_linear(mixer.out_proj), concat_rows([mlp.gate_proj, mlp.up_proj]),
+                                one_linear(mlp.down_proj), *kind)
+
+
+def _bf16_weight(linear: nn.Module) -> torch.Tensor | None:
+    """A dense projection's bf16 weight [out, in] (an `nn.Linear`'s, or a `DenseLinear`'s unpacked), else None."""
+    w = getattr(linear, "weight", None)
+    if isinstance(w, torch.Tensor):
+        return w.detach() if w.dtype == torch.bfloat16 else None
+    packed = getattr(linear, "packed", None)
+    if isinstance(packed, torch.Tensor) and packed.dtype == torch.bfloat16:
+        return unpack(packed, linear.out_features, linear.in_features)
+    return None
+
+
+def _norms(*norms: nn.Module) -> list[torch.Tensor] | None:
+    """The norms as the op reads them: all f32 scales (`fp32_scale`: Qwen3.5's 1 + w) or all bf16 weights."""
+    scales = [n.fp32_scale() for n in norms]
+    if all(s is not None for s in scales):
+        return [s.contiguous() for s in scales]
+    if all(s is None for s in scales) and all(n.weight.dtype == torch.bfloat16 for n in norms):
+        return [n.weight.detach().contiguous() for n in norms]
+    return None
+
+
+def layer_forward(layer: nn.Module, x: torch.Tensor, meta) -> torch.Tensor:
+    """Run a `LinearAttentionDecoderLayer` (with `fused_deltanet` set) through the op: x [B, T, H] bf16 → the same;
+    keeps its states for `meta.recurrent`'s rows."""
+    f: DeltaNetLayerWeights = layer.fused_deltanet
+    mixer = layer.linear_attn
+    state, rows = meta.recurrent
+    return cpu_kernels.ops().gated_deltanet_layer(
+        x, f.norms, f.qkvz, f.ba, f.out, f.gate_up, f.down, *mixer.mix_operands, state.conv[mixer.state_index],
+        state.ssm[mixer.state_index], rows.slots, rows.entry, rows.fresh, rows.valid, mixer.key_heads, f.group_size,
+        layer.post_attention_layernorm.eps, mixer.norm.eps, f.int8_activations)

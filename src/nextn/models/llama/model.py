@@ -29,7 +29,7 @@ from nextn.models import per_layer_inputs
 from nextn.models.llama.config import LlamaModelConfig
 from nextn.models.llama.rope import apply_rope, rope_cache
 from nextn.models.moe import ClampedSwiGLU, NoAuxRouter, Router, SparseMoE
-from nextn.plugins import cpu_kernels
+from nextn.plugins import cpu_kernels, gated_delta
 from nextn.plugins.decoder_layer import FusedLayerWeights, fused_forward
 from nextn.plugins.moe_experts import block_forward
 from nextn.plugins.kv_cache_write import kv_cache_write
@@ -246,7 +246,12 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
 
 class LinearAttentionDecoderLayer(nn.Module):
     """A pre-norm block whose token mixer is a Gated DeltaNet (`linear_attn`: recurrent state, no KV) and whose MLP
-    is the model's (HF `Qwen3_5DecoderLayer` of type linear_attention)."""
+    is the model's (HF `Qwen3_5DecoderLayer` of type linear_attention).
+
+    `fused_deltanet` (set at load by `plugins.gated_delta.install_gated_delta` where it applies: W4A16 / W4A8
+    engines on the CPU): run the whole layer as one op of nextn's CPU kernels instead of the modules one by one."""
+
+    fused_deltanet = None
 
     def __init__(self, cfg: LlamaModelConfig, index: int, state_index: int) -> None:
         super().__init__()
@@ -258,6 +263,8 @@ class LinearAttentionDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor | None, meta) -> torch.Tensor:
         """x: [B, T, hidden] → [B, T, hidden]; keeps the layer's state for `meta.recurrent`'s rows."""
+        if self.fused_deltanet is not None and x.dtype == torch.bfloat16:
+            return gated_delta.layer_forward(self, x, meta)
         x = x + self.linear_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -1,0 +1,153 @@
+"""nextn's fused Gated DeltaNet decoder layer (`gated_deltanet_layer`, Qwen3.5's linear-attention layers) on every
+ISA variant this CPU runs: against the layer's modules on W4A16 and W4A8 engines of a tiny Qwen3.5 (the output, and
+the conv and recurrent states it keeps), bit-identical whatever the batch and however the tokens are split into
+calls, and the engine that runs it staying lossless with drafters, in batches and under preemption."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from nextn import LLM, SamplingParams
+from nextn.build.engine_builder import build_engine
+from nextn.models.recurrent_state import RecurrentRows
+from nextn.plugins import cpu_kernels
+from nextn.testing.spec_checks import greedy_outputs, staggered_outputs
+from nextn.testing.tiny_families import tiny_hf_model
+
+pytestmark = [pytest.mark.skipif(not cpu_kernels.available(),
+                                 reason=f"nextn's CPU kernels unavailable: {cpu_kernels.unavailable_reason()}"),
+              pytest.mark.usefixtures("kernel_variant")]
+
+PROMPTS = [[1] + [100 + (7 * i) % 23 for i in range(30)], [1, 5, 9, 300, 70, 12], [1] + list(range(200, 230))]
+
+
+@pytest.fixture(scope="module", params=["W4A16", "W4A8"])
+def engine(request, tmp_path_factory):
+    """A tiny Qwen3.5 whose DeltaNet layers take the op: hidden 128, MLP 128, 2 key heads and 4 value heads of 32
+    (value width 128, conv channels 256), group size 32; 3 DeltaNet layers and 1 gated attention layer."""
+    root = tmp_path_factory.mktemp(request.param)
+    tiny_hf_model("qwen3_5_text", seed=1, vocab_size=320, hidden_size=128, intermediate_size=128, num_hidden_layers=4,
+                  head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32).save_pretrained(root / "ckpt")
+    build_engine(root / "ckpt", root / "engine", progress=False, max_seq_len=128, dtype="bfloat16",
+                 quant_algo=request.param, group_size=32)
+    return root / "engine"
+
+
+@pytest.fixture(scope="module")
+def llm(engine):
+    llm = LLM(engine, device="cpu")
+    yield llm
+    llm.shutdown()
+
+
+def _layers(llm) -> list:
+    return [m for m in llm.engine.model.modules() if hasattr(m, "fused_deltanet")]
+
+
+def _state_copy(state):
+    other = copy.copy(state)
+    other.conv, other.ssm, other.base = state.conv.clone(), state.ssm.clone(), state.base.clone()
+    return other
+
+
+class _Meta:
+    def __init__(self, state, rows) -> None:
+        self.recurrent = (state, rows)
+
+
+def _case(llm, b: int, t: int, seed: int = 0):
+    """x [b, t, hidden] bf16, a state whose rings hold random values, rows with pads, fresh rows and ring entries."""
+    gen = torch.Generator().manual_seed(seed)
+    state = _state_copy(llm.engine.model.recurrent_state)
+    state.conv.copy_(0.5 * torch.randn(state.conv.shape, generator=gen))
+    state.ssm.copy_(0.1 * torch.randn(state.ssm.shape, generator=gen))
+    slots = torch.randperm(state.conv.shape[1], generator=gen)[:b]
+    lens = torch.randint(1, t + 1, (b,), generator=gen)
+    rows = RecurrentRows(slots, torch.randint(0, state.ring, (b,), generator=gen), torch.arange(b) % 3 == 1,
+                         torch.arange(t)[None, :] < lens[:, None], torch.zeros(b, dtype=torch.int64))
+    return torch.randn(b, t, 128, generator=gen).bfloat16(), state, rows
+
+
+def _run(layer, x, state, rows, fused: bool) -> torch.Tensor:
+    kept = layer.fused_deltanet
+    layer.fused_deltanet = kept if fused else None
+    try:
+        with torch.no_grad():
+            return layer(x, None, None, _Meta(state, rows))
+    finally:
+        layer.fused_deltanet = kept
+
+
+def test_every_deltanet_layer_takes_the_op(llm):
+    layers = _layers(llm)
+    assert len(layers) == 3 and all(layer.fused_deltanet is not None for layer in layers)
+
+
+@pytest.mark.parametrize("b,t", [(1, 1), (3, 4), (2, 9)])
+def test_op_matches_the_modules(llm, b, t):
+    """The op against the same layer's modules (pads, fresh rows, more tokens than ring entries): the output within
+    bf16 rounding, the kept conv and recurrent states within float32 rounding of values computed from it."""
+    for i, layer in enumerate(_layers(llm)):
+        x, state, rows = _case(llm, b, t, seed=i)
+        want_state = _state_copy(state)
+        want = _run(layer, x, want_state, rows, fused=False)
+        got = _run(layer, x, state, rows, fused=True)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=3e-2)
+        torch.testing.assert_close(state.conv, want_state.conv, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(state.ssm, want_state.ssm, rtol=2e-2, atol=2e-2)
+        assert (got - x).abs().max() > 0.1  # the layer did something: a control against an identity
+
+
+def test_rows_and_token_splits_are_bit_identical(llm):
+    """A row alone and in the batch, and its tokens in one call or one a call (a verify step's rows and one-token
+    steps), give the same bits: the output and the states."""
+    layer = _layers(llm)[0]
+    x, state, rows = _case(llm, 3, 4)
+    rows = RecurrentRows(rows.slots, rows.entry, rows.fresh, torch.ones(3, 4, dtype=torch.bool), rows.start)
+    batch_state = _state_copy(state)
+    batch = _run(layer, x, batch_state, rows, fused=True)
+    for r in range(3):
+        one = RecurrentRows(rows.slots[r:r + 1], rows.entry[r:r + 1], rows.fresh[r:r + 1], rows.valid[r:r + 1],
+                            rows.start[r:r + 1])
+        assert torch.equal(_run(layer, x[r:r + 1], _state_copy(state), one, fused=True), batch[r:r + 1])
+        step_state, outs = _state_copy(state), []
+        for t in range(4):  # one token a call: the state after the call's token sits at ring entry 0
+            start = one.entry if t == 0 else torch.tensor([0])
+            step = RecurrentRows(one.slots, start, one.fresh & (t == 0), one.valid[:, :1], one.start)
+            outs.append(_run(layer, x[r:r + 1, t:t + 1], step_state, step, fused=True))
+        assert torch.equal(torch.cat(outs, 1), batch[r:r + 1])
+        slot = int(one.slots[0])
+        assert torch.equal(step_state.ssm[:, slot, 0], batch_state.ssm[:, slot, 3 % state.ring])
+
+
+@pytest.mark.parametrize("spec", [{"decoding_type": "NGram", "max_draft_len": 4},
+                                  {"decoding_type": "Suffix", "max_draft_len": 8}], ids=["ngram", "suffix"])
+def test_engine_with_the_op_stays_lossless(engine, llm, spec):
+    """Drafted greedy output equals plain decoding through the op, in a batch, staggered with chunked prefill and
+    preemption."""
+    params = [SamplingParams(max_tokens=32, ignore_eos=True)] * len(PROMPTS)
+    want = greedy_outputs(llm, PROMPTS, params)
+    drafted = LLM(engine, device="cpu", speculative_config=spec)
+    assert all(layer.fused_deltanet is not None for layer in _layers(drafted))
+    assert greedy_outputs(drafted, PROMPTS, params) == want
+    drafted.shutdown()
+    small = LLM(engine, device="cpu", speculative_config=spec, enable_chunked_prefill=True, max_num_tokens=16,
+                kv_cache_config={"max_tokens": 96, "tokens_per_block": 8})
+    assert staggered_outputs(small, PROMPTS, params) == want
+    assert small.engine.scheduler.num_preemptions > 0
+    small.shutdown()
+
+
+def test_op_refuses_bad_arguments(llm):
+    from nextn.plugins.gated_delta import layer_forward
+
+    layer = _layers(llm)[0]
+    x, state, rows = _case(llm, 2, 3)
+    bad = RecurrentRows(rows.slots + 100, rows.entry, rows.fresh, rows.valid, rows.start)
+    with pytest.raises(RuntimeError, match="gated_deltanet_layer: a slot or entry is out of range"):
+        layer_forward(layer, x, _Meta(state, bad))
+    with pytest.raises(RuntimeError, match="gated_deltanet_layer: x must be"):
+        layer_forward(layer, x.float(), _Meta(state, rows))
