@@ -98,6 +98,10 @@ def test_server_command_lines(tmp_path):
     assert draft.argv[draft.argv.index("--spec-draft-n-max") + 1] == "4"
     with pytest.raises(ValueError, match="needs --draft_model"):
         llama_cpp_spec(bin_, Path("m.gguf"), 2, "draft", 1, 512)
+    mtp = llama_cpp_spec(bin_, Path("m.gguf"), 2, "draft-mtp", 1, 512, draft_max=2)
+    assert mtp.speculative and "-md" not in mtp.argv
+    assert mtp.argv[mtp.argv.index("--spec-type") + 1] == "draft-mtp"
+    assert mtp.argv[mtp.argv.index("--spec-draft-n-max") + 1] == "2"
     with pytest.raises(ValueError, match="not one of"):
         llama_cpp_spec(bin_, Path("m.gguf"), 2, "lookahead", 1, 512)
 

@@ -5,7 +5,8 @@ stop (SIGTERM, then SIGKILL) and speculative-decoding counters (/metrics).
   per config, `none` for plain decoding; N, the most requests in one step, is the highest concurrency level (as
   llama-server's `-np` slots), not the engine's build default (8);
 - llama.cpp's `llama-server -m GGUF -t T -tb T -np N -c N·CTX --cont-batching --metrics` (b11434's `--help`;
-  ../shared/PEERS.md), plain, with a draft model (`-md DRAFT --spec-draft-n-max K`) or an n-gram mode
+  ../shared/PEERS.md), plain, with a draft model (`-md DRAFT --spec-draft-n-max K`), with the model's own MTP layer
+  (`--spec-type draft-mtp --spec-draft-n-max K`) or an n-gram mode
   (`--spec-type ngram-simple|ngram-map-k|ngram-map-k4v|ngram-mod|ngram-cache`).
 
 Both expose vLLM's speculative counters on /metrics under their own prefix (`nextn_spec_decode_num_drafts_total`,
@@ -29,8 +30,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-#: llama-server's speculative modes (`--spec-type`) this benchmark runs; "draft" needs a draft model.
-LLAMA_CPP_MODES = ("plain", "draft", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
+#: llama-server's speculative modes (`--spec-type`) this benchmark runs; "draft" needs a draft model, "draft-mtp" a
+#: GGUF that embeds its MTP layer (`{arch}.nextn_predict_layers`).
+LLAMA_CPP_MODES = ("plain", "draft", "draft-mtp", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod",
+                   "ngram-cache")
 #: Seconds a server is given to exit after SIGTERM before it is killed.
 STOP_GRACE_S = 15.0
 
@@ -80,6 +83,8 @@ def llama_cpp_spec(server_bin: Path, model: Path, threads: int, mode: str, paral
         if draft_model is None:
             raise ValueError("llama.cpp mode 'draft' needs --draft_model DRAFT.gguf")
         argv += ["-md", str(draft_model), "--spec-type", "draft-simple", "--spec-draft-n-max", str(draft_max)]
+    elif mode == "draft-mtp":
+        argv += ["--spec-type", mode, "--spec-draft-n-max", str(draft_max)]
     elif mode != "plain":
         argv += ["--spec-type", mode]
     return ServerSpec(f"llama.cpp {mode}", "llama.cpp", tuple(argv + list(extra_args)), speculative=mode != "plain")
