@@ -50,6 +50,7 @@ def _layers(llm) -> list:
 def _state_copy(state):
     other = copy.copy(state)
     other.conv, other.ssm, other.base = state.conv.clone(), state.ssm.clone(), state.base.clone()
+    other.pending = state.pending.clone()
     return other
 
 
@@ -64,9 +65,11 @@ def _case(llm, b: int, t: int, seed: int = 0):
     state = _state_copy(llm.engine.model.recurrent_state)
     state.conv.copy_(0.5 * torch.randn(state.conv.shape, generator=gen))
     state.ssm.copy_(0.1 * torch.randn(state.ssm.shape, generator=gen))
+    state.pending.copy_(0.1 * torch.randn(state.pending.shape, generator=gen))
+    state.pending[..., -1] = 0.9
     slots = torch.randperm(state.conv.shape[1], generator=gen)[:b]
     lens = torch.randint(1, t + 1, (b,), generator=gen)
-    rows = RecurrentRows(slots, torch.randint(0, state.ring, (b,), generator=gen), torch.arange(b) % 3 == 1,
+    rows = RecurrentRows(slots, torch.randint(1, state.ring + 1, (b,), generator=gen), torch.arange(b) % 3 == 1,
                          torch.arange(t)[None, :] < lens[:, None], torch.zeros(b, dtype=torch.int64))
     return torch.randn(b, t, 128, generator=gen).bfloat16(), state, rows
 
@@ -98,6 +101,7 @@ def test_op_matches_the_modules(llm, b, t):
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=3e-2)
         torch.testing.assert_close(state.conv, want_state.conv, rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(state.ssm, want_state.ssm, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(state.pending, want_state.pending, rtol=2e-2, atol=2e-2)
         assert (got - x).abs().max() > 0.1  # the layer did something: a control against an identity
 
 
@@ -106,21 +110,24 @@ def test_rows_and_token_splits_are_bit_identical(llm):
     steps), give the same bits: the output and the states."""
     layer = _layers(llm)[0]
     x, state, rows = _case(llm, 3, 4)
-    rows = RecurrentRows(rows.slots, rows.entry, rows.fresh, torch.ones(3, 4, dtype=torch.bool), rows.start)
+    rows = RecurrentRows(rows.slots, rows.committed, rows.fresh, torch.ones(3, 4, dtype=torch.bool), rows.start)
     batch_state = _state_copy(state)
     batch = _run(layer, x, batch_state, rows, fused=True)
     for r in range(3):
-        one = RecurrentRows(rows.slots[r:r + 1], rows.entry[r:r + 1], rows.fresh[r:r + 1], rows.valid[r:r + 1],
+        one = RecurrentRows(rows.slots[r:r + 1], rows.committed[r:r + 1], rows.fresh[r:r + 1], rows.valid[r:r + 1],
                             rows.start[r:r + 1])
         assert torch.equal(_run(layer, x[r:r + 1], _state_copy(state), one, fused=True), batch[r:r + 1])
         step_state, outs = _state_copy(state), []
-        for t in range(4):  # one token a call: the state after the call's token sits at ring entry 0
-            start = one.entry if t == 0 else torch.tensor([0])
+        for t in range(4):  # one token a call, each committing the one before it
+            start = one.committed if t == 0 else torch.tensor([1])
             step = RecurrentRows(one.slots, start, one.fresh & (t == 0), one.valid[:, :1], one.start)
             outs.append(_run(layer, x[r:r + 1, t:t + 1], step_state, step, fused=True))
         assert torch.equal(torch.cat(outs, 1), batch[r:r + 1])
-        slot = int(one.slots[0])
-        assert torch.equal(step_state.ssm[:, slot, 0], batch_state.ssm[:, slot, 3 % state.ring])
+        slot, last = int(one.slots[0]), min(state.ring, 4) - 1  # R = 1 here: the last token pending on both sides
+        assert torch.equal(step_state.conv[:, slot, 0], batch_state.conv[:, slot, last])
+        if state.ring == 1:
+            assert torch.equal(step_state.ssm[:, slot], batch_state.ssm[:, slot])
+            assert torch.equal(step_state.pending[:, slot], batch_state.pending[:, slot])
 
 
 @pytest.mark.parametrize("spec", [{"decoding_type": "NGram", "max_draft_len": 4},
@@ -146,8 +153,8 @@ def test_op_refuses_bad_arguments(llm):
 
     layer = _layers(llm)[0]
     x, state, rows = _case(llm, 2, 3)
-    bad = RecurrentRows(rows.slots + 100, rows.entry, rows.fresh, rows.valid, rows.start)
-    with pytest.raises(RuntimeError, match="gated_deltanet_layer: a slot or entry is out of range"):
+    bad = RecurrentRows(rows.slots + 100, rows.committed, rows.fresh, rows.valid, rows.start)
+    with pytest.raises(RuntimeError, match="gated_deltanet_layer: a slot or committed count is out of range"):
         layer_forward(layer, x, _Meta(state, bad))
     with pytest.raises(RuntimeError, match="gated_deltanet_layer: x must be"):
         layer_forward(layer, x.float(), _Meta(state, rows))

@@ -22,54 +22,85 @@ def _case(b: int, t: int, h: int, dk: int, dv: int, slots: int = 5, ring: int = 
     v = torch.randn(b, t, h, dv, generator=gen)
     decay = torch.rand(b, t, h, generator=gen) * 0.5 + 0.5
     beta = torch.rand(b, t, h, generator=gen)
-    buf = torch.randn(slots, ring, h, dk, dv, generator=gen)
+    ssm = torch.randn(slots, h, dk, dv, generator=gen)
+    pending = torch.randn(slots, ring, h, dk + dv + 1, generator=gen) * 0.3
+    pending[..., -1] = torch.rand(slots, ring, h, generator=gen) * 0.5 + 0.5  # the updates' decays
     rows = torch.randperm(slots, generator=gen)[:b]
-    entry = torch.randint(0, ring, (b,), generator=gen)
+    committed = torch.randint(0, ring + 1, (b,), generator=gen)
     fresh = torch.arange(b) % 3 == 0
     lens = torch.randint(1, t + 1, (b,), generator=gen)
     valid = torch.arange(t)[None, :] < lens[:, None]
-    return q, k, v, decay, beta, buf, rows, entry, fresh, valid
+    return q, k, v, decay, beta, ssm, pending, rows, committed, fresh, valid
 
 
 @pytest.mark.parametrize("b,t,h,dk,dv", [(1, 1, 4, 16, 16), (3, 7, 4, 16, 24), (2, 12, 2, 128, 128),
                                          (4, 3, 6, 32, 8)])
 def test_matches_the_reference(b, t, h, dk, dv):
-    q, k, v, decay, beta, ring, slots, entry, fresh, valid = _case(b, t, h, dk, dv)
-    want_ring = ring.clone()
-    want = gated_delta.reference(q, k, v, decay, beta, want_ring, slots, entry, fresh, valid)
-    out = cpu_kernels.ops().gated_delta_rule(q, k, v, decay, beta, ring, slots, entry, fresh, valid)
+    """Outputs, the state kept and the pending updates, against the reference (rows with fewer and more valid
+    tokens than R, fresh rows, 0..R committed updates)."""
+    q, k, v, decay, beta, ssm, pending, slots, committed, fresh, valid = _case(b, t, h, dk, dv)
+    want_ssm, want_pending = ssm.clone(), pending.clone()
+    want = gated_delta.reference(q, k, v, decay, beta, want_ssm, want_pending, slots, committed, fresh, valid)
+    out = cpu_kernels.ops().gated_delta_rule(q, k, v, decay, beta, ssm, pending, slots, committed, fresh, valid)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ring, want_ring, rtol=1e-5, atol=1e-5)  # the last R valid tokens' states
+    torch.testing.assert_close(ssm, want_ssm, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pending, want_pending, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(ssm, _case(b, t, h, dk, dv)[5])  # it wrote the state
+
+
+@pytest.mark.parametrize("rule", ["kernel", "reference"])
+def test_committing_a_prefix_is_bit_identical_to_running_it(rule):
+    """A verify step of R tokens leaves them pending; the next call committing the first j of them computes, bit for
+    bit, what it computes after a call that ran only those j tokens (any accepted prefix; R = 5)."""
+    fn = cpu_kernels.ops().gated_delta_rule if rule == "kernel" else gated_delta.reference
+    q, k, v, decay, beta, ssm, pending, slots, _, _, _ = _case(2, 6, 4, 32, 24, ring=5)
+    zero, one = torch.zeros(2, dtype=torch.int64), torch.ones(2, dtype=torch.int64)
+    fresh = torch.zeros(2, dtype=torch.bool)
+
+    def run(state, t0, t1, committed):
+        n = t1 - t0
+        return fn(q[:, t0:t1], k[:, t0:t1], v[:, t0:t1], decay[:, t0:t1], beta[:, t0:t1], *state, slots, committed,
+                  fresh, torch.ones(2, n, dtype=torch.bool))
+
+    for j in range(1, 6):
+        verified = (ssm.clone(), pending.clone())
+        run(verified, 0, 5, zero)  # the verify step: 5 tokens pending
+        after = run(verified, 5, 6, one * j)  # the next step: j of them accepted
+        prefix = (ssm.clone(), pending.clone())
+        run(prefix, 0, j, zero)
+        assert torch.equal(run(prefix, 5, 6, one * j), after)
 
 
 def test_rows_and_token_splits_are_bit_identical():
-    """Each row alone and in the batch, and its tokens in one call or one call each (the ring carrying the state
-    between calls as a decode step's does), give the same bits."""
-    q, k, v, decay, beta, ring, slots, entry, fresh, _ = _case(3, 6, 4, 32, 32, ring=6)
+    """Each row alone and in the batch, and its tokens in one call or one call each (each call committing the one
+    token before it, as a decode step does), give the same bits."""
+    q, k, v, decay, beta, ssm, pending, slots, committed, fresh, _ = _case(3, 6, 4, 32, 32, ring=6)
     valid = torch.ones(3, 6, dtype=torch.bool)
     op = cpu_kernels.ops().gated_delta_rule
-    batch_ring = ring.clone()
-    batch = op(q, k, v, decay, beta, batch_ring, slots, entry, fresh, valid)
+    batch = op(q, k, v, decay, beta, ssm.clone(), pending.clone(), slots, committed, fresh, valid)
     for r in range(3):
-        one_ring = ring.clone()
-        alone = op(q[r:r + 1], k[r:r + 1], v[r:r + 1], decay[r:r + 1], beta[r:r + 1], one_ring, slots[r:r + 1],
-                   entry[r:r + 1], fresh[r:r + 1], valid[r:r + 1])
-        assert torch.equal(alone, batch[r:r + 1])
-        step_ring, outs = ring.clone(), []
-        for t in range(6):  # one token a call: the state after token t − 1 sits at ring entry (t − 1) mod R
-            start = entry[r:r + 1] if t == 0 else torch.tensor([0])
-            outs.append(op(q[r:r + 1, t:t + 1], k[r:r + 1, t:t + 1], v[r:r + 1, t:t + 1], decay[r:r + 1, t:t + 1],
-                           beta[r:r + 1, t:t + 1], step_ring, slots[r:r + 1], start, fresh[r:r + 1] & (t == 0),
-                           valid[r:r + 1, t:t + 1]))
-        assert torch.equal(torch.cat(outs, 1), batch[r:r + 1])
+        row = slice(r, r + 1)
+        alone = op(q[row], k[row], v[row], decay[row], beta[row], ssm.clone(), pending.clone(), slots[row],
+                   committed[row], fresh[row], valid[row])
+        assert torch.equal(alone, batch[row])
+        state, outs = (ssm.clone(), pending.clone()), []
+        for t in range(6):
+            step = slice(t, t + 1)
+            outs.append(op(q[row, step], k[row, step], v[row, step], decay[row, step], beta[row, step], *state,
+                           slots[row], committed[row] if t == 0 else torch.tensor([1]), fresh[row] & (t == 0),
+                           valid[row, step]))
+        assert torch.equal(torch.cat(outs, 1), batch[row])
 
 
 def test_bad_arguments_are_refused():
-    q, k, v, decay, beta, ring, slots, entry, fresh, valid = _case(2, 3, 4, 16, 16)
+    q, k, v, decay, beta, ssm, pending, slots, committed, fresh, valid = _case(2, 3, 4, 16, 16)
+    op = cpu_kernels.ops().gated_delta_rule
     with pytest.raises(RuntimeError, match="out of range"):
-        cpu_kernels.ops().gated_delta_rule(q, k, v, decay, beta, ring, slots + 100, entry, fresh, valid)
+        op(q, k, v, decay, beta, ssm, pending, slots + 100, committed, fresh, valid)
+    with pytest.raises(RuntimeError, match="out of range"):
+        op(q, k, v, decay, beta, ssm, pending, slots, committed + 5, torch.zeros(2, dtype=torch.bool), valid)
     with pytest.raises(RuntimeError, match="float32"):
-        cpu_kernels.ops().gated_delta_rule(q.double(), k.double(), v, decay, beta, ring, slots, entry, fresh, valid)
+        op(q.double(), k.double(), v, decay, beta, ssm, pending, slots, committed, fresh, valid)
 
 
 def _layer(hk: int, hv: int, dk: int, dv: int, hidden: int = 64, seed: int = 0):
@@ -95,9 +126,11 @@ def _mixer_case(layer, b: int, t: int, slots: int = 5, ring: int = 4, seed: int 
                            layer.value_dim)
     state.conv.normal_(generator=gen)
     state.ssm.normal_(generator=gen)
+    state.pending.normal_(generator=gen).mul_(0.3)
+    state.pending[..., -1].uniform_(0.5, 1.0, generator=gen)
     rows_slots = torch.randperm(slots, generator=gen)[:b]
     lens = torch.randint(1, t + 1, (b,), generator=gen)
-    rows = RecurrentRows(rows_slots, torch.randint(0, ring, (b,), generator=gen), torch.arange(b) % 3 == 1,
+    rows = RecurrentRows(rows_slots, torch.randint(1, ring + 1, (b,), generator=gen), torch.arange(b) % 3 == 1,
                          torch.arange(t)[None, :] < lens[:, None], torch.zeros(b, dtype=torch.int64))
     x = torch.randn(b, t, layer.in_proj_qkv.in_features, generator=gen)
     return x, state, rows
@@ -135,6 +168,7 @@ def test_layer_mixer_matches_the_module(hk, hv, dk, dv, b, t, dtype):
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
     torch.testing.assert_close(state.conv, want_state.conv, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state.ssm, want_state.ssm, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(state.pending, want_state.pending, rtol=1e-4, atol=1e-4)
 
 
 def RecurrentStateCopy(state):
@@ -142,6 +176,7 @@ def RecurrentStateCopy(state):
 
     other = copy.copy(state)
     other.conv, other.ssm, other.base = state.conv.clone(), state.ssm.clone(), state.base.clone()
+    other.pending = state.pending.clone()
     return other
 
 
@@ -153,15 +188,15 @@ def test_layer_mixer_rows_and_token_splits_are_bit_identical():
     layer = _layer(2, 4, 32, 32).to(torch.bfloat16)
     x, state, rows = _mixer_case(layer, 3, 6, ring=6)
     x = x.bfloat16()
-    rows = RecurrentRows(rows.slots, rows.entry, rows.fresh, torch.ones(3, 6, dtype=torch.bool), rows.start)
+    rows = RecurrentRows(rows.slots, rows.committed, rows.fresh, torch.ones(3, 6, dtype=torch.bool), rows.start)
     batch = _mix(layer, x, RecurrentStateCopy(state), rows, fused=True)
     for r in range(3):
-        one = RecurrentRows(rows.slots[r:r + 1], rows.entry[r:r + 1], rows.fresh[r:r + 1], rows.valid[r:r + 1],
+        one = RecurrentRows(rows.slots[r:r + 1], rows.committed[r:r + 1], rows.fresh[r:r + 1], rows.valid[r:r + 1],
                             rows.start[r:r + 1])
         assert torch.equal(_mix(layer, x[r:r + 1], RecurrentStateCopy(state), one, fused=True), batch[r:r + 1])
         step_state, outs = RecurrentStateCopy(state), []
-        for t in range(6):  # one token a call: the state after the call's token 0 sits at ring entry 0
-            start = one.entry if t == 0 else torch.tensor([0])
+        for t in range(6):  # one token a call, each committing the one before it
+            start = one.committed if t == 0 else torch.tensor([1])
             step = RecurrentRows(one.slots, start, one.fresh & (t == 0), one.valid[:, :1], one.start)
             outs.append(_mix(layer, x[r:r + 1, t:t + 1], step_state, step, fused=True))
         assert torch.equal(torch.cat(outs, 1), batch[r:r + 1])
@@ -172,10 +207,11 @@ def test_layer_mixer_refuses_bad_arguments():
     x, state, rows = _mixer_case(layer, 2, 3)
     from nextn.models.recurrent_state import RecurrentRows
 
-    bad = RecurrentRows(rows.slots + 100, rows.entry, rows.fresh, rows.valid, rows.start)
+    bad = RecurrentRows(rows.slots + 100, rows.committed, rows.fresh, rows.valid, rows.start)
     with pytest.raises(RuntimeError, match="out of range"):
         _mix(layer, x, state, bad, fused=True)
     with pytest.raises(RuntimeError, match="one dtype"):
         cpu_kernels.ops().gated_deltanet_mix(x @ layer.in_proj_qkv.weight.T, (x @ layer.in_proj_z.weight.T).double(),
                                              x[..., :2], x[..., :2], *layer.mix_operands, state.conv[1], state.ssm[1],
-                                             rows.slots, rows.entry, rows.fresh, rows.valid, 2, 1e-6)
+                                             state.pending[1], rows.slots, rows.committed, rows.fresh, rows.valid, 2,
+                                             1e-6)

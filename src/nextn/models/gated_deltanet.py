@@ -13,8 +13,8 @@ value_dim] (Yang, Kautz & Hatamizadeh 2025, "Gated Delta Networks", eq. 10; HF `
 Everything after the projections runs in float32, token by token (a verify step's K + 1 tokens, or a prefill chunk;
 HF's prefill uses the chunked form of the same recurrence, equal up to float32 rounding). Each row is computed alone
 with fixed-order reductions, and the transcendental functions through `row_exact`, so a row's numbers do not depend
-on the batch. The states live in `RecurrentState` (models/recurrent_state.py), which keeps the state after every
-token of a verify step so that only accepted tokens are committed.
+on the batch. The states live in `RecurrentState` (models/recurrent_state.py), which keeps a verify step's tokens'
+updates pending so that only accepted tokens are committed.
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ class GatedDeltaNet(nn.Module):
         if self.mix_operands is not None:
             mixed = cpu_kernels.ops().gated_deltanet_mix(
                 self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x), *self.mix_operands,
-                state.conv[self.state_index], state.ssm[self.state_index], rows.slots, rows.entry, rows.fresh,
-                rows.valid, self.key_heads, self.norm.eps)
+                state.conv[self.state_index], state.ssm[self.state_index], state.pending[self.state_index],
+                rows.slots, rows.committed, rows.fresh, rows.valid, self.key_heads, self.norm.eps)
             return self.out_proj(mixed)
         b, t, _ = x.shape
         conv0 = state.initial_conv(self.state_index, rows)  # [B, C, kernel-1]
@@ -113,9 +113,10 @@ class GatedDeltaNet(nn.Module):
         beta = row_exact(torch.sigmoid, self.in_proj_b(x).float())  # [B, T, Hv]
         decay = row_exact(torch.exp, -row_exact(torch.exp, self.A_log.float())
                           * row_exact(F.softplus, self.in_proj_a(x).float() + self.dt_bias.float()))
-        # the recurrence, keeping the last R valid tokens' states in the ring: nextn's op, or its PyTorch reference
+        # the recurrence, keeping the last R valid tokens' updates pending: nextn's op, or its PyTorch reference
         rule = cpu_kernels.ops().gated_delta_rule if self.recurrence_kernel else gated_delta.reference
-        o = rule(q, k, v, decay, beta, state.ssm[self.state_index], rows.slots, rows.entry, rows.fresh, rows.valid)
+        o = rule(q, k, v, decay, beta, state.ssm[self.state_index], state.pending[self.state_index], rows.slots,
+                 rows.committed, rows.fresh, rows.valid)
         state.store_conv(self.state_index, rows, window)
         return self._output(o, x)
 

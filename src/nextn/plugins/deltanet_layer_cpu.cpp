@@ -5,7 +5,8 @@
 //   nextn::gated_deltanet_layer(x [B, T, H] bf16, norms (input [H], post [H]: bf16 weights, Llama's w · bf16(x̂), or
 //       f32 scales, bf16(x̂ · s) with s = 1 + w), qkvz (in_proj_qkv's rows then in_proj_z's), ba [2·Hv, H] bf16
 //       (in_proj_b's rows then in_proj_a's), out, gate_up, down (int4 [w, scale, zero]: woq_linear_cpu.cpp's
-//       layouts), conv_w, a_log, dt_bias, norm_w, conv_ring, ring, slots, entry, fresh, valid, key_heads (the mixer's
+//       layouts), conv_w, a_log, dt_bias, norm_w, conv_ring, ssm, pending, slots, committed, fresh, valid, key_heads
+//       (the mixer's
 //       operands: gated_delta_cpu.cpp's `gated_deltanet_mix`), group_size, eps, mix_eps, int8_activations)
 //       -> [B, T, H] bf16
 //
@@ -45,15 +46,16 @@ at::Tensor gated_deltanet_layer(const at::Tensor& x, at::TensorList norms, at::T
                                 const at::Tensor& ba_w, at::TensorList out_t, at::TensorList gate_up_t,
                                 at::TensorList down_t, const at::Tensor& conv_w, const at::Tensor& a_log,
                                 const at::Tensor& dt_bias, const at::Tensor& norm_w, at::Tensor conv_ring,
-                                at::Tensor ring, const at::Tensor& slots, const at::Tensor& entry, const at::Tensor& fresh,
+                                at::Tensor ssm, at::Tensor pending, const at::Tensor& slots,
+                                const at::Tensor& committed, const at::Tensor& fresh,
                                 const at::Tensor& valid, int64_t key_heads, int64_t group_size, double eps,
                                 double mix_eps, bool int8_activations) {
   const char* op = "gated_deltanet_layer";
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(), op,
               ": x must be a [B, T, H] bfloat16 CPU tensor");
   const int64_t B = x.size(0), T = x.size(1), H = x.size(2), M = B * T;
-  MixOperands mo = check_mix(conv_w, a_log, dt_bias, norm_w, conv_ring, ring, slots, entry, fresh, valid, B, T,
-                             key_heads, mix_eps, op);
+  MixOperands mo = check_mix(conv_w, a_log, dt_bias, norm_w, conv_ring, ssm, pending, slots, committed, fresh,
+                             valid, B, T, key_heads, mix_eps, op);
   const int64_t C = mo.shape.channels(), Hv = mo.shape.Hv, V = Hv * mo.shape.Dv;
   TORCH_CHECK(group_size > 0 && group_size % 32 == 0, op, ": group_size must be a multiple of 32");
   TORCH_CHECK(gate_up_t.size() >= 1 && gate_up_t[0].dim() == 2 && gate_up_t[0].size(0) % 2 == 0, op,
@@ -128,7 +130,8 @@ at::Tensor gated_deltanet_layer(const at::Tensor& x, at::TensorList norms, at::T
 TORCH_LIBRARY_FRAGMENT(NEXTN_OPS, m) {
   m.def("gated_deltanet_layer(Tensor x, Tensor[] norms, Tensor[] qkvz, Tensor ba, Tensor[] out, Tensor[] gate_up, "
         "Tensor[] down, Tensor conv_w, Tensor a_log, Tensor dt_bias, Tensor norm_w, Tensor(a!) conv_ring, "
-        "Tensor(b!) ring, Tensor slots, Tensor entry, Tensor fresh, Tensor valid, int key_heads, int group_size, "
+        "Tensor(b!) ssm, Tensor(c!) pending, Tensor slots, Tensor committed, Tensor fresh, Tensor valid, "
+        "int key_heads, int group_size, "
         "float eps, float mix_eps, bool int8_activations=False) -> Tensor");
 }
 

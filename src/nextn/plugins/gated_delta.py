@@ -2,9 +2,10 @@
 per-request states, one op per layer in place of ~6 tensor ops per token.
 
 `cpu_kernels.ops().gated_delta_rule(q [B, T, H, Dk], k, v [B, T, H, Dv], decay [B, T, H], beta [B, T, H],
-ring [slots, R, H, Dk, Dv], slots [B], entry [B], fresh [B], valid [B, T]) → out [B, T, H, Dv]`, all float32: from the
-state in ring[slots[b], entry[b]] (zeros where fresh), S = decay · S, S += k ⊗ beta · (v − kᵀS), out = qᵀS per valid
-token, the state after each of the last R valid tokens kept in ring[slots[b], t mod R] (models/recurrent_state.py).
+ssm [slots, H, Dk, Dv], pending [slots, R, H, Dk + Dv + 1], slots [B], committed [B], fresh [B], valid [B, T]) → out
+[B, T, H, Dv]`, float32: from the slot's state with its first `committed` pending updates applied (zeros where fresh),
+S = decay · S, S += k ⊗ beta · (v − kᵀS), out = qᵀS per valid token; the state before the last R valid tokens and
+their updates kept as the slot's (models/recurrent_state.py).
 Yang, Kautz & Hatamizadeh 2025 ("Gated Delta Networks", eq. 10); the reference is `reference` below, the module's
 PyTorch path (HF's `torch_recurrent_gated_delta_rule` in a loop, as `tests/plugins/test_gated_delta.py` checks).
 
@@ -13,8 +14,8 @@ group_size, eps, mix_eps, int8_activations) → [B, T, H] bf16` runs a whole dec
 (`deltanet_layer_cpu.cpp`: norms, the projections — q/k/v with z, b with a, gate with up, each one matmul over
 concatenated weights — the mixer, out_proj, the MLP, the residual adds): one call in place of ~25 module calls.
 
-`cpu_kernels.ops().gated_deltanet_mix(qkv, z, b, a, conv_w, a_log, dt_bias, norm_w, conv_ring, ring, slots, entry,
-fresh, valid, key_heads, eps) → [B, T, Hv · Dv]` is the layer's whole token mixer between its input projections and
+`cpu_kernels.ops().gated_deltanet_mix(qkv, z, b, a, conv_w, a_log, dt_bias, norm_w, conv_ring, ssm, pending, slots,
+committed, fresh, valid, key_heads, eps) → [B, T, Hv · Dv]` is the layer's whole token mixer between its input projections and
 out_proj (conv over the kept conv state, silu, l2 norms, gates, this rule, the gated RMSNorm, the conv states kept as
 the recurrent ones): one call in place of ~70 tensor ops; its reference is `GatedDeltaNet`'s PyTorch path.
 """
@@ -32,20 +33,33 @@ from nextn.plugins.int4_operands import concat_rows, int4_linears, one_linear
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
-              ring: torch.Tensor, slots: torch.Tensor, entry: torch.Tensor, fresh: torch.Tensor,
-              valid: torch.Tensor) -> torch.Tensor:
-    """What the kernel computes, in PyTorch f32 (shapes as the op's; `ring` written in place)."""
-    s = torch.where(fresh[:, None, None, None], 0.0, ring[slots, entry])
+              ssm: torch.Tensor, pending: torch.Tensor, slots: torch.Tensor, committed: torch.Tensor,
+              fresh: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """What the kernel computes, in PyTorch f32 (shapes as the op's; `ssm` and `pending` written in place)."""
+    dk, dv, r = k.shape[-1], v.shape[-1], pending.shape[1]
+    s = ssm[slots]
+    for j in range(r):  # the committed updates of the slot's last forward, in order: S = decay · S; S = S + k ⊗ d
+        u = pending[slots, j]  # [B, H, Dk + Dv + 1]
+        s_new = s * u[..., -1, None, None]
+        s_new = s_new + u[..., :dk, None] * u[..., None, dk:dk + dv]
+        s = torch.where((committed > j)[:, None, None, None], s_new, s)
+    s = torch.where(fresh[:, None, None, None], 0.0, s)
+    n_valid = valid.sum(-1)
+    first = (n_valid - r).clamp(min=0)  # the forward's last R valid tokens stay pending
+    rows = torch.arange(q.shape[0])
     outs = []
-    r = ring.shape[1]
     for t in range(q.shape[1]):
-        s_new = s * decay[:, t, :, None, None]
-        k_t = k[:, t, :, :, None]
-        s_new = s_new + k_t * ((v[:, t] - (s_new * k_t).sum(-2)) * beta[:, t, :, None])[:, :, None, :]
         keep = valid[:, t]
-        s = torch.where(keep[:, None, None, None], s_new, s)
+        at_first = keep & (first == t)  # the state before them: the slot's state from now on
+        ssm[slots[at_first]] = s[at_first]
+        s_dec = s * decay[:, t, :, None, None]
+        k_t = k[:, t, :, :, None]
+        d = (v[:, t] - (s_dec * k_t).sum(-2)) * beta[:, t, :, None]  # [B, H, Dv]
+        s = torch.where(keep[:, None, None, None], s_dec + k_t * d[:, :, None, :], s)
         outs.append(torch.where(keep[:, None, None], (s * q[:, t, :, :, None]).sum(-2), 0.0))
-        ring[slots, t % r] = torch.where(keep[:, None, None, None], s, ring[slots, t % r])
+        put = keep & (t >= first)
+        unit = torch.cat([k[:, t], d, decay[:, t, :, None]], dim=-1)
+        pending[slots[put], (t - first)[put]] = unit[rows[put]]
     return torch.stack(outs, dim=1)
 
 
@@ -136,5 +150,6 @@ def layer_forward(layer: nn.Module, x: torch.Tensor, meta) -> torch.Tensor:
     state, rows = meta.recurrent
     return cpu_kernels.ops().gated_deltanet_layer(
         x, f.norms, f.qkvz, f.ba, f.out, f.gate_up, f.down, *mixer.mix_operands, state.conv[mixer.state_index],
-        state.ssm[mixer.state_index], rows.slots, rows.entry, rows.fresh, rows.valid, mixer.key_heads, f.group_size,
-        layer.post_attention_layernorm.eps, mixer.norm.eps, f.int8_activations)
+        state.ssm[mixer.state_index], state.pending[mixer.state_index], rows.slots, rows.committed, rows.fresh,
+        rows.valid, mixer.key_heads, f.group_size, layer.post_attention_layernorm.eps, mixer.norm.eps,
+        f.int8_activations)

@@ -182,16 +182,18 @@ def plan_kv_cache(args: LlmArgs, model_cfg, device: torch.device, max_batch_size
 
 
 def recurrent_state_bytes(model_cfg, batch: int, ring: int) -> int:
-    """Bytes of the linear-attention layers' per-request state (`models/recurrent_state.py`: `ring` float32 conv and
-    recurrent states per layer and batch slot); 0 for a model without such layers."""
+    """Bytes of the linear-attention layers' per-request state (`models/recurrent_state.py`: per layer and batch
+    slot, `ring` float32 conv states and pending updates, one recurrent state); 0 for a model without such layers."""
+    from nextn.models.recurrent_state import RecurrentState
+
     layers = len(getattr(model_cfg, "linear_layers", ()))
     if not layers:
         return 0
-    keys, values = model_cfg.linear_num_key_heads * model_cfg.linear_key_head_dim, (
-        model_cfg.linear_num_value_heads * model_cfg.linear_value_head_dim)
-    conv = (2 * keys + values) * (model_cfg.linear_conv_kernel_dim - 1)
-    ssm = values * model_cfg.linear_key_head_dim
-    return layers * batch * ring * (conv + ssm) * 4
+    keys = model_cfg.linear_num_key_heads * model_cfg.linear_key_head_dim
+    return batch * RecurrentState.bytes_per_slot(
+        layers, ring, 2 * keys + model_cfg.linear_num_value_heads * model_cfg.linear_value_head_dim,
+        model_cfg.linear_conv_kernel_dim, model_cfg.linear_num_value_heads, model_cfg.linear_key_head_dim,
+        model_cfg.linear_value_head_dim)
 
 
 def _state_bytes(drafter, batch: int, hidden_size: int, dtype: torch.dtype) -> int:
