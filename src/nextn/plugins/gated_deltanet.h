@@ -66,27 +66,32 @@ class HeadRecurrence {
 
   static int64_t unit(int64_t Dk, int64_t Dv) { return Dk + Dv + 1; }
 
-  // Row b's head h: its slot's state `ssm_h` (ssm[slot, h]) and pending updates `pending_h` (pending[slot, 0, h])
+  // Row b's head h: its slot's state `ssm_h` (ssm[slot, h]) and pending updates `pending_h` (pending[slot, 0, h]).
+  // One pass: each row of the state is read, the committed updates applied in registers (each element's operations
+  // those of `delta_token`, in order: the same bits), and written to the scratch state — and, when the forward's
+  // first token is already one the slot keeps pending, back as the slot's state.
   void start(float* ssm_h, float* pending_h, bool fresh, int64_t committed, int64_t n_valid) {
     ssm_ = ssm_h;
     pending_ = pending_h;
     lo_ = std::max<int64_t>(0, n_valid - R_);
-    std::fill(s_.begin(), s_.end(), 0.f);
-    if (fresh) return;
-    for (int64_t i = 0; i < Dk_; ++i) std::memcpy(&s_[i * Dp_], ssm_h + i * Dv_, Dv_ * sizeof(float));
+    const bool keep = lo_ == 0 && n_valid > 0;
+    stored_ = keep;
     const int64_t C = Dp_ / 16;
-    for (int64_t j = 0; j < committed; ++j) {
-      const float* u = pending_h + j * stride_;
-      const V16 g = simd::set1(u[Dk_ + Dv_]);
-      for (int64_t c = 0; c < C; ++c)
-        simd::store(&d_[c * 16], simd::load(u + Dk_ + c * 16, std::min<int64_t>(16, Dv_ - c * 16)));
-      for (int64_t i = 0; i < Dk_; ++i) {
-        const V16 ki = simd::set1(u[i]);
-        float* si = &s_[i * Dp_];
-        for (int64_t c = 0; c < C; ++c) {
-          const V16 sv = simd::load(si + c * 16) * g;
-          simd::store(si + c * 16, simd::fmadd(ki, simd::load(&d_[c * 16]), sv));
+    for (int64_t i = 0; i < Dk_; ++i) {
+      float* si = &s_[i * Dp_];
+      for (int64_t c = 0; c < C; ++c) {
+        const int64_t n = std::min<int64_t>(16, Dv_ - c * 16);
+        V16 sv = simd::zero();
+        if (!fresh) {
+          sv = simd::load(ssm_h + i * Dv_ + c * 16, n);
+          for (int64_t j = 0; j < committed; ++j) {
+            const float* u = pending_h + j * stride_;
+            sv = sv * simd::set1(u[Dk_ + Dv_]);
+            sv = simd::fmadd(simd::set1(u[i]), simd::load(u + Dk_ + c * 16, n), sv);
+          }
         }
+        simd::store(si + c * 16, sv);
+        if (keep) simd::store(ssm_h + i * Dv_ + c * 16, sv, n);
       }
     }
   }
@@ -94,7 +99,7 @@ class HeadRecurrence {
   // Valid token t of the forward (q, k normalised): runs the rule, keeps what the ring keeps; returns its output o
   // (Dv floats)
   const float* token(int64_t t, const float* q, const float* k, const float* v, float decay, float beta) {
-    if (t == lo_)  // the state before the forward's last R valid tokens: the slot's state from now on
+    if (t == lo_ && !stored_)  // the state before the forward's last R valid tokens: the slot's state from now on
       for (int64_t i = 0; i < Dk_; ++i) std::memcpy(ssm_ + i * Dv_, &s_[i * Dp_], Dv_ * sizeof(float));
     delta_token(s_.data(), Dk_, Dv_, q, k, v, decay, beta, m_.data(), d_.data(), o_.data());
     if (t >= lo_) {
@@ -108,6 +113,7 @@ class HeadRecurrence {
 
  private:
   int64_t Dk_, Dv_, Dp_, U_, stride_, R_, lo_ = 0;
+  bool stored_ = false;
   float* ssm_ = nullptr;
   float* pending_ = nullptr;
   std::vector<float> s_, m_, d_, o_;
