@@ -98,6 +98,8 @@ def test_server_command_lines(tmp_path):
     assert draft.argv[draft.argv.index("--spec-draft-n-max") + 1] == "4"
     with pytest.raises(ValueError, match="needs --draft_model"):
         llama_cpp_spec(bin_, Path("m.gguf"), 2, "draft", 1, 512)
+    assert not nextn_spec(Path("m.gguf"), 2, "configs/no_speculation.yaml").speculative  # the plain reference
+    assert nextn_spec(Path("m.gguf"), 2, "configs/mtp_eagle_k3.yaml").speculative
     mtp = llama_cpp_spec(bin_, Path("m.gguf"), 2, "draft-mtp", 1, 512, draft_max=2)
     assert mtp.speculative and "-md" not in mtp.argv
     assert mtp.argv[mtp.argv.index("--spec-type") + 1] == "draft-mtp"

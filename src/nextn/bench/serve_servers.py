@@ -63,7 +63,19 @@ def nextn_spec(model: Path, threads: int, config: str | None, max_batch_size: in
     if config is not None:
         argv += ["--extra_llm_api_options", str(config)]
     label = "nextn plain" if config is None else f"nextn {Path(config).stem}"
-    return ServerSpec(label, "nextn", tuple(argv), speculative=config is not None)
+    return ServerSpec(label, "nextn", tuple(argv), speculative=config is not None and _drafts(Path(config)))
+
+
+def _drafts(config: Path) -> bool:
+    """Whether a YAML of LLM arguments sets a speculative_config (`speculative_config: null` is plain decoding, the
+    reference of the lossless check; an unreadable file counts as speculative and fails when the server starts)."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(config.read_text())
+    except (OSError, yaml.YAMLError):
+        return True
+    return not isinstance(data, dict) or data.get("speculative_config", True) is not None
 
 
 def llama_cpp_spec(server_bin: Path, model: Path, threads: int, mode: str, parallel: int, ctx_per_slot: int,
