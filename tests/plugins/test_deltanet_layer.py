@@ -158,3 +158,34 @@ def test_op_refuses_bad_arguments(llm):
         layer_forward(layer, x, _Meta(state, bad))
     with pytest.raises(RuntimeError, match="gated_deltanet_layer: x must be"):
         layer_forward(layer, x.float(), _Meta(state, rows))
+
+
+def test_gated_attention_layer_takes_the_fused_op(llm):
+    """Qwen3.5's gated attention layer (q/k norms, a quarter of each head rotated, the output gate) runs as the fused
+    layer op, gate_proj's rows after v in its one matmul, and matches its modules: the output and the KV it writes."""
+    from nextn.plugins.decoder_layer import fused_forward
+    from test_decoder_layer import _inputs
+
+    model = llm.engine.model
+    (layer,) = [m for m in model.model.layers if getattr(m, "fused", None) is not None]
+    assert layer.fused.output_gate and layer.fused.qkv[0].shape[0] == (
+        2 * layer.self_attn.num_heads + 2 * layer.self_attn.num_kv_heads) * layer.self_attn.head_dim
+    x, kv, meta = _inputs(layer, 3, 4, [9, 30, 4])
+    cos_sin = model._cos_sin(meta.positions)
+    kv_fused, kv_ref = kv.clone(), kv.clone()
+    fused = fused_forward(layer, x, cos_sin, kv_fused, meta)
+    saved, layer.fused = layer.fused, None
+    try:
+        ref = layer(x, cos_sin, kv_ref, meta)
+    finally:
+        layer.fused = saved
+    torch.testing.assert_close(fused.float(), ref.float(), rtol=2e-2, atol=3e-2)
+    torch.testing.assert_close(kv_fused.float(), kv_ref.float(), rtol=2e-2, atol=2e-2)
+    assert (fused - x).abs().max() > 0.1
+    attn = layer.self_attn  # a control: the modules without the gate give another output
+    attn.output_gate, layer.fused = False, None
+    try:
+        ungated = layer(x, cos_sin, kv.clone(), meta)
+    finally:
+        attn.output_gate, layer.fused = True, saved
+    assert (ungated.float() - ref.float()).abs().max() > 0.1

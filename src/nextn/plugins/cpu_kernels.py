@@ -335,7 +335,7 @@ def _register_fakes(ns: str) -> None:
     def _(x, cos_sin, kv_cache, slot_mapping, context_slots, visible, norms, qkv, o, gate_up, down,
           num_heads, num_kv_heads, group_size, eps, scale, int8_activations=False, sandwich=False, qk_norm=False,
           activation=0, residual_multiplier=1.0, pre_norms=True, qk_norm_all_heads=False, attn_softcap=0.0,
-          attn_sinks=None):
+          attn_sinks=None, output_gate=False):
         return torch.empty_like(x)
 
     @torch.library.register_fake(f"{ns}::llama_decoder_stack")

@@ -58,6 +58,7 @@ class FusedLayerWeights:
     qk_norm_all_heads: bool = False  # OLMo 2: one q norm over all heads (and one k norm)
     attn_softcap: float = 0.0  # Gemma 2: attention logits soft-capped at this (0: none)
     attn_sinks: torch.Tensor | None = None  # gpt-oss: [num_heads] f32, a logit a head in each softmax (None: none)
+    output_gate: bool = False  # Qwen3.5: qkv ends with gate_proj's rows; the attention output × sigmoid(gate)
 
     @property
     def attention_only(self) -> bool:
@@ -87,14 +88,14 @@ def _norm_operands(layer: nn.Module) -> list[torch.Tensor] | None:
 
 
 def fuse_layer(layer: nn.Module) -> FusedLayerWeights | None:
-    """The op's operands for a `LlamaDecoderLayer`, or None where the op does not apply: not every projection a
-    W4A16 linear on nextn's kernel with one group size, q/k/v biases on some but not all, attention not on nextn's
+    """The op's operands for a `LlamaDecoderLayer` (Qwen3.5's gated attention too: gate_proj's rows after v), or None
+    where the op does not apply: not every projection a W4A16 linear on nextn's kernel with one group size, q/k/v biases on some but not all, attention not on nextn's
     paged kernel, norms not bf16 (or Gemma's, any dtype), an activation the op lacks, or shapes the op does not take
     (hidden / intermediate % 64, head_dim % 32)."""
     attn, mlp = layer.self_attn, layer.mlp
-    if getattr(attn, "output_gate", False) or _gemma4(layer):  # Qwen3.5's gated attention: the op has no output gate
+    if _gemma4(layer):
         return None
-    qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+    qkv = _qkv(attn)
     if not hasattr(mlp, "gate_proj"):  # an MoE MLP (models/moe.py): the op runs the attention, the module the MLP
         return _fuse_attention(layer)
     kind = int4_linears(*qkv, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
@@ -112,16 +113,23 @@ def fuse_layer(layer: nn.Module) -> FusedLayerWeights | None:
                              qk_norm=getattr(attn, "qk_norm", False), activation=activation,
                              residual_multiplier=residual, pre_norms=getattr(layer, "pre_norms", True),
                              qk_norm_all_heads=getattr(attn, "qk_norm_all_heads", False),
-                             attn_softcap=float(getattr(attn, "softcap", None) or 0.0), attn_sinks=_sinks(attn))
+                             attn_softcap=float(getattr(attn, "softcap", None) or 0.0), attn_sinks=_sinks(attn),
+                             output_gate=len(qkv) == 4)
+
+
+def _qkv(attn: nn.Module) -> list[nn.Module]:
+    """The projections the op runs as one matmul: q, k, v, and with an output gate (Qwen3.5) its gate_proj."""
+    gate = [attn.gate_proj] if getattr(attn, "output_gate", False) else []
+    return [attn.q_proj, attn.k_proj, attn.v_proj] + gate
 
 
 def _fuse_attention(layer: nn.Module) -> FusedLayerWeights | None:
     """The op's operands for the attention half of a pre-norm layer whose MLP is not a `GatedMLP` (an MoE layer): no
     gate_up / down (`attention_only`: the op returns the hidden state after the attention's residual add)."""
     attn = layer.self_attn
-    if getattr(attn, "output_gate", False) or _gemma4(layer):
+    if _gemma4(layer):
         return None
-    qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+    qkv = _qkv(attn)
     kind = int4_linears(*qkv, attn.o_proj)
     if (kind is None or not attn.paged_attention_kernel or len({lin.bias is None for lin in qkv}) != 1
             or getattr(layer, "sandwich", False) or not getattr(layer, "pre_norms", True)
@@ -134,7 +142,8 @@ def _fuse_attention(layer: nn.Module) -> FusedLayerWeights | None:
     return FusedLayerWeights(norms, concat_rows(qkv), one_linear(attn.o_proj), [], [], *kind,
                              qk_norm=getattr(attn, "qk_norm", False),
                              qk_norm_all_heads=getattr(attn, "qk_norm_all_heads", False),
-                             attn_softcap=float(getattr(attn, "softcap", None) or 0.0), attn_sinks=_sinks(attn))
+                             attn_softcap=float(getattr(attn, "softcap", None) or 0.0), attn_sinks=_sinks(attn),
+                             output_gate=len(qkv) == 4)
 
 
 def _gemma4(layer: nn.Module) -> bool:
@@ -184,7 +193,7 @@ def fuse_stack(layers: list[nn.Module], layer_types: tuple[str, ...] | None = No
     attention), or None unless every layer takes the op with the same group size, activations, biases, heads, eps,
     softmax scale and options (then the op calls run one by one)."""
     if not layers or any(getattr(layer, "fused", None) is None or layer.fused.attention_only
-                         or layer.fused.attn_sinks is not None for layer in layers):
+                         or layer.fused.attn_sinks is not None or layer.fused.output_gate for layer in layers):
         return None
     fs: list[FusedLayerWeights] = [layer.fused for layer in layers]
 
@@ -246,7 +255,7 @@ def fused_forward(layer: nn.Module, x: torch.Tensor, cos_sin: torch.Tensor, kv_c
         f.gate_up, f.down, attn.num_heads, attn.num_kv_heads, f.group_size, layer.post_attention_layernorm.eps,
         attn.scale,
         f.int8_activations, f.sandwich, f.qk_norm, f.activation, f.residual_multiplier, f.pre_norms,
-        f.qk_norm_all_heads, f.attn_softcap, f.attn_sinks)
+        f.qk_norm_all_heads, f.attn_softcap, f.attn_sinks, f.output_gate)
 
 
 def stack_forward(stack: FusedStack, x: torch.Tensor, inputs: dict, kv_cache: torch.Tensor) -> torch.Tensor:

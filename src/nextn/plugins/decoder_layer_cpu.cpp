@@ -10,7 +10,9 @@
 //       (0 SiLU, 1 GELU-tanh), residual_multiplier (Granite's; not with sandwich), pre_norms (false: OLMo 2's and
 //       EXAONE 4's post-norms, the input and pre_ff norms empty), qk_norm_all_heads (OLMo 2: q [NH*D], k [NKV*D]),
 //       attn_softcap (Gemma 2's attention logit soft-capping; 0: none), attn_sinks (gpt-oss: [NH] f32, a logit a
-//       query head in each softmax; None: none)) -> [B, T, H] bf16; with gate_up and down
+//       query head in each softmax; None: none), output_gate (Qwen3.5: qkv holds a gate's NH · D rows after v,
+//       and the attention output is multiplied by bf16(sigmoid(gate)) before o)) -> [B, T, H] bf16; with gate_up
+//       and down
 //       empty (an MoE layer, pre-norms: its MLP is moe_cpu.cpp's), the attention half only -> x1 [B, T, H] bf16
 //   nextn::llama_decoder_stack(x, cos_sin, kv_cache [layers, slots, 2 * NKV * D], ..., norms, qkv, o, gate_up, down
 //       (every layer's operands, layer after layer), arity, ..., cos_sin_local, visible_local, sliding (per layer:
@@ -85,7 +87,8 @@ at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& cos_sin, a
                                int64_t num_kv_heads, int64_t group_size, double eps, double scale,
                                bool int8_activations, bool sandwich, bool qk_norm, int64_t activation,
                                double residual_multiplier, bool pre_norms, bool qk_norm_all_heads,
-                               double attn_softcap, const std::optional<at::Tensor>& attn_sinks) {
+                               double attn_softcap, const std::optional<at::Tensor>& attn_sinks,
+                               bool output_gate = false) {
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
               "llama_decoder_layer: x must be a [B, T, H] bfloat16 CPU tensor");
   const int64_t B = x.size(0), T = x.size(1), H = x.size(2), M = B * T;
@@ -132,7 +135,8 @@ at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& cos_sin, a
               "llama_decoder_layer: an attention-only layer (no gate_up, down) takes pre-norms only");
   TORCH_CHECK(attention_only || (gate_up_t.size() >= 1 && gate_up_t[0].dim() == 2 && gate_up_t[0].size(0) % 2 == 0),
               "llama_decoder_layer: gate_up must hold the gate then the up rows");
-  const int64_t I = attention_only ? 64 : gate_up_t[0].size(0) / 2, NQKV = (NH + 2 * NKV) * D;
+  // with the output gate (Qwen3.5), its NH · D rows follow q, k and v in the one matmul
+  const int64_t I = attention_only ? 64 : gate_up_t[0].size(0) / 2, NQKV = (NH + 2 * NKV + output_gate * NH) * D;
   TORCH_CHECK(I % 64 == 0 && H % group_size == 0 && I % group_size == 0 && (NH * D) % group_size == 0,
               "llama_decoder_layer: intermediate size ", I, " and hidden ", H, " must be multiples of 64 and of the "
               "group size ", group_size);
@@ -156,6 +160,7 @@ at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& cos_sin, a
     TORCH_CHECK(slot[m] >= 0 && slot[m] < num_slots, "llama_decoder_layer: slot ", slot[m], " out of range");
 
   std::vector<uint16_t> h(M * std::max(H, I)), q(M * NH * D), x1(M * H), tmp(sandwich ? M * H : 0);
+  std::vector<uint16_t> gate(output_gate ? M * NH * D : 0);  // bf16(sigmoid(g)) of each query head's value
   std::vector<float> f(M * std::max(NQKV, 2 * I));
   at::Tensor out = at::empty_like(xc);
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
@@ -190,11 +195,21 @@ at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& cos_sin, a
     for (int64_t hd = 0; hd < NH; ++hd) rope_head(row + hd * D, c, D, q.data() + m * NH * D + hd * D);
     for (int64_t hd = 0; hd < NKV; ++hd) rope_head(row + (NH + hd) * D, c, D, kv + hd * D);
     for (int64_t i = 0; i < NKV * D; i += 16) store_bf16(kv + NKV * D + i, simd::load(row + (NH + NKV) * D + i));
+    if (output_gate)
+      for (int64_t i = 0; i < NH * D; i += 16) {
+        const V16 g = simd::load(row + (NH + 2 * NKV) * D + i);
+        store_bf16(gate.data() + m * NH * D + i, simd::set1(1.f) / (simd::set1(1.f) + simd::exp(simd::zero() - g)));
+      }
   });
   nextn_cpu::paged_attention_bf16(q.data(), cache, ctx.data_ptr<int64_t>(), vis.data_ptr<bool>(), B, T, NH, NKV, S,
                                   D, float(scale), float(attn_softcap), sinks, f.data());
   for_rows(M, [&](int64_t m) {
     const int64_t row = m * NH * D;
+    if (output_gate) {  // bf16(bf16(o) · bf16(sigmoid(g))), the module's `o * sigmoid(gate_proj(x))`
+      for (int64_t i = 0; i < NH * D; i += 16)
+        store_bf16(q.data() + row + i, round_bf16(simd::load(f.data() + row + i)) * load_bf16(gate.data() + row + i));
+      return;
+    }
     for (int64_t i = 0; i < NH * D; i += 16) store_bf16(q.data() + row + i, simd::load(f.data() + row + i));
   });
   matmul(o, q.data(), M, group_size, f.data());
@@ -302,7 +317,8 @@ TORCH_LIBRARY_FRAGMENT(NEXTN_OPS, m) {
         "Tensor[] gate_up, Tensor[] down, int num_heads, int num_kv_heads, int group_size, float eps, "
         "float scale, bool int8_activations=False, bool sandwich=False, bool qk_norm=False, "
         "int activation=0, float residual_multiplier=1.0, bool pre_norms=True, "
-        "bool qk_norm_all_heads=False, float attn_softcap=0.0, Tensor? attn_sinks=None) -> Tensor");
+        "bool qk_norm_all_heads=False, float attn_softcap=0.0, Tensor? attn_sinks=None, "
+        "bool output_gate=False) -> Tensor");
   m.def("llama_decoder_stack(Tensor x, Tensor cos_sin, Tensor(a!) kv_cache, Tensor slot_mapping, "
         "Tensor context_slots, Tensor visible, Tensor[] norms, Tensor[] qkv, Tensor[] o, Tensor[] gate_up, "
         "Tensor[] down, int[] arity, int num_heads, int num_kv_heads, int group_size, float eps, float scale, "
