@@ -17,6 +17,8 @@ from nextn.plugins import cpu_kernels
 from nextn.testing.spec_checks import greedy_outputs, staggered_outputs
 from nextn.testing.tiny_families import tiny_hf_model
 
+from test_gated_delta import assert_rows_and_splits_bit_identical
+
 pytestmark = [pytest.mark.skipif(not cpu_kernels.available(),
                                  reason=f"nextn's CPU kernels unavailable: {cpu_kernels.unavailable_reason()}"),
               pytest.mark.usefixtures("kernel_variant")]
@@ -110,24 +112,11 @@ def test_rows_and_token_splits_are_bit_identical(llm):
     steps), give the same bits: the output and the states."""
     layer = _layers(llm)[0]
     x, state, rows = _case(llm, 3, 4)
-    rows = RecurrentRows(rows.slots, rows.committed, rows.fresh, torch.ones(3, 4, dtype=torch.bool), rows.start)
-    batch_state = _state_copy(state)
-    batch = _run(layer, x, batch_state, rows, fused=True)
-    for r in range(3):
-        one = RecurrentRows(rows.slots[r:r + 1], rows.committed[r:r + 1], rows.fresh[r:r + 1], rows.valid[r:r + 1],
-                            rows.start[r:r + 1])
-        assert torch.equal(_run(layer, x[r:r + 1], _state_copy(state), one, fused=True), batch[r:r + 1])
-        step_state, outs = _state_copy(state), []
-        for t in range(4):  # one token a call, each committing the one before it
-            start = one.committed if t == 0 else torch.tensor([1])
-            step = RecurrentRows(one.slots, start, one.fresh & (t == 0), one.valid[:, :1], one.start)
-            outs.append(_run(layer, x[r:r + 1, t:t + 1], step_state, step, fused=True))
-        assert torch.equal(torch.cat(outs, 1), batch[r:r + 1])
-        slot, last = int(one.slots[0]), min(state.ring, 4) - 1  # R = 1 here: the last token pending on both sides
-        assert torch.equal(step_state.conv[:, slot, 0], batch_state.conv[:, slot, last])
-        if state.ring == 1:
-            assert torch.equal(step_state.ssm[:, slot], batch_state.ssm[:, slot])
-            assert torch.equal(step_state.pending[:, slot], batch_state.pending[:, slot])
+    batch_state, step_state, slot = assert_rows_and_splits_bit_identical(
+        lambda x, s, r: _run(layer, x, s, r, fused=True), x, state, rows, _state_copy)
+    assert state.ring == 1  # no drafter: the last token pending on both sides, the state before it kept
+    for name in ("conv", "ssm", "pending"):
+        assert torch.equal(getattr(step_state, name)[:, slot], getattr(batch_state, name)[:, slot])
 
 
 @pytest.mark.parametrize("spec", [{"decoding_type": "NGram", "max_draft_len": 4},
@@ -163,25 +152,17 @@ def test_op_refuses_bad_arguments(llm):
 def test_gated_attention_layer_takes_the_fused_op(llm):
     """Qwen3.5's gated attention layer (q/k norms, a quarter of each head rotated, the output gate) runs as the fused
     layer op, gate_proj's rows after v in its one matmul, and matches its modules: the output and the KV it writes."""
-    from nextn.plugins.decoder_layer import fused_forward
-    from test_decoder_layer import _inputs
+    from test_decoder_layer import _both, _inputs
 
     model = llm.engine.model
     (layer,) = [m for m in model.model.layers if getattr(m, "fused", None) is not None]
     assert layer.fused.output_gate and layer.fused.qkv[0].shape[0] == (
         2 * layer.self_attn.num_heads + 2 * layer.self_attn.num_kv_heads) * layer.self_attn.head_dim
-    x, kv, meta = _inputs(layer, 3, 4, [9, 30, 4])
-    cos_sin = model._cos_sin(meta.positions)
-    kv_fused, kv_ref = kv.clone(), kv.clone()
-    fused = fused_forward(layer, x, cos_sin, kv_fused, meta)
-    saved, layer.fused = layer.fused, None
-    try:
-        ref = layer(x, cos_sin, kv_ref, meta)
-    finally:
-        layer.fused = saved
+    fused, ref, kv_fused, kv_ref = _both(llm, list(model.model.layers).index(layer), 3, 4, [9, 30, 4])
     torch.testing.assert_close(fused.float(), ref.float(), rtol=2e-2, atol=3e-2)
     torch.testing.assert_close(kv_fused.float(), kv_ref.float(), rtol=2e-2, atol=2e-2)
-    assert (fused - x).abs().max() > 0.1
+    x, kv, meta = _inputs(layer, 3, 4, [9, 30, 4])
+    cos_sin, saved = model._cos_sin(meta.positions), layer.fused
     attn = layer.self_attn  # a control: the modules without the gate give another output
     attn.output_gate, layer.fused = False, None
     try:

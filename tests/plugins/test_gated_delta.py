@@ -180,26 +180,34 @@ def RecurrentStateCopy(state):
     return other
 
 
-def test_layer_mixer_rows_and_token_splits_are_bit_identical():
-    """A row alone and in the batch, and its tokens in one call or one a call, give the same bits (batch
-    invariance, and a verify step's rows equal one-token steps')."""
+def assert_rows_and_splits_bit_identical(run, x, state, rows, copy_state):
+    """run(x, state, rows) → out [B, T, ...] over a `RecurrentState`: each row alone and in the batch, and its tokens
+    in one call or one a call (each committing the token before it, as decode steps do), give the same bits (batch
+    invariance, and a verify step's rows equal one-token steps'). Returns the batch's state, the last row's state
+    after its one-token calls, and that row's slot."""
     from nextn.models.recurrent_state import RecurrentRows
 
+    b, t = x.shape[:2]
+    rows = RecurrentRows(rows.slots, rows.committed, rows.fresh, torch.ones(b, t, dtype=torch.bool), rows.start)
+    batch_state = copy_state(state)
+    batch = run(x, batch_state, rows)
+    for r in range(b):
+        one = RecurrentRows(*(f[r:r + 1] for f in (rows.slots, rows.committed, rows.fresh, rows.valid, rows.start)))
+        assert torch.equal(run(x[r:r + 1], copy_state(state), one), batch[r:r + 1])
+        step_state, outs = copy_state(state), []
+        for i in range(t):
+            step = RecurrentRows(one.slots, one.committed if i == 0 else torch.tensor([1]), one.fresh & (i == 0),
+                                 one.valid[:, :1], one.start)
+            outs.append(run(x[r:r + 1, i:i + 1], step_state, step))
+        assert torch.equal(torch.cat(outs, 1), batch[r:r + 1])
+    return batch_state, step_state, int(rows.slots[-1])
+
+
+def test_layer_mixer_rows_and_token_splits_are_bit_identical():
     layer = _layer(2, 4, 32, 32).to(torch.bfloat16)
     x, state, rows = _mixer_case(layer, 3, 6, ring=6)
-    x = x.bfloat16()
-    rows = RecurrentRows(rows.slots, rows.committed, rows.fresh, torch.ones(3, 6, dtype=torch.bool), rows.start)
-    batch = _mix(layer, x, RecurrentStateCopy(state), rows, fused=True)
-    for r in range(3):
-        one = RecurrentRows(rows.slots[r:r + 1], rows.committed[r:r + 1], rows.fresh[r:r + 1], rows.valid[r:r + 1],
-                            rows.start[r:r + 1])
-        assert torch.equal(_mix(layer, x[r:r + 1], RecurrentStateCopy(state), one, fused=True), batch[r:r + 1])
-        step_state, outs = RecurrentStateCopy(state), []
-        for t in range(6):  # one token a call, each committing the one before it
-            start = one.committed if t == 0 else torch.tensor([1])
-            step = RecurrentRows(one.slots, start, one.fresh & (t == 0), one.valid[:, :1], one.start)
-            outs.append(_mix(layer, x[r:r + 1, t:t + 1], step_state, step, fused=True))
-        assert torch.equal(torch.cat(outs, 1), batch[r:r + 1])
+    assert_rows_and_splits_bit_identical(lambda x, s, r: _mix(layer, x, s, r, fused=True), x.bfloat16(), state, rows,
+                                         RecurrentStateCopy)
 
 
 def test_layer_mixer_refuses_bad_arguments():

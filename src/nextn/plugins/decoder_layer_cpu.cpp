@@ -52,14 +52,7 @@
 
 namespace {
 
-namespace simd = nextn_cpu::simd;
-using simd::V16;
-using simd::load_bf16;
-using simd::round_bf16;
-using simd::store_bf16;
-
-using nextn_cpu::rms_norm;
-using namespace nextn_cpu::layer;
+using namespace nextn_cpu::layer;  // simd, V16, bf16 loads and stores, norms, Int4, matmul (layer_parts.h)
 
 // GELU, tanh form: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), tanh(y) = 1 - 2 / (exp(2y) + 1)
 inline V16 gelu_tanh(const V16& x) {
