@@ -98,5 +98,8 @@ class RecurrentState:
             self.conv[layer, rows.slots, j] = torch.where(keep[:, None, None], new, old)
 
     def advance(self, rows: RecurrentRows) -> None:
-        """After every layer ran: the rows' pending tokens are the last R valid tokens of this forward."""
-        self.base[rows.slots] = rows.start + (rows.valid.sum(-1) - self.ring).clamp(min=0)
+        """After every layer ran: the rows' pending tokens are the last R valid tokens of this forward (a row of pads
+        only left its slot as it was)."""
+        n_valid = rows.valid.sum(-1)
+        moved = rows.start + (n_valid - self.ring).clamp(min=0)
+        self.base[rows.slots] = torch.where(n_valid > 0, moved, self.base[rows.slots])
