@@ -46,7 +46,6 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Te
     s = torch.where(fresh[:, None, None, None], 0.0, s)
     n_valid = valid.sum(-1)
     first = (n_valid - r).clamp(min=0)  # the forward's last R valid tokens stay pending
-    rows = torch.arange(q.shape[0])
     outs = []
     for t in range(q.shape[1]):
         keep = valid[:, t]
@@ -59,7 +58,7 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Te
         outs.append(torch.where(keep[:, None, None], (s * q[:, t, :, :, None]).sum(-2), 0.0))
         put = keep & (t >= first)
         unit = torch.cat([k[:, t], d, decay[:, t, :, None]], dim=-1)
-        pending[slots[put], (t - first)[put]] = unit[rows[put]]
+        pending[slots[put], (t - first)[put]] = unit[put]
     return torch.stack(outs, dim=1)
 
 

@@ -61,7 +61,7 @@ inline void delta_token(float* s, int64_t Dk, int64_t Dv, const float* qt, const
 class HeadRecurrence {
  public:
   HeadRecurrence(int64_t Dk, int64_t Dv, int64_t Hv, int64_t R)
-      : Dk_(Dk), Dv_(Dv), Dp_((Dv + 15) / 16 * 16), U_(Dk + Dv + 1), stride_(Hv * (Dk + Dv + 1)), R_(R),
+      : Dk_(Dk), Dv_(Dv), Dp_((Dv + 15) / 16 * 16), stride_(Hv * unit(Dk, Dv)), R_(R),
         s_(Dk * Dp_), m_(Dp_), d_(Dp_), o_(Dp_) {}
 
   static int64_t unit(int64_t Dk, int64_t Dv) { return Dk + Dv + 1; }
@@ -112,7 +112,7 @@ class HeadRecurrence {
   }
 
  private:
-  int64_t Dk_, Dv_, Dp_, U_, stride_, R_, lo_ = 0;
+  int64_t Dk_, Dv_, Dp_, stride_, R_, lo_ = 0;
   bool stored_ = false;
   float* ssm_ = nullptr;
   float* pending_ = nullptr;
