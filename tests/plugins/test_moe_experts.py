@@ -50,7 +50,8 @@ def test_every_moe_layer_takes_both_ops(llm):
     assert model.fused_stack is None  # the MLPs run between the layers' op calls
     expert = model.model.layers[0].mlp.experts[2]  # the modules' buffers are views of the op's operands
     fused = model.model.layers[0].mlp.fused_experts
-    assert expert.up_proj.qweight.untyped_storage().data_ptr() == fused.gate_up[3 * 2].untyped_storage().data_ptr()
+    assert expert.up_proj.qweight.untyped_storage().data_ptr() == fused.gate_up[0].untyped_storage().data_ptr()
+    assert expert.down_proj.qweight.untyped_storage().data_ptr() == fused.down[0].untyped_storage().data_ptr()
 
 
 @pytest.mark.parametrize("n", [1, 5, 12])
@@ -162,7 +163,7 @@ def test_gpt_oss_layer_with_attention_sinks_matches_the_pytorch_modules(tmp_path
         for layer in model.model.layers:
             experts = layer.mlp.fused_experts
             assert layer.fused is not None and layer.fused.attn_sinks is not None and layer.moe_block
-            assert experts is not None and experts.activation == 1 and len(experts.down_bias) == 8
+            assert experts is not None and experts.activation == 1 and experts.down_bias[0].shape[0] == 8
         for index in (0, 1):  # a sliding layer and a full one
             layer = model.model.layers[index]
             x, kv, meta = _inputs(layer, 2, 3, [9, 20])

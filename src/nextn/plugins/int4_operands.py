@@ -1,7 +1,7 @@
 """The operands nextn's fused CPU ops take for a `WeightOnlyLinear` on the int4 kernel: which linears qualify (one
 group size, one activation format), and their tensors — alone, or several concatenated along the output channels with
 each module's buffers made views of the concatenation (one copy in memory). Shared by the fused decoder layer
-(`decoder_layer.py`) and the MoE experts' op (`moe_experts.py`)."""
+(`decoder_layer.py`) and the MoE experts' op (`moe_experts.py`: every expert's, stacked)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,30 @@ def concat_rows(linears: list[nn.Module]) -> list[torch.Tensor]:
             setattr(lin, name, cat[row:row + part.shape[0]])
             row += part.shape[0]
         fused.append(cat)
+    return fused
+
+
+def stack_rows(groups: list[list[nn.Module]]) -> list[torch.Tensor]:
+    """`concat_rows` of each group (an expert's linears, the same shapes in every group), stacked along a new first
+    dimension: [w [E, N, K / 2], scale [E, ...], zero8 [E, ...]] (+ [bias [E, N]]), one allocation each, every
+    module's buffers made views of them (one copy in memory). An op takes the E experts as these three tensors
+    rather than 3 E (converting a list of tensors costs ~0.4 µs a tensor on every call)."""
+    names = ["qweight", "scales", "zeros"]
+    if all(lin.bias is not None for group in groups for lin in group):
+        names.append("bias")
+    fused = []
+    for name in names:
+        first = [getattr(lin, name) for lin in groups[0]]
+        rows = sum(part.shape[0] for part in first)
+        stacked = first[0].new_empty((len(groups), rows, *first[0].shape[1:]))
+        for e, group in enumerate(groups):
+            row = 0
+            for lin in group:
+                part = getattr(lin, name)
+                stacked[e, row:row + part.shape[0]] = part
+                setattr(lin, name, stacked[e, row:row + part.shape[0]])
+                row += part.shape[0]
+        fused.append(stacked)
     return fused
 
 

@@ -1,10 +1,12 @@
 // nextn's CPU kernel of an MoE layer's routed experts (moe_experts.py): each expert runs on its own tokens only,
 // its int4 weights read in place. One source over simd.h for every ISA variant (cpu_kernels.py).
 //
-//   nextn::moe_experts(x [N, H] bf16, ids [N, k] int64, weights [N, k] f32, gate_up [3 E] (per expert [w, scale,
-//       zero] of its gate rows then up rows, [2 I, H]), down [3 E] ([H, I]), group_size, int8_activations,
-//       gate_up_bias [E] ([2 I] f32) and down_bias [E] ([H] f32) or both empty, activation (0: SwiGLU; 1: gpt-oss's
-//       clamped SwiGLU, alpha, limit)) -> [N, H]
+//   nextn::moe_experts(x [N, H] bf16, ids [N, k] int64, weights [N, k] f32, gate_up [w, scale, zero] (the E
+//       experts' int4 weights of their gate rows then up rows stacked: w [E, 2 I, H / 2], scale and zero [E, ...] as
+//       one linear's), down [w, scale, zero] ([E, H, I / 2]), group_size, int8_activations, gate_up_bias [[E, 2 I]
+//       f32] and down_bias [[E, H] f32] or both empty, activation (0: SwiGLU; 1: gpt-oss's clamped SwiGLU, alpha,
+//       limit)) -> [N, H]. Stacked, not a list of 3 E tensors: converting a list costs ~0.4 us a tensor a call
+//       (50 us for 128 experts, more than a token's expert work in a small layer).
 //   nextn::moe_block(x [N, H] bf16, norm [H] bf16 (w * bf16(x_hat)) or f32 (bf16(x_hat * s): gpt-oss), eps,
 //       router [E, H] bf16, top_k, norm_topk, gate_up, down, group_size, int8_activations, gate_up_bias, down_bias,
 //       router_bias [E] f32 | None, activation, alpha, limit) -> x + experts(xn), xn = RMSNorm(x): the MLP half of
@@ -50,14 +52,41 @@ struct Glu {
   float alpha = 1.702f, limit = 7.f;
 };
 
-Int4 expert_weights(const at::TensorList& t, int64_t e, int64_t N, int64_t K, int64_t group_size,
-                    bool int8_activations, const char* name) {
-  const at::Tensor& w = t[3 * e];
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 2 && w.size(0) == N &&
-                  w.size(1) * 2 == K,
-              "moe_experts: ", name, "[", e, "].w must be a contiguous [", N, ", ", K / 2, "] uint8 tensor");
-  Int4 r{w.data_ptr<uint8_t>(), nextn_cpu::int4_scales(t[3 * e + 1], t[3 * e + 2], N, K / group_size, "moe_experts")};
-  r.scales.int8_activations = int8_activations;
+// The E experts' stacked int4 weights of one projection ([w [E, N, K / 2], scale, zero]: `stack_rows`), each
+// expert's a view by pointer offsets (no tensor made per expert)
+struct Experts {
+  Int4 first;                                  // expert 0's
+  int64_t w_step = 0, scale_step = 0, super_step = 0;  // elements from one expert to the next
+  Int4 at(int64_t e) const {
+    Int4 r = first;
+    r.w += e * w_step;
+    if (r.scales.group == nullptr) {
+      r.scales.scale += e * scale_step;
+      r.scales.zero8 += e * scale_step;
+    } else {
+      r.scales.group += e * scale_step;
+      r.scales.super += e * super_step;
+    }
+    return r;
+  }
+};
+
+Experts stacked_experts(at::TensorList t, int64_t E, int64_t N, int64_t K, int64_t group_size, bool int8_activations,
+                        const char* name) {
+  TORCH_CHECK(t.size() == 3, "moe_experts: ", name, " must hold [w, scale, zero], each stacked over the experts");
+  const at::Tensor& w = t[0];
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 3 && w.size(0) == E &&
+                  w.size(1) == N && w.size(2) * 2 == K,
+              "moe_experts: ", name, " w must be a contiguous [", E, ", ", N, ", ", K / 2, "] uint8 tensor");
+  TORCH_CHECK(t[1].dim() >= 1 && t[1].size(0) == E && t[2].dim() >= 1 && t[2].size(0) == E, "moe_experts: ", name,
+              " scale and zero must be stacked over the ", E, " experts");
+  Experts r;
+  r.first.w = w.data_ptr<uint8_t>();
+  r.first.scales = nextn_cpu::int4_scales(t[1][0], t[2][0], N, K / group_size, "moe_experts");
+  r.first.scales.int8_activations = int8_activations;
+  r.w_step = N * K / 2;
+  r.scale_step = t[1].numel() / E;
+  r.super_step = t[2].numel() / E;
   return r;
 }
 
@@ -105,25 +134,25 @@ void matmuls(const std::vector<Int4>& l, const std::vector<int64_t>& start, cons
 
 // The experts' checks; returns (E, I).
 std::pair<int64_t, int64_t> check_experts(int64_t H, at::TensorList gate_up, at::TensorList down, int64_t group_size) {
-  TORCH_CHECK(gate_up.size() % 3 == 0 && gate_up.size() == down.size() && !gate_up.empty(),
-              "moe_experts: gate_up and down must hold [w, scale, zero] for each of the same experts");
-  const int64_t E = gate_up.size() / 3;
-  TORCH_CHECK(gate_up[0].dim() == 2 && gate_up[0].size(0) % 32 == 0,
-              "moe_experts: gate_up must hold the gate then the up rows, 16k each");
-  const int64_t I = gate_up[0].size(0) / 2;
+  TORCH_CHECK(gate_up.size() == 3 && down.size() == 3 && gate_up[0].dim() == 3 && down[0].dim() == 3 &&
+                  gate_up[0].size(0) == down[0].size(0),
+              "moe_experts: gate_up and down must each hold [w, scale, zero] stacked over the same experts");
+  const int64_t E = gate_up[0].size(0);
+  TORCH_CHECK(gate_up[0].size(1) % 32 == 0, "moe_experts: gate_up must hold the gate then the up rows, 16k each");
+  const int64_t I = gate_up[0].size(1) / 2;
   TORCH_CHECK(H % 64 == 0 && I % 64 == 0 && group_size % 32 == 0 && H % group_size == 0 && I % group_size == 0,
               "moe_experts: hidden ", H, " and expert width ", I, " must be multiples of 64 and of group_size ",
               group_size, " (a multiple of 32)");
   return {E, I};
 }
 
-// Expert e's bias of n values from `biases` (empty: none)
-const float* expert_bias(at::TensorList biases, int64_t e, int64_t n, const char* name) {
+// The experts' biases of n values each ([[E, n] f32] or empty: none)
+const float* expert_biases(at::TensorList biases, int64_t E, int64_t n, const char* name) {
   if (biases.empty()) return nullptr;
-  const at::Tensor& b = biases[e];
-  TORCH_CHECK(b.scalar_type() == at::kFloat && b.is_contiguous() && b.numel() == n, "moe_experts: ", name, "[", e,
-              "] must be a contiguous [", n, "] float32 tensor");
-  return b.data_ptr<float>();
+  TORCH_CHECK(biases.size() == 1 && biases[0].scalar_type() == at::kFloat && biases[0].is_contiguous() &&
+                  biases[0].numel() == E * n,
+              "moe_experts: ", name, " must hold one contiguous [", E, ", ", n, "] float32 tensor");
+  return biases[0].data_ptr<float>();
 }
 
 // op[t] = sum over token t's k experts (ascending id) of bf16(y * bf16(w)), from 0, in bf16: the module's arithmetic
@@ -131,9 +160,10 @@ void experts_into(const uint16_t* xp, int64_t N, int64_t H, const int64_t* idp, 
                   at::TensorList gate_up, at::TensorList down, int64_t E, int64_t I, int64_t group_size,
                   bool int8_activations, uint16_t* op, at::TensorList gate_up_bias = {},
                   at::TensorList down_bias = {}, Glu glu = {}) {
-  TORCH_CHECK((gate_up_bias.empty() && down_bias.empty()) ||
-                  (int64_t(gate_up_bias.size()) == E && int64_t(down_bias.size()) == E),
-              "moe_experts: gate_up_bias and down_bias must both be empty or hold one tensor an expert");
+  TORCH_CHECK(gate_up_bias.empty() == down_bias.empty(), "moe_experts: gate_up_bias and down_bias must both be empty "
+              "or both hold the experts' biases");
+  const float* gu_bias = expert_biases(gate_up_bias, E, 2 * I, "gate_up_bias");
+  const float* dn_bias = expert_biases(down_bias, E, H, "down_bias");
   TORCH_CHECK(glu.kind == 0 || glu.kind == 1, "moe_experts: activation must be 0 (SwiGLU) or 1 (clamped SwiGLU)");
   // the assignments grouped by expert (a counting sort: stable, so tokens ascend within an expert)
   std::vector<int64_t> start(E + 1, 0), order(N * k);
@@ -142,13 +172,15 @@ void experts_into(const uint16_t* xp, int64_t N, int64_t H, const int64_t* idp, 
   std::vector<int64_t> next(start.begin(), start.end() - 1);
   for (int64_t a = 0; a < N * k; ++a) order[next[idp[a]]++] = a;
 
+  const Experts gu_all = stacked_experts(gate_up, E, 2 * I, H, group_size, int8_activations, "gate_up");
+  const Experts dn_all = stacked_experts(down, E, H, I, group_size, int8_activations, "down");
   std::vector<Int4> gu(E), dn(E);
   for (int64_t e = 0; e < E; ++e) {
     if (start[e + 1] == start[e]) continue;  // an expert no token chose is never read
-    gu[e] = expert_weights(gate_up, e, 2 * I, H, group_size, int8_activations, "gate_up");
-    dn[e] = expert_weights(down, e, H, I, group_size, int8_activations, "down");
-    gu[e].bias = expert_bias(gate_up_bias, e, 2 * I, "gate_up_bias");
-    dn[e].bias = expert_bias(down_bias, e, H, "down_bias");
+    gu[e] = gu_all.at(e);
+    dn[e] = dn_all.at(e);
+    gu[e].bias = gu_bias ? gu_bias + e * 2 * I : nullptr;
+    dn[e].bias = dn_bias ? dn_bias + e * H : nullptr;
   }
   // every assignment's row of x, grouped by expert (row r = assignment order[r])
   const int64_t A = N * k;

@@ -5,7 +5,7 @@ expert, from Python); where every expert is an int4 `WeightOnlyLinear` on nextn'
 gives the layer a `FusedExperts` and the op runs the grouping, the experts (gate and up rows as one matmul, as the
 fused decoder layer does) and the weighted sum in C++: the same arithmetic as the modules (bf16 roundings at the same
 places; SiLU's exp in f32 where the module computes it in f64, a last-bit difference), batch-invariant, the weights
-read in place (the modules' buffers become views of the concatenated gate/up tensors: no second copy).
+read in place (the modules' buffers become views of the experts' stacked tensors, `stack_rows`: no second copy).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from nextn.plugins import cpu_kernels
-from nextn.plugins.int4_operands import concat_rows, int4_linears
+from nextn.plugins.int4_operands import int4_linears, stack_rows
 
 
 #: The experts' activations the op computes (`act_name` of the expert modules → the op's `activation`)
@@ -25,9 +25,10 @@ ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
 
 @dataclass(frozen=True)
 class FusedExperts:
-    """The op's operands: per expert [w, scale, zero] of its gate-then-up rows and of its down projection; with
-    biased experts (gpt-oss) their biases as f32 (gate then up, and down); the activation (`ACTIVATIONS`) and the
-    clamped SwiGLU's alpha and limit."""
+    """The op's operands: the E experts' [w, scale, zero] stacked (`stack_rows`: w [E, 2 I, H / 2] of each expert's
+    gate-then-up rows, [E, H, I / 2] of its down projection); with biased experts (gpt-oss) their biases as one f32
+    tensor each ([E, 2 I] gate then up, [E, H] down); the activation (`ACTIVATIONS`) and the clamped SwiGLU's alpha
+    and limit."""
 
     gate_up: list[torch.Tensor]
     down: list[torch.Tensor]
@@ -54,19 +55,11 @@ def fuse_experts(moe: nn.Module) -> FusedExperts | None:
     hidden, width = experts[0].down_proj.out_features, experts[0].gate_proj.out_features
     if hidden % 64 or width % 64 or hidden % kind[0] or width % kind[0]:
         return None
-    gate_up: list[torch.Tensor] = []
-    down: list[torch.Tensor] = []
-    gate_up_bias: list[torch.Tensor] = []
-    down_bias: list[torch.Tensor] = []
-    for ex in experts:
-        operands = concat_rows([ex.gate_proj, ex.up_proj])  # [w, scale, zero] (+ [bias])
-        gate_up += operands[:3]
-        down += [ex.down_proj.qweight, ex.down_proj.scales, ex.down_proj.zeros]
-        if True in biased:
-            gate_up_bias.append(operands[3].float().contiguous())
-            down_bias.append(ex.down_proj.bias.float().contiguous())
+    gate_up = stack_rows([[ex.gate_proj, ex.up_proj] for ex in experts])  # [w, scale, zero] (+ [bias])
+    down = stack_rows([[ex.down_proj] for ex in experts])
+    biases = ([gate_up[3].float().contiguous()], [down[3].float().contiguous()]) if True in biased else ([], [])
     first = experts[0]
-    return FusedExperts(gate_up, down, *kind, gate_up_bias, down_bias, ACTIVATIONS[next(iter(acts))],
+    return FusedExperts(gate_up[:3], down[:3], *kind, *biases, ACTIVATIONS[next(iter(acts))],
                         float(getattr(first, "alpha", 1.702)), float(getattr(first, "limit", 7.0)))
 
 
