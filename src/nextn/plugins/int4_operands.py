@@ -42,7 +42,7 @@ def stack_rows(groups: list[list[nn.Module]]) -> list[torch.Tensor]:
     """`concat_rows` of each group (an expert's linears, the same shapes in every group), stacked along a new first
     dimension: [w [E, N, K / 2], scale [E, ...], zero8 [E, ...]] (+ [bias [E, N]]), one allocation each, every
     module's buffers made views of them (one copy in memory). An op takes the E experts as these three tensors
-    rather than 3 E (converting a list of tensors costs ~0.4 µs a tensor on every call)."""
+    rather than 3 E: with 128 experts the op call converted 768 tensors, ~50 µs on every call."""
     names = ["qweight", "scales", "zeros"]
     if all(lin.bias is not None for group in groups for lin in group):
         names.append("bias")
