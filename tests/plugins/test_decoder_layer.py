@@ -272,7 +272,8 @@ def test_fake_implementation_lets_torch_compile_trace_the_stack(llm):
     st = model.fused_stack
     n = len(model.model.layers)
     args = (x, cos_sin, torch.stack([kv] * n), meta.slot_mapping.reshape(-1), meta.context_slots, meta.visible,
-            st.norms, st.qkv, st.o, st.gate_up, st.down, st.arity, st.num_heads, st.num_kv_heads, st.group_size,
+            st.norms, st.qkv, st.o, st.gate_up, st.down, [], [], [], st.arity, st.num_heads, st.num_kv_heads,
+            st.group_size,
             st.eps, st.scale, st.int8_activations, st.sandwich, st.qk_norm, st.activation,
             cos_sin if st.sliding else None, meta.visible if st.sliding else None, list(st.sliding),
             st.residual_multiplier, st.pre_norms, st.qk_norm_all_heads)

@@ -13,6 +13,7 @@ from nextn import LLM, SamplingParams
 from nextn.build.engine_builder import build_engine
 from nextn.models.moe import routed_experts
 from nextn.plugins import cpu_kernels
+from nextn.plugins.decoder_layer import fuse_stack, fused_forward, stack_forward
 from nextn.plugins.moe_experts import block_forward, experts_forward
 from nextn.testing.tiny_families import tiny_hf_model
 
@@ -47,7 +48,7 @@ def test_every_moe_layer_takes_both_ops(llm):
     for layer in model.model.layers:
         assert layer.fused is not None and layer.fused.attention_only
         assert layer.mlp.fused_experts is not None and layer.moe_block
-    assert model.fused_stack is None  # the MLPs run between the layers' op calls
+    assert model.fused_stack is not None and model.fused_stack.moe is not None  # all layers in one op call
     expert = model.model.layers[0].mlp.experts[2]  # the modules' buffers are views of the op's operands
     fused = model.model.layers[0].mlp.fused_experts
     assert expert.up_proj.qweight.untyped_storage().data_ptr() == fused.gate_up[0].untyped_storage().data_ptr()
@@ -103,6 +104,40 @@ def test_block_op_rows_are_computed_as_if_alone(llm):
         full = block_forward(layer.mlp, layer.post_attention_layernorm, x)
         for i in range(12):
             assert torch.equal(block_forward(layer.mlp, layer.post_attention_layernorm, x[i:i + 1])[0], full[i]), i
+
+
+def test_the_stack_is_its_moe_layers_one_by_one(llm):
+    """`llama_decoder_stack` with MoE layers equals each layer's two op calls in order (the attention op, then
+    `moe_block`), bit for bit: the outputs and every layer's KV; a stack lacking a layer's router is refused."""
+    model = llm.engine.model
+    layers = list(model.model.layers)
+    x, kv, meta = _inputs(layers[0], 2, 3, [7, 21], seed=5)
+    kv = torch.stack([kv.roll(i, 0) for i in range(len(layers))])  # [layers, slots, kv dim], layers' caches differ
+    inputs = model.attention_inputs(meta)
+    kv_stack, kv_one = kv.clone(), kv.clone()
+    with torch.inference_mode():
+        out = stack_forward(model.fused_stack, x, inputs, kv_stack)
+        ref = x
+        cos_sin, layer_meta = inputs["full_attention"]
+        for i, layer in enumerate(layers):
+            ref = block_forward(layer.mlp, layer.post_attention_layernorm,
+                                fused_forward(layer, ref, cos_sin, kv_one[i], layer_meta))
+        assert torch.equal(out, ref)
+        assert torch.equal(kv_stack, kv_one) and not torch.equal(kv_stack, kv)
+        short = dataclasses.replace(model.fused_stack, moe=dataclasses.replace(model.fused_stack.moe,
+                                                                              routers=model.fused_stack.moe.routers[1:]))
+        with pytest.raises(RuntimeError, match="MoE layers need a router"):
+            stack_forward(short, x, inputs, kv_stack)
+
+
+def test_moe_layers_without_the_block_op_leave_no_stack(llm):
+    layers = list(llm.engine.model.model.layers)
+    assert fuse_stack(layers) is not None
+    layers[1].moe_block = False
+    try:
+        assert fuse_stack(layers) is None
+    finally:
+        layers[1].moe_block = True
 
 
 def test_experts_op_refuses_an_unknown_expert(llm):

@@ -108,6 +108,12 @@ void int4_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, int6
 // their dtypes (bf16, bf16: one-level; uint8, fp16: two-level); TORCH_CHECKs shapes and dtypes, naming `op`.
 Int4Scales int4_scales(const at::Tensor& scale, const at::Tensor& zero, int64_t N, int64_t G, const char* op);
 
+// x + the MoE MLP half of x (moe_cpu.cpp's `moe_block` op; the decoder stack calls it between its layers' attention)
+at::Tensor moe_block(const at::Tensor& x, const at::Tensor& norm, double eps, const at::Tensor& router, int64_t top_k,
+                     bool norm_topk, at::TensorList gate_up, at::TensorList down, int64_t group_size,
+                     bool int8_activations, at::TensorList gate_up_bias, at::TensorList down_bias,
+                     const std::optional<at::Tensor>& router_bias, int64_t activation, double alpha, double limit);
+
 // out[B, T, NH * D] f32: q [B, T, NH, D] bf16 attending over the bf16 cache [slots, 2 * NKV * D] through
 // context_slots [B, S] where visible [B, T, S] (paged_attention_cpu.cpp), scores soft-capped where softcap > 0, an
 // attention sink per query head in each softmax where sinks ([NH] f32) is not null. Batch-invariant.

@@ -339,10 +339,11 @@ def _register_fakes(ns: str) -> None:
         return torch.empty_like(x)
 
     @torch.library.register_fake(f"{ns}::llama_decoder_stack")
-    def _(x, cos_sin, kv_cache, slot_mapping, context_slots, visible, norms, qkv, o, gate_up, down, arity, num_heads,
-          num_kv_heads, group_size, eps, scale, int8_activations=False, sandwich=False, qk_norm=False, activation=0,
-          cos_sin_local=None, visible_local=None, sliding=(), residual_multiplier=1.0, pre_norms=True,
-          qk_norm_all_heads=False, attn_softcap=0.0, slot_mapping_local=None, context_slots_local=None):
+    def _(x, cos_sin, kv_cache, slot_mapping, context_slots, visible, norms, qkv, o, gate_up, down, moe_routers,
+          moe_gate_up, moe_down, arity, num_heads, num_kv_heads, group_size, eps, scale, int8_activations=False,
+          sandwich=False, qk_norm=False, activation=0, cos_sin_local=None, visible_local=None, sliding=(),
+          residual_multiplier=1.0, pre_norms=True, qk_norm_all_heads=False, attn_softcap=0.0, slot_mapping_local=None,
+          context_slots_local=None, moe_top_k=0, moe_norm_topk=False):
         return torch.empty_like(x)
 
     @torch.library.register_fake(f"{ns}::moe_experts")

@@ -186,14 +186,50 @@ class FusedStack:
     pre_norms: bool = True
     qk_norm_all_heads: bool = False
     attn_softcap: float = 0.0
+    moe: MoeStack | None = None  # MoE layers: their MLP halves (`moe_block`'s), gate_up / down then empty
+
+
+@dataclass(frozen=True)
+class MoeStack:
+    """The MLP halves of a stack's MoE layers for `llama_decoder_stack` (what `moe_experts.block_forward` passes
+    `moe_block`, layer after layer): each layer's router weight [E, H] bf16 and its experts' stacked [w, scale, zero]
+    of gate/up and of down (3 a layer). Softmax routers without a bias, SwiGLU experts without biases (Qwen3-MoE,
+    Mixtral, OLMoE); other MoE layers take their two ops one layer at a time."""
+
+    routers: list[torch.Tensor]
+    gate_up: list[torch.Tensor]
+    down: list[torch.Tensor]
+    top_k: int
+    norm_topk: bool
+
+
+def _moe_stack(layers: list[nn.Module]) -> MoeStack | None:
+    """`MoeStack` of layers that all run `moe_block` with one top-k, the attention's weight format and no biases,
+    else None."""
+    if not all(getattr(layer, "moe_block", False) for layer in layers):
+        return None
+    moes = [layer.mlp for layer in layers]
+    kinds = {(m.gate.top_k, bool(m.gate.norm_topk_prob), m.fused_experts.group_size, m.fused_experts.int8_activations,
+              layer.fused.group_size, layer.fused.int8_activations) for m, layer in zip(moes, layers)}
+    if (len(kinds) != 1 or any(m.gate.bias is not None or m.fused_experts.gate_up_bias or m.fused_experts.activation
+                               for m in moes)):
+        return None
+    top_k, norm_topk, group, int8, attn_group, attn_int8 = kinds.pop()
+    if (group, int8) != (attn_group, attn_int8):
+        return None
+    return MoeStack([m.gate.weight for m in moes], [t for m in moes for t in m.fused_experts.gate_up],
+                    [t for m in moes for t in m.fused_experts.down], top_k, norm_topk)
 
 
 def fuse_stack(layers: list[nn.Module], layer_types: tuple[str, ...] | None = None) -> FusedStack | None:
     """`FusedStack` of `layers` (each with its `fused` operands set; `layer_types` the model's, None: all full
     attention), or None unless every layer takes the op with the same group size, activations, biases, heads, eps,
-    softmax scale and options (then the op calls run one by one)."""
-    if not layers or any(getattr(layer, "fused", None) is None or layer.fused.attention_only
-                         or layer.fused.attn_sinks is not None or layer.fused.output_gate for layer in layers):
+    softmax scale and options (then the op calls run one by one) — MoE layers all (`MoeStack`) or none."""
+    if not layers or any(getattr(layer, "fused", None) is None or layer.fused.attn_sinks is not None
+                         or layer.fused.output_gate for layer in layers):
+        return None
+    moe = _moe_stack(layers) if layers[0].fused.attention_only else None
+    if any(layer.fused.attention_only != (moe is not None) for layer in layers):
         return None
     fs: list[FusedLayerWeights] = [layer.fused for layer in layers]
 
@@ -212,7 +248,7 @@ def fuse_stack(layers: list[nn.Module], layer_types: tuple[str, ...] | None = No
     return FusedStack([n for f in fs for n in f.norms], [t for f in fs for t in f.qkv],
                       [t for f in fs for t in f.o], [t for f in fs for t in f.gate_up], [t for f in fs for t in f.down],
                       list(arity), heads, kv_heads, group, eps, scale, int8, sandwich, qk_norm, activation, sliding,
-                      residual, pre_norms, all_heads, softcap)
+                      residual, pre_norms, all_heads, softcap, moe)
 
 
 def install_fused_layers(model: nn.Module) -> int:
@@ -264,12 +300,15 @@ def stack_forward(stack: FusedStack, x: torch.Tensor, inputs: dict, kv_cache: to
     (layer i writes kv_cache[i])."""
     cos_sin, meta = inputs["full_attention"]
     local_cs, local_meta = inputs.get("sliding_attention", (None, None))
+    moe = stack.moe
     own = local_meta is not None and local_meta.slot_mapping is not meta.slot_mapping  # sliding blocks of their own
     return cpu_kernels.ops().llama_decoder_stack(
         x, cos_sin, kv_cache, meta.slot_mapping.reshape(-1), meta.context_slots, meta.visible, stack.norms, stack.qkv,
-        stack.o, stack.gate_up, stack.down, stack.arity, stack.num_heads, stack.num_kv_heads, stack.group_size,
+        stack.o, stack.gate_up, stack.down, *((moe.routers, moe.gate_up, moe.down) if moe else ([], [], [])),
+        stack.arity, stack.num_heads, stack.num_kv_heads, stack.group_size,
         stack.eps, stack.scale, stack.int8_activations, stack.sandwich, stack.qk_norm, stack.activation,
         local_cs.contiguous() if local_cs is not None else None,
         local_meta.visible if local_meta is not None else None, list(stack.sliding), stack.residual_multiplier,
         stack.pre_norms, stack.qk_norm_all_heads, stack.attn_softcap,
-        local_meta.slot_mapping.reshape(-1) if own else None, local_meta.context_slots if own else None)
+        local_meta.slot_mapping.reshape(-1) if own else None, local_meta.context_slots if own else None,
+        moe.top_k if moe else 0, moe.norm_topk if moe else False)

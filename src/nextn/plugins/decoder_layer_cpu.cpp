@@ -257,28 +257,42 @@ at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& cos_sin, a
 // arity[0..3] tensors a layer), and a sliding layer (sliding[i] = 1) the _local rope rows and mask (and the _local
 // slots and context slots where the sliding layers' cache rows have blocks of their own). What the layers
 // compute is llama_decoder_layer's, call for call; the call saves a small model's decode step the Python and
-// dispatcher work around 30 op calls (~15-20 us a layer on this CPU).
+// dispatcher work around 30 op calls (~15-20 us a layer on this CPU). MoE layers (moe_routers not empty: a router
+// [E, H] bf16 a layer, the experts' stacked [w, scale, zero] of gate_up and of down, 3 a layer, as moe_block takes
+// them; gate_up / down arity 0) run the attention op then moe_block with the layer's post-attention norm: two op
+// calls' work a layer, none of their Python.
 at::Tensor llama_decoder_stack(const at::Tensor& x, const at::Tensor& cos_sin, at::Tensor& kv_cache,
                                const at::Tensor& slot_mapping, const at::Tensor& context_slots,
                                const at::Tensor& visible, at::TensorList norms, at::TensorList qkv, at::TensorList o,
-                               at::TensorList gate_up, at::TensorList down, at::IntArrayRef arity, int64_t num_heads,
+                               at::TensorList gate_up, at::TensorList down, at::TensorList moe_routers,
+                               at::TensorList moe_gate_up, at::TensorList moe_down, at::IntArrayRef arity,
+                               int64_t num_heads,
                                int64_t num_kv_heads, int64_t group_size, double eps, double scale,
                                bool int8_activations, bool sandwich, bool qk_norm, int64_t activation,
                                const std::optional<at::Tensor>& cos_sin_local,
                                const std::optional<at::Tensor>& visible_local, at::IntArrayRef sliding,
                                double residual_multiplier, bool pre_norms, bool qk_norm_all_heads,
                                double attn_softcap, const std::optional<at::Tensor>& slot_mapping_local,
-                               const std::optional<at::Tensor>& context_slots_local) {
+                               const std::optional<at::Tensor>& context_slots_local, int64_t moe_top_k,
+                               bool moe_norm_topk) {
   TORCH_CHECK(arity.size() == 4, "llama_decoder_stack: arity must give the tensors a layer of qkv, o, gate_up, down");
+  const bool moe = !moe_routers.empty();
   const int64_t per = 2 + 2 * sandwich + 2 * qk_norm;
   TORCH_CHECK(norms.size() % per == 0 && !norms.empty(), "llama_decoder_stack: norms must hold ", per,
               " tensors a layer");
   const int64_t L = static_cast<int64_t>(norms.size()) / per;
   const at::TensorList lists[4] = {qkv, o, gate_up, down};
   for (int j = 0; j < 4; ++j)
-    TORCH_CHECK(arity[j] >= 3 && arity[j] <= 4 && static_cast<int64_t>(lists[j].size()) == L * arity[j],
-                "llama_decoder_stack: operand list ", j, " must hold ", L, " layers x 3 or 4 tensors, got ",
-                lists[j].size(), " for arity ", arity[j]);
+    TORCH_CHECK(((moe && j >= 2 && arity[j] == 0) || (arity[j] >= 3 && arity[j] <= 4)) &&
+                    static_cast<int64_t>(lists[j].size()) == L * arity[j],
+                "llama_decoder_stack: operand list ", j, " must hold ", L, " layers x 3 or 4 tensors (gate_up and down "
+                "none with MoE layers), got ", lists[j].size(), " for arity ", arity[j]);
+  TORCH_CHECK(!moe || (static_cast<int64_t>(moe_routers.size()) == L &&
+                       static_cast<int64_t>(moe_gate_up.size()) == 3 * L &&
+                       static_cast<int64_t>(moe_down.size()) == 3 * L && !sandwich && pre_norms &&
+                       residual_multiplier == 1.0),
+              "llama_decoder_stack: MoE layers need a router and the experts' stacked [w, scale, zero] of gate_up "
+              "and of down for each of the ", L, " layers (pre-norm layers, no sandwich norms or residual multiplier)");
   TORCH_CHECK(kv_cache.dim() == 3 && kv_cache.size(0) >= L,
               "llama_decoder_stack: kv_cache must be [layers >= ", L, ", slots, kv dim]");
   TORCH_CHECK(sliding.empty() || (static_cast<int64_t>(sliding.size()) == L && cos_sin_local && visible_local),
@@ -298,6 +312,11 @@ at::Tensor llama_decoder_stack(const at::Tensor& x, const at::Tensor& cos_sin, a
                             gate_up.slice(i * arity[2], arity[2]), down.slice(i * arity[3], arity[3]), num_heads,
                             num_kv_heads, group_size, eps, scale, int8_activations, sandwich, qk_norm, activation,
                             residual_multiplier, pre_norms, qk_norm_all_heads, attn_softcap, std::nullopt);
+    if (moe)  // the attention op stopped after its residual add: the layer's MLP half, moe_block's, on the same rows
+      h = nextn_cpu::moe_block(h.reshape({-1, h.size(-1)}), norms[i * per + 1], eps, moe_routers[i], moe_top_k,
+                               moe_norm_topk, moe_gate_up.slice(3 * i, 3), moe_down.slice(3 * i, 3), group_size,
+                               int8_activations, {}, {}, std::nullopt, 0, 1.702, 7.0)
+              .view(h.sizes());
   }
   return h;
 }
@@ -314,11 +333,13 @@ TORCH_LIBRARY_FRAGMENT(NEXTN_OPS, m) {
         "bool output_gate=False) -> Tensor");
   m.def("llama_decoder_stack(Tensor x, Tensor cos_sin, Tensor(a!) kv_cache, Tensor slot_mapping, "
         "Tensor context_slots, Tensor visible, Tensor[] norms, Tensor[] qkv, Tensor[] o, Tensor[] gate_up, "
-        "Tensor[] down, int[] arity, int num_heads, int num_kv_heads, int group_size, float eps, float scale, "
+        "Tensor[] down, Tensor[] moe_routers, Tensor[] moe_gate_up, Tensor[] moe_down, int[] arity, int num_heads, "
+        "int num_kv_heads, int group_size, float eps, float scale, "
         "bool int8_activations=False, bool sandwich=False, bool qk_norm=False, int activation=0, "
         "Tensor? cos_sin_local=None, Tensor? visible_local=None, int[] sliding=[], "
         "float residual_multiplier=1.0, bool pre_norms=True, bool qk_norm_all_heads=False, "
-        "float attn_softcap=0.0, Tensor? slot_mapping_local=None, Tensor? context_slots_local=None) -> Tensor");
+        "float attn_softcap=0.0, Tensor? slot_mapping_local=None, Tensor? context_slots_local=None, "
+        "int moe_top_k=0, bool moe_norm_topk=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(NEXTN_OPS, CPU, m) {

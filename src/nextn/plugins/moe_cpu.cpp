@@ -248,6 +248,10 @@ inline float to_bf16(float v) {
   return v;
 }
 
+}  // namespace
+
+namespace nextn_cpu {
+
 at::Tensor moe_block(const at::Tensor& x, const at::Tensor& norm, double eps, const at::Tensor& router, int64_t top_k,
                      bool norm_topk, at::TensorList gate_up, at::TensorList down, int64_t group_size,
                      bool int8_activations, at::TensorList gate_up_bias, at::TensorList down_bias,
@@ -319,7 +323,7 @@ at::Tensor moe_block(const at::Tensor& x, const at::Tensor& norm, double eps, co
   return out;
 }
 
-}  // namespace
+}  // namespace nextn_cpu
 
 TORCH_LIBRARY_FRAGMENT(NEXTN_OPS, m) {
   m.def("moe_experts(Tensor x, Tensor ids, Tensor weights, Tensor[] gate_up, Tensor[] down, int group_size, "
@@ -332,5 +336,5 @@ TORCH_LIBRARY_FRAGMENT(NEXTN_OPS, m) {
 
 TORCH_LIBRARY_IMPL(NEXTN_OPS, CPU, m) {
   m.impl("moe_experts", &moe_experts);
-  m.impl("moe_block", &moe_block);
+  m.impl("moe_block", &nextn_cpu::moe_block);
 }
