@@ -234,6 +234,18 @@ def test_adaptive_draft_len_follows_acceptance_and_measured_cost():
     assert [i for i, k in enumerate(ks) if k] == [2, 8, 20] and set(ks) == {0, 1}
 
 
+def test_adaptive_draft_len_speculates_only_where_it_is_predicted_to_pay_by_a_margin():
+    """Near break-even the prediction's error exceeds the gain: a k ≥ 1 must beat plain decoding by `min_gain`
+    (an MoE at batch 8, every draft accepted, t(4) / t(0) = 4.9: predicted 1.01×, measured 0.97×)."""
+    from nextn.speculative.draft_len_policy import AdaptiveDraftLen
+
+    for ratio, want in ((4.9, 0), (4.8, 0), (4.7, 4), (2.0, 4)):  # E(1, 4) = 5: 1.02×, 1.04×, 1.06×, 2.5×
+        p = AdaptiveDraftLen(StaticDraftLen(4), profile={8: {0: 0.040, 4: 0.040 * ratio}})
+        for _ in range(30):
+            p.observe(32, 32, 4, 8, 0.040 * ratio)
+        assert p.alpha > 0.99 and p.best_draft_len(8, 4) == want, ratio
+
+
 def test_adaptive_draft_len_probes_a_hopeless_batch_size_rarely():
     """A speculating step at 6 plain steps with K = 4: no acceptance could pay (5 tokens at most), so the bucket
     probes every idle_probe_every steps instead of doubling from probe_every."""

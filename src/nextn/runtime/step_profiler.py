@@ -7,7 +7,11 @@ two and K, `draft_lens`). Each batch size runs real steps through the engine's o
 its own (built like the engine's, over a pool without prefix cache, so nothing it computes is ever reused): B
 synthetic requests (fixed pseudo-random prompts of `PROMPT_LEN` tokens, greedy, EOS ignored) are prefilled once,
 then decoded in rounds of one step at each k, longest first (`ForcedDraftLen`; k = 0 is a plain step without the
-drafter, as the adaptive policy runs it, and the drafts' re-priming step after it is not timed), so that other load
+drafter, as the adaptive policy runs it, and the drafts' re-priming step after it is not timed), each step's drafts
+replaced by pseudo-random tokens (`_distinct_drafts`: a real draft's tokens differ, and an MoE model's verify step
+reads the union of their experts; the synthetic requests' drafts are mostly padding, one token repeated, which routes
+every row to the same experts — measured on Qwen3-30B-A3B's layer shapes at batch 8: a verify step priced at a
+fraction of its cost, Suffix drafting then ran at 0.90× plain), so that other load
 on the machine and the growing context weigh on every k alike. A step's time is the one
 `Scheduler.update_from_output` hands the policy (`StepResult.seconds`); the first `WARMUP_ROUNDS` are dropped
 (first-use costs: kernel selection, graph capture, compilation) and each k's time is the fastest of its next
@@ -30,6 +34,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +50,7 @@ from nextn.runtime.model_runner import ModelRunner
 from nextn.runtime.request import Request
 from nextn.runtime.sampling_params import SamplingParams
 from nextn.runtime.scheduler import Scheduler
+from nextn.runtime.step_plan import DecodePlan
 from nextn.speculative.draft_len_policy import DraftLenPolicy
 from nextn.speculative.step_profile import (DEFAULT_PROFILE_DIR, ProfileKey, StepProfile, StepProfileError,
                                             cached_step_profile, engine_digest, save_step_profile)
@@ -168,6 +174,15 @@ def measure_step_time(target: ProfileTarget, progress: bool = True, budget_s: fl
     return table, []
 
 
+def _distinct_drafts(plan, rng: random.Random, vocab_size: int):
+    """`plan` with a decode step's drafts (input_ids[:, 1:]) replaced by pseudo-random tokens; other plans as
+    they are."""
+    if not isinstance(plan, DecodePlan) or plan.draft_len == 0:
+        return plan
+    ids = tuple((row[0], *(rng.randrange(vocab_size) for _ in row[1:])) for row in plan.input_ids)
+    return dataclasses.replace(plan, input_ids=ids)
+
+
 def _measure_batch(target: ProfileTarget, batch_size: int, prompts: list[list[int]], params: SamplingParams,
                    on_round: Callable[[int], object]) -> dict[int, float]:
     """{k: seconds of a decode step of `batch_size` requests at draft length k}: the requests are prefilled
@@ -180,6 +195,7 @@ def _measure_batch(target: ProfileTarget, batch_size: int, prompts: list[list[in
     for i, ids in enumerate(prompts):
         scheduler.add(Request(i, None, list(ids), params, frozenset(), seed=i))
     rounds = WARMUP_ROUNDS + TIMED_ROUNDS
+    rng = random.Random(batch_size)
     order = draft_lens(K)[::-1]
     turn = 0  # steps timed so far: k = order[turn % len(order)] runs next
     limit = 2 * rounds * (len(order) + 1) + batch_size  # prefills (under the token budget) + decode steps, bounded
@@ -189,6 +205,7 @@ def _measure_batch(target: ProfileTarget, batch_size: int, prompts: list[list[in
         plan = scheduler.schedule()
         if plan is None or plan.kind == "decode" and plan.num_requests < batch_size:
             break  # (a request ran out of room: the batch would shrink)
+        plan = _distinct_drafts(plan, rng, target.vocab_size)
         scheduler.update_from_output(plan, target.runner.run(plan))
         if len(policy.seconds.get(policy.k, ())) > done:  # timed (not a prefill, nor the drafts' re-priming step)
             turn += 1

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from nextn.config.llm_args import DecodingBaseConfig, LlmArgsError, MedusaDecodingConfig
-from nextn.speculative.draft_gain import Gain, alpha_for_gain, expected_tokens
+from nextn.speculative.draft_gain import MIN_GAIN, Gain, alpha_for_gain, expected_tokens
 
 __all__ = ["AdaptiveDraftLen", "DraftLenPolicy", "acceptance_from_rate", "choose_draft_len_policy", "expected_tokens"]
 
@@ -152,7 +152,7 @@ class AdaptiveDraftLen:
     request not yet observed starts from the pooled α of all requests; none observed at all: the full length is
     tried). So a request whose drafts keep missing (chat beside code, a drafter that does not know the
     topic) pulls k down only by its own share, and a lone request runs the length that pays for it alone; k = 0
-    (plain decoding) when no k pays for the batch.
+    (plain decoding) when no k pays for the batch by `min_gain` (5 %: near break-even the prediction errs by more).
 
     t(k) is measured, per batch-size bucket (powers of two) and per k: an EMA of the wall time of the steps that ran
     at that length (k = 0: plain steps, no drafter), restarted from the new time when the last was more than
@@ -191,6 +191,7 @@ class AdaptiveDraftLen:
     """
 
     max_tracked_requests = 4096  # per-request α kept for at most this many recent requests (least recent dropped)
+    min_gain = MIN_GAIN  # a k ≥ 1 must be predicted to beat plain decoding by this factor (draft_gain.py)
 
     def __init__(self, inner: DraftLenPolicy, prior_cost: float = 0.1, smoothing: float = 0.2,
                  acceptance_smoothing: float = 0.1,
@@ -261,7 +262,8 @@ class AdaptiveDraftLen:
         return ratio + per_row * (k - near)
 
     def best_draft_len(self, batch_size: int, limit: int, request_ids: Sequence[int] = (), lowest: int = 0) -> int:
-        """argmax over k in [lowest, limit] of Σ_r E(α_r, k) / (t(k) / t(0)) (ties: the shorter draft); the pooled α
+        """argmax over k in [lowest, limit] of Σ_r E(α_r, k) / (t(k) / t(0)), a k ≥ 1 discounted by `min_gain`
+        (ties: the shorter draft); the pooled α
         stands for requests not yet observed, and for the whole batch when no ids are given (`limit` while no α is
         known). `lowest` 1: the length a probe from off runs."""
         stats = self._request_stats
@@ -270,7 +272,7 @@ class AdaptiveDraftLen:
         if len(known) < len(alphas):
             return limit
         rates = [sum(self.gain(a, k) for a in known) / self.relative_step_time(batch_size, k)
-                 for k in range(limit + 1)]
+                 * (1.0 if k == 0 else 1.0 / self.min_gain) for k in range(limit + 1)]
         return max(range(lowest, limit + 1), key=lambda k: (rates[k] - 1e-9 * k))
 
     def would_draft(self, batch_size: int) -> bool:

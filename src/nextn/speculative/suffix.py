@@ -59,6 +59,7 @@ import torch
 from nextn.config.llm_args import LlmArgsError, SuffixDecodingConfig
 from nextn.speculative.acceptance_rules import StandardAcceptance
 from nextn.speculative.chain_step import LinearDrafter
+from nextn.speculative.draft_gain import MIN_GAIN
 from nextn.speculative.traits import DrafterTraits, DraftLenSource
 from nextn.speculative.method import LoadContext, Method, from_build_yaml
 from nextn.speculative.protocol import NO_CONTEXT, NO_PREFILL, AcceptanceRule, Drafter, DrafterState, rows_at
@@ -155,8 +156,8 @@ class SuffixDrafter(LinearDrafter):
     def proposal_len(self, slots: list[int]) -> int:
         """Without step times: the longest proposal among these slots' requests (their drafts past it are padding),
         at least 1: a copied stretch is verified as far as the trees predict it, a step with nothing to copy verifies
-        one draft. With them: argmax over k in 0..longest of Σ_r (1 + G_r(k)) / t(B, k), G_r calibrated (module
-        docstring; ties: the shorter)."""
+        one draft. With them: argmax over k in 0..longest of Σ_r (1 + G_r(k)) / t(B, k), a k ≥ 1 discounted by
+        MIN_GAIN, G_r calibrated (module docstring; ties: the shorter)."""
         rows = [self.slots[s] for s in slots if s in self.slots]
         if not rows:
             return self.num_draft_tokens
@@ -166,9 +167,9 @@ class SuffixDrafter(LinearDrafter):
             return max(1, longest)
         batch = len(slots)
 
-        def rate(k: int) -> float:
+        def rate(k: int) -> float:  # a k ≥ 1 discounted by MIN_GAIN: it must pay by that margin
             drafts = sum(r.gains[min(k, r.useful) - 1] for r in rows if r.useful) if k else 0.0
-            return (batch + drafts) / step_time(batch, k)
+            return (batch + drafts) / step_time(batch, k) / (MIN_GAIN if k else 1.0)
 
         return max(range(longest + 1), key=lambda k: (rate(k), -k))
 
@@ -197,7 +198,7 @@ class SuffixDrafter(LinearDrafter):
         best_rate, best_n, gained = batch / times[0], 0, 0.0
         for n, (neg_gain, i, j) in enumerate(steps, 1):
             gained -= neg_gain
-            rate = (batch + gained) / times[n]
+            rate = (batch + gained) / times[n] / MIN_GAIN  # verifying any draft must pay by that margin
             if rate > best_rate:
                 best_rate, best_n = rate, n
         for _, i, _ in steps[:best_n]:
