@@ -4,7 +4,8 @@ On the same chat-templated prompts (HumanEval, MT-bench first turns, or the two 
 `--max_tokens` new tokens with EOS ignored, best of `--runs` after a warm-up, alternating systems so that all see
 the same machine:
 - nextn: plain decoding, Draft_Target (`--draft` as the draft model, K = `--draft_len`), Draft_Target with
-  `adaptive_draft_len`, NGram (K, n = 3) without and with `adaptive_draft_len`, and, for a target with MTP modules
+  `adaptive_draft_len`, NGram (K, n = 3) and Suffix decoding (K; its global tree holds the earlier passes' responses,
+  so the timed passes repeat requests) without and with `adaptive_draft_len`, and, for a target with MTP modules
   (a `train-draft --method mtp` output or an engine built from one), MTP with K = each of `--mtp_len`, without
   and with `adaptive_draft_len` — one engine format for target and draft (`--format`);
 - llama.cpp (when built, ../shared/PEERS.md): `llama-completion` (plain) and, with `--draft`,
@@ -61,6 +62,9 @@ def _configs(draft: Path | None, k: int, draft_vocab_sizes: list[int] = (), toke
         out[f"Draft_Target K≤{k} adaptive"] = {**dt, "adaptive_draft_len": True}
     ngram = {"decoding_type": "NGram", "max_draft_len": k, "max_matching_ngram_size": 3}
     out |= {f"NGram K={k}": ngram, f"NGram K≤{k} adaptive": {**ngram, "adaptive_draft_len": True}}
+    suffix = {"decoding_type": "Suffix", "max_draft_len": k}  # drafts from earlier responses: pays on repeats
+    out |= {f"Suffix K={k}": suffix,
+            f"Suffix K≤{k} adaptive": {**suffix, "adaptive_draft_len": True, "step_profile": "auto"}}
     for n in mtp_lens:
         mtp = {"decoding_type": "MTP", "num_nextn_predict_layers": n}
         out |= with_cuts(f"MTP K={n}", mtp) | with_cuts(f"MTP K≤{n} adaptive", {**mtp, "adaptive_draft_len": True})
