@@ -93,9 +93,10 @@ def make(out: Path, layers: int, experts: int, top_k: int, llama_cpp: Path, fami
 
 
 def stack(src: Path, layers: int, out: Path) -> Path:
-    """Write `src` with `layers` decoder layers under `out` (layer i a copy of the source's layer i mod L: every tensor
-    `blk.j.*` as stored, quantized blocks included); every other tensor and metadata key as they are, the block count
-    changed. Refuses to overwrite a file. Returns the new GGUF's path."""
+    """Write `src` with `layers` decoder layers under `out` (layer i a copy of the source's layer i mod L — past the
+    leading dense layers of a DeepSeek-style file (`{arch}.leading_dense_block_count`), which are not repeated: every
+    tensor `blk.j.*` as stored, quantized blocks included); every other tensor and metadata key as they are, the block
+    count changed. Refuses to overwrite a file. Returns the new GGUF's path."""
     import gguf
     from tqdm import tqdm
 
@@ -124,8 +125,11 @@ def stack(src: Path, layers: int, out: Path) -> Path:
         parts = t.name.split(".")
         (by_layer.setdefault(int(parts[1]), []).append(t) if parts[0] == "blk" else rest.append(t))
     plan = [(t.name, t) for t in rest if t.name.startswith("token_embd")]
+    dense_key = f"{arch}.leading_dense_block_count"
+    dense = int(reader.fields[dense_key].contents()) if dense_key in reader.fields else 0
     for i in range(layers):
-        plan += [(t.name.replace(f"blk.{i % have}.", f"blk.{i}.", 1), t) for t in by_layer[i % have]]
+        j = i if i < have else dense + (i - dense) % (have - dense)
+        plan += [(t.name.replace(f"blk.{j}.", f"blk.{i}.", 1), t) for t in by_layer[j]]
     plan += [(t.name, t) for t in rest if not t.name.startswith("token_embd")]
     for new_name, t in plan:
         writer.add_tensor_info(new_name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
