@@ -3,9 +3,11 @@
 from pathlib import Path
 
 from benchmarks.drafters import _configs
-from nextn.config.llm_args import DraftTargetDecodingConfig, MTPDecodingConfig, NGramDecodingConfig
+from nextn.config.llm_args import (DraftTargetDecodingConfig, MTPDecodingConfig, NGramDecodingConfig,
+                                   SuffixDecodingConfig)
 
-KINDS = {"Draft_Target": DraftTargetDecodingConfig, "NGram": NGramDecodingConfig, "MTP": MTPDecodingConfig}
+KINDS = {"Draft_Target": DraftTargetDecodingConfig, "NGram": NGramDecodingConfig, "MTP": MTPDecodingConfig,
+         "Suffix": SuffixDecodingConfig}
 
 
 def test_without_a_draft_model_no_draft_target_runs_and_mtp_chains_get_cut_heads():
@@ -16,7 +18,9 @@ def test_without_a_draft_model_no_draft_target_runs_and_mtp_chains_get_cut_heads
     assert out["MTP K=3 draft_vocab_size=32768"] == {"decoding_type": "MTP", "num_nextn_predict_layers": 3,
                                                      "draft_vocab_size": 32768, "draft_token_map": "hot.json"}
     assert out["MTP K≤2 adaptive draft_vocab_size=32768"]["adaptive_draft_len"] is True
-    assert {"NGram K=4", "NGram K≤4 adaptive"} <= set(out)
+    assert {"NGram K=4", "NGram K≤4 adaptive", "Suffix K=4", "Suffix K≤4 adaptive"} <= set(out)
+    assert out["Suffix K≤4 adaptive"] == {"decoding_type": "Suffix", "max_draft_len": 4, "adaptive_draft_len": True,
+                                          "step_profile": "auto"}
     for spec in out.values():
         if spec is not None:
             KINDS[spec["decoding_type"]](**spec)
