@@ -78,8 +78,9 @@ Experts stacked_experts(at::TensorList t, int64_t E, int64_t N, int64_t K, int64
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 3 && w.size(0) == E &&
                   w.size(1) == N && w.size(2) * 2 == K,
               "moe_experts: ", name, " w must be a contiguous [", E, ", ", N, ", ", K / 2, "] uint8 tensor");
-  TORCH_CHECK(t[1].dim() >= 1 && t[1].size(0) == E && t[2].dim() >= 1 && t[2].size(0) == E, "moe_experts: ", name,
-              " scale and zero must be stacked over the ", E, " experts");
+  TORCH_CHECK(t[1].dim() >= 1 && t[1].size(0) == E && t[1].is_contiguous() && t[2].dim() >= 1 &&
+                  t[2].size(0) == E && t[2].is_contiguous(),
+              "moe_experts: ", name, " scale and zero must be contiguous, stacked over the ", E, " experts");
   Experts r;
   r.first.w = w.data_ptr<uint8_t>();
   r.first.scales = nextn_cpu::int4_scales(t[1][0], t[2][0], N, K / group_size, "moe_experts");
