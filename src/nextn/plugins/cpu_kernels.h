@@ -108,11 +108,29 @@ void int4_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, int6
 // their dtypes (bf16, bf16: one-level; uint8, fp16: two-level); TORCH_CHECKs shapes and dtypes, naming `op`.
 Int4Scales int4_scales(const at::Tensor& scale, const at::Tensor& zero, int64_t N, int64_t G, const char* op);
 
+// An MoE layer's routing (moe_cpu.cpp): kind 0 softmax (`Router`; bias added to the logits), 1 sigmoid with groups
+// (`NoAuxRouter`; bias: e_score_correction_bias, used to choose only, and n_group, topk_group, scaling)
+struct MoeRouting {
+  int64_t kind = 0;
+  int64_t top_k = 1;
+  bool norm_topk = false;
+  int64_t n_group = 1, topk_group = 1;
+  float scaling = 1.f;
+  const float* bias = nullptr;  // [E] f32 or null
+};
+
+// An MoE layer's shared expert: its stacked [w, scale, zero] of gate_up and of down (a stack of one; empty: none)
+// and, for Qwen2-MoE's, the gate row [H] bf16 that scales it by sigmoid (null: added unscaled)
+struct MoeShared {
+  at::TensorList gate_up = {}, down = {};
+  const uint16_t* gate = nullptr;
+};
+
 // x + the MoE MLP half of x (moe_cpu.cpp's `moe_block` op; the decoder stack calls it between its layers' attention)
-at::Tensor moe_block(const at::Tensor& x, const at::Tensor& norm, double eps, const at::Tensor& router, int64_t top_k,
-                     bool norm_topk, at::TensorList gate_up, at::TensorList down, int64_t group_size,
-                     bool int8_activations, at::TensorList gate_up_bias, at::TensorList down_bias,
-                     const std::optional<at::Tensor>& router_bias, int64_t activation, double alpha, double limit);
+at::Tensor moe_block(const at::Tensor& x, const at::Tensor& norm, double eps, const at::Tensor& router,
+                     const MoeRouting& routing, at::TensorList gate_up, at::TensorList down, int64_t group_size,
+                     bool int8_activations, at::TensorList gate_up_bias = {}, at::TensorList down_bias = {},
+                     int64_t activation = 0, double alpha = 1.702, double limit = 7.0, const MoeShared& shared = {});
 
 // out[B, T, NH * D] f32: q [B, T, NH, D] bf16 attending over the bf16 cache [slots, 2 * NKV * D] through
 // context_slots [B, S] where visible [B, T, S] (paged_attention_cpu.cpp), scores soft-capped where softcap > 0, an

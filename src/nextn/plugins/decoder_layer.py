@@ -193,8 +193,8 @@ class FusedStack:
 class MoeStack:
     """The MLP halves of a stack's MoE layers for `llama_decoder_stack` (what `moe_experts.block_forward` passes
     `moe_block`, layer after layer): each layer's router weight [E, H] bf16 and its experts' stacked [w, scale, zero]
-    of gate/up and of down (3 a layer). Softmax routers without a bias, SwiGLU experts without biases (Qwen3-MoE,
-    Mixtral, OLMoE); other MoE layers take their two ops one layer at a time."""
+    of gate/up and of down (3 a layer). Softmax routers without a bias, SwiGLU experts without biases, no shared
+    expert (Qwen3-MoE, Mixtral, OLMoE); other MoE layers take their two ops one layer at a time."""
 
     routers: list[torch.Tensor]
     gate_up: list[torch.Tensor]
@@ -211,8 +211,8 @@ def _moe_stack(layers: list[nn.Module]) -> MoeStack | None:
     moes = [layer.mlp for layer in layers]
     kinds = {(m.gate.top_k, bool(m.gate.norm_topk_prob), m.fused_experts.group_size, m.fused_experts.int8_activations,
               layer.fused.group_size, layer.fused.int8_activations) for m, layer in zip(moes, layers)}
-    if (len(kinds) != 1 or any(m.gate.bias is not None or m.fused_experts.gate_up_bias or m.fused_experts.activation
-                               for m in moes)):
+    if (len(kinds) != 1 or any(m.gate.kind != "softmax" or m.gate.bias is not None or m.fused_experts.gate_up_bias
+                               or m.fused_experts.activation or m.fused_experts.shared_gate_up for m in moes)):
         return None
     top_k, norm_topk, group, int8, attn_group, attn_int8 = kinds.pop()
     if (group, int8) != (attn_group, attn_int8):
@@ -272,9 +272,14 @@ def install_fused_layers(model: nn.Module) -> int:
         if hasattr(module, "fused_experts"):  # an MoE layer's routed experts (models/moe.py) as one op
             module.fused_experts = fuse_experts(module)
     for module in model.modules():  # an MoE layer's whole MLP half (norm, router, experts, residual) as one op
-        if getattr(module, "fused", None) is not None and module.fused.attention_only:
-            module.moe_block = module.residual_multiplier == 1.0 and block_applies(module.mlp,
-                                                                                  module.post_attention_layernorm)
+        if not hasattr(module, "moe_block"):
+            continue
+        if hasattr(module, "fused"):  # a Llama-family layer: where its attention op stops before the MLP half
+            module.moe_block = (module.fused is not None and module.fused.attention_only
+                                and module.residual_multiplier == 1.0
+                                and block_applies(module.mlp, module.post_attention_layernorm))
+        else:  # a pre-norm layer of its own attention (DeepSeek's MLA)
+            module.moe_block = block_applies(module.mlp, module.post_attention_layernorm)
     if hasattr(model, "fused_stack"):
         model.fused_stack = fuse_stack(list(model.model.layers)[:model.cfg.num_hidden_layers],
                                        getattr(model, "layer_types", None))

@@ -313,9 +313,9 @@ at::Tensor llama_decoder_stack(const at::Tensor& x, const at::Tensor& cos_sin, a
                             num_kv_heads, group_size, eps, scale, int8_activations, sandwich, qk_norm, activation,
                             residual_multiplier, pre_norms, qk_norm_all_heads, attn_softcap, std::nullopt);
     if (moe)  // the attention op stopped after its residual add: the layer's MLP half, moe_block's, on the same rows
-      h = nextn_cpu::moe_block(h.reshape({-1, h.size(-1)}), norms[i * per + 1], eps, moe_routers[i], moe_top_k,
-                               moe_norm_topk, moe_gate_up.slice(3 * i, 3), moe_down.slice(3 * i, 3), group_size,
-                               int8_activations, {}, {}, std::nullopt, 0, 1.702, 7.0)
+      h = nextn_cpu::moe_block(h.reshape({-1, h.size(-1)}), norms[i * per + 1], eps, moe_routers[i],
+                               nextn_cpu::MoeRouting{0, moe_top_k, moe_norm_topk}, moe_gate_up.slice(3 * i, 3),
+                               moe_down.slice(3 * i, 3), group_size, int8_activations)
               .view(h.sizes());
   }
   return h;

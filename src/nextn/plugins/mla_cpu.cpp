@@ -2,8 +2,12 @@
 // PyTorch reference: mla.py).
 //
 //   nextn::mla_attention(q_nope [B, T, NH, P], q_pe [B, T, NH, R], kv_b [NH, P + V, C] (kv_b_proj's weight),
-//                        kv_cache [slots, C + R], context_slots [B, S] int64, visible [B, 1, T, S] bool, scale)
-//     -> [B, T, NH * V] f32
+//                        kv_cache [slots, C + R], context_slots [B, S] int64, visible [B, 1, T, S] bool, scale,
+//                        kv_b_scale [NH, P + V] f32 | None) -> [B, T, NH * V] f32
+//
+// kv_b is the engine's dtype, or int8 with kv_b_scale (a weight-quantized engine: `plugins/mla.py`, each row of C
+// values with its f32 scale): a row's values times its scale, the scale applied to q_nope[p] before the row's FMAs
+// (W_UK) and to the dot product after it (W_UV). Half the bytes of bf16 from DRAM a step.
 //
 // Per query row (b, t, head h), f32 throughout:
 //   q_lat = q_nope · W_UK[h]                     (W_UK[h] = kv_b[h, :P], [P, C]: P rows added in order)
@@ -29,6 +33,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -40,6 +45,13 @@ using simd::V16;
 using nextn_cpu::kKeys;
 using nextn_cpu::kRegs;
 using nextn_cpu::load16;
+
+// The 64-byte lines of [p, p + bytes) prefetched into L2 (a weight row read next: kv_b streams from DRAM, once a step)
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) simd::prefetch_l2(static_cast<const char*>(p) + b);
+}
+
+inline V16 load16(const int8_t* p, int64_t n) { return simd::load_int8(p, n); }
 
 // A row of n values as f32 into dst (padded with zeros to a multiple of 16)
 template <typename T>
@@ -93,28 +105,32 @@ constexpr int64_t kTile = 8;      // query tokens per task beyond that (a prefil
 constexpr int64_t kHeads = 4;     // heads per task (they share each key's load)
 
 // One task: tokens [t0, t0 + nt) x heads [h0, h0 + nh) of sequence b.
-template <typename T>
-void attend(const T* q_nope, const T* q_pe, const T* kv_b, const T* kv, const int64_t* slots, const bool* vis,
-            int64_t t0, int64_t nt, int64_t h0, int64_t nh, int64_t NH, int64_t P, int64_t R, int64_t V, int64_t C,
-            int64_t S, float scale, float* out) {
+// kv_b's rows are W (T, or int8 with kv_b_scale: a row's values times its f32 scale)
+template <typename T, typename W>
+void attend(const T* q_nope, const T* q_pe, const W* kv_b, const float* kv_b_scale, const T* kv, const int64_t* slots,
+            const bool* vis, int64_t t0, int64_t nt, int64_t h0, int64_t nh, int64_t NH, int64_t P, int64_t R,
+            int64_t V, int64_t C, int64_t S, float scale, float* out) {
   const int64_t D = C + R, Dp = (D + 15) / 16 * 16, Cp = (C + 15) / 16 * 16, S16 = (S + 15) / 16 * 16;
   const int64_t rows = nt * nh;  // token-major, then head
   std::vector<float> qf(rows * Dp, 0.f), scores(rows * S16), probs(rows * S16, 0.f), acc(rows * Cp, 0.f);
   std::vector<float> row_sum(rows), lat(16 * Cp, 0.f);
   const std::vector<T> zeros(Dp + Cp, T(0.f));  // the rows past a last partial block of 16
+  const std::vector<W> wzeros(Cp, W(0));
   const T* ptrs[16];
+  const W* wptrs[16];
   // 16 rows of n values for `dot16`, read by `readers` query rows: bf16 rows read by 8 or more widened once into `buf`
   // (exact, so the products are the same either way), else read in place
   std::vector<float> buf(16 * std::max(Dp, Cp));
   const float* fptrs[16];
-  auto rows16 = [&](int64_t n, int64_t readers, auto&& dot) {
-    if constexpr (std::is_same_v<T, float>) {
-      dot(static_cast<const float* const*>(ptrs));
+  auto rows16 = [&](const auto* const* src, int64_t n, int64_t readers, auto&& dot) {
+    using Row = std::remove_cv_t<std::remove_pointer_t<std::remove_cv_t<std::remove_reference_t<decltype(*src)>>>>;
+    if constexpr (std::is_same_v<Row, float>) {
+      dot(src);
     } else {
-      if (readers < 8) return dot(static_cast<const T* const*>(ptrs));
+      if (readers < 8) return dot(src);
       const int64_t np = (n + 15) / 16 * 16;
       for (int k = 0; k < 16; ++k) {
-        widen(ptrs[k], n, &buf[k * np]);
+        widen(src[k], n, &buf[k * np]);
         fptrs[k] = &buf[k * np];
       }
       dot(static_cast<const float* const*>(fptrs));
@@ -125,10 +141,12 @@ void attend(const T* q_nope, const T* q_pe, const T* kv_b, const T* kv, const in
   for (int64_t i = 0; i < nh; ++i) {
     const int64_t h = h0 + i;
     for (int64_t p = 0; p < P; ++p) {
-      const T* wr = kv_b + (h * (P + V) + p) * C;
+      const W* wr = kv_b + (h * (P + V) + p) * C;
+      if (p + 8 < P) prefetch_bytes(wr + 8 * C, C * sizeof(W));  // the row 8 ahead, from DRAM
       for (int64_t t = 0; t < nt; ++t) {
         float* q = &qf[(t * nh + i) * Dp];
-        const V16 s = simd::set1(float(q_nope[((t0 + t) * NH + h) * P + p]));
+        const float qv = float(q_nope[((t0 + t) * NH + h) * P + p]);
+        const V16 s = simd::set1(kv_b_scale ? qv * kv_b_scale[h * (P + V) + p] : qv);
         for (int64_t c = 0; c < C; c += 16)
           simd::store(q + c, simd::fmadd(s, load16(wr + c, std::min<int64_t>(16, C - c)), simd::load(q + c)));
       }
@@ -147,7 +165,7 @@ void attend(const T* q_nope, const T* q_pe, const T* kv_b, const T* kv, const in
   for (int64_t j0 = 0; j0 < end; j0 += 16) {
     const int64_t nk = std::min<int64_t>(16, end - j0);
     for (int64_t k = 0; k < 16; ++k) ptrs[k] = k < nk ? kv + slots[j0 + k] * D : zeros.data();
-    rows16(D, rows, [&](auto keys) {
+    rows16(ptrs, D, rows, [&](auto keys) {
       for (int64_t r = 0; r < rows; ++r)
         simd::store(&scores[r * S16 + j0], dot16(&qf[r * Dp], keys, D) * simd::set1(scale));
     });
@@ -197,47 +215,65 @@ void attend(const T* q_nope, const T* q_pe, const T* kv_b, const T* kv, const in
     const int64_t h = h0 + i;
     for (int64_t v0 = 0; v0 < V; v0 += 16) {
       const int64_t nv = std::min<int64_t>(16, V - v0);
-      for (int64_t k = 0; k < 16; ++k) ptrs[k] = k < nv ? kv_b + (h * (P + V) + P + v0 + k) * C : zeros.data();
-      rows16(C, nt, [&](auto w_uv) {
+      for (int64_t k = 0; k < 16; ++k) wptrs[k] = k < nv ? kv_b + (h * (P + V) + P + v0 + k) * C : wzeros.data();
+      if (v0 + 16 < V) prefetch_bytes(kv_b + (h * (P + V) + P + v0 + 16) * C, 16 * C * sizeof(W));
+      rows16(wptrs, C, nt, [&](auto w_uv) {
         for (int64_t t = 0; t < nt; ++t) {
           alignas(64) float o[16];
           simd::store(o, dot16(&acc[(t * nh + i) * Cp], w_uv, C));
           float* dst = out + ((t0 + t) * NH + h) * V + v0;
-          for (int64_t k = 0; k < nv; ++k) dst[k] = o[k];
+          const float* ws = kv_b_scale ? kv_b_scale + h * (P + V) + P + v0 : nullptr;
+          for (int64_t k = 0; k < nv; ++k) dst[k] = ws ? o[k] * ws[k] : o[k];
         }
       });
     }
   }
 }
 
-template <typename T>
-void run(const T* q_nope, const T* q_pe, const T* kv_b, const T* kv, const int64_t* slots, const bool* vis,
-         int64_t B, int64_t Tq, int64_t NH, int64_t P, int64_t R, int64_t V, int64_t C, int64_t S, float scale,
-         float* out) {
-  const int64_t tile = Tq <= kOneTile ? Tq : kTile, tiles = (Tq + tile - 1) / tile, groups = (NH + kHeads - 1) / kHeads;
+template <typename T, typename W>
+void run(const T* q_nope, const T* q_pe, const W* kv_b, const float* kv_b_scale, const T* kv, const int64_t* slots,
+         const bool* vis, int64_t B, int64_t Tq, int64_t NH, int64_t P, int64_t R, int64_t V, int64_t C, int64_t S,
+         float scale, float* out) {
+  const int64_t tile = Tq <= kOneTile ? Tq : kTile, tiles = (Tq + tile - 1) / tile;
+  // heads a task: up to kHeads, fewer where that splits the tasks evenly over the threads (20 heads at batch 1 on 2
+  // threads: 10 tasks of 2, not 5 of 4 where one thread ran 3). Which rows share a task changes nothing in their
+  // arithmetic.
+  const int64_t threads = at::get_num_threads();
+  int64_t heads = kHeads;
+  for (int64_t h = kHeads; h >= 1; --h)
+    if (B * tiles * ((NH + h - 1) / h) % threads == 0) {
+      heads = h;
+      break;
+    }
+  const int64_t groups = (NH + heads - 1) / heads;
   at::parallel_for(0, B * tiles * groups, 1, [&](int64_t w0, int64_t w1) {
     for (int64_t w = w0; w < w1; ++w) {
-      const int64_t b = w / (tiles * groups), t0 = (w / groups) % tiles * tile, h0 = w % groups * kHeads;
-      attend<T>(q_nope + b * Tq * NH * P, q_pe + b * Tq * NH * R, kv_b, kv, slots + b * S, vis + b * Tq * S, t0,
-                std::min(tile, Tq - t0), h0, std::min(kHeads, NH - h0), NH, P, R, V, C, S, scale,
-                out + b * Tq * NH * V);
+      const int64_t b = w / (tiles * groups), t0 = (w / groups) % tiles * tile, h0 = w % groups * heads;
+      attend<T, W>(q_nope + b * Tq * NH * P, q_pe + b * Tq * NH * R, kv_b, kv_b_scale, kv, slots + b * S,
+                   vis + b * Tq * S, t0, std::min(tile, Tq - t0), h0, std::min(heads, NH - h0), NH, P, R, V, C, S,
+                   scale, out + b * Tq * NH * V);
     }
   });
 }
 
 at::Tensor mla_attention(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& kv_b,
                          const at::Tensor& kv_cache, const at::Tensor& context_slots, const at::Tensor& visible,
-                         double scale) {
+                         double scale, const std::optional<at::Tensor>& kv_b_scale) {
   TORCH_CHECK(q_nope.dim() == 4 && q_pe.dim() == 4, "mla_attention: q_nope and q_pe must be [B, T, NH, *]");
   const int64_t B = q_nope.size(0), Tq = q_nope.size(1), NH = q_nope.size(2), P = q_nope.size(3), R = q_pe.size(3);
   TORCH_CHECK(q_pe.size(0) == B && q_pe.size(1) == Tq && q_pe.size(2) == NH, "mla_attention: q_pe must be [B, T, NH, R]");
   const auto dt = q_nope.scalar_type();
-  TORCH_CHECK((dt == at::kBFloat16 || dt == at::kFloat) && q_pe.scalar_type() == dt && kv_b.scalar_type() == dt &&
-                  kv_cache.scalar_type() == dt,
-              "mla_attention: q_nope, q_pe, kv_b and kv_cache must all be bfloat16 or all float32");
+  const bool int8 = kv_b_scale.has_value();
+  TORCH_CHECK((dt == at::kBFloat16 || dt == at::kFloat) && q_pe.scalar_type() == dt &&
+                  kv_b.scalar_type() == (int8 ? at::kChar : dt) && kv_cache.scalar_type() == dt,
+              "mla_attention: q_nope, q_pe, kv_b and kv_cache must all be bfloat16 or all float32 (kv_b int8 with "
+              "kv_b_scale)");
   TORCH_CHECK(kv_b.dim() == 3 && kv_b.size(0) == NH && kv_b.size(1) > P && kv_b.is_contiguous(),
               "mla_attention: kv_b must be a contiguous [NH, P + V, C] tensor");
   const int64_t V = kv_b.size(1) - P, C = kv_b.size(2);
+  TORCH_CHECK(!int8 || (kv_b_scale->scalar_type() == at::kFloat && kv_b_scale->is_contiguous() &&
+                        kv_b_scale->numel() == NH * (P + V)),
+              "mla_attention: kv_b_scale must be a contiguous [NH, P + V] float32 tensor");
   TORCH_CHECK(kv_cache.dim() == 2 && kv_cache.is_contiguous() && kv_cache.size(1) == C + R,
               "mla_attention: kv_cache must be a contiguous [slots, C + R] tensor");
   TORCH_CHECK(context_slots.scalar_type() == at::kLong && context_slots.dim() == 2 && context_slots.size(0) == B,
@@ -252,15 +288,21 @@ at::Tensor mla_attention(const at::Tensor& q_nope, const at::Tensor& q_pe, const
     TORCH_CHECK(sp[i] >= 0 && sp[i] < kv_cache.size(0), "mla_attention: context slot ", sp[i], " out of range [0, ",
                 kv_cache.size(0), ")");
   at::Tensor out = at::empty({B, Tq, NH * V}, q_nope.options().dtype(at::kFloat));
-  if (dt == at::kFloat) {
-    run<float>(qn.data_ptr<float>(), qp.data_ptr<float>(), kv_b.data_ptr<float>(), kv_cache.data_ptr<float>(),
-               sp, vis.data_ptr<bool>(), B, Tq, NH, P, R, V, C, S, float(scale),
-               out.data_ptr<float>());
-  } else {
-    run<at::BFloat16>(qn.data_ptr<at::BFloat16>(), qp.data_ptr<at::BFloat16>(), kv_b.data_ptr<at::BFloat16>(),
-                      kv_cache.data_ptr<at::BFloat16>(), sp, vis.data_ptr<bool>(), B, Tq, NH,
-                      P, R, V, C, S, float(scale), out.data_ptr<float>());
-  }
+  const float* ws = int8 ? kv_b_scale->data_ptr<float>() : nullptr;
+  auto go = [&](auto* t) {
+    using T = std::remove_pointer_t<decltype(t)>;
+    const T* q = qn.data_ptr<T>();
+    if (int8)
+      run<T, int8_t>(q, qp.data_ptr<T>(), kv_b.data_ptr<int8_t>(), ws, kv_cache.data_ptr<T>(), sp,
+                     vis.data_ptr<bool>(), B, Tq, NH, P, R, V, C, S, float(scale), out.data_ptr<float>());
+    else
+      run<T, T>(q, qp.data_ptr<T>(), kv_b.data_ptr<T>(), nullptr, kv_cache.data_ptr<T>(), sp, vis.data_ptr<bool>(),
+                B, Tq, NH, P, R, V, C, S, float(scale), out.data_ptr<float>());
+  };
+  if (dt == at::kFloat)
+    go(static_cast<float*>(nullptr));
+  else
+    go(static_cast<at::BFloat16*>(nullptr));
   return out;
 }
 
@@ -268,7 +310,7 @@ at::Tensor mla_attention(const at::Tensor& q_nope, const at::Tensor& q_pe, const
 
 TORCH_LIBRARY_FRAGMENT(NEXTN_OPS, m) {
   m.def("mla_attention(Tensor q_nope, Tensor q_pe, Tensor kv_b, Tensor kv_cache, Tensor context_slots, "
-        "Tensor visible, float scale) -> Tensor");
+        "Tensor visible, float scale, Tensor? kv_b_scale=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(NEXTN_OPS, CPU, m) { m.impl("mla_attention", &mla_attention); }

@@ -9,11 +9,16 @@
 //       call, serial time at batch 1.
 //   nextn::moe_block(x [N, H] bf16, norm [H] bf16 (w * bf16(x_hat)) or f32 (bf16(x_hat * s): gpt-oss), eps,
 //       router [E, H] bf16, top_k, norm_topk, gate_up, down, group_size, int8_activations, gate_up_bias, down_bias,
-//       router_bias [E] f32 | None, activation, alpha, limit) -> x + experts(xn), xn = RMSNorm(x): the MLP half of
-//       a softmax-routed MoE layer (Qwen3-MoE, Mixtral, OLMoE, gpt-oss) as models/moe.py's `Router` and `SparseMoE`
-//       compute it — logits bf16(xn Wr^T (+ b)) (f32 sums), softmax in f64 rounded to f32, the top_k by descending
-//       probability (ties: lower id), renormalised when norm_topk — without the dozen small PyTorch ops between the
-//       attention op and the experts' op.
+//       shared_gate_up, shared_down, router_bias [E] f32 | None, activation, alpha, limit, router_kind, n_group,
+//       topk_group, routed_scaling, shared_gate [H] bf16 | None) -> x + mlp(xn), xn = RMSNorm(x): the MLP half of an
+//       MoE layer as models/moe.py's routers and `SparseMoE` compute it, without the dozen small PyTorch ops between
+//       the attention and the experts. Routing, router_kind 0 (`Router`: Qwen3-MoE, Mixtral, OLMoE, gpt-oss): logits
+//       bf16(xn Wr^T (+ router_bias)) (f32 sums), softmax in f64 rounded to f32, the top_k by descending probability
+//       (ties: lower id), renormalised when norm_topk; router_kind 1 (`NoAuxRouter`: DeepSeek-V3, GLM-4.5,
+//       GLM-4.7-Flash): scores sigmoid(xn Wr^T) in f32 (f64 sigmoid), router_bias the choice-only correction bias,
+//       n_group / topk_group group limits, weights renormalised and times routed_scaling. The shared expert
+//       (shared_gate_up / shared_down: a stack of one expert; empty: none) is added to the routed sum, scaled by
+//       bf16(sigmoid(bf16(xn . shared_gate))) where shared_gate is given (Qwen2-MoE's `shared_expert_gate`).
 //
 // Per expert e (ascending id) with its tokens' rows X_e (tokens ascending), as models/moe.py computes them:
 //   g, u = bf16(X_e Wgu^T (+ b_gu));  h = bf16(bf16(silu(g)) * u);  y = bf16(h Wdown^T (+ b_down))
@@ -29,6 +34,7 @@
 #include "cpu_kernels.h"
 
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -249,14 +255,116 @@ inline float to_bf16(float v) {
   return v;
 }
 
+
+// The router's logits of one row xn against router rows [E, H] bf16 (each alone: batch-invariant), f32 sums of exact
+// products, plus bias; rounded to bf16 for the softmax router (its `dense` kernel's bf16 output), kept in f32 for the
+// sigmoid one (NoAuxRouter scores in f32)
+void router_logits(const uint16_t* xn, const uint16_t* rw, int64_t E, int64_t H, const float* bias, bool round,
+                   float* out) {
+  for (int64_t e = 0; e < E; ++e) {
+    const uint16_t* wr = rw + e * H;
+    V16 acc = simd::zero();
+    for (int64_t i = 0; i < H; i += 16) acc = simd::fmadd(load_bf16(xn + i), load_bf16(wr + i), acc);
+    const float v = simd::reduce_add(acc);
+    out[e] = round ? to_bf16(v + (bias ? bias[e] : 0.f)) : v;
+  }
+}
+
+// The first `k` of `order` by descending `key` (ties: the lower index first)
+void top_by(std::vector<int64_t>& order, int64_t k, const float* key) {
+  std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                    [&](int64_t a, int64_t b) { return key[a] > key[b] || (key[a] == key[b] && a < b); });
+}
+
+// Softmax routing (models/moe.py `Router`): softmax in f64 rounded to f32, the top_k by descending probability,
+// renormalised when norm_topk
+void route_softmax(const float* l, int64_t E, const nextn_cpu::MoeRouting& r, int64_t* ids, float* weights) {
+  double m = l[0], sum = 0;
+  for (int64_t e = 1; e < E; ++e) m = std::max(m, double(l[e]));
+  std::vector<double> p(E);
+  for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(double(l[e]) - m));
+  std::vector<float> prob(E);
+  std::vector<int64_t> order(E);
+  for (int64_t e = 0; e < E; ++e) prob[e] = float(p[e] / sum), order[e] = e;
+  top_by(order, r.top_k, prob.data());
+  float total = 0.f;
+  for (int64_t j = 0; j < r.top_k; ++j) total += prob[order[j]];
+  for (int64_t j = 0; j < r.top_k; ++j) {
+    ids[j] = order[j];
+    weights[j] = r.norm_topk ? prob[order[j]] / total : prob[order[j]];
+  }
+}
+
+// Sigmoid group-limited routing (models/moe.py `NoAuxRouter`: DeepSeek-V3's noaux_tc, GLM-4.5's): scores
+// s = sigmoid(l) (f64, rounded to f32), choice c = s + bias; the n_group groups ranked by the sum of their two best
+// c, the experts of the best topk_group groups only; the top_k of those by c; weights s of the chosen, divided by
+// their sum + 1e-20 when norm_topk, times the routed scaling factor
+void route_sigmoid_grouped(const float* l, int64_t E, const nextn_cpu::MoeRouting& r, int64_t* ids, float* weights) {
+  std::vector<float> s(E), c(E);
+  for (int64_t e = 0; e < E; ++e) {
+    s[e] = float(1.0 / (1.0 + std::exp(-double(l[e]))));
+    c[e] = s[e] + (r.bias ? r.bias[e] : 0.f);
+  }
+  if (r.n_group > 1) {
+    const int64_t per = E / r.n_group;
+    std::vector<float> gs(r.n_group);
+    std::vector<int64_t> order(per), groups(r.n_group);
+    for (int64_t g = 0; g < r.n_group; ++g) {
+      for (int64_t j = 0; j < per; ++j) order[j] = g * per + j;
+      top_by(order, 2, c.data());
+      gs[g] = c[order[0]] + c[order[1]];
+      groups[g] = g;
+    }
+    top_by(groups, r.topk_group, gs.data());
+    std::vector<bool> keep(r.n_group, false);
+    for (int64_t j = 0; j < r.topk_group; ++j) keep[groups[j]] = true;
+    for (int64_t e = 0; e < E; ++e)
+      if (!keep[e / per]) c[e] = -std::numeric_limits<float>::infinity();
+  }
+  std::vector<int64_t> order(E);
+  for (int64_t e = 0; e < E; ++e) order[e] = e;
+  top_by(order, r.top_k, c.data());
+  float total = 0.f;
+  for (int64_t j = 0; j < r.top_k; ++j) total += s[order[j]];
+  for (int64_t j = 0; j < r.top_k; ++j) {
+    ids[j] = order[j];
+    weights[j] = (r.norm_topk ? s[order[j]] / (total + 1e-20f) : s[order[j]]) * r.scaling;
+  }
+}
+
+// op[t] = bf16(op[t] + sh) with sh the shared expert of row t (a stack of one expert: [w [1, 2 I, H / 2], scale,
+// zero]), times bf16(sigmoid(bf16(xn_t . gate))) where gate ([H] bf16) is given (Qwen2-MoE's shared_expert_gate)
+void add_shared(const uint16_t* xn, int64_t N, int64_t H, const nextn_cpu::MoeShared& shared, int64_t group_size,
+                bool int8_activations, uint16_t* op) {
+  const auto [E, I] = check_experts(H, shared.gate_up, shared.down, group_size);
+  TORCH_CHECK(E == 1, "moe_block: the shared expert must be a stack of one expert, got ", E);
+  std::vector<int64_t> zero(N, 0);
+  std::vector<float> one(N, 1.f);
+  std::vector<uint16_t> sh(N * H);
+  experts_into(xn, N, H, zero.data(), one.data(), 1, shared.gate_up, shared.down, 1, I, group_size, int8_activations,
+               sh.data());
+  for (int64_t n = 0; n < N; ++n) {
+    uint16_t* o = op + n * H;
+    const uint16_t* y = sh.data() + n * H;
+    if (shared.gate != nullptr) {
+      float logit;
+      router_logits(xn + n * H, shared.gate, 1, H, nullptr, true, &logit);
+      const V16 g = round_bf16(simd::set1(float(1.0 / (1.0 + std::exp(-double(logit))))));
+      for (int64_t i = 0; i < H; i += 16) store_bf16(o + i, load_bf16(o + i) + round_bf16(load_bf16(y + i) * g));
+    } else {
+      for (int64_t i = 0; i < H; i += 16) store_bf16(o + i, load_bf16(o + i) + load_bf16(y + i));
+    }
+  }
+}
+
 }  // namespace
 
 namespace nextn_cpu {
 
-at::Tensor moe_block(const at::Tensor& x, const at::Tensor& norm, double eps, const at::Tensor& router, int64_t top_k,
-                     bool norm_topk, at::TensorList gate_up, at::TensorList down, int64_t group_size,
+at::Tensor moe_block(const at::Tensor& x, const at::Tensor& norm, double eps, const at::Tensor& router,
+                     const MoeRouting& routing, at::TensorList gate_up, at::TensorList down, int64_t group_size,
                      bool int8_activations, at::TensorList gate_up_bias, at::TensorList down_bias,
-                     const std::optional<at::Tensor>& router_bias, int64_t activation, double alpha, double limit) {
+                     int64_t activation, double alpha, double limit, const MoeShared& shared) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
               "moe_block: x must be a contiguous [N, H] bfloat16 tensor");
   const int64_t N = x.size(0), H = x.size(1);
@@ -264,22 +372,26 @@ at::Tensor moe_block(const at::Tensor& x, const at::Tensor& norm, double eps, co
   TORCH_CHECK((norm.scalar_type() == at::kBFloat16 || norm.scalar_type() == at::kFloat) && norm.is_contiguous() &&
                   norm.numel() == H,
               "moe_block: norm must be a contiguous [", H, "] bfloat16 (weights) or float32 (scales) tensor");
-  TORCH_CHECK(!router_bias || (router_bias->scalar_type() == at::kFloat && router_bias->is_contiguous() &&
-                               router_bias->numel() == E),
-              "moe_block: router_bias must be a contiguous [", E, "] float32 tensor");
-  const float* rb = router_bias ? router_bias->data_ptr<float>() : nullptr;
   TORCH_CHECK(router.scalar_type() == at::kBFloat16 && router.is_contiguous() && router.dim() == 2 &&
                   router.size(0) == E && router.size(1) == H,
               "moe_block: router must be a contiguous [", E, ", ", H, "] bfloat16 tensor");
-  TORCH_CHECK(1 <= top_k && top_k <= E, "moe_block: top_k ", top_k, " outside [1, ", E, "]");
+  TORCH_CHECK(routing.kind == 0 || routing.kind == 1, "moe_block: router_kind must be 0 (softmax) or 1 (sigmoid, "
+              "grouped), got ", routing.kind);
+  TORCH_CHECK(1 <= routing.top_k && routing.top_k <= E, "moe_block: top_k ", routing.top_k, " outside [1, ", E, "]");
+  if (routing.kind == 1)
+    TORCH_CHECK(routing.n_group >= 1 && E % routing.n_group == 0 && 1 <= routing.topk_group &&
+                    routing.topk_group <= routing.n_group && (routing.n_group == 1 || E / routing.n_group >= 2) &&
+                    routing.top_k <= routing.topk_group * (E / routing.n_group),
+                "moe_block: routing ", E, " experts in ", routing.n_group, " groups, the best ", routing.topk_group,
+                " of them, cannot choose ", routing.top_k);
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const bool scaled = norm.scalar_type() == at::kFloat;
   const void* nw = norm.data_ptr();
   const uint16_t* rw = reinterpret_cast<const uint16_t*>(router.data_ptr<at::BFloat16>());
   std::vector<uint16_t> xn(N * H);
   std::vector<float> logits(N * E);
-  std::vector<int64_t> ids(N * top_k);
-  std::vector<float> weights(N * top_k);
+  std::vector<int64_t> ids(N * routing.top_k);
+  std::vector<float> weights(N * routing.top_k);
   at::parallel_for(0, N, 1, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       if (scaled)
@@ -288,43 +400,58 @@ at::Tensor moe_block(const at::Tensor& x, const at::Tensor& norm, double eps, co
         nextn_cpu::rms_norm(xp + n * H, static_cast<const uint16_t*>(nw), H, float(eps), xn.data() + n * H);
     }
   });
-  at::parallel_for(0, N * E, 16, [&](int64_t a0, int64_t a1) {  // each logit alone: batch-invariant
+  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(E, 16));  // logits of 16 experts a task
+  const int64_t per_row = (E + chunk - 1) / chunk;
+  at::parallel_for(0, N * per_row, 1, [&](int64_t a0, int64_t a1) {
     for (int64_t a = a0; a < a1; ++a) {
-      const uint16_t* xr = xn.data() + (a / E) * H;
-      const uint16_t* wr = rw + (a % E) * H;
-      V16 acc = simd::zero();
-      for (int64_t i = 0; i < H; i += 16) acc = simd::fmadd(load_bf16(xr + i), load_bf16(wr + i), acc);
-      logits[a] = to_bf16(simd::reduce_add(acc) + (rb ? rb[a % E] : 0.f));
+      const int64_t n = a / per_row, e0 = (a % per_row) * chunk, ne = std::min(chunk, E - e0);
+      router_logits(xn.data() + n * H, rw + e0 * H, ne, H, routing.kind == 0 && routing.bias ? routing.bias + e0
+                    : nullptr, routing.kind == 0, logits.data() + n * E + e0);
     }
   });
-  for (int64_t n = 0; n < N; ++n) {  // softmax (f64), top_k, renormalisation: Router.forward's
-    const float* l = logits.data() + n * E;
-    double m = l[0], sum = 0;
-    for (int64_t e = 1; e < E; ++e) m = std::max(m, double(l[e]));
-    std::vector<double> p(E);
-    for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(double(l[e]) - m));
-    std::vector<int64_t> order(E);
-    for (int64_t e = 0; e < E; ++e) order[e] = e;
-    std::vector<float> prob(E);
-    for (int64_t e = 0; e < E; ++e) prob[e] = float(p[e] / sum);
-    std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
-                      [&](int64_t a, int64_t b) { return prob[a] > prob[b] || (prob[a] == prob[b] && a < b); });
-    float total = 0.f;
-    for (int64_t j = 0; j < top_k; ++j) total += prob[order[j]];
-    for (int64_t j = 0; j < top_k; ++j) {
-      ids[n * top_k + j] = order[j];
-      weights[n * top_k + j] = norm_topk ? prob[order[j]] / total : prob[order[j]];
-    }
-  }
+  for (int64_t n = 0; n < N; ++n)
+    (routing.kind == 0 ? route_softmax : route_sigmoid_grouped)(logits.data() + n * E, E, routing,
+                                                                 ids.data() + n * routing.top_k,
+                                                                 weights.data() + n * routing.top_k);
   at::Tensor out = at::empty({N, H}, x.options());
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  experts_into(xn.data(), N, H, ids.data(), weights.data(), top_k, gate_up, down, E, I, group_size, int8_activations,
-               op, gate_up_bias, down_bias, Glu{activation, float(alpha), float(limit)});
+  experts_into(xn.data(), N, H, ids.data(), weights.data(), routing.top_k, gate_up, down, E, I, group_size,
+               int8_activations, op, gate_up_bias, down_bias, Glu{activation, float(alpha), float(limit)});
+  if (!shared.gate_up.empty()) add_shared(xn.data(), N, H, shared, group_size, int8_activations, op);
   for (int64_t a = 0; a < N * H; a += 16) store_bf16(op + a, load_bf16(xp + a) + load_bf16(op + a));  // residual
   return out;
 }
 
 }  // namespace nextn_cpu
+
+namespace {
+
+// The op's flat arguments as moe_block's structs
+at::Tensor moe_block_op(const at::Tensor& x, const at::Tensor& norm, double eps, const at::Tensor& router,
+                        int64_t top_k, bool norm_topk, at::TensorList gate_up, at::TensorList down, int64_t group_size,
+                        bool int8_activations, at::TensorList gate_up_bias, at::TensorList down_bias,
+                        at::TensorList shared_gate_up, at::TensorList shared_down,
+                        const std::optional<at::Tensor>& router_bias, int64_t activation, double alpha, double limit,
+                        int64_t router_kind, int64_t n_group, int64_t topk_group, double routed_scaling,
+                        const std::optional<at::Tensor>& shared_gate) {
+  const int64_t E = gate_up.empty() ? 0 : gate_up[0].size(0), H = x.size(-1);
+  TORCH_CHECK(!router_bias || (router_bias->scalar_type() == at::kFloat && router_bias->is_contiguous() &&
+                               router_bias->numel() == E),
+              "moe_block: router_bias must be a contiguous [", E, "] float32 tensor");
+  TORCH_CHECK(shared_gate_up.empty() == shared_down.empty(), "moe_block: shared_gate_up and shared_down go together");
+  TORCH_CHECK(!shared_gate || (!shared_gate_up.empty() && shared_gate->scalar_type() == at::kBFloat16 &&
+                               shared_gate->is_contiguous() && shared_gate->numel() == H),
+              "moe_block: shared_gate must be a contiguous [", H, "] bfloat16 tensor, with a shared expert");
+  nextn_cpu::MoeRouting routing{router_kind, top_k, norm_topk, n_group, topk_group, float(routed_scaling),
+                                router_bias ? router_bias->data_ptr<float>() : nullptr};
+  nextn_cpu::MoeShared shared{shared_gate_up, shared_down,
+                              shared_gate ? reinterpret_cast<const uint16_t*>(shared_gate->data_ptr<at::BFloat16>())
+                                          : nullptr};
+  return nextn_cpu::moe_block(x, norm, eps, router, routing, gate_up, down, group_size, int8_activations, gate_up_bias,
+                              down_bias, activation, alpha, limit, shared);
+}
+
+}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(NEXTN_OPS, m) {
   m.def("moe_experts(Tensor x, Tensor ids, Tensor weights, Tensor[] gate_up, Tensor[] down, int group_size, "
@@ -332,10 +459,12 @@ TORCH_LIBRARY_FRAGMENT(NEXTN_OPS, m) {
         "float limit=7.0) -> Tensor");
   m.def("moe_block(Tensor x, Tensor norm, float eps, Tensor router, int top_k, bool norm_topk, Tensor[] gate_up, "
         "Tensor[] down, int group_size, bool int8_activations, Tensor[] gate_up_bias, Tensor[] down_bias, "
-        "Tensor? router_bias=None, int activation=0, float alpha=1.702, float limit=7.0) -> Tensor");
+        "Tensor[] shared_gate_up, Tensor[] shared_down, Tensor? router_bias=None, int activation=0, "
+        "float alpha=1.702, float limit=7.0, int router_kind=0, int n_group=1, int topk_group=1, "
+        "float routed_scaling=1.0, Tensor? shared_gate=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(NEXTN_OPS, CPU, m) {
   m.impl("moe_experts", &moe_experts);
-  m.impl("moe_block", &nextn_cpu::moe_block);
+  m.impl("moe_block", &moe_block_op);
 }

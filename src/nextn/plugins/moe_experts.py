@@ -39,12 +39,17 @@ class FusedExperts:
     activation: int = 0
     alpha: float = 1.702
     limit: float = 7.0
+    # the layer's shared expert (Qwen2-MoE's `shared_expert`, DeepSeek's `shared_experts`) as a stack of one expert
+    # ([w [1, 2 I', H / 2], scale, zero] and [w [1, H, I' / 2], ...]); empty: none, or not on the op's kernel
+    shared_gate_up: list[torch.Tensor] = field(default_factory=list)
+    shared_down: list[torch.Tensor] = field(default_factory=list)
 
 
 def fuse_experts(moe: nn.Module) -> FusedExperts | None:
     """The op's operands for a `SparseMoE`, or None where it does not apply: an expert not an int4 linear on nextn's
     kernel (one group size and format for all), biases on some projections but not all, an activation the op lacks
-    (SiLU's SwiGLU and gpt-oss's clamped SwiGLU it has), or widths not multiples of 64."""
+    (SiLU's SwiGLU and gpt-oss's clamped SwiGLU it has), or widths not multiples of 64. The shared expert's operands
+    are set where it is an unbiased SiLU `GatedMLP` of the same int4 format (`_fuse_shared`)."""
     experts = list(moe.experts)
     linears = [lin for ex in experts for lin in (ex.gate_proj, ex.up_proj, ex.down_proj)]
     kind = int4_linears(*linears)
@@ -59,8 +64,25 @@ def fuse_experts(moe: nn.Module) -> FusedExperts | None:
     down = stack_rows([[ex.down_proj] for ex in experts])
     biases = ([gate_up[3].float().contiguous()], [down[3].float().contiguous()]) if True in biased else ([], [])
     first = experts[0]
+    shared = _fuse_shared(_shared_mlp(moe), kind)
     return FusedExperts(gate_up[:3], down[:3], *kind, *biases, ACTIVATIONS[next(iter(acts))],
-                        float(getattr(first, "alpha", 1.702)), float(getattr(first, "limit", 7.0)))
+                        float(getattr(first, "alpha", 1.702)), float(getattr(first, "limit", 7.0)), *shared)
+
+
+def _shared_mlp(moe: nn.Module) -> nn.Module | None:
+    """The MoE MLP's shared expert module (Qwen2-MoE's `shared_expert`, DeepSeek's `shared_experts`), or None."""
+    return getattr(moe, "shared_expert", None) or getattr(moe, "shared_experts", None)
+
+
+def _fuse_shared(mlp: nn.Module | None, kind: tuple[int, bool]) -> tuple[list, list]:
+    """A shared expert's stacked operands (one expert) where the op computes it: an unbiased SiLU `GatedMLP` whose
+    linears are int4 on nextn's kernel in the routed experts' format `kind`, widths multiples of 64; else ([], [])."""
+    if mlp is None or getattr(mlp, "act_name", None) != "silu":
+        return [], []
+    linears = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    if int4_linears(*linears) != kind or any(lin.bias is not None for lin in linears) or mlp.gate_proj.out_features % 64:
+        return [], []
+    return stack_rows([[mlp.gate_proj, mlp.up_proj]]), stack_rows([[mlp.down_proj]])
 
 
 def experts_forward(fused: FusedExperts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -72,26 +94,41 @@ def experts_forward(fused: FusedExperts, x: torch.Tensor, weights: torch.Tensor,
                                          fused.limit)
 
 
+#: The routers the block op computes (`kind` of models/moe.py's routers → the op's `router_kind`)
+ROUTERS = {"softmax": 0, "sigmoid_grouped": 1}
+
+
 def block_applies(moe: nn.Module, norm: nn.Module) -> bool:
-    """Whether `block_forward` computes this MoE MLP (with its pre-MLP `norm`): fused experts, the softmax `Router`
-    (gpt-oss's with its bias) on bf16 weights, no shared expert, an RMSNorm with bf16 weights (Llama's form, or one
-    whose f32 scale the op takes: `fp32_scale`, gpt-oss's)."""
-    gate = getattr(moe, "gate", None)
-    return (getattr(moe, "fused_experts", None) is not None and getattr(gate, "kind", None) == "softmax"
-            and gate.weight.dtype == torch.bfloat16 and moe.shared_expert is None and moe.shared_experts is None
-            and isinstance(getattr(norm, "weight", None), torch.Tensor) and norm.weight.dtype == torch.bfloat16)
+    """Whether `block_forward` computes this MoE MLP (with its pre-MLP `norm`): fused experts, a router the op has
+    (`ROUTERS`: the softmax `Router`, gpt-oss's with its bias, or DeepSeek's `NoAuxRouter`) on bf16 weights, the shared
+    expert (if any) fused too and its gate (Qwen2-MoE's) on bf16 weights, an RMSNorm with bf16 weights (Llama's form,
+    or one whose f32 scale the op takes: `fp32_scale`, gpt-oss's)."""
+    gate, fused = getattr(moe, "gate", None), getattr(moe, "fused_experts", None)
+    if fused is None or getattr(gate, "kind", None) not in ROUTERS or gate.weight.dtype != torch.bfloat16:
+        return False
+    shared_gate = getattr(moe, "shared_expert_gate", None)
+    if _shared_mlp(moe) is not None and (not fused.shared_gate_up or (
+            shared_gate is not None and shared_gate.weight.dtype != torch.bfloat16)):
+        return False
+    return isinstance(getattr(norm, "weight", None), torch.Tensor) and norm.weight.dtype == torch.bfloat16
 
 
 def block_forward(moe: nn.Module, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """x + moe(norm(x)) through one op (`block_applies`): the norm, router, top-k and residual add in C++ beside the
-    experts. x: [..., hidden] bf16 → the same shape."""
+    """x + moe(norm(x)) through one op (`block_applies`): the norm, router, top-k, shared expert and residual add in
+    C++ beside the experts. x: [..., hidden] bf16 → the same shape."""
     flat = x.reshape(-1, x.shape[-1]).contiguous()
-    fused = moe.fused_experts
+    fused, gate = moe.fused_experts, moe.gate
     scale = norm.fp32_scale() if hasattr(norm, "fp32_scale") else None  # f32 scales: the op's second norm form
-    bias = moe.gate.bias
-    out = cpu_kernels.ops().moe_block(flat, norm.weight if scale is None else scale.contiguous(), norm.eps,
-                                      moe.gate.weight, moe.gate.top_k, moe.gate.norm_topk_prob, fused.gate_up,
-                                      fused.down, fused.group_size, fused.int8_activations, fused.gate_up_bias,
-                                      fused.down_bias, None if bias is None else bias.float().contiguous(),
-                                      fused.activation, fused.alpha, fused.limit)
+    grouped = gate.kind == "sigmoid_grouped"
+    bias = gate.e_score_correction_bias if grouped else gate.bias
+    shared_gate = getattr(moe, "shared_expert_gate", None)
+    out = cpu_kernels.ops().moe_block(
+        flat, norm.weight if scale is None else scale.contiguous(), norm.eps, gate.weight, gate.top_k,
+        bool(gate.norm_topk_prob), fused.gate_up, fused.down, fused.group_size, fused.int8_activations,
+        fused.gate_up_bias, fused.down_bias, fused.shared_gate_up, fused.shared_down,
+        router_bias=None if bias is None else bias.float().contiguous(), activation=fused.activation,
+        alpha=fused.alpha, limit=fused.limit, router_kind=ROUTERS[gate.kind], n_group=gate.n_group if grouped else 1,
+        topk_group=gate.topk_group if grouped else 1,
+        routed_scaling=float(gate.routed_scaling_factor) if grouped else 1.0,
+        shared_gate=None if shared_gate is None else shared_gate.weight.reshape(-1))
     return out.view(x.shape)

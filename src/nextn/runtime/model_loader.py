@@ -105,7 +105,8 @@ def load_model(manifest: EngineManifest, weights: Weights, device: torch.device,
     install_paged_attention(model)  # nextn's CPU attention kernel where it applies
     install_rms_norms(model)  # the norms of layers that run as modules, one dispatch each
     install_gated_delta(model)  # nextn's CPU recurrence of Gated DeltaNet layers where it applies
-    install_mla(model)  # nextn's CPU MLA (DeepSeek-V3's attention) where it applies
+    # nextn's CPU MLA (DeepSeek-V3's attention) where it applies; kv_b_proj in int8 where the linears are quantized
+    install_mla(model, int8_kv_b=manifest.quant_config is not None)
     install_fused_layers(model)  # W4A16 on the CPU: one op per decoder layer
     varying = batch_dependent_linear(model) or batch_dependent_attention(model)
     if varying is not None:

@@ -26,10 +26,12 @@ class MLAttention(nn.Module):
     """MLA with HF parameter names (`q_a_proj`, `kv_a_proj_with_mqa`, `kv_b_proj`, `o_proj`, ...).
 
     `mla_kernel` (set at load by `plugins.mla.install_mla` where it applies): the absorption, the attention and the
-    value up-projection run as nextn's CPU op (batch-invariant), else as the PyTorch / Triton path below.
+    value up-projection run as nextn's CPU op (batch-invariant), else as the PyTorch / Triton path below;
+    `kv_b_int8` (set there too in a weight-quantized engine): the op reads `kv_b_proj` as int8 with per-row scales.
     """
 
     mla_kernel = False
+    kv_b_int8: tuple[torch.Tensor, torch.Tensor] | None = None  # (int8 [NH, P + V, C], f32 scales [NH, P + V])
 
     def __init__(self, cfg: DeepseekV3ModelConfig) -> None:
         super().__init__()
@@ -79,8 +81,9 @@ class MLAttention(nn.Module):
         kv_cache_write(kv_cache, meta.slot_mapping.reshape(-1), new_kv.reshape(b * t, -1))
 
         if self.mla_kernel and kv_cache.dtype == x.dtype == self.kv_b_proj.weight.dtype:
-            o = cpu_kernels.ops().mla_attention(q_nope, q_pe, self.kv_b_proj.weight.view(nh, -1, lora), kv_cache,
-                                                meta.context_slots, meta.visible, self.scale)
+            kv_b, kv_b_scale = self.kv_b_int8 or (self.kv_b_proj.weight.view(nh, -1, lora), None)
+            o = cpu_kernels.ops().mla_attention(q_nope, q_pe, kv_b, kv_cache, meta.context_slots, meta.visible,
+                                                self.scale, kv_b_scale)
             return self.o_proj(o.to(x.dtype))
         w_kv = self.kv_b_proj.weight.view(nh, nope + cfg.v_head_dim, lora)
         w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]  # [nh, nope, lora], [nh, v, lora]

@@ -19,15 +19,31 @@ from nextn.models.deepseek_v3.moe import deepseek_moe
 from nextn.models.deepseek_v3.rope import rope_cache
 from nextn.models.layers import GatedMLP, PreNormDecoderLayer, RMSNorm
 from nextn.models.attention_metadata import AttentionMetadata
+from nextn.plugins.moe_experts import block_forward
 
 
 class DecoderLayer(PreNormDecoderLayer):
-    """Pre-norm block: x + MLA(norm(x)), then h + MLP/MoE(norm(h))."""
+    """Pre-norm block: x + MLA(norm(x)), then h + MLP/MoE(norm(h)).
+
+    `moe_block` (set at load by `plugins.decoder_layer.install_fused_layers` where it applies: int4 experts on the
+    CPU): the MoE half — norm, sigmoid grouped routing, routed and shared experts, residual — as one op
+    (`plugins.moe_experts.block_forward`).
+    """
+
+    moe_block = False
 
     def __init__(self, cfg: DeepseekV3ModelConfig, layer_idx: int) -> None:
         mlp = deepseek_moe(cfg) if cfg.is_moe_layer(layer_idx) else GatedMLP(cfg.hidden_size, cfg.intermediate_size)
         super().__init__(MLAttention(cfg), mlp, cfg.hidden_size, cfg.rms_norm_eps)
         self.layer_idx = layer_idx
+
+    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """x: [B, T, hidden] → [B, T, hidden]; writes this layer's latent KV."""
+        if not self.moe_block or x.dtype != torch.bfloat16:
+            return super().forward(x, cos_sin, kv_cache, meta)
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
+        return block_forward(self.mlp, self.post_attention_layernorm, x)
 
 
 class SharedHead(nn.Module):

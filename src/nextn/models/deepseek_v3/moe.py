@@ -6,8 +6,9 @@ Sources: DeepSeek-V3 report (arXiv 2412.19437) §2.1.2 (auxiliary-loss-free bala
 for selection only); deepseek-ai/DeepSeek-V3's `modeling_deepseek.py` (`MoEGate`, `DeepseekV3MoE`).
 
 On that layer a step computes only the routed (token, expert) pairs, each expert on its own tokens' rows with
-nextn's per-row kernels (dense, W8A16, W4A16 / W4A8 — int4 experts run as one op, `plugins.moe_experts`, read from
-a GGUF's Q4_K blocks as they are), a token's outputs summed in ascending expert id: batch-invariant. Parameter
+nextn's per-row kernels (dense, W8A16, W4A16 / W4A8 — with int4 experts, read from a GGUF's Q4_K blocks as they
+are, the layer's whole MLP half is one op: `plugins.moe_experts.block_forward`), a token's outputs summed in
+ascending expert id: batch-invariant. Parameter
 names are the released checkpoints' (`mlp.gate.weight`, `mlp.gate.e_score_correction_bias`,
 `mlp.experts.{e}.gate_proj.weight`, `mlp.shared_experts.*`).
 """
