@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace nextn_cpu {
 
@@ -103,6 +104,20 @@ struct Int4Scales {
 // bias (f32 [N] or null). Batch-invariant. K % 64 == 0, N % 16 == 0, group_size % 32 == 0.
 void int4_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, const Int4Scales& scales,
                  int64_t group_size, const float* bias, float* out);
+
+// An int4 linear's activations prepared once for several calls over the same rows (an MoE expert's rows against
+// each chunk of its weight): x (bf16 bits) and its group sums xs, or for W4A8 also x quantized per group (xq, sx;
+// int4_prepare). Each row alone: the same numbers as int4_linear's own preparation.
+struct Int4Activations {
+  const uint16_t* x = nullptr;
+  std::vector<int8_t> xq;
+  std::vector<float> sx, xs;
+};
+void int4_prepare(const uint16_t* x, int64_t M, int64_t K, int64_t group_size, bool int8_activations,
+                  Int4Activations& a);
+// int4_linear over rows [m0, m0 + M) of prepared activations (out: those rows' [M, N])
+void int4_linear_prepared(const Int4Activations& a, int64_t m0, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+                          const Int4Scales& scales, int64_t group_size, const float* bias, float* out);
 
 // The scales of an int4 weight of N output channels and G groups from the op's (scale, zero) tensors, dispatched on
 // their dtypes (bf16, bf16: one-level; uint8, fp16: two-level); TORCH_CHECKs shapes and dtypes, naming `op`.

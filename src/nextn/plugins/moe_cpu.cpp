@@ -119,7 +119,10 @@ Int4 block_slice(const Int4& l, int64_t K, int64_t group_size, int64_t b0) {
 // inline there); each output is computed as the whole-matrix call computes it (per-channel-block arithmetic).
 constexpr int64_t kChunk = 16;
 void matmuls(const std::vector<Int4>& l, const std::vector<int64_t>& start, const uint16_t* x, int64_t K, int64_t N,
-             int64_t group_size, float* out) {
+             int64_t group_size, bool int8_activations, float* out) {
+  // every row's activations prepared once (W4A8: quantized), not once per chunk of its expert's weight
+  nextn_cpu::Int4Activations act;
+  nextn_cpu::int4_prepare(x, start.back(), K, group_size, int8_activations, act);
   const int64_t blocks = N / 16, chunks = (blocks + kChunk - 1) / kChunk;
   std::vector<int64_t> units;  // expert * chunks + chunk, active experts only
   for (int64_t e = 0; e + 1 < int64_t(start.size()); ++e)
@@ -132,7 +135,7 @@ void matmuls(const std::vector<Int4>& l, const std::vector<int64_t>& start, cons
       const int64_t nb = std::min(kChunk, blocks - b0), rows = start[e + 1] - start[e];
       const Int4 w = block_slice(l[e], K, group_size, b0);
       tmp.resize(rows * nb * 16);
-      nextn_cpu::int4_linear(x + start[e] * K, rows, K, w.w, nb * 16, w.scales, group_size, w.bias, tmp.data());
+      nextn_cpu::int4_linear_prepared(act, start[e], rows, K, w.w, nb * 16, w.scales, group_size, w.bias, tmp.data());
       for (int64_t r = 0; r < rows; ++r)
         std::memcpy(out + (start[e] + r) * N + b0 * 16, tmp.data() + r * nb * 16, sizeof(float) * nb * 16);
     }
@@ -195,7 +198,7 @@ void experts_into(const uint16_t* xp, int64_t N, int64_t H, const int64_t* idp, 
   std::vector<float> f(A * 2 * I), y(A * H);
   for (int64_t r = 0; r < A; ++r) std::memcpy(xs.data() + r * H, xp + (order[r] / k) * H, sizeof(uint16_t) * H);
   // each projection of every active expert in one parallel region (few long streams, not 2 E short calls)
-  matmuls(gu, start, xs.data(), H, 2 * I, group_size, f.data());
+  matmuls(gu, start, xs.data(), H, 2 * I, group_size, int8_activations, f.data());
   at::parallel_for(0, A, 8, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* g = f.data() + r * 2 * I;
@@ -212,7 +215,7 @@ void experts_into(const uint16_t* xp, int64_t N, int64_t H, const int64_t* idp, 
       }
     }
   });
-  matmuls(dn, start, hs.data(), I, H, group_size, y.data());
+  matmuls(dn, start, hs.data(), I, H, group_size, int8_activations, y.data());
   std::fill(op, op + N * H, uint16_t(0));
   for (int64_t r = 0; r < A; ++r) {  // experts in ascending id: each token's sum in that order
     const int64_t t = order[r] / k;

@@ -290,24 +290,45 @@ void with_block_scales(const nextn_cpu::Int4Scales& scales, int64_t G, F&& f) {
 
 namespace nextn_cpu {
 
+void int4_prepare(const uint16_t* xp, int64_t M, int64_t K, int64_t group_size, bool int8_activations,
+                  Int4Activations& a) {
+  const int64_t G = K / group_size;
+  a.x = xp;
+  a.xs.assign(M * G, 0.f);
+  if (int8_activations) {
+    a.xq.resize(M * K);
+    a.sx.resize(M * G);
+    quantize_rows(xp, M, K, group_size, a.xq.data(), a.sx.data(), a.xs.data());
+    return;
+  }
+  // group sums of x, f32, in a fixed order per row (W4A8: sx * sum xq, from quantize_rows)
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t gi = 0; gi < G; ++gi) {
+      V16 v = simd::zero();
+      for (int64_t k = gi * group_size; k < (gi + 1) * group_size; k += 16) v = v + simd::load_bf16(xp + m * K + k);
+      a.xs[m * G + gi] = simd::reduce_add(v);
+    }
+}
+
 void int4_linear(const uint16_t* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t N, const Int4Scales& scales,
                  int64_t group_size, const float* b, float* op) {
+  Int4Activations a;
+  int4_prepare(xp, M, K, group_size, scales.int8_activations, a);
+  int4_linear_prepared(a, 0, M, K, wp, N, scales, group_size, b, op);
+}
+
+void int4_linear_prepared(const Int4Activations& a, int64_t m0, int64_t M, int64_t K, const uint8_t* wp, int64_t N,
+                          const Int4Scales& scales, int64_t group_size, const float* b, float* op) {
   const int64_t G = K / group_size;
-  // group sums of x, f32, in a fixed order per row (W4A8: sx * sum xq, from quantize_rows)
-  std::vector<float> xs(M * G);
-  for (int64_t m = 0; m < M && !scales.int8_activations; ++m)
-    for (int64_t gi = 0; gi < G; ++gi) {
-      V16 a = simd::zero();
-      for (int64_t k = gi * group_size; k < (gi + 1) * group_size; k += 16) a = a + simd::load_bf16(xp + m * K + k);
-      xs[m * G + gi] = simd::reduce_add(a);
-    }
+  const uint16_t* xp = a.x + m0 * K;
+  const float* xsp = a.xs.data() + m0 * G;
   // blocks of 16 channels split across threads; one row: 2 blocks at a time (4 independent vdpbf16ps chains);
   // more: 1 block, up to 8 rows a chunk re-reading the block's weights from L1/L2
   auto run = [&](auto make_scales) {
-    auto block = [&](auto mb, auto nb, int64_t m0, int64_t blk) {
+    auto block = [&](auto mb, auto nb, int64_t r0, int64_t blk) {
       constexpr int MB = decltype(mb)::value, NB = decltype(nb)::value;
-      int4_block<MB, NB>(xp + m0 * K, K, wp + blk * 8 * K, make_scales(blk), G, group_size, xs.data() + m0 * G,
-                         op + m0 * N + blk * 16, N, b ? b + blk * 16 : nullptr);
+      int4_block<MB, NB>(xp + r0 * K, K, wp + blk * 8 * K, make_scales(blk), G, group_size, xsp + r0 * G,
+                         op + r0 * N + blk * 16, N, b ? b + blk * 16 : nullptr);
     };
     if (M == 1) {
       run_blocks<2, 1>(M, N / 16, 4, block);
@@ -316,17 +337,16 @@ void int4_linear(const uint16_t* xp, int64_t M, int64_t K, const uint8_t* wp, in
     }
   };
   if (scales.int8_activations) {
-    std::vector<int8_t> xq(M * K);
-    std::vector<float> sx(M * G);
-    quantize_rows(xp, M, K, group_size, xq.data(), sx.data(), xs.data());
+    TORCH_CHECK(!a.xq.empty(), "int4_linear: W4A8 weights need activations prepared with int8_activations");
+    const int8_t* xq = a.xq.data() + m0 * K;
+    const float* sx = a.sx.data() + m0 * G;
     // one row: 4 blocks at a time (8 vpdpbusd chains), 2 for a small matrix; up to 4 rows: 2; more: 1 block, 8 rows
     // a chunk
     auto run8 = [&](auto make_scales) {
-      auto block = [&](auto mb, auto nb, int64_t m0, int64_t blk) {
+      auto block = [&](auto mb, auto nb, int64_t r0, int64_t blk) {
         constexpr int MB = decltype(mb)::value, NB = decltype(nb)::value;
-        int4a8_block<MB, NB>(xq.data() + m0 * K, K, wp + blk * 8 * K, make_scales(blk), G, group_size,
-                             sx.data() + m0 * G, xs.data() + m0 * G, op + m0 * N + blk * 16, N,
-                             b ? b + blk * 16 : nullptr);
+        int4a8_block<MB, NB>(xq + r0 * K, K, wp + blk * 8 * K, make_scales(blk), G, group_size, sx + r0 * G,
+                             xsp + r0 * G, op + r0 * N + blk * 16, N, b ? b + blk * 16 : nullptr);
       };
       if constexpr (simd::kRegisterShare > 1) {  // AVX2 / NEON: a V16 takes 2 or 4 of the vector registers
         if (M == 1) {
