@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nextn.plugins import page_release
+
 
 def int4_linears(*linears: nn.Module) -> tuple[int, bool] | None:
     """(the common group size, W4A8) when every module is a W4A16 (or every one a W4A8) `WeightOnlyLinear` on
@@ -34,6 +36,7 @@ def concat_rows(linears: list[nn.Module]) -> list[torch.Tensor]:
         for lin, part in zip(linears, parts):
             setattr(lin, name, cat[row:row + part.shape[0]])
             row += part.shape[0]
+        page_release.release(parts)  # the engine file's pages of the parts: not resident beside the copy
         fused.append(cat)
     return fused
 
@@ -57,6 +60,7 @@ def stack_rows(groups: list[list[nn.Module]]) -> list[torch.Tensor]:
                 part = getattr(lin, name)
                 stacked[e, row:row + part.shape[0]] = part
                 setattr(lin, name, stacked[e, row:row + part.shape[0]])
+                page_release.release([part])
                 row += part.shape[0]
         fused.append(stacked)
     return fused

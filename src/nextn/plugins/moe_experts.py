@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from nextn.plugins import cpu_kernels
+from nextn.plugins import cpu_kernels, page_release
 from nextn.plugins.int4_operands import int4_linears, stack_rows
 
 
@@ -62,6 +62,7 @@ def fuse_experts(moe: nn.Module) -> FusedExperts | None:
         return None
     gate_up = stack_rows([[ex.gate_proj, ex.up_proj] for ex in experts])  # [w, scale, zero] (+ [bias])
     down = stack_rows([[ex.down_proj] for ex in experts])
+    page_release.trim_heap()  # the experts' own tensors, freed by the stacking: a layer's worth at most at once
     biases = ([gate_up[3].float().contiguous()], [down[3].float().contiguous()]) if True in biased else ([], [])
     first = experts[0]
     shared = _fuse_shared(_shared_mlp(moe), kind)

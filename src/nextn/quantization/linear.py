@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nextn.plugins import cpu_kernels, dense_linear, woq_linear
+from nextn.plugins import cpu_kernels, dense_linear, page_release, woq_linear
 from nextn.quantization.weight_only import INT4_ALGOS, QuantConfig, dequantize, super_scales, unpack_int4
 
 
@@ -135,12 +135,22 @@ def install_weight_only_linears(model: nn.Module, weights: dict[str, torch.Tenso
         The names of the replaced layers.
     """
     replaced = []
+    since_trim = 0  # bytes repacked since the heap was last trimmed
     for name, module in list(model.named_modules()):
         if not name or f"{name}.weight_scale" not in weights:
             continue
         keys = [s for s in ("weight", "weight_scale", "weight_zero", "weight_scale_2", "bias")
                 if f"{name}.{s}" in weights]
-        layer = WeightOnlyLinear({s: weights.pop(f"{name}.{s}") for s in keys}, cfg.for_module(name))
+        stored = {s: weights.pop(f"{name}.{s}") for s in keys}
+        layer = WeightOnlyLinear(stored, cfg.for_module(name))
+        # the stored tensors the layer repacked (not kept as they are): their mmap'd engine pages, read for the copy,
+        # need not stay resident beside it
+        kept = {t.untyped_storage().data_ptr() for t in layer.state_dict().values()}
+        page_release.release(t for t in stored.values() if t.untyped_storage().data_ptr() not in kept)
+        since_trim += sum(t.numel() * t.element_size() for t in stored.values())
+        if since_trim > 512 << 20:  # repacking's freed intermediates back to the system as it goes: the peak
+            page_release.trim_heap()  # resident size stays near the engine's (measured: 10.1 GB for 5.6 without)
+            since_trim = 0
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, layer)
         replaced.append(name)

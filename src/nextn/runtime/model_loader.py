@@ -24,6 +24,7 @@ from nextn.plugins.dense_linear import install_dense_linears
 from nextn.plugins.dense_linear import unavailable_reason as dense_linear_unavailable_reason
 from nextn.plugins.packed_linear import install_packed_linears
 from nextn.plugins.gated_delta import install_gated_delta
+from nextn.plugins import page_release
 from nextn.plugins.mla import install_mla
 from nextn.plugins.paged_attention import install_paged_attention
 from nextn.plugins.rms_norm import install_rms_norms
@@ -91,6 +92,7 @@ def load_model(manifest: EngineManifest, weights: Weights, device: torch.device,
     if manifest.quant_config is not None:
         replaced = install_weight_only_linears(model, weights, manifest.quant_config)
         model.lm_head_quantized = "lm_head" in replaced
+        page_release.trim_heap()  # repacking's intermediate tensors, back to the system before the next copies
     if shard is not None:
         weights = shard(model, weights)
     try:
@@ -108,6 +110,7 @@ def load_model(manifest: EngineManifest, weights: Weights, device: torch.device,
     # nextn's CPU MLA (DeepSeek-V3's attention) where it applies; kv_b_proj in int8 where the linears are quantized
     install_mla(model, int8_kv_b=manifest.quant_config is not None)
     install_fused_layers(model)  # W4A16 on the CPU: one op per decoder layer
+    page_release.trim_heap()  # what copying operands into the fused ops' tensors freed, back to the system
     varying = batch_dependent_linear(model) or batch_dependent_attention(model)
     if varying is not None:
         why = (f"{device.type} kernels pick their reduction order by the batch" if device.type != "cpu"
