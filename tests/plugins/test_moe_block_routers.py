@@ -19,6 +19,8 @@ from nextn.plugins import cpu_kernels
 from nextn.plugins.moe_experts import block_forward
 from nextn.testing.tiny_families import tiny_hf_model
 
+from test_moe_experts import assert_block_is_the_modules
+
 pytestmark = [pytest.mark.skipif(not cpu_kernels.available(),
                                  reason=f"nextn's CPU kernels unavailable: {cpu_kernels.unavailable_reason()}"),
               pytest.mark.usefixtures("kernel_variant")]
@@ -70,14 +72,7 @@ def test_block_op_is_the_modules_mlp_half(llm, n):
     """x + moe(norm(x)) in one op: within a bf16 step of the modules' output, most elements bit-equal (the router's
     sums and sigmoid are computed in another order / precision: a last-bit difference at most)."""
     for layer in _moe_layers(llm):
-        moe, norm = layer.mlp, layer.post_attention_layernorm
-        x = _x(n, 5)
-        with torch.inference_mode():
-            got = block_forward(moe, norm, x)
-            want = x + moe(norm(x))
-        assert got.dtype == torch.bfloat16 and got.shape == x.shape
-        assert (got == want).float().mean() > 0.9
-        torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2)
+        assert_block_is_the_modules(layer, _x(n, 5))
 
 
 def test_block_op_rows_are_computed_as_if_alone(llm):
