@@ -170,37 +170,3 @@ def test_gated_attention_layer_takes_the_fused_op(llm):
     finally:
         attn.output_gate, layer.fused = True, saved
     assert (ungated.float() - ref.float()).abs().max() > 0.1
-
-
-@pytest.fixture(scope="module")
-def next_llm(tmp_path_factory):
-    """A tiny Qwen3-Next W4A16 engine: the same hybrid layers with an MoE MLP (8 experts, top-2, a shared expert)."""
-    root = tmp_path_factory.mktemp("qwen3_next")
-    tiny_hf_model("qwen3_next", seed=1, vocab_size=320, hidden_size=128, num_hidden_layers=4, head_dim=32,
-                  linear_key_head_dim=32, linear_value_head_dim=32, moe_intermediate_size=64,
-                  shared_expert_intermediate_size=64).save_pretrained(root / "ckpt")
-    build_engine(root / "ckpt", root / "engine", progress=False, max_seq_len=128, dtype="bfloat16",
-                 quant_algo="W4A16", group_size=32)
-    llm = LLM(root / "engine", device="cpu")
-    yield llm
-    llm.shutdown()
-
-
-def test_gated_attention_before_an_moe_takes_the_attention_only_op(next_llm):
-    """Qwen3-Next's gated attention layer, whose MLP is an MoE, runs the op's attention half with the gate
-    (x + attention(norm(x)), the gate applied), matching the modules; its DeltaNet layers keep their modules (MoE)."""
-    from nextn.plugins.decoder_layer import fused_forward
-    from test_decoder_layer import _inputs
-
-    model = next_llm.engine.model
-    assert all(layer.fused_deltanet is None for layer in _layers(next_llm))
-    (layer,) = [m for m in model.model.layers if getattr(m, "fused", None) is not None]
-    assert layer.fused.output_gate and layer.fused.attention_only
-    x, kv, meta = _inputs(layer, 2, 3, [8, 21])
-    cos_sin = model._cos_sin(meta.positions)
-    kv_fused, kv_ref = kv.clone(), kv.clone()
-    fused = fused_forward(layer, x, cos_sin, kv_fused, meta)
-    with torch.no_grad():
-        ref = x + layer.self_attn(layer.input_layernorm(x), cos_sin, kv_ref, meta)
-    torch.testing.assert_close(fused.float(), ref.float(), rtol=2e-2, atol=3e-2)
-    torch.testing.assert_close(kv_fused.float(), kv_ref.float(), rtol=2e-2, atol=2e-2)

@@ -278,6 +278,9 @@ def install_fused_layers(model: nn.Module) -> int:
             module.moe_block = (module.fused is not None and module.fused.attention_only
                                 and module.residual_multiplier == 1.0
                                 and block_applies(module.mlp, module.post_attention_layernorm))
+        elif hasattr(module, "fused_deltanet"):  # a Gated DeltaNet layer: where its op stops after the mixer
+            module.moe_block = (module.fused_deltanet is not None and module.fused_deltanet.attention_only
+                                and block_applies(module.mlp, module.post_attention_layernorm))
         else:  # a pre-norm layer of its own attention (DeepSeek's MLA)
             module.moe_block = block_applies(module.mlp, module.post_attention_layernorm)
     if hasattr(model, "fused_stack"):

@@ -10,6 +10,9 @@
 //       operands: gated_delta_cpu.cpp's `gated_deltanet_mix`), group_size, eps, mix_eps, int8_activations)
 //       -> [B, T, H] bf16
 //
+// With gate_up and down empty the op stops after the token mixer's residual add and returns x1 (an MoE MLP follows:
+// the layer runs it as moe_cpu.cpp's `moe_block`, Qwen3-Next's and Qwen3.5-MoE's layers).
+//
 // It computes what the modules compute, with their bf16 roundings:
 //   h = norm(x);  qkv, z = bf16(h Wqkvz^T);  b, a = bf16(h Wba^T)       one int4 matmul, one bf16 dot per row
 //   m = bf16(mixer(qkv, z, b, a))                                       gated_deltanet.h (conv, gates, the rule)
@@ -58,9 +61,10 @@ at::Tensor gated_deltanet_layer(const at::Tensor& x, at::TensorList norms, at::T
                              valid, B, T, key_heads, mix_eps, op);
   const int64_t C = mo.shape.channels(), Hv = mo.shape.Hv, V = Hv * mo.shape.Dv;
   TORCH_CHECK(group_size > 0 && group_size % 32 == 0, op, ": group_size must be a multiple of 32");
-  TORCH_CHECK(gate_up_t.size() >= 1 && gate_up_t[0].dim() == 2 && gate_up_t[0].size(0) % 2 == 0, op,
-              ": gate_up must hold the gate then the up rows");
-  const int64_t I = gate_up_t[0].size(0) / 2;
+  const bool attention_only = gate_up_t.empty() && down_t.empty();
+  TORCH_CHECK(attention_only || (gate_up_t.size() >= 1 && gate_up_t[0].dim() == 2 && gate_up_t[0].size(0) % 2 == 0),
+              op, ": gate_up must hold the gate then the up rows (or gate_up and down both empty)");
+  const int64_t I = attention_only ? 64 : gate_up_t[0].size(0) / 2;
   TORCH_CHECK(H % 64 == 0 && V % 64 == 0 && I % 64 == 0 && (C + V) % 16 == 0 && H % group_size == 0 &&
                   V % group_size == 0 && I % group_size == 0,
               op, ": needs hidden ", H, ", value width ", V, " and intermediate size ", I,
@@ -75,8 +79,9 @@ at::Tensor gated_deltanet_layer(const at::Tensor& x, at::TensorList norms, at::T
               op, ": ba must be a contiguous bfloat16 [", 2 * Hv, ", ", H, "]");
   const Int4 qkvz = int4_weights(qkvz_t, H, C + V, group_size, int8_activations, "qkvz", op);
   const Int4 out_proj = int4_weights(out_t, V, H, group_size, int8_activations, "out", op);
-  const Int4 gate_up = int4_weights(gate_up_t, H, 2 * I, group_size, int8_activations, "gate_up", op);
-  const Int4 down = int4_weights(down_t, I, H, group_size, int8_activations, "down", op);
+  const Int4 gate_up = attention_only ? Int4{} : int4_weights(gate_up_t, H, 2 * I, group_size, int8_activations,
+                                                               "gate_up", op);
+  const Int4 down = attention_only ? Int4{} : int4_weights(down_t, I, H, group_size, int8_activations, "down", op);
   const Norm input_norm{norms[0].data_ptr(), f32_norms}, post_norm{norms[1].data_ptr(), f32_norms};
 
   const at::Tensor xc = x.contiguous();
@@ -107,6 +112,10 @@ at::Tensor gated_deltanet_layer(const at::Tensor& x, at::TensorList norms, at::T
   run_mix(mo, f.data(), f.data() + C, ba.data(), ba.data() + Hv, mixed);
   // out_proj, the residual, the MLP
   matmul(out_proj, h.data(), M, group_size, f.data());
+  if (attention_only) {
+    for_rows(M, [&](int64_t m) { residual_add(xp + m * H, f.data() + m * H, H, op_out + m * H, 1.f); });
+    return out;
+  }
   for_rows(M, [&](int64_t m) {
     residual_add(xp + m * H, f.data() + m * H, H, x1.data() + m * H, 1.f);
     post_norm.apply(x1.data() + m * H, H, float(eps), h.data() + m * H);

@@ -89,7 +89,9 @@ def install_gated_delta(model: nn.Module, mix: bool = True) -> int:
 class DeltaNetLayerWeights:
     """A Gated DeltaNet decoder layer's operands for `gated_deltanet_layer`: its norms (input, post: bf16 weights or
     f32 scales), in_proj_qkv with in_proj_z and gate with up (each concatenated along the output channels, the
-    modules' buffers views of it), in_proj_b with in_proj_a as one bf16 [2 · Hv, H] weight, out_proj, down."""
+    modules' buffers views of it), in_proj_b with in_proj_a as one bf16 [2 · Hv, H] weight, out_proj, down.
+    `attention_only` (an MoE MLP: gate_up and down empty): the op stops after the mixer's residual add, x + mixer(
+    norm(x)), and the layer runs its MLP half as `moe_experts.block_forward` (or its modules)."""
 
     norms: list[torch.Tensor]
     qkvz: list[torch.Tensor]
@@ -100,23 +102,35 @@ class DeltaNetLayerWeights:
     group_size: int
     int8_activations: bool
 
+    @property
+    def attention_only(self) -> bool:
+        return not self.gate_up
+
 
 def fuse_deltanet_layer(layer: nn.Module) -> DeltaNetLayerWeights | None:
     """The op's operands for a `LinearAttentionDecoderLayer` whose mixer runs `gated_deltanet_mix`, or None where
-    the op does not apply: an MoE or non-SiLU MLP, projections not all W4A16 (or all W4A8) with one group size, b / a
-    not bf16, norms of mixed kinds, or sizes the int4 kernel does not take (hidden, value width, intermediate % 64)."""
+    the op does not apply: a non-SiLU MLP, projections not all W4A16 (or all W4A8) with one group size, b / a not
+    bf16, norms of mixed kinds, or sizes the int4 kernel does not take (hidden, value width, intermediate % 64). An MoE
+    MLP (Qwen3-Next, Qwen3.5-MoE: `experts`) gives the attention-only operands (`attention_only`)."""
     mixer, mlp = layer.linear_attn, layer.mlp
-    if mixer.mix_operands is None or not hasattr(mlp, "gate_proj") or getattr(mlp, "act_name", "silu") != "silu":
+    moe = hasattr(mlp, "experts")
+    if mixer.mix_operands is None or not (moe or hasattr(mlp, "gate_proj")) or (
+            not moe and getattr(mlp, "act_name", "silu") != "silu"):
         return None
-    kind = int4_linears(mixer.in_proj_qkv, mixer.in_proj_z, mixer.out_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    mlp_linears = () if moe else (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    kind = int4_linears(mixer.in_proj_qkv, mixer.in_proj_z, mixer.out_proj, *mlp_linears)
     ba = [_bf16_weight(mixer.in_proj_b), _bf16_weight(mixer.in_proj_a)]
     norms = _norms(layer.input_layernorm, layer.post_attention_layernorm)
-    hidden, values, inter = mixer.out_proj.out_features, mixer.out_proj.in_features, mlp.gate_proj.out_features
+    hidden, values = mixer.out_proj.out_features, mixer.out_proj.in_features
+    sizes = (hidden, values) if moe else (hidden, values, mlp.gate_proj.out_features)
     if (kind is None or any(w is None for w in ba) or norms is None
-            or any(n % 64 or n % kind[0] for n in (hidden, values, inter)) or (mixer.conv_dim + values) % 16):
+            or any(n % 64 or n % kind[0] for n in sizes) or (mixer.conv_dim + values) % 16):
         return None
-    return DeltaNetLayerWeights(norms, concat_rows([mixer.in_proj_qkv, mixer.in_proj_z]), torch.cat(ba).contiguous(),
-                                one_linear(mixer.out_proj), concat_rows([mlp.gate_proj, mlp.up_proj]),
+    qkvz, ba_w, out = concat_rows([mixer.in_proj_qkv, mixer.in_proj_z]), torch.cat(ba).contiguous(), one_linear(
+        mixer.out_proj)
+    if moe:
+        return DeltaNetLayerWeights(norms, qkvz, ba_w, out, [], [], *kind)
+    return DeltaNetLayerWeights(norms, qkvz, ba_w, out, concat_rows([mlp.gate_proj, mlp.up_proj]),
                                 one_linear(mlp.down_proj), *kind)
 
 
@@ -142,8 +156,9 @@ def _norms(*norms: nn.Module) -> list[torch.Tensor] | None:
 
 
 def layer_forward(layer: nn.Module, x: torch.Tensor, meta) -> torch.Tensor:
-    """Run a `LinearAttentionDecoderLayer` (with `fused_deltanet` set) through the op: x [B, T, H] bf16 → the same;
-    keeps its states for `meta.recurrent`'s rows."""
+    """Run a `LinearAttentionDecoderLayer` (with `fused_deltanet` set) through the op: x [B, T, H] bf16 → the same
+    (attention-only operands: x + mixer(norm(x)), the MLP half left to the caller); keeps its states for
+    `meta.recurrent`'s rows."""
     f: DeltaNetLayerWeights = layer.fused_deltanet
     mixer = layer.linear_attn
     state, rows = meta.recurrent

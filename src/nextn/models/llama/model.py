@@ -249,9 +249,12 @@ class LinearAttentionDecoderLayer(nn.Module):
     is the model's (HF `Qwen3_5DecoderLayer` of type linear_attention).
 
     `fused_deltanet` (set at load by `plugins.gated_delta.install_gated_delta` where it applies: W4A16 / W4A8
-    engines on the CPU): run the whole layer as one op of nextn's CPU kernels instead of the modules one by one."""
+    engines on the CPU): run the whole layer as one op of nextn's CPU kernels instead of the modules one by one; with
+    an MoE MLP the op runs the token mixer's half, and `moe_block` (set at load by `install_fused_layers`) the MLP
+    half as `plugins.moe_experts.block_forward`."""
 
     fused_deltanet = None
+    moe_block: bool = False
 
     def __init__(self, cfg: LlamaModelConfig, index: int, state_index: int) -> None:
         super().__init__()
@@ -264,7 +267,12 @@ class LinearAttentionDecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor | None, meta) -> torch.Tensor:
         """x: [B, T, hidden] → [B, T, hidden]; keeps the layer's state for `meta.recurrent`'s rows."""
         if self.fused_deltanet is not None and x.dtype == torch.bfloat16:
-            return gated_delta.layer_forward(self, x, meta)
+            out = gated_delta.layer_forward(self, x, meta)
+            if not self.fused_deltanet.attention_only:
+                return out
+            if self.moe_block:
+                return block_forward(self.mlp, self.post_attention_layernorm, out)
+            return out + self.mlp(self.post_attention_layernorm(out))
         x = x + self.linear_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
