@@ -12,7 +12,8 @@ from nextn.testing import llama_cpp_converter
 
 def tiny_source(hf_dir: Path, kind: str) -> Path:
     """The checkpoint to read: the HF directory (`kind` "hf"), or the f32 GGUF llama.cpp's converter makes of it
-    (once; skips without the converter)."""
+    (once; skips without the converter); "gguf-1d": that GGUF with its one-row weights 1-D, as `llama-quantize`
+    writes them (`ggml_n_dims` drops a trailing 1)."""
     if kind == "hf":
         return hf_dir
     if llama_cpp_converter.find() is None:
@@ -21,7 +22,31 @@ def tiny_source(hf_dir: Path, kind: str) -> Path:
     out = hf_dir / "tiny-f32.gguf"
     if not out.is_file():
         llama_cpp_converter.convert(_as_converted(hf_dir), out, "f32")
-    return out
+    return _one_row_squeezed(out, hf_dir / "tiny-f32-1d.gguf") if kind == "gguf-1d" else out
+
+
+def _one_row_squeezed(src: Path, dst: Path) -> Path:
+    """`src` rewritten to `dst` with every [1, n] tensor stored 1-D (the metadata and other tensors as they are)."""
+    import gguf
+
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(dst, reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name != "general.architecture" and not field.name.startswith("GGUF."):
+            vtype = field.types[0]
+            writer.add_key_value(field.name, field.contents(), vtype,
+                                 sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    squeezed = 0
+    for t in reader.tensors:
+        data = t.data.reshape(-1) if t.data.ndim == 2 and t.data.shape[0] == 1 else t.data
+        squeezed += data is not t.data
+        writer.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    assert squeezed, f"{src} has no one-row tensor"
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
 
 
 #: model_type → the one the converter is shown: the converter reads the vocabulary through `transformers`'

@@ -282,12 +282,13 @@ def test_config_reads_defaults_and_refuses_what_it_cannot_build():
 
 
 @pytest.mark.parametrize("family, kind", [("qwen3_next", "hf"), ("qwen3_next", "gguf"), ("qwen3_5_moe_text", "hf"),
-                                          ("qwen3_5_moe_text", "gguf")])
+                                          ("qwen3_5_moe_text", "gguf"), ("qwen3_5_moe_text", "gguf-1d")])
 def test_hybrid_moe_greedy_is_transformers(tokenizer_dir, tmp_path, kind, family):
     """Qwen3-Next and Qwen3.5-MoE: the same hybrid layers with an MoE MLP (routed experts and a sigmoid-gated shared
     expert; Qwen3-Next's linear-attention projections stored fused per key head, split on reading) — plain, NGram
     and MTP decoding (its MTP layer an MoE block) equal transformers, from HF and from llama.cpp's
-    `qwen3next` and `qwen35moe` GGUFs (the latter's value heads tiled as Qwen3.5's)."""
+    `qwen3next` and `qwen35moe` GGUFs (the latter's value heads tiled as Qwen3.5's; "gguf-1d": its shared expert's
+    gate stored 1-D, as quantized files store it)."""
     hf = save_tiny(family, tmp_path / "hf", tokenizer_dir)
     add_qwen3_5_mtp(tmp_path / "hf")  # llama.cpp's converter requires their MTP layer
     with torch.no_grad():

@@ -85,6 +85,16 @@ _GLM4_BLOCK = {**_LLAMA_BLOCK, "ffn_up": "mlp.gate_up_proj", "post_attention_nor
 _MOE_BLOCK = {"ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
               "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
               "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
+#: One-row weights HF stores as [1, in]: quantized files keep them 1-D (`llama-quantize` writes `ggml_n_dims`, which
+#: drops a trailing 1; the converter's f32 / bf16 output keeps [1, in])
+ONE_ROW = ("mlp.shared_expert_gate.weight",)
+
+
+def hf_shape(hf_name: str, stored: list[int]) -> list[int]:
+    """HF's shape of `hf_name` stored with shape `stored` (HF order): a one-row weight (`ONE_ROW`) as [1, in]."""
+    return [1, *stored] if len(stored) == 1 and hf_name.endswith(ONE_ROW) else stored
+
+
 #: An MTP layer's own tensors (llama.cpp's `blk.{N + i}.nextn.*`; conversion/glm.py, `Glm4MoeModel`), DeepSeek-V3's
 #: HF names; its embedding and head copies are read as such and left out as every MTP copy is
 _NEXTN = {"nextn.eh_proj": "eh_proj", "nextn.enorm": "enorm", "nextn.hnorm": "hnorm",

@@ -48,7 +48,7 @@ from nextn.build.gguf_families import (
     BLOCK_NAMES, FACTOR_TENSORS, LINEAR_ATTENTION_ARCHITECTURES, PARTIAL_ROTARY_ARCHITECTURES,
     PERMUTED_ARCHITECTURES, SUPPORTED_ARCHITECTURES, TENSOR_NAMES, V_REORDERED_ARCHITECTURES, expert_names,
     factor_values, family_config, global_names, hf_name, moe_config, norm_shift, rope_scaling_config, unsupported,
-    BLOCK_RE,
+    BLOCK_RE, hf_shape,
 )  # fmt: skip
 
 #: ggml float types (read as they are, widened to fp32).
@@ -390,7 +390,7 @@ class GGUFCheckpoint:
         t = self._tensors.get(name)
         if t is None:
             raise KeyError(name)
-        shape = [int(n) for n in reversed(t.shape)]
+        shape = hf_shape(name, [int(n) for n in reversed(t.shape)])
         if name in self._value_half:
             shape = gguf_deepseek2.merged_shape(shape, [int(n) for n in reversed(self._value_half[name].shape)])
         if self.architecture in LINEAR_ATTENTION_ARCHITECTURES:
@@ -408,6 +408,7 @@ class GGUFCheckpoint:
         if t is None:
             raise KeyError(f"{name!r} not in {self.path}")
         w = self._dequantized(t, self._expert.get(name))
+        w = w.reshape(hf_shape(name, list(w.shape)))
         if name in self._value_half:
             w = gguf_deepseek2.merge_kv_b(w, self._dequantized(self._value_half[name]))
         if shift := norm_shift(self.architecture, name):
