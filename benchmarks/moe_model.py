@@ -111,11 +111,16 @@ def make(out: Path, layers: int, experts: int, top_k: int, llama_cpp: Path, fami
     return random_gguf.write(model, hf_dir, out, name, qtype, llama_cpp)
 
 
+#: Metadata keys that hold a value per layer (`stack` repeats them with the layers)
+PER_LAYER_KEYS = ("attention.recurrent_layers", "attention.sliding_window_pattern", "attention.head_count",
+                  "attention.head_count_kv", "feed_forward_length")
+
+
 def stack(src: Path, layers: int, out: Path) -> Path:
     """Write `src` with `layers` decoder layers under `out` (layer i a copy of the source's layer i mod L — past the
     leading dense layers of a DeepSeek-style file (`{arch}.leading_dense_block_count`), which are not repeated: every
-    tensor `blk.j.*` as stored, quantized blocks included); every other tensor and metadata key as they are, the block
-    count changed. Refuses to overwrite a file. Returns the new GGUF's path."""
+    tensor `blk.j.*` as stored, quantized blocks included); per-layer metadata (`PER_LAYER_KEYS`) repeated likewise,
+    every other tensor and metadata key as they are, the block count changed. Refuses to overwrite a file. Returns the new GGUF's path."""
     import gguf
     from tqdm import tqdm
 
@@ -130,12 +135,17 @@ def stack(src: Path, layers: int, out: Path) -> Path:
     if dst.exists():
         raise SystemExit(f"{dst} exists: remove it or choose another --out")
     out.mkdir(parents=True, exist_ok=True)
+    dense_key = f"{arch}.leading_dense_block_count"
+    dense = int(reader.fields[dense_key].contents()) if dense_key in reader.fields else 0
+    source = [i if i < have else dense + (i - dense) % (have - dense) for i in range(layers)]  # layer i's copy
     writer = gguf.GGUFWriter(dst, arch)
     for field in reader.fields.values():
         if field.name == "general.architecture" or field.name.startswith("GGUF."):
             continue
         vtype = field.types[0]
         value = layers if field.name == count_key else field.contents()
+        if field.name.endswith(PER_LAYER_KEYS) and isinstance(value, list) and len(value) == have:
+            value = [value[j] for j in source]  # a value per layer (qwen35's recurrent_layers): repeated as they are
         writer.add_key_value(field.name, value, vtype,
                              sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
     by_layer: dict[int, list] = {}
@@ -144,10 +154,7 @@ def stack(src: Path, layers: int, out: Path) -> Path:
         parts = t.name.split(".")
         (by_layer.setdefault(int(parts[1]), []).append(t) if parts[0] == "blk" else rest.append(t))
     plan = [(t.name, t) for t in rest if t.name.startswith("token_embd")]
-    dense_key = f"{arch}.leading_dense_block_count"
-    dense = int(reader.fields[dense_key].contents()) if dense_key in reader.fields else 0
-    for i in range(layers):
-        j = i if i < have else dense + (i - dense) % (have - dense)
+    for i, j in enumerate(source):
         plan += [(t.name.replace(f"blk.{j}.", f"blk.{i}.", 1), t) for t in by_layer[j]]
     plan += [(t.name, t) for t in rest if not t.name.startswith("token_embd")]
     for new_name, t in plan:
