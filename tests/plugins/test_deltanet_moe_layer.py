@@ -142,3 +142,17 @@ def test_gated_attention_before_an_moe_takes_the_attention_only_op(llm):
         ref = x + layer.self_attn(layer.input_layernorm(x), cos_sin, kv_ref, meta)
     torch.testing.assert_close(fused.float(), ref.float(), rtol=2e-2, atol=3e-2)
     torch.testing.assert_close(kv_fused.float(), kv_ref.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_adaptive_suffix_on_a_hybrid_target_verifies_one_length_a_step(engine, llm):
+    """Adaptive Suffix decoding on a hybrid target (its step profile measured at load): no ragged steps — their
+    rows, one verified token each (`chain_step.verify_ragged`), cannot carry recurrent state — and the output equals
+    plain decoding, in a batch, the second pass drafting from the first's responses."""
+    params = [SamplingParams(max_tokens=24, ignore_eos=True)] * len(PROMPTS)
+    want = greedy_outputs(llm, PROMPTS, params)
+    spec = {"decoding_type": "Suffix", "max_draft_len": 4, "adaptive_draft_len": True, "step_profile": "auto"}
+    drafted = LLM(engine, device="cpu", speculative_config=spec)
+    assert drafted.engine.scheduler.draft_schedule.proposal_lens is None
+    for _ in range(2):
+        assert greedy_outputs(drafted, PROMPTS, params) == want
+    drafted.shutdown()

@@ -179,7 +179,8 @@ def load_engine(engine_dir: str | Path, args: LlmArgs, spec: BaseModel | None, d
     elif manifest.compiled_step is not None:
         logger.info("%s stores torch.compile artifacts; torch_compile_config: {} uses them", engine_dir)
     decode_fn = graph_decode_fn(decode_fn, args.cuda_graph_config, device, max_batch_size, plan.per_seq)
-    setup = resolve(drafter, acceptance, decode_fn, layered)  # the engine's speculative choices, made once
+    # the engine's speculative choices, made once
+    setup = resolve(drafter, acceptance, decode_fn, layered, model.has_recurrent_state)
     types = getattr(cfg, "layer_types", None)
     window = (cfg.sliding_window if types and set(types) == {"sliding_attention"} and not cfg.num_nextn_predict_layers
               else None)  # every KV-cache layer slides: blocks behind the window are released while decoding

@@ -91,15 +91,17 @@ class SpeculativeSetup:
 
 
 def resolve(drafter: Drafter, acceptance: AcceptanceRule, decode_fn: Callable[..., Any] | None = None,
-            layered: bool = False) -> SpeculativeSetup:
+            layered: bool = False, recurrent: bool = False) -> SpeculativeSetup:
     """The setup of `drafter` and `acceptance` (registry.build's) run by `decode_fn` (default: the drafter's own
     step); `layered`: the step is compiled or CUDA-graphed (traced with K draft passes and one draft length per
-    step, so no on-demand drafts and no ragged steps)."""
+    step, so no on-demand drafts and no ragged steps); `recurrent`: the target keeps recurrent state (Gated DeltaNet
+    layers), which a ragged step's rows — one verified token each, `chain_step.verify_ragged` — cannot carry, so
+    no ragged steps (each step verifies one draft length, its rows' longest proposal at most)."""
     traits = drafter.traits
     eager_chain = drafter.decode_fn is verify_and_draft_step and not layered
     proposes = traits.draft_len is not DraftLenSource.POLICY
     ragged = (traits.draft_len is DraftLenSource.PROPOSAL_PER_ROW and eager_chain and not traits.sampled
-              and type(acceptance) is StandardAcceptance)
+              and type(acceptance) is StandardAcceptance and not recurrent)
     proposer = cast(Proposer, drafter)  # its traits say it has the hooks read here
     schedule = DraftSchedule(drafter.num_draft_tokens, traits.rerun_rows, traits.kv,
                              traits.on_demand and eager_chain,
