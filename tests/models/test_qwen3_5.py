@@ -281,6 +281,55 @@ def test_config_reads_defaults_and_refuses_what_it_cannot_build():
         LlamaModelConfig.from_hf({k: v for k, v in base.items() if k != "linear_conv_kernel_dim"})
 
 
+def _with_random_q4_k(src: Path, dst: Path, names: tuple[str, ...]) -> None:
+    """`src` rewritten to `dst` with the tensors `names` as random Q4_K blocks (small fp16 scales; the rest as is)."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(dst, reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name != "general.architecture" and not field.name.startswith("GGUF."):
+            vtype = field.types[0]
+            writer.add_key_value(field.name, field.contents(), vtype,
+                                 sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    rng = np.random.default_rng(0)
+    for t in reader.tensors:
+        if t.name not in names:
+            writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+            continue
+        rows, cols = t.data.shape
+        blocks = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
+        blocks[..., 0:4] = np.frombuffer(np.float16([0.01, 0.01]).tobytes(), np.uint8)  # d, dmin
+        writer.add_tensor(t.name, blocks.reshape(rows, -1), raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_q4_k_blocks_of_reordered_projections_are_read_with_their_rows_restored(tokenizer_dir, tmp_path):
+    """llama.cpp's converter tiles Qwen3.5's value heads: the q/k/v and z projections' rows are only reordered, so
+    under W4A16 (two-level scales) their Q4_K blocks are read as they are with the rows put back — equal to `get`'s
+    dequantized, restored values bit for bit, while the blocks in the file's row order are not (a control)."""
+    from nextn.build.ggml_blocks import q4_k_two_level
+    from nextn.quantization.weight_only import QuantConfig, dequantize
+
+    save_tiny("qwen3_5_text", tmp_path / "hf", tokenizer_dir, hidden_size=256)
+    add_qwen3_5_mtp(tmp_path / "hf")  # llama.cpp's converter requires their MTP layer
+    names = ("blk.0.attn_qkv.weight", "blk.0.attn_gate.weight")
+    _with_random_q4_k(tiny_source(tmp_path / "hf", "gguf"), tmp_path / "q4k.gguf", names)
+    ckpt = GGUFCheckpoint(tmp_path / "q4k.gguf")
+    cfg = QuantConfig(quant_algo="W4A16", group_size=32, super_block_size=256)
+    for proj in ("in_proj_qkv", "in_proj_z"):
+        name = f"model.layers.0.linear_attn.{proj}.weight"
+        native = ckpt.native_w4a16(name, cfg)
+        assert native is not None and torch.equal(dequantize(native, cfg), ckpt.get(name)), proj
+        t = ckpt._tensors[name]
+        as_stored = q4_k_two_level(t.data, *(int(x) for x in reversed(t.shape)))
+        assert not torch.equal(dequantize(as_stored, cfg), ckpt.get(name)), proj
+
+
 @pytest.mark.parametrize("family, kind", [("qwen3_next", "hf"), ("qwen3_next", "gguf"), ("qwen3_5_moe_text", "hf"),
                                           ("qwen3_5_moe_text", "gguf"), ("qwen3_5_moe_text", "gguf-1d")])
 def test_hybrid_moe_greedy_is_transformers(tokenizer_dir, tmp_path, kind, family):

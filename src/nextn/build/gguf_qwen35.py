@@ -101,7 +101,9 @@ def shape(hf_name: str, stored: list[int]) -> list[int]:
     return [stored[0], 1, *stored[1:]] if hf_name.endswith(".conv1d.weight") else stored
 
 
-def keeps_rows(hf_name: str) -> bool:
-    """Whether the file's rows of `hf_name` are HF's rows as they are (its 4-bit blocks may then be read in place):
-    not a linear-attention tensor the converter reordered."""
-    return ".linear_attn." not in hf_name
+def blocks_readable(hf_name: str) -> bool:
+    """Whether the file's 4-bit blocks of `hf_name` (a row of them an output channel) may be read as they are: its
+    rows are HF's (not a linear-attention tensor), or HF's reordered (the q/k/v and z projections, whose value heads
+    the converter tiled: `restore` puts the rows back, on the blocks as on values). out_proj's columns are reordered
+    by half super-blocks (a value head of 128 columns): not readable."""
+    return ".linear_attn." not in hf_name or hf_name.endswith((".in_proj_qkv.weight", ".in_proj_z.weight"))

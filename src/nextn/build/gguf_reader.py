@@ -447,7 +447,8 @@ class GGUFCheckpoint:
 
         t = self._tensors.get(name)
         if (t is None or t.tensor_type != gguf.GGMLQuantizationType.Q4_K
-                or (self.architecture in V_REORDERED_ARCHITECTURES and not gguf_qwen35.keeps_rows(name)) or cfg.quant_algo not in INT4_ALGOS
+                or (self.architecture in V_REORDERED_ARCHITECTURES and not gguf_qwen35.blocks_readable(name))
+                or cfg.quant_algo not in INT4_ALGOS
                 or cfg.group_size != 32 or not cfg.super_block_size or len(t.shape) != 2 + (name in self._expert)):
             return None
         k, n = (int(x) for x in t.shape[:2])
@@ -455,6 +456,8 @@ class GGUFCheckpoint:
             return None
         raw = np.asarray(t.data)
         out = q4_k_two_level(raw[self._expert[name]] if name in self._expert else raw, n, k)
+        if self.architecture in V_REORDERED_ARCHITECTURES:  # q/k/v, z: the value heads' rows back in HF's order
+            out = {s: gguf_qwen35.restore(name, v, self.hf_config).contiguous() for s, v in out.items()}
         if self.architecture in PERMUTED_ARCHITECTURES:
             heads = {"q_proj": "num_attention_heads", "k_proj": "num_key_value_heads"}
             for proj, key in heads.items():
