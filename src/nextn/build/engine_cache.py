@@ -76,8 +76,9 @@ def checkpoint_files(path: Path) -> list[Path]:
 #: Bumped whenever the same build options produce different engine files (a default changed), so that cached
 #: engines of an older layout are rebuilt rather than reused: 2, quantized engines quantize the lm_head; 3, W4A16's
 #: default group size 32 and the W8A16 lm_head; 4, W4A16's two-level scales by default from 1B parameters; 5,
-#: DeepSeek-family routed experts stored one by one (`mlp.experts.{e}.*`, quantized like any linear).
-ENGINE_LAYOUT = 5
+#: DeepSeek-family routed experts stored one by one (`mlp.experts.{e}.*`, quantized like any linear); 6, Qwen3.5
+#: GGUFs' Q4_K q/k/v and z blocks read as they are (`gguf_qwen35.blocks_readable`), not re-quantized.
+ENGINE_LAYOUT = 6
 
 
 def cache_key(files: list[Path], build_options: dict[str, Any]) -> str:
