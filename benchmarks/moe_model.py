@@ -124,6 +124,8 @@ def stack(src: Path, layers: int, out: Path) -> Path:
     import gguf
     from tqdm import tqdm
 
+    from nextn.testing.gguf_rewrite import copy_metadata
+
     reader = gguf.GGUFReader(src)
     arch = reader.fields["general.architecture"].contents()
     count_key = f"{arch}.block_count"
@@ -138,16 +140,15 @@ def stack(src: Path, layers: int, out: Path) -> Path:
     dense_key = f"{arch}.leading_dense_block_count"
     dense = int(reader.fields[dense_key].contents()) if dense_key in reader.fields else 0
     source = [i if i < have else dense + (i - dense) % (have - dense) for i in range(layers)]  # layer i's copy
+    def value(name: str, v):
+        if name == count_key:
+            return layers
+        if name.endswith(PER_LAYER_KEYS) and isinstance(v, list) and len(v) == have:
+            return [v[j] for j in source]  # a value per layer (qwen35's recurrent_layers): repeated as they are
+        return v
+
     writer = gguf.GGUFWriter(dst, arch)
-    for field in reader.fields.values():
-        if field.name == "general.architecture" or field.name.startswith("GGUF."):
-            continue
-        vtype = field.types[0]
-        value = layers if field.name == count_key else field.contents()
-        if field.name.endswith(PER_LAYER_KEYS) and isinstance(value, list) and len(value) == have:
-            value = [value[j] for j in source]  # a value per layer (qwen35's recurrent_layers): repeated as they are
-        writer.add_key_value(field.name, value, vtype,
-                             sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    copy_metadata(reader, writer, value)
     by_layer: dict[int, list] = {}
     rest = []
     for t in reader.tensors:

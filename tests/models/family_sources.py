@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from nextn.testing import llama_cpp_converter
+from nextn.testing import gguf_rewrite, llama_cpp_converter
 
 
 def tiny_source(hf_dir: Path, kind: str) -> Path:
@@ -27,25 +27,16 @@ def tiny_source(hf_dir: Path, kind: str) -> Path:
 
 def _one_row_squeezed(src: Path, dst: Path) -> Path:
     """`src` rewritten to `dst` with every [1, n] tensor stored 1-D (the metadata and other tensors as they are)."""
-    import gguf
+    squeezed = []
 
-    reader = gguf.GGUFReader(src)
-    writer = gguf.GGUFWriter(dst, reader.fields["general.architecture"].contents())
-    for field in reader.fields.values():
-        if field.name != "general.architecture" and not field.name.startswith("GGUF."):
-            vtype = field.types[0]
-            writer.add_key_value(field.name, field.contents(), vtype,
-                                 sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
-    squeezed = 0
-    for t in reader.tensors:
-        data = t.data.reshape(-1) if t.data.ndim == 2 and t.data.shape[0] == 1 else t.data
-        squeezed += data is not t.data
-        writer.add_tensor(t.name, data, raw_dtype=t.tensor_type)
-    assert squeezed, f"{src} has no one-row tensor"
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    def tensor(t):
+        one_row = t.data.ndim == 2 and t.data.shape[0] == 1
+        squeezed.append(one_row)
+        return (t.data.reshape(-1) if one_row else t.data), t.tensor_type
+
+    if not dst.exists():
+        gguf_rewrite.rewrite(src, dst, tensor)
+        assert any(squeezed), f"{src} has no one-row tensor"
     return dst
 
 

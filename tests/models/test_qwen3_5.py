@@ -286,26 +286,19 @@ def _with_random_q4_k(src: Path, dst: Path, names: tuple[str, ...]) -> None:
     import gguf
     import numpy as np
 
-    reader = gguf.GGUFReader(src)
-    writer = gguf.GGUFWriter(dst, reader.fields["general.architecture"].contents())
-    for field in reader.fields.values():
-        if field.name != "general.architecture" and not field.name.startswith("GGUF."):
-            vtype = field.types[0]
-            writer.add_key_value(field.name, field.contents(), vtype,
-                                 sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    from nextn.testing.gguf_rewrite import rewrite
+
     rng = np.random.default_rng(0)
-    for t in reader.tensors:
+
+    def tensor(t):
         if t.name not in names:
-            writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
-            continue
+            return t.data, t.tensor_type
         rows, cols = t.data.shape
         blocks = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
         blocks[..., 0:4] = np.frombuffer(np.float16([0.01, 0.01]).tobytes(), np.uint8)  # d, dmin
-        writer.add_tensor(t.name, blocks.reshape(rows, -1), raw_dtype=gguf.GGMLQuantizationType.Q4_K)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        return blocks.reshape(rows, -1), gguf.GGMLQuantizationType.Q4_K
+
+    rewrite(src, dst, tensor)
 
 
 def test_q4_k_blocks_of_reordered_projections_are_read_with_their_rows_restored(tokenizer_dir, tmp_path):

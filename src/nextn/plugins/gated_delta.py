@@ -126,12 +126,12 @@ def fuse_deltanet_layer(layer: nn.Module) -> DeltaNetLayerWeights | None:
     if (kind is None or any(w is None for w in ba) or norms is None
             or any(n % 64 or n % kind[0] for n in sizes) or (mixer.conv_dim + values) % 16):
         return None
-    qkvz, ba_w, out = concat_rows([mixer.in_proj_qkv, mixer.in_proj_z]), torch.cat(ba).contiguous(), one_linear(
-        mixer.out_proj)
+    mixer_half = (norms, concat_rows([mixer.in_proj_qkv, mixer.in_proj_z]), torch.cat(ba).contiguous(),
+                  one_linear(mixer.out_proj))
     if moe:
-        return DeltaNetLayerWeights(norms, qkvz, ba_w, out, [], [], *kind)
-    return DeltaNetLayerWeights(norms, qkvz, ba_w, out, concat_rows([mlp.gate_proj, mlp.up_proj]),
-                                one_linear(mlp.down_proj), *kind)
+        return DeltaNetLayerWeights(*mixer_half, [], [], *kind)
+    return DeltaNetLayerWeights(*mixer_half, concat_rows([mlp.gate_proj, mlp.up_proj]), one_linear(mlp.down_proj),
+                                *kind)
 
 
 def _bf16_weight(linear: nn.Module) -> torch.Tensor | None:
