@@ -124,10 +124,16 @@ def test_rows_and_token_splits_are_bit_identical(llm):
 def test_engine_with_the_op_stays_lossless(engine, llm, spec):
     """Drafted greedy output equals plain decoding through the op, in a batch, staggered with chunked prefill and
     preemption."""
+    assert_drafted_equals_plain(engine, llm, spec, lambda layer: layer.fused_deltanet is not None)
+
+
+def assert_drafted_equals_plain(engine, llm, spec: dict, takes_ops) -> None:
+    """`engine` drafting with `spec` (every DeltaNet layer `takes_ops`) gives `llm`'s plain greedy output on
+    `PROMPTS`: in a batch, and staggered with chunked prefill and preemption (a small KV cache)."""
     params = [SamplingParams(max_tokens=32, ignore_eos=True)] * len(PROMPTS)
     want = greedy_outputs(llm, PROMPTS, params)
     drafted = LLM(engine, device="cpu", speculative_config=spec)
-    assert all(layer.fused_deltanet is not None for layer in _layers(drafted))
+    assert all(takes_ops(layer) for layer in _layers(drafted))
     assert greedy_outputs(drafted, PROMPTS, params) == want
     drafted.shutdown()
     small = LLM(engine, device="cpu", speculative_config=spec, enable_chunked_prefill=True, max_num_tokens=16,

@@ -13,10 +13,10 @@ from nextn import LLM, SamplingParams
 from nextn.build.engine_builder import build_engine
 from nextn.plugins import cpu_kernels
 from nextn.plugins.gated_delta import layer_forward
-from nextn.testing.spec_checks import greedy_outputs, staggered_outputs
+from nextn.testing.spec_checks import greedy_outputs
 from nextn.testing.tiny_families import tiny_hf_model
 
-from test_deltanet_layer import PROMPTS, _case, _layers, _Meta, _run, _state_copy
+from test_deltanet_layer import PROMPTS, _case, _layers, _Meta, _run, _state_copy, assert_drafted_equals_plain
 from test_gated_delta import assert_rows_and_splits_bit_identical
 
 pytestmark = [pytest.mark.skipif(not cpu_kernels.available(),
@@ -112,18 +112,8 @@ def test_rows_and_token_splits_are_bit_identical(llm):
                                   {"decoding_type": "Suffix", "max_draft_len": 8}], ids=["ngram", "suffix"])
 def test_engine_with_the_ops_stays_lossless(engine, llm, spec):
     """Drafted greedy output equals plain decoding through the ops, in a batch, staggered with chunked prefill and
-    preemption; and plain decoding through the ops equals it through the modules."""
-    params = [SamplingParams(max_tokens=32, ignore_eos=True)] * len(PROMPTS)
-    want = greedy_outputs(llm, PROMPTS, params)
-    drafted = LLM(engine, device="cpu", speculative_config=spec)
-    assert all(layer.moe_block for layer in _layers(drafted))
-    assert greedy_outputs(drafted, PROMPTS, params) == want
-    drafted.shutdown()
-    small = LLM(engine, device="cpu", speculative_config=spec, enable_chunked_prefill=True, max_num_tokens=16,
-                kv_cache_config={"max_tokens": 96, "tokens_per_block": 8})
-    assert staggered_outputs(small, PROMPTS, params) == want
-    assert small.engine.scheduler.num_preemptions > 0
-    small.shutdown()
+    preemption."""
+    assert_drafted_equals_plain(engine, llm, spec, lambda layer: layer.moe_block)
 
 
 def test_gated_attention_before_an_moe_takes_the_attention_only_op(llm):
