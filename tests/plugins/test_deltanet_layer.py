@@ -30,11 +30,16 @@ PROMPTS = [[1] + [100 + (7 * i) % 23 for i in range(30)], [1, 5, 9, 300, 70, 12]
 def engine(request, tmp_path_factory):
     """A tiny Qwen3.5 whose DeltaNet layers take the op: hidden 128, MLP 128, 2 key heads and 4 value heads of 32
     (value width 128, conv channels 256), group size 32; 3 DeltaNet layers and 1 gated attention layer."""
-    root = tmp_path_factory.mktemp(request.param)
-    tiny_hf_model("qwen3_5_text", seed=1, vocab_size=320, hidden_size=128, intermediate_size=128, num_hidden_layers=4,
-                  head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32).save_pretrained(root / "ckpt")
-    build_engine(root / "ckpt", root / "engine", progress=False, max_seq_len=128, dtype="bfloat16",
-                 quant_algo=request.param, group_size=32)
+    return tiny_engine(tmp_path_factory.mktemp(request.param), "qwen3_5_text", request.param, intermediate_size=128)
+
+
+def tiny_engine(root, family: str, fmt: str, **overrides):
+    """A tiny hybrid checkpoint of `family` (hidden 128, 2 key / 4 value heads of 32; 3 DeltaNet layers and 1 gated
+    attention layer; `overrides` for the MLP) built under `root` as a `fmt` engine, group size 32: its path."""
+    tiny_hf_model(family, seed=1, vocab_size=320, hidden_size=128, num_hidden_layers=4, head_dim=32,
+                  linear_key_head_dim=32, linear_value_head_dim=32, **overrides).save_pretrained(root / "ckpt")
+    build_engine(root / "ckpt", root / "engine", progress=False, max_seq_len=128, dtype="bfloat16", quant_algo=fmt,
+                 group_size=32)
     return root / "engine"
 
 

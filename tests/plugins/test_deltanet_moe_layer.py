@@ -10,13 +10,12 @@ import pytest
 import torch
 
 from nextn import LLM, SamplingParams
-from nextn.build.engine_builder import build_engine
 from nextn.plugins import cpu_kernels
 from nextn.plugins.gated_delta import layer_forward
 from nextn.testing.spec_checks import greedy_outputs
-from nextn.testing.tiny_families import tiny_hf_model
 
-from test_deltanet_layer import PROMPTS, _case, _layers, _Meta, _run, _state_copy, assert_drafted_equals_plain
+from test_deltanet_layer import (PROMPTS, _case, _layers, _Meta, _run, _state_copy, assert_drafted_equals_plain,
+                                 llm, tiny_engine)  # noqa: F401 (llm: the fixture, over this module's engine)
 from test_gated_delta import assert_rows_and_splits_bit_identical
 
 pytestmark = [pytest.mark.skipif(not cpu_kernels.available(),
@@ -30,20 +29,8 @@ CASES = {"qwen3_next-W4A16": ("qwen3_next", "W4A16"), "qwen3_5_moe-W4A8": ("qwen
 @pytest.fixture(scope="module", params=list(CASES))
 def engine(request, tmp_path_factory):
     family, fmt = CASES[request.param]
-    root = tmp_path_factory.mktemp(request.param)
-    tiny_hf_model(family, seed=1, vocab_size=320, hidden_size=128, num_hidden_layers=4, head_dim=32,
-                  linear_key_head_dim=32, linear_value_head_dim=32, moe_intermediate_size=64,
-                  shared_expert_intermediate_size=64).save_pretrained(root / "ckpt")
-    build_engine(root / "ckpt", root / "engine", progress=False, max_seq_len=128, dtype="bfloat16", quant_algo=fmt,
-                 group_size=32)
-    return root / "engine"
-
-
-@pytest.fixture(scope="module")
-def llm(engine):
-    llm = LLM(engine, device="cpu")
-    yield llm
-    llm.shutdown()
+    return tiny_engine(tmp_path_factory.mktemp(request.param), family, fmt, moe_intermediate_size=64,
+                       shared_expert_intermediate_size=64)
 
 
 def test_every_layer_takes_the_ops(llm):
