@@ -50,13 +50,16 @@ def make_cases(harness: Harness, root: Path, classes: tuple[str, ...]) -> dict[s
 
 
 def fuzz_inputs(seconds: float = 25.0, seed: int = 0, workdir: str | Path | None = None,
-                classes: tuple[str, ...] = CLASSES) -> InputsFuzzReport:
+                classes: tuple[str, ...] = CLASSES, min_tries: dict[str, int] | None = None) -> InputsFuzzReport:
     """Fuzz issue 32's classes for about `seconds` (plus one-off setup: a tiny engine, a render worker), seeded.
 
     Each turn runs one input of the class that has had the least time so far, so cheap classes get many inputs
-    and slow ones (templates) their share. Files are made under `workdir` (default: a temporary directory).
-    Returns the figures and failures; raises nothing for a failing input.
+    and slow ones (templates) their share; past `seconds`, classes run on until each has had one input, or
+    `min_tries[class]` (so that what a class exercises does not depend on the machine's speed). Files are made under
+    `workdir` (default: a temporary directory). Returns the figures and failures; raises nothing for a failing
+    input.
     """
+    floor = {c: max(1, (min_tries or {}).get(c, 1)) for c in classes}
     report = InputsFuzzReport(seed=seed)
     harness = Harness(report)
     rng = random.Random(seed)
@@ -66,8 +69,12 @@ def fuzz_inputs(seconds: float = 25.0, seed: int = 0, workdir: str | Path | None
         stack.callback(lambda: [c.close() for c in cases.values()])
         start = time.monotonic()
         turn = 0
-        while time.monotonic() - start < seconds or any(report.classes[c].tried == 0 for c in cases):
-            name = min(cases, key=lambda c: (report.classes[c].seconds, report.classes[c].tried))
+        while True:
+            short = [c for c in cases if report.classes[c].tried < floor[c]]
+            if time.monotonic() - start >= seconds and not short:
+                break
+            pool = list(cases) if time.monotonic() - start < seconds else short
+            name = min(pool, key=lambda c: (report.classes[c].seconds, report.classes[c].tried))
             turn += 1
             began = time.monotonic()
             cases[name].one(random.Random(rng.getrandbits(64)), f"#{turn}")
