@@ -318,3 +318,51 @@ def test_counter_uniform_avalanche(what):
             flipped = counter_uniform(seeds ^ (1 << bit), counters, STREAM_SAMPLE)
         rates = _flip_rates(base, flipped)  # std of each rate ≈ 0.008
         assert ((rates - 0.5).abs() < 0.05).all(), f"{what} bit {bit}: flip rates {rates.tolist()}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# filtered_probs on a CPU: thresholds from each row's CANDIDATES largest logits, a whole-row sort where they do not
+# decide them
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("candidates", [3, 8, 20])
+def test_candidate_thresholds_equal_the_brute_force(candidates, monkeypatch):
+    """With few candidates most rows' nuclei are wider (sorted whole), some fit; every row matches the brute force."""
+    import nextn.plugins.sampling as sampling
+
+    monkeypatch.setattr(sampling, "CANDIDATES", candidates)
+    gen = torch.Generator().manual_seed(candidates)
+    logits, temperature, top_k, top_p = _random_params(300, 24, gen)
+    logits[::7] *= 6  # peaked rows: their nucleus fits a few candidates
+    probs = filtered_probs(logits, temperature, top_k, top_p)
+    for r in range(300):
+        expected = _brute_force_filtered(logits[r], temperature[r].item(), top_k[r].item(), top_p[r].item())
+        if top_p[r] < 1:
+            assert torch.equal(probs[r] > 0, expected > 0), f"row {r}: support differs"
+        torch.testing.assert_close(probs[r].double(), expected, atol=1e-6, rtol=1e-5)
+
+
+def test_candidate_thresholds_decide_a_row_alone(monkeypatch):
+    """A row's distribution is the same alone and amid rows whose nuclei make the batch sort (batch invariance), on
+    a vocabulary as wide as Qwen's."""
+    import nextn.plugins.sampling as sampling
+
+    gen = torch.Generator().manual_seed(9)
+    v = 151936
+    logits = torch.randn(12, v, generator=gen) * torch.tensor([1.0, 8.0] * 6)[:, None]
+    temperature = torch.full((12,), 0.8)
+    top_k = torch.tensor([0, 0, 40, 0, 300, 1, 0, 0, 5000, 0, 20, 0])
+    top_p = torch.tensor([0.95, 0.9, 1.0, 0.5, 0.99, 1.0, 1.0, 0.3, 0.9, 0.999, 0.8, 0.7])
+    batch = filtered_probs(logits, temperature, top_k, top_p)
+    for r in range(12):
+        assert torch.equal(filtered_probs(logits[r:r + 1], temperature[r:r + 1], top_k[r:r + 1], top_p[r:r + 1]),
+                           batch[r:r + 1]), r
+    monkeypatch.setattr(sampling, "CANDIDATES", v)  # every row sorted whole: the same supports
+    assert torch.equal(filtered_probs(logits, temperature, top_k, top_p) > 0, batch > 0)
+
+
+def test_top_k_keeps_the_tokens_tied_with_the_kth():
+    logits = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0, 2.0]])
+    probs = filtered_probs(logits, torch.ones(1), torch.tensor([2]), torch.ones(1))
+    assert (probs > 0).tolist() == [[True, False, True, True, False, True]]
