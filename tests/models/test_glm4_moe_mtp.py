@@ -102,3 +102,26 @@ def test_w4a16_mtp_decoding_is_plain_decoding(glm_mtp, tmp_path):
         got.append(llm.generate([PROMPT, PROMPT[:9]], params))
         llm.shutdown()
     assert [o.outputs[0].token_ids for o in got[1]] == [o.outputs[0].token_ids for o in got[0]]
+
+
+def test_mtp_holds_in_batches_staggered_chunked_sampled_and_preempted(glm_mtp, tmp_path):
+    """Through the engine (batch 12 with fillers, staggered arrivals, chunked prefill, prefix-cache hits, seeded
+    sampled rows amid greedy ones, preemption under a tight cache with both schedulers): MTP output equals each
+    prompt's plain decoding alone."""
+    from nextn.build.engine_builder import build_engine
+    from nextn.testing import batch_invariance as bi
+
+    out, _, _ = glm_mtp
+    build_engine(out, tmp_path / "engine", dtype="float32", quant_algo=None, max_seq_len=256, progress=False)
+    engine = tmp_path / "engine"
+    spec = {"decoding_type": "MTP", "num_nextn_predict_layers": 3}
+    prompts = bi.id_prompts(6, 49152, num_fillers=6)
+    ref = bi.Reference(engine, prompts, 24)
+    results = bi.run_cell(engine, "fp32", "MTP", spec, prompts, ref, 24)
+    assert results and all(r.ok for r in results), "\n" + bi.format_table(results)
+    for overlap in (False, True):
+        tight = bi._llm(engine, spec, enable_chunked_prefill=True, max_num_tokens=8,
+                        kv_cache_config={"max_tokens": 112, "tokens_per_block": 8}, disable_overlap_scheduler=not overlap)
+        assert bi._staggered(tight, prompts.main, bi._greedy(24)) == ref.main
+        assert tight.engine.scheduler.num_preemptions > 0
+        tight.shutdown()
