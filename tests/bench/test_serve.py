@@ -251,6 +251,24 @@ def test_client_sends_greedy_streamed_requests_and_counts_usage(fake, chat):
         assert body["stream_options"] == {"include_usage": True} and body["max_tokens"] == 5
 
 
+def test_client_sends_sampled_requests_with_a_seed_per_prompt(fake):
+    from nextn.bench.serve_client import Sampling
+
+    f, url = fake
+    f.bodies.clear()
+    sampling = Sampling(temperature=0.7, top_p=0.8, top_k=20, seed=100)
+    results, _ = asyncio.run(_level(url, prompts=["alpha", "beta"], num_requests=3, concurrency=1, max_tokens=2,
+                                    sampling=sampling))
+    assert all(r.ok for r in results)
+    assert [(b["temperature"], b["top_p"], b["top_k"], b["seed"]) for b in f.bodies] == [
+        (0.7, 0.8, 20, 100), (0.7, 0.8, 20, 101), (0.7, 0.8, 20, 100)]  # the seed follows the prompt
+    assert sampling.describe() == "sampled (temperature 0.7, top-p 0.8, top-k 20, a seed per prompt)"
+    f.bodies.clear()
+    asyncio.run(_level(url, prompts=["a"], num_requests=1, concurrency=1, max_tokens=1,
+                       sampling=Sampling(temperature=1.0)))
+    assert "top_k" not in f.bodies[0] and f.bodies[0]["top_p"] == 1.0
+
+
 def test_client_keeps_concurrency_and_poisson_arrivals(fake):
     f, url = fake
     f.max_in_flight = 0
@@ -526,6 +544,9 @@ def test_lossless_check_and_table_keep_phases_apart():
     (["--turns", "2", "--endpoint", "completions"], "needs --endpoint chat"),
     (["--dataset", "spec_bench_poetry"], "valid names: mt_bench, spec_bench"),
     (["--url", "http://127.0.0.1:1", "--restart_per_pass"], "cannot restart --url servers"),
+    (["--temperature", "-1"], "--temperature must be in 0.0..100.0"),
+    (["--top_p", "0"], "--top_p must be in (0, 1]"),
+    (["--top_k", "-3"], "--top_k must be in 0..1048576"),
 ])
 def test_bad_arguments_are_refused_before_any_server_starts(tmp_path, capsys, extra, message):
     model = tmp_path / "m.gguf"

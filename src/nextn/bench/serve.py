@@ -6,9 +6,9 @@ same GGUF, threads and prompts, each started, measured at every concurrency leve
 
 Each server config in turn: start it on a free loopback port (only one server runs at a time), wait for /health,
 send one warm-up request (a fixed prompt, none of the dataset's), then for each `--concurrency` level `--runs`
-passes of `--num_requests` streamed greedy requests (EOS ignored; Poisson arrivals with `--request_rate`), keep the
-fastest pass by output tokens/s, read AL from the server's /metrics counters, and stop the server (SIGTERM, then
-SIGKILL). `--restart_per_pass` starts a fresh server (and warm-up) for every pass of every level instead, so a
+passes of `--num_requests` streamed greedy (or, with `--temperature`, sampled) requests (EOS ignored; Poisson
+arrivals with `--request_rate`), keep the fastest pass by output tokens/s, read AL from the server's /metrics
+counters, and stop the server (SIGTERM, then SIGKILL). `--restart_per_pass` starts a fresh server (and warm-up) for every pass of every level instead, so a
 drafter that learns from what it served (suffix trees, acceptance statistics) is equally cold in each pass and the
 fastest of `--runs` passes is a fair best. `--url` measures servers already running instead (nothing started or
 stopped). The client runs in this process: on a small machine it takes CPU from the server, the same for every config.
@@ -41,7 +41,8 @@ from nextn.bench import llama_cpp
 from nextn.bench.dataset import DatasetError
 from nextn.bench.outputs import write_report
 from nextn.bench.passes import load_average
-from nextn.bench.serve_client import (DEFAULT_REQUEST_TIMEOUT_S, level_metrics, open_client, run_level, send_request,
+from nextn.bench.serve_client import (DEFAULT_REQUEST_TIMEOUT_S, Sampling, level_metrics, open_client, run_level,
+                                      send_request,
                                       served_model)
 from nextn.bench.serve_report import (ConfigResult, LevelResult, lossless_mismatches, lossless_text, markdown_table,
                                       plot, row_label)
@@ -124,7 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request_timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
                    help=f"seconds one request may take before it counts as failed (default "
                         f"{DEFAULT_REQUEST_TIMEOUT_S:g})")
-    p.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals and of the sampled requests "
+                   "(each request's: this + its prompt's index; default 0)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default); above 0 every request samples, with --top_p / --top_k. nextn's outputs "
+                   "with a speculative config are still compared with its plain outputs: with a seed per request "
+                   "they are equal where the drafts are deterministic (MTP, NGram, Suffix)")
+    p.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling's mass, (0, 1] (default 1: off)")
+    p.add_argument("--top_k", type=int, default=0, help="sample among the k most likely tokens (default 0: off)")
     p.add_argument("--output_dir", type=Path, required=True,
                    help="serve.md, serve.json, serve.png and logs/ (new, empty, or this benchmark's earlier output)")
     return p
@@ -148,6 +156,9 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
               ("--spec_draft_n_max", args.spec_draft_n_max, 1, 64), ("--ctx_per_slot", args.ctx_per_slot, 16, 1 << 20),
               ("--threads", args.threads, 1, _cores())]
     bounds += [("--concurrency", c, 1, MAX_CONCURRENCY) for c in args.concurrency]
+    bounds += [("--temperature", args.temperature, 0.0, 100.0), ("--top_k", args.top_k, 0, 1 << 20)]
+    if not 0.0 < args.top_p <= 1.0:
+        p.error(f"--top_p must be in (0, 1], got {args.top_p}")
     for flag, value, low, high in bounds:
         if not low <= value <= high:
             p.error(f"{flag} must be in {low}..{high}, got {value}")
@@ -261,6 +272,10 @@ class _LevelPasses:
         return levels
 
 
+def _sampling(args) -> Sampling:
+    return Sampling(args.temperature, args.top_p, args.top_k, args.seed)
+
+
 async def measure_pass(client, model: str, url: str, args, workload: Workload, level: _LevelPasses) -> None:
     """One pass of every phase of `level` in order (turn k after turn k-1's answers), added to `level`."""
     num_requests = args.num_requests or min(MAX_REQUESTS, max(len(workload.conversations), 2 * level.c))
@@ -269,7 +284,7 @@ async def measure_pass(client, model: str, url: str, args, workload: Workload, l
         before = await asyncio.to_thread(spec_counters, url)
         results, wall = await run_level(client, model, workload.prompts(ph.turn), num_requests, level.c,
                                         args.max_tokens, args.request_rate, args.endpoint == "chat", args.seed,
-                                        _histories(workload, ph.turn, num_requests, answers))
+                                        _histories(workload, ph.turn, num_requests, answers), _sampling(args))
         after = await asyncio.to_thread(spec_counters, url)
         if after is not None and before is not None:
             level.counters[ph] = _add(level.counters[ph], after - before)
@@ -370,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     mismatches, compared = lossless_mismatches(results)
     shape = (f", {args.turns} turns" if args.turns > 1 else "") + (f", {args.repeat} passes" if args.repeat > 1 else "")
     title = (f"{args.model.name if args.model else 'running servers'}: {args.dataset} ({len(workload.conversations)} "
-             f"prompts, {workload.format}{shape}), {args.max_tokens} tokens, greedy, {args.threads} threads, "
+             f"prompts, {workload.format}{shape}), {args.max_tokens} tokens, {_sampling(args).describe()}, "
+             f"{args.threads} threads, "
              f"{args.endpoint}")
     table = markdown_table(results, args.concurrency)
     lossless = lossless_text(mismatches, compared)
@@ -383,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         "title": title, "argv": sys.argv if argv is None else argv, "dataset": args.dataset, "format": workload.format,
         "category": workload.category, "turns": args.turns, "repeat": args.repeat,
         "num_prompts": len(workload.conversations), "max_tokens": args.max_tokens, "threads": args.threads,
-        "endpoint": args.endpoint, "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
+        "endpoint": args.endpoint, "sampling": _sampling(args).describe(), "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
         "runs": args.runs, "restart_per_pass": args.restart_per_pass, "concurrency": args.concurrency, "started_unix_s": started, "load_before": load_before,
         "load_after": load_after, "cpu_count": os.cpu_count(), "configs": [r.to_dict() for r in results],
         "lossless": {"compared": compared, "mismatches": [m.to_dict() for m in mismatches]}}, flag="--output_dir")

@@ -1,7 +1,9 @@
 """The client side of `python -m nextn.bench.serve`: streamed requests to an OpenAI-compatible server and the
 serving metrics of one measured level (`vllm bench serve`'s definitions).
 
-One request is a streamed chat completion (or completion) of `max_tokens` tokens, greedy (`temperature: 0`), with
+One request is a streamed chat completion (or completion) of `max_tokens` tokens, greedy (`temperature: 0`) or
+sampled (`Sampling`: temperature, top-p, top-k, and a seed per prompt so that a request samples the same on each
+server that keeps seeds and on each pass), with
 `ignore_eos` (an extra field that nextn serve, vLLM and llama-server accept) and `stream_options.include_usage`,
 so the output token count is the server's `usage.completion_tokens`, not the number of chunks (a speculative step
 may stream several tokens in one chunk). Each request opens its own connection (no keep-alive). Times are
@@ -134,9 +136,42 @@ def open_client(base_url: str, timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S):
                               http_client=openai.DefaultAsyncHttpxClient(limits=limits, timeout=timeout_s))
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """What a request samples with (`vllm bench serve`'s --temperature / --top-p / --top-k); temperature 0 is greedy.
+    A sampled request's seed is `seed` + its prompt's index."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def describe(self) -> str:
+        if self.greedy:
+            return "greedy"
+        return (f"sampled (temperature {self.temperature:g}" + (f", top-p {self.top_p:g}" if self.top_p < 1 else "")
+                + (f", top-k {self.top_k}" if self.top_k > 0 else "") + ", a seed per prompt)")
+
+    def fields(self, prompt_index: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(OpenAI arguments, extra body fields) of a request for prompt `prompt_index`."""
+        if self.greedy:
+            return {"temperature": 0.0}, {}
+        extra = {"top_k": self.top_k} if self.top_k > 0 else {}
+        return {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed + prompt_index}, extra
+
+
+GREEDY = Sampling()
+
+
 async def send_request(client, model: str, prompt: str, prompt_index: int, max_tokens: int,
-                       chat: bool = True, history: Sequence[Message] = ()) -> RequestResult:
-    """Stream one greedy request of `max_tokens` tokens (EOS ignored) and time its chunks; never raises for a
+                       chat: bool = True, history: Sequence[Message] = (), sampling: Sampling = GREEDY
+                       ) -> RequestResult:
+    """Stream one request of `max_tokens` tokens (EOS ignored; greedy unless `sampling` says otherwise) and time its
+    chunks; never raises for a
     failed request (it is returned with ok=False and the error). A chat request's messages are `history`, then
     `prompt` as the last user message.
 
@@ -145,8 +180,9 @@ async def send_request(client, model: str, prompt: str, prompt_index: int, max_t
     """
     if history and not chat:
         raise ValueError("a conversation history needs the chat endpoint")
-    kwargs = dict(model=model, max_tokens=max_tokens, temperature=0.0, stream=True,
-                  stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    fields, extra = sampling.fields(prompt_index)
+    kwargs = dict(model=model, max_tokens=max_tokens, stream=True, stream_options={"include_usage": True},
+                  extra_body={"ignore_eos": True, **extra}, **fields)
     t0 = time.perf_counter()
     times, parts, tokens = [], [], None
     try:
@@ -177,7 +213,7 @@ async def send_request(client, model: str, prompt: str, prompt_index: int, max_t
 
 async def run_level(client, model: str, prompts: list[str], num_requests: int, concurrency: int, max_tokens: int,
                     request_rate: float = float("inf"), chat: bool = True, seed: int = 0,
-                    histories: Sequence[Sequence[Message] | None] | None = None
+                    histories: Sequence[Sequence[Message] | None] | None = None, sampling: Sampling = GREEDY
                     ) -> tuple[list[RequestResult], float]:
     """Send `num_requests` requests (prompt i mod len(prompts)), at most `concurrency` in flight, arriving at
     `request_rate` per second (Poisson; inf = all at once). Returns the results in send order and the wall time
@@ -209,7 +245,7 @@ async def run_level(client, model: str, prompts: list[str], num_requests: int, c
                                  error="not sent: an earlier turn of its conversation failed")
         async with gate:
             return await send_request(client, model, prompts[i % len(prompts)], i % len(prompts), max_tokens, chat,
-                                      history)
+                                      history, sampling)
 
     t0 = time.perf_counter()
     results = await asyncio.gather(*(one(i, a) for i, a in enumerate(arrivals)))

@@ -1,7 +1,7 @@
 """The results of `python -m nextn.bench.serve` and what it writes from them: a Markdown table, the JSON of every
 number, a chart (output tokens/s and TPOT p50 against concurrency, one line per server config and phase), and the
-greedy lossless check (every speculative nextn config's text equals nextn plain's, prompt by prompt, at each
-concurrency and phase). A phase is one turn of a multi-turn run or one pass of a repeated run
+lossless check (every speculative nextn config's text equals nextn plain's, prompt by prompt, at each concurrency and
+phase; sampled requests carry a seed per prompt, so it holds for them too where the drafts are deterministic). A phase is one turn of a multi-turn run or one pass of a repeated run
 (bench/serve_workload.py); a run of one phase labels none.
 """
 
