@@ -1,11 +1,13 @@
 """The mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4.5) decode as `transformers` in float32 —
 tiny random checkpoints made at test time, read from HF safetensors and from the GGUF llama.cpp's own converter
-writes — plain and with the NGram and Suffix drafters; only the routed experts run; and a request's tokens do not
-depend on what shares its steps (batch 12, staggered, chunked) in the bf16, W4A16 and W4A8 engines."""
+writes — plain, with the NGram and Suffix drafters and with a small dense draft model (Draft_Target); only the
+routed experts run; and a request's tokens do not depend on what shares its steps (batch 12, staggered, chunked) in
+the bf16, W4A16 and W4A8 engines."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -73,6 +75,29 @@ def test_engine_greedy_is_transformers_plain_and_speculative(family, kind, tmp_p
         want = hf.generate(torch.tensor([PROMPT]), max_new_tokens=32, do_sample=False, pad_token_id=0,
                            eos_token_id=None)[0, len(PROMPT):].tolist()
     assert_engine_greedy(tiny_source(hf_dir, kind), tmp_path / "engine", PROMPT, want)
+
+
+@pytest.mark.slow
+def test_draft_target_with_a_small_dense_draft_is_lossless(family, tokenizer_dir, tmp_path):
+    """Draft_Target over each MoE target: a 2-layer dense Qwen3 of the same vocabulary drafts K = 3; the greedy tokens
+    are `transformers`' (a verify step reads the union of its rows' experts)."""
+    from nextn import LLM, SamplingParams
+    from nextn.build.engine_builder import build_engine
+
+    _, hf, hf_dir = family
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([PROMPT]), max_new_tokens=24, do_sample=False, pad_token_id=0,
+                           eos_token_id=None)[0, len(PROMPT):].tolist()
+    save_tiny("qwen3", tmp_path / "draft_hf", tokenizer_dir, vocab_size=hf.config.vocab_size)
+    for f in [*hf_dir.glob("tokenizer*"), *hf_dir.glob("special_tokens_map.json")]:  # the target's (GLM's specials)
+        shutil.copy(f, tmp_path / "draft_hf" / f.name)
+    for src, out in ((hf_dir, "target"), (tmp_path / "draft_hf", "draft")):
+        build_engine(src, tmp_path / out, dtype="float32", quant_algo=None, max_seq_len=256, progress=False)
+    spec = {"decoding_type": "Draft_Target", "max_draft_len": 3, "speculative_model_dir": str(tmp_path / "draft")}
+    llm = LLM(tmp_path / "target", device="cpu", speculative_config=spec)
+    outs = [o.outputs[0] for o in llm.generate([PROMPT, PROMPT[:9]], SamplingParams(max_tokens=24, ignore_eos=True))]
+    llm.shutdown()
+    assert outs[0].token_ids == want and outs[0].num_draft_tokens > 0
 
 
 def test_glm4_moe_expert_groups(tokenizer_dir, tmp_path):
