@@ -78,9 +78,11 @@ def test_engine_greedy_is_transformers_plain_and_speculative(family, kind, tmp_p
 
 
 @pytest.mark.slow
-def test_draft_target_with_a_small_dense_draft_is_lossless(family, tokenizer_dir, tmp_path):
-    """Draft_Target over each MoE target: a 2-layer dense Qwen3 of the same vocabulary drafts K = 3; the greedy tokens
-    are `transformers`' (a verify step reads the union of its rows' experts)."""
+@pytest.mark.parametrize("kind", ["hf", "gguf"])
+def test_draft_target_with_a_small_dense_draft_is_lossless(family, kind, tokenizer_dir, tmp_path):
+    """Draft_Target over each MoE target: a 2-layer dense Qwen3 of the same vocabulary drafts K = 3 (from the same
+    kind of file: llama.cpp's converter pads both GGUFs' vocabularies alike); the greedy tokens are `transformers`' (a
+    verify step reads the union of its rows' experts)."""
     from nextn import LLM, SamplingParams
     from nextn.build.engine_builder import build_engine
 
@@ -91,7 +93,7 @@ def test_draft_target_with_a_small_dense_draft_is_lossless(family, tokenizer_dir
     save_tiny("qwen3", tmp_path / "draft_hf", tokenizer_dir, vocab_size=hf.config.vocab_size)
     for f in [*hf_dir.glob("tokenizer*"), *hf_dir.glob("special_tokens_map.json")]:  # the target's (GLM's specials)
         shutil.copy(f, tmp_path / "draft_hf" / f.name)
-    for src, out in ((hf_dir, "target"), (tmp_path / "draft_hf", "draft")):
+    for src, out in ((tiny_source(hf_dir, kind), "target"), (tiny_source(tmp_path / "draft_hf", kind), "draft")):
         build_engine(src, tmp_path / out, dtype="float32", quant_algo=None, max_seq_len=256, progress=False)
     spec = {"decoding_type": "Draft_Target", "max_draft_len": 3, "speculative_model_dir": str(tmp_path / "draft")}
     llm = LLM(tmp_path / "target", device="cpu", speculative_config=spec)
