@@ -224,6 +224,45 @@ def test_passes_that_disagree_are_warned_about(small_engine, dataset, tmp_path, 
     assert "warning" not in capsys.readouterr().err
 
 
+def test_sampler_options_make_every_request_sample(small_engine, dataset, tmp_path, capsys):
+    """--sampler_options (trtllm-bench's): every request takes the YAML's fields; the outputs are sampled ones (the
+    same seed twice: the same tokens; greedy: others)."""
+    from nextn.bench.runner import run_benchmark
+    from nextn.bench.dataset import load_dataset
+    from nextn.runtime.llm import LLM
+
+    opts = tmp_path / "sampler.yaml"
+    opts.write_text("temperature: 1.0\ntop_k: 50\ntop_p: 0.95\nseed: 7\n")
+    assert main(["--engine_dir", str(small_engine), "throughput", "--dataset", str(dataset), "--no_progress",
+                 "--passes", "1", "--sampler_options", str(opts)]) == 0
+    assert "= PERFORMANCE OVERVIEW" in capsys.readouterr().out
+    llm, entries = LLM(small_engine), load_dataset(dataset)
+
+    def tokens(**kw):
+        run = run_benchmark(llm, entries, warmup=0, progress=False, **kw)
+        return sorted(tuple(o.token_ids) for o in run.outputs)
+
+    sampled = {"temperature": 1.0, "top_k": 50, "seed": 7}
+    assert tokens(sampler_options=sampled) == tokens(sampler_options=sampled) != tokens()
+
+
+@pytest.mark.parametrize("content, message", [
+    ("temperature: -1\n", "temperature"), ("- 1\n", "expected a mapping"), ("max_tokens: 4\n", "max_tokens come from"),
+    ("temperatur: 0.5\n", "temperatur"),
+])
+def test_bad_sampler_options_are_refused_before_the_engine_loads(small_engine, dataset, tmp_path, capsys, monkeypatch,
+                                                                 content, message):
+    import nextn.runtime.llm
+
+    opts = tmp_path / "sampler.yaml"
+    opts.write_text(content)
+    monkeypatch.setattr(nextn.runtime.llm, "LLM", None)
+    assert main(["--engine_dir", str(small_engine), "throughput", "--dataset", str(dataset), "--sampler_options",
+                 str(opts)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("nextn-bench: error: --sampler_options") and message in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("flag, value, message", [
     ("--passes", "0", "--passes must be in 1..100"), ("--passes", "101", "--passes must be in 1..100"),
     ("--max_spread", "0", "--max_spread must be a positive"), ("--max_spread", "nan", "--max_spread must be"),

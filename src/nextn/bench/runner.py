@@ -194,8 +194,9 @@ def _timed_pass(llm, prompts: list[list[int]], params: list[SamplingParams], con
 def run_benchmark(llm, entries: list[DatasetEntry], *, mode: str = "throughput", concurrency: int = -1,
                   warmup: int = 2, eos_id: int = -1, streaming: bool = False, num_requests: int = 0,
                   record_iterations: bool = False, progress: bool = True, dataset_path: str | None = None,
-                  desc: str | None = None, passes: int = 1) -> BenchRun:
-    """Run a benchmark over `entries` (greedy decoding): a warm-up, then `passes` timed passes of the dataset.
+                  desc: str | None = None, passes: int = 1, sampler_options: dict | None = None) -> BenchRun:
+    """Run a benchmark over `entries` (greedy decoding, or `sampler_options`): a warm-up, then `passes` timed passes
+    of the dataset.
 
     Args:
         mode: "throughput" (all submitted, `concurrency` in flight, −1 = unlimited) or "latency" (one at a time,
@@ -206,6 +207,8 @@ def run_benchmark(llm, entries: list[DatasetEntry], *, mode: str = "throughput",
         record_iterations: keep the engine's per-iteration log of the reported pass.
         passes: timed passes of the dataset (≥ 1); the returned run is the fastest (most output tokens/s), its
             `spread` holds every pass's output tokens/s and the 1-minute load average before and after.
+        sampler_options: `SamplingParams` fields every request takes (trtllm-bench's `--sampler_options`: e.g.
+            temperature, top_p, top_k, seed); the dataset's own (max_tokens, EOS) are not among them.
     Raises:
         ValueError: an unknown mode or passes < 1.
         DatasetError: text prompts without a tokenizer. A request the engine rejects (e.g. too long) is counted in
@@ -218,10 +221,12 @@ def run_benchmark(llm, entries: list[DatasetEntry], *, mode: str = "throughput",
     entries = entries[:num_requests] if num_requests > 0 else entries
     prompts = _prompt_ids(llm, entries)
 
+    extra = sampler_options or {}
+
     def params(e: DatasetEntry) -> SamplingParams:
         if eos_id < 0:
-            return SamplingParams(max_tokens=e.output_tokens, ignore_eos=True, detokenize=False)
-        return SamplingParams(max_tokens=e.output_tokens, end_id=eos_id, detokenize=False)
+            return SamplingParams(max_tokens=e.output_tokens, ignore_eos=True, detokenize=False, **extra)
+        return SamplingParams(max_tokens=e.output_tokens, end_id=eos_id, detokenize=False, **extra)
 
     concurrency = 1 if mode == "latency" else concurrency
     if warmup > 0:
@@ -242,6 +247,7 @@ def run_benchmark(llm, entries: list[DatasetEntry], *, mode: str = "throughput",
     ok = [(len(p), r) for p, r in zip(prompts, results) if r.finish_reason != "error"]
     errors = [f"request {e.task_id}: {r.error}" for e, r in zip(entries, results) if r.finish_reason == "error"]
     info, world, decoding_mode, k, depth = describe_engine(llm)
+    world["Sampling"] = ", ".join(f"{k_}={v}" for k_, v in extra.items()) if extra else "greedy"
     spread = PassSpread(tuple(rates), load_before, load_after, os.cpu_count(), torch.get_num_threads())
     return BenchRun(mode=mode, decoding_mode=decoding_mode, max_draft_len=k, input_lens=[n for n, _ in ok],
                     outputs=[r for _, r in ok], start_time=start, end_time=end, concurrency=concurrency,

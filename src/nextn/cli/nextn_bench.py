@@ -104,6 +104,9 @@ def _add_run(sub, name: str) -> None:
     p.add_argument("--max_seq_len", type=int, help="runtime max sequence length (default: the engine's)")
     p.add_argument("--extra_llm_api_options", "--config", dest="extra_llm_api_options",
                    help="YAML of LLM arguments (TensorRT-LLM names), e.g. speculative_config")
+    p.add_argument("--sampler_options", metavar="YAML",
+                   help="SamplingParams fields every request takes (trtllm-bench's flag), e.g. `temperature: 0.7`, "
+                        "`top_p: 0.8`, `top_k: 20`, `seed: 0` (default: greedy)")
     p.add_argument("--report_json", help="write the report as JSON (trtllm-bench keys)")
     p.add_argument("--iteration_log", help="write one JSON line per engine iteration")
     p.add_argument("--plot", metavar="DIR", help="write PNG charts (acceptance per draft position; tokens/s, AL vs K)")
@@ -218,6 +221,7 @@ def _run(args) -> int:
 
     _check_counts(args)  # fail fast, before loading the engine (main checks them before building one too)
     _check_outputs(args)
+    sampler_options = _sampler_options(args.sampler_options)
     entries = load_dataset(args.dataset)
     _, threads_note = apply_threads(args.num_threads, PROG, announce=False)  # said after the report
     overrides = {k: getattr(args, k) for k in ("max_batch_size", "max_num_tokens", "max_seq_len")
@@ -241,7 +245,8 @@ def _run(args) -> int:
                             warmup=args.warmup, eos_id=args.eos_id, streaming=getattr(args, "streaming", True),
                             num_requests=args.num_requests, record_iterations=bool(args.iteration_log),
                             progress=not args.no_progress, dataset_path=args.dataset,
-                            desc=f"{args.command} K={llm.num_draft_tokens}", passes=args.passes)
+                            desc=f"{args.command} K={llm.num_draft_tokens}", passes=args.passes,
+                            sampler_options=sampler_options)
         for err in run.errors:
             print(f"{PROG}: error: {err}", file=sys.stderr)
         failed += len(run.errors)
@@ -270,6 +275,39 @@ def _check_counts(args) -> None:
     if args.num_threads is not None and not 1 <= args.num_threads <= available_cores():
         raise BenchError(f"--num_threads must be in 1..{available_cores()} (the cores this process may use), got "
                          f"{args.num_threads}")
+
+
+#: What the dataset and --eos_id decide for each request: not --sampler_options' to set
+_DATASET_FIELDS = ("max_tokens", "ignore_eos", "end_id", "detokenize")
+
+
+def _sampler_options(path: str | None) -> dict | None:
+    """The --sampler_options YAML as SamplingParams fields, checked before any work.
+
+    Raises:
+        BenchError: an unreadable file, not a mapping, a field the dataset decides, or an invalid value.
+    """
+    if path is None:
+        return None
+    import yaml
+
+    from nextn.runtime.sampling_params import SamplingParams
+
+    try:
+        options = yaml.safe_load(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise BenchError(f"--sampler_options {path}: {e}") from None
+    if not isinstance(options, dict):
+        raise BenchError(f"--sampler_options {path}: expected a mapping of SamplingParams fields, got "
+                         f"{type(options).__name__}")
+    fixed = sorted(set(options) & set(_DATASET_FIELDS))
+    if fixed:
+        raise BenchError(f"--sampler_options {path}: {', '.join(fixed)} come from the dataset and --eos_id")
+    try:
+        SamplingParams(max_tokens=1, **options)
+    except (ValueError, TypeError) as e:
+        raise BenchError(f"--sampler_options {path}: {e}") from None
+    return options
 
 
 def _check_outputs(args) -> None:
@@ -371,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.model_dir and args.command != "prepare-dataset":
                 _check_counts(args)  # before the build: a refusal must not cost one
                 _check_outputs(args)
+                _sampler_options(args.sampler_options)
                 from nextn.build.engine_builder import build_engine
 
                 tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="nextn-bench-"))
