@@ -1,6 +1,6 @@
-"""MTP over recurrent state, sampled: the hybrid families (Qwen3.5, Qwen3.5-MoE) keep the target's distribution when
-their MTP layer's drafts are accepted in part, and a request's tokens do not depend on its batch, its arrival or its
-preemption.
+"""MTP over recurrent state, sampled: the hybrid families (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) keep the target's
+distribution when their MTP layer's drafts are accepted in part, and a request's tokens do not depend on its batch,
+its arrival or its preemption.
 
 A random MTP layer's drafts are almost never accepted, which would test only the rejected path. So the tiny target
 ties its lm_head to its embedding (its next token is mostly its last one, with a spread that temperature widens) and
@@ -43,7 +43,7 @@ def _copying_mtp(hf_dir) -> None:
     save_file(sd, path, metadata={"format": "pt"})
 
 
-@pytest.fixture(scope="module", params=["qwen3_5_text", "qwen3_5_moe_text"])
+@pytest.fixture(scope="module", params=["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"])
 def engine(request, tmp_path_factory, tokenizer_dir):
     out = tmp_path_factory.mktemp(request.param)
     save_tiny(request.param, out / "hf", tokenizer_dir, seed=2, tie_word_embeddings=True)
