@@ -5,6 +5,8 @@ decoder-layer op, and an engine using both staying lossless under speculation.""
 from __future__ import annotations
 
 import dataclasses
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,6 +55,32 @@ def test_every_moe_layer_takes_both_ops(llm):
     fused = model.model.layers[0].mlp.fused_experts
     assert expert.up_proj.qweight.untyped_storage().data_ptr() == fused.gate_up[0].untyped_storage().data_ptr()
     assert expert.down_proj.qweight.untyped_storage().data_ptr() == fused.down[0].untyped_storage().data_ptr()
+
+
+def _file_mappings(path: str) -> list[tuple[int, int]]:
+    """[start, end) of this process's mappings of the file `path` (`/proc/self/maps`)."""
+    spans = []
+    for line in open("/proc/self/maps"):
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].strip() == path:
+            lo, hi = fields[0].split("-")
+            spans.append((int(lo, 16), int(hi, 16)))
+    return spans
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_the_experts_are_read_in_place_from_the_engine_file(llm):
+    """The op's stacked operands are views of the engine file's mapping — page-cache pages, shared by every process
+    that loads the engine — not copies: the engine stores the experts in the kernel's layout, side by side as the op
+    stacks them (`quantization/kernel_layout.py`), and the mapping's data section starts 64-byte aligned."""
+    spans = _file_mappings(str((Path(llm.engine_dir) / "model.safetensors").resolve()))
+    assert spans
+    for layer in llm.engine.model.model.layers:
+        fused = layer.mlp.fused_experts
+        for t in fused.gate_up + fused.down:
+            start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+            assert any(lo <= start and end <= hi for lo, hi in spans), tuple(t.shape)
+        assert fused.gate_up[0].data_ptr() % 64 == 0 and fused.down[0].data_ptr() % 64 == 0  # for vector loads
 
 
 @pytest.mark.parametrize("n", [1, 5, 12])

@@ -57,7 +57,9 @@ def decode_step_bytes(engine_dir: str | Path) -> tuple[int, int]:
             elif name == "model.embed_tokens_per_layer.weight":  # Gemma 4's per-layer inputs: one row gathered
                 step += itemsize * shape[-1]
             elif ".mlp.experts." in name:
-                step += size * getattr(cfg, "num_experts_per_tok", 1) // shape[0]
+                # an expert's tensor (one of E, stored one by one): read by top-k of E tokens' choices on average
+                experts = getattr(cfg, "n_routed_experts", None) or shape[0]
+                step += size * getattr(cfg, "num_experts_per_tok", 1) // experts
             elif ".layers." in name and int(name.split(".")[2]) >= cfg.num_hidden_layers:
                 continue  # MTP layers run only when drafting
             else:

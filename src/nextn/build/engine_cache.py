@@ -77,8 +77,9 @@ def checkpoint_files(path: Path) -> list[Path]:
 #: engines of an older layout are rebuilt rather than reused: 2, quantized engines quantize the lm_head; 3, W4A16's
 #: default group size 32 and the W8A16 lm_head; 4, W4A16's two-level scales by default from 1B parameters; 5,
 #: DeepSeek-family routed experts stored one by one (`mlp.experts.{e}.*`, quantized like any linear); 6, Qwen3.5
-#: GGUFs' Q4_K q/k/v and z blocks read as they are (`gguf_qwen35.blocks_readable`), not re-quantized.
-ENGINE_LAYOUT = 6
+#: GGUFs' Q4_K q/k/v and z blocks read as they are (`gguf_qwen35.blocks_readable`), not re-quantized; 7, int4 MoE
+#: experts stored in the CPU kernel's layout, side by side as the MoE op stacks them (`quantization.kernel_layout`).
+ENGINE_LAYOUT = 7
 
 
 def cache_key(files: list[Path], build_options: dict[str, Any]) -> str:

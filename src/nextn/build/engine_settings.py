@@ -22,6 +22,7 @@ from nextn.models.deepseek_v3.weights import layer_prefix
 from nextn.models.registry import MODEL_CLASSES, ModelConfig
 from nextn.plugins import cpu_kernels
 from nextn.plugins.cpu_features import fast_bf16
+from nextn.quantization import kernel_layout
 from nextn.quantization.weight_only import (
     INT4_ALGOS, QUANT_ALGOS, QuantConfig, QuantError, default_group_size, linear_weight_names, quantized_specs,
 )  # fmt: skip
@@ -247,8 +248,10 @@ def resolve_quant(quant_algo: str | None, group_size: int | None, cfg: ModelConf
 
 def quantized_specs_all(specs: dict[str, tuple[tuple[int, ...], torch.dtype]], names: set[str],
                         quant: QuantConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """`specs` with each weight in `names` replaced by its quantized tensors (same order)."""
+    """`specs` with each weight in `names` replaced by its quantized tensors, in the file's order: the MoE experts
+    stored in the int4 kernel's layout first, as the MoE op stacks them (`kernel_layout.file_order`), then the rest
+    in `specs`' order."""
     out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for name, (shape, dtype) in specs.items():
         out.update(quantized_specs(name, shape, quant) if name in names else {name: (shape, dtype)})
-    return out
+    return {name: out[name] for name in kernel_layout.file_order(list(out))}

@@ -48,7 +48,9 @@ def write_safetensors_streaming(
         header[name] = {"dtype": _ST_DTYPES[dt], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # 8-byte alignment of the data section, as safetensors pads
+    # the data section 64-byte aligned (safetensors pads to 8 with spaces; 64 more at most): the tensors the loader
+    # reads in place (`kernel_layout.file_order`, at the start) stay aligned for vector loads
+    blob += b" " * (-(8 + len(blob)) % 64)
     data_start = 8 + len(blob)
     written: set[str] = set()
     hasher = StreamHasher()

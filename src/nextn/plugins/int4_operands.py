@@ -45,7 +45,9 @@ def stack_rows(groups: list[list[nn.Module]]) -> list[torch.Tensor]:
     """`concat_rows` of each group (an expert's linears, the same shapes in every group), stacked along a new first
     dimension: [w [E, N, K / 2], scale [E, ...], zero8 [E, ...]] (+ [bias [E, N]]), one allocation each, every
     module's buffers made views of them (one copy in memory). An op takes the E experts as these three tensors
-    rather than 3 E: with 128 experts the op call converted 768 tensors, ~50 µs on every call."""
+    rather than 3 E: with 128 experts the op call converted 768 tensors, ~50 µs on every call. Where a field's parts
+    lie back to back in the engine file's mapping (the experts stored in the kernel's layout: `kernel_layout`), the
+    stacked tensor is a view of them (no copy: the pages stay the page cache's, shared between processes)."""
     names = ["qweight", "scales", "zeros"]
     if all(lin.bias is not None for group in groups for lin in group):
         names.append("bias")
@@ -53,6 +55,10 @@ def stack_rows(groups: list[list[nn.Module]]) -> list[torch.Tensor]:
     for name in names:
         first = [getattr(lin, name) for lin in groups[0]]
         rows = sum(part.shape[0] for part in first)
+        stacked = _adjacent([getattr(lin, name) for group in groups for lin in group])
+        if stacked is not None:  # side by side in the engine file (`kernel_layout.file_order`): read in place
+            fused.append(stacked.view(len(groups), rows, *first[0].shape[1:]))
+            continue
         stacked = first[0].new_empty((len(groups), rows, *first[0].shape[1:]))
         for e, group in enumerate(groups):
             row = 0
@@ -64,6 +70,20 @@ def stack_rows(groups: list[list[nn.Module]]) -> list[torch.Tensor]:
                 row += part.shape[0]
         fused.append(stacked)
     return fused
+
+
+def _adjacent(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The parts as one flat tensor without a copy where they lie back to back in one storage (contiguous, one
+    dtype, each starting where the one before ends), else None."""
+    head = parts[0]
+    storage, end = head.untyped_storage(), head.data_ptr()
+    for part in parts:
+        if (part.dtype != head.dtype or not part.is_contiguous() or part.data_ptr() != end
+                or part.untyped_storage().data_ptr() != storage.data_ptr()):
+            return None
+        end += part.numel() * part.element_size()
+    numel = sum(part.numel() for part in parts)
+    return head.new_empty(0).set_(storage, head.storage_offset(), (numel,))
 
 
 def one_linear(lin: nn.Module) -> list[torch.Tensor]:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nextn.plugins import cpu_kernels, dense_linear, page_release, woq_linear
+from nextn.quantization import kernel_layout
 from nextn.quantization.weight_only import INT4_ALGOS, QuantConfig, dequantize, super_scales, unpack_int4
 
 
@@ -32,7 +33,12 @@ class WeightOnlyLinear(nn.Module):
     def __init__(self, tensors: dict[str, torch.Tensor], cfg: QuantConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        w = tensors["weight"]
+        prepacked = "qweight" in tensors  # stored in the kernel's layout (`kernel_layout`: an MoE expert)
+        if prepacked and not _kernel_takes(tensors["qweight"], cfg):
+            bias = {"bias": tensors["bias"]} if "bias" in tensors else {}
+            tensors = kernel_layout.to_portable(tensors, cfg) | bias
+            prepacked = False
+        w = tensors["qweight"] if prepacked else tensors["weight"]
         self.out_features = w.shape[0]
         self.int4 = cfg.quant_algo in INT4_ALGOS  # W4A16 / W4A8: two 4-bit values a byte
         self.in_features = w.shape[1] * (2 if self.int4 else 1)
@@ -49,7 +55,11 @@ class WeightOnlyLinear(nn.Module):
             # PyTorch's `_weight_int8pack_mm` reads past the row when K % 8 != 0 (a segmentation fault, e.g.
             # stories260K's down_proj, K = 172): the dequantized weight, on nextn's dense kernel where it loads
             self.use_kernel = False
-        if cfg.quant_algo == "W8A16" and self.kernel == "nextn":
+        if prepacked:  # read in place: the engine file's pages (`model_loader.read_weights` maps it)
+            self.group_size = self.in_features // tensors["scales"].shape[1]
+            for name in kernel_layout.FIELDS:
+                self.register_buffer(name, tensors[name], persistent=False)
+        elif cfg.quant_algo == "W8A16" and self.kernel == "nextn":
             # the kernel's layout, rows padded to a multiple of 16 (the output is cut back to N)
             self.register_buffer("qweight", woq_linear.pack_int8(w), persistent=False)
             scale = tensors["weight_scale"].float()
@@ -125,6 +135,12 @@ class WeightOnlyLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.cfg.quant_algo}, {self.kernel} kernel"
 
 
+def _kernel_takes(qweight: torch.Tensor, cfg: QuantConfig) -> bool:
+    """Whether a linear stored in the kernel's layout runs on it here (else it is given back portably)."""
+    n, k = qweight.shape[0], 2 * qweight.shape[1]
+    return qweight.device.type == "cpu" and woq_linear.available() and woq_linear.takes(cfg.quant_algo, n, k)
+
+
 def install_weight_only_linears(model: nn.Module, weights: dict[str, torch.Tensor], cfg: QuantConfig) -> list[str]:
     """Replace every module of `model` whose weights are stored quantized (an `nn.Linear`, or a tied model's
     lm_head, which the engine stores as a quantized copy of the embedding) by a `WeightOnlyLinear`.
@@ -137,16 +153,16 @@ def install_weight_only_linears(model: nn.Module, weights: dict[str, torch.Tenso
     replaced = []
     since_trim = 0  # bytes repacked since the heap was last trimmed
     for name, module in list(model.named_modules()):
-        if not name or f"{name}.weight_scale" not in weights:
+        if not name or (f"{name}.weight_scale" not in weights and f"{name}.qweight" not in weights):
             continue
-        keys = [s for s in ("weight", "weight_scale", "weight_zero", "weight_scale_2", "bias")
+        keys = [s for s in ("weight", "weight_scale", "weight_zero", "weight_scale_2", *kernel_layout.FIELDS, "bias")
                 if f"{name}.{s}" in weights]
         stored = {s: weights.pop(f"{name}.{s}") for s in keys}
         layer = WeightOnlyLinear(stored, cfg.for_module(name))
         # the stored tensors the layer repacked (not kept as they are): their mmap'd engine pages, read for the copy,
         # need not stay resident beside it
-        kept = {t.untyped_storage().data_ptr() for t in layer.state_dict().values()}
-        page_release.release(t for t in stored.values() if t.untyped_storage().data_ptr() not in kept)
+        kept = {t.data_ptr() for t in (*layer.state_dict().values(), *layer.buffers())}
+        page_release.release(t for t in stored.values() if t.data_ptr() not in kept)
         since_trim += sum(t.numel() * t.element_size() for t in stored.values())
         if since_trim > 512 << 20:  # repacking's freed intermediates back to the system as it goes: the peak
             page_release.trim_heap()  # resident size stays near the engine's (measured: 10.1 GB for 5.6 without)

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from nextn.quantization import kernel_layout
 from nextn.quantization.quant_config import (GROUP_SIZES, INT4_ALGOS, QUANT_ALGOS,  # noqa: F401 (re-exported)
                                              QuantConfig, QuantError)
 
@@ -169,6 +170,9 @@ def quantized_specs(name: str, shape: tuple[int, int], cfg: QuantConfig) -> dict
     if cfg.quant_algo == "W8A16":
         return {f"{prefix}.weight": ((n, k), torch.int8), f"{prefix}.weight_scale": ((n,), torch.float32)}
     g = cfg.group_size or default_group_size([k])
+    if kernel_layout.applies(prefix, shape, cfg):  # an MoE expert, stored as the kernel reads it
+        return kernel_layout.specs(prefix, shape, cfg, k // g, k // super_block(k, g, cfg.super_block_size)
+                                   if cfg.super_block_size else None)
     if cfg.super_block_size:
         return {f"{prefix}.weight": ((n, k // 2), torch.uint8), f"{prefix}.weight_scale": ((n, k // g), torch.uint8),
                 f"{prefix}.weight_zero": ((n, k // g), torch.int8),
@@ -223,6 +227,8 @@ def quantize_stream(specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
             except QuantError as e:
                 raise QuantError(f"{name}: {e}") from e
             prefix = name.removesuffix(".weight")
+            if kernel_layout.applies(prefix, tuple(t.shape), layer_cfg):
+                q = kernel_layout.to_kernel(q, layer_cfg)
             yield from ((f"{prefix}.{k}", v) for k, v in q.items())
 
     return out_specs, stream()

@@ -13,10 +13,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
 from nextn.build.manifest import EngineError, EngineManifest, verify_engine_files
+from nextn.build.safetensors_map import map_safetensors
 from nextn.models.medusa import MedusaHeads
 from nextn.models.registry import MODEL_CLASSES
 from nextn.plugins.decoder_layer import install_fused_layers
@@ -50,9 +50,10 @@ def read_weights(engine_dir: Path, manifest: EngineManifest, verify: str, device
     weights: Weights = {}
     for f in manifest.weight_files:
         try:
-            weights.update(load_file(str(engine_dir / f), device=str(device)))
-        except Exception as e:  # safetensors' own SafetensorError for a corrupt file
+            mapped = map_safetensors(engine_dir / f)  # views of one mapping: read in place where the layout allows
+        except (EngineError, OSError) as e:
             raise EngineError(f"cannot read engine weights {engine_dir / f}: {e}; rebuild the engine") from e
+        weights.update(mapped if device.type == "cpu" else {k: v.to(device) for k, v in mapped.items()})
     return weights
 
 

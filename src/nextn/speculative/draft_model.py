@@ -54,9 +54,9 @@ import logging
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from nextn.build.manifest import EngineError, EngineManifest, verify_engine_files
+from nextn.build.safetensors_map import map_safetensors
 from nextn.config.llm_args import DraftTargetDecodingConfig, LlmArgsError
 from nextn.models.registry import MODEL_CLASSES
 from nextn.plugins.sampling import counter_uniform, sample_from_probs
@@ -100,7 +100,8 @@ def load_draft_model(engine_dir: Path, manifest: EngineManifest, device: torch.d
     files = [engine_dir / f for f in manifest.weight_files]
     weights: dict[str, torch.Tensor] = {}
     for f in files:
-        weights.update(load_file(str(f), device=str(device)))
+        mapped = map_safetensors(f)  # views of one mapping, as the target's (`model_loader.read_weights`)
+        weights.update(mapped if device.type == "cpu" else {k: v.to(device) for k, v in mapped.items()})
     weights = {k: v for k, v in weights.items() if not k.startswith(_MEDUSA_PREFIX)}
     with torch.device("meta"):
         model = MODEL_CLASSES[manifest.architecture](manifest.model, max_positions=1)
