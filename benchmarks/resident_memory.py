@@ -4,8 +4,8 @@
     python -m benchmarks.resident_memory --model ... --format W4A16 --no-release   # the A/B: without page_release
 
 Builds (or takes from `--engine_cache`) the engine of `--model` in `--format` (`nextn.bench.vs_llama_cpp`'s format
-names), loads it and prints: the engine's weight files on disk, the peak resident set during the load (`ru_maxrss`),
-and the resident set after it split into the engine file's mapped pages and the rest (`/proc/self/smaps`). The fused
+names), loads it, reads every weight page once (`touch_weights`: a warm engine) and prints: the engine's weight
+files on disk, the peak resident set during the load (`ru_maxrss`), and the resident set after it split into the engine file's mapped pages and the rest (`/proc/self/smaps`). The fused
 ops copy some weights (concatenated q/k/v and gate/up, an MoE layer's stacked experts) and repacking makes
 intermediates: `--no-release` turns `plugins/page_release.py`'s hints into no-ops to show what they save.
 `--processes N` loads the engine in N processes at once and prints each one's private and shared resident memory
@@ -48,9 +48,21 @@ def rollup() -> dict[str, int]:
     return out
 
 
+def touch_weights(llm) -> None:
+    """Read one byte of every page of every weight, as serving a while would (each expert chosen at some point):
+    the memory figures are then those of a warm engine, not of pages mapped but never read."""
+    import torch
+
+    with torch.inference_mode():
+        for t in (*llm.engine.model.parameters(), *llm.engine.model.buffers()):
+            if t.device.type == "cpu" and t.numel() and t.is_contiguous():
+                t.reshape(-1).view(torch.uint8)[::4096].sum()
+
+
 def _load_and_hold(model: Path, fmt: str, cache: Path, portable: bool, loaded, done, results) -> None:
     """One process of `--processes`: load, report its memory once every process has loaded, hold until told."""
     llm = _load(model, fmt, cache, portable)
+    touch_weights(llm)
     loaded.wait()  # every process loaded: the shared pages are counted once among them
     r = rollup()
     results.put({k: r.get(k, 0) for k in ("Rss", "Pss", "Shared_Clean", "Private_Clean", "Private_Dirty")})
@@ -115,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_release:
         off.start()
     llm = _load(args.model, args.format, args.engine_cache, args.portable_experts)
+    touch_weights(llm)
     engine_dir = Path(llm.engine_dir)
     on_disk = sum(f.stat().st_size for f in engine_dir.glob("*.safetensors"))
     mapped, other = resident_split(str(engine_dir))
