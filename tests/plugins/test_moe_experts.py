@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from nextn.models.moe import routed_experts
 from nextn.plugins import cpu_kernels
 from nextn.plugins.decoder_layer import fuse_stack, fused_forward, stack_forward
 from nextn.plugins.moe_experts import block_forward, experts_forward
+from nextn.quantization import kernel_layout
 from nextn.testing.tiny_families import tiny_hf_model
 
 from test_decoder_layer import _inputs
@@ -199,6 +201,29 @@ def test_the_layer_matches_the_pytorch_modules(llm):
     assert (fused == ref).float().mean() > 0.9
     torch.testing.assert_close(fused.float(), ref.float(), rtol=3e-2, atol=3e-2)
     torch.testing.assert_close(kv_fused.float(), kv_ref.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_an_engine_with_experts_stored_portably_decodes_the_same(llm, tmp_path):
+    """An engine of layout 6 (the experts stored portably, as before `kernel_layout`): its experts repacked and
+    stacked at load (copies, not the file's pages) into the same operands, bit for bit — the same greedy tokens."""
+    ckpt = Path(llm.engine_dir).parent / "ckpt"
+    algo = llm.engine.manifest.quant_config.quant_algo
+    with mock.patch.object(kernel_layout, "applies", lambda *a: False):
+        build_engine(ckpt, tmp_path / "engine", progress=False, max_seq_len=128, dtype="bfloat16", quant_algo=algo,
+                     group_size=32)
+    old = LLM(tmp_path / "engine")
+    try:
+        fused_new, fused_old = (m.engine.model.model.layers[0].mlp.fused_experts for m in (llm, old))
+        for a, b in zip(fused_new.gate_up + fused_new.down, fused_old.gate_up + fused_old.down):
+            assert torch.equal(a, b)
+        spans = _file_mappings(str((tmp_path / "engine" / "model.safetensors").resolve()))
+        start = fused_old.gate_up[0].data_ptr()
+        assert not any(lo <= start < hi for lo, hi in spans)  # a copy
+        prompt = [1] + [10 + (7 * i) % 23 for i in range(40)]
+        params = SamplingParams(max_tokens=32, ignore_eos=True)
+        assert old.generate(prompt, params).outputs[0].token_ids == llm.generate(prompt, params).outputs[0].token_ids
+    finally:
+        old.shutdown()
 
 
 def test_speculation_stays_lossless(llm):
