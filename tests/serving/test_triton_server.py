@@ -210,6 +210,10 @@ def test_non_decoupled_requests_run_beside_each_other_and_cancel(server, referen
     try:  # a long unary request: were requests served one execute() at a time, everything below would wait for it
         call = client.async_infer("nextn", _inputs(grpc, **_ids(PROMPTS[1], 1500, end_id=np.array([[-1]], np.int32))),
                                   callback=lambda result, error: done.put((result, error)))
+        deadline = time.monotonic() + TIMEOUT_S  # admitted (its blocks taken) before the short one is sent: under
+        while _free_blocks(server, "nextn") == all_free and done.empty() and time.monotonic() < deadline:
+            time.sleep(0.05)  # load the gRPC call may reach the server after a short HTTP request has finished
+        assert done.empty() and _free_blocks(server, "nextn") < all_free, "the long request never ran"
         with http.InferenceServerClient(server.http_url) as short:
             res = short.infer("nextn", _inputs(http, **_ids(PROMPTS[0])))
         assert res.as_numpy("output_ids").tolist() == [[reference[0].token_ids]]
