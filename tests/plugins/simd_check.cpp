@@ -2,7 +2,7 @@
 // its headers (at::vec), so it runs where torch does not — the ARM64 variant under qemu-user
 // (tests/plugins/test_simd_layer.py), and natively for each x86 variant the CPU runs, which shows that the checks
 // agree with the variants the kernel tests cover. Prints "<checks> checks, <failures> failures"; exits 1 on any.
-#include "simd.h"
+#include "simd_int8.h"
 
 #include <cmath>
 #include <cstdio>

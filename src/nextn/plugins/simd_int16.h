@@ -4,7 +4,7 @@
 // (int8_linear_cpu.cpp): 16 multiply-adds a `vpmaddwd` against 8 an f32 FMA, and no widening to f32 per row.
 #pragma once
 
-#include "simd.h"
+#include "simd_int8.h"
 
 namespace nextn_cpu::simd {
 

@@ -34,6 +34,7 @@
 #include <torch/library.h>
 
 #include "cpu_kernels.h"
+#include "simd_int8.h"
 
 #include <cstdint>
 #include <optional>
