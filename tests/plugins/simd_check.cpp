@@ -84,9 +84,9 @@ int main() {
   int8_t q8[16];
   int32_t sum = store_int8_rne(q8, load(ties)), want_sum = 0;
   for (int i = 0; i < 16; ++i) {
-    const int v = int(std::nearbyint(ties[i]));
-    want_sum += v;
-    expect(q8[i] == (v < -128 ? -128 : v > 127 ? 127 : v), "store_int8_rne", i, q8[i], v);
+    const int v = int(std::nearbyint(ties[i])), c = v < -128 ? -128 : v > 127 ? 127 : v;
+    want_sum += c;
+    expect(q8[i] == c, "store_int8_rne", i, q8[i], c);
   }
   expect(sum == want_sum, "store_int8_rne sum", 0, sum, want_sum);
   // partial loads and stores: the tail zero, nothing written past n
@@ -182,6 +182,20 @@ int main() {
     int32_t want = 0;
     for (int j = 0; j < 4; ++j) want += 3 * (w64[4 * ch + j] & 15) * xa[j] + (w64[4 * ch + j] >> 4) * xa[j];
     expect(r[ch] == float(want), "int8 dot4", ch, r[ch], want);
+  }
+  // a run of products scaled by 16 channels' 8-bit group scales as it is widened (W4A8 with two-level scales), on top
+  // of an accumulator: exact in int32, the largest scale included
+  uint8_t sc8[16];
+  for (int ch = 0; ch < 16; ++ch) sc8[ch] = uint8_t(ch == 5 ? 255 : ch * 13 + 1);
+  P16 ps = pzero();
+  for (int rep = 0; rep < 8; ++rep) ps = pdot4(ps, rep % 2 ? nhi : nlo, xa);  // kDotsPerWiden's worth, |sum| < 2^15
+  I16 sacc = scale_widen(widen(izero(), p), ps, group_scales16(sc8));
+  lanes(to_float(sacc), r);
+  for (int ch = 0; ch < 16; ++ch) {
+    int32_t lo = 0, hi = 0;
+    for (int j = 0; j < 4; ++j) lo += (w64[4 * ch + j] & 15) * xa[j], hi += (w64[4 * ch + j] >> 4) * xa[j];
+    const int32_t want = 3 * lo + sc8[ch] * 4 * (lo + hi);
+    expect(r[ch] == float(want), "scale_widen", ch, r[ch], want);
   }
   std::printf("%s: %d checks, %d failures\n", kVariant, checks, failures);
   return failures ? 1 : 0;

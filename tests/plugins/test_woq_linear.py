@@ -61,6 +61,26 @@ def test_vnni_layout_keeps_every_value():
         woq_linear.pack_int4_vnni(torch.zeros(16, 24, dtype=torch.uint8))
 
 
+@pytest.mark.parametrize("n,k,g,sb", [(48, 1536, 32, 256), (32, 896, 32, 224), (96, 128, 32, None)])
+@pytest.mark.parametrize("rows", [1, 4, 5, 9])
+def test_w4a8_quantizes_activations_per_super_block_with_two_level_scales(n, k, g, sb, rows, monkeypatch):
+    """W4A8 multiplies x quantized per super-block with two-level scales (llama.cpp's Q8_K, so that the 8-bit group
+    scales apply to integer sums), per group with one-level ones (Q8_0): the kernel equals the reference quantizing
+    alike up to f32 rounding, and (the control) is told apart from the reference quantizing per group."""
+    _, packed, scale, zero8 = _int4_operands(n, k, g, seed=3, super_block=sb, a8=True)
+    x = torch.randn(rows, k)
+    x[:, : k // 2] *= 8  # groups of different magnitudes: a per-block scale is not a per-group one
+    out = cpu_kernels.ops().woq_int4_linear(x, packed, scale, zero8, g, None, True)
+    ref = woq_linear.int4_linear_reference(x.double(), packed, scale, zero8, g, int8_activations=True)
+    tol = 2e-5 * ref.abs().max().item()
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=tol)
+    if sb:  # the reference quantizing per group instead: what W4A8 did before, not what it does
+        per_block = woq_linear.quantize_activations
+        monkeypatch.setattr(woq_linear, "quantize_activations", lambda x, block: per_block(x, g))
+        per_group = woq_linear.int4_linear_reference(x.double(), packed, scale, zero8, g, int8_activations=True)
+        assert (out.double() - per_group).abs().max().item() > 20 * tol
+
+
 def test_activations_are_quantized_per_group_to_int8():
     x = torch.tensor([[1.0, -2.0, 0.5, 127.0] * 8 + [0.0] * 32])
     xq = woq_linear.quantize_activations(x, 32)

@@ -58,8 +58,8 @@ def auto_quant_algo(reader: CheckpointReader | GGUFCheckpoint, device_type: str 
     Why: the file's 4-bit values are read as they are (one- or two-level scales, `quantization/weight_only.py`),
     nextn's kernels are the fast path, and they compute every row alone, so outputs do not depend on what shares the
     batch (docs/performance-history.md, "Batch invariance by default"). W4A16 keeps bf16 activations where bf16 pairs
-    multiply natively; elsewhere W4A8's integer dot products (activations quantized per group of 32, llama.cpp's CPU
-    numerics) are ~2x faster than bf16 widened to f32.
+    multiply natively; elsewhere W4A8's integer dot products (activations quantized per group of 32 or per
+    super-block, llama.cpp's CPU numerics) are ~2x faster than bf16 widened to f32.
     Args:
         device_type: "cpu" or "cuda" (None: CUDA when available), where the engine will run.
     """

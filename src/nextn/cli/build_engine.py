@@ -106,7 +106,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quant_algo", choices=("auto", "none", *QUANT_ALGOS), default="auto",
                    help="quantization of the linear layers and the lm_head (TensorRT-LLM's names): W8A16 = int8 "
                    "weights per output channel, W4A16 = 4-bit weights per group (both weight-only: bf16 activations), "
-                   "W4A8 = W4A16's weights times activations quantized to int8 per group on nextn's CPU kernel "
+                   "W4A8 = W4A16's weights times activations quantized to int8 (per group, or per super-block with "
+                   "two-level scales) on nextn's CPU kernel "
                    "(llama.cpp's CPU numerics, faster); embedding and norms stay in --dtype; none = every linear in "
                    "--dtype; auto (default) = for a mostly 4-bit GGUF (Q4_0, Q4_1, Q4_K_M, ...) the int4 format fastest on "
                    "this CPU's kernel variant (W4A16 with AVX512-BF16, else W4A8) unless --dtype float32/float16, "

@@ -106,14 +106,19 @@ void int4_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, int6
                  int64_t group_size, const float* bias, float* out);
 
 // An int4 linear's activations prepared once for several calls over the same rows (an MoE expert's rows against
-// each chunk of its weight): x (bf16 bits) and its group sums xs, or for W4A8 also x quantized per group (xq, sx;
-// int4_prepare). Each row alone: the same numbers as int4_linear's own preparation.
+// each chunk of its weight): x (bf16 bits) and its group sums xs [M, K / group_size], or for W4A8 also x quantized
+// to int8 (xq [M, K], sx [M, K / act_group]) per `int8_activation_group` input channels, xs then sx * sum xq.
+// Each row alone: the same numbers as int4_linear's own preparation.
 struct Int4Activations {
   const uint16_t* x = nullptr;
+  int64_t act_group = 0;
   std::vector<int8_t> xq;
   std::vector<float> sx, xs;
 };
-void int4_prepare(const uint16_t* x, int64_t M, int64_t K, int64_t group_size, bool int8_activations,
+// W4A8's activation block: a weight group (one-level scales: llama.cpp's Q4_0 x Q8_0), or a super-block (two-level:
+// Q4_K x Q8_K, so that the 8-bit group scales apply in integer)
+int64_t int8_activation_group(const Int4Scales& scales, int64_t group_size);
+void int4_prepare(const uint16_t* x, int64_t M, int64_t K, int64_t group_size, const Int4Scales& scales,
                   Int4Activations& a);
 // int4_linear over rows [m0, m0 + M) of prepared activations (out: those rows' [M, N])
 void int4_linear_prepared(const Int4Activations& a, int64_t m0, int64_t M, int64_t K, const uint8_t* w, int64_t N,

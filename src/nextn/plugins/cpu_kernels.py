@@ -52,7 +52,7 @@ SOURCES = [Path(__file__).with_name(n) for n in ("woq_linear_cpu.cpp", "int8_lin
                                                 "mla_cpu.cpp", "rms_norm_cpu.cpp",
                                                 "deltanet_layer_cpu.cpp")]
 HEADERS = [Path(__file__).with_name(n) for n in ("cpu_kernels.h", "simd.h", "simd_int8.h", "simd_int16.h",
-                                                "layer_parts.h", "gated_deltanet.h")]
+                                                "int4_blocks.h", "layer_parts.h", "gated_deltanet.h")]
 
 
 @dataclasses.dataclass(frozen=True)

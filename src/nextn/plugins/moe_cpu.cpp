@@ -122,7 +122,10 @@ void matmuls(const std::vector<Int4>& l, const std::vector<int64_t>& start, cons
              int64_t group_size, bool int8_activations, float* out) {
   // every row's activations prepared once (W4A8: quantized), not once per chunk of its expert's weight
   nextn_cpu::Int4Activations act;
-  nextn_cpu::int4_prepare(x, start.back(), K, group_size, int8_activations, act);
+  if (l.empty()) return;
+  nextn_cpu::Int4Scales fmt = l.front().scales;  // every expert's scales have one format
+  fmt.int8_activations = int8_activations;
+  nextn_cpu::int4_prepare(x, start.back(), K, group_size, fmt, act);
   const int64_t blocks = N / 16, chunks = (blocks + kChunk - 1) / kChunk;
   std::vector<int64_t> units;  // expert * chunks + chunk, active experts only
   for (int64_t e = 0; e + 1 < int64_t(start.size()); ++e)

@@ -117,7 +117,8 @@ def unpack_int4_vnni_layout(w: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_activations(x: torch.Tensor, group_size: int) -> torch.Tensor:
-    """What the W4A8 kernel multiplies instead of x [..., K]: x rounded to bf16, then per group of `group_size`
+    """What the W4A8 kernel multiplies instead of x [..., K]: x rounded to bf16, then per block of `group_size`
+    input channels (the weight's group, or with two-level scales its super-block, as llama.cpp's Q8_0 / Q8_K)
     symmetric int8 (sx = max|x| / 127, q = round half to even of x · (1 / sx), all f32), dequantized back, f32."""
     xb = x.to(torch.bfloat16).float()
     g = xb.unflatten(-1, (-1, group_size))
@@ -167,7 +168,9 @@ def int4_linear_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Te
     g = k // group_size
     if int8_activations:
         q = unpack_int4_vnni_layout(packed).float()
-        xf = quantize_activations(x, group_size)
+        # two-level scales: x quantized per super-block (llama.cpp's Q8_K beside Q4_K), else per group (Q8_0)
+        block = group_size * (g // zero8.shape[1]) if scale.dtype == torch.uint8 else group_size
+        xf = quantize_activations(x, block)
     else:
         q = unpack_int4_kernel_layout(packed).float()
         xf = x.to(torch.bfloat16).float()

@@ -11,7 +11,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 QUANT_ALGOS = ("W8A16", "W4A16", "W4A8")
-#: The 4-bit formats: stored alike; W4A8 multiplies activations quantized per group to int8 (llama.cpp's CPU numerics)
+#: The 4-bit formats: stored alike; W4A8 multiplies activations quantized to int8 per group, or per super-block with
+#: two-level scales (llama.cpp's CPU numerics: Q8_0 / Q8_K)
 INT4_ALGOS = ("W4A16", "W4A8")
 #: Group sizes tried in order when `group_size` is not given. 32 first (TensorRT-LLM's default is 128): it is the
 #: block of llama.cpp's 4-bit formats (Q4_0, Q4_1, Q4_K's sub-blocks), so a 4-bit GGUF re-quantizes almost exactly —
@@ -29,7 +30,7 @@ class QuantConfig(BaseModel):
 
     Attributes:
         quant_algo: "W8A16" (int8 per-channel), "W4A16" (4-bit per-group) or "W4A8" (W4A16's weights, int8
-            activations per group on nextn's CPU kernel).
+            activations per group or super-block on nextn's CPU kernel).
         group_size: input channels per scale for W4A16 (must divide every quantized layer's input size); None for
             W8A16.
         exclude_modules: linear layers kept in the engine dtype, by name or name prefix (e.g. "lm_head").

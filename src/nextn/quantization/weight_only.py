@@ -15,9 +15,11 @@ TensorRT-LLM's names (`QuantConfig.quant_algo`, `group_size`, `exclude_modules`)
   and `<linear>.weight_zero` int8 [N, K / group_size], `<linear>.weight_scale_2` fp16 [N, K / super, 2] (d, dmin).
   A layer's super-block is the largest multiple of the group size ≤ `super_block_size` dividing its K.
 - **W4A8**: W4A16's weights (stored the same way), multiplied on nextn's CPU kernel by the activations quantized to
-  int8 per group of `group_size` (symmetric, max |x| / 127, at run time: llama.cpp's numerics on a CPU, where its
-  4-bit dot products take 8-bit activations). Integer dot products (`vpdpbusd`, 64 multiply-adds an instruction)
-  keep the step memory-bound at the K + 1 rows of a verify step; elsewhere (PyTorch's kernels) it runs as W4A16.
+  int8 per group of `group_size`, or with super-blocks per super-block (symmetric, max |x| / 127, at run time:
+  llama.cpp's numerics on a CPU, where its 4-bit dot products take 8-bit activations: Q8_0 beside Q4_0, Q8_K beside
+  Q4_K, so that the 8-bit group scales apply to integer sums). Integer dot products (`vpdpbusd`, 64 multiply-adds an
+  instruction) keep the step memory-bound at the K + 1 rows of a verify step; elsewhere (PyTorch's kernels) it runs
+  as W4A16.
 
 The engine file stays independent of the CPU kernel's tiling; the kernels are PyTorch's own
 (`torch.ops.aten._weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`).
