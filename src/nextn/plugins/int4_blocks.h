@@ -231,13 +231,14 @@ inline void int4a8_super_block(const int8_t* xq, int64_t K, const uint8_t* w, co
   V16 acc[MB][NB];
   for (int m = 0; m < MB; ++m)
     for (int n = 0; n < NB; ++n) acc[m][n] = simd::zero();
-  for (int64_t si = 0, gi = 0; si < S; ++si)
-    for (int64_t j = 0; j < sc.gps; ++j, ++gi)
-      for (int n = 0; n < NB; ++n) {
-        const V16 zv = simd::load_int8(reinterpret_cast<const int8_t*>(sc.g8 + (n * G + gi) * 32 + 16)) *
-                       simd::load_f16(sc.sup + (n * S + si) * 32 + 16);
+  for (int64_t si = 0; si < S; ++si)
+    for (int n = 0; n < NB; ++n) {
+      const V16 dmin = simd::load_f16(sc.sup + (n * S + si) * 32 + 16);
+      for (int64_t gi = si * sc.gps; gi < (si + 1) * sc.gps; ++gi) {
+        const V16 zv = simd::load_int8(reinterpret_cast<const int8_t*>(sc.g8 + (n * G + gi) * 32 + 16)) * dmin;
         for (int m = 0; m < MB; ++m) acc[m][n] = simd::fmadd(zv, simd::set1(xs[m * G + gi]), acc[m][n]);
       }
+    }
   for (int64_t si = 0; si < S; ++si) {
     simd::I16 isum[MB][NB];
     for (int m = 0; m < MB; ++m)
