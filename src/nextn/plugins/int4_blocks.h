@@ -131,12 +131,42 @@ inline void int4_block(const uint16_t* x, int64_t K, const uint8_t* w, const Sca
   store_rows<MB, NB>(acc, bias, out, out_stride);
 }
 
-// W4A8: NB blocks of 16 output channels (int4, `pack_int4_vnni` layout: per 8 input channels k..k+7 of a block, 64
-// bytes, byte 4c + j = q[c][k + j] | q[c][k + 4 + j] << 4) against rows [0, MB) of xq, x quantized per group of g
-// to int8 (xq = round(x / sx), sx = max|x| / 127: `quantize_rows`). Per 8 input channels one 64-byte load gives, by
-// an AND and a shift, 16 channels x 4 input channels of unsigned bytes twice, and one `simd::dot4` per half and row
-// (vpdpbusd where the CPU has VNNI, vpmaddubsw + vpmaddwd elsewhere: exact in int32 either way) takes x's 4 bytes,
-// broadcast. At the end of a group:
+// W4A8's products over input channels [k0, k1) (a run short enough for `simd::P16`: at most 4 kDotsPerWiden) for
+// NB blocks of 16 channels (`pack_int4_vnni` layout: per 8 input channels k..k+7 of a block, 64 bytes, byte 4c + j =
+// q[c][k + j] | q[c][k + 4 + j] << 4) against rows [0, MB) of xq (int8, row stride K), from zero: per 8 input
+// channels one 64-byte load gives, by an AND and a shift, 16 channels x 4 input channels of unsigned bytes twice,
+// and one `simd::pdot4` per half and row (vpdpbusd where the CPU has VNNI, vpmaddubsw elsewhere: exact) takes x's 4
+// bytes, broadcast. kSplit (one row): the high nibbles in a second chain, phi.
+template <int MB, int NB, bool kSplit>
+__attribute__((always_inline)) inline void span_products(const int8_t* xq, int64_t K, const uint8_t* w, int64_t k0,
+                                                         int64_t k1, simd::P16 (&plo)[MB][NB],
+                                                         simd::P16 (&phi)[MB][kSplit ? NB : 1]) {
+  const int64_t block_bytes = 8 * K;
+  for (int m = 0; m < MB; ++m)
+    for (int n = 0; n < NB; ++n) {
+      plo[m][n] = simd::pzero();
+      if constexpr (kSplit) phi[m][n] = simd::pzero();
+    }
+  for (int64_t k = k0; k < k1; k += 8) {
+    for (int n = 0; n < NB; ++n) simd::prefetch_l2(w + (n + NB) * block_bytes + 8 * k);
+    for (int n = 0; n < NB; ++n) {
+      simd::U8x64 wl, wh;
+      simd::nibbles(w + n * block_bytes + 8 * k, wl, wh);
+      for (int m = 0; m < MB; ++m) {
+        const int8_t* xm = xq + m * K + k;
+        plo[m][n] = simd::pdot4(plo[m][n], wl, xm);
+        if constexpr (kSplit) {
+          phi[m][n] = simd::pdot4(phi[m][n], wh, xm + 4);
+        } else {
+          plo[m][n] = simd::pdot4(plo[m][n], wh, xm + 4);
+        }
+      }
+    }
+  }
+}
+
+// W4A8: NB blocks of 16 output channels against rows [0, MB) of xq, x quantized to int8 (xq = round(x / sx), sx =
+// max|x| / 127: `quantize_rows`), the products by `span_products`. At the end of a group:
 //   y += (s_g * sx) * sum_{k in g} q_k xq_k + z_g * (sx * sum_{k in g} xq_k)
 // with the group's weight scale s_g and zero z_g (w = q * s_g + z_g), in f32 — the same for a row whatever MB, NB
 // or the thread: batch-invariant. sx [MB][GA]: the rows' activation scales (a group's, or with two-level scales its
@@ -146,7 +176,6 @@ inline void int4a8_block(const int8_t* xq, int64_t K, const uint8_t* w, const Sc
                          const float* sx, int64_t GA, const float* xs, float* out, int64_t out_stride,
                          const float* bias) {
   constexpr bool kSplit = MB == 1;  // two int32 chains (low / high nibbles) for one row
-  const int64_t block_bytes = 8 * K;
   int64_t si = 0, in_super = 0;
   V16 acc[MB][NB];
   for (int m = 0; m < MB; ++m)
@@ -163,27 +192,7 @@ inline void int4a8_block(const int8_t* xq, int64_t K, const uint8_t* w, const Sc
     sc.prefetch_next(NB, gi, si);
     for (int64_t k0 = gi * g; k0 < (gi + 1) * g; k0 += span) {
       simd::P16 plo[MB][NB], phi[MB][kSplit ? NB : 1];
-      for (int m = 0; m < MB; ++m)
-        for (int n = 0; n < NB; ++n) {
-          plo[m][n] = simd::pzero();
-          if constexpr (kSplit) phi[m][n] = simd::pzero();
-        }
-      for (int64_t k = k0; k < k0 + span; k += 8) {
-        for (int n = 0; n < NB; ++n) simd::prefetch_l2(w + (n + NB) * block_bytes + 8 * k);
-        for (int n = 0; n < NB; ++n) {
-          simd::U8x64 wl, wh;
-          simd::nibbles(w + n * block_bytes + 8 * k, wl, wh);
-          for (int m = 0; m < MB; ++m) {
-            const int8_t* xm = xq + m * K + k;
-            plo[m][n] = simd::pdot4(plo[m][n], wl, xm);
-            if constexpr (kSplit) {
-              phi[m][n] = simd::pdot4(phi[m][n], wh, xm + 4);
-            } else {
-              plo[m][n] = simd::pdot4(plo[m][n], wh, xm + 4);
-            }
-          }
-        }
-      }
+      span_products<MB, NB, kSplit>(xq, K, w, k0, k0 + span, plo, phi);
       for (int m = 0; m < MB; ++m)
         for (int n = 0; n < NB; ++n) {
           lo[m][n] = simd::widen(lo[m][n], plo[m][n]);
@@ -224,7 +233,7 @@ template <int MB, int NB>
 inline void int4a8_super_block(const int8_t* xq, int64_t K, const uint8_t* w, const KScales& sc, int64_t g,
                                const float* sx, const float* xs, float* out, int64_t out_stride, const float* bias) {
   constexpr bool kSplit = MB == 1;
-  const int64_t block_bytes = 8 * K, G = sc.G, S = sc.S;
+  const int64_t G = sc.G, S = sc.S;
   const int64_t span = simd::kDotsPerWiden >= g / 4 ? g : 4 * simd::kDotsPerWiden;
   // the zero points first, in a loop of their own (in the main loop, short of registers, their FMAs cost ~20 % at
   // 4 rows)
@@ -247,27 +256,7 @@ inline void int4a8_super_block(const int8_t* xq, int64_t K, const uint8_t* w, co
       sc.prefetch_next(NB, gi, si);
       for (int64_t k0 = gi * g; k0 < (gi + 1) * g; k0 += span) {
         simd::P16 plo[MB][NB], phi[MB][kSplit ? NB : 1];
-        for (int m = 0; m < MB; ++m)
-          for (int n = 0; n < NB; ++n) {
-            plo[m][n] = simd::pzero();
-            if constexpr (kSplit) phi[m][n] = simd::pzero();
-          }
-        for (int64_t k = k0; k < k0 + span; k += 8) {
-          for (int n = 0; n < NB; ++n) simd::prefetch_l2(w + (n + NB) * block_bytes + 8 * k);
-          for (int n = 0; n < NB; ++n) {
-            simd::U8x64 wl, wh;
-            simd::nibbles(w + n * block_bytes + 8 * k, wl, wh);
-            for (int m = 0; m < MB; ++m) {
-              const int8_t* xm = xq + m * K + k;
-              plo[m][n] = simd::pdot4(plo[m][n], wl, xm);
-              if constexpr (kSplit) {
-                phi[m][n] = simd::pdot4(phi[m][n], wh, xm + 4);
-              } else {
-                plo[m][n] = simd::pdot4(plo[m][n], wh, xm + 4);
-              }
-            }
-          }
-        }
+        span_products<MB, NB, kSplit>(xq, K, w, k0, k0 + span, plo, phi);
         for (int n = 0; n < NB; ++n) {
           const simd::Scale16 s = simd::group_scales16(sc.g8 + (n * G + gi) * 32);
           for (int m = 0; m < MB; ++m) {
