@@ -25,6 +25,29 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES") and not Path("/dev/nvidia0").exist
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
+# avx2_vnni is avx2 with other int8 dot products (plugins/simd_int8.h, simd_int16.h) and nothing else. Where it is not
+# the CPU's best variant (a Zen 4 or an Ice Lake runs it through its EVEX stand-in, beside its avx512 variants), its
+# per-variant tests are those of the kernels that take int8 dot products: W4A8 (`int8-x`, two-level), the int8
+# linears (W8A16, int8 kv_b), and the tests marked `int8_dots` — the rest is avx2's code, tested as avx2.
+_INT8_DOTS = ("W4A8", "w4a8", "int8", "W8A16", "two-level")
+
+
+def pytest_collection_modifyitems(config, items):
+    from nextn.plugins import cpu_kernels
+
+    runnable = cpu_kernels.runnable()
+    if "avx2_vnni" not in runnable or runnable[0] == "avx2_vnni":
+        return
+    keep, drop = [], []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        vnni = "avx2_vnni" in (params.get("kernel_variant"), params.get("variant"))
+        int8 = item.get_closest_marker("int8_dots") is not None or any(s in item.nodeid for s in _INT8_DOTS)
+        (drop if vnni and not int8 else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _step_profiles_in_a_temporary_dir(tmp_path_factory):

@@ -1,6 +1,7 @@
 """The kernel tests run once per ISA variant this CPU runs (`cpu_kernels.runnable()`: on an AVX512-BF16 machine
-avx512_bf16, avx512, avx2 and generic), each against the PyTorch references: the `kernel_variant` fixture forces the
-variant as NEXTN_CPU_ISA would and fails the test if the loaded kernels were compiled for another."""
+avx512_bf16, avx512, avx2_vnni (its EVEX stand-in: only the int8 dot products' tests, tests/conftest.py), avx2 and
+generic), each against the PyTorch references: the `kernel_variant` fixture forces the variant as NEXTN_CPU_ISA would
+and fails the test if the loaded kernels were compiled for another."""
 
 import pytest
 

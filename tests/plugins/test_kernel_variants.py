@@ -127,3 +127,53 @@ def test_the_load_log_names_the_variant_and_its_int8_activations(name):
         assert _kernels_line() == f"{name} (int8 linears on {want} activations)"
     with cpu_kernels.use(None):
         assert _kernels_line() == "None"
+
+
+def test_avx2_vnni_runs_on_avx_vnni_or_through_its_evex_stand_in(monkeypatch):
+    """AVX-VNNI (Alder Lake, Zen 5) builds the variant with its own flags; AVX512-VNNI/VL without AVX-VNNI (Zen 4,
+    Ice Lake) with the stand-in's (the same instructions' EVEX encoding); plain AVX2 lacks it, by name."""
+    v = next(v for v in cpu_kernels.VARIANTS if v.name == "avx2_vnni")
+    base = {"avx2", "fma", "f16c"}
+    cases = [(base | {"avx_vnni"}, v.cflags), (base | {"avx_vnni", "avx512vl", "avx512_vnni"}, v.cflags),
+             (base | {"avx512vl", "avx512_vnni"}, v.stand_in[1])]
+    monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "x86_64")
+    for flags, cflags in cases:
+        monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda flags=flags: flags)
+        assert cpu_kernels.missing(v) == [] and cpu_kernels.compiler_flags(v) == cflags
+    assert "-mavxvnni" in v.cflags and "-DNEXTN_VNNI_EVEX" in v.stand_in[1]
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: base | {"avx512vl"})
+    assert cpu_kernels.missing(v) == ["avx_vnni"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", ["own", "stand_in"])
+def test_avx2_vnni_compiles_its_dot_products_in_each_encoding(tmp_path, flags):
+    """The int8 kernels built with avx2_vnni's own flags hold VEX-encoded `vpdpbusd` / `vpdpwssd` on ymm (what
+    AVX-VNNI CPUs run, whether or not this one can), with the stand-in's the EVEX ones; neither holds a zmm."""
+    cxx, objdump = shutil.which("g++"), shutil.which("objdump")
+    if cxx is None or objdump is None:
+        pytest.skip("needs g++ and binutils' objdump")
+    from torch.utils import cpp_extension
+
+    v = next(v for v in cpu_kernels.VARIANTS if v.name == "avx2_vnni")
+    cflags = v.cflags if flags == "own" else v.stand_in[1]
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+
+    def disassembly(name):
+        src, obj = next(s for s in cpu_kernels.SOURCES if s.name == name), tmp_path / f"{name}.o"
+        r = subprocess.run([cxx, "-std=c++20", "-O2", "-c", "-fPIC", "-fopenmp", *cflags,
+                            f"-DNEXTN_OPS={cpu_kernels.namespace('avx2_vnni')}", *includes, str(src), "-o", str(obj)],
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return subprocess.run([objdump, "-d", str(obj)], capture_output=True, text=True, timeout=120).stdout
+
+    with ThreadPoolExecutor(max_workers=2) as pool:  # W4A8's vpdpbusd, the int8 linear's vpdpwssd
+        dis = "".join(pool.map(disassembly, ["woq_linear_cpu.cpp", "int8_linear_cpu.cpp"]))
+    dots = [line for line in dis.splitlines() if "vpdpbusd" in line or "vpdpwssd" in line]
+    assert any("vpdpbusd" in d for d in dots) and any("vpdpwssd" in d for d in dots)
+    assert all("ymm" in d for d in dots) and "zmm" not in dis
+    # VEX: GNU objdump prints the {vex} pseudo-prefix; EVEX: the instruction's first byte is 0x62
+    if flags == "own":
+        assert all("{vex}" in d for d in dots)
+    else:
+        assert all("\t62 " in d and "{vex}" not in d for d in dots)

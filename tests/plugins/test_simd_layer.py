@@ -23,7 +23,7 @@ X86 = [v for v in cpu_kernels.runnable() if v != "neon"]
 
 
 def _build(cxx: str, variant: str, out: Path, *extra: str) -> Path:
-    flags = next(v for v in cpu_kernels.VARIANTS if v.name == variant).cflags
+    flags = cpu_kernels.compiler_flags(next(v for v in cpu_kernels.VARIANTS if v.name == variant))
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     r = subprocess.run([cxx, "-std=c++20", "-O2", *flags, *extra, *includes, f"-I{PLUGINS}",
                         str(HERE / "simd_check.cpp"), "-o", str(out)], capture_output=True, text=True, timeout=600)

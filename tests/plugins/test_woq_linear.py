@@ -158,6 +158,7 @@ def test_int8_rows_are_padded_to_16_and_cut_back():
 
 
 @pytest.mark.parametrize("rows", [2, 4, 5, 8, 9, 12, 13, 17])
+@pytest.mark.int8_dots
 def test_every_row_is_computed_as_if_alone(rows):
     """Batch invariance, bit for bit: what keeps a verify step's logits equal to plain decoding's."""
     _, packed, scale, zero8 = _int4_operands(80, 576, 32, seed=2)
@@ -224,3 +225,37 @@ def test_layers_use_nextn_kernels_and_agree_with_pytorchs(cfg, monkeypatch):
     x = torch.randn(5, 128).bfloat16()
     ref = aten(x).float()
     torch.testing.assert_close(ours(x).float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+
+_VNNI_PAIR = [v for v in ["avx2_vnni"] if {"avx2_vnni", "avx2"} <= set(cpu_kernels.runnable())]
+
+
+@pytest.mark.int8_dots
+@pytest.mark.parametrize("kernel_variant", _VNNI_PAIR, indirect=True)  # once, not once per variant
+@pytest.mark.parametrize("rows", [1, 4, 5, 8, 12, 13])
+def test_avx2_vnni_is_bit_identical_to_avx2(kernel_variant, rows):
+    """The two variants differ only in how int8 / int16 products are summed (`vpdpbusd` / `vpdpwssd` against
+    `vpmaddubsw` / `vpmaddwd`), exactly in integer on both: W4A8 (one-level and two-level scales, group scales applied
+    in integer) and the int8 linear give the same bits. Control: one weight byte changed changes them."""
+    a8 = _int4_operands(80, 1536, 32, seed=3, a8=True)[1:]
+    a8_two = _int4_operands(80, 1536, 32, seed=3, super_block=256, a8=True)[1:]
+    _, q8, s8 = _int8_operands(80, 576, seed=3)
+    x, x8 = torch.randn(rows, 1536).bfloat16(), torch.randn(rows, 576).bfloat16()
+
+    def outputs(w4=a8[0], w8=q8):
+        ops = cpu_kernels.ops()
+        return [ops.woq_int4_linear(x, w4, *a8[1:], 32, None, True), ops.woq_int4_linear(x, *a8_two, 32, None, True),
+                ops.woq_int8_linear(x8, w8, s8, None)]
+
+    with cpu_kernels.use("avx2"):
+        want = outputs()
+    assert cpu_kernels.ops().isa() == "avx2_vnni"
+    got = outputs()
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+    w4, w8 = a8[0].clone(), q8.clone()
+    w4.view(-1)[7] ^= 0x88  # two 4-bit weights of one channel moved by 8 steps, one product each
+    w8.view(-1)[7] = -127 if w8.view(-1)[7] > 0 else 127
+    changed = outputs(w4, w8)
+    assert not torch.equal(changed[0], want[0]) and not torch.equal(changed[2], want[2])

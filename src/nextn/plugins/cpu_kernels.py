@@ -13,9 +13,15 @@ few primitives per ISA), so each kernel is one source for every variant:
 |---------------|----------------------------------------------------------|-----------------------------------------------|
 | `avx512_bf16` | AMD Zen 4/5, Intel Sapphire Rapids and later             | AVX-512 F/BW/VL/DQ, VNNI, AVX512-BF16, FMA, F16C |
 | `avx512`      | Intel Cascade Lake / Ice Lake, cloud VMs that mask BF16  | AVX-512 F/BW/VL/DQ, VNNI, FMA, F16C             |
-| `avx2`        | Intel Haswell and later (Core 12th gen+), AMD Zen 1-3    | AVX2, FMA, F16C                                |
+| `avx2_vnni`   | Intel Core 12th gen+ (Alder Lake on), Xeon 6 E-cores     | AVX2, FMA, F16C, AVX-VNNI (*)                  |
+| `avx2`        | Intel Haswell to Comet Lake, AMD Zen 1-3                 | AVX2, FMA, F16C                                |
 | `neon`        | ARM64 (Apple M, Graviton, Ampere)                        | an aarch64 CPU                                 |
 | `generic`     | any other CPU                                            | a C++ compiler                                 |
+
+(*) `avx2_vnni` is `avx2` with 256-bit int8 / int16 dot products (`vpdpbusd`, `vpdpwssd`: W4A8 and the int8 linears).
+A CPU with AVX512-VNNI/VL but not AVX-VNNI (Zen 4, Ice Lake) runs it too, built with those two instructions in their
+EVEX encoding (inline assembly; all else compiled as for AVX-VNNI): never its best variant, but how the variant is
+tested and measured there.
 
 The best variant the CPU runs (and the compiler builds) is chosen at the first use; `NEXTN_CPU_ISA=<variant>` forces a lower one (`none`:
 nextn's kernels off, PyTorch's per-op paths), and a variant the CPU cannot run, or an unknown name, is refused by
@@ -64,6 +70,8 @@ class Variant:
     machines: tuple[str, ...]
     cpu_flags: tuple[str, ...]
     cflags: tuple[str, ...]
+    #: (CPU flags, compiler flags) that build the same instructions in another encoding where `cpu_flags` are lacking
+    stand_in: tuple[tuple[str, ...], tuple[str, ...]] | None = None
 
 
 _X86 = ("x86_64", "AMD64")
@@ -76,6 +84,11 @@ VARIANTS = (
     Variant("avx512", _X86, ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma", "f16c"),
             ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-mf16c",
              "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512")),
+    Variant("avx2_vnni", _X86, ("avx2", "fma", "f16c", "avx_vnni"),
+            ("-mavx2", "-mfma", "-mf16c", "-mavxvnni", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"),
+            stand_in=(("avx2", "fma", "f16c", "avx512vl", "avx512_vnni"),
+                      ("-mavx2", "-mfma", "-mf16c", "-DNEXTN_VNNI_EVEX", "-DCPU_CAPABILITY=AVX2",
+                       "-DCPU_CAPABILITY_AVX2"))),
     Variant("avx2", _X86, ("avx2", "fma", "f16c"),
             ("-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2")),
     Variant("neon", ("aarch64", "arm64"), (), ("-DCPU_CAPABILITY=DEFAULT",)),
@@ -103,7 +116,19 @@ def missing(variant: Variant) -> list[str]:
     if variant.machines and platform.machine() not in variant.machines:
         return [f"a {'/'.join(variant.machines[:1])} CPU (this is {platform.machine()})"]
     flags = cpu_flags()
-    return [f for f in variant.cpu_flags if f not in flags]
+    lacks = [f for f in variant.cpu_flags if f not in flags]
+    if lacks and variant.stand_in is not None and all(f in flags for f in variant.stand_in[0]):
+        return []
+    return lacks
+
+
+def compiler_flags(variant: Variant) -> tuple[str, ...]:
+    """The compiler flags of `variant` on this CPU: its own, or its stand-in's where the CPU runs only that."""
+    flags = cpu_flags()
+    if variant.stand_in is not None and not all(f in flags for f in variant.cpu_flags):
+        if all(f in flags for f in variant.stand_in[0]):
+            return variant.stand_in[1]
+    return variant.cflags
 
 
 def runnable() -> list[str]:
@@ -172,7 +197,7 @@ def build(variant: str) -> str | None:
             # torch rebuilds when a source or a flag changes, not a header: the headers' hash goes in as a flag
             headers = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
             cpp_extension.load(name=name, sources=[str(s) for s in SOURCES],
-                               extra_cflags=[*_COMMON_CFLAGS, *v.cflags, f"-DNEXTN_OPS={namespace(variant)}",
+                               extra_cflags=[*_COMMON_CFLAGS, *compiler_flags(v), f"-DNEXTN_OPS={namespace(variant)}",
                                              f"-DNEXTN_HEADER_HASH={headers}"],
                                extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as e:  # no headers, a failed build: callers keep PyTorch's paths
@@ -218,8 +243,8 @@ def unavailable_reason() -> str | None:
 
 
 def variant() -> str | None:
-    """The ISA variant of the kernels in use (`avx512_bf16`, `avx512`, `avx2`, `neon`, `generic`), None where they
-    are unavailable."""
+    """The ISA variant of the kernels in use (`avx512_bf16`, `avx512`, `avx2_vnni`, `avx2`, `neon`, `generic`), None
+    where they are unavailable."""
     return _active[0] if available() else None
 
 

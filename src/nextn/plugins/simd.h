@@ -5,8 +5,8 @@
 // portable DEFAULT); a `V16` is 16 f32 lanes, one, two or four of its vectors, because the kernels' weight layouts put
 // 16 output channels in a vector's lanes. What at::vec does not offer is here, written once per ISA and nowhere else:
 // widening bf16 / fp16 / int8 loads, bf16 rounding (to nearest even, as PyTorch's), partial loads, int8 dot products
-// (AVX512-VNNI `vpdpbusd`, AVX2's `vpmaddubsw` + `vpmaddwd`, else scalar), bf16 pair products (AVX512-BF16 `vdpbf16ps`,
-// else two f32 FMAs of the widened values), fixed-order lane reductions, prefetches.
+// (AVX512-VNNI / AVX-VNNI `vpdpbusd`, AVX2's `vpmaddubsw` + `vpmaddwd`, else scalar: simd_int8.h), bf16 pair products
+// (AVX512-BF16 `vdpbf16ps`, else two f32 FMAs of the widened values), fixed-order lane reductions, prefetches.
 //
 // Batch invariance: every operation here acts on each lane alone, or reduces lanes in a fixed order of the variant;
 // none depends on a row count or a thread. Two variants may round differently in the last bits (an FMA against a
@@ -31,6 +31,13 @@
 #endif
 #if defined(NEXTN_AVX512) && defined(__AVX512BF16__)
 #define NEXTN_BF16_DOT 1
+#endif
+// AVX2 with 256-bit int8 / int16 dot products (`vpdpbusd`, `vpdpwssd`): AVX-VNNI (Intel Alder Lake and later, Xeon 6
+// E-cores) or, built with NEXTN_VNNI_EVEX (cpu_kernels.py's stand-in where a CPU has AVX512-VNNI/VL but not AVX-VNNI,
+// how the variant is tested there), the same instructions in their EVEX encoding as inline assembly, so that all else
+// compiles as for AVX-VNNI
+#if defined(NEXTN_AVX2) && (defined(__AVXVNNI__) || defined(NEXTN_VNNI_EVEX))
+#define NEXTN_AVX2_VNNI 1
 #endif
 
 namespace nextn_cpu::simd {
@@ -450,6 +457,8 @@ inline void prefetch_l2(const void* p) {
 constexpr const char* kVariant = "avx512_bf16";
 #elif defined(NEXTN_AVX512)
 constexpr const char* kVariant = "avx512";
+#elif defined(NEXTN_AVX2_VNNI)
+constexpr const char* kVariant = "avx2_vnni";
 #elif defined(NEXTN_AVX2)
 constexpr const char* kVariant = "avx2";
 #elif defined(__aarch64__)

@@ -1,7 +1,8 @@
 // int16 pair products over nextn's SIMD layer (simd.h): 16 output channels x 2 input channels of int8 weights,
 // widened to int16, against a row's two int16 activations, summed exactly in int32 lanes (AVX512-VNNI `vpdpwssd`,
-// AVX2's `vpmaddwd` + `vpaddd`, else scalar). What the int8 linear multiplies on CPUs without bf16 dot products
-// (int8_linear_cpu.cpp): 16 multiply-adds a `vpmaddwd` against 8 an f32 FMA, and no widening to f32 per row.
+// AVX2's `vpmaddwd` + `vpaddd`, AVX-VNNI's 256-bit `vpdpwssd`, else scalar). What the int8 linear multiplies on CPUs
+// without bf16 dot products (int8_linear_cpu.cpp): 16 multiply-adds a `vpmaddwd` against 8 an f32 FMA, and no
+// widening to f32 per row.
 #pragma once
 
 #include "simd_int8.h"
@@ -44,6 +45,9 @@ inline I16 dot2(const I16& acc, const W16& w, const int16_t* x) {
 #if defined(NEXTN_AVX512)
   static_assert(__AVX512VNNI__, "the AVX-512 variants require VNNI (cpu_kernels.py)");
   return {_mm512_dpwssd_epi32(acc.v, w.v, _mm512_set1_epi32(x2))};
+#elif defined(NEXTN_AVX2_VNNI)
+  const __m256i xb = _mm256_set1_epi32(x2);
+  return {{dpwssd256(acc.v[0], w.v[0], xb), dpwssd256(acc.v[1], w.v[1], xb)}};
 #elif defined(NEXTN_AVX2)
   const __m256i xb = _mm256_set1_epi32(x2);
   return {{_mm256_add_epi32(acc.v[0], _mm256_madd_epi16(w.v[0], xb)),

@@ -1,7 +1,7 @@
 // int8 dot products over nextn's SIMD layer (simd.h): 16 output channels x 4 input channels of unsigned 4-bit
 // weights against a row's 4 signed int8 activations, summed exactly in int32 lanes (AVX512-VNNI `vpdpbusd`, AVX2's
-// `vpmaddubsw` + `vpmaddwd`, else scalar), and the int8 rounding of activations. What W4A8 multiplies
-// (woq_linear_cpu.cpp, moe_cpu.cpp) and the int8 linear widens (int8_linear_cpu.cpp).
+// `vpmaddubsw` + `vpmaddwd`, AVX-VNNI's 256-bit `vpdpbusd`, else scalar), and the int8 rounding of activations.
+// What W4A8 multiplies (woq_linear_cpu.cpp, moe_cpu.cpp) and the int8 linear widens (int8_linear_cpu.cpp).
 #pragma once
 
 #include "simd.h"
@@ -86,6 +86,27 @@ inline void nibbles(const uint8_t* w, U8x64& lo, U8x64& hi) {
 #endif
 }
 
+#if defined(NEXTN_AVX2_VNNI)
+// 8 int32 lanes + the dot products of their 4 unsigned bytes of a and 4 signed bytes of b (`vpdpbusd`), or of their 2
+// int16 of a and of b (`vpdpwssd`): AVX-VNNI's VEX encoding, or the stand-in's EVEX one (simd.h)
+inline __m256i dpbusd256(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, a, b);
+#else
+  __asm__("vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(a), "x"(b));
+  return acc;
+#endif
+}
+inline __m256i dpwssd256(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+  __asm__("vpdpwssd %2, %1, %0" : "+x"(acc) : "x"(a), "x"(b));
+  return acc;
+#endif
+}
+#endif
+
 // acc[c] + sum_j w[4c + j] * x[j]: w unsigned (< 16), x 4 signed bytes (|x| <= 127): exact in int32 on every path
 // (`vpdpbusd`; `vpmaddubsw` pairs stay below 2 * 15 * 127, far from int16 saturation)
 inline I16 dot4(const I16& acc, const U8x64& w, const int8_t* x) {
@@ -94,6 +115,9 @@ inline I16 dot4(const I16& acc, const U8x64& w, const int8_t* x) {
 #if defined(NEXTN_AVX512)
   static_assert(__AVX512VNNI__, "the AVX-512 variants require VNNI (cpu_kernels.py)");
   return {_mm512_dpbusd_epi32(acc.v, w.v, _mm512_set1_epi32(x4))};
+#elif defined(NEXTN_AVX2_VNNI)
+  const __m256i xb = _mm256_set1_epi32(x4);
+  return {{dpbusd256(acc.v[0], w.v[0], xb), dpbusd256(acc.v[1], w.v[1], xb)}};
 #elif defined(NEXTN_AVX2)
   const __m256i xb = _mm256_set1_epi32(x4), ones = _mm256_set1_epi16(1);
   return {{_mm256_add_epi32(acc.v[0], _mm256_madd_epi16(_mm256_maddubs_epi16(w.v[0], xb), ones)),
@@ -107,10 +131,11 @@ inline I16 dot4(const I16& acc, const U8x64& w, const int8_t* x) {
 #endif
 }
 
-// A run of int8 dot products before they are widened to int32: AVX2 keeps `vpmaddubsw`'s int16 pair sums (each at
-// most 2 * 15 * 127 in magnitude, so kDotsPerWiden = 8 of them stay below 2^15) and widens them with one `vpmaddwd`
-// per run instead of one per product; elsewhere it is an I16 (`vpdpbusd` widens as it goes). Exact either way.
-#if defined(NEXTN_AVX2)
+// A run of int8 dot products before they are widened to int32: AVX2 without VNNI keeps `vpmaddubsw`'s int16 pair sums
+// (each at most 2 * 15 * 127 in magnitude, so kDotsPerWiden = 8 of them stay below 2^15) and widens them with one
+// `vpmaddwd` per run instead of one per product; elsewhere it is an I16 (`vpdpbusd` widens as it goes). Exact either
+// way.
+#if defined(NEXTN_AVX2) && !defined(NEXTN_AVX2_VNNI)
 struct P16 {
   __m256i v[2];
 };
@@ -136,9 +161,9 @@ inline P16 pdot4(const P16& acc, const U8x64& w, const int8_t* x) { return dot4(
 inline I16 widen(const I16& acc, const P16& p) { return iadd(acc, p); }
 #endif
 
-// 16 channels' 8-bit group scales (u8), for `scale_widen`: AVX2 holds each twice in its 32-bit lane (one per int16
-// half), elsewhere once
-#if defined(NEXTN_AVX2)
+// 16 channels' 8-bit group scales (u8), for `scale_widen`: AVX2 without VNNI holds each twice in its 32-bit lane (one
+// per int16 half), elsewhere once
+#if defined(NEXTN_AVX2) && !defined(NEXTN_AVX2_VNNI)
 struct Scale16 {
   __m256i v[2];
 };
@@ -155,6 +180,9 @@ using Scale16 = I16;
 inline Scale16 group_scales16(const uint8_t* s) {
 #if defined(NEXTN_AVX512)
   return {_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)))};
+#elif defined(NEXTN_AVX2)
+  return {{_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s))),
+           _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + 8)))}};
 #else
   I16 r;
   for (int c = 0; c < 16; ++c) r.v[c] = s[c];
@@ -164,10 +192,14 @@ inline Scale16 group_scales16(const uint8_t* s) {
 #endif
 
 // acc[c] + s[c] * (channel c's sum in p): a run of products widened and scaled by its group's 8-bit scale at once
-// (AVX2: one `vpmaddwd` of the int16 pair sums by (s, s), what `widen` does with (1, 1)). Exact in int32 while
-// |acc| + 255 * |sum| < 2^31 (callers bound the inputs a sum spans: woq_linear_cpu.cpp).
+// (AVX2: one `vpmaddwd` of the int16 pair sums by (s, s), what `widen` does with (1, 1); with VNNI, AVX-512: one
+// `vpmulld`). Exact in int32 while |acc| + 255 * |sum| < 2^31 (callers bound the inputs a sum spans:
+// int4_blocks.h).
 inline I16 scale_widen(const I16& acc, const P16& p, const Scale16& s) {
-#if defined(NEXTN_AVX2)
+#if defined(NEXTN_AVX2_VNNI)
+  return {{_mm256_add_epi32(acc.v[0], _mm256_mullo_epi32(p.v[0], s.v[0])),
+           _mm256_add_epi32(acc.v[1], _mm256_mullo_epi32(p.v[1], s.v[1]))}};
+#elif defined(NEXTN_AVX2)
   return {{_mm256_add_epi32(acc.v[0], _mm256_madd_epi16(p.v[0], s.v[0])),
            _mm256_add_epi32(acc.v[1], _mm256_madd_epi16(p.v[1], s.v[1]))}};
 #elif defined(NEXTN_AVX512)
