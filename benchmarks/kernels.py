@@ -21,11 +21,17 @@ and Qwen2.5-1.5B's matrices (`DENSE_SHAPES`), each variant cycling copies of at 
     python -m benchmarks.kernels --shape 8960 1536 --rows 1 4 5 8
     python -m benchmarks.kernels --shape 8960 1536 --rows 1 4 5 --copies 96 --iters 20   # ~660 MB of int4
     python -m benchmarks.kernels --dense --stream-mb 256 --iters 50                     # every DENSE_SHAPES matrix
+    python -m benchmarks.kernels --copies 48 --iters 48 --rounds 5 --variants avx2 avx2_vnni  # per ISA variant
+
+`--variants` times nextn's kernels under each named ISA variant (`plugins/cpu_kernels.py`) in this one process,
+alternating them `--rounds` times at each row count and keeping each kernel's best median: a same-process A/B, what
+a noisy VM allows.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import statistics
 import time
@@ -197,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="time the dense linears (nextn's batch-invariant kernel, oneDNN bf16, F.linear fp32) instead")
     p.add_argument("--stream-mb", type=float, default=0.0,
                    help="with --dense: copies of each matrix cycled, at least this many MB a kernel (default one copy)")
+    p.add_argument("--variants", nargs="+", default=None,
+                   help="time nextn's kernels under each of these ISA variants, alternated (default: the one in use)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="times every kernel at each row count, alternating them; the best median is printed")
     args = p.parse_args(argv)
     if args.dense:
         dense([tuple(args.shape)] if args.shape else None, tuple(args.rows or (1, 5, 8, 12)), args.iters,
@@ -206,16 +216,24 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     n, k = args.shape
     table = kernels(n, k, copies=args.copies)
+    # (column, fn, weight bytes, variant): every kernel once, or nextn's once per variant named
+    columns = [(name, fn, nbytes, None) for name, (fn, nbytes) in table.items()]
+    if args.variants:
+        columns = [(f"{name} [{v}]", fn, nbytes, v) for v in args.variants
+                   for name, (fn, nbytes) in table.items() if name.startswith("nextn")]
     where = f", {args.copies} copies cycled (from DRAM)" if args.copies > 1 else ""
     print(f"[{n}, {k}] weight{where}, {args.threads} threads; µs per call (weight GB read per second)")
-    print("rows  " + "".join(f"{name:>20}" for name in table))
+    width = max(20, *(len(c[0]) + 2 for c in columns))
+    print("rows  " + "".join(f"{c[0]:>{width}}" for c in columns))
     for m in args.rows:
         x = torch.randn(m, k, dtype=torch.bfloat16)
-        cells = []
-        for fn, nbytes in table.values():
-            us = _time(lambda: fn(x), args.iters)
-            cells.append(f"{us:9.0f} ({nbytes / us / 1e3:4.1f} GB/s)")
-        print(f"{m:>4}  " + "".join(f"{c:>20}" for c in cells))
+        best = [math.inf] * len(columns)
+        for _ in range(args.rounds):
+            for i, (_, fn, _, variant) in enumerate(columns):
+                with cpu_kernels.use(variant) if variant else contextlib.nullcontext():
+                    best[i] = min(best[i], _time(lambda: fn(x), args.iters))
+        cells = [f"{us:9.0f} ({c[2] / us / 1e3:4.1f} GB/s)" for us, c in zip(best, columns)]
+        print(f"{m:>4}  " + "".join(f"{c:>{width}}" for c in cells))
     return 0
 
 
