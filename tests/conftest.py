@@ -27,9 +27,9 @@ SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 # avx2_vnni is avx2 with other int8 dot products (plugins/simd_int8.h, simd_int16.h) and nothing else. Where it is not
 # the CPU's best variant (a Zen 4 or an Ice Lake runs it through its EVEX stand-in, beside its avx512 variants), its
-# per-variant tests are those of the kernels that take int8 dot products: W4A8 (`int8-x`, two-level), the int8
-# linears (W8A16, int8 kv_b), and the tests marked `int8_dots` — the rest is avx2's code, tested as avx2.
-_INT8_DOTS = ("W4A8", "w4a8", "int8", "W8A16", "two-level")
+# per-variant tests are those of the kernels that take int8 dot products: W4A8 (`int8-x` in the linears' ids), the
+# int8 linears (W8A16, int8 kv_b), and the tests marked `int8_dots` — the rest is avx2's code, tested as avx2.
+_INT8_DOTS = ("W4A8", "w4a8", "int8", "W8A16")
 
 
 def pytest_collection_modifyitems(config, items):
