@@ -130,7 +130,7 @@ def test_the_load_log_names_the_variant_and_its_int8_activations(name):
 
 
 def test_avx2_vnni_runs_on_avx_vnni_or_through_its_evex_stand_in(monkeypatch):
-    """AVX-VNNI (Alder Lake, Zen 5) builds the variant with its own flags; AVX512-VNNI/VL without AVX-VNNI (Zen 4,
+    """AVX-VNNI (Alder Lake and later) builds the variant with its own flags; AVX512-VNNI/VL without AVX-VNNI (Zen 4,
     Ice Lake) with the stand-in's (the same instructions' EVEX encoding); plain AVX2 lacks it, by name."""
     v = next(v for v in cpu_kernels.VARIANTS if v.name == "avx2_vnni")
     base = {"avx2", "fma", "f16c"}

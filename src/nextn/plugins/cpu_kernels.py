@@ -116,19 +116,19 @@ def missing(variant: Variant) -> list[str]:
     if variant.machines and platform.machine() not in variant.machines:
         return [f"a {'/'.join(variant.machines[:1])} CPU (this is {platform.machine()})"]
     flags = cpu_flags()
-    lacks = [f for f in variant.cpu_flags if f not in flags]
-    if lacks and variant.stand_in is not None and all(f in flags for f in variant.stand_in[0]):
-        return []
-    return lacks
+    return [] if _by_stand_in(variant) else [f for f in variant.cpu_flags if f not in flags]
+
+
+def _by_stand_in(variant: Variant) -> bool:
+    """Whether this CPU runs `variant` only through its stand-in (it lacks the variant's own flags, has the stand-in's)."""
+    flags = cpu_flags()
+    return (variant.stand_in is not None and not all(f in flags for f in variant.cpu_flags)
+            and all(f in flags for f in variant.stand_in[0]))
 
 
 def compiler_flags(variant: Variant) -> tuple[str, ...]:
     """The compiler flags of `variant` on this CPU: its own, or its stand-in's where the CPU runs only that."""
-    flags = cpu_flags()
-    if variant.stand_in is not None and not all(f in flags for f in variant.cpu_flags):
-        if all(f in flags for f in variant.stand_in[0]):
-            return variant.stand_in[1]
-    return variant.cflags
+    return variant.stand_in[1] if _by_stand_in(variant) else variant.cflags
 
 
 def runnable() -> list[str]:
