@@ -120,7 +120,7 @@ def missing(variant: Variant) -> list[str]:
 
 
 def _by_stand_in(variant: Variant) -> bool:
-    """Whether this CPU runs `variant` only through its stand-in (it lacks the variant's own flags, has the stand-in's)."""
+    """Whether this CPU runs `variant` only through its stand-in (it lacks its own flags, has the stand-in's)."""
     flags = cpu_flags()
     return (variant.stand_in is not None and not all(f in flags for f in variant.cpu_flags)
             and all(f in flags for f in variant.stand_in[0]))
