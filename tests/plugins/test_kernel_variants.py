@@ -18,7 +18,18 @@ from nextn.plugins import cpu_kernels
 def test_the_default_is_the_best_variant_the_cpu_runs(monkeypatch):
     monkeypatch.delenv(cpu_kernels.ENV, raising=False)
     assert cpu_kernels._requested() == cpu_kernels.runnable()[0]
-    assert cpu_kernels.runnable()[-1] == "generic"  # every CPU runs the portable one
+    # every CPU runs the portable one: generic, or on ARM64 neon (at::vec's NEON vectors are its portable build)
+    assert cpu_kernels.runnable()[-1] == ("neon" if cpu_kernels.platform.machine() in ("aarch64", "arm64") else "generic")
+
+
+def test_arm64_runs_neon_and_is_not_offered_generic_which_would_compile_as_neon(monkeypatch):
+    monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "aarch64")
+    assert cpu_kernels.runnable() == ["neon"]
+    generic = next(v for v in cpu_kernels.VARIANTS if v.name == "generic")
+    assert cpu_kernels.missing(generic) == ["a CPU other than ARM64 (on ARM64 the portable build is the neon variant)"]
+    monkeypatch.setenv(cpu_kernels.ENV, "generic")
+    with pytest.raises(ValueError, match="generic: this CPU cannot run it .*ARM64.*; it runs neon"):
+        cpu_kernels._requested()
 
 
 @pytest.mark.parametrize("name", cpu_kernels.runnable())
@@ -110,7 +121,7 @@ def test_a_variant_that_does_not_build_falls_to_the_next(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "_active", [])
     best, *rest = cpu_kernels.runnable()
     monkeypatch.setattr(cpu_kernels, "build", lambda v: "no such flag" if v == best else None)
-    assert cpu_kernels.variant() == rest[0]
+    assert cpu_kernels.variant() == (rest[0] if rest else None)  # ARM64 runs neon only: PyTorch's paths
     monkeypatch.setattr(cpu_kernels, "_active", [])
     monkeypatch.setenv(cpu_kernels.ENV, best)
     assert cpu_kernels.variant() is None and cpu_kernels.unavailable_reason() == "no such flag"
@@ -151,8 +162,8 @@ def test_avx2_vnni_compiles_its_dot_products_in_each_encoding(tmp_path, flags):
     """The int8 kernels built with avx2_vnni's own flags hold VEX-encoded `vpdpbusd` / `vpdpwssd` on ymm (what
     AVX-VNNI CPUs run, whether or not this one can), with the stand-in's the EVEX ones; neither holds a zmm."""
     cxx, objdump = shutil.which("g++"), shutil.which("objdump")
-    if cxx is None or objdump is None:
-        pytest.skip("needs g++ and binutils' objdump")
+    if cxx is None or objdump is None or cpu_kernels.platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("needs an x86-64 machine's g++ and binutils' objdump")
     from torch.utils import cpp_extension
 
     v = next(v for v in cpu_kernels.VARIANTS if v.name == "avx2_vnni")

@@ -16,7 +16,7 @@ few primitives per ISA), so each kernel is one source for every variant:
 | `avx2_vnni`   | Intel Core 12th gen+ (Alder Lake on), Xeon 6 E-cores     | AVX2, FMA, F16C, AVX-VNNI (*)                  |
 | `avx2`        | Intel Haswell to Comet Lake, AMD Zen 1-3                 | AVX2, FMA, F16C                                |
 | `neon`        | ARM64 (Apple M, Graviton, Ampere)                        | an aarch64 CPU                                 |
-| `generic`     | any other CPU                                            | a C++ compiler                                 |
+| `generic`     | any other CPU                                            | a C++ compiler, a CPU other than ARM64         |
 
 (*) `avx2_vnni` is `avx2` with 256-bit int8 / int16 dot products (`vpdpbusd`, `vpdpwssd`: W4A8 and the int8 linears).
 A CPU with AVX512-VNNI/VL but not AVX-VNNI (Zen 4, Ice Lake) runs it too, built with those two instructions in their
@@ -72,6 +72,8 @@ class Variant:
     cflags: tuple[str, ...]
     #: (CPU flags, compiler flags) that build the same instructions in another encoding where `cpu_flags` are lacking
     stand_in: tuple[tuple[str, ...], tuple[str, ...]] | None = None
+    #: machines where the variant is not offered, and why
+    not_on: tuple[tuple[str, ...], str] | None = None
 
 
 _X86 = ("x86_64", "AMD64")
@@ -92,7 +94,10 @@ VARIANTS = (
     Variant("avx2", _X86, ("avx2", "fma", "f16c"),
             ("-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2")),
     Variant("neon", ("aarch64", "arm64"), (), ("-DCPU_CAPABILITY=DEFAULT",)),
-    Variant("generic", (), (), ("-DCPU_CAPABILITY=DEFAULT",)),
+    # at::vec vectorizes with NEON on every ARM64 build (NEON is part of ARMv8-A): compiled there, the portable source
+    # is the neon variant
+    Variant("generic", (), (), ("-DCPU_CAPABILITY=DEFAULT",),
+            not_on=(("aarch64", "arm64"), "a CPU other than ARM64 (on ARM64 the portable build is the neon variant)")),
 )
 _BY_NAME = {v.name: v for v in VARIANTS}
 _COMMON_CFLAGS = ("-O3", "-fopenmp", "-fvisibility=hidden")
@@ -115,6 +120,8 @@ def missing(variant: Variant) -> list[str]:
     """What this machine lacks to run `variant` (empty: it runs it)."""
     if variant.machines and platform.machine() not in variant.machines:
         return [f"a {'/'.join(variant.machines[:1])} CPU (this is {platform.machine()})"]
+    if variant.not_on is not None and platform.machine() in variant.not_on[0]:
+        return [variant.not_on[1]]
     flags = cpu_flags()
     return [] if _by_stand_in(variant) else [f for f in variant.cpu_flags if f not in flags]
 
@@ -175,6 +182,15 @@ def namespace(variant: str) -> str:
     return f"nextn_{variant}"
 
 
+def build_flags(variant: Variant) -> list[str]:
+    """The compiler flags of `variant`'s kernels besides torch's own (includes, `-std`, `-fPIC`): the optimization and
+    OpenMP flags, the ISA's (`compiler_flags`), the op namespace and the headers' hash (torch rebuilds when a source or
+    a flag changes, not a header: the hash goes in as a flag)."""
+    headers = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
+    return [*_COMMON_CFLAGS, *compiler_flags(variant), f"-DNEXTN_OPS={namespace(variant.name)}",
+            f"-DNEXTN_HEADER_HASH={headers}"]
+
+
 @functools.cache
 def build(variant: str) -> str | None:
     """Compile (first use) and load one variant's kernels; returns None on success, else why they are unavailable.
@@ -194,11 +210,7 @@ def build(variant: str) -> str | None:
             print(f"compiling nextn's CPU kernels ({variant}) for this machine (once, ~30-60 s)", file=sys.stderr,
                   flush=True)
         with _ninja_on_path(), _build_lock(Path(cpp_extension._get_build_directory(name, verbose=False))):
-            # torch rebuilds when a source or a flag changes, not a header: the headers' hash goes in as a flag
-            headers = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
-            cpp_extension.load(name=name, sources=[str(s) for s in SOURCES],
-                               extra_cflags=[*_COMMON_CFLAGS, *compiler_flags(v), f"-DNEXTN_OPS={namespace(variant)}",
-                                             f"-DNEXTN_HEADER_HASH={headers}"],
+            cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=build_flags(v),
                                extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as e:  # no headers, a failed build: callers keep PyTorch's paths
         first = str(e).splitlines()[0] if str(e) else ""
