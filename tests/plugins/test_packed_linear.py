@@ -10,7 +10,8 @@ from torch import nn
 from nextn.plugins.packed_linear import PackedLinear, install_packed_linears, packing_supported
 
 needs_bf16_cpu = pytest.mark.skipif(not packing_supported(torch.device("cpu"), torch.bfloat16),
-                                    reason="this CPU has no bf16 instructions (oneDNN's packed bf16 kernel is off)")
+                                    reason="oneDNN's packed bf16 kernel is off here (a CPU without bf16 instructions, or a "
+                                           "PyTorch build whose op fails its probe)")
 
 
 @needs_bf16_cpu
@@ -64,3 +65,23 @@ def test_packed_linear_under_torch_compile_matches_eager():
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     compiled = torch.compile(lambda t: layer(t) * 2, fullgraph=True, backend="aot_eager")  # the custom op traces
     torch.testing.assert_close(compiled(x), layer(x) * 2, atol=0, rtol=0)
+
+
+def test_packing_is_off_where_the_op_fails_its_probe(monkeypatch):
+    """PyTorch 2.10's aarch64 wheel packs a weight but its op raises (NotImplementedError: the custom-op alias check
+    cannot read the opaque packed tensor): layers then stay `nn.Linear` instead of failing at the first step."""
+    from nextn.plugins import packed_linear as module
+
+    def broken(x, packed, bias):
+        raise NotImplementedError("Cannot access storage of OpaqueTensorImpl")
+
+    model = nn.Module()
+    model.model = nn.Module()
+    model.model.layers = nn.ModuleList([nn.Linear(8, 8).to(torch.bfloat16)])
+    module._packed_kernel_runs.cache_clear()
+    monkeypatch.setattr(module, "packed_linear", broken)
+    try:
+        assert not packing_supported(torch.device("cpu"), torch.bfloat16)
+        assert install_packed_linears(model) == [] and type(model.model.layers[0]) is nn.Linear
+    finally:
+        module._packed_kernel_runs.cache_clear()

@@ -6,7 +6,7 @@ kernel inductor itself swaps in when it freezes a graph (`torch/_inductor/fx_pas
 on this machine's CPU (AMD EPYC, AVX512-BF16, 2 threads; docs/PERFORMANCE.md), one Qwen2.5-1.5B MLP matrix
 [8960, 1536]: 1,196 µs → 439 µs for one row, 1,369 µs → 563 µs for the five rows of a K=4 verify step, with
 bit-identical results. A weight is packed once at load, when the CPU has bf16 instructions
-(`torch.ops.mkldnn._is_mkldnn_bf16_supported()`); elsewhere layers stay `nn.Linear`.
+(`torch.ops.mkldnn._is_mkldnn_bf16_supported()`) and a probe of the op runs; elsewhere layers stay `nn.Linear`.
 
 Under `torch.compile` the call is an opaque custom op (`nextn::packed_linear`): inductor's own lowering of
 `_linear_pointwise` accepts only weights it froze itself, so the op is called as an external kernel, eager and
@@ -14,6 +14,8 @@ compiled steps alike.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -32,9 +34,22 @@ def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch
 
 
 def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether bf16 linears on `device` can use oneDNN's packed kernel (a CPU with bf16 instructions)."""
+    """Whether bf16 linears on `device` can use oneDNN's packed kernel (a CPU with bf16 instructions, and a PyTorch
+    build whose op runs: `_packed_kernel_runs`)."""
     return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+            and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) and _packed_kernel_runs())
+
+
+@functools.cache
+def _packed_kernel_runs() -> bool:
+    """One tiny packed linear, checked against its exact value (once a process). False where the op raises: PyTorch
+    2.10's aarch64 wheel packs the weight, but its custom-op alias check cannot read the packed (opaque) tensor."""
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(8, 8, dtype=torch.bfloat16), None)
+        y = packed_linear(torch.ones(1, 8, dtype=torch.bfloat16), packed, None)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return bool(torch.equal(y, torch.full((1, 8), 8.0, dtype=torch.bfloat16)))
 
 
 class PackedLinear(nn.Module):
