@@ -3,6 +3,7 @@ the tensor stays readable with the same values (the hint is non-destructive), an
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 
@@ -27,6 +28,8 @@ def _resident_bytes(path_part: str) -> int:
 
 
 def test_released_file_pages_leave_the_resident_set_and_keep_their_values(tmp_path):
+    if os.environ.get("NEXTN_UNDER_QEMU"):  # nextn.testing.arm64_emulation
+        pytest.skip("qemu-user answers madvise(MADV_PAGEOUT) with success and pages nothing out")
     path = tmp_path / "released.safetensors"
     want = torch.randn(4096, 1024)  # 16 MiB
     save_file({"w": want}, str(path))

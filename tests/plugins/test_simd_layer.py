@@ -1,8 +1,8 @@
 """The SIMD layer the kernels are written over (`plugins/simd.h`: at::vec plus per-ISA primitives) against scalar
 references (`simd_check.cpp`, a program of its own: torch's headers, not its library): natively for every x86
-variant this CPU runs, and the ARM64 (NEON) variant cross-compiled and run under qemu-user — the torch library
-itself does not run there (PyPI's aarch64 torch wheel is a CUDA build), so the kernel tests cannot, but the layer that
-differs between ISAs (at::vec's NEON vectors, the portable fallbacks) can."""
+variant this CPU runs, and the ARM64 (NEON) variant cross-compiled and run under qemu-user, in CI. (The kernel tests
+themselves run on ARM64 under qemu too, with PyTorch's last aarch64 CPU wheel: `nextn.testing.arm64_emulation`, a
+command, not CI: it downloads ~1 GB.)"""
 
 from __future__ import annotations
 
