@@ -24,11 +24,11 @@ def test_the_default_is_the_best_variant_the_cpu_runs(monkeypatch):
 
 def test_arm64_runs_neon_and_is_not_offered_generic_which_would_compile_as_neon(monkeypatch):
     monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "aarch64")
-    assert cpu_kernels.runnable() == ["neon"]
+    assert cpu_kernels.runnable()[-1] == "neon" and set(cpu_kernels.runnable()) <= {"neon_dotprod", "neon"}
     generic = next(v for v in cpu_kernels.VARIANTS if v.name == "generic")
     assert cpu_kernels.missing(generic) == ["a CPU other than ARM64 (on ARM64 the portable build is the neon variant)"]
     monkeypatch.setenv(cpu_kernels.ENV, "generic")
-    with pytest.raises(ValueError, match="generic: this CPU cannot run it .*ARM64.*; it runs neon"):
+    with pytest.raises(ValueError, match="generic: this CPU cannot run it .*ARM64.*; it runs .*neon"):
         cpu_kernels._requested()
 
 
@@ -112,6 +112,32 @@ def test_the_arm64_variant_compiles_with_a_cross_compiler(tmp_path):
             assert r.returncode == 0, f"{src.name}: {r.stderr[-3000:]}"
             assert obj.stat().st_size > 0
     assert b"neon" in (tmp_path / "woq_linear_cpu.o").read_bytes()
+
+
+@pytest.mark.slow
+def test_neon_dotprod_takes_w4a8_s_products_by_sdot_and_neon_without(tmp_path):
+    """W4A8's int4 kernel compiled for both ARM64 variants: `sdot` in neon_dotprod's object, `smull` and no `sdot` in
+    neon's (ARMv8.0, what every ARM64 CPU runs)."""
+    cxx, objdump = shutil.which("aarch64-linux-gnu-g++"), shutil.which("aarch64-linux-gnu-objdump")
+    if cxx is None or objdump is None:
+        pytest.skip("no aarch64 cross compiler (Debian: apt-get install g++-aarch64-linux-gnu; .ci/run installs it)")
+    from torch.utils import cpp_extension
+
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    source = next(s for s in cpu_kernels.SOURCES if s.name == "woq_linear_cpu.cpp")
+
+    def disassembly(variant):
+        v, obj = next(v for v in cpu_kernels.VARIANTS if v.name == variant), tmp_path / f"{variant}.o"
+        r = subprocess.run([cxx, "-std=c++20", "-O2", "-c", "-fPIC", "-fopenmp", *v.cflags,
+                            f"-DNEXTN_OPS={cpu_kernels.namespace(variant)}", *includes, str(source), "-o", str(obj)],
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return subprocess.run([objdump, "-d", str(obj)], capture_output=True, text=True, timeout=120).stdout
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        dot, base = pool.map(disassembly, ["neon_dotprod", "neon"])
+    assert "\tsdot\t" in dot
+    assert "\tsdot\t" not in base and "\tsmull\t" in base and "\tsadalp\t" in base
 
 
 def test_a_variant_that_does_not_build_falls_to_the_next(monkeypatch):

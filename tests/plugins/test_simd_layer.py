@@ -19,7 +19,7 @@ from nextn.plugins import cpu_kernels
 
 HERE = Path(__file__).parent
 PLUGINS = Path(cpu_kernels.__file__).parent
-X86 = [v for v in cpu_kernels.runnable() if v != "neon"]
+X86 = [v for v in cpu_kernels.runnable() if not v.startswith("neon")]
 
 
 def _build(cxx: str, variant: str, out: Path, *extra: str) -> Path:
@@ -67,12 +67,14 @@ def test_the_checks_catch_an_inexact_build(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_arm64_variant_passes_under_qemu(tmp_path):
+@pytest.mark.parametrize("variant", ["neon", "neon_dotprod"])
+def test_the_arm64_variants_pass_under_qemu(tmp_path, variant):
+    """qemu-user's default ARM64 CPU (`max`) has ARMv8.2's dot products: both ARM64 variants run."""
     cxx, qemu = shutil.which("aarch64-linux-gnu-g++"), shutil.which("qemu-aarch64")
     if cxx is None or qemu is None:
         pytest.skip("needs Debian's g++-aarch64-linux-gnu and qemu-user (.ci/run installs both)")
-    exe = _build(cxx, "neon", tmp_path / "neon", "-static")
+    exe = _build(cxx, variant, tmp_path / variant, "-static")
     rc, out = _run([qemu, str(exe)])
     name, checks, failures = _result(out)
-    assert (rc, name, failures) == (0, "neon", 0), out[-2000:]
+    assert (rc, name, failures) == (0, variant, 0), out[-2000:]
     assert checks > 10_000

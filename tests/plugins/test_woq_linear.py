@@ -228,16 +228,19 @@ def test_layers_use_nextn_kernels_and_agree_with_pytorchs(cfg, monkeypatch):
 
 
 
-_VNNI_PAIR = [v for v in ["avx2_vnni"] if {"avx2_vnni", "avx2"} <= set(cpu_kernels.runnable())]
+#: variants that differ from another only in their int8 / int16 dot products, with that other
+_DOT_BASES = {"avx2_vnni": "avx2", "neon_dotprod": "neon"}
+_DOT_PAIRS = [v for v, base in _DOT_BASES.items() if {v, base} <= set(cpu_kernels.runnable())]
 
 
 @pytest.mark.int8_dots
-@pytest.mark.parametrize("kernel_variant", _VNNI_PAIR, indirect=True)  # once, not once per variant
+@pytest.mark.parametrize("kernel_variant", _DOT_PAIRS, indirect=True)  # once, not once per variant
 @pytest.mark.parametrize("rows", [1, 4, 5, 8, 12, 13])
-def test_avx2_vnni_is_bit_identical_to_avx2(kernel_variant, rows):
-    """The two variants differ only in how int8 / int16 products are summed (`vpdpbusd` / `vpdpwssd` against
-    `vpmaddubsw` / `vpmaddwd`), exactly in integer on both: W4A8 (one-level and two-level scales, group scales applied
-    in integer) and the int8 linear give the same bits. Control: one weight byte changed changes them."""
+def test_a_dot_product_variant_is_bit_identical_to_its_base(kernel_variant, rows):
+    """avx2_vnni and avx2, neon_dotprod and neon differ only in how int8 / int16 products are summed (`vpdpbusd` /
+    `vpdpwssd` against `vpmaddubsw` / `vpmaddwd`; `sdot` against `smull` + pairwise adds), exactly in integer on both:
+    W4A8 (one-level and two-level scales, group scales applied in integer) and the int8 linear give the same bits.
+    Control: one weight byte changed changes them."""
     a8 = _int4_operands(80, 1536, 32, seed=3, a8=True)[1:]
     a8_two = _int4_operands(80, 1536, 32, seed=3, super_block=256, a8=True)[1:]
     _, q8, s8 = _int8_operands(80, 576, seed=3)
@@ -248,9 +251,9 @@ def test_avx2_vnni_is_bit_identical_to_avx2(kernel_variant, rows):
         return [ops.woq_int4_linear(x, w4, *a8[1:], 32, None, True), ops.woq_int4_linear(x, *a8_two, 32, None, True),
                 ops.woq_int8_linear(x8, w8, s8, None)]
 
-    with cpu_kernels.use("avx2"):
+    with cpu_kernels.use(_DOT_BASES[kernel_variant]):
         want = outputs()
-    assert cpu_kernels.ops().isa() == "avx2_vnni"
+    assert cpu_kernels.ops().isa() == kernel_variant
     got = outputs()
     for w, g in zip(want, got):
         assert torch.equal(w, g)

@@ -15,8 +15,11 @@ few primitives per ISA), so each kernel is one source for every variant:
 | `avx512`      | Intel Cascade Lake / Ice Lake, cloud VMs that mask BF16  | AVX-512 F/BW/VL/DQ, VNNI, FMA, F16C             |
 | `avx2_vnni`   | Intel Core 12th gen+ (Alder Lake on), Xeon 6 E-cores     | AVX2, FMA, F16C, AVX-VNNI (*)                  |
 | `avx2`        | Intel Haswell to Comet Lake, AMD Zen 1-3                 | AVX2, FMA, F16C                                |
+| `neon_dotprod`| ARM64 with ARMv8.2's dot products (Graviton 2+, Ampere)  | an aarch64 CPU, `asimddp`                      |
 | `neon`        | ARM64 (Apple M, Graviton, Ampere)                        | an aarch64 CPU                                 |
 | `generic`     | any other CPU                                            | a C++ compiler, a CPU other than ARM64         |
+
+`neon_dotprod` is `neon` with W4A8's int8 products by `sdot` (outputs bit-identical: integer sums).
 
 (*) `avx2_vnni` is `avx2` with 256-bit int8 / int16 dot products (`vpdpbusd`, `vpdpwssd`: W4A8 and the int8 linears).
 A CPU with AVX512-VNNI/VL but not AVX-VNNI (Zen 4, Ice Lake) runs it too, built with those two instructions in their
@@ -77,6 +80,7 @@ class Variant:
 
 
 _X86 = ("x86_64", "AMD64")
+_ARM64 = ("aarch64", "arm64")
 #: best first: the first one the CPU runs is the default
 VARIANTS = (
     Variant("avx512_bf16", _X86,
@@ -93,11 +97,12 @@ VARIANTS = (
                        "-DCPU_CAPABILITY_AVX2"))),
     Variant("avx2", _X86, ("avx2", "fma", "f16c"),
             ("-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2")),
-    Variant("neon", ("aarch64", "arm64"), (), ("-DCPU_CAPABILITY=DEFAULT",)),
+    Variant("neon_dotprod", _ARM64, ("asimddp",), ("-march=armv8.2-a+dotprod", "-DCPU_CAPABILITY=DEFAULT")),
+    Variant("neon", _ARM64, (), ("-DCPU_CAPABILITY=DEFAULT",)),
     # at::vec vectorizes with NEON on every ARM64 build (NEON is part of ARMv8-A): compiled there, the portable source
     # is the neon variant
     Variant("generic", (), (), ("-DCPU_CAPABILITY=DEFAULT",),
-            not_on=(("aarch64", "arm64"), "a CPU other than ARM64 (on ARM64 the portable build is the neon variant)")),
+            not_on=(_ARM64, "a CPU other than ARM64 (on ARM64 the portable build is the neon variant)")),
 )
 _BY_NAME = {v.name: v for v in VARIANTS}
 _COMMON_CFLAGS = ("-O3", "-fopenmp", "-fvisibility=hidden")
@@ -105,15 +110,37 @@ _COMMON_CFLAGS = ("-O3", "-fopenmp", "-fvisibility=hidden")
 
 @functools.cache
 def cpu_flags() -> set[str]:
-    """The CPU's feature flags as /proc/cpuinfo spells them (x86 `flags`, ARM `Features`); empty where unreadable."""
+    """The CPU's feature flags as /proc/cpuinfo spells them (x86 `flags`, ARM `Features`), with, on ARM64 Linux, those
+    of the kernel's hardware capabilities (`getauxval(AT_HWCAP)`: what /proc/cpuinfo lists, and all that qemu-user
+    reports); empty where unreadable."""
+    flags: set[str] = set()
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
+        text = ""
     for line in text.splitlines():
         if line.startswith(("flags", "Features")):
-            return set(line.partition(":")[2].split())
-    return set()
+            flags = set(line.partition(":")[2].split())
+            break
+    return flags | _arm64_hwcaps()
+
+
+#: arm64 Linux's AT_HWCAP bits (arch/arm64/include/uapi/asm/hwcap.h) by their /proc/cpuinfo names
+_ARM64_HWCAP_BITS = {"asimd": 1, "asimddp": 20, "sve": 22}
+
+
+def _arm64_hwcaps() -> set[str]:
+    if platform.machine() not in _ARM64:
+        return set()
+    try:
+        import ctypes
+
+        getauxval = ctypes.CDLL(None).getauxval
+        getauxval.restype, getauxval.argtypes = ctypes.c_ulong, [ctypes.c_ulong]
+        bits = getauxval(16)  # AT_HWCAP
+    except (OSError, AttributeError):  # not Linux (macOS: no getauxval)
+        return set()
+    return {name for name, bit in _ARM64_HWCAP_BITS.items() if bits >> bit & 1}
 
 
 def missing(variant: Variant) -> list[str]:
@@ -255,8 +282,8 @@ def unavailable_reason() -> str | None:
 
 
 def variant() -> str | None:
-    """The ISA variant of the kernels in use (`avx512_bf16`, `avx512`, `avx2_vnni`, `avx2`, `neon`, `generic`), None
-    where they are unavailable."""
+    """The ISA variant of the kernels in use (`avx512_bf16`, `avx512`, `avx2_vnni`, `avx2`, `neon_dotprod`, `neon`,
+    `generic`), None where they are unavailable."""
     return _active[0] if available() else None
 
 

@@ -5,7 +5,8 @@
 // portable DEFAULT); a `V16` is 16 f32 lanes, one, two or four of its vectors, because the kernels' weight layouts put
 // 16 output channels in a vector's lanes. What at::vec does not offer is here, written once per ISA and nowhere else:
 // widening bf16 / fp16 / int8 loads, bf16 rounding (to nearest even, as PyTorch's), partial loads, int8 dot products
-// (AVX512-VNNI / AVX-VNNI `vpdpbusd`, AVX2's `vpmaddubsw` + `vpmaddwd`, else scalar: simd_int8.h), bf16 pair products
+// (AVX512-VNNI / AVX-VNNI `vpdpbusd`, AVX2's `vpmaddubsw` + `vpmaddwd`, NEON's `sdot` or `smull` + pairwise adds,
+// else scalar: simd_int8.h), bf16 pair products
 // (AVX512-BF16 `vdpbf16ps`, else two f32 FMAs of the widened values), fixed-order lane reductions, prefetches.
 //
 // Batch invariance: every operation here acts on each lane alone, or reduces lanes in a fixed order of the variant;
@@ -38,6 +39,15 @@
 // compiles as for AVX-VNNI
 #if defined(NEXTN_AVX2) && (defined(__AVXVNNI__) || defined(NEXTN_VNNI_EVEX))
 #define NEXTN_AVX2_VNNI 1
+#endif
+// ARM64: NEON is part of ARMv8-A (at::vec's vectors there); `sdot` (ARMv8.2's dot product extension, FEAT_DotProd:
+// Graviton 2 and later, Apple M1 and later, Ampere Altra) where the variant is compiled with +dotprod
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#define NEXTN_NEON 1
+#if defined(__ARM_FEATURE_DOTPROD)
+#define NEXTN_NEON_DOT 1
+#endif
 #endif
 
 namespace nextn_cpu::simd {
@@ -461,7 +471,9 @@ constexpr const char* kVariant = "avx512";
 constexpr const char* kVariant = "avx2_vnni";
 #elif defined(NEXTN_AVX2)
 constexpr const char* kVariant = "avx2";
-#elif defined(__aarch64__)
+#elif defined(NEXTN_NEON_DOT)
+constexpr const char* kVariant = "neon_dotprod";
+#elif defined(NEXTN_NEON)
 constexpr const char* kVariant = "neon";
 #else
 constexpr const char* kVariant = "generic";

@@ -1,6 +1,7 @@
 // int8 dot products over nextn's SIMD layer (simd.h): 16 output channels x 4 input channels of unsigned 4-bit
 // weights against a row's 4 signed int8 activations, summed exactly in int32 lanes (AVX512-VNNI `vpdpbusd`, AVX2's
-// `vpmaddubsw` + `vpmaddwd`, AVX-VNNI's 256-bit `vpdpbusd`, else scalar), and the int8 rounding of activations.
+// `vpmaddubsw` + `vpmaddwd`, AVX-VNNI's 256-bit `vpdpbusd`, NEON's `sdot` or `smull` + pairwise adds, else scalar), and
+// the int8 rounding of activations.
 // What W4A8 multiplies (woq_linear_cpu.cpp, moe_cpu.cpp) and the int8 linear widens (int8_linear_cpu.cpp).
 #pragma once
 
@@ -24,6 +25,13 @@ struct I16 {
 struct U8x64 {
   __m256i v[2];
 };
+#elif defined(NEXTN_NEON)
+struct I16 {  // channel c: lane c % 4 of v[c / 4]
+  int32x4_t v[4];
+};
+struct U8x64 {  // channels 4i..4i+3: v[i]
+  uint8x16_t v[4];
+};
 #else
 struct I16 {
   int32_t v[16];
@@ -38,6 +46,8 @@ inline I16 izero() {
   return {_mm512_setzero_si512()};
 #elif defined(NEXTN_AVX2)
   return {{_mm256_setzero_si256(), _mm256_setzero_si256()}};
+#elif defined(NEXTN_NEON)
+  return {{vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0)}};
 #else
   return {};
 #endif
@@ -48,6 +58,10 @@ inline I16 iadd(const I16& a, const I16& b) {
   return {_mm512_add_epi32(a.v, b.v)};
 #elif defined(NEXTN_AVX2)
   return {{_mm256_add_epi32(a.v[0], b.v[0]), _mm256_add_epi32(a.v[1], b.v[1])}};
+#elif defined(NEXTN_NEON)
+  I16 r;
+  for (int i = 0; i < 4; ++i) r.v[i] = vaddq_s32(a.v[i], b.v[i]);
+  return r;
 #else
   I16 r;
   for (int i = 0; i < 16; ++i) r.v[i] = a.v[i] + b.v[i];
@@ -60,6 +74,10 @@ inline V16 to_float(const I16& a) {
   return {Vec(_mm512_cvtepi32_ps(a.v))};
 #elif defined(NEXTN_AVX2)
   return {{Vec(_mm256_cvtepi32_ps(a.v[0])), Vec(_mm256_cvtepi32_ps(a.v[1]))}};
+#elif defined(NEXTN_NEON)
+  static_assert(kParts == 4, "at::vec's NEON vectors hold 4 f32");
+  return {{Vec(vcvtq_f32_s32(a.v[0])), Vec(vcvtq_f32_s32(a.v[1])), Vec(vcvtq_f32_s32(a.v[2])),
+           Vec(vcvtq_f32_s32(a.v[3]))}};
 #else
   alignas(64) float b[16];
   for (int i = 0; i < 16; ++i) b[i] = float(a.v[i]);
@@ -80,6 +98,13 @@ inline void nibbles(const uint8_t* w, U8x64& lo, U8x64& hi) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * i));
     lo.v[i] = _mm256_and_si256(v, low4);
     hi.v[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+  }
+#elif defined(NEXTN_NEON)
+  const uint8x16_t low4 = vdupq_n_u8(0x0F);
+  for (int i = 0; i < 4; ++i) {
+    const uint8x16_t v = vld1q_u8(w + 16 * i);
+    lo.v[i] = vandq_u8(v, low4);
+    hi.v[i] = vshrq_n_u8(v, 4);
   }
 #else
   for (int i = 0; i < 64; ++i) lo.v[i] = w[i] & 15, hi.v[i] = w[i] >> 4;
@@ -107,8 +132,20 @@ inline __m256i dpwssd256(__m256i acc, __m256i a, __m256i b) {
 }
 #endif
 
+#if defined(NEXTN_NEON)
+// x's 4 bytes in every 32-bit lane
+inline int8x16_t broadcast4(int32_t x4) { return vreinterpretq_s8_s32(vdupq_n_s32(x4)); }
+// the 16 bytes' products with xb as int16 pair sums: element 2c + h is channel c's products 2h and 2h + 1 (`smull`,
+// `smull2`, `addp`); |a pair| <= 2 * 15 * 127
+inline int16x8_t pairs4(uint8x16_t w, int8x16_t xb) {
+  const int8x16_t ws = vreinterpretq_s8_u8(w);  // < 16: the same value signed
+  return vpaddq_s16(vmull_s8(vget_low_s8(ws), vget_low_s8(xb)), vmull_high_s8(ws, xb));
+}
+#endif
+
 // acc[c] + sum_j w[4c + j] * x[j]: w unsigned (< 16), x 4 signed bytes (|x| <= 127): exact in int32 on every path
-// (`vpdpbusd`; `vpmaddubsw` pairs stay below 2 * 15 * 127, far from int16 saturation)
+// (`vpdpbusd`, `sdot`: w < 16 is the same byte signed; `vpmaddubsw` pairs stay below 2 * 15 * 127, far from int16
+// saturation)
 inline I16 dot4(const I16& acc, const U8x64& w, const int8_t* x) {
   int32_t x4;
   std::memcpy(&x4, x, 4);
@@ -122,6 +159,16 @@ inline I16 dot4(const I16& acc, const U8x64& w, const int8_t* x) {
   const __m256i xb = _mm256_set1_epi32(x4), ones = _mm256_set1_epi16(1);
   return {{_mm256_add_epi32(acc.v[0], _mm256_madd_epi16(_mm256_maddubs_epi16(w.v[0], xb), ones)),
            _mm256_add_epi32(acc.v[1], _mm256_madd_epi16(_mm256_maddubs_epi16(w.v[1], xb), ones))}};
+#elif defined(NEXTN_NEON_DOT)
+  const int8x16_t xb = broadcast4(x4);
+  I16 r;
+  for (int i = 0; i < 4; ++i) r.v[i] = vdotq_s32(acc.v[i], vreinterpretq_s8_u8(w.v[i]), xb);
+  return r;
+#elif defined(NEXTN_NEON)
+  const int8x16_t xb = broadcast4(x4);
+  I16 r;
+  for (int i = 0; i < 4; ++i) r.v[i] = vpadalq_s16(acc.v[i], pairs4(w.v[i], xb));
+  return r;
 #else
   I16 r;
   for (int c = 0; c < 16; ++c)
@@ -133,8 +180,8 @@ inline I16 dot4(const I16& acc, const U8x64& w, const int8_t* x) {
 
 // A run of int8 dot products before they are widened to int32: AVX2 without VNNI keeps `vpmaddubsw`'s int16 pair sums
 // (each at most 2 * 15 * 127 in magnitude, so kDotsPerWiden = 8 of them stay below 2^15) and widens them with one
-// `vpmaddwd` per run instead of one per product; elsewhere it is an I16 (`vpdpbusd` widens as it goes). Exact either
-// way.
+// `vpmaddwd` per run instead of one per product, NEON without `sdot` likewise (`smull` + `addp`, one `sadalp` a run);
+// elsewhere it is an I16 (`vpdpbusd`, `sdot` widen as they go). Exact either way.
 #if defined(NEXTN_AVX2) && !defined(NEXTN_AVX2_VNNI)
 struct P16 {
   __m256i v[2];
@@ -152,6 +199,25 @@ inline I16 widen(const I16& acc, const P16& p) {
   const __m256i ones = _mm256_set1_epi16(1);
   return {{_mm256_add_epi32(acc.v[0], _mm256_madd_epi16(p.v[0], ones)),
            _mm256_add_epi32(acc.v[1], _mm256_madd_epi16(p.v[1], ones))}};
+}
+#elif defined(NEXTN_NEON) && !defined(NEXTN_NEON_DOT)
+struct P16 {  // element 2c + h of v[c / 4]: channel c's pair sums (`pairs4`)
+  int16x8_t v[4];
+};
+constexpr int kDotsPerWiden = 8;
+inline P16 pzero() { return {{vdupq_n_s16(0), vdupq_n_s16(0), vdupq_n_s16(0), vdupq_n_s16(0)}}; }
+inline P16 pdot4(const P16& acc, const U8x64& w, const int8_t* x) {
+  int32_t x4;
+  std::memcpy(&x4, x, 4);
+  const int8x16_t xb = broadcast4(x4);
+  P16 r;
+  for (int i = 0; i < 4; ++i) r.v[i] = vaddq_s16(acc.v[i], pairs4(w.v[i], xb));
+  return r;
+}
+inline I16 widen(const I16& acc, const P16& p) {  // `sadalp`: each channel's two pair sums added into its lane
+  I16 r;
+  for (int i = 0; i < 4; ++i) r.v[i] = vpadalq_s16(acc.v[i], p.v[i]);
+  return r;
 }
 #else
 using P16 = I16;
@@ -183,6 +249,11 @@ inline Scale16 group_scales16(const uint8_t* s) {
 #elif defined(NEXTN_AVX2)
   return {{_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s))),
            _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + 8)))}};
+#elif defined(NEXTN_NEON)
+  const uint8x16_t b = vld1q_u8(s);
+  const uint16x8_t lo = vmovl_u8(vget_low_u8(b)), hi = vmovl_high_u8(b);
+  return {{vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(lo))), vreinterpretq_s32_u32(vmovl_high_u16(lo)),
+           vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(hi))), vreinterpretq_s32_u32(vmovl_high_u16(hi))}};
 #else
   I16 r;
   for (int c = 0; c < 16; ++c) r.v[c] = s[c];
@@ -193,7 +264,7 @@ inline Scale16 group_scales16(const uint8_t* s) {
 
 // acc[c] + s[c] * (channel c's sum in p): a run of products widened and scaled by its group's 8-bit scale at once
 // (AVX2: one `vpmaddwd` of the int16 pair sums by (s, s), what `widen` does with (1, 1); with VNNI, AVX-512: one
-// `vpmulld`). Exact in int32 while |acc| + 255 * |sum| < 2^31 (callers bound the inputs a sum spans:
+// `vpmulld`; NEON: one `mla`, after a `saddlp` without `sdot`). Exact in int32 while |acc| + 255 * |sum| < 2^31 (callers bound the inputs a sum spans:
 // int4_blocks.h).
 inline I16 scale_widen(const I16& acc, const P16& p, const Scale16& s) {
 #if defined(NEXTN_AVX2_VNNI)
@@ -204,6 +275,14 @@ inline I16 scale_widen(const I16& acc, const P16& p, const Scale16& s) {
            _mm256_add_epi32(acc.v[1], _mm256_madd_epi16(p.v[1], s.v[1]))}};
 #elif defined(NEXTN_AVX512)
   return {_mm512_add_epi32(acc.v, _mm512_mullo_epi32(p.v, s.v))};
+#elif defined(NEXTN_NEON_DOT)
+  I16 r;
+  for (int i = 0; i < 4; ++i) r.v[i] = vmlaq_s32(acc.v[i], p.v[i], s.v[i]);
+  return r;
+#elif defined(NEXTN_NEON)
+  I16 r;  // `saddlp` widens the pair sums, `mla` scales and adds
+  for (int i = 0; i < 4; ++i) r.v[i] = vmlaq_s32(acc.v[i], vpaddlq_s16(p.v[i]), s.v[i]);
+  return r;
 #else
   I16 r;
   for (int c = 0; c < 16; ++c) r.v[c] = acc.v[c] + p.v[c] * s.v[c];
@@ -234,6 +313,15 @@ inline int32_t store_int8_rne(int8_t* p, const V16& v) {
   t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(1, 0, 3, 2)));
   t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(2, 3, 0, 1)));
   return _mm_cvtsi128_si32(t);
+#elif defined(NEXTN_NEON)
+  // truncating conversions of integer values, then saturating narrowings clamp: int32 -> int16 -> int8
+  int16x8_t h[2];
+  for (int i = 0; i < 2; ++i)
+    h[i] = vcombine_s16(vqmovn_s32(vcvtq_s32_f32(float32x4_t(r.p[2 * i]))),
+                        vqmovn_s32(vcvtq_s32_f32(float32x4_t(r.p[2 * i + 1]))));
+  const int8x16_t q = vcombine_s8(vqmovn_s16(h[0]), vqmovn_s16(h[1]));
+  vst1q_s8(p, q);
+  return vaddlvq_s8(q);
 #else
   alignas(64) float b[16];
   store(b, r);
