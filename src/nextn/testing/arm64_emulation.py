@@ -1,14 +1,15 @@
 """nextn's kernel tests on ARM64 without an ARM64 machine: an ARM64 Python run by qemu-user, with PyTorch's aarch64
-CPU wheel and nextn's `neon` kernels cross-compiled on the host.
+CPU wheel and nextn's ARM64 kernels (`neon_dotprod`, `neon`) cross-compiled on the host.
 
 - The Python is Debian bookworm's `python3.11` for arm64: its packages (and the libraries it links) unpacked into a
   folder (`dpkg -x`, nothing installed on the host), run by `qemu-aarch64 -L <that folder>`.
 - PyTorch is 2.10.0's aarch64 wheel from PyPI: the last release whose aarch64 wheel is a CPU build (2.11.0 to 2.13.0
   are CUDA builds: 420 MB, `libtorch_cuda.so`, importing cuBLAS). nextn's other dependencies are its pins, as aarch64
   wheels (`pip install --target --platform`).
-- The `neon` kernels are compiled on the host with Debian's `g++-aarch64-linux-gnu` against that wheel's headers and
+- The ARM64 variants' kernels are compiled on the host with Debian's `g++-aarch64-linux-gnu` against that wheel's headers and
   libraries, with the flags `plugins/cpu_kernels.py` builds them with, and loaded in the tests by the pytest plugin
-  `nextn.testing.prebuilt_kernels` (g++ under emulation would take hours).
+  `nextn.testing.prebuilt_kernels` (g++ under emulation would take hours). qemu's default ARM64 CPU (`max`) has
+  ARMv8.2's dot products, so both variants run.
 
     python -m nextn.testing.arm64_emulation prepare     # runs/arm64: ~1.1 GB, a few minutes (apt-get, pip, g++)
     python -m nextn.testing.arm64_emulation pytest tests/plugins -n 2 --dist loadfile --ignore=tests/plugins/kernels
@@ -128,32 +129,39 @@ def _site(directory: Path) -> Path:
 
 
 def _kernels(directory: Path, site: Path, cxx: str) -> Path:
-    """The neon kernels cross-compiled into `directory/kernels/nextn_cpu_kernels_neon.so` (again when a source,
-    a header or a flag changed)."""
+    """The ARM64 variants' kernels (`neon_dotprod`, `neon`) cross-compiled into `directory/kernels`, one library each
+    (again when a source, a header or a flag changed)."""
     out = directory / "kernels"
     out.mkdir(exist_ok=True)
-    neon = next(v for v in cpu_kernels.VARIANTS if v.name == "neon")
-    name = f"nextn_cpu_kernels_{neon.name}"
     torch_dir = site / "torch"
-    flags = ["-std=c++20", "-fPIC", "-Wno-psabi", *cpu_kernels.build_flags(neon),
-             f"-DTORCH_EXTENSION_NAME={name}", "-DTORCH_API_INCLUDE_EXTENSION_H",
-             "-isystem", str(torch_dir / "include"), "-isystem", str(torch_dir / "include/torch/csrc/api/include")]
-    digest = f"{cpu_kernels.source_digest()} {' '.join(flags)}"
-    library, stamp = out / f"{name}.so", out / f"{name}.digest"
-    if library.exists() and stamp.exists() and stamp.read_text() == digest:
+    jobs = []
+    for variant in (v for v in cpu_kernels.VARIANTS if "aarch64" in v.machines):
+        name = f"nextn_cpu_kernels_{variant.name}"
+        flags = ["-std=c++20", "-fPIC", "-Wno-psabi", *cpu_kernels.build_flags(variant),
+                 f"-DTORCH_EXTENSION_NAME={name}", "-DTORCH_API_INCLUDE_EXTENSION_H", "-isystem",
+                 str(torch_dir / "include"), "-isystem", str(torch_dir / "include/torch/csrc/api/include")]
+        stamp = out / f"{name}.digest"
+        digest = f"{cpu_kernels.source_digest()} {' '.join(flags)}"
+        if not ((out / f"{name}.so").exists() and stamp.exists() and stamp.read_text() == digest):
+            jobs += [(variant.name, name, flags, source, stamp, digest) for source in cpu_kernels.SOURCES]
+    if not jobs:
         return out
-    _step(f"cross-compiling the neon kernels ({len(cpu_kernels.SOURCES)} sources, {cxx})")
+    _step(f"cross-compiling the ARM64 kernels ({len(jobs)} sources, {cxx})")
 
-    def compile_one(source: Path) -> Path:
-        obj = out / f"{source.stem}.o"
+    def compile_one(job) -> Path:
+        variant, _, flags, source, _, _ = job
+        obj = out / variant / f"{source.stem}.o"
+        obj.parent.mkdir(exist_ok=True)
         _run([cxx, *flags, "-c", str(source), "-o", str(obj)], timeout=1800)
         return obj
 
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        objects = list(pool.map(compile_one, cpu_kernels.SOURCES))
-    _run([cxx, "-shared", "-fopenmp", *map(str, objects), f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu",
-          "-ltorch", "-o", str(library)])
-    stamp.write_text(digest)
+        objects = list(pool.map(compile_one, jobs))
+    for name, stamp, digest in {(j[1], j[4], j[5]) for j in jobs}:
+        variant = name.removeprefix("nextn_cpu_kernels_")
+        _run([cxx, "-shared", "-fopenmp", *(str(o) for o in objects if o.parent.name == variant),
+              f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", "-ltorch", "-o", str(out / f"{name}.so")])
+        stamp.write_text(digest)
     return out
 
 
