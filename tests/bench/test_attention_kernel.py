@@ -18,6 +18,23 @@ def test_prints_a_line_per_shape(capsys):
     assert lines[0].startswith("4 query heads, 2 KV heads, head_dim 8")
     assert len(lines) == 3 and lines[1].startswith("T=    1") and lines[2].startswith("T=    9")
     assert "S=   16" in lines[1] and "S=   40" in lines[2] and "for 3 layers" in lines[2]
+    assert "a cache per layer" in lines[0] and "GB/s" in lines[2]
+
+
+def test_alternates_variants_in_one_process(capsys):
+    """A line per (shape, variant), the variant named; every layer on one cache with --one_cache."""
+    variants = cpu_kernels.runnable()[-2:]
+    assert attention_kernel.main(["--shapes", "1x32", "--heads", "4", "2", "16", "--iters", "2", "--layers", "2",
+                                  "--one_cache", "--variants", *variants]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "one cache" in lines[0] and len(lines) == 1 + len(variants)
+    assert [line.split()[0] for line in lines[1:]] == variants
+
+
+def test_caches_beyond_the_bound_are_refused_before_allocating(capsys):
+    with pytest.raises(SystemExit):
+        attention_kernel.main(["--shapes", "1x32768", "--layers", "500"])
+    assert "GiB" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("shape", ["7x3", "ax4", "0x5", "1x40000"])
