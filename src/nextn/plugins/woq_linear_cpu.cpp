@@ -142,19 +142,16 @@ void int4_linear_prepared(const Int4Activations& a, int64_t m0, int64_t M, int64
   const int64_t G = K / group_size;
   const uint16_t* xp = a.x + m0 * K;
   const float* xsp = a.xs.data() + m0 * G;
-  // blocks of 16 channels split across threads; one row: 2 blocks at a time (4 independent vdpbf16ps chains);
-  // more: 1 block, up to 8 rows a chunk re-reading the block's weights from L1/L2
+  // blocks of 16 channels split across threads, one at a time, up to 8 rows a chunk re-reading the block's weights
+  // from L1/L2. One row took 2 blocks at a time before (4 vdpbf16ps chains): on AVX-512, with the weights from DRAM,
+  // one block was faster (an [8960, 1536] matrix, 48 copies, 2 threads, Zen 4: 220-257 -> 135-199 us; AVX2 level)
   auto run = [&](auto make_scales) {
     auto block = [&](auto mb, auto nb, int64_t r0, int64_t blk) {
       constexpr int MB = decltype(mb)::value, NB = decltype(nb)::value;
       int4_block<MB, NB>(xp + r0 * K, K, wp + blk * 8 * K, make_scales(blk), G, group_size, xsp + r0 * G,
                          op + r0 * N + blk * 16, N, b ? b + blk * 16 : nullptr);
     };
-    if (M == 1) {
-      run_blocks<2, 1>(M, N / 16, 4, block);
-    } else {
-      run_blocks<1, kMaxRows>(M, N / 16, 4, block);
-    }
+    run_blocks<1, kMaxRows>(M, N / 16, 4, block);
   };
   if (scales.int8_activations) {
     TORCH_CHECK(!a.xq.empty() && a.act_group == int8_activation_group(scales, group_size),
@@ -164,8 +161,10 @@ void int4_linear_prepared(const Int4Activations& a, int64_t m0, int64_t M, int64
     const float* sx = a.sx.data() + m0 * GA;
     // two-level scales: the group scales applied in integer (int4a8_super_block; int4a8_block past kIntScaledInputs)
     const bool int_scaled = a.act_group <= kIntScaledInputs;
-    // one row: 4 blocks at a time (8 vpdpbusd chains), 2 for a small matrix; up to 4 rows: 2; more: 1 block, 8 rows
-    // a chunk
+    // one block of 16 channels at a time, up to 8 rows a chunk (12 for 9-12 rows). Several blocks at a time (more
+    // vpdpbusd chains) lost on AVX-512 once the weights stream from DRAM: one row 4 blocks, up to 4 rows 2 before,
+    // against one block (an [8960, 1536] matrix, 48 copies, 2 threads, Zen 4, `benchmarks.kernels --variants`):
+    // 1 row 262 -> 200 us, 4 rows 390-514 -> 257-261 us (a [1536, 576]: 27 -> 18 us, 31-40 -> 20-21 us)
     auto run8 = [&](auto make_scales) {
       auto block = [&](auto mb, auto nb, int64_t r0, int64_t blk) {
         constexpr int MB = decltype(mb)::value, NB = decltype(nb)::value;
@@ -186,14 +185,8 @@ void int4_linear_prepared(const Int4Activations& a, int64_t m0, int64_t M, int64
         } else {
           run_blocks<1, kNarrowRows>(M, N / 16, 4, block);
         }
-      } else if (M == 1 && N >= 2048) {
-        run_blocks<4, 1>(M, N / 16, 2, block);
-      } else if (M == 1) {  // a small matrix: 2 blocks a unit, enough units to share between the threads
-        run_blocks<2, 1>(M, N / 16, 2, block);
-      } else if (M <= 4) {
-        run_blocks<2, 4>(M, N / 16, 2, block);
       } else if (M <= kMaxRows || M > kMaxRowsA8) {
-        run_blocks<1, kMaxRows>(M, N / 16, 4, block);
+        run_blocks<1, kMaxRows>(M, N / 16, M <= 4 ? 2 : 4, block);
       } else {  // 9-12 rows (a batch of 8 verifying a few drafts): one chunk, the weights unpacked once
         run_blocks<1, kMaxRowsA8>(M, N / 16, 4, block);
       }
