@@ -8,7 +8,8 @@
 //
 // Each query (b, t, head h) attends to the keys j of its sequence with visible[b, 0, t, j]: the cache row
 // context_slots[b, j] holds K (NKV x D) then V (NKV x D); query head h reads KV head h / (NH / NKV) (GQA).
-// f32 throughout: scores = scale * q.k (then softcap * tanh(score / softcap) where softcap > 0: Gemma 2's attention
+// f32 sums throughout: scores = scale * q.k (a bf16 cache on AVX512-BF16: exact bf16 pair products by `vdpbf16ps`;
+// else f32 FMAs) (then softcap * tanh(score / softcap) where softcap > 0: Gemma 2's attention
 // logit soft-capping), softmax (max-subtracted `simd::exp`), o = sum_j p_j v_j / sum_j p_j; with sinks (gpt-oss)
 // head h's sink s_h is one more logit in the max and the sum, with no value: o = sum_j p_j v_j / (sum_j p_j + e^s_h).
 //
@@ -31,6 +32,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <type_traits>
@@ -79,6 +81,24 @@ __attribute__((noinline)) V16 scores16(const float* qr, const float* kb, int64_t
     }
 #pragma GCC unroll 16
     for (int k = 0; k < kKeys; ++k) a[k0 + k] = s[k];
+  }
+  return simd::reduce_add16(a) * simd::set1(scale);
+}
+
+// Scores of one query row (bf16, C2 chunks of 32, zero-padded) against 16 keys (`kb`: 16 rows of Dq bf16, the cache's
+// K rows as they are), where the CPU multiplies bf16 pairs in one instruction (simd::kPairDot: `vdpbf16ps`, 32
+// products a chunk, no widening): per key the chunks' pair products summed in 16 lanes (lane i: channels 2i and 2i + 1
+// of each chunk), then each key's lanes summed (`simd::reduce_add16`), times scale. Each key's arithmetic is the same
+// whatever the row count.
+__attribute__((noinline)) V16 scores16_pairs(const uint16_t* qr, const uint16_t* kb, int64_t C2, int64_t Dq,
+                                             float scale) {
+  V16 a[16];
+#pragma GCC unroll 16
+  for (int k = 0; k < 16; ++k) a[k] = simd::zero();
+  for (int64_t c = 0; c < C2; ++c) {
+    const simd::Pairs q = simd::pairs_bf16(qr + c * 32);
+#pragma GCC unroll 16
+    for (int k = 0; k < 16; ++k) a[k] = simd::dot(a[k], simd::pairs_bf16(kb + k * Dq + c * 32), q);
   }
   return simd::reduce_add16(a) * simd::set1(scale);
 }
@@ -151,6 +171,10 @@ void attend(const T* q, int64_t q_tok_stride, const T* kv, int64_t kv_row, const
   const int64_t tile = Tq <= kOneTile ? Tq : kTile, R = tile * group;
   const int64_t S16 = (S + 15) / 16 * 16;
   std::vector<float> qf(R * Dp), scores(R * S16), probs(S16 * R), acc(R * Dp), row_sum(R), kb(16 * Dp);
+  // bf16 pair products: the query rows and 16 keys' K rows as bf16 bits, zero-padded to chunks of 32
+  constexpr bool pairs = simd::kPairDot && std::is_same_v<T, at::BFloat16>;
+  const int64_t Dq = (D + 31) / 32 * 32;
+  std::vector<uint16_t> qb(pairs ? R * Dq : 0, 0), kb16(pairs ? 16 * Dq : 0, 0);
   std::vector<float> vf;  // a head_dim that is not a multiple of 16: V rows padded to Dp (f32) for the last chunk
   // an invisible key's score is pushed this far down before the row's max (its probability is then zeroed)
   const V16 hidden = simd::set1(-3.0e38f);
@@ -169,20 +193,35 @@ void attend(const T* q, int64_t q_tok_stride, const T* kv, int64_t kv_row, const
       end = std::max(end, last);
     }
     shared = std::min(shared, end);
-    for (int64_t t = 0; t < nt; ++t)
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t c = 0; c < C; ++c)
-          simd::store(&qf[(t * group + g) * Dp + c * 16], load16(q + (t0 + t) * q_tok_stride + g * D + c * 16, lanes(c)));
-    // scores, 16 keys at a time (a last partial block reads zero keys)
+    // scores, 16 keys at a time (a last partial block reads zero keys): bf16 pair products where the CPU has them,
+    // else the keys widened to f32 once for every row
+    if constexpr (pairs) {
+      for (int64_t t = 0; t < nt; ++t)
+        for (int64_t g = 0; g < group; ++g)
+          std::memcpy(&qb[(t * group + g) * Dq], q + (t0 + t) * q_tok_stride + g * D, D * sizeof(T));
+    } else {
+      for (int64_t t = 0; t < nt; ++t)
+        for (int64_t g = 0; g < group; ++g)
+          for (int64_t c = 0; c < C; ++c)
+            simd::store(&qf[(t * group + g) * Dp + c * 16], load16(q + (t0 + t) * q_tok_stride + g * D + c * 16, lanes(c)));
+    }
     for (int64_t j0 = 0; j0 < end; j0 += 16) {
       const int64_t nk = std::min<int64_t>(16, end - j0);
       for (int64_t k = j0 + kAhead; k < std::min(end, j0 + kAhead + 16); ++k) prefetch_row(kv + slots[k] * kv_row + k_off, D);
-      for (int64_t k = 0; k < 16; ++k)
-        for (int64_t c = 0; c < C; ++c)
-          simd::store(&kb[k * Dp + c * 16],
-                      k < nk ? load16(kv + slots[j0 + k] * kv_row + k_off + c * 16, lanes(c)) : simd::zero());
+      if constexpr (pairs) {
+        for (int64_t k = 0; k < 16; ++k) {
+          if (k < nk) std::memcpy(&kb16[k * Dq], kv + slots[j0 + k] * kv_row + k_off, D * sizeof(T));
+          else std::fill(&kb16[k * Dq], &kb16[k * Dq] + D, uint16_t(0));
+        }
+      } else {
+        for (int64_t k = 0; k < 16; ++k)
+          for (int64_t c = 0; c < C; ++c)
+            simd::store(&kb[k * Dp + c * 16],
+                        k < nk ? load16(kv + slots[j0 + k] * kv_row + k_off + c * 16, lanes(c)) : simd::zero());
+      }
       for (int64_t r = 0; r < nr; ++r) {
-        V16 sc = scores16(&qf[r * Dp], kb.data(), C, Dp, scale);
+        V16 sc = pairs ? scores16_pairs(&qb[r * Dq], kb16.data(), Dq / 32, Dq, scale)
+                       : scores16(&qf[r * Dp], kb.data(), C, Dp, scale);
         if (softcap > 0.f) sc = simd::set1(softcap) * simd::tanh(sc / simd::set1(softcap));
         simd::store(&scores[r * S16 + j0], sc);
       }

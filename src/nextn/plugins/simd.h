@@ -448,6 +448,21 @@ inline V16 dot(const V16& acc, const Pairs& w, const XPair& x) {
 }
 #endif
 
+// acc + a(2i) b(2i) + a(2i+1) b(2i+1) in lane i: two vectors of 32 bf16 multiplied element by element and summed in
+// pairs (exact products, f32 sums: `vdpbf16ps`; elsewhere two FMAs of the widened values). kPairDot: whether the CPU
+// does it in one instruction (where it does not, a kernel that reuses a widened operand is cheaper)
+#if defined(NEXTN_BF16_DOT)
+constexpr bool kPairDot = true;
+inline V16 dot(const V16& acc, const Pairs& a, const Pairs& b) {
+  return {Vec(_mm512_dpbf16_ps(__m512(acc.p[0]), a.v, b.v))};
+}
+#else
+constexpr bool kPairDot = false;
+inline V16 dot(const V16& acc, const Pairs& a, const Pairs& b) {
+  return fmadd(a.odd, b.odd, fmadd(a.even, b.even, acc));
+}
+#endif
+
 // How many rows of a linear's row chunk the kernels keep in registers: AVX-512's 32 vector registers hold a V16
 // each; AVX2's 16 hold one V16 per two, NEON's 32 one per four
 constexpr int kRegisterShare = kParts;
